@@ -1,0 +1,32 @@
+"""revgraph: the backward pass of a static dataflow graph, as another graph.
+
+Reverse-mode automatic differentiation done ahead of time on ONNX models and on graphs built with
+revgraph's IR. See DESIGN.md for the contract and the architecture.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import GraphError, InputError, RevgraphError, UnsupportedModelError
+from .ir import TARGET_OPSET, Graph, Node, ValueInfo
+from .onnx_io import load, save, to_onnx
+from .runtime import Session
+from .ssa import analyze as analyze_ssa
+from .ssa import is_ssa, to_ssa
+
+__all__ = [
+    "TARGET_OPSET",
+    "Graph",
+    "GraphError",
+    "InputError",
+    "Node",
+    "RevgraphError",
+    "Session",
+    "UnsupportedModelError",
+    "ValueInfo",
+    "analyze_ssa",
+    "is_ssa",
+    "load",
+    "save",
+    "to_onnx",
+    "to_ssa",
+]

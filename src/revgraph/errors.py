@@ -1,0 +1,23 @@
+"""Exceptions raised by revgraph.
+
+Every error revgraph raises on bad input is a :class:`RevgraphError` whose message is one line that names
+the node, op type and value concerned and says what to do. The command line prints that line and exits 2.
+"""
+
+from __future__ import annotations
+
+
+class RevgraphError(Exception):
+    """Base class: bad input to revgraph (a model, a name, a file). The message is a single line."""
+
+
+class GraphError(RevgraphError):
+    """A graph is malformed: a name read before any write, a wrong arity, a bad subgraph, a missing output."""
+
+
+class UnsupportedModelError(RevgraphError):
+    """A model uses something revgraph does not handle (a type, an operator domain, an opset)."""
+
+
+class InputError(RevgraphError):
+    """Feeds given at run time do not fit the graph (missing, unknown, wrong dtype or shape)."""

@@ -1,0 +1,228 @@
+"""The revgraph IR: :class:`Graph`, :class:`Node` and :class:`ValueInfo`.
+
+A graph is an ordered list of nodes over named values, as in the ONNX IR (onnx/docs/IR.md, "Graphs"), with
+one difference: a name may be written more than once (in-place writes, as in nets converted from Caffe2).
+:mod:`revgraph.ssa` resolves such names into versions. Bodies of ``Loop``, ``Scan`` and ``If`` are
+``Graph`` objects stored as node attributes; a body may read names of the enclosing graphs (captured,
+loop-invariant values).
+
+Graph walks here are iterative over nodes, so a chain of 100,000 nodes is fine; only the nesting of
+subgraphs (a handful of levels in practice) is followed by recursion.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+
+from .errors import GraphError
+
+#: The default-domain opset every graph is converted to on load and written at. Opset 21 has
+#: ``ScatterND`` with ``reduction`` (since 16; "max"/"min" since 18), ``Gelu`` (20) and
+#: ``GroupNormalization`` (21), runs in onnxruntime >= 1.17 and in ``onnx.reference``, and is one above
+#: the opset that ``torch.onnx.export`` writes by default (20).
+TARGET_OPSET = 21
+
+Dim = int | str | None
+
+
+@dataclass
+class ValueInfo:
+    """The declared type of a value.
+
+    ``dtype`` is a numpy dtype (``None`` when unknown); ``shape`` is a tuple whose entries are ``int``
+    (static), ``str`` (a symbolic dimension) or ``None`` (unknown), or ``None`` when the rank is unknown.
+    ``kind`` is ``"tensor"`` or ``"sequence"`` (an ONNX sequence of tensors of ``dtype`` and ``shape``).
+    """
+
+    name: str
+    dtype: np.dtype | None = None
+    shape: tuple[Dim, ...] | None = None
+    kind: str = "tensor"
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            self.dtype = np.dtype(self.dtype)
+        if self.shape is not None:
+            self.shape = tuple(self.shape)
+
+    @property
+    def is_float(self) -> bool:
+        """True for a floating-point tensor (the values that can carry gradients)."""
+        return self.kind == "tensor" and self.dtype is not None and self.dtype.kind == "f"
+
+    def describe(self) -> str:
+        """``float32[1,3,'N']``-style text for messages and tables."""
+        dt = str(self.dtype) if self.dtype is not None else "?"
+        shape = "[?]" if self.shape is None else "[" + ",".join("?" if d is None else str(d) for d in self.shape) + "]"
+        text = dt + shape
+        return f"seq({text})" if self.kind == "sequence" else text
+
+
+@dataclass(eq=False)
+class Node:
+    """One operator application.
+
+    ``inputs`` and ``outputs`` are value names; ``""`` marks an omitted optional input or output, as in
+    ONNX. ``attrs`` maps attribute names to Python values: ``int``, ``float``, ``str``, ``np.ndarray``
+    (a tensor), :class:`Graph` (a subgraph), lists of these, or an ``onnx.AttributeProto`` kept as is for
+    the rare kinds revgraph does not interpret (type protos, sparse tensors).
+    """
+
+    op_type: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    domain: str = ""
+
+    def __post_init__(self) -> None:
+        self.inputs = list(self.inputs)
+        self.outputs = list(self.outputs)
+
+    @property
+    def subgraphs(self) -> dict[str, Graph]:
+        """Subgraph attributes (``body``, ``then_branch``, ``else_branch``, ...) by attribute name."""
+        return {k: v for k, v in self.attrs.items() if isinstance(v, Graph)}
+
+    def label(self) -> str:
+        """How messages refer to the node: ``node 'conv1' (Conv)``."""
+        return f"node {self.name!r} ({self.op_type})" if self.name else f"unnamed {self.op_type} node"
+
+
+@dataclass(eq=False)
+class Graph:
+    """A dataflow graph: inputs, outputs, initializers (numpy arrays by name) and an ordered node list.
+
+    ``value_info`` holds known types of intermediate values (filled by ONNX shape inference on load).
+    ``opsets`` maps operator domains to versions; it is meaningful on the top-level graph.
+    """
+
+    nodes: list[Node] = field(default_factory=list)
+    inputs: list[ValueInfo] = field(default_factory=list)
+    outputs: list[ValueInfo] = field(default_factory=list)
+    initializers: dict[str, np.ndarray] = field(default_factory=dict)
+    value_info: dict[str, ValueInfo] = field(default_factory=dict)
+    name: str = "graph"
+    opsets: dict[str, int] = field(default_factory=lambda: {"": TARGET_OPSET})
+    doc_string: str = ""
+    #: The default-domain opset of the file this graph was loaded from, before conversion (``None`` if built).
+    source_opset: int | None = None
+
+    @property
+    def opset(self) -> int:
+        """The default-domain opset version."""
+        return self.opsets.get("", TARGET_OPSET)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [v.name for v in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [v.name for v in self.outputs]
+
+    def type_of(self, name: str) -> ValueInfo | None:
+        """The declared type of ``name`` (an input, output, initializer or inferred value), if known."""
+        for vi in itertools.chain(self.inputs, self.outputs):
+            if vi.name == name:
+                return vi
+        if name in self.initializers:
+            arr = self.initializers[name]
+            return ValueInfo(name, arr.dtype, arr.shape)
+        return self.value_info.get(name)
+
+    def walk(self) -> Iterator[tuple[Graph, Node]]:
+        """Every node of this graph and of all its subgraphs, as ``(owning graph, node)`` pairs."""
+        stack: list[Graph] = [self]
+        while stack:
+            g = stack.pop()
+            for node in g.nodes:
+                yield g, node
+                stack.extend(node.subgraphs.values())
+
+    def all_names(self) -> set[str]:
+        """Every value name used anywhere, subgraphs included (to make fresh names that cannot clash)."""
+        names: set[str] = set()
+        stack: list[Graph] = [self]
+        while stack:
+            g = stack.pop()
+            names.update(g.input_names, g.output_names, g.initializers, g.value_info)
+            for node in g.nodes:
+                names.update(node.inputs)
+                names.update(node.outputs)
+                stack.extend(node.subgraphs.values())
+        names.discard("")
+        return names
+
+    def check(self) -> None:
+        """Check that the graph is well formed; raise :class:`GraphError` naming the first problem.
+
+        Checked: every name is written (as an input, initializer, node output, or in an enclosing graph)
+        before it is read; every node's operator exists and its input and output counts fit the operator
+        schema of ``self.opsets`` (``onnx.defs``); subgraph input and output counts fit their operator
+        (``Loop``, ``Scan``, ``If`` sections of the ONNX operator spec); every graph output is produced.
+        """
+        from .schema import check_node_signature  # local: schema imports ir for Graph
+
+        stack: list[tuple[Graph, frozenset[str], str]] = [(self, frozenset(), "graph")]
+        while stack:
+            g, outer, where = stack.pop()
+            defined = set(outer)
+            defined.update(g.input_names)
+            defined.update(g.initializers)
+            for node in g.nodes:
+                check_node_signature(node, self.opsets, where)
+                for name in node.inputs:
+                    if name and name not in defined:
+                        raise GraphError(
+                            f"{node.label()} in {where} reads {name!r} before anything writes it; "
+                            "add it as a graph input or initializer, or move its producer earlier"
+                        )
+                for attr, sub in node.subgraphs.items():
+                    stack.append((sub, frozenset(defined), f"{attr} of {node.label()}"))
+                defined.update(o for o in node.outputs if o)
+            for out in g.output_names:
+                if out not in defined:
+                    raise GraphError(
+                        f"output {out!r} of {where} is never produced; "
+                        "remove it from the outputs or add the node that computes it"
+                    )
+
+    def copy(self) -> Graph:
+        """A deep copy of the structure; initializer arrays are shared, not copied."""
+        return _copy_graph(self)
+
+
+def _copy_graph(g: Graph) -> Graph:
+    def copy_attr(v: Any) -> Any:
+        if isinstance(v, Graph):
+            return _copy_graph(v)
+        if isinstance(v, list):
+            return [copy_attr(x) for x in v]
+        return v
+
+    nodes = [
+        Node(n.op_type, list(n.inputs), list(n.outputs), {k: copy_attr(v) for k, v in n.attrs.items()}, n.name, n.domain)
+        for n in g.nodes
+    ]
+    return Graph(
+        nodes=nodes,
+        inputs=[ValueInfo(v.name, v.dtype, v.shape, v.kind) for v in g.inputs],
+        outputs=[ValueInfo(v.name, v.dtype, v.shape, v.kind) for v in g.outputs],
+        initializers=dict(g.initializers),
+        value_info=dict(g.value_info),
+        name=g.name,
+        opsets=dict(g.opsets),
+        doc_string=g.doc_string,
+    )
+
+
+def onnx_dtype(dtype: np.dtype) -> int:
+    """The ``onnx.TensorProto`` data type of a numpy dtype."""
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))

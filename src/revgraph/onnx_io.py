@@ -1,0 +1,330 @@
+"""ONNX in and out: :func:`load`, :func:`save`, :func:`to_onnx`.
+
+On load a model is read with ``onnx.load`` (external data included), its model-local functions are inlined
+(``onnx.inliner``), names written more than once are renamed into SSA form (:mod:`revgraph.ssa`), the
+default-domain opset is converted to :data:`revgraph.ir.TARGET_OPSET` with ``onnx.version_converter``, and
+ONNX shape inference fills in the types of intermediate values. What revgraph writes is always SSA, at the
+graph's opset, with the lowest IR version that opset allows (so the installed onnxruntime accepts it).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, helper, numpy_helper
+
+from .errors import RevgraphError, UnsupportedModelError
+from .ir import TARGET_OPSET, Graph, Node, ValueInfo
+from .schema import get_schema
+from .ssa import is_ssa, to_ssa
+
+#: Operator domains a loaded model may import besides the default one.
+KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training")
+
+_PASSTHROUGH_ATTRS = {
+    AttributeProto.TYPE_PROTO,
+    AttributeProto.TYPE_PROTOS,
+    AttributeProto.SPARSE_TENSOR,
+    AttributeProto.SPARSE_TENSORS,
+}
+
+
+def read_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """``onnx.load`` with one-line errors for a missing, unreadable or truncated file or missing external data."""
+    p = Path(path)
+    if not p.exists():
+        raise RevgraphError(f"{str(p)!r}: no such file")
+    if p.is_dir():
+        raise RevgraphError(f"{str(p)!r} is a directory, not an ONNX model file")
+    try:
+        model = onnx.load(str(p), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError and friends
+        raise RevgraphError(
+            f"{str(p)!r} is not a readable ONNX model (protobuf parse failed: {type(exc).__name__}); "
+            "is the file complete?"
+        ) from None
+    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+        raise RevgraphError(f"{str(p)!r} holds no ONNX graph; is it an ONNX model file?")
+    try:
+        onnx.external_data_helper.load_external_data_for_model(model, str(p.parent))
+    except (FileNotFoundError, OSError, onnx.checker.ValidationError) as exc:
+        raise RevgraphError(
+            f"{str(p)!r}: its external data cannot be read ({str(exc).splitlines()[0]}); "
+            "keep the .data file next to the model"
+        ) from None
+    return model
+
+
+def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int = TARGET_OPSET) -> Graph:
+    """Load an ONNX model as a :class:`Graph` in SSA form at the default-domain ``opset``.
+
+    ``model`` is a path, an ``onnx.ModelProto`` or serialized bytes. Raises :class:`RevgraphError` for an
+    unreadable file, :class:`UnsupportedModelError` for a model revgraph cannot represent (optional or map
+    types, sparse initializers, unknown operator domains) or whose opset cannot be converted.
+    """
+    if isinstance(model, bytes):
+        model = onnx.load_from_string(model)
+    elif not isinstance(model, onnx.ModelProto):
+        model = read_model(model)
+    if model.functions:
+        model = onnx.inliner.inline_local_functions(model)
+    opsets = {o.domain: o.version for o in model.opset_import}
+    if "ai.onnx" in opsets:
+        opsets[""] = opsets.pop("ai.onnx")
+    unknown = sorted(d for d in opsets if d not in KNOWN_DOMAINS)
+    if unknown:
+        raise UnsupportedModelError(
+            f"the model imports operator domain(s) {', '.join(map(repr, unknown))}; "
+            "revgraph handles the standard ONNX domains only (export without custom operators)"
+        )
+    if not model.graph.node and not model.graph.output:
+        raise RevgraphError("the model holds an empty graph")
+    graph = graph_from_proto(model.graph, opsets)
+    original = opsets.get("", TARGET_OPSET)
+    fix = _fix_legacy_prelu(graph) if original < 7 else False
+    if original == opset and not fix and is_ssa(graph):
+        proto = model
+    else:
+        proto = to_onnx(graph if is_ssa(graph) else to_ssa(graph))
+        if original != opset:
+            try:
+                proto = onnx.version_converter.convert_version(proto, opset)
+            except Exception as exc:
+                raise UnsupportedModelError(
+                    f"cannot convert the model from opset {original} to opset {opset} "
+                    f"(onnx.version_converter: {str(exc).splitlines()[0]})"
+                ) from None
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:  # shape inference is a help for rules, never a requirement
+        pass
+    result = graph_from_proto(proto.graph, {o.domain or "": o.version for o in proto.opset_import})
+    _name_nodes(result)
+    result.source_opset = original
+    return result
+
+
+def _name_nodes(graph: Graph) -> None:
+    """Give unnamed nodes a name (``<op_type>_<k>``) so that messages and gradient nodes can refer to them."""
+    used = {n.name for _, n in graph.walk() if n.name}
+    counter = 0
+    for _, node in graph.walk():
+        if not node.name:
+            while f"{node.op_type}_{counter}" in used:
+                counter += 1
+            node.name = f"{node.op_type}_{counter}"
+            used.add(node.name)
+
+
+def _fix_legacy_prelu(graph: Graph) -> bool:
+    """Before opset 7, ``PRelu`` applied a 1-D slope of size C along axis 1 (one slope per channel); from
+    opset 7 on the slope broadcasts numpy-style from the last axis. The version converter does not adapt
+    this, so reshape such slope initializers to ``(C, 1, ..., 1)``. Returns True if it changed anything."""
+    changed = False
+    ranks = {v.name: len(v.shape) for v in graph.inputs if v.shape is not None}
+    for node in graph.nodes:
+        if node.op_type != "PRelu" or node.inputs[1] not in graph.initializers:
+            continue
+        slope = graph.initializers[node.inputs[1]]
+        rank = ranks.get(node.inputs[0])
+        if slope.ndim == 1 and slope.size > 1 and rank is not None and rank > 2:
+            graph.initializers[node.inputs[1]] = slope.reshape((slope.size,) + (1,) * (rank - 2))
+            changed = True
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------- ONNX -> IR
+
+
+def value_info_from_proto(vi: onnx.ValueInfoProto) -> ValueInfo:
+    """Convert a ``ValueInfoProto``; raise :class:`UnsupportedModelError` for non-tensor, non-sequence types."""
+    t = vi.type
+    which = t.WhichOneof("value")
+    if which is None:
+        return ValueInfo(vi.name)
+    kind = "tensor"
+    if which == "sequence_type" and t.sequence_type.elem_type.WhichOneof("value") == "tensor_type":
+        kind, t = "sequence", t.sequence_type.elem_type
+    elif which != "tensor_type":
+        readable = which.replace("_type", "").replace("_", " ")
+        raise UnsupportedModelError(
+            f"value {vi.name!r} has {readable} type; revgraph handles tensors and sequences of tensors"
+        )
+    tt = t.tensor_type
+    dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
+    shape = None
+    if tt.HasField("shape"):
+        shape = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param if d.HasField("dim_param") else None)
+            for d in tt.shape.dim
+        )
+    return ValueInfo(vi.name, dtype, shape, kind)
+
+
+def _attr_from_proto(a: AttributeProto, opsets: dict[str, int]) -> Any:
+    if a.type in _PASSTHROUGH_ATTRS or a.ref_attr_name:
+        return a
+    if a.type == AttributeProto.GRAPH:
+        return graph_from_proto(a.g, opsets)
+    if a.type == AttributeProto.GRAPHS:
+        return [graph_from_proto(g, opsets) for g in a.graphs]
+    if a.type == AttributeProto.TENSOR:
+        return numpy_helper.to_array(a.t)
+    if a.type == AttributeProto.TENSORS:
+        return [numpy_helper.to_array(t) for t in a.tensors]
+    if a.type == AttributeProto.STRING:
+        return a.s.decode("utf-8", errors="surrogateescape")
+    if a.type == AttributeProto.STRINGS:
+        return [s.decode("utf-8", errors="surrogateescape") for s in a.strings]
+    return helper.get_attribute_value(a)
+
+
+def graph_from_proto(gp: onnx.GraphProto, opsets: dict[str, int]) -> Graph:
+    """Convert a ``GraphProto`` (and its subgraphs) to a :class:`Graph`. Names may be written twice."""
+    if gp.sparse_initializer:
+        raise UnsupportedModelError(
+            f"graph {gp.name!r} has sparse initializers ({gp.sparse_initializer[0].values.name!r}); "
+            "store them dense"
+        )
+    initializers = {t.name: numpy_helper.to_array(t) for t in gp.initializer}
+    nodes = [
+        Node(
+            n.op_type,
+            list(n.input),
+            list(n.output),
+            {a.name: _attr_from_proto(a, opsets) for a in n.attribute},
+            n.name,
+            n.domain if n.domain != "ai.onnx" else "",
+        )
+        for n in gp.node
+    ]
+    return Graph(
+        nodes=nodes,
+        # An input that also has an initializer (IR < 4 style) is a weight with a default: keep it an initializer.
+        inputs=[value_info_from_proto(v) for v in gp.input if v.name not in initializers],
+        outputs=[value_info_from_proto(v) for v in gp.output],
+        initializers=initializers,
+        value_info={v.name: value_info_from_proto(v) for v in gp.value_info},
+        name=gp.name or "graph",
+        opsets=dict(opsets),
+        doc_string=gp.doc_string,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- IR -> ONNX
+
+
+def value_info_to_proto(vi: ValueInfo) -> onnx.ValueInfoProto:
+    """Convert a :class:`ValueInfo` (unknown dtype becomes ``UNDEFINED``, unknown shape is left out)."""
+    elem = helper.np_dtype_to_tensor_dtype(vi.dtype) if vi.dtype is not None else onnx.TensorProto.UNDEFINED
+    shape = None if vi.shape is None else [d if d is not None else None for d in vi.shape]
+    tensor_type = helper.make_tensor_type_proto(elem, shape)
+    if vi.kind == "sequence":
+        return helper.make_value_info(vi.name, helper.make_sequence_type_proto(tensor_type))
+    return helper.make_value_info(vi.name, tensor_type)
+
+
+def _attr_to_proto(node: Node, key: str, value: Any, opsets: dict[str, int]) -> AttributeProto:
+    if isinstance(value, AttributeProto):
+        a = AttributeProto()
+        a.CopyFrom(value)
+        a.name = key
+        return a
+    if isinstance(value, Graph):
+        return helper.make_attribute(key, graph_to_proto(value))
+    if isinstance(value, np.ndarray):
+        return helper.make_attribute(key, numpy_helper.from_array(value))
+    schema = get_schema(node.op_type, node.domain or "", opsets)
+    attr_type = None
+    if schema is not None and key in schema.attributes:
+        attr_type = int(schema.attributes[key].type)
+    if isinstance(value, (list, tuple)):
+        value = [
+            graph_to_proto(v) if isinstance(v, Graph) else numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v
+            for v in value
+        ]
+        if attr_type == AttributeProto.FLOATS:
+            value = [float(v) for v in value]
+        elif attr_type == AttributeProto.INTS:
+            value = [int(v) for v in value]
+    elif attr_type == AttributeProto.FLOAT:
+        value = float(value)
+    elif attr_type == AttributeProto.INT:
+        value = int(value)
+    return helper.make_attribute(key, value, attr_type=attr_type)
+
+
+def graph_to_proto(graph: Graph) -> onnx.GraphProto:
+    """Convert a :class:`Graph` to a ``GraphProto`` as it is (no SSA renaming; see :func:`to_onnx`)."""
+    nodes = [
+        helper.make_node(
+            n.op_type,
+            n.inputs,
+            n.outputs,
+            name=n.name or None,
+            domain=n.domain or None,
+        )
+        for n in graph.nodes
+    ]
+    for proto, node in zip(nodes, graph.nodes, strict=True):
+        proto.attribute.extend(_attr_to_proto(node, k, v, graph.opsets) for k, v in node.attrs.items())
+    declared = set(graph.input_names) | set(graph.output_names)
+    return helper.make_graph(
+        nodes,
+        graph.name or "graph",
+        [value_info_to_proto(v) for v in graph.inputs],
+        [value_info_to_proto(v) for v in graph.outputs],
+        initializer=[numpy_helper.from_array(np.asarray(a), name=k) for k, a in graph.initializers.items()],
+        doc_string=graph.doc_string or None,
+        value_info=[value_info_to_proto(v) for k, v in graph.value_info.items() if k not in declared],
+    )
+
+
+def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
+    """The ``onnx.ModelProto`` of ``graph``, renamed into SSA form first if it writes a name twice.
+
+    The IR version is the lowest that the graph's opsets allow (``onnx.helper.find_min_ir_version_for``),
+    at least 4 so that initializers need not be graph inputs.
+    """
+    if not is_ssa(graph):
+        graph = to_ssa(graph)
+    opset_imports = [helper.make_opsetid(d, v) for d, v in sorted(graph.opsets.items())]
+    model = helper.make_model(graph_to_proto(graph), opset_imports=opset_imports, producer_name=producer)
+    from . import __version__
+
+    model.producer_version = __version__
+    model.ir_version = max(4, helper.find_min_ir_version_for(opset_imports, ignore_unknown=True))
+    return model
+
+
+def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Write ``graph`` to ``path`` as ONNX, atomically: a crash mid-write never leaves a half-written file.
+
+    Models over protobuf's 2 GiB limit are written with their tensors as external data in
+    ``<path>.data`` next to the model.
+    """
+    model = graph if isinstance(graph, onnx.ModelProto) else to_onnx(graph)
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise RevgraphError(f"cannot write {str(path)!r}: directory {str(directory)!r} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        try:
+            data = model.SerializeToString()
+        except ValueError:  # over 2 GiB
+            onnx.save_model(model, tmp, save_as_external_data=True, location=path.name + ".data")
+        else:
+            with open(tmp, "wb") as f:
+                f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,121 @@
+"""Run graphs: :class:`Session` over onnxruntime or ``onnx.reference.ReferenceEvaluator``.
+
+revgraph has no executor of its own; a session converts the graph to ONNX and hands it to one of the two.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+
+from .errors import InputError, RevgraphError, UnsupportedModelError
+from .ir import Graph, ValueInfo
+from .onnx_io import load, to_onnx
+
+BACKENDS = ("onnxruntime", "reference")
+
+
+class Session:
+    """An executable graph.
+
+    ``graph`` is a :class:`Graph`, an ``onnx.ModelProto`` or a path to an ONNX file (loaded with
+    :func:`revgraph.load`). ``backend`` is ``"onnxruntime"`` (CPU execution provider; ``threads`` sets its
+    intra-op thread count, 0 lets it choose) or ``"reference"`` (``onnx.reference.ReferenceEvaluator``,
+    slow but written from the ONNX spec). Raises :class:`RevgraphError` for an unknown backend or a graph
+    the backend refuses.
+    """
+
+    def __init__(self, graph: Graph | onnx.ModelProto | str | os.PathLike, backend: str = "onnxruntime", *, threads: int = 0):
+        if backend not in BACKENDS:
+            raise RevgraphError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if not isinstance(graph, Graph):
+            graph = load(graph)
+        preview = [n for _, n in graph.walk() if n.domain == "ai.onnx.preview.training"]
+        if preview:
+            raise UnsupportedModelError(
+                f"{preview[0].label()} is an ai.onnx.preview.training operator, which runtimes do not "
+                "execute; expanding it into its backward pass is not implemented yet"
+            )
+        self.graph = graph
+        self.backend = backend
+        self.model = to_onnx(graph)
+        if backend == "onnxruntime":
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.log_severity_level = 4  # errors reach the user as exceptions
+            options.intra_op_num_threads = threads
+            try:
+                self._sess = ort.InferenceSession(
+                    self.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+                )
+            except Exception as exc:
+                raise RevgraphError(f"onnxruntime refuses the graph: {_first_line(exc)}") from None
+        else:
+            from onnx.reference import ReferenceEvaluator
+
+            try:
+                self._sess = ReferenceEvaluator(self.model)
+            except Exception as exc:
+                raise RevgraphError(f"the reference evaluator refuses the graph: {_first_line(exc)}") from None
+
+    @property
+    def inputs(self) -> list[ValueInfo]:
+        """The graph inputs that ``run`` needs (initializers excluded)."""
+        return self.graph.inputs
+
+    @property
+    def outputs(self) -> list[ValueInfo]:
+        return self.graph.outputs
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Run the graph on ``feeds`` (input name -> array) and return ``{output name: array}``.
+
+        Raises :class:`InputError` for a missing or unknown feed, or a feed whose dtype or rank or static
+        dimensions differ from the declared input; :class:`RevgraphError` if the backend fails.
+        """
+        feeds = {k: np.asarray(v) for k, v in feeds.items()}
+        check_feeds(self.graph, feeds)
+        names = outputs or self.graph.output_names
+        try:
+            if self.backend == "onnxruntime":
+                values = self._sess.run(names, feeds)
+            else:
+                values = self._sess.run(names, feeds)
+        except Exception as exc:
+            raise RevgraphError(f"{self.backend} failed to run the graph: {_first_line(exc)}") from None
+        return dict(zip(names, (np.asarray(v) for v in values), strict=True))
+
+
+def check_feeds(graph: Graph, feeds: Mapping[str, np.ndarray]) -> None:
+    """Raise :class:`InputError` unless ``feeds`` gives every graph input with its declared dtype and shape."""
+    expected = {v.name: v for v in graph.inputs}
+    missing = [n for n in expected if n not in feeds]
+    if missing:
+        raise InputError(f"missing input(s) {', '.join(map(repr, missing))}; the graph needs {_list(graph.inputs)}")
+    unknown = [n for n in feeds if n not in expected]
+    if unknown:
+        raise InputError(f"unknown input(s) {', '.join(map(repr, unknown))}; the graph's inputs are {_list(graph.inputs)}")
+    for name, arr in feeds.items():
+        vi = expected[name]
+        if vi.kind != "tensor":
+            continue
+        if vi.dtype is not None and arr.dtype != vi.dtype:
+            raise InputError(f"input {name!r} has dtype {arr.dtype}; the graph declares {vi.describe()}")
+        if vi.shape is not None and (
+            arr.ndim != len(vi.shape) or any(isinstance(d, int) and d != s for d, s in zip(vi.shape, arr.shape, strict=True))
+        ):
+            raise InputError(f"input {name!r} has shape {list(arr.shape)}; the graph declares {vi.describe()}")
+
+
+def _list(vis: list[ValueInfo]) -> str:
+    return ", ".join(f"{v.name} {v.describe()}" for v in vis) or "none"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if len(lines) == 1 else " ".join(lines)[:400]
