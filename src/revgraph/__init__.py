@@ -6,6 +6,7 @@ revgraph's IR. See DESIGN.md for the contract and the architecture.
 
 __version__ = "0.1.0"
 
+from .autodiff import SparseGrad, backward, gradient
 from .errors import GraphError, InputError, RevgraphError, UnsupportedModelError
 from .ir import TARGET_OPSET, Graph, Node, ValueInfo
 from .onnx_io import load, save, to_onnx
@@ -21,6 +22,9 @@ __all__ = [
     "Node",
     "RevgraphError",
     "Session",
+    "SparseGrad",
+    "backward",
+    "gradient",
     "UnsupportedModelError",
     "ValueInfo",
     "analyze_ssa",

@@ -299,7 +299,22 @@ def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
 
     model.producer_version = __version__
     model.ir_version = max(4, helper.find_min_ir_version_for(opset_imports, ignore_unknown=True))
+    if any(not o.type.tensor_type.elem_type for o in model.graph.output if o.type.HasField("tensor_type")):
+        _fill_output_types(model)
     return model
+
+
+def _fill_output_types(model: onnx.ModelProto) -> None:
+    """Runtimes need typed graph outputs; take the types that ONNX shape inference finds."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:
+        return
+    found = {v.name: v for v in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]}
+    for out in model.graph.output:
+        vi = found.get(out.name)
+        if not out.type.tensor_type.elem_type and vi is not None and vi.type.tensor_type.elem_type:
+            out.type.CopyFrom(vi.type)
 
 
 def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
@@ -328,3 +343,27 @@ def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def infer_types(graph: Graph) -> dict[str, ValueInfo]:
+    """Types of the values of ``graph``'s own scope by ONNX shape inference (``data_prop=True``), merged
+    with what the graph declares. Values whose type cannot be inferred are left out."""
+    types: dict[str, ValueInfo] = dict(graph.value_info)
+    try:
+        proto = onnx.shape_inference.infer_shapes(to_onnx(graph), data_prop=True)
+        for vi in [*proto.graph.value_info, *proto.graph.output]:
+            try:
+                types[vi.name] = value_info_from_proto(vi)
+            except UnsupportedModelError:
+                pass
+    except Exception:  # shape inference helps the rules; they fall back to Shape-based ops without it
+        pass
+    for name, arr in graph.initializers.items():
+        types[name] = ValueInfo(name, arr.dtype, arr.shape)
+    for vi in graph.inputs:
+        types[vi.name] = vi
+    for vi in graph.outputs:
+        known = types.get(vi.name)
+        if known is None or known.dtype is None or (vi.dtype is not None and vi.shape is not None):
+            types[vi.name] = vi
+    return types

@@ -1,0 +1,352 @@
+"""The backward pass: prune, seed, walk the nodes in reverse, accumulate (DESIGN.md sections 1 to 3).
+
+This is Caffe2's ``GradientRegistry``/``IR.GetBackwardPass`` done on an SSA graph: every value version has one
+producer, so the gradient of a version is complete once every node after its producer has been visited;
+contributions from several readers are added by :class:`Accumulator`, one ``Sum`` per version (or a running
+``Add`` chain), and sparse rows from ``Gather`` are concatenated instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from ..errors import GraphError, RevgraphError
+from ..ir import Graph, Node, ValueInfo
+from ..onnx_io import infer_types
+from ..ssa import captured_names, is_ssa, to_ssa
+from . import sparse as sp
+from .registry import NOT_DIFFERENTIABLE, Emitter, get_rule
+from .sparse import SparseGrad
+
+ACCUMULATE = ("sum", "running")
+Grad = str | SparseGrad
+
+
+class Accumulator:
+    """The one place where gradient contributions to a value version are added up.
+
+    ``mode="sum"``: contributions are kept until :meth:`total` is asked for the version (when its producer is
+    reached in the reverse walk, or at the end for inputs), then added by one ``Sum`` node. ``mode="running"``:
+    each new dense contribution is added to the partial sum at once with ``Add``, so earlier terms can be freed
+    sooner. Sparse contributions concatenate; a mix of sparse and dense is ``ScatterND(reduction="add")`` of
+    the rows into the dense sum.
+    """
+
+    def __init__(self, e: Emitter, mode: str = "sum"):
+        if mode not in ACCUMULATE:
+            raise RevgraphError(f"unknown accumulation {mode!r}; choose one of {', '.join(ACCUMULATE)}")
+        self.e = e
+        self.mode = mode
+        self.dense: dict[str, list[str]] = defaultdict(list)
+        self.sparse: dict[str, list[SparseGrad]] = defaultdict(list)
+        self.done: dict[str, Grad | None] = {}
+
+    def add(self, value: str, grad: Grad) -> None:
+        if value in self.done:
+            raise AssertionError(f"gradient of {value!r} used before all its contributions arrived")
+        if isinstance(grad, SparseGrad):
+            self.sparse[value].append(grad)
+            return
+        parts = self.dense[value]
+        if self.mode == "running" and parts:
+            parts[:] = [self._emit(value, "Add", [parts[0], grad])]
+        else:
+            parts.append(grad)
+
+    def has(self, value: str) -> bool:
+        return value in self.done or bool(self.dense.get(value)) or bool(self.sparse.get(value))
+
+    def total(self, value: str) -> Grad | None:
+        """The complete gradient of ``value`` (``None`` if nothing contributed); emits the accumulation once."""
+        if value in self.done:
+            return self.done[value]
+        dense, rows = self.dense.pop(value, []), self.sparse.pop(value, [])
+        result: Grad | None = None
+        if len(dense) == 1:
+            result = dense[0]
+        elif dense:
+            result = self._emit(value, "Sum", dense)
+        if rows:
+            saved, self.e.prefix = self.e.prefix, f"accum/{value}"
+            merged = sp.concat(self.e, rows)
+            result = merged if result is None else sp.scatter_add(self.e, result, merged)
+            self.e.prefix = saved
+        self.done[value] = result
+        return result
+
+    def dense_total(self, value: str) -> str | None:
+        """:meth:`total`, densified (what rules and graph outputs take)."""
+        g = self.total(value)
+        if isinstance(g, SparseGrad):
+            saved, self.e.prefix = self.e.prefix, f"accum/{value}"
+            g = sp.densify(self.e, g)
+            self.e.prefix = saved
+            self.done[value] = g
+        return g
+
+    def _emit(self, value: str, op: str, inputs: list[str]) -> str:
+        saved, self.e.prefix = self.e.prefix, f"accum/{value}"
+        out = self.e.op(op, inputs, like=inputs[0])
+        self.e.prefix = saved
+        return out
+
+
+def _captures(node: Node) -> list[str]:
+    names: list[str] = []
+    for sub in node.subgraphs.values():
+        names.extend(captured_names(sub))
+    return names
+
+
+def _differentiable(types: dict[str, ValueInfo], name: str) -> bool:
+    vi = types.get(name)
+    return vi is None or vi.dtype is None or (vi.kind == "tensor" and vi.dtype.kind == "f")
+
+
+def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, ValueInfo]) -> list[Node]:
+    """The nodes on a path from a ``wrt`` value to a ``ys`` value through floating-point values, in order.
+
+    Integer and boolean values, and operators declared not differentiable, cut paths.
+    """
+    reach = {w for w in wrt}
+    reached_nodes = []
+    for node in graph.nodes:
+        if node.op_type in NOT_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
+            continue
+        if any(i in reach for i in node.inputs) or any(c in reach for c in _captures(node)):
+            reached_nodes.append(node)
+            reach.update(o for o in node.outputs if o and _differentiable(types, o))
+    wanted = set(ys)
+    needed = []
+    for node in reversed(reached_nodes):
+        if any(o in wanted for o in node.outputs if o):
+            needed.append(node)
+            wanted.update(i for i in [*node.inputs, *_captures(node)] if i in reach)
+    needed.reverse()
+    return needed
+
+
+def backward(
+    graph: Graph,
+    ys: Mapping[str, str | None] | Iterable[str],
+    wrt: Iterable[str] | None = None,
+    *,
+    accumulate: str = "sum",
+    types: dict[str, ValueInfo] | None = None,
+    emitter: Emitter | None = None,
+) -> tuple[list[Node], dict[str, Grad]]:
+    """The Caffe2-style backward pass of ``graph`` (which must be in SSA form, see :func:`revgraph.to_ssa`).
+
+    ``ys`` maps each differentiated value to its seed: ``None`` for ones of the value's shape (so a
+    non-scalar y is differentiated as the sum of its elements), or the name of a value holding the cotangent.
+    ``wrt`` lists the values gradients are wanted for (default: every floating-point input and initializer);
+    only nodes on a path from them to ``ys`` are differentiated. Returns the emitted backward nodes and
+    ``grad_map``: every value that received a gradient mapped to it (a value name, or a :class:`SparseGrad`
+    for a table read only through ``Gather``).
+
+    Raises :class:`GraphError` for a graph not in SSA form, an unknown name, or operators without a VJP rule
+    on a needed path (all of them named in one message).
+    """
+    if not is_ssa(graph):
+        raise GraphError("backward needs a graph in SSA form; convert it with revgraph.to_ssa first")
+    ys = dict(ys) if isinstance(ys, Mapping) else dict.fromkeys(ys)
+    types = types if types is not None else infer_types(graph)
+    known = known_names(graph)
+    for name in ys:
+        if name not in known:
+            raise GraphError(f"no value named {name!r} to differentiate{_suggest(name, known)}")
+    wrt = default_wrt(graph, types) if wrt is None else list(wrt)
+    e = emitter or Emitter(types, used_names(graph), graph.opset)
+    e.learn_constants(graph)
+    acc = Accumulator(e, accumulate)
+    nodes = prune(graph, ys, wrt, types)
+
+    missing = [n for n in nodes if get_rule(n) is None]
+    if missing:
+        listed = ", ".join(n.label() for n in missing)
+        raise GraphError(f"no VJP rule for {len(missing)} node(s) on the path to the loss: {listed}")
+
+    for y, seed in ys.items():
+        if seed is None:
+            e.prefix = f"seed/{y}"
+            seed = e.ones_like(y)
+        acc.add(y, seed)
+
+    reach = set(wrt)
+    for node in nodes:
+        reach.update(o for o in node.outputs if o)
+    grad_map: dict[str, Grad] = {}
+    for node in reversed(nodes):
+        out_grads = [acc.dense_total(o) if o else None for o in node.outputs]
+        for o, g in zip(node.outputs, out_grads, strict=True):
+            if g is not None:
+                grad_map[o] = g
+        if all(g is None for g in out_grads):
+            continue
+        e.prefix = f"grad/{node.name or node.op_type}"
+        e.need = [bool(i) and i in reach and _differentiable(types, i) for i in node.inputs]
+        in_grads = get_rule(node)(e, node, out_grads)
+        if len(in_grads) != len(node.inputs):
+            raise AssertionError(f"VJP rule of {node.op_type} returned {len(in_grads)} gradients for {len(node.inputs)} inputs")
+        for name, g in zip(node.inputs, in_grads, strict=True):
+            if g is not None and name and name in reach and _differentiable(types, name):
+                acc.add(name, g)
+    for w in wrt:
+        g = acc.total(w)
+        if g is not None:
+            grad_map[w] = g
+    return e.nodes, grad_map
+
+
+def used_names(graph: Graph) -> set[str]:
+    """Every value and node name of ``graph`` and its subgraphs (fresh names must avoid them all)."""
+    return graph.all_names() | {n.name for _, n in graph.walk() if n.name}
+
+
+def known_names(graph: Graph) -> set[str]:
+    names = set(graph.input_names) | set(graph.initializers)
+    for node in graph.nodes:
+        names.update(o for o in node.outputs if o)
+    return names
+
+
+def default_wrt(graph: Graph, types: dict[str, ValueInfo]) -> list[str]:
+    """Every floating-point graph input and initializer, in declaration order."""
+    names = [*graph.input_names, *graph.initializers]
+    return [n for n in dict.fromkeys(names) if _is_float(types.get(n))]
+
+
+def _is_float(vi: ValueInfo | None) -> bool:
+    return vi is not None and vi.kind == "tensor" and vi.dtype is not None and vi.dtype.kind == "f"
+
+
+def _suggest(name: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=3)
+    return f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+
+
+# ---------------------------------------------------------------------------------------------- gradient
+
+
+def gradient(
+    graph: Graph,
+    loss: str | None = None,
+    wrt: Iterable[str] | str | None = None,
+    *,
+    seed: str = "ones",
+    unconnected: str = "zero",
+    sparse: bool = False,
+    accumulate: str = "sum",
+) -> Graph:
+    """A graph computing ``graph``'s outputs and the gradient of ``loss`` with respect to each ``wrt`` value.
+
+    ``loss`` defaults to the only graph output; a non-scalar loss is differentiated as the sum of its
+    elements (``seed="ones"``), or ``seed="input"`` adds a graph input ``<loss>_grad`` holding the output
+    cotangent (a VJP). ``wrt`` defaults to every floating-point input and initializer; a name may also be an
+    intermediate value (of a name written twice, its first version). The result has one more output per wrt
+    name, ``<name>_grad``, of the value's shape and dtype; with ``sparse=True`` a table read only through
+    ``Gather`` gets ``<name>_grad_indices`` (int64 [K]) and ``<name>_grad_values`` ([K, ...]) instead.
+    A wrt value with no path to the loss gets zeros and a ``UserWarning`` (``unconnected="zero"``) or raises
+    (``unconnected="error"``). ``accumulate`` is ``"sum"`` or ``"running"`` (see :class:`Accumulator`).
+
+    Raises :class:`RevgraphError` (one line) for an unknown, ambiguous or non-floating name, and
+    :class:`GraphError` for operators without a VJP rule on the path.
+    """
+    if seed not in ("ones", "input"):
+        raise RevgraphError(f"unknown seed {seed!r}; choose 'ones' or 'input'")
+    if unconnected not in ("zero", "error"):
+        raise RevgraphError(f"unknown unconnected policy {unconnected!r}; choose 'zero' or 'error'")
+    g = graph if is_ssa(graph) else to_ssa(graph)
+    g = g.copy()
+    types = infer_types(g)
+    loss = resolve_loss(g, loss)
+    wrt_names = resolve_wrt(g, wrt, types)
+    ys: dict[str, str | None] = {loss: None}
+    used = used_names(g)
+    if seed == "input":
+        seed_name = _fresh(f"{loss}_grad", used)
+        vi = types.get(loss) or ValueInfo(loss)
+        g.inputs.append(ValueInfo(seed_name, vi.dtype, vi.shape))
+        types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape)
+        ys[loss] = seed_name
+    e = Emitter(types, used, g.opset)
+    _, grad_map = backward(g, ys, wrt_names, accumulate=accumulate, types=types, emitter=e)
+
+    missing = [w for w in wrt_names if w not in grad_map]
+    if missing and unconnected == "error":
+        raise RevgraphError(
+            f"no path from {', '.join(map(repr, missing))} to the loss {loss!r} (use unconnected='zero' for zero gradients)"
+        )
+    if missing:
+        warnings.warn(f"no path from {', '.join(map(repr, missing))} to the loss {loss!r}; their gradients are zero", stacklevel=2)
+    tail: list[Node] = []
+    for w in wrt_names:
+        vi = types.get(w) or ValueInfo(w)
+        grad = grad_map.get(w)
+        e.prefix = f"grad/{w}"
+        if isinstance(grad, SparseGrad) and sparse:
+            for part, src, dtype, shape in (
+                ("indices", grad.indices, np.dtype(np.int64), ("K",)),
+                ("values", grad.values, vi.dtype, None if vi.shape is None else ("K", *vi.shape[1:])),
+            ):
+                out = _fresh(f"{w}_grad_{part}", used)
+                tail.append(Node("Identity", [src], [out], name=_fresh(f"grad/{w}/{part}", used)))
+                g.outputs.append(ValueInfo(out, dtype, shape))
+            continue
+        if grad is None:
+            grad = e.zeros_like(w)
+        elif isinstance(grad, SparseGrad):
+            grad = sp.densify(e, grad)
+        out = _fresh(f"{w}_grad", used)
+        tail.append(Node("Identity", [grad], [out], name=_fresh(f"grad/{w}/output", used)))
+        g.outputs.append(ValueInfo(out, vi.dtype, vi.shape))
+    g.nodes.extend(e.nodes)
+    g.nodes.extend(tail)
+    return g
+
+
+def _fresh(base: str, used: set[str]) -> str:
+    name, k = base, 0
+    while name in used:
+        k += 1
+        name = f"{base}_{k}"
+    used.add(name)
+    return name
+
+
+def resolve_loss(graph: Graph, loss: str | None) -> str:
+    """The loss name: ``loss`` if it names a value, else the only graph output; one-line errors otherwise."""
+    outputs = graph.output_names
+    if loss is None:
+        if len(outputs) == 1:
+            return outputs[0]
+        raise RevgraphError(
+            f"the model has {len(outputs)} outputs ({', '.join(outputs)}); choose the loss with --loss NAME"
+        )
+    known = known_names(graph)
+    if loss not in known:
+        raise RevgraphError(f"no value named {loss!r} to use as the loss{_suggest(loss, known)}")
+    return loss
+
+
+def resolve_wrt(graph: Graph, wrt: Iterable[str] | str | None, types: dict[str, ValueInfo]) -> list[str]:
+    """The wrt names: the default (every floating input and initializer) or the given ones, checked."""
+    if wrt is None:
+        names = default_wrt(graph, types)
+        if not names:
+            raise RevgraphError("the model has no floating-point inputs or initializers to differentiate; name values with --wrt")
+        return names
+    names = [wrt] if isinstance(wrt, str) else list(dict.fromkeys(wrt))
+    known = known_names(graph)
+    for n in names:
+        if n not in known:
+            raise RevgraphError(f"no value named {n!r} to differentiate with respect to{_suggest(n, known)}")
+        vi = types.get(n)
+        if vi is not None and vi.dtype is not None and not _is_float(vi):
+            raise RevgraphError(f"{n!r} is {vi.describe()}; only floating-point values have gradients")
+    return names
