@@ -49,7 +49,8 @@ def _ort(model_graph: Graph):
             raise
         ref = rg.Session(model_graph, backend="reference")
         return ref.run
-    return lambda feeds: dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+    names = [o.name for o in sess.get_outputs()]
+    return lambda feeds: dict(zip(names, sess.run(None, {k: np.asarray(v) for k, v in feeds.items()}), strict=True))
 
 
 def with_loss(g: Graph, fwd: dict[str, np.ndarray], outputs: list[str] | None = None) -> tuple[Graph, list[str]]:
@@ -77,6 +78,7 @@ def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: li
     ops whose only float64 ONNX implementation is not float64-accurate (the reference ``Erf`` rounds to
     float32 and onnxruntime has no float64 ``Erf``)."""
     rng = np.random.default_rng(seed)
+    feeds = {k: np.asarray(v) for k, v in feeds.items()}
     run_fwd = _ort(g)
     fwd = run_fwd(feeds)
     lg, outputs = with_loss(g, fwd, outputs)

@@ -14,10 +14,12 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .errors import InputError, RevgraphError
-from .ir import Graph, ValueInfo
-from .onnx_io import load
-from .runtime import BACKENDS, Session
+from .autodiff.backward import ACCUMULATE, gradient
+from .check import check_gradients
+from .errors import RevgraphError
+from .ir import TARGET_OPSET, ValueInfo
+from .onnx_io import load, save, to_onnx
+from .runtime import BACKENDS, Session, random_inputs
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -50,6 +52,31 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-o", "--output", metavar="OUT.npz", help="write the outputs here (default: print a summary)")
     run.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
     run.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+
+    grad = sub.add_parser("grad", help="write the gradient graph: forward outputs plus <name>_grad outputs")
+    grad.add_argument("model", metavar="MODEL.onnx")
+    grad.add_argument("-o", "--output", metavar="OUT.onnx", required=True)
+    grad.add_argument("--loss", metavar="NAME", help="the value to differentiate (default: the only output)")
+    grad.add_argument("--wrt", metavar="NAME", nargs="+", help="values to differentiate with respect to "
+                      "(default: every floating-point input and initializer)")
+    grad.add_argument("--seed", choices=("ones", "input"), default="ones",
+                      help="ones: differentiate the sum of the loss; input: add an input <loss>_grad (a VJP)")
+    grad.add_argument("--unconnected", choices=("zero", "error"), default="zero",
+                      help="a wrt value with no path to the loss: zero gradient and a warning, or an error")
+    grad.add_argument("--sparse", action="store_true",
+                      help="tables read only through Gather get <name>_grad_indices and <name>_grad_values")
+    grad.add_argument("--accumulate", choices=ACCUMULATE, default="sum",
+                      help="sum: one Sum per value read several times; running: pairwise Add as gradients arrive")
+    grad.add_argument("--opset", type=int, metavar="N", help="write OUT.onnx at this opset (default: %d)" % TARGET_OPSET)
+
+    check = sub.add_parser("check", help="compare the gradients with float64 central differences")
+    check.add_argument("model", metavar="MODEL.onnx")
+    check.add_argument("--loss", metavar="NAME")
+    check.add_argument("--wrt", metavar="NAME", nargs="+")
+    check.add_argument("--inputs", metavar="FILE.npz", help="input arrays by input name (default: random)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the inputs, cotangent and directions")
+    check.add_argument("--rtol", type=float, default=1e-4)
+    check.add_argument("--atol", type=float, default=1e-6)
     return p
 
 
@@ -62,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"revgraph: error: {exc}", soft_wrap=True)
         return 2
     try:
-        return {"info": cmd_info, "run": cmd_run}[args.command](args)
+        return {"info": cmd_info, "run": cmd_run, "grad": cmd_grad, "check": cmd_check}[args.command](args)
     except RevgraphError as exc:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)
         return 2
@@ -131,25 +158,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------------------- run
 
 
-def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random arrays for every graph input: floats from N(0, 1), integers in [0, 2), booleans; symbolic or
-    unknown dimensions are 1. Raises :class:`InputError` for inputs that cannot be made up (strings,
-    sequences, unknown dtype or rank)."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for v in graph.inputs:
-        if v.kind != "tensor" or v.dtype is None or v.shape is None or v.dtype.kind not in "fiub":
-            raise InputError(f"cannot make up a random value for input {v.name!r} ({v.describe()}); pass --inputs FILE.npz")
-        shape = tuple(d if isinstance(d, int) else 1 for d in v.shape)
-        if v.dtype.kind == "f":
-            feeds[v.name] = rng.standard_normal(shape).astype(v.dtype)
-        elif v.dtype.kind == "b":
-            feeds[v.name] = rng.random(shape) < 0.5
-        else:
-            feeds[v.name] = rng.integers(0, 2, shape).astype(v.dtype)
-    return feeds
-
-
 def read_npz(path: str) -> dict[str, np.ndarray]:
     """The arrays of an ``.npz`` file by key; :class:`InputError` if it is missing or not an npz file."""
     if not os.path.exists(path):
@@ -206,6 +214,58 @@ def cmd_run(args: argparse.Namespace) -> int:
         out.print(f"wrote {len(results)} output(s) to {args.output}", markup=False)
     else:
         out.print(_summary(results))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- grad
+
+
+def cmd_grad(args: argparse.Namespace) -> int:
+    import warnings
+
+    import onnx
+
+    g = load(args.model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gg = gradient(g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,
+                      sparse=args.sparse, accumulate=args.accumulate)
+    for w in caught:
+        err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
+    model = to_onnx(gg)
+    if args.opset is not None and args.opset != gg.opset:
+        try:
+            model = onnx.version_converter.convert_version(model, args.opset)
+        except Exception as exc:
+            raise RevgraphError(f"cannot write the gradient graph at opset {args.opset}: {str(exc).splitlines()[0]}") from None
+    onnx.checker.check_model(model, full_check=True)
+    save(model, args.output)
+    added = [o for o in gg.output_names if o not in g.output_names]
+    out.print(
+        f"wrote {args.output}: {len(g.nodes)} forward + {len(gg.nodes) - len(g.nodes)} backward nodes; "
+        f"gradient outputs: {', '.join(added)}",
+        soft_wrap=True,
+        markup=False,
+    )
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    g = load(args.model)
+    feeds = read_npz(args.inputs) if args.inputs else None
+    report = check_gradients(g, args.loss, args.wrt, inputs=feeds, seed=args.seed, rtol=args.rtol, atol=args.atol)
+    table = Table(title=f"gradient of {report.loss!r} against float64 central differences", title_justify="left",
+                  show_edge=False)
+    for col in ("value", "max abs error", "max rel error", "ok"):
+        table.add_column(col, justify="left" if col == "value" else "right")
+    for row in report.rows:
+        table.add_row(row.name, f"{row.max_abs:.3g}", f"{row.max_rel:.3g}", "yes" if row.ok else "[red]NO[/red]")
+    out.print(table)
+    bad = [r.name for r in report.rows if not r.ok]
+    if bad:
+        out.print(f"{len(bad)} of {len(report.rows)} values disagree (rtol {args.rtol}, atol {args.atol})", markup=False)
+        return 1
+    out.print(f"all {len(report.rows)} gradients agree (rtol {args.rtol}, atol {args.atol})", markup=False)
     return 0
 
 

@@ -17,6 +17,11 @@ from .onnx_io import load, to_onnx
 
 BACKENDS = ("onnxruntime", "reference")
 
+#: Rewrites for operator domains that no runtime executes, by domain: ``fn(graph) -> graph`` in standard
+#: ONNX. revgraph.autodiff registers the expansion of ``ai.onnx.preview.training.Gradient`` here (so that
+#: the runtime does not import autodiff).
+EXPANDERS: dict = {}
+
 
 class Session:
     """An executable graph.
@@ -33,12 +38,7 @@ class Session:
             raise RevgraphError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if not isinstance(graph, Graph):
             graph = load(graph)
-        preview = [n for _, n in graph.walk() if n.domain == "ai.onnx.preview.training"]
-        if preview:
-            raise UnsupportedModelError(
-                f"{preview[0].label()} is an ai.onnx.preview.training operator, which runtimes do not "
-                "execute; expanding it into its backward pass is not implemented yet"
-            )
+        graph = expand_domains(graph)
         self.graph = graph
         self.backend = backend
         self.model = to_onnx(graph)
@@ -88,6 +88,39 @@ class Session:
         except Exception as exc:
             raise RevgraphError(f"{self.backend} failed to run the graph: {_first_line(exc)}") from None
         return dict(zip(names, (np.asarray(v) for v in values), strict=True))
+
+
+def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random arrays for every graph input: floats from N(0, 1), integers in [0, 2), booleans; symbolic or
+    unknown dimensions are 1. Raises :class:`InputError` for inputs that cannot be made up (strings,
+    sequences, unknown dtype or rank)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for v in graph.inputs:
+        if v.kind != "tensor" or v.dtype is None or v.shape is None or v.dtype.kind not in "fiub":
+            raise InputError(f"cannot make up a random value for input {v.name!r} ({v.describe()}); pass --inputs FILE.npz")
+        shape = tuple(d if isinstance(d, int) else 1 for d in v.shape)
+        if v.dtype.kind == "f":
+            feeds[v.name] = rng.standard_normal(shape).astype(v.dtype)
+        elif v.dtype.kind == "b":
+            feeds[v.name] = rng.random(shape) < 0.5
+        else:
+            feeds[v.name] = rng.integers(0, 2, shape).astype(v.dtype)
+    return feeds
+
+
+def expand_domains(graph: Graph) -> Graph:
+    """``graph`` with the nodes of :data:`EXPANDERS`' domains rewritten into standard ONNX."""
+    domains = {n.domain for _, n in graph.walk()} & set(EXPANDERS)
+    for domain in sorted(domains):
+        graph = EXPANDERS[domain](graph)
+    left = [n for _, n in graph.walk() if n.domain == "ai.onnx.preview.training"]
+    if left:
+        raise UnsupportedModelError(
+            f"{left[0].label()} of domain ai.onnx.preview.training sits in a subgraph; runtimes do not "
+            "execute it and revgraph expands it in the top-level graph only"
+        )
+    return graph
 
 
 def check_feeds(graph: Graph, feeds: Mapping[str, np.ndarray]) -> None:

@@ -3,6 +3,11 @@
 from . import rules  # noqa: F401  (registers the VJP rules)
 from .backward import backward, gradient
 from .registry import NOT_DIFFERENTIABLE, RULES, Emitter, vjp
+from .preview import DOMAIN as _PREVIEW_DOMAIN
+from .preview import expand_gradient_ops
 from .sparse import SparseGrad
+from .. import runtime as _runtime
 
-__all__ = ["NOT_DIFFERENTIABLE", "RULES", "Emitter", "SparseGrad", "backward", "gradient", "vjp"]
+_runtime.EXPANDERS[_PREVIEW_DOMAIN] = expand_gradient_ops
+
+__all__ = ["NOT_DIFFERENTIABLE", "RULES", "Emitter", "SparseGrad", "backward", "expand_gradient_ops", "gradient", "vjp"]
