@@ -7,6 +7,7 @@ revgraph's IR. See DESIGN.md for the contract and the architecture.
 __version__ = "0.1.0"
 
 from .autodiff import SparseGrad, backward, gradient
+from .check import GradientReport, check_gradients
 from .errors import GraphError, InputError, RevgraphError, UnsupportedModelError
 from .ir import TARGET_OPSET, Graph, Node, ValueInfo
 from .onnx_io import load, save, to_onnx
@@ -17,6 +18,7 @@ from .ssa import is_ssa, to_ssa
 __all__ = [
     "TARGET_OPSET",
     "Graph",
+    "GradientReport",
     "GraphError",
     "InputError",
     "Node",
@@ -24,6 +26,7 @@ __all__ = [
     "Session",
     "SparseGrad",
     "backward",
+    "check_gradients",
     "gradient",
     "UnsupportedModelError",
     "ValueInfo",
