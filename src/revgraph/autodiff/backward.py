@@ -156,7 +156,7 @@ def backward(
         raise GraphError("backward needs a graph in SSA form; convert it with revgraph.to_ssa first")
     ys = dict(ys) if isinstance(ys, Mapping) else dict.fromkeys(ys)
     types = types if types is not None else infer_types(graph)
-    known = known_names(graph)
+    known = known_names(graph) | set(captured_names(graph))  # a subgraph may output an enclosing value
     for name in ys:
         if name not in known:
             raise GraphError(f"no value named {name!r} to differentiate{_suggest(name, known)}")
@@ -179,7 +179,8 @@ def backward(
 
     reach = set(wrt)
     for node in nodes:
-        reach.update(o for o in node.outputs if o)
+        reach.update(o for o in node.outputs if o and _differentiable(types, o))
+    e.reach = reach
     grad_map: dict[str, Grad] = {}
     for node in reversed(nodes):
         out_grads = [acc.dense_total(o) if o else None for o in node.outputs]
@@ -191,9 +192,12 @@ def backward(
         e.prefix = f"grad/{node.name or node.op_type}"
         e.need = [bool(i) and i in reach and _differentiable(types, i) for i in node.inputs]
         in_grads = get_rule(node)(e, node, out_grads)
+        captured: dict[str, Grad] = {}
+        if isinstance(in_grads, tuple):  # control flow: gradients of values its subgraphs capture, too
+            in_grads, captured = in_grads
         if len(in_grads) != len(node.inputs):
             raise AssertionError(f"VJP rule of {node.op_type} returned {len(in_grads)} gradients for {len(node.inputs)} inputs")
-        for name, g in zip(node.inputs, in_grads, strict=True):
+        for name, g in [*zip(node.inputs, in_grads, strict=True), *captured.items()]:
             if g is not None and name and name in reach and _differentiable(types, name):
                 acc.add(name, g)
     for w in wrt:
@@ -242,6 +246,7 @@ def gradient(
     unconnected: str = "zero",
     sparse: bool = False,
     accumulate: str = "sum",
+    checkpoint: str = "store",
 ) -> Graph:
     """A graph computing ``graph``'s outputs and the gradient of ``loss`` with respect to each ``wrt`` value.
 
@@ -253,6 +258,7 @@ def gradient(
     ``Gather`` gets ``<name>_grad_indices`` (int64 [K]) and ``<name>_grad_values`` ([K, ...]) instead.
     A wrt value with no path to the loss gets zeros and a ``UserWarning`` (``unconnected="zero"``) or raises
     (``unconnected="error"``). ``accumulate`` is ``"sum"`` or ``"running"`` (see :class:`Accumulator`).
+    ``checkpoint`` is the residual policy of loops: ``"store"`` or ``"recompute"`` (see :mod:`.loops`).
 
     Raises :class:`RevgraphError` (one line) for an unknown, ambiguous or non-floating name, and
     :class:`GraphError` for operators without a VJP rule on the path.
@@ -275,6 +281,7 @@ def gradient(
         types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape)
         ys[loss] = seed_name
     e = Emitter(types, used, g.opset)
+    e.options["checkpoint"] = checkpoint
     _, grad_map = backward(g, ys, wrt_names, accumulate=accumulate, types=types, emitter=e)
 
     missing = [w for w in wrt_names if w not in grad_map]

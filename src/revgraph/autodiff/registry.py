@@ -76,6 +76,10 @@ class Emitter:
         self.prefix = "grad"
         #: per input of the node whose rule runs: does that input need a gradient? Rules may skip the others.
         self.need: list[bool] = []
+        #: every value on a path from a wrt value (control-flow rules ask it about captured values)
+        self.reach: set[str] = set()
+        #: options of the whole pass that rules read (``checkpoint``: the loop residual policy)
+        self.options: dict[str, Any] = {}
         self._consts: dict[tuple, str] = {}
         #: values known when the graph is built (initializers, Constant outputs): axes, shapes, pads
         self.values: dict[str, np.ndarray] = {}
@@ -220,7 +224,10 @@ class Emitter:
 
     def ones_like(self, name: str) -> str:
         """Ones of the shape and dtype of ``name``."""
-        dt = self.dtype(name) or np.dtype(np.float32)
+        dt = self.dtype(name)
+        if dt is None:  # float32 ones would mistype a float64 value
+            one = self.op("ConstantOfShape", [self.shape_of(name)], value=np.ones(1, dtype=np.float32))
+            return self.op("CastLike", [one, name], like=name)
         return self.op("ConstantOfShape", [self.shape_of(name)], value=np.ones(1, dtype=dt), like=name)
 
     def reduce_to(self, g: str, x: str) -> str:
