@@ -346,9 +346,11 @@ def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
 
 
 def infer_types(graph: Graph) -> dict[str, ValueInfo]:
-    """Types of the values of ``graph``'s own scope by ONNX shape inference (``data_prop=True``), merged
-    with what the graph declares. Values whose type cannot be inferred are left out."""
-    types: dict[str, ValueInfo] = dict(graph.value_info)
+    """Types of the values of ``graph``'s own scope: what the graph declares (inputs, outputs,
+    ``value_info``, initializers), completed by ONNX shape inference (``data_prop=True``). A declared type
+    with a shape wins over an inferred one (ONNX infers little through ``Loop``). Values whose type cannot
+    be found are left out."""
+    types: dict[str, ValueInfo] = {}
     try:
         proto = onnx.shape_inference.infer_shapes(to_onnx(graph), data_prop=True)
         for vi in [*proto.graph.value_info, *proto.graph.output]:
@@ -358,12 +360,12 @@ def infer_types(graph: Graph) -> dict[str, ValueInfo]:
                 pass
     except Exception:  # shape inference helps the rules; they fall back to Shape-based ops without it
         pass
+    for vi in [*graph.value_info.values(), *graph.outputs]:
+        known = types.get(vi.name)
+        if known is None or known.dtype is None or (vi.dtype is not None and vi.shape is not None):
+            types[vi.name] = vi
     for name, arr in graph.initializers.items():
         types[name] = ValueInfo(name, arr.dtype, arr.shape)
     for vi in graph.inputs:
         types[vi.name] = vi
-    for vi in graph.outputs:
-        known = types.get(vi.name)
-        if known is None or known.dtype is None or (vi.dtype is not None and vi.shape is not None):
-            types[vi.name] = vi
     return types

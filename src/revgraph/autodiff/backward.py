@@ -314,7 +314,18 @@ def gradient(
         g.outputs.append(ValueInfo(out, vi.dtype, vi.shape))
     g.nodes.extend(e.nodes)
     g.nodes.extend(tail)
+    _keep_types(g, e.types)
     return g
+
+
+def _keep_types(g: Graph, types: dict[str, ValueInfo]) -> None:
+    """Record the types the pass tracked as ``value_info``, so a later pass (gradients of gradients) has them."""
+    declared = set(g.input_names) | set(g.output_names) | set(g.initializers)
+    for node in g.nodes:
+        for o in node.outputs:
+            vi = types.get(o)
+            if o and o not in declared and vi is not None and vi.dtype is not None and vi.shape is not None:
+                g.value_info[o] = ValueInfo(o, vi.dtype, vi.shape, vi.kind)
 
 
 def _fresh(base: str, used: set[str]) -> str:

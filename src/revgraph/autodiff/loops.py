@@ -137,7 +137,7 @@ def loop(e: Emitter, node: Node, out_grads: list) -> tuple[list, dict]:
     head += eb.nodes
     eb.nodes.clear()
 
-    from .backward import backward  # late: backward imports the rules package
+    from .backward import _keep_types, backward  # late: backward imports the rules package
 
     wrt = [v_in[j] for j in carried] + captured
     nodes_b, gmap = backward(body, ys, wrt, types=btypes, emitter=eb)
@@ -184,6 +184,8 @@ def loop(e: Emitter, node: Node, out_grads: list) -> tuple[list, dict]:
         initializers=dict(body.initializers),
         name=f"grad_{node.name}_body",
     )
+    _keep_types(bwd_body, eb.types)
+    _keep_types(body, btypes)
 
     # 4. the backward loop
     initial = []
@@ -213,22 +215,26 @@ def _stack_residual(e: Emitter, node: Node, body: Graph, vi: ValueInfo | None, r
     minus_one = e.fresh(f"{node.name}/residual/{r}/minus_one")
     body.nodes.append(Node("Constant", [], [minus_one], {"value": np.array([-1], np.int64)}, minus_one))
     body.nodes.append(Node("Reshape", [r, minus_one], [flat], name=flat))
-    body.outputs.append(ValueInfo(flat, vi.dtype if vi else None, None))
+    static = vi is not None and vi.shape is not None and all(isinstance(d, int) for d in vi.shape)
+    size = int(np.prod(vi.shape)) if static else None
+    body.outputs.append(ValueInfo(flat, vi.dtype if vi else None, (size,)))
     stack = e.fresh(f"{node.name}/stacked/{r}")
     node.outputs.append(stack)
-    e.types[stack] = ValueInfo(stack, vi.dtype if vi else None, None)
+    e.types[stack] = ValueInfo(stack, vi.dtype if vi else None, (None, size))
     out: list[Node] = []
     sliced = e.fresh(f"grad/{node.name}/residual/{r}")
     out.append(Node("Gather", [stack, t], [sliced], {"axis": 0}, sliced))
-    if vi is not None and vi.shape is not None and all(isinstance(d, int) for d in vi.shape):
+    if static:
         shape = e.fresh(f"grad/{node.name}/residual/{r}/shape")
         out.append(Node("Constant", [], [shape], {"value": np.array(vi.shape, np.int64)}, shape))
     else:
         shape_out = e.fresh(f"{node.name}/residual/{r}/shape")
         body.nodes.append(Node("Shape", [r], [shape_out], name=shape_out))
-        body.outputs.append(ValueInfo(shape_out, np.dtype(np.int64), None))
+        rank = None if vi is None or vi.shape is None else len(vi.shape)
+        body.outputs.append(ValueInfo(shape_out, np.dtype(np.int64), (rank,)))
         shapes = e.fresh(f"{node.name}/stacked/{r}/shape")
         node.outputs.append(shapes)
+        e.types[shapes] = ValueInfo(shapes, np.dtype(np.int64), (None, rank))
         shape = e.fresh(f"grad/{node.name}/residual/{r}/shape")
         out.append(Node("Gather", [shapes, t], [shape], {"axis": 0}, shape))
     out.append(Node("Reshape", [sliced, shape], [r], name=e.fresh(f"grad/{node.name}/residual/{r}/reshape")))
