@@ -160,17 +160,10 @@ def loop(e: Emitter, node: Node, out_grads: list) -> tuple[list, dict]:
     # 3. residuals: body values the backward nodes read, stacked by the forward loop or recomputed
     body_scope = set(body.input_names) | {o for n in body.nodes for o in n.outputs if o}
     needed = [r for r in _reads(backward_nodes) if r in body_scope]
-    constants = {n.outputs[0]: n for n in body.nodes if n.op_type == "Constant"}
-    prologue: list[Node] = [constants[r] for r in needed if r in constants]  # copied, never stacked
-    needed = [r for r in needed if r not in constants]
+    prologue: list[Node] = []
     bound = {iter_in: t, cond_in: eb.const(np.array(True))}  # an iteration that ran had cond_in true
-    if policy == "recompute":
-        recompute = _slice_of(body, needed)
-        stacked = [r for r in _reads(recompute) if r in set(body.input_names)] + [r for r in needed if r in set(body.input_names)]
-        stacked = list(dict.fromkeys(r for r in stacked if r not in bound))
-    else:
-        recompute = []
-        stacked = [r for r in needed if r not in bound]
+    stacked, recompute = plan_residuals(body, needed, policy)
+    stacked = [r for r in stacked if r not in bound]
     for r in stacked:
         prologue += _stack_residual(e, node, body, btypes.get(r), r, t)
     for name, value in bound.items():
@@ -245,15 +238,44 @@ def _dt_shape(vi: ValueInfo | None):
     return (None, None) if vi is None else (vi.dtype, vi.shape)
 
 
-def _slice_of(body: Graph, wanted: list[str]) -> list[Node]:
-    """The body nodes needed to compute ``wanted`` from the body's inputs and captured values, in order."""
-    need = set(wanted)
-    keep = []
-    for n in reversed(body.nodes):
-        if any(o in need for o in n.outputs if o):
-            keep.append(n)
-            need.update(i for i in n.inputs if i)
-            for sub in n.subgraphs.values():
-                need.update(captured_names(sub))
-    keep.reverse()
-    return keep
+def plan_residuals(body: Graph, needed: list[str], policy: str) -> tuple[list[str], list[Node]]:
+    """Which body values the forward loop stacks, and which body nodes the backward loop recomputes, so that
+    every value in ``needed`` is available in the backward body.
+
+    ``recompute`` stacks only body inputs (the loop-carried values and the iteration number) and recomputes
+    every other needed value. ``store`` stacks needed values, except scan outputs of inner loops: their
+    leading dimension is the inner trip count, which may change from one outer iteration to the next, so the
+    inner loop is recomputed from its (stacked) inputs instead."""
+    producer = {o: nd for nd in body.nodes for o in nd.outputs if o}
+    inputs = set(body.input_names)
+    stacked: dict[str, None] = {}
+    rerun: set[int] = set()
+    want = list(needed)
+    seen: set[str] = set()
+    while want:
+        v = want.pop()
+        if v in seen or v in body.initializers:
+            continue
+        seen.add(v)
+        nd = producer.get(v)
+        if nd is None:
+            if v in inputs:
+                stacked.setdefault(v)
+            continue  # captured from the enclosing graph: visible in the backward body as it is
+        inner_scan = nd.op_type in ("Loop", "Scan") and nd.outputs.index(v) >= _n_carried(nd)
+        if policy == "store" and not inner_scan and nd.op_type != "Constant":
+            stacked.setdefault(v)
+            continue
+        if id(nd) not in rerun:
+            rerun.add(id(nd))
+            want.extend(i for i in nd.inputs if i)
+            for sub in nd.subgraphs.values():
+                want.extend(captured_names(sub))
+    return list(stacked), [nd for nd in body.nodes if id(nd) in rerun]
+
+
+def _n_carried(node: Node) -> int:
+    """The number of loop-carried (state) outputs of a ``Loop`` or ``Scan`` node."""
+    if node.op_type == "Loop":
+        return len(node.inputs) - 2
+    return len(node.inputs) - int(node.attrs.get("num_scan_inputs", 0))

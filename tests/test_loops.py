@@ -1,0 +1,286 @@
+"""Gradients through ONNX Loop: closed forms, each also against the unrolled loop in PyTorch (float64), under
+every residual policy and both runtimes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from loopkit import POLICIES, assert_close, body, const, grads, graph, loop, n, torch_grads
+
+import revgraph as rg
+
+X3 = np.array([0.5, 1.5, -0.8])
+S3 = np.array([1.0, 2.0, 3.0])
+
+
+def _trip(k):
+    return {"M": np.array(k, np.int64)}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("steps", [0, 1, 5])
+def test_product_s_times_x(policy, steps):
+    b = body([n("Mul", ["s_in", "x"], "s_out")], [("s_in", "s_out")], types={"s_in": (3,), "s_out": (3,)})
+    g = graph([loop(b, "M", ["s0"], ["s"]), n("ReduceSum", ["s"], "loss", keepdims=0)],
+              {"x": (3,), "s0": (3,)}, ["loss"], _trip(steps))
+    backends = ("onnxruntime", "reference") if steps else ("onnxruntime",)  # onnx.reference cannot run 0 trips
+    ours = grads(g, {"x": X3, "s0": S3}, ["x", "s0"], policy=policy, backends=backends)
+    np.testing.assert_allclose(ours["x"], steps * X3 ** max(steps - 1, 0) * S3 if steps else 0 * X3)
+    np.testing.assert_allclose(ours["s0"], X3**steps)  # zero trips: the cotangent of the output itself
+
+    def unrolled(x, s0):
+        s = s0
+        for _ in range(steps):
+            s = s * x
+        return s.sum()
+
+    assert_close(ours, torch_grads(unrolled, {"x": X3, "s0": S3}, ["x", "s0"]))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sum_s_plus_x(policy):
+    b = body([n("Add", ["s_in", "x"], "s_out")], [("s_in", "s_out")])
+    g = graph([loop(b, "M", ["s0"], ["s"]), n("ReduceSum", ["s"], "loss", keepdims=0)],
+              {"x": (3,), "s0": (3,)}, ["loss"], _trip(7))
+    ours = grads(g, {"x": X3, "s0": S3}, ["x", "s0"], policy=policy)
+    np.testing.assert_allclose(ours["x"], np.full(3, 7.0))  # invariant: summed over all iterations
+    np.testing.assert_allclose(ours["s0"], np.ones(3))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_running_sum_uses_iteration_number(policy):
+    # acc = sum_{i=1..n} i * x^i, with p carried as x^i and i read from the iteration number
+    b = body(
+        [
+            n("Mul", ["p_in", "x"], "p_out"),
+            const("one", 1, np.int64),
+            n("Add", ["i", "one"], "i1"),
+            n("Cast", ["i1"], "fi", to=11),
+            n("Mul", ["fi", "p_out"], "term"),
+            n("Add", ["acc_in", "term"], "acc_out"),
+        ],
+        [("p_in", "p_out"), ("acc_in", "acc_out")],
+    )
+    g = graph([loop(b, "M", ["one_f", "zero_f"], ["p", "acc"]), n("Identity", ["acc"], "loss")],
+              {"x": ()}, ["loss"], {**_trip(6), "one_f": np.array(1.0), "zero_f": np.array(0.0)})
+    x = np.array(0.7)
+    ours = grads(g, {"x": x}, ["x"], policy=policy)
+    np.testing.assert_allclose(ours["x"], sum(i * i * x ** (i - 1) for i in range(1, 7)))
+    assert_close(ours, torch_grads(lambda x: sum(i * x**i for i in range(1, 7)), {"x": x}, ["x"]))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_two_carried_updated_together(policy):
+    # x <- x + y and y <- 3x + 1 (both from the old values)
+    b = body(
+        [
+            n("Add", ["x_in", "y_in"], "x_out"),
+            const("three", 3.0),
+            const("onef", 1.0),
+            n("Mul", ["x_in", "three"], "x3"),
+            n("Add", ["x3", "onef"], "y_out"),
+        ],
+        [("x_in", "x_out"), ("y_in", "y_out")],
+    )
+    g = graph([loop(b, "M", ["x0", "y0"], ["x", "y"]), n("Mul", ["x", "y"], "xy"), n("ReduceSum", ["xy"], "loss", keepdims=0)],
+              {"x0": (2,), "y0": (2,)}, ["loss"], _trip(4))
+    feeds = {"x0": np.array([0.3, -0.2]), "y0": np.array([0.1, 0.5])}
+
+    def unrolled(x0, y0):
+        x, y = x0, y0
+        for _ in range(4):
+            x, y = x + y, 3 * x + 1
+        return (x * y).sum()
+
+    assert_close(grads(g, feeds, ["x0", "y0"], policy=policy), torch_grads(unrolled, feeds, ["x0", "y0"]))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_carried_values_swap_and_one_feeds_two(policy):
+    # (a, b, c) <- (b * w, a, a + c): a swaps with b and feeds both b and c
+    b = body([n("Mul", ["b_in", "w"], "a_out"), n("Identity", ["a_in"], "b_out"), n("Add", ["a_in", "c_in"], "c_out")],
+             [("a_in", "a_out"), ("b_in", "b_out"), ("c_in", "c_out")])
+    nodes = [loop(b, "M", ["a0", "b0", "c0"], ["a", "b", "c"]), n("Mul", ["a", "b"], "ab"), n("Mul", ["ab", "c"], "abc"),
+             n("ReduceSum", ["abc"], "loss", keepdims=0)]
+    g = graph(nodes, {"a0": (2,), "b0": (2,), "c0": (2,), "w": (2,)}, ["loss"], _trip(5))
+    rng = np.random.default_rng(0)
+    feeds = {k: rng.standard_normal(2) for k in ("a0", "b0", "c0", "w")}
+
+    def unrolled(a0, b0, c0, w):
+        a, b_, c = a0, b0, c0
+        for _ in range(5):
+            a, b_, c = b_ * w, a, a + c
+        return (a * b_ * c).sum()
+
+    wrt = ["a0", "b0", "c0", "w"]
+    assert_close(grads(g, feeds, wrt, policy=policy), torch_grads(unrolled, feeds, wrt))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_scan_output_with_cotangent_per_iteration(policy):
+    # y_t = tanh(s_t * w) stacked; loss = sum(u * Y) with a different cotangent row per iteration
+    b = body([n("Mul", ["s_in", "w"], "s_out"), n("Tanh", ["s_out"], "y")], [("s_in", "s_out")], scan=["y"])
+    g = graph([loop(b, "M", ["s0"], ["s", "Y"]), n("Mul", ["Y", "u"], "uy"), n("ReduceSum", ["uy"], "loss", keepdims=0)],
+              {"s0": (3,), "w": (3,)}, ["loss"], {**_trip(4), "u": np.arange(12.0).reshape(4, 3) / 10 - 0.5})
+    feeds = {"s0": S3 / 3, "w": np.array([0.9, -1.1, 0.4])}
+    u = g.initializers["u"]
+
+    def unrolled(s0, w):
+        s, total = s0, 0
+        for t in range(4):
+            s = s * w
+            total = total + (torch.tanh(s) * torch.tensor(u[t])).sum()
+        return total
+
+    assert_close(grads(g, feeds, ["s0", "w"], policy=policy), torch_grads(unrolled, feeds, ["s0", "w"]))
+
+
+def _taylor_sin_body():
+    # term_{k+1} = -term_k * x^2 / ((2k+2)(2k+3)); stops once |term| < 1e-12
+    return body(
+        [
+            n("Mul", ["x", "x"], "x2"),
+            n("Mul", ["term_in", "x2"], "tx2"),
+            n("Neg", ["tx2"], "ntx2"),
+            const("two", 2, np.int64),
+            const("three", 3, np.int64),
+            n("Mul", ["i", "two"], "i2"),
+            n("Add", ["i2", "two"], "d1"),
+            n("Add", ["i2", "three"], "d2"),
+            n("Mul", ["d1", "d2"], "den_i"),
+            n("Cast", ["den_i"], "den", to=11),
+            n("Div", ["ntx2", "den"], "term_out"),
+            n("Add", ["sum_in", "term_out"], "sum_out"),
+            n("Abs", ["term_out"], "aterm"),
+            const("eps", 1e-12),
+            n("GreaterOrEqual", ["aterm", "eps"], "cond_next"),
+        ],
+        [("term_in", "term_out"), ("sum_in", "sum_out")],
+        cond_out="cond_next",
+    )
+
+
+def _taylor_cond_nodes(prefix=""):
+    return [n("Abs", ["x"], f"{prefix}ax"), n("GreaterOrEqual", [f"{prefix}ax", "eps0"], f"{prefix}go")]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("x", [0.0, 0.4, 2.5])
+def test_taylor_sin_stops_when_term_is_small(policy, x):
+    nodes = [*_taylor_cond_nodes(), loop(_taylor_sin_body(), "", ["x", "x"], ["t", "sin"], cond="go"),
+             n("Identity", ["sin"], "loss")]
+    g = graph(nodes, {"x": ()}, ["loss"], {"eps0": np.array(1e-12)})
+    backends = ("onnxruntime",) if x == 0.0 else ("onnxruntime", "reference")  # x = 0: zero trips
+    ours = grads(g, {"x": np.array(x)}, ["x"], policy=policy, backends=backends)
+    np.testing.assert_allclose(ours["x"], math.cos(x), rtol=1e-10, atol=1e-12)
+    run = rg.Session(g).run({"x": np.array(x)})
+    np.testing.assert_allclose(run["loss"], math.sin(x), atol=1e-12)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_taylor_sin_nested_in_an_outer_loop(policy):
+    # s <- s + sin(x * s): the while loop (data-dependent trip count) inside a fixed 3-step loop
+    inner = _taylor_sin_body()
+    outer = body(
+        [n("Mul", ["x0", "s_in"], "x"), *_taylor_cond_nodes(), loop(inner, "", ["x", "x"], ["t", "sin"], "inner", cond="go"),
+         n("Add", ["s_in", "sin"], "s_out")],
+        [("s_in", "s_out")], iter_name="j", cond_name="c_outer",
+    )
+    nodes = [loop(outer, "M", ["s0"], ["s"], "outer"), n("Identity", ["s"], "loss")]
+    g = graph(nodes, {"x0": (), "s0": ()}, ["loss"], {**_trip(3), "eps0": np.array(1e-12)})
+    feeds = {"x0": np.array(0.8), "s0": np.array(0.6)}
+
+    def unrolled(x0, s0):
+        s = s0
+        for _ in range(3):
+            s = s + torch.sin(x0 * s)
+        return s
+
+    assert_close(grads(g, feeds, ["x0", "s0"], policy=policy), torch_grads(unrolled, feeds, ["x0", "s0"]), rtol=1e-8)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_scan_until_value_is_five(policy):
+    # r_i = x_i^2 for i = 0, 1, ... until x_i == 5, over x = 0..19: gradient 2 x_i for i <= 5, then 0
+    b = body(
+        [
+            n("Gather", ["x", "i"], "xi", axis=0),
+            n("Mul", ["xi", "xi"], "r"),
+            const("five", 5.0),
+            n("Equal", ["xi", "five"], "is5"),
+            n("Not", ["is5"], "cond_next"),
+        ],
+        [], cond_out="cond_next", scan=["r"],
+    )
+    g = graph([loop(b, "M", [], ["R"]), n("ReduceSum", ["R"], "loss", keepdims=0)], {"x": (20,)}, ["loss"], _trip(1000))
+    x = np.arange(20.0)
+    ours = grads(g, {"x": x}, ["x"], policy=policy)
+    expected = np.where(np.arange(20) <= 5, 2 * x, 0.0)
+    np.testing.assert_array_equal(ours["x"], expected)
+    assert rg.Session(g).run({"x": x})["loss"] == sum(v * v for v in range(6))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_third_derivative_of_repeated_squaring(policy):
+    b = body([n("Mul", ["x_in", "x_in"], "x_out")], [("x_in", "x_out")])
+    g = graph([loop(b, "M", ["x0"], ["x"])], {"x0": ()}, ["x"], _trip(4))
+    first = rg.gradient(g, wrt=["x0"], checkpoint=policy)
+    first.outputs = first.outputs[-1:]
+    second = rg.gradient(first, wrt=["x0"], checkpoint=policy)
+    second.outputs = second.outputs[-1:]
+    third = rg.gradient(second, wrt=["x0"], checkpoint=policy)
+    x = np.array(0.95)
+    for backend in ("onnxruntime", "reference"):
+        out = rg.Session(third, backend=backend).run({"x0": x})
+        np.testing.assert_allclose(out[third.output_names[-1]], 16 * 15 * 14 * 0.95**13, rtol=1e-10)
+        np.testing.assert_allclose(out[second.output_names[-1]], 16 * 15 * 0.95**14, rtol=1e-10)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_outer_value_both_initial_and_captured(policy):
+    # s0 = x and x captured: s <- s * x, three times: s = x^4
+    b = body([n("Mul", ["s_in", "x"], "s_out")], [("s_in", "s_out")])
+    g = graph([loop(b, "M", ["x"], ["s"]), n("ReduceSum", ["s"], "loss", keepdims=0)], {"x": (3,)}, ["loss"], _trip(3))
+    ours = grads(g, {"x": X3}, ["x"], policy=policy)
+    np.testing.assert_allclose(ours["x"], 4 * X3**3)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_three_nested_loops(policy):
+    # innermost: s <- s * w (2 steps); middle: 3 steps of it plus a sin; outer: 2 steps of the middle
+    inner = body([n("Mul", ["s3_in", "w"], "s3_out")], [("s3_in", "s3_out")], iter_name="k", cond_name="c3")
+    middle = body([loop(inner, "M2", ["s2_in"], ["s2_mid"], "inner"), n("Sin", ["s2_mid"], "s2_out")],
+                  [("s2_in", "s2_out")], iter_name="j", cond_name="c2")
+    outer = body([loop(middle, "M3", ["s1_in"], ["s1_mid"], "middle"), n("Mul", ["s1_mid", "w"], "s1_out")],
+                  [("s1_in", "s1_out")])
+    g = graph([loop(outer, "M", ["s0"], ["s"], "outer"), n("ReduceSum", ["s"], "loss", keepdims=0)],
+              {"s0": (2,), "w": (2,)}, ["loss"], {**_trip(2), "M2": np.array(2, np.int64), "M3": np.array(3, np.int64)})
+    feeds = {"s0": np.array([0.7, -0.4]), "w": np.array([1.1, 0.9])}
+
+    def unrolled(s0, w):
+        s = s0
+        for _ in range(2):
+            for _ in range(3):
+                for _ in range(2):
+                    s = s * w
+                s = torch.sin(s)
+            s = s * w
+        return s.sum()
+
+    assert_close(grads(g, feeds, ["s0", "w"], policy=policy), torch_grads(unrolled, feeds, ["s0", "w"]))
+
+
+def test_policies_stack_only_what_the_body_vjp_needs():
+    # body y = x * w with gradients for x alone: the VJP needs w (captured, never stacked), nothing of x
+    b = body([n("Mul", ["x_in", "w"], "x_out")], [("x_in", "x_out")], types={"x_in": (3,), "x_out": (3,)})
+    g = graph([loop(b, "M", ["x0"], ["x"]), n("ReduceSum", ["x"], "loss", keepdims=0)], {"x0": (3,), "w": (3,)},
+              ["loss"], _trip(4))
+    gg = rg.gradient(g, wrt=["x0"])
+    fwd = next(node for node in gg.nodes if node.name == "loop")
+    assert [o for o in fwd.outputs if "stacked" in o] == []
+    gw = rg.gradient(g, wrt=["w"])  # now x_in is needed: d(x*w)/dw = x
+    fwd = next(node for node in gw.nodes if node.name == "loop")
+    assert [o for o in fwd.outputs if "stacked" in o] == ["loop/stacked/x_in"]
