@@ -90,6 +90,10 @@ class Node:
         """Subgraph attributes (``body``, ``then_branch``, ``else_branch``, ...) by attribute name."""
         return {k: v for k, v in self.attrs.items() if isinstance(v, Graph)}
 
+    def copy(self) -> Node:
+        """A copy whose subgraphs are copied too (so passes that extend a loop body never share it)."""
+        return _copy_node(self)
+
     def label(self) -> str:
         """How messages refer to the node: ``node 'conv1' (Conv)``."""
         return f"node {self.name!r} ({self.op_type})" if self.name else f"unnamed {self.op_type} node"
@@ -199,18 +203,20 @@ class Graph:
         return _copy_graph(self)
 
 
-def _copy_graph(g: Graph) -> Graph:
-    def copy_attr(v: Any) -> Any:
-        if isinstance(v, Graph):
-            return _copy_graph(v)
-        if isinstance(v, list):
-            return [copy_attr(x) for x in v]
-        return v
+def _copy_attr(v: Any) -> Any:
+    if isinstance(v, Graph):
+        return _copy_graph(v)
+    if isinstance(v, list):
+        return [_copy_attr(x) for x in v]
+    return v
 
-    nodes = [
-        Node(n.op_type, list(n.inputs), list(n.outputs), {k: copy_attr(v) for k, v in n.attrs.items()}, n.name, n.domain)
-        for n in g.nodes
-    ]
+
+def _copy_node(n: Node) -> Node:
+    return Node(n.op_type, list(n.inputs), list(n.outputs), {k: _copy_attr(v) for k, v in n.attrs.items()}, n.name, n.domain)
+
+
+def _copy_graph(g: Graph) -> Graph:
+    nodes = [_copy_node(n) for n in g.nodes]
     return Graph(
         nodes=nodes,
         inputs=[ValueInfo(v.name, v.dtype, v.shape, v.kind) for v in g.inputs],

@@ -163,6 +163,7 @@ def backward(
     wrt = default_wrt(graph, types) if wrt is None else list(wrt)
     e = emitter or Emitter(types, used_names(graph), graph.opset)
     e.learn_constants(graph)
+    e.graph = graph
     acc = Accumulator(e, accumulate)
     nodes = prune(graph, ys, wrt, types)
 
@@ -314,11 +315,11 @@ def gradient(
         g.outputs.append(ValueInfo(out, vi.dtype, vi.shape))
     g.nodes.extend(e.nodes)
     g.nodes.extend(tail)
-    _keep_types(g, e.types)
+    keep_types(g, e.types)
     return g
 
 
-def _keep_types(g: Graph, types: dict[str, ValueInfo]) -> None:
+def keep_types(g: Graph, types: dict[str, ValueInfo]) -> None:
     """Record the types the pass tracked as ``value_info``, so a later pass (gradients of gradients) has them."""
     declared = set(g.input_names) | set(g.output_names) | set(g.initializers)
     for node in g.nodes:

@@ -80,6 +80,8 @@ class Emitter:
         self.reach: set[str] = set()
         #: options of the whole pass that rules read (``checkpoint``: the loop residual policy)
         self.options: dict[str, Any] = {}
+        #: the graph being differentiated (control-flow rules add forward nodes to it)
+        self.graph = None
         self._consts: dict[tuple, str] = {}
         #: values known when the graph is built (initializers, Constant outputs): axes, shapes, pads
         self.values: dict[str, np.ndarray] = {}
@@ -193,6 +195,12 @@ class Emitter:
     def onnx_dtype(self, name: str) -> int | None:
         dt = self.dtype(name)
         return None if dt is None else onnx_dtype(dt)
+
+    def insert_before(self, anchor: Node, nodes: list[Node]) -> None:
+        """Insert forward ``nodes`` into the graph being differentiated, right before ``anchor`` (control-flow
+        rules need values such as a counter's initial value to exist before the forward loop runs)."""
+        pos = next(i for i, n in enumerate(self.graph.nodes) if n is anchor)
+        self.graph.nodes[pos:pos] = nodes
 
     def value(self, name: str) -> np.ndarray | None:
         """The constant value of ``name`` (an initializer or a ``Constant`` output), or ``None``."""
