@@ -111,16 +111,22 @@ def _differentiable(types: dict[str, ValueInfo], name: str) -> bool:
 def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, ValueInfo]) -> list[Node]:
     """The nodes on a path from a ``wrt`` value to a ``ys`` value through floating-point values, in order.
 
-    Integer and boolean values, and operators declared not differentiable, cut paths.
+    Integer and boolean values, and operators declared not differentiable, cut paths. A path through an ONNX
+    sequence raises :class:`GraphError` (revgraph does not differentiate sequences, and cutting the path
+    would give a silently wrong gradient).
     """
     reach = {w for w in wrt}
     reached_nodes = []
+    sequences: dict[str, Node] = {}
     for node in graph.nodes:
         if node.op_type in NOT_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
             continue
         if any(i in reach for i in node.inputs) or any(c in reach for c in _captures(node)):
             reached_nodes.append(node)
             reach.update(o for o in node.outputs if o and _differentiable(types, o))
+            sequences.update({o: node for o in node.outputs if o and _is_sequence(types, o)})
+    if sequences:
+        _refuse_sequence_paths(graph, ys, sequences)
     wanted = set(ys)
     needed = []
     for node in reversed(reached_nodes):
@@ -129,6 +135,26 @@ def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, 
             wanted.update(i for i in [*node.inputs, *_captures(node)] if i in reach)
     needed.reverse()
     return needed
+
+
+def _is_sequence(types: dict[str, ValueInfo], name: str) -> bool:
+    vi = types.get(name)
+    return vi is not None and vi.kind == "sequence"
+
+
+def _refuse_sequence_paths(graph: Graph, ys: Iterable[str], sequences: dict[str, Node]) -> None:
+    ancestors = set(ys)
+    for node in reversed(graph.nodes):
+        if any(o in ancestors for o in node.outputs if o):
+            ancestors.update(i for i in [*node.inputs, *_captures(node)] if i)
+    for name, node in sequences.items():
+        if name in ancestors:
+            raise GraphError(
+                f"{node.label()} puts a value that needs a gradient into the sequence {name!r}, and the loss depends "
+                "on it; revgraph does not differentiate ONNX sequences (a gradient graph built with checkpoint="
+                "'sqrt' or K keeps its checkpoints in sequences: build it with 'store' or 'recompute' to "
+                "differentiate it again)"
+            )
 
 
 def backward(
