@@ -20,6 +20,7 @@ from ..ir import Graph, Node, ValueInfo
 from ..onnx_io import infer_types
 from ..ssa import captured_names, is_ssa, to_ssa
 from . import sparse as sp
+from .loops.scan import lower_scans
 from .registry import NOT_DIFFERENTIABLE, Emitter, get_rule
 from .sparse import SparseGrad
 
@@ -188,6 +189,8 @@ def backward(
             raise GraphError(f"no value named {name!r} to differentiate{_suggest(name, known)}")
     wrt = default_wrt(graph, types) if wrt is None else list(wrt)
     e = emitter or Emitter(types, used_names(graph), graph.opset)
+    if any(n.op_type == "Scan" for _, n in graph.walk()):
+        lower_scans(graph, types, e.used)
     e.learn_constants(graph)
     e.graph = graph
     acc = Accumulator(e, accumulate)
@@ -296,6 +299,8 @@ def gradient(
         raise RevgraphError(f"unknown unconnected policy {unconnected!r}; choose 'zero' or 'error'")
     g = graph if is_ssa(graph) else to_ssa(graph)
     g = g.copy()
+    if any(n.op_type == "Scan" for _, n in g.walk()):
+        lower_scans(g, infer_types(g), used_names(g))
     types = infer_types(g)
     loss = resolve_loss(g, loss)
     wrt_names = resolve_wrt(g, wrt, types)

@@ -2,4 +2,4 @@
 (:mod:`.checkpoint`), ``If`` (:mod:`.branch`) and ``Scan``, differentiated as its ``Loop`` form (:mod:`.scan`).
 Importing this package registers the rules."""
 
-from . import loop  # noqa: F401
+from . import branch, checkpoint, loop, scan  # noqa: F401
