@@ -3,8 +3,6 @@ and the conventions of DESIGN.md section 5: ties, 0 subgradients, strong zeros."
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -78,6 +76,8 @@ def test_unary(op, shape, seed):
 @SETTINGS
 @given(shapes=mutually_broadcastable_shapes(num_shapes=3, max_dims=3, max_side=3), seed=st.integers(0, 2**16))
 def test_variadic(op, shapes, seed):
+    if op == "Mean":  # onnx.reference's Mean adds in place into its first input: give that one the full shape
+        shapes = shapes._replace(input_shapes=(shapes.result_shape, *shapes.input_shapes[1:]))
     a, b, c = _arrays(seed, shapes.input_shapes)
     fns = {
         "Sum": lambda a, b, c: a + b + c,
@@ -119,10 +119,18 @@ def test_clip_without_max():
 
 
 def test_cast_float_to_float():
-    x = np.random.default_rng(1).standard_normal((2, 3))
-    g = one_node_graph("Cast", {"x": x}, {"to": 1})  # to float32 and back through the loss
-    lg = Graph(g.nodes + [Node("Cast", ["y0"], ["y1"], {"to": 11}, "back")], g.inputs, [ValueInfo("y1")])
-    check_rule(lg, {"x": x}, lambda x: x.float().double(), rtol=1e-6, atol=1e-6, second_order=False)
+    # float64 -> float32 -> float64: central differences drown in float32 rounding, so compare with PyTorch,
+    # whose cast backward also rounds the cotangent through float32.
+    rng = np.random.default_rng(1)
+    x, u = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))
+    g = Graph([Node("Cast", ["x"], ["x32"], {"to": 1}, "down"), Node("Cast", ["x32"], ["y"], {"to": 11}, "up"),
+               Node("Mul", ["y", "u"], ["uy"], name="mul"), Node("ReduceSum", ["uy"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float64, (2, 3))], [ValueInfo("loss", np.float64, ())], {"u": u})
+    ours = _grad(g, {"x": x}, ["x"])["x"]
+    tx = torch.tensor(x, requires_grad=True)
+    (tx.float().double() * torch.tensor(u)).sum().backward()
+    np.testing.assert_array_equal(ours, tx.grad.numpy())
+    assert not np.array_equal(ours, u)  # the rounding really happened
 
 
 # -------------------------------------------------------------------------------------- conventions
@@ -173,9 +181,9 @@ def test_strong_zero_where_sqrt_branch():
         Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, "sum"),
     ]
     g = Graph(nodes, [ValueInfo("x", np.float64, (3,))], [ValueInfo("loss")])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "invalid value" surprises either
+    with np.errstate(invalid="ignore"):  # the forward computes sqrt(-1) = NaN in the untaken branch
         grads = _grad(g, {"x": np.array([-1.0, 0.0, 4.0])}, ["x"])
+    assert np.all(np.isfinite(grads["x"]))
     np.testing.assert_array_equal(grads["x"][:2], [1.0, 1.0])
     np.testing.assert_allclose(grads["x"][2], 0.25)
 

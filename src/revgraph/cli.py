@@ -11,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
 from .autodiff.backward import ACCUMULATE, gradient
 from .check import check_gradients
-from .errors import RevgraphError
+from .errors import InputError, RevgraphError
 from .ir import TARGET_OPSET, ValueInfo
 from .onnx_io import load, save, to_onnx
 from .runtime import BACKENDS, Session, random_inputs
@@ -67,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="tables read only through Gather get <name>_grad_indices and <name>_grad_values")
     grad.add_argument("--accumulate", choices=ACCUMULATE, default="sum",
                       help="sum: one Sum per value read several times; running: pairwise Add as gradients arrive")
+    grad.add_argument("--checkpoint", default="store", metavar="store|recompute|sqrt|K",
+                      help="loop residuals: stack them (store), recompute the body (recompute), or keep checkpoints "
+                      "every K iterations or at perfect squares (sqrt: O(sqrt(T)) memory)")
     grad.add_argument("--opset", type=int, metavar="N", help="write OUT.onnx at this opset (default: %d)" % TARGET_OPSET)
 
     check = sub.add_parser("check", help="compare the gradients with float64 central differences")
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
     except _UsageError as exc:
-        err.print(f"revgraph: error: {exc}", soft_wrap=True)
+        err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)  # argv is echoed: no markup
         return 2
     try:
         return {"info": cmd_info, "run": cmd_run, "grad": cmd_grad, "check": cmd_check}[args.command](args)
@@ -127,7 +131,7 @@ def _values_table(title: str, values: list[ValueInfo]) -> Table:
     for v in values:
         shape = "?" if v.shape is None else "[" + ", ".join("?" if d is None else str(d) for d in v.shape) + "]"
         dtype = str(v.dtype) if v.dtype is not None else "?"
-        table.add_row(v.name, f"seq({dtype})" if v.kind == "sequence" else dtype, shape)
+        table.add_row(escape(v.name), f"seq({dtype})" if v.kind == "sequence" else dtype, shape)
     return table
 
 
@@ -135,22 +139,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     g = load(args.model)
     converted = f" (converted from {g.source_opset})" if g.source_opset not in (None, g.opset) else ""
     others = ", ".join(f"{d} {v}" for d, v in sorted(g.opsets.items()) if d)
-    out.print(f"[bold]{args.model}[/bold]: opset {g.opset}{converted}" + (f"; also {others}" if others else ""))
+    header = f"[bold]{escape(args.model)}[/bold]: opset {g.opset}{converted}" + (f"; also {others}" if others else "")
+    out.print(header, soft_wrap=True)
     out.print(_values_table("Inputs", g.inputs))
     out.print(_values_table("Outputs", g.outputs))
     nbytes = sum(np.asarray(a).nbytes for a in g.initializers.values())
     out.print(f"Initializers: {len(g.initializers)} ({_human_bytes(nbytes)})")
     ops = Counter(n.op_type if not n.domain else f"{n.domain}:{n.op_type}" for _, n in g.walk())
     nested = sum(1 for _ in g.walk()) - len(g.nodes)
-    table = Table(
-        title=f"Operators: {sum(ops.values())} nodes" + (f", {nested} of them in subgraphs" if nested else ""),
-        title_justify="left",
-        show_edge=False,
-    )
+    # Not the table's title: a title wraps at the width of the (narrow) table.
+    nested_text = f", {nested} of them in subgraphs" if nested else ""
+    out.print(f"Operators: {sum(ops.values())} nodes{nested_text}", soft_wrap=True)
+    table = Table(show_edge=False)
     table.add_column("op")
     table.add_column("count", justify="right")
     for op, count in ops.most_common():
-        table.add_row(op, str(count))
+        table.add_row(escape(op), str(count))
     out.print(table)
     return 0
 
@@ -196,7 +200,7 @@ def _summary(arrays: dict[str, np.ndarray]) -> Table:
     for name, a in arrays.items():
         numeric = a.dtype.kind in "fiub" and a.size
         stats = [f"{float(s):.6g}" for s in (a.min(), a.max(), a.astype(np.float64).mean())] if numeric else ["", "", ""]
-        table.add_row(name, str(a.dtype), str(list(a.shape)), *stats)
+        table.add_row(escape(name), str(a.dtype), str(list(a.shape)), *stats)
     return table
 
 
@@ -229,7 +233,7 @@ def cmd_grad(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         gg = gradient(g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,
-                      sparse=args.sparse, accumulate=args.accumulate)
+                      sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint)
     for w in caught:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
     model = to_onnx(gg)

@@ -20,6 +20,7 @@ from ..ir import Graph, Node, ValueInfo
 from ..onnx_io import infer_types
 from ..ssa import captured_names, is_ssa, to_ssa
 from . import sparse as sp
+from .loops.loop import parse_policy
 from .loops.scan import lower_scans
 from .registry import NOT_DIFFERENTIABLE, Emitter, get_rule
 from .sparse import SparseGrad
@@ -288,7 +289,8 @@ def gradient(
     ``Gather`` gets ``<name>_grad_indices`` (int64 [K]) and ``<name>_grad_values`` ([K, ...]) instead.
     A wrt value with no path to the loss gets zeros and a ``UserWarning`` (``unconnected="zero"``) or raises
     (``unconnected="error"``). ``accumulate`` is ``"sum"`` or ``"running"`` (see :class:`Accumulator`).
-    ``checkpoint`` is the residual policy of loops: ``"store"`` or ``"recompute"`` (see :mod:`.loops`).
+    ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"sqrt"`` or a segment
+    length K (see :mod:`.loops`).
 
     Raises :class:`RevgraphError` (one line) for an unknown, ambiguous or non-floating name, and
     :class:`GraphError` for operators without a VJP rule on the path.
@@ -313,7 +315,7 @@ def gradient(
         types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape)
         ys[loss] = seed_name
     e = Emitter(types, used, g.opset)
-    e.options["checkpoint"] = checkpoint
+    e.options["checkpoint"] = parse_policy(checkpoint)
     _, grad_map = backward(g, ys, wrt_names, accumulate=accumulate, types=types, emitter=e)
 
     missing = [w for w in wrt_names if w not in grad_map]

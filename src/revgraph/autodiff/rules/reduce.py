@@ -4,6 +4,8 @@ mean)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ...ir import Node
 from ..registry import Emitter, vjp
 
@@ -11,8 +13,12 @@ from ..registry import Emitter, vjp
 def reduced_axes(e: Emitter, node: Node) -> str | None:
     """The axes input of a reduction (a value name), or ``None`` when every axis is reduced.
 
-    Raises nothing; a reduction with no axes and ``noop_with_empty_axes=1`` is handled by the caller."""
+    Raises nothing; a reduction with no axes and ``noop_with_empty_axes=1`` is handled by the caller.
+    A constant empty axes input means the same as a missing one."""
     if len(node.inputs) > 1 and node.inputs[1]:
+        value = e.value(node.inputs[1])
+        if value is not None and value.size == 0:
+            return None
         return node.inputs[1]
     return None
 
@@ -43,3 +49,125 @@ def reduce_sum(e: Emitter, node: Node, out_grads: list) -> list:
     if is_noop(e, node):
         return [g, *rest]
     return [expand_back(e, node, g), *rest]
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def keep(e: Emitter, node: Node, v: str) -> str:
+    """A reduction result ``v`` with the reduced axes re-inserted as size 1 (when ``keepdims=0``), so that
+    it broadcasts against the input; a no-op reduction's result is returned as is."""
+    axes = reduced_axes(e, node)
+    if is_noop(e, node) or node.attrs.get("keepdims", 1) or axes is None:
+        return v
+    return e.op("Unsqueeze", [v, axes])
+
+
+def reduce_like(e: Emitter, node: Node, op_type: str, v: str) -> str:
+    """``op_type`` over the same axes as ``node`` (with ``keepdims=1``), applied to ``v`` of the input's
+    shape: counts and partial products per reduced group, broadcastable against the input."""
+    axes = reduced_axes(e, node)
+    noop = 1 if node.attrs.get("noop_with_empty_axes", 0) else None
+    return e.op(op_type, [v] if axes is None else [v, axes], keepdims=1, noop_with_empty_axes=noop)
+
+
+def _rest(node: Node) -> list:
+    return [None] * (len(node.inputs) - 1)
+
+
+# ------------------------------------------------------------------------------------------ rules
+
+
+@vjp("ReduceMean")
+def reduce_mean(e: Emitter, node: Node, out_grads: list) -> list:
+    """``dx = dy / n`` broadcast back, ``n`` the number of elements per group (ONNX "ReduceMean")."""
+    x, y = node.inputs[0], node.outputs[0]
+    g = out_grads[0]
+    sx, sy = e.shape(x), e.shape(y)
+    if sx is not None and sy is not None:
+        count = e.scalar(float(np.prod(sx, dtype=np.int64)) / max(int(np.prod(sy, dtype=np.int64)), 1), g)
+    else:  # the group size is |x| / |y| (the same with keepdims either way)
+        ny = e.op("Max", [e.op("Size", [y]), e.const(np.int64(1))])
+        count = e.op("CastLike", [e.op("Div", [e.op("Size", [x]), ny]), g])
+    share = e.op("Div", [g, count], like=g)
+    return [e.op("Expand", [keep(e, node, share), e.shape_of(x)], like=x), *_rest(node)]
+
+
+@vjp("ReduceMax", "ReduceMin")
+def reduce_max_min(e: Emitter, node: Node, out_grads: list) -> list:
+    """The cotangent goes to the elements equal to the extremum, split equally among ties (DESIGN.md
+    section 5; JAX's ``_reduce_chooser_jvp_rule`` does the same)."""
+    x, y = node.inputs[0], node.outputs[0]
+    g = out_grads[0]
+    mask = e.op("CastLike", [e.op("Equal", [x, keep(e, node, y)]), x], like=x)
+    count = reduce_like(e, node, "ReduceSum", mask)
+    share = e.op("Div", [keep(e, node, g), count])
+    return [e.op("Mul", [share, mask], like=x), *_rest(node)]
+
+
+@vjp("ReduceProd")
+def reduce_prod(e: Emitter, node: Node, out_grads: list) -> list:
+    """``dx_i = dy * prod_{j != i} x_j`` (ONNX "ReduceProd"; PyTorch's ``prod_backward``), computed without
+    dividing by zero: with ``S = where(x == 0, 1, x)`` and ``Z`` the zero elements, the product of the others
+    is ``(prod S / S_i) * prod_{k in Z, k != i} x_k``; the second factor is 1 when no other element is zero,
+    ``x_k`` (value 0, derivative 1) when exactly one other ``x_k`` is, and 0 otherwise. Value and first
+    derivative are exact at zeros too, so second derivatives are right."""
+    x = node.inputs[0]
+    g = out_grads[0]
+    zero, one = e.scalar(0.0, x), e.scalar(1.0, x)
+    is_zero = e.op("Equal", [x, zero])
+    safe = e.op("Where", [is_zero, one, x], like=x)
+    zeros_only = e.op("Where", [is_zero, x, zero], like=x)  # the zero elements themselves, for their derivative
+    zmask = e.op("CastLike", [is_zero, x], like=x)
+    others_safe = e.op("Div", [reduce_like(e, node, "ReduceProd", safe), safe], like=x)
+    other_zeros = e.op("Sub", [reduce_like(e, node, "ReduceSum", zmask), zmask], like=x)
+    lone_zero = e.op("Sub", [reduce_like(e, node, "ReduceSum", zeros_only), zeros_only], like=x)
+    factor = e.op("Where", [e.op("Equal", [other_zeros, one]), lone_zero, zero], like=x)
+    factor = e.op("Where", [e.op("Equal", [other_zeros, zero]), one, factor], like=x)
+    others = e.op("Mul", [others_safe, factor], like=x)
+    return [e.op("Mul", [keep(e, node, g), others], like=x), *_rest(node)]
+
+
+@vjp("ReduceSumSquare")
+def reduce_sum_square(e: Emitter, node: Node, out_grads: list) -> list:
+    """``dx = 2 x dy`` (ONNX "ReduceSumSquare")."""
+    x = node.inputs[0]
+    g2 = e.op("Mul", [keep(e, node, out_grads[0]), e.scalar(2.0, x)])
+    return [e.op("Mul", [x, g2], like=x), *_rest(node)]
+
+
+@vjp("ReduceL2")
+def reduce_l2(e: Emitter, node: Node, out_grads: list) -> list:
+    """``dx = dy * x / ||x||`` (ONNX "ReduceL2"; PyTorch's ``norm_backward``), with the 0 subgradient where
+    the norm is 0 (there every x is 0, so dividing by 1 instead gives exactly 0)."""
+    x, y = node.inputs[0], node.outputs[0]
+    yk = keep(e, node, y)
+    safe = e.op("Where", [e.op("Equal", [yk, e.scalar(0.0, yk)]), e.scalar(1.0, yk), yk])
+    unit = e.op("Div", [x, safe], like=x)
+    return [e.op("Mul", [keep(e, node, out_grads[0]), unit], like=x), *_rest(node)]
+
+
+@vjp("ReduceL1")
+def reduce_l1(e: Emitter, node: Node, out_grads: list) -> list:
+    """``dx = dy * sign(x)`` (ONNX "ReduceL1"), the 0 subgradient at 0."""
+    x = node.inputs[0]
+    return [e.op("Mul", [keep(e, node, out_grads[0]), e.op("Sign", [x], like=x)], like=x), *_rest(node)]
+
+
+@vjp("ReduceLogSumExp")
+def reduce_log_sum_exp(e: Emitter, node: Node, out_grads: list) -> list:
+    """``dx = dy * softmax(x) = dy * exp(x - y)`` (ONNX "ReduceLogSumExp"; JAX's ``logsumexp`` derivative).
+    ``x - y <= 0`` since ``y >= max x``: the max-subtracted softmax, which cannot overflow."""
+    x, y = node.inputs[0], node.outputs[0]
+    p = e.op("Exp", [e.op("Sub", [x, keep(e, node, y)], like=x)], like=x)
+    return [e.op("Mul", [keep(e, node, out_grads[0]), p], like=x), *_rest(node)]
+
+
+@vjp("CumSum")
+def cumsum(e: Emitter, node: Node, out_grads: list) -> list:
+    """The transpose of a prefix sum is the suffix sum in the other direction, with the same exclusivity
+    (ONNX "CumSum"; JAX's ``cumsum`` transpose rule)."""
+    x, axis = node.inputs
+    exclusive = 1 if node.attrs.get("exclusive", 0) else None
+    reverse = None if node.attrs.get("reverse", 0) else 1
+    return [e.op("CumSum", [out_grads[0], axis], exclusive=exclusive, reverse=reverse, like=x), None]

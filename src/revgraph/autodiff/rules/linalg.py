@@ -1,0 +1,223 @@
+"""VJPs of matrix products (ONNX operator spec, "MatMul", "Gemm", "Einsum"; derivatives as in JAX's
+``jax/_src/lax/lax.py`` (``_dot_general_transpose_lhs/rhs``) and PyTorch's ``tools/autograd/derivatives.yaml``
+(``mm``, ``addmm``, ``einsum``)).
+
+The cotangent of a product with respect to one factor is again a product: of the output cotangent with the
+other factors. Broadcast batch dimensions are undone afterwards with :meth:`Emitter.reduce_to`.
+"""
+
+from __future__ import annotations
+
+import string
+from collections import Counter
+
+import numpy as np
+
+from ...errors import GraphError
+from ...ir import Node
+from ..registry import Emitter, vjp
+
+ELLIPSIS = "..."
+
+
+def _swap_last(e: Emitter, v: str, rank: int) -> str:
+    """``v`` with its last two axes swapped (the batched matrix transpose)."""
+    perm = [*range(rank - 2), rank - 1, rank - 2]
+    return e.op("Transpose", [v], perm=perm)
+
+
+@vjp("MatMul")
+def matmul(e: Emitter, node: Node, out_grads: list) -> list:
+    """``dA = dY @ B^T`` and ``dB = A^T @ dY``, summed over broadcast batch axes (numpy.matmul semantics,
+    ONNX "MatMul"). A 1-D operand is promoted to a matrix as numpy does (``[k] -> [1, k]`` on the left,
+    ``[k] -> [k, 1]`` on the right) and the promoted axis is summed away at the end."""
+    a, b = node.inputs
+    g = out_grads[0]
+    ra, rb = e.need_rank(a, node), e.need_rank(b, node)
+    if ra == 0 or rb == 0:
+        raise GraphError(f"{node.label()}: MatMul operands must have rank >= 1")
+    # The output dropped the promoted axes: put them back so that dY is a batch of matrices.
+    axes = ([-2] if ra == 1 else []) + ([-1] if rb == 1 else [])
+    g2 = e.op("Unsqueeze", [g, e.ints(axes)]) if axes else g
+    ga = gb = None
+    if e.need[0]:
+        bt = e.op("Unsqueeze", [b, e.ints([0])]) if rb == 1 else _swap_last(e, b, rb)  # B^T as [..., m, k]
+        t = e.op("MatMul", [g2, bt])  # [batch..., n, k]
+        if ra == 1:  # the promoted row axis (size 1) and every batch axis are summed: [k]
+            ga = e.op("ReduceSum", [t, e.ints(range(max(rb, 2) - 1))], keepdims=0, like=a)
+        else:
+            ga = e.reduce_to(t, a)
+    if e.need[1]:
+        at = e.op("Unsqueeze", [a, e.ints([1])]) if ra == 1 else _swap_last(e, a, ra)  # A^T as [..., k, n]
+        t = e.op("MatMul", [at, g2])  # [batch..., k, m]
+        if rb == 1:  # sum the batch axes and the promoted column axis: [k]
+            rt = max(ra, 2)
+            gb = e.op("ReduceSum", [t, e.ints([*range(rt - 2), rt - 1])], keepdims=0, like=b)
+        else:
+            gb = e.reduce_to(t, b)
+    return [ga, gb]
+
+
+@vjp("Gemm")
+def gemm(e: Emitter, node: Node, out_grads: list) -> list:
+    """``Y = alpha * op(A) @ op(B) + beta * C`` (ONNX "Gemm"): ``d op(A) = alpha * dY @ op(B)^T``,
+    ``d op(B) = alpha * op(A)^T @ dY``, ``dC = beta * dY`` summed to C's (unidirectionally broadcast)
+    shape. Each matrix cotangent is written as one more ``Gemm`` whose transpose flags absorb ``op``."""
+    a, b = node.inputs[:2]
+    c = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
+    g = out_grads[0]
+    alpha = float(node.attrs.get("alpha", 1.0))
+    beta = float(node.attrs.get("beta", 1.0))
+    ta, tb = int(node.attrs.get("transA", 0)), int(node.attrs.get("transB", 0))
+    al = alpha if alpha != 1.0 else None
+
+    def flag(v: int) -> int | None:
+        return 1 if v else None
+
+    grads: list = [None] * len(node.inputs)
+    if e.need[0]:
+        if ta:  # A = op(A)^T, so dA = alpha * op(B) @ dY^T
+            grads[0] = e.op("Gemm", [b, g], alpha=al, transA=flag(tb), transB=1, like=a)
+        else:
+            grads[0] = e.op("Gemm", [g, b], alpha=al, transB=flag(1 - tb), like=a)
+    if e.need[1]:
+        if tb:  # dB = alpha * dY^T @ op(A)
+            grads[1] = e.op("Gemm", [g, a], alpha=al, transA=1, transB=flag(ta), like=b)
+        else:
+            grads[1] = e.op("Gemm", [a, g], alpha=al, transA=flag(1 - ta), like=b)
+    if c is not None and e.need[2]:
+        gc = g if beta == 1.0 else e.op("Mul", [g, e.scalar(beta, g)], like=g)
+        grads[2] = e.reduce_to(gc, c)
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------- Einsum
+
+
+def _tokens(term: str) -> list[str]:
+    """The subscripts of one operand: letters, and ``...`` as one token."""
+    head, dots, tail = term.partition(ELLIPSIS)
+    return [*head, *([ELLIPSIS] if dots else []), *tail]
+
+
+def parse_equation(equation: str) -> tuple[list[str], str]:
+    """``(input terms, output term)`` of an Einsum equation; the implicit form's output is the ellipsis
+    followed by the letters used exactly once, in ASCII order (ONNX "Einsum", numpy.einsum)."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if not arrow:
+        counts = Counter(ch for t in terms for ch in t.replace(ELLIPSIS, ""))
+        rhs = (ELLIPSIS if any(ELLIPSIS in t for t in terms) else "") + "".join(
+            sorted(ch for ch, n in counts.items() if n == 1)
+        )
+    return terms, rhs
+
+
+def _eye(e: Emitter, x: str, axis: int) -> str:
+    """An identity matrix of size ``x.shape[axis]`` and ``x``'s dtype (the Kronecker delta that puts a
+    cotangent back on a diagonal)."""
+    s = e.shape(x)
+    dt = e.dtype(x)
+    if s is not None and dt is not None:
+        return e.const(np.eye(s[axis], dtype=dt))
+    n = e.op("Gather", [e.shape_of(x), e.ints([axis])], axis=0)
+    zeros = e.op("ConstantOfShape", [e.op("Concat", [n, n], axis=0)],
+                 value=np.zeros(1, dtype=dt if dt is not None else np.float32))
+    eye = e.op("EyeLike", [zeros])
+    return eye if dt is not None else e.op("CastLike", [eye, x])
+
+
+def _fit(e: Emitter, t: str, x: str) -> str:
+    """``t`` (aligned with ``x`` from the right, possibly with extra leading axes, broadcast axes, and
+    size-1 axes where ``x`` was summed only in its own term) made into ``x``'s shape: ``Expand`` where
+    ``x`` is larger, then :meth:`Emitter.reduce_to` where ``t`` is."""
+    dt, dx = e.dims(t), e.dims(x)
+    fits = (
+        dt is not None and dx is not None and len(dt) >= len(dx)
+        and all(a == b or b == 1 for a, b in zip(dt[len(dt) - len(dx):], dx, strict=True))
+    )
+    if not fits:
+        t = e.op("Expand", [t, e.shape_of(x)])
+    return e.reduce_to(t, x)
+
+
+def _layout(tokens: list[str], lead: int, k: int) -> list[int]:
+    """The permutation from ``[ellipsis (lead axes)..., letters...]`` to ``[lead - k extra axes...,
+    operand layout...]``, the operand's ellipsis being the last ``k`` of the ``lead`` axes."""
+    perm = list(range(lead - k))
+    letter = 0
+    for tok in tokens:
+        if tok == ELLIPSIS:
+            perm.extend(range(lead - k, lead))
+        else:
+            perm.append(lead + letter)
+            letter += 1
+    return perm
+
+
+@vjp("Einsum")
+def einsum(e: Emitter, node: Node, out_grads: list) -> list:
+    """The cotangent of operand i is an Einsum of the output cotangent with the other operands whose
+    output subscripts are operand i's (PyTorch ``einsum_backward``, the tensor-contraction form of
+    ``dA = dY @ B^T``). Subscripts that make this impossible are fixed around it: a letter repeated in
+    operand i (a diagonal) is renamed and tied to the original by an identity matrix; a letter that
+    appears only in operand i (summed out) is dropped and broadcast back with ``Expand``; ellipsis and
+    broadcast axes are placed first and summed with :meth:`Emitter.reduce_to`."""
+    terms, out_term = parse_equation(node.attrs["equation"])
+    if len(terms) != len(node.inputs):
+        raise GraphError(f"{node.label()}: the equation has {len(terms)} operands but the node {len(node.inputs)}")
+    g = out_grads[0]
+    toks = [_tokens(t) for t in terms]
+    has_ell = any(ELLIPSIS in t for t in toks)
+    ell_rank = []
+    for x, tk in zip(node.inputs, toks, strict=True):
+        ell_rank.append(e.need_rank(x, node) - (len(tk) - 1) if ELLIPSIS in tk else 0)
+    lead = max(ell_rank, default=0)  # the output cotangent's ellipsis rank
+    taken = set(node.attrs["equation"])
+
+    grads: list = []
+    for i, x in enumerate(node.inputs):
+        if not e.need[i]:
+            grads.append(None)
+            continue
+        k = ell_rank[i]
+        spare = (ch for ch in string.ascii_lowercase + string.ascii_uppercase if ch not in taken)
+        operands = [(g, out_term)] + [(v, terms[j]) for j, v in enumerate(node.inputs) if j != i]
+        letters: list[str] = []  # operand i's letters in order, repeats renamed
+        for pos, tok in enumerate(toks[i]):
+            if tok == ELLIPSIS:
+                continue
+            if tok in letters:
+                fresh = next(spare, None)
+                if fresh is None:
+                    raise GraphError(f"{node.label()}: too many subscripts to differentiate the equation")
+                axis = pos if ELLIPSIS not in toks[i][:pos] else pos + k - 1
+                operands.append((_eye(e, x, axis), tok + fresh))
+                tok = fresh
+            letters.append(tok)
+        present = {ch for _, t in operands for ch in t}
+        kept = [ch for ch in letters if ch in present]
+        res_term = (ELLIPSIS if has_ell else "") + "".join(kept)
+        if len(operands) == 1 and res_term == out_term:
+            t = g
+        else:
+            eq = ",".join(term for _, term in operands) + "->" + res_term
+            if has_ell and any(e.shape(v) is None for v, _ in operands):
+                # ONNX inference gives a broadcast ellipsis the first operand's symbolic dimensions, which
+                # would hide the axes reduce_to must sum: record the rank only.
+                t = e.op("Einsum", [v for v, _ in operands], equation=eq,
+                         shape=(None,) * (lead + len(kept)), dtype=e.dtype(g))
+            else:
+                t = e.op("Einsum", [v for v, _ in operands], equation=eq)
+        # Letters summed only within operand i come back as size-1 axes (expanded by _fit).
+        missing = [lead + p for p, ch in enumerate(letters) if ch not in present]
+        if missing:
+            t = e.op("Unsqueeze", [t, e.ints(missing)])
+        # Layout now [ellipsis (lead axes)..., letters...]; operand i wants its ellipsis (its last k
+        # axes) where its term has it, behind the lead - k axes that reduce_to sums away.
+        perm = _layout(toks[i], lead, k)
+        if perm != list(range(len(perm))):
+            t = e.op("Transpose", [t], perm=perm)
+        grads.append(_fit(e, t, x))
+    return grads

@@ -1,0 +1,32 @@
+"""VJPs of neural-network activations over an axis (ONNX operator spec, "Softmax", "LogSoftmax"; since
+opset 13 both normalise along the single ``axis``, default -1; derivatives as in PyTorch's
+``_softmax_backward_data`` and ``_log_softmax_backward_data``)."""
+
+from __future__ import annotations
+
+from ...ir import Node
+from ..registry import Emitter, not_differentiable, vjp
+
+
+@vjp("Softmax")
+def softmax(e: Emitter, node: Node, out_grads: list) -> list:
+    """``dx = y * (dy - sum(dy * y, axis))`` (the Jacobian ``diag(y) - y y^T`` applied to ``dy``)."""
+    x, y = node.inputs[0], node.outputs[0]
+    g = out_grads[0]
+    axes = e.ints([int(node.attrs.get("axis", -1))])
+    dot = e.op("ReduceSum", [e.op("Mul", [g, y], like=y), axes], keepdims=1)
+    return [e.op("Mul", [y, e.op("Sub", [g, dot], like=y)], like=x)]
+
+
+@vjp("LogSoftmax")
+def log_softmax(e: Emitter, node: Node, out_grads: list) -> list:
+    """``dx = dy - exp(y) * sum(dy, axis)`` (``exp(y)`` is the softmax)."""
+    x, y = node.inputs[0], node.outputs[0]
+    g = out_grads[0]
+    axes = e.ints([int(node.attrs.get("axis", -1))])
+    total = e.op("ReduceSum", [g, axes], keepdims=1)
+    return [e.op("Sub", [g, e.op("Mul", [e.op("Exp", [y], like=y), total], like=y)], like=x)]
+
+
+not_differentiable("piecewise constant: the derivative is 0 almost everywhere", "Hardmax")
+not_differentiable("integer result", "ArgMax", "ArgMin")

@@ -1,0 +1,433 @@
+"""VJPs of shape-manipulating operators (ONNX operator spec, "Reshape" ... "Pad", opset 21).
+
+Every one of them is linear in the tensor it moves, so its VJP is the adjoint data movement: each cotangent
+element goes back to where its output element came from, and elements that came from the same place add up
+(``Expand``, ``Tile``, ``Pad`` in reflect/edge/wrap mode). These are the transposes JAX uses for
+``lax.reshape``, ``lax.transpose``, ``lax.slice`` / ``lax.pad`` (``jax/_src/lax/slicing.py``, ``lax.py``),
+and PyTorch's ``derivatives.yaml`` entries for ``view``, ``permute``, ``slice``, ``repeat``,
+``constant_pad_nd``, ``reflection_pad*``, ``replication_pad*`` and ``circular_pad*``.
+
+Integer inputs (shapes, axes, pads, starts, repeats) get no gradient. Backward nodes are chosen from this
+family, elementwise and reduce ops so that gradients of gradients need no other family; only ``Pad`` with
+non-constant pads or dimensions in reflect/edge/wrap mode scatters with ``ScatterElements``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from ...errors import GraphError
+from ...ir import Node
+from ..registry import Emitter, not_differentiable, vjp
+
+INT64_MAX = int(np.iinfo(np.int64).max)
+INT64_MIN = int(np.iinfo(np.int64).min)
+INT64 = onnx.TensorProto.INT64
+
+# An "int or name": a Python int when the value is known while the graph is built, else the name of a 1-D
+# int64 value of length 1. The helpers below fold ints and emit ops only for unknown values.
+Dyn = int | str
+
+
+def _t(e: Emitter, v: Dyn) -> str:
+    return e.ints([int(v)]) if isinstance(v, (int, np.integer)) else v
+
+
+def _arith(e: Emitter, op: str, a: Dyn, b: Dyn) -> Dyn:
+    if isinstance(a, int) and isinstance(b, int):
+        return {"Add": a + b, "Sub": a - b, "Mul": a * b, "Max": max(a, b)}[op]
+    return e.op(op, [_t(e, a), _t(e, b)])
+
+
+def _input(node: Node, i: int) -> str | None:
+    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
+
+
+def _const_ints(e: Emitter, name: str | None) -> list[int] | None:
+    v = e.value(name) if name else None
+    return None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
+
+
+def _as_int64(e: Emitter, name: str) -> str:
+    """Slice indices may be int32; the backward mixes them with int64 constants."""
+    dt = e.dtype(name)
+    return name if dt == np.int64 else e.op("Cast", [name], to=INT64)
+
+
+def _norm_axis(e: Emitter, axis: int, value: str) -> int:
+    """``axis`` made non-negative when the rank of ``value`` is known (else left negative)."""
+    r = e.rank(value)
+    return axis + r if axis < 0 and r is not None else axis
+
+
+def _dim(e: Emitter, x: str, axis: int) -> Dyn:
+    """The size of ``x`` along ``axis`` (which may be negative): an int when static."""
+    dims = e.dims(x)
+    if dims is not None and -len(dims) <= axis < len(dims) and isinstance(dims[axis], int):
+        return dims[axis]
+    attrs = {"start": axis} if axis == -1 else {"start": axis, "end": axis + 1}
+    return e.op("Shape", [x], shape=(1,), dtype=np.int64, **attrs)
+
+
+def _reshape_to(e: Emitter, g: str, x: str) -> str:
+    """``g`` reshaped to the shape of ``x``; ``allowzero`` because that shape may hold real zero dims."""
+    sg, sx = e.shape(g), e.shape(x)
+    if sg is not None and sg == sx:
+        return g
+    return e.op("Reshape", [g, e.shape_of(x)], allowzero=1, like=x)
+
+
+def _reverse(e: Emitter, g: str, axis: int) -> str:
+    return e.op("Slice", [g, e.ints([-1]), e.ints([INT64_MIN]), e.ints([axis]), e.ints([-1])], like=g)
+
+
+def _pad_axis(e: Emitter, g: str, axis: int, before: Dyn, after: Dyn, like: str | None = None) -> str:
+    """Zeros added along one axis (a no-op when both amounts are known zeros)."""
+    if isinstance(before, int) and isinstance(after, int):
+        if before == 0 and after == 0:
+            return g
+        pads = e.ints([before, after])
+    else:
+        pads = e.op("Concat", [_t(e, before), _t(e, after)], axis=0)
+    return e.op("Pad", [g, pads, "", e.ints([axis])], like=like)
+
+
+# ------------------------------------------------------------------------------------------ reshapes
+
+
+@vjp("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def reshape(e: Emitter, node: Node, out_grads: list) -> list:
+    """The cotangent reshaped back to ``Shape(x)``: the elements keep their row-major order (ONNX Reshape,
+    Flatten, Squeeze, Unsqueeze; JAX's ``_reshape_transpose_rule``)."""
+    rest = [None] * (len(node.inputs) - 1)
+    return [_reshape_to(e, out_grads[0], node.inputs[0]) if e.need[0] else None, *rest]
+
+
+@vjp("Transpose")
+def transpose(e: Emitter, node: Node, out_grads: list) -> list:
+    """Transpose by the inverse permutation; the default perm reverses the axes and is its own inverse
+    (JAX's ``_transpose_transpose_rule``)."""
+    x, g = node.inputs[0], out_grads[0]
+    perm = node.attrs.get("perm")
+    if perm is None:
+        return [e.op("Transpose", [g], like=x)]
+    perm = [int(p) + len(perm) if int(p) < 0 else int(p) for p in perm]
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return [e.op("Transpose", [g], perm=inverse, like=x)]
+
+
+@vjp("Expand")
+def expand(e: Emitter, node: Node, out_grads: list) -> list:
+    """Expand broadcasts ``x`` (onnx/docs/Broadcasting.md); the adjoint sums the cotangent over the broadcast
+    axes (PyTorch's ``expand`` backward, ``sum_to_size``)."""
+    return [e.reduce_to(out_grads[0], node.inputs[0]) if e.need[0] else None, None]
+
+
+# ------------------------------------------------------------------------------------------ concat / split
+
+
+@vjp("Concat")
+def concat(e: Emitter, node: Node, out_grads: list) -> list:
+    """Input i gets the slice of the cotangent at its offset along ``axis`` (the sizes of the inputs
+    before it), with static offsets when the sizes are known and ``Shape``-based ones otherwise (JAX's
+    ``_concatenate_transpose_rule``)."""
+    g = out_grads[0]
+    axis = _norm_axis(e, int(node.attrs["axis"]), node.outputs[0])
+    grads: list = []
+    offset: Dyn = 0
+    for x, need in zip(node.inputs, e.need, strict=True):
+        size = _dim(e, x, axis)
+        end = _arith(e, "Add", offset, size)
+        grads.append(e.op("Slice", [g, _t(e, offset), _t(e, end), e.ints([axis])], like=x) if need else None)
+        offset = end
+    return grads
+
+
+@vjp("Split")
+def split(e: Emitter, node: Node, out_grads: list) -> list:
+    """The cotangents of the pieces concatenated along ``axis``; pieces without one contribute zeros
+    (PyTorch's ``split_backward``)."""
+    x = node.inputs[0]
+    parts = [g if g is not None else e.zeros_like(y) for g, y in zip(out_grads, node.outputs, strict=True)]
+    gx = parts[0] if len(parts) == 1 else e.op("Concat", parts, axis=int(node.attrs.get("axis", 0)), like=x)
+    return [gx] + [None] * (len(node.inputs) - 1)
+
+
+# ------------------------------------------------------------------------------------------ tile
+
+
+@vjp("Tile")
+def tile(e: Emitter, node: Node, out_grads: list) -> list:
+    """``y`` viewed as ``[r0, d0, r1, d1, ...]`` holds ``r0 * r1 * ...`` copies of ``x``; the adjoint sums
+    the cotangent, viewed the same way, over the repeat axes (PyTorch's ``repeat_backward``)."""
+    x, reps = node.inputs
+    g = out_grads[0]
+    if not e.need[0]:
+        return [None, None]
+    r = e.rank(x)
+    if r is None:
+        rs = e.shape(reps)
+        if rs is None:
+            raise GraphError(f"{node.label()}: the rank of {x!r} is unknown, and the VJP of Tile needs it; "
+                             "declare the shapes of the graph inputs")
+        r = rs[0]
+    if r == 0:
+        return [g, None]
+    rv, xs = _const_ints(e, reps), e.shape(x)
+    if rv is not None and xs is not None:
+        if all(v == 1 for v in rv):
+            return [g, None]
+        view = e.ints([v for pair in zip(rv, xs, strict=True) for v in pair])
+    else:
+        cols = [e.op("Unsqueeze", [_as_int64(e, v), e.ints([1])]) for v in (reps, e.shape_of(x))]
+        view = e.op("Reshape", [e.op("Concat", cols, axis=1), e.ints([-1])])
+    grouped = e.op("Reshape", [g, view], allowzero=1)
+    return [e.op("ReduceSum", [grouped, e.ints(range(0, 2 * r, 2))], keepdims=0, like=x), None]
+
+
+# ------------------------------------------------------------------------------------------ slice
+
+
+def slice_indices(dim: int, start: int, end: int, step: int) -> range:
+    """The indices ONNX ``Slice`` selects along one axis (operator spec, Slice-13: negative starts/ends
+    count from the end, then starts clamp to [0, dim] for positive steps and [0, dim-1] for negative
+    ones, ends to [0, dim] and [-1, dim-1])."""
+    start = start + dim if start < 0 else start
+    end = end + dim if end < 0 else end
+    if step > 0:
+        start, end = min(max(start, 0), dim), min(max(end, 0), dim)
+    else:
+        start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+    return range(start, end, step)
+
+
+def _unslice_axis(e: Emitter, g: str, axis: int, dim: Dyn, lo: Dyn, n: Dyn, s: Dyn, neg) -> str:
+    """The adjoint of a strided selection along ``axis``: the ``n`` cotangent rows go to ``lo``,
+    ``lo + s``, ... (in reverse order when ``neg``), zeros elsewhere, for a result of length ``dim``.
+
+    Zeros are interleaved by padding a new unit axis to ``s`` and merging it, then the tail is cut off and
+    the result padded to ``dim``: only Unsqueeze/Pad/Reshape/Slice, which have VJPs here.
+    ``neg`` is a bool or the name of a boolean [1] value; the other arguments are int-or-name."""
+    if neg is True:
+        g = _reverse(e, g, axis)
+    elif neg is not False:
+        pick = lambda a, b: e.op("Where", [neg, e.ints([a]), e.ints([b])])  # noqa: E731
+        g = e.op("Slice", [g, pick(-1, 0), pick(INT64_MIN, INT64_MAX), e.ints([axis]), pick(-1, 1)], like=g)
+    if s == 1:
+        length: Dyn = n
+    else:
+        new = axis + 1 if axis >= 0 else axis  # right after ``axis``, counted in the rank + 1 result
+        u = e.op("Unsqueeze", [g, e.ints([new])])
+        spread = _pad_axis(e, u, new, 0, _arith(e, "Sub", s, 1))
+        gs = e.shape(g)
+        merged_len = _arith(e, "Mul", n, s)
+        if gs is not None and isinstance(merged_len, int):
+            view = e.ints([merged_len if i == axis % len(gs) else d for i, d in enumerate(gs)])
+        else:
+            head = [e.op("Shape", [g], end=axis)] if axis != 0 else []
+            tail = [e.op("Shape", [g], start=axis + 1)] if axis != -1 else []
+            view = e.op("Concat", [*head, _t(e, merged_len), *tail], axis=0)
+        merged = e.op("Reshape", [spread, view], allowzero=1)
+        length = _arith(e, "Max", _arith(e, "Add", _arith(e, "Mul", _arith(e, "Sub", n, 1), s), 1), 0)
+        g = e.op("Slice", [merged, e.ints([0]), _t(e, length), e.ints([axis])])
+    return _pad_axis(e, g, axis, lo, _arith(e, "Sub", _arith(e, "Sub", dim, lo), length))
+
+
+def _dynamic_selection(e: Emitter, dim: Dyn, start: Dyn, end: Dyn, step: Dyn) -> tuple:
+    """``(lo, n, s, neg)`` of one axis computed in the graph by slicing an index line ``0 .. dim-1`` with
+    the node's own parameters, so the runtime's Slice decides the clamping."""
+    limit = e.op("Squeeze", [_t(e, dim), e.ints([0])]) if not isinstance(dim, int) else e.const(np.int64(dim))
+    line = e.op("Range", [e.const(np.int64(0)), limit, e.const(np.int64(1))])
+    picked = e.op("Slice", [line, _t(e, start), _t(e, end), e.ints([0]), _t(e, step)])
+    n = e.op("Shape", [picked], shape=(1,), dtype=np.int64)
+    # with nothing selected, lo = dim makes the padding put all of the (empty) row at the end
+    lo = e.op("ReduceMin", [e.op("Concat", [picked, _t(e, dim)], axis=0)], keepdims=1)
+    if isinstance(step, int):
+        return lo, n, abs(step), step < 0
+    return lo, n, e.op("Abs", [step]), e.op("Less", [step, e.ints([0])])
+
+
+def _masked_params(e: Emitter, node: Node, x: str, starts: str, ends: str, axes: str | None, steps: str | None):
+    """Per-axis ``(axis, start, end, step)`` for every axis of ``x`` when the sliced axes are not known
+    while the graph is built: an axis missing from ``axes`` takes the whole range."""
+    r = e.need_rank(x, node)
+    if axes is None:
+        axes = e.op("Range", [e.const(np.int64(0)), e.op("Size", [starts]), e.const(np.int64(1))])
+    axes = _as_int64(e, axes)
+    axes = e.op("Where", [e.op("Less", [axes, e.ints([0])]), e.op("Add", [axes, e.ints([r])]), axes])
+    starts, ends = _as_int64(e, starts), _as_int64(e, ends)
+    if steps is None:
+        steps = e.op("ConstantOfShape", [e.op("Shape", [starts])], value=np.ones(1, np.int64))
+    steps = _as_int64(e, steps)
+    zero = e.ints([0])
+    out = []
+    for i in range(r):
+        hit = e.op("Equal", [axes, e.ints([i])])
+        found = e.op("Greater", [e.op("ReduceSum", [e.op("Cast", [hit], to=INT64)], keepdims=1), zero])
+
+        def pick(v, default, hit=hit, found=found):
+            chosen = e.op("ReduceSum", [e.op("Where", [hit, v, zero])], keepdims=1)
+            return e.op("Where", [found, chosen, e.ints([default])])
+
+        out.append((i, pick(starts, 0), pick(ends, INT64_MAX), pick(steps, 1)))
+    return out
+
+
+@vjp("Slice")
+def slice_(e: Emitter, node: Node, out_grads: list) -> list:
+    """The cotangent scattered into zeros of ``x``'s shape at the selected positions, axis by axis
+    (JAX's ``_slice_transpose_rule``: a pad with interior padding ``step - 1``). Works from constants when
+    the parameters and the sliced dimensions are known, from graph values otherwise."""
+    x, g = node.inputs[0], out_grads[0]
+    rest = [None] * (len(node.inputs) - 1)
+    if not e.need[0]:
+        return [None, *rest]
+    starts, ends, axes, steps = node.inputs[1], node.inputs[2], _input(node, 3), _input(node, 4)
+    sv, ev, av, tv = (_const_ints(e, v) for v in (starts, ends, axes, steps))
+    k = len(sv) if sv is not None else (e.shape(starts) or [None])[0]
+    if av is None and axes is None and k is not None:
+        av = list(range(k))
+    if av is not None:
+        def part(vals, name, i, default=None):
+            if name is None:
+                return default
+            if vals is not None:
+                return vals[i]
+            return e.op("Slice", [_as_int64(e, name), e.ints([i]), e.ints([i + 1])])
+
+        params = [(a, part(sv, starts, i), part(ev, ends, i), part(tv, steps, i, 1)) for i, a in enumerate(av)]
+    else:
+        params = _masked_params(e, node, x, starts, ends, axes, steps)
+    for a, start, end, step in params:
+        a = _norm_axis(e, a, x)
+        dim = _dim(e, x, a)
+        if all(isinstance(v, int) for v in (dim, start, end, step)):
+            idx = slice_indices(dim, start, end, step)
+            if len(idx) == 0:
+                return [e.zeros_like(x), *rest]
+            sel = (min(idx), len(idx), abs(step), step < 0)
+        else:
+            sel = _dynamic_selection(e, dim, start, end, step)
+        g = _unslice_axis(e, g, a, dim, *sel)
+    return [_reshape_to(e, g, x), *rest]
+
+
+# ------------------------------------------------------------------------------------------ pad
+
+
+def _unpad_constant(e: Emitter, g: str, x: str, pads: str, axes: str | None) -> str:
+    """Constant mode: the cotangent with the added border cut off (``Slice``) and zeros where ``x`` was
+    cropped by negative pads (``Pad``), without negative pads (``onnx.reference`` rejects them)."""
+    tail = [axes] if axes else []
+    pv = _const_ints(e, pads)
+    if pv is not None:
+        k = len(pv) // 2
+        before, after = pv[:k], pv[k:]
+        if any(p > 0 for p in pv):
+            g = e.op("Slice", [g, e.ints([max(b, 0) for b in before]),
+                               e.ints([-a if a > 0 else INT64_MAX for a in after]), *tail])
+        if any(p < 0 for p in pv):
+            g = e.op("Pad", [g, e.ints([max(-p, 0) for p in pv]), "", *tail])
+        return _reshape_to(e, g, x)
+    halves = e.op("Reshape", [e.op("Max", [pads, e.ints([0])]), e.ints([2, -1])])
+    row = lambda i: e.op("Reshape", [e.op("Slice", [halves, e.ints([i]), e.ints([i + 1])]), e.ints([-1])])  # noqa: E731
+    before, after = row(0), row(1)
+    ends = e.op("Where", [e.op("Greater", [after, e.ints([0])]), e.op("Neg", [after]), e.ints([INT64_MAX])])
+    g = e.op("Slice", [g, before, ends, *tail])
+    cropped = e.op("Max", [e.op("Neg", [pads]), e.ints([0])])
+    return e.op("Pad", [g, cropped, "", *tail], like=x)
+
+
+def _unpad_axis(e: Emitter, g: str, axis: int, dim: int, before: int, after: int, mode: str) -> str:
+    """Reflect/edge/wrap along one axis with known sizes. Negative pads crop first, then the mode pads
+    the cropped row (what onnxruntime does); ``np.pad`` of ``0 .. n-1`` gives the source of every output
+    position. That index map is cut into runs that ascend, descend or repeat one index; each run's
+    cotangent is reversed or summed as needed and padded into place, and the runs are added."""
+    if before == 0 and after == 0:
+        return g
+    cut_b, cut_a = max(-before, 0), max(-after, 0)
+    n = dim - cut_b - cut_a
+    if n <= 0:
+        return _pad_axis(e, g, axis, dim, 0)
+    src = np.pad(np.arange(n), (max(before, 0), max(after, 0)), mode=mode)
+    parts, i = [], 0
+    while i < len(src):
+        j, d = i + 1, 1
+        if j < len(src) and abs(int(src[j]) - int(src[i])) <= 1:
+            d = int(src[j]) - int(src[i])
+            while j + 1 < len(src) and int(src[j + 1]) - int(src[j]) == d:
+                j += 1
+            j += 1
+        seg = e.op("Slice", [g, e.ints([i]), e.ints([j]), e.ints([axis])])
+        if d == 0:
+            seg = e.op("ReduceSum", [seg, e.ints([axis])], keepdims=1)
+        elif d == -1:
+            seg = _reverse(e, seg, axis)
+        lo, length = int(src[i:j].min()), 1 if d == 0 else j - i
+        parts.append(_pad_axis(e, seg, axis, lo, n - lo - length))
+        i = j
+    total = parts[0] if len(parts) == 1 else e.op("Sum", parts)
+    return _pad_axis(e, total, axis, cut_b, cut_a)
+
+
+def _unpad_scatter(e: Emitter, g: str, x: str, pads: str, axes: str | None, mode: str) -> str:
+    """Reflect/edge/wrap with sizes known only at run time: pad an index grid of ``x`` with the same mode
+    to learn each output's source, and add the cotangent there with ``ScatterElements(reduction="add")``."""
+    size = e.op("Size", [x])
+    grid = e.op("Reshape", [e.op("Range", [e.const(np.int64(0)), size, e.const(np.int64(1))]), e.shape_of(x)])
+    source = e.op("Pad", [grid, pads, *(["", axes] if axes else [])], mode=mode)
+    flat = e.ints([-1])
+    n = e.op("Unsqueeze", [size, e.ints([0])])
+    dt = e.dtype(x)
+    zeros = e.op("ConstantOfShape", [n], value=np.zeros(1, dt if dt is not None else np.float32))
+    if dt is None:
+        zeros = e.op("CastLike", [zeros, g])
+    summed = e.op("ScatterElements", [zeros, e.op("Reshape", [source, flat]), e.op("Reshape", [g, flat])],
+                  axis=0, reduction="add")
+    return e.op("Reshape", [summed, e.shape_of(x)], like=x)
+
+
+@vjp("Pad")
+def pad(e: Emitter, node: Node, out_grads: list) -> list:
+    """Constant mode: the cotangent of ``x`` is the cotangent without the border, and ``constant_value``
+    gets the sum of the cotangent over the border. Reflect/edge/wrap: each output element is a copy of
+    one ``x`` element, so ``x`` gets the sum of the cotangents of its copies (JAX's ``_pad_transpose``;
+    PyTorch's ``reflection_pad*_backward``, ``replication_pad*_backward``)."""
+    x, pads, g = node.inputs[0], node.inputs[1], out_grads[0]
+    cv, axes = _input(node, 2), _input(node, 3)
+    mode = node.attrs.get("mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    grads: list = [None] * len(node.inputs)
+    if e.need[0] and mode == "constant":
+        grads[0] = _unpad_constant(e, g, x, pads, axes)
+    elif e.need[0]:
+        grads[0] = _unpad_modes(e, node, g, x, pads, axes, mode)
+    if cv is not None and mode == "constant" and e.need[2]:
+        inside = e.op("Pad", [e.ones_like(x), pads, "", *([axes] if axes else [])])
+        border = e.op("Sub", [e.scalar(1.0, g), inside])
+        total = e.op("ReduceSum", [e.op("Mul", [g, border])], keepdims=0)
+        grads[2] = total if e.rank(cv) == 0 else e.op("Reshape", [total, e.shape_of(cv)], like=cv)
+    return grads
+
+
+def _unpad_modes(e: Emitter, node: Node, g: str, x: str, pads: str, axes: str | None, mode: str) -> str:
+    pv, dims = _const_ints(e, pads), e.dims(x)
+    av = _const_ints(e, axes) if axes else (None if pv is None else list(range(len(pv) // 2)))
+    if pv is not None and av is not None and dims is not None:
+        k = len(av)
+        norm = [a + len(dims) if a < 0 else a for a in av]
+        if all(isinstance(dims[a], int) for a in norm):
+            for a, b, after in zip(norm, pv[:k], pv[k:], strict=True):
+                g = _unpad_axis(e, g, a, dims[a], b, after, mode)
+            return _reshape_to(e, g, x)
+    return _unpad_scatter(e, g, x, pads, axes, mode)
+
+
+not_differentiable(
+    "integer result, or a result fixed by the inputs' shapes rather than their values",
+    "Shape", "Size", "ConstantOfShape", "Range", "NonZero", "EyeLike",
+)
+not_differentiable("no inputs: a constant", "Constant")
