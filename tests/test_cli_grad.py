@@ -147,3 +147,25 @@ def test_check_inputs_file(tmp_path, capsys):
     np.savez(tmp_path / "bad.npz", **{"0": np.zeros((2, 3), np.float32)})
     assert main(["check", str(MM), "--inputs", str(tmp_path / "bad.npz")]) == 2
     capsys.readouterr()
+
+
+def test_grad_checkpoint_policies_agree(tmp_path, capsys):
+    from loopkit import body, graph, loop, n
+
+    b = body([n("Mul", ["s_in", "x"], "s_out"), n("Sin", ["s_out"], "y")], [("s_in", "s_out")], scan=["y"],
+             types={"s_in": (3,), "s_out": (3,)})
+    g = graph([loop(b, "M", ["s0"], ["s", "Y"]), n("ReduceSum", ["Y"], "loss", keepdims=0)],
+              {"x": (3,), "s0": (3,)}, ["loss"], {"M": np.array(9, np.int64)})
+    rg.save(g, tmp_path / "loop.onnx")
+    feeds = {"x": np.array([0.9, 1.1, -0.5]), "s0": np.array([0.3, 0.2, 0.1])}
+    results = {}
+    for policy in ("store", "recompute", "sqrt", "4"):
+        out = tmp_path / f"{policy}.onnx"
+        assert main(["grad", str(tmp_path / "loop.onnx"), "-o", str(out), "--checkpoint", policy]) == 0
+        results[policy] = rg.Session(str(out)).run(feeds)
+    for policy, res in results.items():
+        for k in ("x_grad", "s0_grad"):
+            np.testing.assert_allclose(res[k], results["store"][k], rtol=1e-12, err_msg=f"{policy} {k}")
+    capsys.readouterr()
+    assert main(["grad", str(tmp_path / "loop.onnx"), "-o", str(tmp_path / "bad.onnx"), "--checkpoint", "often"]) == 2
+    assert "unknown checkpoint policy 'often'" in _err_line(capsys)
