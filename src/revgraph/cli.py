@@ -19,6 +19,7 @@ from .autodiff.backward import ACCUMULATE, gradient
 from .check import check_gradients
 from .errors import InputError, RevgraphError
 from .ir import TARGET_OPSET, ValueInfo
+from .lift import lift_constants
 from .onnx_io import load, save, to_onnx
 from .runtime import BACKENDS, Session, random_inputs
 
@@ -71,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     grad.add_argument("--checkpoint", default="store", metavar="store|recompute|sqrt|K",
                       help="loop residuals: stack them (store), recompute the body (recompute), or keep checkpoints "
                       "every K iterations or at perfect squares (sqrt: O(sqrt(T)) memory)")
+    grad.add_argument("--lift-constants", action="store_true",
+                      help="make floating Constant/ConstantOfShape values with more than one element trainable initializers")
     grad.add_argument("--opset", type=int, metavar="N", help="write OUT.onnx at this opset (default: %d)" % TARGET_OPSET)
 
     check = sub.add_parser("check", help="compare the gradients with float64 central differences")
@@ -79,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--wrt", metavar="NAME", nargs="+")
     check.add_argument("--inputs", metavar="FILE.npz", help="input arrays by input name (default: random)")
     check.add_argument("--seed", type=int, default=0, help="seed of the inputs, cotangent and directions")
+    check.add_argument("--lift-constants", action="store_true", help="as for grad")
     check.add_argument("--rtol", type=float, default=1e-4)
     check.add_argument("--atol", type=float, default=1e-6)
     return p
@@ -233,7 +237,8 @@ def cmd_grad(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         gg = gradient(g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,
-                      sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint)
+                      sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint,
+                      lift_constants=args.lift_constants)
     for w in caught:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
     model = to_onnx(gg)
@@ -257,6 +262,8 @@ def cmd_grad(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     g = load(args.model)
     feeds = read_npz(args.inputs) if args.inputs else None
+    if args.lift_constants:
+        g = lift_constants(g)[0]
     report = check_gradients(g, args.loss, args.wrt, inputs=feeds, seed=args.seed, rtol=args.rtol, atol=args.atol)
     table = Table(title=f"gradient of {report.loss!r} against float64 central differences", title_justify="left",
                   show_edge=False)

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import GraphError, RevgraphError
 from ..ir import Graph, Node, ValueInfo
+from ..lift import lift_constants as lift
 from ..onnx_io import infer_types
 from ..ssa import captured_names, is_ssa, to_ssa
 from . import sparse as sp
@@ -278,6 +279,7 @@ def gradient(
     sparse: bool = False,
     accumulate: str = "sum",
     checkpoint: str = "store",
+    lift_constants: bool = False,
 ) -> Graph:
     """A graph computing ``graph``'s outputs and the gradient of ``loss`` with respect to each ``wrt`` value.
 
@@ -290,7 +292,9 @@ def gradient(
     A wrt value with no path to the loss gets zeros and a ``UserWarning`` (``unconnected="zero"``) or raises
     (``unconnected="error"``). ``accumulate`` is ``"sum"`` or ``"running"`` (see :class:`Accumulator`).
     ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"sqrt"`` or a segment
-    length K (see :mod:`.loops`).
+    length K (see :mod:`.loops`). ``lift_constants=True`` first turns floating-point ``Constant`` and
+    ``ConstantOfShape`` values with more than one element into initializers (:func:`revgraph.lift.lift_constants`),
+    so that they are differentiated by default.
 
     Raises :class:`RevgraphError` (one line) for an unknown, ambiguous or non-floating name, and
     :class:`GraphError` for operators without a VJP rule on the path.
@@ -300,7 +304,7 @@ def gradient(
     if unconnected not in ("zero", "error"):
         raise RevgraphError(f"unknown unconnected policy {unconnected!r}; choose 'zero' or 'error'")
     g = graph if is_ssa(graph) else to_ssa(graph)
-    g = g.copy()
+    g = lift(g)[0] if lift_constants else g.copy()
     if any(n.op_type == "Scan" for _, n in g.walk()):
         lower_scans(g, infer_types(g), used_names(g))
     types = infer_types(g)

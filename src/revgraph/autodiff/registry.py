@@ -33,6 +33,11 @@ RULES: dict[str, Rule] = {}
 NOT_DIFFERENTIABLE: dict[str, str] = {}
 
 
+#: Operators differentiated by rewriting them into other operators before the backward pass (Scan into Loop,
+#: ...), with how; docs/op_coverage.md lists them as covered.
+LOWERED: dict[str, str] = {}
+
+
 def vjp(*op_types: str) -> Callable[[Rule], Rule]:
     """Register ``rule`` as the VJP of the default-domain operators ``op_types``."""
 

@@ -12,6 +12,9 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo
+from ..registry import LOWERED
+
+LOWERED["Scan"] = "rewritten into the equivalent Loop (every direction and axis), then the Loop VJP"
 
 INT64_MIN = np.iinfo(np.int64).min
 

@@ -1,0 +1,49 @@
+"""Lift constants into trainable initializers.
+
+Models exported for inference often hold weights as ``Constant`` or ``ConstantOfShape`` nodes (the onnx
+wheel's ``light/`` models keep every weight as a ``ConstantOfShape``); such values are not graph inputs or
+initializers, so they are not differentiated by default. :func:`lift_constants` turns each floating-point
+constant with more than one element into an initializer of the same name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .ir import Graph, Node
+
+
+def _constant_value(node: Node, known: dict[str, np.ndarray]) -> np.ndarray | None:
+    if node.domain or len(node.outputs) != 1:
+        return None
+    if node.op_type == "Constant":
+        value = node.attrs.get("value")
+        return np.asarray(value) if isinstance(value, np.ndarray) else None
+    if node.op_type == "ConstantOfShape" and node.inputs and node.inputs[0] in known:
+        fill = node.attrs.get("value", np.zeros(1, np.float32))
+        fill = np.asarray(fill).reshape(-1)
+        return np.full(tuple(int(d) for d in known[node.inputs[0]].reshape(-1)), fill[0], dtype=fill.dtype)
+    return None
+
+
+def lift_constants(graph: Graph) -> tuple[Graph, list[str]]:
+    """A copy of ``graph`` whose floating-point ``Constant``/``ConstantOfShape`` outputs with more than one
+    element (in the top-level graph) are initializers, and the names lifted, in node order.
+
+    ``ConstantOfShape`` is lifted when its shape is an initializer or a ``Constant`` output. Scalars and
+    one-element constants stay constants: they are hyperparameters (epsilons, exponents), not weights."""
+    g = graph.copy()
+    known: dict[str, np.ndarray] = dict(g.initializers)
+    kept, lifted = [], []
+    for node in g.nodes:
+        value = _constant_value(node, known)
+        if value is not None:
+            known[node.outputs[0]] = value
+            if value.dtype.kind == "f" and value.size > 1:
+                g.initializers[node.outputs[0]] = value
+                g.value_info.pop(node.outputs[0], None)
+                lifted.append(node.outputs[0])
+                continue
+        kept.append(node)
+    g.nodes = kept
+    return g, lifted
