@@ -74,10 +74,15 @@ class Session:
     def run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run the graph on ``feeds`` (input name -> array) and return ``{output name: array}``.
 
+        A sequence input is fed, and a sequence output returned, as a list of arrays.
         Raises :class:`InputError` for a missing or unknown feed, or a feed whose dtype or rank or static
         dimensions differ from the declared input; :class:`RevgraphError` if the backend fails.
         """
-        feeds = {k: np.asarray(v) for k, v in feeds.items()}
+        sequences = {v.name for v in self.graph.inputs if v.kind == "sequence"}
+        feeds = {
+            k: [np.asarray(x) for x in v] if k in sequences and isinstance(v, (list, tuple)) else np.asarray(v)
+            for k, v in feeds.items()
+        }
         check_feeds(self.graph, feeds)
         names = outputs or self.graph.output_names
         try:
@@ -87,7 +92,11 @@ class Session:
                 values = self._sess.run(names, feeds)
         except Exception as exc:
             raise RevgraphError(f"{self.backend} failed to run the graph: {_first_line(exc)}") from None
-        return dict(zip(names, (np.asarray(v) for v in values), strict=True))
+        # np.asarray on a sequence (a list of arrays) would stack it, or fail when the arrays differ in shape.
+        return {
+            name: [np.asarray(x) for x in v] if isinstance(v, list) else np.asarray(v)
+            for name, v in zip(names, values, strict=True)
+        }
 
 
 def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:

@@ -112,9 +112,10 @@ def analyze(graph: Graph) -> SSAInfo:
                 v = lookup(name)
                 v.readers.append((node, i))
                 reads[(id(node), i)] = v
-        for sub in node.subgraphs.values():
-            for name in captured_names(sub):
-                lookup(name).readers.append((node, CAPTURED))
+        # One reader per node, however many of its subgraphs (If's two branches) read the name.
+        captured = dict.fromkeys(name for sub in node.subgraphs.values() for name in captured_names(sub))
+        for name in captured:
+            lookup(name).readers.append((node, CAPTURED))
         for j, name in enumerate(node.outputs):
             if name:
                 writes[(id(node), j)] = write(name, node)

@@ -1,0 +1,287 @@
+"""The ``revgraph`` command: ``info`` and ``run``, and exit code 2 with one stderr line on bad input."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from conftest import DATA_DIR, graph_inputs
+
+from revgraph.cli import main
+
+SCRIPT = Path("/work/venv/bin/revgraph")
+#: 3 float inputs X[2,3,4], Y[1,3,4], Z[3,3,4]; 2 initializers; SequenceEmpty/SequenceInsert x3/SequenceAt; opset 12
+SEQ_MODEL = DATA_DIR / "simple" / "test_sequence_model1" / "model.onnx"
+#: one float input; Conv with weight and bias initializers; opset 6
+CONV_MODEL = DATA_DIR / "pytorch-converted" / "test_Conv2d" / "model.onnx"
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch):
+    # rich wraps at the terminal width (80 when not a tty); long data paths would be folded mid-word.
+    monkeypatch.setenv("COLUMNS", "250")
+
+
+def feeds_for(model_path: Path, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for vi in graph_inputs(onnx.load(str(model_path))):
+        shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        feeds[vi.name] = rng.standard_normal(shape).astype(
+            onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+        )
+    return feeds
+
+
+def direct_ort(model_path: Path, feeds: dict) -> dict[str, np.ndarray]:
+    sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("revgraph: error:")
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+
+
+# -------------------------------------------------------------------------------------------- info
+
+
+def test_info_prints_inputs_outputs_opset_ops_and_initializers(capsys):
+    original = onnx.load(str(SEQ_MODEL))
+    assert main(["info", str(SEQ_MODEL)]) == 0
+    out = capsys.readouterr().out
+    source = next(o.version for o in original.opset_import if o.domain in ("", "ai.onnx"))
+    assert re.search(rf"opset 21 \(converted from {source}\)", out)
+    lines = out.splitlines()
+    for vi in [*graph_inputs(original), *original.graph.output]:
+        dims = ", ".join(str(d.dim_value) if d.HasField("dim_value") else "?" for d in vi.type.tensor_type.shape.dim)
+        assert any(re.search(rf"^\s*{vi.name}\s.*float32.*\[{dims}\]", ln) for ln in lines), (vi.name, out)
+    assert f"Initializers: {len(original.graph.initializer)}" in out
+    ops = Counter(n.op_type for n in original.graph.node)
+    assert f"Operators: {sum(ops.values())} nodes" in out
+    for op, count in ops.items():
+        assert any(re.search(rf"^\s*{op}\b\D*\b{count}\s*$", ln) for ln in lines), (op, out)
+    inputs_at = out.index("Inputs")
+    assert inputs_at < out.index("Outputs") < out.index("Initializers") < out.index("Operators")
+
+
+def test_info_counts_nodes_inside_subgraphs(tmp_path, capsys):
+    from onnx import TensorProto, helper
+
+    then = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["a"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2])],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Abs", ["x"], ["b"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    path = tmp_path / "if.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Operators: 3 nodes, 2 of them in subgraphs" in out
+    assert "converted" not in out and "Initializers: 0" in out
+
+
+def test_info_and_run_print_brackets_in_paths_and_names_verbatim(tmp_path, capsys):
+    # rich would read "[/x]" as a closing markup tag (MarkupError) and "[bold]" as a style
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Neg", ["x[0]"], ["y[/b]"])],
+        "g",
+        [helper.make_tensor_value_info("x[0]", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y[/b]", TensorProto.FLOAT, [2])],
+    )
+    (tmp_path / "d[").mkdir()
+    path = tmp_path / "d[" / "x][bold].onnx"  # the path reads ".../d[/x][bold].onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert str(path) in out and "x[0]" in out and "y[/b]" in out
+    assert main(["run", str(path)]) == 0
+    assert "y[/b]" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------- run
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
+def test_run_with_random_inputs_prints_the_note_and_a_summary(backend, capsys):
+    assert main(["run", str(SEQ_MODEL), "--backend", backend, "--seed", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "note: no --inputs given; using random inputs (seed 3)" in captured.err
+    for name, shape in (("X", "[2, 3, 4]"), ("Y", "[1, 3, 4]"), ("Z", "[3, 3, 4]")):
+        assert f"{name} float32{shape}" in captured.err
+    assert re.search(r"^\s*out\s.*float32.*\[1, 3, 4\]", captured.out, re.M), captured.out
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
+@pytest.mark.parametrize("model", [SEQ_MODEL, CONV_MODEL], ids=["sequence_model1", "Conv2d"])
+def test_run_with_npz_inputs_writes_the_outputs(model, backend, tmp_path, capsys):
+    feeds = feeds_for(model, seed=7)
+    np.savez(tmp_path / "in.npz", **feeds)
+    code = main(
+        ["run", str(model), "--inputs", str(tmp_path / "in.npz"), "-o", str(tmp_path / "out.npz"), "--backend", backend]
+    )
+    assert code == 0, capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "note:" not in captured.err
+    assert str(tmp_path / "out.npz") in captured.out
+    expected = direct_ort(model, feeds)
+    with np.load(tmp_path / "out.npz") as got:
+        assert sorted(got.files) == sorted(expected)
+        for name, want in expected.items():
+            assert got[name].dtype == want.dtype and got[name].shape == want.shape
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------- bad input
+
+
+def test_missing_file(tmp_path, capsys):
+    code = main(["info", str(tmp_path / "nope.onnx")])
+    assert_one_line_error(code, capsys.readouterr().err, "nope.onnx", "no such file")
+
+
+def test_non_onnx_file(tmp_path, capsys):
+    path = tmp_path / "notes.onnx"
+    path.write_text("these are not the bytes you are looking for\n")
+    for command in (["info", str(path)], ["run", str(path)]):
+        code = main(command)
+        assert_one_line_error(code, capsys.readouterr().err, "notes.onnx")
+
+
+def test_directory_instead_of_file(tmp_path, capsys):
+    code = main(["info", str(tmp_path)])
+    assert_one_line_error(code, capsys.readouterr().err, "directory")
+
+
+@pytest.mark.parametrize(
+    "model", [CONV_MODEL, DATA_DIR / "light" / "light_squeezenet.onnx"], ids=["Conv2d", "squeezenet"]
+)
+def test_truncated_onnx_file(model, tmp_path, capsys):
+    data = model.read_bytes()
+    path = tmp_path / "half.onnx"
+    path.write_bytes(data[: len(data) // 2])
+    code = main(["info", str(path)])
+    assert_one_line_error(code, capsys.readouterr().err, "half.onnx")
+
+
+def test_unknown_subcommand(capsys):
+    code = main(["frobnicate", str(CONV_MODEL)])
+    assert_one_line_error(code, capsys.readouterr().err, "'frobnicate'")
+
+
+def test_no_subcommand(capsys):
+    assert_one_line_error(main([]), capsys.readouterr().err)
+
+
+def test_usage_error_with_brackets_is_printed_verbatim(capsys):
+    # argparse echoes the stray argument; it must not be read as rich markup ("[/x]" would raise MarkupError)
+    code = main(["info", str(CONV_MODEL), "[/x]", "[bold]"])
+    assert_one_line_error(code, capsys.readouterr().err, "[/x]", "[bold]")
+
+
+def test_unknown_backend(capsys):
+    code = main(["run", str(CONV_MODEL), "--backend", "tensorflow"])
+    assert_one_line_error(code, capsys.readouterr().err, "'tensorflow'", "onnxruntime", "reference")
+
+
+def test_missing_inputs_in_npz(tmp_path, capsys):
+    feeds = feeds_for(SEQ_MODEL)
+    del feeds["Z"]
+    np.savez(tmp_path / "in.npz", **feeds)
+    code = main(["run", str(SEQ_MODEL), "--inputs", str(tmp_path / "in.npz")])
+    assert_one_line_error(code, capsys.readouterr().err, "missing input", "'Z'")
+
+
+def test_unknown_input_in_npz(tmp_path, capsys):
+    feeds = feeds_for(CONV_MODEL)
+    feeds["extra"] = np.zeros(2, np.float32)
+    np.savez(tmp_path / "in.npz", **feeds)
+    code = main(["run", str(CONV_MODEL), "--inputs", str(tmp_path / "in.npz")])
+    assert_one_line_error(code, capsys.readouterr().err, "'extra'")
+
+
+def test_wrong_dtype_in_npz(tmp_path, capsys):
+    feeds = feeds_for(SEQ_MODEL)
+    feeds["X"] = feeds["X"].astype(np.float64)
+    np.savez(tmp_path / "in.npz", **feeds)
+    code = main(["run", str(SEQ_MODEL), "--inputs", str(tmp_path / "in.npz")])
+    assert_one_line_error(code, capsys.readouterr().err, "'X'", "float64", "float32")
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5), (2, 3), (1, 2, 3, 4)])
+def test_wrong_shape_in_npz(shape, tmp_path, capsys):
+    feeds = feeds_for(SEQ_MODEL)
+    feeds["X"] = np.zeros(shape, np.float32)
+    np.savez(tmp_path / "in.npz", **feeds)
+    code = main(["run", str(SEQ_MODEL), "--inputs", str(tmp_path / "in.npz")])
+    assert_one_line_error(code, capsys.readouterr().err, "'X'", str(list(shape)), "[2,3,4]")
+
+
+def test_inputs_file_missing_or_not_npz(tmp_path, capsys):
+    code = main(["run", str(CONV_MODEL), "--inputs", str(tmp_path / "absent.npz")])
+    assert_one_line_error(code, capsys.readouterr().err, "absent.npz")
+    (tmp_path / "bad.npz").write_bytes(b"not a zip file at all")
+    code = main(["run", str(CONV_MODEL), "--inputs", str(tmp_path / "bad.npz")])
+    assert_one_line_error(code, capsys.readouterr().err, "bad.npz")
+
+
+def test_output_directory_missing(tmp_path, capsys):
+    np.savez(tmp_path / "in.npz", **feeds_for(CONV_MODEL))
+    target = tmp_path / "no" / "such" / "dir" / "out.npz"
+    code = main(["run", str(CONV_MODEL), "--inputs", str(tmp_path / "in.npz"), "-o", str(target)])
+    assert_one_line_error(code, capsys.readouterr().err, "does not exist")
+
+
+def test_installed_console_script(tmp_path):
+    feeds = feeds_for(CONV_MODEL, seed=11)
+    np.savez(tmp_path / "in.npz", **feeds)
+    ok = subprocess.run(
+        [str(SCRIPT), "run", str(CONV_MODEL), "--inputs", str(tmp_path / "in.npz"), "-o", str(tmp_path / "out.npz")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr
+    expected = direct_ort(CONV_MODEL, feeds)
+    with np.load(tmp_path / "out.npz") as got:
+        for name, want in expected.items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
+
+    data = CONV_MODEL.read_bytes()
+    (tmp_path / "half.onnx").write_bytes(data[: len(data) // 2])
+    bad = subprocess.run(
+        [str(SCRIPT), "info", str(tmp_path / "half.onnx")], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "half.onnx" in bad.stderr
+    assert bad.stdout == ""
