@@ -285,3 +285,21 @@ def test_installed_console_script(tmp_path):
     assert "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "half.onnx" in bad.stderr
     assert bad.stdout == ""
+
+
+def test_run_a_model_with_a_sequence_output(tmp_path, capsys):
+    import revgraph as rg
+    from revgraph.ir import Graph, Node, ValueInfo
+
+    g = Graph([Node("SplitToSequence", ["x", "sizes"], ["parts"], {"axis": 0}, "split")],
+              [ValueInfo("x", np.float32, (3, 2))], [ValueInfo("parts", np.float32, None, kind="sequence")],
+              {"sizes": np.array([1, 2], np.int64)})
+    rg.save(g, tmp_path / "seq.onnx")
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    np.savez(tmp_path / "in.npz", x=x)
+    assert main(["run", str(tmp_path / "seq.onnx"), "--inputs", str(tmp_path / "in.npz")]) == 0
+    assert "parts[1]" in capsys.readouterr().out
+    assert main(["run", str(tmp_path / "seq.onnx"), "--inputs", str(tmp_path / "in.npz"), "-o", str(tmp_path / "o.npz")]) == 0
+    with np.load(tmp_path / "o.npz") as got:
+        np.testing.assert_array_equal(got["parts[0]"], x[:1])
+        np.testing.assert_array_equal(got["parts[1]"], x[1:])

@@ -201,11 +201,22 @@ def _summary(arrays: dict[str, np.ndarray]) -> Table:
     table = Table(show_edge=False)
     for col in ("output", "dtype", "shape", "min", "max", "mean"):
         table.add_column(col, justify="right" if col in ("min", "max", "mean") else "left")
-    for name, a in arrays.items():
+    for name, a in _flatten_sequences(arrays).items():
         numeric = a.dtype.kind in "fiub" and a.size
         stats = [f"{float(s):.6g}" for s in (a.min(), a.max(), a.astype(np.float64).mean())] if numeric else ["", "", ""]
         table.add_row(escape(name), str(a.dtype), str(list(a.shape)), *stats)
     return table
+
+
+def _flatten_sequences(arrays: dict) -> dict[str, np.ndarray]:
+    """Sequence outputs (lists of arrays) as one entry per element, named ``<name>[i]``."""
+    flat: dict[str, np.ndarray] = {}
+    for name, value in arrays.items():
+        if isinstance(value, list):
+            flat.update({f"{name}[{i}]": np.asarray(v) for i, v in enumerate(value)})
+        else:
+            flat[name] = np.asarray(value)
+    return flat
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -218,7 +229,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         err.print(f"note: no --inputs given; using random inputs (seed {args.seed}): {described}", soft_wrap=True, markup=False)
     results = Session(g, backend=args.backend).run(feeds)
     if args.output:
-        write_npz(args.output, results)
+        write_npz(args.output, _flatten_sequences(results))
         out.print(f"wrote {len(results)} output(s) to {args.output}", markup=False)
     else:
         out.print(_summary(results))
