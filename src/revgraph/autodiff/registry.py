@@ -26,6 +26,14 @@ from ..schema import get_schema
 
 Rule = Callable[["Emitter", Node, list], list]
 
+#: Elementwise operators whose output type the emitter infers by broadcasting (value: result dtype kind).
+_BROADCASTING = {
+    **dict.fromkeys(["Add", "Sub", "Mul", "Div", "Pow", "Sum", "Max", "Min", "Mean", "Where", "Neg", "Exp", "Log",
+                     "Sqrt", "Reciprocal", "Abs", "Sign", "Sin", "Cos", "Tanh", "Sigmoid", "Relu", "Identity", "Erf",
+                     "Softplus"], "same"),
+    **dict.fromkeys(["Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or", "Xor", "Not"], "bool"),
+}
+
 RULES: dict[str, Rule] = {}
 
 #: Operators whose outputs carry no gradient: integer/boolean results, or piecewise-constant functions whose
@@ -124,8 +132,12 @@ class Emitter:
     def _infer(self, node: Node) -> None:
         """Record the output types of an emitted node by ONNX per-node shape inference, so that later rules
         see static shapes of backward values too (and reduce broadcasting with static axes)."""
+        if any(i and i not in self.types for i in node.inputs):
+            return
+        if node.op_type in _BROADCASTING and not node.domain and self._infer_broadcast(node):
+            return
         schema = get_schema(node.op_type, node.domain, {"": self.opset})
-        if schema is None or any(i and i not in self.types for i in node.inputs):
+        if schema is None:
             return
         proto = onnx.helper.make_node(node.op_type, node.inputs, node.outputs)
         proto.attribute.extend(_attr_to_proto(node, k, v, {"": self.opset}) for k, v in node.attrs.items())
@@ -139,6 +151,24 @@ class Emitter:
         for name, tp in out.items():
             if tp.HasField("tensor_type"):
                 self.types[name] = value_info_from_proto(onnx.helper.make_value_info(name, tp))
+
+    def _infer_broadcast(self, node: Node) -> bool:
+        """Elementwise ops: the output shape is the inputs' broadcast shape (fast path, no ONNX call)."""
+        ins = [self.types[i] for i in node.inputs[1:]] if node.op_type == "Where" else [self.types[i] for i in node.inputs]
+        shapes = [vi.shape for vi in ins]
+        if any(s is None for s in shapes):
+            return False
+        if all(s == shapes[0] for s in shapes):
+            shape = shapes[0]
+        elif all(isinstance(d, int) for s in shapes for d in s):
+            shape = tuple(np.broadcast_shapes(*shapes))
+        else:
+            return False
+        dtype = np.dtype(bool) if _BROADCASTING[node.op_type] == "bool" else ins[0].dtype
+        if dtype is None:
+            return False
+        self.types[node.outputs[0]] = ValueInfo(node.outputs[0], dtype, shape)
+        return True
 
     # ------------------------------------------------------------------------------------------ types
 
