@@ -107,7 +107,7 @@ def test_name_read_before_its_producer():
     g = Graph(
         [Node("Neg", ["t"], ["y"], name="early"), Node("Relu", ["x"], ["t"], name="late")], [f32("x")], [f32("y")]
     )
-    check_error(g, "'early'", "Neg", "'t'", "before")
+    check_error(g, "'early'", "Neg", "'t'", "'late' (Relu) writes only later", "cycle")
 
 
 def test_too_many_inputs():

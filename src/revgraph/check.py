@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .autodiff.backward import gradient, resolve_loss, resolve_wrt
+from .autodiff.loops.lower import lower_to_loops
 from .errors import InputError
 from .ir import Graph, Node, ValueInfo
 from .onnx_io import infer_types
@@ -123,7 +124,10 @@ def check_gradients(
     within ``atol + rtol * |central difference|``. Raises :class:`InputError` for non-finite inputs, and what
     :func:`revgraph.gradient` raises for bad names.
     """
-    g = to_float64(expand_domains(graph if is_ssa(graph) else to_ssa(graph)))
+    g = expand_domains(graph if is_ssa(graph) else to_ssa(graph)).copy()
+    # onnxruntime has no float64 LSTM/GRU/RNN kernels: check them in their (equivalent) Loop form
+    lower_to_loops(g, infer_types(g), g.all_names() | {n.name for _, n in g.walk()})
+    g = to_float64(g)
     types = infer_types(g)
     loss = resolve_loss(g, loss)
     wrt_names = resolve_wrt(g, wrt, types)

@@ -180,10 +180,16 @@ class Graph:
             defined = set(outer)
             defined.update(g.input_names)
             defined.update(g.initializers)
-            for node in g.nodes:
+            for pos, node in enumerate(g.nodes):
                 check_node_signature(node, self.opsets, where)
                 for name in node.inputs:
                     if name and name not in defined:
+                        later = next((n for n in g.nodes[pos:] if name in n.outputs), None)
+                        if later is not None:
+                            raise GraphError(
+                                f"{node.label()} in {where} reads {name!r}, which {later.label()} writes only later: "
+                                "the graph has a cycle or its nodes are not in topological order"
+                            )
                         raise GraphError(
                             f"{node.label()} in {where} reads {name!r} before anything writes it; "
                             "add it as a graph input or initializer, or move its producer earlier"

@@ -106,6 +106,7 @@ def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int = TAR
     result = graph_from_proto(proto.graph, {o.domain or "": o.version for o in proto.opset_import})
     _name_nodes(result)
     result.source_opset = original
+    result.check()
     return result
 
 

@@ -22,7 +22,7 @@ from ..onnx_io import infer_types
 from ..ssa import captured_names, is_ssa, to_ssa
 from . import sparse as sp
 from .loops.loop import parse_policy
-from .loops.scan import lower_scans
+from .loops.lower import lower_to_loops
 from .registry import NOT_DIFFERENTIABLE, Emitter, get_rule
 from .sparse import SparseGrad
 
@@ -191,8 +191,8 @@ def backward(
             raise GraphError(f"no value named {name!r} to differentiate{_suggest(name, known)}")
     wrt = default_wrt(graph, types) if wrt is None else list(wrt)
     e = emitter or Emitter(types, used_names(graph), graph.opset)
-    if any(n.op_type == "Scan" for _, n in graph.walk()):
-        lower_scans(graph, types, e.used)
+    if lower_to_loops(graph, types, e.used):  # values the rewrite created get types too
+        types.update({k: v for k, v in infer_types(graph).items() if k not in types})
     e.learn_constants(graph)
     e.graph = graph
     acc = Accumulator(e, accumulate)
@@ -305,8 +305,7 @@ def gradient(
         raise RevgraphError(f"unknown unconnected policy {unconnected!r}; choose 'zero' or 'error'")
     g = graph if is_ssa(graph) else to_ssa(graph)
     g = lift(g)[0] if lift_constants else g.copy()
-    if any(n.op_type == "Scan" for _, n in g.walk()):
-        lower_scans(g, infer_types(g), used_names(g))
+    lower_to_loops(g, infer_types(g), used_names(g))
     types = infer_types(g)
     loss = resolve_loss(g, loss)
     wrt_names = resolve_wrt(g, wrt, types)

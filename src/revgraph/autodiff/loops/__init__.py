@@ -1,5 +1,6 @@
 """VJPs of control flow (DESIGN.md section 4): ``Loop`` (:mod:`.loop`), checkpointed loops
-(:mod:`.checkpoint`), ``If`` (:mod:`.branch`) and ``Scan``, differentiated as its ``Loop`` form (:mod:`.scan`).
-Importing this package registers the rules."""
+(:mod:`.checkpoint`), ``If`` (:mod:`.branch`); ``Scan`` (:mod:`.scan`) and ``LSTM``/``GRU``/``RNN``
+(:mod:`.recurrent`) are differentiated as their ``Loop`` form (:mod:`.lower`). Importing this package
+registers the rules."""
 
-from . import branch, checkpoint, loop, scan  # noqa: F401
+from . import branch, checkpoint, loop, recurrent, scan  # noqa: F401

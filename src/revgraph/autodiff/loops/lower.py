@@ -1,0 +1,21 @@
+"""Rewrite operators that are differentiated through their ``Loop`` form (``Scan``, ``LSTM``, ``GRU``,
+``RNN``) before the backward pass."""
+
+from __future__ import annotations
+
+from ...ir import Graph, ValueInfo
+from .recurrent import RECURRENT_OPS, lower_recurrent
+from .scan import lower_scans
+
+
+def lower_to_loops(graph: Graph, types: dict[str, ValueInfo], used: set[str]) -> bool:
+    """Rewrite, in place and in every subgraph, each ``Scan``/``LSTM``/``GRU``/``RNN`` node into the
+    equivalent ``Loop``; fresh names avoid ``used``. Returns True if the graph changed."""
+    ops = {n.op_type for _, n in graph.walk() if n.domain in ("", "ai.onnx")}
+    changed = False
+    if "Scan" in ops:
+        changed |= bool(lower_scans(graph, types, used))
+    if ops & set(RECURRENT_OPS):
+        lower_recurrent(graph, types, used)
+        changed = True
+    return changed
