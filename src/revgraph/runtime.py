@@ -87,11 +87,17 @@ class Session:
         names = outputs or self.graph.output_names
         try:
             if self.backend == "onnxruntime":
-                values = self._sess.run(names, feeds)
+                # copies: onnxruntime may write an in-place output (the running statistics of a training
+                # BatchNormalization) into the caller's fed array
+                values = self._sess.run(names, {k: v if isinstance(v, list) else np.array(v) for k, v in feeds.items()})
             else:
                 values = self._sess.run(names, feeds)
         except Exception as exc:
-            raise RevgraphError(f"{self.backend} failed to run the graph: {_first_line(exc)}") from None
+            hint = ""
+            if "Inconsistent shape in loop output" in str(exc):
+                hint = (" (a loop's per-iteration outputs change shape between iterations; a gradient graph's loops "
+                        "need loop-carried values that keep their shape)")
+            raise RevgraphError(f"{self.backend} failed to run the graph: {_first_line(exc)}{hint}") from None
         # np.asarray on a sequence (a list of arrays) would stack it, or fail when the arrays differ in shape.
         return {
             name: [np.asarray(x) for x in v] if isinstance(v, list) else np.asarray(v)

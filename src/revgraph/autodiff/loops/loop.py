@@ -85,10 +85,26 @@ def take_apart(e: Emitter, node: Node) -> LoopParts:
             src = e.types.get(node.inputs[2 + j])
             if src is not None:
                 types[name] = ValueInfo(name, src.dtype, src.shape)
+    for j, (a, b) in enumerate(zip(v_in, body.output_names[1 : 1 + n], strict=True)):
+        sa, sb = (types.get(x).shape if types.get(x) else None for x in (a, b))
+        if _changes_shape(sa, sb):
+            raise GraphError(
+                f"{node.label()}: loop-carried value {a!r} enters an iteration with shape {list(sa)} and leaves it as "
+                f"{b!r} with shape {list(sb)}; revgraph differentiates loops whose carried values keep their shape"
+            )
     carried = [j for j in range(n) if is_float(e.types.get(node.inputs[2 + j]) or types.get(v_in[j]))]
     captured = [c for c in captured_names(body) if c in e.reach and is_float(e.types.get(c))]
     return LoopParts(node, body, n, body.input_names[0], body.input_names[1], v_in, body.output_names[1 : 1 + n],
                      body.output_names[1 + n :], types, carried, captured)
+
+
+def _changes_shape(before: tuple | None, after: tuple | None) -> bool:
+    """True when two declared shapes certainly differ (rank, or a static dimension)."""
+    if before is None or after is None:
+        return False
+    if len(before) != len(after):
+        return True
+    return any(isinstance(x, int) and isinstance(y, int) and x != y for x, y in zip(before, after, strict=True))
 
 
 def add_carried(node: Node, body: Graph, initial: str, body_in: ValueInfo, body_out: ValueInfo, out: str) -> None:
