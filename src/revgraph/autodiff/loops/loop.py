@@ -225,7 +225,7 @@ def loop(e: Emitter, node: Node, out_grads: list) -> tuple[list, dict]:
         grad_nodes = list(eb.nodes)
         eb.nodes.clear()
         needed = [r for r in reads(grad_nodes) if r in scope(p.body)]
-        stacked, rerun = plan_residuals(p.body, needed, policy)
+        stacked, rerun = plan_residuals(p.body, needed, policy, p.types)
         bound = {p.iter_in: t, p.cond_in: eb.const(np.array(True))}  # an iteration that ran had cond_in true
         prologue = list(eb.nodes)
         for r in stacked:
@@ -257,14 +257,17 @@ def reads(nodes: list[Node]) -> list[str]:
     return list(seen)
 
 
-def plan_residuals(body: Graph, needed: list[str], policy: str) -> tuple[list[str], list[Node]]:
+def plan_residuals(body: Graph, needed: list[str], policy: str,
+                   types: dict[str, ValueInfo] | None = None) -> tuple[list[str], list[Node]]:
     """Which body values the forward loop stacks, and which body nodes the backward loop recomputes, so that
     every value in ``needed`` is available in the backward body.
 
     ``recompute`` stacks only body inputs (the loop-carried values and the iteration number) and recomputes
-    every other needed value. ``store`` stacks needed values, except scan outputs of inner loops: their
-    leading dimension is the inner trip count, which may change from one outer iteration to the next, so the
-    inner loop is recomputed from its (stacked) inputs instead. Constants are always recomputed."""
+    every other needed value. ``store`` stacks needed values, except values whose shape may change from one
+    iteration to the next (scan outputs of inner loops, whose length is the inner trip count, and values with
+    dimensions that shape inference could not name): those are recomputed from what can be stacked.
+    Constants are always recomputed."""
+    types = types or {}
     producer = {o: nd for nd in body.nodes for o in nd.outputs if o}
     inputs = set(body.input_names)
     stacked: dict[str, None] = {}
@@ -281,7 +284,7 @@ def plan_residuals(body: Graph, needed: list[str], policy: str) -> tuple[list[st
                 stacked.setdefault(v)
             continue  # captured from the enclosing graph: visible in the backward body as it is
         inner_scan = nd.op_type in ("Loop", "Scan") and nd.outputs.index(v) >= _n_state(nd)
-        if policy == "store" and not inner_scan and nd.op_type != "Constant":
+        if policy == "store" and not inner_scan and nd.op_type != "Constant" and _fixed_shape(types.get(v)):
             stacked.setdefault(v)
             continue
         if id(nd) not in rerun:
@@ -289,6 +292,14 @@ def plan_residuals(body: Graph, needed: list[str], policy: str) -> tuple[list[st
             want.extend(i for i in nd.inputs if i)
             want.extend(c for sub in nd.subgraphs.values() for c in captured_names(sub))
     return list(stacked), [nd for nd in body.nodes if id(nd) in rerun]
+
+
+def _fixed_shape(vi: ValueInfo | None) -> bool:
+    """Is the value's shape the same in every iteration? Static dimensions and symbols that name a graph
+    input's dimension are; unknown dimensions (and the ``unk__`` symbols ONNX inference makes up) may not be."""
+    if vi is None or vi.shape is None:
+        return False
+    return all(isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__")) for d in vi.shape)
 
 
 def _n_state(node: Node) -> int:

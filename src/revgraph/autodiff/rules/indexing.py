@@ -102,8 +102,7 @@ def gather(e: Emitter, node: Node, out_grads: list) -> list:
     g = out_grads[0]
     if not e.need[0]:
         return [None, None]
-    r = e.need_rank(data, node)
-    axis = _axis(e, node, data, 0)
+    axis = _axis(e, node, data, 0)  # axis 0 needs no rank: the rows' shape can come from Shape(data)
     flat = _flat_indices(e, idx, _dim(e, data, axis))
     rows = g  # with 1-D indices the cotangent already has the rows' shape
     if e.rank(idx) != 1:
@@ -114,6 +113,7 @@ def gather(e: Emitter, node: Node, out_grads: list) -> list:
     if axis == 0:
         return [SparseGrad(flat, rows, data), None]
     # ScatterElements needs indices of the updates' shape: the flat indices along `axis`, broadcast.
+    r = e.need_rank(data, node)
     lined = e.op("Unsqueeze", [flat, e.ints([d for d in range(r) if d != axis])])
     spread = e.op("Expand", [lined, e.shape_of(rows)])
     dx = e.op("ScatterElements", [e.zeros_like(data), spread, rows], axis=axis, reduction="add", like=data)
