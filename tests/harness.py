@@ -50,7 +50,8 @@ def _ort(model_graph: Graph):
         ref = rg.Session(model_graph, backend="reference")
         return ref.run
     names = [o.name for o in sess.get_outputs()]
-    return lambda feeds: dict(zip(names, sess.run(None, {k: np.asarray(v) for k, v in feeds.items()}), strict=True))
+    # copies: onnxruntime may write an in-place output (BatchNormalization's running statistics) into a fed array
+    return lambda feeds: dict(zip(names, sess.run(None, {k: np.array(v) for k, v in feeds.items()}), strict=True))
 
 
 def with_loss(g: Graph, fwd: dict[str, np.ndarray], outputs: list[str] | None = None) -> tuple[Graph, list[str]]:
@@ -131,11 +132,12 @@ def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: li
             hv_graph.nodes.append(Node("Mul", [f"{w}_grad", f"{w}_v"], [f"{w}_gv"], name=f"hv/{w}/mul"))
             hv_graph.nodes.append(Node("ReduceSum", [f"{w}_gv"], [f"{w}_gvs"], {"keepdims": 0}, name=f"hv/{w}/sum"))
             parts.append(f"{w}_gvs")
-        hv_graph.nodes.append(Node("Sum", parts, ["s"], name="hv/sum"))
-        hv_graph.outputs = [ValueInfo("s")]
+        # not "s": a graph input of that name would be silently shadowed
+        hv_graph.nodes.append(Node("Sum", parts, ["hv/s"], name="hv/sum"))
+        hv_graph.outputs = [ValueInfo("hv/s")]
         with warnings.catch_warnings():  # a linear function has a zero Hessian: no path, zeros
             warnings.simplefilter("ignore")
-            hvp = rg.gradient(hv_graph, loss="s", wrt=wrt, unconnected="zero")
+            hvp = rg.gradient(hv_graph, loss="hv/s", wrt=wrt, unconnected="zero")
         got = _ort(hvp)({**feeds, **us, **vs})
         got = dict(zip(wrt, (got[n] for n in hvp.output_names[-len(wrt):]), strict=True))
         v = {w: vs[f"{w}_v"] for w in wrt}

@@ -14,6 +14,7 @@ from .onnx_io import load, save, to_onnx
 from .runtime import Session
 from .ssa import analyze as analyze_ssa
 from .ssa import is_ssa, to_ssa
+from .trainer import Trainer  # noqa: F401  (rg.Trainer: training with the graphs of revgraph.train)
 
 __all__ = [
     "TARGET_OPSET",

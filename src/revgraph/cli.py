@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from .check import check_gradients
 from .errors import InputError, RevgraphError
 from .ir import TARGET_OPSET, ValueInfo
 from .lift import lift_constants
+from .atomic import atomic_path
 from .onnx_io import load, save, to_onnx
 from .runtime import BACKENDS, Session, random_inputs
 
@@ -85,6 +85,41 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--lift-constants", action="store_true", help="as for grad")
     check.add_argument("--rtol", type=float, default=1e-4)
     check.add_argument("--atol", type=float, default=1e-6)
+
+    show = sub.add_parser("show", help="draw the graph (with --grad: forward and backward) as SVG, PNG or DOT")
+    show.add_argument("model", metavar="MODEL.onnx")
+    show.add_argument("-o", "--output", metavar="FILE.svg|FILE.png|FILE.dot", required=True,
+                      help="the picture; SVG and PNG need Graphviz's dot program, DOT text needs nothing")
+    show.add_argument("--grad", action="store_true", help="draw the gradient graph that 'revgraph grad' writes")
+    show.add_argument("--loss", metavar="NAME", help="with --grad: the value to differentiate (default: the only output)")
+    show.add_argument("--wrt", metavar="NAME", nargs="+", help="with --grad: values to differentiate with respect to")
+    show.add_argument("--checkpoint", metavar="store|recompute|sqrt|K", help="with --grad: loop residual policy")
+
+    train = sub.add_parser("train", help="train a model: loss, gradients and optimizer step as one ONNX graph")
+    train.add_argument("model", metavar="MODEL.onnx")
+    train.add_argument("--data", metavar="DATA.npz", required=True,
+                       help="an array per model input (by name) plus 'labels', or 'x' and 'y' for a one-input model")
+    train.add_argument("--loss", choices=("cross-entropy", "mse", "bce"), required=True)
+    train.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam", help="(default adam)")
+    train.add_argument("--lr", type=float, help="learning rate (default: 0.01 for sgd, 0.001 for adam and adamw)")
+    train.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
+    train.add_argument("--weight-decay", type=float,
+                       help="L2 penalty (sgd, adam) or decoupled decay (adamw; default 0.01, else 0)")
+    train.add_argument("--epochs", type=int, required=True, metavar="N")
+    train.add_argument("--batch-size", type=int, default=32, metavar="B", help="(default 32)")
+    train.add_argument("--seed", type=int, default=0, help="seed of the shuffling (default 0)")
+    train.add_argument("--model-output", metavar="NAME", help="the output the loss reads (default: the only output)")
+    train.add_argument("--test-data", metavar="TEST.npz", help="also report the loss (and accuracy) on these arrays")
+    train.add_argument("--save-training-graph", metavar="FILE.onnx", help="also write the training-step graph")
+    train.add_argument("-o", "--output", metavar="TRAINED.onnx", required=True, help="the model with trained weights")
+
+    demo = sub.add_parser("demo", help="train a recurrent classifier (ONNX Loop) and an MLP on scikit-learn's digits")
+    demo.add_argument("-o", "--output", metavar="DIR", default="revgraph-demo",
+                      help="where to write the graphs and the loss curves (default ./revgraph-demo)")
+    demo.add_argument("--quick", action="store_true", help="a short run (a smoke test; lower accuracy)")
+    demo.add_argument("--epochs", type=int, metavar="N", help="epochs of the recurrent classifier (default 30)")
+    demo.add_argument("--hidden", type=int, metavar="H", help="hidden size of the recurrent classifier (default 128)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffling")
     return p
 
 
@@ -97,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)  # argv is echoed: no markup
         return 2
     try:
-        return {"info": cmd_info, "run": cmd_run, "grad": cmd_grad, "check": cmd_check}[args.command](args)
+        commands = {"info": cmd_info, "run": cmd_run, "grad": cmd_grad, "check": cmd_check, "train": cmd_train,
+                    "demo": cmd_demo, "show": cmd_show}
+        return commands[args.command](args)
     except RevgraphError as exc:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)
         return 2
@@ -183,18 +220,8 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
 
 def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     """Write ``arrays`` to ``path`` as .npz, atomically."""
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise RevgraphError(f"cannot write {path!r}: directory {str(target.parent)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".npz", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path, suffix=".npz") as tmp:
+        np.savez(tmp, **arrays)
 
 
 def _summary(arrays: dict[str, np.ndarray]) -> Table:
@@ -288,6 +315,99 @@ def cmd_check(args: argparse.Namespace) -> int:
         out.print(f"{len(bad)} of {len(report.rows)} values disagree (rtol {args.rtol}, atol {args.atol})", markup=False)
         return 1
     out.print(f"all {len(report.rows)} gradients agree (rtol {args.rtol}, atol {args.atol})", markup=False)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ train, demo
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import warnings
+
+    from .train import make_optimizer
+    from .trainer import Trainer
+
+    target = Path(args.output).parent
+    if not target.is_dir():  # fail before training, not after
+        raise RevgraphError(f"cannot write {args.output!r}: directory {str(target)!r} does not exist")
+    data = read_npz(args.data)
+    test = read_npz(args.test_data) if args.test_data else None
+    opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    g = load(args.model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(g, args.loss, opt, output=args.model_output)
+    for w in caught:
+        err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
+    trainer.arrays(data)  # bad data fails here, in one line, before anything runs
+    if test is not None:
+        trainer.arrays(test)
+    before = trainer.evaluate(data)
+    means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=out)
+    after = trainer.evaluate(data)
+    trainer.export(args.output)
+    if args.save_training_graph:
+        trainer.save_training_graph(args.save_training_graph)
+
+    def score(ev: dict) -> str:
+        return f"loss {ev['loss']:.4g}" + ("" if ev["accuracy"] is None else f", accuracy {ev['accuracy']:.2%}")
+
+    out.print(f"{trainer.steps} steps of {args.optimizer} ({args.epochs} epochs, batch size {args.batch_size}); "
+              f"last epoch's mean loss {means[-1]:.4g}", soft_wrap=True, markup=False)
+    out.print(f"training data ({before['samples']} samples): {score(before)} before, {score(after)} after",
+              soft_wrap=True, markup=False)
+    if test is not None:
+        out.print(f"test data: {score(trainer.evaluate(test))}", soft_wrap=True, markup=False)
+    saved = f"; training graph: {args.save_training_graph}" if args.save_training_graph else ""
+    out.print(f"wrote {args.output} (trained weights as initializers){saved}", soft_wrap=True, markup=False)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from . import demo
+
+    settings = demo.QUICK if args.quick else demo.Settings()
+    changes = {k: v for k, v in (("epochs", args.epochs), ("hidden", args.hidden)) if v is not None}
+    if any(v < 1 for v in changes.values()):
+        raise RevgraphError("--epochs and --hidden must be positive")
+    settings = dataclasses.replace(settings, seed=args.seed, **changes)
+    results = demo.run(args.output, settings, console=out)
+    return 0 if all(results[k]["check_ok"] for k in ("rnn", "mlp")) else 1
+
+
+# ------------------------------------------------------------------------------------------------- show
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    import warnings
+
+    from . import viz
+
+    fmt = viz.check_output(args.output)  # before any work: a bad name or a missing dot is reported at once
+    if not args.grad:
+        given = [f for f, v in (("--loss", args.loss), ("--wrt", args.wrt), ("--checkpoint", args.checkpoint)) if v]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise RevgraphError(f"{', '.join(given)} {verb} only with --grad; add --grad to draw the backward graph")
+    g = load(args.model)
+    path = Path(args.model)
+    title = f"{path.parent.name}/{path.name}" if path.stem == "model" and path.parent.name else path.name
+    if args.grad:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            g = gradient(g, args.loss, args.wrt, checkpoint=args.checkpoint or "store")
+        for w in caught:
+            err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
+        title += ": forward and backward"
+    viz.write(viz.to_dot(g, title=title), args.output, fmt)
+    c = viz.summary(g)
+    n_back = c["backward"] + c["seed"] + c["accum"]
+    nodes = f"{c['forward']} forward and {n_back} backward nodes ({c['accum']} accumulation)" if n_back else \
+        f"{c['forward']} nodes"
+    out.print(f"wrote {args.output}: {nodes}, {c['clusters']} subgraph cluster{'s' if c['clusters'] != 1 else ''}",
+              soft_wrap=True, markup=False)
     return 0
 
 

@@ -10,7 +10,6 @@ graph's opset, with the lowest IR version that opset allows (so the installed on
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, helper, numpy_helper
 
+from .atomic import atomic_path
 from .errors import RevgraphError, UnsupportedModelError
 from .ir import TARGET_OPSET, Graph, Node, ValueInfo
 from .schema import get_schema
@@ -325,25 +325,14 @@ def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
     ``<path>.data`` next to the model.
     """
     model = graph if isinstance(graph, onnx.ModelProto) else to_onnx(graph)
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    if not directory.is_dir():
-        raise RevgraphError(f"cannot write {str(path)!r}: directory {str(directory)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         try:
             data = model.SerializeToString()
         except ValueError:  # over 2 GiB
-            onnx.save_model(model, tmp, save_as_external_data=True, location=path.name + ".data")
+            onnx.save_model(model, tmp, save_as_external_data=True, location=Path(path).name + ".data")
         else:
             with open(tmp, "wb") as f:
                 f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def infer_types(graph: Graph) -> dict[str, ValueInfo]:
@@ -352,8 +341,15 @@ def infer_types(graph: Graph) -> dict[str, ValueInfo]:
     with a shape wins over an inferred one (ONNX infers little through ``Loop``). Values whose type cannot
     be found are left out."""
     types: dict[str, ValueInfo] = {}
+    # Weights enter inference as typed inputs: their values only matter when small (shapes, axes), and
+    # serializing hundreds of megabytes of them for every inference would dominate the build time.
+    big = {k for k, a in graph.initializers.items() if np.asarray(a).size > 4096}
+    light = Graph(graph.nodes, [*graph.inputs, *(ValueInfo(k, graph.initializers[k].dtype, graph.initializers[k].shape)
+                                                 for k in big)],
+                  graph.outputs, {k: a for k, a in graph.initializers.items() if k not in big}, graph.value_info,
+                  graph.name, graph.opsets)
     try:
-        proto = onnx.shape_inference.infer_shapes(to_onnx(graph), data_prop=True)
+        proto = onnx.shape_inference.infer_shapes(to_onnx(light), data_prop=True)
         for vi in [*proto.graph.value_info, *proto.graph.output]:
             try:
                 types[vi.name] = value_info_from_proto(vi)

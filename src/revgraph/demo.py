@@ -1,0 +1,286 @@
+"""``revgraph demo``: train a recurrent classifier (an ONNX ``Loop``) and an MLP on scikit-learn's digits.
+
+The data set is ``sklearn.datasets.load_digits`` (1,797 8x8 images of handwritten digits, shipped inside
+scikit-learn, no download), scaled to [0, 1] and split 80/20 into training and test samples with a fixed
+seed. Both models read ``x`` float32 ``[N, 8, 8]`` and write ``logits`` float32 ``[N, 10]``:
+
+- ``rnn``: ``h_0 = 0``; ``h_{t+1} = tanh(x[:, t, :] W + h_t U + b)`` for the 8 rows ``t`` of an image, an ONNX
+  ``Loop`` whose body reads ``W``, ``U``, ``b`` from the enclosing graph; then ``logits = h_8 V + c`` (``Gemm``).
+- ``mlp``: ``logits = relu(flatten(x) W1 + b1) W2 + b2``.
+
+For each: the gradient of the cross-entropy loss is checked against float64 central differences
+(:func:`revgraph.check_gradients`), the training-step graph is built (:mod:`revgraph.train`) and run by
+:class:`revgraph.trainer.Trainer` with Adam, and the test accuracy is measured. The training graphs, the
+trained models and a loss-curve SVG (written by hand, no plotting library) go to the output directory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .ir import Graph, Node, ValueInfo
+
+F32 = np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes and schedule of the demo (the defaults were tuned on 2 cores: see README, ``revgraph demo``)."""
+
+    hidden: int = 128
+    epochs: int = 30
+    batch_size: int = 32
+    lr: float = 0.003
+    mlp_hidden: int = 64
+    mlp_epochs: int = 20
+    seed: int = 0
+
+
+#: A smoke test: a few epochs at a higher learning rate (about 85-90% for the recurrent classifier).
+QUICK = Settings(hidden=32, epochs=3, lr=0.01, mlp_hidden=32, mlp_epochs=2)
+
+
+def digits(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(train, test)``, each ``{"x": float32 [N, 8, 8] in [0, 1], "labels": int64 [N]}`` (80/20 split)."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # a dependency of revgraph, but an environment may lack it
+        from .errors import RevgraphError
+
+        raise RevgraphError("the demo needs scikit-learn for its data set: pip install scikit-learn") from None
+
+    d = load_digits()
+    x = (d.images / 16.0).astype(F32)
+    y = d.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(y))
+    cut = round(0.8 * len(y))
+    tr, te = order[:cut], order[cut:]
+    return {"x": x[tr], "labels": y[tr]}, {"x": x[te], "labels": y[te]}
+
+
+def _n(op: str, ins: list[str], outs: str | list[str], name: str, **attrs) -> Node:
+    return Node(op, ins, outs if isinstance(outs, list) else [outs], attrs, name)
+
+
+def _uniform(rng: np.random.Generator, shape: tuple[int, ...], bound: float) -> np.ndarray:
+    return rng.uniform(-bound, bound, shape).astype(F32)
+
+
+def rnn_model(hidden: int = 64, rows: int = 8, width: int = 8, classes: int = 10, seed: int = 0) -> Graph:
+    """The recurrent classifier (module doc) as a :class:`Graph`: input ``x`` float32 ``["N", rows, width]``,
+    output ``logits`` float32 ``["N", classes]``. Initial weights as ``torch.nn.RNN`` and ``torch.nn.Linear``
+    draw them (uniform in +-1/sqrt(fan)), from ``seed``."""
+    rng = np.random.default_rng(seed)
+    k = 1 / np.sqrt(hidden)
+    inits = {
+        "W": _uniform(rng, (width, hidden), k), "U": _uniform(rng, (hidden, hidden), k),
+        "b": _uniform(rng, (hidden,), k),
+        "V": _uniform(rng, (hidden, classes), k), "c": _uniform(rng, (classes,), k),
+        "trips": np.array(rows, np.int64), "go": np.array(True), "hidden_dim": np.array([hidden], np.int64),
+    }
+    body = Graph(
+        [
+            _n("Gather", ["x", "t"], "row", "rnn/row", axis=1),          # [N, width]: row t of every image
+            _n("MatMul", ["row", "W"], "xw", "rnn/xW"),
+            _n("MatMul", ["h_in", "U"], "hu", "rnn/hU"),
+            _n("Add", ["xw", "hu"], "pre", "rnn/add"),
+            _n("Add", ["pre", "b"], "pre_b", "rnn/bias"),
+            _n("Tanh", ["pre_b"], "h_out", "rnn/tanh"),
+            _n("Identity", ["go_in"], "go_out", "rnn/cond"),
+        ],
+        [ValueInfo("t", np.int64, ()), ValueInfo("go_in", np.bool_, ()), ValueInfo("h_in", F32, ("N", hidden))],
+        [ValueInfo("go_out", np.bool_, ()), ValueInfo("h_out", F32, ("N", hidden))],
+        name="rnn_step",
+    )
+    nodes = [
+        _n("Shape", ["x"], "batch", "h0/batch", start=0, end=1),
+        _n("Concat", ["batch", "hidden_dim"], "h0_shape", "h0/shape", axis=0),
+        _n("ConstantOfShape", ["h0_shape"], "h0", "h0/zeros", value=np.zeros(1, F32)),
+        _n("Loop", ["trips", "go", "h0"], "h", "rnn/loop", body=body),
+        _n("Gemm", ["h", "V", "c"], "logits", "head/linear"),  # ONNX infers no shape for Loop outputs: Gemm is 2-D
+    ]
+    return Graph(nodes, [ValueInfo("x", F32, ("N", rows, width))], [ValueInfo("logits", F32, ("N", classes))],
+                 inits, name="digits_rnn")
+
+
+def mlp_model(hidden: int = 64, rows: int = 8, width: int = 8, classes: int = 10, seed: int = 0) -> Graph:
+    """The MLP (module doc): input ``x`` float32 ``["N", rows, width]``, output ``logits`` float32
+    ``["N", classes]``; weights uniform in +-1/sqrt(fan in), as ``torch.nn.Linear`` draws them."""
+    rng = np.random.default_rng(seed)
+    d = rows * width
+    inits = {
+        "W1": _uniform(rng, (d, hidden), 1 / np.sqrt(d)), "b1": _uniform(rng, (hidden,), 1 / np.sqrt(d)),
+        "W2": _uniform(rng, (hidden, classes), 1 / np.sqrt(hidden)),
+        "b2": _uniform(rng, (classes,), 1 / np.sqrt(hidden)),
+    }
+    nodes = [
+        _n("Flatten", ["x"], "flat", "mlp/flatten", axis=1),
+        _n("MatMul", ["flat", "W1"], "a1", "mlp/matmul1"),
+        _n("Add", ["a1", "b1"], "z1", "mlp/bias1"),
+        _n("Relu", ["z1"], "h1", "mlp/relu"),
+        _n("MatMul", ["h1", "W2"], "a2", "mlp/matmul2"),
+        _n("Add", ["a2", "b2"], "logits", "mlp/bias2"),
+    ]
+    return Graph(nodes, [ValueInfo("x", F32, ("N", rows, width))], [ValueInfo("logits", F32, ("N", classes))],
+                 inits, name="digits_mlp")
+
+
+# ------------------------------------------------------------------------------------------------ SVG
+
+
+def loss_svg(curves: dict[str, tuple[list[float], int]], title: str = "training loss") -> str:
+    """An SVG line chart of per-step losses: ``curves`` maps a label to ``(losses, steps per epoch)``.
+
+    Each curve is drawn against epochs (step / steps per epoch), so models with different batch counts
+    share the x axis; the y axis is linear from 0 to the largest loss. Written by hand: no plotting library.
+    """
+    w, h, left, right, top, bottom = 720, 420, 64, 150, 40, 48
+    pw, ph = w - left - right, h - top - bottom
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    xmax = max((len(v) / max(per, 1) for v, per in curves.values()), default=1.0) or 1.0
+    ymax = max((max(v) for v, _ in curves.values() if v), default=1.0)
+    ymax = _nice(ymax)
+
+    def px(epoch: float) -> float:
+        return left + pw * epoch / xmax
+
+    def py(loss: float) -> float:
+        return top + ph * (1 - min(loss, ymax) / ymax)
+
+    out = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+            'font-family="sans-serif" font-size="12">'),
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{left + pw / 2}" y="22" text-anchor="middle" font-size="15">{_esc(title)}</text>']
+    for i in range(6):  # horizontal grid lines and y labels
+        v = ymax * i / 5
+        out.append(f'<line x1="{left}" y1="{py(v):.1f}" x2="{left + pw}" y2="{py(v):.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{py(v) + 4:.1f}" text-anchor="end">{v:.2g}</text>')
+    for e in _ticks(xmax):
+        out.append(f'<line x1="{px(e):.1f}" y1="{top + ph}" x2="{px(e):.1f}" y2="{top + ph + 5}" stroke="#333"/>')
+        out.append(f'<text x="{px(e):.1f}" y="{top + ph + 18}" text-anchor="middle">{e:g}</text>')
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#333"/>')
+    out.append(f'<text x="{left + pw / 2}" y="{h - 10}" text-anchor="middle">epoch</text>')
+    out.append(f'<text x="16" y="{top + ph / 2}" text-anchor="middle" transform="rotate(-90 16 {top + ph / 2})">'
+               'cross-entropy loss</text>')
+    for k, (label, (losses, per)) in enumerate(curves.items()):
+        color = colors[k % len(colors)]
+        stride = max(1, len(losses) // 1500)  # keep the file small: at most ~1500 points a curve
+        pts = " ".join(f"{px((i + 1) / per):.1f},{py(v):.1f}" for i, v in enumerate(losses) if i % stride == 0)
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="1" opacity="0.35"/>')
+        means = [float(np.mean(losses[j:j + per])) for j in range(0, len(losses), per)]
+        mpts = " ".join(f"{px(j + 1):.1f},{py(v):.1f}" for j, v in enumerate(means))
+        out.append(f'<polyline points="{mpts}" fill="none" stroke="{color}" stroke-width="2.5"/>')
+        ly = top + 16 + 20 * k
+        out.append(f'<line x1="{left + pw + 12}" y1="{ly}" x2="{left + pw + 36}" y2="{ly}" stroke="{color}" '
+                   'stroke-width="2.5"/>')
+        out.append(f'<text x="{left + pw + 42}" y="{ly + 4}">{_esc(label)}</text>')
+    out.append(f'<text x="{left + pw + 12}" y="{top + 16 + 20 * len(curves) + 10}" fill="#666" font-size="10">'
+               'thin: per step</text>')
+    out.append(f'<text x="{left + pw + 12}" y="{top + 16 + 20 * len(curves) + 24}" fill="#666" font-size="10">'
+               'thick: epoch mean</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _nice(v: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 times a power of ten that is >= v."""
+    if not np.isfinite(v) or v <= 0:
+        return 1.0
+    p = 10 ** np.floor(np.log10(v))
+    return float(next(m * p for m in (1, 2, 2.5, 5, 10) if m * p >= v))
+
+
+def _ticks(xmax: float) -> list[float]:
+    step = _nice(xmax / 8)
+    return [i * step for i in range(int(xmax / step) + 1)]
+
+
+def _esc(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), console=None) -> dict:
+    """Run the demo (module doc), printing to ``console`` (a rich Console); return what it measured:
+    ``{"rnn": {...}, "mlp": {...}, "seconds": float, "svg": path}``, each model with ``accuracy``,
+    ``loss``, ``train_graph`` (path), ``model`` (path), ``size`` ((nodes, in subgraphs, initializers, bytes))
+    and ``check_ok``. Raises :class:`revgraph.RevgraphError` if the output directory cannot be made."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .check import check_gradients
+    from .errors import RevgraphError
+    from .train import adam, graph_size, loss_graph
+    from .trainer import Trainer
+
+    console = console or Console(highlight=False)
+    started = time.perf_counter()
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RevgraphError(f"cannot create the output directory {str(out)!r}: {exc.strerror}") from None
+    train, test = digits(settings.seed)
+    console.print(f"digits (scikit-learn): {len(train['labels'])} training and {len(test['labels'])} test images, "
+                  "8x8, 10 classes", markup=False, soft_wrap=True)
+    models = {
+        "rnn": (rnn_model(settings.hidden, seed=settings.seed), settings.epochs,
+                f"recurrent (ONNX Loop over 8 rows, hidden {settings.hidden})"),
+        "mlp": (mlp_model(settings.mlp_hidden, seed=settings.seed), settings.mlp_epochs,
+                f"MLP (64-{settings.mlp_hidden}-10, ReLU)"),
+    }
+
+    console.print("gradient check: the cross-entropy loss on 8 images against float64 central differences",
+                  markup=False, soft_wrap=True)
+    table = Table(show_edge=False)
+    for col in ("model", "parameter", "shape", "max abs error", "max rel error", "ok"):
+        table.add_column(col, justify="right" if "error" in col else "left")
+    sample = {"x": train["x"][:8], "labels": train["labels"][:8]}
+    checks = {}
+    for key, (model, _, _) in models.items():
+        lg, spec = loss_graph(model, "cross-entropy")
+        params = [k for k, a in model.initializers.items() if a.dtype.kind == "f"]
+        rep = check_gradients(lg, spec.loss, params, inputs={"x": sample["x"], spec.labels: sample["labels"]},
+                              seed=settings.seed)
+        checks[key] = rep.ok
+        for row in rep.rows:
+            shape = "x".join(map(str, model.initializers[row.name].shape))
+            table.add_row(key, row.name, shape, f"{row.max_abs:.2g}", f"{row.max_rel:.2g}",
+                          "yes" if row.ok else "[red]NO[/red]")
+    console.print(table)
+
+    results: dict = {}
+    curves: dict[str, tuple[list[float], int]] = {}
+    for key, (model, epochs, label) in models.items():
+        t0 = time.perf_counter()
+        trainer = Trainer(model, "cross-entropy", adam(lr=settings.lr))
+        trainer.fit(train, epochs=epochs, batch_size=settings.batch_size, seed=settings.seed, console=console,
+                    description=key)
+        seconds = time.perf_counter() - t0
+        ev = trainer.evaluate(test)
+        graph_path, model_path = out / f"{key}.train.onnx", out / f"{key}.onnx"
+        trainer.save_training_graph(graph_path)
+        trainer.export(model_path)
+        size = graph_size(trainer.spec.graph)
+        per_epoch = -(-len(train["labels"]) // settings.batch_size)
+        curves[f"{key}: test {ev['accuracy']:.1%}"] = (trainer.losses, per_epoch)
+        results[key] = {"accuracy": ev["accuracy"], "loss": ev["loss"], "train_graph": str(graph_path),
+                        "model": str(model_path), "size": size, "check_ok": checks[key], "seconds": seconds}
+        console.print(f"{label}: test accuracy {ev['accuracy']:.2%} (loss {ev['loss']:.4f}) after {epochs} epochs "
+                      f"in {seconds:.1f} s", markup=False, soft_wrap=True)
+        console.print(f"  training graph {graph_path}: {size[0]} nodes ({size[1]} in loop bodies), "
+                      f"{size[2]} initializers, {size[3]:,} bytes; trained model {model_path}",
+                      markup=False, soft_wrap=True)
+    svg = out / "loss.svg"
+    svg.write_text(loss_svg(curves, "revgraph demo: cross-entropy on the digits training set (Adam)"))
+    results["svg"] = str(svg)
+    results["seconds"] = time.perf_counter() - started
+    console.print(f"loss curves: {svg}", markup=False, soft_wrap=True)
+    console.print(f"done in {results['seconds']:.1f} s", markup=False, soft_wrap=True)
+    return results

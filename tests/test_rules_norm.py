@@ -1,0 +1,406 @@
+"""VJP rules of normalizations and Dropout (rules/norm.py), three ways (central differences, PyTorch, second
+order) on random ranks, shapes and attributes; the optional statistics outputs; Dropout's reused mask."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from harness import check_rule, one_node_graph, with_loss
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_rules_activations import torch_check
+
+import revgraph as rg
+from revgraph.errors import GraphError
+from revgraph.ir import Graph, Node, ValueInfo
+
+F = torch.nn.functional
+SETTINGS = settings(max_examples=6, deadline=None)
+SEEDS = st.integers(0, 2**16)
+EPS = st.sampled_from([1e-5, 0.25])  # 0.25 makes epsilon matter; both as float32, as ONNX stores them
+
+
+def f32(v: float) -> float:
+    return float(np.float32(v))
+
+
+def _shape(draw, min_rank: int, max_rank: int = 4):
+    return tuple(draw(st.lists(st.integers(1, 3), min_size=min_rank, max_size=max_rank)))
+
+
+def _chan(v: torch.Tensor, rank: int) -> torch.Tensor:
+    return v.reshape((1, -1) + (1,) * (rank - 2))
+
+
+def _declare(g: Graph, name: str, like: np.ndarray) -> None:
+    """Declare the type of output ``name``, as an exporter would: ONNX shape inference leaves the output of
+    GroupNormalization untyped, and onnxruntime refuses an untyped function output."""
+    g.outputs = [ValueInfo(o.name, like.dtype, like.shape) if o.name == name else o for o in g.outputs]
+    g.value_info[name] = ValueInfo(name, like.dtype, like.shape)
+
+
+# -------------------------------------------------------------------------------------- BatchNormalization
+
+
+@SETTINGS
+@given(data=st.data(), eps=EPS, seed=SEEDS)
+def test_batch_norm_inference(data, eps, seed):
+    shape = _shape(data.draw, 2)
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(c), "bias": rng.standard_normal(c),
+             "mean": rng.standard_normal(c), "var": rng.uniform(0.5, 2.0, c)}
+    g = one_node_graph("BatchNormalization", feeds, {"epsilon": eps})
+    r = len(shape)
+
+    def fn(x, scale, bias, mean, var):  # the spec's formula; F.batch_norm has no gradient for mean and var
+        return (x - _chan(mean, r)) / torch.sqrt(_chan(var, r) + f32(eps)) * _chan(scale, r) + _chan(bias, r)
+
+    check_rule(g, feeds, fn)
+
+
+def test_batch_norm_inference_like_pytorch():
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((3, 2, 4)), "scale": rng.standard_normal(2), "bias": rng.standard_normal(2),
+             "mean": rng.standard_normal(2), "var": rng.uniform(0.5, 2.0, 2)}
+    g = one_node_graph("BatchNormalization", feeds, float_inputs=["x", "scale", "bias"])
+    fd = {k: feeds[k] for k in ("x", "scale", "bias")}
+    check_rule(g, fd, lambda x, scale, bias: F.batch_norm(x, torch.tensor(feeds["mean"]), torch.tensor(feeds["var"]),
+                                                          scale, bias, training=False, eps=f32(1e-5)))
+
+
+@SETTINGS
+@given(data=st.data(), eps=EPS, seed=SEEDS)
+def test_batch_norm_training_y(data, eps, seed):
+    shape = _shape(data.draw, 2)
+    shape = (shape[0] + 1,) + shape[1:]  # at least two values per channel: a variance of one value is 0
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(c), "bias": rng.standard_normal(c)}
+    stats = {"mean": rng.standard_normal(c), "var": rng.uniform(0.5, 2.0, c)}
+    # ONNX requires all three outputs in training mode; the loss reads Y only
+    g = one_node_graph("BatchNormalization", {**feeds, **stats}, {"epsilon": eps, "training_mode": 1},
+                       n_out=3, float_inputs=list(feeds))
+    check_rule(g, feeds, lambda x, scale, bias: F.batch_norm(x, None, None, scale, bias, training=True, eps=f32(eps)),
+               outputs=["y0"])
+
+
+@SETTINGS
+@given(data=st.data(), momentum=st.sampled_from([0.9, 0.5, 0.0]), seed=SEEDS)
+def test_batch_norm_training_running_stats(data, momentum, seed):
+    shape = _shape(data.draw, 2)
+    shape = (shape[0] + 1,) + shape[1:]
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(c), "bias": rng.standard_normal(c),
+             "mean": rng.standard_normal(c), "var": rng.uniform(0.5, 2.0, c)}
+    g = one_node_graph("BatchNormalization", feeds, {"training_mode": 1, "momentum": momentum}, n_out=3)
+    r, m = len(shape), f32(momentum)
+    axes = [0, *range(2, r)]
+
+    def fn(x, scale, bias, mean, var):  # the spec's formulas, population variance
+        mu, sigma2 = x.mean(axes), x.var(axes, unbiased=False)
+        y = (x - _chan(mu, r)) / torch.sqrt(_chan(sigma2, r) + f32(1e-5)) * _chan(scale, r) + _chan(bias, r)
+        return y, mean * m + mu * (1 - m), var * m + sigma2 * (1 - m)
+
+    check_rule(g, feeds, fn)
+    # the running statistics alone reach X, mean and var (the harness pairs torch's outputs with ``outputs``)
+    check_rule(g, feeds, lambda **t: fn(**t)[1:], outputs=["y1", "y2"], wrt=["x", "mean", "var"])
+
+
+def test_session_leaves_fed_running_statistics_alone():
+    # onnxruntime computes a training BatchNormalization's running statistics in place, into the buffer of
+    # input_mean/input_var when it may: Session.run must not hand it the caller's arrays.
+    rng = np.random.default_rng(9)
+    feeds = {"x": rng.standard_normal((3, 2)), "scale": rng.standard_normal(2), "bias": rng.standard_normal(2),
+             "mean": rng.standard_normal(2), "var": rng.uniform(0.5, 2.0, 2)}
+    g = one_node_graph("BatchNormalization", feeds, {"training_mode": 1}, n_out=3)
+    lg, _ = with_loss(g, rg.Session(g).run(feeds))
+    gg = rg.gradient(lg, loss="loss", wrt=list(feeds))
+    kept = {k: v.copy() for k, v in feeds.items()}
+    us = {f"y{i}_u": np.ones(s) for i, s in enumerate([(3, 2), (2,), (2,)])}
+    rg.Session(gg).run({**feeds, **us})
+    for k, v in kept.items():
+        np.testing.assert_array_equal(feeds[k], v, err_msg=k)
+
+
+def test_batch_norm_needs_rank():
+    g = Graph([Node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="bn")],
+              [ValueInfo("x", np.float64, None)], [ValueInfo("y")],
+              {k: np.ones(3) for k in ("s", "b", "m", "v")})
+    with pytest.raises(GraphError, match="'bn'.*rank"):
+        rg.gradient(g, wrt=["x"])
+
+
+# -------------------------------------------------------------------------------------- LayerNormalization
+
+
+@st.composite
+def layer_norm_case(draw):
+    """X's shape, the axis (negative or not), and Scale/B shapes unidirectionally broadcastable to X."""
+    shape = _shape(draw, 1)
+    r = len(shape)
+    axis = draw(st.integers(-r, r - 1))
+
+    def param():
+        k = draw(st.integers(0, r))
+        return tuple(d if draw(st.booleans()) else 1 for d in shape[r - k:])
+
+    return shape, axis, param(), (param() if draw(st.booleans()) else None)
+
+
+@SETTINGS
+@given(case=layer_norm_case(), eps=EPS, seed=SEEDS)
+def test_layer_norm(case, eps, seed):
+    shape, axis, sshape, bshape = case
+    rng = np.random.default_rng(seed)
+    feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(sshape)}
+    if bshape is not None:
+        feeds["bias"] = rng.standard_normal(bshape)
+    attrs = {"epsilon": eps} if axis == -1 else {"epsilon": eps, "axis": axis}
+    g = one_node_graph("LayerNormalization", feeds, attrs)
+    a = axis % len(shape)
+
+    def fn(x, scale, bias=None):
+        y = F.layer_norm(x, x.shape[a:], eps=f32(eps)) * scale
+        return y if bias is None else y + bias
+
+    check_rule(g, feeds, fn)
+
+
+@pytest.mark.parametrize("axis,outputs",
+                         [(-1, ["y0", "mean", "inv"]), (1, ["mean", "inv"]), (-2, ["inv"]), (0, ["mean"])])
+def test_layer_norm_mean_and_inv_std_dev_outputs(axis, outputs):
+    # With the default stash_type, Mean and InvStdDev are float32 for a float64 X (onnxruntime computes them so):
+    # no central differences through them. The loss reads them cast to float64, and the gradient (computed in
+    # float64 by the rule) is compared with PyTorch doing the same casts.
+    rng = np.random.default_rng(axis + 7)
+    feeds = {"x": rng.standard_normal((2, 3, 4)), "scale": rng.standard_normal(4), "bias": rng.standard_normal(4)}
+    nodes = [Node("LayerNormalization", ["x", "scale", "bias"], ["y0", "m32", "i32"], {"axis": axis}, "op"),
+             Node("Cast", ["m32"], ["mean"], {"to": 11}, "mean"), Node("Cast", ["i32"], ["inv"], {"to": 11}, "inv")]
+    g = Graph(nodes, [ValueInfo(k, v.dtype, v.shape) for k, v in feeds.items()],
+              [ValueInfo(o) for o in ("y0", "mean", "inv")])
+
+    def fn(x, scale, bias):
+        dims = list(range(axis % x.dim(), x.dim()))
+        mu = x.mean(dims, keepdim=True)
+        inv = 1 / torch.sqrt(x.var(dims, unbiased=False, keepdim=True) + f32(1e-5))
+        every = {"y0": (x - mu) * inv * scale + bias, "mean": mu.float().double(), "inv": inv.float().double()}
+        return [every[o] for o in outputs]
+
+    wrt = ["x", "scale", "bias"] if "y0" in outputs else ["x"]  # the statistics do not depend on scale, bias
+    torch_check(g, feeds, fn, wrt=wrt, outputs=outputs, rtol=1e-6, atol=1e-8)
+
+
+def test_layer_norm_float16_computes_in_float32():
+    rng = np.random.default_rng(5)
+    x, scale = rng.standard_normal((3, 8)).astype(np.float16), rng.standard_normal(8).astype(np.float16)
+    u = rng.standard_normal((3, 8)).astype(np.float16)
+    g = one_node_graph("LayerNormalization", {"x": x, "scale": scale})
+    lg, _ = with_loss(g, {"y0": x})
+    gg = rg.gradient(lg, loss="loss", wrt=["x", "scale"])
+    assert any(n.op_type == "Cast" and n.attrs.get("to") == 1 for n in gg.nodes)  # stage one in float32
+    got = rg.Session(gg).run({"x": x, "scale": scale, "y0_u": u})
+    tx, ts = torch.tensor(x, dtype=torch.float64, requires_grad=True), torch.tensor(scale, dtype=torch.float64,
+                                                                                      requires_grad=True)
+    (F.layer_norm(tx, (8,), eps=f32(1e-5)) * ts * torch.tensor(u, dtype=torch.float64)).sum().backward()
+    assert got["x_grad"].dtype == np.float16
+    np.testing.assert_allclose(got["x_grad"], tx.grad.numpy(), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(got["scale_grad"], ts.grad.numpy(), rtol=2e-2, atol=2e-2)
+
+
+# -------------------------------------------------------------------------------------- Instance, Group
+
+
+@SETTINGS
+@given(data=st.data(), eps=EPS, seed=SEEDS)
+def test_instance_norm(data, eps, seed):
+    shape = _shape(data.draw, 3)
+    shape = shape[:2] + (shape[2] + 1,) + shape[3:]  # at least two values per instance and channel
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(c), "bias": rng.standard_normal(c)}
+    g = one_node_graph("InstanceNormalization", feeds, {"epsilon": eps})
+    check_rule(g, feeds, lambda x, scale, bias: F.instance_norm(x, weight=scale, bias=bias, eps=f32(eps)))
+
+
+@SETTINGS
+@given(data=st.data(), groups=st.integers(1, 3), per_group=st.integers(1, 2), eps=EPS, seed=SEEDS)
+def test_group_norm(data, groups, per_group, eps, seed):
+    shape = _shape(data.draw, 2, 3)
+    spatial = shape[2:]
+    if per_group * int(np.prod(spatial)) == 1:  # PyTorch refuses a group of one value
+        spatial = (2,)
+    shape = (shape[0], groups * per_group) + spatial
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(c), "bias": rng.standard_normal(c)}
+    # stash_type 11 (DOUBLE): the default (FLOAT) computes stage one in float32, too coarse for differences
+    g = one_node_graph("GroupNormalization", feeds, {"epsilon": eps, "num_groups": groups, "stash_type": 11})
+    _declare(g, "y0", feeds["x"])
+    check_rule(g, feeds, lambda x, scale, bias: F.group_norm(x, groups, scale, bias, eps=f32(eps)))
+
+
+def test_group_norm_default_stash_float32():
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal((2, 4, 3)).astype(np.float32), "scale": rng.standard_normal(4).astype(np.float32),
+             "bias": rng.standard_normal(4).astype(np.float32)}
+    g = one_node_graph("GroupNormalization", feeds, {"num_groups": 2})
+    _declare(g, "y0", feeds["x"])
+    torch_check(g, feeds, lambda x, scale, bias: F.group_norm(x, 2, scale, bias, eps=f32(1e-5)),
+                wrt=["x", "scale", "bias"], rtol=2e-4, atol=2e-5)
+
+
+# -------------------------------------------------------------------------------------- Dropout
+
+
+def _dropout_graph(x: np.ndarray, ratio: float | None, training, n_out: int = 1, seed: int = 7) -> Graph:
+    inputs = ["x", "ratio" if ratio is not None else "", "training" if training is not None else ""]
+    while inputs and not inputs[-1]:
+        inputs.pop()
+    init = {}
+    if ratio is not None:
+        init["ratio"] = np.array(ratio, np.float32)
+    graph_inputs = [ValueInfo("x", x.dtype, x.shape)]
+    if isinstance(training, str):  # a run-time input
+        graph_inputs.append(ValueInfo("training", np.bool_, ()))
+    elif training is not None:
+        init["training"] = np.array(training)
+    outs = ["y0", "mask"][:n_out]
+    return Graph([Node("Dropout", inputs, outs, {"seed": seed}, "drop")], graph_inputs, [ValueInfo("y0")], init)
+
+
+@pytest.mark.parametrize("ratio,training", [(None, None), (0.25, None), (0.25, False), (0.0, True)])
+def test_dropout_inference_is_identity(ratio, training):
+    x = np.random.default_rng(0).standard_normal((3, 4))
+    g = _dropout_graph(x, ratio, training)
+    grads = check_rule(g, {"x": x}, lambda x: x * 1.0)
+    assert grads["x"].shape == x.shape
+
+
+def _run_with_mask(gg: Graph, feeds: dict, backend: str):
+    drops = [n for n in gg.nodes if n.op_type == "Dropout"]
+    assert len(drops) == 1, "the mask must be reused, not drawn again"
+    mask = drops[0].outputs[1]
+    gg = gg.copy()
+    gg.outputs.append(ValueInfo(mask, np.bool_, feeds["x"].shape))
+    out = rg.Session(gg, backend=backend).run(feeds)
+    return out, out[mask]
+
+
+@pytest.mark.parametrize("n_out", [1, 2])
+@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
+def test_dropout_training_reuses_the_forward_mask(n_out, backend):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 5))
+    ratio = 0.25
+    g = _dropout_graph(x, ratio, True, n_out=n_out)
+    lg, _ = with_loss(g, {"y0": x})
+    u = rng.standard_normal(x.shape)
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    out, mask = _run_with_mask(gg, {"x": x, "y0_u": u}, backend)
+    assert 0 < mask.sum() < mask.size  # the seed drops some values and keeps others
+    np.testing.assert_allclose(out["x_grad"], mask * u / (1 - f32(ratio)), rtol=1e-12)
+    assert len(g.nodes[0].outputs) == n_out  # the caller's graph is left alone
+
+
+def test_dropout_training_central_differences():
+    # The reference evaluator draws the same mask for the same seed every run: central differences apply.
+    rng = np.random.default_rng(2)
+    x, u, v = rng.standard_normal((3, 6)), rng.standard_normal((3, 6)), rng.standard_normal((3, 6))
+    g = _dropout_graph(x, 0.5, True)
+    lg, _ = with_loss(g, {"y0": x})
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    grad = rg.Session(gg, backend="reference").run({"x": x, "y0_u": u})["x_grad"]
+    fwd = rg.Session(lg, backend="reference")
+    h = 1e-6
+    numeric = (fwd.run({"x": x + h * v, "y0_u": u})["loss"] - fwd.run({"x": x - h * v, "y0_u": u})["loss"]) / (2 * h)
+    np.testing.assert_allclose(np.sum(grad * v), numeric, rtol=1e-6)
+    tx = torch.tensor(x, requires_grad=True)  # PyTorch on the same mask
+    mask = torch.tensor(grad != 0)
+    (tx * mask / 0.5 * torch.tensor(u)).sum().backward()
+    np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_dropout_runtime_training_mode_and_ratio(training):
+    x = np.random.default_rng(3).standard_normal((4, 4))
+    g = _dropout_graph(x, None, "training")
+    g.nodes[0].inputs[1] = "ratio"
+    g.inputs.append(ValueInfo("ratio", np.float64, ()))
+    lg, _ = with_loss(g, {"y0": x})
+    u = np.random.default_rng(4).standard_normal(x.shape)
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    out, mask = _run_with_mask(gg, {"x": x, "y0_u": u, "training": np.array(training), "ratio": np.array(0.75)},
+                               "reference")
+    assert mask.all() != training
+    np.testing.assert_allclose(out["x_grad"], mask * u * (4.0 if training else 1.0), rtol=1e-12)
+
+
+def test_dropout_second_pass_keeps_one_dropout():
+    # Differentiating the gradient graph again (here with respect to the cotangent) reuses the same mask.
+    x = np.random.default_rng(5).standard_normal((2, 3))
+    g = _dropout_graph(x, 0.5, True)
+    lg, _ = with_loss(g, {"y0": x})
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    gg.outputs = [o for o in gg.outputs if o.name == "x_grad"]
+    g2 = rg.gradient(gg, loss="x_grad", wrt=["y0_u"])
+    assert sum(n.op_type == "Dropout" for n in g2.nodes) == 1
+    out = rg.Session(g2, backend="reference").run({"x": x, "y0_u": np.ones_like(x)})
+    mask = out["x_grad"] != 0
+    np.testing.assert_allclose(out["y0_u_grad"], mask * 2.0, rtol=1e-12)
+
+
+# -------------------------------------------------------------------------------------- unknown dimensions
+
+
+def _symbolic(g: Graph, dims: dict[str, tuple]) -> Graph:
+    """``g`` with the named inputs declared with symbolic dimensions (the rules must use Shape-based ops)."""
+    g.inputs = [ValueInfo(v.name, v.dtype, dims.get(v.name, v.shape)) for v in g.inputs]
+    return g
+
+
+@pytest.mark.parametrize("op", ["BatchNormalization", "InstanceNormalization", "GroupNormalization"])
+def test_symbolic_dims(op):
+    rng = np.random.default_rng(11)
+    feeds = {"x": rng.standard_normal((3, 4, 5)), "scale": rng.standard_normal(4), "bias": rng.standard_normal(4)}
+    if op == "BatchNormalization":
+        feeds.update(mean=rng.standard_normal(4), var=rng.uniform(0.5, 2.0, 4))
+        g = one_node_graph(op, feeds, {"training_mode": 1}, n_out=3)
+
+        def fn(x, scale, bias, mean, var):
+            mu, sigma2 = x.mean([0, 2]), x.var([0, 2], unbiased=False)
+            y = F.batch_norm(x, None, None, scale, bias, training=True, eps=f32(1e-5))
+            return y, mean * f32(0.9) + mu * (1 - f32(0.9)), var * f32(0.9) + sigma2 * (1 - f32(0.9))
+    elif op == "InstanceNormalization":
+        g = one_node_graph(op, feeds)
+
+        def fn(x, scale, bias):
+            return F.instance_norm(x, weight=scale, bias=bias, eps=f32(1e-5))
+    else:
+        g = one_node_graph(op, feeds, {"num_groups": 2, "stash_type": 11})
+        g.outputs = [ValueInfo("y0", np.float64, ("N", 4, "L"))]
+        g.value_info["y0"] = g.outputs[0]
+
+        def fn(x, scale, bias):
+            return F.group_norm(x, 2, scale, bias, eps=f32(1e-5))
+    _symbolic(g, {"x": ("N", 4, "L")})
+    check_rule(g, feeds, fn)
+    gg = rg.gradient(with_loss(g, rg.Session(g, backend="reference").run(feeds))[0], loss="loss", wrt=["x"])
+    if op != "InstanceNormalization":  # group sizes and the shape to restore are read at run time
+        assert any(n.op_type == "Shape" and n.name.startswith("grad/op/") for n in gg.nodes)
+
+
+def test_symbolic_dims_layer_norm_statistics():
+    rng = np.random.default_rng(12)
+    feeds = {"x": rng.standard_normal((3, 2, 5)), "scale": rng.standard_normal(1)}
+    nodes = [Node("LayerNormalization", ["x", "scale"], ["y0", "m32"], {"axis": 1}, "op"),
+             Node("Cast", ["m32"], ["mean"], {"to": 11}, "mean")]
+    g = Graph(nodes, [ValueInfo("x", np.float64, ("N", 2, "L")), ValueInfo("scale", np.float64, (1,))],
+              [ValueInfo("y0"), ValueInfo("mean")])
+
+    def fn(x, scale):
+        return F.layer_norm(x, x.shape[1:], eps=f32(1e-5)) * scale, x.mean([1, 2], keepdim=True).float().double()
+
+    torch_check(g, feeds, fn, wrt=["x", "scale"], outputs=["y0", "mean"])

@@ -1,0 +1,401 @@
+"""Training graphs and rg.Trainer against PyTorch: the same model from the same initial weights on the same
+batches has the same parameters after 20 steps (SGD with momentum, Adam, AdamW; every loss; a recurrent
+model whose recurrence is an ONNX Loop; a gathered embedding table updated row by row)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+
+import revgraph as rg
+from revgraph import train as T
+from revgraph.demo import rnn_model
+from revgraph.errors import InputError, RevgraphError
+from revgraph.ir import Graph, Node, ValueInfo
+
+F32 = np.float32
+STEPS = 20
+OPTIMIZERS = {
+    "sgd": T.sgd(lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": T.adam(lr=0.01, weight_decay=0.01),
+    "adamw": T.adamw(lr=0.01, weight_decay=0.1),
+}
+
+
+def torch_optimizer(opt: T.Optimizer, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if opt.kind == "sgd":
+        return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    cls = torch.optim.Adam if opt.kind == "adam" else torch.optim.AdamW
+    return cls(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+
+
+TORCH_LOSS = {
+    "cross-entropy": F.cross_entropy,
+    "mse": F.mse_loss,
+    "bce": F.binary_cross_entropy_with_logits,
+}
+
+
+def torch_train(params0, forward, loss, opt, batches, sparse=()):
+    """Train with PyTorch; ``forward(P, x)`` gives the model output. Returns the parameters and the losses.
+    Tables named in ``sparse`` get sparse gradients and torch.optim.SparseAdam (Adam) or SGD (plain SGD)."""
+    P = {k: torch.tensor(v, requires_grad=True) for k, v in params0.items()}
+    dense = [P[k] for k in P if k not in sparse]
+    opts = [torch_optimizer(opt, dense)]
+    if sparse:
+        tables = [P[k] for k in sparse]
+        opts.append(torch.optim.SparseAdam(tables, lr=opt.lr, betas=opt.betas, eps=opt.eps) if opt.kind == "adam"
+                    else torch.optim.SGD(tables, lr=opt.lr))
+    losses = []
+    for x, y in batches:
+        for o in opts:
+            o.zero_grad()
+        value = TORCH_LOSS[loss](forward(P, torch.tensor(x)), torch.tensor(y))
+        value.backward()
+        for o in opts:
+            o.step()
+        losses.append(float(value.detach()))
+    return {k: v.detach().numpy() for k, v in P.items()}, losses
+
+
+def assert_params_close(ours, theirs, rtol=1e-4):
+    """Equal within ``rtol`` relative to each tensor's largest magnitude (elementwise relative error is
+    meaningless for entries that pass through zero)."""
+    for k, ref in theirs.items():
+        scale = float(np.abs(ref).max())
+        np.testing.assert_allclose(ours[k], ref, rtol=rtol, atol=rtol * scale, err_msg=k)
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def mlp(rng, din=6, hidden=8, out=3, dtype=F32):
+    inits = {"W1": rng.normal(0, 0.5, (din, hidden)).astype(dtype), "b1": rng.normal(0, 0.1, hidden).astype(dtype),
+             "W2": rng.normal(0, 0.5, (hidden, out)).astype(dtype), "b2": rng.normal(0, 0.1, out).astype(dtype)}
+    nodes = [Node("MatMul", ["x", "W1"], ["a"], name="mm1"), Node("Add", ["a", "b1"], ["z"], name="add1"),
+             Node("Tanh", ["z"], ["h"], name="tanh"), Node("MatMul", ["h", "W2"], ["o"], name="mm2"),
+             Node("Add", ["o", "b2"], ["y"], name="add2")]
+    return Graph(nodes, [ValueInfo("x", dtype, ("N", din))], [ValueInfo("y", dtype, ("N", out))], inits, name="mlp")
+
+
+def torch_mlp(P, x):
+    return torch.tanh(x @ P["W1"] + P["b1"]) @ P["W2"] + P["b2"]
+
+
+def torch_rnn(P, x):
+    h = torch.zeros(x.shape[0], P["U"].shape[0])
+    for t in range(x.shape[1]):
+        h = torch.tanh(x[:, t, :] @ P["W"] + h @ P["U"] + P["b"])
+    return h @ P["V"] + P["c"]
+
+
+def embedding_model(rng, rows=12, dim=4, out=3):
+    """ids int64 [N, L] -> mean of the gathered rows of E [rows, dim] -> Gemm -> logits [N, out]."""
+    inits = {"E": rng.normal(0, 1, (rows, dim)).astype(F32), "Wo": rng.normal(0, 0.5, (dim, out)).astype(F32),
+             "bo": np.zeros(out, F32), "axis1": np.array([1], np.int64)}
+    nodes = [Node("Gather", ["E", "ids"], ["emb"], name="embed"),
+             Node("ReduceMean", ["emb", "axis1"], ["pooled"], {"keepdims": 0}, name="pool"),
+             Node("Gemm", ["pooled", "Wo", "bo"], ["logits"], name="head")]
+    return Graph(nodes, [ValueInfo("ids", np.int64, ("N", 5))], [ValueInfo("logits", F32, ("N", out))], inits)
+
+
+def torch_embedding(P, ids):
+    return F.embedding(ids, P["E"], sparse=True).mean(1) @ P["Wo"] + P["bo"]
+
+
+def labels_for(loss, rng, n, out):
+    if loss == "cross-entropy":
+        return rng.integers(0, out, n)
+    if loss == "bce":
+        return (rng.random((n, out)) < 0.5).astype(F32)
+    return rng.normal(0, 1, (n, out)).astype(F32)
+
+
+def make_batches(rng, loss, n_batches=4, size=16, din=6, out=3):
+    return [(rng.normal(0, 1, (size, din)).astype(F32), labels_for(loss, rng, size, out)) for _ in range(n_batches)]
+
+
+# ------------------------------------------------------------------------------------------------ parity
+
+
+@pytest.mark.parametrize("loss", T.LOSSES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_trainer_matches_pytorch(name, loss):
+    rng = np.random.default_rng(0)
+    g = mlp(rng)
+    opt = OPTIMIZERS[name]
+    batches = make_batches(rng, loss)
+    schedule = [batches[k % len(batches)] for k in range(STEPS)]
+    trainer = rg.Trainer(g, loss=loss, optimizer=opt)
+    ours = [trainer.step(b) for b in schedule]
+    theirs, torch_losses = torch_train(g.initializers, torch_mlp, loss, opt, schedule)
+    assert trainer.steps == STEPS
+    np.testing.assert_allclose(ours, torch_losses, rtol=1e-4)
+    assert_params_close(trainer.parameters, theirs)
+    moved = max(float(np.abs(theirs[k] - g.initializers[k]).max()) for k in theirs)
+    assert moved > 0.05  # the parameters did change: the comparison is not between two initial states
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_float64_model_matches_pytorch_to_rounding(name):
+    """In float64 the only differences left are rounding: the formulas are the same, term by term."""
+    rng = np.random.default_rng(14)
+    g = mlp(rng, dtype=np.float64)
+    schedule = [(rng.normal(0, 1, (16, 6)), rng.integers(0, 3, 16)) for _ in range(STEPS)]
+    trainer = rg.Trainer(g, "cross-entropy", OPTIMIZERS[name])
+    for b in schedule:
+        trainer.step(b)
+    theirs, _ = torch_train(g.initializers, torch_mlp, "cross-entropy", OPTIMIZERS[name], schedule)
+    assert_params_close(trainer.parameters, theirs, rtol=1e-10)
+    assert trainer.parameters["W1"].dtype == np.float64
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_recurrent_loop_model_matches_pytorch(name):
+    rng = np.random.default_rng(1)
+    g = rnn_model(hidden=6, rows=5, width=4, classes=3, seed=1)
+    opt = OPTIMIZERS[name]
+    batches = [(rng.random((8, 5, 4)).astype(F32), rng.integers(0, 3, 8)) for _ in range(3)]
+    schedule = [batches[k % 3] for k in range(STEPS)]
+    trainer = rg.Trainer(g, "cross-entropy", opt)
+    for b in schedule:
+        trainer.step(b)
+    params = {k: v for k, v in g.initializers.items() if v.dtype == F32}
+    theirs, _ = torch_train(params, torch_rnn, "cross-entropy", opt, schedule)
+    assert_params_close(trainer.parameters, theirs)
+
+
+def test_sparse_table_plain_sgd_is_exact():
+    """Rows of a table read only through Gather are updated with ScatterND; for SGD that is the dense step."""
+    rng = np.random.default_rng(2)
+    g = embedding_model(rng)
+    opt = T.sgd(lr=0.5)
+    batches = [(rng.integers(0, 8, (6, 5)), rng.integers(0, 3, 6)) for _ in range(4)]  # rows 8..11 never read
+    schedule = [batches[k % 4] for k in range(STEPS)]
+    trainer = rg.Trainer(g, "cross-entropy", opt)
+    assert trainer.spec.sparse == ["E"]
+    for b in schedule:
+        trainer.step(b)
+    params = {k: v for k, v in g.initializers.items() if v.dtype == F32}
+    theirs, _ = torch_train(params, torch_embedding, "cross-entropy", opt, schedule, sparse=("E",))
+    assert_params_close(trainer.parameters, theirs)
+    np.testing.assert_array_equal(trainer.parameters["E"][8:], g.initializers["E"][8:])
+
+
+def test_sparse_table_adam_is_lazy_like_sparse_adam():
+    rng = np.random.default_rng(3)
+    g = embedding_model(rng)
+    opt = T.adam(lr=0.05)
+    batches = [(rng.integers(0, 10, (6, 5)), rng.integers(0, 3, 6)) for _ in range(4)]
+    schedule = [batches[k % 4] for k in range(STEPS)]
+    trainer = rg.Trainer(g, "cross-entropy", opt)
+    for b in schedule:
+        trainer.step(b)
+    params = {k: v for k, v in g.initializers.items() if v.dtype == F32}
+    theirs, _ = torch_train(params, torch_embedding, "cross-entropy", opt, schedule, sparse=("E",))
+    assert_params_close(trainer.parameters, theirs)
+    state = trainer.state
+    assert not state["E.m"][10:].any() and not state["E.v"][10:].any()  # untouched rows: no state either
+
+
+def test_sparse_table_momentum_is_lazy():
+    """SGD with momentum on a gathered table: only the rows of the batch decay and move (numpy reference,
+    with the gradient rows from revgraph.gradient checked against PyTorch's sparse gradient)."""
+    rng = np.random.default_rng(4)
+    g = embedding_model(rng)
+    opt = T.sgd(lr=0.2, momentum=0.9, weight_decay=0.01)
+    batches = [(rng.integers(0, 12, (3, 5)), rng.integers(0, 3, 3)) for _ in range(5)]
+    trainer = rg.Trainer(g, "cross-entropy", opt, params=["E"])
+    P = {k: torch.tensor(v, requires_grad=k == "E") for k, v in g.initializers.items() if v.dtype == F32}
+    E, buf = g.initializers["E"].copy(), np.zeros_like(g.initializers["E"])
+    for k in range(STEPS):
+        ids, y = batches[k % 5]
+        trainer.step((ids, y))
+        P["E"] = torch.tensor(E, requires_grad=True)
+        F.cross_entropy(torch_embedding(P, torch.tensor(ids)), torch.tensor(y)).backward()
+        grad = P["E"].grad.coalesce()
+        rows, values = grad.indices()[0].numpy(), grad.values().numpy()
+        values = values + opt.weight_decay * E[rows]
+        buf[rows] = opt.momentum * buf[rows] + values
+        E[rows] -= opt.lr * buf[rows]
+    assert_params_close(trainer.parameters, {"E": E})
+    assert_params_close(trainer.state, {"E.momentum": buf})
+
+
+def test_bce_gradient_is_exact_at_zero_logits():
+    """softplus is written so that its derivative is sigmoid(z) also at z = 0 (no tie convention of Max)."""
+    g = Graph([Node("Identity", ["z"], ["out"], name="id")], [ValueInfo("z", F32, (4,))], [ValueInfo("out", F32, (4,))])
+    lg, spec = T.loss_graph(g, "bce")
+    gg = rg.gradient(lg, spec.loss, ["z"])
+    y = np.array([0, 1, 0.25, 1], F32)
+    z = np.array([0, 0, 30, -30], F32)
+    out = rg.Session(gg).run({"z": z, spec.labels: y})
+    zt = torch.tensor(z, requires_grad=True)
+    F.binary_cross_entropy_with_logits(zt, torch.tensor(y)).backward()
+    np.testing.assert_allclose(out[gg.output_names[-1]], zt.grad.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(out[spec.loss], F.binary_cross_entropy_with_logits(torch.tensor(z), torch.tensor(y)),
+                               rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ graphs
+
+
+def _rnn_case():
+    rng = np.random.default_rng(5)
+    return rnn_model(hidden=5, rows=3, width=4, classes=3, seed=5), {"x": rng.random((4, 3, 4)).astype(F32)}, 3
+
+
+def _mlp_case():
+    rng = np.random.default_rng(6)
+    return mlp(rng), {"x": rng.normal(0, 1, (5, 6)).astype(F32)}, 3
+
+
+def _embedding_case():
+    rng = np.random.default_rng(7)
+    return embedding_model(rng), {"ids": rng.integers(0, 12, (5, 5))}, 3
+
+
+@pytest.mark.parametrize("case", [_mlp_case, _rnn_case, _embedding_case], ids=["mlp", "rnn-loop", "sparse-table"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_training_graph_is_standard_onnx_and_runtimes_agree(case, name):
+    g, feeds, classes = case()
+    tg = T.training_graph(g, "cross-entropy", OPTIMIZERS[name])
+    model = rg.to_onnx(tg.graph)
+    onnx.checker.check_model(model, full_check=True)
+    nodes, stack = [], list(model.graph.node)
+    while stack:  # every node, loop bodies included
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(n for a in node.attribute if a.type == onnx.AttributeProto.GRAPH for n in a.g.node)
+    assert {n.domain for n in nodes} | {o.domain for o in model.opset_import} <= {"", "ai.onnx"}
+    assert (case is _rnn_case) == any(n.op_type == "Loop" for n in nodes)
+    assert [v.name for v in model.graph.input] == [*tg.inputs, tg.labels, *tg.params,
+                                                    *[s for p in tg.params for s in tg.state[p]], tg.step]
+    assert [v.name for v in model.graph.output] == [tg.loss.loss, *tg.new_params.values(),
+                                                     *[s for p in tg.params for s in tg.new_state[p]], tg.new_step]
+    n = len(next(iter(feeds.values())))
+    labels = np.random.default_rng(0).integers(0, classes, n)
+    runs = {}
+    for backend in ("onnxruntime", "reference"):
+        sess = rg.Session(tg.graph, backend=backend)
+        state = {**tg.initial_state(), **feeds, tg.labels: labels}
+        for _ in range(3):  # three steps, each fed the previous step's outputs
+            out = sess.run(state)
+            state.update({i: out[o] for i, o in tg.carried()})
+        runs[backend] = (out, state)
+    (ort_out, ort_state), (ref_out, ref_state) = runs["onnxruntime"], runs["reference"]
+    np.testing.assert_allclose(ort_out[tg.loss.loss], ref_out[tg.loss.loss], rtol=1e-5)
+    for name_ in [*tg.params, *[s for p in tg.params for s in tg.state[p]]]:
+        scale = float(np.abs(ref_state[name_]).max()) or 1.0
+        np.testing.assert_allclose(ort_state[name_], ref_state[name_], rtol=1e-5, atol=1e-5 * scale, err_msg=name_)
+    assert int(ort_state[tg.step]) == 3
+    assert any(not np.array_equal(ort_state[p], tg.initial[p]) for p in tg.params)
+
+
+def test_trainer_bindings_match_plain_session_runs():
+    """The IO-binding loop (two swapped OrtValue sets) gives what feeding outputs back through numpy gives."""
+    rng = np.random.default_rng(8)
+    g = mlp(rng)
+    batches = make_batches(rng, "cross-entropy", n_batches=5)
+    trainer = rg.Trainer(g, "cross-entropy", "adam")
+    tg = trainer.spec
+    sess = rg.Session(tg.graph)
+    state = tg.initial_state()
+    for x, y in batches:
+        loss = trainer.step({"x": x, "labels": y})
+        out = sess.run({**state, "x": x, tg.labels: y})
+        state.update({i: out[o] for i, o in tg.carried()})
+        assert loss == pytest.approx(float(out[tg.loss.loss]), rel=1e-6)
+    for p in tg.params:
+        np.testing.assert_allclose(trainer.parameters[p], state[p], rtol=1e-6, atol=1e-7)
+
+
+def test_fit_evaluate_export(tmp_path):
+    rng = np.random.default_rng(9)
+    g = mlp(rng)
+    x = rng.normal(0, 1, (200, 6)).astype(F32)
+    y = np.argmax(x[:, :3] + 0.1 * x[:, 3:], axis=1)  # a learnable rule
+    trainer = rg.Trainer(g, "cross-entropy", T.adam(lr=0.05))
+    before = trainer.evaluate({"x": x, "labels": y})
+    means = trainer.fit({"x": x, "labels": y}, epochs=15, batch_size=32, progress=False)
+    after = trainer.evaluate((x, y))
+    assert len(means) == 15 and len(trainer.losses) == 15 * 7
+    assert means[-1] < means[0] and after["loss"] < before["loss"]
+    assert after["accuracy"] > 0.9 and after["samples"] == 200
+    logits = trainer.predict(x)
+    assert after["accuracy"] == pytest.approx(float(np.mean(np.argmax(logits, 1) == y)))
+    ref = F.cross_entropy(torch.tensor(logits), torch.tensor(y))
+    assert after["loss"] == pytest.approx(float(ref), rel=1e-5)
+    path = tmp_path / "trained.onnx"
+    exported = trainer.export(path)
+    back = rg.load(path)
+    for p in ("W1", "b1", "W2", "b2"):
+        np.testing.assert_array_equal(back.initializers[p], trainer.parameters[p])
+    np.testing.assert_allclose(rg.Session(back).run({"x": x})["y"], logits, rtol=1e-6, atol=1e-6)
+    assert exported.input_names == ["x"]
+
+
+def test_fit_shows_progress_with_loss_and_throughput():
+    from rich.console import Console
+
+    rng = np.random.default_rng(10)
+    console = Console(record=True, width=120, force_terminal=False)
+    trainer = rg.Trainer(mlp(rng), "mse", "sgd")
+    x, y = make_batches(rng, "mse", n_batches=1, size=40)[0]
+    trainer.fit((x, y), epochs=2, batch_size=16, console=console, description="mlp")
+    text = console.export_text()
+    assert "mlp epoch 2/2" in text and "6/6" in text
+    assert "samples/s" in text and f"loss {trainer.losses[-1]:.4f}" in text
+
+
+def test_bce_accuracy_and_mse_has_none():
+    rng = np.random.default_rng(11)
+    g = mlp(rng, out=1)
+    x = rng.normal(0, 1, (50, 6)).astype(F32)
+    y = (x[:, :1] > 0).astype(F32)
+    trainer = rg.Trainer(g, "bce", T.adam(lr=0.05))
+    trainer.fit((x, y), epochs=20, batch_size=10, progress=False)
+    ev = trainer.evaluate((x, y))
+    assert ev["accuracy"] == pytest.approx(float(np.mean((trainer.predict(x) > 0) == (y > 0.5))))
+    assert ev["accuracy"] > 0.9
+    assert rg.Trainer(g, "mse", "sgd").evaluate((x, y))["accuracy"] is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"lr": -1.0}, "learning rate must be positive"),
+    ({"momentum": 1.0}, "momentum must be in [0, 1)"),
+    ({"weight_decay": -0.1}, "weight decay must be >= 0"),
+])
+def test_bad_hyperparameters(kwargs, message):
+    with pytest.raises(RevgraphError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        T.sgd(**kwargs)
+
+
+def test_bad_data_is_one_line():
+    rng = np.random.default_rng(12)
+    trainer = rg.Trainer(mlp(rng), "cross-entropy", "sgd")
+    x = rng.normal(0, 1, (4, 6)).astype(F32)
+    cases = [
+        ({"x": x}, "lacks 'labels'"),
+        ({"x": x, "labels": np.array([0, 1, 2])}, "differ in length"),
+        ({"x": x, "labels": np.array([0, 1, 2, 3])}, "not a class index in [0, 3)"),
+        ({"x": x, "labels": np.array([0.5, 1, 2, 0])}, "integer class indices"),
+        ({"x": x[:, :5], "labels": np.zeros(4, int)}, "must be float32[N,6]"),
+    ]
+    for data, message in cases:
+        with pytest.raises(InputError) as info:
+            trainer.arrays(data)
+        assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_model_with_two_outputs_needs_a_choice():
+    rng = np.random.default_rng(13)
+    g = mlp(rng)
+    g.outputs.append(ValueInfo("h", F32, ("N", 8)))
+    with pytest.raises(RevgraphError, match="has 2 outputs"):
+        T.training_graph(g, "cross-entropy", "sgd")
+    tg = T.training_graph(g, "cross-entropy", "sgd", output="y")
+    assert tg.loss.output == "y"
