@@ -4,6 +4,7 @@ atomic writes that leave nothing behind on failure."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -265,6 +266,9 @@ def test_writing_dot_text_is_atomic_and_needs_no_dot(tmp_path, monkeypatch):
     out.parent.mkdir()
     viz.write(text, out)
     assert out.read_text() == text and sorted(p.name for p in out.parent.iterdir()) == ["g.dot"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # a normal file, not mkstemp's private one
 
 
 def test_a_failing_dot_leaves_nothing_behind_and_keeps_the_old_file(tmp_path, monkeypatch, capsys):

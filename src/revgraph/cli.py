@@ -385,12 +385,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     from . import viz
 
-    fmt = viz.check_output(args.output)  # before any work: a bad name or a missing dot is reported at once
     if not args.grad:
         given = [f for f, v in (("--loss", args.loss), ("--wrt", args.wrt), ("--checkpoint", args.checkpoint)) if v]
         if given:
             verb = "applies" if len(given) == 1 else "apply"
             raise RevgraphError(f"{', '.join(given)} {verb} only with --grad; add --grad to draw the backward graph")
+    fmt = viz.check_output(args.output)  # before any work: a bad name or a missing dot is reported at once
     g = load(args.model)
     path = Path(args.model)
     title = f"{path.parent.name}/{path.name}" if path.stem == "model" and path.parent.name else path.name

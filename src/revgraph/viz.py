@@ -25,11 +25,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .atomic import atomic_path
 from .errors import RevgraphError
 from .ir import Graph, Node
 
@@ -480,38 +480,24 @@ def write(dot_text: str, path: str | os.PathLike, fmt: str | None = None) -> Non
     fmt = fmt or output_format(path)
     if fmt not in ("svg", "png", "dot"):
         raise RevgraphError(f"unknown picture format {fmt!r}; choose svg, png or dot")
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise RevgraphError(f"cannot write {str(path)!r}: directory {str(target.parent)!r} does not exist")
     dot = find_dot() if fmt != "dot" else None
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
+    with atomic_path(path) as tmp:
         if dot is None:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(dot_text)
+            Path(tmp).write_text(dot_text, encoding="utf-8")
         else:
-            os.close(fd)
-            try:
-                proc = subprocess.run([dot, f"-T{fmt}", "-o", tmp], input=dot_text.encode("utf-8"),
-                                      capture_output=True, check=False)
-            except OSError as exc:
-                raise RevgraphError(f"cannot run {dot!r}: {exc.strerror or exc}") from None
-            if proc.returncode != 0:
-                lines = [ln for ln in proc.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
-                detail = lines[0] if lines else f"exit status {proc.returncode}"
-                raise RevgraphError(f"dot could not render {str(path)!r}: {detail}")
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+            _render(dot, fmt, dot_text, tmp, path)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _render(dot: str, fmt: str, dot_text: str, tmp: str, path: str | os.PathLike) -> None:
+    try:
+        proc = subprocess.run([dot, f"-T{fmt}", "-o", tmp], input=dot_text.encode("utf-8"), capture_output=True,
+                              check=False)
+    except OSError as exc:
+        raise RevgraphError(f"cannot run {dot!r}: {exc.strerror or exc}") from None
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
+        detail = lines[0] if lines else f"exit status {proc.returncode}"
+        raise RevgraphError(f"dot could not render {str(path)!r}: {detail}")
 
 
 def summary(graph: Graph) -> dict[str, int]:
