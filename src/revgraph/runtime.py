@@ -57,8 +57,10 @@ class Session:
         else:
             from onnx.reference import ReferenceEvaluator
 
+            from .reference_ops import FIXED_OPS
+
             try:
-                self._sess = ReferenceEvaluator(self.model)
+                self._sess = ReferenceEvaluator(self.model, new_ops=FIXED_OPS)
             except Exception as exc:
                 raise RevgraphError(f"the reference evaluator refuses the graph: {_first_line(exc)}") from None
 

@@ -310,34 +310,12 @@ def _n_state(node: Node) -> int:
 
 
 def stack_residual(e: Emitter, node: Node, body: Graph, vi: ValueInfo | None, r: str, t: str) -> list[Node]:
-    """Make the forward ``Loop`` stack body value ``r`` per iteration; return the backward-body nodes that
-    read it back at iteration ``t`` under the same name.
-
-    Residuals are stacked flattened to 1-D, so that every runtime stacks them the same way (the reference
-    evaluator's ``Loop`` concatenates scan outputs of rank >= 2 instead of stacking them); their shape is a
-    constant when static, else stacked too."""
-    static = vi is not None and vi.shape is not None and all(isinstance(d, int) for d in vi.shape)
-    size = int(np.prod(vi.shape)) if static else None
-    dtype = vi.dtype if vi else None
-    flat, minus_one = e.fresh(f"{node.name}/residual/{r}"), e.fresh(f"{node.name}/residual/{r}/minus_one")
-    body.nodes.append(Node("Constant", [], [minus_one], {"value": np.array([-1], np.int64)}, minus_one))
-    body.nodes.append(Node("Reshape", [r, minus_one], [flat], name=flat))
-    body.outputs.append(ValueInfo(flat, dtype, (size,)))
+    """Make the forward ``Loop`` stack body value ``r`` per iteration (one more scan output); return the
+    backward-body node that reads slice ``t`` of it back under the same name."""
+    out = e.fresh(f"{node.name}/residual/{r}")
+    body.nodes.append(Node("Identity", [r], [out], name=out))
+    body.outputs.append(ValueInfo(out, vi.dtype if vi else None, vi.shape if vi else None))
     stack = e.fresh(f"{node.name}/stacked/{r}")
     node.outputs.append(stack)
-    e.types[stack] = ValueInfo(stack, dtype, (None, size))
-    sliced = e.fresh(f"grad/{node.name}/residual/{r}")
-    out = [Node("Gather", [stack, t], [sliced], {"axis": 0}, sliced)]
-    shape = e.fresh(f"grad/{node.name}/residual/{r}/shape")
-    if static:
-        out.append(Node("Constant", [], [shape], {"value": np.array(vi.shape, np.int64)}, shape))
-    else:
-        rank = None if vi is None or vi.shape is None else len(vi.shape)
-        shape_out, shapes = e.fresh(f"{node.name}/residual/{r}/shape"), e.fresh(f"{node.name}/stacked/{r}/shape")
-        body.nodes.append(Node("Shape", [r], [shape_out], name=shape_out))
-        body.outputs.append(ValueInfo(shape_out, I64, (rank,)))
-        node.outputs.append(shapes)
-        e.types[shapes] = ValueInfo(shapes, I64, (None, rank))
-        out.append(Node("Gather", [shapes, t], [shape], {"axis": 0}, shape))
-    out.append(Node("Reshape", [sliced, shape], [r], name=e.fresh(f"grad/{node.name}/residual/{r}/reshape")))
-    return out
+    e.types[stack] = ValueInfo(stack, vi.dtype if vi else None, None if vi is None or vi.shape is None else (None, *vi.shape))
+    return [Node("Gather", [stack, t], [r], {"axis": 0}, e.fresh(f"grad/{node.name}/residual/{r}"))]
