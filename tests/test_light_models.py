@@ -58,9 +58,8 @@ def test_gradient_graph_builds_checks_and_runs(name):
     assert any(np.abs(out[n]).max() > 0 for n in grads)
 
 
-# Not AlexNet, Inception v1 or ZFNet here: their float64 forward runs on onnx.reference (onnxruntime has no
-# float64 Conv), whose LRN loops over the batch instead of the channels (onnx 1.23), so central differences
-# of it measure another function. LRN's rule is checked against PyTorch in tests/test_rules_pool.py.
+# The float64 forward runs on the reference backend (onnxruntime has no float64 Conv): a few seconds per pass
+# for these three; the larger models would take minutes.
 @pytest.mark.parametrize("name", ["squeezenet", "shufflenet", "resnet50"])
 def test_weight_gradients_agree_with_central_differences(name):
     g, names = lifted(name)
