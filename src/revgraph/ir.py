@@ -235,6 +235,16 @@ def _copy_graph(g: Graph) -> Graph:
     )
 
 
+def fresh_name(base: str, used: set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2``, ... : the first that is not in ``used`` (which then holds it)."""
+    name, k = base, 0
+    while name in used:
+        k += 1
+        name = f"{base}_{k}"
+    used.add(name)
+    return name
+
+
 def onnx_dtype(dtype: np.dtype) -> int:
     """The ``onnx.TensorProto`` data type of a numpy dtype."""
     return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))

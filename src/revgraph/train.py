@@ -59,7 +59,7 @@ import onnx
 
 from .autodiff.backward import gradient
 from .errors import RevgraphError
-from .ir import Graph, Node, ValueInfo
+from .ir import Graph, Node, ValueInfo, fresh_name
 from .onnx_io import infer_types, load
 from .ssa import is_ssa, to_ssa
 
@@ -157,12 +157,8 @@ class _Builder:
         self._consts: dict[tuple, str] = {}
 
     def fresh(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.used:
-            k += 1
-            name = f"{base}_{k}"
-        self.used.add(name)
-        return name
+        """A value or node name not used anywhere yet, starting with ``base``."""
+        return fresh_name(base, self.used)
 
     def op(self, op_type: str, inputs: list[str], **attrs) -> str:
         out = self.fresh(f"{self.prefix}/{op_type}")

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from ..errors import GraphError, RevgraphError
-from ..ir import Graph, Node, ValueInfo
+from ..ir import Graph, Node, ValueInfo, fresh_name
 from ..lift import lift_constants as lift
 from ..onnx_io import infer_types
 from ..ssa import captured_names, is_ssa, to_ssa
@@ -191,8 +191,7 @@ def backward(
             raise GraphError(f"no value named {name!r} to differentiate{_suggest(name, known)}")
     wrt = default_wrt(graph, types) if wrt is None else list(wrt)
     e = emitter or Emitter(types, used_names(graph), graph.opset)
-    if lower_to_loops(graph, types, e.used):  # values the rewrite created get types too
-        types.update({k: v for k, v in infer_types(graph).items() if k not in types})
+    lower_to_loops(graph, types, e.used)
     e.learn_constants(graph)
     e.graph = graph
     acc = Accumulator(e, accumulate)
@@ -312,7 +311,7 @@ def gradient(
     ys: dict[str, str | None] = {loss: None}
     used = used_names(g)
     if seed == "input":
-        seed_name = _fresh(f"{loss}_grad", used)
+        seed_name = fresh_name(f"{loss}_grad", used)
         vi = types.get(loss) or ValueInfo(loss)
         g.inputs.append(ValueInfo(seed_name, vi.dtype, vi.shape))
         types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape)
@@ -338,16 +337,16 @@ def gradient(
                 ("indices", grad.indices, np.dtype(np.int64), ("K",)),
                 ("values", grad.values, vi.dtype, None if vi.shape is None else ("K", *vi.shape[1:])),
             ):
-                out = _fresh(f"{w}_grad_{part}", used)
-                tail.append(Node("Identity", [src], [out], name=_fresh(f"grad/{w}/{part}", used)))
+                out = fresh_name(f"{w}_grad_{part}", used)
+                tail.append(Node("Identity", [src], [out], name=fresh_name(f"grad/{w}/{part}", used)))
                 g.outputs.append(ValueInfo(out, dtype, shape))
             continue
         if grad is None:
             grad = e.zeros_like(w)
         elif isinstance(grad, SparseGrad):
             grad = sp.densify(e, grad)
-        out = _fresh(f"{w}_grad", used)
-        tail.append(Node("Identity", [grad], [out], name=_fresh(f"grad/{w}/output", used)))
+        out = fresh_name(f"{w}_grad", used)
+        tail.append(Node("Identity", [grad], [out], name=fresh_name(f"grad/{w}/output", used)))
         g.outputs.append(ValueInfo(out, vi.dtype, vi.shape))
     g.nodes.extend(e.nodes)
     g.nodes.extend(tail)
@@ -363,15 +362,6 @@ def keep_types(g: Graph, types: dict[str, ValueInfo]) -> None:
             vi = types.get(o)
             if o and o not in declared and vi is not None and vi.dtype is not None and vi.shape is not None:
                 g.value_info[o] = ValueInfo(o, vi.dtype, vi.shape, vi.kind)
-
-
-def _fresh(base: str, used: set[str]) -> str:
-    name, k = base, 0
-    while name in used:
-        k += 1
-        name = f"{base}_{k}"
-    used.add(name)
-    return name
 
 
 def resolve_loss(graph: Graph, loss: str | None) -> str:

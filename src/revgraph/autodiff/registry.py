@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from ..errors import GraphError
-from ..ir import Node, ValueInfo, onnx_dtype
+from ..ir import Node, ValueInfo, onnx_dtype, fresh_name
 from ..onnx_io import _attr_to_proto, value_info_from_proto, value_info_to_proto
 from ..schema import get_schema
 
@@ -103,12 +103,7 @@ class Emitter:
 
     def fresh(self, base: str) -> str:
         """A value or node name not used anywhere yet, starting with ``base``."""
-        name, k = base, 0
-        while name in self.used:
-            k += 1
-            name = f"{base}_{k}"
-        self.used.add(name)
-        return name
+        return fresh_name(base, self.used)
 
     def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, *, like: str | None = None,
            shape: tuple | None = None, dtype: Any = None, **attrs: Any) -> Any:

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 from ...ir import Graph, ValueInfo
+from ...onnx_io import infer_types
 from .recurrent import RECURRENT_OPS, lower_recurrent
 from .scan import lower_scans
 
 
 def lower_to_loops(graph: Graph, types: dict[str, ValueInfo], used: set[str]) -> bool:
     """Rewrite, in place and in every subgraph, each ``Scan``/``LSTM``/``GRU``/``RNN`` node into the
-    equivalent ``Loop``; fresh names avoid ``used``. Returns True if the graph changed."""
+    equivalent ``Loop``; fresh names avoid ``used``; ``types`` gains the types of the new values (rules need
+    static ranks). Returns True if the graph changed."""
     ops = {n.op_type for _, n in graph.walk() if n.domain in ("", "ai.onnx")}
     changed = False
     if "Scan" in ops:
@@ -18,4 +20,7 @@ def lower_to_loops(graph: Graph, types: dict[str, ValueInfo], used: set[str]) ->
     if ops & set(RECURRENT_OPS):
         lower_recurrent(graph, types, used)
         changed = True
+    if changed:
+        for name, vi in infer_types(graph).items():
+            types.setdefault(name, vi)
     return changed

@@ -22,8 +22,7 @@ import numpy as np
 import onnx
 
 from ...errors import GraphError
-from ...ir import Graph, Node, ValueInfo
-from ...onnx_io import infer_types
+from ...ir import Graph, Node, ValueInfo, fresh_name
 from ..registry import LOWERED
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
@@ -61,19 +60,7 @@ def lower_recurrent(graph: Graph, types: dict[str, ValueInfo], used: set[str]) -
                 out.append(node)
         g.nodes[:] = out
         stack.extend(sub for n in out for sub in n.subgraphs.values())
-    if changed:  # the types of the new values, for rules that need static ranks (the caller may hold ``types``)
-        for name, vi in infer_types(graph).items():
-            types.setdefault(name, vi)
     return changed
-
-
-def _fresh(used: set[str], base: str) -> str:
-    name, k = base, 0
-    while name in used:
-        k += 1
-        name = f"{base}_{k}"
-    used.add(name)
-    return name
 
 
 def _text(v) -> str:
@@ -88,7 +75,7 @@ class _Nodes:
         self.nodes: list[Node] = []
 
     def __call__(self, op: str, *inputs: str, n_out: int = 1, **attrs):
-        outs = [_fresh(self.used, f"{self.base}/{op}") for _ in range(n_out)]
+        outs = [fresh_name(f"{self.base}/{op}", self.used) for _ in range(n_out)]
         self.nodes.append(Node(op, list(inputs), outs, attrs, outs[0]))
         return outs[0] if n_out == 1 else outs
 
@@ -103,7 +90,7 @@ class _Nodes:
 
     def output(self, op: str, inputs: list[str], name: str) -> None:
         """A node writing the existing name ``name`` (an output of the node being replaced)."""
-        self.nodes.append(Node(op, inputs, [name], {}, _fresh(self.used, f"{self.base}/{op}")))
+        self.nodes.append(Node(op, inputs, [name], {}, fresh_name(f"{self.base}/{op}", self.used)))
 
     def reverse_time(self, x: str) -> str:
         return self("Slice", x, self.ints([-1]), self.ints([INT64_MIN]), self.ints([0]), self.ints([-1]))
@@ -275,11 +262,11 @@ class _Lowering:
                 states.append(b.zeros(zeros_shape))
         want_y = bool(node.outputs and node.outputs[0])
         body = self._body(d, weights, len(states), want_y)
-        outs = [_fresh(self.used, f"{self.base}/d{d}/final") for _ in states]
-        stacked = _fresh(self.used, f"{self.base}/d{d}/stacked") if want_y else None
+        outs = [fresh_name(f"{self.base}/d{d}/final", self.used) for _ in states]
+        stacked = fresh_name(f"{self.base}/d{d}/stacked", self.used) if want_y else None
         true = b("Constant", value=np.array(True))
         b.nodes.append(Node("Loop", [self.steps, true, *states], outs + ([stacked] if want_y else []), {"body": body},
-                            _fresh(self.used, f"{self.base}/d{d}/loop")))
+                            fresh_name(f"{self.base}/d{d}/loop", self.used)))
         if self.lens is not None:  # onnxruntime's final state of an empty sequence is zeros, not the initial one
             empty = b("Unsqueeze", b("Equal", self.lens, b("Constant", value=np.array(0, np.int64))), b.ints([1]))
             finals, outs = outs, []
@@ -297,9 +284,9 @@ class _Lowering:
         """The loop body of direction ``d``: one time step of the spec's equations."""
         op, used = self.op, self.used
         b = _Nodes(used, f"{self.base}/d{d}/step", self.dtype)
-        i, cond = _fresh(used, f"{self.base}/d{d}/i"), _fresh(used, f"{self.base}/d{d}/cond")
-        h = _fresh(used, f"{self.base}/d{d}/h")
-        c = _fresh(used, f"{self.base}/d{d}/c") if n_states == 2 else None
+        i, cond = fresh_name(f"{self.base}/d{d}/i", used), fresh_name(f"{self.base}/d{d}/cond", used)
+        h = fresh_name(f"{self.base}/d{d}/h", used)
+        c = fresh_name(f"{self.base}/d{d}/c", used) if n_states == 2 else None
         per_dir = len(_DEFAULT_ACTIVATIONS[op])
         acts = self.activations[d * per_dir : (d + 1) * per_dir]
         xt = b("Gather", weights["proj"], i, axis=0)
@@ -357,7 +344,7 @@ class _Lowering:
             outputs.append(ValueInfo(flat, self.dtype, (size,)))
         inputs = [ValueInfo(i, I64, ()), ValueInfo(cond, BOOL, ()),
                   *(ValueInfo(s, self.dtype, state_shape) for s in [h, c][:n_states])]
-        return Graph(b.nodes, inputs, outputs, name=_fresh(used, f"{self.base}_d{d}_step"))
+        return Graph(b.nodes, inputs, outputs, name=fresh_name(f"{self.base}_d{d}_step", used))
 
     def _clip(self, b: _Nodes, x: str) -> str:
         if self.clip is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import GraphError
-from ...ir import Graph, Node, ValueInfo
+from ...ir import Graph, Node, ValueInfo, fresh_name
 from ..registry import LOWERED
 
 LOWERED["Scan"] = "rewritten into the equivalent Loop (every direction and axis), then the Loop VJP"
@@ -40,15 +40,6 @@ def lower_scans(graph: Graph, types: dict[str, ValueInfo], used: set[str]) -> bo
     return changed
 
 
-def _fresh(used: set[str], base: str) -> str:
-    name, k = base, 0
-    while name in used:
-        k += 1
-        name = f"{base}_{k}"
-    used.add(name)
-    return name
-
-
 def _lower(node: Node, types: dict[str, ValueInfo], used: set[str]) -> list[Node]:
     body: Graph = node.attrs["body"].copy()
     m = int(node.attrs["num_scan_inputs"])
@@ -61,7 +52,7 @@ def _lower(node: Node, types: dict[str, ValueInfo], used: set[str]) -> list[Node
     base = node.name or "Scan"
 
     def nd(op, ins, n_out=1, **attrs):
-        outs = [_fresh(used, f"{base}/{op}") for _ in range(n_out)]
+        outs = [fresh_name(f"{base}/{op}", used) for _ in range(n_out)]
         pre.append(Node(op, ins, outs, attrs, outs[0]))
         return outs[0] if n_out == 1 else outs
 
@@ -69,19 +60,19 @@ def _lower(node: Node, types: dict[str, ValueInfo], used: set[str]) -> list[Node
     first = node.inputs[n_state]
     trips = nd("Gather", [nd("Shape", [first]), nd("Constant", [], value=np.array(in_axes[0], np.int64))], axis=0)
 
-    i, cond = _fresh(used, f"{base}/i"), _fresh(used, f"{base}/cond")
+    i, cond = fresh_name(f"{base}/i", used), fresh_name(f"{base}/cond", used)
     slices: list[Node] = []
     for k in range(m):
         index = i
         if in_dirs[k]:
-            one = _fresh(used, f"{base}/one")
-            last, index = _fresh(used, f"{base}/last"), _fresh(used, f"{base}/reverse_index")
+            one = fresh_name(f"{base}/one", used)
+            last, index = fresh_name(f"{base}/last", used), fresh_name(f"{base}/reverse_index", used)
             slices += [Node("Constant", [], [one], {"value": np.array(1, np.int64)}, one),
                        Node("Sub", [trips, one], [last], name=last),
                        Node("Sub", [last, i], [index], name=index)]
         target = body.inputs[n_state + k].name
-        slices.append(Node("Gather", [node.inputs[n_state + k], index], [target], {"axis": in_axes[k]}, _fresh(used, f"{base}/slice")))
-    cond_out = _fresh(used, f"{base}/cond_out")
+        slices.append(Node("Gather", [node.inputs[n_state + k], index], [target], {"axis": in_axes[k]}, fresh_name(f"{base}/slice", used)))
+    cond_out = fresh_name(f"{base}/cond_out", used)
     slices.append(Node("Identity", [cond], [cond_out], name=cond_out))
     loop_body = Graph(
         [*slices, *body.nodes],
@@ -91,10 +82,10 @@ def _lower(node: Node, types: dict[str, ValueInfo], used: set[str]) -> list[Node
         dict(body.value_info),
         name=f"{body.name}_as_loop",
     )
-    stacked = [_fresh(used, f"{base}/stacked") for _ in range(n_scan_out)]
+    stacked = [fresh_name(f"{base}/stacked", used) for _ in range(n_scan_out)]
     true = nd("Constant", [], value=np.array(True))
     pre.append(Node("Loop", [trips, true, *node.inputs[:n_state]], [*node.outputs[:n_state], *stacked],
-                    {"body": loop_body}, _fresh(used, f"{base}/as_loop")))
+                    {"body": loop_body}, fresh_name(f"{base}/as_loop", used)))
     for k, (src, dst) in enumerate(zip(stacked, node.outputs[n_state:], strict=True)):
         cur = src
         if out_dirs[k]:
@@ -109,5 +100,5 @@ def _lower(node: Node, types: dict[str, ValueInfo], used: set[str]) -> list[Node
             axis = axis % rank
             perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
             cur = nd("Transpose", [cur], perm=perm)
-        pre.append(Node("Identity", [cur], [dst], name=_fresh(used, f"{base}/output")))
+        pre.append(Node("Identity", [cur], [dst], name=fresh_name(f"{base}/output", used)))
     return pre
