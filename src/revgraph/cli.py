@@ -290,11 +290,17 @@ def cmd_grad(args: argparse.Namespace) -> int:
     added = [o for o in gg.output_names if o not in g.output_names]
     out.print(
         f"wrote {args.output}: {len(g.nodes)} forward + {len(gg.nodes) - len(g.nodes)} backward nodes; "
-        f"gradient outputs: {', '.join(added)}",
+        f"{len(added)} gradient output(s): {_some(added)}",
         soft_wrap=True,
         markup=False,
     )
     return 0
+
+
+def _some(names: list[str], most: int = 6) -> str:
+    """The first few names, and how many more there are."""
+    shown = ", ".join(names[:most])
+    return shown + (f", ... ({len(names) - most} more)" if len(names) > most else "")
 
 
 def cmd_check(args: argparse.Namespace) -> int:
