@@ -1,15 +1,16 @@
 """Checkpointed loop VJPs: policies ``sqrt`` and an integer K (Griewank and Walther, "Algorithm 799: revolve";
 Chen et al. 2016, "Training deep nets with sublinear memory cost").
 
-The forward loop keeps its loop-carried values at segment boundaries only, in one ONNX sequence per carried
-value (``SequenceInsert`` under an ``If`` in the body). The backward loop runs over the segments, last first:
-it reads the segment's checkpoint, recomputes the segment as a loop of its own, and differentiates that loop
-with the ``store`` policy, so only one segment's residuals exist at a time.
+Once the forward loop has run (and T is known), a checkpoint loop recomputes it segment by segment and stacks
+the loop-carried values at each segment's start (S tensors of the carried values' shapes). The backward loop
+runs over the segments, last first: it reads the segment's checkpoint, recomputes the segment as a loop of its
+own, and differentiates that loop with the ``store`` policy, so only one segment's residuals exist at a time.
+Everything stays tensors and loops, so a checkpointed gradient graph can be differentiated again.
 
 Boundaries: every K iterations for a policy K; for ``sqrt``, the perfect squares 0, 1, 4, 9, ..., so that
 segments grow as 1, 3, 5, ... and a loop of T iterations keeps about sqrt(T) checkpoints and segments of at
-most about 2 sqrt(T) iterations, without knowing T in advance (a while loop's T is known only at its end).
-Memory is O(sqrt(T)) for about one extra forward pass.
+most about 2 sqrt(T) iterations. Memory is O(sqrt(T)) for two extra forward passes (the checkpoint loop and
+the segments' recomputation).
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo
 from ..registry import Emitter
-from .loop import I64, add_carried, count_trips, reverse_loop, seeds_of, take_apart
+from .loop import I64, count_trips, reverse_loop, seeds_of, take_apart
 
 
 def _boundary_test(e: Emitter, body: Graph, i: str, policy) -> str:
@@ -60,24 +60,8 @@ def checkpointed_loop(e: Emitter, node: Node, out_grads: list, policy) -> tuple[
     n = p.n_carried
     trips = count_trips(e, p)
 
-    # forward: one sequence of checkpoints per loop-carried value
-    is_start = _boundary_test(e, p.body, p.iter_in, policy)
-    checkpoints = []
-    for j in range(n):
-        vi = p.types.get(p.v_in[j])
-        if vi is None or vi.dtype is None:
-            raise GraphError(f"{node.label()}: the dtype of loop-carried {p.v_in[j]!r} is unknown; declare it to checkpoint")
-        empty, seq_in, seq_out, seq = (e.fresh(f"{node.name}/checkpoints/{p.v_in[j]}/{s}") for s in ("empty", "in", "out", "all"))
-        e.insert_before(node, [Node("SequenceEmpty", [], [empty], {"dtype": onnx.helper.np_dtype_to_tensor_dtype(vi.dtype)}, empty)])
-        kept, same = e.fresh(f"{seq_out}/insert"), e.fresh(f"{seq_out}/same")
-        seq_vi = lambda name: ValueInfo(name, vi.dtype, vi.shape, kind="sequence")  # noqa: E731
-        then = Graph([Node("SequenceInsert", [seq_in, p.v_in[j]], [kept], name=kept)], [], [seq_vi(kept)], name=f"{kept}_then")
-        other = Graph([Node("Identity", [seq_in], [same], name=same)], [], [seq_vi(same)], name=f"{same}_else")
-        p.body.nodes.append(Node("If", [is_start], [seq_out], {"then_branch": then, "else_branch": other}, seq_out))
-        add_carried(node, p.body, empty, seq_vi(seq_in), seq_vi(seq_out), seq)
-        e.types[seq] = seq_vi(seq)
-        checkpoints.append(seq)
     n_segments = _segments(e, trips, policy)
+    checkpoints = _checkpoint_loop(e, node, p, template, trips, n_segments, policy)
     scan_grads = out_grads[n:]
 
     def build(eb: Emitter, k: str, cot_in: dict, acc_in: dict) -> tuple[dict, dict]:
@@ -91,11 +75,8 @@ def checkpointed_loop(e: Emitter, node: Node, out_grads: list, policy) -> tuple[
         v_start = []
         for j in range(n):
             vi = p.types.get(p.v_in[j])
-            v_start.append(eb.op("SequenceAt", [checkpoints[j], s], dtype=vi.dtype, shape=vi.shape))
-        seg_body = template.copy()
-        local = eb.fresh(f"{node.name}/segment/i")
-        seg_body.nodes.insert(0, Node("Add", [local, start], [p.iter_in], name=eb.fresh(f"{node.name}/segment/offset")))
-        seg_body.inputs[0] = ValueInfo(local, I64, ())
+            v_start.append(eb.op("Gather", [checkpoints[j], s], axis=0, dtype=vi.dtype, shape=vi.shape))
+        seg_body = _offset_body(eb, template, start, f"{node.name}/segment")
         outs = [eb.fresh(f"{node.name}/segment/out") for _ in range(n + len(p.scan_out))]
         for pos, (name, src) in enumerate(zip(outs, [*p.v_out, *p.scan_out], strict=True)):
             vi = p.types.get(src)
@@ -117,6 +98,56 @@ def checkpointed_loop(e: Emitter, node: Node, out_grads: list, policy) -> tuple[
         return {j: gmap.get(v_start[j]) for j in p.carried}, {c: gmap.get(c) for c in p.captured}
 
     return reverse_loop(e, p, n_segments, out_grads, build)
+
+
+def _offset_body(e: Emitter, template: Graph, start: str, base: str, keep_scans: bool = True) -> Graph:
+    """A copy of the loop body whose iteration number counts from ``start`` (an enclosing value)."""
+    body = template.copy()
+    local = e.fresh(f"{base}/i")
+    body.nodes.insert(0, Node("Add", [local, start], [template.inputs[0].name], name=e.fresh(f"{base}/offset")))
+    body.inputs[0] = ValueInfo(local, I64, ())
+    if not keep_scans:
+        body.outputs = body.outputs[: len(body.inputs) - 1]
+    return body
+
+
+def _checkpoint_loop(e: Emitter, node: Node, p, template: Graph, trips: str, n_segments: str, policy) -> list[str]:
+    """Emit the loop that recomputes the forward loop segment by segment and stacks the loop-carried values
+    at each segment's start (the checkpoints, ``[S, ...]`` tensors); return their names.
+
+    It runs after the forward loop, once T is known: one more forward pass, all in tensors and loops, so the
+    gradient graph stays differentiable (gradients of gradients through checkpointed loops)."""
+    n = p.n_carried
+    if n == 0:  # no state: a segment recomputes from its iteration numbers alone
+        return []
+    ec = Emitter(p.types, e.used, e.opset)
+    ec.prefix = f"{node.name}/checkpoints"
+    seg = ec.fresh(f"{node.name}/checkpoints/segment")
+    cond = ec.fresh(f"{node.name}/checkpoints/cond")
+    state = [ValueInfo(ec.fresh(f"{node.name}/checkpoints/{p.v_in[j]}"), *_vi(p.types.get(p.v_in[j]))) for j in range(n)]
+    one = ec.const(np.array(1, np.int64))
+    start = _boundary(ec, seg, policy)
+    end = ec.op("Min", [_boundary(ec, ec.op("Add", [seg, one], shape=(), dtype=I64), policy), trips], shape=(), dtype=I64)
+    length = ec.op("Sub", [end, start], shape=(), dtype=I64)
+    inner = _offset_body(ec, template, start, f"{node.name}/checkpoints/recompute", keep_scans=False)
+    ends = [ec.fresh(f"{node.name}/checkpoints/end") for _ in range(n)]
+    ec.nodes.append(Node("Loop", [length, ec.const(np.array(True)), *(v.name for v in state)], ends, {"body": inner},
+                         ec.fresh(f"{node.name}/checkpoints/recompute")))
+    outs = [ValueInfo(ec.op("Identity", [ec.const(np.array(True))]), np.dtype(bool), ())]
+    outs += [ValueInfo(ec.op("Identity", [end_j]), v.dtype, v.shape) for end_j, v in zip(ends, state, strict=True)]
+    outs += [ValueInfo(ec.op("Identity", [v.name]), v.dtype, v.shape) for v in state]
+    body = Graph(ec.nodes, [ValueInfo(seg, I64, ()), ValueInfo(cond, np.dtype(bool), ()), *state], outs,
+                 name=f"{node.name}_checkpoints")
+    results = e.op("Loop", [n_segments, e.const(np.array(True)), *node.inputs[2 : 2 + n]], n_out=2 * n, body=body)
+    results = [results] if 2 * n == 1 else results
+    stacks = results[n:]
+    for name, v in zip(stacks, state, strict=True):
+        e.types[name] = ValueInfo(name, v.dtype, None if v.shape is None else (None, *v.shape))
+    return stacks
+
+
+def _vi(vi: ValueInfo | None) -> tuple:
+    return (None, None) if vi is None else (vi.dtype, vi.shape)
 
 
 def _dt(e: Emitter, name: str) -> tuple:
