@@ -61,9 +61,6 @@ class Accumulator:
         else:
             parts.append(grad)
 
-    def has(self, value: str) -> bool:
-        return value in self.done or bool(self.dense.get(value)) or bool(self.sparse.get(value))
-
     def total(self, value: str) -> Grad | None:
         """The complete gradient of ``value`` (``None`` if nothing contributed); emits the accumulation once."""
         if value in self.done:
@@ -304,7 +301,7 @@ def gradient(
         raise RevgraphError(f"unknown unconnected policy {unconnected!r}; choose 'zero' or 'error'")
     g = graph if is_ssa(graph) else to_ssa(graph)
     g = lift(g)[0] if lift_constants else g.copy()
-    lower_to_loops(g, infer_types(g), used_names(g))
+    lower_to_loops(g, None, used_names(g))
     types = infer_types(g)
     loss = resolve_loss(g, loss)
     wrt_names = resolve_wrt(g, wrt, types)
