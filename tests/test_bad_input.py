@@ -156,3 +156,15 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert target.read_bytes() == good
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx"]
+
+
+def test_check_with_bad_tolerance_or_a_non_finite_forward(tmp_path, capsys):
+    g = Graph([Node("Sqrt", ["x"], ["y"], name="sqrt")], [ValueInfo("x", np.float32, (2,))], [ValueInfo("y", np.float32, (2,))])
+    rg.save(g, tmp_path / "m.onnx")
+    assert main(["check", str(tmp_path / "m.onnx"), "--rtol", "-1"]) == 2
+    one_line(capsys, "tolerances must be >= 0")
+    np.savez(tmp_path / "neg.npz", x=np.array([-1.0, 4.0], np.float32))
+    assert main(["check", str(tmp_path / "m.onnx"), "--inputs", str(tmp_path / "neg.npz")]) == 1
+    assert "NaN or infinite values" in capsys.readouterr().out
+    np.savez(tmp_path / "pos.npz", x=np.array([1.0, 4.0], np.float32))
+    assert main(["check", str(tmp_path / "m.onnx"), "--inputs", str(tmp_path / "pos.npz")]) == 0

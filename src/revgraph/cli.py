@@ -23,7 +23,8 @@ from .atomic import atomic_path
 from .onnx_io import load, save, to_onnx
 from .runtime import BACKENDS, Session, random_inputs
 
-out = Console(highlight=False)
+# Piped output keeps whole names and numbers instead of rich's 80-column truncation.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False)
 
 
@@ -308,7 +309,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     feeds = read_npz(args.inputs) if args.inputs else None
     if args.lift_constants:
         g = lift_constants(g)[0]
-    report = check_gradients(g, args.loss, args.wrt, inputs=feeds, seed=args.seed, rtol=args.rtol, atol=args.atol)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = check_gradients(g, args.loss, args.wrt, inputs=feeds, seed=args.seed, rtol=args.rtol, atol=args.atol)
+    for w in caught:
+        err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
     table = Table(title=f"gradient of {report.loss!r} against float64 central differences", title_justify="left",
                   show_edge=False)
     for col in ("value", "max abs error", "max rel error", "ok"):
@@ -317,6 +324,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         table.add_row(row.name, f"{row.max_abs:.3g}", f"{row.max_rel:.3g}", "yes" if row.ok else "[red]NO[/red]")
     out.print(table)
     bad = [r.name for r in report.rows if not r.ok]
+    if any(np.isnan(r.max_abs) for r in report.rows):
+        out.print("NaN or infinite values: the forward pass is not finite at these inputs (an input outside an "
+                  "operator's domain?); pass --inputs FILE.npz with inputs inside it", markup=False)
     if bad:
         out.print(f"{len(bad)} of {len(report.rows)} values disagree (rtol {args.rtol}, atol {args.atol})", markup=False)
         return 1

@@ -41,7 +41,7 @@ def parse_policy(policy) -> str | int:
         return policy
     if policy in ("store", "recompute", "sqrt"):
         return policy
-    raise GraphError(f"unknown checkpoint policy {policy!r}; choose store, recompute, sqrt or a positive integer K")
+    raise GraphError(f"unknown checkpoint policy '{policy}'; choose store, recompute, sqrt or a positive integer K")
 
 
 @dataclass
