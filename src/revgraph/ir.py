@@ -235,13 +235,25 @@ def _copy_graph(g: Graph) -> Graph:
     )
 
 
+class NameSet(set):
+    """A set of used names that remembers, per base, the next suffix to try, so that :func:`fresh_name` stays
+    O(1) when many names share one base (a rule emitting hundreds of nodes under one prefix)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.next_suffix: dict[str, int] = {}
+
+
 def fresh_name(base: str, used: set[str]) -> str:
     """``base``, or ``base_1``, ``base_2``, ... : the first that is not in ``used`` (which then holds it)."""
-    name, k = base, 0
+    k = used.next_suffix.get(base, 0) if isinstance(used, NameSet) else 0
+    name = base if k == 0 else f"{base}_{k}"
     while name in used:
         k += 1
         name = f"{base}_{k}"
     used.add(name)
+    if isinstance(used, NameSet):
+        used.next_suffix[base] = k + 1
     return name
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from ..errors import GraphError, RevgraphError
-from ..ir import Graph, Node, ValueInfo, fresh_name
+from ..ir import Graph, NameSet, Node, ValueInfo, fresh_name
 from ..lift import lift_constants as lift
 from ..onnx_io import infer_types
 from ..ssa import captured_names, is_ssa, to_ssa
@@ -237,7 +237,7 @@ def backward(
 
 def used_names(graph: Graph) -> set[str]:
     """Every value and node name of ``graph`` and its subgraphs (fresh names must avoid them all)."""
-    return graph.all_names() | {n.name for _, n in graph.walk() if n.name}
+    return NameSet(graph.all_names() | {n.name for _, n in graph.walk() if n.name})
 
 
 def known_names(graph: Graph) -> set[str]:
