@@ -159,9 +159,10 @@ def build_section(res: dict) -> str:
         rows = []
         for c in syn:
             ph = c["revgraph_phases_s"]
+            ort_cell = s(c["ort_s"]) if not c.get("ort_timeout") else f"> {c['ort_timeout_s']:.0f} s (stopped)"
             rows.append([c["name"], f"{c['n']:,}", s(c["revgraph_s"]),
                          f"{s(ph['load'])} / {s(ph['gradient'])} / {s(ph['to_onnx'])}",
-                         f"{1e6 * c['revgraph_s'] / c['n']:.0f}", s(c["ort_s"]),
+                         f"{1e6 * c['revgraph_s'] / c['n']:.0f}", ort_cell,
                          f"{1e6 * c['ort_s'] / c['n']:.0f}" if c["ort_s"] else "–", ratio(c["ratio"])])
         out += ["### Synthetic graphs", "",
                 "A chain `loss = ReduceSum(f_n(...f_1(x * w)))` of alternating `Sin`/`Tanh`, and a fan-out where "
@@ -189,6 +190,8 @@ def build_section(res: dict) -> str:
                        f"{s(c.get('revgraph_original_s'))}"
             elif c.get("ort_error"):
                 note = f"onnxruntime-training fails: {c['ort_error_explained']}"
+            if c.get("ort_timeout"):
+                note = f"onnxruntime-training did not finish within {c['ort_timeout_s']:.0f} s"
             rows.append([c["name"], f"{c['nodes']:,}", c["params_count"], s(c["revgraph_s"]),
                          f"{s(ph['load'])} / {s(ph['gradient'])} / {s(ph['to_onnx'])}", s(c["ort_s"]),
                          ratio(c["ratio"]), s(c.get("generate_artifacts_s")), note])
@@ -200,10 +203,17 @@ def build_section(res: dict) -> str:
                 table(["model", "forward nodes", "params", "revgraph", "load / gradient / to_onnx",
                        "onnxruntime-training", "revgraph / ORT", "generate_artifacts", "notes"], rows,
                       "lrrrrrrrl"), ""]
-    fails = [c for c in b["cases"] if c.get("ort_error")]
+    fails = [c for c in b["cases"] if c.get("ort_error") or c.get("ort_timeout")]
     if fails:
         out += ["### Where onnxruntime-training fails", ""]
         for c in fails:
+            if c.get("ort_timeout"):
+                k = next((p["ort_exponent"] for p in b.get("growth", {}).get(c.get("kind"), [])
+                          if p["ort_exponent"] is not None), None)
+                out.append(f"- **{c['name']}**: its build did not finish within {c['ort_timeout_s']:.0f} s and was "
+                           "stopped" + (f" (between the smaller sizes its time grew as nodes^{k:.2f})" if k else "")
+                           + f"; revgraph built the same graph in {s(c['revgraph_s'])}.")
+                continue
             line = f"- **{c['name']}**: {c['ort_error_explained']}."
             if c.get("compared_on") == "adapted":
                 line += f" It builds after an adaptation of the model: {c['adaptation']}; the comparison above " \

@@ -45,7 +45,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import envs
-from workers import Worker, WorkerError
+from workers import Worker, WorkerError, WorkerTimeout
 
 
 class Config:
@@ -67,6 +67,7 @@ class Config:
         self.variant_seconds = 0.2 if quick else 0.4
         self.micro_rounds = 2 if quick else 3
         self.concat_n = 2000 if quick else 3000
+        self.ort_timeout = 600.0  # seconds for one onnxruntime-training build of a 100k-node graph
 
 
 class Log:
@@ -178,9 +179,11 @@ def build_cases(rg: Worker, cfg: Config, work: Path, infos: dict) -> list[dict]:
     return cases
 
 
-def run_build(rg: Worker, ort: Worker | None, cfg: Config, work: Path, cases: list[dict], res: dict) -> None:
+def run_build(rg: Worker, W: dict, cfg: Config, work: Path, cases: list[dict], res: dict) -> None:
+    """``W["ort"]`` is the onnxruntime-training worker (replaced by a fresh one after a timeout)."""
     out = res.setdefault("build", {"cases": []})
     for case in cases:
+        ort = W.get("ort")
         log(f"build: {case['name']}")
         entry = {k: case.get(k) for k in ("name", "group", "kind", "n", "nodes", "params_count")}
         entry["params_count"] = len(case["params"])
@@ -194,10 +197,16 @@ def run_build(rg: Worker, ort: Worker | None, cfg: Config, work: Path, cases: li
         if ort is not None:
             try:
                 o = ort.call("ort_training_tasks:build", path=case["path"], stats=True,
-                             save_to=str(rg_graph).replace("grad_rg_", "grad_ort_"), **args)
+                             save_to=str(rg_graph).replace("grad_rg_", "grad_ort_"),
+                             timeout=cfg.ort_timeout if case.get("big") else None, **args)
                 entry["ort_stats"] = {k: o[k] for k in ("nodes", "initializers", "inputs", "outputs", "ops")}
                 entry["ort_graph"] = str(rg_graph).replace("grad_rg_", "grad_ort_")
                 compare = case
+            except WorkerTimeout as exc:
+                entry["ort_timeout"] = exc.error
+                entry["ort_timeout_s"] = cfg.ort_timeout
+                log(f"  onnxruntime-training: {exc.error}")
+                W["ort"] = ort = ort.restart()
             except WorkerError as exc:
                 entry["ort_error"] = exc.error
                 entry["ort_error_explained"] = explain_ort_error(exc.error)
@@ -414,8 +423,9 @@ def run_memory(rg: Worker, cfg: Config, res: dict) -> None:
 # ------------------------------------------------------------------------------------------ 4. profile
 
 
-def run_profiles(rg: Worker, ort: Worker | None, cfg: Config, work: Path, res: dict) -> None:
+def run_profiles(rg: Worker, W: dict, cfg: Config, work: Path, res: dict) -> None:
     out = res.setdefault("profile", {})
+    ort = W.get("ort")
     builds = {c["name"]: c for c in res.get("build", {}).get("cases", [])}
     # audits of the gradient graphs saved by the build section
     audits = {}
@@ -521,17 +531,18 @@ def main(argv: list[str] | None = None) -> int:
     if "jax" in pythons:
         with Worker("jax-versions", pythons["jax"], work / "logs", env=jax_env(2)) as jx:
             res["versions"]["jax worker"] = jx.call("jax_tasks:versions")
+    W = {"ort": ort}
     t_start = time.perf_counter()
     try:
         log("writing models")
         infos = th.call("models:write_models", out_dir=str(work / "models"))
         res["_cases"] = build_cases(rg, cfg, work, infos)
         for name, fn in (
-            ("build", lambda: run_build(rg, ort, cfg, work, res["_cases"], res)),
+            ("build", lambda: run_build(rg, W, cfg, work, res["_cases"], res)),
             ("step", lambda: run_steps(rg, th, pythons.get("jax"), cfg, work, infos, res,
                                        step_profile_hook(rg, cfg, res) if "profile" in sections else None)),
             ("memory", lambda: run_memory(rg, cfg, res)),
-            ("profile", lambda: run_profiles(rg, ort, cfg, work, res)),
+            ("profile", lambda: run_profiles(rg, W, cfg, work, res)),
         ):
             if name not in sections:
                 continue
@@ -544,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"section {name} failed: {failure(exc)}")
             res.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
     finally:
-        for w in (rg, th, ort):
+        for w in (rg, th, W["ort"]):
             if w is not None:
                 w.close()
     res["seconds"] = time.perf_counter() - t_start

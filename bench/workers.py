@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,10 @@ class WorkerError(RuntimeError):
         self.traceback = traceback
 
 
+class WorkerTimeout(WorkerError):
+    """A call ran past its time limit; the worker has been stopped (start a new one)."""
+
+
 class Worker:
     """A long-lived ``python bench/_worker.py`` in interpreter ``python``; its stderr goes to ``log``."""
 
@@ -29,16 +34,24 @@ class Worker:
         self.log_path = Path(log_dir) / f"{name}.log"
         self._log = open(self.log_path, "a")  # noqa: SIM115 - lives as long as the worker
         full_env = {**os.environ, **(env or {})}
+        self._spec = (name, python, log_dir, env)
         self.proc = subprocess.Popen([self.python, str(HERE / "_worker.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=full_env,
                                      cwd=str(HERE))
 
-    def call(self, function: str, **args):
-        """``module:function(**args)`` in the worker; raises :class:`WorkerError` on failure."""
+    def call(self, function: str, timeout: float | None = None, **args):
+        """``module:function(**args)`` in the worker; raises :class:`WorkerError` on failure, and
+        :class:`WorkerTimeout` (after killing the worker) when no answer comes within ``timeout`` seconds."""
         if self.proc.poll() is not None:
             raise WorkerError(f"the {self.name} worker has exited (code {self.proc.returncode}); see {self.log_path}")
         self.proc.stdin.write(json.dumps({"call": function, "args": args}) + "\n")
         self.proc.stdin.flush()
+        if timeout is not None:
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            if not ready:
+                self.proc.kill()
+                self.proc.wait()
+                raise WorkerTimeout(f"{function} did not finish within {timeout:.0f} s (the worker was stopped)")
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
@@ -48,6 +61,11 @@ class Worker:
         if not answer["ok"]:
             raise WorkerError(answer["error"], answer.get("traceback", ""))
         return answer["result"]
+
+    def restart(self) -> Worker:
+        """A fresh worker like this one (after a timeout)."""
+        self.close()
+        return Worker(*self._spec)
 
     def close(self) -> None:
         if self.proc.poll() is None:
