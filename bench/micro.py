@@ -3,9 +3,11 @@
 - ``relu_vjp``: the ReLU VJP revgraph writes, ``Where(Greater(x, 0), g, 0)``, against ``Mul(g, Cast(Greater(x,
   0)))`` (the same values for finite cotangents) on the activation shapes of the benchmark models.
 - ``conv_weight_grad``: the weight gradient of a 3x3 convolution (the CNN's largest layer) as revgraph writes
-  it (a ``Conv`` of the transposed input with the transposed output gradient as kernel, between
-  ``Transpose`` nodes), against an im2col form in standard ONNX (``Pad``, nine ``Slice`` taps, ``Concat``,
-  one ``Gemm`` over the batch and pixels), and against PyTorch's ``convolution_backward`` for the weight.
+  it (one batched ``MatMul`` per kernel tap, rules/conv.py ``weight_grad_taps``), against the formulation
+  revgraph used before and still uses for grouped convolutions (a ``Conv`` of the transposed input with the
+  transposed output gradient as kernel, between ``Transpose`` nodes), an im2col form in standard ONNX
+  (``Pad``, nine ``Slice`` taps, ``Concat``, one ``Gemm`` over the batch and pixels), and PyTorch's
+  ``convolution_backward`` for the weight.
 """
 
 from __future__ import annotations
@@ -103,8 +105,15 @@ def conv_weight_grad(threads: int = 2, seconds: float = 0.3, rounds: int = 3) ->
                Node("Mul", ["y", "dy"], ["p"], name="p"), Node("ReduceSum", ["p"], ["loss"], {"keepdims": 0}, "loss")],
               [ValueInfo("x", np.float32, (n, c, h, h)), ValueInfo("w", np.float32, (o, c, k, k)),
                ValueInfo("dy", np.float32, (n, o, h, h))], [ValueInfo("loss", np.float32, ())])
+    from revgraph.autodiff.rules import conv as conv_rules
+
     gg = rg.gradient(g, "loss", ["w"])
     model = _only(rg.to_onnx(gg), "w_grad")  # the weight gradient alone: no forward Conv, no loss
+    taps, conv_rules.MAX_TAPS = conv_rules.MAX_TAPS, 0  # the formulation revgraph used before
+    try:
+        whole = _only(rg.to_onnx(rg.gradient(g, "loss", ["w"])), "w_grad")
+    finally:
+        conv_rules.MAX_TAPS = taps
     keep = {"w_grad"}
     inits = [numpy_helper.from_array(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64), "pads"),
              numpy_helper.from_array(np.array([2, 3], np.int64), "ax23"),
@@ -135,9 +144,11 @@ def conv_weight_grad(threads: int = 2, seconds: float = 0.3, rounds: int = 3) ->
     x = rng.standard_normal((n, c, h, h)).astype(np.float32)
     dy = rng.standard_normal((n, o, h, h)).astype(np.float32)
     w = rng.standard_normal((o, c, k, k)).astype(np.float32)
-    s_rg, s_im = _session(model, threads), _session(im2col, threads)
+    s_rg, s_im, s_whole = _session(model, threads), _session(im2col, threads), _session(whole, threads)
     feeds_rg = {i.name: {"x": x, "w": w, "dy": dy}[i.name] for i in model.graph.input}
+    feeds_whole = {i.name: {"x": x, "w": w, "dy": dy}[i.name] for i in whole.graph.input}
     a = s_rg.run(list(keep), feeds_rg)[0]
+    a_whole = s_whole.run(list(keep), feeds_whole)[0]
     b = s_im.run(None, {"x": x, "dy": dy})[0]
     torch.set_num_threads(threads)
     tx, tdy, tw = torch.from_numpy(x), torch.from_numpy(dy), torch.from_numpy(w)
@@ -149,7 +160,9 @@ def conv_weight_grad(threads: int = 2, seconds: float = 0.3, rounds: int = 3) ->
     t = torch_run().numpy()
     scale = float(np.abs(t).max())
     runners = {
-        "revgraph (Transpose, Conv, Transpose)": lambda: s_rg.run(list(keep), feeds_rg),
+        "revgraph (per-tap MatMul)": lambda: s_rg.run(list(keep), feeds_rg),
+        "Conv with the output gradient as kernel (Transpose, Conv, Transpose)":
+            lambda: s_whole.run(list(keep), feeds_whole),
         "im2col: Pad, 9 Slice, Concat, Gemm": lambda: s_im.run(None, {"x": x, "dy": dy}),
         "PyTorch convolution_backward (weight)": torch_run,
     }
@@ -158,6 +171,7 @@ def conv_weight_grad(threads: int = 2, seconds: float = 0.3, rounds: int = 3) ->
         for name, run in runners.items():
             times[name].append(_time(run, seconds))
     return {"shape": {"x": [n, c, h, h], "w": [o, c, k, k]},
-            "max_rel_diff": {"revgraph": float(np.abs(a - t).max() / scale), "im2col": float(np.abs(b - t).max() / scale)},
+            "max_rel_diff": {"revgraph": float(np.abs(a - t).max() / scale), "im2col": float(np.abs(b - t).max() / scale),
+                             "whole-gradient Conv": float(np.abs(a_whole - t).max() / scale)},
             "nodes": {"revgraph": [nd.op_type for nd in model.graph.node]},
             "seconds": {k: float(np.median(v)) for k, v in times.items()}}

@@ -501,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="build,step,memory,profile")
     parser.add_argument("--work-dir", default=None, help="models and gradient graphs (default: a temporary dir)")
     parser.add_argument("--venv-dir", default=None, help="where the comparison virtual environments live")
+    parser.add_argument("--baseline", default=None, help="results of an earlier full run to compare the goals "
+                        "with (default for a full run: bench/results/baseline.json; '' for none)")
     args = parser.parse_args(argv)
     if args.venv_dir:
         os.environ["RG_BENCH_VENV_DIR"] = args.venv_dir
@@ -566,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     import report
 
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(report.render(res, json_path=json_path))
+    baseline = args.baseline if args.baseline is not None else ("" if args.quick else report.BASELINE)
+    Path(args.output).write_text(report.render(res, json_path=json_path, baseline=report.load_baseline(baseline)))
     log(f"wrote {args.output} and {json_path} in {res['seconds']:.0f}s")
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)

@@ -117,6 +117,19 @@ def test_conv(case):
     run_conv(case)
 
 
+EMPTY_WINDOW_CASES = [  # found by hypothesis: the input gradient reads an empty (0-length) slice
+    {"nd": 1, "group": 2, "cg": 1, "mg": 1, "kernel": [1], "strides": [2], "dilations": [1], "pads": [1, 0],
+     "dims": [1], "auto": "NOTSET", "n": 1, "bias": False, "seed": 0},
+    {"nd": 2, "group": 2, "cg": 1, "mg": 1, "kernel": [1, 1], "strides": [1, 2], "dilations": [1, 1],
+     "pads": [0, 1, 0, 0], "dims": [1, 1], "auto": "NOTSET", "n": 1, "bias": False, "seed": 0},
+]
+
+
+@pytest.mark.parametrize("case", EMPTY_WINDOW_CASES)
+def test_grouped_conv_second_order_through_empty_windows(case):
+    run_conv(case)
+
+
 def _case(**kw):
     base = {"nd": 2, "group": 1, "cg": 2, "mg": 2, "kernel": [3, 3], "strides": [1, 1], "dilations": [1, 1],
             "pads": [0, 0, 0, 0], "dims": [5, 5], "auto": "NOTSET", "n": 2, "bias": True, "seed": 0}

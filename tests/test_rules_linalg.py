@@ -68,6 +68,17 @@ def test_matmul_one_operand_wanted():
     assert set(grads) == {"b"}
 
 
+@pytest.mark.parametrize("sa", [(2, 3, 4), (2, 1, 3, 4)])
+def test_matmul_weight_gradient_is_one_gemm_over_the_batch(sa):
+    # A batch of activations times a matrix: dB is A flattened to [-1, k], transposed, times dY flattened.
+    rng = np.random.default_rng(5)
+    feeds = {"a": rng.standard_normal(sa), "b": rng.standard_normal((4, 5))}
+    g = one_node_graph("MatMul", feeds)
+    check_rule(g, feeds, lambda a, b: torch.matmul(a, b))
+    ops = [n.op_type for n in rg.gradient(g, wrt=["b"]).nodes]
+    assert "Gemm" in ops and "ReduceSum" not in ops
+
+
 def test_matmul_unknown_dimensions():
     rng = np.random.default_rng(3)
     feeds = {"a": rng.standard_normal((2, 1, 3, 4)), "b": rng.standard_normal((5, 4, 2))}

@@ -9,6 +9,7 @@ graph's opset, with the lowest IR version that opset allows (so the installed on
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, helper, numpy_helper
 
+from . import fastshape
 from .atomic import atomic_path
 from .errors import RevgraphError, UnsupportedModelError
 from .ir import TARGET_OPSET, Graph, Node, ValueInfo
@@ -86,24 +88,29 @@ def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int = TAR
         raise RevgraphError("the model holds an empty graph")
     graph = graph_from_proto(model.graph, opsets)
     original = opsets.get("", TARGET_OPSET)
-    fix = _fix_legacy_prelu(graph) if original < 7 else False
-    if original == opset and not fix and is_ssa(graph):
-        proto = model
-    else:
-        proto = to_onnx(graph if is_ssa(graph) else to_ssa(graph))
-        if original != opset:
-            try:
-                proto = onnx.version_converter.convert_version(proto, opset)
-            except Exception as exc:
-                raise UnsupportedModelError(
-                    f"cannot convert the model from opset {original} to opset {opset} "
-                    f"(onnx.version_converter: {str(exc).splitlines()[0]})"
-                ) from None
+    if original < 7:
+        _fix_legacy_prelu(graph)
+    if not is_ssa(graph):
+        graph = to_ssa(graph)
+    light, big = _light(graph)
+    proto = to_onnx(light)
+    if original != opset:
+        try:
+            proto = onnx.version_converter.convert_version(proto, opset)
+        except Exception as exc:
+            raise UnsupportedModelError(
+                f"cannot convert the model from opset {original} to opset {opset} "
+                f"(onnx.version_converter: {str(exc).splitlines()[0]})"
+            ) from None
     try:
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception:  # shape inference is a help for rules, never a requirement
         pass
     result = graph_from_proto(proto.graph, {o.domain or "": o.version for o in proto.opset_import})
+    declared = set(graph.input_names)
+    result.inputs = [v for v in result.inputs if v.name not in big or v.name in declared]
+    added = {k: a for k, a in result.initializers.items() if k not in graph.initializers}
+    result.initializers = {**{k: big.get(k, result.initializers.get(k)) for k in graph.initializers}, **added}
     _name_nodes(result)
     result.source_opset = original
     result.check()
@@ -222,12 +229,20 @@ def graph_from_proto(gp: onnx.GraphProto, opsets: dict[str, int]) -> Graph:
 
 def value_info_to_proto(vi: ValueInfo) -> onnx.ValueInfoProto:
     """Convert a :class:`ValueInfo` (unknown dtype becomes ``UNDEFINED``, unknown shape is left out)."""
-    elem = helper.np_dtype_to_tensor_dtype(vi.dtype) if vi.dtype is not None else onnx.TensorProto.UNDEFINED
-    shape = None if vi.shape is None else [d if d is not None else None for d in vi.shape]
-    tensor_type = helper.make_tensor_type_proto(elem, shape)
-    if vi.kind == "sequence":
-        return helper.make_value_info(vi.name, helper.make_sequence_type_proto(tensor_type))
-    return helper.make_value_info(vi.name, tensor_type)
+    proto = onnx.ValueInfoProto()
+    proto.name = vi.name
+    shape = None if vi.shape is None else tuple(vi.shape)
+    proto.type.CopyFrom(_type_proto(vi.kind, vi.dtype, shape))
+    return proto
+
+
+@functools.lru_cache(maxsize=4096)
+def _type_proto(kind: str, dtype: np.dtype | None, shape: tuple | None) -> onnx.TypeProto:
+    # Gradient graphs repeat a few types thousands of times; building each TypeProto once saves a third
+    # of the time of writing them.
+    elem = helper.np_dtype_to_tensor_dtype(dtype) if dtype is not None else onnx.TensorProto.UNDEFINED
+    tensor_type = helper.make_tensor_type_proto(elem, None if shape is None else list(shape))
+    return helper.make_sequence_type_proto(tensor_type) if kind == "sequence" else tensor_type
 
 
 def _attr_to_proto(node: Node, key: str, value: Any, opsets: dict[str, int]) -> AttributeProto:
@@ -335,19 +350,87 @@ def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
                 f.write(data)
 
 
+def _light(graph: Graph) -> tuple[Graph, dict[str, np.ndarray]]:
+    """``graph`` with its large initializers turned into typed graph inputs, and those initializers.
+
+    Weights enter the version converter and shape inference this way: their values only matter when small
+    (shapes, axes, scales), and serializing megabytes of them for each of those passes dominated the time of
+    :func:`load` and :func:`infer_types` (the version converter alone took half of an MLP's build)."""
+    big = {k: a for k, a in graph.initializers.items() if np.asarray(a).size > 4096}
+    if not big:
+        return graph, big
+    declared = set(graph.input_names)  # an initializer may also be a graph input (IR version < 4)
+    extra = [ValueInfo(k, a.dtype, a.shape) for k, a in big.items() if k not in declared]
+    light = Graph(graph.nodes, [*graph.inputs, *extra],
+                  graph.outputs, {k: a for k, a in graph.initializers.items() if k not in big}, graph.value_info,
+                  graph.name, graph.opsets)
+    return light, big
+
+
+def onnx_node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, np.ndarray],
+                    opset: int) -> dict[str, ValueInfo]:
+    """The output types ONNX's per-node shape inference (``onnx.shape_inference.infer_node_outputs``) gives
+    ``node``, whose input types must be in ``types``; small constant inputs in ``values`` take part (shapes,
+    axes). ``{}`` when it cannot tell."""
+    schema = get_schema(node.op_type, node.domain, {"": opset})
+    if schema is None:
+        return {}
+    proto = helper.make_node(node.op_type, node.inputs, node.outputs)
+    proto.attribute.extend(_attr_to_proto(node, k, v, {"": opset}) for k, v in node.attrs.items())
+    in_types = {i: value_info_to_proto(types[i]).type for i in node.inputs if i}
+    data = {i: numpy_helper.from_array(values[i], i) for i in node.inputs if i in values and values[i].size <= 64}
+    try:
+        out = onnx.shape_inference.infer_node_outputs(schema, proto, in_types, data)
+    except Exception:  # inference is a help; unknown types make rules use Shape-based ops
+        return {}
+    return {name: value_info_from_proto(helper.make_value_info(name, tp))
+            for name, tp in out.items() if tp.HasField("tensor_type")}
+
+
+def node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, np.ndarray],
+               opset: int) -> dict[str, ValueInfo]:
+    """The output types of one node: :mod:`revgraph.fastshape`'s formulas when they apply, else
+    :func:`onnx_node_types`."""
+    fast = fastshape.infer(node, types, values)
+    return {fast.name: fast} if fast is not None else onnx_node_types(node, types, values, opset)
+
+
+def _declared(graph: Graph) -> dict[str, ValueInfo]:
+    types = {vi.name: vi for vi in [*graph.value_info.values(), *graph.outputs] if vi.dtype is not None}
+    types.update((k, ValueInfo(k, a.dtype, a.shape)) for k, a in graph.initializers.items())
+    types.update((vi.name, vi) for vi in graph.inputs)
+    return types
+
+
+def _infer_incrementally(graph: Graph) -> dict[str, ValueInfo] | None:
+    """Types of ``graph`` when it declares the types of most of its values (a loaded graph, to which a loss or
+    a few nodes were added): the declared ones, and node-by-node inference for the other nodes. ``None``
+    when that does not apply (many undeclared values, or an undeclared node with subgraphs)."""
+    types = _declared(graph)
+    pending = [n for n in graph.nodes if any(o and o not in types for o in n.outputs)]
+    if len(pending) > max(8, len(graph.nodes) // 10) or any(n.subgraphs for n in pending):
+        return None
+    values = {k: np.asarray(a) for k, a in graph.initializers.items() if np.asarray(a).size <= 64}
+    for node in graph.nodes:
+        if node.op_type == "Constant" and "value" in node.attrs:
+            values[node.outputs[0]] = np.asarray(node.attrs["value"])
+    for node in pending:
+        if all(not i or i in types for i in node.inputs):
+            for name, vi in node_types(node, types, values, graph.opset).items():
+                types.setdefault(name, vi)
+    return types
+
+
 def infer_types(graph: Graph) -> dict[str, ValueInfo]:
     """Types of the values of ``graph``'s own scope: what the graph declares (inputs, outputs,
     ``value_info``, initializers), completed by ONNX shape inference (``data_prop=True``). A declared type
     with a shape wins over an inferred one (ONNX infers little through ``Loop``). Values whose type cannot
     be found are left out."""
+    quick = _infer_incrementally(graph)
+    if quick is not None:
+        return quick
     types: dict[str, ValueInfo] = {}
-    # Weights enter inference as typed inputs: their values only matter when small (shapes, axes), and
-    # serializing hundreds of megabytes of them for every inference would dominate the build time.
-    big = {k for k, a in graph.initializers.items() if np.asarray(a).size > 4096}
-    light = Graph(graph.nodes, [*graph.inputs, *(ValueInfo(k, graph.initializers[k].dtype, graph.initializers[k].shape)
-                                                 for k in big)],
-                  graph.outputs, {k: a for k, a in graph.initializers.items() if k not in big}, graph.value_info,
-                  graph.name, graph.opsets)
+    light, _ = _light(graph)
     try:
         proto = onnx.shape_inference.infer_shapes(to_onnx(light), data_prop=True)
         for vi in [*proto.graph.value_info, *proto.graph.output]:

@@ -21,9 +21,11 @@ from ..lift import lift_constants as lift
 from ..onnx_io import infer_types
 from ..ssa import captured_names, is_ssa, to_ssa
 from . import sparse as sp
+from .finite import nonfinite_cotangents
 from .loops.loop import parse_policy
 from .loops.lower import lower_to_loops
 from .registry import NOT_DIFFERENTIABLE, Emitter, get_rule
+from .simplify import simplify
 from .sparse import SparseGrad
 
 ACCUMULATE = ("sum", "running")
@@ -209,6 +211,7 @@ def backward(
     for node in nodes:
         reach.update(o for o in node.outputs if o and _differentiable(types, o))
     e.reach = reach
+    unsafe = nonfinite_cotangents(nodes, ys, e.values)
     grad_map: dict[str, Grad] = {}
     for node in reversed(nodes):
         out_grads = [acc.dense_total(o) if o else None for o in node.outputs]
@@ -218,6 +221,7 @@ def backward(
         if all(g is None for g in out_grads):
             continue
         e.prefix = f"grad/{node.name or node.op_type}"
+        e.finite = not any(o in unsafe for o in node.outputs if o)
         e.need = [bool(i) and i in reach and _differentiable(types, i) for i in node.inputs]
         in_grads = get_rule(node)(e, node, out_grads)
         captured: dict[str, Grad] = {}
@@ -225,6 +229,7 @@ def backward(
             in_grads, captured = in_grads
         if len(in_grads) != len(node.inputs):
             raise AssertionError(f"VJP rule of {node.op_type} returned {len(in_grads)} gradients for {len(node.inputs)} inputs")
+        e.finite = False
         for name, g in [*zip(node.inputs, in_grads, strict=True), *captured.items()]:
             if g is not None and name and name in reach and _differentiable(types, name):
                 acc.add(name, g)
@@ -347,6 +352,7 @@ def gradient(
         g.outputs.append(ValueInfo(out, vi.dtype, vi.shape))
     g.nodes.extend(e.nodes)
     g.nodes.extend(tail)
+    simplify(g)
     keep_types(g, e.types)
     return g
 

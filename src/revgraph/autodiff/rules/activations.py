@@ -83,7 +83,7 @@ def hard_sigmoid(e, node, x, y, g):
     alpha = _attr(node, "alpha", 0.2)
     t = e.op("Add", [e.op("Mul", [x, e.scalar(alpha, x)]), e.scalar(_attr(node, "beta", 0.5), x)], like=x)
     inside = e.op("And", [e.op("Greater", [t, e.scalar(0.0, x)]), e.op("Less", [t, e.scalar(1.0, x)])])
-    return e.op("Where", [inside, e.op("Mul", [g, e.scalar(alpha, x)]), e.scalar(0.0, x)], like=x)
+    return e.select(inside, e.op("Mul", [g, e.scalar(alpha, x)]), like=x)
 
 
 @_unary("HardSwish")
@@ -151,7 +151,7 @@ def softsign(e, node, x, y, g):
 def thresholded_relu(e, node, x, y, g):
     """1 where ``x > alpha``, else 0 (also at ``x = alpha``, PyTorch's ``threshold_backward``)."""
     above = e.op("Greater", [x, e.scalar(_attr(node, "alpha", 1.0), x)])
-    return e.op("Where", [above, g, e.scalar(0.0, x)], like=x)
+    return e.select(above, g, like=x)
 
 
 @_unary("Shrink")
@@ -159,7 +159,7 @@ def shrink(e, node, x, y, g):
     """1 where ``|x| > lambd``, else 0 (also at ``|x| = lambd``, PyTorch's ``softshrink_backward``)."""
     lambd = _attr(node, "lambd", 0.5)
     outside = e.op("Or", [e.op("Greater", [x, e.scalar(lambd, x)]), e.op("Less", [x, e.scalar(-lambd, x)])])
-    return e.op("Where", [outside, g, e.scalar(0.0, x)], like=x)
+    return e.select(outside, g, like=x)
 
 
 # ---------------------------------------------------------------------------------------------- trigonometric

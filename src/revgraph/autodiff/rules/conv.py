@@ -24,6 +24,7 @@ zero-interleaved output gradient with the flipped, group-transposed weight.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,8 @@ from ..registry import Emitter, vjp
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 INT64_MIN = int(np.iinfo(np.int64).min)
+#: kernels with at most this many taps get their weight gradient as per-tap GEMMs (:func:`weight_grad_taps`)
+MAX_TAPS = 9
 
 
 # ------------------------------------------------------------------------------------------ geometry
@@ -263,6 +266,10 @@ def weight_grad(e: Emitter, x: str, g: str, geo: Geometry, group: int, cg: int, 
     sp = _axes(k)
     if group == 1:
         xr = e.op("Transpose", [x], perm=[1, 0, *sp])
+    elif (xs := e.shape(x)) is not None:  # explicit sizes: a -1 is ambiguous when a spatial size is 0
+        grouped = e.op("Reshape", [x, e.ints([xs[0], group, cg, int(np.prod(xs[2:]))])], allowzero=1)
+        moved = e.op("Transpose", [grouped], perm=[2, 1, 0, 3])
+        xr = e.op("Reshape", [moved, e.ints([cg, group * xs[0], *xs[2:]])], allowzero=1)
     else:
         grouped = e.op("Reshape", [x, e.ints([0, group, cg, -1])])
         moved = e.op("Transpose", [grouped], perm=[2, 1, 0, 3])
@@ -273,6 +280,33 @@ def weight_grad(e: Emitter, x: str, g: str, geo: Geometry, group: int, cg: int, 
         return e.op("Transpose", [c], perm=[1, 0, *sp], like=like)
     dw = e.op("Transpose", [c], perm=[1, 0, *sp])
     return e.op("Slice", [dw, e.ints([0] * k), e.ints(geo.kernel), e.ints(sp)], like=like)
+
+
+def weight_grad_taps(e: Emitter, x: str, g: str, geo: Geometry, out: list[int], like: str | None) -> str:
+    """The weight gradient of an ungrouped Conv, ``dw[m, c, k] = sum_{n,o} g[n, m, o] x_pad[n, c, o*s + k*d]``,
+    as one batched ``MatMul`` per kernel tap ``k`` (the strided slice of ``x_pad`` that tap reads, as
+    ``[N, C, O]``, times ``g`` transposed once to ``[N, O, M]``) and a sum over the batch. onnxruntime's Conv
+    with the whole output gradient as its kernel (:func:`weight_grad`) runs about 2x slower than these GEMMs
+    on 3x3 and 1x1 layers (bench/micro.py); ``out`` are the static output sizes."""
+    k = len(geo.kernel)
+    sp = _axes(k)
+    xp = x
+    if any(geo.pb) or any(geo.pe):
+        xp = e.op("Pad", [x, e.ints([0, 0, *geo.pb, 0, 0, *geo.pe])])
+    dims = spatial(e, xp)
+    gt = e.op("Transpose", [e.op("Reshape", [g, e.ints([0, 0, -1])])], perm=[0, 2, 1])  # [N, O, M]
+    taps = []
+    for tap in itertools.product(*(range(n) for n in geo.kernel)):
+        starts = [t * d for t, d in zip(tap, geo.dilations, strict=True)]
+        ends = [b + (o - 1) * s + 1 for b, o, s in zip(starts, out, geo.strides, strict=True)]
+        xs = xp
+        if any(starts) or ends != dims or any(s != 1 for s in geo.strides):
+            xs = e.op("Slice", [xp, e.ints(starts), e.ints(ends), e.ints(sp), e.ints(geo.strides)])
+        taps.append(e.op("MatMul", [e.op("Reshape", [xs, e.ints([0, 0, -1])]), gt]))  # [N, C, M]
+    stacked = taps[0] if len(taps) == 1 else e.op("Concat", taps, axis=1)  # [N, taps * C, M]
+    dw = e.op("ReduceSum", [stacked, e.ints([0])], keepdims=1)  # [1, taps * C, M]
+    by_tap = e.op("Reshape", [dw, e.ints([len(taps), -1, 0])])  # [taps, C, M]
+    return e.op("Reshape", [e.op("Transpose", [by_tap], perm=[2, 1, 0]), e.ints([0, 0, *geo.kernel])], like=like)
 
 
 def bias_grad(e: Emitter, g: str, k: int, b: str) -> str:
@@ -303,7 +337,9 @@ def conv(e: Emitter, node: Node, out_grads: list) -> list:
     cg = channels_per_group(e, node, w, x, group) if group > 1 else 1
     if e.need[0]:
         grads[0] = input_grad(e, node, g, w, x, geo, group, out, cg, like=x)
-    if e.need[1]:
+    if e.need[1] and group == 1 and out is not None and int(np.prod(geo.kernel)) <= MAX_TAPS:
+        grads[1] = weight_grad_taps(e, x, g, geo, out, like=w)
+    elif e.need[1]:
         grads[1] = weight_grad(e, x, g, geo, group, cg, trim=True, like=w)
     if b is not None and e.need[2]:
         grads[2] = bias_grad(e, g, k, b)

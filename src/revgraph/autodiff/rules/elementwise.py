@@ -131,7 +131,7 @@ def sigmoid(e, node, x, y, g):
 
 @_unary("Relu")
 def relu(e, node, x, y, g):
-    return e.op("Where", [e.op("Greater", [x, e.scalar(0.0, x)]), g, e.scalar(0.0, x)], like=x)
+    return e.select(e.op("Greater", [x, e.scalar(0.0, x)]), g, like=x)
 
 
 @_unary("LeakyRelu")
@@ -205,9 +205,8 @@ def max_min(e: Emitter, node: Node, out_grads: list) -> list:
 def where(e: Emitter, node: Node, out_grads: list) -> list:
     c, a, b = node.inputs
     g = out_grads[0]
-    zero = e.scalar(0.0, g)
-    ga = e.reduce_to(e.op("Where", [c, g, zero]), a) if e.need[1] else None
-    gb = e.reduce_to(e.op("Where", [c, zero, g]), b) if e.need[2] else None
+    ga = e.reduce_to(e.select(c, g), a) if e.need[1] else None
+    gb = e.reduce_to(e.select(e.op("Not", [c]), g), b) if e.need[2] else None
     return [None, ga, gb]
 
 
@@ -217,20 +216,19 @@ def clip(e: Emitter, node: Node, out_grads: list) -> list:
     lo = node.inputs[1] if len(node.inputs) > 1 and node.inputs[1] else None
     hi = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
     g = out_grads[0]
-    zero = e.scalar(0.0, g)
     inside = None
     grads: list = [None] * len(node.inputs)
     if lo is not None:
         inside = e.op("GreaterOrEqual", [x, lo])
         if e.need[1]:
-            grads[1] = e.reduce_to(e.op("Where", [e.op("Less", [x, lo]), g, zero]), lo)
+            grads[1] = e.reduce_to(e.select(e.op("Less", [x, lo]), g), lo)
     if hi is not None:
         below = e.op("LessOrEqual", [x, hi])
         inside = below if inside is None else e.op("And", [inside, below])
         if e.need[2]:
-            grads[2] = e.reduce_to(e.op("Where", [e.op("Greater", [x, hi]), g, zero]), hi)
+            grads[2] = e.reduce_to(e.select(e.op("Greater", [x, hi]), g), hi)
     if e.need[0]:
-        grads[0] = g if inside is None else e.op("Where", [inside, g, zero], like=x)
+        grads[0] = g if inside is None else e.select(inside, g, like=x)
     return grads
 
 

@@ -47,7 +47,14 @@ def matmul(e: Emitter, node: Node, out_grads: list) -> list:
             ga = e.op("ReduceSum", [t, e.ints(range(max(rb, 2) - 1))], keepdims=0, like=a)
         else:
             ga = e.reduce_to(t, a)
-    if e.need[1]:
+    k, m = (e.dims(a) or (None,))[-1], (e.dims(b) or (None,))[-1]
+    if e.need[1] and rb == 2 and ra >= 3 and isinstance(k, int) and isinstance(m, int):
+        # A batch of activations times a weight matrix: one GEMM over the flattened batch, rather than a
+        # batched MatMul whose [batch..., k, m] result a ReduceSum then sums (the same sum, in one kernel).
+        flat_a = e.op("Reshape", [a, e.ints([-1, k])])
+        flat_g = e.op("Reshape", [g, e.ints([-1, m])])
+        gb = e.op("Gemm", [flat_a, flat_g], transA=1, like=b)
+    elif e.need[1]:
         at = e.op("Unsqueeze", [a, e.ints([1])]) if ra == 1 else _swap_last(e, a, ra)  # A^T as [..., k, n]
         t = e.op("MatMul", [at, g2])  # [batch..., k, m]
         if rb == 1:  # sum the batch axes and the promoted column axis: [k]

@@ -197,9 +197,16 @@ def batch_norm(e: Emitter, node: Node, out_grads: list) -> list:
     if not (e.need[0] or (gy is not None and e.need[1])):
         return grads
     st = Stats(e, x, [0, *range(2, rank)], eps)
+    gyzh = None if gy is None else e.op("Mul", [gy, st.zh], like=x)
     if gy is not None and e.need[1]:
-        grads[1] = total(e.op("Mul", [gy, st.zh], like=x), scale)
-    if e.need[0]:
+        grads[1] = total(gyzh, scale)
+    if e.need[0] and gy is not None and g_rmean is None and g_rvar is None:
+        # Stats.vjp with gzh = gy * scale, the per-channel scale taken out of the means: two passes over x fewer
+        m1 = e.op("ReduceMean", [gy, st.axes], keepdims=1)
+        m2 = e.op("ReduceMean", [gyzh, st.axes], keepdims=1)
+        centred = e.op("Sub", [e.op("Sub", [gy, m1], like=x), e.op("Mul", [st.zh, m2], like=x)], like=x)
+        grads[0] = e.op("Mul", [centred, e.op("Mul", [st.inv, chan(scale)])], like=x)
+    elif e.need[0]:
         def stat(g):  # a running statistic's cotangent, as the batch statistic's: times (1 - momentum)
             return None if g is None else e.op("Mul", [chan(g), e.scalar(1.0 - momentum, x)])
         gzh = None if gy is None else e.op("Mul", [gy, chan(scale)], like=x)
@@ -292,4 +299,4 @@ def dropout(e: Emitter, node: Node, out_grads: list) -> list:
         scale = e.op("Div", [one, e.op("Sub", [one, e.op("CastLike", [ratio, g])])])
     if mode is None:  # training_mode only known at run time: scale 1 when it is false (the mask is all true)
         scale = e.op("Where", [training, scale, e.scalar(1.0, g)])
-    return [e.op("Where", [mask, e.op("Mul", [g, scale], like=x), e.scalar(0.0, g)], like=x), *rest]
+    return [e.select(mask, e.op("Mul", [g, scale], like=x), like=x), *rest]

@@ -1,0 +1,108 @@
+"""Selection VJPs (ReLU, Clip, Dropout, Where) multiply by a mask only where the backward pass proves the
+cotangent finite (autodiff/finite.py); an inf or NaN cotangent on the unselected side still gives exactly 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import revgraph as rg
+from revgraph.autodiff.finite import nonfinite_cotangents
+from revgraph.ir import Graph, Node, ValueInfo
+
+
+def _graph(nodes, shape=(4,), extra_inputs=()):
+    inputs = [ValueInfo("x", np.float64, shape), *extra_inputs]
+    return Graph(nodes, inputs, [ValueInfo("loss")])
+
+
+def _ops(gg: Graph) -> list[str]:
+    return [n.op_type for _, n in gg.walk()]
+
+
+def _run(gg: Graph, feeds: dict) -> dict:
+    out = rg.Session(gg).run(feeds)
+    ref = rg.Session(gg, backend="reference").run(feeds)
+    for k in out:  # the two runtimes agree exactly on the gradients (log may differ in the last bit)
+        np.testing.assert_allclose(out[k], ref[k], rtol=1e-15, atol=0)
+    return out
+
+
+SELECTIONS = {  # op -> (extra nodes before it, attributes, torch function)
+    "Relu": ([], {}, torch.relu),
+    "Clip": ([Node("Constant", [], ["lo"], {"value": np.array(0.0)}, "lo")], {}, lambda x: torch.clamp(x, min=0.0)),
+}
+
+
+@pytest.mark.parametrize("op", SELECTIONS)
+def test_sqrt_of_selection_is_zero_where_unselected(op):
+    # sqrt'(0) is infinite: the cotangent reaching the selection is inf where it is off, and must become 0.
+    pre, attrs, fn = SELECTIONS[op]
+    inputs = ["x", "lo"] if op == "Clip" else ["x"]
+    g = _graph([*pre, Node(op, inputs, ["r"], attrs, "sel"), Node("Sqrt", ["r"], ["s"], name="sqrt"),
+                Node("ReduceSum", ["s"], ["loss"], {"keepdims": 0}, "sum")])
+    gg = rg.gradient(g, wrt=["x"])
+    assert "Where" in _ops(gg)  # the cotangent is not provably finite here
+    x = np.array([-2.0, -0.5, 0.0, 4.0])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        got = _run(gg, {"x": x})["x_grad"]
+    xt = torch.tensor(x, requires_grad=True)
+    torch.sqrt(fn(xt)).sum().backward()
+    np.testing.assert_array_equal(got, xt.grad.numpy())  # PyTorch: exact zeros where x < 0
+    assert got[:2].tolist() == [0.0, 0.0] and got[3] == 0.25
+
+
+def test_relu_on_a_bounded_path_multiplies_by_a_mask():
+    # loss = sum(relu(x W) * 3): every VJP downstream of the ReLU is bounded, so no Where is emitted.
+    g = _graph([Node("MatMul", ["x", "W"], ["h"], name="mm"), Node("Relu", ["h"], ["r"], name="relu"),
+                Node("Mul", ["r", "three"], ["m"], name="mul"),
+                Node("ReduceSum", ["m"], ["loss"], {"keepdims": 0}, "sum")],
+               shape=(2, 3), extra_inputs=[ValueInfo("W", np.float64, (3, 4))])
+    g.initializers["three"] = np.array(3.0)
+    gg = rg.gradient(g, wrt=["x", "W"])
+    assert "Where" not in _ops(gg)
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((2, 3)), rng.standard_normal((3, 4))
+    got = _run(gg, {"x": x, "W": w})
+    xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    (torch.relu(xt @ wt) * 3).sum().backward()
+    np.testing.assert_allclose(got["x_grad"], xt.grad.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(got["W_grad"], wt.grad.numpy(), rtol=1e-12)
+
+
+def test_a_seed_given_as_input_may_be_infinite():
+    # gradient(seed="input"): the cotangent is the caller's, so the ReLU VJP keeps Where and exact zeros.
+    g = Graph([Node("Relu", ["x"], ["y"], name="relu")], [ValueInfo("x", np.float64, (3,))],
+              [ValueInfo("y", np.float64, (3,))])
+    gg = rg.gradient(g, "y", wrt=["x"], seed="input")
+    assert "Where" in _ops(gg)
+    seed_name = next(i for i in gg.input_names if i != "x")
+    with np.errstate(invalid="ignore"):
+        got = _run(gg, {"x": np.array([-1.0, 0.0, 2.0]), seed_name: np.array([np.inf, np.nan, 5.0])})
+    assert got["x_grad"].tolist() == [0.0, 0.0, 5.0]
+
+
+def test_where_selection_of_a_nan_branch_after_a_mask_multiply():
+    # where(x > 0, log(x), 0) then relu: both selections are on bounded paths from the seed, and the
+    # unselected log branch (NaN forward derivative 1/x at x < 0 is finite, log(x) itself NaN) gets exact 0.
+    g = _graph([Node("Constant", [], ["zero"], {"value": np.array(0.0)}, "zero"),
+                Node("Greater", ["x", "zero"], ["c"], name="gt"), Node("Log", ["x"], ["l"], name="log"),
+                Node("Where", ["c", "l", "zero"], ["w"], name="where"), Node("Relu", ["w"], ["r"], name="relu"),
+                Node("ReduceSum", ["r"], ["loss"], {"keepdims": 0}, "sum")])
+    gg = rg.gradient(g, wrt=["x"])
+    x = np.array([-1.0, 0.0, 0.5, 3.0])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        got = _run(gg, {"x": x})["x_grad"]
+    # d/dx relu(log x) = 1/x where log x > 0 (x > 1), else 0
+    np.testing.assert_allclose(got, [0.0, 0.0, 0.0, 1 / 3], rtol=1e-15)
+
+
+def test_nonfinite_cotangents_follows_unbounded_vjps_backwards():
+    nodes = [Node("Relu", ["x"], ["a"], name="relu"), Node("Sqrt", ["a"], ["b"], name="sqrt"),
+             Node("Tanh", ["b"], ["c"], name="tanh"), Node("Relu", ["c"], ["d"], name="relu2")]
+    unsafe = nonfinite_cotangents(nodes, {"d": None}, {})
+    assert unsafe == {"a", "x"}  # below the Sqrt; d, c and b have bounded VJPs between them and the seed
+    assert nonfinite_cotangents(nodes, {"d": "seed"}, {}) == {"a", "b", "c", "d", "x"}
+    assert nonfinite_cotangents(nodes, {"d": "seed"}, {"seed": np.ones(3)}) == {"a", "x"}
+    assert "x" in nonfinite_cotangents(nodes[:1], {"a": "seed"}, {"seed": np.array([1.0, np.inf])})
