@@ -1,7 +1,9 @@
-"""Micro-benchmarks behind two step-time hotspots, each measured side by side on onnxruntime.
+"""Micro-benchmarks behind the step-time hotspots, each measured side by side on onnxruntime.
 
 - ``relu_vjp``: the ReLU VJP revgraph writes, ``Where(Greater(x, 0), g, 0)``, against ``Mul(g, Cast(Greater(x,
   0)))`` (the same values for finite cotangents) on the activation shapes of the benchmark models.
+- ``conv_forward_layout``: a forward convolution with its weight as a constant (onnxruntime's NCHWc kernels)
+  against the same with its weight as a graph input (a training graph), and PyTorch.
 - ``conv_weight_grad``: the weight gradient of a 3x3 convolution (the CNN's largest layer) as revgraph writes
   it (one batched ``MatMul`` per kernel tap, rules/conv.py ``weight_grad_taps``), against the formulation
   revgraph used before and still uses for grouped convolutions (a ``Conv`` of the transposed input with the
@@ -175,3 +177,34 @@ def conv_weight_grad(threads: int = 2, seconds: float = 0.3, rounds: int = 3) ->
                              "whole-gradient Conv": float(np.abs(a_whole - t).max() / scale)},
             "nodes": {"revgraph": [nd.op_type for nd in model.graph.node]},
             "seconds": {k: float(np.median(v)) for k, v in times.items()}}
+
+
+def conv_forward_layout(threads: int = 2, seconds: float = 0.3, rounds: int = 3) -> dict:
+    """The forward 3x3 convolution of the CNN's first residual block on onnxruntime with its weight as a constant
+    initializer (onnxruntime's NCHWc layout transformer rewrites it into ``com.microsoft.nchwc.Conv``) and as a
+    graph input (as in every training graph, where weights change between steps), and PyTorch's ``conv2d``."""
+    import torch
+    from onnx import TensorProto as T
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal([64, 16, 32, 32]).astype(np.float32)
+    w = rng.standard_normal([16, 16, 3, 3]).astype(np.float32)
+    x_vi = helper.make_tensor_value_info("x", T.FLOAT, list(x.shape))
+    w_vi = helper.make_tensor_value_info("w", T.FLOAT, list(w.shape))
+    y = [helper.make_tensor_value_info("y", T.FLOAT, None)]
+    conv = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])]
+    s_const = _session(_opset(conv, [x_vi], y, [numpy_helper.from_array(w, "w")]), threads)
+    s_input = _session(_opset(conv, [x_vi, w_vi], y, []), threads)
+    torch.set_num_threads(threads)
+    tx, tw = torch.from_numpy(x), torch.from_numpy(w)
+    runners = {
+        "weight as initializer (NCHWc Conv)": lambda: s_const.run(None, {"x": x}),
+        "weight as graph input (training graphs)": lambda: s_input.run(None, {"x": x, "w": w}),
+        "PyTorch conv2d": lambda: torch.nn.functional.conv2d(tx, tw, padding=1),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            times[name].append(_time(run, seconds))
+    return {"shape": {"x": list(x.shape), "w": list(w.shape)}, "seconds": {k: float(np.median(v)) for k, v in times.items()}}

@@ -6,6 +6,8 @@ numbered hotspot notes, each backed by a number measured in the same run.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from report_format import BUILD_GOAL, MODEL_NAMES, STEP_GOAL, _r, ms, ratio, s, table
 
 
@@ -115,7 +117,14 @@ def hotspots_section(res: dict) -> str:
         rows = [[k, ms(1e3 * v)] for k, v in conv["seconds"].items()]
         out += ["### Micro-benchmark: the weight gradient of a 3x3 convolution", "",
                 f"x {conv['shape']['x']}, w {conv['shape']['w']} (the CNN's first residual block), padding 1; "
-                f"revgraph's nodes: {', '.join(conv['nodes']['revgraph'])}.", "",
+                "revgraph's nodes: " + ", ".join(f"{op} {n}" for op, n in Counter(conv["nodes"]["revgraph"]).items())
+                + ".", "",
+                table(["implementation", "ms"], rows), ""]
+    fwd = prof.get("micro_conv_forward")
+    if fwd:
+        rows = [[k, ms(1e3 * v)] for k, v in fwd["seconds"].items()]
+        out += ["### Micro-benchmark: a forward convolution, constant or variable weight", "",
+                f"x {fwd['shape']['x']}, w {fwd['shape']['w']}, padding 1, 1 thread.", "",
                 table(["implementation", "ms"], rows), ""]
     cp = prof.get("cprofile", {})
     if cp:
@@ -176,6 +185,11 @@ def hotspot_notes(res: dict) -> list[str]:
                 "kernel quality: PyTorch runs oneDNN's convolution and weight-gradient kernels, while the "
                 "convolutions of a training graph run on onnxruntime's generic Conv (the weights are graph "
                 "inputs, so its NCHWc layout transformer, which needs constant weights, does not apply)")
+        fwd = prof.get("micro_conv_forward", {}).get("seconds", {})
+        if len(fwd) == 3:
+            a, b, c = fwd.values()
+            line += (f"; the micro-benchmark above: the same forward convolution takes {ms(1e3 * a)} ms with a "
+                     f"constant weight, {ms(1e3 * b)} ms with the weight as an input, {ms(1e3 * c)} ms in PyTorch")
         if convs:
             line += f"; the slowest convolution is `{convs[0]['node']}` at {ms(convs[0]['ms'])} ms"
         if micro_c:

@@ -467,6 +467,7 @@ def run_profiles(rg: Worker, W: dict, cfg: Config, work: Path, res: dict) -> Non
     try:
         out["micro_relu"] = rg.call("micro:relu_vjp", threads=max(cfg.threads), rounds=cfg.micro_rounds)
         out["micro_conv"] = rg.call("micro:conv_weight_grad", threads=max(cfg.threads), rounds=cfg.micro_rounds)
+        out["micro_conv_forward"] = rg.call("micro:conv_forward_layout", threads=1, rounds=cfg.micro_rounds)
     except WorkerError as exc:
         out["micro_error"] = exc.error
 

@@ -39,8 +39,8 @@ def _attr_key(value) -> object:
 
 
 def _key(node: Node) -> tuple | None:
-    if node.op_type in RANDOM or node.subgraphs or not all(node.outputs):
-        return None
+    if node.op_type in RANDOM or not all(node.outputs):
+        return None  # (a subgraph attribute makes _attr_key raise: control flow never merges either)
     try:
         attrs = tuple(sorted((k, _attr_key(v)) for k, v in node.attrs.items()))
     except TypeError:
@@ -63,11 +63,11 @@ def simplify(graph: Graph) -> Graph:
         node.inputs = [rename.get(i, i) for i in node.inputs]
         if node.op_type == "Transpose" and not node.domain:
             _fold_transpose(node, producer)
-        replaced = _replacement(node, seen)
+        key = _key(node)
+        replaced = _replacement(node, key, seen)
         if replaced is not None and not any(o in pinned for o in node.outputs):
             rename.update(zip(node.outputs, replaced, strict=True))
             continue
-        key = _key(node)
         if key is not None:
             seen.setdefault(key, node.outputs)
         producer.update((o, node) for o in node.outputs if o)
@@ -78,15 +78,14 @@ def simplify(graph: Graph) -> Graph:
     return graph
 
 
-def _replacement(node: Node, seen: dict[tuple, list[str]]) -> list[str] | None:
-    """Existing values ``node``'s outputs equal, or ``None``."""
+def _replacement(node: Node, key: tuple | None, seen: dict[tuple, list[str]]) -> list[str] | None:
+    """Existing values ``node`` (whose CSE key is ``key``) computes again, or ``None``."""
     if node.op_type == "Identity" and not node.domain and node.inputs and node.inputs[0]:
         return [node.inputs[0]]
     if node.op_type == "Transpose" and not node.domain:
         perm = node.attrs.get("perm")
         if perm is not None and list(perm) == sorted(perm):
             return [node.inputs[0]]
-    key = _key(node)
     return seen.get(key) if key is not None else None
 
 
