@@ -7,9 +7,11 @@ kernel tap ``k``; the input occupies padded positions ``pb .. pb+D-1``. So
 
 - the input gradient scatters ``dy[o] * w[k]`` back to ``o*s + k*d - pb``: a ``ConvTranspose`` with the same
   weight, pads and strides, whose ``output_padding`` (or an extra end pad) makes its length ``D``;
-- the weight gradient ``dw[m, c, k] = sum_{n,o} dy[n, m, o] x_pad[n, c, o*s + k*d]`` is a Conv of the input
-  (channels as batch) with the output gradient (batch as input channels) as its kernel: stride ``d``, dilation
-  ``s``, the same pads, cut to the kernel size;
+- the weight gradient ``dw[m, c, k] = sum_{n,o} dy[n, m, o] x_pad[n, c, o*s + k*d]`` is, for an ungrouped
+  Conv with static shapes and at most 9 kernel taps, one batched MatMul per tap ``k`` (the strided slice of
+  ``x_pad`` the tap reads times ``dy``) summed over the batch; otherwise a Conv of the input (channels as
+  batch) with the output gradient (batch as input channels) as its kernel: stride ``d``, dilation ``s``, the
+  same pads, cut to the kernel size (onnxruntime runs that Conv about 2x slower: a GEMM a few columns wide);
 - the bias gradient sums ``dy`` over every axis but the channels.
 
 ConvTranspose is the adjoint of Conv, so its input gradient is a Conv and its weight gradient the same
