@@ -308,5 +308,16 @@ def hotspot_notes(res: dict) -> list[str]:
                      "Python shape formulas (`revgraph/fastshape.py`) before asking ONNX, and a graph that declares "
                      "most of its types (a loaded model plus its loss) is typed node by node instead of being "
                      "inferred again whole. What is left is spread over the Python-level graph walk and `to_onnx`.")
+        chains = [c for c in res.get("build", {}).get("cases", []) if c.get("kind") == "chain" and c.get("ort_s")]
+        if chains:
+            line += (" The chains have no weights and no opset conversion, and their elementwise nodes had a "
+                     "Python typing path before, so those changes do not reach them: per forward node revgraph spends " + ", ".join(
+                         f"{1e6 * c['revgraph_s'] / c['n']:.0f} µs ({c['name']})" for c in chains)
+                     + " in Python (a VJP rule, 2.5 emitted nodes with their names and types, the clean-up pass, "
+                     "`to_onnx`), onnxruntime-training " + ", ".join(
+                         f"{1e6 * c['ort_s'] / c['n']:.0f} µs" for c in chains) + " in C++; at 1k and 10k nodes "
+                     "that fixed cost per node is over the 2x goal, at 100k nodes the C++ builder's superlinear "
+                     "growth puts it behind. The CNN's build also carries the per-tap weight gradients (about "
+                     "40 more nodes per 3x3 convolution), which trade build time and graph size for step time.")
         notes.append(line)
     return notes
