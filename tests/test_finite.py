@@ -106,3 +106,64 @@ def test_nonfinite_cotangents_follows_unbounded_vjps_backwards():
     assert nonfinite_cotangents(nodes, {"d": "seed"}, {}) == {"a", "b", "c", "d", "x"}
     assert nonfinite_cotangents(nodes, {"d": "seed"}, {"seed": np.ones(3)}) == {"a", "x"}
     assert "x" in nonfinite_cotangents(nodes[:1], {"a": "seed"}, {"seed": np.array([1.0, np.inf])})
+
+
+def test_nan_in_a_discarded_branch_does_not_reach_a_relu():
+    # where(y > 0, relu(x) * log(y), 0) at y = 0: log(0) = -inf in the discarded branch, and the Mul VJP gives
+    # 0 * -inf = NaN there; the ReLU must still send 0 (PyTorch does), so it may not multiply by its mask.
+    g = Graph([Node("Relu", ["x"], ["r"], name="relu"), Node("Log", ["y"], ["l"], name="log"),
+               Node("Mul", ["r", "l"], ["m"], name="mul"), Node("Constant", [], ["z"], {"value": np.array(0.0)}, "z"),
+               Node("Greater", ["y", "z"], ["c"], name="gt"), Node("Where", ["c", "m", "z"], ["w"], name="where"),
+               Node("ReduceSum", ["w"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float64, (3,)), ValueInfo("y", np.float64, (3,))], [ValueInfo("loss")])
+    x, y = np.array([-1.0, -2.0, 3.0]), np.array([0.0, 2.0, 2.0])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        got = _run(rg.gradient(g, wrt=["x"]), {"x": x, "y": y})["x_grad"]
+    xt, yt = torch.tensor(x, requires_grad=True), torch.tensor(y)
+    torch.where(yt > 0, torch.relu(xt) * torch.log(yt), torch.zeros(3, dtype=torch.float64)).sum().backward()
+    np.testing.assert_array_equal(got, xt.grad.numpy())  # [0, 0, log 2]
+
+
+def test_a_narrowing_cast_vjp_may_overflow():
+    # float16 relu, cast to float32, times 1e5: the Cast VJP turns the cotangent 1e5 into float16 inf.
+    g = Graph([Node("Relu", ["x"], ["r"], name="relu"), Node("Cast", ["r"], ["c"], {"to": 1}, "cast"),
+               Node("Mul", ["c", "k"], ["b"], name="m"), Node("ReduceSum", ["b"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float16, (3,))], [ValueInfo("loss")], {"k": np.array(1e5, np.float32)})
+    x = np.array([-1.0, 0.5, -3.0], np.float16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = _run(rg.gradient(g, wrt=["x"]), {"x": x})["x_grad"]
+    xt = torch.tensor(x, requires_grad=True)
+    (torch.relu(xt).float() * 1e5).sum().backward()
+    np.testing.assert_array_equal(got, xt.grad.numpy())  # [0, inf, 0]
+
+
+def test_second_order_through_a_mask_multiply_keeps_strong_zeros():
+    # x_grad of sum(relu(x) * w) is w * mask; d sum(sqrt(x_grad)) / dw must be 0 where the mask is off.
+    g = Graph([Node("Relu", ["x"], ["r"], name="relu"), Node("Mul", ["r", "w"], ["m"], name="mul"),
+               Node("ReduceSum", ["m"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float64, (3,)), ValueInfo("w", np.float64, (3,))], [ValueInfo("loss")])
+    first = rg.gradient(g, wrt=["x"])
+    first.nodes.append(Node("Sqrt", ["x_grad"], ["s"], name="sqrt"))
+    first.nodes.append(Node("ReduceSum", ["s"], ["loss2"], {"keepdims": 0}, "sum2"))
+    first.outputs = [ValueInfo("loss2")]
+    x, w = np.array([-1.0, 2.0, -3.0]), np.array([4.0, 4.0, 9.0])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        got = _run(rg.gradient(first, "loss2", wrt=["w"]), {"x": x, "w": w})["w_grad"]
+    xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    (gx,) = torch.autograd.grad((torch.relu(xt) * wt).sum(), xt, create_graph=True)
+    torch.sqrt(gx).sum().backward()
+    np.testing.assert_array_equal(got, wt.grad.numpy())  # [0, 0.25, 0]
+
+
+def test_nonfinite_values_follow_unbounded_forward_operators():
+    from revgraph.autodiff.finite import nonfinite_values
+
+    nodes = [Node("Log", ["y"], ["l"], name="log"), Node("Mul", ["x", "l"], ["m"], name="mul"),
+             Node("Shape", ["x"], ["s"], name="shape"), Node("Cast", ["s"], ["sf"], {"to": 1}, "cast"),
+             Node("Sqrt", ["sf"], ["scale"], name="sqrt"), Node("Div", ["x", "scale"], ["q"], name="div"),
+             Node("Div", ["x", "y"], ["d"], name="div2"), Node("Softmax", ["m"], ["p"], name="softmax")]
+    types = {"s": ValueInfo("s", np.int64, (1,))}
+    risky = nonfinite_values(nodes, {}, types)
+    # log and what reads it; a division by a variable; not the attention-style scale from shapes, nor Softmax
+    assert risky == {"l", "m", "d"}
+    assert "c" in nonfinite_values([Node("Identity", ["k"], ["c"], name="i")], {"k": np.array([-np.inf])}, {})

@@ -104,3 +104,13 @@ def test_gradient_graphs_are_simplified():
     g64 = Graph(g.nodes, [ValueInfo("x", np.float64, (2, 3, 4))], g.outputs)
     got = rg.Session(rg.gradient(g64, wrt=["x"])).run({"x": x})["x_grad"]
     np.testing.assert_allclose(got, np.tanh(x) + x * (1 - np.tanh(x) ** 2), rtol=1e-12)
+
+
+def test_zero_and_negative_zero_constants_stay_apart():
+    g = Graph([Node("Constant", [], ["pz"], {"value_float": 0.0}, "pz"),
+               Node("Constant", [], ["nz"], {"value_float": -0.0}, "nz"),
+               Node("Div", ["one", "pz"], ["a"], name="d1"), Node("Div", ["one", "nz"], ["b"], name="d2")],
+              [X], [ValueInfo("a"), ValueInfo("b")], {"one": np.array(1.0, np.float32)})
+    with np.errstate(divide="ignore"):
+        s = _same_outputs(g, FEEDS)  # 1 / 0.0 = inf and 1 / -0.0 = -inf
+    assert _ops(s).count("Constant") == 2

@@ -85,8 +85,8 @@ def _unsqueeze(node: Node, shapes: list[Shape], values) -> Shape | None:
 def _squeeze(node: Node, shapes: list[Shape], values) -> Shape | None:
     axes = _ints(values, node, 1)
     x = shapes[0]
-    if axes is None:
-        return None
+    if axes is None or (not axes and len(node.inputs) > 1 and node.inputs[1]):
+        return None  # an empty axes tensor: onnx and onnxruntime disagree on what it means
     drop = {a % len(x) for a in axes} if axes else {i for i, d in enumerate(x) if d == 1}
     return tuple(d for i, d in enumerate(x) if i not in drop)
 

@@ -21,7 +21,7 @@ from ..lift import lift_constants as lift
 from ..onnx_io import infer_types
 from ..ssa import captured_names, is_ssa, to_ssa
 from . import sparse as sp
-from .finite import nonfinite_cotangents
+from .finite import nonfinite_cotangents, nonfinite_values
 from .loops.loop import parse_policy
 from .loops.lower import lower_to_loops
 from .registry import NOT_DIFFERENTIABLE, Emitter, get_rule
@@ -211,7 +211,8 @@ def backward(
     for node in nodes:
         reach.update(o for o in node.outputs if o and _differentiable(types, o))
     e.reach = reach
-    unsafe = nonfinite_cotangents(nodes, ys, e.values)
+    unsafe = nonfinite_cotangents(nodes, ys, e.values, nonfinite_values(graph.nodes, e.values, types), types)
+    producers = {o: n for n in graph.nodes for o in n.outputs if o}
     grad_map: dict[str, Grad] = {}
     for node in reversed(nodes):
         out_grads = [acc.dense_total(o) if o else None for o in node.outputs]
@@ -222,6 +223,7 @@ def backward(
             continue
         e.prefix = f"grad/{node.name or node.op_type}"
         e.finite = not any(o in unsafe for o in node.outputs if o)
+        e.producers = producers
         e.need = [bool(i) and i in reach and _differentiable(types, i) for i in node.inputs]
         in_grads = get_rule(node)(e, node, out_grads)
         captured: dict[str, Grad] = {}

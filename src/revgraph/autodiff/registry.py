@@ -83,6 +83,8 @@ class Emitter:
         self.reach: set[str] = set()
         #: are the cotangents of the node whose rule runs known to be finite? (see autodiff/finite.py)
         self.finite = False
+        #: the node writing each value of the graph being differentiated
+        self.producers: dict[str, Node] = {}
         #: options of the whole pass that rules read (``checkpoint``: the loop residual policy)
         self.options: dict[str, Any] = {}
         #: the graph being differentiated (control-flow rules add forward nodes to it)
@@ -219,6 +221,15 @@ class Emitter:
         if self.finite and dt is not None:
             return self.op("Mul", [g, self.op("Cast", [cond], to=dt)], like=like)
         return self.op("Where", [cond, g, self.scalar(0.0, g)], like=like)
+
+    def mask_of(self, name: str) -> str | None:
+        """The bool value ``name`` is a ``Cast`` of, or ``None``: a multiply by it is a selection (what
+        :meth:`select` writes), whose VJP must keep strong zeros in gradients of gradients too."""
+        p = self.producers.get(name)
+        if p is None or p.op_type != "Cast" or p.domain:
+            return None
+        vi = self.types.get(p.inputs[0])
+        return p.inputs[0] if vi is not None and vi.dtype is not None and vi.dtype.kind == "b" else None
 
     def zeros_like(self, name: str) -> str:
         """Zeros of the shape and dtype of ``name``."""

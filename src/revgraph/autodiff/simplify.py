@@ -33,7 +33,9 @@ def _attr_key(value) -> object:
         return ("array", value.dtype.str, value.shape, value.tobytes())
     if isinstance(value, (list, tuple)):
         return tuple(_attr_key(v) for v in value)
-    if isinstance(value, (int, float, str, bytes, bool, np.generic)) or value is None:
+    if isinstance(value, (float, np.floating)):
+        return ("float", float(value).hex())  # 0.0 == -0.0, but 1 / -0.0 is -inf: compare the bits
+    if isinstance(value, (int, str, bytes, bool, np.generic)) or value is None:
         return value
     raise TypeError  # a subgraph or proto attribute: not merged
 

@@ -60,8 +60,13 @@ def add_sub(e: Emitter, node: Node, out_grads: list) -> list:
 def mul(e: Emitter, node: Node, out_grads: list) -> list:
     a, b = node.inputs
     g = out_grads[0]
-    ga = e.reduce_to(e.op("Mul", [g, b]), a) if e.need[0] else None
-    gb = e.reduce_to(e.op("Mul", [g, a]), b) if e.need[1] else None
+
+    def times(other: str) -> str:  # g * other; a selection when other is a mask (a selection VJP's own product)
+        mask = e.mask_of(other)
+        return e.op("Mul", [g, other]) if mask is None else e.select(mask, g)
+
+    ga = e.reduce_to(times(b), a) if e.need[0] else None
+    gb = e.reduce_to(times(a), b) if e.need[1] else None
     return [ga, gb]
 
 
