@@ -132,3 +132,14 @@ def test_random_graphs(case):
 @given(case=random_graphs())
 def test_random_graphs_long(case):
     check_random_graph(*case)
+
+
+def test_a_dead_forward_node_without_a_float64_kernel():
+    # found by hypothesis: v0 = Softplus(x) is overwritten by v0 = Sin(x) before any read, so the gradient
+    # graph drops it and runs on onnxruntime, while the forward graph (float64 Softplus) needs the reference
+    # evaluator; check_gradients must choose the runtime of each graph separately
+    g = Graph([Node("Softplus", ["in0"], ["v0"], {}, "n0"), Node("Sin", ["in0"], ["v0"], {}, "n1"),
+               Node("Mul", ["v0", "v0"], ["sq"], {}, "loss_sq"),
+               Node("ReduceSum", ["sq"], ["loss"], {"keepdims": 0}, "loss_sum")],
+              [ValueInfo("in0", F64, ())], [ValueInfo("loss", F64, ())])
+    check_random_graph(g, 0)
