@@ -402,6 +402,15 @@ def _declared(graph: Graph) -> dict[str, ValueInfo]:
     return types
 
 
+def constant_values(graph: Graph) -> dict[str, np.ndarray]:
+    """The values of ``graph`` known when it is built: its initializers and its ``Constant`` outputs."""
+    values = {k: np.asarray(a) for k, a in graph.initializers.items()}
+    for node in graph.nodes:
+        if node.op_type == "Constant" and "value" in node.attrs and not node.domain:
+            values[node.outputs[0]] = np.asarray(node.attrs["value"])
+    return values
+
+
 def _infer_incrementally(graph: Graph) -> dict[str, ValueInfo] | None:
     """Types of ``graph`` when it declares the types of most of its values (a loaded graph, to which a loss or
     a few nodes were added): the declared ones, and node-by-node inference for the other nodes. ``None``
@@ -410,10 +419,7 @@ def _infer_incrementally(graph: Graph) -> dict[str, ValueInfo] | None:
     pending = [n for n in graph.nodes if any(o and o not in types for o in n.outputs)]
     if len(pending) > max(8, len(graph.nodes) // 10) or any(n.subgraphs for n in pending):
         return None
-    values = {k: np.asarray(a) for k, a in graph.initializers.items() if np.asarray(a).size <= 64}
-    for node in graph.nodes:
-        if node.op_type == "Constant" and "value" in node.attrs:
-            values[node.outputs[0]] = np.asarray(node.attrs["value"])
+    values = {k: a for k, a in constant_values(graph).items() if a.size <= 64}
     for node in pending:
         if all(not i or i in types for i in node.inputs):
             for name, vi in node_types(node, types, values, graph.opset).items():

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import GraphError
 from ..ir import Node, ValueInfo, fresh_name, onnx_dtype
-from ..onnx_io import node_types
+from ..onnx_io import constant_values, node_types
 
 Rule = Callable[["Emitter", Node, list], list]
 
@@ -197,10 +197,7 @@ class Emitter:
 
     def learn_constants(self, graph) -> None:
         """Record the initializers and ``Constant`` outputs of ``graph`` for :meth:`value`."""
-        self.values.update(graph.initializers)
-        for node in graph.nodes:
-            if node.op_type == "Constant" and "value" in node.attrs and not node.domain:
-                self.values[node.outputs[0]] = np.asarray(node.attrs["value"])
+        self.values.update(constant_values(graph))
 
     # ------------------------------------------------------------------------------------------ helpers
 

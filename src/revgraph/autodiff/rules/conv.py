@@ -108,6 +108,20 @@ def kernel_of(e: Emitter, node: Node, w: str | None, k: int) -> list[int]:
     return dims
 
 
+def split_pads(total: list[int], auto: str) -> tuple[list[int], list[int]]:
+    """Begin/end pads from total pads: SAME_UPPER puts the odd one at the end, otherwise at the beginning."""
+    small, big = [t // 2 for t in total], [t - t // 2 for t in total]
+    return (small, big) if auto == "SAME_UPPER" else (big, small)
+
+
+def explicit_pads(node: Node, auto: str, k: int) -> tuple[list[int], list[int]]:
+    """Begin/end pads of ``VALID`` (none) or of the ``pads`` attribute (default none)."""
+    if auto == "VALID":
+        return [0] * k, [0] * k
+    pads = ints_attr(node, "pads", [0] * (2 * k))
+    return pads[:k], pads[k:]
+
+
 def resolve_pads(e: Emitter, node: Node, x: str, kernel: list[int], strides: list[int],
                  dilations: list[int]) -> tuple[list[int], list[int]]:
     """Explicit begin/end pads for Conv and the pools (ONNX "Conv", ``auto_pad``: SAME_* gives
@@ -119,12 +133,8 @@ def resolve_pads(e: Emitter, node: Node, x: str, kernel: list[int], strides: lis
         total = []
         for d, kk, s, dl in zip(dims, kernel, strides, dilations, strict=True):
             total.append(max(0, (-(-d // s) - 1) * s + (kk - 1) * dl + 1 - d))
-        small, big = [t // 2 for t in total], [t - t // 2 for t in total]
-        return (small, big) if auto == "SAME_UPPER" else (big, small)
-    if auto == "VALID":
-        return [0] * k, [0] * k
-    pads = ints_attr(node, "pads", [0] * (2 * k))
-    return pads[:k], pads[k:]
+        return split_pads(total, auto)
+    return explicit_pads(node, auto, k)
 
 
 def conv_geometry(e: Emitter, node: Node, x: str, w: str | None, k: int) -> Geometry:
@@ -367,12 +377,8 @@ def transpose_pads(e: Emitter, node: Node, x: str, geo_kernel: list[int], stride
         if any(t < 0 for t in total):
             raise GraphError(f"{node.label()}: output_shape {want} is larger than the transposed convolution can "
                              "produce; its VJP does not handle negative padding")
-        small, big = [t // 2 for t in total], [t - t // 2 for t in total]
-        return (small, big) if auto == "SAME_UPPER" else (big, small)
-    if auto == "VALID":
-        return [0] * k, [0] * k
-    pads = ints_attr(node, "pads", [0] * (2 * k))
-    return pads[:k], pads[k:]
+        return split_pads(total, auto)
+    return explicit_pads(node, auto, k)
 
 
 @vjp("ConvTranspose")
