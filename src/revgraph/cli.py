@@ -113,6 +113,18 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--test-data", metavar="TEST.npz", help="also report the loss (and accuracy) on these arrays")
     train.add_argument("--save-training-graph", metavar="FILE.onnx", help="also write the training-step graph")
     train.add_argument("-o", "--output", metavar="TRAINED.onnx", required=True, help="the model with trained weights")
+    train.add_argument("--device", default="cpu", metavar="cpu|cuda[:i]",
+                       help="where onnxruntime runs the step (cuda needs onnxruntime-gpu; default cpu)")
+    train.add_argument("--threads", type=int, default=0, metavar="T",
+                       help="onnxruntime intra-op threads per process (default: its own choice; under torchrun the "
+                            "machine's cores divided among the local processes)")
+    train.add_argument("--checkpoint-dir", metavar="DIR",
+                       help="save parameters, optimizer state and data position here, and resume from them")
+    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                       help="with --checkpoint-dir: save every N steps (default: at the end of each epoch)")
+    train.add_argument("--nproc", type=int, metavar="N",
+                       help="train data-parallel in N processes on this machine (starts torchrun; needs "
+                            "revgraph[distributed]); the global batch is N x --batch-size")
 
     demo = sub.add_parser("demo", help="train a recurrent classifier (ONNX Loop) and an MLP on scikit-learn's digits")
     demo.add_argument("-o", "--output", metavar="DIR", default="revgraph-demo",
@@ -129,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = _parser().parse_args(argv)
+        args.argv = list(argv)
     except _UsageError as exc:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)  # argv is echoed: no markup
         return 2
@@ -340,43 +353,101 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     import warnings
 
+    from .distributed import under_torchrun
     from .train import make_optimizer
     from .trainer import Trainer
 
+    if args.nproc is not None:
+        return _launch_torchrun(args)
+    distributed = under_torchrun()
     target = Path(args.output).parent
     if not target.is_dir():  # fail before training, not after
         raise RevgraphError(f"cannot write {args.output!r}: directory {str(target)!r} does not exist")
+    if args.threads < 0 or args.checkpoint_every < 0:
+        raise RevgraphError("--threads and --checkpoint-every must be >= 0")
     data = read_npz(args.data)
     test = read_npz(args.test_data) if args.test_data else None
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     g = load(args.model)
+    threads = args.threads or (_threads_per_process() if distributed else 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = Trainer(g, args.loss, opt, output=args.model_output)
-    for w in caught:
+        trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=threads, device=args.device,
+                          distributed=distributed)
+    main = trainer.is_main  # only rank 0 prints and writes files
+    console = out if main else Console(quiet=True)
+    for w in caught if main else []:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
     trainer.arrays(data)  # bad data fails here, in one line, before anything runs
     if test is not None:
         trainer.arrays(test)
+    if distributed:
+        console.print(f"data-parallel on {trainer.world_size} processes (torch.distributed, "
+                      f"{'nccl' if trainer.device.kind == 'cuda' else 'gloo'}): global batch "
+                      f"{trainer.world_size} x {args.batch_size} = {trainer.world_size * args.batch_size}",
+                      soft_wrap=True, markup=False)
     before = trainer.evaluate(data)
-    means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=out)
+    means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=console,
+                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
     after = trainer.evaluate(data)
-    trainer.export(args.output)
-    if args.save_training_graph:
-        trainer.save_training_graph(args.save_training_graph)
+    evaluated = trainer.evaluate(test) if test is not None else None
+    if main:
+        trainer.export(args.output)
+        if args.save_training_graph:
+            trainer.save_training_graph(args.save_training_graph)
 
     def score(ev: dict) -> str:
         return f"loss {ev['loss']:.4g}" + ("" if ev["accuracy"] is None else f", accuracy {ev['accuracy']:.2%}")
 
-    out.print(f"{trainer.steps} steps of {args.optimizer} ({args.epochs} epochs, batch size {args.batch_size}); "
-              f"last epoch's mean loss {means[-1]:.4g}", soft_wrap=True, markup=False)
-    out.print(f"training data ({before['samples']} samples): {score(before)} before, {score(after)} after",
-              soft_wrap=True, markup=False)
-    if test is not None:
-        out.print(f"test data: {score(trainer.evaluate(test))}", soft_wrap=True, markup=False)
+    batch = f"batch size {args.batch_size}" + (f" x {trainer.world_size} processes" if distributed else "")
+    console.print(f"{trainer.steps} steps of {args.optimizer} ({args.epochs} epochs, {batch}); "
+                  f"last epoch's mean loss {means[-1]:.4g}", soft_wrap=True, markup=False)
+    console.print(f"training data ({before['samples']} samples): {score(before)} before, {score(after)} after",
+                  soft_wrap=True, markup=False)
+    if evaluated is not None:
+        console.print(f"test data: {score(evaluated)}", soft_wrap=True, markup=False)
     saved = f"; training graph: {args.save_training_graph}" if args.save_training_graph else ""
-    out.print(f"wrote {args.output} (trained weights as initializers){saved}", soft_wrap=True, markup=False)
+    console.print(f"wrote {args.output} (trained weights as initializers){saved}", soft_wrap=True, markup=False)
+    if trainer.comm:
+        trainer.comm.close()
     return 0
+
+
+def _threads_per_process() -> int:
+    """The machine's cores divided among the processes torchrun started on it (at least 1)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // max(local, 1))
+
+
+def _launch_torchrun(args: argparse.Namespace) -> int:
+    """``revgraph train --nproc N ...``: check the arguments here (bad input fails in one line, before any
+    worker starts), then run this command under ``torchrun --standalone --nproc-per-node N`` and return its
+    exit code."""
+    import subprocess
+
+    if args.nproc < 1:
+        raise RevgraphError(f"--nproc must be at least 1, got {args.nproc}")
+    try:
+        import torch.distributed.run  # noqa: F401  (torchrun's module)
+    except ImportError:
+        raise RevgraphError('--nproc needs PyTorch for torchrun: pip install "revgraph[distributed]"') from None
+    target = Path(args.output).parent
+    if not target.is_dir():
+        raise RevgraphError(f"cannot write {args.output!r}: directory {str(target)!r} does not exist")
+    for f in [args.model, args.data, args.test_data]:
+        if f is not None and not Path(f).is_file():
+            raise RevgraphError(f"cannot read {f!r}: no such file")
+    rest, skip = [], False
+    for a in args.argv:  # the same command without --nproc
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "revgraph", *rest]
+    return subprocess.call(cmd)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

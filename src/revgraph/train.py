@@ -290,6 +290,14 @@ class TrainingGraph:
     new_step: str
     sparse: list[str] = field(default_factory=list)
     initial: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the gradient of each parameter as the backward pass writes it: ``[g]`` (dense, of the parameter's shape)
+    #: or ``[indices, rows]`` for a sparse table (int64 ``[K]``, ``[K, *shape[1:]]``)
+    grads: dict[str, list[str]] = field(default_factory=dict)
+    #: how many nodes at the end of ``graph`` are the optimizer's (they read only parameters, state, step
+    #: and gradients): :func:`split_step` cuts the graph there
+    n_update_nodes: int = 0
+    #: the declared types of the gradients (shapes may be symbolic: the rows of a sparse gradient)
+    grad_types: dict[str, ValueInfo] = field(default_factory=dict)
 
     @property
     def labels(self) -> str:
@@ -333,7 +341,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     gg = gradient(lg, spec.loss, names, sparse=True, checkpoint=checkpoint)
     b = _Builder(gg.all_names() | {n.name for _, n in gg.walk() if n.name})
     step = b.fresh("step")
-    grads = gg.outputs[1:]
+    grads = grad_outputs = gg.outputs[1:]
     gg.outputs = gg.outputs[:1]
     tg = TrainingGraph(gg, model, opt, spec, list(model.input_names), names, {}, step, {}, {}, "",
                        initial={p: np.asarray(model.initializers[p]) for p in names})
@@ -347,14 +355,18 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
             (idx, rows), grads = grads[:2], grads[2:]
             new_p, new_s = _sparse_update(b, scalars, p, idx.name, rows.name, tg.state[p], vi.dtype)
             tg.sparse.append(p)
+            tg.grads[p] = [idx.name, rows.name]
         else:
             new_p, new_s = _update(b, scalars, p, grads[0].name, tg.state[p], vi.dtype)
+            tg.grads[p] = [grads[0].name]
             grads = grads[1:]
         tg.new_params[p] = _output(b, new_p, f"{p}.new")
         tg.new_state[p] = [_output(b, v, f"{s}.new") for s, v in zip(tg.state[p], new_s, strict=True)]
     b.prefix = "optim/step"
     tg.new_step = _output(b, b.op("Add", [step, b.const(1, np.int64)]), f"{step}.new")
     gg.nodes.extend(b.nodes)
+    tg.n_update_nodes = len(b.nodes)
+    tg.grad_types = {o.name: o for o in grad_outputs}
     # Inputs and outputs in the order of the module doc: batch, labels, parameters, state, step.
     gg.inputs.append(ValueInfo(step, np.int64, ()))
     for p in names:
@@ -363,6 +375,30 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
         gg.outputs.extend(ValueInfo(s, tg.initial[p].dtype, tg.initial[p].shape) for s in tg.new_state[p])
     gg.outputs.append(ValueInfo(tg.new_step, np.int64, ()))
     return tg
+
+
+def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
+    """The training step as two graphs, for data-parallel training (gradients are exchanged between them).
+
+    ``grad graph``: inputs the batch, labels and parameters; outputs ``loss`` then the gradients in the order
+    of ``tg.params`` (``tg.grads[p]``: one dense gradient, or ``indices`` and ``rows`` of a sparse table).
+    ``update graph``: inputs the parameters, the optimizer state, ``step`` and those gradients; outputs the new
+    parameters, the new state and ``step + 1`` (the outputs of ``tg.graph`` but the loss). Running the update
+    graph on the grad graph's outputs is the fused step ``tg.graph``: the same nodes, cut in two.
+    """
+    cut = len(tg.graph.nodes) - tg.n_update_nodes
+    grads = [g for p in tg.params for g in tg.grads[p]]
+    grad_graph = tg.graph.copy()
+    grad_graph.nodes = grad_graph.nodes[:cut]
+    grad_graph.inputs = [v for v in grad_graph.inputs if v.name in {*tg.inputs, tg.labels, *tg.params}]
+    grad_graph.outputs = [tg.graph.outputs[0], *(tg.grad_types[g] for g in grads)]
+    update = tg.graph.copy()
+    update.nodes = update.nodes[cut:]
+    update.initializers = {}
+    update.inputs = [v for v in update.inputs if v.name not in {*tg.inputs, tg.labels}]
+    update.inputs += [tg.grad_types[g] for g in grads]
+    update.outputs = update.outputs[1:]
+    return grad_graph, update
 
 
 def _output(b: _Builder, value: str, base: str) -> str:

@@ -1,26 +1,33 @@
-"""Run a training-step graph step after step: :class:`Trainer` (``rg.Trainer``).
+"""Train a model with its training-step graphs: :class:`Trainer` (``rg.Trainer``), in one process or many.
 
-The parameters and the optimizer state live in onnxruntime ``OrtValue`` buffers between steps, never copied
-through numpy: there are two sets of buffers, and one IO binding per direction. Binding A reads the current
-set and writes the new parameters, state and step straight into the other set; binding B does the reverse.
-Each step rebinds only the batch and runs one of the two bindings; the sets swap roles. Only the loss (a
-scalar) is copied out per step.
+The step itself runs in an engine (:mod:`revgraph.steps`: the fused step graph in one process;
+:mod:`revgraph.distributed`: the step cut in two around a gradient all-reduce, one process per rank under
+``torchrun``). This module holds what both share: the data checks, the order of the samples and each rank's
+share of it (:func:`shard`), the loop over epochs with its progress bar, evaluation, checkpoints and resuming.
+
+Data-parallel semantics. With ``W`` processes and ``batch_size`` ``B``, each step trains on a global batch of
+``B * W`` samples: the next ``B * W`` samples of the epoch's order (the same order on every rank, from
+``seed + epoch``), of which rank ``r`` takes every ``W``-th starting at ``r``, as
+``torch.utils.data.DistributedSampler`` deals them. The last global batch of an epoch may be smaller and split
+unevenly (a rank may even get no sample); the gradients are weighted by each rank's share, so that every step
+equals the single-process step on the same global batch, with no sample repeated or dropped.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import onnx
 
+from . import checkpoints
+from .devices import Device
 from .errors import InputError, RevgraphError
 from .ir import Graph
-from .onnx_io import save, to_onnx
-from .runtime import _first_line
-from .train import Optimizer, TrainingGraph, eval_graph, training_graph
+from .onnx_io import save
+from .train import Optimizer, TrainingGraph, training_graph
 
 Data = Mapping[str, np.ndarray] | tuple
 
@@ -32,8 +39,12 @@ class Trainer:
     ``"mse"``, ``"bce"``; ``optimizer`` an :class:`revgraph.train.Optimizer` or a name (``"sgd"``,
     ``"adam"``, ``"adamw"`` with PyTorch's defaults). ``output`` picks the model output the loss reads (default:
     the only one), ``params`` the initializers to train (default: every floating-point one). ``threads`` is
-    onnxruntime's intra-op thread count (0: its default). Raises :class:`RevgraphError` (one line) for bad
-    names or a model revgraph cannot differentiate.
+    onnxruntime's intra-op thread count (0: its default). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``
+    (:mod:`revgraph.devices`). ``distributed=True`` trains data-parallel with the other processes of a
+    ``torchrun`` launch (:mod:`revgraph.distributed`; needs ``pip install "revgraph[distributed]"``): every
+    rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. Raises
+    :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
+    or a process group that cannot be joined.
 
     Data (for :meth:`step`, :meth:`fit`, :meth:`evaluate`): a mapping with an array per model input (by
     name) and ``"labels"``, or ``{"x": ..., "y": ...}`` / a tuple ``(x, y)`` for a model with one input.
@@ -43,60 +54,55 @@ class Trainer:
 
     def __init__(self, model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
-                 threads: int = 0, checkpoint: str = "store"):
-        import onnxruntime as ort
-
+                 threads: int = 0, checkpoint: str = "store", device: str | Device = "cpu", distributed: bool = False):
+        self.device = Device.parse(device)
+        self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
                                                   checkpoint=checkpoint)
-        self.losses: list[float] = []  # one per step, in order
-        options = ort.SessionOptions()
-        options.log_severity_level = 4
-        options.intra_op_num_threads = threads
-        try:
-            self._sess = ort.InferenceSession(to_onnx(self.spec.graph).SerializeToString(), options,
-                                              providers=["CPUExecutionProvider"])
-            self._eval = ort.InferenceSession(to_onnx(eval_graph(self.spec)).SerializeToString(), options,
-                                              providers=["CPUExecutionProvider"])
-        except Exception as exc:
-            raise RevgraphError(f"onnxruntime refuses the training graph: {_first_line(exc)}") from None
-        pairs = self.spec.carried()
-        start = self.spec.initial_state()
-        # Two buffer sets; OrtValue.ortvalue_from_numpy wraps the array's memory (and keeps the array alive).
-        self._sets = [
-            {i: ort.OrtValue.ortvalue_from_numpy(np.array(start[i], order="C")) for i, _ in pairs},
-            {i: ort.OrtValue.ortvalue_from_numpy(np.empty_like(start[i])) for i, _ in pairs},
-        ]
-        self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), self._loss_dtype())) for _ in range(2)]
-        self._bindings = []
-        for k in range(2):
-            binding = self._sess.io_binding()
-            for i, o in pairs:
-                binding.bind_ortvalue_input(i, self._sets[k][i])
-                binding.bind_ortvalue_output(o, self._sets[1 - k][i])
-            binding.bind_ortvalue_output(self.spec.loss.loss, self._loss[k])
-            self._bindings.append(binding)
-        self._current = 0
+        self.losses: list[float] = []  # one per step, in order (the global batch's loss when distributed)
+        self.comm = None
+        if distributed:
+            from .distributed import Collective, DistributedEngine
 
-    def _loss_dtype(self) -> np.dtype:
-        return self.spec.graph.outputs[0].dtype
+            self.comm = Collective(self.device)
+            self._engine = DistributedEngine(self.spec, threads, self.device, self.comm)
+            self.comm.check_replicas(self.parameters, "initial parameters")
+        else:
+            from .steps import FusedEngine
+
+            self._engine = FusedEngine(self.spec, threads, self.device)
 
     # ------------------------------------------------------------------------------------------ state
 
     @property
+    def rank(self) -> int:
+        """This process's rank (0 without ``distributed``)."""
+        return self.comm.rank if self.comm else 0
+
+    @property
+    def world_size(self) -> int:
+        """How many processes train together (1 without ``distributed``)."""
+        return self.comm.world_size if self.comm else 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the process that prints and writes files."""
+        return self.rank == 0
+
+    @property
     def steps(self) -> int:
         """How many optimizer steps have been taken."""
-        return int(self._sets[self._current][self.spec.step].numpy())
+        return self._engine.steps
 
     @property
     def parameters(self) -> dict[str, np.ndarray]:
         """The current parameters (copies), by initializer name."""
-        return {p: np.array(self._sets[self._current][p].numpy()) for p in self.spec.params}
+        return self._engine.read(self.spec.params)
 
     @property
     def state(self) -> dict[str, np.ndarray]:
         """The current optimizer state (copies), by state input name (``<param>.momentum``, ``.m``, ``.v``)."""
-        names = [s for p in self.spec.params for s in self.spec.state[p]]
-        return {s: np.array(self._sets[self._current][s].numpy()) for s in names}
+        return self._engine.read([s for p in self.spec.params for s in self.spec.state[p]])
 
     # ------------------------------------------------------------------------------------------ data
 
@@ -158,10 +164,11 @@ class Trainer:
         return dims[0] if dims else None
 
     def _check_fixed_batch(self, batch_size: int, n: int) -> None:
-        d = self.fixed_batch
-        if d is not None and (batch_size != d or n % d):
-            raise InputError(f"the model's inputs have a fixed first dimension {d}: train with batch size {d} "
-                             f"(--batch-size {d}) on a multiple of {d} samples (got batch size {batch_size}, "
+        d, w = self.fixed_batch, self.world_size
+        if d is not None and (batch_size != d or n % (d * w)):
+            each = f" on each of {w} processes" if w > 1 else ""
+            raise InputError(f"the model's inputs have a fixed first dimension {d}: train with batch size {d}{each} "
+                             f"(--batch-size {d}) on a multiple of {d * w} samples (got batch size {batch_size}, "
                              f"{n} samples)")
 
     def _classes(self) -> int | None:
@@ -177,74 +184,138 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ training
 
     def step(self, batch: Data) -> float:
-        """One optimizer step on ``batch`` (all of it); returns the loss before the update."""
-        return self._step(self._feeds(self.arrays(batch), slice(None)))
+        """One optimizer step on ``batch`` (all of it; with ``distributed``, this rank's part of the global
+        batch, which is the union of every rank's ``batch``); returns the loss of the global batch before the
+        update."""
+        feeds = self._feeds(self.arrays(batch), slice(None))
+        count = len(feeds[self.spec.labels])
+        total = int(self.comm.sum([count])[0]) if self.comm else count
+        return self._step(feeds, count, total)
 
-    def _step(self, feeds: dict[str, np.ndarray]) -> float:
-        binding = self._bindings[self._current]
-        for name, arr in feeds.items():
-            binding.bind_cpu_input(name, arr)
-        try:
-            self._sess.run_with_iobinding(binding)
-        except Exception as exc:
-            raise RevgraphError(f"the training step failed: {_first_line(exc)}") from None
-        loss = float(self._loss[self._current].numpy())
-        self._current = 1 - self._current  # the new values are in the other set: it becomes current
+    def _step(self, feeds: dict[str, np.ndarray], count: int, total: int) -> float:
+        loss = self._engine.step(feeds, count, total)
         self.losses.append(loss)
         return loss
 
     def fit(self, data: Data, epochs: int = 1, batch_size: int = 32, *, shuffle: bool = True, seed: int = 0,
-            progress: bool = True, console=None, description: str = "training") -> list[float]:
-        """Train for ``epochs`` passes over ``data`` in batches of ``batch_size`` (the last batch of an epoch
-        may be smaller). ``shuffle``: each epoch visits the samples in the order of
-        ``numpy.random.default_rng(seed + epoch).permutation(n)`` (epochs counted from 0 per call), else in
-        order. ``progress`` shows a rich progress bar with the loss and the throughput (samples/s) on
-        ``console`` (a ``rich.console.Console``). Returns the mean loss of each epoch. Raises
-        :class:`InputError` for bad data or sizes.
+            progress: bool = True, console=None, description: str = "training",
+            checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0) -> list[float]:
+        """Train for ``epochs`` passes over ``data`` in batches of ``batch_size`` per process (module doc: the
+        global batch is ``batch_size * world_size``; the last batch of an epoch may be smaller). ``shuffle``:
+        each epoch visits the samples in the order of ``numpy.random.default_rng(seed + epoch).permutation(n)``
+        (epochs counted from 0 per call), else in order. ``progress`` shows a rich progress bar (on rank 0)
+        with the loss and the throughput (samples/s over all ranks) on ``console`` (a ``rich.console.Console``).
+
+        ``checkpoint_dir``: rank 0 saves the parameters, optimizer state, step and data position there
+        (:mod:`revgraph.checkpoints`) every ``checkpoint_every`` steps (0: at the end of each epoch) and at
+        the end; and when the directory already holds a checkpoint of this run, training resumes from it
+        (on every rank; only rank 0 reads the file), so a restarted run reaches the weights of an
+        uninterrupted one. Returns the mean loss of each epoch. Raises :class:`InputError` for bad data or
+        sizes, :class:`RevgraphError` for a checkpoint of another run.
         """
-        if epochs < 1 or batch_size < 1:
-            raise InputError(f"epochs and batch size must be positive, got {epochs} and {batch_size}")
+        if epochs < 1 or batch_size < 1 or checkpoint_every < 0:
+            raise InputError(f"epochs and batch size must be positive and checkpoint_every >= 0, got {epochs}, "
+                             f"{batch_size} and {checkpoint_every}")
         arrays = self.arrays(data)
         n = len(arrays["labels"])
         if n == 0:
             raise InputError("the training data holds no samples")
         self._check_fixed_batch(batch_size, n)
-        per_epoch = -(-n // batch_size)
-        means: list[float] = []
-        bar = _Bar(progress, console, description, epochs * per_epoch)
+        rank, world = self.rank, self.world_size
+        group = batch_size * world
+        per_epoch = -(-n // group)
+        run = {"batch_size": batch_size, "world_size": world, "seed": seed, "shuffle": shuffle, "samples": n}
+        pos = self._resume(checkpoint_dir, run) if checkpoint_dir is not None else _Position()
+        bar = _Bar(progress and self.is_main, console, description, epochs * per_epoch,
+                   done=min(pos.epoch * per_epoch + pos.batch, epochs * per_epoch))
         with bar:
             seen, started = 0, time.perf_counter()
-            for epoch in range(epochs):
-                total = 0.0
-                for rows in batches(n, batch_size, shuffle, seed + epoch):
-                    loss = self._step(self._feeds(arrays, rows))
-                    total += loss * len(rows)
-                    seen += len(rows)
+            while pos.epoch < epochs:
+                order = epoch_order(n, shuffle, seed + pos.epoch)
+                while pos.batch < per_epoch:
+                    chunk = order[pos.batch * group:(pos.batch + 1) * group]
+                    rows = shard(chunk, rank, world)
+                    loss = self._step(self._feeds(arrays, rows), len(rows), len(chunk))
+                    pos.total += loss * len(chunk)
+                    pos.batch += 1
+                    seen += len(chunk)
                     rate = seen / max(time.perf_counter() - started, 1e-9)
-                    bar.advance(f"{description} epoch {epoch + 1}/{epochs}", loss, rate)
-                means.append(total / n)
-        return means
+                    bar.advance(f"{description} epoch {pos.epoch + 1}/{epochs}", loss, rate)
+                    ended = pos.batch == per_epoch
+                    if ended:
+                        pos.means.append(pos.total / n)
+                        pos.epoch, pos.batch, pos.total = pos.epoch + 1, 0, 0.0
+                    if checkpoint_dir is not None and (
+                            (self.steps % checkpoint_every == 0 if checkpoint_every else ended) or pos.epoch == epochs):
+                        self._save(checkpoint_dir, run, pos)
+                    if ended:
+                        break
+        if self.comm:
+            self.comm.check_replicas({**self.parameters, **self.state}, "parameters or optimizer state")
+        return list(pos.means)
+
+    def _save(self, directory, run: dict, pos: _Position) -> None:
+        """Rank 0 writes a checkpoint of the current state at ``pos`` (the next batch to train)."""
+        if not self.is_main:
+            return
+        meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total,
+                "epoch_means": pos.means, "losses": self.losses, "optimizer": self.spec.optimizer.kind}
+        checkpoints.save(directory, self._engine.read(self._engine.names), meta)
+
+    def _resume(self, directory, run: dict) -> _Position:
+        """The position to start from: that of the checkpoint in ``directory`` (loaded into the engine on
+        every rank), or the start. Raises :class:`RevgraphError` for a checkpoint of another run."""
+        import json
+
+        found = checkpoints.load(directory) if self.is_main else None
+        text = json.dumps(found[1]) if found else None
+        if self.comm:
+            text = self.comm.broadcast_text(text)
+        if text is None:
+            return _Position()
+        meta = json.loads(text)
+        names = self._engine.names
+        where = str(checkpoints.path_in(directory))
+        if meta["names"] != names or meta.get("optimizer") != self.spec.optimizer.kind:
+            raise RevgraphError(f"{where} holds the state of another model or optimizer; move it away or choose "
+                                "another checkpoint directory")
+        differ = [f"{k} {meta.get(k)!r} (now {v!r})" for k, v in run.items() if meta.get(k) != v]
+        if differ:
+            raise RevgraphError(f"{where} was written by a run with {', '.join(differ)}; resume with the same "
+                                "settings, or move it away to start afresh")
+        arrays = found[0] if found else None
+        if self.comm:
+            arrays = self.comm.broadcast_arrays(arrays, names, self._engine.read(names))
+        self._engine.load(arrays)
+        self.losses = list(meta["losses"])
+        return _Position(meta["epoch"], meta["batch"], meta["epoch_loss_sum"], list(meta["epoch_means"]))
 
     def evaluate(self, data: Data, batch_size: int = 512) -> dict[str, float | None]:
         """The mean loss over ``data`` with the current parameters, and the accuracy for classification:
         ``argmax(logits) == label`` for cross-entropy, ``(logit > 0) == (label > 0.5)`` for bce, ``None``
-        for mse. Returns ``{"loss": float, "accuracy": float | None, "samples": int}``."""
+        for mse. With ``distributed``, each rank evaluates its share and the sums are all-reduced. Returns
+        ``{"loss": float, "accuracy": float | None, "samples": int}``."""
         arrays = self.arrays(data)
         n = len(arrays["labels"])
         batch_size = self.fixed_batch or batch_size
-        self._check_fixed_batch(batch_size, n)
-        total, correct = 0.0, 0
-        for rows in batches(n, batch_size, False, 0):
-            feeds = self._feeds(arrays, rows)
-            loss, out = self._run_eval(feeds)
-            total += float(loss) * len(rows)
+        if self.fixed_batch:
+            self._check_fixed_batch(batch_size, n)
+        mine = shard(np.arange(n), self.rank, self.world_size)
+        sums = np.zeros(3)  # loss * samples, correct answers, label elements
+        for start in range(0, len(mine), batch_size):
+            feeds = self._feeds(arrays, mine[start:start + batch_size])
+            loss, out = self._engine.evaluate(feeds)
             labels = feeds[self.spec.labels]
+            sums[0] += float(loss) * len(labels)
+            sums[2] += labels.size
             if self.spec.loss.kind == "cross-entropy":
-                correct += int(np.sum(np.argmax(out, axis=-1) == labels))
+                sums[1] += int(np.sum(np.argmax(out, axis=-1) == labels))
             elif self.spec.loss.kind == "bce":
-                correct += int(np.sum((out > 0) == (labels > 0.5)))
-        accuracy = None if self.spec.loss.kind == "mse" else correct / max(arrays["labels"].size, 1)
-        return {"loss": total / max(n, 1), "accuracy": accuracy, "samples": n}
+                sums[1] += int(np.sum((out > 0) == (labels > 0.5)))
+        if self.comm:
+            sums = self.comm.sum(sums)
+        accuracy = None if self.spec.loss.kind == "mse" else sums[1] / max(sums[2], 1)
+        return {"loss": sums[0] / max(n, 1), "accuracy": accuracy, "samples": n}
 
     def predict(self, inputs: Mapping[str, np.ndarray] | np.ndarray) -> np.ndarray:
         """The model output the loss reads, for ``inputs`` (an array for a one-input model, or arrays by
@@ -258,21 +329,6 @@ class Trainer:
         types = {v.name: v.dtype for v in model.inputs}
         feeds = {k: np.asarray(v).astype(types.get(k), copy=False) for k, v in inputs.items()}
         return Session(model).run(feeds, [self.spec.loss.output])[self.spec.loss.output]
-
-    def _run_eval(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        binding = self._eval.io_binding()
-        for name, arr in feeds.items():
-            binding.bind_cpu_input(name, arr)
-        for p in self.spec.params:
-            binding.bind_ortvalue_input(p, self._sets[self._current][p])
-        binding.bind_output(self.spec.loss.loss)
-        binding.bind_output(self.spec.loss.output)
-        try:
-            self._eval.run_with_iobinding(binding)
-        except Exception as exc:
-            raise RevgraphError(f"evaluation failed: {_first_line(exc)}") from None
-        loss, out = binding.copy_outputs_to_cpu()
-        return loss, out
 
     # ------------------------------------------------------------------------------------------ output
 
@@ -288,18 +344,30 @@ class Trainer:
         save(self.spec.graph, path)
 
 
-def batches(n: int, batch_size: int, shuffle: bool, seed: int) -> Iterator[np.ndarray]:
-    """Row indices of each batch: ``default_rng(seed).permutation(n)`` (or ``arange(n)``) cut into pieces of
-    ``batch_size``; the last one may be smaller."""
-    order = np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
-    for start in range(0, n, batch_size):
-        yield order[start:start + batch_size]
+def epoch_order(n: int, shuffle: bool, seed: int) -> np.ndarray:
+    """The order in which an epoch visits ``n`` samples: ``default_rng(seed).permutation(n)``, or ``arange(n)``."""
+    return np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
+
+
+def shard(rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """Rank ``rank``'s share of ``rows``: every ``world_size``-th entry from position ``rank`` (how
+    ``torch.utils.data.DistributedSampler`` deals an epoch, batch by batch). The shares of all ranks together
+    are ``rows``, each exactly once; their sizes differ by at most one."""
+    return rows[rank::world_size]
+
+
+class _Position:
+    """Where training stands: the epoch, the next batch in it, the loss sum of the epoch so far (over global
+    batches, each loss times its size) and the mean losses of the finished epochs."""
+
+    def __init__(self, epoch: int = 0, batch: int = 0, total: float = 0.0, means: list | None = None):
+        self.epoch, self.batch, self.total, self.means = epoch, batch, total, means or []
 
 
 class _Bar:
     """A rich progress bar over steps with the loss and throughput, or nothing when ``enabled`` is false."""
 
-    def __init__(self, enabled: bool, console, description: str, total: int):
+    def __init__(self, enabled: bool, console, description: str, total: int, done: int = 0):
         self.progress = None
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -309,7 +377,7 @@ class _Bar:
                 TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:,.0f} samples/s"),
                 TimeElapsedColumn(), console=console,
             )
-            self.task = self.progress.add_task(description, total=total, loss=float("nan"), rate=0.0)
+            self.task = self.progress.add_task(description, total=total, completed=done, loss=float("nan"), rate=0.0)
 
     def __enter__(self):
         if self.progress is not None:

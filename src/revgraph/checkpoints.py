@@ -1,0 +1,67 @@
+"""Training checkpoints: parameters, optimizer state, step and data position in one ``.npz``, written atomically.
+
+A checkpoint is ``<dir>/checkpoint.npz``: the arrays ``a0``, ``a1``, ... (parameters, optimizer state and the
+step counter, in the order the metadata lists their names) and ``meta``, a JSON text with the position in the
+data (``epoch``, ``batch``: the next batch to train), the loss sums of the epoch so far and of the finished
+epochs, and what the position depends on (``batch_size``, ``world_size``, ``seed``, ``shuffle``, ``samples``).
+It is written to a temporary file that replaces the old one in one step (:mod:`revgraph.atomic`), so a worker
+killed mid-write leaves the previous checkpoint intact. It loads without pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .atomic import atomic_path
+from .errors import RevgraphError
+
+FILE = "checkpoint.npz"
+FORMAT = "revgraph-checkpoint-1"
+
+
+def path_in(directory: str | os.PathLike) -> Path:
+    return Path(directory) / FILE
+
+
+def save(directory: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict) -> Path:
+    """Write ``arrays`` (name -> array) and ``meta`` (JSON-serialisable) to ``<directory>/checkpoint.npz``
+    atomically; create ``directory`` if needed. Returns the path. Raises :class:`RevgraphError` if it
+    cannot be written."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RevgraphError(f"cannot create the checkpoint directory {str(directory)!r}: {exc.strerror}") from None
+    names = list(arrays)
+    payload = {f"a{i}": np.ascontiguousarray(arrays[n]) for i, n in enumerate(names)}
+    text = json.dumps({**meta, "format": FORMAT, "names": names})
+    target = path_in(directory)
+    try:
+        with atomic_path(target, suffix=".npz") as tmp:
+            with open(tmp, "wb") as f:
+                np.savez(f, meta=np.array(text), **payload)
+    except OSError as exc:
+        raise RevgraphError(f"cannot write the checkpoint {str(target)!r}: {exc.strerror}") from None
+    return target
+
+
+def load(directory: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict] | None:
+    """``(arrays, meta)`` of ``<directory>/checkpoint.npz``, or ``None`` when there is none. Raises
+    :class:`RevgraphError` (one line) for a file that is not a revgraph checkpoint."""
+    target = path_in(directory)
+    if not target.is_file():
+        return None
+    try:
+        with np.load(target, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta.get("format") != FORMAT:
+                raise ValueError("unknown format")
+            arrays = {n: np.array(z[f"a{i}"]) for i, n in enumerate(meta["names"])}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RevgraphError(f"{str(target)!r} is not a readable revgraph checkpoint ({exc}); move it away to "
+                            "start afresh") from None
+    return arrays, meta

@@ -1,0 +1,280 @@
+"""Data-parallel training on PyTorch's distributed engine (``torch.distributed`` collectives under ``torchrun``).
+
+Each process (rank) of a world of ``W`` processes holds a full copy of the parameters and the optimizer state
+and trains on its share of every global batch (:func:`revgraph.trainer.shard`). A step is the fused step
+graph cut in two (:func:`revgraph.train.split_step`):
+
+1. the **grad graph** runs on the rank's ``n_r`` samples and writes the loss and the gradients (means over
+   those samples);
+2. the gradients are exchanged: every gradient is scaled by ``n_r / N`` (``N`` the global batch, the sum of
+   the ``n_r``) and **dense** gradients are all-reduced (summed) in buckets of about 25 MiB (the default of
+   ``torch.nn.parallel.DistributedDataParallel``), so each rank gets the mean gradient over the global batch,
+   exact also when the last batch of an epoch does not split evenly. **Sparse** gradients of embedding tables
+   (the ``(indices, rows)`` pairs of ``revgraph.gradient(..., sparse=True)``) are all-gathered as rows and
+   concatenated in rank order, never densified (Caffe2's ``data_parallel_model`` exchanged them the same way);
+3. the **update graph** applies the optimizer to the exchanged gradients. Its inputs are identical on every
+   rank, so parameters and optimizer state stay identical (:meth:`Collective.check_replicas` verifies it).
+
+Gradient buffers are torch tensors on the device that onnxruntime reads and writes in place through DLPack
+(``OrtValue.from_dlpack``): no copies between the two. Backends: ``gloo`` on CPU, ``nccl`` on CUDA. torch is
+imported only here, and this module only when ``distributed=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .devices import Device
+from .errors import RevgraphError
+from .runtime import _first_line
+from .steps import Engine
+from .train import TrainingGraph, split_step
+
+BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by ``torchrun`` (or another launcher that sets its variables)."""
+    return all(k in os.environ for k in TORCHRUN_ENV)
+
+
+def _torch():
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        raise RevgraphError('distributed training needs PyTorch: pip install "revgraph[distributed]"') from None
+    return torch, dist
+
+
+class Collective:
+    """The process group of this run: ``rank``, ``world_size`` and the collectives a training step needs.
+
+    Joins the default ``torch.distributed`` process group, initialising it from torchrun's environment
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when nobody has: backend ``gloo`` for the CPU,
+    ``nccl`` for CUDA. Raises :class:`RevgraphError` (one line) without torch or outside torchrun.
+    """
+
+    def __init__(self, device: Device):
+        torch, dist = _torch()
+        self.torch, self.dist, self.device = torch, dist, device
+        if not dist.is_initialized():
+            if not under_torchrun():
+                raise RevgraphError("distributed training runs under torchrun: torchrun --nproc-per-node N -m revgraph "
+                                    "train ... (or revgraph train --nproc N); RANK, WORLD_SIZE, MASTER_ADDR and "
+                                    "MASTER_PORT are not set")
+            if device.kind == "cuda":
+                torch.cuda.set_device(device.index)
+            try:
+                dist.init_process_group(backend="nccl" if device.kind == "cuda" else "gloo")
+            except Exception as exc:
+                raise RevgraphError(f"cannot join the process group: {_first_line(exc)}") from None
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.tdevice = torch.device(device.torch())
+
+    # ------------------------------------------------------------------------------------------ small values
+
+    def sum(self, values) -> np.ndarray:
+        """The element-wise sum over ranks of a float64 vector (losses, counts, correct answers)."""
+        t = self.torch.tensor(np.asarray(values, dtype=np.float64), device=self.tdevice)
+        self.dist.all_reduce(t)
+        return t.cpu().numpy()
+
+    def broadcast_arrays(self, arrays: dict[str, np.ndarray] | None, names: list[str], like: dict) -> dict:
+        """Rank 0's ``arrays`` (of the dtypes and shapes of ``like``) on every rank, in the order of ``names``."""
+        out = {}
+        for n in names:
+            ref = np.asarray(like[n])
+            src = arrays[n] if self.rank == 0 else np.empty_like(ref)
+            t = self.torch.from_numpy(np.ascontiguousarray(src)).to(self.tdevice)
+            self.dist.broadcast(t, 0)
+            out[n] = t.cpu().numpy()
+        return out
+
+    def broadcast_text(self, text: str | None) -> str | None:
+        """Rank 0's ``text`` on every rank (a checkpoint's metadata)."""
+        box = [text]
+        self.dist.broadcast_object_list(box, 0, device=self.tdevice if self.device.kind == "cuda" else None)
+        return box[0]
+
+    def check_replicas(self, arrays: dict[str, np.ndarray], what: str) -> None:
+        """Raise :class:`RevgraphError` unless ``arrays`` are bitwise identical on every rank (SHA-256 of
+        their bytes, compared through one all-gather)."""
+        h = hashlib.sha256()
+        for name in sorted(arrays):
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(arrays[name]).tobytes())
+        mine = self.torch.tensor(list(h.digest()), dtype=self.torch.uint8, device=self.tdevice)
+        every = [self.torch.empty_like(mine) for _ in range(self.world_size)]
+        self.dist.all_gather(every, mine)
+        bad = [r for r, d in enumerate(every) if not self.torch.equal(d, every[0])]
+        if bad:
+            raise RevgraphError(f"the {what} of rank {bad[0]} differ from rank 0's; every rank must load the same "
+                                "model and run the same revgraph and onnxruntime versions")
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def close(self) -> None:
+        """Leave the process group (when this object created it)."""
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+@dataclass
+class _Bucket:
+    """A flat device tensor holding several dense gradients back to back (``views`` by gradient name)."""
+
+    flat: object
+    views: dict = field(default_factory=dict)
+
+
+class DistributedEngine(Engine):
+    """A data-parallel training step (module doc): grad graph, gradient exchange, update graph.
+
+    Raises :class:`RevgraphError` (one line) when onnxruntime refuses a graph or the process group fails.
+    """
+
+    def __init__(self, spec: TrainingGraph, threads: int, device: Device, comm: Collective):
+        import onnxruntime as ort
+
+        super().__init__(spec, threads, device)
+        self.comm = comm
+        torch = comm.torch
+        grad_graph, update_graph = split_step(spec)
+        self._grad = self.session(grad_graph, "gradient graph")
+        self._update = self.session(update_graph, "update graph")
+        dense = [spec.grads[p][0] for p in spec.params if p not in spec.sparse]
+        self.buckets = self._make_buckets(dense)
+        self._grad_values = {g: ort.OrtValue.from_dlpack(v) for b in self.buckets for g, v in b.views.items()}
+        self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
+        self._grad_bindings, self._update_bindings = [], []
+        for k in range(2):
+            gb = self._grad.io_binding()
+            for p in spec.params:
+                gb.bind_ortvalue_input(p, self._sets[k][p])
+            gb.bind_ortvalue_output(spec.loss.loss, self._loss[k])
+            for g, value in self._grad_values.items():
+                gb.bind_ortvalue_output(g, value)
+            for _, idx, rows in self._sparse:
+                gb.bind_output(idx, self.device.ort_type, self.device.index)
+                gb.bind_output(rows, self.device.ort_type, self.device.index)
+            ub = self._update.io_binding()
+            for i, o in spec.carried():
+                ub.bind_ortvalue_input(i, self._sets[k][i])
+                ub.bind_ortvalue_output(o, self._sets[1 - k][i])
+            for g, value in self._grad_values.items():
+                ub.bind_ortvalue_input(g, value)
+            self._grad_bindings.append(gb)
+            self._update_bindings.append(ub)
+        self._empty_rows = {p: torch.zeros((0, *spec.initial[p].shape[1:]), dtype=_torch_dtype(torch, spec.initial[p]),
+                                           device=comm.tdevice) for p in spec.sparse}
+
+    def _make_buckets(self, grads: list[str]) -> list[_Bucket]:
+        """Dense gradients packed, in reverse parameter order as DDP packs them, into flat tensors of at most
+        :data:`BUCKET_BYTES` each (one dtype per bucket). A gradient has its parameter's shape and dtype."""
+        torch = self.comm.torch
+        like = {self.spec.grads[p][0]: self.spec.initial[p] for p in self.spec.params if p not in self.spec.sparse}
+        groups: list[tuple[np.dtype, list[str], int]] = []
+        for g in reversed(grads):
+            a = like[g]
+            if not groups or groups[-1][0] != a.dtype or groups[-1][2] + a.nbytes > BUCKET_BYTES:
+                groups.append((a.dtype, [], 0))
+            dt, names, used = groups[-1]
+            groups[-1] = (dt, [*names, g], used + a.nbytes)
+        buckets = []
+        for dt, names, _ in groups:
+            flat = torch.zeros(sum(like[g].size for g in names), dtype=_torch_dtype(torch, like[names[0]]),
+                               device=self.comm.tdevice)
+            bucket, at = _Bucket(flat), 0
+            for g in names:
+                bucket.views[g] = flat[at:at + like[g].size].view(like[g].shape)
+                at += like[g].size
+            buckets.append(bucket)
+        return buckets
+
+    def step(self, feeds: dict[str, np.ndarray], count: int, total: int) -> float:
+        torch, dist = self.comm.torch, self.comm.dist
+        k = self._current
+        rows: dict[str, tuple] = {}
+        if count:
+            gb = self._grad_bindings[k]
+            for name, arr in feeds.items():
+                gb.bind_cpu_input(name, arr)
+            try:
+                self._grad.run_with_iobinding(gb)
+            except Exception as exc:
+                raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
+            loss = float(self._loss[k].numpy())
+            outs = gb.get_outputs()[1 + len(self._grad_values):]
+            for j, (p, _, _) in enumerate(self._sparse):
+                rows[p] = (torch.from_dlpack(outs[2 * j]), torch.from_dlpack(outs[2 * j + 1]))
+        else:  # this rank has no sample in the global batch's last piece: it contributes zeros
+            loss = 0.0
+            for b in self.buckets:
+                b.flat.zero_()
+            for p in self.spec.sparse:
+                rows[p] = (torch.zeros(0, dtype=torch.int64, device=self.comm.tdevice), self._empty_rows[p])
+        scale = count / total
+        pending = []
+        for b in self.buckets:
+            b.flat.mul_(scale)
+            pending.append(dist.all_reduce(b.flat, async_op=True))
+        loss_t = torch.tensor([loss * scale], dtype=torch.float64, device=self.comm.tdevice)
+        pending.append(dist.all_reduce(loss_t, async_op=True))
+        gathered = self._gather_rows(rows, scale)
+        for work in pending:
+            work.wait()
+        ub = self._update_bindings[k]
+        for p, idx, rows_name in self._sparse:
+            i_all, r_all = gathered[p]
+            ub.bind_ortvalue_input(idx, _ortvalue(i_all))
+            ub.bind_ortvalue_input(rows_name, _ortvalue(r_all))
+        try:
+            self._update.run_with_iobinding(ub)
+        except Exception as exc:
+            raise RevgraphError(f"the update step failed: {_first_line(exc)}") from None
+        self._swap()
+        return float(loss_t.item())
+
+    def _gather_rows(self, rows: dict[str, tuple], scale: float) -> dict[str, tuple]:
+        """Every rank's sparse rows of each table (scaled by ``scale``), concatenated in rank order: the sizes
+        go first (one all-gather), then the rows padded to the largest size, then each piece is cut to size."""
+        if not rows:
+            return {}
+        torch, dist, world = self.comm.torch, self.comm.dist, self.comm.world_size
+        names = [p for p, _, _ in self._sparse]
+        sizes = torch.tensor([rows[p][0].shape[0] for p in names], dtype=torch.int64, device=self.comm.tdevice)
+        every = [torch.empty_like(sizes) for _ in range(world)]
+        dist.all_gather(every, sizes)
+        out = {}
+        for j, p in enumerate(names):
+            idx, vals = rows[p]
+            counts = [int(s[j]) for s in every]
+            top = max(counts)
+            pad_i = torch.zeros(top, dtype=torch.int64, device=self.comm.tdevice)
+            pad_v = torch.zeros((top, *vals.shape[1:]), dtype=vals.dtype, device=self.comm.tdevice)
+            pad_i[:idx.shape[0]] = idx
+            pad_v[:vals.shape[0]] = vals * scale
+            all_i = [torch.empty_like(pad_i) for _ in range(world)]
+            all_v = [torch.empty_like(pad_v) for _ in range(world)]
+            dist.all_gather(all_i, pad_i)
+            dist.all_gather(all_v, pad_v)
+            out[p] = (torch.cat([t[:c] for t, c in zip(all_i, counts, strict=True)]).contiguous(),
+                      torch.cat([t[:c] for t, c in zip(all_v, counts, strict=True)]).contiguous())
+        return out
+
+
+def _ortvalue(t):
+    import onnxruntime as ort
+
+    return ort.OrtValue.from_dlpack(t)
+
+
+def _torch_dtype(torch, like: np.ndarray):
+    return torch.from_numpy(np.zeros(1, dtype=np.asarray(like).dtype)).dtype
