@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-o", "--output", metavar="OUT.npz", help="write the outputs here (default: print a summary)")
     run.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
     run.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    run.add_argument("--device", default="cpu", metavar="cpu|cuda[:i]",
+                     help="where onnxruntime runs the model (cuda needs onnxruntime-gpu; default cpu)")
 
     grad = sub.add_parser("grad", help="write the gradient graph: forward outputs plus <name>_grad outputs")
     grad.add_argument("model", metavar="MODEL.onnx")
@@ -262,13 +264,14 @@ def _flatten_sequences(arrays: dict) -> dict[str, np.ndarray]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     g = load(args.model)
+    session = Session(g, backend=args.backend, device=args.device)  # a bad device fails before the note below
     if args.inputs:
         feeds = read_npz(args.inputs)
     else:
         feeds = random_inputs(g, args.seed)
         described = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in feeds.items()) or "none needed"
         err.print(f"note: no --inputs given; using random inputs (seed {args.seed}): {described}", soft_wrap=True, markup=False)
-    results = Session(g, backend=args.backend).run(feeds)
+    results = session.run(feeds)
     if args.output:
         write_npz(args.output, _flatten_sequences(results))
         out.print(f"wrote {len(results)} output(s) to {args.output}", markup=False)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
+from .devices import Device
 from .errors import InputError, RevgraphError, UnsupportedModelError
 from .ir import Graph, ValueInfo
 from .onnx_io import load, to_onnx
@@ -27,15 +28,23 @@ class Session:
     """An executable graph.
 
     ``graph`` is a :class:`Graph`, an ``onnx.ModelProto`` or a path to an ONNX file (loaded with
-    :func:`revgraph.load`). ``backend`` is ``"onnxruntime"`` (CPU execution provider; ``threads`` sets its
-    intra-op thread count, 0 lets it choose) or ``"reference"`` (``onnx.reference.ReferenceEvaluator``,
-    slow but written from the ONNX spec). Raises :class:`RevgraphError` for an unknown backend or a graph
-    the backend refuses.
+    :func:`revgraph.load`). ``backend`` is ``"onnxruntime"`` (``threads`` sets its intra-op thread count, 0
+    lets it choose) or ``"reference"`` (``onnx.reference.ReferenceEvaluator``, slow but written from the ONNX
+    spec, CPU only). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"`` (:mod:`revgraph.devices`; CUDA needs
+    onnxruntime-gpu); feeds and results are numpy arrays either way. Raises :class:`RevgraphError` for an
+    unknown backend or device, a CUDA device without onnxruntime's CUDA provider, or a graph the backend
+    refuses.
     """
 
-    def __init__(self, graph: Graph | onnx.ModelProto | str | os.PathLike, backend: str = "onnxruntime", *, threads: int = 0):
+    def __init__(self, graph: Graph | onnx.ModelProto | str | os.PathLike, backend: str = "onnxruntime", *,
+                 threads: int = 0, device: str | Device = "cpu"):
         if backend not in BACKENDS:
             raise RevgraphError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.device = Device.parse(device)
+        if backend == "reference" and self.device.kind != "cpu":
+            raise RevgraphError(f"the reference backend runs on the CPU only; use the onnxruntime backend on "
+                                f"{self.device}")
+        providers = self.device.providers() if backend == "onnxruntime" else None  # no CUDA provider: fail first
         if not isinstance(graph, Graph):
             graph = load(graph)
         graph = expand_domains(graph)
@@ -49,11 +58,10 @@ class Session:
             options.log_severity_level = 4  # errors reach the user as exceptions
             options.intra_op_num_threads = threads
             try:
-                self._sess = ort.InferenceSession(
-                    self.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-                )
+                self._sess = ort.InferenceSession(self.model.SerializeToString(), options, providers=providers)
             except Exception as exc:
                 raise RevgraphError(f"onnxruntime refuses the graph: {_first_line(exc)}") from None
+            self.device.check_session(self._sess)
         else:
             from onnx.reference import ReferenceEvaluator
 

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# revgraph on a CUDA GPU (--device cuda, issue 16): run the GPU-only tests and a short step-time benchmark,
+# and print them with the GPU's name. For a machine with an NVIDIA GPU, onnxruntime-gpu in place of onnxruntime
+# (pip install "revgraph[cuda]"; see the comment in pyproject.toml) and, for the data-parallel tests, a CUDA
+# build of torch (revgraph[distributed]). Needs no network; takes under 5 minutes.
+#
+#   bench/gpu_check.sh                 # GPU 0
+#   DEVICE=cuda:1 bench/gpu_check.sh   # the benchmark on another GPU (the tests use cuda:0, and two GPUs for NCCL)
+#   PYTHON=/path/to/python bench/gpu_check.sh
+#
+# Exits 1 when onnxruntime cannot run on the GPU here, otherwise with pytest's status.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+DEVICE=${DEVICE:-cuda}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # torchrun's workers in the tests share the cores
+
+echo "== GPU"
+if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+else
+    echo "(no nvidia-smi on PATH)"
+fi
+
+echo "== software"
+DEVICE=$DEVICE "$PYTHON" - <<'EOF'
+import os
+import sys
+
+try:  # first: a CUDA torch loads the CUDA and cuDNN libraries that onnxruntime-gpu also needs
+    import torch
+except ImportError:
+    torch = None
+import onnxruntime as ort
+
+import revgraph as rg
+from revgraph import demo
+
+print(f"python {sys.version.split()[0]}, revgraph {rg.__version__}, onnxruntime {ort.__version__} "
+      f"({', '.join(ort.get_available_providers())})")
+if torch is None:
+    print("torch: not installed (the NCCL tests will be skipped)")
+else:
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs seen by torch: {', '.join(gpus) or 'none'}")
+device = os.environ["DEVICE"]
+try:
+    rg.Session(demo.mlp_model(hidden=4), device=device)
+except rg.RevgraphError as exc:
+    sys.exit(f"gpu_check: onnxruntime cannot run on {device} here: {exc}")
+print(f"onnxruntime runs on {device}")
+EOF
+
+echo "== GPU tests (pytest -m cuda tests/test_devices.py)"
+status=0
+# -o addopts='' drops the default -m "not slow"; -rs prints why a test was skipped (e.g. one GPU: no 2-process NCCL)
+timeout 210 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py || status=$?
+
+echo "== step time (ms per Trainer.step with Adam, after 3 warm-up steps; median of up to 2 s of steps)"
+DEVICE=$DEVICE timeout 150 "$PYTHON" - <<'EOF'
+import os
+import sys
+import tempfile
+import time
+
+try:
+    import torch
+except ImportError:
+    torch = None
+import numpy as np
+
+import revgraph as rg
+from revgraph import demo
+
+DEVICE = os.environ["DEVICE"]
+
+
+def timed(trainer, batch, seconds=2.0, most=300):
+    for _ in range(3):  # kernels loaded, cuDNN/cuBLAS choices made, memory arena grown
+        trainer.step(batch)
+    times, start = [], time.perf_counter()
+    while len(times) < most and time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        trainer.step(batch)  # returns the loss as a float: the step has finished on the device
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), trainer
+
+
+def row(name, make, batch):
+    cpu_s, cpu = timed(make("cpu"), batch)
+    gpu_s, gpu = timed(make(DEVICE), batch)
+    agree = abs(cpu.losses[0] - gpu.losses[0]) <= 1e-4 * max(1.0, abs(cpu.losses[0]))
+    print(f"{name:<44} {cpu_s * 1e3:10.2f} {gpu_s * 1e3:10.2f} {cpu_s / gpu_s:8.2f}x   "
+          f"{'yes' if agree else 'NO: %.6g vs %.6g' % (cpu.losses[0], gpu.losses[0])}", flush=True)
+
+
+print(f"{'model':<44} {'cpu ms':>10} {DEVICE + ' ms':>10} {'speed-up':>9}   first loss agrees")
+train, _ = demo.digits()
+digits = {"x": train["x"][:64], "labels": train["labels"][:64]}
+row("demo MLP (64 hidden), batch 64", lambda d: rg.Trainer(demo.mlp_model(hidden=64), device=d), digits)
+row("demo RNN (ONNX Loop, 128 hidden), batch 64", lambda d: rg.Trainer(demo.rnn_model(hidden=128), device=d), digits)
+
+if torch is None:
+    print("(torch not installed: no exported MLP and Transformer from bench/models.py)")
+    sys.exit(0)
+sys.path.insert(0, "bench")
+from models import load_npz, write_step_model  # noqa: E402
+
+with tempfile.TemporaryDirectory() as tmp:
+    for name, label in [("mlp", "MLP 784-512-512-10, batch 64"),
+                        ("transformer", "Transformer (2 layers, width 128), batch 64")]:
+        info = write_step_model(name, 64, tmp)  # torch.onnx.export, no network
+        _, data = load_npz(info["npz"])
+        batch = {"x": data["x"], "labels": data["labels"]}
+        row(label, lambda d: rg.Trainer(info["path"], "cross-entropy", "adam", params=info["params"], device=d),
+            batch)
+EOF
+
+exit $status
