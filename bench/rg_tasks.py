@@ -209,8 +209,9 @@ def prepare_step(key: str, info: dict, threads: int = 2, mode: str = "grad") -> 
         for p, arr in tr.spec.initial.items():  # the exported values (the same as PyTorch's state)
             assert np.array_equal(arr, state[p])
         feeds = {tr.spec.inputs[0]: data["x"], tr.spec.labels: data["labels"]}
-        _STEPS[key] = {"run": lambda: tr._step(feeds), "trainer": tr}
-        loss = tr._step(feeds)
+        n = len(data["labels"])
+        _STEPS[key] = {"run": lambda: tr._step(feeds, n, n), "trainer": tr}
+        loss = tr._step(feeds, n, n)
         return {"build_seconds": time.perf_counter() - t0, "loss": loss}
     gg = gradient_graph(_model(info["path"]), info["params"], "cross-entropy")
     model = rg.to_onnx(gg)

@@ -37,7 +37,7 @@ def save(directory: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict
     except OSError as exc:
         raise RevgraphError(f"cannot create the checkpoint directory {str(directory)!r}: {exc.strerror}") from None
     names = list(arrays)
-    payload = {f"a{i}": np.ascontiguousarray(arrays[n]) for i, n in enumerate(names)}
+    payload = {f"a{i}": np.array(arrays[n], order="C") for i, n in enumerate(names)}  # (0-d stays 0-d)
     text = json.dumps({**meta, "format": FORMAT, "names": names})
     target = path_in(directory)
     try:

@@ -16,6 +16,7 @@ from rich.table import Table
 from . import __version__
 from .autodiff.backward import ACCUMULATE, gradient
 from .check import check_gradients
+from .devices import Device
 from .errors import InputError, RevgraphError
 from .ir import TARGET_OPSET, ValueInfo
 from .lift import lift_constants
@@ -392,6 +393,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     before = trainer.evaluate(data)
     means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=console,
                         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    if trainer.resumed:
+        console.print(f"resumed from {trainer.resumed}", soft_wrap=True, markup=False)
     after = trainer.evaluate(data)
     evaluated = trainer.evaluate(test) if test is not None else None
     if main:
@@ -437,6 +440,14 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
     target = Path(args.output).parent
     if not target.is_dir():
         raise RevgraphError(f"cannot write {args.output!r}: directory {str(target)!r} does not exist")
+    device = Device.parse(args.device)
+    device.providers()  # no CUDA provider: one line here rather than a failure in every worker
+    if device.kind == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < args.nproc:
+            raise RevgraphError(f"--device cuda --nproc {args.nproc} runs one process per GPU, and torch sees "
+                                f"{torch.cuda.device_count()} GPU(s) here")
     for f in [args.model, args.data, args.test_data]:
         if f is not None and not Path(f).is_file():
             raise RevgraphError(f"cannot read {f!r}: no such file")
@@ -450,7 +461,8 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
             rest.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "revgraph", *rest]
-    return subprocess.call(cmd)
+    # Restarted workers must not meet in the rendezvous store of the failed attempt (pytorch/pytorch#135712).
+    return subprocess.call(cmd, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .devices import Device
+from .devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
 from .errors import RevgraphError
 from .runtime import _first_line
 from .steps import Engine
@@ -36,6 +38,26 @@ from .train import TrainingGraph, split_step
 
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextmanager
+def collective(what: str):
+    """Turn a failed collective into a one-line :class:`RevgraphError`: it fails when another rank died or
+    cannot be reached (torchrun then stops this worker, and restarts all of them if ``--max-restarts`` allows)."""
+    try:
+        yield
+    except RevgraphError:
+        raise
+    except Exception as exc:
+        raise RevgraphError(f"{what} with the other training processes failed; one of them stopped or cannot be "
+                            f"reached ({_first_line(exc)[:200]})") from None
+
+
+def stale_store_on_restart() -> bool:
+    """True when torchrun may restart the workers and shares its TCP store with them, the setting in which
+    restarted gloo and NCCL groups connect to the failed attempt's addresses (pytorch/pytorch#135712)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
 def under_torchrun() -> bool:
@@ -76,13 +98,19 @@ class Collective:
                 raise RevgraphError(f"cannot join the process group: {_first_line(exc)}") from None
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.tdevice = torch.device(device.torch())
+        if self.rank == 0 and stale_store_on_restart():
+            warnings.warn("torchrun restarts workers (--max-restarts) but shares its rendezvous store with them: "
+                          "restarted workers may read the addresses of the failed attempt and fail to connect "
+                          "(pytorch/pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun",
+                          stacklevel=2)
 
     # ------------------------------------------------------------------------------------------ small values
 
     def sum(self, values) -> np.ndarray:
         """The element-wise sum over ranks of a float64 vector (losses, counts, correct answers)."""
         t = self.torch.tensor(np.asarray(values, dtype=np.float64), device=self.tdevice)
-        self.dist.all_reduce(t)
+        with collective("an all-reduce"):
+            self.dist.all_reduce(t)
         return t.cpu().numpy()
 
     def broadcast_arrays(self, arrays: dict[str, np.ndarray] | None, names: list[str], like: dict) -> dict:
@@ -91,15 +119,17 @@ class Collective:
         for n in names:
             ref = np.asarray(like[n])
             src = arrays[n] if self.rank == 0 else np.empty_like(ref)
-            t = self.torch.from_numpy(np.ascontiguousarray(src)).to(self.tdevice)
-            self.dist.broadcast(t, 0)
+            t = self.torch.from_numpy(np.array(src, order="C")).to(self.tdevice)  # (ascontiguousarray makes 0-d 1-d)
+            with collective("a broadcast"):
+                self.dist.broadcast(t, 0)
             out[n] = t.cpu().numpy()
         return out
 
     def broadcast_text(self, text: str | None) -> str | None:
         """Rank 0's ``text`` on every rank (a checkpoint's metadata)."""
         box = [text]
-        self.dist.broadcast_object_list(box, 0, device=self.tdevice if self.device.kind == "cuda" else None)
+        with collective("a broadcast"):
+            self.dist.broadcast_object_list(box, 0, device=self.tdevice if self.device.kind == "cuda" else None)
         return box[0]
 
     def check_replicas(self, arrays: dict[str, np.ndarray], what: str) -> None:
@@ -111,14 +141,16 @@ class Collective:
             h.update(np.ascontiguousarray(arrays[name]).tobytes())
         mine = self.torch.tensor(list(h.digest()), dtype=self.torch.uint8, device=self.tdevice)
         every = [self.torch.empty_like(mine) for _ in range(self.world_size)]
-        self.dist.all_gather(every, mine)
+        with collective("an all-gather"):
+            self.dist.all_gather(every, mine)
         bad = [r for r, d in enumerate(every) if not self.torch.equal(d, every[0])]
         if bad:
             raise RevgraphError(f"the {what} of rank {bad[0]} differ from rank 0's; every rank must load the same "
                                 "model and run the same revgraph and onnxruntime versions")
 
     def barrier(self) -> None:
-        self.dist.barrier()
+        with collective("a barrier"):
+            self.dist.barrier()
 
     def close(self) -> None:
         """Leave the process group (when this object created it)."""
@@ -141,8 +173,6 @@ class DistributedEngine(Engine):
     """
 
     def __init__(self, spec: TrainingGraph, threads: int, device: Device, comm: Collective):
-        import onnxruntime as ort
-
         super().__init__(spec, threads, device)
         self.comm = comm
         torch = comm.torch
@@ -151,7 +181,7 @@ class DistributedEngine(Engine):
         self._update = self.session(update_graph, "update graph")
         dense = [spec.grads[p][0] for p in spec.params if p not in spec.sparse]
         self.buckets = self._make_buckets(dense)
-        self._grad_values = {g: ort.OrtValue.from_dlpack(v) for b in self.buckets for g, v in b.views.items()}
+        self._grad_values = {g: ortvalue_from_dlpack(v) for b in self.buckets for g, v in b.views.items()}
         self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
         self._grad_bindings, self._update_bindings = [], []
         for k in range(2):
@@ -206,6 +236,9 @@ class DistributedEngine(Engine):
             gb = self._grad_bindings[k]
             for name, arr in feeds.items():
                 gb.bind_cpu_input(name, arr)
+            for _, idx, rows_name in self._sparse:  # sparse rows change size: fresh outputs every run
+                gb.bind_output(idx, self.device.ort_type, self.device.index)
+                gb.bind_output(rows_name, self.device.ort_type, self.device.index)
             try:
                 self._grad.run_with_iobinding(gb)
             except Exception as exc:
@@ -213,7 +246,7 @@ class DistributedEngine(Engine):
             loss = float(self._loss[k].numpy())
             outs = gb.get_outputs()[1 + len(self._grad_values):]
             for j, (p, _, _) in enumerate(self._sparse):
-                rows[p] = (torch.from_dlpack(outs[2 * j]), torch.from_dlpack(outs[2 * j + 1]))
+                rows[p] = (torch_from_ortvalue(torch, outs[2 * j]), torch_from_ortvalue(torch, outs[2 * j + 1]))
         else:  # this rank has no sample in the global batch's last piece: it contributes zeros
             loss = 0.0
             for b in self.buckets:
@@ -221,20 +254,22 @@ class DistributedEngine(Engine):
             for p in self.spec.sparse:
                 rows[p] = (torch.zeros(0, dtype=torch.int64, device=self.comm.tdevice), self._empty_rows[p])
         scale = count / total
-        pending = []
-        for b in self.buckets:
-            b.flat.mul_(scale)
-            pending.append(dist.all_reduce(b.flat, async_op=True))
-        loss_t = torch.tensor([loss * scale], dtype=torch.float64, device=self.comm.tdevice)
-        pending.append(dist.all_reduce(loss_t, async_op=True))
-        gathered = self._gather_rows(rows, scale)
-        for work in pending:
-            work.wait()
+        with collective("the gradient exchange"):
+            pending = []
+            for b in self.buckets:
+                b.flat.mul_(scale)
+                pending.append(dist.all_reduce(b.flat, async_op=True))
+            loss_t = torch.tensor([loss * scale], dtype=torch.float64, device=self.comm.tdevice)
+            pending.append(dist.all_reduce(loss_t, async_op=True))
+            gathered = self._gather_rows(rows, scale)
+            for work in pending:
+                work.wait()
         ub = self._update_bindings[k]
         for p, idx, rows_name in self._sparse:
             i_all, r_all = gathered[p]
-            ub.bind_ortvalue_input(idx, _ortvalue(i_all))
-            ub.bind_ortvalue_input(rows_name, _ortvalue(r_all))
+            ub.bind_ortvalue_input(idx, ortvalue_from_dlpack(i_all))
+            ub.bind_ortvalue_input(rows_name, ortvalue_from_dlpack(r_all))
+        self.device.synchronize(torch)  # onnxruntime's CUDA stream does not wait for torch's collectives
         try:
             self._update.run_with_iobinding(ub)
         except Exception as exc:
@@ -268,12 +303,6 @@ class DistributedEngine(Engine):
             out[p] = (torch.cat([t[:c] for t, c in zip(all_i, counts, strict=True)]).contiguous(),
                       torch.cat([t[:c] for t, c in zip(all_v, counts, strict=True)]).contiguous())
         return out
-
-
-def _ortvalue(t):
-    import onnxruntime as ort
-
-    return ort.OrtValue.from_dlpack(t)
 
 
 def _torch_dtype(torch, like: np.ndarray):

@@ -49,9 +49,11 @@ class Engine:
 
         providers = self.device.providers()
         try:
-            return ort.InferenceSession(to_onnx(graph).SerializeToString(), self.options, providers=providers)
+            sess = ort.InferenceSession(to_onnx(graph).SerializeToString(), self.options, providers=providers)
         except Exception as exc:
             raise RevgraphError(f"onnxruntime refuses the {what}: {_first_line(exc)}") from None
+        self.device.check_session(sess)
+        return sess
 
     # ------------------------------------------------------------------------------------------ state
 

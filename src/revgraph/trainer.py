@@ -55,11 +55,13 @@ class Trainer:
     def __init__(self, model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
                  threads: int = 0, checkpoint: str = "store", device: str | Device = "cpu", distributed: bool = False):
-        self.device = Device.parse(device)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
+        self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
                                                   checkpoint=checkpoint)
         self.losses: list[float] = []  # one per step, in order (the global batch's loss when distributed)
+        self.resumed: str | None = None  # set by fit when it resumed from a checkpoint: where from
         self.comm = None
         if distributed:
             from .distributed import Collective, DistributedEngine
@@ -288,6 +290,7 @@ class Trainer:
             arrays = self.comm.broadcast_arrays(arrays, names, self._engine.read(names))
         self._engine.load(arrays)
         self.losses = list(meta["losses"])
+        self.resumed = f"{where} (epoch {meta['epoch'] + 1}, step {self.steps})"
         return _Position(meta["epoch"], meta["batch"], meta["epoch_loss_sum"], list(meta["epoch_means"]))
 
     def evaluate(self, data: Data, batch_size: int = 512) -> dict[str, float | None]:
@@ -328,7 +331,7 @@ class Trainer:
         model.initializers.update(self.parameters)
         types = {v.name: v.dtype for v in model.inputs}
         feeds = {k: np.asarray(v).astype(types.get(k), copy=False) for k, v in inputs.items()}
-        return Session(model).run(feeds, [self.spec.loss.output])[self.spec.loss.output]
+        return Session(model, device=self.device).run(feeds, [self.spec.loss.output])[self.spec.loss.output]
 
     # ------------------------------------------------------------------------------------------ output
 

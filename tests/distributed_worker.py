@@ -1,0 +1,73 @@
+"""A training process for tests/test_distributed.py, started by torchrun: trains one of the models below
+data-parallel (``rg.Trainer(..., distributed=True)``) and writes this rank's parameters, optimizer state and
+per-step losses to ``<out>/rank<r>.npz``, so the test can compare the ranks with each other and with one
+process. Run as ``torchrun --nproc-per-node 2 tests/distributed_worker.py --model mlp --out DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+import revgraph as rg
+from revgraph import demo
+from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.train import make_optimizer
+
+VOCAB, TOKENS, DIM, CLASSES = 40, 6, 8, 5
+
+
+def embedding_model(seed: int = 0) -> Graph:
+    """Token ids int64 ``[N, 6]`` -> an embedding table ``E`` [40, 8] read only through ``Gather`` (so its
+    gradient is sparse rows) -> mean over tokens -> a linear layer to 5 classes."""
+    rng = np.random.default_rng(seed)
+    inits = {"E": rng.standard_normal((VOCAB, DIM)).astype(np.float32),
+             "W": (rng.standard_normal((DIM, CLASSES)) / np.sqrt(DIM)).astype(np.float32),
+             "b": np.zeros(CLASSES, np.float32), "axis1": np.array([1], np.int64)}
+    nodes = [Node("Gather", ["E", "ids"], ["emb"], {"axis": 0}, "embed"),
+             Node("ReduceMean", ["emb", "axis1"], ["pooled"], {"keepdims": 0}, "pool"),
+             Node("Gemm", ["pooled", "W", "b"], ["logits"], {}, "head")]
+    return Graph(nodes, [ValueInfo("ids", np.int64, ("N", TOKENS))], [ValueInfo("logits", np.float32, ("N", CLASSES))],
+                 inits, name="embedding")
+
+
+def build(model: str, samples: int) -> tuple[Graph, dict[str, np.ndarray]]:
+    """The model and its training data (deterministic)."""
+    if model == "embedding":
+        rng = np.random.default_rng(1)
+        ids = rng.integers(0, VOCAB, (samples, TOKENS)).astype(np.int64) % (VOCAB // 2)  # half the rows: repeats
+        return embedding_model(), {"ids": ids, "labels": rng.integers(0, CLASSES, samples)}
+    train, _ = demo.digits()
+    data = {"x": train["x"][:samples], "labels": train["labels"][:samples]}
+    return (demo.rnn_model(hidden=16) if model == "rnn" else demo.mlp_model(hidden=16)), data
+
+
+OPTIMIZERS = {"adam": dict(name="adam", lr=0.01), "sgd": dict(name="sgd", lr=0.05, momentum=0.9),
+              "adamw": dict(name="adamw", lr=0.01, weight_decay=0.1)}
+
+
+def trainer(model: str, optimizer: str, samples: int, distributed: bool) -> tuple[rg.Trainer, dict]:
+    g, data = build(model, samples)
+    opt = make_optimizer(**OPTIMIZERS[optimizer])
+    return rg.Trainer(g, "cross-entropy", opt, threads=1, distributed=distributed), data
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--optimizer", default="adam")
+    p.add_argument("--samples", type=int, default=97)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    tr, data = trainer(a.model, a.optimizer, a.samples, True)
+    means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False)
+    np.savez(os.path.join(a.out, f"rank{tr.rank}.npz"), **tr.parameters, **tr.state,
+             losses=np.array(tr.losses), means=np.array(means), world=np.array(tr.world_size))
+    tr.comm.close()
+
+
+if __name__ == "__main__":
+    main()
