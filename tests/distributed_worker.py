@@ -61,8 +61,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--skew", action="store_true", help="rank 1 trains on one sample less (a user's mistake)")
     a = p.parse_args()
-    tr, data = trainer(a.model, a.optimizer, a.samples, True)
+    samples = a.samples - (a.skew and os.environ.get("RANK") == "1")
+    tr, data = trainer(a.model, a.optimizer, samples, True)
     means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False)
     np.savez(os.path.join(a.out, f"rank{tr.rank}.npz"), **tr.parameters, **tr.state,
              losses=np.array(tr.losses), means=np.array(means), world=np.array(tr.world_size))

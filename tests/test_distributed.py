@@ -76,6 +76,16 @@ def test_two_processes_train_like_one(tmp_path, model, optimizer):
     _compare(tmp_path, _single(model, optimizer, 97, 16, 2))
 
 
+def test_ranks_with_different_data_are_refused(tmp_path):
+    """A rank given other data (here one sample less) would deadlock or train wrongly: every rank stops with
+    one line naming the rank, before the first step."""
+    r = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--skew", "--out", str(tmp_path)],
+                       env=ENV, capture_output=True, text=True, timeout=240)
+    assert r.returncode != 0
+    assert "the training data or fit arguments of rank 1 differ from rank 0's; give every rank the same data" in r.stderr
+    assert not list(tmp_path.glob("rank*.npz"))
+
+
 def test_two_nodes_rendezvous_on_localhost(tmp_path):
     """Two "machines": two torchrun invocations with --nnodes 2 and node ranks 0 and 1, one process each,
     meeting at 127.0.0.1."""

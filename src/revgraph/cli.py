@@ -373,7 +373,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     test = read_npz(args.test_data) if args.test_data else None
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     g = load(args.model)
-    threads = args.threads or (_threads_per_process() if distributed else 0)
+    threads = args.threads
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=threads, device=args.device,
@@ -417,12 +417,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.comm:
         trainer.comm.close()
     return 0
-
-
-def _threads_per_process() -> int:
-    """The machine's cores divided among the processes torchrun started on it (at least 1)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // max(local, 1))
 
 
 def _launch_torchrun(args: argparse.Namespace) -> int:

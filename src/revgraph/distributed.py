@@ -60,6 +60,13 @@ def stale_store_on_restart() -> bool:
     return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
+def threads_per_process() -> int:
+    """The machine's cores divided among the processes torchrun started on it (``LOCAL_WORLD_SIZE``), at
+    least 1: onnxruntime's default of one thread per core in every process would oversubscribe the cores."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, (os.cpu_count() or 1) // max(local, 1))
+
+
 def under_torchrun() -> bool:
     """True when this process was started by ``torchrun`` (or another launcher that sets its variables)."""
     return all(k in os.environ for k in TORCHRUN_ENV)
@@ -132,21 +139,24 @@ class Collective:
             self.dist.broadcast_object_list(box, 0, device=self.tdevice if self.device.kind == "cuda" else None)
         return box[0]
 
-    def check_replicas(self, arrays: dict[str, np.ndarray], what: str) -> None:
-        """Raise :class:`RevgraphError` unless ``arrays`` are bitwise identical on every rank (SHA-256 of
-        their bytes, compared through one all-gather)."""
+    def check_replicas(self, arrays: dict[str, np.ndarray], what: str,
+                       hint: str = "every rank must load the same model and run the same revgraph and onnxruntime "
+                                   "versions") -> None:
+        """Raise :class:`RevgraphError` (``"the <what> of rank r differ from rank 0's; <hint>"``) unless
+        ``arrays`` are bitwise identical on every rank (SHA-256 of their names, dtypes, shapes and bytes,
+        compared through one all-gather)."""
         h = hashlib.sha256()
         for name in sorted(arrays):
-            h.update(name.encode())
-            h.update(np.ascontiguousarray(arrays[name]).tobytes())
+            a = np.asarray(arrays[name])
+            h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
+            h.update(np.ascontiguousarray(a).tobytes())
         mine = self.torch.tensor(list(h.digest()), dtype=self.torch.uint8, device=self.tdevice)
         every = [self.torch.empty_like(mine) for _ in range(self.world_size)]
         with collective("an all-gather"):
             self.dist.all_gather(every, mine)
         bad = [r for r, d in enumerate(every) if not self.torch.equal(d, every[0])]
         if bad:
-            raise RevgraphError(f"the {what} of rank {bad[0]} differ from rank 0's; every rank must load the same "
-                                "model and run the same revgraph and onnxruntime versions")
+            raise RevgraphError(f"the {what} of rank {bad[0]} differ from rank 0's; {hint}")
 
     def barrier(self) -> None:
         with collective("a barrier"):

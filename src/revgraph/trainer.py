@@ -64,9 +64,10 @@ class Trainer:
         self.resumed: str | None = None  # set by fit when it resumed from a checkpoint: where from
         self.comm = None
         if distributed:
-            from .distributed import Collective, DistributedEngine
+            from .distributed import Collective, DistributedEngine, threads_per_process
 
             self.comm = Collective(self.device)
+            threads = threads or threads_per_process()
             self._engine = DistributedEngine(self.spec, threads, self.device, self.comm)
             self.comm.check_replicas(self.parameters, "initial parameters")
         else:
@@ -224,6 +225,11 @@ class Trainer:
             raise InputError("the training data holds no samples")
         self._check_fixed_batch(batch_size, n)
         rank, world = self.rank, self.world_size
+        if self.comm:  # different data or arguments on some rank would deadlock or train wrongly: refuse
+            args = np.array([epochs, batch_size, shuffle, seed, checkpoint_every], np.int64)
+            self.comm.check_replicas({**arrays, "fit arguments": args}, "training data or fit arguments",
+                                     "give every rank the same data and the same epochs, batch size, seed and "
+                                     "checkpoint interval")
         group = batch_size * world
         per_epoch = -(-n // group)
         run = {"batch_size": batch_size, "world_size": world, "seed": seed, "shuffle": shuffle, "samples": n}
