@@ -125,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="save parameters, optimizer state and data position here, and resume from them")
     train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                        help="with --checkpoint-dir: save every N steps (default: at the end of each epoch)")
+    train.add_argument("--allow-nonfinite", action="store_true",
+                       help="train on when the loss becomes NaN or infinite (default: stop at that step, exit 2)")
     train.add_argument("--nproc", type=int, metavar="N",
                        help="train data-parallel in N processes on this machine (starts torchrun; needs "
                             "revgraph[distributed]); the global batch is N x --batch-size")
@@ -392,7 +394,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                       soft_wrap=True, markup=False)
     before = trainer.evaluate(data)
     means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=console,
-                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                        nonfinite="continue" if args.allow_nonfinite else "stop")
     if trainer.resumed:
         console.print(f"resumed from {trainer.resumed}", soft_wrap=True, markup=False)
     after = trainer.evaluate(data)
@@ -403,6 +406,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             trainer.save_training_graph(args.save_training_graph)
 
     def score(ev: dict) -> str:
+        if ev["nonfinite"] and trainer.spec.loss.kind != "mse":
+            return f"loss {ev['loss']:.4g}, no accuracy ({ev['nonfinite']} outputs are NaN or infinite)"
         return f"loss {ev['loss']:.4g}" + ("" if ev["accuracy"] is None else f", accuracy {ev['accuracy']:.2%}")
 
     batch = f"batch size {args.batch_size}" + (f" x {trainer.world_size} processes" if distributed else "")

@@ -19,5 +19,10 @@ class UnsupportedModelError(RevgraphError):
     """A model uses something revgraph does not handle (a type, an operator domain, an opset)."""
 
 
+class NonFiniteError(RevgraphError):
+    """Training produced a loss or parameters that are NaN or infinite (the step is named; the trainer keeps the
+    parameters from before it)."""
+
+
 class InputError(RevgraphError):
     """Feeds given at run time do not fit the graph (missing, unknown, wrong dtype or shape)."""

@@ -92,6 +92,10 @@ class Engine:
     def _swap(self) -> None:
         self._current = 1 - self._current  # the new values are in the other set: it becomes current
 
+    def undo(self) -> None:
+        """Return to the values before the last step (they are still in the other buffer set)."""
+        self._swap()
+
     def evaluate(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """``(loss, model output)`` of the loss graph on ``feeds`` with the current parameters."""
         binding = self._eval.io_binding()

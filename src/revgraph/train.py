@@ -345,6 +345,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     gg.outputs = gg.outputs[:1]
     tg = TrainingGraph(gg, model, opt, spec, list(model.input_names), names, {}, step, {}, {}, "",
                        initial={p: np.asarray(model.initializers[p]) for p in names})
+    _check_representable(opt, {p: tg.initial[p].dtype for p in names})
     scalars = _Scalars(b, opt, step)
     for p in names:
         vi = ValueInfo(p, tg.initial[p].dtype, tg.initial[p].shape)
@@ -399,6 +400,17 @@ def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     update.inputs += [tg.grad_types[g] for g in grads]
     update.outputs = update.outputs[1:]
     return grad_graph, update
+
+
+def _check_representable(opt: Optimizer, dtypes: dict[str, np.dtype]) -> None:
+    """Raise :class:`RevgraphError` when a hyperparameter overflows the dtype of a parameter it updates (a
+    learning rate of 1e308 is infinite in float32, and would train to NaN weights)."""
+    values = {"learning rate": opt.lr, "momentum": opt.momentum, "weight decay": opt.weight_decay, "eps": opt.eps}
+    for p, dt in dtypes.items():
+        for what, v in values.items():
+            if abs(v) > float(np.finfo(dt).max):
+                raise RevgraphError(f"the {what} {v:g} does not fit in {np.dtype(dt).name}, the dtype of parameter "
+                                    f"{p!r}; choose a value below {np.finfo(dt).max:.3g}")
 
 
 def _output(b: _Builder, value: str, base: str) -> str:

@@ -24,7 +24,7 @@ import onnx
 
 from . import checkpoints
 from .devices import Device
-from .errors import InputError, RevgraphError
+from .errors import InputError, NonFiniteError, RevgraphError
 from .ir import Graph
 from .onnx_io import save
 from .train import Optimizer, TrainingGraph, training_graph
@@ -202,7 +202,8 @@ class Trainer:
 
     def fit(self, data: Data, epochs: int = 1, batch_size: int = 32, *, shuffle: bool = True, seed: int = 0,
             progress: bool = True, console=None, description: str = "training",
-            checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0) -> list[float]:
+            checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
+            nonfinite: str = "stop") -> list[float]:
         """Train for ``epochs`` passes over ``data`` in batches of ``batch_size`` per process (module doc: the
         global batch is ``batch_size * world_size``; the last batch of an epoch may be smaller). ``shuffle``:
         each epoch visits the samples in the order of ``numpy.random.default_rng(seed + epoch).permutation(n)``
@@ -213,9 +214,16 @@ class Trainer:
         (:mod:`revgraph.checkpoints`) every ``checkpoint_every`` steps (0: at the end of each epoch) and at
         the end; and when the directory already holds a checkpoint of this run, training resumes from it
         (on every rank; only rank 0 reads the file), so a restarted run reaches the weights of an
-        uninterrupted one. Returns the mean loss of each epoch. Raises :class:`InputError` for bad data or
-        sizes, :class:`RevgraphError` for a checkpoint of another run.
+        uninterrupted one.
+
+        ``nonfinite="stop"`` (the default) stops at the first step whose loss is NaN or infinite, and at the end
+        when the last update left a parameter NaN or infinite, raising :class:`NonFiniteError` that names the
+        step; the trainer keeps the parameters and state from before that step (nothing of it is checkpointed).
+        ``"continue"`` trains on regardless. Returns the mean loss of each epoch. Raises :class:`InputError`
+        for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run.
         """
+        if nonfinite not in ("stop", "continue"):
+            raise InputError(f"nonfinite must be 'stop' or 'continue', got {nonfinite!r}")
         if epochs < 1 or batch_size < 1 or checkpoint_every < 0:
             raise InputError(f"epochs and batch size must be positive and checkpoint_every >= 0, got {epochs}, "
                              f"{batch_size} and {checkpoint_every}")
@@ -244,6 +252,8 @@ class Trainer:
                     chunk = order[pos.batch * group:(pos.batch + 1) * group]
                     rows = shard(chunk, rank, world)
                     loss = self._step(self._feeds(arrays, rows), len(rows), len(chunk))
+                    if nonfinite == "stop" and not np.isfinite(loss):
+                        self._reject_step(f"the loss is {loss}", pos.epoch, pos.batch)
                     pos.total += loss * len(chunk)
                     pos.batch += 1
                     seen += len(chunk)
@@ -258,9 +268,23 @@ class Trainer:
                         self._save(checkpoint_dir, run, pos)
                     if ended:
                         break
+        final = self.parameters
+        if nonfinite == "stop" and pos.means and not all(np.isfinite(a).all() for a in final.values()):
+            bad = next(p for p, a in final.items() if not np.isfinite(a).all())
+            self._reject_step(f"parameter {bad!r} became NaN or infinite", pos.epoch - 1, per_epoch - 1)
         if self.comm:
-            self.comm.check_replicas({**self.parameters, **self.state}, "parameters or optimizer state")
+            self.comm.check_replicas({**final, **self.state}, "parameters or optimizer state")
         return list(pos.means)
+
+    def _reject_step(self, what: str, epoch: int, batch: int) -> None:
+        """Undo the last step and raise :class:`NonFiniteError` naming it (every rank sees the same global
+        loss and parameters, so every rank stops at the same step)."""
+        step = self.steps
+        self._engine.undo()
+        self.losses.pop()
+        raise NonFiniteError(f"{what} at step {step} (epoch {epoch + 1}, batch {batch + 1}); the trainer keeps the "
+                             "parameters from before it: lower the learning rate or look for NaN or infinite values "
+                             "in the data (--allow-nonfinite, or fit(nonfinite='continue'), trains on regardless)")
 
     def _save(self, directory, run: dict, pos: _Position) -> None:
         """Rank 0 writes a checkpoint of the current state at ``pos`` (the next batch to train)."""
@@ -302,29 +326,32 @@ class Trainer:
     def evaluate(self, data: Data, batch_size: int = 512) -> dict[str, float | None]:
         """The mean loss over ``data`` with the current parameters, and the accuracy for classification:
         ``argmax(logits) == label`` for cross-entropy, ``(logit > 0) == (label > 0.5)`` for bce, ``None``
-        for mse. With ``distributed``, each rank evaluates its share and the sums are all-reduced. Returns
-        ``{"loss": float, "accuracy": float | None, "samples": int}``."""
+        for mse, and ``None`` too when any output is NaN or infinite (``nonfinite`` counts those outputs). With
+        ``distributed``, each rank evaluates its share and the sums are all-reduced. Returns
+        ``{"loss": float, "accuracy": float | None, "samples": int, "nonfinite": int}``."""
         arrays = self.arrays(data)
         n = len(arrays["labels"])
         batch_size = self.fixed_batch or batch_size
         if self.fixed_batch:
             self._check_fixed_batch(batch_size, n)
         mine = shard(np.arange(n), self.rank, self.world_size)
-        sums = np.zeros(3)  # loss * samples, correct answers, label elements
+        sums = np.zeros(4)  # loss * samples, correct answers, label elements, non-finite outputs
         for start in range(0, len(mine), batch_size):
             feeds = self._feeds(arrays, mine[start:start + batch_size])
             loss, out = self._engine.evaluate(feeds)
             labels = feeds[self.spec.labels]
             sums[0] += float(loss) * len(labels)
             sums[2] += labels.size
+            sums[3] += int(np.size(out) - np.isfinite(out).sum())
             if self.spec.loss.kind == "cross-entropy":
                 sums[1] += int(np.sum(np.argmax(out, axis=-1) == labels))
             elif self.spec.loss.kind == "bce":
                 sums[1] += int(np.sum((out > 0) == (labels > 0.5)))
         if self.comm:
             sums = self.comm.sum(sums)
-        accuracy = None if self.spec.loss.kind == "mse" else sums[1] / max(sums[2], 1)
-        return {"loss": sums[0] / max(n, 1), "accuracy": accuracy, "samples": n}
+        # an argmax or sign of NaN outputs is no answer: no accuracy is computed from them
+        accuracy = None if self.spec.loss.kind == "mse" or sums[3] else sums[1] / max(sums[2], 1)
+        return {"loss": sums[0] / max(n, 1), "accuracy": accuracy, "samples": n, "nonfinite": int(sums[3])}
 
     def predict(self, inputs: Mapping[str, np.ndarray] | np.ndarray) -> np.ndarray:
         """The model output the loss reads, for ``inputs`` (an array for a one-input model, or arrays by
