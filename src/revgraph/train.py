@@ -473,15 +473,17 @@ def _sparse_update(b: _Builder, s: _Scalars, p: str, idx: str, rows: str, state:
                    dt) -> tuple[str, list[str]]:
     """The lazy row update of table ``p`` (``[R, ...]``) from gradient rows ``idx`` (int64 ``[K]``, in
     ``[0, R)``, maybe repeated) and ``rows`` (``[K, ...]``): coalesce, gather, update, scatter back."""
+    from .autodiff.sparse import add_rows  # the race-free row scatter
+
     unique = b.fresh(f"{b.prefix}/Unique")
     inverse = b.fresh(f"{unique}:inverse")
     b.nodes.append(Node("Unique", [idx], [unique, "", inverse], {"sorted": 1}, unique))
-    # Coalesce: repeated indices add their rows (ScatterND "add" into zeros of [U, ...]).
+    # Coalesce: repeated indices add their rows into zeros of [U, ...] (add_rows: ScatterElements, race free).
     row_shape = b.op("Shape", [rows], start=1)
     zeros = b.op("ConstantOfShape", [b.op("Concat", [b.op("Shape", [unique]), row_shape], axis=0)],
                  value=np.zeros(1, dtype=dt))
     axis1 = b.const([1], np.int64)
-    g = b.op("ScatterND", [zeros, b.op("Unsqueeze", [inverse, axis1]), rows], reduction="add")
+    g = add_rows(b, zeros, inverse, rows)
     p_rows = b.op("Gather", [p, unique], axis=0)
     s_rows = [b.op("Gather", [v, unique], axis=0) for v in state]
     new_p_rows, new_s_rows = _update(b, s, p_rows, g, s_rows, dt)

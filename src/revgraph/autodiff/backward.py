@@ -38,8 +38,9 @@ class Accumulator:
     ``mode="sum"``: contributions are kept until :meth:`total` is asked for the version (when its producer is
     reached in the reverse walk, or at the end for inputs), then added by one ``Sum`` node. ``mode="running"``:
     each new dense contribution is added to the partial sum at once with ``Add``, so earlier terms can be freed
-    sooner. Sparse contributions concatenate; a mix of sparse and dense is ``ScatterND(reduction="add")`` of
-    the rows into the dense sum.
+    sooner. Sparse contributions concatenate; a mix of sparse and dense adds the rows into the dense sum with
+    :func:`~revgraph.autodiff.sparse.add_rows` (``ScatterElements`` on flat views: onnxruntime's reducing
+    ``ScatterND`` races on repeated indices when it runs on several threads).
     """
 
     def __init__(self, e: Emitter, mode: str = "sum"):

@@ -5,7 +5,8 @@
 * A **carried** value's cotangent is a carried value of the backward loop, starting from the cotangent of the
   loop's final output; the gradient of its initial value is what the last backward iteration produces.
 * A **captured** (loop-invariant) value's gradient is summed over the iterations in an accumulator carried by
-  the backward loop, starting at zero; a sparse contribution is added with ``ScatterND(reduction="add")``.
+  the backward loop, starting at zero; a sparse contribution is added with ``sparse.scatter_add`` (a
+  race-free ``ScatterElements``).
 * Backward iteration k works on forward iteration t = T - 1 - k: it reads slice t of each scan output's
   cotangent and of each stacked residual.
 

@@ -7,6 +7,11 @@ A gather reads elements; its transpose adds the cotangent back at the read posit
 ``reduction="add"`` accumulates repeated indices (DESIGN.md section 5). ``Gather`` along axis 0 returns the
 rows as a :class:`SparseGrad` (indices normalised into ``[0, n)``, since ``Gather`` allows negative indices
 and the sparse contract does not); the backward pass concatenates and densifies them.
+
+Every reducing scatter emitted here is ``ScatterElements``: onnxruntime's ``ScatterND`` with a reduction
+races on repeated indices when it runs on several threads, so the ScatterND-shaped transposes (GatherND, the
+``mul`` scale of ScatterND) go through :func:`~revgraph.autodiff.sparse.scatter_nd_reduce` (see
+``autodiff/sparse.py``). ``ScatterND`` without a reduction, at unique positions, stays.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import onnx
 from ...errors import GraphError
 from ...ir import Node
 from ..registry import Emitter, vjp
-from ..sparse import SparseGrad
+from ..sparse import SparseGrad, scatter_nd_reduce
 
 _INT64 = onnx.TensorProto.INT64
 
@@ -154,22 +159,28 @@ def _batch_coords(e: Emitter, node: Node, idx: str, b: int) -> str:
 
 @vjp("GatherND")
 def gather_nd(e: Emitter, node: Node, out_grads: list) -> list:
-    """ONNX "GatherND": ``y[p..] = x[batch(p), idx[p..]]``. The transpose is ``ScatterND(zeros, idx', g,
-    reduction="add")`` where ``idx'`` holds the batch positions explicitly and non-negative indices."""
+    """ONNX "GatherND": ``y[p..] = x[batch(p), idx[p..]]``. The transpose has the semantics of
+    ``ScatterND(zeros, idx', g, reduction="add")``, where ``idx'`` holds the batch positions explicitly and
+    non-negative indices, written race free by :func:`~revgraph.autodiff.sparse.scatter_nd_reduce`."""
     data, idx = node.inputs
     if not e.need[0]:
         return [None, None]
     b = int(node.attrs.get("batch_dims", 0))
+    full = _nonneg(e, idx, _nd_dims(e, data, idx, b))
+    if b:
+        full = e.op("Concat", [_batch_coords(e, node, idx, b), full], axis=-1)
+    return [scatter_nd_reduce(e, e.zeros_like(data), full, out_grads[0], "add"), None]
+
+
+def _nd_dims(e: Emitter, data: str, idx: str, b: int) -> str:
+    """``shape(data)[b:b+m]`` as a 1-D int64 value (a constant when static), ``m = idx.shape[-1]``: the
+    extents that ND indices (GatherND after ``b`` batch dimensions, ScatterND with ``b = 0``) count in."""
     m = e.dims(idx)[-1] if e.dims(idx) else None
     dims = _shape_part(e, data, b, b + m) if isinstance(m, int) else None
     if dims is None:  # the index depth is only known at run time: slice shape(x)[b:b+m] with it
         depth = e.op("Shape", [idx], start=-1)
         dims = e.op("Slice", [e.op("Shape", [data]), e.ints([b]), e.op("Add", [e.ints([b]), depth])])
-    full = _nonneg(e, idx, _cat_shapes(e, [dims]))
-    if b:
-        full = e.op("Concat", [_batch_coords(e, node, idx, b), full], axis=-1)
-    dx = e.op("ScatterND", [e.zeros_like(data), full, out_grads[0]], reduction="add", like=data)
-    return [dx, None]
+    return _cat_shapes(e, [dims])
 
 
 def _scatter_vjp(e: Emitter, node: Node, g: str, scatter: str, gather: str, attrs: dict) -> list:
@@ -188,12 +199,26 @@ def _scatter_vjp(e: Emitter, node: Node, g: str, scatter: str, gather: str, attr
         elif reduction == "add":
             grads[0] = g
         else:
-            scale = e.op(scatter, [e.ones_like(data), idx, upd], reduction="mul", like=data, **attrs)
-            grads[0] = e.op("Mul", [g, scale], like=data)
+            grads[0] = e.op("Mul", [g, _product_at(e, scatter, data, idx, upd, attrs)], like=data)
     if e.need[2]:
         src = _fit_to_indices(e, node, g, idx, attrs["axis"]) if "axis" in attrs else g
-        grads[2] = e.op(gather, [src, idx], like=upd, **attrs)
+        if gather == "GatherElements" and e.rank(src) == 1:
+            # The same read; the reference evaluator's GatherElements (numpy.choose) takes at most 64 entries
+            # along the axis, and the race-free scatters of autodiff/sparse.py are 1-D.
+            grads[2] = e.op("Gather", [src, idx], axis=0, like=upd)
+        else:
+            grads[2] = e.op(gather, [src, idx], like=upd, **attrs)
     return grads
+
+
+def _product_at(e: Emitter, scatter: str, data: str, idx: str, upd: str, attrs: dict) -> str:
+    """Ones of ``data``'s shape times the product of the updates written at each position (the data
+    gradient's scale of a ``mul`` scatter). ScatterElements' kernel is sequential; ScatterND(mul) races on
+    repeated indices in onnxruntime, so its product goes through
+    :func:`~revgraph.autodiff.sparse.scatter_nd_reduce` (with non-negative indices)."""
+    if scatter == "ScatterElements":
+        return e.op(scatter, [e.ones_like(data), idx, upd], reduction="mul", like=data, **attrs)
+    return scatter_nd_reduce(e, e.ones_like(data), _nonneg(e, idx, _nd_dims(e, data, idx, 0)), upd, "mul")
 
 
 def _fit_to_indices(e: Emitter, node: Node, g: str, idx: str, axis: int) -> str:
