@@ -201,7 +201,7 @@ class DistributedEngine(Engine):
             gb.bind_ortvalue_output(spec.loss.loss, self._loss[k])
             for g, value in self._grad_values.items():
                 gb.bind_ortvalue_output(g, value)
-            for _, idx, rows in self._sparse:
+            for _, idx, rows in self._sparse:  # bound last, so step() finds them after the dense gradients
                 gb.bind_output(idx, self.device.ort_type, self.device.index)
                 gb.bind_output(rows, self.device.ort_type, self.device.index)
             ub = self._update.io_binding()
