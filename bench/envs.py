@@ -1,11 +1,11 @@
 """Virtual environments of the comparison frameworks, created on demand.
 
 onnxruntime-training's ``generate_artifacts`` needs a virtual environment of its own: its last release
-(1.19.2) is built against numpy 1.x and cannot share /work/venv (numpy 2, onnx 1.23, onnxruntime 1.32).
-JAX gets one too, so that installing it can never move the numpy or onnx that revgraph's tests run with.
-Both are created next to the project's directory (``/work/venv-ort-training``, ``/work/venv-jax`` for a
-project in ``/work/main``; ``--venv-dir`` or ``RG_BENCH_VENV_DIR`` elsewhere) the first time a benchmark
-needs them, with pinned versions; later runs reuse them.
+(1.19.2) is built against numpy 1.x and cannot share revgraph's environment (numpy 2, onnx 1.23, onnxruntime
+1.32). JAX gets one too, so that installing it can never move the numpy or onnx that revgraph's tests run with.
+Both are created next to the project's directory (``<parent>/venv-ort-training`` and ``<parent>/venv-jax`` for a
+checkout in ``<parent>/<checkout>``; ``--venv-dir`` or ``RG_BENCH_VENV_DIR`` elsewhere) the first time a
+benchmark needs them, with pinned versions; later runs reuse them.
 
     python bench/envs.py [ort-training|jax ...]     # create (or check) them without running a benchmark
 

@@ -115,6 +115,22 @@ def assert_same_values(actual, expected, rtol: float = RTOL, what: str = "") -> 
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, equal_nan=True, err_msg=what)
 
 
+def random_weights(g, seed: int):
+    """``g`` (an ``rg.Graph``) with weights of a sensible scale, in place: N(0, 1/fan_in) for kernels and
+    matrices, 1 + N(0, 0.1) for per-channel vectors (batch-norm scales and variances stay positive). The light
+    models' constant 0.02 weights drive their activations to 1e9-1e31; with these they stay O(1)."""
+    rng = np.random.default_rng(seed)
+    for name, w in list(g.initializers.items()):
+        if w.dtype.kind != "f" or w.size <= 1:
+            continue
+        if w.ndim >= 2:
+            fan_in = int(np.prod(w.shape[1:]))
+            g.initializers[name] = (rng.standard_normal(w.shape) / np.sqrt(fan_in)).astype(w.dtype)
+        else:
+            g.initializers[name] = (1 + 0.1 * rng.standard_normal(w.shape)).astype(w.dtype)
+    return g
+
+
 def random_feeds(inputs, seed: int) -> dict[str, np.ndarray]:
     """Random arrays for ``(name, dtype, shape)`` triples (floats N(0,1), ints in [0, 3))."""
     rng = np.random.default_rng(seed)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import site
 import subprocess
+import sys
+import sysconfig
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +20,12 @@ from conftest import DATA_DIR, graph_inputs
 
 from revgraph.cli import main
 
-SCRIPT = Path("/work/venv/bin/revgraph")
+#: Where pip puts the console scripts of the environment running the tests: its scripts directory (``bin/`` of a
+#: virtual environment), the interpreter's own directory, and the user scheme's (``pip install --user``) where
+#: this interpreter reads user site-packages (never in a virtual environment). The test runs the script found
+#: there, never one of another environment that happens to be on PATH.
+_USER_SCRIPTS = [sysconfig.get_path("scripts", f"{os.name}_user")] if site.ENABLE_USER_SITE else []
+SCRIPT_DIRS = list(dict.fromkeys([sysconfig.get_path("scripts"), str(Path(sys.executable).parent), *_USER_SCRIPTS]))
 #: 3 float inputs X[2,3,4], Y[1,3,4], Z[3,3,4]; 2 initializers; SequenceEmpty/SequenceInsert x3/SequenceAt; opset 12
 SEQ_MODEL = DATA_DIR / "simple" / "test_sequence_model1" / "model.onnx"
 #: one float input; Conv with weight and bias initializers; opset 6
@@ -154,8 +164,9 @@ def test_run_with_npz_inputs_writes_the_outputs(model, backend, tmp_path, capsys
     assert "note:" not in captured.err
     assert str(tmp_path / "out.npz") in captured.out
     expected = direct_ort(model, feeds)
-    with np.load(tmp_path / "out.npz") as got:
-        assert sorted(got.files) == sorted(expected)
+    with np.load(tmp_path / "out.npz") as got:  # plain names are their own members; revgraph_names maps them
+        assert sorted(got.files) == sorted([*expected, "revgraph_names"])
+        assert {name: member for member, name in got["revgraph_names"]} == {name: name for name in expected}
         for name, want in expected.items():
             assert got[name].dtype == want.dtype and got[name].shape == want.shape
             np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
@@ -261,11 +272,19 @@ def test_output_directory_missing(tmp_path, capsys):
     assert_one_line_error(code, capsys.readouterr().err, "does not exist")
 
 
+def installed_script() -> str:
+    found = shutil.which("revgraph", path=os.pathsep.join(SCRIPT_DIRS))
+    assert found, (f"no revgraph console script in {' or '.join(SCRIPT_DIRS)} (the environment of {sys.executable}); "
+                   'install the package into it: pip install -e ".[test]"')
+    return found
+
+
 def test_installed_console_script(tmp_path):
+    script = installed_script()
     feeds = feeds_for(CONV_MODEL, seed=11)
     np.savez(tmp_path / "in.npz", **feeds)
     ok = subprocess.run(
-        [str(SCRIPT), "run", str(CONV_MODEL), "--inputs", str(tmp_path / "in.npz"), "-o", str(tmp_path / "out.npz")],
+        [script, "run", str(CONV_MODEL), "--inputs", str(tmp_path / "in.npz"), "-o", str(tmp_path / "out.npz")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -279,7 +298,7 @@ def test_installed_console_script(tmp_path):
     data = CONV_MODEL.read_bytes()
     (tmp_path / "half.onnx").write_bytes(data[: len(data) // 2])
     bad = subprocess.run(
-        [str(SCRIPT), "info", str(tmp_path / "half.onnx")], capture_output=True, text=True, timeout=120
+        [script, "info", str(tmp_path / "half.onnx")], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr

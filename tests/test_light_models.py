@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import DATA_DIR
+from conftest import DATA_DIR, random_weights
 
 import revgraph as rg
 from revgraph.check import to_float64
@@ -18,21 +18,6 @@ from revgraph.lift import lift_constants
 
 MODELS = ["resnet50", "inception_v1", "inception_v2", "densenet121", "shufflenet", "squeezenet", "vgg19",
           "zfnet512", "bvlc_alexnet"]
-
-
-def random_weights(g: rg.Graph, seed: int) -> rg.Graph:
-    """Weights of a sensible scale: N(0, 1/fan_in) for kernels and matrices, 1 + N(0, 0.1) for per-channel
-    vectors (batch-norm scales and variances stay positive)."""
-    rng = np.random.default_rng(seed)
-    for name, w in list(g.initializers.items()):
-        if w.dtype.kind != "f" or w.size <= 1:
-            continue
-        if w.ndim >= 2:
-            fan_in = int(np.prod(w.shape[1:]))
-            g.initializers[name] = (rng.standard_normal(w.shape) / np.sqrt(fan_in)).astype(w.dtype)
-        else:
-            g.initializers[name] = (1 + 0.1 * rng.standard_normal(w.shape)).astype(w.dtype)
-    return g
 
 
 def lifted(name: str) -> tuple[rg.Graph, list[str]]:

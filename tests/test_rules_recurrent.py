@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import assert_same_values
 from harness import check_rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -269,7 +270,9 @@ def test_forward_matches_onnxruntime_kernels(op, case):
     assert set(got) == set(expected)
     for k in expected:
         np.testing.assert_allclose(got[k], expected[k], rtol=1e-4, atol=5e-5, err_msg=k)
-        np.testing.assert_allclose(ref[k], got[k], rtol=1e-5, atol=1e-6, err_msg=f"reference, {k}")
+        # relative to the outputs' scale: with Relu the states grow to ~25, and an output near 0 is a difference
+        # of such values, whose rounding (1e-6 absolute) depends on the BLAS kernels of the reference's MatMul
+        assert_same_values(ref[k], got[k], what=f"reference, {k}")
 
 
 @pytest.mark.parametrize("op", sorted(GATES))
