@@ -2,80 +2,239 @@
 
 For a loss L (a graph output) the check projects L on a random cotangent u, f(w) = sum(u * L(w)), and for
 each wrt value w and random direction v compares the VJP ``<grad_w f, v>`` with the central difference
-``(f(w + h v) - f(w - h v)) / 2h``. Everything runs in float64 (the graph's float tensors, constants and
-casts are promoted), so the comparison measures the rules, not float32 rounding.
+``(f(w + h v) - f(w - h v)) / 2h``. Everything runs in float64 (the graph's float tensors, constants, casts
+and statistics are promoted, :func:`to_float64`), so the comparison measures the rules, not float32 rounding;
+where onnxruntime has no float64 kernel, or one that computes in float32, the graphs run on the reference
+evaluator (whose float64 kernels :mod:`revgraph.reference_ops` makes exact), and the report says so.
+
+Randomness is fixed: the masks of ``Dropout`` nodes and the outputs of random operators (top-level graph) are
+taken from the run that computes the gradient and replayed in the runs that take the differences, with the
+ONNX spec's formula ``x * mask / (1 - ratio)``, so both sides see the same function.
+
+A value is *not checked* (its row says why, and it does not fail the check) when moving it changes the shape
+of the loss (``OneHot`` depth, ``Range`` limit), or when the loss is not differentiable at the inputs along a
+direction tried (a kink or a jump: the one-sided differences disagree at two step sizes, e.g. ``Relu`` at 0,
+tied ``Max`` inputs), where every convention for the gradient is as good as another.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+from onnx import helper
 
 from .autodiff.backward import gradient, resolve_loss, resolve_wrt
 from .autodiff.loops.lower import lower_to_loops
 from .errors import InputError, RevgraphError
-from .ir import Graph, Node, ValueInfo
+from .ir import Graph, Node, ValueInfo, fresh_name
 from .onnx_io import infer_types
 from .runtime import Session, expand_domains, random_inputs
 from .ssa import is_ssa, to_ssa
 
-_FLOAT_TYPES = {1, 10, 11, 16}  # onnx FLOAT, FLOAT16, DOUBLE, BFLOAT16
+_FLOAT_TYPES = {1, 10, 11, 16}  # onnx FLOAT, FLOAT16, DOUBLE, BFLOAT16 (float8 casts quantize: left alone)
+#: attributes that name an output dtype, and the operators whose default for it is FLOAT
+_DTYPE_ATTRS = ("to", "dtype", "output_datatype")
+_FLOAT_BY_DEFAULT = {"RandomNormal": "dtype", "RandomUniform": "dtype", "SequenceEmpty": "dtype",
+                     "HannWindow": "output_datatype", "HammingWindow": "output_datatype",
+                     "BlackmanWindow": "output_datatype", "MelWeightMatrix": "output_datatype"}
+#: operators whose float64 onnxruntime kernels compute in float32 (onnxruntime 1.32: relative errors ~1e-7
+#: against the exact values, which the reference evaluator gives); central differences with a step of 1e-6
+#: through them would measure float32 rounding, so graphs holding them run on the reference evaluator
+_ORT_FLOAT32_PRECISE = ("Shrink",)
+#: operators that draw random values at every run (Dropout's mask is handled separately)
+_RANDOM_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial")
+#: row statuses that do not fail the check: the value could not be checked numerically
+NOT_CHECKED = ("shape", "kink")
 
 
 @dataclass
 class CheckRow:
-    """One wrt value: the largest absolute and relative error over the directions tried."""
+    """One wrt value: the largest absolute and relative error over the directions tried.
+
+    ``status`` is ``"agree"``, ``"mismatch"``, ``"not finite"`` (NaN or inf in the loss at or next to the
+    inputs), ``"gradient not finite"`` (NaN or inf in the gradient only),
+    ``"shape"`` (moving the value changes the loss's shape) or ``"kink"`` (the loss is not differentiable at
+    the inputs along a direction tried); ``note`` says why a value was not checked. ``ok`` is False only for
+    a mismatch or a value that is not finite.
+    """
 
     name: str
     max_abs: float
     max_rel: float
     ok: bool
+    status: str = "agree"
+    note: str = ""
 
 
 @dataclass
 class GradientReport:
-    """The result of :func:`check_gradients`: one :class:`CheckRow` per wrt value; ``ok`` if all agree."""
+    """The result of :func:`check_gradients`: one :class:`CheckRow` per wrt value; ``ok`` if none fails.
+    ``notes`` says how the check ran where it departs from the plain method (backend, replayed masks)."""
 
     loss: str
     rows: list[CheckRow] = field(default_factory=list)
     backend: str = "onnxruntime"
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return all(r.ok for r in self.rows)
 
 
+# ---------------------------------------------------------------------------------------------- float64
+
+
+def is_float_dtype(dtype: np.dtype | None) -> bool:
+    """True for float16, bfloat16, float32 and float64 (ml_dtypes' bfloat16 has numpy kind ``V``)."""
+    if dtype is None:
+        return False
+    if np.dtype(dtype).kind == "f":
+        return True
+    try:
+        return helper.np_dtype_to_tensor_dtype(np.dtype(dtype)) in _FLOAT_TYPES
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 def to_float64(graph: Graph) -> Graph:
-    """A copy of ``graph`` computing in float64: float inputs, outputs, initializers, ``Constant`` and
-    ``ConstantOfShape`` values, and ``Cast`` targets become float64 (subgraphs too)."""
+    """A copy of ``graph`` computing in float64, subgraphs included: float inputs, outputs, declared types
+    (``value_info``, kept so that ranks ONNX cannot infer survive), initializers, ``Constant`` and
+    ``ConstantOfShape`` values, and the dtype attributes of ``Cast``, ``EyeLike``, the random operators and
+    the window functions become float64; ``GroupNormalization`` computes its statistics in float64
+    (``stash_type``); unused ``Mean``/``InvStdDev`` outputs of ``LayerNormalization`` are dropped (their
+    schema type is float32 or bfloat16 only). Float8 casts are left alone: they quantize."""
     g = graph.copy()
+    used = _used_names(g)
     stack = [g]
     while stack:
         sub = stack.pop()
         sub.inputs = [_promote_vi(v) for v in sub.inputs]
         sub.outputs = [_promote_vi(v) for v in sub.outputs]
-        sub.value_info = {}
+        sub.value_info = {k: _promote_vi(v) for k, v in sub.value_info.items()}
         sub.initializers = {k: _promote(a) for k, a in sub.initializers.items()}
         for node in sub.nodes:
-            for key, val in list(node.attrs.items()):
-                if isinstance(val, np.ndarray):
-                    node.attrs[key] = _promote(val)
-            if node.op_type in ("Cast", "EyeLike", "RandomNormal", "RandomUniform") and node.attrs.get("to", node.attrs.get("dtype")) in _FLOAT_TYPES:
-                node.attrs["to" if node.op_type == "Cast" else "dtype"] = 11
+            _promote_node(node, g.opset, used)
             stack.extend(node.subgraphs.values())
     return g
 
 
+def _used_names(g: Graph) -> set[str]:
+    """Names some node reads or some graph (or subgraph) outputs."""
+    used = set(g.output_names)
+    for sub, node in g.walk():
+        used.update(node.inputs)
+        used.update(sub.output_names)
+        for body in node.subgraphs.values():
+            used.update(body.output_names)
+    return used
+
+
+def _promote_node(node: Node, opset: int, used: set[str]) -> None:
+    for key, val in list(node.attrs.items()):
+        if isinstance(val, np.ndarray):
+            node.attrs[key] = _promote(val)
+        elif key in _DTYPE_ATTRS and isinstance(val, int) and val in _FLOAT_TYPES:
+            node.attrs[key] = 11
+    if node.domain:
+        return
+    if node.op_type in _FLOAT_BY_DEFAULT and _FLOAT_BY_DEFAULT[node.op_type] not in node.attrs:
+        node.attrs[_FLOAT_BY_DEFAULT[node.op_type]] = 11
+    elif node.op_type == "Constant" and ("value_float" in node.attrs or "value_floats" in node.attrs):
+        value = node.attrs.pop("value_float", None)
+        value = node.attrs.pop("value_floats", value)
+        node.attrs["value"] = np.asarray(value, dtype=np.float64)
+    elif node.op_type == "ConstantOfShape" and "value" not in node.attrs:
+        node.attrs["value"] = np.zeros(1, np.float64)  # the default is a float32 zero
+    elif node.op_type == "GroupNormalization" and opset >= 21:
+        node.attrs["stash_type"] = 11
+    elif node.op_type == "LayerNormalization":
+        outs = [o if i == 0 or o in used else "" for i, o in enumerate(node.outputs)]
+        while len(outs) > 1 and not outs[-1]:
+            outs.pop()
+        node.outputs = outs
+
+
 def _promote(a: np.ndarray) -> np.ndarray:
     a = np.asarray(a)
-    return a.astype(np.float64) if a.dtype.kind == "f" else a
+    return a.astype(np.float64) if is_float_dtype(a.dtype) else a
 
 
 def _promote_vi(v: ValueInfo) -> ValueInfo:
-    dtype = np.float64 if v.dtype is not None and v.dtype.kind == "f" else v.dtype
+    dtype = np.float64 if is_float_dtype(v.dtype) else v.dtype
     return ValueInfo(v.name, dtype, v.shape, v.kind)
+
+
+# ---------------------------------------------------------------------------------------------- randomness
+
+
+def _record_randomness(g: Graph, types: Mapping[str, ValueInfo]) -> list[str]:
+    """Make the random values of ``g``'s top-level graph its outputs (in place): every ``Dropout``'s mask
+    (added to the node when it has none) and the outputs of random operators. Returns their names."""
+    used = g.all_names()
+    recorded = []
+    for node in g.nodes:
+        if node.domain:
+            continue
+        if node.op_type == "Dropout":
+            if len(node.outputs) < 2 or not node.outputs[1]:
+                node.outputs[1:] = [fresh_name(f"{node.outputs[0]}__check_mask", used)]
+            x = types.get(node.inputs[0])
+            g.outputs.append(ValueInfo(node.outputs[1], np.dtype(bool), x.shape if x else None))
+            recorded.append(node.outputs[1])
+        elif node.op_type in _RANDOM_OPS:
+            g.outputs.append(types.get(node.outputs[0]) or ValueInfo(node.outputs[0]))
+            recorded.append(node.outputs[0])
+    return recorded
+
+
+def _replay_randomness(g: Graph, values: Mapping[str, np.ndarray]) -> Graph:
+    """A copy of ``g`` whose recorded random values (:func:`_record_randomness`) are inputs ``<name>__fixed``:
+    random operators become ``Identity`` of them, and each ``Dropout`` the ONNX spec's formula (Dropout-13:
+    ``x * mask / (1 - ratio)`` in training mode, ``x`` otherwise) on its fixed mask."""
+    g = g.copy()
+    used = g.all_names()
+    fed = {name: f"{name}__fixed" for name in values}
+    g.inputs += [ValueInfo(fed[k], v.dtype, v.shape) for k, v in values.items()]
+    nodes: list[Node] = []
+    for node in g.nodes:
+        if node.op_type == "Dropout" and not node.domain and node.outputs[1] in fed:
+            nodes += _dropout_formula(node, fed[node.outputs[1]], used)
+        elif node.op_type in _RANDOM_OPS and not node.domain and node.outputs[0] in fed:
+            nodes.append(Node("Identity", [fed[node.outputs[0]]], [node.outputs[0]], name=f"check/replay/{node.name}"))
+        else:
+            nodes.append(node)
+    g.nodes = nodes
+    return g
+
+
+def _dropout_formula(node: Node, mask: str, used: set[str]) -> list[Node]:
+    x, y, mask_out = node.inputs[0], node.outputs[0], node.outputs[1]
+    ratio = node.inputs[1] if len(node.inputs) > 1 and node.inputs[1] else None
+    training = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
+    prefix = f"check/replay/{node.name or 'Dropout'}"
+    if training is None:  # inference mode: the identity, and an all-true mask
+        return [Node("Identity", [x], [y], name=f"{prefix}/y"),
+                Node("Identity", [mask], [mask_out], name=f"{prefix}/mask")]
+
+    def new(op: str, inputs: list[str], **attrs) -> str:
+        out = fresh_name(f"{prefix}/{op}", used)
+        nodes.append(Node(op, inputs, [out], attrs, out))
+        return out
+
+    nodes: list[Node] = []
+    one = new("CastLike", [new("Constant", [], value=np.asarray(1.0)), x])
+    r = new("CastLike", [ratio, x]) if ratio else new("CastLike", [new("Constant", [], value=np.asarray(0.5)), x])
+    scale = new("Div", [one, new("Sub", [one, r])])
+    kept = new("Mul", [new("Mul", [x, new("CastLike", [mask, x])]), scale])
+    nodes.append(Node("Where", [training, kept, x], [y], name=f"{prefix}/y"))
+    nodes.append(Node("Identity", [mask], [mask_out], name=f"{prefix}/mask"))
+    return nodes
+
+
+# ---------------------------------------------------------------------------------------------- sessions
 
 
 def _perturbed(graph: Graph, wrt: list[str]) -> Graph:
@@ -95,13 +254,37 @@ def _perturbed(graph: Graph, wrt: list[str]) -> Graph:
     return g
 
 
-def _session(graph: Graph, backend: str) -> Session:
+def _session(graph: Graph, backend: str, notes: list[str]) -> Session:
+    """A session on ``backend``, or on the reference evaluator where onnxruntime cannot run the float64 graph
+    exactly (no float64 kernel, a float-only schema, a float64 kernel computing in float32); ``notes`` gets
+    the reason."""
+    if backend == "onnxruntime":
+        imprecise = sorted({n.op_type for _, n in graph.walk() if n.op_type in _ORT_FLOAT32_PRECISE and not n.domain})
+        if imprecise:
+            _note(notes, f"ran on the reference evaluator: onnxruntime's float64 {', '.join(imprecise)} computes "
+                         "in float32")
+            return Session(graph, backend="reference")
     try:
         return Session(graph, backend=backend)
-    except Exception as exc:  # onnxruntime lacks float64 kernels for a few ops: the reference evaluator has them
-        if backend == "onnxruntime" and "NOT_IMPLEMENTED" in str(exc):
-            return Session(graph, backend="reference")
-        raise
+    except RevgraphError as exc:
+        text = str(exc)
+        if backend != "onnxruntime" or not ("NOT_IMPLEMENTED" in text or ("Type Error" in text and "double" in text)):
+            raise
+    op = re.search(r"implementation for (\w+)\(", text) or re.search(r"operator \((\w+)\)", text)
+    node = re.search(r"of node \(([^)]*)\)", text)
+    ops = {n.name: n.op_type for _, n in graph.walk()}
+    op = op.group(1) if op else ops.get(node.group(1)) if node else None
+    what = f"a float64 {op}" if op else "the float64 graph"
+    _note(notes, f"ran on the reference evaluator: onnxruntime does not run {what}")
+    return Session(graph, backend="reference")
+
+
+def _note(notes: list[str], text: str) -> None:
+    if text not in notes:
+        notes.append(text)
+
+
+# ---------------------------------------------------------------------------------------------- the check
 
 
 def check_gradients(
@@ -121,9 +304,14 @@ def check_gradients(
 
     ``inputs`` gives the graph inputs (random ones, as ``revgraph run`` makes them, when absent); ``seed``
     seeds the inputs, the cotangent and the directions. A wrt value passes when every direction's error is
-    within ``atol + rtol * |central difference|``. Raises :class:`InputError` for non-finite inputs, and what
-    :func:`revgraph.gradient` raises for bad names.
+    within ``atol + rtol * |central difference|``; values that cannot be checked get a row saying why
+    (:class:`CheckRow`). Raises :class:`InputError` for non-finite inputs, and what :func:`revgraph.gradient`
+    raises for bad names.
     """
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise RevgraphError(f"seed must be an int >= 0, got {seed!r}")
+    if inputs is not None and not isinstance(inputs, Mapping):
+        raise InputError(f"inputs must map input names to arrays (a dict), got {type(inputs).__name__}")
     if not (rtol >= 0 and atol >= 0 and step > 0 and directions > 0):
         raise RevgraphError(f"tolerances must be >= 0 and step and directions > 0 (rtol {rtol}, atol {atol}, "
                             f"step {step}, directions {directions})")
@@ -135,45 +323,102 @@ def check_gradients(
     loss = resolve_loss(g, loss)
     wrt_names = resolve_wrt(g, wrt, types)
     rng = np.random.default_rng(seed)
-    feeds = dict(random_inputs(g, seed) if inputs is None else inputs)
-    for k, v in list(feeds.items()):
-        v = np.asarray(v)
-        if v.dtype.kind == "f":
-            if not np.all(np.isfinite(v)):
-                raise InputError(f"input {k!r} holds NaN or infinite values; the numeric check needs finite inputs")
-            v = v.astype(np.float64)
-        feeds[k] = v
+    feeds = _float64_feeds(random_inputs(g, seed) if inputs is None else inputs)
+    random_values = _record_randomness(g, types)
 
     gg = gradient(g, loss, wrt_names, seed="input", unconnected="zero")
-    seed_name = gg.inputs[-1].name
+    seed_name, seed_dtype = gg.inputs[-1].name, gg.inputs[-1].dtype or np.dtype(np.float64)
     grad_names = gg.output_names[len(g.outputs):]
-    sess = _session(gg, backend)
+    notes: list[str] = []
+    sess = _session(gg, backend, notes)
     # the gradient graph may run where the forward graph cannot: the clean-up pass drops dead forward nodes
-    probe = _session(g, sess.backend).run(feeds, [loss])[loss]
-    u = rng.standard_normal(probe.shape)
-    result = sess.run({**feeds, seed_name: u})
+    probe = _session(g, sess.backend, notes).run(feeds, [loss])[loss]
+    # the cotangent in the seed's declared dtype (float32 for LayerNormalization's statistics), the same values
+    # on both sides
+    u = rng.standard_normal(probe.shape).astype(seed_dtype).astype(np.float64)
+    result = sess.run({**feeds, seed_name: u.astype(seed_dtype)})
     grads = dict(zip(wrt_names, (result[n] for n in grad_names), strict=True))
+    fixed = {name: result[name] for name in random_values}
+    if fixed:
+        _note(notes, "random values (Dropout masks, random operators) are those of the gradient's run, replayed")
 
-    pg = _perturbed(g, wrt_names)
-    psess = _session(pg, sess.backend)
-    report = GradientReport(loss, backend=sess.backend)
-    zero = {f"{w}__delta": np.zeros_like(grads[w]) for w in wrt_names}
+    pg = _perturbed(_replay_randomness(g, fixed), wrt_names)
+    psess = _session(pg, sess.backend, notes)
+    base_feeds = {**feeds, **{f"{k}__fixed": v for k, v in fixed.items()},
+                  **{f"{w}__delta": np.zeros_like(grads[w]) for w in wrt_names}}
+    base = psess.run(base_feeds, [loss])[loss]
+    report = GradientReport(loss, backend=sess.backend, notes=notes)
     for w in wrt_names:
-        max_abs = max_rel = 0.0
-        ok = True
-        for _ in range(directions):
-            v = rng.standard_normal(grads[w].shape)
-            plus = psess.run({**feeds, **zero, f"{w}__delta": step * v}, [loss])[loss]
-            minus = psess.run({**feeds, **zero, f"{w}__delta": -step * v}, [loss])[loss]
-            numeric = float(np.sum(u * (plus - minus))) / (2 * step)
-            analytic = float(np.sum(grads[w] * v))
-            if not (np.isfinite(analytic) and np.isfinite(numeric)):  # e.g. Sqrt of a negative input
-                max_abs = max_rel = float("nan")
-                ok = False
-                continue
-            err = abs(analytic - numeric)
-            max_abs = max(max_abs, err)
-            max_rel = max(max_rel, err / max(abs(numeric), 1e-300))
-            ok &= bool(err <= atol + rtol * abs(numeric))
-        report.rows.append(CheckRow(w, max_abs, max_rel, ok))
+        def loss_at(delta: np.ndarray, w: str = w) -> np.ndarray:
+            return psess.run({**base_feeds, f"{w}__delta": delta}, [loss])[loss]
+
+        report.rows.append(_compare(w, grads[w], loss_at, u, base, rng, directions, step, rtol, atol))
     return report
+
+
+def _float64_feeds(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in feeds.items():
+        v = np.asarray(v)
+        if is_float_dtype(v.dtype):
+            v = v.astype(np.float64)
+            if not np.all(np.isfinite(v)):
+                raise InputError(f"input {k!r} holds NaN or infinite values; the numeric check needs finite inputs")
+        out[k] = v
+    return out
+
+
+def _compare(w: str, grad: np.ndarray, loss_at: Callable[[np.ndarray], np.ndarray], u: np.ndarray,
+             base: np.ndarray, rng: np.random.Generator, directions: int, step: float, rtol: float,
+             atol: float) -> CheckRow:
+    """The row of wrt value ``w``: ``loss_at(delta)`` is the loss with ``w`` moved by ``delta``."""
+    max_abs = max_rel = 0.0
+    mismatch = False
+    if grad.size == 0:  # nothing to move, nothing to compare (the loss may even be -inf: max of an empty set)
+        return CheckRow(w, 0.0, 0.0, True, "agree", "empty")
+    for _ in range(directions):
+        v = rng.standard_normal(grad.shape)
+        plus, minus = loss_at(step * v), loss_at(-step * v)
+        if plus.shape != base.shape or minus.shape != base.shape:
+            moved = plus.shape if plus.shape != base.shape else minus.shape
+            return CheckRow(w, float("nan"), float("nan"), True, "shape",
+                            f"not checked: moving it by {step:g} changes the loss's shape from {list(base.shape)} "
+                            f"to {list(moved)} (it sets a shape)")
+        numeric = float(np.sum(u * (plus - minus))) / (2 * step)
+        analytic = float(np.sum(grad * v))
+        if not np.isfinite(numeric):  # e.g. Sqrt of a negative input, Log at 0
+            return CheckRow(w, float("nan"), float("nan"), False, "not finite",
+                            "the loss is not finite at or next to these inputs (outside an operator's domain?)")
+        if not np.isfinite(analytic):
+            return CheckRow(w, float("nan"), float("nan"), False, "gradient not finite",
+                            "the gradient is not finite, though the loss is finite around these inputs")
+        err = abs(analytic - numeric)
+        max_abs = max(max_abs, err)
+        max_rel = max(max_rel, err / max(abs(numeric), 1e-300))
+        if err > atol + rtol * abs(numeric):
+            if _on_kink(loss_at, u, base, v, step, (plus, minus), rtol, atol):
+                return CheckRow(w, max_abs, max_rel, True, "kink",
+                                "not checked: the loss is not differentiable here (its one-sided differences "
+                                "disagree at two step sizes: a kink or a jump); move the input")
+            mismatch = True
+    return CheckRow(w, max_abs, max_rel, not mismatch, "mismatch" if mismatch else "agree")
+
+
+def _on_kink(loss_at, u, base, v, step, first, rtol, atol) -> bool:
+    """Whether the loss has a kink or a jump at the inputs along ``v``: its forward and backward differences
+    disagree beyond the tolerance, and do not approach each other when the step shrinks 16-fold (for a
+    smooth loss their gap is ``step * v'Hv`` and shrinks with the step)."""
+    f0 = float(np.sum(u * base))
+
+    def gap(plus: np.ndarray, minus: np.ndarray, h: float) -> tuple[float, float]:
+        if plus.shape != base.shape or minus.shape != base.shape:
+            return float("inf"), 0.0
+        fwd, bwd = (float(np.sum(u * plus)) - f0) / h, (f0 - float(np.sum(u * minus))) / h
+        return abs(fwd - bwd), max(abs(fwd), abs(bwd))
+
+    wide, scale = gap(*first, step)
+    if not wide > atol + rtol * scale:
+        return False
+    h = step / 16
+    narrow, _ = gap(loss_at(h * v), loss_at(-h * v), h)
+    return narrow > 0.5 * wide

@@ -157,6 +157,26 @@ _DATA_INPUTS = {"Reshape": 1, "Unsqueeze": 1, "Squeeze": 1, "Slice": 1, "ReduceS
                 "ReduceMax": 1, "ReduceMin": 1, "Gemm": 2}
 
 
+#: reductions that keep the input's rank with ``keepdims=1`` (the default), whatever their axes
+KEEPDIMS = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+            "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin")
+
+
+def keepdims_type(node: Node, types: Mapping[str, ValueInfo]) -> ValueInfo | None:
+    """The type of a reduction's output with ``keepdims=1`` when its axes are not known (computed, as the
+    PyTorch exporter writes ``mean(-1)``: ``Reshape(Constant(-1), [1])``): the input's rank, with the
+    dimensions that are 1 in the input (a reduced axis becomes 1, a kept one stays) and the others unknown.
+    ONNX's inference gives no shape at all there, and the rank is what rules need. ``None`` when the input's
+    rank is unknown or ``keepdims=0``."""
+    if node.op_type not in KEEPDIMS or node.domain or not node.attrs.get("keepdims", 1) or not node.inputs:
+        return None
+    x = types.get(node.inputs[0])
+    if x is None or x.shape is None:
+        return None
+    dtype = np.dtype(np.int64) if node.op_type in ("ArgMax", "ArgMin") else x.dtype
+    return ValueInfo(node.outputs[0], dtype, tuple(1 if d == 1 else None for d in x.shape))
+
+
 def infer(node: Node, types: Mapping[str, ValueInfo], values: Mapping[str, np.ndarray]) -> ValueInfo | None:
     """The type of ``node``'s single output when every data input has a static shape and a known dtype and
     the operator is one of :data:`SHAPES`; ``None`` otherwise (ask ONNX)."""

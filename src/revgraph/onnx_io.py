@@ -390,9 +390,17 @@ def onnx_node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, n
 def node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, np.ndarray],
                opset: int) -> dict[str, ValueInfo]:
     """The output types of one node: :mod:`revgraph.fastshape`'s formulas when they apply, else
-    :func:`onnx_node_types`."""
+    :func:`onnx_node_types`, with the rank of a ``keepdims=1`` reduction over computed axes
+    (:func:`revgraph.fastshape.keepdims_type`) where ONNX gives no shape."""
     fast = fastshape.infer(node, types, values)
-    return {fast.name: fast} if fast is not None else onnx_node_types(node, types, values, opset)
+    if fast is not None:
+        return {fast.name: fast}
+    found = onnx_node_types(node, types, values, opset)
+    rank = fastshape.keepdims_type(node, types)
+    if rank is not None and (rank.name not in found or found[rank.name].shape is None):
+        known = found.get(rank.name)
+        found[rank.name] = ValueInfo(rank.name, known.dtype if known and known.dtype else rank.dtype, rank.shape)
+    return found
 
 
 def _declared(graph: Graph) -> dict[str, ValueInfo]:
@@ -434,7 +442,7 @@ def infer_types(graph: Graph) -> dict[str, ValueInfo]:
     be found are left out."""
     quick = _infer_incrementally(graph)
     if quick is not None:
-        return quick
+        return _complete_shapes(graph, quick)
     types: dict[str, ValueInfo] = {}
     light, _ = _light(graph)
     try:
@@ -454,4 +462,26 @@ def infer_types(graph: Graph) -> dict[str, ValueInfo]:
         types[name] = ValueInfo(name, arr.dtype, arr.shape)
     for vi in graph.inputs:
         types[vi.name] = vi
+    return _complete_shapes(graph, types)
+
+
+def _complete_shapes(graph: Graph, types: dict[str, ValueInfo]) -> dict[str, ValueInfo]:
+    """``types`` with the values that whole-graph inference left without a shape inferred again node by node,
+    in node order (:func:`node_types`), where every input's shape is known: a rank found for one value (the
+    rank of a ``keepdims=1`` reduction over computed axes) then reaches the values computed from it, which
+    ONNX's whole-graph inference leaves without a shape too. A shape found never replaces a declared one."""
+    values = None
+    for node in graph.nodes:
+        outs = [o for o in node.outputs if o]
+        if node.subgraphs or all(o in types and types[o].shape is not None for o in outs):
+            continue
+        if any(i and (i not in types or types[i].shape is None) for i in node.inputs):
+            continue
+        if values is None:
+            values = {k: a for k, a in constant_values(graph).items() if a.size <= 64}
+        for name, vi in node_types(node, types, values, graph.opset).items():
+            known = types.get(name)
+            if vi.shape is not None and (known is None or known.shape is None):
+                dtype = vi.dtype if vi.dtype is not None or known is None else known.dtype
+                types[name] = ValueInfo(name, dtype, vi.shape, vi.kind)
     return types

@@ -1,6 +1,8 @@
-"""Corrections to kernels of ``onnx.reference`` (onnx 1.23) that disagree with the ONNX operator spec, passed to
-``ReferenceEvaluator(new_ops=...)`` by :class:`revgraph.Session`. Each class keeps onnx's implementation and
-changes only what the spec says differently:
+"""Corrections to kernels of ``onnx.reference`` (onnx 1.23) that disagree with the ONNX operator spec or lose
+precision, passed to ``ReferenceEvaluator(new_ops=...)`` by :class:`revgraph.Session`. ``revgraph check`` falls
+back to this evaluator where onnxruntime has no float64 kernel, so every kernel here must be exact in float64.
+``Loop`` and ``LRN`` keep onnx's implementation and change only what the spec says differently; the others are
+written from the spec:
 
 * ``Loop``: an omitted condition input means "no condition" (onnx's kernel runs no iteration); scan outputs
   are stacked on a new axis 0 (onnx's kernel concatenates per-iteration outputs of rank >= 2 along their
@@ -8,6 +10,19 @@ changes only what the spec says differently:
   fails with "need at least one array to concatenate").
 * ``LRN``: the sum of squares runs over the channels around each channel (onnx's kernel loops over the batch
   axis instead).
+* ``Erf``: computed in the input's precision (onnx's kernel rounds every value to float32, so float64 central
+  differences of a graph with ``Erf`` measured float32 noise: ~1e-7 / 1e-6 = 10% errors); ``Gelu``, whose
+  onnx implementation is its function body (an ``Erf``, or float32 constants for ``approximate="tanh"``), is
+  the spec formula in the input's precision too. Both use ``math.erf`` (correctly rounded to ~1 ulp in float64).
+* ``OneHot``: a non-integer ``depth`` or ``indices`` is cast to int64 before use, as the spec says (onnx's kernel
+  makes ``np.arange(depth)`` classes, 11 for a depth of 10.000001, and matches float indices exactly).
+* ``Resize`` with ``coordinate_transformation_mode="align_corners"`` and ``scales``: ``length_resized`` is the
+  length of the resized tensor, ``floor(length_original * scale)``, as the spec defines it and onnxruntime
+  computes it (onnx's kernel uses the fractional ``length_original * scale``: for a scale of 0.8 on 4 pixels,
+  output positions 0, 1.36, 2.73 instead of 0, 1.5, 3).
+* ``GatherElements``: ``indices`` may be smaller than ``data`` along every axis, not only ``axis`` (the output
+  has the shape of ``indices``; onnx's kernel requires equal sizes outside ``axis`` and, through
+  ``np.choose``, at most 64 entries along it: BERT's 512 positions failed).
 """
 
 from __future__ import annotations
@@ -16,8 +31,10 @@ import math
 
 import numpy as np
 from onnx import helper
+from onnx.reference.op_run import OpRun
 from onnx.reference.ops.op_loop import Loop as _OnnxLoop
 from onnx.reference.ops.op_lrn import LRN as _OnnxLRN
+from onnx.reference.ops.op_resize import Resize as _OnnxResize
 
 
 class Loop(_OnnxLoop):
@@ -71,4 +88,75 @@ class LRN(_OnnxLRN):
         return ((x / (bias + (alpha / size) * square_sum) ** beta).astype(x.dtype),)
 
 
-FIXED_OPS = [Loop, LRN]
+class Erf(OpRun):
+    op_domain = ""
+
+    def _run(self, x):
+        return (_erf(x),)
+
+
+class Gelu(OpRun):
+    op_domain = ""
+
+    def _run(self, x, approximate=None):
+        """ONNX "Gelu" (opset 20): ``0.5 x (1 + erf(x / sqrt(2)))``, or with ``approximate="tanh"``
+        ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``, with the constants in the input's precision."""
+        if (approximate or "none") == "tanh":
+            y = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+        else:
+            y = 0.5 * x * (1 + _erf(x / math.sqrt(2)))
+        return (np.asarray(y, dtype=x.dtype),)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """The error function elementwise, in the precision of ``x`` (``math.erf`` works in float64)."""
+    x = np.asarray(x)
+    return np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype) if x.size else x.copy()
+
+
+class GatherElements(OpRun):
+    op_domain = ""
+
+    def _run(self, data, indices, axis=None):
+        """ONNX "GatherElements": ``out[i][j][k] = data[indices[i][j][k]][j][k]`` for ``axis = 0`` (and
+        likewise for other axes), for every position of ``indices``; negative indices count from the end."""
+        axis = (axis or 0) % data.ndim
+        idx = np.asarray(indices, dtype=np.int64)
+        idx = np.where(idx < 0, idx + data.shape[axis], idx)
+        window = tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(idx.shape))
+        return (np.take_along_axis(data[window], idx, axis=axis),)
+
+
+class Resize(_OnnxResize):
+    op_domain = ""
+
+    def _run(self, X, roi, scales=None, sizes=None, **attrs):
+        if (attrs.get("coordinate_transformation_mode") == "align_corners" and scales is not None
+                and np.size(scales) and not attrs.get("antialias")):
+            axes = attrs.get("axes") or range(X.ndim)
+            lengths = np.array([X.shape[a] for a in axes], dtype=np.float64)
+            # the output lengths the spec gives (floor(length * scale)), passed as sizes so that onnx's kernel
+            # uses them as length_resized
+            sizes = np.floor(lengths * np.asarray(scales, dtype=np.float64)).astype(np.int64)
+            scales = None
+        return super()._run(X, roi, scales, sizes, **attrs)
+
+
+class OneHot(OpRun):
+    op_domain = ""
+
+    def _run(self, indices, depth, values, axis=None):
+        """ONNX "OneHot": ``values[1]`` where the class along the new axis ``axis`` equals the index (negative
+        indices count from ``depth``; others outside ``[-depth, depth)`` give a row of ``values[0]``)."""
+        depth = int(np.asarray(depth).reshape(-1)[0])
+        idx = np.asarray(indices).astype(np.int64)
+        idx = np.where(idx < 0, idx + depth, idx)
+        axis = -1 if axis is None else axis
+        axis = axis + idx.ndim + 1 if axis < 0 else axis
+        classes = np.arange(depth).reshape((-1,) + (1,) * (idx.ndim - axis))
+        hot = np.expand_dims(idx, axis) == classes
+        off, on = values[0], values[1]
+        return (np.where(hot, on, off).astype(values.dtype),)
+
+
+FIXED_OPS = [Loop, LRN, Erf, Gelu, GatherElements, OneHot, Resize]
