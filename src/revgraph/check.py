@@ -308,10 +308,6 @@ def check_gradients(
     (:class:`CheckRow`). Raises :class:`InputError` for non-finite inputs, and what :func:`revgraph.gradient`
     raises for bad names.
     """
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
-        raise RevgraphError(f"seed must be an int >= 0, got {seed!r}")
-    if inputs is not None and not isinstance(inputs, Mapping):
-        raise InputError(f"inputs must map input names to arrays (a dict), got {type(inputs).__name__}")
     if not (rtol >= 0 and atol >= 0 and step > 0 and directions > 0):
         raise RevgraphError(f"tolerances must be >= 0 and step and directions > 0 (rtol {rtol}, atol {atol}, "
                             f"step {step}, directions {directions})")
