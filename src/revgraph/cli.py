@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from . import __version__
 from .autodiff.backward import ACCUMULATE, gradient
@@ -19,14 +19,18 @@ from .check import NOT_CHECKED, check_gradients
 from .devices import Device
 from .errors import InputError, RevgraphError
 from .ir import TARGET_OPSET, ValueInfo
-from .lift import lift_constants
-from .atomic import atomic_path
+from .lift import drop_unused_initializers, lift_constants
+from .atomic import check_outputs
+from .external_data import external_data_files, too_large
+from .npz import write_outputs
 from .onnx_io import load, save, to_onnx
 from .runtime import BACKENDS, Session, random_inputs
+from .text import LiteralConsole, cell
 
-# Piped output keeps whole names and numbers instead of rich's 80-column truncation.
-out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False)
+# Piped output keeps whole names and numbers instead of rich's 80-column truncation. Every string printed is
+# shown literally (names from a model may hold escape sequences, newlines or Rich markup): revgraph.text.
+out = LiteralConsole(highlight=False, width=None if sys.stdout.isatty() else 200)
+err = LiteralConsole(stderr=True, highlight=False)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,7 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a model on inputs from an .npz file (random inputs without one)")
     run.add_argument("model", metavar="MODEL.onnx")
     run.add_argument("--inputs", metavar="FILE.npz", help="input arrays by input name (default: random)")
-    run.add_argument("-o", "--output", metavar="OUT.npz", help="write the outputs here (default: print a summary)")
+    run.add_argument("-o", "--output", metavar="OUT.npz",
+                     help="write the outputs here (default: print a summary); each output is stored under its name "
+                     "when that is a plain file name, else as output_<k>; the member revgraph_names maps members to "
+                     "names: z = np.load(OUT); {name: z[m] for m, name in z['revgraph_names']}")
     run.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
     run.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     run.add_argument("--device", default="cpu", metavar="cpu|cuda[:i]",
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"info": cmd_info, "run": cmd_run, "grad": cmd_grad, "check": cmd_check, "train": cmd_train,
                     "demo": cmd_demo, "show": cmd_show}
-        return commands[args.command](args)
+        return _dispatch(commands[args.command], args)
     except RevgraphError as exc:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)
         return 2
@@ -170,6 +177,37 @@ def main(argv: list[str] | None = None) -> int:
             markup=False,
         )
         return 3
+
+
+def _check_outputs(args: argparse.Namespace, outputs: dict, inputs: dict | None = None,
+                   creatable: tuple[str, ...] = ()) -> None:
+    """Refuse, before any work, output paths that are one of the command's input files (the model, its
+    external data, ``inputs``), the same file twice, a directory or in a missing directory
+    (:func:`revgraph.atomic.check_outputs`)."""
+    inputs = {"the model": args.model, **(inputs or {})}
+    given = [p for p in outputs.values() if p]
+    for path in given:  # a big model's tensors would go to <out>.data: it may not be an input either
+        if os.path.isfile(str(path) + ".data"):
+            outputs = {**outputs, f"the external data of {path!r}": str(path) + ".data"}
+    if any(os.path.exists(p) for p in given):  # only an existing file can be one of the model's data files
+        for f in external_data_files(args.model):
+            inputs[f"the model's external data file {f.name!r}"] = f
+    check_outputs(outputs, inputs, creatable=creatable)
+
+
+def _dispatch(command, args: argparse.Namespace) -> int:
+    """Run ``command``; a Python warning that a library raises on the way (onnx warns about odd external
+    data keys, say) is printed as one ``warning:`` line, shown literally, before the result or error line,
+    instead of as Python's two-line source excerpt."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            return command(args)
+        finally:
+            for w in caught:
+                err.print(f"warning: {w.message}", soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------------------- info
@@ -191,7 +229,7 @@ def _values_table(title: str, values: list[ValueInfo]) -> Table:
     for v in values:
         shape = "?" if v.shape is None else "[" + ", ".join("?" if d is None else str(d) for d in v.shape) + "]"
         dtype = str(v.dtype) if v.dtype is not None else "?"
-        table.add_row(escape(v.name), f"seq({dtype})" if v.kind == "sequence" else dtype, shape)
+        table.add_row(v.name, f"seq({dtype})" if v.kind == "sequence" else dtype, shape)
     return table
 
 
@@ -199,7 +237,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     g = load(args.model)
     converted = f" (converted from {g.source_opset})" if g.source_opset not in (None, g.opset) else ""
     others = ", ".join(f"{d} {v}" for d, v in sorted(g.opsets.items()) if d)
-    header = f"[bold]{escape(args.model)}[/bold]: opset {g.opset}{converted}" + (f"; also {others}" if others else "")
+    header = Text.assemble(cell(args.model, "bold"), cell(f": opset {g.opset}{converted}" + (f"; also {others}" if others else "")))
     out.print(header, soft_wrap=True)
     out.print(_values_table("Inputs", g.inputs))
     out.print(_values_table("Outputs", g.outputs))
@@ -214,7 +252,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     table.add_column("op")
     table.add_column("count", justify="right")
     for op, count in ops.most_common():
-        table.add_row(escape(op), str(count))
+        table.add_row(op, str(count))
     out.print(table)
     return 0
 
@@ -238,9 +276,9 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
 
 
 def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-    """Write ``arrays`` to ``path`` as .npz, atomically."""
-    with atomic_path(path, suffix=".npz") as tmp:
-        np.savez(tmp, **arrays)
+    """Write ``arrays`` to ``path`` as .npz, atomically, under safe member names with the real names inside
+    (:mod:`revgraph.npz`)."""
+    write_outputs(path, arrays)
 
 
 def _summary(arrays: dict[str, np.ndarray]) -> Table:
@@ -250,7 +288,7 @@ def _summary(arrays: dict[str, np.ndarray]) -> Table:
     for name, a in _flatten_sequences(arrays).items():
         numeric = a.dtype.kind in "fiub" and a.size
         stats = [f"{float(s):.6g}" for s in (a.min(), a.max(), a.astype(np.float64).mean())] if numeric else ["", "", ""]
-        table.add_row(escape(name), str(a.dtype), str(list(a.shape)), *stats)
+        table.add_row(name, str(a.dtype), str(list(a.shape)), *stats)
     return table
 
 
@@ -267,6 +305,7 @@ def _flatten_sequences(arrays: dict) -> dict[str, np.ndarray]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     g = load(args.model)
+    _check_outputs(args, {"-o": args.output}, {"--inputs": args.inputs})
     session = Session(g, backend=args.backend, device=args.device)  # a bad device fails before the note below
     if args.inputs:
         feeds = read_npz(args.inputs)
@@ -292,6 +331,7 @@ def cmd_grad(args: argparse.Namespace) -> int:
     import onnx
 
     g = load(args.model)
+    _check_outputs(args, {"-o": args.output})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         gg = gradient(g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,
@@ -299,13 +339,15 @@ def cmd_grad(args: argparse.Namespace) -> int:
                       lift_constants=args.lift_constants)
     for w in caught:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
+    drop_unused_initializers(gg)  # onnxruntime would warn about each one when it loads the graph
     model = to_onnx(gg)
     if args.opset is not None and args.opset != gg.opset:
         try:
             model = onnx.version_converter.convert_version(model, args.opset)
         except Exception as exc:
             raise RevgraphError(f"cannot write the gradient graph at opset {args.opset}: {str(exc).splitlines()[0]}") from None
-    onnx.checker.check_model(model, full_check=True)
+    if not too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
+        onnx.checker.check_model(model, full_check=True)
     save(model, args.output)
     added = [o for o in gg.output_names if o not in g.output_names]
     out.print(
@@ -341,7 +383,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         table.add_column(col, justify="left" if col == "value" else "right")
     unchecked = [r for r in report.rows if r.status in NOT_CHECKED]
     for row in report.rows:
-        verdict = "yes" if row.ok else "[red]NO[/red]"
+        verdict = "yes" if row.ok else Text("NO", style="red")
         if row in unchecked:
             table.add_row(row.name, "-", "-", "not checked")
         else:
@@ -382,9 +424,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _launch_torchrun(args)
     distributed = under_torchrun()
-    target = Path(args.output).parent
-    if not target.is_dir():  # fail before training, not after
-        raise RevgraphError(f"cannot write {args.output!r}: directory {str(target)!r} does not exist")
+    _check_train_outputs(args)  # fail before training, not after
     if args.threads < 0 or args.checkpoint_every < 0:
         raise RevgraphError("--threads and --checkpoint-every must be >= 0")
     data = read_npz(args.data)
@@ -440,6 +480,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_train_outputs(args: argparse.Namespace) -> None:
+    """Every file ``train`` writes (-o, --save-training-graph, the checkpoint) can be written and is none of
+    its inputs (the model, --data, --test-data): checked before training, not found out after it."""
+    from .checkpoints import path_in
+
+    ckpt = args.checkpoint_dir
+    if ckpt is not None and (not ckpt or (os.path.exists(ckpt) and not os.path.isdir(ckpt))):
+        raise RevgraphError(f"--checkpoint-dir {ckpt!r} is not a directory")
+    outputs = {"-o": args.output, "--save-training-graph": args.save_training_graph,
+               "the checkpoint file": str(path_in(ckpt)) if ckpt else None}
+    _check_outputs(args, outputs, {"--data": args.data, "--test-data": args.test_data},
+                   creatable=("the checkpoint file",))
+
+
 def _launch_torchrun(args: argparse.Namespace) -> int:
     """``revgraph train --nproc N ...``: check the arguments here (bad input fails in one line, before any
     worker starts), then run this command under ``torchrun --standalone --nproc-per-node N`` and return its
@@ -452,9 +506,7 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
         import torch.distributed.run  # noqa: F401  (torchrun's module)
     except ImportError:
         raise RevgraphError('--nproc needs PyTorch for torchrun: pip install "revgraph[distributed]"') from None
-    target = Path(args.output).parent
-    if not target.is_dir():
-        raise RevgraphError(f"cannot write {args.output!r}: directory {str(target)!r} does not exist")
+    _check_train_outputs(args)
     device = Device.parse(args.device)
     device.providers()  # no CUDA provider: one line here rather than a failure in every worker
     if device.kind == "cuda":
@@ -490,7 +542,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if any(v < 1 for v in changes.values()):
         raise RevgraphError("--epochs and --hidden must be positive")
     settings = dataclasses.replace(settings, seed=args.seed, **changes)
-    results = demo.run(args.output, settings, console=out)
+    # The demo builds its own models (no untrusted names) and styles its table with markup.
+    results = demo.run(args.output, settings, console=Console(highlight=False, width=out.width if sys.stdout.isatty() else 200))
     return 0 if all(results[k]["check_ok"] for k in ("rnn", "mlp")) else 1
 
 
@@ -509,6 +562,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             raise RevgraphError(f"{', '.join(given)} {verb} only with --grad; add --grad to draw the backward graph")
     fmt = viz.check_output(args.output)  # before any work: a bad name or a missing dot is reported at once
     g = load(args.model)
+    _check_outputs(args, {"-o": args.output})
     path = Path(args.model)
     title = f"{path.parent.name}/{path.name}" if path.stem == "model" and path.parent.name else path.name
     if args.grad:

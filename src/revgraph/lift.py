@@ -31,10 +31,12 @@ def lift_constants(graph: Graph) -> tuple[Graph, list[str]]:
     element (in the top-level graph) are initializers, and the names lifted, in node order.
 
     ``ConstantOfShape`` is lifted when its shape is an initializer or a ``Constant`` output. Scalars and
-    one-element constants stay constants: they are hyperparameters (epsilons, exponents), not weights."""
+    one-element constants stay constants: they are hyperparameters (epsilons, exponents), not weights. An
+    initializer that only lifted nodes read (the shape of a ``ConstantOfShape``) is dropped with them, so the
+    graph keeps no unused initializer (onnxruntime warns about each one)."""
     g = graph.copy()
     known: dict[str, np.ndarray] = dict(g.initializers)
-    kept, lifted = [], []
+    kept, lifted, orphans = [], [], set()
     for node in g.nodes:
         value = _constant_value(node, known)
         if value is not None:
@@ -43,7 +45,23 @@ def lift_constants(graph: Graph) -> tuple[Graph, list[str]]:
                 g.initializers[node.outputs[0]] = value
                 g.value_info.pop(node.outputs[0], None)
                 lifted.append(node.outputs[0])
+                orphans.update(i for i in node.inputs if i in g.initializers)
                 continue
         kept.append(node)
     g.nodes = kept
+    drop_unused_initializers(g, orphans)
     return g, lifted
+
+
+def drop_unused_initializers(g: Graph, candidates: set[str] | None = None) -> list[str]:
+    """Remove from ``g`` (in place) the initializers (of ``candidates``, default all) that no node, in any
+    subgraph, reads and no graph output names; return their names. onnxruntime warns about each unused
+    initializer of a graph it loads."""
+    candidates = set(g.initializers) if candidates is None else candidates
+    if not candidates:
+        return []
+    read = {i for _, n in g.walk() for i in n.inputs} | set(g.output_names)
+    unused = sorted(candidates - read)
+    for name in unused:
+        del g.initializers[name]
+    return unused

@@ -336,18 +336,20 @@ def _fill_output_types(model: onnx.ModelProto) -> None:
 def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write ``graph`` to ``path`` as ONNX, atomically: a crash mid-write never leaves a half-written file.
 
-    Models over protobuf's 2 GiB limit are written with their tensors as external data in
-    ``<path>.data`` next to the model.
+    Models over protobuf's 2 GiB limit are written with their large tensors as external data in a new
+    ``<path>.data`` next to the model (:func:`revgraph.external_data.save_external`); a ``ModelProto`` passed
+    in is not changed.
     """
+    from . import external_data
+
     model = graph if isinstance(graph, onnx.ModelProto) else to_onnx(graph)
+    if external_data.too_large(model):
+        external_data.save_external(model, path)
+        return
+    data = model.SerializeToString()  # before the temporary file exists: a signal meanwhile leaves nothing
     with atomic_path(path) as tmp:
-        try:
-            data = model.SerializeToString()
-        except ValueError:  # over 2 GiB
-            onnx.save_model(model, tmp, save_as_external_data=True, location=Path(path).name + ".data")
-        else:
-            with open(tmp, "wb") as f:
-                f.write(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
 
 
 def _light(graph: Graph) -> tuple[Graph, dict[str, np.ndarray]]:

@@ -13,6 +13,7 @@ import onnx
 
 from .devices import Device
 from .errors import InputError, RevgraphError, UnsupportedModelError
+from .external_data import session_source
 from .ir import Graph, ValueInfo
 from .onnx_io import load, to_onnx
 
@@ -58,7 +59,10 @@ class Session:
             options.log_severity_level = 4  # errors reach the user as exceptions
             options.intra_op_num_threads = threads
             try:
-                self._sess = ort.InferenceSession(self.model.SerializeToString(), options, providers=providers)
+                with session_source(self.model) as source:  # a path for a model over 2 GiB (external data)
+                    self._sess = ort.InferenceSession(source, options, providers=providers)
+            except RevgraphError:
+                raise
             except Exception as exc:
                 raise RevgraphError(f"onnxruntime refuses the graph: {_first_line(exc)}") from None
             self.device.check_session(self._sess)

@@ -1,0 +1,69 @@
+"""Mutation fuzzing of ``info``, ``grad``, ``run`` and ``check`` (issue 12, section 2; tests/fuzzkit.py).
+
+Every mutant of the seed models (several operators, a Loop, an If, initializers, external data) must give exit
+0 or 2 (``check`` also 1), no traceback, one ``revgraph: error:`` line on a refusal, and no file left behind.
+CI runs a fixed sample; ``-m slow`` runs a few thousand more. Failures are saved as reproducers (the mutant
+file and its findings) under ``$REVGRAPH_FUZZ_SAVE`` when set, else in pytest's temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KIT = Path(__file__).resolve().parent / "fuzzkit.py"
+CI_SAMPLE = 150
+SLOW_COUNT = 3000
+
+
+def _fuzz(tmp_path: Path, count: int, seed: int, start: int = 0) -> list[dict]:
+    """Run the fuzzer in its own process (it forks a child per mutant from a process with no onnxruntime
+    threads); return its failures."""
+    save = Path(os.environ.get("REVGRAPH_FUZZ_SAVE", tmp_path / "repro"))
+    report = tmp_path / "failures.json"
+    proc = subprocess.run([sys.executable, str(KIT), "--count", str(count), "--seed", str(seed), "--start", str(start),
+                           "--save", str(save), "--json", str(report)], capture_output=True, text=True, timeout=3600)
+    assert proc.returncode in (0, 1) and report.exists(), proc.stderr[-3000:]
+    return json.loads(report.read_text())
+
+
+def _summary(failures: list[dict]) -> str:
+    lines = []
+    for f in failures[:15]:
+        for cmd, found in f["findings"].items():
+            last = (found.get("stderr") or "").strip().splitlines()[-1:] or [""]
+            lines.append(f"mutant {f['mutant']} of {f['seed_model']} ({f['mutation']}), {cmd}: "
+                         f"{', '.join(found['problems'])}: {last[0][:200]} [{f.get('file')}]")
+    return "\n".join(lines) + (f"\n... {len(failures)} failing mutants in all" if len(failures) > 15 else "")
+
+
+def test_fuzz_sample(tmp_path):
+    failures = _fuzz(tmp_path, CI_SAMPLE, seed=12)
+    assert not failures, _summary(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_fuzz_many(tmp_path, seed):
+    failures = _fuzz(tmp_path, SLOW_COUNT // 3, seed=seed)
+    assert not failures, _summary(failures)
+
+
+def test_the_judge_catches_what_it_should(tmp_path):
+    """The fuzzer's verdicts on hand-made outcomes: a crash, a second error line, a file left behind."""
+    sys.path.insert(0, str(KIT.parent))
+    from fuzzkit import _judge
+
+    assert _judge("grad", 0, "warning: no path\n", ["g.onnx"]) == []
+    assert _judge("info", 2, "note: x\nrevgraph: error: bad\n", []) == []
+    assert _judge("check", 1, "", []) == []
+    assert _judge("grad", 3, "revgraph: internal error: KeyError\n", []) == ["exit 3"]
+    assert _judge("run", 2, "revgraph: error: a\nrevgraph: error: b\n", []) != []
+    assert _judge("run", 2, "Traceback (most recent call last):\nrevgraph: error: b\n", []) != []
+    assert _judge("grad", 2, "revgraph: error: bad\n", [".g.onnx.abc.tmp"]) != []
+    assert _judge("run", 0, "", ["out.npz", "stray"]) != []
