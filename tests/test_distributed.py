@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +40,26 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+@contextmanager
+def _launched(*cmds: list[str], env: dict = ENV):
+    """Start each command in a session of its own (torchrun and its workers), and kill every process of
+    those sessions on the way out, so that a failed or timed-out test leaves no worker behind."""
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for c in cmds]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            with suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _run(cmd: list[str], timeout: int = 240, check: bool = True, env: dict = ENV) -> subprocess.CompletedProcess:
+    with _launched(cmd, env=env) as (p,):
+        out, err = p.communicate(timeout=timeout)
+    r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    assert not check or r.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-3000:]}\n{err[-3000:]}"
     return r
 
 
@@ -79,8 +97,8 @@ def test_two_processes_train_like_one(tmp_path, model, optimizer):
 def test_ranks_with_different_data_are_refused(tmp_path):
     """A rank given other data (here one sample less) would deadlock or train wrongly: every rank stops with
     one line naming the rank, before the first step."""
-    r = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--skew", "--out", str(tmp_path)],
-                       env=ENV, capture_output=True, text=True, timeout=240)
+    r = _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--skew", "--out", str(tmp_path)],
+             check=False)
     assert r.returncode != 0
     assert "the training data or fit arguments of rank 1 differ from rank 0's; give every rank the same data" in r.stderr
     assert not list(tmp_path.glob("rank*.npz"))
@@ -92,8 +110,8 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path):
     port = _port()
     cmds = [[*TORCHRUN, "--nnodes=2", f"--node-rank={r}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
              f"--master-port={port}", str(WORKER), "--model", "mlp", "--out", str(tmp_path)] for r in range(2)]
-    procs = [subprocess.Popen(c, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    with _launched(*cmds) as procs:
+        outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     _compare(tmp_path, _single("mlp", "adam", 97, 16, 2))
 
@@ -125,14 +143,15 @@ def test_killed_worker_is_restarted_and_reaches_the_same_weights(tmp_path):
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "revgraph", *common,
            "--batch-size", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20", "-o", str(tmp_path / "two.onnx")]
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # restarts need it (pytorch/pytorch#135712)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while not checkpoints.path_in(ckpt).exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    workers = [c for c in _children(proc.pid) if "revgraph" in _cmdline(c)]
-    assert workers and proc.poll() is None, "the run ended before a worker could be killed"
-    os.kill(workers[-1], signal.SIGKILL)
-    output = proc.communicate(timeout=240)[0]
+    with _launched(cmd, env=env) as (proc,):
+        deadline = time.time() + 120
+        while not checkpoints.path_in(ckpt).exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        workers = [c for c in _children(proc.pid) if "revgraph" in _cmdline(c)]
+        assert workers and proc.poll() is None, "the run ended before a worker could be killed"
+        os.kill(workers[-1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    output = out + err
     assert proc.returncode == 0, output
     assert "resumed from" in output, output  # the restarted workers did resume from the checkpoint
     meta = checkpoints.load(ckpt)[1]

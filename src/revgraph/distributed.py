@@ -228,8 +228,10 @@ class DistributedEngine(Engine):
             dt, names, used = groups[-1]
             groups[-1] = (dt, [*names, g], used + a.nbytes)
         buckets = []
-        for dt, names, _ in groups:
-            flat = torch.zeros(sum(like[g].size for g in names), dtype=_torch_dtype(torch, like[names[0]]),
+        for j, (dt, names, _) in enumerate(groups):
+            # the last bucket has one more element: the rank's share of the loss rides along (one collective less)
+            extra = int(j == len(groups) - 1)
+            flat = torch.zeros(sum(like[g].size for g in names) + extra, dtype=_torch_dtype(torch, like[names[0]]),
                                device=self.comm.tdevice)
             bucket, at = _Bucket(flat), 0
             for g in names:
@@ -268,9 +270,11 @@ class DistributedEngine(Engine):
             pending = []
             for b in self.buckets:
                 b.flat.mul_(scale)
+            loss_t = self.buckets[-1].flat[-1:] if self.buckets else torch.zeros(1, dtype=torch.float64,
+                                                                                 device=self.comm.tdevice)
+            loss_t.fill_(loss * scale)
+            for b in self.buckets or [_Bucket(loss_t)]:
                 pending.append(dist.all_reduce(b.flat, async_op=True))
-            loss_t = torch.tensor([loss * scale], dtype=torch.float64, device=self.comm.tdevice)
-            pending.append(dist.all_reduce(loss_t, async_op=True))
             gathered = self._gather_rows(rows, scale)
             for work in pending:
                 work.wait()

@@ -27,6 +27,7 @@ from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
 from .ir import Graph
 from .onnx_io import save
+from .steps import FusedEngine
 from .train import Optimizer, TrainingGraph, training_graph
 
 Data = Mapping[str, np.ndarray] | tuple
@@ -68,12 +69,12 @@ class Trainer:
 
             self.comm = Collective(self.device)
             threads = threads or threads_per_process()
+        if self.comm and self.comm.world_size > 1:
             self._engine = DistributedEngine(self.spec, threads, self.device, self.comm)
-            self.comm.check_replicas(self.parameters, "initial parameters")
-        else:
-            from .steps import FusedEngine
-
+        else:  # one process (also a world of one, where there is nothing to exchange): the fused step
             self._engine = FusedEngine(self.spec, threads, self.device)
+        if self.comm:
+            self.comm.check_replicas(self.parameters, "initial parameters")
 
     # ------------------------------------------------------------------------------------------ state
 
