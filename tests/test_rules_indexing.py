@@ -250,18 +250,7 @@ def test_scatter_elements_mul_data():
     check_rule(g, {"x": x}, lambda x: torch.scatter_reduce(x, 1, pos, ut, reduce="prod"))
 
 
-@pytest.mark.parametrize("op", ["ScatterND", "ScatterElements"])
-@pytest.mark.parametrize("reduction,wrt", [("mul", "u"), ("max", "x"), ("min", "u")])
-def test_scatter_unsupported_reduction_names_the_node(op, reduction, wrt):
-    x, u = np.ones((3, 2)), np.ones((1, 2))
-    idx = np.array([[1]]) if op == "ScatterND" else np.array([[1, 0]])
-    g = one_node_graph(op, {"x": x, "i": idx, "u": u if op == "ScatterND" else np.ones((1, 2))},
-                       {"reduction": reduction})
-    g.nodes.append(Node("ReduceSum", ["y0"], ["loss"], {"keepdims": 0}, name="sum"))
-    g.outputs = [ValueInfo("loss")]
-    with pytest.raises(rg.GraphError, match=rf"node 'op' \({op}\).*{reduction}") as info:
-        rg.gradient(g, loss="loss", wrt=[wrt])
-    assert "\n" not in str(info.value)
+# Reductions mul, max and min, with respect to the data and the updates: tests/test_rules_edges.py.
 
 
 # ---------------------------------------------------------------------------------------------- OneHot, TopK

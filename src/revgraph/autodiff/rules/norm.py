@@ -278,8 +278,14 @@ def _mask(e: Emitter, node: Node) -> str:
 @vjp("Dropout")
 def dropout(e: Emitter, node: Node, out_grads: list) -> list:
     """``output = data * mask / (1 - ratio)`` in training mode, ``data`` otherwise (ONNX "Dropout", opset 13),
-    so ``ddata = dy / (1 - ratio)`` where the forward's mask is true and exactly 0 elsewhere. ``ratio`` gets no
-    gradient: it also sets the mask's distribution, which is not differentiable (PyTorch does the same)."""
+    so ``ddata = dy / (1 - ratio)`` where the forward's mask is true and exactly 0 elsewhere.
+
+    ``ratio`` (an input) gets the derivative with the mask held fixed, ``dratio = sum(dy * output) / (1 -
+    ratio)``: the pathwise derivative for the uniform draws the forward made (``mask = draw >= ratio`` moves
+    only where ``ratio`` crosses a draw, a set of measure zero), which central differences with a fixed seed
+    reproduce. It is not the derivative of the expected loss (the mask's distribution moves with ``ratio``
+    too, and ``E[output] = data`` does not depend on it); PyTorch, whose ``p`` is a Python float, gives none.
+    In inference mode ``ratio`` has no effect and gets no gradient."""
     x = node.inputs[0]
     g = out_grads[0]
     rest = [None] * (len(node.inputs) - 1)
@@ -299,4 +305,18 @@ def dropout(e: Emitter, node: Node, out_grads: list) -> list:
         scale = e.op("Div", [one, e.op("Sub", [one, e.op("CastLike", [ratio, g])])])
     if mode is None:  # training_mode only known at run time: scale 1 when it is false (the mask is all true)
         scale = e.op("Where", [training, scale, e.scalar(1.0, g)])
-    return [e.select(mask, e.op("Mul", [g, scale], like=x), like=x), *rest]
+    grads = [e.select(mask, e.op("Mul", [g, scale], like=x), like=x), *rest]
+    if ratio and e.need[1]:
+        grads[1] = _ratio_grad(e, node, g, scale, training if mode is None else None)
+    return grads
+
+
+def _ratio_grad(e: Emitter, node: Node, g: str, scale: str, training: str | None) -> str:
+    """``sum(g * output) * scale`` (``scale = 1 / (1 - ratio)``), in the ratio's dtype and shape; 0 where the
+    run-time ``training`` flag is false (``output`` is ``data`` then, whatever the ratio)."""
+    ratio, y = node.inputs[1], node.outputs[0]
+    total = e.op("Mul", [e.op("ReduceSum", [e.op("Mul", [g, y])], keepdims=0), scale])
+    if training is not None:
+        total = e.op("Where", [training, total, e.scalar(0.0, g)])
+    dr = e.op("CastLike", [total, ratio])
+    return dr if e.rank(ratio) == 0 else e.op("Reshape", [dr, e.shape_of(ratio)], like=ratio)

@@ -7,8 +7,9 @@ element goes back to where its output element came from, and elements that came 
 and PyTorch's ``derivatives.yaml`` entries for ``view``, ``permute``, ``slice``, ``repeat``,
 ``constant_pad_nd``, ``reflection_pad*``, ``replication_pad*`` and ``circular_pad*``.
 
-Integer inputs (shapes, axes, pads, starts, repeats) get no gradient. Backward nodes are chosen from this
-family, elementwise and reduce ops so that gradients of gradients need no other family; only ``Pad`` with
+Integer inputs (shapes, axes, pads, starts, repeats) get no gradient. ``Range``, which makes a tensor rather
+than moving one, is here too: its output is affine in ``start`` and ``delta``. Backward nodes are chosen from
+this family, elementwise and reduce ops so that gradients of gradients need no other family; only ``Pad`` with
 non-constant pads or dimensions in reflect/edge/wrap mode scatters with ``ScatterElements``.
 """
 
@@ -426,8 +427,41 @@ def _unpad_modes(e: Emitter, node: Node, g: str, x: str, pads: str, axes: str | 
     return _unpad_scatter(e, g, x, pads, axes, mode)
 
 
+@vjp("Range")
+def range_(e: Emitter, node: Node, out_grads: list) -> list:
+    """ONNX "Range": ``y[i] = start + i * delta`` for ``i < n = max(ceil((limit - start) / delta), 0)``, so
+    ``dstart = sum(g)`` and ``ddelta = sum(i * g)``. ``n`` moves only in steps (a piecewise-constant function
+    of all three inputs), so ``limit`` gets no gradient and the others none through ``n``. Integer ranges
+    never get here (integer values carry no gradient)."""
+    start, _, delta = node.inputs
+    g = out_grads[0]
+    grads: list = [None, None, None]
+    if g is None:
+        return grads
+    if e.need[0]:
+        grads[0] = _to_scalar_like(e, e.op("ReduceSum", [g], keepdims=0), start)
+    if e.need[2]:
+        grads[2] = _to_scalar_like(e, e.op("ReduceSum", [e.op("Mul", [g, _ramp(e, g)])], keepdims=0), delta)
+    return grads
+
+
+def _ramp(e: Emitter, g: str) -> str:
+    """``[0, 1, ..., n - 1]`` for the 1-D ``g`` of length ``n``, in ``g``'s dtype: an integer ``Range`` (exact
+    counts; ONNX shape inference rarely knows a Range's length, so no constant is folded here)."""
+    dt = e.dtype(g)
+    ramp = e.op("Range", [e.const(np.int64(0)), e.op("Size", [g]), e.const(np.int64(1))])
+    return e.op("Cast", [ramp], to=e.onnx_dtype(g)) if dt is not None else e.op("CastLike", [ramp, g])
+
+
+def _to_scalar_like(e: Emitter, total: str, x: str) -> str:
+    """The 0-d ``total`` with the dtype of the scalar input ``x``, reshaped like ``x`` if it is not 0-d."""
+    if e.dtype(x) is None or e.dtype(x) != e.dtype(total):
+        total = e.op("CastLike", [total, x])
+    return total if e.rank(x) == 0 else e.op("Reshape", [total, e.shape_of(x)], like=x)
+
+
 not_differentiable(
     "integer result, or a result fixed by the inputs' shapes rather than their values",
-    "Shape", "Size", "ConstantOfShape", "Range", "NonZero", "EyeLike",
+    "Shape", "Size", "ConstantOfShape", "NonZero", "EyeLike",
 )
 not_differentiable("no inputs: a constant", "Constant")
