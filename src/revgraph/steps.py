@@ -16,6 +16,7 @@ import numpy as np
 
 from .devices import Device
 from .errors import RevgraphError
+from .external_data import session_source
 from .onnx_io import to_onnx
 from .runtime import _first_line
 from .train import TrainingGraph, eval_graph
@@ -49,7 +50,8 @@ class Engine:
 
         providers = self.device.providers()
         try:
-            sess = ort.InferenceSession(to_onnx(graph).SerializeToString(), self.options, providers=providers)
+            with session_source(to_onnx(graph)) as source:  # a file for a model over 2 GiB (external data)
+                sess = ort.InferenceSession(source, self.options, providers=providers)
         except Exception as exc:
             raise RevgraphError(f"onnxruntime refuses the {what}: {_first_line(exc)}") from None
         self.device.check_session(sess)
