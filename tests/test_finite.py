@@ -167,3 +167,103 @@ def test_nonfinite_values_follow_unbounded_forward_operators():
     # log and what reads it; a division by a variable; not the attention-style scale from shapes, nor Softmax
     assert risky == {"l", "m", "d"}
     assert "c" in nonfinite_values([Node("Identity", ["k"], ["c"], name="i")], {"k": np.array([-np.inf])}, {})
+
+
+# ------------------------------------------------------------------------------------ graph inputs (issue 13)
+
+
+def test_graph_inputs_may_be_non_finite_until_a_contraction():
+    from revgraph.autodiff.finite import nonfinite_values
+
+    nodes = [Node("Mul", ["x", "w"], ["m"], name="mul"), Node("Tanh", ["m"], ["t"], name="tanh"),
+             Node("MatMul", ["t", "W"], ["h"], name="mm"), Node("Add", ["h", "b"], ["z"], name="add"),
+             Node("LayerNormalization", ["z", "s"], ["n"], name="ln"), Node("Relu", ["n"], ["r"], name="relu"),
+             Node("Greater", ["x", "w"], ["c"], name="gt")]
+    types = {"c": ValueInfo("c", np.bool_, (2,)), "k": ValueInfo("k", np.int64, (2,))}
+    risky = nonfinite_values(nodes, {"s": np.ones(2)}, types, inputs=["x", "w", "W", "b", "k"])
+    # inputs and what elementwise operators compute from them; not past the MatMul or the normalization
+    # (b enters again after the MatMul), not a boolean, not an integer input, not a constant
+    assert risky == {"x", "w", "W", "b", "m", "t", "z"}
+    assert risky.from_inputs == risky
+    log_first = [Node("Log", ["x"], ["l"], name="log"), Node("MatMul", ["l", "W"], ["h"], name="mm"),
+                 Node("Add", ["h", "b"], ["z"], name="add")]
+    both = nonfinite_values(log_first, {}, {}, inputs=["b"])
+    assert both == {"l", "h", "b", "z"} and both.from_inputs == {"b"}  # Log's -inf passes the MatMul
+    assert nonfinite_values(nodes, {}, types) == set()  # no inputs named: the old assumption, all finite
+
+
+def test_the_emitter_passes_the_declared_inputs_only():
+    # inside a loop body, the carried values (body inputs) may be non-finite, the captured ones are taken
+    # as finite (the body is analysed on its own); without a graph every value may be non-finite
+    from revgraph.autodiff.registry import Emitter
+
+    body = Graph([Node("Add", ["h", "b"], ["z"], name="add"), Node("Tanh", ["z"], ["t"], name="tanh"),
+                  Node("Mul", ["t", "cap"], ["u"], name="mul")],
+                 [ValueInfo("i", np.int64, ()), ValueInfo("cond", np.bool_, ()), ValueInfo("h", np.float64, (3,))],
+                 [ValueInfo("cond"), ValueInfo("u")], {"b": np.zeros(3)})
+    e = Emitter({"i": ValueInfo("i", np.int64, ()), "cond": ValueInfo("cond", np.bool_, ())}, set(), 21)
+    e.graph = body
+    e.learn_constants(body)
+    assert e.nonfinite("h") and e.nonfinite("z") and e.nonfinite("t")
+    assert not e.nonfinite("b") and not e.nonfinite("cap") and not e.nonfinite("i")
+    assert Emitter({}, set(), 21).nonfinite("b")
+
+
+def test_cotangents_stay_finite_through_contractions_with_inputs():
+    # loss = sum(relu(x W + b) V): every parameter is a graph input, yet the ReLU's cotangent (g V^T) is
+    # finite: a contraction's VJP reading an input is not followed (DESIGN: strong zeros past contractions)
+    g = Graph([Node("MatMul", ["x", "W"], ["h"], name="mm1"), Node("Add", ["h", "b"], ["z"], name="add"),
+               Node("Relu", ["z"], ["r"], name="relu"), Node("MatMul", ["r", "V"], ["o"], name="mm2"),
+               Node("ReduceSum", ["o"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float64, (2, 3)), ValueInfo("W", np.float64, (3, 4)), ValueInfo("b", np.float64, (4,)),
+               ValueInfo("V", np.float64, (4, 2))], [ValueInfo("loss")])
+    gg = rg.gradient(g, wrt=["W", "b", "V"])
+    assert not {"Where", "Equal"} & set(_ops(gg))
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((2, 3)), "W": rng.standard_normal((3, 4)), "b": rng.standard_normal(4),
+             "V": rng.standard_normal((4, 2))}
+    got = _run(gg, feeds)
+    ts = {k: torch.tensor(v, requires_grad=k != "x") for k, v in feeds.items()}
+    (torch.relu(ts["x"] @ ts["W"] + ts["b"]) @ ts["V"]).sum().backward()
+    for k in ("W", "b", "V"):
+        np.testing.assert_allclose(got[f"{k}_grad"], ts[k].grad.numpy(), rtol=1e-12)
+
+
+def test_an_elementwise_product_with_an_input_is_guarded_and_unsafe():
+    from revgraph.autodiff.finite import nonfinite_values
+
+    # relu(a) * x with x an input: the Mul VJP multiplies the ReLU's cotangent by x, which may be inf, so the
+    # ReLU keeps Where (an inf cotangent on its unselected side must give 0)
+    nodes = [Node("Relu", ["a"], ["r"], name="relu"), Node("Mul", ["r", "x"], ["m"], name="mul"),
+             Node("Tanh", ["m"], ["t"], name="tanh")]
+    risky = nonfinite_values(nodes, {}, {}, inputs=["a", "x"])
+    unsafe = nonfinite_cotangents(nodes, {"t": None}, {}, risky)
+    assert "r" in unsafe and "a" in unsafe and "x" in unsafe
+    assert "m" in unsafe  # Tanh reads t, which may be NaN through x
+    # without inputs that may be non-finite (the old assumption), every cotangent here is finite
+    assert nonfinite_cotangents(nodes, {"t": None}, {}, nonfinite_values(nodes, {}, {})) == set()
+
+
+def test_a_broadcast_input_is_not_followed():
+    from revgraph.autodiff.finite import nonfinite_values
+
+    # z = h + b with b [4] repeated over the rows of h [2, 4] (a bias): not followed; m = beta * x with x [4]
+    # of the result's shape: followed (beta is the broadcast one); a Gather of a table input is followed
+    types = {n: ValueInfo(n, np.float64, s) for n, s in
+             [("h", (2, 4)), ("b", (4,)), ("z", (2, 4)), ("beta", ()), ("x", (4,)), ("m", (4,)), ("t", (5, 4)),
+              ("rows", (2, 3, 4))]}
+    types["ids"] = ValueInfo("ids", np.int64, (2, 3))
+    nodes = [Node("Add", ["h", "b"], ["z"], name="bias"), Node("Mul", ["beta", "x"], ["m"], name="scale"),
+             Node("Gather", ["t", "ids"], ["rows"], name="gather")]
+    risky = nonfinite_values(nodes, {}, types, inputs=["b", "beta", "x", "t", "ids"])
+    assert risky == {"b", "beta", "x", "m", "t", "rows"}
+
+
+def test_gelu_after_a_bias_input_stays_a_plain_product():
+    # a training graph's feed-forward block: parameters are graph inputs; the bias is broadcast and the GELU's
+    # input comes from a MatMul, so the GELU VJP multiplies without a Where
+    g = Graph([Node("MatMul", ["x", "W"], ["h"], name="mm"), Node("Add", ["h", "b"], ["z"], name="bias"),
+               Node("Gelu", ["z"], ["a"], name="gelu"), Node("ReduceSum", ["a"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float32, (8, 3)), ValueInfo("W", np.float32, (3, 4)),
+               ValueInfo("b", np.float32, (4,))], [ValueInfo("loss")])
+    assert not {"Where", "Equal"} & set(_ops(rg.gradient(g, wrt=["W", "b"])))

@@ -118,6 +118,33 @@ def test_clip_without_max():
     assert grads["x"].shape == (4,)
 
 
+def test_clip_with_constant_bounds_at_its_kinks():
+    # ReLU6 as Clip(x, 0, 6) (constant bounds): ONNX's Min(Max(x, 0), 6) with ties split equally gives x half of
+    # the cotangent at either bound (PyTorch's clamp gives all of it; its maximum/minimum split as revgraph)
+    x = np.array([-1.0, 0.0, 3.0, 6.0, 7.0])
+    g = Graph([Node("Clip", ["x", "lo", "hi"], ["y"], name="op"),
+               Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, "s")],
+              [ValueInfo("x", x.dtype, x.shape)], [ValueInfo("loss")], {"lo": np.array(0.0), "hi": np.array(6.0)})
+    got = _grad(g, {"x": x}, ["x"])["x"]
+    np.testing.assert_array_equal(got, [0.0, 0.5, 1.0, 0.5, 0.0])
+    xt = torch.tensor(x, requires_grad=True)
+    lo, hi = torch.tensor(0.0, dtype=torch.float64), torch.tensor(6.0, dtype=torch.float64)
+    torch.minimum(torch.maximum(xt, lo), hi).sum().backward()
+    np.testing.assert_array_equal(got, xt.grad.numpy())
+
+
+def test_max_sends_exact_zeros_to_the_smaller_operand():
+    # sqrt(Max(x, 0)): sqrt' is inf at 0; where x < 0 the Max VJP must send 0, not inf x 0 (PyTorch: masked_fill)
+    g = Graph([Node("Max", ["x", "zero"], ["m"], name="max"), Node("Sqrt", ["m"], ["s"], name="sqrt"),
+               Node("ReduceSum", ["s"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float64, (2,))], [ValueInfo("loss")], {"zero": np.array(0.0)})
+    with np.errstate(divide="ignore"):
+        got = _grad(g, {"x": np.array([-1.0, 4.0])}, ["x"])["x"]
+    xt = torch.tensor([-1.0, 4.0], dtype=torch.float64, requires_grad=True)
+    torch.sqrt(torch.maximum(xt, torch.tensor(0.0, dtype=torch.float64))).sum().backward()
+    np.testing.assert_array_equal(got, xt.grad.numpy())  # [0, 1/4]
+
+
 def test_cast_float_to_float():
     # float64 -> float32 -> float64: central differences drown in float32 rounding, so compare with PyTorch,
     # whose cast backward also rounds the cotangent through float32.

@@ -1,28 +1,44 @@
-"""Which cotangents are finite: lets selection VJPs (ReLU, Dropout, Clip, Where) multiply by a mask.
+"""Which forward values may be inf or NaN, and which cotangents are finite (DESIGN section 5, strong zeros).
 
-The strong-zero convention (DESIGN section 5) asks that a selection VJP such as ReLU's send an exact 0 where
-the selection is off, even when the incoming cotangent is inf or NaN there (``sqrt(relu(x))`` at x < 0 must
-get 0, not ``inf * 0 = NaN``). ``Where(c, g, 0)`` does that, but onnxruntime's ``Where`` is 7-11x slower than
-``g * Cast(c)`` (bench/micro.py), and ReLU and Dropout VJPs sit on every hot path. The two agree whenever
-``g`` is finite, so the backward pass proves finiteness where it can, in two steps:
+Two uses:
 
-1. :func:`nonfinite_values`: which forward values may be inf or NaN although the graph's inputs and weights
-   are finite. ``where(y > 0, x * log(y), 0)`` computes ``log(0) = -inf`` in the branch it discards, and the
-   Mul VJP then multiplies a zero cotangent by it (NaN). Operators in :data:`FINITE` keep finite values
-   finite; any other operator (``Log``, ``Exp``, ``Sqrt``, ``Div`` by a variable, a loop, ...) may not, unless
-   it only computes with constants and shapes; a constant holding inf or NaN is non-finite.
-2. :func:`nonfinite_cotangents`: a cotangent is finite when every VJP between it and a seed of ones maps
-   finite cotangents to finite ones: the operators in :data:`BOUNDED`, whose local derivatives are their
-   forward values (``Exp``'s is its output), applied where none of those values may be non-finite, and not a
-   ``Cast`` whose VJP narrows the cotangent (float32 to float16 overflows).
+- **Strong products.** A VJP rule that multiplies a cotangent by a forward value (``Exp``'s ``g * y``, ``Mul``'s
+  ``g * b``) must give an exact 0 where the cotangent is 0, even where that value is inf or NaN (``Where(x > 30,
+  1, Exp(x))`` at x = 1000: the Where VJP sends 0 to the Exp branch, and ``0 * exp(1000)`` is NaN). Rules write
+  ``Where(g == 0, 0, g * d)`` for that (:meth:`Emitter.times`), but only where :func:`nonfinite_values` says a
+  value they read may be non-finite: ``Where`` costs 7-11x a ``Mul`` on onnxruntime (bench/micro.py).
+- **Selections.** A selection VJP (ReLU, Dropout, Clip, Where) sends an exact 0 to the unselected side even
+  for an inf or NaN cotangent: ``Where(c, g, 0)``, or ``g * Cast(c)`` where :func:`nonfinite_cotangents` proves
+  the cotangent finite (the two agree for finite ``g``).
 
-The proof assumes the graph's inputs and weights are finite and that products of finite values do not
-overflow; a seed supplied as a graph value is not known to be finite.
+:func:`nonfinite_values` marks a forward value as possibly non-finite ("risky") when
+
+1. it is computed by an operator that can make inf or NaN out of finite values (anything outside
+   :data:`FINITE`: ``Log``, ``Exp``, ``Sqrt``, ``Div`` by a variable, a loop, a custom operator), or from a
+   constant holding inf or NaN, or from such a value through any operator (``Softmax`` excepted: an additive
+   ``-inf`` mask leaves it finite); or
+2. it is a declared input of the graph being differentiated (for a loop body: its carried values), or computed
+   from one through operators other than the contractions and normalizations in :data:`MIXING`, where the
+   input is not broadcast. Inputs may hold inf or NaN (``-inf`` attention masks, NaN padding). Past a
+   contraction such an element is no longer tracked: it makes the contraction's other operand's gradient NaN
+   anyway (``x^T g`` with a NaN row of ``x``), in PyTorch and JAX as here; a broadcast operand (a bias or a
+   scale repeated over the rows) makes a whole slice of the result, and the loss, non-finite unless all of it
+   is discarded. Tracking either would put a ``Where`` on every activation of a network whose weights are
+   graph inputs (a training graph): a GELU after a bias costs 10% more per step with it.
+
+Initializers and ``Constant`` outputs are judged by their values; values a loop or branch body reads from the
+enclosing graph are taken as finite there (the body is differentiated on its own).
+
+:func:`nonfinite_cotangents`: the cotangent of an input is finite when the node's output cotangents are, its
+VJP is in :data:`BOUNDED` (maps finite cotangents to finite ones when the forward values it multiplies by are
+finite), none of those values (:func:`_reads`, per input) is risky, and the node is not a ``Cast`` whose VJP
+narrows the cotangent (float32 to float16 overflows). A contraction's VJP multiplying by a value that is risky
+only through an input does not count (case 2's limit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -34,7 +50,7 @@ BOUNDED = frozenset({
     # elementwise arithmetic and activations
     "Identity", "Add", "Sub", "Mul", "Neg", "Abs", "Max", "Min", "Sum", "Mean", "Where", "Clip", "Cast", "CastLike",
     "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Softplus",
-    "Softsign", "Mish", "Erf", "Gelu", "Exp", "Sin", "Cos", "Sinh", "Cosh", "Atan",
+    "Softsign", "Mish", "Erf", "Gelu", "Exp", "Sin", "Cos", "Sinh", "Cosh", "Atan", "ThresholdedRelu", "Shrink",
     "Floor", "Ceil", "Round", "Sign",
     # linear algebra, convolution, pooling, normalisation (eps > 0), losses
     "MatMul", "Gemm", "Einsum", "Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool",
@@ -53,28 +69,86 @@ FINITE = (BOUNDED - {"Exp", "Sinh", "Cosh", "Softplus"}) | {"Shape", "Size", "Co
                                                             "OneHot", "NonZero", "ArgMax", "ArgMin", "TopK"}
 _SANITIZING = frozenset({"Softmax"})
 
+#: contractions and normalizations: a non-finite graph input is not tracked past them (module doc, case 2)
+MIXING = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "BatchNormalization",
+                    "LayerNormalization", "InstanceNormalization", "GroupNormalization"})
 
-def nonfinite_values(nodes: list[Node], values: Mapping[str, np.ndarray], types: Mapping[str, ValueInfo]) -> set[str]:
-    """The forward values of ``nodes`` (in order) that may be inf or NaN for finite graph inputs and weights."""
-    risky = {k for k, v in values.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v))}
+#: VJPs that multiply the cotangent by no forward value (they select, move or sum it; masks come from
+#: comparisons, which are false for NaN, and tie counts are at least 1)
+_READS_NOTHING = frozenset({
+    "Identity", "Add", "Sub", "Neg", "Sum", "Mean", "Where", "Clip", "Max", "Min", "Relu", "LeakyRelu",
+    "HardSigmoid", "HardSwish", "ThresholdedRelu", "Shrink", "Cast", "CastLike", "Floor", "Ceil", "Round", "Sign",
+    "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Concat", "Split", "Slice", "Pad", "Tile",
+    "Gather", "GatherElements", "GatherND", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "CumSum",
+    "DepthToSpace", "SpaceToDepth", "GlobalAveragePool", "AveragePool",
+})
+#: two-operand products: the VJP of operand i multiplies by operand 1 - i (a bias, input 2, by nothing)
+_PRODUCTS = frozenset({"Mul", "MatMul", "Gemm", "Conv", "ConvTranspose"})
+
+
+class Risky(set):
+    """The forward values that may be inf or NaN; ``from_inputs`` holds those that may be only because a graph
+    input may be (case 2 of the module doc)."""
+
+    from_inputs: frozenset = frozenset()
+
+
+def nonfinite_values(nodes: list[Node], values: Mapping[str, np.ndarray], types: Mapping[str, ValueInfo],
+                     inputs: Iterable[str] | None = None) -> Risky:
+    """The forward values of ``nodes`` (in order) that may be inf or NaN (module doc). ``values`` holds the
+    values known when the graph is built (initializers, ``Constant`` outputs); ``inputs`` the declared inputs of
+    the graph, which may hold inf or NaN (default: ``values.inputs`` when the mapping has that attribute, as
+    the :class:`Emitter`'s table does, else none)."""
+    memo = getattr(values, "memo", None)  # the Emitter's table keeps the last answer (backward and rules ask)
+    key = (id(nodes), len(nodes), None if inputs is None else tuple(inputs))
+    if memo is not None and memo.get("key") == key:
+        return memo["risky"]
+    inputs = getattr(values, "inputs", ()) if inputs is None else inputs
+    computed = {k for k, v in values.items() if np.asarray(v).dtype.kind == "f" and not np.all(np.isfinite(v))}
+    via_input = {i for i in inputs if i not in values and not _is_discrete(types.get(i))}
     static = set(values)  # computed from constants and shapes only: finite unless a constant is not
     for node in nodes:
         outs = [o for o in node.outputs if o]
         ins = [i for i in node.inputs if i]
-        if node.op_type in ("Shape", "Size") or all(i in static for i in ins) and not node.subgraphs:
+        subs = node.subgraphs
+        if node.op_type in ("Shape", "Size") or all(i in static for i in ins) and not subs:
             static.update(outs)
-        if any(_is_discrete(types.get(o)) for o in outs) and not node.subgraphs:
+        if any(_is_discrete(types.get(o)) for o in outs) and not subs:
             continue  # integer and boolean results are finite
         if node.op_type in _SANITIZING and not node.domain:
             continue
-        inherits = any(i in risky for i in ins) or any(
-            i in risky for sg in node.subgraphs.values() for i in captured_names(sg))
-        opaque = bool(node.subgraphs or node.domain)  # loops, branches and custom operators: not analysed
+        reads = ins + [i for sg in subs.values() for i in captured_names(sg)] if subs else ins
+        opaque = bool(subs or node.domain)  # loops, branches and custom operators: not analysed
         unbounded = (node.op_type not in FINITE and not _static_division(node, static)
                      and not all(i in static for i in ins))
-        if inherits or opaque or unbounded:
-            risky.update(outs)
+        if opaque or unbounded or any(i in computed for i in reads):
+            computed.update(outs)
+        elif node.op_type not in MIXING:
+            via_input.update(o for o in outs if any(i in via_input and not _repeats(node, i, o, types) for i in reads))
+    risky = Risky(computed | via_input)
+    risky.from_inputs = frozenset(via_input - computed)
+    if memo is not None:
+        memo.update(key=key, risky=risky)
     return risky
+
+
+#: operators that move or select elements without repeating them (their output ranks may differ)
+_MOVES = frozenset({"Identity", "Cast", "CastLike", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice",
+                    "Split", "Concat", "Pad", "Gather", "GatherElements", "GatherND", "ScatterND", "ScatterElements",
+                    "DepthToSpace", "SpaceToDepth", "Dropout"})
+
+
+def _repeats(node: Node, i: str, o: str, types: Mapping[str, ValueInfo]) -> bool:
+    """Is input ``i`` broadcast (repeated along an axis) into output ``o``: a bias or a scale added to or
+    multiplied with every row? Then a non-finite element of ``i`` reaches a whole slice of ``o``, and the loss
+    unless all of it is discarded, and an input's elements are not followed there (module doc, case 2).
+    ``False`` when a shape is unknown."""
+    if node.op_type in _MOVES:
+        return False
+    si, so = (getattr(types.get(n), "shape", None) for n in (i, o))
+    if si is None or so is None:
+        return False
+    return len(si) < len(so) or any(a == 1 and b != 1 for a, b in zip(reversed(si), reversed(so)))
 
 
 def _static_division(node: Node, static: set[str]) -> bool:
@@ -84,6 +158,17 @@ def _static_division(node: Node, static: set[str]) -> bool:
 
 def _is_discrete(vi: ValueInfo | None) -> bool:
     return vi is not None and vi.dtype is not None and vi.dtype.kind in "biu"
+
+
+def _reads(node: Node, i: int) -> list[str]:
+    """The forward values the VJP of input ``i`` multiplies the cotangent by (all of them when not listed)."""
+    if node.op_type in _READS_NOTHING:
+        return []
+    if node.op_type == "Dropout":  # the scale 1 / (1 - ratio)
+        return node.inputs[1:2]
+    if node.op_type in _PRODUCTS:
+        return [node.inputs[1 - i]] if i < 2 else []
+    return [v for v in [*node.inputs, *node.outputs] if v]
 
 
 def nonfinite_cotangents(nodes: list[Node], ys: Mapping[str, str | None], values: Mapping[str, np.ndarray],
@@ -98,15 +183,19 @@ def nonfinite_cotangents(nodes: list[Node], ys: Mapping[str, str | None], values
         return seed is None or (seed in values and bool(np.all(np.isfinite(values[seed]))))
 
     types = types or {}
+    from_inputs = getattr(risky, "from_inputs", frozenset())
     unsafe = {y for y, seed in ys.items() if not finite_seed(seed)}
     for node in reversed(nodes):
-        bounded = (node.op_type in BOUNDED and not node.domain and not _narrowing(node, types)
-                   and not any(v in risky for v in [*node.inputs, *node.outputs] if v))
-        if bounded and not any(o in unsafe for o in node.outputs if o):
+        if (node.op_type not in BOUNDED or node.domain or _narrowing(node, types)
+                or any(o in unsafe for o in node.outputs if o)):
+            unsafe.update(i for i in node.inputs if i)
+            for sg in node.subgraphs.values():
+                unsafe.update(captured_names(sg))
             continue
-        unsafe.update(i for i in node.inputs if i)
-        for sg in node.subgraphs.values():
-            unsafe.update(captured_names(sg))
+        ignored = from_inputs if node.op_type in MIXING else frozenset()
+        for k, name in enumerate(node.inputs):
+            if name and any(v in risky and v not in ignored for v in _reads(node, k)):
+                unsafe.add(name)
     return unsafe
 
 

@@ -4,8 +4,10 @@
 Conventions (DESIGN.md section 5): at a kink next to a constant piece the 0 subgradient is taken (both kinks of
 ``HardSigmoid``, ``ThresholdedRelu`` and ``Shrink``; ``HardSwish = x HardSigmoid(x)`` follows by the product
 rule: 0 at -3, 1 at 3); at the kink of ``PRelu`` and ``Selu`` (0) the slope of the left piece, as PyTorch.
-Slopes with an infinite limit (``Asin``, ``Acosh``, ``Atanh`` at the ends of their domains) use :func:`strong`
-so that a zero cotangent gives an exact zero.
+Strong zeros: slopes with an infinite limit (``Asin``, ``Acosh``, ``Atanh`` at the ends of their domains, ``Sinh``
+and ``Cosh`` overflowing) always use :func:`strong`, so that a zero cotangent gives an exact zero; the other
+slopes are finite for finite inputs and use it where the forward values they read may be inf or NaN
+(``Emitter.nonfinite``: a graph input, a discarded ``Where`` branch), e.g. GELU's ``x phi(x)`` is NaN at -inf.
 Float attributes are rounded to float32 first, as ONNX stores them, so the derivative matches the forward.
 """
 
@@ -47,8 +49,17 @@ def _unary(*op_types: str):
     return register
 
 
-def _times(e: Emitter, g: str, d: str, x: str) -> str:
-    return e.op("Mul", [g, d], like=x)
+def _times(e: Emitter, g: str, d: str, x: str, reads: list[str]) -> str:
+    """``g * d``, strong where the forward values ``reads`` (that ``d`` is computed from) may be non-finite."""
+    return strong(e, g, d, x, reads)
+
+
+def _over(e: Emitter, g: str, denom: str, x: str) -> str:
+    """``g / denom`` for a ``denom >= 1`` computed from ``x`` (inf or NaN only where ``x`` is): a plain ``Div``
+    unless ``x`` may be non-finite, then strong (``0 / NaN`` must be 0)."""
+    if not e.nonfinite(x):
+        return e.op("Div", [g, denom], like=x)
+    return strong(e, g, e.op("Reciprocal", [denom], like=x), x)
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -74,7 +85,7 @@ def gelu(e, node, x, y, g):
         gauss = e.op("Exp", [e.op("Mul", [x2, e.scalar(-0.5, x)])], like=x)
         pdf = e.op("Mul", [gauss, e.scalar(1.0 / math.sqrt(2.0 * math.pi), x)], like=x)
         right = e.op("Mul", [x, pdf], like=x)
-    return _times(e, g, e.op("Add", [left, right], like=x), x)
+    return _times(e, g, e.op("Add", [left, right], like=x), x, [x])
 
 
 @_unary("HardSigmoid")
@@ -96,7 +107,7 @@ def hard_swish(e, node, x, y, g):
     inside = e.op("And", [e.op("Greater", [t, e.scalar(0.0, x)]), e.op("Less", [t, e.scalar(1.0, x)])])
     ramp = e.op("Add", [e.op("Mul", [x, e.scalar(2 * alpha, x)]), e.scalar(0.5, x)], like=x)
     outer = e.op("Where", [e.op("GreaterOrEqual", [t, e.scalar(1.0, x)]), e.scalar(1.0, x), e.scalar(0.0, x)])
-    return _times(e, g, e.op("Where", [inside, ramp, outer], like=x), x)
+    return _times(e, g, e.op("Where", [inside, ramp, outer], like=x), x, [])  # 0 or 1 outside: always finite
 
 
 @vjp("PRelu")
@@ -107,8 +118,8 @@ def prelu(e: Emitter, node: Node, out_grads: list) -> list:
     g = out_grads[0]
     pos = e.op("Greater", [x, e.scalar(0.0, x)])
     zero = e.scalar(0.0, x)
-    gx = e.op("Where", [pos, g, e.op("Mul", [g, slope])], like=x) if e.need[0] else None
-    gs = e.reduce_to(e.op("Where", [pos, zero, e.op("Mul", [g, x])], like=x), slope) if e.need[1] else None
+    gx = e.op("Where", [pos, g, strong(e, g, slope, None, [slope])], like=x) if e.need[0] else None
+    gs = e.reduce_to(e.op("Where", [pos, zero, strong(e, g, x, None, [x])], like=x), slope) if e.need[1] else None
     return [gx, gs]
 
 
@@ -118,7 +129,7 @@ def selu(e, node, x, y, g):
     alpha, gamma = _attr(node, "alpha", 1.67326319217681884765625), _attr(node, "gamma", 1.05070102214813232421875)
     neg = e.op("Add", [y, e.scalar(alpha * gamma, x)], like=x)
     d = e.op("Where", [e.op("Greater", [x, e.scalar(0.0, x)]), e.scalar(gamma, x), neg], like=x)
-    return _times(e, g, d, x)
+    return _times(e, g, d, x, [x])
 
 
 @_unary("Celu")
@@ -128,7 +139,7 @@ def celu(e, node, x, y, g):
     alpha = _attr(node, "alpha", 1.0)
     one = e.scalar(1.0, x)
     neg = e.op("Add", [e.op("Div", [y, e.scalar(alpha, x)]), one], like=x)
-    return _times(e, g, e.op("Where", [e.op("Greater", [x, e.scalar(0.0, x)]), one, neg], like=x), x)
+    return _times(e, g, e.op("Where", [e.op("Greater", [x, e.scalar(0.0, x)]), one, neg], like=x), x, [x])
 
 
 @_unary("Mish")
@@ -137,14 +148,14 @@ def mish(e, node, x, y, g):
     t = e.op("Tanh", [e.op("Softplus", [x], like=x)], like=x)
     sech2 = e.op("Sub", [e.scalar(1.0, x), e.op("Mul", [t, t])], like=x)
     d = e.op("Add", [t, e.op("Mul", [e.op("Mul", [x, e.op("Sigmoid", [x], like=x)]), sech2])], like=x)
-    return _times(e, g, d, x)
+    return _times(e, g, d, x, [x])
 
 
 @_unary("Softsign")
 def softsign(e, node, x, y, g):
     """``1 / (1 + |x|)^2``."""
     a = e.op("Add", [e.op("Abs", [x], like=x), e.scalar(1.0, x)], like=x)
-    return e.op("Div", [g, e.op("Mul", [a, a])], like=x)
+    return _over(e, g, e.op("Mul", [a, a], like=x), x)
 
 
 @_unary("ThresholdedRelu")
@@ -179,8 +190,8 @@ def cosh(e, node, x, y, g):
 
 @_unary("Tan")
 def tan(e, node, x, y, g):
-    """``1 + tan(x)^2``."""
-    return _times(e, g, e.op("Add", [e.scalar(1.0, x), e.op("Mul", [y, y])], like=x), x)
+    """``1 + tan(x)^2`` (overflows near the poles in float16: ``y`` is never taken as finite)."""
+    return _times(e, g, e.op("Add", [e.scalar(1.0, x), e.op("Mul", [y, y])], like=x), x, [y])
 
 
 def _inv_sqrt_one_minus_sq(e: Emitter, x: str) -> str:
@@ -205,14 +216,14 @@ def acos(e, node, x, y, g):
 @_unary("Atan")
 def atan(e, node, x, y, g):
     """``1 / (1 + x^2)``."""
-    return e.op("Div", [g, e.op("Add", [e.scalar(1.0, x), e.op("Mul", [x, x])], like=x)], like=x)
+    return _over(e, g, e.op("Add", [e.scalar(1.0, x), e.op("Mul", [x, x])], like=x), x)
 
 
 @_unary("Asinh")
 def asinh(e, node, x, y, g):
     """``1 / sqrt(x^2 + 1)``."""
     root = e.op("Sqrt", [e.op("Add", [e.op("Mul", [x, x]), e.scalar(1.0, x)], like=x)], like=x)
-    return e.op("Div", [g, root], like=x)
+    return _over(e, g, root, x)
 
 
 @_unary("Acosh")

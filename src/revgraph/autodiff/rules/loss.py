@@ -11,6 +11,11 @@ element ``(n, d1, ...)`` contributes ``l = -w[y] * x[n, y, d1, ...]``, or 0 wher
 The labels select entries through a one-hot mask built with ``Equal`` against ``Range(C)`` (an ignored
 label, inside or outside ``[0, C)``, matches no class), so no index is ever out of bounds; labels get no
 gradient.
+
+Strong zeros (DESIGN section 5): an element that does not count (its label is ``ignore_index``, or its class
+weight is 0) gets an exactly zero gradient, also when its scores are ``-inf`` or NaN (a padded row), and when no
+element counts (``W = 0``) every gradient is 0. The products with forward values that may be non-finite are
+guarded (:meth:`Emitter.times`) only where the scores may be.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import onnx
 
 from ...ir import Node
 from ..registry import Emitter, vjp
+from .elementwise import strong
 
 
-def _class_mask(e: Emitter, node: Node, x: str, rank: int) -> str:
-    """``onehot[n, c, d...] = (y[n, d...] == c and y[n, d...] != ignore_index)``, in the dtype of ``x``."""
+def _class_mask(e: Emitter, node: Node, x: str, rank: int) -> tuple[str, str]:
+    """``onehot[n, c, d...] = (y[n, d...] == c and y[n, d...] != ignore_index)``: as bool, and in the dtype of
+    ``x``."""
     labels = e.op("Cast", [node.inputs[1]], to=onnx.TensorProto.INT64)
     if "ignore_index" in node.attrs:
         ignored = e.op("Equal", [labels, e.const(np.array(int(node.attrs["ignore_index"]), np.int64))])
@@ -33,7 +40,7 @@ def _class_mask(e: Emitter, node: Node, x: str, rank: int) -> str:
     classes = e.op("Reshape", [classes, e.ints([1, -1] + [1] * (rank - 2))])
     hit = e.op("Equal", [classes, e.op("Unsqueeze", [labels, e.ints([1])])])
     dt = e.onnx_dtype(x)
-    return e.op("Cast", [hit], to=dt, like=x) if dt is not None else e.op("CastLike", [hit, x], like=x)
+    return hit, e.op("Cast", [hit], to=dt, like=x) if dt is not None else e.op("CastLike", [hit, x], like=x)
 
 
 def _loss_vjp(e: Emitter, node: Node, out_grads: list, logp: str, log_prob_grad: str | None) -> tuple:
@@ -48,13 +55,16 @@ def _loss_vjp(e: Emitter, node: Node, out_grads: list, logp: str, log_prob_grad:
     g = out_grads[0]
     if g is None:
         return log_prob_grad, None
-    onehot = _class_mask(e, node, x, rank)
+    hit, onehot = _class_mask(e, node, x, rank)
     weighted = onehot
     if weights is not None:
         weighted = e.op("Mul", [onehot, e.op("Reshape", [weights, e.ints([1, -1] + [1] * (rank - 2))])], like=x)
-    if reduction == "mean":  # every element's cotangent is g / W
+    total = None
+    if reduction == "mean":  # every element's cotangent is g / W; all zero when nothing counts (W = 0)
         total = e.op("ReduceSum", [weighted], keepdims=0)
-        g = e.op("Div", [g, total])
+        zero = e.scalar(0.0, g)
+        nothing = e.op("Equal", [total, zero])
+        g = e.op("Where", [nothing, zero, e.op("Div", [g, e.op("Where", [nothing, e.scalar(1.0, g), total])])])
     elif reduction == "none":  # one cotangent per element, broadcast over the class axis
         g = e.op("Unsqueeze", [g, e.ints([1])])
     glogp = e.op("Neg", [e.op("Mul", [g, weighted])], like=x)
@@ -62,10 +72,18 @@ def _loss_vjp(e: Emitter, node: Node, out_grads: list, logp: str, log_prob_grad:
         glogp = e.op("Add", [glogp, log_prob_grad], like=x)
     gw = None
     if wants_w:
-        # d l / d w[c] = -x[n, c, d...] at elements labelled c; the mean's d(sum/W)/dw adds -out/W there
-        picked = e.op("Neg", [e.op("Mul", [onehot, logp], like=x)], like=x)
+        # d l / d w[c] = -x[n, c, d...] at elements labelled c; the mean's d(sum/W)/dw adds -out/W there.
+        # Only labelled entries are read: a log-probability of -inf or NaN elsewhere must not leak (0 * inf).
+        risky = e.nonfinite(logp)
+        picked = e.op("Neg", [e.op("Where", [hit, logp, e.scalar(0.0, x)], like=x) if risky
+                              else e.op("Mul", [onehot, logp], like=x)], like=x)
         if reduction == "mean":
-            picked = e.op("Sub", [picked, e.op("Mul", [onehot, node.outputs[0]], like=x)], like=x)
+            out = node.outputs[0]
+            if risky:  # the forward may be NaN (0 x -inf at a row that does not count): recompute sum / W
+                per = e.op("ReduceSum", [strong(e, weighted, picked, x)], keepdims=0)
+                out = e.op("Div", [per, e.op("Where", [e.op("Equal", [total, e.scalar(0.0, x)]),
+                                                      e.scalar(1.0, x), total])])
+            picked = e.op("Sub", [picked, e.op("Mul", [onehot, out], like=x)], like=x)
         axes = [0, *range(2, rank)]
         gw = e.op("ReduceSum", [e.op("Mul", [g, picked], like=x), e.ints(axes)], keepdims=0, like=weights)
     return glogp, gw
@@ -99,5 +117,6 @@ def softmax_cross_entropy_loss(e: Emitter, node: Node, out_grads: list) -> list:
     if e.need[0] and glogp is not None:
         axes = e.ints([1])
         prob = e.op("Softmax", [x], axis=1, like=x)
-        gx = e.op("Sub", [glogp, e.op("Mul", [prob, e.op("ReduceSum", [glogp, axes], keepdims=1)], like=x)], like=x)
+        rows = e.op("ReduceSum", [glogp, axes], keepdims=1)  # 0 for an element that does not count
+        gx = e.op("Sub", [glogp, strong(e, rows, prob, x, [x])], like=x)
     return [gx, None, gw][: len(node.inputs)]

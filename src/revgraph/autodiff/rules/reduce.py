@@ -1,6 +1,11 @@
 """VJPs of reductions (ONNX operator spec, "ReduceSum" ... "ReduceLogSumExp"; since opset 18 every
 reduction takes its axes as an optional second input, and ``noop_with_empty_axes`` decides what no axes
-mean)."""
+mean).
+
+Strong zeros (DESIGN section 5): the products of the cotangent with forward values (``2 x``, ``sign(x)``,
+``x / |x|``, ``exp(x - y)``) are guarded where those values may be inf or NaN (:func:`strong`), the product of
+the others in ``ReduceProd`` always (it overflows); ``ReduceMax``/``ReduceMin`` select (exact 0 off the
+extremum, and 0 everywhere in a group whose extremum is NaN)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import numpy as np
 
 from ...ir import Node
 from ..registry import Emitter, vjp
+from .elementwise import strong
 
 
 def reduced_axes(e: Emitter, node: Node) -> str | None:
@@ -99,10 +105,10 @@ def reduce_max_min(e: Emitter, node: Node, out_grads: list) -> list:
     section 5; JAX's ``_reduce_chooser_jvp_rule`` does the same)."""
     x, y = node.inputs[0], node.outputs[0]
     g = out_grads[0]
-    mask = e.op("CastLike", [e.op("Equal", [x, keep(e, node, y)]), x], like=x)
-    count = reduce_like(e, node, "ReduceSum", mask)
-    share = e.op("Div", [keep(e, node, g), count])
-    return [e.op("Mul", [share, mask], like=x), *_rest(node)]
+    hit = e.op("Equal", [x, keep(e, node, y)])
+    count = reduce_like(e, node, "ReduceSum", e.op("CastLike", [hit, x], like=x))
+    share = e.op("Div", [keep(e, node, g), e.op("Max", [count, e.scalar(1.0, x)])])  # no hit where y is NaN
+    return [e.select(hit, share, like=x), *_rest(node)]
 
 
 @vjp("ReduceProd")
@@ -125,7 +131,7 @@ def reduce_prod(e: Emitter, node: Node, out_grads: list) -> list:
     factor = e.op("Where", [e.op("Equal", [other_zeros, one]), lone_zero, zero], like=x)
     factor = e.op("Where", [e.op("Equal", [other_zeros, zero]), one, factor], like=x)
     others = e.op("Mul", [others_safe, factor], like=x)
-    return [e.op("Mul", [keep(e, node, g), others], like=x), *_rest(node)]
+    return [strong(e, keep(e, node, g), others, x), *_rest(node)]  # the product of the others may overflow
 
 
 @vjp("ReduceSumSquare")
@@ -133,7 +139,7 @@ def reduce_sum_square(e: Emitter, node: Node, out_grads: list) -> list:
     """``dx = 2 x dy`` (ONNX "ReduceSumSquare")."""
     x = node.inputs[0]
     g2 = e.op("Mul", [keep(e, node, out_grads[0]), e.scalar(2.0, x)])
-    return [e.op("Mul", [x, g2], like=x), *_rest(node)]
+    return [strong(e, g2, x, x, [x]), *_rest(node)]
 
 
 @vjp("ReduceL2")
@@ -144,14 +150,14 @@ def reduce_l2(e: Emitter, node: Node, out_grads: list) -> list:
     yk = keep(e, node, y)
     safe = e.op("Where", [e.op("Equal", [yk, e.scalar(0.0, yk)]), e.scalar(1.0, yk), yk])
     unit = e.op("Div", [x, safe], like=x)
-    return [e.op("Mul", [keep(e, node, out_grads[0]), unit], like=x), *_rest(node)]
+    return [strong(e, keep(e, node, out_grads[0]), unit, x, [x]), *_rest(node)]
 
 
 @vjp("ReduceL1")
 def reduce_l1(e: Emitter, node: Node, out_grads: list) -> list:
     """``dx = dy * sign(x)`` (ONNX "ReduceL1"), the 0 subgradient at 0."""
     x = node.inputs[0]
-    return [e.op("Mul", [keep(e, node, out_grads[0]), e.op("Sign", [x], like=x)], like=x), *_rest(node)]
+    return [strong(e, keep(e, node, out_grads[0]), e.op("Sign", [x], like=x), x, [x]), *_rest(node)]
 
 
 @vjp("ReduceLogSumExp")
@@ -160,7 +166,7 @@ def reduce_log_sum_exp(e: Emitter, node: Node, out_grads: list) -> list:
     ``x - y <= 0`` since ``y >= max x``: the max-subtracted softmax, which cannot overflow."""
     x, y = node.inputs[0], node.outputs[0]
     p = e.op("Exp", [e.op("Sub", [x, keep(e, node, y)], like=x)], like=x)
-    return [e.op("Mul", [keep(e, node, out_grads[0]), p], like=x), *_rest(node)]
+    return [strong(e, keep(e, node, out_grads[0]), p, x, [x]), *_rest(node)]
 
 
 @vjp("CumSum")
