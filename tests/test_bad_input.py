@@ -168,3 +168,241 @@ def test_check_with_bad_tolerance_or_a_non_finite_forward(tmp_path, capsys):
     assert "NaN or infinite values" in capsys.readouterr().out
     np.savez(tmp_path / "pos.npz", x=np.array([1.0, 4.0], np.float32))
     assert main(["check", str(tmp_path / "m.onnx"), "--inputs", str(tmp_path / "pos.npz")]) == 0
+
+
+# ------------------------------------------------------------- issue 12, section 2: bad input exits 2, never 3
+
+COMMANDS = (["info"], ["grad", "-o", "{out}"], ["run"], ["check"])
+
+
+def every_command_refuses(path, tmp_path, capsys, *needles):
+    """Each command exits 2 on ``path`` with one line holding ``needles``, and writes nothing."""
+    for command in COMMANDS:
+        args = [a.format(out=tmp_path / "g.onnx") for a in command]
+        assert main([args[0], str(path), *args[1:]]) == 2, command
+        one_line(capsys, *needles)
+    assert not (tmp_path / "g.onnx").exists()
+
+
+def external_model(tmp_path, *, size=16, offset=None, length=None, dims=(4,), location="w.bin"):
+    """A model reading initializer w (float32) from external data, entry written by hand."""
+    t = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=list(dims), data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        if value is not None:
+            t.external_data.add(key=key, value=str(value))
+    if size is not None:
+        (tmp_path / location).write_bytes(np.arange(size // 4, dtype=np.float32).tobytes())
+    return raw_model(tmp_path / "ext.onnx", [helper.make_node("Add", ["x", "w"], ["y"], name="add")],
+                     inits=[t])
+
+
+@pytest.mark.parametrize("entry,needles", [
+    (dict(offset=1000), ["'w'", "offset 1000 is past the end", "16 bytes"]),
+    (dict(length=-5), ["'w'", "length -5 is negative"]),
+    (dict(offset=-1), ["'w'", "offset -1 is negative"]),
+    (dict(offset="abc"), ["'w'", "offset 'abc' is not an integer"]),
+    (dict(offset=8, length=16), ["'w'", "offset 8 + length 16 reaches past the end"]),
+    (dict(size=8), ["'w'", "float32[4]", "needs 16 bytes", "holds 8"]),
+    (dict(size=32), ["'w'", "needs 16 bytes", "holds 32"]),
+    (dict(dims=(10**6, 10**6)), ["'w'", "needs 4000000000000 bytes"]),
+])
+def test_external_data_that_does_not_fit_the_tensor(tmp_path, capsys, entry, needles):
+    path = external_model(tmp_path, **entry)
+    every_command_refuses(path, tmp_path, capsys, *needles)
+
+
+def test_external_data_file_that_is_a_fifo_or_a_directory(tmp_path, capsys):
+    path = external_model(tmp_path, size=None, location="w.bin")
+    os.mkfifo(tmp_path / "w.bin")  # reading it would block forever
+    assert main(["info", str(path)]) == 2
+    one_line(capsys, "not a regular file", "FIFO")
+    os.remove(tmp_path / "w.bin")
+    os.mkdir(tmp_path / "w.bin")
+    assert main(["info", str(path)]) == 2
+    one_line(capsys, "not a regular file", "directory")
+
+
+@pytest.mark.parametrize("make,needles", [
+    # dims say 10^12 elements and no data follows: refused without allocating
+    (lambda: TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[10**6, 10**6]),
+     ["initializer 'w'", "1,000,000,000,000 elements", "does not hold its data"]),
+    (lambda: TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[-1]), ["initializer 'w'", "negative dimension"]),
+    (lambda: TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[-2, -2], float_data=[1, 2, 3, 4]),
+     ["initializer 'w'", "negative dimension", "[-2, -2]"]),
+    (lambda: TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[5], raw_data=np.ones(4, np.float32).tobytes()),
+     ["initializer 'w'", "float32[5]", "does not hold its data"]),
+])
+def test_initializer_whose_dims_do_not_fit_its_data(tmp_path, capsys, make, needles):
+    path = raw_model(tmp_path / "m.onnx", [helper.make_node("Add", ["x", "w"], ["y"], name="add")], inits=[make()])
+    every_command_refuses(path, tmp_path, capsys, *needles)
+
+
+def test_constant_tensor_attribute_whose_dims_do_not_fit(tmp_path, capsys):
+    value = TensorProto(name="v", data_type=TensorProto.FLOAT, dims=[3], float_data=[1.0])
+    path = raw_model(tmp_path / "m.onnx", [helper.make_node("Constant", [], ["w"], name="c", value=value),
+                                           helper.make_node("Add", ["x", "w"], ["y"], name="add")])
+    every_command_refuses(path, tmp_path, capsys, "attribute 'value' of node 'c' (Constant)", "does not hold its data")
+
+
+def test_names_that_are_not_utf8(tmp_path, capsys):
+    path = raw_model(tmp_path / "m.onnx", [helper.make_node("Relu", ["x"], ["yy"], name="relu")], outputs=("yy",))
+    data = path.read_bytes()
+    assert data.count(b"yy") == 2
+    path.write_bytes(data.replace(b"yy", b"y\xff"))  # the node output and the graph output
+    every_command_refuses(path, tmp_path, capsys, "not UTF-8", "y\\xff")
+
+
+@pytest.mark.parametrize("where", ["input", "output", "initializer"])
+def test_empty_value_names(tmp_path, capsys, where):
+    if where == "input":
+        path = raw_model(tmp_path / "m.onnx", [helper.make_node("Relu", [""], ["y"], name="r")], inputs=("",))
+    elif where == "output":
+        path = raw_model(tmp_path / "m.onnx", [helper.make_node("Relu", ["x"], [""], name="r")], outputs=("",))
+    else:
+        path = raw_model(tmp_path / "m.onnx", [helper.make_node("Add", ["x", ""], ["y"], name="a")],
+                         inits=[helper.make_tensor("", TensorProto.FLOAT, [2], [1.0, 2.0])])
+    every_command_refuses(path, tmp_path, capsys, f"{where} #", "empty name")
+
+
+@pytest.mark.parametrize("op,attr,value,needles", [
+    ("Softmax", "axis", "one", ["(Softmax)", "attribute 'axis' is a string", "takes an int"]),
+    ("LeakyRelu", "alpha", "0.1", ["(LeakyRelu)", "attribute 'alpha' is a string", "takes a float"]),
+    ("Transpose", "perm", [0.0], ["(Transpose)", "attribute 'perm' is a list of floats", "takes a list of ints"]),
+])
+def test_attributes_of_the_wrong_type(tmp_path, capsys, op, attr, value, needles):
+    node = helper.make_node(op, ["x"], ["y"], name="n1")
+    node.attribute.append(helper.make_attribute(attr, value))
+    every_command_refuses(raw_model(tmp_path / "m.onnx", [node]), tmp_path, capsys, "node 'n1'", *needles)
+
+
+def _loop_with_a_rank_1_condition(path):
+    body_graph = helper.make_graph(
+        [helper.make_node("Identity", ["cond"], ["cond_out"]), helper.make_node("Mul", ["v", "v"], ["v_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v", TensorProto.FLOAT, [2])],
+        # shape [1]; a Loop's condition is a scalar
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [1]),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [2])])
+    return raw_model(path, [
+        helper.make_node("Constant", [], ["M"], value=helper.make_tensor("m", TensorProto.INT64, [], [3])),
+        helper.make_node("Constant", [], ["c0"], value=helper.make_tensor("c", TensorProto.BOOL, [1], [True])),
+        helper.make_node("Loop", ["M", "c0", "x"], ["y"], name="loop", body=body_graph)])
+
+
+@pytest.mark.parametrize("build,needles", [
+    (lambda p: raw_model(p, [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], inits=[
+        helper.make_tensor("w", TensorProto.FLOAT, [3, 2], np.ones(6).tolist())]),
+     ["node 'mm' (MatMul)", "Incompatible dimensions"]),
+    (lambda p: raw_model(p, [
+        helper.make_node("Constant", [], ["s"], value=helper.make_tensor("s", TensorProto.INT64, [1], [-3])),
+        helper.make_node("ConstantOfShape", ["s"], ["c"], name="cos"), helper.make_node("Mul", ["x", "c"], ["y"])]),
+     ["node 'cos' (ConstantOfShape)", "non-negative"]),
+    (_loop_with_a_rank_1_condition, ["node 'loop' (Loop)", "condition output 'cond_out' is declared bool[1]",
+                                     "scalar"]),
+])
+def test_models_onnx_refuses_are_refused_by_grad_and_run(tmp_path, capsys, build, needles):
+    path = build(tmp_path / "m.onnx")
+    assert main(["grad", str(path), "-o", str(tmp_path / "g.onnx")]) == 2
+    one_line(capsys, *needles)
+    assert not (tmp_path / "g.onnx").exists()
+    assert main(["run", str(path)]) == 2
+    one_line(capsys, "onnxruntime refuses the graph")
+
+
+@pytest.mark.parametrize("command", [["run"], ["check"], ["train", "--data", "{data}", "--loss", "mse", "--optimizer",
+                                                          "sgd", "--epochs", "1", "-o", "{out}"]])
+@pytest.mark.parametrize("seed", ["-1", "1.5", "x"])
+def test_seed_must_be_a_non_negative_integer(tmp_path, capsys, command, seed):
+    g = Graph([Node("MatMul", ["x", "w"], ["y"], name="mm")], [ValueInfo("x", np.float32, (None, 2))],
+              [ValueInfo("y", np.float32, (None, 1))], {"w": np.ones((2, 1), np.float32)})
+    rg.save(g, tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.ones((4, 2), np.float32), y=np.ones((4, 1), np.float32))
+    args = [a.format(data=tmp_path / "d.npz", out=tmp_path / "t.onnx") for a in command]
+    assert main([args[0], str(tmp_path / "m.onnx"), *args[1:], "--seed", seed]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # train fails before its progress bar
+    assert len(captured.err.strip().splitlines()) == 1 and "invalid seed" in captured.err
+    assert not (tmp_path / "t.onnx").exists()
+
+
+def test_run_output_named_like_a_savez_keyword(tmp_path, capsys):
+    g = Graph([Node("Relu", ["x"], ["file"], name="r")], [ValueInfo("x", np.float32, (2,))],
+              [ValueInfo("file", np.float32, (2,))])
+    rg.save(g, tmp_path / "m.onnx")
+    np.savez(tmp_path / "in.npz", x=np.array([-1.0, 2.0], np.float32))
+    code = main(["run", str(tmp_path / "m.onnx"), "--inputs", str(tmp_path / "in.npz"), "-o", str(tmp_path / "o.npz")])
+    err = capsys.readouterr().err
+    assert code in (0, 2) and "Traceback" not in err and "internal error" not in err, err
+
+
+def test_rich_markup_in_a_name_does_not_crash_check(tmp_path, capsys):
+    g = Graph([Node("Mul", ["x[/oops]", "x[/oops]"], ["y"], name="sq")], [ValueInfo("x[/oops]", np.float32, (3,))],
+              [ValueInfo("y", np.float32, (3,))])
+    rg.save(g, tmp_path / "m.onnx")
+    assert main(["check", str(tmp_path / "m.onnx")]) == 0
+    assert "x[/oops]" in capsys.readouterr().out
+
+
+def test_element_types_onnx_does_not_define(tmp_path, capsys):
+    path = raw_model(tmp_path / "m.onnx", [helper.make_node("Relu", ["x"], ["y"], name="r")])
+    model = onnx.load(str(path))
+    model.graph.input[0].type.tensor_type.elem_type = 102
+    onnx.save(model, str(path))
+    every_command_refuses(path, tmp_path, capsys, "value 'x'", "element type 102")
+    w = TensorProto(name="w", data_type=77, dims=[2], raw_data=b"\0" * 8)
+    path = raw_model(tmp_path / "m.onnx", [helper.make_node("Add", ["x", "w"], ["y"], name="add")], inits=[w])
+    every_command_refuses(path, tmp_path, capsys, "initializer 'w'", "element type 77")
+
+
+def test_attribute_without_a_type(tmp_path, capsys):
+    node = helper.make_node("Relu", ["x"], ["y"], name="r")
+    node.attribute.add(name="alpha")  # no type, no value
+    every_command_refuses(raw_model(tmp_path / "m.onnx", [node]), tmp_path, capsys, "node 'r' (Relu)",
+                          "attribute 'alpha' has no valid type")
+
+
+def test_string_attributes_keep_their_bytes(tmp_path, capsys):
+    """ONNX string attributes are bytes: ones that are not UTF-8 are read and written unchanged."""
+    node = helper.make_node("Constant", [], ["s"], name="c", value_string=b"caf\xe9")
+    g = helper.make_graph([node, helper.make_node("Relu", ["x"], ["y"], name="r")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2]),
+                           helper.make_tensor_value_info("s", TensorProto.STRING, [])])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    assert main(["info", str(path)]) == 0
+    written = rg.to_onnx(rg.load(path))
+    attr = next(n for n in written.graph.node if n.op_type == "Constant").attribute[0]
+    assert attr.s == b"caf\xe9"
+
+
+def test_loop_whose_iteration_number_is_not_a_scalar(tmp_path, capsys):
+    """ONNX's checker passes a Loop body that declares its (unused) iteration number int64[0]; the backward loop
+    counts iterations in a value of that type, so grad refuses it (found by tests/test_fuzz.py)."""
+    path = _loop_with_a_rank_1_condition(tmp_path / "m.onnx")
+    model = onnx.load(str(path))
+    model.graph.node[1].attribute[0].t.CopyFrom(helper.make_tensor("c", TensorProto.BOOL, [], [True]))
+    body_graph = model.graph.node[2].attribute[0].g
+    body_graph.output[0].type.tensor_type.shape.ClearField("dim")  # a scalar condition, as it should be
+    body_graph.input[0].type.tensor_type.shape.dim.add().dim_value = 0
+    onnx.save(model, str(path))
+    assert main(["grad", str(path), "-o", str(tmp_path / "g.onnx")]) == 2
+    one_line(capsys, "node 'loop' (Loop)", "iteration number 'i' is declared int64[0]", "scalar")
+
+
+def test_graph_output_without_a_type(tmp_path, capsys):
+    """An output whose type ONNX inference cannot fill in (an initializer named as an output, its type cleared:
+    found by tests/test_fuzz.py); one it can fill in is typed on load."""
+    w = helper.make_tensor("w", TensorProto.FLOAT, [2], [1.0, 2.0])
+    path = raw_model(tmp_path / "m.onnx", [helper.make_node("Add", ["x", "w"], ["y"], name="add")],
+                     outputs=("y", "w"), inits=[w])
+    model = onnx.load(str(path))
+    model.graph.output[1].ClearField("type")
+    onnx.save(model, str(path))
+    assert main(["grad", str(path), "--loss", "y", "-o", str(tmp_path / "g.onnx")]) == 2
+    one_line(capsys, "'w' has no type")
+    model.graph.output[1].CopyFrom(helper.make_tensor_value_info("w", TensorProto.FLOAT, [2]))
+    model.graph.output[0].ClearField("type")
+    onnx.save(model, str(path))
+    assert main(["grad", str(path), "--loss", "y", "-o", str(tmp_path / "g.onnx")]) == 0

@@ -29,7 +29,7 @@ from onnx import helper
 from .autodiff.backward import gradient, resolve_loss, resolve_wrt
 from .autodiff.loops.lower import lower_to_loops
 from .errors import InputError, RevgraphError
-from .ir import Graph, Node, ValueInfo, fresh_name
+from .ir import Graph, Node, ValueInfo, fresh_name, require_graph
 from .onnx_io import infer_types
 from .runtime import Session, expand_domains, random_inputs
 from .ssa import is_ssa, to_ssa
@@ -308,6 +308,11 @@ def check_gradients(
     (:class:`CheckRow`). Raises :class:`InputError` for non-finite inputs, and what :func:`revgraph.gradient`
     raises for bad names.
     """
+    require_graph(graph, "check_gradients")
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise RevgraphError(f"seed must be an int >= 0, got {seed!r}")
+    if inputs is not None and not isinstance(inputs, Mapping):
+        raise InputError(f"inputs must map input names to arrays (a dict), got {type(inputs).__name__}")
     if not (rtol >= 0 and atol >= 0 and step > 0 and directions > 0):
         raise RevgraphError(f"tolerances must be >= 0 and step and directions > 0 (rtol {rtol}, atol {atol}, "
                             f"step {step}, directions {directions})")

@@ -18,12 +18,13 @@ from .autodiff.backward import ACCUMULATE, gradient
 from .check import NOT_CHECKED, check_gradients
 from .devices import Device
 from .errors import InputError, RevgraphError
-from .ir import TARGET_OPSET, ValueInfo
+from .ir import TARGET_OPSET, ValueInfo, is_float_dtype
+from .limits import open_regular_file
 from .lift import drop_unused_initializers, lift_constants
 from .atomic import check_outputs
 from .external_data import external_data_files, too_large
 from .npz import write_outputs
-from .onnx_io import load, save, to_onnx
+from .onnx_io import check_valid, converter_error, load, save, to_onnx
 from .runtime import BACKENDS, Session, random_inputs
 from .text import LiteralConsole, cell
 
@@ -44,6 +45,17 @@ class _UsageError(Exception):
     pass
 
 
+def _seed(text: str) -> int:
+    """``--seed``: an integer >= 0 (numpy's random generators refuse negative seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid seed {text!r}: give an integer >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"invalid seed {text!r}: give an integer >= 0")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="revgraph", description="Reverse-mode automatic differentiation of ONNX graphs, as ONNX graphs.")
     p.add_argument("--version", action="version", version=f"revgraph {__version__}")
@@ -62,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                      "when that is a plain file name, else as output_<k>; the member revgraph_names maps members to "
                      "names: z = np.load(OUT); {name: z[m] for m, name in z['revgraph_names']}")
     run.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
-    run.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    run.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs (default 0)")
     run.add_argument("--device", default="cpu", metavar="cpu|cuda[:i]",
                      help="where onnxruntime runs the model (cuda needs onnxruntime-gpu; default cpu)")
 
@@ -92,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--loss", metavar="NAME")
     check.add_argument("--wrt", metavar="NAME", nargs="+")
     check.add_argument("--inputs", metavar="FILE.npz", help="input arrays by input name (default: random)")
-    check.add_argument("--seed", type=int, default=0, help="seed of the inputs, cotangent and directions")
+    check.add_argument("--seed", type=_seed, default=0, help="seed of the inputs, cotangent and directions")
     check.add_argument("--lift-constants", action="store_true", help="as for grad")
     check.add_argument("--rtol", type=float, default=1e-4)
     check.add_argument("--atol", type=float, default=1e-6)
@@ -118,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="L2 penalty (sgd, adam) or decoupled decay (adamw; default 0.01, else 0)")
     train.add_argument("--epochs", type=int, required=True, metavar="N")
     train.add_argument("--batch-size", type=int, default=32, metavar="B", help="(default 32)")
-    train.add_argument("--seed", type=int, default=0, help="seed of the shuffling (default 0)")
+    train.add_argument("--seed", type=_seed, default=0, help="seed of the shuffling (default 0)")
     train.add_argument("--model-output", metavar="NAME", help="the output the loss reads (default: the only output)")
     train.add_argument("--test-data", metavar="TEST.npz", help="also report the loss (and accuracy) on these arrays")
     train.add_argument("--save-training-graph", metavar="FILE.onnx", help="also write the training-step graph")
@@ -144,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="a short run (a smoke test; lower accuracy)")
     demo.add_argument("--epochs", type=int, metavar="N", help="epochs of the recurrent classifier (default 30)")
     demo.add_argument("--hidden", type=int, metavar="H", help="hidden size of the recurrent classifier (default 128)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffling")
+    demo.add_argument("--seed", type=_seed, default=0, help="seed of the split, the weights and the shuffling")
     return p
 
 
@@ -261,11 +273,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def read_npz(path: str) -> dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` file by key; :class:`InputError` if it is missing or not an npz file."""
-    if not os.path.exists(path):
-        raise InputError(f"{path!r}: no such file")
+    """The arrays of an ``.npz`` file by key; :class:`InputError` if it is missing, not a regular file (a FIFO
+    would block, a device would be read forever) or not an npz file."""
     try:
-        with np.load(path, allow_pickle=False) as data:
+        fd = open_regular_file(path, ".npz file")
+    except RevgraphError as exc:
+        raise InputError(str(exc)) from None
+    try:
+        with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as data:
             if not hasattr(data, "files"):
                 raise InputError(f"{path!r} holds one array; pass an .npz file that maps input names to arrays")
             return {k: data[k] for k in data.files}
@@ -286,7 +301,7 @@ def _summary(arrays: dict[str, np.ndarray]) -> Table:
     for col in ("output", "dtype", "shape", "min", "max", "mean"):
         table.add_column(col, justify="right" if col in ("min", "max", "mean") else "left")
     for name, a in _flatten_sequences(arrays).items():
-        numeric = a.dtype.kind in "fiub" and a.size
+        numeric = (a.dtype.kind in "iub" or is_float_dtype(a.dtype)) and a.size
         stats = [f"{float(s):.6g}" for s in (a.min(), a.max(), a.astype(np.float64).mean())] if numeric else ["", "", ""]
         table.add_row(name, str(a.dtype), str(list(a.shape)), *stats)
     return table
@@ -307,7 +322,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     g = load(args.model)
     _check_outputs(args, {"-o": args.output}, {"--inputs": args.inputs})
     session = Session(g, backend=args.backend, device=args.device)  # a bad device fails before the note below
-    if args.inputs:
+    if args.inputs is not None:  # "" is a path too, and not "no --inputs"
         feeds = read_npz(args.inputs)
     else:
         feeds = random_inputs(g, args.seed)
@@ -332,6 +347,10 @@ def cmd_grad(args: argparse.Namespace) -> int:
 
     g = load(args.model)
     _check_outputs(args, {"-o": args.output})
+    check_valid(g)  # a model ONNX's checker refuses is bad input, not a failure of the gradient graph's check
+    newest = onnx.defs.onnx_opset_version()
+    if args.opset is not None and not 7 <= args.opset <= newest:
+        raise RevgraphError(f"--opset {args.opset}: give an opset from 7 to {newest} (the newest this onnx knows)")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         gg = gradient(g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,
@@ -345,7 +364,8 @@ def cmd_grad(args: argparse.Namespace) -> int:
         try:
             model = onnx.version_converter.convert_version(model, args.opset)
         except Exception as exc:
-            raise RevgraphError(f"cannot write the gradient graph at opset {args.opset}: {str(exc).splitlines()[0]}") from None
+            raise RevgraphError(f"cannot write the gradient graph at opset {args.opset}: "
+                                f"{converter_error(exc)}") from None
     if not too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
         onnx.checker.check_model(model, full_check=True)
     save(model, args.output)
@@ -367,7 +387,7 @@ def _some(names: list[str], most: int = 6) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     g = load(args.model)
-    feeds = read_npz(args.inputs) if args.inputs else None
+    feeds = read_npz(args.inputs) if args.inputs is not None else None
     if args.lift_constants:
         g = lift_constants(g)[0]
     import warnings
@@ -428,7 +448,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.threads < 0 or args.checkpoint_every < 0:
         raise RevgraphError("--threads and --checkpoint-every must be >= 0")
     data = read_npz(args.data)
-    test = read_npz(args.test_data) if args.test_data else None
+    test = read_npz(args.test_data) if args.test_data is not None else None
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     g = load(args.model)
     threads = args.threads

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .errors import GraphError
+from .errors import GraphError, RevgraphError
 
 #: The default-domain opset every graph is converted to on load and written at. Opset 21 has
 #: ``ScatterND`` with ``reduction`` (since 16; "max"/"min" since 18), ``Gelu`` (20) and
@@ -29,6 +29,27 @@ from .errors import GraphError
 TARGET_OPSET = 21
 
 Dim = int | str | None
+
+#: Floating-point types numpy sees as kind "V" (ml_dtypes' bfloat16): floating point all the same.
+_VOID_FLOATS = frozenset({"bfloat16"})
+
+
+def is_float_dtype(dtype: np.dtype | None) -> bool:
+    """True for a floating-point dtype, the values that carry gradients: numpy's kind ``"f"`` (float16,
+    float32, float64) and ONNX's bfloat16, which numpy (through ml_dtypes) calls kind ``"V"``. The float8
+    and float4 types are left out: ONNX's arithmetic operators do not take them."""
+    if dtype is None:
+        return False
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype.name in _VOID_FLOATS
+
+
+def require_graph(graph: object, function: str) -> None:
+    """Refuse (:class:`~revgraph.errors.RevgraphError`, one line) anything but a :class:`Graph` where the
+    public function ``function`` needs one (a path or an ``onnx.ModelProto`` goes through ``revgraph.load``)."""
+    if not isinstance(graph, Graph):
+        raise RevgraphError(f"{function} takes a revgraph.Graph, got {type(graph).__name__}; turn a model file or "
+                            "an onnx.ModelProto into one with revgraph.load")
 
 
 @dataclass
@@ -54,7 +75,7 @@ class ValueInfo:
     @property
     def is_float(self) -> bool:
         """True for a floating-point tensor (the values that can carry gradients)."""
-        return self.kind == "tensor" and self.dtype is not None and self.dtype.kind == "f"
+        return self.kind == "tensor" and is_float_dtype(self.dtype)
 
     def describe(self) -> str:
         """``float32[1,3,'N']``-style text for messages and tables."""

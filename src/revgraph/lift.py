@@ -8,9 +8,15 @@ constant with more than one element into an initializer of the same name.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from .ir import Graph, Node
+from . import limits
+from .errors import GraphError
+from .ir import Graph, Node, is_float_dtype
+
+_SMALL = 64  # elements of a constant that is not lifted but kept as a value (a shape)
 
 
 def _constant_value(node: Node, known: dict[str, np.ndarray]) -> np.ndarray | None:
@@ -22,7 +28,18 @@ def _constant_value(node: Node, known: dict[str, np.ndarray]) -> np.ndarray | No
     if node.op_type == "ConstantOfShape" and node.inputs and node.inputs[0] in known:
         fill = node.attrs.get("value", np.zeros(1, np.float32))
         fill = np.asarray(fill).reshape(-1)
-        return np.full(tuple(int(d) for d in known[node.inputs[0]].reshape(-1)), fill[0], dtype=fill.dtype)
+        shape = tuple(int(d) for d in np.asarray(known[node.inputs[0]]).reshape(-1))
+        if any(d < 0 for d in shape) or fill.size != 1:
+            raise GraphError(f"{node.label()} has shape {list(shape)} and a fill value of {fill.size} elements; "
+                             "ConstantOfShape takes non-negative dimensions and one value")
+        size = math.prod(shape)
+        if not (is_float_dtype(fill.dtype) and size > 1):
+            # not lifted: kept only where it may be the shape of another ConstantOfShape
+            return np.full(shape, fill[0], dtype=fill.dtype) if size <= _SMALL else None
+        # a weight: it becomes an initializer, so it is made; the model only wrote its shape
+        limits.check_allocation(f"the output {node.outputs[0]!r} of {node.label()}", shape, fill.dtype,
+                                "a lifted constant (--lift-constants)")
+        return np.full(shape, fill[0], dtype=fill.dtype)
     return None
 
 
@@ -41,7 +58,7 @@ def lift_constants(graph: Graph) -> tuple[Graph, list[str]]:
         value = _constant_value(node, known)
         if value is not None:
             known[node.outputs[0]] = value
-            if value.dtype.kind == "f" and value.size > 1:
+            if is_float_dtype(value.dtype) and value.size > 1:
                 g.initializers[node.outputs[0]] = value
                 g.value_info.pop(node.outputs[0], None)
                 lifted.append(node.outputs[0])

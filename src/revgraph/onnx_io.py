@@ -1,32 +1,42 @@
 """ONNX in and out: :func:`load`, :func:`save`, :func:`to_onnx`.
 
-On load a model is read with ``onnx.load`` (external data included), its model-local functions are inlined
-(``onnx.inliner``), names written more than once are renamed into SSA form (:mod:`revgraph.ssa`), the
-default-domain opset is converted to :data:`revgraph.ir.TARGET_OPSET` with ``onnx.version_converter``, and
-ONNX shape inference fills in the types of intermediate values. What revgraph writes is always SSA, at the
-graph's opset, with the lowest IR version that opset allows (so the installed onnxruntime accepts it).
+On load a model is read and checked by :mod:`revgraph.reading` (regular files only, external data that fits
+its tensors, tensors that hold their data, non-empty UTF-8 names, attributes of their schema's type), its
+model-local functions are inlined (``onnx.inliner``), names written more than once are renamed into SSA form
+(:mod:`revgraph.ssa`), the default-domain opset is converted to :data:`revgraph.ir.TARGET_OPSET` with
+``onnx.version_converter``, and ONNX shape inference fills in the types of intermediate values (with data
+propagation only where it cannot materialise a value the model merely describes: :mod:`revgraph.limits`).
+What revgraph writes is always SSA, at the graph's opset, with the lowest IR version that opset allows (so the
+installed onnxruntime accepts it).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
+import onnx.shape_inference
+import onnx.version_converter
 from onnx import AttributeProto, helper, numpy_helper
 
-from . import fastshape
+from . import fastshape, limits
 from .atomic import atomic_path
-from .errors import RevgraphError, UnsupportedModelError
-from .ir import TARGET_OPSET, Graph, Node, ValueInfo
+from .errors import GraphError, RevgraphError, UnsupportedModelError
+from .ir import TARGET_OPSET, Graph, Node, ValueInfo, require_graph
+from .reading import (  # noqa: F401  (read_model, converter_error: API of this module)
+    check_graph_proto, check_loop_signatures, converter_error, inline_functions, model_proto, non_utf8_field,
+    onnx_error_line, read_model, tensor_array)
 from .schema import get_schema
 from .ssa import is_ssa, to_ssa
 
 #: Operator domains a loaded model may import besides the default one.
 KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training")
+
+#: The element types ONNX defines (0: undefined, an unknown type).
+_ELEM_TYPES = frozenset(onnx.TensorProto.DataType.values())
 
 _PASSTHROUGH_ATTRS = {
     AttributeProto.TYPE_PROTO,
@@ -36,48 +46,42 @@ _PASSTHROUGH_ATTRS = {
 }
 
 
-def read_model(path: str | os.PathLike) -> onnx.ModelProto:
-    """``onnx.load`` with one-line errors for a missing, unreadable or truncated file or missing external data."""
-    p = Path(path)
-    if not p.exists():
-        raise RevgraphError(f"{str(p)!r}: no such file")
-    if p.is_dir():
-        raise RevgraphError(f"{str(p)!r} is a directory, not an ONNX model file")
-    try:
-        model = onnx.load(str(p), load_external_data=False)
-    except Exception as exc:  # protobuf raises DecodeError and friends
-        raise RevgraphError(
-            f"{str(p)!r} is not a readable ONNX model (protobuf parse failed: {type(exc).__name__}); "
-            "is the file complete?"
-        ) from None
-    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
-        raise RevgraphError(f"{str(p)!r} holds no ONNX graph; is it an ONNX model file?")
-    try:
-        onnx.external_data_helper.load_external_data_for_model(model, str(p.parent))
-    except (FileNotFoundError, OSError, onnx.checker.ValidationError) as exc:
-        raise RevgraphError(
-            f"{str(p)!r}: its external data cannot be read ({str(exc).splitlines()[0]}); "
-            "keep the .data file next to the model"
-        ) from None
-    return model
-
-
-def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int = TARGET_OPSET) -> Graph:
+def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int = TARGET_OPSET,
+         base_dir: str | os.PathLike | None = None) -> Graph:
     """Load an ONNX model as a :class:`Graph` in SSA form at the default-domain ``opset``.
 
-    ``model`` is a path, an ``onnx.ModelProto`` or serialized bytes. Raises :class:`RevgraphError` for an
-    unreadable file, :class:`UnsupportedModelError` for a model revgraph cannot represent (optional or map
-    types, sparse initializers, unknown operator domains) or whose opset cannot be converted.
+    ``model`` is a path, an ``onnx.ModelProto`` or serialized bytes. A file reads its external data from its
+    own directory; bytes and a ``ModelProto`` read it from ``base_dir`` and are refused without one
+    (:func:`revgraph.reading.model_proto`; the caller's ``ModelProto`` is not changed). Raises
+    :class:`RevgraphError` for an unreadable or non-regular file, bytes that are not a model, bad external data
+    or tensors, names that are empty or not UTF-8, attributes of the wrong type;
+    :class:`UnsupportedModelError` for a model revgraph cannot represent (optional or map types, sparse
+    initializers, unknown operator domains) or whose opset cannot be converted.
     """
-    if isinstance(model, bytes):
-        model = onnx.load_from_string(model)
-    elif not isinstance(model, onnx.ModelProto):
-        model = read_model(model)
+    newest = onnx.defs.onnx_opset_version()
+    if not isinstance(opset, int) or isinstance(opset, bool) or not 7 <= opset <= newest:
+        raise RevgraphError(f"opset must be an int from 7 to {newest} (the newest this onnx knows), got {opset!r}")
+    model = model_proto(model, base_dir)
+    try:
+        return _convert(model, opset)
+    except UnicodeDecodeError:  # a string field holds bytes that are not UTF-8: protobuf hands them over as bytes
+        where = non_utf8_field(model) or "a name or string"
+        raise GraphError(f"the model's field {where} is not UTF-8 text; ONNX names and strings are UTF-8") from None
+
+
+def _convert(model: onnx.ModelProto, opset: int) -> Graph:
+    """:func:`load` once the model's tensors hold their data."""
     if model.functions:
-        model = onnx.inliner.inline_local_functions(model)
+        model = inline_functions(model)
     opsets = {o.domain: o.version for o in model.opset_import}
     if "ai.onnx" in opsets:
         opsets[""] = opsets.pop("ai.onnx")
+    bad = {d: v for d, v in opsets.items() if not 1 <= v < 2**31}
+    if bad:
+        domain, version = next(iter(bad.items()))
+        raise UnsupportedModelError(f"the model imports opset {version} of domain {domain or 'ai.onnx'!r}; opset "
+                                    "versions are positive (ONNX's default domain is at most "
+                                    f"{onnx.defs.onnx_opset_version()})")
     unknown = sorted(d for d in opsets if d not in KNOWN_DOMAINS)
     if unknown:
         raise UnsupportedModelError(
@@ -100,10 +104,10 @@ def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int = TAR
         except Exception as exc:
             raise UnsupportedModelError(
                 f"cannot convert the model from opset {original} to opset {opset} "
-                f"(onnx.version_converter: {str(exc).splitlines()[0]})"
+                f"(onnx.version_converter: {converter_error(exc)})"
             ) from None
     try:
-        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+        proto = limits.infer_shapes(proto)  # data propagation only where it cannot materialise a huge value
     except Exception:  # shape inference is a help for rules, never a requirement
         pass
     result = graph_from_proto(proto.graph, {o.domain or "": o.version for o in proto.opset_import})
@@ -164,27 +168,32 @@ def value_info_from_proto(vi: onnx.ValueInfoProto) -> ValueInfo:
             f"value {vi.name!r} has {readable} type; revgraph handles tensors and sequences of tensors"
         )
     tt = t.tensor_type
+    if tt.elem_type not in _ELEM_TYPES:
+        raise UnsupportedModelError(f"value {vi.name!r} has element type {tt.elem_type}, which ONNX does not define")
     dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
     shape = None
     if tt.HasField("shape"):
+        # a negative dim_value (some converters write -1 for "unknown") is taken as unknown
         shape = tuple(
-            d.dim_value if d.HasField("dim_value") else (d.dim_param if d.HasField("dim_param") else None)
+            (d.dim_value if d.dim_value >= 0 else None) if d.HasField("dim_value")
+            else (d.dim_param if d.HasField("dim_param") else None)
             for d in tt.shape.dim
         )
     return ValueInfo(vi.name, dtype, shape, kind)
 
 
-def _attr_from_proto(a: AttributeProto, opsets: dict[str, int]) -> Any:
+def _attr_from_proto(a: AttributeProto, opsets: dict[str, int], node: onnx.NodeProto | None = None) -> Any:
     if a.type in _PASSTHROUGH_ATTRS or a.ref_attr_name:
         return a
     if a.type == AttributeProto.GRAPH:
         return graph_from_proto(a.g, opsets)
     if a.type == AttributeProto.GRAPHS:
         return [graph_from_proto(g, opsets) for g in a.graphs]
+    where = f"attribute {a.name!r}" + (f" of node {node.name!r} ({node.op_type})" if node is not None else "") + ":"
     if a.type == AttributeProto.TENSOR:
-        return numpy_helper.to_array(a.t)
+        return tensor_array(a.t, f"{where} tensor")
     if a.type == AttributeProto.TENSORS:
-        return [numpy_helper.to_array(t) for t in a.tensors]
+        return [tensor_array(t, f"{where} tensor") for t in a.tensors]
     if a.type == AttributeProto.STRING:
         return a.s.decode("utf-8", errors="surrogateescape")
     if a.type == AttributeProto.STRINGS:
@@ -199,13 +208,14 @@ def graph_from_proto(gp: onnx.GraphProto, opsets: dict[str, int]) -> Graph:
             f"graph {gp.name!r} has sparse initializers ({gp.sparse_initializer[0].values.name!r}); "
             "store them dense"
         )
-    initializers = {t.name: numpy_helper.to_array(t) for t in gp.initializer}
+    check_graph_proto(gp, opsets)
+    initializers = {t.name: tensor_array(t, "initializer") for t in gp.initializer}
     nodes = [
         Node(
             n.op_type,
             list(n.input),
             list(n.output),
-            {a.name: _attr_from_proto(a, opsets) for a in n.attribute},
+            {a.name: _attr_from_proto(a, opsets, n) for a in n.attribute},
             n.name,
             n.domain if n.domain != "ai.onnx" else "",
         )
@@ -272,6 +282,11 @@ def _attr_to_proto(node: Node, key: str, value: Any, opsets: dict[str, int]) -> 
         value = float(value)
     elif attr_type == AttributeProto.INT:
         value = int(value)
+    # string attributes were read with surrogateescape (ONNX strings may hold any bytes): write the same bytes
+    if isinstance(value, str):
+        value = value.encode("utf-8", "surrogateescape")
+    elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        value = [v.encode("utf-8", "surrogateescape") for v in value]
     return helper.make_attribute(key, value, attr_type=attr_type)
 
 
@@ -307,6 +322,7 @@ def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
     The IR version is the lowest that the graph's opsets allow (``onnx.helper.find_min_ir_version_for``),
     at least 4 so that initializers need not be graph inputs.
     """
+    require_graph(graph, "to_onnx")
     if not is_ssa(graph):
         graph = to_ssa(graph)
     opset_imports = [helper.make_opsetid(d, v) for d, v in sorted(graph.opsets.items())]
@@ -323,7 +339,7 @@ def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
 def _fill_output_types(model: onnx.ModelProto) -> None:
     """Runtimes need typed graph outputs; take the types that ONNX shape inference finds."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = limits.infer_shapes(model)
     except Exception:
         return
     found = {v.name: v for v in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]}
@@ -342,6 +358,10 @@ def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
     """
     from . import external_data
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise RevgraphError(f"save writes to a path (str or os.PathLike), got {type(path).__name__}")
+    if not isinstance(graph, onnx.ModelProto):
+        require_graph(graph, "save")
     model = graph if isinstance(graph, onnx.ModelProto) else to_onnx(graph)
     if external_data.too_large(model):
         external_data.save_external(model, path)
@@ -350,6 +370,25 @@ def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(data)
+
+
+def check_valid(graph: Graph) -> None:
+    """Raise :class:`GraphError` if ONNX's checker with strict shape inference (``full_check=True``, what
+    ``revgraph grad`` holds its output to) refuses ``graph``: MatMul operands whose static shapes do not fit, a
+    ``ConstantOfShape`` of a negative shape, a Loop body whose outputs contradict their declared types, a graph
+    input or output without a type; or if a Loop body declares its iteration number or condition other than
+    as a scalar (the backward loop counts iterations in a value of that type). Such a model is bad input; a
+    gradient graph of a valid model that fails the check is revgraph's fault."""
+    untyped = [v.name for v in [*graph.inputs, *graph.outputs] if v.dtype is None]
+    if untyped:
+        raise GraphError(f"graph input or output {untyped[0]!r} has no type; ONNX needs the types of a model's "
+                         "inputs and outputs")
+    check_loop_signatures(graph)
+    light, _ = _light(graph)
+    try:
+        onnx.checker.check_model(to_onnx(light), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as exc:
+        raise GraphError(f"the model is not valid ONNX: {onnx_error_line(exc)}") from None
 
 
 def _light(graph: Graph) -> tuple[Graph, dict[str, np.ndarray]]:
@@ -439,7 +478,8 @@ def _infer_incrementally(graph: Graph) -> dict[str, ValueInfo] | None:
 
 def infer_types(graph: Graph) -> dict[str, ValueInfo]:
     """Types of the values of ``graph``'s own scope: what the graph declares (inputs, outputs,
-    ``value_info``, initializers), completed by ONNX shape inference (``data_prop=True``). A declared type
+    ``value_info``, initializers), completed by ONNX shape inference (with data propagation where
+    :func:`revgraph.limits.infer_shapes` finds it bounded). A declared type
     with a shape wins over an inferred one (ONNX infers little through ``Loop``). Values whose type cannot
     be found are left out."""
     quick = _infer_incrementally(graph)
@@ -448,7 +488,7 @@ def infer_types(graph: Graph) -> dict[str, ValueInfo]:
     types: dict[str, ValueInfo] = {}
     light, _ = _light(graph)
     try:
-        proto = onnx.shape_inference.infer_shapes(to_onnx(light), data_prop=True)
+        proto = limits.infer_shapes(to_onnx(light))  # data propagation only where it stays small
         for vi in [*proto.graph.value_info, *proto.graph.output]:
             try:
                 types[vi.name] = value_info_from_proto(vi)

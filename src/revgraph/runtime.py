@@ -5,16 +5,19 @@ revgraph has no executor of its own; a session converts the graph to ONNX and ha
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Mapping
 
 import numpy as np
 import onnx
 
+from . import limits
 from .devices import Device
 from .errors import InputError, RevgraphError, UnsupportedModelError
 from .external_data import session_source
-from .ir import Graph, ValueInfo
+from .ir import Graph, ValueInfo, is_float_dtype
 from .onnx_io import load, to_onnx
 
 BACKENDS = ("onnxruntime", "reference")
@@ -39,8 +42,10 @@ class Session:
 
     def __init__(self, graph: Graph | onnx.ModelProto | str | os.PathLike, backend: str = "onnxruntime", *,
                  threads: int = 0, device: str | Device = "cpu"):
-        if backend not in BACKENDS:
+        if not isinstance(backend, str) or backend not in BACKENDS:
             raise RevgraphError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+            raise RevgraphError(f"threads must be an int >= 0 (0: onnxruntime chooses), got {threads!r}")
         self.device = Device.parse(device)
         if backend == "reference" and self.device.kind != "cpu":
             raise RevgraphError(f"the reference backend runs on the CPU only; use the onnxruntime backend on "
@@ -64,7 +69,8 @@ class Session:
             except RevgraphError:
                 raise
             except Exception as exc:
-                raise RevgraphError(f"onnxruntime refuses the graph: {_first_line(exc)}") from None
+                raise RevgraphError(f"onnxruntime refuses the graph: {_first_line(exc)}"
+                                    f"{_missing_kernel_hint(str(exc), graph)}") from None
             self.device.check_session(self._sess)
         else:
             from onnx.reference import ReferenceEvaluator
@@ -92,13 +98,19 @@ class Session:
         Raises :class:`InputError` for a missing or unknown feed, or a feed whose dtype or rank or static
         dimensions differ from the declared input; :class:`RevgraphError` if the backend fails.
         """
+        if not isinstance(feeds, Mapping):
+            raise InputError(f"feeds must map input names to arrays (a dict), got {type(feeds).__name__}; the graph's "
+                             f"inputs are {_list(self.graph.inputs)}")
+        bad = [k for k in feeds if not isinstance(k, str)]
+        if bad:
+            raise InputError(f"feed key {bad[0]!r} is {type(bad[0]).__name__}; feeds are keyed by input name (str)")
+        names = self._output_names(outputs)
         sequences = {v.name for v in self.graph.inputs if v.kind == "sequence"}
         feeds = {
             k: [np.asarray(x) for x in v] if k in sequences and isinstance(v, (list, tuple)) else np.asarray(v)
             for k, v in feeds.items()
         }
         check_feeds(self.graph, feeds)
-        names = outputs or self.graph.output_names
         try:
             if self.backend == "onnxruntime":
                 # copies: onnxruntime may write an in-place output (the running statistics of a training
@@ -118,18 +130,45 @@ class Session:
             for name, v in zip(names, values, strict=True)
         }
 
+    def _output_names(self, outputs: object) -> list[str]:
+        """``outputs`` of :meth:`run` checked: ``None`` (every graph output) or a list of output names."""
+        if outputs is None:
+            return self.graph.output_names
+        if isinstance(outputs, str) or not isinstance(outputs, (list, tuple)):
+            raise InputError(f"outputs must be a list of output names, got {type(outputs).__name__}")
+        known = set(self.graph.output_names)
+        unknown = [o for o in outputs if not isinstance(o, str) or o not in known]
+        if unknown:
+            raise InputError(f"unknown output(s) {', '.join(map(repr, unknown))}; the graph's outputs are "
+                             f"{_list(self.graph.outputs)}")
+        return list(outputs) or self.graph.output_names
+
 
 def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random arrays for every graph input: floats from N(0, 1), integers in [0, 2), booleans; symbolic or
-    unknown dimensions are 1. Raises :class:`InputError` for inputs that cannot be made up (strings,
-    sequences, unknown dtype or rank)."""
+    """Random arrays for every graph input: floats (bfloat16 included) from N(0, 1), integers in [0, 2),
+    booleans; symbolic or unknown dimensions are 1. ``seed`` is an int >= 0 (numpy's ``default_rng``).
+    Raises :class:`InputError` for inputs that cannot be made up (strings, sequences, unknown dtype or rank),
+    and before allocating anything for inputs of rank over 64 or over 2 GiB together
+    (:func:`revgraph.limits.check_allocation`): a declared shape is a number in the model, not a promise."""
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise InputError(f"the seed must be an int >= 0, got {seed!r}")
+    shapes = {}
+    for v in graph.inputs:
+        floating = is_float_dtype(v.dtype)
+        if v.kind != "tensor" or v.dtype is None or v.shape is None or not (floating or v.dtype.kind in "iub"):
+            raise InputError(f"cannot make up a random value for input {v.name!r} ({v.describe()}); "
+                             "pass --inputs FILE.npz")
+        shapes[v.name] = tuple(d if isinstance(d, int) and d >= 0 else 1 for d in v.shape)
+        limits.check_allocation(f"input {v.name!r}", shapes[v.name], v.dtype, "a random input; pass --inputs FILE.npz")
+    total = sum(math.prod(shapes[v.name]) * v.dtype.itemsize for v in graph.inputs)
+    if total > limits.MAX_MATERIALIZED_BYTES:
+        raise InputError(f"the graph's inputs would take {total:,} bytes together; revgraph makes up at most "
+                         f"{limits.MAX_MATERIALIZED_BYTES:,} bytes of random inputs: pass --inputs FILE.npz")
     rng = np.random.default_rng(seed)
     feeds = {}
     for v in graph.inputs:
-        if v.kind != "tensor" or v.dtype is None or v.shape is None or v.dtype.kind not in "fiub":
-            raise InputError(f"cannot make up a random value for input {v.name!r} ({v.describe()}); pass --inputs FILE.npz")
-        shape = tuple(d if isinstance(d, int) else 1 for d in v.shape)
-        if v.dtype.kind == "f":
+        shape = shapes[v.name]
+        if is_float_dtype(v.dtype):
             feeds[v.name] = rng.standard_normal(shape).astype(v.dtype)
         elif v.dtype.kind == "b":
             feeds[v.name] = rng.random(shape) < 0.5
@@ -175,6 +214,22 @@ def check_feeds(graph: Graph, feeds: Mapping[str, np.ndarray]) -> None:
 
 def _list(vis: list[ValueInfo]) -> str:
     return ", ".join(f"{v.name} {v.describe()}" for v in vis) or "none"
+
+
+def _missing_kernel_hint(message: str, graph: Graph) -> str:
+    """Where onnxruntime has no kernel for a node ("Could not find an implementation for Mul(14) node with name
+    'm'"), the node's input types and what to do: onnxruntime's CPU build has almost no bfloat16 kernels."""
+    match = re.search(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'", message)
+    if not match:
+        return ""
+    op, version, name = match.groups()
+    types = {v.name: v for v in [*graph.inputs, *graph.outputs, *graph.value_info.values()]}
+    types.update((k, ValueInfo(k, np.asarray(a).dtype)) for k, a in graph.initializers.items())
+    node = next((n for _, n in graph.walk() if n.name == name), None)
+    dtypes = sorted({str(types[i].dtype) for i in (node.inputs if node else []) if i in types and types[i].dtype})
+    typed = f" on {', '.join(dtypes)}" if dtypes else ""
+    return (f" (onnxruntime has no {op}-{version} kernel{typed} for node {name!r} on this device: run it with "
+            "the reference backend, --backend reference, or in float32)")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import ChainMap, Counter
 from dataclasses import dataclass, field
 
-from .ir import Graph, Node, ValueInfo
+from .ir import Graph, Node, ValueInfo, require_graph
 
 CAPTURED = -1  #: the input position recorded for a value read inside a node's subgraph (captured)
 
@@ -87,8 +87,9 @@ def analyze(graph: Graph) -> SSAInfo:
     """Versions, producers and readers of every name of ``graph``'s own scope.
 
     Names that ``graph`` reads but nothing in it writes (values of an enclosing graph) get a version 0
-    with no producer. Raises nothing: :meth:`Graph.check` reports names read before any write.
+    with no producer. Raises nothing for a graph (:meth:`Graph.check` reports names read before any write).
     """
+    require_graph(graph, "analyze_ssa")
     versions: dict[str, list[Version]] = {}
     current: dict[str, Version] = {}
     reads: dict[tuple[int, int], Version] = {}
@@ -126,6 +127,7 @@ def analyze(graph: Graph) -> SSAInfo:
 
 def is_ssa(graph: Graph) -> bool:
     """True when no name is written twice in ``graph`` or any subgraph, nor shadows an enclosing name."""
+    require_graph(graph, "is_ssa")
     stack: list[tuple[Graph, frozenset[str]]] = [(graph, frozenset())]
     while stack:
         g, outer = stack.pop()
@@ -144,6 +146,7 @@ def is_ssa(graph: Graph) -> bool:
 
 def to_ssa(graph: Graph) -> Graph:
     """A copy of ``graph`` in SSA form that computes the same outputs (see the module doc for names)."""
+    require_graph(graph, "to_ssa")
     used = graph.all_names()
     return _rename(graph, ChainMap(), used)
 

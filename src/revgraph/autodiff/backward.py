@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from ..errors import GraphError, RevgraphError
-from ..ir import Graph, NameSet, Node, ValueInfo, fresh_name
+from ..ir import Graph, NameSet, Node, ValueInfo, fresh_name, is_float_dtype, require_graph
 from ..lift import lift_constants as lift
 from ..onnx_io import infer_types
 from ..ssa import captured_names, is_ssa, to_ssa
@@ -108,7 +108,7 @@ def _captures(node: Node) -> list[str]:
 
 def _differentiable(types: dict[str, ValueInfo], name: str) -> bool:
     vi = types.get(name)
-    return vi is None or vi.dtype is None or (vi.kind == "tensor" and vi.dtype.kind == "f")
+    return vi is None or vi.dtype is None or (vi.kind == "tensor" and is_float_dtype(vi.dtype))
 
 
 def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, ValueInfo]) -> list[Node]:
@@ -181,15 +181,17 @@ def backward(
     Raises :class:`GraphError` for a graph not in SSA form, an unknown name, or operators without a VJP rule
     on a needed path (all of them named in one message).
     """
+    require_graph(graph, "backward")
     if not is_ssa(graph):
         raise GraphError("backward needs a graph in SSA form; convert it with revgraph.to_ssa first")
-    ys = dict(ys) if isinstance(ys, Mapping) else dict.fromkeys(ys)
+    ys = _seeds_argument(ys)
     types = types if types is not None else infer_types(graph)
     known = known_names(graph) | set(captured_names(graph))  # a subgraph may output an enclosing value
     for name in ys:
         if name not in known:
             raise GraphError(f"no value named {name!r} to differentiate{_suggest(name, known)}")
-    wrt = default_wrt(graph, types) if wrt is None else list(wrt)
+        refuse_integer_loss(name, types)
+    wrt = default_wrt(graph, types) if wrt is None else _names_argument(wrt, "wrt")
     e = emitter or Emitter(types, used_names(graph), graph.opset)
     lower_to_loops(graph, types, e.used)
     e.learn_constants(graph)
@@ -262,7 +264,7 @@ def default_wrt(graph: Graph, types: dict[str, ValueInfo]) -> list[str]:
 
 
 def _is_float(vi: ValueInfo | None) -> bool:
-    return vi is not None and vi.kind == "tensor" and vi.dtype is not None and vi.dtype.kind == "f"
+    return vi is not None and vi.is_float
 
 
 def _suggest(name: str, candidates: Iterable[str]) -> str:
@@ -303,15 +305,20 @@ def gradient(
     Raises :class:`RevgraphError` (one line) for an unknown, ambiguous or non-floating name, and
     :class:`GraphError` for operators without a VJP rule on the path.
     """
-    if seed not in ("ones", "input"):
+    require_graph(graph, "gradient")
+    if loss is not None and not isinstance(loss, str):
+        raise RevgraphError(f"loss must be a value name (a str) or None, got {type(loss).__name__}")
+    wrt = None if wrt is None else _names_argument(wrt, "wrt")
+    if not isinstance(seed, str) or seed not in ("ones", "input"):
         raise RevgraphError(f"unknown seed {seed!r}; choose 'ones' or 'input'")
-    if unconnected not in ("zero", "error"):
+    if not isinstance(unconnected, str) or unconnected not in ("zero", "error"):
         raise RevgraphError(f"unknown unconnected policy {unconnected!r}; choose 'zero' or 'error'")
     g = graph if is_ssa(graph) else to_ssa(graph)
     g = lift(g)[0] if lift_constants else g.copy()
     lower_to_loops(g, None, used_names(g))
     types = infer_types(g)
     loss = resolve_loss(g, loss)
+    refuse_integer_loss(loss, types)
     wrt_names = resolve_wrt(g, wrt, types)
     ys: dict[str, str | None] = {loss: None}
     used = used_names(g)
@@ -370,6 +377,41 @@ def keep_types(g: Graph, types: dict[str, ValueInfo]) -> None:
                 g.value_info[o] = ValueInfo(o, vi.dtype, vi.shape, vi.kind)
 
 
+def _names_argument(names: object, what: str) -> list[str]:
+    """``names`` (a str or an iterable of str) as a list without repeats; :class:`RevgraphError` otherwise."""
+    if isinstance(names, str):
+        return [names]
+    if isinstance(names, (bytes, Mapping)) or not isinstance(names, Iterable):
+        raise RevgraphError(f"{what} must be a value name or a list of names, got {type(names).__name__}")
+    names = list(names)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise RevgraphError(f"{what} holds {bad[0]!r} ({type(bad[0]).__name__}); value names are str")
+    return list(dict.fromkeys(names))
+
+
+def _seeds_argument(ys: object) -> dict[str, str | None]:
+    """``ys`` of :func:`backward` as ``{name: seed name or None}``; :class:`RevgraphError` for other types."""
+    if isinstance(ys, Mapping):
+        names = _names_argument(list(ys), "ys")
+        bad = [(k, v) for k, v in ys.items() if v is not None and not isinstance(v, str)]
+        if bad:
+            raise RevgraphError(f"the seed of {bad[0][0]!r} is {type(bad[0][1]).__name__}; give None (ones) or the "
+                                "name of a value holding the cotangent")
+        return {n: ys[n] for n in names}
+    return dict.fromkeys(_names_argument(ys, "ys"))
+
+
+def refuse_integer_loss(loss: str, types: dict[str, ValueInfo]) -> None:
+    """Raise :class:`RevgraphError` if ``loss`` is known to be an integer or boolean value: it has no gradient
+    (a ``Cast`` to an integer is piecewise constant), and differentiating it would give zeros, or gradients
+    of the float value before the cast, silently."""
+    vi = types.get(loss)
+    if vi is not None and vi.dtype is not None and vi.kind == "tensor" and not is_float_dtype(vi.dtype):
+        raise RevgraphError(f"the loss {loss!r} is {vi.describe()}, not floating point: an integer or boolean value "
+                            "has no gradient; differentiate the floating-point value it is computed from")
+
+
 def resolve_loss(graph: Graph, loss: str | None) -> str:
     """The loss name: ``loss`` if it names a value, else the only graph output; one-line errors otherwise."""
     outputs = graph.output_names
@@ -392,7 +434,7 @@ def resolve_wrt(graph: Graph, wrt: Iterable[str] | str | None, types: dict[str, 
         if not names:
             raise RevgraphError("the model has no floating-point inputs or initializers to differentiate; name values with --wrt")
         return names
-    names = [wrt] if isinstance(wrt, str) else list(dict.fromkeys(wrt))
+    names = _names_argument(wrt, "wrt")
     known = known_names(graph)
     for n in names:
         if n not in known:

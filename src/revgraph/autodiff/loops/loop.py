@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import GraphError
-from ...ir import Graph, Node, ValueInfo
+from ...ir import Graph, Node, ValueInfo, is_float_dtype
 from ...onnx_io import infer_types
 from ...ssa import captured_names
 from ..registry import Emitter, vjp
@@ -73,7 +73,7 @@ def body_types(body: Graph, outer: dict[str, ValueInfo]) -> dict[str, ValueInfo]
 
 
 def is_float(vi: ValueInfo | None) -> bool:
-    return vi is None or vi.dtype is None or vi.dtype.kind == "f"
+    return vi is None or vi.dtype is None or is_float_dtype(vi.dtype)
 
 
 def take_apart(e: Emitter, node: Node) -> LoopParts:

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from ...errors import GraphError
-from ...ir import Graph, Node, ValueInfo, fresh_name
+from ...ir import Graph, Node, ValueInfo, fresh_name, is_float_dtype
 from ..registry import LOWERED
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
@@ -104,7 +104,7 @@ class _Lowering:
         self.op = node.op_type
         self.base = node.name or self.op
         vi = self._type(node.inputs[0])
-        if vi is None or vi.dtype is None or vi.dtype.kind != "f":
+        if vi is None or vi.dtype is None or not is_float_dtype(vi.dtype):
             raise GraphError(f"{node.label()}: the dtype of its input {node.inputs[0]!r} is unknown; declare it to "
                              "differentiate the node")
         self.dtype = vi.dtype

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from ...ir import Node
+from ...ir import Node, is_float_dtype
 from ..registry import Emitter, vjp
 from .elementwise import strong
 
@@ -29,7 +29,7 @@ def _attr(node: Node, name: str, default: float) -> float:
 
 def _floating(e: Emitter, x: str) -> bool:
     dt = e.dtype(x)
-    return dt is None or dt.kind == "f"
+    return dt is None or is_float_dtype(dt)
 
 
 def _unary(*op_types: str):

@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 import onnx
 
-from ...ir import Node
+from ...ir import Node, is_float_dtype
 from ..registry import Emitter, not_differentiable, vjp
 
 
@@ -40,9 +40,9 @@ def integer_result(e: Emitter, node: Node) -> bool:
         dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs["to"])))
     elif dt is None and node.op_type in ("CastLike", "Pow"):
         dt = e.dtype(node.inputs[1 if node.op_type == "CastLike" else 0])
-    if dt is None or dt.kind == "f":
+    if dt is None or is_float_dtype(dt):
         return False
-    floats = [i for i in node.inputs if i and (e.dtype(i) is None or e.dtype(i).kind == "f")]
+    floats = [i for i in node.inputs if i and (e.dtype(i) is None or is_float_dtype(e.dtype(i)))]
     if floats:
         warnings.warn(f"{node.label()}: its output {node.outputs[0]!r} is {dt}, an integer, so no gradient flows "
                       f"to {', '.join(map(repr, floats))} through it", stacklevel=2)
@@ -212,7 +212,7 @@ def cos(e, node, x, y, g):
 def cast(e: Emitter, node: Node, out_grads: list) -> list:
     x = node.inputs[0]
     dt = e.dtype(x)
-    if dt is not None and dt.kind != "f" or integer_result(e, node):
+    if dt is not None and not is_float_dtype(dt) or integer_result(e, node):
         return [None] * len(node.inputs)  # no gradient through an integer value (truncation is piecewise constant)
     back = e.op("CastLike", [out_grads[0], x], like=x)
     return [back] + [None] * (len(node.inputs) - 1)

@@ -1,0 +1,205 @@
+"""Bounds on what revgraph reads and allocates before it is asked to run a model.
+
+A model file is a few bytes that may *describe* terabytes: a declared input of 10^15 elements, a
+``ConstantOfShape`` of 10^12 elements, a ``Range`` up to 10^12. revgraph allocates memory proportional to such
+a number only when it runs the model (and then the runtime refuses what it cannot allocate); before that,
+reading, converting, typing and differentiating a model costs memory proportional to the file. This module
+holds the checks that keep that promise, each refusing in one line (:class:`RevgraphError`):
+
+- :func:`read_regular_file`: model files, ``.npz`` files and external data must be regular files (a FIFO
+  would block forever, ``/dev/zero`` would be read until memory runs out), and a model file at most protobuf's
+  2 GiB limit;
+- :func:`check_allocation`: arrays revgraph makes up itself (random inputs, lifted constants) have at most
+  :data:`MAX_RANK` dimensions and :data:`MAX_MATERIALIZED_BYTES` bytes;
+- :func:`data_propagation_is_bounded`: ONNX shape inference with data propagation represents every rank-1
+  input of a data-propagating operator (``Add``, ``Mul``, ``Concat``, ...) with a static length N as N
+  protobuf dimensions (about 140 bytes each), so ``Range(0, 1e12, 1)`` feeding a ``Mul`` grows the process by
+  terabytes; :func:`infer_shapes` runs data propagation only where those lengths are small, and infers without
+  it otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+
+import numpy as np
+import onnx
+import onnx.shape_inference
+from onnx import AttributeProto
+
+from .errors import InputError, RevgraphError
+
+#: protobuf cannot parse a message over 2 GiB; larger models keep their tensors as external data.
+MAX_MODEL_BYTES = 2**31 - 1
+#: numpy's limit on the number of dimensions of an array (``numpy.ndarray`` refuses more).
+MAX_RANK = 64
+#: The largest array revgraph makes up itself (random inputs of one run, one lifted constant): 2 GiB.
+MAX_MATERIALIZED_BYTES = 2**31
+#: Operators whose ONNX data-propagation function reads the values of their inputs (onnx 1.23: the schemas
+#: with ``has_data_propagation_function``).
+DATA_PROPAGATING_OPS = frozenset(
+    {"Add", "Cast", "Concat", "Gather", "Mul", "Shape", "Size", "Slice", "Squeeze", "Sub", "Unsqueeze"})
+#: Those that read their inputs' values (``Shape`` and ``Size`` read only their input's shape).
+READS_VALUES = DATA_PROPAGATING_OPS - {"Shape", "Size"}
+#: Data propagation runs when the static lengths of the rank-1 inputs of data-propagating operators add up to
+#: at most this many elements (about 140 bytes of protobuf each: 150 MB at most). Shape computations, what
+#: data propagation is for, read vectors of a few elements.
+MAX_PROPAGATED_ELEMENTS = 2**20
+
+
+def read_regular_file(path: str | os.PathLike, what: str, *, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file ``path``; ``what`` names it in messages ("model", "--inputs file").
+
+    Opens without blocking (a FIFO would wait for a writer forever), then refuses, from the open descriptor,
+    anything that is not a regular file (a FIFO, a device such as ``/dev/zero``, a socket, a directory) and a
+    file over ``max_bytes``, before reading it. Raises :class:`RevgraphError`."""
+    fd = open_regular_file(path, what, max_bytes=max_bytes)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def open_regular_file(path: str | os.PathLike, what: str, *, max_bytes: int | None = None) -> int:
+    """A file descriptor on the regular file ``path`` (checked as :func:`read_regular_file` says)."""
+    text = os.fspath(path)
+    if not text:
+        raise RevgraphError(f"the {what} path is empty")
+    try:
+        fd = os.open(text, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise RevgraphError(f"{text!r}: no such file") from None
+    except IsADirectoryError:
+        raise RevgraphError(f"{text!r} is a directory, not a {what}") from None
+    except OSError as exc:
+        raise RevgraphError(f"cannot read {text!r} ({exc.strerror or type(exc).__name__})") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise RevgraphError(f"{text!r} is a directory, not a {what}")
+        if not stat.S_ISREG(st.st_mode):
+            raise RevgraphError(f"{text!r} is not a regular file ({_file_kind(st.st_mode)}); the {what} must be "
+                                "a regular file")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise RevgraphError(f"{text!r} has {st.st_size:,} bytes, over protobuf's limit of {max_bytes:,} for a "
+                                f"{what}; store its weights as ONNX external data")
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_regular_file(path: str | os.PathLike, what: str) -> os.stat_result:
+    """``os.stat`` of ``path`` (following links) if it is a regular file; :class:`RevgraphError` otherwise."""
+    text = os.fspath(path)
+    try:
+        st = os.stat(text)
+    except FileNotFoundError:
+        raise RevgraphError(f"{text!r}: no such file") from None
+    except OSError as exc:
+        raise RevgraphError(f"cannot read {text!r} ({exc.strerror or type(exc).__name__})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RevgraphError(f"{text!r} is not a regular file ({_file_kind(st.st_mode)}); the {what} must be a "
+                            "regular file")
+    return st
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def check_allocation(label: str, shape: tuple[int, ...], dtype: np.dtype, what: str) -> None:
+    """Refuse (:class:`InputError`) to make up the array ``label`` ("input 'x'") of ``shape`` and ``dtype``
+    with more than :data:`MAX_RANK` dimensions or more than :data:`MAX_MATERIALIZED_BYTES` bytes; ``what``
+    says what revgraph makes it for ("a random input", "a lifted constant"). Python integers: no overflow."""
+    if len(shape) > MAX_RANK:
+        raise InputError(f"{label} has rank {len(shape)}; revgraph makes up arrays of at most {MAX_RANK} "
+                         f"dimensions (numpy's limit) for {what}")
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes > MAX_MATERIALIZED_BYTES:
+        raise InputError(f"{label} would take {_human(nbytes)} ({np.dtype(dtype)}{list(shape)}); revgraph makes up "
+                         f"at most {_human(MAX_MATERIALIZED_BYTES)} for {what}")
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024 or unit == "PiB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} bytes"
+
+
+# ------------------------------------------------------------------------------------- shape inference
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``onnx.shape_inference.infer_shapes`` with data propagation where it is bounded
+    (:func:`data_propagation_is_bounded`), without it otherwise. Raises what ONNX raises."""
+    plain = onnx.shape_inference.infer_shapes(model, data_prop=False)
+    if not data_propagation_is_bounded(plain):
+        return plain
+    try:
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # data propagation fails on some graphs that plain inference types
+        return plain
+
+
+def data_propagation_is_bounded(inferred: onnx.ModelProto) -> bool:
+    """True if ONNX data propagation on ``inferred`` (a model typed by shape inference *without* data
+    propagation) materialises at most :data:`MAX_PROPAGATED_ELEMENTS` elements.
+
+    Data propagation represents the value of every rank-1 input of a data-propagating operator with a static
+    length N as N dimensions (onnx ``DataPropagationContextImpl::getInputData``), and a value whose length or
+    rank is unknown here may get a static length there (a ``ConstantOfShape`` of a ``Shape``). So: every such
+    input must have a known rank, a static length if it has rank 1, and those lengths must add up to at most
+    the bound."""
+    read = {i for node in _nodes(inferred.graph) if node.op_type in READS_VALUES and node.domain in ("", "ai.onnx")
+            for i in node.input if i}
+    shapes = _shapes(inferred, read)
+    total = 0
+    for name in read:
+        shape = shapes.get(name)
+        if shape is None:
+            return False  # of unknown rank here, it may be a long vector there
+        if len(shape) == 1:  # data propagation represents rank-1 values (and scalars) only
+            if shape[0] is None:
+                return False
+            total += shape[0]
+    return total <= MAX_PROPAGATED_ELEMENTS
+
+
+def _shapes(model: onnx.ModelProto, names: set[str]) -> dict[str, tuple]:
+    """Shapes of the values ``names``, over the graph and its subgraphs; dims are ``int`` or ``None``; a value
+    of unknown rank is left out."""
+    found: dict[str, tuple] = {}
+    stack = [model.graph]
+    while stack:
+        g = stack.pop()
+        for t in g.initializer:
+            if t.name in names:
+                found[t.name] = tuple(t.dims)
+        for vi in [*g.input, *g.output, *g.value_info]:
+            if vi.name in names and vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+                found[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None
+                                       for d in vi.type.tensor_type.shape.dim)
+        for node in g.node:
+            for a in node.attribute:
+                stack.extend([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs))
+    return found
+
+
+def _nodes(graph: onnx.GraphProto):
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        for node in g.node:
+            yield node
+            for a in node.attribute:
+                stack.extend([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs))
