@@ -406,3 +406,13 @@ def test_graph_output_without_a_type(tmp_path, capsys):
     model.graph.output[0].ClearField("type")
     onnx.save(model, str(path))
     assert main(["grad", str(path), "--loss", "y", "-o", str(tmp_path / "g.onnx")]) == 0
+
+
+@pytest.mark.parametrize("op,attr,value", [("Softmax", "axis", 2**32), ("Softmax", "axis", -(2**40) - 1),
+                                           ("Transpose", "perm", [0, 2**33])])
+def test_axes_beyond_32_bits(tmp_path, capsys, op, attr, value):
+    """ONNX's checker reads axes as 32-bit ints (2^32 passes as axis 0) while the rules read all 64 bits: found
+    by tests/test_fuzz.py -m slow (grad exited 3)."""
+    node = helper.make_node(op, ["x"], ["y"], name="n1", **{attr: value})
+    every_command_refuses(raw_model(tmp_path / "m.onnx", [node]), tmp_path, capsys, "node 'n1'",
+                          f"attribute {attr!r} holds", "not an axis")

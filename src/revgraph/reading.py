@@ -30,6 +30,8 @@ from .ir import Graph
 from .limits import MAX_MODEL_BYTES, check_regular_file, read_regular_file
 from .schema import get_schema
 
+#: Attributes that hold axes of a tensor (ONNX's checks take them as 32-bit integers).
+_AXIS_ATTRS = frozenset({"axis", "axes", "perm", "batch_axis", "time_axis"})
 #: Element sizes in bits of the types whose external data size is checked (4-bit types pack two per byte).
 _PACKED_BITS = {TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.FLOAT4E2M1: 4}
 
@@ -218,6 +220,10 @@ def check_graph_proto(gp: onnx.GraphProto, opsets: dict[str, int]) -> None:
             if expected != AttributeProto.UNDEFINED and a.type != expected:
                 raise GraphError(f"{_node_label(node, k, gp)}: attribute {a.name!r} is {_attr_kind(a.type)}; "
                                  f"{node.op_type} takes {_attr_kind(expected)}")
+            if a.name in _AXIS_ATTRS and any(not -2**31 <= v < 2**31 for v in [*a.ints, a.i]):
+                # ONNX's shape inference reads axes as 32-bit ints: 2^32 would pass its checks as axis 0
+                raise GraphError(f"{_node_label(node, k, gp)}: attribute {a.name!r} holds "
+                                 f"{next(v for v in [*a.ints, a.i] if not -2**31 <= v < 2**31)}, not an axis")
 
 
 def _node_label(node: onnx.NodeProto, k: int, gp: onnx.GraphProto) -> str:
