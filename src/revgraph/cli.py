@@ -441,20 +441,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import make_optimizer
     from .trainer import Trainer
 
+    if args.threads < 0 or args.checkpoint_every < 0:  # before any worker starts, too
+        raise RevgraphError("--threads and --checkpoint-every must be >= 0")
     if args.nproc is not None:
         return _launch_torchrun(args)
     distributed = under_torchrun()
     _check_train_outputs(args)  # fail before training, not after
-    if args.threads < 0 or args.checkpoint_every < 0:
-        raise RevgraphError("--threads and --checkpoint-every must be >= 0")
     data = read_npz(args.data)
     test = read_npz(args.test_data) if args.test_data is not None else None
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     g = load(args.model)
-    threads = args.threads
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=threads, device=args.device,
+        trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed)
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
