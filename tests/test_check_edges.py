@@ -27,7 +27,7 @@ from revgraph.autodiff import registry
 from revgraph.check import _ORT_FLOAT32_PRECISE, to_float64
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.onnx_io import infer_types
+from revgraph.types import infer_types
 
 F32 = np.float32
 

@@ -120,8 +120,9 @@ def test_check_fails_on_a_wrong_rule(tmp_path, capsys, monkeypatch):
     assert main(["check", str(tmp_path / "sin.onnx")]) == 0
     capsys.readouterr()
 
-    def wrong(e, node, out_grads):  # d sin = sin, not cos
-        return [e.op("Mul", [out_grads[0], e.op("Sin", [node.inputs[0]])])]
+    def wrong(ctx, node, cts):  # d sin = sin, not cos
+        e = ctx.e
+        return [e.op("Mul", [cts[0], e.op("Sin", [node.inputs[0]])])]
 
     monkeypatch.setitem(registry.RULES, "Sin", wrong)
     assert main(["check", str(tmp_path / "sin.onnx")]) == 1

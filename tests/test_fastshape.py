@@ -16,7 +16,7 @@ from revgraph import fastshape
 from revgraph.autodiff.registry import Emitter
 from revgraph.ir import Node, ValueInfo
 from revgraph.lift import lift_constants
-from revgraph.onnx_io import onnx_node_types
+from revgraph.types import onnx_node_types
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 

@@ -192,21 +192,27 @@ def test_graph_inputs_may_be_non_finite_until_a_contraction():
     assert nonfinite_values(nodes, {}, types) == set()  # no inputs named: the old assumption, all finite
 
 
-def test_the_emitter_passes_the_declared_inputs_only():
+def test_the_rule_context_takes_the_declared_inputs_as_maybe_nonfinite(monkeypatch):
     # inside a loop body, the carried values (body inputs) may be non-finite, the captured ones are taken
-    # as finite (the body is analysed on its own); without a graph every value may be non-finite
-    from revgraph.autodiff.registry import Emitter
+    # as finite (the body is analysed on its own): what the backward pass tells each rule through its context
+    from revgraph.autodiff import backward, registry
 
     body = Graph([Node("Add", ["h", "b"], ["z"], name="add"), Node("Tanh", ["z"], ["t"], name="tanh"),
                   Node("Mul", ["t", "cap"], ["u"], name="mul")],
                  [ValueInfo("i", np.int64, ()), ValueInfo("cond", np.bool_, ()), ValueInfo("h", np.float64, (3,))],
                  [ValueInfo("cond"), ValueInfo("u")], {"b": np.zeros(3)})
-    e = Emitter({"i": ValueInfo("i", np.int64, ()), "cond": ValueInfo("cond", np.bool_, ())}, set(), 21)
-    e.graph = body
-    e.learn_constants(body)
-    assert e.nonfinite("h") and e.nonfinite("z") and e.nonfinite("t")
-    assert not e.nonfinite("b") and not e.nonfinite("cap") and not e.nonfinite("i")
-    assert Emitter({}, set(), 21).nonfinite("b")
+    seen = []
+    original = registry.RULES["Tanh"]
+
+    def spy(ctx, node, cts):
+        seen.append(ctx)
+        return original(ctx, node, cts)
+
+    monkeypatch.setitem(registry.RULES, "Tanh", spy)
+    backward(body, {"u": None}, ["h"])
+    (ctx,) = seen
+    assert ctx.nonfinite("h") and ctx.nonfinite("z") and ctx.nonfinite("t")
+    assert not ctx.nonfinite("b") and not ctx.nonfinite("cap") and not ctx.nonfinite("i")
 
 
 def test_cotangents_stay_finite_through_contractions_with_inputs():

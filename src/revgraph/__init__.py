@@ -4,8 +4,6 @@ Reverse-mode automatic differentiation done ahead of time on ONNX models and on 
 revgraph's IR. See DESIGN.md for the contract and the architecture.
 """
 
-__version__ = "0.1.0"
-
 from .autodiff import SparseGrad, backward, gradient
 from .check import GradientReport, check_gradients
 from .errors import GraphError, InputError, RevgraphError, UnsupportedModelError
@@ -15,6 +13,7 @@ from .runtime import Session
 from .ssa import analyze as analyze_ssa
 from .ssa import is_ssa, to_ssa
 from .trainer import Trainer  # noqa: F401  (rg.Trainer: training with the graphs of revgraph.train)
+from .version import __version__
 
 __all__ = [
     "TARGET_OPSET",

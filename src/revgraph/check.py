@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from onnx import helper
 
-from .autodiff.backward import gradient, resolve_loss, resolve_wrt
+from .autodiff.api import gradient
+from .autodiff.arguments import resolve_loss, resolve_wrt
 from .autodiff.loops.lower import lower_to_loops
 from .errors import InputError, RevgraphError
 from .ir import Graph, Node, ValueInfo, fresh_name, require_graph
-from .onnx_io import infer_types
+from .types import infer_types
 from .runtime import Session, expand_domains, random_inputs
 from .ssa import is_ssa, to_ssa
 

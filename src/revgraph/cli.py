@@ -13,8 +13,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__
-from .autodiff.backward import ACCUMULATE, gradient
+from .version import __version__
+from .autodiff.accumulate import ACCUMULATE
+from .autodiff.api import gradient
+from .autodiff.policies import NAMED as _NAMED_POLICIES
 from .check import NOT_CHECKED, check_gradients
 from .devices import Device
 from .errors import InputError, RevgraphError
@@ -32,6 +34,8 @@ from .text import LiteralConsole, cell
 # shown literally (names from a model may hold escape sequences, newlines or Rich markup): revgraph.text.
 out = LiteralConsole(highlight=False, width=None if sys.stdout.isatty() else 200)
 err = LiteralConsole(stderr=True, highlight=False)
+
+POLICIES = "|".join([*_NAMED_POLICIES, "K"])  # the --checkpoint names (autodiff/policies.py)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="tables read only through Gather get <name>_grad_indices and <name>_grad_values")
     grad.add_argument("--accumulate", choices=ACCUMULATE, default="sum",
                       help="sum: one Sum per value read several times; running: pairwise Add as gradients arrive")
-    grad.add_argument("--checkpoint", default="store", metavar="store|recompute|sqrt|K",
+    grad.add_argument("--checkpoint", default="store", metavar=POLICIES,
                       help="loop residuals: stack them (store), recompute the body (recompute), or keep checkpoints "
                       "every K iterations or at perfect squares (sqrt: O(sqrt(T)) memory)")
     grad.add_argument("--lift-constants", action="store_true",
@@ -116,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--grad", action="store_true", help="draw the gradient graph that 'revgraph grad' writes")
     show.add_argument("--loss", metavar="NAME", help="with --grad: the value to differentiate (default: the only output)")
     show.add_argument("--wrt", metavar="NAME", nargs="+", help="with --grad: values to differentiate with respect to")
-    show.add_argument("--checkpoint", metavar="store|recompute|sqrt|K", help="with --grad: loop residual policy")
+    show.add_argument("--checkpoint", metavar=POLICIES, help="with --grad: loop residual policy")
 
     train = sub.add_parser("train", help="train a model: loss, gradients and optimizer step as one ONNX graph")
     train.add_argument("model", metavar="MODEL.onnx")

@@ -26,3 +26,8 @@ class NonFiniteError(RevgraphError):
 
 class InputError(RevgraphError):
     """Feeds given at run time do not fit the graph (missing, unknown, wrong dtype or shape)."""
+
+
+class InternalError(Exception):
+    """A bug of revgraph itself (a pass or a rule broke its contract): the command line exits 3. Not a
+    :class:`RevgraphError`, as the input is not at fault."""

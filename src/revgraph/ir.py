@@ -77,6 +77,11 @@ class ValueInfo:
         """True for a floating-point tensor (the values that can carry gradients)."""
         return self.kind == "tensor" and is_float_dtype(self.dtype)
 
+    @property
+    def dtype_shape(self) -> tuple:
+        """``(dtype, shape)``, to declare another value of the same type: ``ValueInfo(name, *vi.dtype_shape)``."""
+        return self.dtype, self.shape
+
     def describe(self) -> str:
         """``float32[1,3,'N']``-style text for messages and tables."""
         dt = str(self.dtype) if self.dtype is not None else "?"

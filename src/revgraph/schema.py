@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import onnx
 
+from typing import TYPE_CHECKING
+
 from .errors import GraphError
-from .ir import Node
+
+if TYPE_CHECKING:  # ir imports this module to check nodes
+    from .ir import Node
 
 
 def get_schema(op_type: str, domain: str, opsets: dict[str, int]) -> onnx.defs.OpSchema | None:

@@ -57,10 +57,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from .autodiff.backward import gradient
+from .autodiff.api import gradient
+from .autodiff.policies import CheckpointPolicy
 from .errors import RevgraphError
 from .ir import Graph, Node, ValueInfo, fresh_name
-from .onnx_io import infer_types, load
+from .onnx_io import load
+from .types import infer_types
 from .ssa import is_ssa, to_ssa
 
 LOSSES = ("cross-entropy", "mse", "bce")
@@ -321,7 +323,7 @@ class TrainingGraph:
 
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                    optimizer: Optimizer | str = "adam", *, output: str | None = None,
-                   params: Iterable[str] | None = None, checkpoint: str = "store") -> TrainingGraph:
+                   params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store") -> TrainingGraph:
     """The training-step graph of ``model`` (module doc): loss, gradients, optimizer update, as ONNX nodes.
 
     ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES`; ``optimizer`` an

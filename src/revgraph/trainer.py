@@ -28,6 +28,7 @@ from .errors import InputError, NonFiniteError, RevgraphError
 from .ir import Graph
 from .onnx_io import save
 from .steps import FusedEngine
+from .autodiff.policies import CheckpointPolicy
 from .train import Optimizer, TrainingGraph, training_graph
 
 Data = Mapping[str, np.ndarray] | tuple
@@ -55,7 +56,7 @@ class Trainer:
 
     def __init__(self, model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
-                 threads: int = 0, checkpoint: str = "store", device: str | Device = "cpu", distributed: bool = False):
+                 threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu", distributed: bool = False):
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
         self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built

@@ -1,8 +1,10 @@
 """Reverse-mode differentiation of graphs: the backward pass, the rule table, sparse gradients."""
 
 from . import rules  # noqa: F401  (registers the VJP rules)
-from .backward import backward, gradient
-from .registry import NOT_DIFFERENTIABLE, RULES, Emitter, vjp
+from .api import gradient
+from .backward import backward
+from .emitter import Emitter
+from .registry import NOT_DIFFERENTIABLE, RULES, vjp
 from .preview import DOMAIN as _PREVIEW_DOMAIN
 from .preview import expand_gradient_ops
 from .sparse import SparseGrad

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from ..errors import GraphError
 from ..ir import Graph, Node
-from ..onnx_io import infer_types
 from ..ssa import is_ssa, to_ssa
-from .backward import backward, used_names
-from .registry import Emitter
+from ..types import infer_types
+from .arguments import used_names
+from .backward import backward
+from .emitter import Emitter
+from .sparse import densify
 
 DOMAIN = "ai.onnx.preview.training"
 
@@ -43,19 +45,16 @@ def expand_gradient_ops(graph: Graph) -> Graph:
             if name not in written:
                 raise GraphError(f"{node.label()} names {name!r}, which no input, initializer or earlier node writes")
         types = infer_types(Graph(prefix.nodes, prefix.inputs, [], prefix.initializers, {}, opsets=dict(g.opsets)))
-        e = Emitter(types, used_names(g), g.opset)
-        e.prefix = f"grad/{node.name or 'Gradient'}"
+        e = Emitter(types, used_names(g), g.opset, f"grad/{node.name or 'Gradient'}")
         nodes, grad_map = backward(prefix, {y: None}, xs, types=types, emitter=e)
         tail = []
         for x, out in zip(xs, node.outputs, strict=True):
             grad = grad_map.get(x)
-            if grad is None:
-                e.prefix = f"grad/{node.name or 'Gradient'}/{x}"
-                grad = e.zeros_like(x)
-            elif not isinstance(grad, str):
-                from .sparse import densify
-
-                grad = densify(e, grad)
+            with e.scope(f"grad/{node.name or 'Gradient'}/{x}"):
+                if grad is None:
+                    grad = e.zeros_like(x)
+                elif not isinstance(grad, str):
+                    grad = densify(e, grad)
             tail.append(Node("Identity", [grad], [out], name=e.fresh(f"{node.name or 'Gradient'}/{out}")))
         g.nodes[pos : pos + 1] = [*e.nodes, *tail]
     g.opsets.pop(DOMAIN, None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import Emitter
+from .emitter import Emitter
 
 #: keys of at most this many elements are sorted when the graph is built (the order, its inverse and the
 #: scans' masks become constants); larger ones at run time, so the graph file does not grow by ~10x their size

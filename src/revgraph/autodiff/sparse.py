@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .registry import Emitter
+from .emitter import Emitter
 
 #: An :class:`Emitter` or ``train._Builder``: ``op(op_type, inputs, **attrs)`` and ``const(value, dtype)``.
 Builder = Any

@@ -1,5 +1,5 @@
 """VJPs of control flow (DESIGN.md section 4): ``Loop`` (:mod:`.loop`), checkpointed loops
-(:mod:`.checkpoint`), ``If`` (:mod:`.branch`); ``Scan`` (:mod:`.scan`) and ``LSTM``/``GRU``/``RNN``
+(:mod:`.checkpoint`), the backward loop they share (:mod:`.reverse`), ``If`` (:mod:`.branch`); ``Scan`` (:mod:`.scan`) and ``LSTM``/``GRU``/``RNN``
 (:mod:`.recurrent`) are differentiated as their ``Loop`` form (:mod:`.lower`). Importing this package
 registers the rules."""
 

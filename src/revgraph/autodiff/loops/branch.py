@@ -10,48 +10,52 @@ from __future__ import annotations
 
 from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
-from ..registry import Emitter, vjp
+from ...types import differentiable, keep_types
+from ..accumulate import Accumulator
+from ..context import ControlFlowVJP, Ctx
+from ..registry import vjp
 from ..sparse import SparseGrad, densify
-from .loop import body_types, is_float
+from .reverse import body_types
 
 
 @vjp("If")
-def if_(e: Emitter, node: Node, out_grads: list) -> tuple[list, dict]:
-    from ..backward import backward, keep_types
-
+def if_(ctx: Ctx, node: Node, cts: list) -> ControlFlowVJP:
+    """VJP of ONNX ``If``: see the module doc."""
+    e = ctx.e
     branches = {k: node.attrs[k] for k in ("then_branch", "else_branch")}
-    reads = {k: captured_names(b) for k, b in branches.items()}
-    captured = [c for c in dict.fromkeys(reads["then_branch"] + reads["else_branch"])
-                if c in e.reach and is_float(e.types.get(c))]
+    captured = [c for c in dict.fromkeys(c for b in branches.values() for c in captured_names(b))
+                if c in ctx.reach and differentiable(e.types.get(c))]
     if not captured:
-        return [None], {}
-    built = {}
-    for key, branch in branches.items():
-        fwd = branch.copy()
-        types = body_types(fwd, e.types)
-        eb = Emitter(types, e.used, e.opset)
-        eb.options = e.options
-        eb.prefix = f"grad/{node.name}/{key}"
-        parts: dict[str, list[str]] = {}
-        for out, g in zip(fwd.output_names, out_grads, strict=True):
-            if g is not None and is_float(types.get(out)):
-                parts.setdefault(out, []).append(g)
-        ys = {y: ps[0] if len(ps) == 1 else eb.op("Sum", ps) for y, ps in parts.items()}
-        wrt = [c for c in captured if c in reads[key]]
-        _, gmap = backward(fwd, ys, wrt, types=types, emitter=eb)
-        outs = []
-        for c in captured:
-            g = gmap.get(c)
-            g = eb.zeros_like(c) if g is None else densify(eb, g) if isinstance(g, SparseGrad) else g
-            vi = e.types.get(c)
-            outs.append(ValueInfo(eb.op("Identity", [g]), vi.dtype if vi else None, vi.shape if vi else None))
-        grad_branch = Graph([*fwd.nodes, *eb.nodes], [], outs, dict(fwd.initializers), name=f"grad_{node.name}_{key}")
-        keep_types(grad_branch, types)
-        built[key] = grad_branch
+        return ControlFlowVJP([None], {})
+    built = {key: _branch_vjp(ctx, node, key, branch, captured, cts) for key, branch in branches.items()}
     results = e.op("If", [node.inputs[0]], n_out=len(captured), **built)
     results = [results] if len(captured) == 1 else results
     for name, c in zip(results, captured, strict=True):
         vi = e.types.get(c)
         if vi is not None:
             e.types[name] = ValueInfo(name, vi.dtype, vi.shape)
-    return [None], dict(zip(captured, results, strict=True))
+    return ControlFlowVJP([None], dict(zip(captured, results, strict=True)))
+
+
+def _branch_vjp(ctx: Ctx, node: Node, key: str, branch: Graph, captured: list[str], cts: list) -> Graph:
+    """The backward branch of ``branch``: the forward branch recomputed, then its VJP; one output per captured
+    value (zeros for a value this branch does not read)."""
+    fwd = branch.copy()
+    types = body_types(fwd, ctx.e.types)
+    eb = ctx.e.child(types, f"grad/{node.name}/{key}")
+    seeds = Accumulator(eb)  # a value the branch outputs twice gets the sum of both cotangents
+    for out, g in zip(fwd.output_names, cts, strict=True):
+        if g is not None and differentiable(types.get(out)):
+            seeds.add(out, g)
+    reads = set(captured_names(fwd))
+    body_vjp = ctx.backward(fwd, {y: seeds.dense_total(y) for y in seeds.pending()}, [c for c in captured if c in reads],
+                            types=types, options=ctx.options)
+    eb.nodes += body_vjp.nodes
+    outs = []
+    for c in captured:
+        g = body_vjp.grads.get(c)
+        g = eb.zeros_like(c) if g is None else densify(eb, g) if isinstance(g, SparseGrad) else g
+        outs.append(ValueInfo(eb.op("Identity", [g]), *(ctx.e.types.get(c) or ValueInfo(c)).dtype_shape))
+    grad_branch = Graph([*fwd.nodes, *eb.nodes], [], outs, dict(fwd.initializers), name=f"grad_{node.name}_{key}")
+    keep_types(grad_branch, types)
+    return grad_branch

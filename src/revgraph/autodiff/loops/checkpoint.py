@@ -15,89 +15,71 @@ the segments' recomputation).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
-import onnx
 
 from ...ir import Graph, Node, ValueInfo
-from ..registry import Emitter
-from .loop import I64, count_trips, reverse_loop, seeds_of, take_apart
+from ..context import ControlFlowVJP, Ctx, ForwardPatch
+from ..emitter import Emitter
+from ..policies import Boundary, Segments, Store
+from .reverse import I64, LoopParts, body_seeds, close_loop, count_trips, open_body, take_apart
 
 
-def _boundary_test(e: Emitter, body: Graph, i: str, policy) -> str:
-    """Body nodes computing "iteration i starts a segment"; returns the boolean's name."""
-    def add(op, ins, **attrs):
-        out = e.fresh(f"{body.name}/checkpoint/{op}")
-        body.nodes.append(Node(op, ins, [out], attrs, out))
-        return out
-
-    def const(v):
-        return add("Constant", [], value=np.array(v, np.int64))
-
-    if policy == "sqrt":
-        root = add("Cast", [add("Floor", [add("Sqrt", [add("Cast", [i], to=onnx.TensorProto.DOUBLE)])])], to=onnx.TensorProto.INT64)
-        return add("Equal", [add("Mul", [root, root]), i])
-    return add("Equal", [add("Mod", [i, const(policy)]), const(0)])
-
-
-def _boundary(e: Emitter, s: str, policy) -> str:
-    """The first iteration of segment ``s``: s*K, or s*s for ``sqrt``."""
-    return e.op("Mul", [s, s if policy == "sqrt" else e.const(np.array(policy, np.int64))], shape=(), dtype=I64)
-
-
-def _segments(e: Emitter, trips: str, policy) -> str:
-    """The number of segments of a loop of ``trips`` iterations (of boundaries below it)."""
-    if policy == "sqrt":
-        real = e.op("Sqrt", [e.op("Cast", [trips], to=onnx.TensorProto.DOUBLE)])
-        return e.op("Cast", [e.op("Ceil", [real])], to=onnx.TensorProto.INT64, shape=(), dtype=I64)
-    k = e.const(np.array(policy, np.int64))
-    return e.op("Div", [e.op("Add", [trips, e.const(np.array(policy - 1, np.int64))]), k], shape=(), dtype=I64)
-
-
-def checkpointed_loop(e: Emitter, node: Node, out_grads: list, policy) -> tuple[list, dict]:
-    """VJP of ``Loop`` under policy ``sqrt`` or K (see the module doc)."""
+def checkpointed_loop(ctx: Ctx, node: Node, cts: list, policy: Segments) -> ControlFlowVJP:
+    """VJP of ``Loop`` under a :class:`Segments` policy (see the module doc)."""
     template = node.attrs["body"].copy()  # the body as the user wrote it, to recompute segments with
-    p = take_apart(e, node)
-    n = p.n_carried
-    trips = count_trips(e, p)
+    p = take_apart(ctx, node)
+    patch = ForwardPatch()
+    trips = count_trips(ctx.e, p, patch)
+    bounds = policy.boundary
+    n_segments = bounds.count(ctx.e, trips)
+    checkpoints = _checkpoint_loop(ctx.e, p, template, trips, n_segments, bounds)
 
-    n_segments = _segments(e, trips, policy)
-    checkpoints = _checkpoint_loop(e, node, p, template, trips, n_segments, policy)
-    scan_grads = out_grads[n:]
+    bb = open_body(ctx, p)
+    eb = bb.e
+    one = eb.const(np.array(1, np.int64))
+    s = eb.op("Sub", [eb.op("Sub", [n_segments, one]), bb.k.name], shape=(), dtype=I64)
+    start, end = _segment(eb, bounds, s, trips)
+    v_start = [eb.op("Gather", [checkpoints[j], s], axis=0, dtype=_carried(p, j).dtype, shape=_carried(p, j).shape)
+               for j in range(p.n_carried)]
+    seg_graph, parts = _segment_graph(eb, p, template, start, end, v_start)
+    seeds = body_seeds(eb, parts, bb.cot, lambda i, name: None if cts[p.n_carried + i] is None else eb.op(
+        "Slice", [cts[p.n_carried + i], eb.op("Unsqueeze", [start, eb.ints([0])]),
+                  eb.op("Unsqueeze", [end, eb.ints([0])]), eb.ints([0])]))
+    wrt = [v_start[j] for j in p.carried] + p.captured
+    body_vjp = ctx.backward(seg_graph, seeds, wrt, types=eb.types, options=replace(ctx.options, checkpoint=Store()))
+    eb.nodes += seg_graph.nodes  # the segment's loop, extended by its own VJP's patch
+    eb.nodes += body_vjp.nodes
+    carried = {j: body_vjp.grads.get(v_start[j]) for j in p.carried}
+    return close_loop(ctx, p, bb, n_segments, cts, carried, {c: body_vjp.grads.get(c) for c in p.captured}, patch)
 
-    def build(eb: Emitter, k: str, cot_in: dict, acc_in: dict) -> tuple[dict, dict]:
-        from ..backward import backward
 
-        one = eb.const(np.array(1, np.int64))
-        s = eb.op("Sub", [eb.op("Sub", [n_segments, one]), k], shape=(), dtype=I64)
-        start = _boundary(eb, s, policy)
-        end = eb.op("Min", [_boundary(eb, eb.op("Add", [s, one], shape=(), dtype=I64), policy), trips], shape=(), dtype=I64)
-        length = eb.op("Sub", [end, start], shape=(), dtype=I64)
-        v_start = []
-        for j in range(n):
-            vi = p.types.get(p.v_in[j])
-            v_start.append(eb.op("Gather", [checkpoints[j], s], axis=0, dtype=vi.dtype, shape=vi.shape))
-        seg_body = _offset_body(eb, template, start, f"{node.name}/segment")
-        outs = [eb.fresh(f"{node.name}/segment/out") for _ in range(n + len(p.scan_out))]
-        for pos, (name, src) in enumerate(zip(outs, [*p.v_out, *p.scan_out], strict=True)):
-            vi = p.types.get(src)
-            eb.types[name] = ValueInfo(name, vi.dtype if vi else None, vi.shape if vi and pos < n else None)
-        segment = Node("Loop", [length, eb.const(np.array(True)), *v_start], outs,
-                       {"body": seg_body}, eb.fresh(f"{node.name}/segment"))
-        seg_graph = Graph([segment], [ValueInfo(v, *(_dt(eb, v))) for v in v_start], [], opsets={"": e.opset})
-        parts = type(p)(**{**p.__dict__, "v_out": outs[:n], "scan_out": outs[n:]})
-        seeds = seeds_of(eb, parts, cot_in, lambda i, name: None if scan_grads[i] is None else eb.op(
-            "Slice", [scan_grads[i], eb.op("Unsqueeze", [start, eb.ints([0])]), eb.op("Unsqueeze", [end, eb.ints([0])]),
-                      eb.ints([0])]))
-        head = list(eb.nodes)
-        eb.nodes.clear()
-        saved = eb.options
-        eb.options = {**saved, "checkpoint": "store"}
-        _, gmap = backward(seg_graph, seeds, [v_start[j] for j in p.carried] + p.captured, types=eb.types, emitter=eb)
-        eb.options = saved
-        eb.nodes[:] = [*head, *seg_graph.nodes, *eb.nodes]
-        return {j: gmap.get(v_start[j]) for j in p.carried}, {c: gmap.get(c) for c in p.captured}
+def _carried(p: LoopParts, j: int) -> ValueInfo:
+    return p.types.get(p.v_in[j]) or ValueInfo(p.v_in[j])
 
-    return reverse_loop(e, p, n_segments, out_grads, build)
+
+def _segment(e: Emitter, bounds: Boundary, s: str, trips: str) -> tuple[str, str]:
+    """The first iteration of segment ``s`` and the first one after it (at most ``trips``)."""
+    after = e.op("Add", [s, e.const(np.array(1, np.int64))], shape=(), dtype=I64)
+    return bounds.start(e, s, trips), e.op("Min", [bounds.start(e, after, trips), trips], shape=(), dtype=I64)
+
+
+def _segment_graph(eb: Emitter, p: LoopParts, template: Graph, start: str, end: str,
+                   v_start: list[str]) -> tuple[Graph, LoopParts]:
+    """A graph holding one ``Loop`` that recomputes iterations [start, end) from the carried values ``v_start``,
+    and its parts (outputs named afresh) for seeding."""
+    n, name = p.n_carried, p.node.name
+    length = eb.op("Sub", [end, start], shape=(), dtype=I64)
+    seg_body = _offset_body(eb, template, start, f"{name}/segment")
+    outs = [eb.fresh(f"{name}/segment/out") for _ in range(n + len(p.scan_out))]
+    for pos, (out, src) in enumerate(zip(outs, [*p.v_out, *p.scan_out], strict=True)):
+        vi = p.types.get(src)
+        eb.types[out] = ValueInfo(out, vi.dtype if vi else None, vi.shape if vi and pos < n else None)
+    segment = Node("Loop", [length, eb.const(np.array(True)), *v_start], outs, {"body": seg_body},
+                   eb.fresh(f"{name}/segment"))
+    graph = Graph([segment], [ValueInfo(v, *eb.types[v].dtype_shape) for v in v_start], [], opsets={"": eb.opset})
+    return graph, replace(p, v_out=outs[:n], scan_out=outs[n:])
 
 
 def _offset_body(e: Emitter, template: Graph, start: str, base: str, keep_scans: bool = True) -> Graph:
@@ -111,46 +93,34 @@ def _offset_body(e: Emitter, template: Graph, start: str, base: str, keep_scans:
     return body
 
 
-def _checkpoint_loop(e: Emitter, node: Node, p, template: Graph, trips: str, n_segments: str, policy) -> list[str]:
+def _checkpoint_loop(e: Emitter, p: LoopParts, template: Graph, trips: str, n_segments: str,
+                     bounds: Boundary) -> list[str]:
     """Emit the loop that recomputes the forward loop segment by segment and stacks the loop-carried values
     at each segment's start (the checkpoints, ``[S, ...]`` tensors); return their names.
 
     It runs after the forward loop, once T is known: one more forward pass, all in tensors and loops, so the
     gradient graph stays differentiable (gradients of gradients through checkpointed loops)."""
-    n = p.n_carried
+    n, name = p.n_carried, p.node.name
     if n == 0:  # no state: a segment recomputes from its iteration numbers alone
         return []
-    ec = Emitter(p.types, e.used, e.opset)
-    ec.prefix = f"{node.name}/checkpoints"
-    seg = ec.fresh(f"{node.name}/checkpoints/segment")
-    cond = ec.fresh(f"{node.name}/checkpoints/cond")
-    state = [ValueInfo(ec.fresh(f"{node.name}/checkpoints/{p.v_in[j]}"), *_vi(p.types.get(p.v_in[j]))) for j in range(n)]
-    one = ec.const(np.array(1, np.int64))
-    start = _boundary(ec, seg, policy)
-    end = ec.op("Min", [_boundary(ec, ec.op("Add", [seg, one], shape=(), dtype=I64), policy), trips], shape=(), dtype=I64)
+    ec = e.child(p.types, f"{name}/checkpoints")
+    seg = ec.fresh(f"{name}/checkpoints/segment")
+    cond = ec.fresh(f"{name}/checkpoints/cond")
+    state = [ValueInfo(ec.fresh(f"{name}/checkpoints/{p.v_in[j]}"), *_carried(p, j).dtype_shape) for j in range(n)]
+    start, end = _segment(ec, bounds, seg, trips)
     length = ec.op("Sub", [end, start], shape=(), dtype=I64)
-    inner = _offset_body(ec, template, start, f"{node.name}/checkpoints/recompute", keep_scans=False)
-    ends = [ec.fresh(f"{node.name}/checkpoints/end") for _ in range(n)]
+    inner = _offset_body(ec, template, start, f"{name}/checkpoints/recompute", keep_scans=False)
+    ends = [ec.fresh(f"{name}/checkpoints/end") for _ in range(n)]
     ec.nodes.append(Node("Loop", [length, ec.const(np.array(True)), *(v.name for v in state)], ends, {"body": inner},
-                         ec.fresh(f"{node.name}/checkpoints/recompute")))
+                         ec.fresh(f"{name}/checkpoints/recompute")))
     outs = [ValueInfo(ec.op("Identity", [ec.const(np.array(True))]), np.dtype(bool), ())]
     outs += [ValueInfo(ec.op("Identity", [end_j]), v.dtype, v.shape) for end_j, v in zip(ends, state, strict=True)]
     outs += [ValueInfo(ec.op("Identity", [v.name]), v.dtype, v.shape) for v in state]
     body = Graph(ec.nodes, [ValueInfo(seg, I64, ()), ValueInfo(cond, np.dtype(bool), ()), *state], outs,
-                 name=f"{node.name}_checkpoints")
-    results = e.op("Loop", [n_segments, e.const(np.array(True)), *node.inputs[2 : 2 + n]], n_out=2 * n, body=body)
+                 name=f"{name}_checkpoints")
+    results = e.op("Loop", [n_segments, e.const(np.array(True)), *p.node.inputs[2 : 2 + n]], n_out=2 * n, body=body)
     results = [results] if 2 * n == 1 else results
     stacks = results[n:]
-    for name, v in zip(stacks, state, strict=True):
-        e.types[name] = ValueInfo(name, v.dtype, None if v.shape is None else (None, *v.shape))
+    for stack, v in zip(stacks, state, strict=True):
+        e.types[stack] = ValueInfo(stack, v.dtype, None if v.shape is None else (None, *v.shape))
     return stacks
-
-
-def _vi(vi: ValueInfo | None) -> tuple:
-    return (None, None) if vi is None else (vi.dtype, vi.shape)
-
-
-def _dt(e: Emitter, name: str) -> tuple:
-    vi = e.types.get(name)
-    return (None, None) if vi is None else (vi.dtype, vi.shape)
-

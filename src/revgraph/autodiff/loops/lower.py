@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ...ir import Graph, ValueInfo
-from ...onnx_io import infer_types
+from ...types import infer_types
 from .recurrent import RECURRENT_OPS, lower_recurrent
 from .scan import lower_scans
 

@@ -15,19 +15,23 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
+from functools import cache, partial
 
 import numpy as np
 import onnx
 
 from ...ir import Node, is_float_dtype
-from ..registry import Emitter, not_differentiable, vjp
+from ..context import Ctx
+from ..emitter import Emitter
+from ..registry import not_differentiable, unary, vjp
 
 
-def strong(e: Emitter, g: str, d: str, like: str | None, reads: list[str] | None = None) -> str:
+def strong(ctx: Ctx, g: str, d: str, like: str | None, reads: list[str] | None = None) -> str:
     """``g * d`` with strong zeros: exactly 0 where ``g == 0``, even if ``d`` is inf or NaN there.
     ``reads``: the forward values ``d`` is computed from, when ``d`` is finite for finite values (the product
-    is then plain where they are all provably finite, :meth:`Emitter.times`); ``None``: always guarded."""
-    return e.times(g, d, like, reads)
+    is then plain where they are all provably finite, :meth:`Ctx.times`); ``None``: always guarded."""
+    return ctx.times(g, d, like, reads)
 
 
 def integer_result(e: Emitter, node: Node) -> bool:
@@ -49,181 +53,163 @@ def integer_result(e: Emitter, node: Node) -> bool:
     return True
 
 
-def _unary(op_type: str):
-    """Register a one-input rule given as ``f(e, x, y, g) -> dx``."""
-
-    def register(fn):
-        @vjp(op_type)
-        def rule(e: Emitter, node: Node, out_grads: list) -> list:
-            x, y = node.inputs[0], node.outputs[0]
-            if not e.need[0]:  # an integer x (Abs, Relu of an int32 loss): no gradient, no dead nodes
-                return [None]
-            return [fn(e, node, x, y, out_grads[0])]
-
-        return fn
-
-    return register
-
-
 @vjp("Identity")
-def identity(e: Emitter, node: Node, out_grads: list) -> list:
-    return [out_grads[0]]
+def identity(ctx: Ctx, node: Node, cts: list) -> list:
+    return [cts[0]]
 
 
 @vjp("Neg")
-def neg(e: Emitter, node: Node, out_grads: list) -> list:
-    return [e.op("Neg", [out_grads[0]], like=node.inputs[0])]
+def neg(ctx: Ctx, node: Node, cts: list) -> list:
+    return [lambda: ctx.e.op("Neg", [cts[0]], like=node.inputs[0])]
 
 
 @vjp("Add", "Sub")
-def add_sub(e: Emitter, node: Node, out_grads: list) -> list:
-    a, b = node.inputs
-    g = out_grads[0]
-    ga = e.reduce_to(g, a) if e.need[0] else None
-    gb = None
-    if e.need[1]:
-        gb = e.reduce_to(g if node.op_type == "Add" else e.op("Neg", [g], like=g), b)
-    return [ga, gb]
+def add_sub(ctx: Ctx, node: Node, cts: list) -> list:
+    e, (a, b), g = ctx.e, node.inputs, cts[0]
+    return [lambda: e.reduce_to(g, a),
+            lambda: e.reduce_to(g if node.op_type == "Add" else e.op("Neg", [g], like=g), b)]
 
 
 @vjp("Mul")
-def mul(e: Emitter, node: Node, out_grads: list) -> list:
-    a, b = node.inputs
-    g = out_grads[0]
+def mul(ctx: Ctx, node: Node, cts: list) -> list:
+    e, (a, b), g = ctx.e, node.inputs, cts[0]
 
     def times(other: str) -> str:  # g * other; a selection when other is a mask (a selection VJP's own product)
-        mask = e.mask_of(other)
-        return strong(e, g, other, None, [other]) if mask is None else e.select(mask, g)
+        mask = ctx.mask_of(other)
+        return strong(ctx, g, other, None, [other]) if mask is None else ctx.select(mask, g)
 
-    ga = e.reduce_to(times(b), a) if e.need[0] else None
-    gb = e.reduce_to(times(a), b) if e.need[1] else None
-    return [ga, gb]
+    return [lambda: e.reduce_to(times(b), a), lambda: e.reduce_to(times(a), b)]
 
 
 @vjp("Div")
-def div(e: Emitter, node: Node, out_grads: list) -> list:
-    a, b = node.inputs
-    y, g = node.outputs[0], out_grads[0]
+def div(ctx: Ctx, node: Node, cts: list) -> list:
+    e, (a, b) = ctx.e, node.inputs
+    y, g = node.outputs[0], cts[0]
     # 1 / b is inf where b is 0, unless b is a constant without zeros
-    bv = e.value(b)
+    bv = ctx.value(b)
     safe = bv is not None and bool(np.all(np.isfinite(bv)) and np.all(bv != 0))
-    ga = e.reduce_to(strong(e, g, e.op("Reciprocal", [b]), y, [] if safe else None), a) if e.need[0] else None
-    gb = None
-    if e.need[1]:  # d(a/b)/db = -y/b
-        gb = e.reduce_to(strong(e, g, e.op("Neg", [e.op("Div", [y, b])]), y), b)
-    return [ga, gb]
+    return [lambda: e.reduce_to(strong(ctx, g, e.op("Reciprocal", [b]), y, [] if safe else None), a),
+            # d(a/b)/db = -y/b
+            lambda: e.reduce_to(strong(ctx, g, e.op("Neg", [e.op("Div", [y, b])]), y), b)]
 
 
 @vjp("Pow")
-def pow_(e: Emitter, node: Node, out_grads: list) -> list:
-    x, p = node.inputs
-    y, g = node.outputs[0], out_grads[0]
+def pow_(ctx: Ctx, node: Node, cts: list) -> list:
+    e, (x, p) = ctx.e, node.inputs
+    y, g = node.outputs[0], cts[0]
     if integer_result(e, node):
         return [None, None]
     zero = e.scalar(0.0, x)
-    gx = gp = None
-    if e.need[0]:  # p * x^(p-1), taken as 0 where p == 0 (x^0 is constant, also at x = 0)
+
+    def gx() -> str:  # p * x^(p-1), taken as 0 where p == 0 (x^0 is constant, also at x = 0)
         pc = e.op("CastLike", [p, x])
         d = e.op("Mul", [pc, e.op("Pow", [x, e.op("Sub", [pc, e.scalar(1.0, x)])])])
         d = e.op("Where", [e.op("Equal", [pc, zero]), zero, d])
-        gx = e.reduce_to(strong(e, g, d, y), x)
-    if e.need[1]:  # y * log(x), taken as 0 where x == 0 (PyTorch's convention)
+        return e.reduce_to(strong(ctx, g, d, y), x)
+
+    def gp() -> str:  # y * log(x), taken as 0 where x == 0 (PyTorch's convention)
         d = e.op("Mul", [y, e.op("Log", [x])])
         d = e.op("Where", [e.op("Equal", [x, zero]), zero, d])
-        gp = e.reduce_to(e.op("CastLike", [strong(e, g, d, y), p]), p)
+        return e.reduce_to(e.op("CastLike", [strong(ctx, g, d, y), p]), p)
+
     return [gx, gp]
 
 
-@_unary("Sqrt")
-def sqrt(e, node, x, y, g):
-    return strong(e, g, e.op("Div", [e.scalar(0.5, y), y]), x)
+@unary("Sqrt")
+def sqrt(ctx, node, x, y, g):
+    return strong(ctx, g, ctx.e.op("Div", [ctx.e.scalar(0.5, y), y]), x)
 
 
-@_unary("Reciprocal")
-def reciprocal(e, node, x, y, g):
-    return strong(e, g, e.op("Neg", [e.op("Mul", [y, y])]), x)
+@unary("Reciprocal")
+def reciprocal(ctx, node, x, y, g):
+    return strong(ctx, g, ctx.e.op("Neg", [ctx.e.op("Mul", [y, y])]), x)
 
 
-@_unary("Exp")
-def exp(e, node, x, y, g):
-    return strong(e, g, y, x, [y])  # exp(1000) = inf: a zero cotangent must still give 0
+@unary("Exp")
+def exp(ctx, node, x, y, g):
+    return strong(ctx, g, y, x, [y])  # exp(1000) = inf: a zero cotangent must still give 0
 
 
-@_unary("Log")
-def log(e, node, x, y, g):
-    return strong(e, g, e.op("Reciprocal", [x]), x)
+@unary("Log")
+def log(ctx, node, x, y, g):
+    return strong(ctx, g, ctx.e.op("Reciprocal", [x]), x)
 
 
-@_unary("Abs")
-def abs_(e, node, x, y, g):
-    return strong(e, g, e.op("Sign", [x]), x, [x])  # Sign(NaN) is NaN
+@unary("Abs")
+def abs_(ctx, node, x, y, g):
+    return strong(ctx, g, ctx.e.op("Sign", [x]), x, [x])  # Sign(NaN) is NaN
 
 
-@_unary("Tanh")
-def tanh(e, node, x, y, g):
-    return strong(e, g, e.op("Sub", [e.scalar(1.0, y), e.op("Mul", [y, y])]), x, [y])
+@unary("Tanh")
+def tanh(ctx, node, x, y, g):
+    e = ctx.e
+    return strong(ctx, g, e.op("Sub", [e.scalar(1.0, y), e.op("Mul", [y, y])]), x, [y])
 
 
-@_unary("Sigmoid")
-def sigmoid(e, node, x, y, g):
-    return strong(e, g, e.op("Mul", [y, e.op("Sub", [e.scalar(1.0, y), y])]), x, [y])
+@unary("Sigmoid")
+def sigmoid(ctx, node, x, y, g):
+    e = ctx.e
+    return strong(ctx, g, e.op("Mul", [y, e.op("Sub", [e.scalar(1.0, y), y])]), x, [y])
 
 
-@_unary("Relu")
-def relu(e, node, x, y, g):
-    return e.select(e.op("Greater", [x, e.scalar(0.0, x)]), g, like=x)
+@unary("Relu")
+def relu(ctx, node, x, y, g):
+    e = ctx.e
+    return ctx.select(e.op("Greater", [x, e.scalar(0.0, x)]), g, like=x)
 
 
-@_unary("LeakyRelu")
-def leaky_relu(e, node, x, y, g):
+@unary("LeakyRelu")
+def leaky_relu(ctx, node, x, y, g):
+    e = ctx.e
     alpha = e.scalar(node.attrs.get("alpha", 0.01), x)
     return e.op("Where", [e.op("Greater", [x, e.scalar(0.0, x)]), g, e.op("Mul", [g, alpha])], like=x)
 
 
-@_unary("Elu")
-def elu(e, node, x, y, g):
+@unary("Elu")
+def elu(ctx, node, x, y, g):
+    e = ctx.e
     alpha = e.scalar(node.attrs.get("alpha", 1.0), x)
-    neg = strong(e, g, e.op("Add", [y, alpha]), None, [y])
+    neg = strong(ctx, g, e.op("Add", [y, alpha]), None, [y])
     return e.op("Where", [e.op("Greater", [x, e.scalar(0.0, x)]), g, neg], like=x)
 
 
-@_unary("Softplus")
-def softplus(e, node, x, y, g):
-    return strong(e, g, e.op("Sigmoid", [x]), x, [x])
+@unary("Softplus")
+def softplus(ctx, node, x, y, g):
+    return strong(ctx, g, ctx.e.op("Sigmoid", [x]), x, [x])
 
 
-@_unary("Erf")
-def erf(e, node, x, y, g):
+@unary("Erf")
+def erf(ctx, node, x, y, g):
+    e = ctx.e
     d = e.op("Exp", [e.op("Neg", [e.op("Mul", [x, x])])])
-    return strong(e, g, e.op("Mul", [d, e.scalar(2.0 / math.sqrt(math.pi), x)]), x, [x])
+    return strong(ctx, g, e.op("Mul", [d, e.scalar(2.0 / math.sqrt(math.pi), x)]), x, [x])
 
 
-@_unary("Sin")
-def sin(e, node, x, y, g):
-    return strong(e, g, e.op("Cos", [x]), x, [x])  # cos(inf) is NaN
+@unary("Sin")
+def sin(ctx, node, x, y, g):
+    return strong(ctx, g, ctx.e.op("Cos", [x]), x, [x])  # cos(inf) is NaN
 
 
-@_unary("Cos")
-def cos(e, node, x, y, g):
-    return e.op("Neg", [strong(e, g, e.op("Sin", [x]), None, [x])], like=x)
+@unary("Cos")
+def cos(ctx, node, x, y, g):
+    return ctx.e.op("Neg", [strong(ctx, g, ctx.e.op("Sin", [x]), None, [x])], like=x)
 
 
 @vjp("Cast", "CastLike")
-def cast(e: Emitter, node: Node, out_grads: list) -> list:
-    x = node.inputs[0]
+def cast(ctx: Ctx, node: Node, cts: list) -> list:
+    e, x = ctx.e, node.inputs[0]
     dt = e.dtype(x)
     if dt is not None and not is_float_dtype(dt) or integer_result(e, node):
         return [None] * len(node.inputs)  # no gradient through an integer value (truncation is piecewise constant)
-    back = e.op("CastLike", [out_grads[0], x], like=x)
-    return [back] + [None] * (len(node.inputs) - 1)
+    return [lambda: e.op("CastLike", [cts[0], x], like=x)] + [None] * (len(node.inputs) - 1)
 
 
 @vjp("Sum", "Mean")
-def sum_mean(e: Emitter, node: Node, out_grads: list) -> list:
-    g = out_grads[0]
+def sum_mean(ctx: Ctx, node: Node, cts: list) -> list:
+    e, g = ctx.e, cts[0]
     if node.op_type == "Mean":
         g = e.op("Div", [g, e.scalar(float(len(node.inputs)), g)], like=g)
-    return [e.reduce_to(g, x) if need else None for x, need in zip(node.inputs, e.need, strict=True)]
+    return [partial(e.reduce_to, g, x) for x in node.inputs]
 
 
 def _indicator(e: Emitter, cond: str, like: str) -> str:
@@ -232,34 +218,41 @@ def _indicator(e: Emitter, cond: str, like: str) -> str:
     return e.op("Cast", [cond], to=dt) if dt is not None else e.op("CastLike", [cond, like])
 
 
-def tie_shares(e: Emitter, g: str, operands: list[str], y: str) -> list[str]:
+def tie_shares(ctx: Ctx, g: str, operands: list[str], y: str) -> list[Callable[[], str]]:
     """The cotangent ``g`` of ``y = Max(operands)`` (or ``Min``) shared among the operands equal to ``y``
     (ties split equally, DESIGN section 5), each exactly 0 where its operand is not the extremum (a selection).
-    A NaN ``y`` matches no operand: the tie count is taken as at least 1, so every share is 0 there."""
-    hits = [e.op("Equal", [x, y]) for x in operands]
-    count = e.op("Sum", [_indicator(e, h, y) for h in hits])
-    share = e.op("Div", [g, e.op("Max", [count, e.scalar(1.0, y)])])
-    return [e.select(h, share) for h in hits]
+    A NaN ``y`` matches no operand: the tie count is taken as at least 1, so every share is 0 there.
+    Returns one function per operand that emits its share (the tie count is emitted once, by the first)."""
+    e = ctx.e
+
+    @cache
+    def split() -> tuple[list[str], str]:
+        hits = [e.op("Equal", [x, y]) for x in operands]
+        count = e.op("Sum", [_indicator(e, h, y) for h in hits])
+        return hits, e.op("Div", [g, e.op("Max", [count, e.scalar(1.0, y)])])
+
+    def share(i: int) -> str:
+        hits, each = split()
+        return ctx.select(hits[i], each)
+
+    return [partial(share, i) for i in range(len(operands))]
 
 
 @vjp("Max", "Min")
-def max_min(e: Emitter, node: Node, out_grads: list) -> list:
-    y, g = node.outputs[0], out_grads[0]
+def max_min(ctx: Ctx, node: Node, cts: list) -> list:
+    e, y, g = ctx.e, node.outputs[0], cts[0]
     if len(node.inputs) == 1:
         return [g]
-    if not any(e.need):
-        return [None] * len(node.inputs)
-    shares = tie_shares(e, g, node.inputs, y)
-    return [e.reduce_to(s, x) if need else None for x, s, need in zip(node.inputs, shares, e.need, strict=True)]
+    shares = tie_shares(ctx, g, node.inputs, y)
+    return [lambda s=s, x=x: e.reduce_to(s(), x) for x, s in zip(node.inputs, shares, strict=True)]
 
 
 @vjp("Where")
-def where(e: Emitter, node: Node, out_grads: list) -> list:
-    c, a, b = node.inputs
-    g = out_grads[0]
-    ga = e.reduce_to(e.select(c, g), a) if e.need[1] else None
-    gb = e.reduce_to(e.select(e.op("Not", [c]), g), b) if e.need[2] else None
-    return [None, ga, gb]
+def where(ctx: Ctx, node: Node, cts: list) -> list:
+    e, (c, a, b), g = ctx.e, node.inputs, cts[0]
+    return [None,
+            lambda: e.reduce_to(ctx.select(c, g), a),
+            lambda: e.reduce_to(ctx.select(e.op("Not", [c]), g), b)]
 
 
 def _above(e: Emitter, a: str, b: str, like: str) -> str:
@@ -276,17 +269,17 @@ def _ordered_constants(e: Emitter, lo: str, hi: str) -> bool:
 
 
 @vjp("Clip")
-def clip(e: Emitter, node: Node, out_grads: list) -> list:
+def clip(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX defines ``Clip(x, lo, hi) = Min(Max(x, lo), hi)``; its VJP is that composition's, with the ties of
     ``Max`` and ``Min`` split equally (DESIGN section 5). With ``m = Max(x, lo)`` and ``s(a, b)`` the share of
     ``a`` in ``Max(a, b)`` (1, 1/2 at a tie, 0): ``dx = g s(x, lo) s(hi, m)``, ``dlo = g s(lo, x) s(hi, m)``,
     ``dhi = g s(m, hi)``. So for ``lo < hi``: x gets ``g`` inside, half at either bound; for ``lo > hi`` every
     output is ``hi`` and ``hi`` gets all of ``g``; for ``lo == hi = c``: x < c gives half to each bound, x > c
     all to ``hi``, x == c a quarter to ``x`` and to ``lo`` and half to ``hi``. NaN inputs get 0."""
-    x = node.inputs[0]
+    e, x = ctx.e, node.inputs[0]
     lo = node.inputs[1] if len(node.inputs) > 1 and node.inputs[1] else None
     hi = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
-    g = out_grads[0]
+    g = cts[0]
     grads: list = [None] * len(node.inputs)
     if lo is None and hi is None:
         grads[0] = g
@@ -295,23 +288,35 @@ def clip(e: Emitter, node: Node, out_grads: list) -> list:
     def twice(a: str, b: str) -> str:
         return _above(e, a, b, x)
 
-    shares: dict[int, tuple[str, float]] = {}  # input -> (twice its share, or four times a product of two; scale)
+    def grad(k: int, w: str, scale: float) -> str:  # w: twice its share, or four times a product of two
+        share = ctx.weigh(g, e.op("Mul", [w, e.scalar(scale, x)], like=x), like=x)
+        return share if k == 0 else e.reduce_to(share, node.inputs[k])
+
     if hi is None:
-        shares = {k: (twice(a, b), 0.5) for k, a, b in ((0, x, lo), (1, lo, x)) if e.need[k]}
-    elif lo is None:
-        shares = {k: (twice(a, b), 0.5) for k, a, b in ((0, hi, x), (2, x, hi)) if e.need[k]}
-    else:
-        ordered = _ordered_constants(e, lo, hi) and not e.need[1] and not e.need[2]
-        m = x if ordered else e.op("Max", [x, lo], like=x)  # Max(x, lo) is x wherever x gets a share, then
-        if e.need[0] or e.need[1]:
-            in_min = twice(hi, m)
-            shares = {k: (e.op("Mul", [twice(a, b), in_min], like=x), 0.25)
-                      for k, a, b in ((0, x, lo), (1, lo, x)) if e.need[k]}
-        if e.need[2]:
-            shares[2] = (twice(m, hi), 0.5)
-    for k, (w, scale) in shares.items():
-        share = e.weigh(g, e.op("Mul", [w, e.scalar(scale, x)], like=x), like=x)
-        grads[k] = share if k == 0 else e.reduce_to(share, node.inputs[k])
+        grads[0] = lambda: grad(0, twice(x, lo), 0.5)
+        grads[1] = lambda: grad(1, twice(lo, x), 0.5)
+        return grads
+    if lo is None:
+        grads[0] = lambda: grad(0, twice(hi, x), 0.5)
+        grads[2] = lambda: grad(2, twice(x, hi), 0.5)
+        return grads
+
+    @cache
+    def m() -> str:
+        return e.op("Max", [x, lo], like=x)
+
+    @cache
+    def in_min(top: str) -> str:  # twice the share of top = Max(x, lo) in Min(top, hi)
+        return twice(hi, top)
+
+    def both(top: str, a: str, b: str) -> str:
+        w = in_min(top)
+        return e.op("Mul", [twice(a, b), w], like=x)
+
+    ordered = _ordered_constants(e, lo, hi)  # Max(x, lo) is x wherever x gets a share, then
+    grads[0] = lambda: grad(0, both(x if ordered else m(), x, lo), 0.25)
+    grads[1] = lambda: grad(1, both(m(), lo, x), 0.25)
+    grads[2] = lambda: grad(2, twice(m(), hi), 0.5)
     return grads
 
 

@@ -22,12 +22,16 @@ gradient here is written in ONNX operators, so it can be differentiated again.
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import onnx
 
 from ...errors import GraphError
 from ...ir import Node
-from ..registry import Emitter, vjp
+from ..context import Ctx
+from ..emitter import Emitter
+from ..registry import vjp
 from ..segments import others_product
 from ..sparse import SparseGrad, scatter_nd_reduce
 
@@ -106,14 +110,16 @@ def _flat_indices(e: Emitter, idx: str, n: str) -> str:
 
 
 @vjp("Gather")
-def gather(e: Emitter, node: Node, out_grads: list) -> list:
+def gather(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Gather": ``y[i0..i(a-1), j.., k..] = x[i0.., idx[j..], k..]``. The transpose adds ``g`` into
     zeros at the gathered positions (PyTorch ``index_select_backward``: ``index_add``). Axis 0 gives a
     :class:`SparseGrad` of rows; other axes a dense ``ScatterElements(reduction="add")``."""
+    return [lambda: _ungather(ctx.e, node, cts[0]), None]
+
+
+def _ungather(e: Emitter, node: Node, g: str) -> SparseGrad | str:
+    """The cotangent of Gather's data (see :func:`gather`)."""
     data, idx = node.inputs
-    g = out_grads[0]
-    if not e.need[0]:
-        return [None, None]
     axis = _axis(e, node, data, 0)  # axis 0 needs no rank: the rows' shape can come from Shape(data)
     flat = _flat_indices(e, idx, _dim(e, data, axis))
     rows = g  # with 1-D indices the cotangent already has the rows' shape
@@ -123,26 +129,23 @@ def gather(e: Emitter, node: Node, out_grads: list) -> list:
         shape = tuple(d for p in parts for d in p) if static else None
         rows = e.op("Reshape", [g, _cat_shapes(e, parts)], shape=shape, dtype=e.dtype(g))
     if axis == 0:
-        return [SparseGrad(flat, rows, data), None]
+        return SparseGrad(flat, rows, data)
     # ScatterElements needs indices of the updates' shape: the flat indices along `axis`, broadcast.
     r = e.need_rank(data, node)
     lined = e.op("Unsqueeze", [flat, e.ints([d for d in range(r) if d != axis])])
     spread = e.op("Expand", [lined, e.shape_of(rows)])
-    dx = e.op("ScatterElements", [e.zeros_like(data), spread, rows], axis=axis, reduction="add", like=data)
-    return [dx, None]
+    return e.op("ScatterElements", [e.zeros_like(data), spread, rows], axis=axis, reduction="add", like=data)
 
 
 @vjp("GatherElements")
-def gather_elements(e: Emitter, node: Node, out_grads: list) -> list:
+def gather_elements(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "GatherElements": ``y[i][j] = x[idx[i][j]][j]`` (axis 0). The transpose is
     ``ScatterElements(zeros, idx, g, reduction="add")`` (PyTorch ``gather_backward``: ``scatter_add``);
     ScatterElements takes negative indices as GatherElements does."""
-    data, idx = node.inputs
-    if not e.need[0]:
-        return [None, None]
+    e, (data, idx) = ctx.e, node.inputs
     axis = _axis(e, node, data, 0, required=False)
-    dx = e.op("ScatterElements", [e.zeros_like(data), idx, out_grads[0]], axis=axis, reduction="add", like=data)
-    return [dx, None]
+    return [lambda: e.op("ScatterElements", [e.zeros_like(data), idx, cts[0]], axis=axis, reduction="add", like=data),
+            None]
 
 
 def _batch_coords(e: Emitter, node: Node, idx: str, b: int) -> str:
@@ -165,18 +168,20 @@ def _batch_coords(e: Emitter, node: Node, idx: str, b: int) -> str:
 
 
 @vjp("GatherND")
-def gather_nd(e: Emitter, node: Node, out_grads: list) -> list:
+def gather_nd(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "GatherND": ``y[p..] = x[batch(p), idx[p..]]``. The transpose has the semantics of
     ``ScatterND(zeros, idx', g, reduction="add")``, where ``idx'`` holds the batch positions explicitly and
     non-negative indices, written race free by :func:`~revgraph.autodiff.sparse.scatter_nd_reduce`."""
-    data, idx = node.inputs
-    if not e.need[0]:
-        return [None, None]
-    b = int(node.attrs.get("batch_dims", 0))
-    full = _nonneg(e, idx, _nd_dims(e, data, idx, b))
-    if b:
-        full = e.op("Concat", [_batch_coords(e, node, idx, b), full], axis=-1)
-    return [scatter_nd_reduce(e, e.zeros_like(data), full, out_grads[0], "add"), None]
+    e, (data, idx) = ctx.e, node.inputs
+
+    def ddata() -> str:
+        b = int(node.attrs.get("batch_dims", 0))
+        full = _nonneg(e, idx, _nd_dims(e, data, idx, b))
+        if b:
+            full = e.op("Concat", [_batch_coords(e, node, idx, b), full], axis=-1)
+        return scatter_nd_reduce(e, e.zeros_like(data), full, cts[0], "add")
+
+    return [ddata, None]
 
 
 def _nd_dims(e: Emitter, data: str, idx: str, b: int) -> str:
@@ -190,7 +195,7 @@ def _nd_dims(e: Emitter, data: str, idx: str, b: int) -> str:
     return _cat_shapes(e, [dims])
 
 
-def _scatter_vjp(e: Emitter, node: Node, g: str, scatter: str, gather: str, attrs: dict) -> list:
+def _scatter_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs: dict) -> list:
     """Shared VJP of ScatterND / ScatterElements (``gather`` is the matching read), by ``reduction``; ``p`` is
     a position of the data and ``k`` runs over the updates written there.
 
@@ -201,25 +206,24 @@ def _scatter_vjp(e: Emitter, node: Node, g: str, scatter: str, gather: str, attr
       :func:`~revgraph.autodiff.segments.others_product`).
     - ``max``/``min``: :func:`_extremum_vjp`.
     """
-    data, idx, upd = node.inputs
+    e, (data, idx, upd) = ctx.e, node.inputs
     reduction = node.attrs.get("reduction", "none")
     if reduction in ("max", "min"):
-        return _extremum_vjp(e, node, g, scatter, gather, attrs)
-    grads: list = [None, None, None]
-    if e.need[0]:
-        if reduction == "none":
-            grads[0] = e.op(scatter, [g, idx, e.zeros_like(upd)], like=data, **attrs)
-        elif reduction == "add":
-            grads[0] = g
-        else:
-            grads[0] = e.op("Mul", [g, _product_at(e, node, scatter, attrs)], like=data)
-    if e.need[2]:
+        return _extremum_vjp(ctx, node, g, scatter, gather, attrs)
+    if reduction == "none":
+        ddata = lambda: e.op(scatter, [g, idx, e.zeros_like(upd)], like=data, **attrs)  # noqa: E731
+    elif reduction == "add":
+        ddata = g
+    else:
+        ddata = lambda: e.op("Mul", [g, _product_at(e, node, scatter, attrs)], like=data)  # noqa: E731
+
+    def dupdates() -> str:
         if reduction == "mul":
             read = _read(e, node, e.op("Mul", [g, data], like=data), gather, attrs)
-            grads[2] = e.op("Mul", [read, _others_at(e, node, scatter)], like=upd)
-        else:
-            grads[2] = _read(e, node, g, gather, attrs)
-    return grads
+            return e.op("Mul", [read, _others_at(e, node, scatter)], like=upd)
+        return _read(e, node, g, gather, attrs)
+
+    return [ddata, None, dupdates]
 
 
 def _read(e: Emitter, node: Node, v: str, gather: str, attrs: dict) -> str:
@@ -233,24 +237,32 @@ def _read(e: Emitter, node: Node, v: str, gather: str, attrs: dict) -> str:
     return e.op(gather, [src, idx], like=upd, **attrs)
 
 
-def _extremum_vjp(e: Emitter, node: Node, g: str, scatter: str, gather: str, attrs: dict) -> list:
+def _extremum_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs: dict) -> list:
     """``reduction`` max/min: ``y[p]`` is the extremum of ``x[p]`` and the ``u_k`` written at ``p``. Ties split
     equally (DESIGN.md section 5; PyTorch's ``scatter_reduce`` amax/amin backward does the same): ``g[p]``
     goes in equal shares to ``x[p]`` if it equals ``y[p]`` and to every ``u_k`` that equals it. The shares
     count the attaining elements with a race-free scatter-add of ones; the rest is elementwise."""
-    data, idx, upd = node.inputs
-    y = node.outputs[0]
-    hit_x = e.op("Equal", [data, y])
-    hit_u = e.op("Equal", [upd, _read(e, node, y, gather, attrs)])
-    count = e.op("Add", [_indicator(e, hit_x, data), _scatter_add(e, node, scatter, _indicator(e, hit_u, upd), attrs)],
-                 like=data)
-    share = e.op("Div", [g, count], like=data)  # count >= 1 where hit_x, and at every position read where hit_u
-    grads: list = [None, None, None]
-    if e.need[0]:
-        grads[0] = e.select(hit_x, share, like=data)
-    if e.need[2]:
-        grads[2] = e.select(hit_u, _read(e, node, share, gather, attrs), like=upd)
-    return grads
+    e, (data, _, upd), y = ctx.e, node.inputs, node.outputs[0]
+
+    @cache
+    def shares() -> tuple[str, str, str]:
+        """``(hit_x, hit_u, share)``: where the data and the updates attain ``y``, and ``g`` per attaining element."""
+        hit_x = e.op("Equal", [data, y])
+        hit_u = e.op("Equal", [upd, _read(e, node, y, gather, attrs)])
+        count = e.op("Add", [_indicator(e, hit_x, data),
+                             _scatter_add(e, node, scatter, _indicator(e, hit_u, upd), attrs)], like=data)
+        share = e.op("Div", [g, count], like=data)  # count >= 1 where hit_x, and at every position read where hit_u
+        return hit_x, hit_u, share
+
+    def ddata() -> str:
+        hit_x, _, share = shares()
+        return ctx.select(hit_x, share, like=data)
+
+    def dupdates() -> str:
+        _, hit_u, share = shares()
+        return ctx.select(hit_u, _read(e, node, share, gather, attrs), like=upd)
+
+    return [ddata, None, dupdates]
 
 
 def _indicator(e: Emitter, mask: str, like: str) -> str:
@@ -414,46 +426,46 @@ def _fit_to_indices(e: Emitter, node: Node, g: str, idx: str, axis: int) -> str:
 
 
 @vjp("ScatterND")
-def scatter_nd(e: Emitter, node: Node, out_grads: list) -> list:
+def scatter_nd(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "ScatterND" (every reduction, :func:`_scatter_vjp`): transpose of GatherND on the updates, masking
     or pass-through on the data (PyTorch ``index_put``: ``values`` gets ``grad[indices]``)."""
-    return _scatter_vjp(e, node, out_grads[0], "ScatterND", "GatherND", {})
+    return _scatter_vjp(ctx, node, cts[0], "ScatterND", "GatherND", {})
 
 
 @vjp("ScatterElements")
-def scatter_elements(e: Emitter, node: Node, out_grads: list) -> list:
+def scatter_elements(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "ScatterElements" (every reduction, :func:`_scatter_vjp`): as ScatterND with GatherElements along
     ``axis`` (PyTorch ``scatter``/``scatter_add``/``scatter_reduce``: ``src`` gets ``grad.gather(dim, index)``
     times the reduction's local derivative)."""
-    return _scatter_vjp(e, node, out_grads[0], "ScatterElements", "GatherElements",
-                        {"axis": _axis(e, node, node.inputs[0], 0, required=False)})
+    return _scatter_vjp(ctx, node, cts[0], "ScatterElements", "GatherElements",
+                        {"axis": _axis(ctx.e, node, node.inputs[0], 0, required=False)})
 
 
 @vjp("OneHot")
-def one_hot(e: Emitter, node: Node, out_grads: list) -> list:
+def one_hot(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "OneHot": ``y = where(hot, on, off)`` with ``values = [off, on]``, so ``d values =
     [sum(g * (1 - hot)), sum(g * hot)]``. Indices and depth select positions and get no gradient."""
-    idx, depth, values = node.inputs
-    if not e.need[2]:
-        return [None, None, None]
-    g = out_grads[0]
-    # The mask comes from the forward's own OneHot (same index, depth and value types, same axis), so it
-    # runs wherever the forward runs; elementwise ops then keep the backward differentiable.
-    hot = e.op("OneHot", [idx, depth, _vector(e, [0, 1], values)], axis=int(node.attrs.get("axis", -1)))
-    on = e.op("ReduceSum", [e.op("Mul", [g, hot])], keepdims=0)
-    off = e.op("ReduceSum", [e.op("Mul", [g, e.op("Sub", [e.scalar(1.0, g), hot])])], keepdims=0)
-    parts = [e.op("Mul", [off, _vector(e, [1, 0], values)]), e.op("Mul", [on, _vector(e, [0, 1], values)])]
-    return [None, None, e.op("Add", parts, like=values)]
+    e, (idx, depth, values), g = ctx.e, node.inputs, cts[0]
+
+    def dvalues() -> str:
+        # The mask comes from the forward's own OneHot (same index, depth and value types, same axis), so it
+        # runs wherever the forward runs; elementwise ops then keep the backward differentiable.
+        hot = e.op("OneHot", [idx, depth, _vector(e, [0, 1], values)], axis=int(node.attrs.get("axis", -1)))
+        on = e.op("ReduceSum", [e.op("Mul", [g, hot])], keepdims=0)
+        off = e.op("ReduceSum", [e.op("Mul", [g, e.op("Sub", [e.scalar(1.0, g), hot])])], keepdims=0)
+        parts = [e.op("Mul", [off, _vector(e, [1, 0], values)]), e.op("Mul", [on, _vector(e, [0, 1], values)])]
+        return e.op("Add", parts, like=values)
+
+    return [None, None, dvalues]
 
 
 @vjp("TopK")
-def top_k(e: Emitter, node: Node, out_grads: list) -> list:
+def top_k(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "TopK": the values output reads ``x`` at the returned indices along ``axis``, so ``g`` goes back
     there (PyTorch ``value_selecting_reduction_backward``); the indices output carries no gradient."""
-    x, k = node.inputs
-    g = out_grads[0]
-    if g is None or not e.need[0]:
+    e, x, g = ctx.e, node.inputs[0], cts[0]
+    if g is None:
         return [None, None]
     axis = _axis(e, node, x, -1, required=False)
-    dx = e.op("ScatterElements", [e.zeros_like(x), node.outputs[1], g], axis=axis, reduction="add", like=x)
-    return [dx, None]
+    return [lambda: e.op("ScatterElements", [e.zeros_like(x), node.outputs[1], g], axis=axis, reduction="add", like=x),
+            None]

@@ -15,16 +15,22 @@ gradient.
 Strong zeros (DESIGN section 5): an element that does not count (its label is ``ignore_index``, or its class
 weight is 0) gets an exactly zero gradient, also when its scores are ``-inf`` or NaN (a padded row), and when no
 element counts (``W = 0``) every gradient is 0. The products with forward values that may be non-finite are
-guarded (:meth:`Emitter.times`) only where the scores may be.
+guarded (:meth:`Ctx.times`) only where the scores may be.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import onnx
 
 from ...ir import Node
-from ..registry import Emitter, vjp
+from ..context import Ctx
+from ..emitter import Emitter
+from ..registry import vjp
 from .elementwise import strong
 
 
@@ -43,18 +49,21 @@ def _class_mask(e: Emitter, node: Node, x: str, rank: int) -> tuple[str, str]:
     return hit, e.op("Cast", [hit], to=dt, like=x) if dt is not None else e.op("CastLike", [hit, x], like=x)
 
 
-def _loss_vjp(e: Emitter, node: Node, out_grads: list, logp: str, log_prob_grad: str | None) -> tuple:
-    """The cotangent of the log-probabilities ``logp`` and of the weights (``None`` when not needed)."""
+@dataclass(frozen=True)
+class _Counted:
+    """What both cotangents read: the label mask ``hit`` (bool) and ``onehot`` (in the dtype of ``x``), the
+    ``weighted`` mask (times ``w[c]``), ``total = W`` (for ``mean``, else ``None``) and the loss cotangent ``g``
+    as each element sees it (divided by ``W``, or broadcast over the class axis)."""
+
+    hit: str
+    onehot: str
+    weighted: str
+    total: str | None
+    g: str
+
+
+def _counted(e: Emitter, node: Node, g: str, rank: int, reduction: str, weights: str | None) -> _Counted:
     x = node.inputs[0]
-    rank = e.need_rank(x, node)
-    reduction = node.attrs.get("reduction", "mean")
-    if isinstance(reduction, bytes):
-        reduction = reduction.decode()
-    weights = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
-    wants_w = weights is not None and e.need[2]
-    g = out_grads[0]
-    if g is None:
-        return log_prob_grad, None
     hit, onehot = _class_mask(e, node, x, rank)
     weighted = onehot
     if weights is not None:
@@ -67,56 +76,85 @@ def _loss_vjp(e: Emitter, node: Node, out_grads: list, logp: str, log_prob_grad:
         g = e.op("Where", [nothing, zero, e.op("Div", [g, e.op("Where", [nothing, e.scalar(1.0, g), total])])])
     elif reduction == "none":  # one cotangent per element, broadcast over the class axis
         g = e.op("Unsqueeze", [g, e.ints([1])])
-    glogp = e.op("Neg", [e.op("Mul", [g, weighted])], like=x)
-    if log_prob_grad is not None:
-        glogp = e.op("Add", [glogp, log_prob_grad], like=x)
-    gw = None
-    if wants_w:
-        # d l / d w[c] = -x[n, c, d...] at elements labelled c; the mean's d(sum/W)/dw adds -out/W there.
-        # Only labelled entries are read: a log-probability of -inf or NaN elsewhere must not leak (0 * inf).
-        risky = e.nonfinite(logp)
-        picked = e.op("Neg", [e.op("Where", [hit, logp, e.scalar(0.0, x)], like=x) if risky
-                              else e.op("Mul", [onehot, logp], like=x)], like=x)
-        if reduction == "mean":
-            out = node.outputs[0]
-            if risky:  # the forward may be NaN (0 x -inf at a row that does not count): recompute sum / W
-                per = e.op("ReduceSum", [strong(e, weighted, picked, x)], keepdims=0)
-                out = e.op("Div", [per, e.op("Where", [e.op("Equal", [total, e.scalar(0.0, x)]),
-                                                      e.scalar(1.0, x), total])])
-            picked = e.op("Sub", [picked, e.op("Mul", [onehot, out], like=x)], like=x)
-        axes = [0, *range(2, rank)]
-        gw = e.op("ReduceSum", [e.op("Mul", [g, picked], like=x), e.ints(axes)], keepdims=0, like=weights)
-    return glogp, gw
+    return _Counted(hit, onehot, weighted, total, g)
+
+
+def _weights_grad(ctx: Ctx, node: Node, c: _Counted, logp: str, rank: int, reduction: str, weights: str) -> str:
+    """d l / d w[c] = -x[n, c, d...] at elements labelled c; the mean's d(sum/W)/dw adds -out/W there."""
+    e, x = ctx.e, node.inputs[0]
+    # Only labelled entries are read: a log-probability of -inf or NaN elsewhere must not leak (0 * inf).
+    risky = ctx.nonfinite(logp)
+    picked = e.op("Neg", [e.op("Where", [c.hit, logp, e.scalar(0.0, x)], like=x) if risky
+                          else e.op("Mul", [c.onehot, logp], like=x)], like=x)
+    if reduction == "mean":
+        out = node.outputs[0]
+        if risky:  # the forward may be NaN (0 x -inf at a row that does not count): recompute sum / W
+            per = e.op("ReduceSum", [strong(ctx, c.weighted, picked, x)], keepdims=0)
+            out = e.op("Div", [per, e.op("Where", [e.op("Equal", [c.total, e.scalar(0.0, x)]),
+                                                  e.scalar(1.0, x), c.total])])
+        picked = e.op("Sub", [picked, e.op("Mul", [c.onehot, out], like=x)], like=x)
+    axes = [0, *range(2, rank)]
+    return e.op("ReduceSum", [e.op("Mul", [c.g, picked], like=x), e.ints(axes)], keepdims=0, like=weights)
+
+
+def _loss_vjp(ctx: Ctx, node: Node, cts: list, logp: Callable[[], str], log_prob_grad: str | None) -> tuple:
+    """Functions emitting the cotangent of the log-probabilities and of the weights (``None``: no weights
+    input); ``logp`` emits (or names) the log-probabilities, called only for the weights' cotangent."""
+    e, x = ctx.e, node.inputs[0]
+    rank = e.need_rank(x, node)
+    reduction = node.attrs.get("reduction", "mean")
+    if isinstance(reduction, bytes):
+        reduction = reduction.decode()
+    weights = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
+    g = cts[0]
+    if g is None:
+        return (lambda: log_prob_grad), None
+
+    @cache
+    def counted() -> _Counted:
+        return _counted(e, node, g, rank, reduction, weights)
+
+    def glogp() -> str:
+        c = counted()
+        out = e.op("Neg", [e.op("Mul", [c.g, c.weighted])], like=x)
+        return out if log_prob_grad is None else e.op("Add", [out, log_prob_grad], like=x)
+
+    if weights is None:
+        return glogp, None
+    return glogp, lambda: _weights_grad(ctx, node, counted(), logp(), rank, reduction, weights)
 
 
 @vjp("NegativeLogLikelihoodLoss")
-def negative_log_likelihood_loss(e: Emitter, node: Node, out_grads: list) -> list:
+def negative_log_likelihood_loss(ctx: Ctx, node: Node, cts: list) -> list:
     """``d input = -g * w[y] * onehot(y)`` (``g`` divided by ``W`` for ``mean``); ONNX operator spec
     "NegativeLogLikelihoodLoss", PyTorch ``nll_loss_backward``."""
     x = node.inputs[0]
-    gx, gw = _loss_vjp(e, node, out_grads, x, None)
-    if not e.need[0]:
-        gx = None
+    gx, gw = _loss_vjp(ctx, node, cts, lambda: x, None)
     return [gx, None, gw][: len(node.inputs)]
 
 
 @vjp("SoftmaxCrossEntropyLoss")
-def softmax_cross_entropy_loss(e: Emitter, node: Node, out_grads: list) -> list:
+def softmax_cross_entropy_loss(ctx: Ctx, node: Node, cts: list) -> list:
     """The NegativeLogLikelihoodLoss cotangent of ``log_prob`` (plus the cotangent of the optional
     ``log_prob`` output), pulled back through ``LogSoftmax(scores, axis=1)``:
     ``d scores = G - softmax(scores) * sum_c G`` (ONNX operator spec "SoftmaxCrossEntropyLoss", PyTorch
     ``_log_softmax_backward_data``)."""
-    x = node.inputs[0]
+    e, x = ctx.e, node.inputs[0]
     has_log_prob = len(node.outputs) > 1 and node.outputs[1]
-    log_prob_grad = out_grads[1] if len(out_grads) > 1 else None
-    logp = node.outputs[1] if has_log_prob else None
-    if logp is None and len(node.inputs) > 2 and node.inputs[2] and e.need[2]:
-        logp = e.op("LogSoftmax", [x], axis=1, like=x)
-    glogp, gw = _loss_vjp(e, node, out_grads, logp, log_prob_grad)
-    gx = None
-    if e.need[0] and glogp is not None:
+    log_prob_grad = cts[1] if len(cts) > 1 else None
+
+    def logp() -> str:
+        return node.outputs[1] if has_log_prob else e.op("LogSoftmax", [x], axis=1, like=x)
+
+    glogp, gw = _loss_vjp(ctx, node, cts, logp, log_prob_grad)
+
+    def gx() -> str | None:
+        grad = glogp()
+        if grad is None:
+            return None
         axes = e.ints([1])
         prob = e.op("Softmax", [x], axis=1, like=x)
-        rows = e.op("ReduceSum", [glogp, axes], keepdims=1)  # 0 for an element that does not count
-        gx = e.op("Sub", [glogp, strong(e, rows, prob, x, [x])], like=x)
+        rows = e.op("ReduceSum", [grad, axes], keepdims=1)  # 0 for an element that does not count
+        return e.op("Sub", [grad, strong(ctx, rows, prob, x, [x])], like=x)
+
     return [gx, None, gw][: len(node.inputs)]

@@ -5,35 +5,36 @@ opset 13 both normalise along the single ``axis``, default -1; derivatives as in
 from __future__ import annotations
 
 from ...ir import Node
-from ..registry import Emitter, not_differentiable, vjp
+from ..context import Ctx
+from ..registry import not_differentiable, vjp
 from .elementwise import strong
 
 
 @vjp("Softmax")
-def softmax(e: Emitter, node: Node, out_grads: list) -> list:
+def softmax(ctx: Ctx, node: Node, cts: list) -> list:
     """``dx = y * (dy - sum(dy * y, axis))`` (the Jacobian ``diag(y) - y y^T`` applied to ``dy``). Strong zeros
     where ``y`` may be non-finite: ``dx = y dy - y sum(y dy)`` with both products strong, so a row whose
     cotangent is all zero gets zeros even where ``y`` is NaN (and the same values as above otherwise)."""
-    x, y = node.inputs[0], node.outputs[0]
-    g = out_grads[0]
+    e, x, y = ctx.e, node.inputs[0], node.outputs[0]
+    g = cts[0]
     axes = e.ints([int(node.attrs.get("axis", -1))])
-    if e.nonfinite(y):
-        yg = strong(e, g, y, y)
+    if ctx.nonfinite(y):
+        yg = strong(ctx, g, y, y)
         dot = e.op("ReduceSum", [yg, axes], keepdims=1)
-        return [e.op("Sub", [yg, strong(e, dot, y, y)], like=x)]
+        return [e.op("Sub", [yg, strong(ctx, dot, y, y)], like=x)]
     dot = e.op("ReduceSum", [e.op("Mul", [g, y], like=y), axes], keepdims=1)
     return [e.op("Mul", [y, e.op("Sub", [g, dot], like=y)], like=x)]
 
 
 @vjp("LogSoftmax")
-def log_softmax(e: Emitter, node: Node, out_grads: list) -> list:
+def log_softmax(ctx: Ctx, node: Node, cts: list) -> list:
     """``dx = dy - exp(y) * sum(dy, axis)`` (``exp(y)`` is the softmax); the product is strong where ``y`` may
     be NaN (a row of ``-inf`` scores), so a row whose cotangent sums to zero gets ``dy`` there."""
-    x, y = node.inputs[0], node.outputs[0]
-    g = out_grads[0]
+    e, x, y = ctx.e, node.inputs[0], node.outputs[0]
+    g = cts[0]
     axes = e.ints([int(node.attrs.get("axis", -1))])
     total = e.op("ReduceSum", [g, axes], keepdims=1)
-    return [e.op("Sub", [g, strong(e, total, e.op("Exp", [y], like=y), y, [y])], like=x)]
+    return [e.op("Sub", [g, strong(ctx, total, e.op("Exp", [y], like=y), y, [y])], like=x)]
 
 
 not_differentiable("piecewise constant: the derivative is 0 almost everywhere", "Hardmax")

@@ -15,12 +15,16 @@ non-constant pads or dimensions in reflect/edge/wrap mode scatters with ``Scatte
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import onnx
 
 from ...errors import GraphError
 from ...ir import Node
-from ..registry import Emitter, not_differentiable, vjp
+from ..context import Ctx
+from ..emitter import Emitter
+from ..registry import not_differentiable, vjp
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 INT64_MIN = int(np.iinfo(np.int64).min)
@@ -98,18 +102,17 @@ def _pad_axis(e: Emitter, g: str, axis: int, before: Dyn, after: Dyn, like: str 
 
 
 @vjp("Reshape", "Flatten", "Squeeze", "Unsqueeze")
-def reshape(e: Emitter, node: Node, out_grads: list) -> list:
+def reshape(ctx: Ctx, node: Node, cts: list) -> list:
     """The cotangent reshaped back to ``Shape(x)``: the elements keep their row-major order (ONNX Reshape,
     Flatten, Squeeze, Unsqueeze; JAX's ``_reshape_transpose_rule``)."""
-    rest = [None] * (len(node.inputs) - 1)
-    return [_reshape_to(e, out_grads[0], node.inputs[0]) if e.need[0] else None, *rest]
+    return [lambda: _reshape_to(ctx.e, cts[0], node.inputs[0]), *[None] * (len(node.inputs) - 1)]
 
 
 @vjp("Transpose")
-def transpose(e: Emitter, node: Node, out_grads: list) -> list:
+def transpose(ctx: Ctx, node: Node, cts: list) -> list:
     """Transpose by the inverse permutation; the default perm reverses the axes and is its own inverse
     (JAX's ``_transpose_transpose_rule``)."""
-    x, g = node.inputs[0], out_grads[0]
+    e, x, g = ctx.e, node.inputs[0], cts[0]
     perm = node.attrs.get("perm")
     if perm is None:
         return [e.op("Transpose", [g], like=x)]
@@ -121,53 +124,61 @@ def transpose(e: Emitter, node: Node, out_grads: list) -> list:
 
 
 @vjp("Expand")
-def expand(e: Emitter, node: Node, out_grads: list) -> list:
+def expand(ctx: Ctx, node: Node, cts: list) -> list:
     """Expand broadcasts ``x`` (onnx/docs/Broadcasting.md); the adjoint sums the cotangent over the broadcast
     axes (PyTorch's ``expand`` backward, ``sum_to_size``)."""
-    return [e.reduce_to(out_grads[0], node.inputs[0]) if e.need[0] else None, None]
+    return [lambda: ctx.e.reduce_to(cts[0], node.inputs[0]), None]
 
 
 # ------------------------------------------------------------------------------------------ concat / split
 
 
 @vjp("Concat")
-def concat(e: Emitter, node: Node, out_grads: list) -> list:
+def concat(ctx: Ctx, node: Node, cts: list) -> list:
     """Input i gets the slice of the cotangent at its offset along ``axis`` (the sizes of the inputs
     before it), with static offsets when the sizes are known and ``Shape``-based ones otherwise (JAX's
     ``_concatenate_transpose_rule``)."""
-    g = out_grads[0]
+    e, g = ctx.e, cts[0]
     axis = _norm_axis(e, int(node.attrs["axis"]), node.outputs[0])
-    grads: list = []
-    offset: Dyn = 0
-    for x, need in zip(node.inputs, e.need, strict=True):
-        size = _dim(e, x, axis)
-        end = _arith(e, "Add", offset, size)
-        grads.append(e.op("Slice", [g, _t(e, offset), _t(e, end), e.ints([axis])], like=x) if need else None)
-        offset = end
-    return grads
+
+    @cache
+    def offset(i: int) -> Dyn:
+        """Where input ``i`` starts along ``axis``: the sum of the sizes of the inputs before it."""
+        return 0 if i == 0 else _arith(e, "Add", offset(i - 1), _dim(e, node.inputs[i - 1], axis))
+
+    def piece(i: int, x: str) -> str:
+        start, end = offset(i), offset(i + 1)
+        return e.op("Slice", [g, _t(e, start), _t(e, end), e.ints([axis])], like=x)
+
+    return [lambda i=i, x=x: piece(i, x) for i, x in enumerate(node.inputs)]
 
 
 @vjp("Split")
-def split(e: Emitter, node: Node, out_grads: list) -> list:
+def split(ctx: Ctx, node: Node, cts: list) -> list:
     """The cotangents of the pieces concatenated along ``axis``; pieces without one contribute zeros
     (PyTorch's ``split_backward``)."""
-    x = node.inputs[0]
-    parts = [g if g is not None else e.zeros_like(y) for g, y in zip(out_grads, node.outputs, strict=True)]
-    gx = parts[0] if len(parts) == 1 else e.op("Concat", parts, axis=int(node.attrs.get("axis", 0)), like=x)
-    return [gx] + [None] * (len(node.inputs) - 1)
+    e, x = ctx.e, node.inputs[0]
+
+    def dx() -> str:
+        parts = [g if g is not None else e.zeros_like(y) for g, y in zip(cts, node.outputs, strict=True)]
+        return parts[0] if len(parts) == 1 else e.op("Concat", parts, axis=int(node.attrs.get("axis", 0)), like=x)
+
+    return [dx, *[None] * (len(node.inputs) - 1)]
 
 
 # ------------------------------------------------------------------------------------------ tile
 
 
 @vjp("Tile")
-def tile(e: Emitter, node: Node, out_grads: list) -> list:
+def tile(ctx: Ctx, node: Node, cts: list) -> list:
     """``y`` viewed as ``[r0, d0, r1, d1, ...]`` holds ``r0 * r1 * ...`` copies of ``x``; the adjoint sums
     the cotangent, viewed the same way, over the repeat axes (PyTorch's ``repeat_backward``)."""
+    return [lambda: _untile(ctx.e, node, cts[0]), None]
+
+
+def _untile(e: Emitter, node: Node, g: str) -> str:
+    """The cotangent of Tile's ``x`` (see :func:`tile`)."""
     x, reps = node.inputs
-    g = out_grads[0]
-    if not e.need[0]:
-        return [None, None]
     r = e.rank(x)
     if r is None:
         rs = e.shape(reps)
@@ -176,17 +187,17 @@ def tile(e: Emitter, node: Node, out_grads: list) -> list:
                              "declare the shapes of the graph inputs")
         r = rs[0]
     if r == 0:
-        return [g, None]
+        return g
     rv, xs = _const_ints(e, reps), e.shape(x)
     if rv is not None and xs is not None:
         if all(v == 1 for v in rv):
-            return [g, None]
+            return g
         view = e.ints([v for pair in zip(rv, xs, strict=True) for v in pair])
     else:
         cols = [e.op("Unsqueeze", [_as_int64(e, v), e.ints([1])]) for v in (reps, e.shape_of(x))]
         view = e.op("Reshape", [e.op("Concat", cols, axis=1), e.ints([-1])])
     grouped = e.op("Reshape", [g, view], allowzero=1)
-    return [e.op("ReduceSum", [grouped, e.ints(range(0, 2 * r, 2))], keepdims=0, like=x), None]
+    return e.op("ReduceSum", [grouped, e.ints(range(0, 2 * r, 2))], keepdims=0, like=x)
 
 
 # ------------------------------------------------------------------------------------------ slice
@@ -278,14 +289,34 @@ def _masked_params(e: Emitter, node: Node, x: str, starts: str, ends: str, axes:
 
 
 @vjp("Slice")
-def slice_(e: Emitter, node: Node, out_grads: list) -> list:
+def slice_(ctx: Ctx, node: Node, cts: list) -> list:
     """The cotangent scattered into zeros of ``x``'s shape at the selected positions, axis by axis
     (JAX's ``_slice_transpose_rule``: a pad with interior padding ``step - 1``). Works from constants when
     the parameters and the sliced dimensions are known, from graph values otherwise."""
-    x, g = node.inputs[0], out_grads[0]
-    rest = [None] * (len(node.inputs) - 1)
-    if not e.need[0]:
-        return [None, *rest]
+    return [lambda: _unslice(ctx.e, node, cts[0]), *[None] * (len(node.inputs) - 1)]
+
+
+def _unslice(e: Emitter, node: Node, g: str) -> str:
+    """The cotangent of Slice's ``x`` (see :func:`slice_`): :func:`_unslice_axis` for each sliced axis."""
+    x = node.inputs[0]
+    for a, start, end, step in _slice_params(e, node, x):
+        a = _norm_axis(e, a, x)
+        dim = _dim(e, x, a)
+        if all(isinstance(v, int) for v in (dim, start, end, step)):
+            idx = slice_indices(dim, start, end, step)
+            if len(idx) == 0:
+                return e.zeros_like(x)
+            sel = (min(idx), len(idx), abs(step), step < 0)
+        else:
+            sel = _dynamic_selection(e, dim, start, end, step)
+        g = _unslice_axis(e, g, a, dim, *sel)
+    return _reshape_to(e, g, x)
+
+
+def _slice_params(e: Emitter, node: Node, x: str) -> list[tuple]:
+    """``(axis, start, end, step)`` of each sliced axis, int-or-name: constants where known, one-element
+    slices of the parameter inputs otherwise, and every axis of ``x`` (:func:`_masked_params`) when the sliced
+    axes are only known at run time."""
     starts, ends, axes, steps = node.inputs[1], node.inputs[2], _input(node, 3), _input(node, 4)
     sv, ev, av, tv = (_const_ints(e, v) for v in (starts, ends, axes, steps))
     k = len(sv) if sv is not None else (e.shape(starts) or [None])[0]
@@ -299,21 +330,8 @@ def slice_(e: Emitter, node: Node, out_grads: list) -> list:
                 return vals[i]
             return e.op("Slice", [_as_int64(e, name), e.ints([i]), e.ints([i + 1])])
 
-        params = [(a, part(sv, starts, i), part(ev, ends, i), part(tv, steps, i, 1)) for i, a in enumerate(av)]
-    else:
-        params = _masked_params(e, node, x, starts, ends, axes, steps)
-    for a, start, end, step in params:
-        a = _norm_axis(e, a, x)
-        dim = _dim(e, x, a)
-        if all(isinstance(v, int) for v in (dim, start, end, step)):
-            idx = slice_indices(dim, start, end, step)
-            if len(idx) == 0:
-                return [e.zeros_like(x), *rest]
-            sel = (min(idx), len(idx), abs(step), step < 0)
-        else:
-            sel = _dynamic_selection(e, dim, start, end, step)
-        g = _unslice_axis(e, g, a, dim, *sel)
-    return [_reshape_to(e, g, x), *rest]
+        return [(a, part(sv, starts, i), part(ev, ends, i), part(tv, steps, i, 1)) for i, a in enumerate(av)]
+    return _masked_params(e, node, x, starts, ends, axes, steps)
 
 
 # ------------------------------------------------------------------------------------------ pad
@@ -392,25 +410,30 @@ def _unpad_scatter(e: Emitter, g: str, x: str, pads: str, axes: str | None, mode
 
 
 @vjp("Pad")
-def pad(e: Emitter, node: Node, out_grads: list) -> list:
+def pad(ctx: Ctx, node: Node, cts: list) -> list:
     """Constant mode: the cotangent of ``x`` is the cotangent without the border, and ``constant_value``
     gets the sum of the cotangent over the border. Reflect/edge/wrap: each output element is a copy of
     one ``x`` element, so ``x`` gets the sum of the cotangents of its copies (JAX's ``_pad_transpose``;
     PyTorch's ``reflection_pad*_backward``, ``replication_pad*_backward``)."""
-    x, pads, g = node.inputs[0], node.inputs[1], out_grads[0]
+    e, x, pads, g = ctx.e, node.inputs[0], node.inputs[1], cts[0]
     cv, axes = _input(node, 2), _input(node, 3)
     mode = node.attrs.get("mode", "constant")
     mode = mode.decode() if isinstance(mode, bytes) else mode
-    grads: list = [None] * len(node.inputs)
-    if e.need[0] and mode == "constant":
-        grads[0] = _unpad_constant(e, g, x, pads, axes)
-    elif e.need[0]:
-        grads[0] = _unpad_modes(e, node, g, x, pads, axes, mode)
-    if cv is not None and mode == "constant" and e.need[2]:
+
+    def dx() -> str:
+        if mode == "constant":
+            return _unpad_constant(e, g, x, pads, axes)
+        return _unpad_modes(e, node, g, x, pads, axes, mode)
+
+    def dvalue() -> str:
         inside = e.op("Pad", [e.ones_like(x), pads, "", *([axes] if axes else [])])
         border = e.op("Sub", [e.scalar(1.0, g), inside])
         total = e.op("ReduceSum", [e.op("Mul", [g, border])], keepdims=0)
-        grads[2] = total if e.rank(cv) == 0 else e.op("Reshape", [total, e.shape_of(cv)], like=cv)
+        return total if e.rank(cv) == 0 else e.op("Reshape", [total, e.shape_of(cv)], like=cv)
+
+    grads: list = [dx, *[None] * (len(node.inputs) - 1)]
+    if cv is not None and mode == "constant":
+        grads[2] = dvalue
     return grads
 
 
@@ -428,21 +451,15 @@ def _unpad_modes(e: Emitter, node: Node, g: str, x: str, pads: str, axes: str | 
 
 
 @vjp("Range")
-def range_(e: Emitter, node: Node, out_grads: list) -> list:
+def range_(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Range": ``y[i] = start + i * delta`` for ``i < n = max(ceil((limit - start) / delta), 0)``, so
     ``dstart = sum(g)`` and ``ddelta = sum(i * g)``. ``n`` moves only in steps (a piecewise-constant function
     of all three inputs), so ``limit`` gets no gradient and the others none through ``n``. Integer ranges
     never get here (integer values carry no gradient)."""
-    start, _, delta = node.inputs
-    g = out_grads[0]
-    grads: list = [None, None, None]
-    if g is None:
-        return grads
-    if e.need[0]:
-        grads[0] = _to_scalar_like(e, e.op("ReduceSum", [g], keepdims=0), start)
-    if e.need[2]:
-        grads[2] = _to_scalar_like(e, e.op("ReduceSum", [e.op("Mul", [g, _ramp(e, g)])], keepdims=0), delta)
-    return grads
+    e, (start, _, delta), g = ctx.e, node.inputs, cts[0]
+    return [lambda: _to_scalar_like(e, e.op("ReduceSum", [g], keepdims=0), start),
+            None,
+            lambda: _to_scalar_like(e, e.op("ReduceSum", [e.op("Mul", [g, _ramp(e, g)])], keepdims=0), delta)]
 
 
 def _ramp(e: Emitter, g: str) -> str:

@@ -1,0 +1,125 @@
+"""The public entry point :func:`gradient`: a graph computing a model's outputs and the gradients of its loss.
+
+It checks its arguments once (names, seeds, the checkpoint policy), lowers ``Scan`` and recurrent operators
+into loops, runs the backward pass (:mod:`.backward`), declares the ``<name>_grad`` outputs and cleans the
+result up (:mod:`.simplify`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+
+import numpy as np
+
+from ..errors import RevgraphError
+from ..ir import Graph, Node, ValueInfo, fresh_name, require_graph
+from ..lift import lift_constants as lift
+from ..ssa import is_ssa, to_ssa
+from ..types import infer_types, keep_types
+from . import sparse as sp
+from .arguments import names_argument, refuse_integer_loss, resolve_loss, resolve_wrt, used_names
+from .backward import backward
+from .context import Grad, Options
+from .emitter import Emitter
+from .loops.lower import lower_to_loops
+from .policies import CheckpointPolicy, parse_policy
+from .simplify import simplify
+from .sparse import SparseGrad
+
+
+def gradient(
+    graph: Graph,
+    loss: str | None = None,
+    wrt: Iterable[str] | str | None = None,
+    *,
+    seed: str = "ones",
+    unconnected: str = "zero",
+    sparse: bool = False,
+    accumulate: str = "sum",
+    checkpoint: str | int | CheckpointPolicy = "store",
+    lift_constants: bool = False,
+) -> Graph:
+    """A graph computing ``graph``'s outputs and the gradient of ``loss`` with respect to each ``wrt`` value.
+
+    ``loss`` defaults to the only graph output; a non-scalar loss is differentiated as the sum of its
+    elements (``seed="ones"``), or ``seed="input"`` adds a graph input ``<loss>_grad`` holding the output
+    cotangent (a VJP). ``wrt`` defaults to every floating-point input and initializer; a name may also be an
+    intermediate value (of a name written twice, its first version). The result has one more output per wrt
+    name, ``<name>_grad``, of the value's shape and dtype; with ``sparse=True`` a table read only through
+    ``Gather`` gets ``<name>_grad_indices`` (int64 [K]) and ``<name>_grad_values`` ([K, ...]) instead.
+    A wrt value with no path to the loss gets zeros and a ``UserWarning`` (``unconnected="zero"``) or raises
+    (``unconnected="error"``). ``accumulate`` is ``"sum"`` or ``"running"`` (see :class:`Accumulator`).
+    ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"sqrt"`` or a segment
+    length K, or a :data:`~.policies.CheckpointPolicy` (see :mod:`.policies`). ``lift_constants=True`` first turns floating-point ``Constant`` and
+    ``ConstantOfShape`` values with more than one element into initializers (:func:`revgraph.lift.lift_constants`),
+    so that they are differentiated by default.
+
+    Raises :class:`RevgraphError` (one line) for an unknown, ambiguous or non-floating name, and
+    :class:`GraphError` for operators without a VJP rule on the path.
+    """
+    require_graph(graph, "gradient")
+    if loss is not None and not isinstance(loss, str):
+        raise RevgraphError(f"loss must be a value name (a str) or None, got {type(loss).__name__}")
+    wrt = None if wrt is None else names_argument(wrt, "wrt")
+    if not isinstance(seed, str) or seed not in ("ones", "input"):
+        raise RevgraphError(f"unknown seed {seed!r}; choose 'ones' or 'input'")
+    if not isinstance(unconnected, str) or unconnected not in ("zero", "error"):
+        raise RevgraphError(f"unknown unconnected policy {unconnected!r}; choose 'zero' or 'error'")
+    g = graph if is_ssa(graph) else to_ssa(graph)
+    g = lift(g)[0] if lift_constants else g.copy()
+    lower_to_loops(g, None, used_names(g))
+    types = infer_types(g)
+    loss = resolve_loss(g, loss)
+    refuse_integer_loss(loss, types)
+    wrt_names = resolve_wrt(g, wrt, types)
+    ys: dict[str, str | None] = {loss: None}
+    used = used_names(g)
+    if seed == "input":
+        seed_name = fresh_name(f"{loss}_grad", used)
+        vi = types.get(loss) or ValueInfo(loss)
+        g.inputs.append(ValueInfo(seed_name, vi.dtype, vi.shape))
+        types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape)
+        ys[loss] = seed_name
+    e = Emitter(types, used, g.opset)
+    options = Options(checkpoint=parse_policy(checkpoint))
+    _, grad_map = backward(g, ys, wrt_names, accumulate=accumulate, types=types, emitter=e, options=options)
+
+    missing = [w for w in wrt_names if w not in grad_map]
+    if missing and unconnected == "error":
+        raise RevgraphError(
+            f"no path from {', '.join(map(repr, missing))} to the loss {loss!r} (use unconnected='zero' for zero gradients)"
+        )
+    if missing:
+        warnings.warn(f"no path from {', '.join(map(repr, missing))} to the loss {loss!r}; their gradients are zero", stacklevel=2)
+    tail: list[Node] = []
+    for w in wrt_names:
+        with e.scope(f"grad/{w}"):
+            tail += _grad_output(e, g, w, grad_map.get(w), types.get(w) or ValueInfo(w), sparse)
+    g.nodes.extend(e.nodes)
+    g.nodes.extend(tail)
+    simplify(g)
+    keep_types(g, e.types)
+    return g
+
+
+def _grad_output(e: Emitter, g: Graph, w: str, grad: Grad | None, vi: ValueInfo, sparse: bool) -> list[Node]:
+    """Declare the gradient outputs of ``w`` on ``g``; return the nodes that write them."""
+    used = e.used
+    if isinstance(grad, SparseGrad) and sparse:
+        nodes = []
+        for part, src, dtype, shape in (
+            ("indices", grad.indices, np.dtype(np.int64), ("K",)),
+            ("values", grad.values, vi.dtype, None if vi.shape is None else ("K", *vi.shape[1:])),
+        ):
+            out = fresh_name(f"{w}_grad_{part}", used)
+            nodes.append(Node("Identity", [src], [out], name=fresh_name(f"grad/{w}/{part}", used)))
+            g.outputs.append(ValueInfo(out, dtype, shape))
+        return nodes
+    if grad is None:
+        grad = e.zeros_like(w)
+    elif isinstance(grad, SparseGrad):
+        grad = sp.densify(e, grad)
+    out = fresh_name(f"{w}_grad", used)
+    g.outputs.append(ValueInfo(out, vi.dtype, vi.shape))
+    return [Node("Identity", [grad], [out], name=fresh_name(f"grad/{w}/output", used))]

@@ -1,0 +1,175 @@
+"""What a VJP rule is given besides the node: its :class:`Ctx`, and what control-flow rules return.
+
+A rule is a pure function of its context (DESIGN.md section 3)::
+
+    @vjp("Mul")
+    def mul(ctx: Ctx, node: Node, cts: list[str | None]) -> list[Cotangent]
+
+``cts`` holds the cotangent of each output (``None``: that output gets no gradient; treat it as zero). The
+rule returns one entry per input: the input's cotangent, ``None`` ("no gradient flows here"), or a function
+of no arguments that emits and returns the cotangent. The backward pass calls such a function only when the
+input needs a gradient (it is on a path from a wrt value and floating point), so rules never test which
+inputs are needed (HIPS autograd's per-argument VJP makers, ``defvjp``). A control-flow rule returns a
+:class:`ControlFlowVJP`: also the gradients of the values its subgraphs capture, and the
+:class:`ForwardPatch` that its forward node needs.
+
+The context is immutable; rules build nodes through ``ctx.e`` (an :class:`Emitter`, which only builds nodes
+and knows types) and write products with a cotangent through :meth:`Ctx.times`, :meth:`Ctx.select` and
+:meth:`Ctx.weigh`, which keep strong zeros (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..ir import Graph, Node, ValueInfo
+from .emitter import Emitter
+from .policies import CheckpointPolicy, Store
+from .sparse import SparseGrad
+
+Grad = str | SparseGrad
+#: What a rule returns for one input.
+Cotangent = Grad | Callable[[], Grad | None] | None
+
+
+@dataclass(frozen=True)
+class Options:
+    """Options of a whole backward pass that rules read: ``checkpoint``, the residual policy of loops."""
+
+    checkpoint: CheckpointPolicy = Store()
+
+
+@dataclass(frozen=True)
+class BodyVJP:
+    """The backward pass of a subgraph, as :meth:`Ctx.backward` returns it: the emitted ``nodes`` (which read
+    the subgraph's values by name) and the cotangent of each wrt value that received one."""
+
+    nodes: list[Node]
+    grads: dict[str, Grad]
+
+
+@dataclass
+class ForwardPatch:
+    """What a control-flow rule needs its forward node to produce besides its own outputs; the backward pass
+    applies it (:func:`apply_patch`) to the graph being differentiated.
+
+    ``before``: nodes of the enclosing graph that must run before the forward node (a counter's initial value).
+    ``carried``: new loop-carried values ``(initial value, body input, body output, node output)``, placed after
+    the existing ones. ``body``: nodes appended to the forward body. ``scan_outputs``: new scan outputs
+    ``(body output, node output)``, placed after the existing ones (stacked residuals)."""
+
+    before: list[Node] = field(default_factory=list)
+    carried: list[tuple[str, ValueInfo, ValueInfo, str]] = field(default_factory=list)
+    body: list[Node] = field(default_factory=list)
+    scan_outputs: list[tuple[ValueInfo, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ControlFlowVJP:
+    """The result of a control-flow rule: one cotangent per input, the gradients of captured values, and the
+    forward patch (``None``: the forward node stays as it is)."""
+
+    inputs: list[Grad | None]
+    captured: dict[str, Grad]
+    patch: ForwardPatch | None = None
+
+
+def apply_patch(graph: Graph, node: Node, patch: ForwardPatch) -> None:
+    """Extend the forward ``Loop`` ``node`` of ``graph`` as ``patch`` says (see :class:`ForwardPatch`)."""
+    if patch.before:
+        pos = next(i for i, n in enumerate(graph.nodes) if n is node)
+        graph.nodes[pos:pos] = patch.before
+    body: Graph | None = node.attrs.get("body")
+    for initial, body_in, body_out, out in patch.carried:
+        n = len(node.inputs) - 2
+        body.inputs.insert(2 + n, body_in)
+        body.outputs.insert(1 + n, body_out)
+        node.inputs.append(initial)
+        node.outputs.insert(n, out)
+    if patch.body:
+        body.nodes.extend(patch.body)
+    for body_out, out in patch.scan_outputs:
+        body.outputs.append(body_out)
+        node.outputs.append(out)
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """The immutable context of the rule that differentiates one node.
+
+    ``e`` builds the nodes. ``need[i]``: does input i need a gradient (the backward pass reads it; rules return
+    functions instead of testing it). ``finite``: are the node's output cotangents known to be finite
+    (autodiff/finite.py)? ``risky``: the forward values that may be inf or NaN. ``producers``: the node writing
+    each value of the graph being differentiated. ``reach``: every value on a path from a wrt value (what a
+    control-flow rule asks about captured values). ``backward``: the backward pass itself, for subgraphs.
+    """
+
+    e: Emitter
+    node: Node
+    need: tuple[bool, ...]
+    finite: bool
+    risky: frozenset[str]
+    producers: Mapping[str, Node]
+    reach: frozenset[str]
+    options: Options
+    backward: Callable[..., BodyVJP]
+
+    # ------------------------------------------------------------------------------------------ values
+
+    def value(self, name: str) -> np.ndarray | None:
+        """The constant value of ``name`` (an initializer or a ``Constant`` output), or ``None``."""
+        return self.e.value(name)
+
+    def nonfinite(self, *names: str) -> bool:
+        """May one of the forward values ``names`` hold inf or NaN (:func:`finite.nonfinite_values` on the graph
+        being differentiated; values a body reads from the enclosing graph are taken as finite there)?"""
+        return any(n in self.risky for n in names if n)
+
+    def mask_of(self, name: str) -> str | None:
+        """The bool value ``name`` is a ``Cast`` of, or ``None``: a multiply by it is a selection (what
+        :meth:`select` writes), whose VJP must keep strong zeros in gradients of gradients too."""
+        p = self.producers.get(name)
+        if p is None or p.op_type != "Cast" or p.domain:
+            return None
+        vi = self.e.types.get(p.inputs[0])
+        return p.inputs[0] if vi is not None and vi.dtype is not None and vi.dtype.kind == "b" else None
+
+    # ------------------------------------------------------------------------------------------ strong zeros
+
+    def times(self, g: str, d: str, like: str | None = None, reads: Sequence[str] | None = None) -> str:
+        """``g * d`` with strong zeros (DESIGN section 5): exactly 0 where ``g == 0``, even where ``d`` is inf or
+        NaN. ``reads``: the forward values ``d`` is computed from; when none of them may be non-finite
+        (:meth:`nonfinite`) and ``d`` cannot overflow from finite values, the plain product is equal and is
+        emitted (``Where`` costs 7-11x a ``Mul`` on onnxruntime). ``reads=None``: ``d`` may be inf for finite
+        forward values (``1 / x`` at 0), always guarded."""
+        e = self.e
+        prod = e.op("Mul", [g, d], like=like)
+        if reads is not None and not self.nonfinite(*reads):
+            return prod
+        zero = e.scalar(0.0, g)
+        is_zero = e.op("Equal", [g, zero], shape=e.dims(g), dtype=np.dtype(bool))
+        return e.op("Where", [is_zero, zero, prod], like=like)
+
+    def weigh(self, g: str, w: str, like: str | None = None) -> str:
+        """``g * w`` for a finite weight ``w >= 0`` (a tie share), exactly 0 where ``w == 0`` even for an inf or
+        NaN ``g`` (a selection, as :meth:`select`)."""
+        e = self.e
+        prod = e.op("Mul", [g, w], like=like)
+        if self.finite:
+            return prod
+        return e.op("Where", [e.op("Greater", [w, e.scalar(0.0, w)]), prod, e.scalar(0.0, g)], like=like)
+
+    def select(self, cond: str, g: str, like: str | None = None) -> str:
+        """``g`` where the bool ``cond`` is true and exactly 0 elsewhere (broadcasting as ``Where``): the VJP
+        of a selection (ReLU, Dropout, Clip, Where). ``g * Cast(cond)`` when :attr:`finite` says the node's
+        cotangents are finite, as it is several times faster than ``Where`` on onnxruntime and equal for
+        finite ``g``; ``Where(cond, g, 0)`` otherwise, so that an inf or NaN cotangent on the unselected side
+        still gives an exact 0 (strong zeros, DESIGN section 5)."""
+        e = self.e
+        dt = e.onnx_dtype(g)
+        if self.finite and dt is not None:
+            return e.op("Mul", [g, e.op("Cast", [cond], to=dt)], like=like)
+        return e.op("Where", [cond, g, e.scalar(0.0, g)], like=like)

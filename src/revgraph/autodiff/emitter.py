@@ -1,0 +1,207 @@
+"""The :class:`Emitter`: appends backward nodes with fresh, readable names and knows the types of values.
+
+It only builds nodes. What a rule knows about the node it differentiates (which inputs need a gradient, which
+cotangents are finite, the producers of values, options) is its :class:`~revgraph.autodiff.context.Ctx`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from ..errors import GraphError
+from ..ir import Node, ValueInfo, fresh_name, onnx_dtype
+from ..types import constant_values, node_types
+
+
+class Emitter:
+    """Appends backward nodes with fresh, readable names and knows the types of values.
+
+    Node and value names are ``grad/<forward node name>/<OpType>`` (made unique with a counter) while a
+    rule runs for a forward node, and ``accum/<value>`` for accumulation. ``types`` maps value names to
+    :class:`ValueInfo` (from ONNX shape inference on the forward graph); rules read static shapes and dtypes
+    through :meth:`shape`, :meth:`dtype` and :meth:`rank`, which return ``None`` when unknown, and fall
+    back to ``Shape``-based ops then.
+    """
+
+    def __init__(self, types: dict[str, ValueInfo], used_names: set[str], opset: int, prefix: str = "grad"):
+        self.types = types
+        self.used = used_names
+        self.opset = opset
+        self.nodes: list[Node] = []
+        self.prefix = prefix  # set through scope()
+        self._consts: dict[tuple, str] = {}
+        #: values known when the graph is built (initializers, Constant outputs): axes, shapes, pads
+        self.values: dict[str, np.ndarray] = {}
+
+    def child(self, types: dict[str, ValueInfo], prefix: str) -> Emitter:
+        """An emitter for a subgraph (a backward loop body, a branch): the same names in use, its own nodes
+        and constants (a constant must be defined in the scope that reads it), ``types`` for its values."""
+        return Emitter(types, self.used, self.opset, prefix)
+
+    @contextmanager
+    def scope(self, prefix: str) -> Iterator[Emitter]:
+        """Name what is emitted inside the ``with`` block ``<prefix>/<OpType>`` (then the previous prefix again)."""
+        saved, self.prefix = self.prefix, prefix
+        try:
+            yield self
+        finally:
+            self.prefix = saved
+
+    # ------------------------------------------------------------------------------------------ naming
+
+    def fresh(self, base: str) -> str:
+        """A value or node name not used anywhere yet, starting with ``base``."""
+        return fresh_name(base, self.used)
+
+    def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, *, like: str | None = None,
+           shape: tuple | None = None, dtype: Any = None, **attrs: Any) -> Any:
+        """Emit ``op_type(inputs, **attrs)``; return its output name (a list if ``n_out > 1``).
+
+        ``like`` (a value name) records that the output has that value's type; ``shape``/``dtype`` record
+        a type explicitly, so later rules see static shapes of backward values too.
+        """
+        base = self.fresh(f"{self.prefix}/{op_type}")
+        outs = [base] if n_out == 1 else [self.fresh(f"{base}:{i}") for i in range(n_out)]
+        self.nodes.append(Node(op_type, list(inputs), outs, {k: v for k, v in attrs.items() if v is not None}, base))
+        if like is not None and like in self.types:
+            ref = self.types[like]
+            self.types[outs[0]] = ValueInfo(outs[0], ref.dtype, ref.shape)
+        elif shape is not None or dtype is not None:
+            self.types[outs[0]] = ValueInfo(outs[0], dtype, shape)
+        else:
+            self._infer(self.nodes[-1])
+        return outs[0] if n_out == 1 else outs
+
+    def _infer(self, node: Node) -> None:
+        """Record the output types of an emitted node, so that later rules see static shapes of backward values
+        too (and reduce broadcasting with static axes)."""
+        if not any(i and i not in self.types for i in node.inputs):
+            self.types.update(node_types(node, self.types, self.values, self.opset))
+
+    # ------------------------------------------------------------------------------------------ types
+
+    def dtype(self, name: str) -> np.dtype | None:
+        vi = self.types.get(name)
+        return vi.dtype if vi is not None else None
+
+    def shape(self, name: str) -> tuple | None:
+        """The static shape of ``name`` if every dimension is a known integer, else ``None``."""
+        vi = self.types.get(name)
+        if vi is None or vi.shape is None or not all(isinstance(d, int) for d in vi.shape):
+            return None
+        return vi.shape
+
+    def dims(self, name: str) -> tuple | None:
+        """The declared dimensions (ints, symbols or ``None``) of ``name``, or ``None`` if the rank is unknown."""
+        vi = self.types.get(name)
+        return None if vi is None else vi.shape
+
+    def rank(self, name: str) -> int | None:
+        d = self.dims(name)
+        return None if d is None else len(d)
+
+    def need_rank(self, name: str, node: Node) -> int:
+        """The rank of ``name``; :class:`GraphError` if shape inference could not find it."""
+        r = self.rank(name)
+        if r is None:
+            raise GraphError(
+                f"{node.label()}: the rank of {name!r} is unknown, and its VJP needs it; "
+                "declare the shapes of the graph inputs"
+            )
+        return r
+
+    # ------------------------------------------------------------------------------------------ constants
+
+    def const(self, value: Any, dtype: Any = None) -> str:
+        """A ``Constant`` node holding ``value`` (numpy dtype ``dtype``); identical constants are shared."""
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            name = self.fresh(f"{self.prefix}/const")
+            self.nodes.append(Node("Constant", [], [name], {"value": arr}, name))
+            self.types[name] = ValueInfo(name, arr.dtype, arr.shape)
+            self.values[name] = arr
+            self._consts[key] = name
+        return self._consts[key]
+
+    def ints(self, values: Sequence[int]) -> str:
+        """A 1-D int64 constant (axes, shapes, pads)."""
+        return self.const(np.asarray(list(values), dtype=np.int64).reshape(-1))
+
+    def scalar(self, value: float, like: str) -> str:
+        """A scalar constant with the dtype of ``like`` (``CastLike`` when that dtype is unknown)."""
+        dt = self.dtype(like)
+        if dt is not None:
+            return self.const(np.asarray(value, dtype=dt))
+        return self.op("CastLike", [self.const(np.asarray(value, dtype=np.float32)), like])
+
+    def onnx_dtype(self, name: str) -> int | None:
+        dt = self.dtype(name)
+        return None if dt is None else onnx_dtype(dt)
+
+    def value(self, name: str) -> np.ndarray | None:
+        """The constant value of ``name`` (an initializer or a ``Constant`` output), or ``None``."""
+        return self.values.get(name) if name else None
+
+    def learn_constants(self, graph) -> None:
+        """Record the initializers and ``Constant`` outputs of ``graph`` for :meth:`value`."""
+        self.values.update(constant_values(graph))
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    def shape_of(self, name: str) -> str:
+        """A 1-D int64 value holding the shape of ``name`` (a constant when the shape is static)."""
+        s = self.shape(name)
+        if s is not None:
+            return self.ints(s)
+        return self.op("Shape", [name], shape=(self.rank(name),), dtype=np.int64)
+
+    def zeros_like(self, name: str) -> str:
+        """Zeros of the shape and dtype of ``name``."""
+        dt = self.dtype(name)
+        if dt is None:  # 0 * x would turn an infinite x into NaN
+            z = self.op("ConstantOfShape", [self.shape_of(name)], value=np.zeros(1, dtype=np.float32))
+            return self.op("CastLike", [z, name], like=name)
+        return self.op("ConstantOfShape", [self.shape_of(name)], value=np.zeros(1, dtype=dt), like=name)
+
+    def ones_like(self, name: str) -> str:
+        """Ones of the shape and dtype of ``name``."""
+        dt = self.dtype(name)
+        if dt is None:  # float32 ones would mistype a float64 value
+            one = self.op("ConstantOfShape", [self.shape_of(name)], value=np.ones(1, dtype=np.float32))
+            return self.op("CastLike", [one, name], like=name)
+        return self.op("ConstantOfShape", [self.shape_of(name)], value=np.ones(1, dtype=dt), like=name)
+
+    def reduce_to(self, g: str, x: str) -> str:
+        """Undo numpy-style broadcasting: sum ``g`` (the cotangent of a broadcast result) down to the shape
+        of ``x`` (ONNX "Broadcasting in ONNX", onnx/docs/Broadcasting.md). Static ``ReduceSum`` axes when the
+        dimensions allow, ``Shape``/``NonZero``-based axes otherwise."""
+        dx, dg = self.dims(x), self.dims(g)
+        if dx is not None and dg is not None and len(dg) >= len(dx):
+            lead = len(dg) - len(dx)
+            tail = dg[lead:]
+            if all(isinstance(a, int) or a == b for a, b in zip(dx, tail, strict=True)):
+                axes = list(range(lead)) + [lead + i for i, (a, b) in enumerate(zip(dx, tail, strict=True)) if a == 1 and b != 1]
+                if not axes:
+                    return g
+                if lead == len(axes):
+                    return self.op("ReduceSum", [g, self.ints(axes)], keepdims=0, shape=tuple(dx), dtype=self.dtype(g))
+                r = self.op("ReduceSum", [g, self.ints(axes)], keepdims=1)
+                return self.op("Reshape", [r, self.shape_of(x)], shape=tuple(dx), dtype=self.dtype(g))
+        sg, sx = self.op("Shape", [g]), self.op("Shape", [x])
+        if dx is not None and dg is not None and len(dg) >= len(dx):
+            padded = self.op("Concat", [self.ints([1] * (len(dg) - len(dx))), sx], axis=0) if len(dg) > len(dx) else sx
+            mask = self.op("Not", [self.op("Equal", [padded, sg])])
+            axes = self.op("Reshape", [self.op("NonZero", [mask]), self.ints([-1])])
+            r = self.op("ReduceSum", [g, axes], keepdims=1, noop_with_empty_axes=1)
+            return self.op("Reshape", [r, sx], like=x)
+        diff = self.op("Sub", [self.op("Size", [sg]), self.op("Size", [sx])])
+        ones = self.op("ConstantOfShape", [self.op("Unsqueeze", [diff, self.ints([0])])], value=np.ones(1, np.int64))
+        padded = self.op("Concat", [ones, sx], axis=0)
+        axes = self.op("Reshape", [self.op("NonZero", [self.op("Not", [self.op("Equal", [padded, sg])])]), self.ints([-1])])
+        r = self.op("ReduceSum", [g, axes], keepdims=1, noop_with_empty_axes=1)
+        return self.op("Reshape", [r, sx], like=x)
