@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node
-from ..registry import Emitter, vjp
+from ..context import Ctx
+from ..emitter import Emitter
+from ..registry import vjp
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 INT64_MIN = int(np.iinfo(np.int64).min)
@@ -334,28 +337,26 @@ def _optional(node: Node, i: int) -> str | None:
 
 
 @vjp("Conv")
-def conv(e: Emitter, node: Node, out_grads: list) -> list:
+def conv(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Conv" (groups, strides, dilations, pads/auto_pad, any spatial rank, optional bias): input
     gradient by the transposed convolution, weight gradient by a convolution of the input with the output
     gradient, bias gradient by a sum (module docstring)."""
+    e, g = ctx.e, cts[0]
     x, w, b = node.inputs[0], node.inputs[1], _optional(node, 2)
-    g = out_grads[0]
     k = e.need_rank(x, node) - 2
     group = int(node.attrs.get("group", 1))
     geo = conv_geometry(e, node, x, w, k)
     dims = spatial(e, x)
     out = geo.out(dims) if dims is not None else None
-    grads: list = [None] * len(node.inputs)
     cg = channels_per_group(e, node, w, x, group) if group > 1 else 1
-    if e.need[0]:
-        grads[0] = input_grad(e, node, g, w, x, geo, group, out, cg, like=x)
-    if e.need[1] and group == 1 and out is not None and int(np.prod(geo.kernel)) <= MAX_TAPS:
-        grads[1] = weight_grad_taps(e, x, g, geo, out, like=w)
-    elif e.need[1]:
-        grads[1] = weight_grad(e, x, g, geo, group, cg, trim=True, like=w)
-    if b is not None and e.need[2]:
-        grads[2] = bias_grad(e, g, k, b)
-    return grads
+
+    def dw() -> str:
+        if group == 1 and out is not None and int(np.prod(geo.kernel)) <= MAX_TAPS:
+            return weight_grad_taps(e, x, g, geo, out, like=w)
+        return weight_grad(e, x, g, geo, group, cg, trim=True, like=w)
+
+    grads = [lambda: input_grad(e, node, g, w, x, geo, group, out, cg, like=x), dw, lambda: bias_grad(e, g, k, b)]
+    return grads[:len(node.inputs)]
 
 
 def transpose_pads(e: Emitter, node: Node, x: str, geo_kernel: list[int], strides: list[int],
@@ -382,14 +383,14 @@ def transpose_pads(e: Emitter, node: Node, x: str, geo_kernel: list[int], stride
 
 
 @vjp("ConvTranspose")
-def conv_transpose(e: Emitter, node: Node, out_grads: list) -> list:
+def conv_transpose(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "ConvTranspose" is the adjoint of a Conv with the same weight and geometry, written into an
     output of ``s*(D-1) + output_padding + span`` positions cut by the pads (PyTorch ``convolution_backward``
     with ``transposed=True``). So the input gradient is ``Conv(dy, w)`` and the weight gradient the Conv
     construction of :func:`weight_grad` with ``dy`` as the input and ``x`` as the output gradient. The
     ``output_padding`` positions beyond the full extent hold no data: their gradient rows are dropped."""
+    e, g = ctx.e, cts[0]
     x, w, b = node.inputs[0], node.inputs[1], _optional(node, 2)
-    g = out_grads[0]
     k = e.need_rank(x, node) - 2
     group = int(node.attrs.get("group", 1))
     kernel = kernel_of(e, node, w, k)
@@ -397,22 +398,25 @@ def conv_transpose(e: Emitter, node: Node, out_grads: list) -> list:
     outpad = ints_attr(node, "output_padding", [0] * k)
     pb, pe = transpose_pads(e, node, x, kernel, strides, dilations, outpad)
     cut = [max(0, o - a) for o, a in zip(outpad, pe, strict=True)]
-    if any(cut):
-        ends = [-c if c else INT64_MAX for c in cut]
-        g = e.op("Slice", [g, e.ints([0] * k), e.ints(ends), e.ints(_axes(k))])
     geo = Geometry(kernel, strides, dilations, pb, [max(0, a - o) for o, a in zip(outpad, pe, strict=True)])
-    grads: list = [None] * len(node.inputs)
-    if e.need[0]:
-        grads[0] = e.op("Conv", [g, w], group=group, like=x, **geo.attrs())
-    if e.need[1]:
+
+    @cache
+    def dy() -> str:
+        """``g`` without the ``output_padding`` positions that hold no data."""
+        if not any(cut):
+            return g
+        ends = [-c if c else INT64_MAX for c in cut]
+        return e.op("Slice", [g, e.ints([0] * k), e.ints(ends), e.ints(_axes(k))])
+
+    def dw() -> str:
         cg = 1
         if group > 1:
-            dw = e.dims(w)
-            if dw is None or not isinstance(dw[1], int):
+            dims = e.dims(w)
+            if dims is None or not isinstance(dims[1], int):
                 raise GraphError(f"{node.label()}: dimension 1 of the weight {w!r} is unknown, and the grouped "
                                  "VJP needs it")
-            cg = dw[1]
-        grads[1] = weight_grad(e, g, x, geo, group, cg, trim=False, like=w)
-    if b is not None and e.need[2]:
-        grads[2] = bias_grad(e, out_grads[0], k, b)
-    return grads
+            cg = dims[1]
+        return weight_grad(e, dy(), x, geo, group, cg, trim=False, like=w)
+
+    grads = [lambda: e.op("Conv", [dy(), w], group=group, like=x, **geo.attrs()), dw, lambda: bias_grad(e, g, k, b)]
+    return grads[:len(node.inputs)]

@@ -20,7 +20,9 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node
-from ..registry import Emitter, vjp
+from ..context import Ctx
+from ..emitter import Emitter
+from ..registry import unary
 from .conv import (
     Geometry,
     dims_part,
@@ -76,16 +78,16 @@ def window_table(dims: list[int], out: list[int], geo: Geometry) -> tuple[np.nda
     return table, not bool(inside.all())
 
 
-@vjp("MaxPool")
-def max_pool(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("MaxPool")
+def max_pool(ctx: Ctx, node: Node, x: str, y: str, g: str | None) -> str | None:
     """ONNX "MaxPool": each window's cotangent goes to the element it took the maximum from; among tied
     elements, the first in the window's row-major order (PyTorch ``max_pool*_with_indices_backward`` routes to
     the index its forward reports, which is that one). The windows are gathered with a constant index table
     (padding reads ``-inf``), ``ArgMax`` picks the tap, and ``ScatterElements(reduction="add")`` adds the
     cotangents of overlapping windows. The ``Indices`` output carries no gradient."""
-    x, g = node.inputs[0], out_grads[0]
-    if g is None or not e.need[0]:
-        return [None]
+    if g is None:
+        return None
+    e = ctx.e
     geo = pool_geometry(e, node, x)
     dims = need_spatial(e, node, x, "the MaxPool VJP (a constant window table)")
     out = geo.out(dims, _ceil(node))
@@ -103,24 +105,15 @@ def max_pool(e: Emitter, node: Node, out_grads: list) -> list:
     acc = e.op("ScatterElements", [total, source, e.op("Reshape", [g, e.ints([0, 0, -1])])], axis=2, reduction="add")
     if padded:
         acc = e.op("Slice", [acc, e.ints([0]), e.ints([size]), e.ints([2])])
-    return [e.op("Reshape", [acc, e.shape_of(x)], like=x)]
+    return e.op("Reshape", [acc, e.shape_of(x)], like=x)
 
 
-@vjp("AveragePool")
-def average_pool(e: Emitter, node: Node, out_grads: list) -> list:
-    """ONNX "AveragePool": ``y[o] = sum_{taps inside} x / div(o)``, so ``dx`` is the transposed convolution
-    (a ones kernel, batch and channels flattened) of ``dy / div`` (PyTorch ``avg_pool*_backward``). The
-    weights ``1 / div(o)`` are ``AveragePool(ones)[o] / count(o)`` with ``count`` the number of input elements
-    in window ``o`` (a Conv of ones with a ones kernel): the runtime's own divisor, whatever
-    ``count_include_pad`` and ``ceil_mode`` make of it."""
-    x, g = node.inputs[0], out_grads[0]
-    if not e.need[0]:
-        return [None]
-    geo = pool_geometry(e, node, x)
+def _window_weights(e: Emitter, node: Node, x: str, geo: Geometry, out: list[int] | None,
+                    ceil: bool) -> tuple[str, str]:
+    """The weight ``1 / div(o)`` of each AveragePool window ``o``, as ``AveragePool(ones)[o] / count(o)``
+    (``count``: the number of input elements in window ``o``, a Conv of ones with a ones kernel; 0 for a
+    window of padding only), and that ones kernel."""
     k = len(geo.kernel)
-    ceil = _ceil(node)
-    dims = spatial(e, x)
-    out = geo.out(dims, ceil) if dims is not None else None
     one = e.op("ConstantOfShape", [shape_cat(e, [[1, 1], dims_part(e, x, 2)])],
                value=np.ones(1, dtype=e.dtype(x) or np.float32))
     if e.dtype(x) is None:
@@ -135,34 +128,49 @@ def average_pool(e: Emitter, node: Node, out_grads: list) -> list:
         count = e.op("Slice", [count, e.ints([0] * k), ends, e.ints(list(range(2, k + 2)))])
     zero = e.scalar(0.0, x)
     weight = e.op("Div", [avg, e.op("Max", [count, e.scalar(1.0, x)])])
-    weight = e.op("Where", [e.op("Greater", [count, zero]), weight, zero])
+    return e.op("Where", [e.op("Greater", [count, zero]), weight, zero]), kernel
+
+
+@unary("AveragePool")
+def average_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
+    """ONNX "AveragePool": ``y[o] = sum_{taps inside} x / div(o)``, so ``dx`` is the transposed convolution
+    (a ones kernel, batch and channels flattened) of ``dy / div`` (PyTorch ``avg_pool*_backward``). The
+    weights ``1 / div(o)`` are ``AveragePool(ones)[o] / count(o)`` with ``count`` the number of input elements
+    in window ``o`` (a Conv of ones with a ones kernel): the runtime's own divisor, whatever
+    ``count_include_pad`` and ``ceil_mode`` make of it."""
+    e = ctx.e
+    geo = pool_geometry(e, node, x)
+    ceil = _ceil(node)
+    dims = spatial(e, x)
+    out = geo.out(dims, ceil) if dims is not None else None
+    weight, kernel = _window_weights(e, node, x, geo, out, ceil)
     scaled = e.op("Mul", [g, weight])
     flat = e.op("Reshape", [scaled, shape_cat(e, [[-1, 1], out if out is not None else e.op("Shape", [g], start=2)])])
     back = input_grad(e, node, flat, kernel, x, geo, 1, out)
-    return [e.op("Reshape", [back, e.shape_of(x)], like=x)]
+    return e.op("Reshape", [back, e.shape_of(x)], like=x)
 
 
-@vjp("GlobalAveragePool")
-def global_average_pool(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("GlobalAveragePool")
+def global_average_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "GlobalAveragePool": ``dx = dy / (number of spatial elements)``, broadcast back."""
-    x, y, g = node.inputs[0], node.outputs[0], out_grads[0]
+    e = ctx.e
     dims = spatial(e, x)
     if dims is not None:
         n = e.scalar(float(np.prod(dims)), x)
     else:
         n = e.op("CastLike", [e.op("Div", [e.op("Size", [x]), e.op("Size", [y])]), g])
-    return [e.op("Expand", [e.op("Div", [g, n]), e.shape_of(x)], like=x)]
+    return e.op("Expand", [e.op("Div", [g, n]), e.shape_of(x)], like=x)
 
 
-@vjp("GlobalMaxPool")
-def global_max_pool(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("GlobalMaxPool")
+def global_max_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "GlobalMaxPool": the cotangent goes to the spatial maxima, split equally among ties (DESIGN.md
     section 5, as ``ReduceMax``)."""
-    x, y, g = node.inputs[0], node.outputs[0], out_grads[0]
+    e = ctx.e
     r = e.need_rank(x, node)
     mask = e.op("CastLike", [e.op("Equal", [x, y]), x], like=x)
     count = e.op("ReduceSum", [mask, e.ints(list(range(2, r)))], keepdims=1)
-    return [e.op("Mul", [e.op("Div", [g, count]), mask], like=x)]
+    return e.op("Mul", [e.op("Div", [g, count]), mask], like=x)
 
 
 # ------------------------------------------------------------------------------------------ LRN
@@ -176,12 +184,12 @@ def _channel_window_sum(e: Emitter, v: str, before: int, after: int, size: int) 
     return e.op("Reshape", [summed, e.shape_of(v)], like=v)
 
 
-@vjp("LRN")
-def lrn(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("LRN")
+def lrn(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "LRN": ``y = x * S^-beta`` with ``S = bias + alpha/size * sum_{window(c)} x^2``, the window
     ``[c - floor((size-1)/2), c + ceil((size-1)/2)]``. Then ``dx = dy * S^-beta - (2 alpha beta / size) * x *
     sum_{c: j in window(c)} dy_c x_c S_c^(-beta-1)``; the second sum runs over the mirrored window."""
-    x, g = node.inputs[0], out_grads[0]
+    e = ctx.e
     size = int(node.attrs["size"])
     alpha, beta = float(node.attrs.get("alpha", 1e-4)), float(node.attrs.get("beta", 0.75))
     bias = float(node.attrs.get("bias", 1.0))
@@ -193,36 +201,35 @@ def lrn(e: Emitter, node: Node, out_grads: list) -> list:
     inner = e.op("Mul", [e.op("Mul", [g, x], like=x), e.op("Div", [p, s], like=x)], like=x)
     back = _channel_window_sum(e, inner, hi, lo, size)
     cross = e.op("Mul", [x, e.op("Mul", [back, e.scalar(2.0 * alpha * beta / size, x)], like=x)], like=x)
-    return [e.op("Sub", [direct, cross], like=x)]
+    return e.op("Sub", [direct, cross], like=x)
 
 
 # ------------------------------------------------------------------------------------------ depth and space
 
 
-@vjp("SpaceToDepth")
-def space_to_depth(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("SpaceToDepth")
+def space_to_depth(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "SpaceToDepth" is the inverse permutation of DCR-mode DepthToSpace, so its VJP is that op."""
-    b = int(node.attrs["blocksize"])
-    return [e.op("DepthToSpace", [out_grads[0]], blocksize=b, mode="DCR", like=node.inputs[0])]
+    return ctx.e.op("DepthToSpace", [g], blocksize=int(node.attrs["blocksize"]), mode="DCR", like=x)
 
 
-@vjp("DepthToSpace")
-def depth_to_space(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("DepthToSpace")
+def depth_to_space(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "DepthToSpace": a permutation. DCR mode is undone by SpaceToDepth; CRD mode reads channel
     ``c*b*b + i*b + j`` where DCR reads ``(i*b + j)*C' + c``, so its VJP is SpaceToDepth followed by that
     channel permutation."""
-    x, y, g = node.inputs[0], node.outputs[0], out_grads[0]
+    e = ctx.e
     b = int(node.attrs["blocksize"])
     mode = node.attrs.get("mode", "DCR") or "DCR"
     if mode == "DCR":
-        return [e.op("SpaceToDepth", [g], blocksize=b, like=x)]
+        return e.op("SpaceToDepth", [g], blocksize=b, like=x)
     packed = e.op("SpaceToDepth", [g], blocksize=b)
     dy = e.dims(y)
     inner = [dy[1]] if dy is not None and isinstance(dy[1], int) else e.op(
         "Div", [e.op("Shape", [x], start=1, end=2), e.ints([b * b])])
     split = e.op("Reshape", [packed, shape_cat(e, [[0, b * b], inner, [-1]])])
     moved = e.op("Transpose", [split], perm=[0, 2, 1, 3])
-    return [e.op("Reshape", [moved, e.shape_of(x)], like=x)]
+    return e.op("Reshape", [moved, e.shape_of(x)], like=x)
 
 
 # ------------------------------------------------------------------------------------------ Resize
@@ -315,16 +322,13 @@ def _resize_plan(e: Emitter, node: Node, x: str) -> list[tuple[int, int, int, fl
     return list(zip(axes, ins, outs, factors, strict=True))
 
 
-@vjp("Resize")
-def resize(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("Resize")
+def resize(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "Resize" in nearest, linear and cubic modes is separable and linear in ``x``: ``y = x x_a A_a``
     over the resized axes, with constant interpolation matrices ``A_a`` built from the static shapes. So
     ``dx = dy x_a A_a^T``, one ``MatMul`` per resized axis (PyTorch ``upsample_*_backward`` computes the same
     sums by scattering). roi, scales and sizes get no gradient."""
-    x, g = node.inputs[0], out_grads[0]
-    grads: list = [None] * len(node.inputs)
-    if not e.need[0]:
-        return grads
+    e = ctx.e
     ctm = node.attrs.get("coordinate_transformation_mode", "half_pixel") or "half_pixel"
     if node.attrs.get("antialias", 0) or ctm == "tf_crop_and_resize":
         what = "antialias=1" if node.attrs.get("antialias", 0) else "coordinate_transformation_mode=tf_crop_and_resize"
@@ -342,5 +346,4 @@ def resize(e: Emitter, node: Node, out_grads: list) -> list:
             perm = list(range(r))
             perm[axis], perm[-1] = perm[-1], perm[axis]
             g = e.op("Transpose", [e.op("MatMul", [e.op("Transpose", [g], perm=perm), m])], perm=perm, like=like)
-    grads[0] = g
-    return grads
+    return g
