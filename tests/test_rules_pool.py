@@ -521,3 +521,20 @@ def test_resize_non_constant_scales_is_a_graph_error():
     lg, _ = with_loss(g, {"y0": np.zeros((1, 1, 4, 4))})
     with pytest.raises(GraphError, match=r"node 'op' \(Resize\).*constant scales or sizes"):
         rg.gradient(lg, loss="loss", wrt=["x"])
+
+
+def test_global_max_pool_sends_exact_zeros_off_the_maxima_for_an_infinite_cotangent():
+    # loss = sum(1 / GlobalMaxPool(x)) with a maximum of 0: the cotangent is -inf there; the other positions must
+    # get an exact 0 (a selection, as PyTorch's amax backward), not -inf * 0 = NaN
+    from revgraph.ir import Graph, Node
+
+    g = Graph([Node("GlobalMaxPool", ["x"], ["y"], name="gmp"), Node("Reciprocal", ["y"], ["r"], name="rec"),
+               Node("ReduceSum", ["r"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float32, (1, 2, 3))], [ValueInfo("loss", np.float32, ())])
+    x = np.array([[[0.0, -1.0, -2.0], [-0.5, 0.25, -3.0]]], np.float32)
+    got = rg.Session(rg.gradient(g)).run({"x": x})["x_grad"]
+    # PyTorch's amax backward multiplies by the mask too (NaN off the maximum); its max_pool1d backward scatters
+    xt = torch.tensor(x, requires_grad=True)
+    (1 / F.max_pool1d(xt, 3)).sum().backward()
+    assert np.array_equal(got, xt.grad.numpy()), (got, xt.grad)
+    assert got[0, 0, 0] == -np.inf and np.array_equal(got[0, 0, 1:], [0, 0])

@@ -170,7 +170,7 @@ def global_max_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     r = e.need_rank(x, node)
     mask = e.op("CastLike", [e.op("Equal", [x, y]), x], like=x)
     count = e.op("ReduceSum", [mask, e.ints(list(range(2, r)))], keepdims=1)
-    return e.op("Mul", [e.op("Div", [g, count]), mask], like=x)
+    return ctx.weigh(e.op("Div", [g, count]), mask, like=x)  # 0 off the maxima, also for an inf or NaN g
 
 
 # ------------------------------------------------------------------------------------------ LRN
