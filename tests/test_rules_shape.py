@@ -591,3 +591,27 @@ def test_static_backward_stays_in_shape_family():
         gg = rg.gradient(g, loss="y0", wrt=["x"])
         used = {n.op_type for n in gg.nodes if n.name.startswith("grad/op/")}
         assert used and used <= allowed, used
+
+
+@pytest.mark.parametrize(("upper", "k", "shape"), [(1, 0, (4, 5)), (0, 0, (3, 4)), (1, 2, (2, 3, 4)), (0, -1, (2, 5, 3)),
+                                                   (1, None, (3, 3)), (0, 7, (3, 4))])
+def test_trilu(upper, k, shape):
+    x = np.random.default_rng(3).standard_normal(shape)
+    inputs = {"x": x} if k is None else {"x": x, "k": np.array(k, np.int64)}
+    g = op_graph("Trilu", inputs, {"upper": upper})
+    fn = torch.triu if upper else torch.tril
+    check_rule(g, {"x": x}, lambda x: sq(fn(x, 0 if k is None else k)), wrt=["x"])
+
+
+def test_trilu_keeps_strong_zeros_for_infinite_cotangents():
+    # loss = sum(1 / Trilu(x)) with a zero kept on the diagonal: the cotangent is -inf there, the discarded
+    # triangle gets exact zeros (not 0 * inf)
+    g = Graph([Node("Trilu", ["x"], ["t"], {"upper": 1}, "tri"), Node("Add", ["t", "one"], ["s"], name="add"),
+               Node("Reciprocal", ["s"], ["r"], name="rec"), Node("ReduceSum", ["r"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float64, (3, 3))], [ValueInfo("loss", np.float64, ())], {"one": np.ones((3, 3))})
+    x = np.array([[-1.0, 2.0, 3.0], [4.0, 0.5, 6.0], [7.0, 8.0, 9.0]])
+    got = rg.Session(rg.gradient(g)).run({"x": x})["x_grad"]
+    xt = torch.tensor(x, requires_grad=True)
+    (1 / (torch.triu(xt) + 1)).sum().backward()
+    assert got[0, 0] == -np.inf and np.array_equal(np.tril(got, -1), np.zeros((3, 3)))
+    np.testing.assert_array_equal(got, xt.grad.numpy())

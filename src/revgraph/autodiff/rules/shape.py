@@ -130,6 +130,16 @@ def expand(ctx: Ctx, node: Node, cts: list) -> list:
     return [lambda: ctx.e.reduce_to(cts[0], node.inputs[0]), None]
 
 
+@vjp("Trilu")
+def trilu(ctx: Ctx, node: Node, cts: list) -> list:
+    """ONNX "Trilu" keeps the upper (``upper=1``) or lower triangle of the last two axes, from diagonal ``k``: a
+    fixed mask, so the VJP keeps the same triangle of the cotangent (PyTorch's ``triu``/``tril`` backward).
+    The discarded entries are written as zeros, exact also for an inf or NaN cotangent; ``k`` gets none."""
+    e, x = ctx.e, node.inputs[0]
+    return [lambda: e.op("Trilu", [cts[0], *node.inputs[1:]], upper=node.attrs.get("upper"), like=x),
+            *[None] * (len(node.inputs) - 1)]
+
+
 # ------------------------------------------------------------------------------------------ concat / split
 
 
