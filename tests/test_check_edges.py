@@ -24,6 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 import revgraph as rg
 from revgraph import fastshape
 from revgraph.autodiff import registry
+from revgraph.autodiff.context import ForwardPatch, PatchedVJP
 from revgraph.check import _ORT_FLOAT32_PRECISE, to_float64
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
@@ -281,9 +282,10 @@ def test_the_replayed_dropout_still_catches_a_wrong_rule(monkeypatch):
     g = training_dropout()
     original = registry.RULES["Dropout"]
 
-    def unscaled(e, node, out_grads):
-        mask = original.__globals__["_mask"](e, node)
-        return [e.select(mask, out_grads[0], like=node.inputs[0]), None, None]
+    def unscaled(ctx, node, cts):
+        patch = ForwardPatch()
+        mask = original.__globals__["_mask"](ctx.e, node, patch)
+        return PatchedVJP([ctx.select(mask, cts[0], like=node.inputs[0]), None, None], {}, patch)
 
     monkeypatch.setitem(registry.RULES, "Dropout", unscaled)
     assert statuses(quiet_check(g, wrt=["x"])) == {"x": "mismatch"}
@@ -295,14 +297,17 @@ def test_dropout_ratio_at_zero_is_checked_inside_its_domain(monkeypatch):
     (d/dr = x * mask / (1 - r)^2), independently of revgraph's rule."""
     original = registry.RULES["Dropout"]
 
-    def with_ratio(e, node, out_grads):
-        grads = original(e, node, out_grads)
-        x, ratio, g = node.inputs[0], node.inputs[1], out_grads[0]
-        mask = e.op("Cast", [node.outputs[1]], to=11)
-        one_minus = e.op("Sub", [e.scalar(1.0, x), ratio])
-        grads[1] = e.op("ReduceSum", [e.op("Div", [e.op("Mul", [e.op("Mul", [g, x]), mask]),
+    def with_ratio(ctx, node, cts):
+        result = original(ctx, node, cts)
+        e, (x, ratio), g = ctx.e, node.inputs[:2], cts[0]
+
+        def dratio():
+            mask = e.op("Cast", [original.__globals__["_mask"](e, node, result.patch)], to=11)
+            one_minus = e.op("Sub", [e.scalar(1.0, x), ratio])
+            return e.op("ReduceSum", [e.op("Div", [e.op("Mul", [e.op("Mul", [g, x]), mask]),
                                                    e.op("Mul", [one_minus, one_minus])])], keepdims=0)
-        return grads
+
+        return PatchedVJP([result.inputs[0], dratio, *result.inputs[2:]], result.captured, result.patch)
 
     monkeypatch.setitem(registry.RULES, "Dropout", with_ratio)
     g = one("Dropout", {"x": (F32, (4, 5)), "r": (F32, ())}, {"_order": ["x", "r", "t"]}, inits={"t": np.array(True)})

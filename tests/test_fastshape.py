@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import revgraph as rg
 from revgraph import fastshape
-from revgraph.autodiff.registry import Emitter
+from revgraph.autodiff.emitter import Emitter
 from revgraph.ir import Node, ValueInfo
 from revgraph.lift import lift_constants
 from revgraph.types import onnx_node_types

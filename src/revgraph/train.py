@@ -58,6 +58,7 @@ import numpy as np
 import onnx
 
 from .autodiff.api import gradient
+from .autodiff.emitter import Emitter
 from .autodiff.policies import CheckpointPolicy
 from .errors import RevgraphError
 from .ir import Graph, Node, ValueInfo, fresh_name
@@ -161,6 +162,8 @@ class _Builder:
     def fresh(self, base: str) -> str:
         """A value or node name not used anywhere yet, starting with ``base``."""
         return fresh_name(base, self.used)
+
+    scope = Emitter.scope  # ``with b.scope(prefix):`` names what is emitted inside ``<prefix>/<OpType>``
 
     def op(self, op_type: str, inputs: list[str], **attrs) -> str:
         out = self.fresh(f"{self.prefix}/{op_type}")
@@ -436,15 +439,14 @@ class _Scalars:
         """``(lr / (1 - b1^t), sqrt(1 - b2^t))`` in ``dtype``, computed in float64 from ``t = step + 1``."""
         if dtype not in self._bias:
             b, (b1, b2) = self.b, self.opt.betas
-            saved, b.prefix = b.prefix, "optim/bias_correction"
-            f64 = np.float64
-            t = b.op("Cast", [b.op("Add", [self.step, b.const(1, np.int64)])], to=onnx.TensorProto.DOUBLE)
-            bc1 = b.op("Sub", [b.const(1.0, f64), b.op("Pow", [b.const(b1, f64), t])])
-            bc2 = b.op("Sub", [b.const(1.0, f64), b.op("Pow", [b.const(b2, f64), t])])
-            to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-            step_size = b.op("Cast", [b.op("Div", [b.const(self.opt.lr, f64), bc1])], to=to)
-            self._bias[dtype] = (step_size, b.op("Cast", [b.op("Sqrt", [bc2])], to=to))
-            b.prefix = saved
+            with b.scope("optim/bias_correction"):
+                f64 = np.float64
+                t = b.op("Cast", [b.op("Add", [self.step, b.const(1, np.int64)])], to=onnx.TensorProto.DOUBLE)
+                bc1 = b.op("Sub", [b.const(1.0, f64), b.op("Pow", [b.const(b1, f64), t])])
+                bc2 = b.op("Sub", [b.const(1.0, f64), b.op("Pow", [b.const(b2, f64), t])])
+                to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+                step_size = b.op("Cast", [b.op("Div", [b.const(self.opt.lr, f64), bc1])], to=to)
+                self._bias[dtype] = (step_size, b.op("Cast", [b.op("Sqrt", [bc2])], to=to))
         return self._bias[dtype]
 
 

@@ -23,7 +23,7 @@ from ..types import differentiable, infer_types
 from .accumulate import Accumulator
 from .arguments import (default_wrt, known_names, names_argument, refuse_integer_loss, seeds_argument, suggest,
                         used_names)
-from .context import BodyVJP, ControlFlowVJP, Ctx, Grad, Options, apply_patch
+from .context import BodyVJP, PatchedVJP, Ctx, Grad, Options, apply_patch
 from .emitter import Emitter
 from .finite import nonfinite_cotangents, nonfinite_values
 from .loops.lower import lower_to_loops
@@ -177,22 +177,16 @@ def backward(
 
 def _run_rule(ctx: Ctx, node: Node, out_grads: list, graph: Graph) -> tuple[list, dict[str, Grad]]:
     """Call ``node``'s rule; emit the cotangents of the inputs that need one; apply a forward patch."""
-    rule = get_rule(node)
-    if getattr(rule, "legacy", False):  # transition
-        result = rule(_Legacy(ctx), node, out_grads)
-        if isinstance(result, tuple):
-            return list(result[0]), dict(result[1])
-        return list(result), {}
-    result = rule(ctx, node, out_grads)
-    if isinstance(result, ControlFlowVJP):
-        grads = list(result.inputs)
-        if result.patch is not None and len(grads) == len(node.inputs):
-            apply_patch(graph, node, result.patch)  # new inputs (a counter's initial value) get no gradient
-            grads += [None] * (len(node.inputs) - len(grads))
-        return grads, dict(result.captured)
-    if len(result) != len(node.inputs):
-        return list(result), {}  # reported by the caller
-    return [(g() if callable(g) else g) if needed else None for needed, g in zip(ctx.need, result, strict=True)], {}
+    result = get_rule(node)(ctx, node, out_grads)
+    patched = result if isinstance(result, PatchedVJP) else PatchedVJP(result, {})
+    grads = list(patched.inputs)
+    if len(grads) != len(node.inputs):
+        return grads, {}  # reported by the caller
+    grads = [(g() if callable(g) else g) if needed else None for needed, g in zip(ctx.need, grads, strict=True)]
+    if patched.patch is not None:  # after the lazy cotangents, which may add to it
+        apply_patch(graph, node, patched.patch)  # new inputs (a counter's initial value) get no gradient
+        grads += [None] * (len(node.inputs) - len(grads))
+    return grads, dict(patched.captured)
 
 
 def check_cotangent(types: Mapping[str, ValueInfo], node: Node, name: str, g: Grad) -> None:
@@ -224,22 +218,3 @@ def _subgraph_pass(parent: Emitter):
         return BodyVJP(sub.nodes, grads)
 
     return run
-
-
-class _Legacy:
-    """Transition: what an old-style rule ``rule(e, node, out_grads)`` reads as ``e``."""
-
-    _FROM_CTX = frozenset({"need", "finite", "producers", "reach", "times", "weigh", "select", "mask_of", "nonfinite"})
-
-    def __init__(self, ctx: Ctx):
-        object.__setattr__(self, "_ctx", ctx)
-
-    def __getattr__(self, name):
-        ctx = object.__getattribute__(self, "_ctx")
-        if name in _Legacy._FROM_CTX:
-            value = getattr(ctx, name)
-            return list(value) if name == "need" else value
-        return getattr(ctx.e, name)
-
-    def __setattr__(self, name, value):
-        setattr(object.__getattribute__(self, "_ctx").e, name, value)

@@ -9,9 +9,10 @@ A rule is a pure function of its context (DESIGN.md section 3)::
 rule returns one entry per input: the input's cotangent, ``None`` ("no gradient flows here"), or a function
 of no arguments that emits and returns the cotangent. The backward pass calls such a function only when the
 input needs a gradient (it is on a path from a wrt value and floating point), so rules never test which
-inputs are needed (HIPS autograd's per-argument VJP makers, ``defvjp``). A control-flow rule returns a
-:class:`ControlFlowVJP`: also the gradients of the values its subgraphs capture, and the
-:class:`ForwardPatch` that its forward node needs.
+inputs are needed (HIPS autograd's per-argument VJP makers, ``defvjp``). A rule that needs more returns a
+:class:`PatchedVJP`: the same entries, the gradients of the values its subgraphs capture (control flow), and
+the :class:`ForwardPatch` its forward node needs (a loop's trip counter, Dropout's mask output); rules never
+change the forward graph themselves.
 
 The context is immutable; rules build nodes through ``ctx.e`` (an :class:`Emitter`, which only builds nodes
 and knows types) and write products with a cotangent through :meth:`Ctx.times`, :meth:`Ctx.select` and
@@ -56,11 +57,14 @@ class ForwardPatch:
     """What a control-flow rule needs its forward node to produce besides its own outputs; the backward pass
     applies it (:func:`apply_patch`) to the graph being differentiated.
 
-    ``before``: nodes of the enclosing graph that must run before the forward node (a counter's initial value).
-    ``carried``: new loop-carried values ``(initial value, body input, body output, node output)``, placed after
-    the existing ones. ``body``: nodes appended to the forward body. ``scan_outputs``: new scan outputs
-    ``(body output, node output)``, placed after the existing ones (stacked residuals)."""
+    ``outputs``: optional outputs the node must write, by position (Dropout's mask). ``before``: nodes of the
+    enclosing graph that must run before the forward node (a counter's initial value). ``carried``: new
+    loop-carried values ``(initial value, body input, body output, node output)``, placed after the existing
+    ones. ``body``: nodes appended to the forward body. ``scan_outputs``: new scan outputs ``(body output, node
+    output)``, placed after the existing ones (stacked residuals). A rule may fill it from a lazy cotangent:
+    the backward pass applies it after the cotangents are emitted."""
 
+    outputs: dict[int, str] = field(default_factory=dict)
     before: list[Node] = field(default_factory=list)
     carried: list[tuple[str, ValueInfo, ValueInfo, str]] = field(default_factory=list)
     body: list[Node] = field(default_factory=list)
@@ -68,17 +72,21 @@ class ForwardPatch:
 
 
 @dataclass(frozen=True)
-class ControlFlowVJP:
-    """The result of a control-flow rule: one cotangent per input, the gradients of captured values, and the
-    forward patch (``None``: the forward node stays as it is)."""
+class PatchedVJP:
+    """The result of a rule that captures values or extends its forward node: one entry per input (as a plain
+    rule returns them, lazy or not), the gradients of captured values, and the forward patch (``None``: the
+    forward node stays as it is)."""
 
-    inputs: list[Grad | None]
+    inputs: list[Cotangent]
     captured: dict[str, Grad]
     patch: ForwardPatch | None = None
 
 
 def apply_patch(graph: Graph, node: Node, patch: ForwardPatch) -> None:
-    """Extend the forward ``Loop`` ``node`` of ``graph`` as ``patch`` says (see :class:`ForwardPatch`)."""
+    """Extend the forward ``node`` of ``graph`` as ``patch`` says (see :class:`ForwardPatch`)."""
+    for pos, name in sorted(patch.outputs.items()):
+        node.outputs += [""] * (pos + 1 - len(node.outputs))
+        node.outputs[pos] = name
     if patch.before:
         pos = next(i for i, n in enumerate(graph.nodes) if n is node)
         graph.nodes[pos:pos] = patch.before

@@ -6,12 +6,10 @@ Rules emit standard ONNX nodes only (through ``ctx.e``), so the backward graph i
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 from ..ir import Node
 from .context import Ctx
-from .emitter import Emitter  # noqa: F401  (transition: rules still import it from here)
 
 Rule = Callable[[Ctx, Node, list], list]
 
@@ -31,8 +29,6 @@ def vjp(*op_types: str) -> Callable[[Rule], Rule]:
     a rule already."""
 
     def register(rule: Rule) -> Rule:
-        params = list(inspect.signature(rule).parameters)
-        rule.legacy = bool(params) and params[0] == "e"  # transition: old-style rule(e, node, out_grads)
         for op in op_types:
             if op in RULES:
                 raise ValueError(f"duplicate VJP rule for {op}")

@@ -12,21 +12,21 @@ from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import differentiable, keep_types
 from ..accumulate import Accumulator
-from ..context import ControlFlowVJP, Ctx
+from ..context import PatchedVJP, Ctx
 from ..registry import vjp
 from ..sparse import SparseGrad, densify
 from .reverse import body_types
 
 
 @vjp("If")
-def if_(ctx: Ctx, node: Node, cts: list) -> ControlFlowVJP:
+def if_(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     """VJP of ONNX ``If``: see the module doc."""
     e = ctx.e
     branches = {k: node.attrs[k] for k in ("then_branch", "else_branch")}
     captured = [c for c in dict.fromkeys(c for b in branches.values() for c in captured_names(b))
                 if c in ctx.reach and differentiable(e.types.get(c))]
     if not captured:
-        return ControlFlowVJP([None], {})
+        return PatchedVJP([None], {})
     built = {key: _branch_vjp(ctx, node, key, branch, captured, cts) for key, branch in branches.items()}
     results = e.op("If", [node.inputs[0]], n_out=len(captured), **built)
     results = [results] if len(captured) == 1 else results
@@ -34,7 +34,7 @@ def if_(ctx: Ctx, node: Node, cts: list) -> ControlFlowVJP:
         vi = e.types.get(c)
         if vi is not None:
             e.types[name] = ValueInfo(name, vi.dtype, vi.shape)
-    return ControlFlowVJP([None], dict(zip(captured, results, strict=True)))
+    return PatchedVJP([None], dict(zip(captured, results, strict=True)))
 
 
 def _branch_vjp(ctx: Ctx, node: Node, key: str, branch: Graph, captured: list[str], cts: list) -> Graph:

@@ -20,13 +20,13 @@ from dataclasses import replace
 import numpy as np
 
 from ...ir import Graph, Node, ValueInfo
-from ..context import ControlFlowVJP, Ctx, ForwardPatch
+from ..context import PatchedVJP, Ctx, ForwardPatch
 from ..emitter import Emitter
 from ..policies import Boundary, Segments, Store
 from .reverse import I64, LoopParts, body_seeds, close_loop, count_trips, open_body, take_apart
 
 
-def checkpointed_loop(ctx: Ctx, node: Node, cts: list, policy: Segments) -> ControlFlowVJP:
+def checkpointed_loop(ctx: Ctx, node: Node, cts: list, policy: Segments) -> PatchedVJP:
     """VJP of ``Loop`` under a :class:`Segments` policy (see the module doc)."""
     template = node.attrs["body"].copy()  # the body as the user wrote it, to recompute segments with
     p = take_apart(ctx, node)

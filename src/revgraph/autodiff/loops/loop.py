@@ -23,7 +23,7 @@ import numpy as np
 from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import keep_types
-from ..context import ControlFlowVJP, Ctx, ForwardPatch
+from ..context import PatchedVJP, Ctx, ForwardPatch
 from ..emitter import Emitter
 from ..policies import CheckpointPolicy, Segments, Store
 from ..registry import vjp
@@ -32,7 +32,7 @@ from .reverse import I64, LoopParts, body_seeds, close_loop, count_trips, open_b
 
 
 @vjp("Loop")
-def loop(ctx: Ctx, node: Node, cts: list) -> ControlFlowVJP:
+def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     """VJP of ONNX ``Loop`` (operator spec "Loop", opset 21): see the module doc."""
     policy = ctx.options.checkpoint
     if isinstance(policy, Segments):

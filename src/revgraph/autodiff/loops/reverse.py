@@ -21,7 +21,7 @@ from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import differentiable, infer_types, keep_types
 from ..accumulate import Accumulator
-from ..context import ControlFlowVJP, Ctx, ForwardPatch, Grad
+from ..context import PatchedVJP, Ctx, ForwardPatch, Grad
 from ..emitter import Emitter
 from ..sparse import SparseGrad, densify
 
@@ -150,7 +150,7 @@ def body_seeds(eb: Emitter, p: LoopParts, cot: dict[int, ValueInfo], scan_seed: 
 
 
 def close_loop(ctx: Ctx, p: LoopParts, bb: BackwardBody, count: str, cts: list, carried: dict[int, Grad | None],
-               captured: dict[str, Grad | None], patch: ForwardPatch) -> ControlFlowVJP:
+               captured: dict[str, Grad | None], patch: ForwardPatch) -> PatchedVJP:
     """Finish the body ``bb`` (its outputs: the carried cotangents ``carried`` of this iteration, and each
     accumulator plus this iteration's ``captured`` contribution), emit the backward ``Loop`` of ``count``
     iterations, and return the node's VJP."""
@@ -180,7 +180,7 @@ def close_loop(ctx: Ctx, p: LoopParts, bb: BackwardBody, count: str, cts: list, 
     in_grads: list = [None] * len(node.inputs)
     for j, name in zip(p.carried, results, strict=False):
         in_grads[2 + j] = name
-    return ControlFlowVJP(in_grads, dict(zip(p.captured, results[len(p.carried):], strict=True)), patch)
+    return PatchedVJP(in_grads, dict(zip(p.captured, results[len(p.carried):], strict=True)), patch)
 
 
 def _dtype_shape(types: dict[str, ValueInfo], name: str) -> tuple:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import string
 from collections import Counter
+from functools import cache, partial
 
 import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node
-from ..registry import Emitter, vjp
+from ..context import Ctx
+from ..emitter import Emitter
+from ..registry import vjp
 
 ELLIPSIS = "..."
 
@@ -27,52 +30,52 @@ def _swap_last(e: Emitter, v: str, rank: int) -> str:
 
 
 @vjp("MatMul")
-def matmul(e: Emitter, node: Node, out_grads: list) -> list:
+def matmul(ctx: Ctx, node: Node, cts: list) -> list:
     """``dA = dY @ B^T`` and ``dB = A^T @ dY``, summed over broadcast batch axes (numpy.matmul semantics,
     ONNX "MatMul"). A 1-D operand is promoted to a matrix as numpy does (``[k] -> [1, k]`` on the left,
     ``[k] -> [k, 1]`` on the right) and the promoted axis is summed away at the end."""
-    a, b = node.inputs
-    g = out_grads[0]
+    e, (a, b), g = ctx.e, node.inputs, cts[0]
     ra, rb = e.need_rank(a, node), e.need_rank(b, node)
     if ra == 0 or rb == 0:
         raise GraphError(f"{node.label()}: MatMul operands must have rank >= 1")
-    # The output dropped the promoted axes: put them back so that dY is a batch of matrices.
-    axes = ([-2] if ra == 1 else []) + ([-1] if rb == 1 else [])
-    g2 = e.op("Unsqueeze", [g, e.ints(axes)]) if axes else g
-    ga = gb = None
-    if e.need[0]:
+
+    @cache
+    def g2() -> str:  # the output dropped the promoted axes: put them back so that dY is a batch of matrices
+        axes = ([-2] if ra == 1 else []) + ([-1] if rb == 1 else [])
+        return e.op("Unsqueeze", [g, e.ints(axes)]) if axes else g
+
+    def da() -> str:
         bt = e.op("Unsqueeze", [b, e.ints([0])]) if rb == 1 else _swap_last(e, b, rb)  # B^T as [..., m, k]
-        t = e.op("MatMul", [g2, bt])  # [batch..., n, k]
+        t = e.op("MatMul", [g2(), bt])  # [batch..., n, k]
         if ra == 1:  # the promoted row axis (size 1) and every batch axis are summed: [k]
-            ga = e.op("ReduceSum", [t, e.ints(range(max(rb, 2) - 1))], keepdims=0, like=a)
-        else:
-            ga = e.reduce_to(t, a)
-    k, m = (e.dims(a) or (None,))[-1], (e.dims(b) or (None,))[-1]
-    if e.need[1] and rb == 2 and ra >= 3 and isinstance(k, int) and isinstance(m, int):
-        # A batch of activations times a weight matrix: one GEMM over the flattened batch, rather than a
-        # batched MatMul whose [batch..., k, m] result a ReduceSum then sums (the same sum, in one kernel).
-        flat_a = e.op("Reshape", [a, e.ints([-1, k])])
-        flat_g = e.op("Reshape", [g, e.ints([-1, m])])
-        gb = e.op("Gemm", [flat_a, flat_g], transA=1, like=b)
-    elif e.need[1]:
+            return e.op("ReduceSum", [t, e.ints(range(max(rb, 2) - 1))], keepdims=0, like=a)
+        return e.reduce_to(t, a)
+
+    def db() -> str:
+        k, m = (e.dims(a) or (None,))[-1], (e.dims(b) or (None,))[-1]
+        if rb == 2 and ra >= 3 and isinstance(k, int) and isinstance(m, int):
+            # A batch of activations times a weight matrix: one GEMM over the flattened batch, rather than a
+            # batched MatMul whose [batch..., k, m] result a ReduceSum then sums (the same sum, in one kernel).
+            flat_a = e.op("Reshape", [a, e.ints([-1, k])])
+            flat_g = e.op("Reshape", [g, e.ints([-1, m])])
+            return e.op("Gemm", [flat_a, flat_g], transA=1, like=b)
         at = e.op("Unsqueeze", [a, e.ints([1])]) if ra == 1 else _swap_last(e, a, ra)  # A^T as [..., k, n]
-        t = e.op("MatMul", [at, g2])  # [batch..., k, m]
+        t = e.op("MatMul", [at, g2()])  # [batch..., k, m]
         if rb == 1:  # sum the batch axes and the promoted column axis: [k]
             rt = max(ra, 2)
-            gb = e.op("ReduceSum", [t, e.ints([*range(rt - 2), rt - 1])], keepdims=0, like=b)
-        else:
-            gb = e.reduce_to(t, b)
-    return [ga, gb]
+            return e.op("ReduceSum", [t, e.ints([*range(rt - 2), rt - 1])], keepdims=0, like=b)
+        return e.reduce_to(t, b)
+
+    return [da, db]
 
 
 @vjp("Gemm")
-def gemm(e: Emitter, node: Node, out_grads: list) -> list:
+def gemm(ctx: Ctx, node: Node, cts: list) -> list:
     """``Y = alpha * op(A) @ op(B) + beta * C`` (ONNX "Gemm"): ``d op(A) = alpha * dY @ op(B)^T``,
     ``d op(B) = alpha * op(A)^T @ dY``, ``dC = beta * dY`` summed to C's (unidirectionally broadcast)
     shape. Each matrix cotangent is written as one more ``Gemm`` whose transpose flags absorb ``op``."""
-    a, b = node.inputs[:2]
+    e, (a, b), g = ctx.e, node.inputs[:2], cts[0]
     c = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
-    g = out_grads[0]
     alpha = float(node.attrs.get("alpha", 1.0))
     beta = float(node.attrs.get("beta", 1.0))
     ta, tb = int(node.attrs.get("transA", 0)), int(node.attrs.get("transB", 0))
@@ -81,21 +84,20 @@ def gemm(e: Emitter, node: Node, out_grads: list) -> list:
     def flag(v: int) -> int | None:
         return 1 if v else None
 
-    grads: list = [None] * len(node.inputs)
-    if e.need[0]:
+    def da() -> str:
         if ta:  # A = op(A)^T, so dA = alpha * op(B) @ dY^T
-            grads[0] = e.op("Gemm", [b, g], alpha=al, transA=flag(tb), transB=1, like=a)
-        else:
-            grads[0] = e.op("Gemm", [g, b], alpha=al, transB=flag(1 - tb), like=a)
-    if e.need[1]:
+            return e.op("Gemm", [b, g], alpha=al, transA=flag(tb), transB=1, like=a)
+        return e.op("Gemm", [g, b], alpha=al, transB=flag(1 - tb), like=a)
+
+    def db() -> str:
         if tb:  # dB = alpha * dY^T @ op(A)
-            grads[1] = e.op("Gemm", [g, a], alpha=al, transA=1, transB=flag(ta), like=b)
-        else:
-            grads[1] = e.op("Gemm", [a, g], alpha=al, transA=flag(1 - ta), like=b)
-    if c is not None and e.need[2]:
-        gc = g if beta == 1.0 else e.op("Mul", [g, e.scalar(beta, g)], like=g)
-        grads[2] = e.reduce_to(gc, c)
-    return grads
+            return e.op("Gemm", [g, a], alpha=al, transA=1, transB=flag(ta), like=b)
+        return e.op("Gemm", [a, g], alpha=al, transA=flag(1 - ta), like=b)
+
+    def dc() -> str:
+        return e.reduce_to(g if beta == 1.0 else e.op("Mul", [g, e.scalar(beta, g)], like=g), c)
+
+    return [da, db, None if c is None else dc][:len(node.inputs)]
 
 
 # ---------------------------------------------------------------------------------------------- Einsum
@@ -164,17 +166,17 @@ def _layout(tokens: list[str], lead: int, k: int) -> list[int]:
 
 
 @vjp("Einsum")
-def einsum(e: Emitter, node: Node, out_grads: list) -> list:
+def einsum(ctx: Ctx, node: Node, cts: list) -> list:
     """The cotangent of operand i is an Einsum of the output cotangent with the other operands whose
     output subscripts are operand i's (PyTorch ``einsum_backward``, the tensor-contraction form of
     ``dA = dY @ B^T``). Subscripts that make this impossible are fixed around it: a letter repeated in
     operand i (a diagonal) is renamed and tied to the original by an identity matrix; a letter that
     appears only in operand i (summed out) is dropped and broadcast back with ``Expand``; ellipsis and
     broadcast axes are placed first and summed with :meth:`Emitter.reduce_to`."""
+    e, g = ctx.e, cts[0]
     terms, out_term = parse_equation(node.attrs["equation"])
     if len(terms) != len(node.inputs):
         raise GraphError(f"{node.label()}: the equation has {len(terms)} operands but the node {len(node.inputs)}")
-    g = out_grads[0]
     toks = [_tokens(t) for t in terms]
     has_ell = any(ELLIPSIS in t for t in toks)
     ell_rank = []
@@ -183,12 +185,8 @@ def einsum(e: Emitter, node: Node, out_grads: list) -> list:
     lead = max(ell_rank, default=0)  # the output cotangent's ellipsis rank
     taken = set(node.attrs["equation"])
 
-    grads: list = []
-    for i, x in enumerate(node.inputs):
-        if not e.need[i]:
-            grads.append(None)
-            continue
-        k = ell_rank[i]
+    def cotangent(i: int) -> str:
+        x, k = node.inputs[i], ell_rank[i]
         spare = (ch for ch in string.ascii_lowercase + string.ascii_uppercase if ch not in taken)
         operands = [(g, out_term)] + [(v, terms[j]) for j, v in enumerate(node.inputs) if j != i]
         letters: list[str] = []  # operand i's letters in order, repeats renamed
@@ -226,5 +224,6 @@ def einsum(e: Emitter, node: Node, out_grads: list) -> list:
         perm = _layout(toks[i], lead, k)
         if perm != list(range(len(perm))):
             t = e.op("Transpose", [t], perm=perm)
-        grads.append(_fit(e, t, x))
-    return grads
+        return _fit(e, t, x)
+
+    return [partial(cotangent, i) for i in range(len(node.inputs))]

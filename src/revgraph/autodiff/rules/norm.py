@@ -11,11 +11,16 @@ for a float64 input) with plain ONNX ops, so the backward graph can be different
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import cache, cached_property
+
 import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node, ValueInfo
-from ..registry import Emitter, vjp
+from ..context import Ctx, ForwardPatch, PatchedVJP
+from ..emitter import Emitter
+from ..registry import vjp
 
 
 def _attr(node: Node, name: str, default: float) -> float:
@@ -27,8 +32,9 @@ def _opt(node: Node, i: int) -> str | None:
     return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
 
 
-def _outs(out_grads: list, n: int) -> list:
-    return (list(out_grads) + [None] * n)[:n]
+def _pad(values: list, n: int) -> list:
+    """``values`` cut or padded with ``None`` to length ``n`` (optional outputs and inputs)."""
+    return (list(values) + [None] * n)[:n]
 
 
 def _work(e: Emitter, node: Node, x: str) -> str:
@@ -51,16 +57,33 @@ def _count(e: Emitter, z: str, axes: list[int]) -> str:
 
 
 class Stats:
-    """The standardization of ``z`` over ``axes`` (keepdims shapes), emitted once per rule."""
+    """The standardization of ``z`` over ``axes`` (keepdims shapes); each statistic is emitted once, when a
+    cotangent first reads it."""
 
     def __init__(self, e: Emitter, z: str, axes: list[int], eps: float):
-        self.e, self.z, self.axes = e, z, e.ints(axes)
-        self.axis_list = axes
+        self.e, self.z, self.axis_list, self.eps = e, z, axes, eps
+
+    @cached_property
+    def axes(self) -> str:
+        return self.e.ints(self.axis_list)
+
+    @cached_property
+    def d(self) -> str:
+        """``z - mu``."""
+        e, z = self.e, self.z
         mu = e.op("ReduceMean", [z, self.axes], keepdims=1)
-        self.d = e.op("Sub", [z, mu], like=z)
+        return e.op("Sub", [z, mu], like=z)
+
+    @cached_property
+    def inv(self) -> str:
+        """``(var + eps)^(-1/2)``."""
+        e, z = self.e, self.z
         var = e.op("ReduceMean", [e.op("Mul", [self.d, self.d], like=z), self.axes], keepdims=1)
-        self.inv = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, z)])])])
-        self.zh = e.op("Mul", [self.d, self.inv], like=z)
+        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(self.eps, z)])])])
+
+    @cached_property
+    def zh(self) -> str:
+        return self.e.op("Mul", [self.d, self.inv], like=self.z)
 
     def vjp(self, gzh: str | None, g_mean: str | None = None, g_var: str | None = None,
             g_inv: str | None = None) -> str:
@@ -102,31 +125,32 @@ def _back(e: Emitter, g: str | None, x: str) -> str | None:
 
 
 @vjp("LayerNormalization")
-def layer_norm(e: Emitter, node: Node, out_grads: list) -> list:
+def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """Standardization over ``[axis, rank)`` then ``Y = zh * Scale + B`` (ONNX "LayerNormalization");
     ``Scale`` and ``B`` broadcast unidirectionally, so their gradients are summed back with ``reduce_to``.
     The optional ``Mean`` and ``InvStdDev`` outputs carry gradients to ``X`` too."""
-    x, scale = node.inputs[:2]
-    bias = _opt(node, 2)
-    gy, g_mean, g_inv = _outs(out_grads, 3)
-    grads: list = [None] * len(node.inputs)
+    e, (x, scale), bias = ctx.e, node.inputs[:2], _opt(node, 2)
+    gy, g_mean, g_inv = _pad(cts, 3)
     rank = e.need_rank(x, node)
     axis = int(node.attrs.get("axis", -1))
     axis = axis + rank if axis < 0 else axis
     if not 0 <= axis < rank:
         raise GraphError(f"{node.label()}: axis {node.attrs.get('axis')} is out of range for rank {rank}")
-    if gy is not None and bias is not None and e.need[2]:
-        grads[2] = e.reduce_to(gy, bias)
-    if not (e.need[0] or (gy is not None and e.need[1])):
-        return grads
-    z = _work(e, node, x)
-    st = Stats(e, z, list(range(axis, rank)), _attr(node, "epsilon", 1e-5))
-    if gy is not None and e.need[1]:
-        grads[1] = e.reduce_to(e.op("Mul", [gy, _back(e, st.zh, x)], like=x), scale)
-    if e.need[0]:
+
+    @cache
+    def st() -> Stats:
+        return Stats(e, _work(e, node, x), list(range(axis, rank)), _attr(node, "epsilon", 1e-5))
+
+    def dx() -> str:
+        z = st().z
         gzh = None if gy is None else _back(e, e.op("Mul", [gy, scale], like=x), z)
-        grads[0] = _back(e, st.vjp(gzh, _back(e, g_mean, z), g_inv=_back(e, g_inv, z)), x)
-    return grads
+        return _back(e, st().vjp(gzh, _back(e, g_mean, z), g_inv=_back(e, g_inv, z)), x)
+
+    def dscale() -> str:
+        return e.reduce_to(e.op("Mul", [gy, _back(e, st().zh, x)], like=x), scale)
+
+    affine = [] if gy is None else [dscale, None if bias is None else lambda: e.reduce_to(gy, bias)]
+    return _pad([dx, *affine], len(node.inputs))
 
 
 # ---------------------------------------------------------------------------------------------- per channel
@@ -137,146 +161,163 @@ def _per_channel(e: Emitter, v: str, rank: int) -> str:
     return e.op("Unsqueeze", [v, e.ints([0, *range(2, rank)])])
 
 
-def _affine_grads(e: Emitter, node: Node, grads: list, gy: str, xh: str, rank: int) -> None:
-    """Gradients of ``scale`` and ``B`` (both ``[C]``, inputs 1 and 2) of ``Y = xh * scale + B``."""
-    axes = e.ints([0, *range(2, rank)])
-    if e.need[1]:
-        grads[1] = _back(e, e.op("ReduceSum", [e.op("Mul", [gy, xh]), axes], keepdims=0), node.inputs[1])
-    if e.need[2]:
-        grads[2] = _back(e, e.op("ReduceSum", [gy, axes], keepdims=0), node.inputs[2])
+def _chan(e: Emitter, v: str, x: str, rank: int) -> str:
+    """A ``[C]`` vector in ``x``'s dtype, shaped to broadcast along axis 1 of ``x``."""
+    return _per_channel(e, _back(e, v, x), rank)
+
+
+def _total(e: Emitter, v: str, rank: int, like: str) -> str:
+    """``v`` summed over every axis but the channel's (axis 1), in ``like``'s dtype."""
+    return _back(e, e.op("ReduceSum", [v, e.ints([0, *range(2, rank)])], keepdims=0), like)
+
+
+def _affine(e: Emitter, node: Node, gy: str, gy_xh: Callable[[], str], rank: int) -> list:
+    """The cotangents of ``scale`` and ``B`` (both ``[C]``, inputs 1 and 2) of ``Y = xh * scale + B``, as
+    functions (``gy_xh()`` emits ``dY * xh``)."""
+    scale, bias = node.inputs[1:3]
+    return [lambda: _total(e, gy_xh(), rank, scale), lambda: _total(e, gy, rank, bias)]
 
 
 @vjp("BatchNormalization")
-def batch_norm(e: Emitter, node: Node, out_grads: list) -> list:
+def batch_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "BatchNormalization" (opset 15). Inference (``training_mode=0``):
     ``Y = (X - mean) inv scale + B`` with ``inv = (var + eps)^(-1/2)``, so ``dX = dY scale inv``,
     ``dmean = -sum(dY) scale inv`` and ``dvar = -sum(dY xh) scale inv^2 / 2``. Training: the statistics are
     the batch's own (population variance over every axis but 1), and ``running_mean = mean m + mu (1 - m)``,
     ``running_var = var m + sigma^2 (1 - m)`` with ``m`` the momentum carry gradients to X, input_mean and
     input_var as those formulas say. Everything is computed in X's dtype and cast back per input."""
+    e, rank, eps = ctx.e, ctx.e.need_rank(node.inputs[0], node), _attr(node, "epsilon", 1e-5)
+    if node.attrs.get("training_mode", 0):
+        grads = _batch_norm_training(e, node, _pad(cts, 3), rank, eps)
+    else:
+        grads = [] if cts[0] is None else _batch_norm_inference(e, node, cts[0], rank, eps)
+    return _pad(grads, len(node.inputs))
+
+
+def _batch_norm_inference(e: Emitter, node: Node, gy: str, rank: int, eps: float) -> list:
+    """The cotangents of the five inputs for ``training_mode=0`` (the given ``mean`` and ``var``)."""
     x, scale, bias, mean, var = node.inputs[:5]
-    gy, g_rmean, g_rvar = _outs(out_grads, 3)
-    grads: list = [None] * len(node.inputs)
-    rank = e.need_rank(x, node)
-    axes = e.ints([0, *range(2, rank)])
-    eps = _attr(node, "epsilon", 1e-5)
 
-    def chan(v: str) -> str:
-        return _per_channel(e, _back(e, v, x), rank)
+    @cache
+    def inv() -> str:
+        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [_chan(e, var, x, rank), e.scalar(eps, x)])])])
 
-    def total(v: str, like: str) -> str:  # sum over every axis but the channel's, in ``like``'s dtype
-        return _back(e, e.op("ReduceSum", [v, axes], keepdims=0), like)
+    @cache
+    def scale_inv() -> str:
+        return e.op("Mul", [_chan(e, scale, x, rank), inv()])
 
-    if not node.attrs.get("training_mode", 0):
-        if gy is None:
-            return grads
-        inv = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [chan(var), e.scalar(eps, x)])])])
-        scale_inv = e.op("Mul", [chan(scale), inv])
-        if e.need[0]:
-            grads[0] = e.op("Mul", [gy, scale_inv], like=x)
-        if e.need[1] or e.need[4]:
-            xh = e.op("Mul", [e.op("Sub", [x, chan(mean)], like=x), inv], like=x)
-            gxh = e.op("Mul", [gy, xh], like=x)
-            grads[1] = total(gxh, scale) if e.need[1] else None
-            if e.need[4]:
-                half = e.op("Mul", [e.op("Mul", [scale_inv, inv]), e.scalar(-0.5, x)])
-                grads[4] = total(e.op("Mul", [gxh, half], like=x), var)
-        if e.need[2]:
-            grads[2] = total(gy, bias)
-        if e.need[3]:
-            grads[3] = total(e.op("Neg", [e.op("Mul", [gy, scale_inv], like=x)], like=x), mean)
-        return grads
+    @cache
+    def dx() -> str:
+        return e.op("Mul", [gy, scale_inv()], like=x)
 
+    @cache
+    def gxh() -> str:  # dY xh
+        xh = e.op("Mul", [e.op("Sub", [x, _chan(e, mean, x, rank)], like=x), inv()], like=x)
+        return e.op("Mul", [gy, xh], like=x)
+
+    def dvar() -> str:
+        half = e.op("Mul", [e.op("Mul", [scale_inv(), inv()]), e.scalar(-0.5, x)])
+        return _total(e, e.op("Mul", [gxh(), half], like=x), rank, var)
+
+    return [dx, lambda: _total(e, gxh(), rank, scale), lambda: _total(e, gy, rank, bias),
+            lambda: _total(e, e.op("Neg", [dx()], like=x), rank, mean), dvar]
+
+
+def _batch_norm_training(e: Emitter, node: Node, cts: list, rank: int, eps: float) -> list:
+    """The cotangents of the five inputs for ``training_mode=1``, from those of ``Y`` and the running statistics."""
+    (x, scale, _, mean, var), (gy, g_rmean, g_rvar) = node.inputs[:5], cts
     momentum = _attr(node, "momentum", 0.9)
-    if g_rmean is not None and e.need[3]:
-        grads[3] = e.op("Mul", [g_rmean, e.scalar(momentum, g_rmean)], like=mean)
-    if g_rvar is not None and e.need[4]:
-        grads[4] = e.op("Mul", [g_rvar, e.scalar(momentum, g_rvar)], like=var)
-    if gy is not None and e.need[2]:
-        grads[2] = total(gy, bias)
-    if not (e.need[0] or (gy is not None and e.need[1])):
-        return grads
-    st = Stats(e, x, [0, *range(2, rank)], eps)
-    gyzh = None if gy is None else e.op("Mul", [gy, st.zh], like=x)
-    if gy is not None and e.need[1]:
-        grads[1] = total(gyzh, scale)
-    if e.need[0] and gy is not None and g_rmean is None and g_rvar is None:
-        # Stats.vjp with gzh = gy * scale, the per-channel scale taken out of the means: two passes over x fewer
-        m1 = e.op("ReduceMean", [gy, st.axes], keepdims=1)
-        m2 = e.op("ReduceMean", [gyzh, st.axes], keepdims=1)
-        centred = e.op("Sub", [e.op("Sub", [gy, m1], like=x), e.op("Mul", [st.zh, m2], like=x)], like=x)
-        grads[0] = e.op("Mul", [centred, e.op("Mul", [st.inv, chan(scale)])], like=x)
-    elif e.need[0]:
+
+    @cache
+    def st() -> Stats:
+        return Stats(e, x, [0, *range(2, rank)], eps)
+
+    @cache
+    def gyzh() -> str:
+        return e.op("Mul", [gy, st().zh], like=x)
+
+    def dx() -> str:
+        if gy is not None and g_rmean is None and g_rvar is None:
+            # Stats.vjp with gzh = gy * scale, the per-channel scale taken out of the means: two passes over x fewer
+            m1 = e.op("ReduceMean", [gy, st().axes], keepdims=1)
+            m2 = e.op("ReduceMean", [gyzh(), st().axes], keepdims=1)
+            centred = e.op("Sub", [e.op("Sub", [gy, m1], like=x), e.op("Mul", [st().zh, m2], like=x)], like=x)
+            return e.op("Mul", [centred, e.op("Mul", [st().inv, _chan(e, scale, x, rank)])], like=x)
+
         def stat(g):  # a running statistic's cotangent, as the batch statistic's: times (1 - momentum)
-            return None if g is None else e.op("Mul", [chan(g), e.scalar(1.0 - momentum, x)])
-        gzh = None if gy is None else e.op("Mul", [gy, chan(scale)], like=x)
-        grads[0] = st.vjp(gzh, stat(g_rmean), stat(g_rvar))
-    return grads
+            return None if g is None else e.op("Mul", [_chan(e, g, x, rank), e.scalar(1.0 - momentum, x)])
+        gzh = None if gy is None else e.op("Mul", [gy, _chan(e, scale, x, rank)], like=x)
+        return st().vjp(gzh, stat(g_rmean), stat(g_rvar))
+
+    def running(g: str | None, like: str):  # the input statistic's share of the running one: times momentum
+        return None if g is None else lambda: e.op("Mul", [g, e.scalar(momentum, g)], like=like)
+
+    affine = [None, None] if gy is None else _affine(e, node, gy, gyzh, rank)
+    return [dx, *affine, running(g_rmean, mean), running(g_rvar, var)]
 
 
 @vjp("InstanceNormalization")
-def instance_norm(e: Emitter, node: Node, out_grads: list) -> list:
+def instance_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """Standardization over the spatial axes ``[2, rank)`` per sample and channel, then ``* scale + B`` with
     ``[C]`` vectors (ONNX "InstanceNormalization")."""
-    x, scale = node.inputs[:2]
-    gy = out_grads[0]
-    grads: list = [None] * len(node.inputs)
+    e, (x, scale), gy = ctx.e, node.inputs[:2], cts[0]
     rank = e.need_rank(x, node)
     if rank < 3:
         raise GraphError(f"{node.label()}: InstanceNormalization needs an input of rank >= 3, not {rank}")
-    if not any(e.need):
-        return grads
-    st = Stats(e, x, list(range(2, rank)), _attr(node, "epsilon", 1e-5))
-    _affine_grads(e, node, grads, gy, st.zh, rank)
-    if e.need[0]:
-        grads[0] = st.vjp(e.op("Mul", [gy, _per_channel(e, scale, rank)], like=x))
-    return grads
+
+    @cache
+    def st() -> Stats:
+        return Stats(e, x, list(range(2, rank)), _attr(node, "epsilon", 1e-5))
+
+    return [lambda: st().vjp(e.op("Mul", [gy, _per_channel(e, scale, rank)], like=x)),
+            *_affine(e, node, gy, lambda: e.op("Mul", [gy, st().zh]), rank)]
 
 
 @vjp("GroupNormalization")
-def group_norm(e: Emitter, node: Node, out_grads: list) -> list:
+def group_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """X ``[N, C, ...]`` viewed as ``[N, G, C/G * ...]`` is standardized over its last axis, viewed back, then
     ``* scale + bias`` with ``[C]`` vectors (ONNX "GroupNormalization", opset 21)."""
-    x, scale = node.inputs[:2]
-    gy = out_grads[0]
-    grads: list = [None] * len(node.inputs)
+    e, (x, scale), gy = ctx.e, node.inputs[:2], cts[0]
     rank = e.need_rank(x, node)
     if "num_groups" not in node.attrs:
         raise GraphError(f"{node.label()}: GroupNormalization needs the num_groups attribute")
-    groups = int(node.attrs["num_groups"])
-    if not any(e.need):
-        return grads
-    z = e.op("Reshape", [_work(e, node, x), e.ints([0, groups, -1])])
-    st = Stats(e, z, [2], _attr(node, "epsilon", 1e-5))
-    xshape = e.shape_of(x)
-    xh = e.op("Reshape", [_back(e, st.zh, x), xshape], like=x)
-    _affine_grads(e, node, grads, gy, xh, rank)
-    if e.need[0]:
+    groups = [0, int(node.attrs["num_groups"]), -1]  # the [N, G, C/G * ...] view
+
+    @cache
+    def st() -> Stats:
+        return Stats(e, e.op("Reshape", [_work(e, node, x), e.ints(groups)]), [2], _attr(node, "epsilon", 1e-5))
+
+    @cache
+    def xshape() -> str:
+        return e.shape_of(x)
+
+    def dx() -> str:
         gxh = e.op("Mul", [gy, _per_channel(e, scale, rank)], like=x)
-        gz = st.vjp(_back(e, e.op("Reshape", [gxh, e.ints([0, groups, -1])]), z))
-        grads[0] = e.op("Reshape", [_back(e, gz, x), xshape], like=x)
-    return grads
+        gz = st().vjp(_back(e, e.op("Reshape", [gxh, e.ints(groups)]), st().z))
+        return e.op("Reshape", [_back(e, gz, x), xshape()], like=x)
+
+    def gy_xh() -> str:
+        return e.op("Mul", [gy, e.op("Reshape", [_back(e, st().zh, x), xshape()], like=x)])
+
+    return [dx, *_affine(e, node, gy, gy_xh, rank)]
 
 
 # ---------------------------------------------------------------------------------------------- Dropout
 
 
-def _mask(e: Emitter, node: Node) -> str:
-    """The forward node's mask output, added to the node when it has none, so that the backward pass uses
-    the very mask the forward drew (a second Dropout would draw another)."""
+def _mask(e: Emitter, node: Node, patch: ForwardPatch) -> str:
+    """The forward node's mask output; when it has none, ``patch`` adds one, so that the backward pass uses the
+    very mask the forward drew (a second Dropout would draw another)."""
     if len(node.outputs) > 1 and node.outputs[1]:
         return node.outputs[1]
-    name = e.fresh(f"{node.name or 'Dropout'}/mask")
-    if len(node.outputs) > 1:
-        node.outputs[1] = name
-    else:
-        node.outputs.append(name)
-    e.types[name] = ValueInfo(name, np.dtype(bool), e.dims(node.inputs[0]))
-    return name
+    if 1 not in patch.outputs:
+        patch.outputs[1] = e.fresh(f"{node.name or 'Dropout'}/mask")
+        e.types[patch.outputs[1]] = ValueInfo(patch.outputs[1], np.dtype(bool), e.dims(node.inputs[0]))
+    return patch.outputs[1]
 
 
 @vjp("Dropout")
-def dropout(e: Emitter, node: Node, out_grads: list) -> list:
+def dropout(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
     """``output = data * mask / (1 - ratio)`` in training mode, ``data`` otherwise (ONNX "Dropout", opset 13),
     so ``ddata = dy / (1 - ratio)`` where the forward's mask is true and exactly 0 elsewhere.
 
@@ -286,29 +327,37 @@ def dropout(e: Emitter, node: Node, out_grads: list) -> list:
     reproduce. It is not the derivative of the expected loss (the mask's distribution moves with ``ratio``
     too, and ``E[output] = data`` does not depend on it); PyTorch, whose ``p`` is a Python float, gives none.
     In inference mode ``ratio`` has no effect and gets no gradient."""
-    x = node.inputs[0]
-    g = out_grads[0]
-    rest = [None] * (len(node.inputs) - 1)
+    e, x, g = ctx.e, node.inputs[0], cts[0]
+    n = len(node.inputs)
     if g is None:
-        return [None, *rest]
+        return [None] * n
     training, ratio = _opt(node, 2), _opt(node, 1)
-    mode = e.value(training) if training else np.asarray(False)
+    mode = ctx.value(training) if training else np.asarray(False)
     if mode is not None and not bool(np.asarray(mode).reshape(-1)[0]):
-        return [g, *rest]
-    mask = _mask(e, node)
-    rv = e.value(ratio) if ratio else np.asarray(0.5)
-    if rv is not None:
-        r = float(np.asarray(rv).reshape(-1)[0])
-        scale = e.scalar(1.0 / (1.0 - r) if r < 1.0 else 0.0, g)
-    else:
-        one = e.scalar(1.0, g)
-        scale = e.op("Div", [one, e.op("Sub", [one, e.op("CastLike", [ratio, g])])])
-    if mode is None:  # training_mode only known at run time: scale 1 when it is false (the mask is all true)
-        scale = e.op("Where", [training, scale, e.scalar(1.0, g)])
-    grads = [e.select(mask, e.op("Mul", [g, scale], like=x), like=x), *rest]
-    if ratio and e.need[1]:
-        grads[1] = _ratio_grad(e, node, g, scale, training if mode is None else None)
-    return grads
+        return _pad([g], n)
+
+    @cache
+    def scale() -> str:
+        rv = ctx.value(ratio) if ratio else np.asarray(0.5)
+        if rv is not None:
+            r = float(np.asarray(rv).reshape(-1)[0])
+            s = e.scalar(1.0 / (1.0 - r) if r < 1.0 else 0.0, g)
+        else:
+            one = e.scalar(1.0, g)
+            s = e.op("Div", [one, e.op("Sub", [one, e.op("CastLike", [ratio, g])])])
+        if mode is None:  # training_mode only known at run time: scale 1 when it is false (the mask is all true)
+            s = e.op("Where", [training, s, e.scalar(1.0, g)])
+        return s
+
+    patch = ForwardPatch()
+
+    def dx() -> str:
+        return ctx.select(_mask(e, node, patch), e.op("Mul", [g, scale()], like=x), like=x)
+
+    def dratio() -> str:
+        return _ratio_grad(e, node, g, scale(), training if mode is None else None)
+
+    return PatchedVJP(_pad([dx, dratio if ratio else None], n), {}, patch)
 
 
 def _ratio_grad(e: Emitter, node: Node, g: str, scale: str, training: str | None) -> str:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from ...ir import Node
-from ..registry import Emitter, vjp
+from ..context import Ctx
+from ..emitter import Emitter
+from ..registry import unary
 from .elementwise import strong
 
 
@@ -48,13 +50,10 @@ def is_noop(e: Emitter, node: Node) -> bool:
     return value is not None and value.size == 0 and bool(node.attrs.get("noop_with_empty_axes", 0))
 
 
-@vjp("ReduceSum")
-def reduce_sum(e: Emitter, node: Node, out_grads: list) -> list:
-    g = out_grads[0]
-    rest = [None] * (len(node.inputs) - 1)
-    if is_noop(e, node):
-        return [g, *rest]
-    return [expand_back(e, node, g), *rest]
+@unary("ReduceSum")
+def reduce_sum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
+    """``dx = dy`` broadcast back (ONNX "ReduceSum")."""
+    return g if is_noop(ctx.e, node) else expand_back(ctx.e, node, g)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -77,18 +76,13 @@ def reduce_like(e: Emitter, node: Node, op_type: str, v: str) -> str:
     return e.op(op_type, [v] if axes is None else [v, axes], keepdims=1, noop_with_empty_axes=noop)
 
 
-def _rest(node: Node) -> list:
-    return [None] * (len(node.inputs) - 1)
-
-
 # ------------------------------------------------------------------------------------------ rules
 
 
-@vjp("ReduceMean")
-def reduce_mean(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("ReduceMean")
+def reduce_mean(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy / n`` broadcast back, ``n`` the number of elements per group (ONNX "ReduceMean")."""
-    x, y = node.inputs[0], node.outputs[0]
-    g = out_grads[0]
+    e = ctx.e
     sx, sy = e.shape(x), e.shape(y)
     if sx is not None and sy is not None:
         count = e.scalar(float(np.prod(sx, dtype=np.int64)) / max(int(np.prod(sy, dtype=np.int64)), 1), g)
@@ -96,30 +90,28 @@ def reduce_mean(e: Emitter, node: Node, out_grads: list) -> list:
         ny = e.op("Max", [e.op("Size", [y]), e.const(np.int64(1))])
         count = e.op("CastLike", [e.op("Div", [e.op("Size", [x]), ny]), g])
     share = e.op("Div", [g, count], like=g)
-    return [e.op("Expand", [keep(e, node, share), e.shape_of(x)], like=x), *_rest(node)]
+    return e.op("Expand", [keep(e, node, share), e.shape_of(x)], like=x)
 
 
-@vjp("ReduceMax", "ReduceMin")
-def reduce_max_min(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("ReduceMax", "ReduceMin")
+def reduce_max_min(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """The cotangent goes to the elements equal to the extremum, split equally among ties (DESIGN.md
     section 5; JAX's ``_reduce_chooser_jvp_rule`` does the same)."""
-    x, y = node.inputs[0], node.outputs[0]
-    g = out_grads[0]
+    e = ctx.e
     hit = e.op("Equal", [x, keep(e, node, y)])
     count = reduce_like(e, node, "ReduceSum", e.op("CastLike", [hit, x], like=x))
     share = e.op("Div", [keep(e, node, g), e.op("Max", [count, e.scalar(1.0, x)])])  # no hit where y is NaN
-    return [e.select(hit, share, like=x), *_rest(node)]
+    return ctx.select(hit, share, like=x)
 
 
-@vjp("ReduceProd")
-def reduce_prod(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("ReduceProd")
+def reduce_prod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx_i = dy * prod_{j != i} x_j`` (ONNX "ReduceProd"; PyTorch's ``prod_backward``), computed without
     dividing by zero: with ``S = where(x == 0, 1, x)`` and ``Z`` the zero elements, the product of the others
     is ``(prod S / S_i) * prod_{k in Z, k != i} x_k``; the second factor is 1 when no other element is zero,
     ``x_k`` (value 0, derivative 1) when exactly one other ``x_k`` is, and 0 otherwise. Value and first
     derivative are exact at zeros too, so second derivatives are right."""
-    x = node.inputs[0]
-    g = out_grads[0]
+    e = ctx.e
     zero, one = e.scalar(0.0, x), e.scalar(1.0, x)
     is_zero = e.op("Equal", [x, zero])
     safe = e.op("Where", [is_zero, one, x], like=x)
@@ -131,49 +123,48 @@ def reduce_prod(e: Emitter, node: Node, out_grads: list) -> list:
     factor = e.op("Where", [e.op("Equal", [other_zeros, one]), lone_zero, zero], like=x)
     factor = e.op("Where", [e.op("Equal", [other_zeros, zero]), one, factor], like=x)
     others = e.op("Mul", [others_safe, factor], like=x)
-    return [strong(e, keep(e, node, g), others, x), *_rest(node)]  # the product of the others may overflow
+    return strong(ctx, keep(e, node, g), others, x)  # the product of the others may overflow
 
 
-@vjp("ReduceSumSquare")
-def reduce_sum_square(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("ReduceSumSquare")
+def reduce_sum_square(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = 2 x dy`` (ONNX "ReduceSumSquare")."""
-    x = node.inputs[0]
-    g2 = e.op("Mul", [keep(e, node, out_grads[0]), e.scalar(2.0, x)])
-    return [strong(e, g2, x, x, [x]), *_rest(node)]
+    e = ctx.e
+    g2 = e.op("Mul", [keep(e, node, g), e.scalar(2.0, x)])
+    return strong(ctx, g2, x, x, [x])
 
 
-@vjp("ReduceL2")
-def reduce_l2(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("ReduceL2")
+def reduce_l2(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * x / ||x||`` (ONNX "ReduceL2"; PyTorch's ``norm_backward``), with the 0 subgradient where
     the norm is 0 (there every x is 0, so dividing by 1 instead gives exactly 0)."""
-    x, y = node.inputs[0], node.outputs[0]
+    e = ctx.e
     yk = keep(e, node, y)
     safe = e.op("Where", [e.op("Equal", [yk, e.scalar(0.0, yk)]), e.scalar(1.0, yk), yk])
     unit = e.op("Div", [x, safe], like=x)
-    return [strong(e, keep(e, node, out_grads[0]), unit, x, [x]), *_rest(node)]
+    return strong(ctx, keep(e, node, g), unit, x, [x])
 
 
-@vjp("ReduceL1")
-def reduce_l1(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("ReduceL1")
+def reduce_l1(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * sign(x)`` (ONNX "ReduceL1"), the 0 subgradient at 0."""
-    x = node.inputs[0]
-    return [strong(e, keep(e, node, out_grads[0]), e.op("Sign", [x], like=x), x, [x]), *_rest(node)]
+    e = ctx.e
+    return strong(ctx, keep(e, node, g), e.op("Sign", [x], like=x), x, [x])
 
 
-@vjp("ReduceLogSumExp")
-def reduce_log_sum_exp(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("ReduceLogSumExp")
+def reduce_log_sum_exp(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * softmax(x) = dy * exp(x - y)`` (ONNX "ReduceLogSumExp"; JAX's ``logsumexp`` derivative).
     ``x - y <= 0`` since ``y >= max x``: the max-subtracted softmax, which cannot overflow."""
-    x, y = node.inputs[0], node.outputs[0]
+    e = ctx.e
     p = e.op("Exp", [e.op("Sub", [x, keep(e, node, y)], like=x)], like=x)
-    return [strong(e, keep(e, node, out_grads[0]), p, x, [x]), *_rest(node)]
+    return strong(ctx, keep(e, node, g), p, x, [x])
 
 
-@vjp("CumSum")
-def cumsum(e: Emitter, node: Node, out_grads: list) -> list:
+@unary("CumSum")
+def cumsum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """The transpose of a prefix sum is the suffix sum in the other direction, with the same exclusivity
     (ONNX "CumSum"; JAX's ``cumsum`` transpose rule)."""
-    x, axis = node.inputs
     exclusive = 1 if node.attrs.get("exclusive", 0) else None
     reverse = None if node.attrs.get("reverse", 0) else 1
-    return [e.op("CumSum", [out_grads[0], axis], exclusive=exclusive, reverse=reverse, like=x), None]
+    return ctx.e.op("CumSum", [g, node.inputs[1]], exclusive=exclusive, reverse=reverse, like=x)
