@@ -105,7 +105,7 @@ class Thirds:
     """A segment layout written in a test, as a user would: three segments of ceil(T / 3) iterations."""
 
     def _length(self, b, trips):
-        i64 = lambda v: b.const(np.array(v, np.int64))  # noqa: E731
+        i64 = lambda v: b.const(np.array(v, np.int64))
         return b.op("Max", [b.op("Div", [b.op("Add", [trips, i64(2)]), i64(3)]), i64(1)])  # 1 for T = 0
 
     def start(self, b, s, trips):

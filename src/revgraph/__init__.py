@@ -13,7 +13,7 @@ from .runtime import Session
 from .ssa import analyze as analyze_ssa
 from .ssa import is_ssa, to_ssa
 from .trainer import Trainer  # noqa: F401  (rg.Trainer: training with the graphs of revgraph.train)
-from .version import __version__
+from .version import __version__ as __version__
 
 __all__ = [
     "TARGET_OPSET",

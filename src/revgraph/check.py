@@ -24,16 +24,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from onnx import helper
 
 from .autodiff.api import gradient
 from .autodiff.arguments import resolve_loss, resolve_wrt
 from .autodiff.loops.lower import lower_to_loops
 from .errors import InputError, RevgraphError
-from .ir import Graph, Node, ValueInfo, fresh_name, require_graph
-from .types import infer_types
+from .ir import Graph, Node, ValueInfo, fresh_name, is_float_dtype, require_graph
 from .runtime import Session, expand_domains, random_inputs
 from .ssa import is_ssa, to_ssa
+from .types import infer_types
 
 _FLOAT_TYPES = {1, 10, 11, 16}  # onnx FLOAT, FLOAT16, DOUBLE, BFLOAT16 (float8 casts quantize: left alone)
 #: attributes that name an output dtype, and the operators whose default for it is FLOAT
@@ -86,18 +85,6 @@ class GradientReport:
 
 
 # ---------------------------------------------------------------------------------------------- float64
-
-
-def is_float_dtype(dtype: np.dtype | None) -> bool:
-    """True for float16, bfloat16, float32 and float64 (ml_dtypes' bfloat16 has numpy kind ``V``)."""
-    if dtype is None:
-        return False
-    if np.dtype(dtype).kind == "f":
-        return True
-    try:
-        return helper.np_dtype_to_tensor_dtype(np.dtype(dtype)) in _FLOAT_TYPES
-    except (KeyError, TypeError, ValueError):
-        return False
 
 
 def to_float64(graph: Graph) -> Graph:

@@ -13,22 +13,22 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .version import __version__
+from .atomic import check_outputs
 from .autodiff.accumulate import ACCUMULATE
 from .autodiff.api import gradient
 from .autodiff.policies import NAMED as _NAMED_POLICIES
 from .check import NOT_CHECKED, check_gradients
 from .devices import Device
 from .errors import InputError, RevgraphError
-from .ir import TARGET_OPSET, ValueInfo, is_float_dtype
-from .limits import open_regular_file
-from .lift import drop_unused_initializers, lift_constants
-from .atomic import check_outputs
 from .external_data import external_data_files, too_large
+from .ir import TARGET_OPSET, ValueInfo, is_float_dtype
+from .lift import drop_unused_initializers, lift_constants
+from .limits import open_regular_file
 from .npz import write_outputs
 from .onnx_io import check_valid, converter_error, load, save, to_onnx
 from .runtime import BACKENDS, Session, random_inputs
 from .text import LiteralConsole, cell
+from .version import __version__
 
 # Piped output keeps whole names and numbers instead of rich's 80-column truncation. Every string printed is
 # shown literally (names from a model may hold escape sequences, newlines or Rich markup): revgraph.text.
@@ -526,7 +526,7 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise RevgraphError(f"--nproc must be at least 1, got {args.nproc}")
     try:
-        import torch.distributed.run  # noqa: F401  (torchrun's module)
+        import torch.distributed.run
     except ImportError:
         raise RevgraphError('--nproc needs PyTorch for torchrun: pip install "revgraph[distributed]"') from None
     _check_train_outputs(args)

@@ -27,11 +27,19 @@ from .atomic import atomic_path
 from .errors import GraphError, RevgraphError, UnsupportedModelError
 from .ir import TARGET_OPSET, Graph, Node, ValueInfo, require_graph
 from .reading import (  # noqa: F401  (read_model, converter_error: API of this module)
-    check_graph_proto, check_loop_signatures, converter_error, inline_functions, model_proto, non_utf8_field,
-    onnx_error_line, read_model, tensor_array)
+    check_graph_proto,
+    check_loop_signatures,
+    converter_error,
+    inline_functions,
+    model_proto,
+    non_utf8_field,
+    onnx_error_line,
+    read_model,
+    tensor_array,
+)
 from .schema import get_schema
-from .version import __version__
 from .ssa import is_ssa, to_ssa
+from .version import __version__
 
 #: Operator domains a loaded model may import besides the default one.
 KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training")

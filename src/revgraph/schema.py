@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import onnx
-
 from typing import TYPE_CHECKING
+
+import onnx
 
 from .errors import GraphError
 

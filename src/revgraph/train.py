@@ -63,8 +63,8 @@ from .autodiff.policies import CheckpointPolicy
 from .errors import RevgraphError
 from .ir import Graph, Node, ValueInfo, fresh_name
 from .onnx_io import load
-from .types import infer_types
 from .ssa import is_ssa, to_ssa
+from .types import infer_types
 
 LOSSES = ("cross-entropy", "mse", "bce")
 OPTIMIZERS = ("sgd", "adam", "adamw")

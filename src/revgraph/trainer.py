@@ -23,12 +23,12 @@ import numpy as np
 import onnx
 
 from . import checkpoints
+from .autodiff.policies import CheckpointPolicy
 from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
 from .ir import Graph
 from .onnx_io import save
 from .steps import FusedEngine
-from .autodiff.policies import CheckpointPolicy
 from .train import Optimizer, TrainingGraph, training_graph
 
 Data = Mapping[str, np.ndarray] | tuple

@@ -1,14 +1,14 @@
 """Reverse-mode differentiation of graphs: the backward pass, the rule table, sparse gradients."""
 
+from .. import runtime as _runtime
 from . import rules  # noqa: F401  (registers the VJP rules)
 from .api import gradient
 from .backward import backward
 from .emitter import Emitter
-from .registry import NOT_DIFFERENTIABLE, RULES, vjp
 from .preview import DOMAIN as _PREVIEW_DOMAIN
 from .preview import expand_gradient_ops
+from .registry import NOT_DIFFERENTIABLE, RULES, vjp
 from .sparse import SparseGrad
-from .. import runtime as _runtime
 
 _runtime.EXPANDERS[_PREVIEW_DOMAIN] = expand_gradient_ops
 

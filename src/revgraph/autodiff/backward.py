@@ -21,9 +21,16 @@ from ..ir import Graph, Node, ValueInfo, require_graph
 from ..ssa import captured_names, is_ssa
 from ..types import differentiable, infer_types
 from .accumulate import Accumulator
-from .arguments import (default_wrt, known_names, names_argument, refuse_integer_loss, seeds_argument, suggest,
-                        used_names)
-from .context import BodyVJP, PatchedVJP, Ctx, Grad, Options, apply_patch
+from .arguments import (
+    default_wrt,
+    known_names,
+    names_argument,
+    refuse_integer_loss,
+    seeds_argument,
+    suggest,
+    used_names,
+)
+from .context import BodyVJP, Ctx, Grad, Options, PatchedVJP, apply_patch
 from .emitter import Emitter
 from .finite import nonfinite_cotangents, nonfinite_values
 from .loops.lower import lower_to_loops

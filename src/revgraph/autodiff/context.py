@@ -40,7 +40,7 @@ Cotangent = Grad | Callable[[], Grad | None] | None
 class Options:
     """Options of a whole backward pass that rules read: ``checkpoint``, the residual policy of loops."""
 
-    checkpoint: CheckpointPolicy = Store()
+    checkpoint: CheckpointPolicy = field(default_factory=Store)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import differentiable, keep_types
 from ..accumulate import Accumulator
-from ..context import PatchedVJP, Ctx
+from ..context import Ctx, PatchedVJP
 from ..registry import vjp
 from ..sparse import SparseGrad, densify
 from .reverse import body_types

@@ -20,7 +20,7 @@ from dataclasses import replace
 import numpy as np
 
 from ...ir import Graph, Node, ValueInfo
-from ..context import PatchedVJP, Ctx, ForwardPatch
+from ..context import Ctx, ForwardPatch, PatchedVJP
 from ..emitter import Emitter
 from ..policies import Boundary, Segments, Store
 from .reverse import I64, LoopParts, body_seeds, close_loop, count_trips, open_body, take_apart

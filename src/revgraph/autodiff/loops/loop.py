@@ -23,7 +23,7 @@ import numpy as np
 from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import keep_types
-from ..context import PatchedVJP, Ctx, ForwardPatch
+from ..context import Ctx, ForwardPatch, PatchedVJP
 from ..emitter import Emitter
 from ..policies import CheckpointPolicy, Segments, Store
 from ..registry import vjp

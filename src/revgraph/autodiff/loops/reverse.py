@@ -21,7 +21,7 @@ from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import differentiable, infer_types, keep_types
 from ..accumulate import Accumulator
-from ..context import PatchedVJP, Ctx, ForwardPatch, Grad
+from ..context import Ctx, ForwardPatch, Grad, PatchedVJP
 from ..emitter import Emitter
 from ..sparse import SparseGrad, densify
 

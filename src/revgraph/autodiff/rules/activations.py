@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from ...ir import Node, is_float_dtype
+from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import unary, vjp
@@ -27,11 +27,6 @@ from .elementwise import strong
 def _attr(node: Node, name: str, default: float) -> float:
     """A float attribute as the runtimes see it (ONNX float attributes are 32-bit)."""
     return float(np.float32(node.attrs.get(name, default)))
-
-
-def _floating(e: Emitter, x: str) -> bool:
-    dt = e.dtype(x)
-    return dt is None or is_float_dtype(dt)
 
 
 def _times(ctx: Ctx, g: str, d: str, x: str, reads: list[str]) -> str:
@@ -248,12 +243,9 @@ def mod(ctx: Ctx, node: Node, cts: list) -> list:
     """``y = a - n b`` with ``n`` the truncated (``fmod=1``) or floored (``fmod=0``) quotient, piecewise
     constant: ``da = dy``, ``db = -n dy`` (PyTorch's ``fmod``/``remainder`` derivatives). ``n`` is recovered as
     ``round((a - y) / b)``, exactly the integer the forward used even where ``a / b`` rounds across it.
-    Integer Mod has no gradient."""
+    Integer Mod has no gradient (the backward pass asks for none)."""
     e, (a, b) = ctx.e, node.inputs
     y, g = node.outputs[0], cts[0]
-    if not _floating(e, a):
-        return [None, None]
-
     def gb() -> str:
         n = e.op("Round", [e.op("Div", [e.op("Sub", [a, y]), b])], like=y)
         return e.reduce_to(strong(ctx, g, e.op("Neg", [n], like=y), y), b)

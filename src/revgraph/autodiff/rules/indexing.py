@@ -211,11 +211,11 @@ def _scatter_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs:
     if reduction in ("max", "min"):
         return _extremum_vjp(ctx, node, g, scatter, gather, attrs)
     if reduction == "none":
-        ddata = lambda: e.op(scatter, [g, idx, e.zeros_like(upd)], like=data, **attrs)  # noqa: E731
+        ddata = lambda: e.op(scatter, [g, idx, e.zeros_like(upd)], like=data, **attrs)
     elif reduction == "add":
         ddata = g
     else:
-        ddata = lambda: e.op("Mul", [g, _product_at(e, node, scatter, attrs)], like=data)  # noqa: E731
+        ddata = lambda: e.op("Mul", [g, _product_at(e, node, scatter, attrs)], like=data)
 
     def dupdates() -> str:
         if reduction == "mul":

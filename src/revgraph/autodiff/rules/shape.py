@@ -236,7 +236,7 @@ def _unslice_axis(e: Emitter, g: str, axis: int, dim: Dyn, lo: Dyn, n: Dyn, s: D
     if neg is True:
         g = _reverse(e, g, axis)
     elif neg is not False:
-        pick = lambda a, b: e.op("Where", [neg, e.ints([a]), e.ints([b])])  # noqa: E731
+        pick = lambda a, b: e.op("Where", [neg, e.ints([a]), e.ints([b])])
         g = e.op("Slice", [g, pick(-1, 0), pick(INT64_MIN, INT64_MAX), e.ints([axis]), pick(-1, 1)], like=g)
     if s == 1:
         length: Dyn = n
@@ -362,7 +362,7 @@ def _unpad_constant(e: Emitter, g: str, x: str, pads: str, axes: str | None) -> 
             g = e.op("Pad", [g, e.ints([max(-p, 0) for p in pv]), "", *tail])
         return _reshape_to(e, g, x)
     halves = e.op("Reshape", [e.op("Max", [pads, e.ints([0])]), e.ints([2, -1])])
-    row = lambda i: e.op("Reshape", [e.op("Slice", [halves, e.ints([i]), e.ints([i + 1])]), e.ints([-1])])  # noqa: E731
+    row = lambda i: e.op("Reshape", [e.op("Slice", [halves, e.ints([i]), e.ints([i + 1])]), e.ints([-1])])
     before, after = row(0), row(1)
     ends = e.op("Where", [e.op("Greater", [after, e.ints([0])]), e.op("Neg", [after]), e.ints([INT64_MAX])])
     g = e.op("Slice", [g, before, ends, *tail])
