@@ -1,14 +1,19 @@
-"""VJP rules of Conv and ConvTranspose, checked three ways by tests/harness.py (central differences, PyTorch
-autograd with the same parameters, second order) over drawn geometries, plus explicit cases: depthwise and
-grouped convolutions, odd sizes with stride 2, dilation, asymmetric pads, auto_pad, output_padding and
-output_shape, unknown dimensions, and the float32 graphs under onnxruntime.
+"""VJP rules of Conv, ConvTranspose, Col2Im and DeformConv, checked three ways by tests/harness.py (central
+differences, PyTorch autograd with the same parameters, second order) over drawn geometries, plus explicit
+cases: depthwise and grouped convolutions, odd sizes with stride 2, dilation, asymmetric pads, auto_pad,
+output_padding and output_shape, unknown dimensions, and the float32 graphs under onnxruntime. Col2Im is
+checked against PyTorch's ``fold``; DeformConv against a PyTorch reference written here (torchvision is not
+importable), onnxruntime's kernel and the reference evaluator's.
 
 float64 Conv/ConvTranspose run on the onnx reference evaluator (onnxruntime has no float64 kernels). Its
 grouped ConvTranspose is wrong, so grouped ConvTranspose is checked in float32 under onnxruntime instead."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
@@ -332,3 +337,227 @@ def test_conv_transpose_output_shape_notset_float32_onnxruntime():
     x, w, b = arrays(9, (2, 2, 4), (2, 3, 3), (3,))
     ort_vs_torch("ConvTranspose", {"x": x, "w": w, "b": b}, {"strides": [2], "output_shape": [8]},
                  torch_conv_transpose(1, [2], [1], [1, 0], [0], 1))
+
+
+
+# ------------------------------------------------------------------------------------------ Col2Im
+
+
+def torch_col2im(image, block, strides, dilations, pads):
+    """Col2Im as PyTorch's ``fold`` onto the padded image (ONNX pads may be asymmetric), the pads cut off."""
+    k = len(image)
+
+    def fn(x, **_):
+        padded = [d + pads[i] + pads[i + k] for i, d in enumerate(image)]
+        y = F.fold(x, padded, block, dilation=dilations, padding=0, stride=strides)
+        return y[(slice(None), slice(None), *(slice(pads[i], pads[i] + image[i]) for i in range(k)))]
+    return fn
+
+
+def col2im_case(image, block, strides, dilations, pads, n=2, c=2, seed=0):
+    k = len(image)
+    blocks = [(d + pads[i] + pads[i + k] - (dilations[i] * (block[i] - 1) + 1)) // strides[i] + 1
+              for i, d in enumerate(image)]
+    (x,) = arrays(seed, (n, c * int(np.prod(block)), int(np.prod(blocks))))
+    ins = {"x": x, "image": np.array(image, dtype=np.int64), "block": np.array(block, dtype=np.int64)}
+    return ins, {"strides": strides, "dilations": dilations, "pads": pads}
+
+
+@pytest.mark.parametrize("image, block, strides, dilations, pads", [
+    ([4, 5], [2, 2], [1, 1], [1, 1], [0, 0, 0, 0]),
+    ([5, 6], [2, 3], [2, 1], [1, 2], [1, 0, 1, 2]),   # overlapping and skipped pixels, asymmetric pads
+    ([6, 4], [3, 1], [3, 2], [2, 1], [2, 1, 0, 1]),   # blocks that reach into the padding only
+])
+def test_col2im(image, block, strides, dilations, pads):
+    ins, attrs = col2im_case(image, block, strides, dilations, pads)
+    g = one_node_graph("Col2Im", ins, attrs)
+    check_rule(g, {"x": ins["x"]}, torch_col2im(image, block, strides, dilations, pads))
+
+
+def test_col2im_3d():
+    """A volume: central differences and second order (PyTorch's fold is 2-D only)."""
+    ins, attrs = col2im_case([3, 4, 3], [2, 2, 1], [1, 2, 1], [1, 1, 2], [0, 1, 0, 1, 0, 1], n=1)
+    check_rule(one_node_graph("Col2Im", ins, attrs), {"x": ins["x"]})
+
+
+def test_col2im_float32_onnxruntime():
+    ins, attrs = col2im_case([5, 6], [2, 3], [2, 1], [1, 2], [1, 0, 1, 2])
+    x = ins.pop("x")
+    g = one_node_graph("Col2Im", {"x": x.astype(np.float32), **ins}, attrs)
+    tx = torch.tensor(x, requires_grad=True)
+    y = torch_col2im([5, 6], [2, 3], [2, 1], [1, 2], [1, 0, 1, 2])(tx)
+    u = np.random.default_rng(1).standard_normal(tuple(y.shape))
+    (y * torch.tensor(u)).sum().backward()
+    lg, _ = with_loss(g, {"y0": y.detach().numpy().astype(np.float32)})
+    out = rg.Session(rg.gradient(lg, loss="loss", wrt=["x"]), backend="onnxruntime").run(
+        {"x": x.astype(np.float32), "y0_u": u.astype(np.float32)})
+    np.testing.assert_allclose(out["x_grad"], tx.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_col2im_block_shape_at_run_time():
+    """A block shape fed at run time: the identity kernel is built in the graph (first order only: the Conv
+    VJP of the gradient graph would need the kernel size when the graph is built)."""
+    ins, attrs = col2im_case([5, 6], [2, 3], [2, 1], [1, 2], [1, 0, 1, 2])
+    g = one_node_graph("Col2Im", ins, attrs, float_inputs=["x"])
+    g.inputs.append(ValueInfo("block", np.dtype(np.int64), (2,)))
+    del g.initializers["block"]
+    check_rule(g, {"x": ins["x"], "block": ins["block"]}, torch_col2im([5, 6], [2, 3], [2, 1], [1, 2], [1, 0, 1, 2]),
+               wrt=["x"], second_order=False)
+
+
+# ------------------------------------------------------------------------------------------ DeformConv
+
+
+def torch_deform_conv(strides, dilations, pads, group, offset_group, kernel):
+    """DeformConv in PyTorch (torchvision's ``deform_conv2d`` is not importable here), any spatial rank: each
+    input channel sampled multilinearly at ``o*s - pb + k*d + offset`` (zero outside the input), times the
+    mask, then contracted with the weight per group (ONNX "DeformConv"; the offsets laid out as
+    ``[offset_group, *kernel, rank]``, the mask as ``[offset_group, *kernel]``)."""
+    def fn(x, w, off, b=None, mask=None, **_):
+        n, c, dims, k, og = x.shape[0], x.shape[1], list(x.shape[2:]), x.dim() - 2, offset_group
+        out = [(dims[j] + pads[j] + pads[j + k] - (kernel[j] - 1) * dilations[j] - 1) // strides[j] + 1
+               for j in range(k)]
+        taps, length, pixels = int(np.prod(kernel)), int(np.prod(out)), int(np.prod(dims))
+        offs = off.reshape(n, og, taps, k, length)
+        grid = np.indices(list(kernel) + out).reshape(2 * k, taps, length)
+        pos = [torch.tensor(grid[k + j] * strides[j] - pads[j] + grid[j] * dilations[j], dtype=x.dtype)
+               + offs[:, :, :, j] for j in range(k)]
+        planes = x.reshape(n, og, c // og, pixels)
+        val = 0
+        for bits in itertools.product((0, 1), repeat=k):
+            idx, weight = 0, 1
+            for j, bit in enumerate(bits):
+                low = torch.floor(pos[j])
+                at = low + bit
+                frac = pos[j] - low
+                weight = weight * (frac if bit else 1 - frac) * ((at >= 0) & (at <= dims[j] - 1)).to(x.dtype)
+                idx = idx * dims[j] + at.clamp(0, dims[j] - 1).long()
+            read = torch.gather(planes, 3, idx.reshape(n, og, 1, -1).expand(n, og, c // og, taps * length))
+            val = val + read * weight.reshape(n, og, 1, -1)
+        if mask is not None:
+            val = val * mask.reshape(n, og, 1, -1)
+        cols = val.reshape(n, group, (c // group) * taps, length)
+        y = torch.matmul(w.reshape(group, w.shape[0] // group, -1), cols).reshape(n, w.shape[0], *out)
+        return y if b is None else y + b.reshape(1, -1, *[1] * k)
+    return fn
+
+
+def deform_case(dims=(5, 6), kernel=(2, 3), strides=(1, 2), dilations=(2, 1), pads=(1, 0, 0, 1), group=2,
+                offset_group=2, n=2, cg=2, mg=2, scale=1.5, bias=True, mask=True, seed=0):
+    """Inputs and attributes of a DeformConv; offsets of standard deviation ``scale`` (some samples fall
+    outside the input), a mask of any sign."""
+    k = len(dims)
+    c, m = cg * group, mg * group
+    out = [(d + pads[j] + pads[j + k] - (kernel[j] - 1) * dilations[j] - 1) // strides[j] + 1
+           for j, d in enumerate(dims)]
+    taps = int(np.prod(kernel))
+    x, w, off, b, msk = arrays(seed, (n, c, *dims), (m, cg, *kernel), (n, offset_group * taps * k, *out), (m,),
+                               (n, offset_group * taps, *out))
+    ins = {"x": x, "w": w, "off": off * scale}
+    if bias or mask:
+        ins["b"] = b if bias else np.zeros(0)
+    if mask:
+        ins["mask"] = msk
+    attrs = {"strides": list(strides), "dilations": list(dilations), "pads": list(pads), "group": group,
+             "offset_group": offset_group}
+    fn = torch_deform_conv(list(strides), list(dilations), list(pads), group, offset_group, list(kernel))
+    return ins, attrs, fn
+
+
+def deform_graph(ins, attrs, opset=22):
+    float_ins = {k: v for k, v in ins.items() if v.size or k != "b"}
+    g = one_node_graph("DeformConv", float_ins, attrs)
+    if "b" in ins and not ins["b"].size:  # mask without bias: an empty name for B
+        g.nodes[0].inputs = ["x", "w", "off", "", "mask"]
+    g.opsets = {"": opset}
+    return g, float_ins
+
+
+@pytest.mark.parametrize("kw", [
+    {},                                                            # groups, offset groups, mask and bias
+    {"group": 1, "offset_group": 1, "bias": False, "mask": False},  # DCN v1
+    {"group": 1, "offset_group": 2, "cg": 2, "bias": False},        # mask, no bias
+    {"group": 2, "offset_group": 1, "strides": (2, 2), "pads": (2, 2, 2, 2), "scale": 3.0},  # far outside
+    {"dims": (4, 4), "kernel": (3, 3), "strides": (1, 1), "dilations": (1, 1), "pads": (1, 1, 1, 1), "group": 1,
+     "offset_group": 1, "n": 1, "cg": 3, "mg": 2},
+])
+def test_deform_conv(kw):
+    ins, attrs, fn = deform_case(**kw)
+    g, feeds = deform_graph(ins, attrs)
+    check_rule(g, feeds, lambda **t: fn(**t))
+
+
+def test_deform_conv_kernel_shape_attribute_opset21_and_symbolic_batch():
+    ins, attrs, fn = deform_case(group=1, offset_group=1, n=2, cg=1, mg=2)
+    g, feeds = deform_graph(ins, {**attrs, "kernel_shape": [2, 3]}, opset=21)
+    g.inputs = [ValueInfo(v.name, v.dtype, ("N", *v.shape[1:]) if v.name in ("x", "off", "mask") else v.shape)
+                for v in g.inputs]
+    check_rule(g, feeds, lambda **t: fn(**t))
+
+
+def test_deform_conv_reference_evaluator_agrees_with_torch():
+    """The PyTorch reference above against onnxruntime's kernel and onnx's DeformConv (GridSample on
+    normalised coordinates, which rounds to ~1e-7)."""
+    ins, attrs, fn = deform_case(dims=(4, 5), n=1, cg=1, mg=1, scale=2.0)
+    g, feeds = deform_graph(ins, attrs)
+    expected = fn(**{k: torch.tensor(v) for k, v in feeds.items()}).numpy()
+    for backend, tol in (("onnxruntime", 1e-12), ("reference", 1e-6)):
+        got = rg.Session(g, backend=backend).run(feeds)["y0"]
+        np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, err_msg=backend)
+
+
+@pytest.mark.parametrize("dims, kernel", [((7,), (3,)), ((4, 3, 3), (2, 1, 2))])
+def test_deform_conv_other_ranks(dims, kernel):
+    """1-D and 3-D DeformConv (the spec's N-D case): neither onnxruntime nor the reference evaluator runs
+    them, but the gradient graph does not contain the forward node, so it runs; against PyTorch autograd."""
+    k = len(dims)
+    ins, attrs, fn = deform_case(dims=dims, kernel=kernel, strides=(1,) * k, dilations=(1,) * k, pads=(1,) * (2 * k),
+                                 group=1, offset_group=1, n=1, cg=2, mg=2)
+    g, feeds = deform_graph(ins, attrs)
+    tin = {k_: torch.tensor(v, requires_grad=True) for k_, v in feeds.items()}
+    y = fn(**tin)
+    u = np.random.default_rng(3).standard_normal(tuple(y.shape))
+    (y * torch.tensor(u)).sum().backward()
+    g.outputs = [ValueInfo("y0", np.dtype(np.float64), tuple(y.shape))]
+    gg = rg.gradient(g, loss="y0", wrt=list(feeds), seed="input")
+    gg.outputs = [o for o in gg.outputs if o.name.endswith("_grad") and o.name != "y0_grad"]
+    gg.nodes = [nd for nd in gg.nodes if nd.op_type != "DeformConv"]
+    out = rg.Session(gg, backend="onnxruntime").run({**feeds, "y0_grad": u})
+    for name in feeds:
+        np.testing.assert_allclose(out[f"{name}_grad"], tin[name].grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_deform_conv_float32_onnxruntime():
+    ins, attrs, fn = deform_case(seed=4)
+    _, feeds = deform_graph(ins, attrs)
+    ort_vs_torch("DeformConv", feeds, attrs, lambda **t: fn(**t))
+
+
+def test_deform_conv_input_gradient_independent_of_thread_count():
+    """Offsets that pull every sample to a few pixels: the input gradient adds many rows at few positions,
+    with the sequential ScatterElements kernel (no reducing ScatterND), so onnxruntime's thread count does
+    not change it (tests/test_determinism.py)."""
+    ins, attrs, fn = deform_case(dims=(8, 8), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), pads=(1, 1, 1, 1),
+                                 group=1, offset_group=1, n=2, cg=16, mg=4, bias=False, mask=False, seed=5)
+    base = np.indices((3, 3, 8, 8)).reshape(4, 9, 64)
+    target = np.stack([3.5 - (base[2] - 1 + base[0]), 4.25 - (base[3] - 1 + base[1])], axis=1)  # all at (3.5, 4.25)
+    ins["off"] = np.broadcast_to(target.reshape(1, 18, 8, 8), ins["off"].shape).copy()
+    feeds = {k: v.astype(np.float32) for k, v in ins.items()}
+    g = one_node_graph("DeformConv", feeds, attrs)
+    tin = {k: torch.tensor(v, requires_grad=True) for k, v in ins.items()}
+    y = fn(**tin)
+    u = np.random.default_rng(6).standard_normal(tuple(y.shape))
+    (y * torch.tensor(u)).sum().backward()
+    lg, _ = with_loss(g, {"y0": y.detach().numpy().astype(np.float32)})
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    assert not any(n.op_type == "ScatterND" and n.attrs.get("reduction", "none") != "none" for n in gg.nodes)
+    model = rg.to_onnx(gg).SerializeToString()
+    first = None
+    for threads in (1, 2, 4):
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+        got = sess.run(["x_grad"], {**feeds, "y0_u": u.astype(np.float32)})[0]
+        np.testing.assert_allclose(got, tin["x"].grad.numpy(), rtol=1e-4, atol=1e-4)
+        first = got if first is None else first
+        np.testing.assert_array_equal(got, first, err_msg=f"{threads} threads")

@@ -1,6 +1,6 @@
 """VJP rules of the indexing operators (Gather, GatherElements, GatherND, ScatterND, ScatterElements, OneHot,
-TopK), checked three ways by the harness (central differences, PyTorch autograd, second order), plus the
-sparse gradients of gathered tables through ``revgraph.gradient``.
+TopK, Compress, ReverseSequence, TensorScatter), checked three ways by the harness (central differences,
+PyTorch autograd, second order), plus the sparse gradients of gathered tables through ``revgraph.gradient``.
 
 Where the rule's backward graph depends on the differentiated input (the tests that square the op's output),
 the second-order check differentiates the emitted scatters and gathers themselves.
@@ -383,3 +383,168 @@ def test_gather_and_dense_reader_three_way():
     )
     it = torch.tensor(i)
     check_rule(g, {"t": t, "w": w}, lambda t, w: (t[it] ** 2, t * w * t))
+
+
+# ---------------------------------------------------------------------------------------------- Compress
+
+
+@pytest.mark.parametrize("axis, cond", [
+    (None, [True, False, True, True, False, False, True]),  # flattened, shorter than the 12 elements
+    (0, [False, True, True]),
+    (1, [True, False, False, True]),
+    (-1, [False, True]),                                  # shorter than the axis: the rest is dropped
+    (1, [False, False, False, False]),                    # nothing kept: an empty output, zero gradient
+])
+def test_compress(axis, cond):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, 4))
+    cond = np.array(cond)
+    g = one_node_graph("Compress", {"x": x, "c": cond}, {} if axis is None else {"axis": axis})
+    kept = torch.tensor(np.flatnonzero(cond))
+
+    def fn(x, **_):
+        return x.reshape(-1)[kept] if axis is None else x.index_select(axis % 2, kept)
+
+    grads = check_rule(squared(g), {"x": x}, lambda x, **_: fn(x) ** 2)
+    if not cond.any():
+        np.testing.assert_array_equal(grads["x"], np.zeros_like(x))
+
+
+@pytest.mark.parametrize("axis", [None, 0, 2])
+def test_compress_condition_at_run_time(axis):
+    """A condition fed at run time (NonZero in the backward graph) and a symbolic leading dimension."""
+    rng = np.random.default_rng(12)
+    x, cond = rng.standard_normal((4, 2, 3)), np.array([True, False, True])
+    attrs = {} if axis is None else {"axis": axis}
+    g = Graph([Node("Compress", ["x", "c"], ["y0"], attrs, "op")],
+              [ValueInfo("x", x.dtype, ("N", 2, 3)), ValueInfo("c", np.dtype(bool), (3,))], [ValueInfo("y0")])
+    kept = torch.tensor(np.flatnonzero(cond))
+    fn = (lambda x, c: x.reshape(-1)[kept]) if axis is None else (lambda x, c: x.index_select(axis, kept))
+    check_rule(g, {"x": x, "c": cond}, fn, wrt=["x"])
+
+
+def test_compress_axis0_gives_sparse_rows():
+    """Along axis 0 Compress is a Gather of rows: with ``sparse=True`` the gradient is its rows."""
+    rng = np.random.default_rng(13)
+    x, u = rng.standard_normal((5, 2)), rng.standard_normal((2, 2))
+    g = Graph([Node("Compress", ["x", "c"], ["y"], {"axis": 0}, "op"), Node("Mul", ["y", "u"], ["p"], name="mul"),
+               Node("ReduceSum", ["p"], ["loss"], {"keepdims": 0}, name="sum")],
+              [ValueInfo("x", x.dtype, x.shape), ValueInfo("u", u.dtype, u.shape)], [ValueInfo("loss")],
+              {"c": np.array([False, True, False, False, True])})
+    out = rg.Session(rg.gradient(g, loss="loss", wrt=["x"], sparse=True)).run({"x": x, "u": u})
+    np.testing.assert_array_equal(out["x_grad_indices"], [1, 4])
+    np.testing.assert_array_equal(out["x_grad_values"], u)
+
+
+# ---------------------------------------------------------------------------------------------- ReverseSequence
+
+
+def reversed_index(shape: tuple, lens: np.ndarray, time_axis: int, batch_axis: int) -> torch.Tensor:
+    """Indices along ``time_axis`` that ReverseSequence reads: the first ``lens[b]`` reversed, the rest kept."""
+    idx = np.moveaxis(np.indices(shape)[time_axis], (batch_axis, time_axis), (0, 1)).copy()
+    for b, n in enumerate(lens):
+        idx[b, :n] = idx[b, :n][::-1]
+    return torch.tensor(np.moveaxis(idx, (0, 1), (batch_axis, time_axis)).copy())
+
+
+@pytest.mark.parametrize("time_axis, batch_axis, shape, lens", [
+    (0, 1, (5, 3, 2), [5, 1, 3]),
+    (1, 0, (3, 4), [2, 4, 1]),
+    (0, 1, (4, 2, 3, 2), [4, 4]),
+])
+def test_reverse_sequence(time_axis, batch_axis, shape, lens):
+    rng = np.random.default_rng(14)
+    x, lens = rng.standard_normal(shape), np.array(lens, dtype=np.int64)
+    g = one_node_graph("ReverseSequence", {"x": x, "lens": lens}, {"time_axis": time_axis, "batch_axis": batch_axis})
+    idx = reversed_index(shape, lens, time_axis, batch_axis)
+    check_rule(squared(g), {"x": x}, lambda x, **_: torch.gather(x, time_axis, idx) ** 2)
+
+
+# ---------------------------------------------------------------------------------------------- TensorScatter
+
+
+def torch_tensor_scatter(writes: np.ndarray | None, n_upd: int, axis: int, circular: bool):
+    """TensorScatter as ``torch.scatter`` along ``axis`` at ``write_indices[b] + s`` (mod the cache length)."""
+    def fn(p, u, **_):
+        ax = axis % p.dim()
+        w = np.zeros(p.shape[0], dtype=np.int64) if writes is None else writes
+        slots = w[:, None] + np.arange(n_upd)[None]
+        slots = slots % p.shape[ax] if circular else slots
+        shape = [p.shape[0]] + [1] * (p.dim() - 1)
+        shape[ax] = n_upd
+        lined = slots.reshape([p.shape[0]] + [1] * (ax - 1) + [n_upd] + [1] * (p.dim() - ax - 1))
+        return p.scatter(ax, torch.tensor(np.broadcast_to(lined, u.shape).copy()), u)
+    return fn
+
+
+def tensor_scatter_graph(past, upd, writes, attrs, dims=None) -> Graph:
+    ins = {"p": past, "u": upd, **({"w": writes} if writes is not None else {})}
+    g = one_node_graph("TensorScatter", ins, attrs)
+    g.opsets = {"": 24}  # TensorScatter is new in opset 24
+    if dims is not None:
+        g.inputs = [ValueInfo(v.name, v.dtype, d) for v, d in zip(g.inputs, dims, strict=True)]
+    return g
+
+
+@pytest.mark.parametrize("mode, axis, writes", [
+    ("linear", None, None),                   # prefill: slots 0 .. L-1, axis -2 by default
+    ("linear", None, [0, 3]),
+    ("linear", 1, [2, 0]),
+    ("circular", None, [4, 6]),               # wraps around (6 + 2 > 5, 4 + 1 = 5) and past the length
+    ("circular", 3, [1, 3]),
+    ("circular", 1, None),
+])
+def test_tensor_scatter(mode, axis, writes):
+    rng = np.random.default_rng(15)
+    shape = [2, 3, 5, 4]
+    ax = -2 if axis is None else axis
+    ushape = list(shape)
+    ushape[ax] = 2
+    past, upd = rng.standard_normal(shape), rng.standard_normal(ushape)
+    if mode == "linear" and writes is not None:
+        writes = [min(w, shape[ax] - 2) for w in writes]
+    writes = None if writes is None else np.array(writes, dtype=np.int64)
+    attrs = {"mode": mode, **({} if axis is None else {"axis": axis})}
+    g = tensor_scatter_graph(past, upd, writes, attrs)
+    fn = torch_tensor_scatter(writes, 2, ax, mode == "circular")
+    check_rule(squared(g), {"p": past, "u": upd}, lambda p, u: fn(p, u) ** 2)
+
+
+def test_tensor_scatter_full_length_and_run_time_indices():
+    """An update as long as the cache (every slot written: the cache gets zeros), write indices fed at run
+    time, and symbolic batch and cache lengths (Shape-based ramps)."""
+    rng = np.random.default_rng(16)
+    past, upd = rng.standard_normal((2, 3, 2)), rng.standard_normal((2, 3, 2))
+    writes = np.array([1, 2], dtype=np.int64)
+    g = tensor_scatter_graph(past, upd, None, {"mode": "circular", "axis": 1})
+    g.nodes[0].inputs.append("w")
+    g.inputs = [ValueInfo("p", past.dtype, ("B", "M", 2)), ValueInfo("u", upd.dtype, ("B", "S", 2)),
+                ValueInfo("w", np.dtype(np.int64), ("B",))]
+    fn = torch_tensor_scatter(writes, 3, 1, True)
+    grads = check_rule(g, {"p": past, "u": upd, "w": writes}, lambda p, u, w: fn(p, u), wrt=["p", "u"])
+    np.testing.assert_array_equal(grads["p"], np.zeros_like(past))
+
+
+def test_tensor_scatter_prefill_symbolic_lengths():
+    """No write indices and symbolic cache and update lengths: the slots 0 .. S-1 from Shape-based ramps."""
+    rng = np.random.default_rng(17)
+    past, upd = rng.standard_normal((2, 5, 3)), rng.standard_normal((2, 2, 3))
+    g = tensor_scatter_graph(past, upd, None, {"axis": 1}, dims=[("B", "M", 3), ("B", "S", 3)])
+    fn = torch_tensor_scatter(None, 2, 1, False)
+    check_rule(squared(g), {"p": past, "u": upd}, lambda p, u: fn(p, u) ** 2)
+
+
+def test_tensor_scatter_strong_zeros():
+    """The written slots of the cache get an exact 0 even where their cotangent is infinite: ``sum(1 /
+    present)`` with zeros written has an infinite cotangent there, and the cache's other slots get -1."""
+    past, upd = np.ones((1, 4, 2)), np.zeros((1, 2, 2))
+    g = tensor_scatter_graph(past, upd, np.array([1], dtype=np.int64), {"axis": 1})
+    g.nodes += [Node("Reciprocal", ["y0"], ["r"], name="recip"), Node("ReduceSum", ["r"], ["loss"], {"keepdims": 0},
+                                                                       name="sum")]
+    g.outputs = [ValueInfo("loss")]
+    with np.errstate(divide="ignore"):
+        out = rg.Session(rg.gradient(g, loss="loss", wrt=["p", "u"])).run({"p": past, "u": upd})
+    expected = -np.ones_like(past)
+    expected[:, 1:3] = 0.0
+    np.testing.assert_array_equal(out["p_grad"], expected)
+    assert np.isneginf(out["u_grad"]).all()

@@ -1,7 +1,7 @@
 """VJPs of indexing operators (ONNX operator spec, "Gather", "GatherElements", "GatherND", "ScatterND",
-"ScatterElements", "OneHot", "TopK"; derivatives as in PyTorch's ``tools/autograd/derivatives.yaml``:
-``index_select_backward``, ``gather_backward``, ``index_put``/``scatter``/``scatter_reduce`` and ``topk``
--> ``value_selecting_reduction_backward``).
+"ScatterElements", "OneHot", "TopK", "Compress", "ReverseSequence", "TensorScatter"; derivatives as in
+PyTorch's ``tools/autograd/derivatives.yaml``: ``index_select_backward``, ``gather_backward``,
+``index_put``/``scatter``/``scatter_reduce`` and ``topk`` -> ``value_selecting_reduction_backward``).
 
 A gather reads elements; its transpose adds the cotangent back at the read positions with a scatter whose
 ``reduction="add"`` accumulates repeated indices (DESIGN.md section 5). ``Gather`` along axis 0 returns the
@@ -33,7 +33,7 @@ from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 from ..segments import others_product
-from ..sparse import SparseGrad, scatter_nd_reduce
+from ..sparse import SparseGrad, add_rows, scatter_nd_reduce
 
 _INT64 = onnx.TensorProto.INT64
 
@@ -128,6 +128,13 @@ def _ungather(e: Emitter, node: Node, g: str) -> SparseGrad | str:
         static = all(isinstance(p, list) for p in parts)
         shape = tuple(d for p in parts for d in p) if static else None
         rows = e.op("Reshape", [g, _cat_shapes(e, parts)], shape=shape, dtype=e.dtype(g))
+    return _add_back(e, node, data, flat, rows, axis)
+
+
+def _add_back(e: Emitter, node: Node, data: str, flat: str, rows: str, axis: int) -> SparseGrad | str:
+    """Zeros of ``data``'s shape with the slices ``rows`` (``data``'s shape but ``K`` along ``axis``) added at
+    the positions ``flat`` (int64 [K], in ``[0, n)``, repeats accumulating) along ``axis``: the transpose of
+    ``Gather(data, flat, axis)``. Axis 0 gives a :class:`SparseGrad`; other axes a ScatterElements(add)."""
     if axis == 0:
         return SparseGrad(flat, rows, data)
     # ScatterElements needs indices of the updates' shape: the flat indices along `axis`, broadcast.
@@ -469,3 +476,100 @@ def top_k(ctx: Ctx, node: Node, cts: list) -> list:
     axis = _axis(e, node, x, -1, required=False)
     return [lambda: e.op("ScatterElements", [e.zeros_like(x), node.outputs[1], g], axis=axis, reduction="add", like=x),
             None]
+
+
+@vjp("Compress")
+def compress(ctx: Ctx, node: Node, cts: list) -> list:
+    """ONNX "Compress" (numpy.compress): ``y = Gather(x, k, axis)`` with ``k`` the positions where
+    ``condition`` is true (a condition shorter than the axis drops the rest), of the flattened ``x`` when
+    there is no ``axis``. The transpose adds ``g`` back at the kept positions (PyTorch
+    ``masked_select_backward``: ``masked_scatter`` into zeros); dropped positions get exact zeros. Along axis 0
+    the gradient is a :class:`SparseGrad` of rows, as Gather's; other axes and the flattened input use the
+    race-free ScatterElements (the positions are distinct anyway)."""
+    e, (x, cond), g = ctx.e, node.inputs, cts[0]
+
+    def dx() -> SparseGrad | str:
+        kept = _true_positions(e, cond)
+        if node.attrs.get("axis") is not None:
+            return _add_back(e, node, x, kept, g, _axis(e, node, x, 0))
+        flat = e.op("Reshape", [e.zeros_like(x), e.ints([-1])])
+        return e.op("Reshape", [add_rows(e, flat, kept, g), e.shape_of(x)], like=x)
+
+    return [dx, None]
+
+
+def _true_positions(e: Emitter, cond: str) -> str:
+    """int64 [K]: the positions where the 1-D bool ``cond`` is true, in order (a constant for a constant)."""
+    v = e.value(cond)
+    if v is not None:
+        return e.const(np.flatnonzero(np.asarray(v).reshape(-1)).astype(np.int64))
+    return e.op("Reshape", [e.op("NonZero", [cond]), e.ints([-1])], shape=(None,), dtype=np.dtype(np.int64))
+
+
+@vjp("ReverseSequence")
+def reverse_sequence(ctx: Ctx, node: Node, cts: list) -> list:
+    """ONNX "ReverseSequence": on every batch slice, a permutation of the time axis that reverses the first
+    ``sequence_lens[b]`` entries and keeps the rest, an involution, so its own transpose (as TensorFlow's
+    ``_ReverseSequenceGrad``): ``dx = ReverseSequence(g, sequence_lens)``."""
+    e, (x, lens), g = ctx.e, node.inputs, cts[0]
+    attrs = {k: node.attrs[k] for k in ("batch_axis", "time_axis") if k in node.attrs}
+    return [lambda: e.op("ReverseSequence", [g, lens], like=x, **attrs), None]
+
+
+@vjp("TensorScatter")
+def tensor_scatter(ctx: Ctx, node: Node, cts: list) -> list:
+    """ONNX "TensorScatter" (opset 24, the KV-cache update): ``present = past_cache`` with
+    ``update[..., s, ...]`` written at ``past_cache[..., p(b, s), ...]`` along ``axis``, ``p(b, s) =
+    write_indices[b] + s`` (mod ``max_sequence_length`` in ``circular`` mode; ``write_indices`` 0 when
+    omitted). The sequence_length positions written in a batch row are distinct (``sequence_length <=
+    max_sequence_length``), so the transpose sums nothing: ``past_cache`` gets ``g`` with the written slots
+    zeroed (a selection, exact zeros), ``update`` gets ``g`` read at the written slots (a ``Slice`` without
+    ``write_indices``, else ``GatherElements``); as ``index_put``/``index_copy`` in PyTorch's derivatives.yaml."""
+    e, g = ctx.e, cts[0]
+    past, upd = node.inputs[0], node.inputs[1]
+    w = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
+    circular = node.attrs.get("mode", "linear") == "circular"
+    r = e.need_rank(past, node)
+    axis = int(node.attrs.get("axis", -2)) % r
+    m, n = _dim(e, past, axis), _dim(e, upd, axis)
+    spread = [d for d in range(r) if d not in (0, axis)]  # [batch, sequence] tables -> rank r
+
+    def dpast() -> str:
+        mv, nv = e.value(m), e.value(n)
+        if w is None:  # slots 0 .. n-1 are written
+            if mv is not None and nv is not None:
+                shape = [1] * r
+                shape[axis] = int(mv)
+                kept = e.const((np.arange(int(mv)) >= int(nv)).reshape(shape))
+            else:
+                kept = e.op("Unsqueeze", [e.op("GreaterOrEqual", [_ramp(e, m), n]),
+                                          e.ints([d for d in range(r) if d != axis])])
+            return ctx.select(kept, g, like=past)
+        off = e.op("Sub", [e.op("Unsqueeze", [_ramp(e, m), e.ints([0])]), e.op("Unsqueeze", [w, e.ints([1])])])
+        if circular:  # Mod of integers takes the divisor's sign: 0 <= off < m
+            kept = e.op("GreaterOrEqual", [e.op("Mod", [off, m]), n])
+        else:
+            kept = e.op("Or", [e.op("Less", [off, e.const(np.int64(0))]), e.op("GreaterOrEqual", [off, n])])
+        kept = e.op("Unsqueeze", [kept, e.ints(spread)]) if spread else kept
+        return ctx.select(kept, g, like=past)
+
+    def dupdate() -> str:
+        if w is None:
+            return e.op("Slice", [g, e.ints([0]), e.op("Reshape", [n, e.ints([1])]) if e.value(n) is None
+                                  else e.ints([int(e.value(n))]), e.ints([axis])], like=upd)
+        slots = e.op("Add", [e.op("Unsqueeze", [w, e.ints([1])]), e.op("Unsqueeze", [_ramp(e, n), e.ints([0])])])
+        if circular:
+            slots = e.op("Mod", [slots, m])
+        slots = e.op("Unsqueeze", [slots, e.ints(spread)]) if spread else slots
+        slots = e.op("Expand", [slots, e.shape_of(upd)])
+        return e.op("GatherElements", [g, slots], axis=axis, like=upd)
+
+    return [dpast, dupdate, None][:len(node.inputs)]
+
+
+def _ramp(e: Emitter, n: str) -> str:
+    """int64 ``[0, 1, ..., n-1]`` for a 0-d int64 ``n`` (a constant when ``n`` is)."""
+    v = e.value(n)
+    if v is not None:
+        return e.const(np.arange(int(v), dtype=np.int64))
+    return e.op("Range", [e.const(np.int64(0)), n, e.const(np.int64(1))], shape=(None,), dtype=np.dtype(np.int64))
