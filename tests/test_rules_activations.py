@@ -226,6 +226,41 @@ def test_integer_mod_has_no_gradient_path():
     check_rule(g, {"x": x}, lambda x: torch.fmod(x.long(), 2).double() + x, second_order=False)
 
 
+# -------------------------------------------------------------------------------------- Swish (opset 24)
+
+
+def _swish_graph(x: np.ndarray, attrs: dict) -> Graph:
+    g = one_node_graph("Swish", {"x": x}, attrs)
+    g.opsets = {"": 24}
+    return g
+
+
+@SETTINGS
+@given(shape=SHAPES, alpha=st.sampled_from([None, 1.0, 0.5, -1.5]), seed=SEEDS)
+def test_swish(shape, alpha, seed):
+    x = np.random.default_rng(seed).standard_normal(shape) * 3
+    a = 1.0 if alpha is None else _attr(alpha)
+    check_rule(_swish_graph(x, {} if alpha is None else {"alpha": alpha}), {"x": x},
+               lambda x: x * torch.sigmoid(a * x))
+
+
+def test_swish_is_silu():
+    x = np.random.default_rng(31).standard_normal((2, 5)).astype(np.float32) * 4
+    torch_check(_swish_graph(x, {}), {"x": x}, lambda x: F.silu(x), wrt=["x"], rtol=1e-5, atol=1e-6)
+
+
+def test_swish_strong_zero_at_infinity():
+    # At x = -inf and inf the slope is 0 * -inf or inf * 0 (NaN): a zero cotangent must give 0.
+    x = np.array([-np.inf, np.inf, 2.0])
+    nodes = [Node("Swish", ["x"], ["y"], {"alpha": 0.5}, "op"), Node("Mul", ["y", "w"], ["y0"], name="mul")]
+    g = Graph(nodes, [ValueInfo("x", np.float64, (3,))], [ValueInfo("y0")], {"w": np.array([0.0, 0.0, 1.0])},
+              opsets={"": 24})
+    with np.errstate(all="ignore"):
+        grads = _grad(g, {"x": x}, ["x"], backend="onnxruntime")
+    s = 1 / (1 + np.exp(-1.0))
+    np.testing.assert_allclose(grads["x"], [0.0, 0.0, s * (1 + 1.0 * (1 - s))], rtol=1e-12)
+
+
 # -------------------------------------------------------------------------------------- kinks, strong zeros
 
 

@@ -1,5 +1,5 @@
-"""VJP rules of MatMul, Gemm and Einsum, checked three ways by tests/harness.py (central differences,
-PyTorch autograd, second order)."""
+"""VJP rules of MatMul, Gemm, Einsum and Det, checked three ways by tests/harness.py (central differences,
+PyTorch autograd, second order); Det also at singular matrices."""
 
 from __future__ import annotations
 
@@ -253,3 +253,95 @@ def test_product_gradient_graphs_are_valid_onnx(op, feeds, attrs):
     h.outputs = [ValueInfo("s")]
     wrt = [k for k in feeds if k != "c"]  # Gemm is linear in C: no second-order path from it
     onnx.checker.check_model(rg.to_onnx(rg.gradient(h, loss="s", wrt=wrt)), full_check=True)
+
+
+# ------------------------------------------------------------------------------------------ Det
+# onnxruntime has no float64 Det kernel: the harness runs float64 graphs that contain one with the reference
+# evaluator (forward and gradient graphs); float32 is run by onnxruntime below.
+
+
+def _cofactor_grad(x: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``u * cofactor(x)`` by brute force (numpy determinants of the minors), for any x, singular or not."""
+    n = x.shape[-1]
+    c = np.empty_like(x)
+    for i in range(n):
+        for j in range(n):
+            minor = np.delete(np.delete(x, i, axis=-2), j, axis=-1)
+            c[..., i, j] = (-1) ** (i + j) * (np.linalg.det(minor) if n > 1 else 1.0)
+    return np.asarray(u)[..., None, None] * c
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2), (3, 3), (2, 3, 3), (2, 1, 4, 4)])
+def test_det(shape):
+    x = np.random.default_rng(len(shape) + shape[-1]).standard_normal(shape)
+    check_rule(one_node_graph("Det", {"x": x}), {"x": x}, lambda x: torch.linalg.det(x))
+
+
+@pytest.mark.parametrize("rank", [2, 1, 0])
+def test_det_singular_matrices(rank):
+    # det is a polynomial: central differences and second order hold at singular matrices too. The cofactors
+    # are the gradient there (rank n - 1: a rank-one adjugate; below: 0), where det(X) X^-T is undefined.
+    rng = np.random.default_rng(rank)
+    x = np.stack([rng.standard_normal((3, rank)) @ rng.standard_normal((rank, 3)) for _ in range(2)])
+    assert np.allclose(np.linalg.det(x), 0.0)
+    grads = check_rule(one_node_graph("Det", {"x": x}), {"x": x}, lambda x: torch.linalg.det(x), rtol=1e-6, atol=1e-9)
+    u = np.random.default_rng(0).standard_normal(2)  # the harness's first draw: the cotangent of y0
+    np.testing.assert_allclose(grads["x"], _cofactor_grad(x, u), rtol=1e-9, atol=1e-12)
+    if rank < 2:
+        np.testing.assert_allclose(grads["x"], 0.0, atol=1e-12)
+    else:
+        assert np.abs(grads["x"]).max() > 1e-3
+
+
+def test_det_exactly_singular_with_zeros():
+    x = np.array([[[1.0, 2.0, 0.0], [2.0, 4.0, 0.0], [0.0, 0.0, 0.0]],
+                  [[0.0, 0.0, 0.0], [0.0, 3.0, 1.0], [0.0, 1.0, 5.0]]])
+    lg, _ = with_loss(one_node_graph("Det", {"x": x}), {"y0": np.zeros(2)})
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    u = np.array([1.5, -2.0])
+    got = rg.Session(gg, backend="reference").run({"x": x, "y0_u": u})["x_grad"]
+    expected = np.zeros_like(x)  # rank 1: no nonzero minor of order 2; rank 2: the one nonzero minor, det [[3, 1], [1, 5]]
+    expected[1, 0, 0] = -2.0 * 14.0
+    np.testing.assert_allclose(got, expected, rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(got, _cofactor_grad(x, u), rtol=1e-14, atol=1e-14)
+    assert np.isfinite(got).all()
+
+
+def test_det_float32_onnxruntime():
+    rng = np.random.default_rng(3)
+    x, u = rng.standard_normal((4, 3, 3)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    lg, _ = with_loss(one_node_graph("Det", {"x": x}), {"y0": u})
+    got = rg.Session(rg.gradient(lg, loss="loss", wrt=["x"])).run({"x": x, "y0_u": u})["x_grad"]
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    (torch.linalg.det(tx) * torch.tensor(u, dtype=torch.float64)).sum().backward()
+    np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_det_unknown_size():
+    x = np.random.default_rng(4).standard_normal((2, 3, 3))
+    g = symbolic(one_node_graph("Det", {"x": x}), ["x"])
+    check_rule(g, {"x": x}, lambda x: torch.linalg.det(x))
+    lg, _ = with_loss(g, {"y0": np.zeros(2)})
+    assert any(n.op_type == "Range" for n in rg.gradient(lg, loss="loss", wrt=["x"]).nodes)
+
+
+def test_det_empty_matrices_and_bad_shapes():
+    x = np.zeros((2, 0, 0))
+    lg, _ = with_loss(one_node_graph("Det", {"x": x}), {"y0": np.ones(2)})
+    got = rg.Session(rg.gradient(lg, loss="loss", wrt=["x"]), backend="reference").run({"x": x, "y0_u": np.ones(2)})
+    assert got["x_grad"].shape == (2, 0, 0)
+    g = one_node_graph("Det", {"x": np.zeros((2, 3))})
+    g.inputs = [ValueInfo("x", np.float64, (2, 3))]
+    with pytest.raises(GraphError, match="square"):
+        rg.gradient(g, loss="y0", wrt=["x"])
+
+
+def test_det_gradient_graphs_are_valid_onnx():
+    x = np.random.default_rng(5).standard_normal((2, 3, 3)).astype(np.float32)
+    lg, _ = with_loss(one_node_graph("Det", {"x": x}), {"y0": np.zeros(2, np.float32)})
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    onnx.checker.check_model(rg.to_onnx(gg), full_check=True)
+    h = gg.copy()
+    h.nodes.append(Node("ReduceSumSquare", ["x_grad"], ["s"], {"keepdims": 0}, name="s"))
+    h.outputs = [ValueInfo("s")]
+    onnx.checker.check_model(rg.to_onnx(rg.gradient(h, loss="s", wrt=["x"])), full_check=True)

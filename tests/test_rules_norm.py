@@ -1,5 +1,6 @@
 """VJP rules of normalizations and Dropout (rules/norm.py), three ways (central differences, PyTorch, second
-order) on random ranks, shapes and attributes; the optional statistics outputs; Dropout's reused mask."""
+order) on random ranks, shapes and attributes; the optional statistics outputs; Dropout's reused mask;
+RMSNormalization at opset 23, LpNormalization's zero vectors, MeanVarianceNormalization's constant groups."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from test_rules_activations import torch_check
 
 import revgraph as rg
+from revgraph.autodiff.simplify import simplify
 from revgraph.errors import GraphError
 from revgraph.ir import Graph, Node, ValueInfo
 
@@ -208,6 +210,189 @@ def test_layer_norm_float16_computes_in_float32():
     assert got["x_grad"].dtype == np.float16
     np.testing.assert_allclose(got["x_grad"], tx.grad.numpy(), rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(got["scale_grad"], ts.grad.numpy(), rtol=2e-2, atol=2e-2)
+
+
+# -------------------------------------------------------------------------------------- RMSNormalization
+
+
+def _opset(g: Graph, version: int) -> Graph:
+    g.opsets = {"": version}
+    return g
+
+
+@SETTINGS
+@given(case=layer_norm_case(), eps=EPS, seed=SEEDS)
+def test_rms_norm(case, eps, seed):
+    shape, axis, sshape, _ = case
+    rng = np.random.default_rng(seed)
+    feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(sshape)}
+    attrs = {"epsilon": eps} if axis == -1 else {"epsilon": eps, "axis": axis}
+    g = _opset(one_node_graph("RMSNormalization", feeds, attrs), 23)
+    dims = list(range(axis % len(shape), len(shape)))
+
+    def fn(x, scale):  # the spec's formula (F.rms_norm takes a scale of the normalized shape only)
+        return x * torch.rsqrt((x * x).mean(dims, keepdim=True) + f32(eps)) * scale
+
+    check_rule(g, feeds, fn)
+
+
+def test_rms_norm_like_pytorch():
+    rng = np.random.default_rng(21)
+    feeds = {"x": rng.standard_normal((2, 3, 4)), "scale": rng.standard_normal((3, 4))}
+    g = _opset(one_node_graph("RMSNormalization", feeds, {"axis": -2}), 23)
+    check_rule(g, feeds, lambda x, scale: F.rms_norm(x, (3, 4), scale, eps=f32(1e-5)))
+
+
+def test_rms_norm_float16_computes_in_float32():
+    rng = np.random.default_rng(22)
+    x, scale = rng.standard_normal((3, 8)).astype(np.float16), rng.standard_normal(8).astype(np.float16)
+    u = rng.standard_normal((3, 8)).astype(np.float16)
+    g = _opset(one_node_graph("RMSNormalization", {"x": x, "scale": scale}), 23)
+    lg, _ = with_loss(g, {"y0": x})
+    gg = rg.gradient(lg, loss="loss", wrt=["x", "scale"])
+    assert any(n.op_type == "Cast" and n.attrs.get("to") == 1 for n in gg.nodes)
+    got = rg.Session(gg).run({"x": x, "scale": scale, "y0_u": u})
+    tx, ts = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (x, scale))
+    (F.rms_norm(tx, (8,), ts, eps=f32(1e-5)) * torch.tensor(u, dtype=torch.float64)).sum().backward()
+    assert got["x_grad"].dtype == np.float16 and got["scale_grad"].dtype == np.float16
+    np.testing.assert_allclose(got["x_grad"], tx.grad.numpy(), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(got["scale_grad"], ts.grad.numpy(), rtol=2e-2, atol=2e-2)
+
+
+def test_rms_norm_symbolic_dims():
+    rng = np.random.default_rng(23)
+    feeds = {"x": rng.standard_normal((3, 2, 5)), "scale": rng.standard_normal((2, 1))}
+    g = _symbolic(_opset(one_node_graph("RMSNormalization", feeds, {"axis": 1}), 23), {"x": ("N", 2, "L")})
+    check_rule(g, feeds, lambda x, scale: x * torch.rsqrt((x * x).mean([1, 2], keepdim=True) + f32(1e-5)) * scale)
+
+
+# -------------------------------------------------------------------------------------- LpNormalization
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@SETTINGS
+@given(data=st.data(), seed=SEEDS)
+def test_lp_norm(p, data, seed):
+    shape = _shape(data.draw, 1)
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    x = np.random.default_rng(seed).standard_normal(shape)
+    x = np.where(np.abs(x) < 1e-3, 0.5, x)  # |x| has a kink at 0 (p = 1)
+    attrs = {"p": p, "axis": axis} if (p, axis) != (2, -1) else {}
+    g = _opset(one_node_graph("LpNormalization", {"x": x}, attrs), 22)
+    check_rule(g, {"x": x}, lambda x: F.normalize(x, p=p, dim=axis, eps=0.0))
+
+
+def test_lp_norm_opset_21():
+    x = np.random.default_rng(24).standard_normal((3, 4))
+    g = one_node_graph("LpNormalization", {"x": x}, {"axis": 0})
+    check_rule(g, {"x": x}, lambda x: F.normalize(x, dim=0, eps=0.0))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # the reference forward's 0 / 0
+@pytest.mark.parametrize("p", [1, 2])
+def test_lp_norm_zero_vector_gets_zero_gradient(p):
+    # ONNX defines the output at a zero vector as 0 and has no epsilon; revgraph defines the gradient there
+    # as 0 (PyTorch's F.normalize gives dy / eps). The other rows are PyTorch's; a zero element of a nonzero row
+    # takes the 0 subgradient of |x| for p = 1 (as torch.abs).
+    x = np.array([[0.0, 0.0, 0.0], [1.0, 0.0, -2.0], [0.5, 3.0, -1.0]])
+    u = np.random.default_rng(25).standard_normal(x.shape)
+    g = _opset(one_node_graph("LpNormalization", {"x": x}, {"p": p}), 22)
+    lg, _ = with_loss(g, {"y0": x})
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    out = [rg.Session(gg, backend=b).run({"x": x, "y0_u": u}) for b in ("onnxruntime", "reference")]
+    np.testing.assert_allclose(out[0]["x_grad"], out[1]["x_grad"], rtol=1e-12)
+    got = out[0]["x_grad"]
+    np.testing.assert_array_equal(got[0], 0.0)
+    tx = torch.tensor(x[1:], requires_grad=True)
+    (F.normalize(tx, p=p, dim=-1) * torch.tensor(u[1:])).sum().backward()
+    np.testing.assert_allclose(got[1:], tx.grad.numpy(), rtol=1e-12)
+
+
+def test_lp_norm_bad_p():
+    g = _opset(one_node_graph("LpNormalization", {"x": np.ones((2, 2))}, {"p": 3}), 22)
+    with pytest.raises(GraphError, match="p must be 1 or 2"):
+        rg.gradient(g, loss="y0", wrt=["x"])
+
+
+# -------------------------------------------------------------------------------------- MeanVarianceNormalization
+# Neither runtime has a float64 MeanVarianceNormalization (onnxruntime: float32 only; the reference evaluator runs
+# the function body, whose float32 epsilon it refuses to add to a float64 value), so float64 is checked on the
+# gradient graph alone (the forward node pruned): against PyTorch autograd, and second order against central
+# differences of the gradient graph and PyTorch's double backward. float32 runs end to end in onnxruntime.
+
+
+def _mvn_torch(axes):
+    def fn(x):
+        c = x - x.mean(axes, keepdim=True)
+        return c / (c.pow(2).mean(axes, keepdim=True).sqrt() + f32(1e-9))
+
+    return fn
+
+
+def _backward_only(g: Graph, x: np.ndarray, u: np.ndarray) -> Graph:
+    _declare(g, "y0", x)
+    lg, _ = with_loss(g, {"y0": x})
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    gg.outputs = [o for o in gg.outputs if o.name == "x_grad"]
+    gg = simplify(gg)
+    assert not any(n.op_type == "MeanVarianceNormalization" for n in gg.nodes)
+    return gg
+
+
+def _mvn_check(g: Graph, x: np.ndarray, axes: list[int], seed: int = 0):
+    rng = np.random.default_rng(seed)
+    u, v = rng.standard_normal(x.shape), rng.standard_normal(x.shape)
+    gg = _backward_only(g, x, u)
+    got = [rg.Session(gg, backend=b).run({"x": x, "y0_u": u})["x_grad"] for b in ("onnxruntime", "reference")]
+    np.testing.assert_allclose(got[0], got[1], rtol=1e-10, atol=1e-12)
+    tx = torch.tensor(x, requires_grad=True)
+    (tg,) = torch.autograd.grad((_mvn_torch(axes)(tx) * torch.tensor(u)).sum(), [tx], create_graph=True)
+    np.testing.assert_allclose(got[0], tg.detach().numpy(), rtol=1e-9, atol=1e-10)
+    (th,) = torch.autograd.grad((tg * torch.tensor(v)).sum(), [tx])
+    hv = gg.copy()
+    hv.inputs.append(ValueInfo("v", x.dtype, x.shape))
+    hv.nodes += [Node("Mul", ["x_grad", "v"], ["gv"], name="hv/mul"),
+                 Node("ReduceSum", ["gv"], ["s"], {"keepdims": 0}, "hv/sum")]
+    hv.outputs = [ValueInfo("s")]
+    hvp = rg.gradient(hv, loss="s", wrt=["x"])
+    run = rg.Session(gg).run
+    numeric = (run({"x": x + 1e-6 * v, "y0_u": u})["x_grad"] - run({"x": x - 1e-6 * v, "y0_u": u})["x_grad"]) / 2e-6
+    got_h = rg.Session(hvp).run({"x": x, "y0_u": u, "v": v})[hvp.output_names[-1]]
+    np.testing.assert_allclose(got_h, th.numpy(), rtol=1e-8, atol=1e-9)
+    np.testing.assert_allclose(got_h, numeric, rtol=1e-4, atol=1e-5)
+    return got[0], u
+
+
+@pytest.mark.parametrize("shape,axes", [((2, 3, 4, 2), None), ((2, 3, 4), [1]), ((3, 4), [-1, 0]),
+                                        ((2, 2, 3, 2), [0, 1, 2, 3]), ((4, 3), [0])])
+def test_mean_variance_norm(shape, axes):
+    x = np.random.default_rng(len(shape)).standard_normal(shape)
+    g = one_node_graph("MeanVarianceNormalization", {"x": x}, {} if axes is None else {"axes": axes})
+    _mvn_check(g, x, [a % len(shape) for a in (axes or [0, 2, 3])])
+
+
+def test_mean_variance_norm_float32():
+    x = np.random.default_rng(26).standard_normal((2, 3, 4, 2)).astype(np.float32)
+    g = one_node_graph("MeanVarianceNormalization", {"x": x})
+    _declare(g, "y0", x)
+    torch_check(g, {"x": x}, _mvn_torch([0, 2, 3]), wrt=["x"], backends=("onnxruntime",), rtol=2e-4, atol=2e-5)
+
+
+def test_mean_variance_norm_constant_group():
+    # Channel 1 is constant: c = 0 and s = 0 there, y = c / (s + eps) is differentiable with dx = (dy - mean dy) /
+    # eps (the sqrt's infinite slope meets c = 0); PyTorch's autograd gives NaN there.
+    x = np.random.default_rng(27).standard_normal((2, 3, 2, 2))
+    x[:, 1] = 3.0
+    g = one_node_graph("MeanVarianceNormalization", {"x": x})
+    u = np.random.default_rng(28).standard_normal(x.shape)
+    gg = _backward_only(g, x, u)
+    got = rg.Session(gg).run({"x": x, "y0_u": u})["x_grad"]
+    assert np.isfinite(got).all()
+    uc = u[:, 1]
+    np.testing.assert_allclose(got[:, 1], (uc - uc.mean()) / f32(1e-9), rtol=1e-12)
+    tx = torch.tensor(x[:, [0, 2]], requires_grad=True)
+    (_mvn_torch([0, 2, 3])(tx) * torch.tensor(u[:, [0, 2]])).sum().backward()
+    np.testing.assert_allclose(got[:, [0, 2]], tx.grad.numpy(), rtol=1e-9)
 
 
 # -------------------------------------------------------------------------------------- Instance, Group

@@ -1,6 +1,6 @@
-"""VJP rules of the reductions and CumSum, checked three ways by tests/harness.py (central differences,
-PyTorch autograd, second order), plus the conventions of DESIGN.md section 5: ties split equally, the 0
-subgradient of a zero norm, products with zeros."""
+"""VJP rules of the reductions, CumSum and CumProd, checked three ways by tests/harness.py (central
+differences, PyTorch autograd, second order), plus the conventions of DESIGN.md section 5: ties split equally,
+the 0 subgradient of a zero norm, products with zeros (ReduceProd, CumProd), strong zeros."""
 
 from __future__ import annotations
 
@@ -191,6 +191,48 @@ def test_reduce_log_sum_exp_large_inputs():
     np.testing.assert_allclose(got, u[:, None] * s / s.sum(1, keepdims=True), rtol=1e-12)
 
 
+# ------------------------------------------------------------------------------------------ ReduceLogSum
+# Positive inputs (the logarithm of a negative sum is NaN), so not in REDUCTIONS' sweeps over normal draws.
+
+
+def _log_sum(rank, axes, keepdims):
+    dims = tuple(range(rank)) if not axes else tuple(a % rank for a in axes)
+    return lambda x, **_: torch.log(x.sum(dims, keepdim=bool(keepdims)))
+
+
+@FAST
+@given(case=reduction_case())
+def test_reduce_log_sum(case):
+    shape, axes, keepdims, seed = case
+    x = np.random.default_rng(seed).uniform(0.2, 2.0, shape)
+    check_rule(reduction_graph("ReduceLogSum", x, axes, keepdims), {"x": x}, _log_sum(len(shape), axes, keepdims),
+               seed=seed)
+
+
+@pytest.mark.parametrize("axes,noop", [(None, 1), ([], 1), ([], 0), (None, None)])
+def test_reduce_log_sum_empty_axes(axes, noop):
+    """noop_with_empty_axes=1 without axes: log(x) elementwise; otherwise every axis is reduced."""
+    x = np.random.default_rng(14).uniform(0.2, 2.0, (3, 4))
+    g = reduction_graph("ReduceLogSum", x, axes, keepdims=0, noop=noop)
+    check_rule(g, {"x": x}, torch.log if noop else _log_sum(2, None, 0))
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce_log_sum_unknown_dimensions(keepdims):
+    x = np.random.default_rng(15).uniform(0.2, 2.0, (2, 3, 4))
+    g = reduction_graph("ReduceLogSum", x, [0, -1], keepdims)
+    g.inputs = [ValueInfo("x", x.dtype, ("n", "m", "k"))]
+    check_rule(g, {"x": x}, _log_sum(3, [0, -1], keepdims))
+
+
+def test_reduce_log_sum_zero_sum_is_strong():
+    """A zero sum: 1 / sum is inf; a zero cotangent there gives exactly 0, a nonzero one inf."""
+    x = np.array([[0.0, 0.0], [1.0, 3.0], [0.0, 0.0]])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        got = _grad(reduction_graph("ReduceLogSum", x, [1], 0), {"x": x}, np.array([0.0, 2.0, 1.0]))
+    np.testing.assert_array_equal(got, [[0.0, 0.0], [0.5, 0.5], [np.inf, np.inf]])
+
+
 # ------------------------------------------------------------------------------------------ CumSum
 
 
@@ -230,6 +272,123 @@ def test_cumsum_int32_axis_and_defaults(exclusive, reverse):
     attrs = {k: v for k, v in {"exclusive": exclusive, "reverse": reverse}.items() if v}
     g = one_node_graph("CumSum", {"x": x, "axis": np.asarray(-1, dtype=np.int32)}, attrs)
     check_rule(g, {"x": x}, torch_cumsum(1, exclusive, reverse))
+
+
+# ------------------------------------------------------------------------------------------ CumProd (opset 26)
+
+
+def torch_cumprod(axis, exclusive, reverse):
+    def fn(x, **_):
+        y = torch.flip(x, [axis]) if reverse else x
+        if exclusive:
+            y = torch.cat([torch.ones_like(y.narrow(axis, 0, 1)), y.narrow(axis, 0, y.shape[axis] - 1)], axis)
+        c = torch.cumprod(y, axis)
+        return torch.flip(c, [axis]) if reverse else c
+
+    return fn
+
+
+def cumprod_graph(x, axis, exclusive=0, reverse=0, axis_dtype=np.int64):
+    attrs = {k: v for k, v in {"exclusive": exclusive, "reverse": reverse}.items() if v}
+    g = one_node_graph("CumProd", {"x": x, "axis": np.asarray(axis, dtype=axis_dtype)}, attrs)
+    g.opsets = {"": 26}
+    return g
+
+
+def brute_cumprod_grad(x, u, axis, exclusive, reverse):
+    """``dx_i = sum_j u_j prod_{k in window(j), k != i} x_k`` by brute force along ``axis``."""
+    xm, um = np.moveaxis(x, axis, -1), np.moveaxis(u, axis, -1)
+    n = xm.shape[-1]
+    out = np.zeros_like(xm)
+    for j in range(n):
+        window = [k for k in range(n) if (k >= j if reverse else k <= j) and not (exclusive and k == j)]
+        for i in window:
+            others = [k for k in window if k != i]
+            out[..., i] += um[..., j] * np.prod(xm[..., others], axis=-1)
+    return np.moveaxis(out, -1, axis)
+
+
+@st.composite
+def cumprod_case(draw):
+    rank = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=rank, max_size=rank)))
+    axis = draw(st.integers(-rank, rank - 1))
+    zeros = draw(st.integers(0, 4))
+    return shape, axis, draw(st.booleans()), draw(st.booleans()), zeros, draw(st.integers(0, 2**31 - 1))
+
+
+@FAST
+@given(cumprod_case())
+def test_cumprod(case):
+    """Random shapes, axes and attributes, with up to four zeros (products with zeros are polynomials too:
+    central differences and second order hold there)."""
+    shape, axis, exclusive, reverse, zeros, seed = case
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape)
+    x.reshape(-1)[rng.integers(0, x.size, zeros)] = 0.0
+    g = cumprod_graph(x, axis, int(exclusive), int(reverse))
+    check_rule(g, {"x": x}, torch_cumprod(axis % len(shape), exclusive, reverse), seed=seed)
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_cumprod_several_zeros_exact(exclusive, reverse):
+    """Lines with one, two, three and only zeros, against the brute-force sum of products: no division, so
+    the elements after the first zero and the first zero itself get their exact gradients."""
+    rng = np.random.default_rng(16)
+    x = rng.uniform(0.5, 2.0, (5, 7)) * rng.choice([-1.0, 1.0], (5, 7))
+    x[0, 3] = 0.0
+    x[1, [1, 4]] = 0.0
+    x[2, [0, 2, 6]] = 0.0
+    x[3] = 0.0
+    g = cumprod_graph(x, 1, exclusive, reverse, np.int32)
+    grads = check_rule(g, {"x": x}, torch_cumprod(1, exclusive, reverse))
+    u = np.random.default_rng(0).standard_normal(x.shape)  # the harness's cotangent of y0
+    np.testing.assert_allclose(grads["x"], brute_cumprod_grad(x, u, 1, exclusive, reverse), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_cumprod_unknown_length(exclusive, reverse):
+    """A symbolic axis length: the scan is a Loop that doubles its step while it is below the length (second
+    order through it as well)."""
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((2, 11, 3))
+    x[0, [2, 5], 1] = 0.0
+    g = cumprod_graph(x, -2, exclusive, reverse)
+    g.inputs = [ValueInfo("x", x.dtype, (2, "n", 3))]
+    check_rule(g, {"x": x}, torch_cumprod(1, exclusive, reverse))
+    lg, _ = with_loss(g, {"y0": x})
+    assert any(n.op_type == "Loop" for n in rg.gradient(lg, loss="loss", wrt=["x"]).nodes)
+    for n in (1, 2, 4, 5):  # lengths around the powers of two, and 1 (no step)
+        xs = x[:, :n]
+        grads = check_rule(g, {"x": xs}, torch_cumprod(1, exclusive, reverse), second_order=False)
+        u = np.random.default_rng(0).standard_normal(xs.shape)
+        np.testing.assert_allclose(grads["x"], brute_cumprod_grad(xs, u, 1, exclusive, reverse), rtol=1e-12)
+
+
+def test_cumprod_strong_zeros_where_products_overflow():
+    """Partial products overflow to inf; the elements whose cotangents are all 0 get exactly 0, not NaN."""
+    x = np.array([1e200, 1e200, 1e200, 2.0])
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = _grad(cumprod_graph(x, 0), {"x": x}, np.array([1.0, 0.0, 0.0, 0.0]))
+        np.testing.assert_array_equal(got, [1.0, 0.0, 0.0, 0.0])
+        got = _grad(cumprod_graph(x, 0, reverse=1), {"x": x}, np.array([0.0, 0.0, 0.0, 1.0]))
+    np.testing.assert_array_equal(got, [0.0, 0.0, 0.0, 1.0])
+
+
+def test_cumprod_float32_and_valid_onnx():
+    x = np.random.default_rng(18).standard_normal((3, 9)).astype(np.float32)
+    x[1, 4] = 0.0
+    g = cumprod_graph(x, 1, exclusive=1)
+    lg, _ = with_loss(g, {"y0": x})
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    onnx.checker.check_model(rg.to_onnx(gg), full_check=True)
+    assert not any(n.op_type == "Pad" and len(n.inputs) > 3 for n in gg.nodes)  # no Pad with axes (issue 15)
+    u = np.random.default_rng(19).standard_normal(x.shape).astype(np.float32)
+    got = rg.Session(gg).run({"x": x, "y0_u": u})["x_grad"]
+    expected = brute_cumprod_grad(x.astype(np.float64), u.astype(np.float64), 1, 1, 0)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("op", [*sorted(REDUCTIONS), "CumSum"])

@@ -1,5 +1,5 @@
 """VJPs of pointwise activations and the remaining unary math of ONNX (ONNX operator spec, "Gelu" ...
-"Shrink"; derivatives as in PyTorch's ``tools/autograd/derivatives.yaml`` and JAX's ``jax/_src/lax/lax.py``).
+"Shrink", "Swish"; derivatives as in PyTorch's ``tools/autograd/derivatives.yaml`` and JAX's ``jax/_src/lax/lax.py``).
 
 Conventions (DESIGN.md section 5): at a kink next to a constant piece the 0 subgradient is taken (both kinks of
 ``HardSigmoid``, ``ThresholdedRelu`` and ``Shrink``; ``HardSwish = x HardSigmoid(x)`` follows by the product
@@ -67,6 +67,19 @@ def gelu(ctx, node, x, y, g):
         pdf = e.op("Mul", [gauss, e.scalar(1.0 / math.sqrt(2.0 * math.pi), x)], like=x)
         right = e.op("Mul", [x, pdf], like=x)
     return _times(ctx, g, e.op("Add", [left, right], like=x), x, [x])
+
+
+@unary("Swish")
+def swish(ctx, node, x, y, g):
+    """``y = x sigmoid(alpha x)`` (ONNX "Swish", opset 24): with ``s = sigmoid(alpha x)``,
+    ``dy/dx = s + alpha x s (1 - s) = s (1 + alpha x (1 - s))`` (PyTorch's ``silu_backward`` for alpha = 1)."""
+    e = ctx.e
+    alpha = _attr(node, "alpha", 1.0)
+    ax = x if alpha == 1.0 else e.op("Mul", [x, e.scalar(alpha, x)], like=x)
+    s = e.op("Sigmoid", [ax], like=x)
+    one = e.scalar(1.0, x)
+    d = e.op("Mul", [s, e.op("Add", [one, e.op("Mul", [ax, e.op("Sub", [one, s], like=x)], like=x)], like=x)], like=x)
+    return _times(ctx, g, d, x, [x])
 
 
 @unary("HardSigmoid")

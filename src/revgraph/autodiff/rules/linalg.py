@@ -1,6 +1,6 @@
-"""VJPs of matrix products (ONNX operator spec, "MatMul", "Gemm", "Einsum"; derivatives as in JAX's
-``jax/_src/lax/lax.py`` (``_dot_general_transpose_lhs/rhs``) and PyTorch's ``tools/autograd/derivatives.yaml``
-(``mm``, ``addmm``, ``einsum``)).
+"""VJPs of matrix products and determinants (ONNX operator spec, "MatMul", "Gemm", "Einsum", "Det"; derivatives
+as in JAX's ``jax/_src/lax/lax.py`` (``_dot_general_transpose_lhs/rhs``) and PyTorch's
+``tools/autograd/derivatives.yaml`` (``mm``, ``addmm``, ``einsum``, ``linalg_det``)).
 
 The cotangent of a product with respect to one factor is again a product: of the output cotangent with the
 other factors. Broadcast batch dimensions are undone afterwards with :meth:`Emitter.reduce_to`.
@@ -15,7 +15,7 @@ from functools import cache, partial
 import numpy as np
 
 from ...errors import GraphError
-from ...ir import Node
+from ...ir import Node, onnx_dtype
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
@@ -227,3 +227,59 @@ def einsum(ctx: Ctx, node: Node, cts: list) -> list:
         return _fit(e, t, x)
 
     return [partial(cotangent, i) for i in range(len(node.inputs))]
+
+
+# ---------------------------------------------------------------------------------------------- Det
+
+
+def _cofactors(e: Emitter, x: str, rank: int) -> str:
+    """The cofactor matrices of ``x`` ``[*, n, n]``: ``C[.., i, j] = (-1)^(i + j) det(x without row i and
+    column j)``. The ``n^2`` minors are gathered as one ``[*, n, n, n-1, n-1]`` batch (rows and columns kept:
+    ``keep[i, j] = j + (j >= i)``) and given to ``Det``, whose VJP is this one again (gradients of gradients).
+    Constants when ``n`` is static, ``Range``-based indices otherwise."""
+    dims, dt = e.dims(x), e.dtype(x)
+    n = next((d for d in (dims[-1], dims[-2]) if isinstance(d, int)), None)
+    i64 = np.int64
+    if n is not None:
+        keep = e.const(np.array([[j + (j >= i) for j in range(n - 1)] for i in range(n)], dtype=i64).reshape(n, n - 1))
+        signs = 1 - 2 * (np.add.outer(np.arange(n), np.arange(n)) % 2)
+        sign = e.const(signs.astype(dt)) if dt is not None else e.op("CastLike", [e.const(signs.astype(np.float32)), x])
+    else:
+        size = e.op("Squeeze", [e.op("Shape", [x], start=-1)], dtype=np.dtype(i64), shape=())
+        zero, one = e.const(i64(0)), e.const(i64(1))
+        rows = e.op("Range", [zero, size, one])
+        cols = e.op("Range", [zero, e.op("Sub", [size, one]), one])
+        col_row = e.op("Unsqueeze", [cols, e.ints([0])])
+        row_col = e.op("Unsqueeze", [rows, e.ints([1])])
+        keep = e.op("Add", [col_row, e.op("Cast", [e.op("GreaterOrEqual", [col_row, row_col])], to=onnx_dtype(np.int64))])
+        parity = e.op("Mod", [e.op("Add", [row_col, e.op("Unsqueeze", [rows, e.ints([0])])]), e.const(i64(2))])
+        sign = e.op("CastLike", [e.op("Sub", [one, e.op("Mul", [parity, e.const(i64(2))])]), x])
+    b = rank - 2
+    minors = e.op("Gather", [e.op("Gather", [x, keep], axis=b), keep], axis=rank)  # [*, i, rows, j, cols]
+    minors = e.op("Transpose", [minors], perm=[*range(b), b, b + 2, b + 1, b + 3])
+    return e.op("Mul", [e.op("Det", [minors]), sign], like=x)
+
+
+@vjp("Det")
+def det(ctx: Ctx, node: Node, cts: list) -> list:
+    """``d det(X) / dX = adj(X)^T``, the cofactor matrix (Jacobi's formula; ONNX "Det"), so ``dX = dy C``.
+    Written with cofactors, not ``det(X) X^-T`` (PyTorch's ``linalg_det_backward`` for invertible inputs;
+    it takes an SVD at singular ones, and ONNX has neither an inverse nor an SVD): exact at singular matrices
+    too (rank ``n - 1``: a rank-one adjugate; lower rank: 0). Cost ``n^2`` determinants of order ``n - 1`` per
+    matrix (:func:`_cofactors`), ``O(n^5)`` time and ``O(n^4)`` memory: meant for the small matrices ``Det``
+    is used on."""
+    e, x, g = ctx.e, node.inputs[0], cts[0]
+    rank = e.need_rank(x, node)
+    dims = e.dims(x)
+    if rank < 2 or (isinstance(dims[-1], int) and isinstance(dims[-2], int) and dims[-1] != dims[-2]):
+        raise GraphError(f"{node.label()}: Det needs square matrices [*, M, M], not the shape {tuple(dims)}")
+
+    def dx() -> str:
+        if dims[-1] == 0 or dims[-2] == 0:
+            return e.zeros_like(x)
+        gm = e.op("Unsqueeze", [g, e.ints([-2, -1])])
+        if dims[-1] == 1 or dims[-2] == 1:  # det [[a]] = a (no 0 x 0 minors to gather)
+            return e.op("Expand", [gm, e.shape_of(x)], like=x)
+        return e.op("Mul", [gm, _cofactors(e, x, rank)], like=x)
+
+    return [dx]

@@ -1,5 +1,6 @@
 """VJPs of normalizations and Dropout (ONNX operator spec, "BatchNormalization", "LayerNormalization",
-"InstanceNormalization", "GroupNormalization", "Dropout"; derivatives as in PyTorch's
+"InstanceNormalization", "GroupNormalization", "RMSNormalization", "LpNormalization",
+"MeanVarianceNormalization", "Dropout"; derivatives as in PyTorch's
 ``batch_norm_backward``/``native_layer_norm_backward`` in ``tools/autograd/derivatives.yaml`` and the
 batch-norm paper, https://arxiv.org/abs/1502.03167, section 3).
 
@@ -121,7 +122,17 @@ def _back(e: Emitter, g: str | None, x: str) -> str | None:
     return e.op("CastLike", [g, x], shape=e.dims(g), dtype=e.dtype(x))
 
 
-# ---------------------------------------------------------------------------------------------- LayerNorm
+# ---------------------------------------------------------------------------------------------- LayerNorm, RMSNorm
+
+
+def _trailing(e: Emitter, node: Node, x: str) -> list[int]:
+    """The axes ``[axis, rank)`` that LayerNormalization and RMSNormalization normalize over."""
+    rank = e.need_rank(x, node)
+    axis = int(node.attrs.get("axis", -1))
+    axis = axis + rank if axis < 0 else axis
+    if not 0 <= axis < rank:
+        raise GraphError(f"{node.label()}: axis {node.attrs.get('axis')} is out of range for rank {rank}")
+    return list(range(axis, rank))
 
 
 @vjp("LayerNormalization")
@@ -131,15 +142,11 @@ def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
     The optional ``Mean`` and ``InvStdDev`` outputs carry gradients to ``X`` too."""
     e, (x, scale), bias = ctx.e, node.inputs[:2], _opt(node, 2)
     gy, g_mean, g_inv = _pad(cts, 3)
-    rank = e.need_rank(x, node)
-    axis = int(node.attrs.get("axis", -1))
-    axis = axis + rank if axis < 0 else axis
-    if not 0 <= axis < rank:
-        raise GraphError(f"{node.label()}: axis {node.attrs.get('axis')} is out of range for rank {rank}")
+    axes = _trailing(e, node, x)
 
     @cache
     def st() -> Stats:
-        return Stats(e, _work(e, node, x), list(range(axis, rank)), _attr(node, "epsilon", 1e-5))
+        return Stats(e, _work(e, node, x), axes, _attr(node, "epsilon", 1e-5))
 
     def dx() -> str:
         z = st().z
@@ -151,6 +158,113 @@ def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
 
     affine = [] if gy is None else [dscale, None if bias is None else lambda: e.reduce_to(gy, bias)]
     return _pad([dx, *affine], len(node.inputs))
+
+
+@vjp("RMSNormalization")
+def rms_norm(ctx: Ctx, node: Node, cts: list) -> list:
+    """``Y = X r Scale`` with ``r = (mean(X^2) + eps)^(-1/2)`` over ``[axis, rank)`` (ONNX "RMSNormalization",
+    opset 23; Zhang and Sennrich, https://arxiv.org/abs/1910.07467; PyTorch's ``_fused_rms_norm_backward``).
+    With ``xh = X r`` and ``h = dY Scale``: ``dX = r (h - xh mean(h xh))`` (``dr/dX = -r^3 X / n``) and
+    ``dScale = dY xh`` summed to Scale's unidirectionally broadcast shape. ``X`` and ``Scale`` may have different
+    float types (``Y`` has Scale's); the statistics are computed in ``stash_type``'s precision as
+    LayerNormalization's."""
+    e, (x, scale), gy = ctx.e, node.inputs[:2], cts[0]
+    if gy is None:
+        return [None, None]
+    axes = _trailing(e, node, x)
+
+    @cache
+    def z() -> str:
+        return _work(e, node, x)
+
+    @cache
+    def axes_v() -> str:
+        return e.ints(axes)
+
+    @cache
+    def inv() -> str:
+        ms = e.op("ReduceMean", [e.op("Mul", [z(), z()], like=z()), axes_v()], keepdims=1)
+        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [ms, e.scalar(_attr(node, "epsilon", 1e-5), z())])])])
+
+    @cache
+    def zh() -> str:
+        return e.op("Mul", [z(), inv()], like=z())
+
+    def dx() -> str:
+        h = _back(e, e.op("Mul", [gy, scale], like=gy), z())
+        m = e.op("ReduceMean", [e.op("Mul", [h, zh()], like=z()), axes_v()], keepdims=1)
+        d = e.op("Mul", [inv(), e.op("Sub", [h, e.op("Mul", [zh(), m], like=z())], like=z())], like=z())
+        return _back(e, d, x)
+
+    def dscale() -> str:
+        return e.reduce_to(e.op("Mul", [gy, _back(e, zh(), gy)], like=gy), scale)
+
+    return [dx, dscale]
+
+
+@vjp("LpNormalization")
+def lp_norm(ctx: Ctx, node: Node, cts: list) -> list:
+    """``y = x / n`` with ``n = ||x||_p`` along ``axis``, ``p`` 1 or 2, and ``y = 0`` where ``n = 0`` (ONNX
+    "LpNormalization", opset 22). ``dn/dx = t`` with ``t = y`` for ``p = 2`` and ``sign(x)`` for ``p = 1``
+    (the 0 subgradient of ``|x|`` at 0), so ``dx = (dy - t sum(dy y)) / n``. At a zero vector ``y`` is
+    constant 0 in no neighbourhood and ONNX has no epsilon (PyTorch's ``F.normalize`` divides by ``max(n,
+    eps)``, so its gradient there is ``dy / eps``): revgraph defines the gradient there as 0."""
+    e, x, g = ctx.e, node.inputs[0], cts[0]
+    p = int(node.attrs.get("p", 2))
+    if p not in (1, 2):
+        raise GraphError(f"{node.label()}: LpNormalization's p must be 1 or 2, not {p}")
+    axis = int(node.attrs.get("axis", -1))
+    rank = e.rank(x)
+    if rank is not None and not -rank <= axis < rank:
+        raise GraphError(f"{node.label()}: axis {axis} is out of range for rank {rank}")
+
+    def dx() -> str:
+        axes = e.ints([axis])
+        n = e.op("ReduceL2" if p == 2 else "ReduceL1", [x, axes], keepdims=1)
+        zero = e.op("Equal", [n, e.scalar(0.0, x)])
+        safe = e.op("Where", [zero, e.scalar(1.0, x), n])
+        y = e.op("Div", [x, safe], like=x)  # 0 on zero vectors, as the forward
+        total = e.op("ReduceSum", [e.op("Mul", [g, y], like=x), axes], keepdims=1)
+        t = y if p == 2 else e.op("Sign", [x], like=x)
+        d = e.op("Div", [e.op("Sub", [g, e.op("Mul", [t, total], like=x)], like=x), safe], like=x)
+        return e.op("Where", [zero, e.scalar(0.0, x), d], like=x)
+
+    return [dx]
+
+
+#: the epsilon of MeanVarianceNormalization's function body (a float32 constant)
+MVN_EPSILON = float(np.float32(1e-9))
+
+
+@vjp("MeanVarianceNormalization")
+def mean_variance_norm(ctx: Ctx, node: Node, cts: list) -> list:
+    """``y = c / d`` over ``axes`` (default ``[0, 2, 3]``), ``c = x - mean(x)``, ``d = s + 1e-9``,
+    ``s = sqrt(mean(c^2))`` (ONNX "MeanVarianceNormalization", opset 13: the epsilon and the population
+    variance are those of its function body). ``ds/dx = c / (n s)``, so ``dx = (dy - mean(dy)) / d -
+    c mean(dy c) / (s d^2)``. Where ``s = 0`` (a constant group, ``c = 0``) ``y`` is differentiable with
+    ``dx = (dy - mean(dy)) / d``: the second term is taken as 0 there, as the 0 subgradient of a norm at 0."""
+    e, x, g = ctx.e, node.inputs[0], cts[0]
+    rank = e.need_rank(x, node)
+    axes = [int(a) for a in node.attrs.get("axes", [0, 2, 3])]
+    if not all(-rank <= a < rank for a in axes):
+        raise GraphError(f"{node.label()}: axes {axes} are out of range for rank {rank}")
+    axes = sorted({a % rank for a in axes})
+
+    def dx() -> str:
+        av = e.ints(axes)
+        zero = e.scalar(0.0, x)
+        c = e.op("Sub", [x, e.op("ReduceMean", [x, av], keepdims=1)], like=x)
+        s = e.op("Sqrt", [e.op("ReduceMean", [e.op("Mul", [c, c], like=x), av], keepdims=1)])
+        d = e.op("Add", [s, e.scalar(MVN_EPSILON, x)])
+        flat = e.op("Equal", [s, zero])
+        safe = e.op("Where", [flat, e.scalar(1.0, x), s])
+        mgc = e.op("ReduceMean", [e.op("Mul", [g, c], like=x), av], keepdims=1)
+        k = e.op("Div", [mgc, e.op("Mul", [safe, e.op("Mul", [d, d])])])
+        k = e.op("Where", [flat, zero, k])
+        centred = e.op("Sub", [g, e.op("ReduceMean", [g, av], keepdims=1)], like=x)
+        return e.op("Sub", [e.op("Div", [centred, d], like=x), e.op("Mul", [c, k], like=x)], like=x)
+
+    return [dx]
 
 
 # ---------------------------------------------------------------------------------------------- per channel

@@ -1,17 +1,19 @@
-"""VJPs of reductions (ONNX operator spec, "ReduceSum" ... "ReduceLogSumExp"; since opset 18 every
-reduction takes its axes as an optional second input, and ``noop_with_empty_axes`` decides what no axes
-mean).
+"""VJPs of reductions and scans (ONNX operator spec, "ReduceSum" ... "ReduceLogSumExp", "CumSum", "CumProd";
+since opset 18 every reduction takes its axes as an optional second input, and ``noop_with_empty_axes``
+decides what no axes mean).
 
 Strong zeros (DESIGN section 5): the products of the cotangent with forward values (``2 x``, ``sign(x)``,
 ``x / |x|``, ``exp(x - y)``) are guarded where those values may be inf or NaN (:func:`strong`), the product of
-the others in ``ReduceProd`` always (it overflows); ``ReduceMax``/``ReduceMin`` select (exact 0 off the
-extremum, and 0 everywhere in a group whose extremum is NaN)."""
+the others in ``ReduceProd`` and ``CumProd`` and ``1 / sum`` in ``ReduceLogSum`` always (they overflow or are
+infinite at finite inputs); ``ReduceMax``/``ReduceMin`` select (exact 0 off the extremum, and 0 everywhere in
+a group whose extremum is NaN)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...ir import Node
+from ...errors import GraphError
+from ...ir import Graph, Node, ValueInfo
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import unary
@@ -168,3 +170,129 @@ def cumsum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     exclusive = 1 if node.attrs.get("exclusive", 0) else None
     reverse = None if node.attrs.get("reverse", 0) else 1
     return ctx.e.op("CumSum", [g, node.inputs[1]], exclusive=exclusive, reverse=reverse, like=x)
+
+
+@unary("ReduceLogSum")
+def reduce_log_sum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
+    """``y = log(sum(x))``, so ``dx = dy / sum(x)`` broadcast back (ONNX "ReduceLogSum"; the sum is recomputed
+    with the node's axes, ``keepdims=1``: one rounding, where ``exp(-y)`` would carry the logarithm's). A no-op
+    reduction (``noop_with_empty_axes=1`` and no axes) is ``log(x)``: ``dx = dy / x``. ``1 / sum`` is infinite
+    where the sum is 0: always strong (a zero cotangent gives 0)."""
+    e = ctx.e
+    total = reduce_like(e, node, "ReduceSum", x)  # x itself for a no-op reduction
+    share = strong(ctx, keep(e, node, g), e.op("Reciprocal", [total], like=total), None)
+    return e.op("Expand", [share, e.shape_of(x)], like=x)
+
+
+# ------------------------------------------------------------------------------------------ CumProd
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+def _guarded(e: Emitter, g: str, d: str) -> str:
+    """``g * d``, exactly 0 where ``g == 0`` whatever ``d`` (``Ctx.times`` for an emitter of a loop body)."""
+    zero = e.scalar(0.0, g)
+    return e.op("Where", [e.op("Equal", [g, zero]), zero, e.op("Mul", [g, d], like=g)], like=g)
+
+
+def _shift(e: Emitter, v: str, d, axis: int, rank: int, later: bool, fill: float) -> str:
+    """``v`` moved ``d`` places along ``axis``: ``out[i] = v[i + d]`` (``later``) or ``v[i - d]``, ``fill``
+    where that is outside; ``d`` is an int (``d <= n``) or an int64 ``[1]`` value (``d < n``). A ``Slice`` and a
+    ``Pad`` over every axis (no ``axes`` input: onnxruntime's transpose optimizer mishandles that, issue 15)."""
+    static = isinstance(d, int)
+    if later:
+        part = e.op("Slice", [v, e.ints([d]) if static else d, e.ints([INT64_MAX]), e.ints([axis])])
+    else:
+        end = e.ints([-d]) if static else e.op("Neg", [d])
+        part = e.op("Slice", [v, e.ints([0]), end, e.ints([axis])])
+    where = rank + axis if later else axis
+    if static:
+        pads = e.ints([d if i == where else 0 for i in range(2 * rank)])
+    else:
+        pads = e.op("Mul", [e.ints([int(i == where) for i in range(2 * rank)]), d])
+    return e.op("Pad", [part, pads, e.scalar(fill, v)], mode="constant", like=v)
+
+
+def _scan_step(e: Emitter, a: str, b: str, d, axis: int, rank: int, later: bool, last: bool) -> tuple[str, str | None]:
+    """One doubling step of the affine scan ``R[i] = b[i] + a[i] R[i + 1]`` (``later``; ``R[i - 1]`` otherwise;
+    0 past the end): ``(a, b)`` holds ``R[i] = b[i] + a[i] R[i + d]``, and composing it with the element ``d``
+    places on gives the same with ``2 d`` (Hillis and Steele's doubling, "Data parallel algorithms", CACM 1986;
+    Blelloch's first-order recurrences). ``b`` gathers cotangents: its products are strong."""
+    b2 = e.op("Add", [b, _guarded(e, _shift(e, b, d, axis, rank, later, 0.0), a)], like=b)
+    a2 = None if last else e.op("Mul", [a, _shift(e, a, d, axis, rank, later, 0.0)], like=a)
+    return b2, a2
+
+
+def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, n: int | None, x: str) -> str:
+    """``R`` with ``R[i] = b[i] + a[i] R[next(i)]`` along ``axis`` (``next(i) = i + 1`` when ``later``, else
+    ``i - 1``; ``R`` past the end is 0), by ``ceil(log2 n)`` doubling steps: unrolled for a static length ``n``,
+    a ``Loop`` that doubles ``d`` while ``d < n`` otherwise. Only products and sums: exact at zeros."""
+    if n is not None:
+        steps = []
+        d = 1
+        while d < n:
+            steps.append(d)
+            d *= 2
+        for k, d in enumerate(steps):
+            b, a = _scan_step(e, a, b, d, axis, rank, later, k == len(steps) - 1)
+        return b
+    i64 = np.dtype(np.int64)
+    length = e.op("Gather", [e.op("Shape", [x]), e.ints([axis])], axis=0, shape=(1,), dtype=i64)
+    one = e.ints([1])
+    eb = e.child(e.types, f"{e.prefix}/scan")
+    it, cond = eb.fresh(f"{e.prefix}/scan/i"), eb.fresh(f"{e.prefix}/scan/cond")
+    dims, dt = e.dims(x), e.dtype(x)
+    ins = [ValueInfo(eb.fresh(f"{e.prefix}/scan/{k}"), t, s) for k, t, s in
+           (("a", dt, dims), ("b", dt, dims), ("d", i64, (1,)))]
+    for v in ins:
+        eb.types[v.name] = v
+    a_in, b_in, d_in = (v.name for v in ins)
+    b_out, a_out = _scan_step(eb, a_in, b_in, d_in, axis, rank, later, False)
+    d_out = eb.op("Mul", [d_in, eb.ints([2])], shape=(1,), dtype=i64)
+    more = eb.op("Less", [d_out, length], shape=(1,), dtype=np.dtype(bool))
+    more = eb.op("Squeeze", [more, eb.ints([0])], shape=(), dtype=np.dtype(bool))
+    outs = [ValueInfo(more, np.dtype(bool), ()), ValueInfo(a_out, dt, dims), ValueInfo(b_out, dt, dims),
+            ValueInfo(d_out, i64, (1,))]
+    body = Graph(eb.nodes, [ValueInfo(it, i64, ()), ValueInfo(cond, np.dtype(bool), ()), *ins], outs,
+                 name=eb.fresh(f"{e.prefix}/scan_body").replace("/", "_"))
+    start = e.op("Squeeze", [e.op("Less", [one, length]), e.ints([0])], shape=(), dtype=np.dtype(bool))
+    _, r, _ = e.op("Loop", ["", start, a, b, one], n_out=3, shape=dims, dtype=dt, body=body)
+    e.types[r] = ValueInfo(r, dt, dims)
+    return r
+
+
+@unary("CumProd")
+def cumprod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
+    """ONNX "CumProd" (opset 26), without dividing by ``x`` (exact at any number of zeros). For the forward
+    direction, with ``E[i] = prod_{k<i} x_k`` (the exclusive products, from ``y``):
+
+    - inclusive, ``y_j = prod_{k<=j} x_k``: ``dx_i = sum_{j>=i} dy_j prod_{k<=j, k!=i} x_k = E_i S_i`` with
+      ``S_i = sum_{j>=i} dy_j prod_{i<k<=j} x_k``, that is ``S_i = dy_i + x_{i+1} S_{i+1}``;
+    - exclusive, ``y_j = prod_{k<j} x_k`` (``E = y``): ``dx_i = E_i U_{i+1}`` with ``U_i = dy_i + x_i U_{i+1}``.
+
+    These first-order linear recurrences run backwards along the axis as an associative scan of affine maps
+    (:func:`_affine_scan`, ``ceil(log2 n)`` steps of products and sums), as JAX differentiates ``cumprod``
+    through its associative scan, where PyTorch's ``cumprod_backward`` divides by ``x`` when it has no zero
+    and special-cases the first zero otherwise. ``reverse=1`` mirrors the axis. The products of the cotangent
+    with partial products are strong (they overflow): a zero cotangent gives exactly 0. Cost ``O(n log n)``
+    elementwise work per line; the axis (an input) must be a constant."""
+    e = ctx.e
+    av = ctx.value(node.inputs[1])
+    if av is None:
+        raise GraphError(f"{node.label()}: the CumProd VJP needs a constant axis input")
+    rank = e.need_rank(x, node)
+    axis = int(np.asarray(av).reshape(-1)[0])
+    if not -rank <= axis < rank:
+        raise GraphError(f"{node.label()}: axis {axis} is out of range for rank {rank}")
+    axis %= rank
+    dims = e.dims(x)
+    n = dims[axis] if isinstance(dims[axis], int) else None
+    if n == 0:
+        return e.zeros_like(x)
+    later = not node.attrs.get("reverse", 0)  # the recurrences run against the direction of the products
+    if node.attrs.get("exclusive", 0):
+        u = _affine_scan(e, x, g, axis, rank, later, n, x)
+        return strong(ctx, _shift(e, u, 1, axis, rank, later, 0.0), y, x)
+    a = _shift(e, x, 1, axis, rank, later, 0.0)
+    s = _affine_scan(e, a, g, axis, rank, later, n, x)
+    return strong(ctx, s, _shift(e, y, 1, axis, rank, not later, 1.0), x)
