@@ -239,10 +239,11 @@ def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, 
     i64 = np.dtype(np.int64)
     length = e.op("Gather", [e.op("Shape", [x]), e.ints([axis])], axis=0, shape=(1,), dtype=i64)
     one = e.ints([1])
-    eb = e.child(e.types, f"{e.prefix}/scan")
-    it, cond = eb.fresh(f"{e.prefix}/scan/i"), eb.fresh(f"{e.prefix}/scan/cond")
+    base = e.fresh("CumProd/scan")  # the doubling loop's names
+    eb = e.child(e.types, base)
+    it, cond = eb.fresh(f"{base}/i"), eb.fresh(f"{base}/cond")
     dims, dt = e.dims(x), e.dtype(x)
-    ins = [ValueInfo(eb.fresh(f"{e.prefix}/scan/{k}"), t, s) for k, t, s in
+    ins = [ValueInfo(eb.fresh(f"{base}/{k}"), t, s) for k, t, s in
            (("a", dt, dims), ("b", dt, dims), ("d", i64, (1,)))]
     for v in ins:
         eb.types[v.name] = v
@@ -254,7 +255,7 @@ def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, 
     outs = [ValueInfo(more, np.dtype(bool), ()), ValueInfo(a_out, dt, dims), ValueInfo(b_out, dt, dims),
             ValueInfo(d_out, i64, (1,))]
     body = Graph(eb.nodes, [ValueInfo(it, i64, ()), ValueInfo(cond, np.dtype(bool), ()), *ins], outs,
-                 name=eb.fresh(f"{e.prefix}/scan_body").replace("/", "_"))
+                 name=eb.fresh(f"{base}/body").replace("/", "_"))
     start = e.op("Squeeze", [e.op("Less", [one, length]), e.ints([0])], shape=(), dtype=np.dtype(bool))
     _, r, _ = e.op("Loop", ["", start, a, b, one], n_out=3, shape=dims, dtype=dt, body=body)
     e.types[r] = ValueInfo(r, dt, dims)
