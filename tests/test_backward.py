@@ -171,9 +171,9 @@ def test_unconnected_zero_warns_and_error_raises():
 
 
 def test_missing_rules_are_listed_together():
-    nodes = [N("Det", ["x"], "d1", "det1"), N("Det", ["x"], "d2", "det2"), N("Add", ["d1", "d2"], "loss", "add")]
+    nodes = [N("Unique", ["x"], "d1", "det1"), N("Unique", ["x"], "d2", "det2"), N("Add", ["d1", "d2"], "loss", "add")]
     g = Graph(nodes, [ValueInfo("x", np.float64, (3, 3))], [ValueInfo("loss")])
-    with pytest.raises(rg.GraphError, match=r"2 node\(s\).*'det1' \(Det\).*'det2' \(Det\)"):
+    with pytest.raises(rg.GraphError, match=r"2 node\(s\).*'det1' \(Unique\).*'det2' \(Unique\)"):
         rg.gradient(g)
 
 

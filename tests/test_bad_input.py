@@ -84,14 +84,14 @@ def test_unknown_op_and_unknown_domain(tmp_path, capsys):
 
 
 def test_ops_without_rules_all_listed(tmp_path, capsys):
-    nodes = [helper.make_node("Det", ["x"], ["d1"], name="det_a"), helper.make_node("Det", ["x"], ["d2"], name="det_b"),
+    nodes = [helper.make_node("Unique", ["x"], ["d1"], name="det_a"), helper.make_node("Unique", ["x"], ["d2"], name="det_b"),
              helper.make_node("Add", ["d1", "d2"], ["y"], name="sum")]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
     onnx.save(m, str(tmp_path / "det.onnx"))
     assert main(["grad", str(tmp_path / "det.onnx"), "-o", str(tmp_path / "g.onnx")]) == 2
-    one_line(capsys, "2 node(s)", "'det_a' (Det)", "'det_b' (Det)")
+    one_line(capsys, "2 node(s)", "'det_a' (Unique)", "'det_b' (Unique)")
     assert not (tmp_path / "g.onnx").exists()
 
 

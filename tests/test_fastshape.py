@@ -113,3 +113,31 @@ def test_an_empty_squeeze_axes_tensor_is_left_to_onnx():
     # onnx's inference keeps every axis, onnxruntime squeezes all size-1 axes: no fast answer either way
     e = _emitter({"x": (1, 3, 1)}, {"a": np.zeros(0, np.int64)})
     assert fastshape.infer(Node("Squeeze", ["x", "a"], ["y"], {}, "n"), e.types, e.values) is None
+
+
+RANK_CASES = [
+    ("ReduceMean", (2, 1, 4), [2], {}),
+    ("ReduceSum", (2, 3, 4), [0, -1], {"keepdims": 0}),
+    ("ReduceProd", (2, 3, 4), [], {"keepdims": 0, "noop_with_empty_axes": 1}),
+    ("ArgMax", (2, 3, 4), None, {"axis": 1, "keepdims": 0}),
+    ("Unsqueeze", (2, 3), [0, 3], {}),
+    ("Squeeze", (2, 1, 3, 1), [1, -1], {}),
+    ("CenterCropPad", (2, 7, 4), [3, 6], {"axes": [1, 2]}),
+]
+
+
+@pytest.mark.parametrize("op, xs, axes, attrs", RANK_CASES, ids=[c[0] for c in RANK_CASES])
+def test_rank_types_agree_with_onnx_where_it_knows(op, xs, axes, attrs):
+    """Where the axes are constants ONNX's inference knows the output shape: the ranks revgraph gives for computed
+    axes (``rank_types``, only the axes' length known) have the same rank and no other known dimension."""
+    inputs = ["x"] if axes is None else ["x", "a"]
+    node = Node(op, inputs, ["y"], attrs, "n")
+    types = {"x": ValueInfo("x", np.dtype(np.float32), xs)}
+    values = {}
+    if axes is not None:
+        types["a"] = ValueInfo("a", np.dtype(np.int64), (len(axes),))
+        values["a"] = np.array(axes, np.int64)
+    ref = onnx_node_types(node, types, values, 21)["y"]
+    fast = fastshape.rank_types(node, types)["y"]
+    assert len(fast.shape) == len(ref.shape) and fast.dtype == ref.dtype
+    assert all(d is None or d == r for d, r in zip(fast.shape, ref.shape, strict=True)), (fast.shape, ref.shape)

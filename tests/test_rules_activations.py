@@ -261,6 +261,29 @@ def test_swish_strong_zero_at_infinity():
     np.testing.assert_allclose(grads["x"], [0.0, 0.0, s * (1 + 1.0 * (1 - s))], rtol=1e-12)
 
 
+@pytest.mark.parametrize("alpha", [None, 1.0, 1.702])
+def test_swiglu(alpha):
+    # Y = Swish_alpha(A) * B (opset 28): Llama's gate_proj / up_proj product
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((3, 4)) * 2, rng.standard_normal((3, 4))
+    g = one_node_graph("SwiGLU", {"a": a, "b": b}, {} if alpha is None else {"alpha": alpha})
+    g.opsets = {"": 28}
+    k = 1.0 if alpha is None else _attr(alpha)
+    check_rule(g, {"a": a, "b": b}, lambda a, b: a * torch.sigmoid(k * a) * b)
+
+
+def test_swiglu_keeps_strong_zeros():
+    # A = -inf gives swish 0 * ... and a slope of NaN: a zero cotangent must still give exact zeros
+    nodes = [Node("SwiGLU", ["a", "b"], ["y"], name="op"), Node("Mul", ["y", "w"], ["y0"], name="mul")]
+    g = Graph(nodes, [ValueInfo("a", np.float64, (3,)), ValueInfo("b", np.float64, (3,))], [ValueInfo("y0")],
+              {"w": np.array([0.0, 0.0, 1.0])}, opsets={"": 28})
+    with np.errstate(all="ignore"):
+        grads = _grad(g, {"a": np.array([-np.inf, np.inf, 1.0]), "b": np.array([np.inf, 2.0, 3.0])}, ["a", "b"])
+    s = 1 / (1 + np.exp(-1.0))
+    np.testing.assert_allclose(grads["a"], [0.0, 0.0, 3.0 * s * (1 + (1 - s))], rtol=1e-12)
+    np.testing.assert_allclose(grads["b"], [0.0, 0.0, s], rtol=1e-12)
+
+
 # -------------------------------------------------------------------------------------- kinks, strong zeros
 
 

@@ -1,17 +1,23 @@
 """VJP rules of the pooling and resampling operators (MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool,
-LRN, DepthToSpace, SpaceToDepth, Resize), checked three ways by tests/harness.py (central differences,
-PyTorch autograd with the same parameters, second order) over drawn attributes, plus explicit cases: ties
-(MaxPool routes to the first maximum as PyTorch does, GlobalMaxPool splits equally), count_include_pad both
-ways, ceil_mode, auto_pad, dilations, and float32 graphs under onnxruntime.
+LpPool, GlobalLpPool, MaxUnpool, MaxRoiPool, RoiAlign, LRN, DepthToSpace, SpaceToDepth, Resize), checked three
+ways by tests/harness.py (central differences, PyTorch autograd with the same parameters, second order) over
+drawn attributes, plus explicit cases: ties (MaxPool and MaxRoiPool route to the first maximum as PyTorch does,
+GlobalMaxPool splits equally, RoiAlign's max mode to the first corner in the kernel's order), zero windows of
+the Lp pools, count_include_pad both ways, ceil_mode, auto_pad, dilations, float32 graphs under onnxruntime,
+and Resize with its scales, sizes and roi as graph inputs (the ONNX backend node test models among them).
 
 Known onnx reference-evaluator bugs (onnx 1.23) that shape the cases: LRN loops over the batch instead of the
-channels (correct only when N == C), GlobalMaxPool reduces the wrong axes unless the input is 4-D, and MaxPool
-with unit strides and dilations mishandles pads unless the input is 4-D. Where a float64 case would hit one
-of them it runs in float32 under onnxruntime instead."""
+channels (correct only when N == C), GlobalMaxPool reduces the wrong axes unless the input is 4-D, MaxPool
+with unit strides and dilations mishandles pads unless the input is 4-D (and makes too many outputs in ceil
+mode), LpPool mishandles ceil-mode windows that run past the padded input, Resize computes cubic weights in
+float32, and there is no GlobalLpPool or MaxRoiPool kernel at all. Where a float64 case would hit one of them
+it runs in float32 under onnxruntime instead (against PyTorch in float64, first and second order)."""
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -24,7 +30,7 @@ from hypothesis import strategies as st
 import revgraph as rg
 from revgraph.autodiff.rules.pool import resize_matrix
 from revgraph.errors import GraphError
-from revgraph.ir import ValueInfo
+from revgraph.ir import Node, ValueInfo
 
 FAST = settings(max_examples=8, deadline=None)
 MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -77,8 +83,9 @@ def pool_case(draw, avg: bool):
         pads = [draw(st.integers(0, min(2, k - 1))) for k in kernel * 2]  # onnxruntime: pads below the kernel
     if not avg and all(s == 1 for s in strides) and all(d == 1 for d in dilations):
         # the reference evaluator's unit-stride MaxPool reads pads as [top, bottom, left, right] and only for
-        # 4-D inputs
+        # 4-D inputs, and in ceil mode makes too many outputs (5 x 5 for a 2 x 2 input, kernel 2, pads 1)
         pads = [pads[0]] * (2 * nd) if nd == 2 else [0] * (2 * nd)
+        assume(not ceil or not any(pads))
     top = 6 if nd < 3 else 4
     low = [s if ceil else s - pads[i] - pads[i + nd] for i, s in enumerate(span)]  # PyTorch: no smaller than the kernel
     dims = [draw(st.integers(max(1, lo), top + s)) for lo, s in zip(low, span, strict=True)]
@@ -318,6 +325,499 @@ def test_global_max_pool_ties_split_equally():
         np.testing.assert_allclose(got["x"], expected)
 
 
+# ------------------------------------------------------------------------------------------ float32 helper
+
+
+def ort32_vs_torch(g, feeds, torch_fn, wrt, seed=0, rtol=1e-4, atol=1e-5, second_order=True):
+    """For operators no runtime runs in float64 (onnxruntime has float kernels only and the onnx reference
+    evaluator none: GlobalLpPool, MaxRoiPool): revgraph's float32 gradient and Hessian-vector product under
+    onnxruntime against PyTorch's float64 autograd (``torch_fn`` computes the same function, written from the
+    spec), at ``feeds``."""
+    rng = np.random.default_rng(seed)
+    fwd = rg.Session(g).run(feeds)
+    lg, outs = with_loss(g, fwd)
+    us = {f"{y}_u": rng.standard_normal(np.shape(fwd[y])).astype(np.float32) for y in outs}
+    gg = rg.gradient(lg, loss="loss", wrt=wrt)
+    got = rg.Session(gg).run({**feeds, **us})
+    tin = {k: torch.tensor(v.astype(np.float64) if v.dtype.kind == "f" else v, requires_grad=k in wrt)
+           for k, v in feeds.items()}
+    tout = torch_fn(**tin)
+    tout = tout if isinstance(tout, (tuple, list)) else [tout]
+    for y, t in zip(outs, tout, strict=True):
+        np.testing.assert_allclose(fwd[y], t.detach().numpy(), rtol=1e-5, atol=1e-5, err_msg=f"forward {y}")
+    total = sum((t * torch.tensor(us[f"{y}_u"], dtype=torch.float64)).sum() for y, t in zip(outs, tout, strict=True))
+    tg = torch.autograd.grad(total, [tin[w] for w in wrt], create_graph=second_order)
+    for w, t in zip(wrt, tg, strict=True):
+        np.testing.assert_allclose(got[f"{w}_grad"], t.detach().numpy(), rtol=rtol, atol=atol, err_msg=f"grad {w}")
+    if not second_order:
+        return got
+    hv = gg.copy()
+    vs = {f"{w}_v": rng.standard_normal(feeds[w].shape).astype(np.float32) for w in wrt}
+    parts = []
+    for w in wrt:
+        hv.inputs.append(ValueInfo(f"{w}_v", np.float32, feeds[w].shape))
+        hv.nodes.append(Node("Mul", [f"{w}_grad", f"{w}_v"], [f"{w}_gv"], name=f"hv/{w}/mul"))
+        hv.nodes.append(Node("ReduceSum", [f"{w}_gv"], [f"{w}_gvs"], {"keepdims": 0}, name=f"hv/{w}/sum"))
+        parts.append(f"{w}_gvs")
+    hv.nodes.append(Node("Sum", parts, ["hv/s"], name="hv/sum"))
+    hv.outputs = [ValueInfo("hv/s")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hvp = rg.gradient(hv, loss="hv/s", wrt=wrt, unconnected="zero")
+    res = rg.Session(hvp).run({**feeds, **us, **vs})
+    s = sum((t * torch.tensor(vs[f"{w}_v"], dtype=torch.float64)).sum() for w, t in zip(wrt, tg, strict=True))
+    th = torch.autograd.grad(s, [tin[w] for w in wrt], allow_unused=True) if s.requires_grad else [None] * len(wrt)
+    for w, name, t in zip(wrt, hvp.output_names[-len(wrt):], th, strict=True):
+        expected = np.zeros(feeds[w].shape) if t is None else t.numpy()
+        np.testing.assert_allclose(res[name], expected, rtol=rtol, atol=atol, err_msg=f"second order {w}")
+    return got
+
+
+# ------------------------------------------------------------------------------------------ LpPool
+
+
+def torch_lp_pool(nd, kernel, strides, dilations, pads, p, out):
+    """ONNX "LpPool" from the spec: ``(sum over the window of |x|^p)^(1/p)``, padding reading 0 (a depthwise
+    Conv of ``|x|^p`` with a ones kernel, padded at the end far enough for ceil mode, cut to ``out``).
+    PyTorch's own ``lp_pool`` takes ``x^p`` (not ``|x|^p``) and has no padding or dilation."""
+    def fn(x):
+        c = x.shape[1]
+        w = torch.ones((c, 1, *kernel), dtype=x.dtype)
+        extra = [*pads[:nd], *[a + s * k for a, s, k in zip(pads[nd:], strides, kernel, strict=True)]]
+        s = CONV[nd](F.pad(x.abs() ** p, torch_pad(extra)), w, None, strides, 0, dilations, c)
+        return s[(slice(None), slice(None), *[slice(0, o) for o in out])] ** (1.0 / p)
+    return fn
+
+
+LP_CASES = {
+    "p2_default": ([2, 2], {}),
+    "p1_stride_pads": ([3, 3], {"p": 1, "strides": [2, 2], "pads": [1, 0, 1, 2]}),
+    "p3_dilation": ([2, 2], {"p": 3, "dilations": [2, 1], "strides": [1, 2]}),
+    "p4_overlap": ([3, 2], {"p": 4, "pads": [1, 1, 1, 1]}),
+    "same_upper": ([3, 2], {"strides": [2, 2], "auto_pad": "SAME_UPPER", "p": 3}),
+    "1d": ([3], {"strides": [2], "pads": [1, 1]}),
+    "3d": ([2, 2, 2], {"p": 3, "strides": [1, 2, 1]}),
+}
+
+
+def _lp_geometry(shape, kernel, attrs):
+    nd = len(kernel)
+    strides, dilations = attrs.get("strides", [1] * nd), attrs.get("dilations", [1] * nd)
+    pads = attrs.get("pads", [0] * 2 * nd)
+    dims = shape[2:]
+    if attrs.get("auto_pad") == "SAME_UPPER":
+        tot = [max(0, (-(-n // s) - 1) * s + (k - 1) * d + 1 - n) for n, k, s, d in zip(dims, kernel, strides, dilations)]
+        pads = [t // 2 for t in tot] + [t - t // 2 for t in tot]
+    ceil = bool(attrs.get("ceil_mode", 0))
+    out = []
+    for i, n in enumerate(dims):
+        span = (kernel[i] - 1) * dilations[i] + 1
+        length = n + pads[i] + pads[nd + i] - span
+        o = (-(-length // strides[i]) if ceil else length // strides[i]) + 1
+        out.append(o - ((o - 1) * strides[i] >= n + pads[i]) if ceil else o)
+    return nd, strides, dilations, pads, out
+
+
+@pytest.mark.parametrize("name", sorted(LP_CASES))
+def test_lp_pool(name):
+    """float64 under the reference evaluator (onnxruntime has float LpPool only): central differences, PyTorch,
+    second order. (Ceil mode adds windows that run past the padded input, which the reference evaluator
+    computes wrongly: tested in float32 under onnxruntime below.)"""
+    kernel, extra = LP_CASES[name]
+    nd = len(kernel)
+    shape = (2, 2, *[7, 6, 5][:nd]) if nd < 3 else (1, 2, 4, 5, 4)
+    x = np.random.default_rng(30).standard_normal(shape)
+    attrs = {"kernel_shape": kernel, **extra}
+    nd, strides, dilations, pads, out = _lp_geometry(shape, kernel, attrs)
+    check_rule(one_node_graph("LpPool", {"x": x}, attrs), {"x": x},
+               torch_lp_pool(nd, kernel, strides, dilations, pads, int(attrs.get("p", 2)), out))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_lp_pool_ceil_past_the_padding_float32_onnxruntime(p):
+    """A ceil-mode window that runs past the padded input (it reads zeros there). The onnx reference evaluator
+    computes these windows wrongly (its LpPool averages over the window's inside elements and rescales by the
+    kernel size), so this runs in float32 under onnxruntime against PyTorch."""
+    x = np.random.default_rng(31).standard_normal((2, 3, 6, 7)).astype(np.float32)
+    attrs = {"kernel_shape": [3, 2], "pads": [1, 0, 1, 1], "strides": [2, 2], "ceil_mode": 1, "p": p}
+    nd, strides, dilations, pads, out = _lp_geometry(x.shape, [3, 2], attrs)
+    assert out == [4, 4]
+    ort32_vs_torch(one_node_graph("LpPool", {"x": x}, attrs), {"x": x},
+                   torch_lp_pool(nd, [3, 2], strides, dilations, pads, p, out), ["x"], second_order=p > 1)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_lp_pool_zero_windows_get_the_zero_subgradient(p):
+    """A window of zeros has the norm 0, whose gradient is 0 by convention (PyTorch's composite gives NaN:
+    ``0^(1/p - 1) * 0``); a zero element of a nonzero window gets 0 too (``sign(0) = 0`` for p = 1)."""
+    x = np.zeros((1, 1, 4, 4))
+    x[0, 0, 0, 0], x[0, 0, 3, 3], x[0, 0, 2, 3] = 2.0, -1.0, 0.5
+    u = np.array([[[[1.0, -2.0], [0.5, 3.0]]]])
+    g = one_node_graph("LpPool", {"x": x}, {"kernel_shape": [2, 2], "strides": [2, 2], "p": p})
+    got = grads_both_backends(g, {"x": x}, u, ["x"])[1]["x"]  # float64: the reference evaluator
+    expected = np.zeros_like(x)
+    expected[0, 0, 0, 0] = 1.0
+    norm = (1.0 + 0.5**p) ** (1 / p)  # the bottom-right window: -1 and 0.5
+    expected[0, 0, 3, 3] = 3.0 * -((1 / norm) ** (p - 1))
+    expected[0, 0, 2, 3] = 3.0 * (0.5 / norm) ** (p - 1)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-15)
+    assert np.isfinite(got).all()
+
+
+def test_lp_pool_strong_zeros_for_an_infinite_input():
+    """An inf in one window makes that window's norm inf (and its local derivative inf / inf = NaN): a zero
+    cotangent there still gives exact zeros, and the other windows are unaffected."""
+    x = np.random.default_rng(32).standard_normal((1, 1, 4, 4)).astype(np.float32)
+    x[0, 0, 0, 1] = np.inf
+    u = np.array([[[[0.0, 1.0], [2.0, -1.0]]]], np.float32)
+    g = one_node_graph("LpPool", {"x": x}, {"kernel_shape": [2, 2], "strides": [2, 2], "p": 2})
+    lg, _ = with_loss(g, {"y0": u})
+    got = rg.Session(rg.gradient(lg, loss="loss", wrt=["x"])).run({"x": x, "y0_u": u})["x_grad"]
+    assert np.array_equal(got[0, 0, :2, :2], np.zeros((2, 2)))
+    y = np.sqrt((x[0, 0, 2:, 2:].astype(np.float64) ** 2).sum())
+    np.testing.assert_allclose(got[0, 0, 2:, 2:], -x[0, 0, 2:, 2:] / y, rtol=1e-5)
+
+
+def test_lp_pool_unknown_spatial_dims_is_a_graph_error():
+    x = np.zeros((1, 2, 4, 4))
+    g = one_node_graph("LpPool", {"x": x}, {"kernel_shape": [2, 2]})
+    g.inputs[0] = ValueInfo("x", x.dtype, (1, 2, "H", "W"))
+    lg, _ = with_loss(g, {"y0": np.zeros((1, 2, 3, 3))})
+    with pytest.raises(GraphError, match=r"node 'op' \(LpPool\).*spatial dimensions"):
+        rg.gradient(lg, loss="loss", wrt=["x"])
+
+
+@pytest.mark.parametrize("p, shape", [(1, (2, 3, 4, 5)), (2, (2, 3, 5)), (3, (1, 2, 3, 2, 4))])
+def test_global_lp_pool(p, shape):
+    """GlobalLpPool: float32 under onnxruntime (no float64 kernel in either runtime) against PyTorch's float64
+    ``norm``, first and second order."""
+    x = np.random.default_rng(33).standard_normal(shape).astype(np.float32)
+    axes = tuple(range(2, len(shape)))
+    ort32_vs_torch(one_node_graph("GlobalLpPool", {"x": x}, {"p": p}), {"x": x},
+                   lambda x: (x.abs() ** p).sum(axes, keepdim=True) ** (1.0 / p), ["x"])
+
+
+def test_global_lp_pool_zero_channel():
+    """A channel of zeros: norm 0, gradient 0 (PyTorch's ``norm`` gives its subgradient 0 as well)."""
+    x = np.random.default_rng(34).standard_normal((1, 2, 3, 3)).astype(np.float32)
+    x[0, 1] = 0
+    u = np.array([[[[2.0]], [[5.0]]]], np.float32)
+    lg, _ = with_loss(one_node_graph("GlobalLpPool", {"x": x}, {"p": 2}), {"y0": u})
+    got = rg.Session(rg.gradient(lg, loss="loss", wrt=["x"])).run({"x": x, "y0_u": u})["x_grad"]
+    tx = torch.tensor(x.astype(np.float64), requires_grad=True)
+    (torch.linalg.vector_norm(tx, 2, dim=(2, 3), keepdim=True) * torch.tensor(u, dtype=torch.float64)).sum().backward()
+    np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-5, atol=1e-6)
+    assert np.array_equal(got[0, 1], np.zeros((3, 3)))
+
+
+# ------------------------------------------------------------------------------------------ MaxUnpool
+
+
+def pooled_with_indices(x, kernel, strides):
+    """MaxPool's outputs and indices (flat over the whole tensor) from onnxruntime."""
+    g = one_node_graph("MaxPool", {"x": x.astype(np.float32)}, {"kernel_shape": kernel, "strides": strides}, n_out=2)
+    out = rg.Session(g).run({"x": x.astype(np.float32)})
+    return out["y0"].astype(x.dtype), out["y1"]
+
+
+def unpool_graph(p, idx, attrs, output_shape=None):
+    ins = {"x": p, "i": idx, **({"os": np.asarray(output_shape, np.int64)} if output_shape is not None else {})}
+    return one_node_graph("MaxUnpool", ins, attrs, float_inputs=["x"])
+
+
+def torch_unpool(idx, kernel, strides, size):
+    """PyTorch's max_unpool with ONNX's whole-tensor indices turned into per-plane ones."""
+    n, c = idx.shape[:2]
+    plane = int(np.prod(size))
+    local = torch.tensor(idx - (np.arange(n * c) * plane).reshape(n, c, *[1] * (idx.ndim - 2)))
+    fn = {1: F.max_unpool1d, 2: F.max_unpool2d, 3: F.max_unpool3d}[idx.ndim - 2]
+    return lambda x: fn(x, local, kernel, strides, 0, list(size))
+
+
+@pytest.mark.parametrize("kernel, strides, shape", [([2, 2], [2, 2], (2, 3, 6, 4)), ([2], [3], (2, 2, 8)),
+                                                     ([2, 1, 2], [2, 1, 2], (1, 2, 4, 3, 4))])
+def test_max_unpool(kernel, strides, shape):
+    rng = np.random.default_rng(40)
+    pooled, idx = pooled_with_indices(rng.standard_normal(shape), kernel, strides)
+    p = rng.standard_normal(pooled.shape)
+    attrs = {"kernel_shape": kernel, "strides": strides}
+    check_rule(unpool_graph(p, idx, attrs), {"x": p}, torch_unpool(idx, kernel, strides, shape[2:]))
+
+
+def test_max_unpool_unknown_size_uses_two_codes():
+    """An input whose size is unknown when the gradient is built (or beyond 2^24 elements) is probed with two
+    exact float32 codes per element, ``j // 4096`` and ``j % 4096 + 1``."""
+    rng = np.random.default_rng(44)
+    pooled, idx = pooled_with_indices(rng.standard_normal((2, 3, 6, 4)), [2, 2], [2, 2])
+    p = rng.standard_normal(pooled.shape)
+    g = unpool_graph(p, idx, {"kernel_shape": [2, 2], "strides": [2, 2]})
+    g.inputs[0] = ValueInfo("x", p.dtype, ("N", 3, "H", "W"))
+    check_rule(g, {"x": p}, torch_unpool(idx, [2, 2], [2, 2], (6, 4)))
+
+
+def test_max_unpool_output_shape_follows_each_runtime():
+    """``output_shape`` larger than the inferred shape: onnxruntime (and PyTorch) write ``x_j`` at index ``I_j``
+    of the output; the ONNX reference evaluator (and the spec's node test) at ``I_j`` of the inferred shape,
+    padded at the ends. The VJP unpools the positions with the runtime's own MaxUnpool, so it is right under
+    both."""
+    rng = np.random.default_rng(41)
+    p = rng.standard_normal((2, 2, 2, 2))
+    attrs = {"kernel_shape": [2, 2], "strides": [2, 2]}
+    # indices valid for both readings: inside each plane of the 4 x 4 inferred shape, spread over the planes
+    idx = np.stack([rng.permutation(16)[:4] for _ in range(4)]).reshape(2, 2, 2, 2) + (np.arange(4) * 16).reshape(
+        2, 2, 1, 1)
+    g = unpool_graph(p, idx, attrs, [2, 2, 5, 5])
+    check_rule(g, {"x": p})  # float64: the reference evaluator's reading
+    u = rng.standard_normal((2, 2, 5, 5))
+    got = grads_both_backends(unpool_graph(p.astype(np.float32), idx, attrs, [2, 2, 5, 5]), {"x": p.astype(
+        np.float32)}, u.astype(np.float32), ["x"])
+    np.testing.assert_allclose(got[0]["x"], u.reshape(-1)[idx.reshape(-1)].reshape(p.shape), rtol=1e-6)  # onnxruntime
+    padded = np.pad(np.arange(2 * 2 * 4 * 4).reshape(2, 2, 4, 4), [(0, 0), (0, 0), (0, 1), (0, 1)], constant_values=-1)
+    where = np.argwhere(padded.reshape(-1)[None, :] == idx.reshape(-1, 1))[:, 1]  # the reference's placement
+    np.testing.assert_allclose(got[1]["x"], u.reshape(-1)[where].reshape(p.shape), rtol=1e-6)
+
+
+def test_max_unpool_repeated_indices_last_write_wins():
+    """Overlapping MaxPool windows report the same maximum twice; unpooling writes it twice and keeps the last
+    write, so only that element depends on the output (PyTorch's max_unpool backward, a gather, gives both)."""
+    x = np.random.default_rng(42).standard_normal((1, 1, 5, 5))
+    pooled, idx = pooled_with_indices(x, [3, 3], [1, 1])
+    flat = idx.reshape(-1)
+    assert len(set(flat.tolist())) < flat.size
+    attrs = {"kernel_shape": [3, 3], "strides": [1, 1]}
+    u = np.random.default_rng(43).standard_normal((1, 1, 5, 5))
+    last = {v: j for j, v in enumerate(flat)}
+    expected = np.array([u.reshape(-1)[v] if last[v] == j else 0.0 for j, v in enumerate(flat)]).reshape(pooled.shape)
+    for got in grads_both_backends(unpool_graph(pooled, idx, attrs), {"x": pooled}, u, ["x"]):
+        np.testing.assert_allclose(got["x"], expected, rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------ MaxRoiPool
+
+
+def roi_pool_bins(rois, pooled, scale, h, w):
+    """onnxruntime's MaxRoiPool bins (C ``round``, float32 bin sizes): per roi ``(b, [(hs, he)], [(ws, we)])``."""
+    out = []
+    for roi in rois:
+        rnd = [math.floor(v + 0.5) if v >= 0 else math.ceil(v - 0.5)
+               for v in (np.float32(roi[1:]) * np.float32(scale)).astype(np.float64)]
+        sw, sh, ew, eh = rnd
+        rh, rw = max(eh - sh + 1, 1), max(ew - sw + 1, 1)
+        bh, bw = np.float32(rh) / np.float32(pooled[0]), np.float32(rw) / np.float32(pooled[1])
+        hb = [(min(max(math.floor(np.float32(i) * bh) + sh, 0), h), min(max(math.ceil(np.float32(i + 1) * bh) + sh, 0), h))
+              for i in range(pooled[0])]
+        wb = [(min(max(math.floor(np.float32(i) * bw) + sw, 0), w), min(max(math.ceil(np.float32(i + 1) * bw) + sw, 0), w))
+              for i in range(pooled[1])]
+        out.append((int(roi[0]), hb, wb))
+    return out
+
+
+def numpy_roi_pool_grad(x, rois, pooled, scale, u):
+    """The expected gradient: each output's cotangent to the first maximum of its bin (row-major)."""
+    dx = np.zeros(x.shape)
+    for r, (b, hb, wb) in enumerate(roi_pool_bins(rois, pooled, scale, *x.shape[2:])):
+        for i, (hs, he) in enumerate(hb):
+            for j, (ws, we) in enumerate(wb):
+                if he <= hs or we <= ws:
+                    continue
+                for c in range(x.shape[1]):
+                    k = np.argmax(x[b, c, hs:he, ws:we])
+                    dx[b, c, hs + k // (we - ws), ws + k % (we - ws)] += u[r, c, i, j]
+    return dx
+
+
+ROIS = np.array([[0, 0, 0, 7, 8], [1, 1.4, 2.5, 5.5, 6.6], [0, 3, 3, 3, 3], [1, -2, -3, 30, 4],
+                 [0, 12, 12, 20, 20], [1, 6, 5, 1, 2], [0, 2.5, 0.5, 1.5, -0.5]], np.float32)
+
+
+@pytest.mark.parametrize("pooled, scale", [([2, 2], 1.0), ([3, 2], 0.5), ([4, 3], 1.3)])
+def test_max_roi_pool(pooled, scale):
+    """Rois inside, across and outside the input, degenerate and reversed (forced to 1 x 1), empty bins:
+    onnxruntime's float32 gradient against the first-maximum rule, and against PyTorch (the bins' maxima)."""
+    x = np.random.default_rng(50).standard_normal((2, 3, 9, 8)).astype(np.float32)
+    g = one_node_graph("MaxRoiPool", {"x": x, "rois": ROIS}, {"pooled_shape": pooled, "spatial_scale": scale},
+                       float_inputs=["x"])
+    bins = roi_pool_bins(ROIS, pooled, scale, 9, 8)
+
+    def torch_fn(x):
+        out = torch.zeros((len(ROIS), 3, *pooled), dtype=x.dtype)
+        for r, (b, hb, wb) in enumerate(bins):
+            for i, (hs, he) in enumerate(hb):
+                for j, (ws, we) in enumerate(wb):
+                    if he > hs and we > ws:
+                        out[r, :, i, j] = x[b, :, hs:he, ws:we].amax((-1, -2))
+        return out
+
+    got = ort32_vs_torch(g, {"x": x}, torch_fn, ["x"], rtol=1e-6, atol=1e-6)
+    u = rg.Session(g).run({"x": x})["y0"] * 0  # the same cotangent as ort32_vs_torch drew
+    u = np.random.default_rng(0).standard_normal(u.shape).astype(np.float32)
+    np.testing.assert_allclose(got["x_grad"], numpy_roi_pool_grad(x, ROIS, pooled, scale, u), rtol=1e-6, atol=1e-6)
+
+
+def test_max_roi_pool_ties_go_to_the_first_maximum():
+    x = np.random.default_rng(51).integers(0, 2, (1, 2, 6, 6)).astype(np.float32)
+    rois = np.array([[0, 0, 0, 5, 5], [0, 1, 2, 4, 5]], np.float32)
+    u = np.random.default_rng(52).standard_normal((2, 2, 2, 3)).astype(np.float32)
+    g = one_node_graph("MaxRoiPool", {"x": x, "rois": rois}, {"pooled_shape": [2, 3]}, float_inputs=["x"])
+    lg, _ = with_loss(g, {"y0": u})
+    got = rg.Session(rg.gradient(lg, loss="loss", wrt=["x"])).run({"x": x, "y0_u": u})["x_grad"]
+    np.testing.assert_allclose(got, numpy_roi_pool_grad(x, rois, [2, 3], 1.0, u), rtol=1e-6, atol=1e-7)
+
+
+def test_max_roi_pool_rois_get_no_gradient():
+    x = np.random.default_rng(53).standard_normal((1, 1, 4, 4)).astype(np.float32)
+    g = one_node_graph("MaxRoiPool", {"x": x, "rois": ROIS[:1]}, {"pooled_shape": [2, 2]})
+    lg, _ = with_loss(g, {"y0": np.zeros((1, 1, 2, 2), np.float32)})
+    with pytest.warns(UserWarning, match="rois"):
+        gg = rg.gradient(lg, loss="loss", wrt=["x", "rois"])
+    out = rg.Session(gg).run({"x": x, "rois": ROIS[:1], "y0_u": np.ones((1, 1, 2, 2), np.float32)})
+    assert np.array_equal(out["rois_grad"], np.zeros((1, 5), np.float32))
+
+
+# ------------------------------------------------------------------------------------------ RoiAlign
+
+
+def random_rois(rng, n, h, w, batch):
+    lo = rng.uniform([-2, -2], [w - 1, h - 1], (n, 2))
+    hi = lo + rng.uniform(0.3, max(h, w), (n, 2))
+    return np.c_[lo, hi], rng.integers(0, batch, n).astype(np.int64)
+
+
+ALIGN_CASES = {
+    "avg_adaptive": {},
+    "avg_sampling2": {"output_height": 3, "output_width": 2, "sampling_ratio": 2},
+    "avg_output_half_pixel": {"output_height": 2, "output_width": 4, "spatial_scale": 0.7,
+                              "coordinate_transformation_mode": "output_half_pixel"},
+    "max_adaptive": {"mode": "max", "output_height": 2, "output_width": 3},
+    "max_sampling3": {"mode": "max", "output_height": 3, "output_width": 2, "sampling_ratio": 3,
+                      "spatial_scale": 0.6},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALIGN_CASES))
+def test_roi_align(name):
+    """float64 under onnxruntime and the reference evaluator, with respect to x and the rois: central
+    differences and second order (PyTorch has no RoiAlign outside torchvision)."""
+    rng = np.random.default_rng(60)
+    x = rng.standard_normal((2, 3, 9, 8))
+    rois, batch = random_rois(rng, 6, 9, 8, 2)
+    g = one_node_graph("RoiAlign", {"x": x, "rois": rois, "b": batch}, ALIGN_CASES[name], float_inputs=["x", "rois"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # onnxruntime warns that its max mode is not what the paper does
+        check_rule(g, {"x": x, "rois": rois})
+
+
+def numpy_roi_align_grad(x, rois, batch, attrs, u):
+    """dL/dx from the ONNX reference's own sample positions and weights (``pre_calc_for_bilinear_interpolate``):
+    avg spreads ``u / count`` with the weights; max sends ``u * w`` to the first largest ``w * x`` in the kernel's
+    order."""
+    from onnx.reference.ops.op_roi_align import PreCalc, RoiAlign
+
+    _, c, h, w = x.shape
+    ph, pw = attrs.get("output_height", 1), attrs.get("output_width", 1)
+    sr, sc = attrs.get("sampling_ratio", 0), float(np.float32(attrs.get("spatial_scale", 1.0)))  # a float attribute
+    half = attrs.get("coordinate_transformation_mode", "half_pixel") == "half_pixel"
+    dx = np.zeros(x.shape)
+    for r, roi in enumerate(rois):
+        off = 0.5 if half else 0.0
+        sw, sh, ew, eh = (v * sc - off for v in roi)
+        rw, rh = (ew - sw, eh - sh) if half else (max(ew - sw, 1.0), max(eh - sh, 1.0))
+        gh = sr if sr > 0 else int(np.ceil(rh / ph))
+        gw = sr if sr > 0 else int(np.ceil(rw / pw))
+        pre = [PreCalc() for _ in range(gh * gw * ph * pw)]
+        RoiAlign.pre_calc_for_bilinear_interpolate(h, w, ph, pw, gh, gw, sh, sw, rh / ph, rw / pw, gh, gw, pre)
+        count = max(gh * gw, 1)
+        k = 0
+        for i in range(ph):
+            for j in range(pw):
+                samples = pre[k:k + gh * gw]
+                k += gh * gw
+                corners = [(pos, wt) for pc in samples for pos, wt in
+                           [(pc.pos1, pc.w1), (pc.pos2, pc.w2), (pc.pos3, pc.w3), (pc.pos4, pc.w4)]]
+                for ch in range(c):
+                    plane = x[batch[r], ch].reshape(-1)
+                    grad = dx[batch[r], ch].reshape(-1)  # a view
+                    if attrs.get("mode", "avg") == "avg":
+                        for pos, wt in corners:
+                            grad[pos] += u[r, ch, i, j] * wt / count
+                    elif corners:
+                        best = int(np.argmax([wt * plane[pos] for pos, wt in corners]))
+                        grad[corners[best][0]] += u[r, ch, i, j] * corners[best][1]
+    return dx
+
+
+@pytest.mark.parametrize("name", ["avg_adaptive", "max_adaptive", "max_sampling3"])
+def test_roi_align_ties_and_the_kernel_order(name):
+    """Integer-valued x makes many weighted corners tie in max mode: the cotangent goes to the first in the
+    kernel's order (sample row, sample column, corner), as both runtimes compute the maximum; avg spreads the
+    bilinear weights exactly as the reference's own sampling."""
+    rng = np.random.default_rng(61)
+    x = rng.integers(-1, 2, (2, 2, 7, 6)).astype(np.float64)
+    rois = np.array([[0.0, 0.0, 5.0, 6.0], [1.0, 1.5, 4.0, 3.0], [0.5, 0.5, 1.5, 1.5], [-3.0, 2.0, 2.0, 9.0]])
+    batch = np.array([0, 1, 1, 0], np.int64)
+    attrs = ALIGN_CASES[name]
+    g = one_node_graph("RoiAlign", {"x": x, "rois": rois, "b": batch}, attrs, float_inputs=["x"])
+    y = rg.Session(g, backend="reference").run({"x": x})["y0"]
+    u = rng.standard_normal(y.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for got in grads_both_backends(g, {"x": x}, u, ["x"]):
+            np.testing.assert_allclose(got["x"], numpy_roi_align_grad(x, rois, batch, attrs, u), rtol=1e-12, atol=1e-12)
+
+
+def test_roi_align_symbolic_dims():
+    """Unknown batch, spatial sizes and roi count: the sizes come from Shape values."""
+    rng = np.random.default_rng(63)
+    x = rng.standard_normal((2, 3, 7, 6))
+    rois, batch = random_rois(rng, 5, 7, 6, 2)
+    g = one_node_graph("RoiAlign", {"x": x, "rois": rois, "b": batch}, {"output_height": 2, "output_width": 3},
+                       float_inputs=["x", "rois", "b"])
+    g.inputs = [ValueInfo("x", x.dtype, ("N", 3, "H", "W")), ValueInfo("rois", rois.dtype, ("R", 4)),
+                ValueInfo("b", batch.dtype, ("R",))]
+    check_rule(g, {"x": x, "rois": rois, "b": batch}, wrt=["x", "rois"])
+
+
+def test_max_roi_pool_no_rois():
+    x = np.random.default_rng(54).standard_normal((1, 2, 4, 4)).astype(np.float32)
+    g = one_node_graph("MaxRoiPool", {"x": x, "rois": np.zeros((0, 5), np.float32)}, {"pooled_shape": [2, 2]},
+                       float_inputs=["x"])
+    lg, _ = with_loss(g, {"y0": np.zeros((0, 2, 2, 2), np.float32)})
+    out = rg.Session(rg.gradient(lg, loss="loss", wrt=["x"])).run({"x": x, "y0_u": np.zeros((0, 2, 2, 2), np.float32)})
+    assert np.array_equal(out["x_grad"], np.zeros_like(x))
+
+
+@pytest.mark.parametrize("op", ["LpPool", "MaxUnpool", "RoiAlign"])
+def test_opset_22_versions(op):
+    """The opset-22 versions (bfloat16 added) in graphs at opset 22: onnxruntime 1.32 has no kernels for
+    MaxUnpool-22 and RoiAlign-22 (nor GlobalLpPool-22, MaxRoiPool-22), so these run on the reference
+    evaluator."""
+    rng = np.random.default_rng(64)
+    x = rng.standard_normal((1, 2, 6, 4))
+    feeds = {"x": x}
+    if op == "LpPool":
+        g = one_node_graph(op, {"x": x}, {"kernel_shape": [3, 2], "strides": [2, 1], "p": 3})
+    elif op == "MaxUnpool":
+        pooled, idx = pooled_with_indices(x, [2, 2], [2, 2])
+        feeds = {"x": rng.standard_normal(pooled.shape)}
+        g = unpool_graph(feeds["x"], idx, {"kernel_shape": [2, 2], "strides": [2, 2]})
+    else:
+        rois, batch = random_rois(rng, 3, 6, 4, 1)
+        feeds["rois"] = rois
+        g = one_node_graph(op, {"x": x, "rois": rois, "b": batch}, {"output_height": 2, "output_width": 2},
+                           float_inputs=["x", "rois"])
+    g.opsets = {"": 22}
+    check_rule(g, feeds)
+
+
+def test_roi_align_no_rois():
+    """No rois: an empty output and a zero gradient."""
+    x = np.random.default_rng(62).standard_normal((1, 2, 4, 4))
+    g = one_node_graph("RoiAlign", {"x": x, "rois": np.zeros((0, 4)), "b": np.zeros(0, np.int64)},
+                       {"output_height": 2, "output_width": 2}, float_inputs=["x"])
+    for got in grads_both_backends(g, {"x": x}, np.zeros((0, 2, 2, 2)), ["x"]):
+        assert np.array_equal(got["x"], np.zeros_like(x))
+
+
 # ------------------------------------------------------------------------------------------ LRN
 
 
@@ -395,19 +895,41 @@ def test_space_to_depth(n, c, b, h, w, seed):
     check_rule(one_node_graph("SpaceToDepth", {"x": x}, {"blocksize": b}), {"x": x}, fn, seed=seed)
 
 
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_space_to_depth_opset_28_mode(mode):
+    """SpaceToDepth-28's ``mode``: CRD is PyTorch's pixel_unshuffle (the inverse of DepthToSpace's CRD)."""
+    x = np.random.default_rng(24).standard_normal((2, 3, 4, 6))
+    g = one_node_graph("SpaceToDepth", {"x": x}, {"blocksize": 2, "mode": mode})
+    g.opsets = {"": 28}
+
+    def dcr(x):
+        return x.reshape(2, 3, 2, 2, 3, 2).permute(0, 3, 5, 1, 2, 4).reshape(2, 12, 2, 3)
+    check_rule(g, {"x": x}, (lambda x: F.pixel_unshuffle(x, 2)) if mode == "CRD" else dcr)
+
+
 # ------------------------------------------------------------------------------------------ Resize
 
 
-def resize_graph(x, attrs, scales=None, sizes=None):
-    ins = {"x": x, "roi": np.zeros(0, np.float32)}
-    if scales is not None:
-        ins["scales"] = np.asarray(scales, np.float32)
-    if sizes is not None:
-        ins["sizes"] = np.asarray(sizes, np.int64)
-    g = one_node_graph("Resize", ins, attrs, float_inputs=["x"])
-    if sizes is not None:
-        g.nodes[0].inputs = ["x", "roi", "", "sizes"]
+def resize_graph(x, attrs, scales=None, sizes=None, roi=None, runtime=False):
+    """A Resize node; ``runtime``: scales, sizes and roi are graph inputs (their values known only when the
+    graph runs), else initializers."""
+    ins = {"x": x}
+    for name, v, dt in [("roi", roi, x.dtype), ("scales", scales, np.float32), ("sizes", sizes, np.int64)]:
+        if v is not None:
+            ins[name] = np.asarray(v, dt)
+    g = one_node_graph("Resize", ins, attrs, float_inputs=["x", *(list(ins)[1:] if runtime else [])])
+    g.nodes[0].inputs = ["x", *[name if name in ins else "" for name in ("roi", "scales", "sizes")]]
+    while not g.nodes[0].inputs[-1]:
+        g.nodes[0].inputs.pop()
     return g
+
+
+def resize_feeds(x, scales=None, sizes=None, roi=None):
+    feeds = {"x": x}
+    for name, v, dt in [("scales", scales, np.float32), ("sizes", sizes, np.int64), ("roi", roi, x.dtype)]:
+        if v is not None:
+            feeds[name] = np.asarray(v, dt)
+    return feeds
 
 
 @st.composite
@@ -443,19 +965,22 @@ def resize_case(draw):
         outs = [math.floor(shape[a] * s) for a, s in zip(axes, scales, strict=True)]
     if outs is not None:
         assume(all(o >= 1 for o in outs))
-    return shape, attrs, scales, sizes, draw(st.integers(0, 2**31 - 1))
+    return shape, attrs, scales, sizes, draw(st.integers(0, 2**31 - 1)), draw(st.booleans())
 
 
 @FAST
 @given(case=resize_case())
 def test_resize(case):
-    shape, attrs, scales, sizes, seed = case
+    """Scales and sizes as constants (interpolation matrices built when the gradient is) or as graph inputs
+    (matrices built by nodes when it runs)."""
+    shape, attrs, scales, sizes, seed, runtime = case
     if sizes is not None and attrs.get("keep_aspect_ratio_policy") != "stretch":
         common = [o / shape[a] for a, o in zip(attrs["axes"], sizes, strict=True)]
         pick = min(common) if attrs["keep_aspect_ratio_policy"] == "not_larger" else max(common)
         assume(all(int(pick * shape[a] + 0.5) >= 1 for a in attrs["axes"]))
     x = np.random.default_rng(seed).standard_normal(shape)
-    check_rule(resize_graph(x, attrs, scales, sizes), {"x": x}, seed=seed)
+    g = resize_graph(x, attrs, scales, sizes, runtime=runtime)
+    check_rule(g, resize_feeds(x, scales if runtime else None, sizes if runtime else None), wrt=["x"], seed=seed)
 
 
 @pytest.mark.parametrize("name, attrs, scales, sizes, torch_fn", [
@@ -480,22 +1005,89 @@ def test_resize_matches_pytorch(name, attrs, scales, sizes, torch_fn):
     check_rule(resize_graph(x, attrs, scales, sizes), {"x": x}, torch_fn)
 
 
-@pytest.mark.parametrize("attrs, scales", [
-    ({"mode": "linear", "coordinate_transformation_mode": ctm}, sc)
+@pytest.mark.parametrize("attrs, scales, roi", [
+    ({"mode": "linear", "coordinate_transformation_mode": ctm}, sc, None)
     for ctm in ["half_pixel", "asymmetric", "pytorch_half_pixel", "half_pixel_symmetric"]
     for sc in ([2.0, 3.0], [0.5, 0.75])
 ] + [
-    ({"mode": "nearest", "coordinate_transformation_mode": "half_pixel", "nearest_mode": nm}, [2.0, 0.5])
+    ({"mode": "nearest", "coordinate_transformation_mode": "half_pixel", "nearest_mode": nm}, [2.0, 0.5], None)
     for nm in ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"]
-] + [({"mode": "cubic", "exclude_outside": 1}, [1.5, 2.0]), ({"mode": "cubic", "cubic_coeff_a": -0.5}, [0.5, 2.0])])
-def test_resize_matrices_reproduce_onnxruntime(attrs, scales):
+] + [({"mode": "cubic", "exclude_outside": 1}, [1.5, 2.0], None),
+     ({"mode": "cubic", "cubic_coeff_a": -0.5}, [0.5, 2.0], None)] + [
+    ({"mode": mode, "antialias": 1, "exclude_outside": ex}, sc, None)
+    for mode in ["linear", "cubic"] for ex in [0, 1] for sc in ([0.5, 0.6], [0.25, 1.5])
+] + [
+    ({"mode": mode, "coordinate_transformation_mode": "tf_crop_and_resize", "extrapolation_value": 10.0}, sc,
+     [0.1, 0.0, 0.9, 1.2])
+    for mode in ["nearest", "linear", "cubic"] for sc in ([1.5, 2.0], [0.5, 0.75])
+])
+def test_resize_matrices_reproduce_onnxruntime(attrs, scales, roi):
     """The interpolation matrices the VJP transposes give onnxruntime's float32 forward (the float64 tests run
-    on the reference evaluator), so the VJP is the adjoint of what both runtimes compute."""
+    on the reference evaluator), so the VJP is the adjoint of what both runtimes compute: every mode, the
+    antialiasing filters and tf_crop_and_resize (outputs outside the crop take the extrapolation value: zero
+    rows)."""
     x = np.random.default_rng(14).standard_normal((2, 3, 4, 6)).astype(np.float32)
-    y = rg.Session(resize_graph(x, attrs, [1, 1, *scales]), backend="onnxruntime").run({"x": x})["y0"]
-    a_h = resize_matrix(4, math.floor(4 * scales[0]), scales[0], attrs)
-    a_w = resize_matrix(6, math.floor(6 * scales[1]), scales[1], attrs)
-    np.testing.assert_allclose(y, np.einsum("nchw,ph,qw->ncpq", x.astype(np.float64), a_h, a_w), rtol=1e-5, atol=1e-5)
+    full_roi = None if roi is None else [0, 0, roi[0], roi[1], 1, 1, roi[2], roi[3]]
+    y = rg.Session(resize_graph(x, attrs, [1, 1, *scales], roi=full_roi), backend="onnxruntime").run({"x": x})["y0"]
+    a_h = resize_matrix(4, math.floor(4 * scales[0]), scales[0], attrs, None if roi is None else (roi[0], roi[2]))
+    a_w = resize_matrix(6, math.floor(6 * scales[1]), scales[1], attrs, None if roi is None else (roi[1], roi[3]))
+    expected = np.einsum("nchw,ph,qw->ncpq", x.astype(np.float64), a_h, a_w)
+    if roi is not None:  # extrapolated outputs: the value, not a gradient path
+        away = (a_h.sum(1) == 0)[:, None] | (a_w.sum(1) == 0)[None, :]
+        expected = np.where(away, attrs["extrapolation_value"], expected)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+MATRIX_CASES = [
+    ({"mode": "nearest", "coordinate_transformation_mode": ctm, "nearest_mode": nm}, n_in, n_out, scale)
+    for ctm in ["half_pixel", "asymmetric", "align_corners", "pytorch_half_pixel", "half_pixel_symmetric"]
+    for nm in ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"]
+    for n_in, n_out, scale in [(4, 9, 2.3), (7, 3, 0.45), (5, 1, 0.3)]
+] + [
+    ({"mode": mode, "coordinate_transformation_mode": ctm, "exclude_outside": ex, "cubic_coeff_a": -0.5}, n_in,
+     n_out, scale)
+    for mode in ["linear", "cubic"] for ex in [0, 1]
+    for ctm in ["half_pixel", "asymmetric", "align_corners", "pytorch_half_pixel", "half_pixel_symmetric"]
+    for n_in, n_out, scale in [(4, 9, 2.3), (7, 3, 0.45), (6, 6, 1.0), (5, 1, 0.3)]
+] + [
+    ({"mode": mode, "antialias": 1, "exclude_outside": ex}, n_in, n_out, scale)
+    for mode in ["linear", "cubic"] for ex in [0, 1]
+    for n_in, n_out, scale in [(9, 4, 0.45), (11, 3, 0.3), (4, 7, 1.75), (8, 8, 1.0)]
+]
+
+
+@pytest.mark.parametrize("static_scale, every", [
+    (False, 4), (True, 7),
+    pytest.param(False, 1, marks=pytest.mark.slow), pytest.param(True, 1, marks=pytest.mark.slow),
+])
+def test_resize_matrix_graph_equals_resize_matrix(static_scale, every):
+    """The interpolation matrices built by nodes (sizes, scales and roi as graph inputs) equal the constant ones,
+    under both runtimes, for every mode, coordinate transformation, nearest mode, antialias and exclude_outside
+    (and tf_crop_and_resize with rois inside and outside the input); a sample of the cases unless slow."""
+    from revgraph.autodiff.emitter import Emitter
+    from revgraph.autodiff.rules.pool import ResizeAxis, resize_matrix_graph
+    from revgraph.ir import Graph
+
+    cases = MATRIX_CASES + [
+        ({"mode": mode, "coordinate_transformation_mode": "tf_crop_and_resize"}, n_in, n_out, 1.0, roi)
+        for mode in ["nearest", "linear", "cubic"]
+        for n_in, n_out, roi in [(6, 4, (0.2, 0.8)), (5, 7, (-0.3, 1.4)), (4, 1, (0.1, 0.6))]
+    ]
+    inputs = [ValueInfo("n_in", np.int64, ()), ValueInfo("n_out", np.int64, ()), ValueInfo("scale", np.float64, ()),
+              ValueInfo("start", np.float64, ()), ValueInfo("end", np.float64, ()), ValueInfo("like", np.float64, (1,))]
+    for case in cases[::every]:
+        attrs, n_in, n_out, scale = case[:4]
+        roi = case[4] if len(case) > 4 else None
+        e = Emitter({v.name: v for v in inputs}, {v.name for v in inputs}, 21)
+        ax = ResizeAxis(0, "n_in", "n_out", scale if static_scale else "scale", None if roi is None else ("start", "end"))
+        out = resize_matrix_graph(e, attrs, ax, "like")
+        g = Graph(e.nodes, inputs, [ValueInfo(out)])
+        feeds = {"n_in": np.int64(n_in), "n_out": np.int64(n_out), "scale": np.float64(scale),
+                 "start": np.float64(roi[0] if roi else 0), "end": np.float64(roi[1] if roi else 0), "like": np.zeros(1)}
+        expected = resize_matrix(n_in, n_out, scale, attrs, roi)
+        for backend in ["onnxruntime", "reference"]:
+            got = rg.Session(g, backend=backend).run(feeds)[out]
+            np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12, err_msg=f"{backend} {case}")
 
 
 def test_resize_identity_scales():
@@ -503,24 +1095,168 @@ def test_resize_identity_scales():
     check_rule(resize_graph(x, {"mode": "linear"}, [1, 1, 1, 1]), {"x": x}, lambda x: x * 1)
 
 
-@pytest.mark.parametrize("attrs, match", [
-    ({"mode": "linear", "antialias": 1}, "antialias"),
-    ({"mode": "linear", "coordinate_transformation_mode": "tf_crop_and_resize"}, "tf_crop_and_resize"),
+@pytest.mark.parametrize("runtime", [False, True])
+@pytest.mark.parametrize("attrs, scales, sizes", [
+    ({"mode": "linear", "antialias": 1}, [1, 1, 0.6, 0.5], None),
+    ({"mode": "cubic", "antialias": 1, "exclude_outside": 1}, [1, 1, 0.5, 0.75], None),
+    ({"mode": "linear", "antialias": 1, "axes": [3, 2]}, None, [3, 2]),
 ])
-def test_resize_unsupported_is_a_graph_error(attrs, match):
-    x = np.zeros((1, 1, 4, 4))
-    lg, _ = with_loss(resize_graph(x, attrs, [1, 1, 0.5, 0.5]), {"y0": np.zeros((1, 1, 2, 2))})
-    with pytest.raises(GraphError, match=rf"node 'op' \(Resize\).*{match}"):
-        rg.gradient(lg, loss="loss", wrt=["x"])
+def test_resize_antialias(attrs, scales, sizes, runtime):
+    """Antialiasing (the kernel stretched by 1 / scale when downscaling, weights normalised): constant and
+    run-time scales. ONNX's filter is not PyTorch's ``antialias=True`` (its edge taps are clamped, PyTorch's
+    cut off: outputs differ by ~0.1), so only central differences and the two runtimes check it."""
+    x = np.random.default_rng(16).standard_normal((2, 2, 5, 6))
+    g = resize_graph(x, attrs, scales, sizes, runtime=runtime)
+    check_rule(g, resize_feeds(x, scales if runtime else None, sizes if runtime else None), wrt=["x"])
 
 
-def test_resize_non_constant_scales_is_a_graph_error():
+TF_CROP = {
+    "nearest": {"mode": "nearest"},
+    "linear": {"mode": "linear"},
+    "cubic": {"mode": "cubic"},
+    "cubic_exclude_outside": {"mode": "cubic", "exclude_outside": 1, "cubic_coeff_a": -0.5},
+    "linear_antialias": {"mode": "linear", "antialias": 1},
+    "cubic_antialias": {"mode": "cubic", "antialias": 1},
+}
+
+
+@pytest.mark.parametrize("runtime", [False, True])
+@pytest.mark.parametrize("name", sorted(TF_CROP))
+def test_resize_tf_crop_and_resize(name, runtime):
+    """tf_crop_and_resize: outputs whose coordinate leaves the input take ``extrapolation_value`` and send x no
+    gradient. The roi places the coordinates, so it has a gradient too (TensorFlow's crop_and_resize gives its
+    boxes one), through the derivatives of the weights (0 for nearest): checked when it is a graph input."""
+    x = np.random.default_rng(17).standard_normal((1, 2, 5, 6))
+    attrs = {**TF_CROP[name], "coordinate_transformation_mode": "tf_crop_and_resize", "extrapolation_value": 3.0,
+             "axes": [2, 3]}
+    roi = [0.13, -0.17, 0.86, 1.27]  # no coordinate on a tie or a knot
+    sizes = [4, 7] if "antialias" not in name else [3, 4]
+    g = resize_graph(x, attrs, sizes=sizes, roi=roi, runtime=runtime)
+    # the reference evaluator computes cubic weights in float32: its differences along the roi are noise
+    with_roi = runtime and attrs["mode"] != "cubic"
+    check_rule(g, resize_feeds(x, sizes=sizes if runtime else None, roi=roi if runtime else None),
+               wrt=["x", "roi"] if with_roi else ["x"])
+
+
+@pytest.mark.parametrize("name", ["cubic", "cubic_exclude_outside", "cubic_antialias"])
+def test_resize_tf_crop_and_resize_cubic_roi_gradient(name):
+    """The roi gradient of the cubic modes against central differences of the float64 forward ``x x_a A_a(roi)``
+    (the matrices that reproduce onnxruntime's forward, test_resize_matrices_reproduce_onnxruntime)."""
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal((1, 2, 5, 6))
+    attrs = {**TF_CROP[name], "coordinate_transformation_mode": "tf_crop_and_resize", "axes": [2, 3]}
+    roi = np.array([0.13, -0.17, 0.86, 1.27])
+    sizes = [4, 7] if "antialias" not in name else [3, 4]
+
+    def forward(roi):
+        a_h = resize_matrix(5, sizes[0], sizes[0] / 5, attrs, (roi[0], roi[2]))
+        a_w = resize_matrix(6, sizes[1], sizes[1] / 6, attrs, (roi[1], roi[3]))
+        return np.einsum("nchw,ph,qw->ncpq", x, a_h, a_w)
+
+    u = rng.standard_normal((1, 2, *sizes))
+    lg, _ = with_loss(resize_graph(x, attrs, sizes=sizes, roi=roi, runtime=True), {"y0": u})
+    gg = rg.gradient(lg, loss="loss", wrt=["roi"])
+    feeds = {**resize_feeds(x, sizes=sizes, roi=roi), "y0_u": u}
+    got = rg.Session(gg, backend="reference").run(feeds)["roi_grad"]
+    step = np.eye(4) * 1e-6
+    numeric = [((forward(roi + d) - forward(roi - d)) * u).sum() / 2e-6 for d in step]
+    np.testing.assert_allclose(got, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_resize_tf_crop_and_resize_all_axes_roi_gradient():
+    """No ``axes``: the roi holds a start and an end for every axis (here a crop of the batch and channels too,
+    and a single output row: its coordinate is the roi's middle)."""
+    x = np.random.default_rng(22).standard_normal((2, 3, 4, 5))
+    roi = [0.2, 0.1, 0.3, 0.05, 0.9, 0.8, 0.7, 0.95]
+    attrs = {"mode": "linear", "coordinate_transformation_mode": "tf_crop_and_resize"}
+    g = resize_graph(x, attrs, sizes=[2, 2, 1, 6], roi=roi, runtime=True)
+    check_rule(g, resize_feeds(x, sizes=[2, 2, 1, 6], roi=roi), wrt=["x", "roi"])
+
+
+def test_resize_unknown_input_dims():
+    """Constant scales but symbolic input sizes: the matrices are built when the graph runs."""
+    x = np.random.default_rng(18).standard_normal((2, 3, 4, 5))
+    g = resize_graph(x, {"mode": "linear"}, [1, 1, 2, 1.5])
+    g.inputs[0] = ValueInfo("x", x.dtype, ("N", 3, "H", "W"))
+    check_rule(g, {"x": x}, lambda x: F.interpolate(x, scale_factor=(2, 1.5), mode="bilinear", align_corners=False))
+
+
+def test_resize_run_time_scales_match_pytorch_float32_onnxruntime():
+    """F.interpolate as the legacy exporter writes it, scales computed in the graph: float32 gradients under
+    onnxruntime equal PyTorch's float64 ones."""
+    x = np.random.default_rng(19).standard_normal((2, 3, 4, 5))
+    scales = np.array([1, 1, 2, 1.5], np.float32)
+    g = resize_graph(x.astype(np.float32), {"mode": "linear"}, scales, runtime=True)
+    tx = torch.tensor(x, requires_grad=True)
+    y = F.interpolate(tx, scale_factor=(2, 1.5), mode="bilinear", align_corners=False)
+    u = np.random.default_rng(20).standard_normal(tuple(y.shape))
+    (y * torch.tensor(u)).sum().backward()
+    lg, _ = with_loss(g, {"y0": u.astype(np.float32)})
+    gg = rg.gradient(lg, loss="loss", wrt=["x"])
+    assert any(n.op_type == "Range" for n in gg.nodes)  # the run-time matrices
+    out = rg.Session(gg).run({"x": x.astype(np.float32), "scales": scales, "y0_u": u.astype(np.float32)})
+    np.testing.assert_allclose(out["x_grad"], tx.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_resize_both_scales_and_sizes_of_unknown_length_is_a_graph_error():
     x = np.zeros((1, 1, 4, 4))
-    g = one_node_graph("Resize", {"x": x, "roi": np.zeros(0, np.float32), "scales": np.ones(4, np.float32)},
-                       {"mode": "linear"}, float_inputs=["x", "scales"])
+    g = resize_graph(x, {"mode": "linear"}, [1, 1, 1, 1], [1, 1, 4, 4], runtime=True)
+    g.inputs[1:] = [ValueInfo(v.name, v.dtype, ("k",)) for v in g.inputs[1:]]
     lg, _ = with_loss(g, {"y0": np.zeros((1, 1, 4, 4))})
-    with pytest.raises(GraphError, match=r"node 'op' \(Resize\).*constant scales or sizes"):
+    with pytest.raises(GraphError, match=r"node 'op' \(Resize\).*both scales and sizes"):
         rg.gradient(lg, loss="loss", wrt=["x"])
+
+
+@functools.cache
+def _resize_node_cases():
+    from onnx.backend.test.case import node
+
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        cases = node.collect_testcases()  # every operator: a filtered collection would stick for the session
+    return {c.name: c for c in cases if c.name.startswith("test_resize_")}
+
+
+RESIZE_NODE_SAMPLE = ["test_resize_downsample_scales_linear", "test_resize_upsample_sizes_nearest_axes_3_2",
+                      "test_resize_downsample_scales_cubic_antialias", "test_resize_tf_crop_and_resize_axes_3_2",
+                      "test_resize_upsample_sizes_nearest_not_smaller",
+                      "test_resize_upsample_scales_linear_half_pixel_symmetric"]
+
+
+def check_resize_node_model(name):
+    """An ONNX backend node test of Resize (onnx.backend.test.case.node.resize) as exported: its scales, sizes
+    and roi are graph inputs. The gradient with respect to X is checked against float64 central differences
+    (revgraph.check_gradients; the reference evaluator, which has float64 Resize), and the float32 gradient
+    graph under onnxruntime against it."""
+    case = _resize_node_cases()[name]
+    model = case.model
+    feeds = {vi.name: np.asarray(a) for vi, a in zip(model.graph.input, case.data_sets[0][0], strict=True)}
+    g = rg.load(model)
+    assert [v.name for v in g.inputs][1:] == [n for n in g.nodes[0].inputs[1:] if n]  # nothing constant
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = rg.check_gradients(g, None, ["X"], inputs=feeds)
+    assert all(r.status == "agree" for r in rep.rows), rep.rows
+    y = rg.Session(g).run(feeds)["Y"]
+    lg, _ = with_loss(g, {"Y": y})
+    gg = rg.gradient(lg, loss="loss", wrt=["X"])
+    u = np.random.default_rng(21).standard_normal(y.shape).astype(np.float32)
+    got = rg.Session(gg).run({**feeds, "Y_u": u})["X_grad"]
+    ref = rg.Session(gg, backend="reference").run({**feeds, "Y_u": u})["X_grad"]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", RESIZE_NODE_SAMPLE)
+def test_resize_node_models_with_run_time_scales(name):
+    check_resize_node_model(name)
+
+
+@pytest.mark.slow
+def test_resize_node_models_with_run_time_scales_all():
+    names = sorted(_resize_node_cases())
+    assert len(names) >= 39
+    for name in names:
+        check_resize_node_model(name)
 
 
 def test_global_max_pool_sends_exact_zeros_off_the_maxima_for_an_infinite_cotangent():

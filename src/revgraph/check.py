@@ -32,11 +32,11 @@ from .errors import InputError, RevgraphError
 from .ir import Graph, Node, ValueInfo, fresh_name, is_float_dtype, require_graph
 from .runtime import Session, expand_domains, random_inputs
 from .ssa import is_ssa, to_ssa
-from .types import infer_types
+from .types import constant_value, infer_types
 
 _FLOAT_TYPES = {1, 10, 11, 16}  # onnx FLOAT, FLOAT16, DOUBLE, BFLOAT16 (float8 casts quantize: left alone)
 #: attributes that name an output dtype, and the operators whose default for it is FLOAT
-_DTYPE_ATTRS = ("to", "dtype", "output_datatype")
+_DTYPE_ATTRS = ("to", "dtype", "output_datatype", "softmax_precision", "stash_type")
 _FLOAT_BY_DEFAULT = {"RandomNormal": "dtype", "RandomUniform": "dtype", "SequenceEmpty": "dtype",
                      "HannWindow": "output_datatype", "HammingWindow": "output_datatype",
                      "BlackmanWindow": "output_datatype", "MelWeightMatrix": "output_datatype"}
@@ -134,6 +134,10 @@ def _promote_node(node: Node, opset: int, used: set[str]) -> None:
         value = node.attrs.pop("value_float", None)
         value = node.attrs.pop("value_floats", value)
         node.attrs["value"] = np.asarray(value, dtype=np.float64)
+    elif node.op_type == "Constant" and "sparse_value" in node.attrs:
+        dense = constant_value(node, dense_limit=1 << 24)  # a float sparse constant: dense float64
+        if dense is not None and is_float_dtype(dense.dtype):
+            node.attrs = {"value": dense.astype(np.float64)}
     elif node.op_type == "ConstantOfShape" and "value" not in node.attrs:
         node.attrs["value"] = np.zeros(1, np.float64)  # the default is a float32 zero
     elif node.op_type == "GroupNormalization" and opset >= 21:

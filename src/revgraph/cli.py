@@ -21,7 +21,7 @@ from .check import NOT_CHECKED, check_gradients
 from .devices import Device
 from .errors import InputError, RevgraphError
 from .external_data import external_data_files, too_large
-from .ir import TARGET_OPSET, ValueInfo, is_float_dtype
+from .ir import TARGET_OPSET, Graph, ValueInfo, is_float_dtype
 from .lift import drop_unused_initializers, lift_constants
 from .limits import open_regular_file
 from .npz import write_outputs
@@ -101,7 +101,11 @@ def _parser() -> argparse.ArgumentParser:
                       "every K iterations or at perfect squares (sqrt: O(sqrt(T)) memory)")
     grad.add_argument("--lift-constants", action="store_true",
                       help="make floating Constant/ConstantOfShape values with more than one element trainable initializers")
-    grad.add_argument("--opset", type=int, metavar="N", help="write OUT.onnx at this opset (default: %d)" % TARGET_OPSET)
+    grad.add_argument("--straight-through", action="store_true",
+                      help="differentiate QuantizeLinear -> DequantizeLinear pairs with the straight-through estimator "
+                      "(quantization-aware training)")
+    grad.add_argument("--opset", type=int, metavar="N",
+                      help="write OUT.onnx at this opset (default: the model's, or %d for an older model)" % TARGET_OPSET)
 
     check = sub.add_parser("check", help="compare the gradients with float64 central differences")
     check.add_argument("model", metavar="MODEL.onnx")
@@ -359,7 +363,7 @@ def cmd_grad(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         gg = gradient(g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,
                       sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint,
-                      lift_constants=args.lift_constants)
+                      lift_constants=args.lift_constants, straight_through=args.straight_through)
     for w in caught:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
     drop_unused_initializers(gg)  # onnxruntime would warn about each one when it loads the graph
@@ -374,13 +378,24 @@ def cmd_grad(args: argparse.Namespace) -> int:
         onnx.checker.check_model(model, full_check=True)
     save(model, args.output)
     added = [o for o in gg.output_names if o not in g.output_names]
+    forward, backward = _count_nodes(model, g)
     out.print(
-        f"wrote {args.output}: {len(g.nodes)} forward + {len(gg.nodes) - len(g.nodes)} backward nodes; "
+        f"wrote {args.output}: {forward} forward + {backward} backward nodes; "
         f"{len(added)} gradient output(s): {_some(added)}",
         soft_wrap=True,
         markup=False,
     )
     return 0
+
+
+def _count_nodes(model, forward: Graph) -> tuple[int, int]:
+    """The nodes of the written top-level graph that ``forward`` had (by name: revgraph names every node on
+    load, and the backward pass gives its nodes fresh names), and the others: the backward pass, and the forward
+    nodes it rewrote (a ``Scan`` or ``LSTM`` becomes a ``Loop``). Forward nodes no output depends on are not
+    written, so neither count is ever negative."""
+    names = {n.name for n in forward.nodes}
+    kept = sum(1 for n in model.graph.node if n.name in names)
+    return kept, len(model.graph.node) - kept
 
 
 def _some(names: list[str], most: int = 6) -> str:

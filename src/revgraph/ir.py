@@ -22,11 +22,17 @@ import onnx
 
 from .errors import GraphError, RevgraphError
 
-#: The default-domain opset every graph is converted to on load and written at. Opset 21 has
-#: ``ScatterND`` with ``reduction`` (since 16; "max"/"min" since 18), ``Gelu`` (20) and
-#: ``GroupNormalization`` (21), runs in onnxruntime >= 1.17 and in ``onnx.reference``, and is one above
-#: the opset that ``torch.onnx.export`` writes by default (20).
+#: The oldest default-domain opset revgraph works at. A model at an older opset is converted up to it on load
+#: (``onnx.version_converter``); a model at this opset or a newer one keeps its own, and its gradient graph is
+#: written at that opset too. Graphs built without ``opsets`` use it. Opset 21 has ``ScatterND`` with
+#: ``reduction`` (since 16; "max"/"min" since 18), reductions with an ``axes`` input (18), ``Gelu`` (20) and
+#: ``GroupNormalization`` (21), the forms the VJP rules emit; it runs in onnxruntime >= 1.17 and in
+#: ``onnx.reference``, and is one above the opset that ``torch.onnx.export`` writes by default (20).
 TARGET_OPSET = 21
+
+#: The newest default-domain opset the installed onnx knows (its operator schemas and shape inference): the
+#: newest a model may be at. Whether a runtime runs it is the runtime's question (:class:`revgraph.Session`).
+NEWEST_OPSET = onnx.defs.onnx_opset_version()
 
 Dim = int | str | None
 
@@ -141,7 +147,7 @@ class Graph:
     name: str = "graph"
     opsets: dict[str, int] = field(default_factory=lambda: {"": TARGET_OPSET})
     doc_string: str = ""
-    #: The default-domain opset of the file this graph was loaded from, before conversion (``None`` if built).
+    #: The default-domain opset of the file this graph was loaded from, before any conversion (``None`` if built).
     source_opset: int | None = None
 
     @property
@@ -258,6 +264,7 @@ def _copy_graph(g: Graph) -> Graph:
         name=g.name,
         opsets=dict(g.opsets),
         doc_string=g.doc_string,
+        source_opset=g.source_opset,
     )
 
 

@@ -1,7 +1,8 @@
 """Lift constants into trainable initializers.
 
-Models exported for inference often hold weights as ``Constant`` or ``ConstantOfShape`` nodes (the onnx
-wheel's ``light/`` models keep every weight as a ``ConstantOfShape``); such values are not graph inputs or
+Models exported for inference often hold weights as ``Constant`` (in any of its forms: ``value``,
+``value_floats``, ``sparse_value``, ...) or ``ConstantOfShape`` nodes (the onnx wheel's ``light/`` models keep
+every weight as a ``ConstantOfShape``); such values are not graph inputs or
 initializers, so they are not differentiated by default. :func:`lift_constants` turns each floating-point
 constant with more than one element into an initializer of the same name.
 """
@@ -11,10 +12,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import onnx
 
 from . import limits
 from .errors import GraphError
 from .ir import Graph, Node, is_float_dtype
+from .types import constant_value, sparse_to_dense
 
 _SMALL = 64  # elements of a constant that is not lifted but kept as a value (a shape)
 
@@ -23,8 +26,16 @@ def _constant_value(node: Node, known: dict[str, np.ndarray]) -> np.ndarray | No
     if node.domain or len(node.outputs) != 1:
         return None
     if node.op_type == "Constant":
-        value = node.attrs.get("value")
-        return np.asarray(value) if isinstance(value, np.ndarray) else None
+        sparse = node.attrs.get("sparse_value")
+        if isinstance(sparse, onnx.AttributeProto) and sparse.type == onnx.AttributeProto.SPARSE_TENSOR:
+            # a weight stored sparse: made dense here, as an initializer holds it
+            dims = tuple(int(d) for d in sparse.sparse_tensor.dims)
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(sparse.sparse_tensor.values.data_type)
+            limits.check_allocation(f"the output {node.outputs[0]!r} of {node.label()}", dims, dtype,
+                                    "a lifted constant (--lift-constants)")
+            return sparse_to_dense(sparse.sparse_tensor, math.prod(dims))
+        value = constant_value(node)  # value, value_float(s), value_int(s), value_string(s)
+        return None if value is None else np.asarray(value)
     if node.op_type == "ConstantOfShape" and node.inputs and node.inputs[0] in known:
         fill = node.attrs.get("value", np.zeros(1, np.float32))
         fill = np.asarray(fill).reshape(-1)

@@ -3,9 +3,11 @@
 On load a model is read and checked by :mod:`revgraph.reading` (regular files only, external data that fits
 its tensors, tensors that hold their data, non-empty UTF-8 names, attributes of their schema's type), its
 model-local functions are inlined (``onnx.inliner``), names written more than once are renamed into SSA form
-(:mod:`revgraph.ssa`), the default-domain opset is converted to :data:`revgraph.ir.TARGET_OPSET` with
-``onnx.version_converter``, and ONNX shape inference fills in the types of intermediate values (with data
-propagation only where it cannot materialise a value the model merely describes: :mod:`revgraph.limits`).
+(:mod:`revgraph.ssa`), a default-domain opset older than :data:`revgraph.ir.TARGET_OPSET` (21) is converted up
+to it with ``onnx.version_converter`` (a model at opset 21 or newer keeps its own, up to the newest the installed
+onnx knows, :data:`revgraph.ir.NEWEST_OPSET`; ``load(opset=N)`` converts to N instead), and ONNX shape
+inference fills in the types of intermediate values (with data propagation only where it cannot materialise a
+value the model merely describes: :mod:`revgraph.limits`).
 What revgraph writes is always SSA, at the graph's opset, with the lowest IR version that opset allows (so the
 installed onnxruntime accepts it).
 """
@@ -25,7 +27,7 @@ from onnx import AttributeProto, helper, numpy_helper
 from . import limits
 from .atomic import atomic_path
 from .errors import GraphError, RevgraphError, UnsupportedModelError
-from .ir import TARGET_OPSET, Graph, Node, ValueInfo, require_graph
+from .ir import NEWEST_OPSET, TARGET_OPSET, Graph, Node, ValueInfo, require_graph
 from .reading import (  # noqa: F401  (read_model, converter_error: API of this module)
     check_graph_proto,
     check_loop_signatures,
@@ -55,9 +57,16 @@ _PASSTHROUGH_ATTRS = {
 }
 
 
-def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int = TARGET_OPSET,
+def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int | None = None,
          base_dir: str | os.PathLike | None = None) -> Graph:
-    """Load an ONNX model as a :class:`Graph` in SSA form at the default-domain ``opset``.
+    """Load an ONNX model as a :class:`Graph` in SSA form.
+
+    The default-domain opset is the model's own when it is :data:`~revgraph.ir.TARGET_OPSET` (21) or newer; an
+    older model is converted up to 21 (``onnx.version_converter``), the oldest opset whose operator forms the
+    VJP rules emit. ``opset=N`` (21 to :data:`~revgraph.ir.NEWEST_OPSET`, the newest the installed onnx knows)
+    converts the model to N instead. Gradient graphs are written at the graph's opset. A model newer than the
+    installed onnx knows is refused; one newer than onnxruntime runs loads, and :class:`revgraph.Session`
+    refuses to run it on onnxruntime.
 
     ``model`` is a path, an ``onnx.ModelProto`` or serialized bytes. A file reads its external data from its
     own directory; bytes and a ``ModelProto`` read it from ``base_dir`` and are refused without one
@@ -67,9 +76,10 @@ def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int = TAR
     :class:`UnsupportedModelError` for a model revgraph cannot represent (optional or map types, sparse
     initializers, unknown operator domains) or whose opset cannot be converted.
     """
-    newest = onnx.defs.onnx_opset_version()
-    if not isinstance(opset, int) or isinstance(opset, bool) or not 7 <= opset <= newest:
-        raise RevgraphError(f"opset must be an int from 7 to {newest} (the newest this onnx knows), got {opset!r}")
+    if opset is not None and (not isinstance(opset, int) or isinstance(opset, bool)
+                              or not TARGET_OPSET <= opset <= NEWEST_OPSET):
+        raise RevgraphError(f"opset must be None (the model's own, at least {TARGET_OPSET}) or an int from "
+                            f"{TARGET_OPSET} to {NEWEST_OPSET} (the newest this onnx knows), got {opset!r}")
     model = model_proto(model, base_dir)
     try:
         return _convert(model, opset)
@@ -78,7 +88,15 @@ def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int = TAR
         raise GraphError(f"the model's field {where} is not UTF-8 text; ONNX names and strings are UTF-8") from None
 
 
-def _convert(model: onnx.ModelProto, opset: int) -> Graph:
+def target_opset(original: int, opset: int | None = None) -> int:
+    """The default-domain opset :func:`load` gives a model at opset ``original``: ``opset`` when given, else the
+    model's own when it is :data:`~revgraph.ir.TARGET_OPSET` or newer, else ``TARGET_OPSET``."""
+    if opset is not None:
+        return opset
+    return max(original, TARGET_OPSET)
+
+
+def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
     """:func:`load` once the model's tensors hold their data."""
     if model.functions:
         model = inline_functions(model)
@@ -97,10 +115,16 @@ def _convert(model: onnx.ModelProto, opset: int) -> Graph:
             f"the model imports operator domain(s) {', '.join(map(repr, unknown))}; "
             "revgraph handles the standard ONNX domains only (export without custom operators)"
         )
+    if opsets.get("", 0) > NEWEST_OPSET:
+        raise UnsupportedModelError(
+            f"the model is at opset {opsets['']}; the installed onnx {onnx.__version__} knows opsets up to "
+            f"{NEWEST_OPSET} (its operator schemas and shape inference): upgrade onnx, or export at opset "
+            f"{NEWEST_OPSET} or older")
     if not model.graph.node and not model.graph.output:
         raise RevgraphError("the model holds an empty graph")
     graph = graph_from_proto(model.graph, opsets)
     original = opsets.get("", TARGET_OPSET)
+    opset = target_opset(original, opset)
     if original < 7:
         _fix_legacy_prelu(graph)
     if not is_ssa(graph):
@@ -265,13 +289,15 @@ def _type_proto(kind: str, dtype: np.dtype | None, shape: tuple | None) -> onnx.
 
 
 def attr_to_proto(node: Node, key: str, value: Any, opsets: dict[str, int]) -> AttributeProto:
+    """The attribute ``key`` of ``node``, typed by its schema at ``opsets`` (subgraphs too: a body built by
+    revgraph has no opsets of its own, it is written at its model's)."""
     if isinstance(value, AttributeProto):
         a = AttributeProto()
         a.CopyFrom(value)
         a.name = key
         return a
     if isinstance(value, Graph):
-        return helper.make_attribute(key, graph_to_proto(value))
+        return helper.make_attribute(key, graph_to_proto(value, opsets))
     if isinstance(value, np.ndarray):
         return helper.make_attribute(key, numpy_helper.from_array(value))
     schema = get_schema(node.op_type, node.domain or "", opsets)
@@ -280,7 +306,8 @@ def attr_to_proto(node: Node, key: str, value: Any, opsets: dict[str, int]) -> A
         attr_type = int(schema.attributes[key].type)
     if isinstance(value, (list, tuple)):
         value = [
-            graph_to_proto(v) if isinstance(v, Graph) else numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v
+            graph_to_proto(v, opsets) if isinstance(v, Graph)
+            else numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v
             for v in value
         ]
         if attr_type == AttributeProto.FLOATS:
@@ -299,8 +326,10 @@ def attr_to_proto(node: Node, key: str, value: Any, opsets: dict[str, int]) -> A
     return helper.make_attribute(key, value, attr_type=attr_type)
 
 
-def graph_to_proto(graph: Graph) -> onnx.GraphProto:
-    """Convert a :class:`Graph` to a ``GraphProto`` as it is (no SSA renaming; see :func:`to_onnx`)."""
+def graph_to_proto(graph: Graph, opsets: dict[str, int] | None = None) -> onnx.GraphProto:
+    """Convert a :class:`Graph` to a ``GraphProto`` as it is (no SSA renaming; see :func:`to_onnx`), its
+    attributes typed at ``opsets`` (default: the graph's own; a subgraph is written at its model's)."""
+    opsets = graph.opsets if opsets is None else opsets
     nodes = [
         helper.make_node(
             n.op_type,
@@ -312,7 +341,7 @@ def graph_to_proto(graph: Graph) -> onnx.GraphProto:
         for n in graph.nodes
     ]
     for proto, node in zip(nodes, graph.nodes, strict=True):
-        proto.attribute.extend(attr_to_proto(node, k, v, graph.opsets) for k, v in node.attrs.items())
+        proto.attribute.extend(attr_to_proto(node, k, v, opsets) for k, v in node.attrs.items())
     declared = set(graph.input_names) | set(graph.output_names)
     return helper.make_graph(
         nodes,

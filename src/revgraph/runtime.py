@@ -5,6 +5,7 @@ revgraph has no executor of its own; a session converts the graph to ONNX and ha
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -60,6 +61,10 @@ class Session:
         if backend == "onnxruntime":
             import onnxruntime as ort
 
+            _check_onnxruntime_opset(graph)
+            # the default graph optimisation level (ORT_ENABLE_ALL), as users run models: gradient graphs are
+            # tested at it (onnxruntime's transpose optimizer mishandles a Pad with an axes input, which
+            # revgraph therefore never writes)
             options = ort.SessionOptions()
             options.log_severity_level = 4  # errors reach the user as exceptions
             options.intra_op_num_threads = threads
@@ -189,6 +194,33 @@ def expand_domains(graph: Graph) -> Graph:
             "execute it and revgraph expands it in the top-level graph only"
         )
     return graph
+
+
+@functools.cache
+def onnxruntime_newest_opset() -> int | None:
+    """The newest default-domain opset the installed onnxruntime knows (the newest ``since_version`` of its
+    operator schemas: 28 for onnxruntime 1.32), or ``None`` when its build does not list its schemas."""
+    try:
+        from onnxruntime.capi import _pybind_state
+
+        schemas = _pybind_state.get_all_operator_schema()
+        return max(s.since_version for s in schemas if s.domain in ("", "ai.onnx"))
+    except Exception:
+        return None
+
+
+def _check_onnxruntime_opset(graph: Graph) -> None:
+    """Refuse (:class:`UnsupportedModelError`) a graph at a default-domain opset newer than onnxruntime knows:
+    it would read the nodes with older schemas. revgraph loads such a model (the installed onnx knows it); only
+    running it on onnxruntime is refused."""
+    import onnxruntime as ort
+
+    newest = onnxruntime_newest_opset()
+    if newest is not None and graph.opset > newest:
+        raise UnsupportedModelError(
+            f"the graph is at opset {graph.opset}; onnxruntime {ort.__version__} runs opsets up to {newest}: run it "
+            f"with the reference backend (backend='reference', --backend reference) or load the model with "
+            f"opset={newest}")
 
 
 def check_feeds(graph: Graph, feeds: Mapping[str, np.ndarray]) -> None:

@@ -8,6 +8,9 @@ differentiation.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import numpy as np
 import onnx
 import onnx.shape_inference
@@ -21,11 +24,11 @@ from .schema import get_schema
 
 
 def differentiable(vi: ValueInfo | None) -> bool:
-    """May the value carry a gradient? A floating-point tensor does; an integer, boolean or string tensor and
-    an ONNX sequence do not; a value whose type is unknown (``None``, or no dtype) is taken as one that may,
-    so that a path through it is differentiated rather than silently cut. The one answer the backward pass,
-    the loop VJPs and the rules give."""
-    return vi is None or vi.dtype is None or (vi.kind == "tensor" and is_float_dtype(vi.dtype))
+    """May the value carry a gradient? A floating-point tensor does, and so does an ONNX sequence of them (its
+    cotangent is a sequence); an integer, boolean or string tensor does not; a value whose type is unknown
+    (``None``, or no dtype) is taken as one that may, so that a path through it is differentiated rather than
+    silently cut. The one answer the backward pass, the loop VJPs and the rules give."""
+    return vi is None or vi.dtype is None or (vi.kind in ("tensor", "sequence") and is_float_dtype(vi.dtype))
 
 
 def onnx_node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, np.ndarray],
@@ -45,22 +48,24 @@ def onnx_node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, n
     except Exception:  # inference is a help; unknown types make rules use Shape-based ops
         return {}
     return {name: value_info_from_proto(helper.make_value_info(name, tp))
-            for name, tp in out.items() if tp.HasField("tensor_type")}
+            for name, tp in out.items()
+            if tp.HasField("tensor_type") or tp.sequence_type.elem_type.HasField("tensor_type")}
 
 
 def node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, np.ndarray],
                opset: int) -> dict[str, ValueInfo]:
     """The output types of one node: :mod:`revgraph.fastshape`'s formulas when they apply, else
-    :func:`onnx_node_types`, with the rank of a ``keepdims=1`` reduction over computed axes
-    (:func:`revgraph.fastshape.keepdims_type`) where ONNX gives no shape."""
+    :func:`onnx_node_types`, with the rank of operators whose output rank does not depend on values (a
+    ``keepdims=1`` reduction over computed axes, ``Unsqueeze`` of computed axes of static length, ...:
+    :func:`revgraph.fastshape.rank_types`) where ONNX gives no shape."""
     fast = fastshape.infer(node, types, values)
     if fast is not None:
         return {fast.name: fast}
     found = onnx_node_types(node, types, values, opset)
-    rank = fastshape.keepdims_type(node, types)
-    if rank is not None and (rank.name not in found or found[rank.name].shape is None):
-        known = found.get(rank.name)
-        found[rank.name] = ValueInfo(rank.name, known.dtype if known and known.dtype else rank.dtype, rank.shape)
+    for name, rank in fastshape.rank_types(node, types).items():
+        known = found.get(name)
+        if known is None or known.shape is None:
+            found[name] = ValueInfo(name, known.dtype if known and known.dtype else rank.dtype, rank.shape)
     return found
 
 
@@ -71,12 +76,61 @@ def _declared(graph: Graph) -> dict[str, ValueInfo]:
     return types
 
 
-def constant_values(graph: Graph) -> dict[str, np.ndarray]:
-    """The values of ``graph`` known when it is built: its initializers and its ``Constant`` outputs."""
+def constant_value(node: Node, dense_limit: int = 1 << 16) -> np.ndarray | None:
+    """The value of a default-domain ``Constant`` node in any of its forms (ONNX "Constant": ``value``,
+    ``value_float``, ``value_floats``, ``value_int``, ``value_ints``, ``value_string``, ``value_strings``,
+    ``sparse_value``); ``None`` for another node, or a sparse value of more than ``dense_limit`` elements
+    (made dense only when small: a file may describe a huge sparse constant)."""
+    if node.op_type != "Constant" or node.domain or not node.attrs:
+        return None
+    key, v = next(iter(node.attrs.items()))
+    if key == "value" and isinstance(v, np.ndarray):
+        return v
+    if key in ("value_float", "value_floats"):
+        return np.asarray(v, dtype=np.float32)
+    if key in ("value_int", "value_ints"):
+        return np.asarray(v, dtype=np.int64)
+    if key in ("value_string", "value_strings"):
+        return np.asarray(v, dtype=object)
+    if key == "sparse_value" and isinstance(v, onnx.AttributeProto) and v.type == onnx.AttributeProto.SPARSE_TENSOR:
+        return sparse_to_dense(v.sparse_tensor, dense_limit)
+    return None
+
+
+def sparse_to_dense(sp: onnx.SparseTensorProto, dense_limit: int) -> np.ndarray | None:
+    """The dense array of a ``SparseTensorProto`` (ONNX IR: ``indices`` are ``[NNZ]`` linear indices or
+    ``[NNZ, rank]`` coordinates into ``dims``), or ``None`` when it has more than ``dense_limit`` elements or
+    does not hold together."""
+    dims = tuple(int(d) for d in sp.dims)
+    if any(d < 0 for d in dims) or math.prod(dims) > dense_limit:
+        return None
+    try:
+        values = numpy_helper.to_array(sp.values).reshape(-1)
+        indices = numpy_helper.to_array(sp.indices).astype(np.int64)
+        dense = np.zeros(math.prod(dims), dtype=values.dtype)
+        if indices.ndim == 2:
+            indices = np.ravel_multi_index(tuple(indices.T), dims) if indices.size else indices.reshape(-1)
+        dense[indices.reshape(-1)] = values
+        return dense.reshape(dims)
+    except Exception:  # a malformed sparse tensor: its value is not known
+        return None
+
+
+def constant_values(graph: Graph, types: Mapping[str, ValueInfo] | None = None) -> dict[str, np.ndarray]:
+    """The values of ``graph`` known when it is built: its initializers, its ``Constant`` outputs (every form,
+    :func:`constant_value`) and, given the types of its values, the shape arithmetic over them and over
+    static shapes (``Concat(Slice(Shape(x)), Cast(Constant))``, the sizes PyTorch's exporter computes for
+    Resize; :func:`revgraph.fastshape.fold`), in node order."""
     values = {k: np.asarray(a) for k, a in graph.initializers.items()}
     for node in graph.nodes:
-        if node.op_type == "Constant" and "value" in node.attrs and not node.domain:
-            values[node.outputs[0]] = np.asarray(node.attrs["value"])
+        if node.op_type == "Constant" and not node.domain:
+            value = constant_value(node)
+            if value is not None:
+                values[node.outputs[0]] = np.asarray(value)
+        elif types is not None and node.op_type in fastshape.FOLDABLE:
+            value = fastshape.fold(node, values, types)
+            if value is not None:
+                values[node.outputs[0]] = value
     return values
 
 
@@ -88,7 +142,7 @@ def _infer_incrementally(graph: Graph) -> dict[str, ValueInfo] | None:
     pending = [n for n in graph.nodes if any(o and o not in types for o in n.outputs)]
     if len(pending) > max(8, len(graph.nodes) // 10) or any(n.subgraphs for n in pending):
         return None
-    values = {k: a for k, a in constant_values(graph).items() if a.size <= 64}
+    values = {k: a for k, a in constant_values(graph, types).items() if a.size <= 64}
     for node in pending:
         if all(not i or i in types for i in node.inputs):
             for name, vi in node_types(node, types, values, graph.opset).items():
@@ -140,7 +194,7 @@ def _complete_shapes(graph: Graph, types: dict[str, ValueInfo]) -> dict[str, Val
         if any(i and (i not in types or types[i].shape is None) for i in node.inputs):
             continue
         if values is None:
-            values = {k: a for k, a in constant_values(graph).items() if a.size <= 64}
+            values = {k: a for k, a in constant_values(graph, types).items() if a.size <= 64}
         for name, vi in node_types(node, types, values, graph.opset).items():
             known = types.get(name)
             if vi.shape is not None and (known is None or known.shape is None):

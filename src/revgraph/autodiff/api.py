@@ -39,6 +39,7 @@ def gradient(
     accumulate: str = "sum",
     checkpoint: str | int | CheckpointPolicy = "store",
     lift_constants: bool = False,
+    straight_through: bool = False,
 ) -> Graph:
     """A graph computing ``graph``'s outputs and the gradient of ``loss`` with respect to each ``wrt`` value.
 
@@ -53,7 +54,9 @@ def gradient(
     ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"sqrt"`` or a segment
     length K, or a :data:`~.policies.CheckpointPolicy` (see :mod:`.policies`). ``lift_constants=True`` first turns floating-point ``Constant`` and
     ``ConstantOfShape`` values with more than one element into initializers (:func:`revgraph.lift.lift_constants`),
-    so that they are differentiated by default.
+    so that they are differentiated by default. ``straight_through=True`` differentiates each
+    ``QuantizeLinear -> DequantizeLinear`` pair with the straight-through estimator (quantization-aware training,
+    :mod:`.rules.quant`); without it a path through such a pair raises :class:`GraphError`.
 
     Raises :class:`RevgraphError` (one line) for an unknown, ambiguous or non-floating name, and
     :class:`GraphError` for operators without a VJP rule on the path.
@@ -82,7 +85,7 @@ def gradient(
         types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape)
         ys[loss] = seed_name
     e = Emitter(types, used, g.opset)
-    options = Options(checkpoint=parse_policy(checkpoint))
+    options = Options(checkpoint=parse_policy(checkpoint), straight_through=bool(straight_through))
     _, grad_map = backward(g, ys, wrt_names, accumulate=accumulate, types=types, emitter=e, options=options)
 
     missing = [w for w in wrt_names if w not in grad_map]

@@ -3,7 +3,9 @@
 This is Caffe2's ``GradientRegistry``/``IR.GetBackwardPass`` done on an SSA graph: every value version has one
 producer, so the gradient of a version is complete once every node after its producer has been visited;
 contributions from several readers are added by the :class:`~.accumulate.Accumulator`, one ``Sum`` per
-version (or a running ``Add`` chain), and sparse rows from ``Gather`` are concatenated instead.
+version (or a running ``Add`` chain), and sparse rows from ``Gather`` are concatenated instead. ONNX sequences
+of floating-point tensors carry gradients too: the cotangent of a sequence is a sequence (the reads of its
+``SequenceAt`` readers until a rule needs it dense, :mod:`.accumulate`).
 
 For each node the pass builds the rule's immutable :class:`~.context.Ctx`, calls the rule, emits the
 cotangents of the inputs that need one (a rule returns functions for them, :mod:`.context`), checks each
@@ -20,7 +22,7 @@ from ..errors import GraphError, InternalError
 from ..ir import Graph, Node, ValueInfo, require_graph
 from ..ssa import captured_names, is_ssa
 from ..types import differentiable, infer_types
-from .accumulate import Accumulator
+from .accumulate import Accumulator, Grad, SeqGrad, sequence_types
 from .arguments import (
     default_wrt,
     known_names,
@@ -30,7 +32,7 @@ from .arguments import (
     suggest,
     used_names,
 )
-from .context import BodyVJP, Ctx, Grad, Options, PatchedVJP, apply_patch
+from .context import BodyVJP, Ctx, Options, PatchedVJP, apply_patch
 from .emitter import Emitter
 from .finite import nonfinite_cotangents, nonfinite_values
 from .loops.lower import lower_to_loops
@@ -45,53 +47,39 @@ def _captures(node: Node) -> list[str]:
     return names
 
 
-def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, ValueInfo]) -> list[Node]:
-    """The nodes on a path from a ``wrt`` value to a ``ys`` value through floating-point values, in order.
+def _pair_reads(node: Node, writers: Mapping[str, Node]) -> list[str]:
+    """The inputs of the QuantizeLinear that writes a DequantizeLinear's quantized input: the pair is
+    differentiated as one function by the DequantizeLinear rule (the straight-through estimator,
+    rules/quant.py), which gives them gradients through ``PatchedVJP.captured``; so the pair reads them."""
+    if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or not node.inputs:
+        return []
+    q = writers.get(node.inputs[0])
+    if q is None or q.op_type != "QuantizeLinear" or q.domain not in ("", "ai.onnx"):
+        return []
+    return [i for i in q.inputs if i]
 
-    Integer and boolean values, and operators declared not differentiable, cut paths. A path through an ONNX
-    sequence raises :class:`GraphError` (revgraph does not differentiate sequences, and cutting the path
-    would give a silently wrong gradient).
-    """
+
+def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, ValueInfo]) -> list[Node]:
+    """The nodes on a path from a ``wrt`` value to a ``ys`` value through floating-point values (tensors, and
+    sequences of them: :func:`~.accumulate.differentiable`), in order. Integer and boolean values, and
+    operators declared not differentiable, cut paths."""
     reach = {w for w in wrt}
     reached_nodes = []
-    sequences: dict[str, Node] = {}
+    writers = {o: n for n in graph.nodes for o in n.outputs if o}
     for node in graph.nodes:
         if node.op_type in NOT_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
             continue
-        if any(i in reach for i in node.inputs) or any(c in reach for c in _captures(node)):
+        if any(i in reach for i in [*node.inputs, *_captures(node), *_pair_reads(node, writers)]):
             reached_nodes.append(node)
             reach.update(o for o in node.outputs if o and differentiable(types.get(o)))
-            sequences.update({o: node for o in node.outputs if o and _is_sequence(types, o)})
-    if sequences:
-        _refuse_sequence_paths(graph, ys, sequences)
     wanted = set(ys)
     needed = []
     for node in reversed(reached_nodes):
         if any(o in wanted for o in node.outputs if o):
             needed.append(node)
-            wanted.update(i for i in [*node.inputs, *_captures(node)] if i in reach)
+            wanted.update(i for i in [*node.inputs, *_captures(node), *_pair_reads(node, writers)] if i in reach)
     needed.reverse()
     return needed
-
-
-def _is_sequence(types: dict[str, ValueInfo], name: str) -> bool:
-    vi = types.get(name)
-    return vi is not None and vi.kind == "sequence"
-
-
-def _refuse_sequence_paths(graph: Graph, ys: Iterable[str], sequences: dict[str, Node]) -> None:
-    ancestors = set(ys)
-    for node in reversed(graph.nodes):
-        if any(o in ancestors for o in node.outputs if o):
-            ancestors.update(i for i in [*node.inputs, *_captures(node)] if i)
-    for name, node in sequences.items():
-        if name in ancestors:
-            raise GraphError(
-                f"{node.label()} puts a value that needs a gradient into the sequence {name!r}, and the loss depends "
-                "on it; revgraph does not differentiate ONNX sequences (a gradient graph built with checkpoint="
-                "'sqrt' or K keeps its checkpoints in sequences: build it with 'store' or 'recompute' to "
-                "differentiate it again)"
-            )
 
 
 def backward(
@@ -111,7 +99,8 @@ def backward(
     ``wrt`` lists the values gradients are wanted for (default: every floating-point input and initializer);
     only nodes on a path from them to ``ys`` are differentiated. ``options``: what rules read (the loops'
     checkpoint policy). Returns the emitted backward nodes and ``grad_map``: every value that received a
-    gradient mapped to it (a value name, or a :class:`SparseGrad` for a table read only through ``Gather``).
+    gradient mapped to it (a value name, a :class:`SparseGrad` for a table read only through ``Gather``, or a
+    :class:`~.accumulate.SeqGrad` for a sequence read through ``SequenceAt``).
     A loop on the path is extended in place (its trip counter and stacked residuals, :class:`ForwardPatch`).
 
     Raises :class:`GraphError` for a graph not in SSA form, an unknown name, operators without a VJP rule
@@ -133,6 +122,8 @@ def backward(
     options = options or Options()
     lower_to_loops(graph, types, e.used)
     e.learn_constants(graph)
+    sequence_types(graph.nodes, types, e.values, graph.opset)
+    _type_seeds(graph, ys, types)
     acc = Accumulator(e, accumulate)
     nodes = prune(graph, ys, wrt, types)
 
@@ -156,14 +147,14 @@ def backward(
                   producers=MappingProxyType({o: n for n in graph.nodes for o in n.outputs if o}))
     grad_map: dict[str, Grad] = {}
     for node in reversed(nodes):
-        out_grads = [acc.dense_total(o) if o else None for o in node.outputs]
+        out_grads = [acc.rule_total(o) if o else None for o in node.outputs]
         for o, g in zip(node.outputs, out_grads, strict=True):
             if g is not None:
                 grad_map[o] = g
         if all(g is None for g in out_grads):
             continue
         need = tuple(bool(i) and i in reach and differentiable(types.get(i)) for i in node.inputs)
-        if not any(need) and not node.subgraphs:
+        if not any(need) and not node.subgraphs and not any(i in reach for i in _pair_reads(node, shared["producers"])):
             continue
         ctx = Ctx(e, node, need, not any(o in unsafe for o in node.outputs if o), **shared)
         with e.scope(f"grad/{node.name or node.op_type}"):
@@ -182,6 +173,16 @@ def backward(
     return e.nodes, grad_map
 
 
+def _type_seeds(graph: Graph, ys: Mapping[str, str | None], types: dict[str, ValueInfo]) -> None:
+    """A seed that is a graph input declared without a dtype (declared before the loss's type was known: a loss
+    computed from sequences, which node by node inference does not follow) takes the type of its value."""
+    for y, seed in ys.items():
+        vi = types.get(y)
+        for k, inp in enumerate(graph.inputs):
+            if seed and inp.name == seed and inp.dtype is None and vi is not None and vi.dtype is not None:
+                graph.inputs[k] = types[seed] = ValueInfo(seed, vi.dtype, vi.shape)
+
+
 def _run_rule(ctx: Ctx, node: Node, out_grads: list, graph: Graph) -> tuple[list, dict[str, Grad]]:
     """Call ``node``'s rule; emit the cotangents of the inputs that need one; apply a forward patch."""
     result = get_rule(node)(ctx, node, out_grads)
@@ -198,11 +199,27 @@ def _run_rule(ctx: Ctx, node: Node, out_grads: list, graph: Graph) -> tuple[list
 
 def check_cotangent(types: Mapping[str, ValueInfo], node: Node, name: str, g: Grad) -> None:
     """Raise :class:`GraphError` when the cotangent ``g`` that ``node``'s rule gives input ``name`` has another
-    dtype or rank than ``name`` (where both are known): a cotangent lives in its primal's space (JAX's
-    ``ct_check``). A :class:`SparseGrad`'s rows have the primal's rank."""
+    dtype or rank than ``name`` (where both are known), or is a sequence where ``name`` is a tensor or the
+    other way round: a cotangent lives in its primal's space (JAX's ``ct_check``). A :class:`SparseGrad`'s rows
+    have the primal's rank; a :class:`SeqGrad`'s reads the type of the primal sequence's elements."""
     primal = types.get(name)
+    if primal is None:
+        return
+    if isinstance(g, SeqGrad):
+        if primal.kind != "sequence":
+            _mismatch(types, node, name, primal, "a sequence")
+        for _, read in g.reads:
+            _check_type(types, node, name, primal, types.get(read))
+        return
     ct = types.get(g.values if isinstance(g, SparseGrad) else g)
-    if primal is None or ct is None:
+    if ct is not None and (ct.kind == "sequence") != (primal.kind == "sequence") and ct.dtype is not None:
+        _mismatch(types, node, name, primal, "a sequence" if ct.kind == "sequence" else "a tensor")
+    _check_type(types, node, name, primal, ct)
+
+
+def _check_type(types: Mapping[str, ValueInfo], node: Node, name: str, primal: ValueInfo,
+                ct: ValueInfo | None) -> None:
+    if ct is None:
         return
     if primal.dtype is not None and ct.dtype is not None and primal.dtype != ct.dtype:
         what = f"dtype {ct.dtype}"
@@ -210,8 +227,12 @@ def check_cotangent(types: Mapping[str, ValueInfo], node: Node, name: str, g: Gr
         what = f"rank {len(ct.shape)}"
     else:
         return
+    _mismatch(types, node, name, primal, f"{what} ({ct.describe()})")
+
+
+def _mismatch(types: Mapping[str, ValueInfo], node: Node, name: str, primal: ValueInfo, what: str) -> None:
     raise GraphError(f"{node.label()}: the VJP of {node.op_type} gives input {name!r} ({primal.describe()}) a cotangent "
-                     f"of {what} ({ct.describe()}); the declared types of the model may be inconsistent (check it "
+                     f"of {what}; the declared types of the model may be inconsistent (check it "
                      "with onnx.checker and shape inference), or this is a revgraph bug worth reporting")
 
 

@@ -38,9 +38,14 @@ Cotangent = Grad | Callable[[], Grad | None] | None
 
 @dataclass(frozen=True)
 class Options:
-    """Options of a whole backward pass that rules read: ``checkpoint``, the residual policy of loops."""
+    """Options of a whole backward pass that rules read: ``checkpoint``, the residual policy of loops;
+    ``straight_through``, whether a ``QuantizeLinear -> DequantizeLinear`` pair is differentiated with the
+    straight-through estimator (the gradient passes the rounding as if it were the identity, and is 0 where the
+    value saturates: PyTorch's ``fake_quantize`` backward, as quantization-aware training uses it; rules/quant.py).
+    Off by default, as the estimator is not the derivative: without it a path through such a pair is refused."""
 
     checkpoint: CheckpointPolicy = field(default_factory=Store)
+    straight_through: bool = False
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,18 @@ class Emitter:
         self.nodes: list[Node] = []
         self.prefix = prefix  # set through scope()
         self._consts: dict[tuple, str] = {}
-        #: values known when the graph is built (initializers, Constant outputs): axes, shapes, pads
+        #: values known when the graph is built (initializers, Constant outputs, folded shape arithmetic):
+        #: axes, shapes, pads
         self.values: dict[str, np.ndarray] = {}
+        #: the graph inputs whose rank the graph being differentiated does not declare (:meth:`learn_constants`)
+        self.undeclared: list[str] = []
 
     def child(self, types: dict[str, ValueInfo], prefix: str) -> Emitter:
         """An emitter for a subgraph (a backward loop body, a branch): the same names in use, its own nodes
         and constants (a constant must be defined in the scope that reads it), ``types`` for its values."""
-        return Emitter(types, self.used, self.opset, prefix)
+        child = Emitter(types, self.used, self.opset, prefix)
+        child.undeclared = list(self.undeclared)
+        return child
 
     @contextmanager
     def scope(self, prefix: str) -> Iterator[Emitter]:
@@ -64,17 +69,55 @@ class Emitter:
         ``like`` (a value name) records that the output has that value's type; ``shape``/``dtype`` record
         a type explicitly, so later rules see static shapes of backward values too.
         """
+        if op_type == "Pad" and len(inputs) > 3 and inputs[3]:
+            inputs = self._pad_all_axes(list(inputs))
+            inputs = inputs if inputs[2] else inputs[:2]
         base = self.fresh(f"{self.prefix}/{op_type}")
         outs = [base] if n_out == 1 else [self.fresh(f"{base}:{i}") for i in range(n_out)]
         self.nodes.append(Node(op_type, list(inputs), outs, {k: v for k, v in attrs.items() if v is not None}, base))
         if like is not None and like in self.types:
             ref = self.types[like]
-            self.types[outs[0]] = ValueInfo(outs[0], ref.dtype, ref.shape)
+            self.types[outs[0]] = ValueInfo(outs[0], ref.dtype, ref.shape, ref.kind)
         elif shape is not None or dtype is not None:
             self.types[outs[0]] = ValueInfo(outs[0], dtype, shape)
         else:
             self._infer(self.nodes[-1])
         return outs[0] if n_out == 1 else outs
+
+    def _pad_all_axes(self, inputs: list[str]) -> list[str]:
+        """``Pad`` inputs with the ``axes`` input folded into ``pads`` over every axis: onnxruntime's transpose
+        optimizer (``ORT_ENABLE_BASIC`` and above, its default level) mishandles a Pad with ``axes`` after a
+        Transpose ("Gather ... idx=3 must be within the inclusive range"), so no emitted Pad has one. Static
+        when the rank, the axes and the pads are known; else the pads are scattered into zeros of length
+        ``2 * rank`` in the graph."""
+        x, pads, value, axes = inputs[:4]
+        r, av, pv = self.rank(x), self.value(axes), self.value(pads)
+        if r is not None and av is not None:
+            slots = [int(a) + r if int(a) < 0 else int(a) for a in np.asarray(av).reshape(-1)]
+            k = len(slots)
+            if pv is not None:
+                pv = [int(p) for p in np.asarray(pv).reshape(-1)]
+                full = [0] * (2 * r)
+                for j, a in enumerate(slots):
+                    full[a], full[r + a] = pv[j], pv[k + j]
+                return [x, self.ints(full), value]
+            parts = []
+            for half in (0, 1):
+                for i in range(r):
+                    j = slots.index(i) if i in slots else None
+                    parts.append(self.ints([0]) if j is None else
+                                 self.op("Slice", [pads, self.ints([half * k + j]), self.ints([half * k + j + 1])],
+                                         shape=(1,), dtype=np.dtype(np.int64)))
+            return [x, self.op("Concat", parts, axis=0, shape=(2 * r,), dtype=np.dtype(np.int64)), value]
+        rank = self.op("Size", [self.op("Shape", [x], dtype=np.dtype(np.int64), shape=(r,))],
+                       dtype=np.dtype(np.int64), shape=())
+        ax = self.op("Cast", [axes], to=onnx_dtype(np.int64))
+        ax = self.op("Where", [self.op("Less", [ax, self.ints([0])]), self.op("Add", [ax, rank]), ax])
+        where = self.op("Concat", [ax, self.op("Add", [ax, rank])], axis=0)
+        zeros = self.op("ConstantOfShape", [self.op("Reshape", [self.op("Mul", [rank, self.const(np.int64(2))]),
+                                                                self.ints([1])])], value=np.zeros(1, np.int64))
+        full = self.op("ScatterElements", [zeros, where, self.op("Cast", [pads], to=onnx_dtype(np.int64))], axis=0)
+        return [x, full, value]
 
     def _infer(self, node: Node) -> None:
         """Record the output types of an emitted node, so that later rules see static shapes of backward values
@@ -104,15 +147,29 @@ class Emitter:
         d = self.dims(name)
         return None if d is None else len(d)
 
-    def need_rank(self, name: str, node: Node) -> int:
-        """The rank of ``name``; :class:`GraphError` if shape inference could not find it."""
+    def need_rank(self, name: str, node: Node, what: str | None = None) -> int:
+        """The rank of ``name``; :class:`GraphError` if shape inference could not find it (``what``: who needs
+        it, default "its VJP"). The message says what to do: declare the shapes of the graph inputs that have
+        none, or, when they are all declared, the type of the value itself."""
         r = self.rank(name)
         if r is None:
-            raise GraphError(
-                f"{node.label()}: the rank of {name!r} is unknown, and its VJP needs it; "
-                "declare the shapes of the graph inputs"
-            )
+            raise GraphError(self.unknown_rank(name, node, what))
         return r
+
+    def unknown_rank(self, name: str, node: Node, what: str | None = None) -> str:
+        """The message of :meth:`need_rank` (also for rules that find the rank elsewhere first)."""
+        what = what or "its VJP"
+        return f"{node.label()}: the rank of {name!r} is unknown, and {what} needs it; {self.shape_advice()}"
+
+    def shape_advice(self) -> str:
+        """What to do about a shape or rank that shape inference could not find, for the end of a message:
+        declare the shapes of the graph inputs that have none, or, when every input's is declared, the type
+        of the value itself (a value computed from values known only at run time)."""
+        if self.undeclared:
+            listed = ", ".join(map(repr, self.undeclared[:4])) + (", ..." if len(self.undeclared) > 4 else "")
+            return f"declare the shapes of the graph inputs (not declared: {listed})"
+        return ("the graph inputs' shapes are declared, but shape inference cannot follow them to this value; "
+                "declare its type in the model's value_info")
 
     # ------------------------------------------------------------------------------------------ constants
 
@@ -148,8 +205,12 @@ class Emitter:
         return self.values.get(name) if name else None
 
     def learn_constants(self, graph) -> None:
-        """Record the initializers and ``Constant`` outputs of ``graph`` for :meth:`value`."""
-        self.values.update(constant_values(graph))
+        """Record the values of ``graph`` known when it is built, for :meth:`value`: initializers, ``Constant``
+        outputs (every form) and shape arithmetic over them and over static shapes
+        (:func:`revgraph.types.constant_values`); and which graph inputs have no declared rank (for
+        :meth:`need_rank`'s advice)."""
+        self.values.update(constant_values(graph, self.types))
+        self.undeclared = [v.name for v in graph.inputs if v.shape is None and v.kind == "tensor"]
 
     # ------------------------------------------------------------------------------------------ helpers
 

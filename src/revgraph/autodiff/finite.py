@@ -45,6 +45,10 @@ import numpy as np
 from ..ir import Node, ValueInfo
 from ..ssa import captured_names
 
+#: operators that move tensors in and out of ONNX sequences without changing them (their VJPs move cotangents)
+SEQUENCE_MOVES = ("SequenceConstruct", "SequenceInsert", "SequenceErase", "SequenceAt", "SplitToSequence",
+                  "ConcatFromSequence")
+
 #: VJPs that map a finite cotangent to a finite one when the forward values they read are finite
 BOUNDED = frozenset({
     # elementwise arithmetic and activations
@@ -61,12 +65,15 @@ BOUNDED = frozenset({
     "CumSum", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Concat", "Split", "Slice",
     "Gather", "GatherElements", "GatherND", "ScatterND", "ScatterElements", "Pad", "Tile", "Resize",
     "DepthToSpace", "SpaceToDepth",
+    # sequences: elements moved in and out unchanged
+    *SEQUENCE_MOVES,
 })
 
 #: forward operators whose outputs are finite when their inputs are (``Softmax`` even when some inputs are
 #: -inf, as an additive attention mask makes them; ``Exp``, ``Sinh`` and ``Cosh`` overflow and are not here)
 FINITE = (BOUNDED - {"Exp", "Sinh", "Cosh", "Softplus"}) | {"Shape", "Size", "Constant", "ConstantOfShape", "Range",
-                                                            "OneHot", "NonZero", "ArgMax", "ArgMin", "TopK"}
+                                                            "OneHot", "NonZero", "ArgMax", "ArgMin", "TopK",
+                                                            "SequenceEmpty", "SequenceLength"}
 _SANITIZING = frozenset({"Softmax"})
 
 #: contractions and normalizations: a non-finite graph input is not tracked past them (module doc, case 2)
@@ -80,7 +87,7 @@ _READS_NOTHING = frozenset({
     "HardSigmoid", "HardSwish", "ThresholdedRelu", "Shrink", "Cast", "CastLike", "Floor", "Ceil", "Round", "Sign",
     "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Concat", "Split", "Slice", "Pad", "Tile",
     "Gather", "GatherElements", "GatherND", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "CumSum",
-    "DepthToSpace", "SpaceToDepth", "GlobalAveragePool", "AveragePool",
+    "DepthToSpace", "SpaceToDepth", "GlobalAveragePool", "AveragePool", *SEQUENCE_MOVES,
 })
 #: two-operand products: the VJP of operand i multiplies by operand 1 - i (a bias, input 2, by nothing)
 _PRODUCTS = frozenset({"Mul", "MatMul", "Gemm", "Conv", "ConvTranspose"})
@@ -135,7 +142,7 @@ def nonfinite_values(nodes: list[Node], values: Mapping[str, np.ndarray], types:
 #: operators that move or select elements without repeating them (their output ranks may differ)
 _MOVES = frozenset({"Identity", "Cast", "CastLike", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice",
                     "Split", "Concat", "Pad", "Gather", "GatherElements", "GatherND", "ScatterND", "ScatterElements",
-                    "DepthToSpace", "SpaceToDepth", "Dropout"})
+                    "DepthToSpace", "SpaceToDepth", "Dropout", *SEQUENCE_MOVES})
 
 
 def _repeats(node: Node, i: str, o: str, types: Mapping[str, ValueInfo]) -> bool:

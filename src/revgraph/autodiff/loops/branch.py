@@ -11,10 +11,9 @@ from __future__ import annotations
 from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import differentiable, keep_types
-from ..accumulate import Accumulator
+from ..accumulate import Accumulator, densify, zeros_like
 from ..context import Ctx, PatchedVJP
 from ..registry import vjp
-from ..sparse import SparseGrad, densify
 from .reverse import body_types
 
 
@@ -27,13 +26,14 @@ def if_(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
                 if c in ctx.reach and differentiable(e.types.get(c))]
     if not captured:
         return PatchedVJP([None], {})
+    cts = [None if g is None else densify(e, g) for g in cts]  # a sequence's reads: the branches take names
     built = {key: _branch_vjp(ctx, node, key, branch, captured, cts) for key, branch in branches.items()}
     results = e.op("If", [node.inputs[0]], n_out=len(captured), **built)
     results = [results] if len(captured) == 1 else results
     for name, c in zip(results, captured, strict=True):
         vi = e.types.get(c)
         if vi is not None:
-            e.types[name] = ValueInfo(name, vi.dtype, vi.shape)
+            e.types[name] = ValueInfo(name, vi.dtype, vi.shape, vi.kind)
     return PatchedVJP([None], dict(zip(captured, results, strict=True)))
 
 
@@ -54,8 +54,9 @@ def _branch_vjp(ctx: Ctx, node: Node, key: str, branch: Graph, captured: list[st
     outs = []
     for c in captured:
         g = body_vjp.grads.get(c)
-        g = eb.zeros_like(c) if g is None else densify(eb, g) if isinstance(g, SparseGrad) else g
-        outs.append(ValueInfo(eb.op("Identity", [g]), *(ctx.e.types.get(c) or ValueInfo(c)).dtype_shape))
+        g = zeros_like(eb, c) if g is None else densify(eb, g)
+        vi = ctx.e.types.get(c) or ValueInfo(c)
+        outs.append(ValueInfo(eb.op("Identity", [g]), vi.dtype, vi.shape, vi.kind))
     grad_branch = Graph([*fwd.nodes, *eb.nodes], [], outs, dict(fwd.initializers), name=f"grad_{node.name}_{key}")
     keep_types(grad_branch, types)
     return grad_branch

@@ -18,23 +18,32 @@ applies.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
+from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import keep_types
+from ..accumulate import is_sequence
 from ..context import Ctx, ForwardPatch, PatchedVJP
 from ..emitter import Emitter
-from ..policies import CheckpointPolicy, Segments, Store
+from ..policies import CheckpointPolicy, Recompute, Segments, Store
 from ..registry import vjp
 from .checkpoint import checkpointed_loop
-from .reverse import I64, LoopParts, body_seeds, close_loop, count_trips, open_body, take_apart
+from .reverse import I64, LoopParts, body_seeds, close_loop, count_trips, open_body, settle, take_apart
 
 
 @vjp("Loop")
 def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     """VJP of ONNX ``Loop`` (operator spec "Loop", opset 21): see the module doc."""
     policy = ctx.options.checkpoint
+    if isinstance(policy, Segments) and _carries_sequences(ctx, node):
+        warnings.warn(f"{node.label()} carries a sequence, and checkpoint={policy.name!r} keeps the loop-carried values "
+                      "at segment starts as stacked tensors, which a sequence cannot be; this loop is differentiated "
+                      "with checkpoint='recompute'", stacklevel=2)
+        policy = Recompute()
     if isinstance(policy, Segments):
         return checkpointed_loop(ctx, node, cts, policy)
     p = take_apart(ctx, node)
@@ -47,8 +56,10 @@ def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     seeds = body_seeds(eb, p, bb.cot, lambda s, name: None if scan_cts[s] is None else eb.op(
         "Gather", [scan_cts[s], t], axis=0, like=name))
     body_vjp = ctx.backward(p.body, seeds, p.wrt, types=p.types, options=ctx.options)
+    carried, captured, settled = settle(p, bb, body_vjp.grads)
+    vjp_nodes = [*body_vjp.nodes, *settled]
 
-    residuals = [r for r in reads(body_vjp.nodes) if r in scope(p.body)]
+    residuals = [r for r in reads(vjp_nodes) if r in scope(p.body)]
     stacked, rerun = plan_residuals(p.body, residuals, policy, p.types)
     bound = {p.iter_in: t, p.cond_in: eb.const(np.array(True))}  # an iteration that ran had cond_in true
     for r in stacked:
@@ -58,10 +69,15 @@ def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     eb.nodes += [Node("Identity", [v], [name], name=eb.fresh(f"grad/{node.name}/bind/{name}"))
                  for name, v in bound.items() if name in wanted]
     eb.nodes += [nd.copy() for nd in rerun]
-    eb.nodes += body_vjp.nodes
+    eb.nodes += vjp_nodes
     keep_types(p.body, p.types)
-    carried = {j: body_vjp.grads.get(p.v_in[j]) for j in p.carried}
-    return close_loop(ctx, p, bb, trips, cts, carried, {c: body_vjp.grads.get(c) for c in p.captured}, patch)
+    return close_loop(ctx, p, bb, trips, cts, carried, captured, patch)
+
+
+def _carries_sequences(ctx: Ctx, node: Node) -> bool:
+    body: Graph = node.attrs["body"]
+    return any(v.kind == "sequence" for v in body.inputs[2:]) or any(
+        (ctx.e.types.get(i) or ValueInfo(i)).kind == "sequence" for i in node.inputs[2:] if i)
 
 
 def scope(body: Graph) -> set[str]:
@@ -89,7 +105,10 @@ def plan_residuals(body: Graph, needed: list[str], policy: CheckpointPolicy,
     recomputes every other needed value. :class:`Store` stacks needed values, except values whose shape may
     change from one iteration to the next (scan outputs of inner loops, whose length is the inner trip count,
     and values with dimensions that shape inference could not name): those are recomputed from what can be
-    stacked. Constants are always recomputed."""
+    stacked. Constants are always recomputed. A sequence is never stacked (a scan output is a tensor): it is
+    recomputed, and a tensor read out of a sequence is stacked under both policies (when its shape is fixed),
+    so that no sequence has to be kept per iteration. A loop-carried sequence that must be kept is a
+    :class:`GraphError`."""
     types = types or {}
     store = isinstance(policy, Store)
     producer = {o: nd for nd in body.nodes for o in nd.outputs if o}
@@ -103,12 +122,21 @@ def plan_residuals(body: Graph, needed: list[str], policy: CheckpointPolicy,
             continue
         seen.add(v)
         nd = producer.get(v)
+        vi = types.get(v)
         if nd is None:
+            if v in inputs and vi is not None and vi.kind == "sequence":
+                raise GraphError(
+                    f"the backward pass of a loop body needs the loop-carried sequence {v!r} of every iteration, "
+                    "and a sequence cannot be stacked per iteration; revgraph supports loop-carried sequences "
+                    "whose elements are only appended, erased and read (the cotangent then needs no copy of them)"
+                )
             if v in inputs:
                 stacked.setdefault(v)
             continue  # captured from the enclosing graph: visible in the backward body as it is
         inner_scan = nd.op_type in ("Loop", "Scan") and nd.outputs.index(v) >= _n_state(nd)
-        if store and not inner_scan and nd.op_type != "Constant" and _fixed_shape(types.get(v)):
+        from_sequence = any(is_sequence(types, i) for i in nd.inputs if i)
+        stackable = not inner_scan and nd.op_type != "Constant" and _fixed_shape(vi) and not is_sequence(types, v)
+        if stackable and (store or from_sequence):
             stacked.setdefault(v)
             continue
         if id(nd) not in rerun:

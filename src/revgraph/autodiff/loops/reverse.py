@@ -20,10 +20,18 @@ from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import differentiable, infer_types, keep_types
-from ..accumulate import Accumulator
-from ..context import Ctx, ForwardPatch, Grad, PatchedVJP
+from ..accumulate import (
+    Accumulator,
+    Grad,
+    SeqGrad,
+    add_sequences,
+    densify,
+    sequence_types,
+    zeros_like,
+)
+from ..context import Ctx, ForwardPatch, PatchedVJP
 from ..emitter import Emitter
-from ..sparse import SparseGrad, densify
+from ..sparse import SparseGrad
 
 I64, BOOL = np.dtype(np.int64), np.dtype(bool)
 
@@ -50,13 +58,21 @@ class LoopParts:
         return [self.v_in[j] for j in self.carried] + self.captured
 
 
-def body_types(body: Graph, outer: dict[str, ValueInfo]) -> dict[str, ValueInfo]:
-    """Types of a subgraph's values, inferred with its captured values declared from ``outer``."""
+def body_types(body: Graph, outer: dict[str, ValueInfo], hints: dict[str, ValueInfo] | None = None
+               ) -> dict[str, ValueInfo]:
+    """Types of a subgraph's values, inferred with its captured values declared from ``outer`` and its inputs
+    as ``hints`` says where it has one."""
     captured = [outer.get(c) or ValueInfo(c) for c in captured_names(body)]
-    probe = Graph(body.nodes, [*body.inputs, *captured], body.outputs, body.initializers, body.value_info)
+    inputs = [(hints or {}).get(v.name, v) for v in body.inputs]
+    outputs, declared = body.outputs, body.value_info
+    if hints:  # sequences declared without an element shape: inferred from the hints instead
+        outputs = [ValueInfo(v.name) if v.kind == "sequence" and v.shape is None else v for v in outputs]
+        declared = {k: v for k, v in declared.items() if v.kind != "sequence" or v.shape is not None}
+    probe = Graph(body.nodes, [*inputs, *captured], outputs, body.initializers, declared)
     types = infer_types(probe)
     for c in captured:
         types.setdefault(c.name, c)
+    sequence_types(body.nodes, types, {}, body.opset)
     return types
 
 
@@ -65,13 +81,14 @@ def take_apart(ctx: Ctx, node: Node) -> LoopParts:
     outer = ctx.e.types
     body: Graph = node.attrs["body"]
     n = len(node.inputs) - 2
-    types = body_types(body, outer)
     v_in = body.input_names[2:]
+    types = _carried_sequence_types(body, outer, node) or body_types(body, outer)
     for j, name in enumerate(v_in):  # carried inputs take the types of the initial values when undeclared
         if types.get(name) is None or types[name].dtype is None:
             src = outer.get(node.inputs[2 + j])
             if src is not None:
-                types[name] = ValueInfo(name, src.dtype, src.shape)
+                types[name] = ValueInfo(name, src.dtype, src.shape, src.kind)
+    sequence_types(body.nodes, types, {}, body.opset)
     for a, b in zip(v_in, body.output_names[1 : 1 + n], strict=True):
         sa, sb = (types.get(x).shape if types.get(x) else None for x in (a, b))
         if _changes_shape(sa, sb):
@@ -83,6 +100,29 @@ def take_apart(ctx: Ctx, node: Node) -> LoopParts:
     captured = [c for c in captured_names(body) if c in ctx.reach and differentiable(outer.get(c))]
     return LoopParts(node, body, n, body.input_names[0], body.input_names[1], v_in, body.output_names[1 : 1 + n],
                      body.output_names[1 + n :], types, carried, captured)
+
+
+def _carried_sequence_types(body: Graph, outer: dict[str, ValueInfo], node: Node) -> dict[str, ValueInfo] | None:
+    """The body's types with each carried sequence whose body input declares no element shape taking its initial
+    value's (a scripted loop appending to a list declares none), when the body keeps that element shape (the
+    sequence it outputs has it too); ``None`` when no carried sequence gets one. Without it, a tensor read out of
+    the carried sequence has no fixed shape and could not be kept per iteration."""
+    n = len(node.inputs) - 2
+    hints = {}
+    for v, init in zip(body.inputs[2:], node.inputs[2:], strict=True):
+        src = outer.get(init)
+        if v.kind == "sequence" and v.shape is None and src is not None and src.kind == "sequence" and src.shape:
+            hints[v.name] = ValueInfo(v.name, v.dtype if v.dtype is not None else src.dtype, src.shape, "sequence")
+    if not hints:
+        return None
+    types = body_types(body, outer, hints)
+    for v, out in zip(body.inputs[2:], body.output_names[1 : 1 + n], strict=True):
+        found = types.get(out)
+        if v.name in hints and (found is None or found.shape != hints[v.name].shape):
+            return None
+        if v.name in hints:
+            types[v.name] = hints[v.name]
+    return types
 
 
 def _changes_shape(before: tuple | None, after: tuple | None) -> bool:
@@ -125,7 +165,7 @@ def open_body(ctx: Ctx, p: LoopParts) -> BackwardBody:
     eb = ctx.e.child(p.types, f"{base}/body")  # shared types: what the body's rules record are residual types
 
     def slot(name: str, vi: ValueInfo | None) -> ValueInfo:
-        info = ValueInfo(eb.fresh(name), *(vi or ValueInfo("")).dtype_shape)
+        info = ValueInfo(eb.fresh(name), *(vi or ValueInfo("")).dtype_shape, (vi or ValueInfo("")).kind)
         eb.types[info.name] = info
         return info
 
@@ -149,39 +189,89 @@ def body_seeds(eb: Emitter, p: LoopParts, cot: dict[int, ValueInfo], scan_seed: 
     return {y: acc.dense_total(y) for y in acc.pending()}
 
 
+def settle(p: LoopParts, bb: BackwardBody, grads: dict[str, Grad]) -> tuple[dict, dict, list[Node]]:
+    """The body VJP's cotangents made dense where they are sequence reads (:class:`SeqGrad`) or rows, before the
+    residuals are planned (the positions read and the shapes of zeros are body values): the carried cotangents,
+    and each captured value's new
+    accumulator (its accumulator slot with the reads added). Returns ``(carried, captured, nodes)``: the
+    carried cotangents by position, the captured contributions (a name in ``bb.acc`` terms already summed
+    for a :class:`SeqGrad`; see :func:`close_loop`), and the nodes emitted."""
+    ed = bb.e.child(p.types, f"grad/{p.node.name}/body")
+    ed.learn_constants(p.body)
+    carried: dict[int, Grad | None] = {}
+    for j in p.carried:
+        g = grads.get(p.v_in[j])
+        if isinstance(g, SeqGrad) and g.base is None:
+            refuse_unknown_structure(p, j)
+        carried[j] = densify(ed, g) if isinstance(g, SeqGrad | SparseGrad) else g  # zeros of a table: planned too
+    captured: dict[str, Grad | None] = {}
+    for c in p.captured:
+        g = grads.get(c)
+        if isinstance(g, SeqGrad):  # the slot with the reads added: the whole new accumulator
+            base = bb.acc[c].name if g.base is None else add_sequences(ed, [bb.acc[c].name, g.base])
+            g = Total(densify(ed, SeqGrad(g.like, g.reads, base)))
+        captured[c] = g
+    return carried, captured, ed.nodes
+
+
+class Total(str):
+    """A captured value's complete new accumulator (:func:`settle`), which :func:`close_loop` does not add to
+    the accumulator slot again."""
+
+
 def close_loop(ctx: Ctx, p: LoopParts, bb: BackwardBody, count: str, cts: list, carried: dict[int, Grad | None],
                captured: dict[str, Grad | None], patch: ForwardPatch) -> PatchedVJP:
     """Finish the body ``bb`` (its outputs: the carried cotangents ``carried`` of this iteration, and each
-    accumulator plus this iteration's ``captured`` contribution), emit the backward ``Loop`` of ``count``
-    iterations, and return the node's VJP."""
+    accumulator plus this iteration's ``captured`` contribution, or the new accumulator itself for a
+    :class:`Total`), emit the backward ``Loop`` of ``count`` iterations, and return the node's VJP. A carried
+    sequence's cotangent is a carried sequence."""
     e, eb, node = ctx.e, bb.e, p.node
     outs = [ValueInfo(eb.op("Identity", [eb.const(np.array(True))]), BOOL, ())]
     for j in p.carried:
         g = carried.get(j)
-        g = eb.zeros_like(p.v_in[j]) if g is None else densify(eb, g) if isinstance(g, SparseGrad) else g
-        outs.append(ValueInfo(eb.op("Identity", [g]), *_dtype_shape(p.types, p.v_in[j])))
+        if g is None or isinstance(g, SeqGrad) and g.base is None:
+            refuse_unknown_structure(p, j)
+        g = eb.zeros_like(p.v_in[j]) if g is None else densify(eb, g)
+        outs.append(ValueInfo(eb.op("Identity", [g]), *_type(p.types, p.v_in[j])))
     acc = Accumulator(eb)
     for c in p.captured:
-        acc.add(c, bb.acc[c].name)
+        if not isinstance(captured.get(c), Total):
+            acc.add(c, bb.acc[c].name)
         if captured.get(c) is not None:
-            acc.add(c, captured[c])
-        outs.append(ValueInfo(eb.op("Identity", [acc.dense_total(c)]), *_dtype_shape(e.types, c)))
+            acc.add(c, str(captured[c]) if isinstance(captured[c], Total) else captured[c])
+        outs.append(ValueInfo(eb.op("Identity", [acc.dense_total(c)]), *_type(e.types, c)))
     inputs = [bb.k, bb.cond, *bb.cot.values(), *bb.acc.values()]
     bwd_body = Graph(eb.nodes, inputs, outs, name=f"grad_{node.name}_body")
     keep_types(bwd_body, eb.types)
 
-    initial = [cts[j] if cts[j] is not None else e.zeros_like(node.outputs[j]) for j in p.carried]
-    initial += [e.zeros_like(c) for c in p.captured]
+    initial = [densify(e, cts[j]) if cts[j] is not None else zeros_like(e, node.outputs[j]) for j in p.carried]
+    initial += [zeros_like(e, c) for c in p.captured]
     n_out = len(initial)
     results = e.op("Loop", [count, e.const(np.array(True)), *initial], n_out=n_out, body=bwd_body)
     results = [results] if n_out == 1 else results
     for name, src in zip(results, [node.inputs[2 + j] for j in p.carried] + p.captured, strict=True):
-        e.types[name] = ValueInfo(name, *_dtype_shape(e.types, src))
+        e.types[name] = ValueInfo(name, *_type(e.types, src))
     in_grads: list = [None] * len(node.inputs)
     for j, name in zip(p.carried, results, strict=False):
         in_grads[2 + j] = name
     return PatchedVJP(in_grads, dict(zip(p.captured, results[len(p.carried):], strict=True)), patch)
 
 
-def _dtype_shape(types: dict[str, ValueInfo], name: str) -> tuple:
-    return (types.get(name) or ValueInfo(name)).dtype_shape
+def refuse_unknown_structure(p: LoopParts, j: int) -> None:
+    """:class:`GraphError` for a carried sequence whose cotangent at an iteration's start would need the sequence
+    itself (its length and element shapes), which the backward loop does not have: its new value does not
+    come from the old one by ``SequenceInsert`` / ``SequenceErase`` / ``Identity`` (tensors have their shape)."""
+    if p.types.get(p.v_in[j]) is None or p.types[p.v_in[j]].kind != "sequence":
+        return
+    raise GraphError(
+        f"{p.node.label()}: the loop-carried sequence {p.v_in[j]!r} is not carried into {p.v_out[j]!r} by "
+        "SequenceInsert, SequenceErase or Identity, so the cotangent of its value at the start of an iteration "
+        "would need the sequence itself, which revgraph keeps only as tensors; build the new sequence from the "
+        "old one, or carry its elements as a tensor"
+    )
+
+
+def _type(types: dict[str, ValueInfo], name: str) -> tuple:
+    """``(dtype, shape, kind)`` of ``name``, to declare a value of the same type."""
+    vi = types.get(name) or ValueInfo(name)
+    return vi.dtype, vi.shape, vi.kind

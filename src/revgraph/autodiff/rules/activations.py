@@ -69,17 +69,34 @@ def gelu(ctx, node, x, y, g):
     return _times(ctx, g, e.op("Add", [left, right], like=x), x, [x])
 
 
-@unary("Swish")
-def swish(ctx, node, x, y, g):
-    """``y = x sigmoid(alpha x)`` (ONNX "Swish", opset 24): with ``s = sigmoid(alpha x)``,
-    ``dy/dx = s + alpha x s (1 - s) = s (1 + alpha x (1 - s))`` (PyTorch's ``silu_backward`` for alpha = 1)."""
-    e = ctx.e
+def _swish_parts(e: Emitter, node: Node, x: str) -> tuple[str, str]:
+    """``(swish(x), dswish/dx)`` with ``s = sigmoid(alpha x)``: ``x s`` and ``s (1 + alpha x (1 - s))``."""
     alpha = _attr(node, "alpha", 1.0)
     ax = x if alpha == 1.0 else e.op("Mul", [x, e.scalar(alpha, x)], like=x)
     s = e.op("Sigmoid", [ax], like=x)
     one = e.scalar(1.0, x)
     d = e.op("Mul", [s, e.op("Add", [one, e.op("Mul", [ax, e.op("Sub", [one, s], like=x)], like=x)], like=x)], like=x)
-    return _times(ctx, g, d, x, [x])
+    return e.op("Mul", [x, s], like=x), d
+
+
+@unary("Swish")
+def swish(ctx, node, x, y, g):
+    """``y = x sigmoid(alpha x)`` (ONNX "Swish", opset 24): with ``s = sigmoid(alpha x)``,
+    ``dy/dx = s + alpha x s (1 - s) = s (1 + alpha x (1 - s))`` (PyTorch's ``silu_backward`` for alpha = 1)."""
+    return _times(ctx, g, _swish_parts(ctx.e, node, x)[1], x, [x])
+
+
+@vjp("SwiGLU")
+def swiglu(ctx: Ctx, node: Node, cts: list) -> list:
+    """``Y = Swish_alpha(A) * B`` (ONNX "SwiGLU", opset 28; same shapes, no broadcasting): ``dA = dY B
+    swish'(A)``, ``dB = dY swish(A)`` (the product rule over :func:`swish`)."""
+    e, (a, b), g = ctx.e, node.inputs, cts[0]
+
+    def parts() -> tuple[str, str]:
+        return _swish_parts(e, node, a)
+
+    return [lambda: _times(ctx, ctx.times(g, b, a, [b]), parts()[1], a, [a]),
+            lambda: ctx.times(g, parts()[0], b, [a])]
 
 
 @unary("HardSigmoid")

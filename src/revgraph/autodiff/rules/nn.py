@@ -39,3 +39,16 @@ def log_softmax(ctx: Ctx, node: Node, cts: list) -> list:
 
 not_differentiable("piecewise constant: the derivative is 0 almost everywhere", "Hardmax")
 not_differentiable("integer result", "ArgMax", "ArgMin")
+not_differentiable("random: the sample does not depend on the input's values (only on its shape and dtype) or has no "
+                   "inputs; a Bernoulli or Multinomial draw is discrete", "RandomNormal", "RandomNormalLike",
+                   "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial")
+not_differentiable("its only inputs are integers (a window length, bin counts)", "BlackmanWindow", "HammingWindow",
+                   "HannWindow", "MelWeightMatrix")
+not_differentiable("integer (quantized) arithmetic: no floating-point input carries a gradient", "ConvInteger",
+                   "MatMulInteger", "QLinearConv", "QLinearMatMul", "DynamicQuantizeLinear")
+not_differentiable("integer result (selected box indices)", "NonMaxSuppression")
+not_differentiable("boolean result", "OptionalHasElement")
+not_differentiable("strings or encoded bytes, not floating point", "ImageDecoder", "RegexFullMatch", "StringConcat",
+                   "StringNormalizer", "StringSplit", "TfIdfVectorizer")
+not_differentiable("the bits are reinterpreted as another type: the output's values are no differentiable function of "
+                   "the input's", "BitCast")

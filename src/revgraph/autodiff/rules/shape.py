@@ -1,4 +1,5 @@
-"""VJPs of shape-manipulating operators (ONNX operator spec, "Reshape" ... "Pad", opset 21).
+"""VJPs of shape-manipulating operators (ONNX operator spec, "Reshape" ... "Pad", "CenterCropPad"; opsets 21 and
+newer).
 
 Every one of them is linear in the tensor it moves, so its VJP is the adjoint data movement: each cotangent
 element goes back to where its output element came from, and elements that came from the same place add up
@@ -88,14 +89,26 @@ def _reverse(e: Emitter, g: str, axis: int) -> str:
 
 
 def _pad_axis(e: Emitter, g: str, axis: int, before: Dyn, after: Dyn, like: str | None = None) -> str:
-    """Zeros added along one axis (a no-op when both amounts are known zeros)."""
-    if isinstance(before, int) and isinstance(after, int):
-        if before == 0 and after == 0:
-            return g
-        pads = e.ints([before, after])
-    else:
+    """Zeros added along one axis (a no-op when both amounts are known zeros), written as a ``Pad`` over every
+    axis, without the ``axes`` input (onnxruntime's transpose optimizer mishandles a Pad with ``axes``; the
+    emitter rewrites any other Pad the same way, :meth:`Emitter.op`)."""
+    if isinstance(before, int) and isinstance(after, int) and before == 0 and after == 0:
+        return g
+    r = e.rank(g)
+    if r is None:  # the emitter turns the axes into full pads in the graph
         pads = e.op("Concat", [_t(e, before), _t(e, after)], axis=0)
-    return e.op("Pad", [g, pads, "", e.ints([axis])], like=like)
+        return e.op("Pad", [g, pads, "", e.ints([axis])], like=like)
+    a = axis % r
+    if isinstance(before, int) and isinstance(after, int):
+        pads = e.ints([before if i == a else 0 for i in range(r)] + [after if i == a else 0 for i in range(r)])
+    else:
+        parts = []
+        for amount in (before, after):
+            parts += [e.ints([0] * a)] if a else []
+            parts.append(_t(e, amount))
+            parts += [e.ints([0] * (r - a - 1))] if r - a - 1 else []
+        pads = e.op("Concat", parts, axis=0, shape=(2 * r,), dtype=np.dtype(np.int64))
+    return e.op("Pad", [g, pads], like=like)
 
 
 # ------------------------------------------------------------------------------------------ reshapes
@@ -193,8 +206,7 @@ def _untile(e: Emitter, node: Node, g: str) -> str:
     if r is None:
         rs = e.shape(reps)
         if rs is None:
-            raise GraphError(f"{node.label()}: the rank of {x!r} is unknown, and the VJP of Tile needs it; "
-                             "declare the shapes of the graph inputs")
+            raise GraphError(e.unknown_rank(x, node, "the VJP of Tile"))
         r = rs[0]
     if r == 0:
         return g
@@ -458,6 +470,34 @@ def _unpad_modes(e: Emitter, node: Node, g: str, x: str, pads: str, axes: str | 
                 g = _unpad_axis(e, g, a, dims[a], b, after, mode)
             return _reshape_to(e, g, x)
     return _unpad_scatter(e, g, x, pads, axes, mode)
+
+
+@vjp("CenterCropPad")
+def center_crop_pad(ctx: Ctx, node: Node, cts: list) -> list:
+    """ONNX "CenterCropPad" (opset 18) crops each of ``axes`` (default all) to ``shape`` around its center
+    (start ``(dim - n) // 2``) or pads it with zeros (``(n - dim) // 2`` before, the rest after). Both are
+    linear data movements whose adjoints are the other one at the same offsets: cropping the cotangent back
+    from ``n`` to ``dim`` starts at ``(n - dim) // 2``, the pad's offset, and padding it back puts it at
+    ``(dim - n) // 2``, the crop's. So ``dx = CenterCropPad(g, dims of x along axes)`` (JAX's
+    ``_slice_transpose_rule`` and ``_pad_transpose``): the cropped-away entries get exact zeros, the padding's
+    cotangent is dropped. ``shape`` gets no gradient."""
+    e, x, g = ctx.e, node.inputs[0], cts[0]
+    axes = node.attrs.get("axes")
+
+    def dx() -> str:
+        dims = e.dims(x)
+        if dims is not None:
+            picked = [dims[int(a)] for a in axes] if axes is not None else list(dims)
+            if all(isinstance(d, int) for d in picked):
+                if e.shape(g) is not None and e.shape(g) == e.shape(x):
+                    return g
+                return e.op("CenterCropPad", [g, e.ints(picked)], axes=axes, like=x)
+        target = e.op("Shape", [x])
+        if axes is not None:
+            target = e.op("Gather", [target, e.ints([int(a) for a in axes])], axis=0)
+        return e.op("CenterCropPad", [g, target], axes=axes, like=x)
+
+    return [dx, None]
 
 
 @vjp("Range")
