@@ -208,9 +208,24 @@ def training_step(rng, R, D, K, U) -> Case:
     return Case(model, tg.graph, feeds, tg.new_params["E"], -grad)
 
 
+def grid_sample(rng, R, D, K, U) -> Case:
+    """GridSample (bilinear) of K points from an 8 x 8 image of D channels: X's gradient adds 4K weighted rows
+    into 64 pixels (a ScatterElements(add) in the VJP); the reference is PyTorch's grid_sample backward."""
+    import torch
+
+    x, grid, u = rand(rng, 1, D, 8, 8), rng.uniform(-1, 1, (1, 1, K, 2)).astype(F32), rand(rng, 1, D, 1, K)
+    g = Graph([Node("GridSample", ["x", "grid"], ["y"], {"align_corners": 0}, name="grid_sample"),
+               *weighted_sum("y", "u")],
+              [ValueInfo("x", F32, x.shape), ValueInfo("u", F32, u.shape)], [ValueInfo("loss", F32, ())], {"grid": grid})
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    out = torch.nn.functional.grid_sample(xt, torch.tensor(grid, dtype=torch.float64), align_corners=False)
+    (out * torch.tensor(u, dtype=torch.float64)).sum().backward()
+    return gradient_case(g, "x", {"x": x, "u": u}, xt.grad.numpy())
+
+
 CASES: dict[str, Callable[..., Case]] = {f.__name__: f for f in (
     gather_rows, gather_meets_dense, gather_nd, gather_nd_batch, gather_axis1, gather_elements, loop_table,
-    scatter_nd_mul, max_pool, training_step)}
+    scatter_nd_mul, max_pool, training_step, grid_sample)}
 
 
 # ------------------------------------------------------------------------------------------------ running

@@ -1,4 +1,4 @@
-"""VJP rules of Attention and RotaryEmbedding (rules/attention.py), opsets 23-25.
+"""VJP rules of Attention (rules/attention.py) and RotaryEmbedding (rules/rotary.py), opsets 23-25.
 
 Attention is checked three ways by ``check_rule`` in float64 (onnxruntime has float64 Attention kernels):
 central differences of onnxruntime's forward, PyTorch autograd of ``F.scaled_dot_product_attention`` (or, for

@@ -28,7 +28,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import revgraph as rg
-from revgraph.autodiff.rules.pool import resize_matrix
+from revgraph.autodiff.rules.resize import resize_matrix
 from revgraph.errors import GraphError
 from revgraph.ir import Node, ValueInfo
 
@@ -1065,7 +1065,7 @@ def test_resize_matrix_graph_equals_resize_matrix(static_scale, every):
     under both runtimes, for every mode, coordinate transformation, nearest mode, antialias and exclude_outside
     (and tf_crop_and_resize with rois inside and outside the input); a sample of the cases unless slow."""
     from revgraph.autodiff.emitter import Emitter
-    from revgraph.autodiff.rules.pool import ResizeAxis, resize_matrix_graph
+    from revgraph.autodiff.rules.resize import ResizeAxis, resize_matrix_graph
     from revgraph.ir import Graph
 
     cases = MATRIX_CASES + [

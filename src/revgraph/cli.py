@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -13,27 +12,20 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .atomic import check_outputs
 from .autodiff.accumulate import ACCUMULATE
 from .autodiff.api import gradient
 from .autodiff.policies import NAMED as _NAMED_POLICIES
 from .check import NOT_CHECKED, check_gradients
-from .devices import Device
-from .errors import InputError, RevgraphError
-from .external_data import external_data_files, too_large
+from .cli_io import check_command_outputs, err, out, read_npz, write_npz
+from .cli_train import cmd_train
+from .errors import RevgraphError
+from .external_data import too_large
 from .ir import TARGET_OPSET, Graph, ValueInfo, is_float_dtype
 from .lift import drop_unused_initializers, lift_constants
-from .limits import open_regular_file
-from .npz import write_outputs
 from .onnx_io import check_valid, converter_error, load, save, to_onnx
 from .runtime import BACKENDS, Session, random_inputs
-from .text import LiteralConsole, cell
+from .text import cell
 from .version import __version__
-
-# Piped output keeps whole names and numbers instead of rich's 80-column truncation. Every string printed is
-# shown literally (names from a model may hold escape sequences, newlines or Rich markup): revgraph.text.
-out = LiteralConsole(highlight=False, width=None if sys.stdout.isatty() else 200)
-err = LiteralConsole(stderr=True, highlight=False)
 
 POLICIES = "|".join([*_NAMED_POLICIES, "K"])  # the --checkpoint names (autodiff/policies.py)
 
@@ -199,22 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
-def _check_outputs(args: argparse.Namespace, outputs: dict, inputs: dict | None = None,
-                   creatable: tuple[str, ...] = ()) -> None:
-    """Refuse, before any work, output paths that are one of the command's input files (the model, its
-    external data, ``inputs``), the same file twice, a directory or in a missing directory
-    (:func:`revgraph.atomic.check_outputs`)."""
-    inputs = {"the model": args.model, **(inputs or {})}
-    given = [p for p in outputs.values() if p]
-    for path in given:  # a big model's tensors would go to <out>.data: it may not be an input either
-        if os.path.isfile(str(path) + ".data"):
-            outputs = {**outputs, f"the external data of {path!r}": str(path) + ".data"}
-    if any(os.path.exists(p) for p in given):  # only an existing file can be one of the model's data files
-        for f in external_data_files(args.model):
-            inputs[f"the model's external data file {f.name!r}"] = f
-    check_outputs(outputs, inputs, creatable=creatable)
-
-
 def _dispatch(command, args: argparse.Namespace) -> int:
     """Run ``command``; a Python warning that a library raises on the way (onnx warns about odd external
     data keys, say) is printed as one ``warning:`` line, shown literally, before the result or error line,
@@ -280,30 +256,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------------------- run
 
 
-def read_npz(path: str) -> dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` file by key; :class:`InputError` if it is missing, not a regular file (a FIFO
-    would block, a device would be read forever) or not an npz file."""
-    try:
-        fd = open_regular_file(path, ".npz file")
-    except RevgraphError as exc:
-        raise InputError(str(exc)) from None
-    try:
-        with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as data:
-            if not hasattr(data, "files"):
-                raise InputError(f"{path!r} holds one array; pass an .npz file that maps input names to arrays")
-            return {k: data[k] for k in data.files}
-    except InputError:
-        raise
-    except Exception as exc:
-        raise InputError(f"{path!r} is not a readable .npz file ({type(exc).__name__})") from None
-
-
-def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-    """Write ``arrays`` to ``path`` as .npz, atomically, under safe member names with the real names inside
-    (:mod:`revgraph.npz`)."""
-    write_outputs(path, arrays)
-
-
 def _summary(arrays: dict[str, np.ndarray]) -> Table:
     table = Table(show_edge=False)
     for col in ("output", "dtype", "shape", "min", "max", "mean"):
@@ -328,7 +280,7 @@ def _flatten_sequences(arrays: dict) -> dict[str, np.ndarray]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     g = load(args.model)
-    _check_outputs(args, {"-o": args.output}, {"--inputs": args.inputs})
+    check_command_outputs(args, {"-o": args.output}, {"--inputs": args.inputs})
     session = Session(g, backend=args.backend, device=args.device)  # a bad device fails before the note below
     if args.inputs is not None:  # "" is a path too, and not "no --inputs"
         feeds = read_npz(args.inputs)
@@ -354,7 +306,7 @@ def cmd_grad(args: argparse.Namespace) -> int:
     import onnx
 
     g = load(args.model)
-    _check_outputs(args, {"-o": args.output})
+    check_command_outputs(args, {"-o": args.output})
     check_valid(g)  # a model ONNX's checker refuses is bad input, not a failure of the gradient graph's check
     newest = onnx.defs.onnx_opset_version()
     if args.opset is not None and not 7 <= args.opset <= newest:
@@ -453,123 +405,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ train, demo
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    import warnings
-
-    from .distributed import under_torchrun
-    from .train import make_optimizer
-    from .trainer import Trainer
-
-    if args.threads < 0 or args.checkpoint_every < 0:  # before any worker starts, too
-        raise RevgraphError("--threads and --checkpoint-every must be >= 0")
-    if args.nproc is not None:
-        return _launch_torchrun(args)
-    distributed = under_torchrun()
-    _check_train_outputs(args)  # fail before training, not after
-    data = read_npz(args.data)
-    test = read_npz(args.test_data) if args.test_data is not None else None
-    opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    g = load(args.model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
-                          distributed=distributed)
-    main = trainer.is_main  # only rank 0 prints and writes files
-    console = out if main else Console(quiet=True)
-    for w in caught if main else []:
-        err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
-    trainer.arrays(data)  # bad data fails here, in one line, before anything runs
-    if test is not None:
-        trainer.arrays(test)
-    if distributed:
-        console.print(f"data-parallel on {trainer.world_size} processes (torch.distributed, "
-                      f"{'nccl' if trainer.device.kind == 'cuda' else 'gloo'}): global batch "
-                      f"{trainer.world_size} x {args.batch_size} = {trainer.world_size * args.batch_size}",
-                      soft_wrap=True, markup=False)
-    before = trainer.evaluate(data)
-    means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=console,
-                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                        nonfinite="continue" if args.allow_nonfinite else "stop")
-    if trainer.resumed:
-        console.print(f"resumed from {trainer.resumed}", soft_wrap=True, markup=False)
-    after = trainer.evaluate(data)
-    evaluated = trainer.evaluate(test) if test is not None else None
-    if main:
-        trainer.export(args.output)
-        if args.save_training_graph:
-            trainer.save_training_graph(args.save_training_graph)
-
-    def score(ev: dict) -> str:
-        if ev["nonfinite"] and trainer.spec.loss.kind != "mse":
-            return f"loss {ev['loss']:.4g}, no accuracy ({ev['nonfinite']} outputs are NaN or infinite)"
-        return f"loss {ev['loss']:.4g}" + ("" if ev["accuracy"] is None else f", accuracy {ev['accuracy']:.2%}")
-
-    batch = f"batch size {args.batch_size}" + (f" x {trainer.world_size} processes" if distributed else "")
-    console.print(f"{trainer.steps} steps of {args.optimizer} ({args.epochs} epochs, {batch}); "
-                  f"last epoch's mean loss {means[-1]:.4g}", soft_wrap=True, markup=False)
-    console.print(f"training data ({before['samples']} samples): {score(before)} before, {score(after)} after",
-                  soft_wrap=True, markup=False)
-    if evaluated is not None:
-        console.print(f"test data: {score(evaluated)}", soft_wrap=True, markup=False)
-    saved = f"; training graph: {args.save_training_graph}" if args.save_training_graph else ""
-    console.print(f"wrote {args.output} (trained weights as initializers){saved}", soft_wrap=True, markup=False)
-    if trainer.comm:
-        trainer.comm.close()
-    return 0
-
-
-def _check_train_outputs(args: argparse.Namespace) -> None:
-    """Every file ``train`` writes (-o, --save-training-graph, the checkpoint) can be written and is none of
-    its inputs (the model, --data, --test-data): checked before training, not found out after it."""
-    from .checkpoints import path_in
-
-    ckpt = args.checkpoint_dir
-    if ckpt is not None and (not ckpt or (os.path.exists(ckpt) and not os.path.isdir(ckpt))):
-        raise RevgraphError(f"--checkpoint-dir {ckpt!r} is not a directory")
-    outputs = {"-o": args.output, "--save-training-graph": args.save_training_graph,
-               "the checkpoint file": str(path_in(ckpt)) if ckpt else None}
-    _check_outputs(args, outputs, {"--data": args.data, "--test-data": args.test_data},
-                   creatable=("the checkpoint file",))
-
-
-def _launch_torchrun(args: argparse.Namespace) -> int:
-    """``revgraph train --nproc N ...``: check the arguments here (bad input fails in one line, before any
-    worker starts), then run this command under ``torchrun --standalone --nproc-per-node N`` and return its
-    exit code."""
-    import subprocess
-
-    if args.nproc < 1:
-        raise RevgraphError(f"--nproc must be at least 1, got {args.nproc}")
-    try:
-        import torch.distributed.run
-    except ImportError:
-        raise RevgraphError('--nproc needs PyTorch for torchrun: pip install "revgraph[distributed]"') from None
-    _check_train_outputs(args)
-    device = Device.parse(args.device)
-    device.providers()  # no CUDA provider: one line here rather than a failure in every worker
-    if device.kind == "cuda":
-        import torch
-
-        if torch.cuda.device_count() < args.nproc:
-            raise RevgraphError(f"--device cuda --nproc {args.nproc} runs one process per GPU, and torch sees "
-                                f"{torch.cuda.device_count()} GPU(s) here")
-    for f in [args.model, args.data, args.test_data]:
-        if f is not None and not Path(f).is_file():
-            raise RevgraphError(f"cannot read {f!r}: no such file")
-    rest, skip = [], False
-    for a in args.argv:  # the same command without --nproc
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "revgraph", *rest]
-    # Restarted workers must not meet in the rendezvous store of the failed attempt (pytorch/pytorch#135712).
-    return subprocess.call(cmd, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -600,7 +435,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             raise RevgraphError(f"{', '.join(given)} {verb} only with --grad; add --grad to draw the backward graph")
     fmt = viz.check_output(args.output)  # before any work: a bad name or a missing dot is reported at once
     g = load(args.model)
-    _check_outputs(args, {"-o": args.output})
+    check_command_outputs(args, {"-o": args.output})
     path = Path(args.model)
     title = f"{path.parent.name}/{path.name}" if path.stem == "model" and path.parent.name else path.name
     if args.grad:

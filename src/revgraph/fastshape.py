@@ -264,8 +264,10 @@ def _static(vi: ValueInfo | None) -> tuple[int, ...] | None:
     return tuple(vi.shape)
 
 
-def _slice_range(dim: int, start: int, end: int, step: int) -> range:
-    """The indices ONNX ``Slice`` selects along one axis (Slice-13's clamping)."""
+def slice_indices(dim: int, start: int, end: int, step: int) -> range:
+    """The indices ONNX ``Slice`` selects along one axis (operator spec, Slice-13: negative starts/ends
+    count from the end, then starts clamp to [0, dim] for positive steps and [0, dim-1] for negative
+    ones, ends to [0, dim] and [-1, dim-1])."""
     start = start + dim if start < 0 else start
     end = end + dim if end < 0 else end
     if step > 0:
@@ -285,7 +287,7 @@ def _fold_slice(node: Node, args: list) -> np.ndarray:
         if st == 0:
             raise ValueError("Slice step 0")
         a %= x.ndim
-        x = np.take(x, list(_slice_range(x.shape[a], b, e, st)), axis=a)
+        x = np.take(x, list(slice_indices(x.shape[a], b, e, st)), axis=a)
     return x
 
 

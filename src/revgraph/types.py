@@ -47,9 +47,14 @@ def onnx_node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, n
         out = onnx.shape_inference.infer_node_outputs(schema, proto, in_types, data)
     except Exception:  # inference is a help; unknown types make rules use Shape-based ops
         return {}
-    return {name: value_info_from_proto(helper.make_value_info(name, tp))
-            for name, tp in out.items()
-            if tp.HasField("tensor_type") or tp.sequence_type.elem_type.HasField("tensor_type")}
+    found = {}
+    for name, tp in out.items():
+        if tp.HasField("tensor_type") or tp.sequence_type.elem_type.HasField("tensor_type"):
+            try:
+                found[name] = value_info_from_proto(helper.make_value_info(name, tp))
+            except UnsupportedModelError:  # a type revgraph does not model (a sequence of maps)
+                pass
+    return found
 
 
 def node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, np.ndarray],

@@ -29,14 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
 
-from ..errors import InternalError, RevgraphError, UnsupportedModelError
+from ..errors import InternalError, RevgraphError
 from ..ir import Graph, Node, ValueInfo, onnx_dtype
-from ..onnx_io import attr_to_proto, value_info_from_proto, value_info_to_proto
-from ..schema import get_schema
-from ..types import keep_types, node_types
+from ..types import keep_types, node_types, onnx_node_types
 from . import sparse as sp
 from .emitter import Emitter
 from .sparse import SparseGrad
@@ -93,7 +89,7 @@ def sequence_types(nodes: list[Node], types: dict[str, ValueInfo], values: dict[
         if node.subgraphs or any(i and i not in types for i in node.inputs):
             continue
         if node.op_type in SEQUENCE_OPS or any(is_sequence(types, i) for i in node.inputs if i):
-            found = _onnx_types(node, types, values, opset)
+            found = onnx_node_types(node, types, values, opset)  # ONNX's own: sequence types
         else:
             found = node_types(node, types, values, opset)
         for name, vi in found.items():
@@ -120,28 +116,6 @@ def _forget_merged_dims(nodes: list[Node], types: dict[str, ValueInfo]) -> None:
     for name, vi in list(types.items()):
         if vi.shape is not None and any(d in merged for d in vi.shape):
             types[name] = ValueInfo(name, vi.dtype, tuple(None if d in merged else d for d in vi.shape), vi.kind)
-
-
-def _onnx_types(node: Node, types: dict[str, ValueInfo], values: dict[str, np.ndarray],
-                opset: int) -> dict[str, ValueInfo]:
-    schema = get_schema(node.op_type, node.domain, {"": opset})
-    if schema is None:
-        return {}
-    proto = helper.make_node(node.op_type, node.inputs, node.outputs)
-    proto.attribute.extend(attr_to_proto(node, k, v, {"": opset}) for k, v in node.attrs.items())
-    in_types = {i: value_info_to_proto(types[i]).type for i in node.inputs if i}
-    data = {i: numpy_helper.from_array(values[i], i) for i in node.inputs if i in values and values[i].size <= 64}
-    try:
-        out = onnx.shape_inference.infer_node_outputs(schema, proto, in_types, data)
-    except Exception:  # inference is a help; unknown types make rules use Shape-based ops
-        return {}
-    found = {}
-    for name, tp in out.items():
-        try:
-            found[name] = value_info_from_proto(helper.make_value_info(name, tp))
-        except UnsupportedModelError:
-            pass
-    return found
 
 
 # ------------------------------------------------------------------------------------------ sequence helpers

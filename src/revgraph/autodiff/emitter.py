@@ -34,6 +34,7 @@ class Emitter:
         self.nodes: list[Node] = []
         self.prefix = prefix  # set through scope()
         self._consts: dict[tuple, str] = {}
+        self._dims: set[str] = set()  # shapes of real values (shape_of, dims_const): Reshape takes 0 literally
         #: values known when the graph is built (initializers, Constant outputs, folded shape arithmetic):
         #: axes, shapes, pads
         self.values: dict[str, np.ndarray] = {}
@@ -72,6 +73,8 @@ class Emitter:
         if op_type == "Pad" and len(inputs) > 3 and inputs[3]:
             inputs = self._pad_all_axes(list(inputs))
             inputs = inputs if inputs[2] else inputs[:2]
+        if op_type == "Reshape" and len(inputs) > 1 and inputs[1] in self._dims and "allowzero" not in attrs:
+            attrs["allowzero"] = 1  # an empty dimension, not "copy" (Gather's rows of an empty index tensor)
         base = self.fresh(f"{self.prefix}/{op_type}")
         outs = [base] if n_out == 1 else [self.fresh(f"{base}:{i}") for i in range(n_out)]
         self.nodes.append(Node(op_type, list(inputs), outs, {k: v for k, v in attrs.items() if v is not None}, base))
@@ -218,8 +221,18 @@ class Emitter:
         """A 1-D int64 value holding the shape of ``name`` (a constant when the shape is static)."""
         s = self.shape(name)
         if s is not None:
-            return self.ints(s)
-        return self.op("Shape", [name], shape=(self.rank(name),), dtype=np.int64)
+            return self.dims_const(s)
+        shape = self.op("Shape", [name], shape=(self.rank(name),), dtype=np.int64)
+        self._dims.add(shape)
+        return shape
+
+    def dims_const(self, dims) -> str:
+        """A 1-D int64 constant holding real dimensions: a ``Reshape`` to it keeps a 0 as an empty dimension
+        (``allowzero=1``), where ONNX's default reads a 0 as "copy the input's dimension"."""
+        name = self.ints(dims)
+        if 0 in list(dims):
+            self._dims.add(name)
+        return name
 
     def zeros_like(self, name: str) -> str:
         """Zeros of the shape and dtype of ``name``."""

@@ -3,8 +3,9 @@
 from .. import loops  # noqa: F401  (Loop, Scan and If)
 from . import (  # noqa: F401
     activations,
-    attention,  # Attention, RotaryEmbedding
-    conv,
+    attention,  # Attention
+    conv,  # Conv, ConvTranspose
+    deform,  # DeformConv, Col2Im
     elementwise,
     indexing,
     linalg,
@@ -14,6 +15,9 @@ from . import (  # noqa: F401
     pool,
     quant,  # QuantizeLinear -> DequantizeLinear with the straight-through estimator
     reduce,
+    resize,
+    roi,  # MaxUnpool, MaxRoiPool, RoiAlign
+    rotary,  # RotaryEmbedding
     sampling,  # GridSample, AffineGrid
     sequence,  # SequenceAt, SplitToSequence, ConcatFromSequence, ...
     shape,

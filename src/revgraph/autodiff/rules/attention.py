@@ -1,5 +1,5 @@
-"""VJPs of the attention operators of opsets 23-26 (ONNX operator spec, "Attention" 23/24/25 and
-"RotaryEmbedding" 23).
+"""VJP of the attention operator of opsets 23-26 (ONNX operator spec, "Attention" 23/24/25). The rotary
+position embedding, "RotaryEmbedding" 23, is in :mod:`.rotary` (which imports :func:`_opt` from here).
 
 **Attention.** ``Y = P V`` with ``P = softmax(bias + cap(scale Q K^T))`` per head, ``cap(x) = c tanh(x / c)``
 when ``softcap = c > 0``. The backward pass is the standard one of FlashAttention-2 (Dao, 2023,
@@ -36,14 +36,6 @@ the other contractions do (DESIGN.md section 5).
 The scale is the one onnxruntime and the spec's function body use: ``sqrt(scale)`` rounded to float32 (the
 default ``1/sqrt(head_size)`` computed in float32), applied to Q and K; the rule multiplies Q once by its
 square.
-
-**RotaryEmbedding.** Each pair ``(x1, x2)`` (halves, or even/odd elements when ``interleaved``) of the first
-``rotary_embedding_dim`` features is rotated: ``(c x1 - s x2, s x1 + c x2)``. A rotation's transpose is the
-rotation by the opposite angle, so ``dX = RotaryEmbedding(dY, cos, -sin)`` (one fused kernel; the features
-beyond ``rotary_embedding_dim`` pass through in both). The caches are differentiable too (the output is
-bilinear in X and the caches): ``dcos = sum_heads(g1 x1 + g2 x2)``, ``dsin = sum_heads(g2 x1 - g1 x2)``,
-gathered rows added back at ``position_ids`` (a sparse gradient, as Gather's) when given. ``position_ids``
-is an integer input.
 """
 
 from __future__ import annotations
@@ -58,8 +50,7 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
-from ..sparse import SparseGrad
-from .indexing import _dim, _flat_indices
+from .indexing import _dim
 
 _CANON = "bhld"  # [batch, heads, sequence, features]: the 4-D layout of the spec
 _SPLIT = "blhd"  # a 3-D input [B, L, H*D] reshaped to [B, L, H, D]
@@ -537,72 +528,3 @@ def attention(ctx: Ctx, node: Node, cts: list) -> list:
         None,  # nonpad_kv_seqlen: integers
     ]
     return grads[: len(node.inputs)]
-
-
-# ---------------------------------------------------------------------------------------------- RoPE
-
-
-@vjp("RotaryEmbedding")
-def rotary_embedding(ctx: Ctx, node: Node, cts: list) -> list:
-    """ONNX "RotaryEmbedding" (opset 23): ``dX`` is the inverse rotation of ``dY`` (the same operator with the
-    sine negated); the caches get ``sum_heads(g1 x1 + g2 x2)`` (cos) and ``sum_heads(g2 x1 - g1 x2)`` (sin),
-    added back at ``position_ids`` when given (see the module docstring)."""
-    e, g = ctx.e, cts[0]
-    x, cos, sin = node.inputs[:3]
-    pos = _opt(node, 3)
-    cache: dict[str, tuple] = {}
-
-    def dx() -> str:
-        ins = [g, cos, e.op("Neg", [sin], like=sin)] + ([pos] if pos else [])
-        return e.op("RotaryEmbedding", ins, like=x, **node.attrs)
-
-    def pairs() -> tuple[str, str, str, str, int, int]:
-        """``x1, x2, g1, g2`` (``[B, H, L, R/2]`` or ``[B, L, H, R/2]``), the heads axis and ``R/2``."""
-        if "p" in cache:
-            return cache["p"]
-        rank = e.need_rank(x, node)
-        dims = e.dims(x)
-        interleaved = bool(node.attrs.get("interleaved", 0))
-        r = int(node.attrs.get("rotary_embedding_dim", 0))
-        xs, gs = x, g
-        if rank == 3:
-            nh = int(node.attrs.get("num_heads", 0))
-            if nh <= 0:
-                raise GraphError(f"{node.label()}: a 3-D RotaryEmbedding input needs num_heads")
-            xs = e.op("Reshape", [x, e.ints([0, 0, nh, -1])])
-            gs = e.op("Reshape", [g, e.ints([0, 0, nh, -1])])
-            head = None if dims is None or not isinstance(dims[2], int) else dims[2] // nh
-            axis = 2
-        else:
-            head = None if dims is None or not isinstance(dims[3], int) else dims[3]
-            axis = 1
-        r = r or head
-        if r is None:
-            raise GraphError(f"{node.label()}: the cache gradients of RotaryEmbedding need a static head size "
-                             "or rotary_embedding_dim")
-        half = r // 2
-
-        def split(t: str) -> tuple[str, str]:
-            if interleaved:
-                return (e.op("Slice", [t, e.ints([0]), e.ints([r]), e.ints([-1]), e.ints([2])]),
-                        e.op("Slice", [t, e.ints([1]), e.ints([r]), e.ints([-1]), e.ints([2])]))
-            return (e.op("Slice", [t, e.ints([0]), e.ints([half]), e.ints([-1])]),
-                    e.op("Slice", [t, e.ints([half]), e.ints([r]), e.ints([-1])]))
-
-        cache["p"] = (*split(xs), *split(gs), axis, half)
-        return cache["p"]
-
-    def dcache(which: str) -> SparseGrad | str:
-        x1, x2, g1, g2, axis, half = pairs()
-        if which == "cos":
-            d, table = e.op("Add", [e.op("Mul", [g1, x1]), e.op("Mul", [g2, x2])]), cos
-        else:
-            d, table = e.op("Sub", [e.op("Mul", [g2, x1]), e.op("Mul", [g1, x2])]), sin
-        d = e.op("ReduceSum", [d, e.ints([axis])], keepdims=0)  # [B, L, R/2]
-        if pos is None:
-            return e.reduce_to(d, table)
-        rows = e.op("Reshape", [d, e.ints([-1, half])])
-        return SparseGrad(_flat_indices(e, pos, _dim(e, table, 0)), rows, table)
-
-    out = [dx, lambda: dcache("cos"), lambda: dcache("sin"), None]
-    return out[: len(node.inputs)]

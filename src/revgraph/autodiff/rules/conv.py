@@ -1,5 +1,5 @@
-"""VJPs of convolutions (ONNX operator spec, "Conv", "ConvTranspose", "Col2Im", "DeformConv"; the derivatives
-are PyTorch's ``convolution_backward``, ``aten/src/ATen/native/Convolution.cpp``, and JAX's
+"""VJPs of convolutions (ONNX operator spec, "Conv", "ConvTranspose"; the derivatives are PyTorch's
+``convolution_backward``, ``aten/src/ATen/native/Convolution.cpp``, and JAX's
 ``_conv_general_dilated_transpose_lhs`` / ``_rhs`` in ``jax/_src/lax/convolution.py``).
 
 Geometry along one spatial axis: a Conv reads the zero-padded input at ``o*s + k*d`` for output ``o`` and
@@ -23,10 +23,9 @@ outputs with the wrong extents), and a backward graph must give the same numbers
 reference evaluator (DESIGN.md section 2). A grouped input gradient is therefore a ``Conv`` of the
 zero-interleaved output gradient with the flipped, group-transposed weight.
 
-Col2Im (fold) is the adjoint of im2col (unfold), so its VJP is an im2col: a Conv with an identity kernel.
-DeformConv samples the input bilinearly at offset positions (:func:`deform_conv`); its VJP recomputes the
-samples with a Gather of rows and adds the input gradient back with the race-free row scatter of
-``autodiff/sparse.py``.
+This module also holds the geometry and gradient helpers of the convolution family, which other rule modules
+(:mod:`.pool`, :mod:`.deform`, ...) import. Col2Im and DeformConv, whose VJPs move image patches as explicit
+columns, are in :mod:`.deform`.
 """
 
 from __future__ import annotations
@@ -36,14 +35,12 @@ from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
-import onnx
 
 from ...errors import GraphError
 from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
-from ..sparse import add_rows
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 INT64_MIN = int(np.iinfo(np.int64).min)
@@ -427,258 +424,3 @@ def conv_transpose(ctx: Ctx, node: Node, cts: list) -> list:
 
     grads = [lambda: e.op("Conv", [dy(), w], group=group, like=x, **geo.attrs()), dw, lambda: bias_grad(e, g, k, b)]
     return grads[:len(node.inputs)]
-
-
-@vjp("Col2Im")
-def col2im(ctx: Ctx, node: Node, cts: list) -> list:
-    """ONNX "Col2Im" (PyTorch ``fold``) adds each column entry ``x[n, c*K + k, l]`` into the image at
-    ``l*s + k*d - pb`` (dropped in the padding). Its transpose reads those positions back, im2col (PyTorch
-    derivatives.yaml: ``col2im_backward`` is ``im2col``): the image planes as ``[N*C, 1, *image]`` convolved
-    with the identity kernel ``[K, 1, *block]`` (tap ``k`` copies its pixel to channel ``k``) with the same
-    strides, dilations and pads give ``[N*C, K, *blocks]``, which is ``x``'s ``[N, C*K, L]``. The kernel is a
-    constant when ``block_shape`` is; otherwise it is built in the graph (``EyeLike``), and the gradient
-    graph cannot be differentiated again (the Conv VJP needs a static kernel size)."""
-    e, (x, _, block), g = ctx.e, node.inputs, cts[0]
-
-    def dx() -> str:
-        k = e.need_rank(g, node) - 2
-        planes = e.op("Reshape", [g, shape_cat(e, [[-1, 1], dims_part(e, g, 2)])])
-        attrs = {"strides": ints_attr(node, "strides", [1] * k), "dilations": ints_attr(node, "dilations", [1] * k),
-                 "pads": ints_attr(node, "pads", [0] * (2 * k))}
-        cols = e.op("Conv", [planes, _identity_kernel(e, block, x)], **attrs)
-        return e.op("Reshape", [cols, e.shape_of(x)], like=x)
-
-    return [dx, None, None]
-
-
-def _identity_kernel(e: Emitter, block: str, like: str) -> str:
-    """``[K, 1, *block]`` with a one at tap ``k`` of output channel ``k`` (K = prod(block)), in ``like``'s dtype."""
-    dt = e.dtype(like)
-    bv = e.value(block)
-    if bv is not None:
-        kernel = [int(v) for v in np.asarray(bv).reshape(-1)]
-        eye = np.eye(int(np.prod(kernel))).reshape(-1, 1, *kernel)
-        return e.const(eye.astype(dt)) if dt is not None else e.op("CastLike", [e.const(eye.astype(np.float32)), like])
-    block = e.op("Cast", [block], to=onnx.TensorProto.INT64) if e.dtype(block) != np.int64 else block
-    taps = e.op("ReduceProd", [block], keepdims=1)
-    square = e.op("ConstantOfShape", [e.op("Concat", [taps, taps], axis=0)],
-                  value=np.zeros(1, dtype=dt if dt is not None else np.float32))
-    eye = e.op("EyeLike", [square])
-    eye = eye if dt is not None else e.op("CastLike", [eye, like])
-    return e.op("Reshape", [eye, e.op("Concat", [taps, e.ints([1]), block], axis=0)])
-
-
-@dataclass
-class _Deform:
-    """Static sizes of a DeformConv: batch ``n`` (``None`` when unknown), channels ``c``, output channels ``m``,
-    spatial input sizes ``dims``, kernel, output sizes ``out``, ``group`` and ``og`` (offset groups)."""
-
-    n: int | None
-    c: int
-    m: int
-    dims: list[int]
-    kernel: list[int]
-    strides: list[int]
-    dilations: list[int]
-    pb: list[int]
-    out: list[int]
-    group: int
-    og: int
-
-    @property
-    def taps(self) -> int:
-        return int(np.prod(self.kernel))
-
-    @property
-    def length(self) -> int:
-        return int(np.prod(self.out))
-
-    @property
-    def pixels(self) -> int:
-        return int(np.prod(self.dims))
-
-
-def _deform_sizes(e: Emitter, node: Node, x: str, w: str) -> _Deform:
-    dx, dw = e.dims(x), e.dims(w)
-    if dx is None or dw is None or not all(isinstance(v, int) for v in dx[1:]) or not isinstance(dw[0], int):
-        raise GraphError(f"{node.label()}: the DeformConv VJP needs static channel and spatial dimensions of "
-                         f"{x!r} and the number of output channels of {w!r}; declare the shapes of the graph inputs")
-    k = len(dx) - 2
-    kernel = kernel_of(e, node, w, k)
-    strides, dilations = ints_attr(node, "strides", [1] * k), ints_attr(node, "dilations", [1] * k)
-    pads = ints_attr(node, "pads", [0] * (2 * k))
-    geo = Geometry(kernel, strides, dilations, pads[:k], pads[k:])
-    return _Deform(dx[0] if isinstance(dx[0], int) else None, dx[1], dw[0], list(dx[2:]), kernel, strides,
-                   dilations, pads[:k], geo.out(list(dx[2:])), int(node.attrs.get("group", 1)),
-                   int(node.attrs.get("offset_group", 1)))
-
-
-@vjp("DeformConv")
-def deform_conv(ctx: Ctx, node: Node, cts: list) -> list:
-    """ONNX "DeformConv" (Dai et al. 2017, arXiv:1703.06211; the mask of v2, arXiv:1811.11168): for output
-    position ``o`` and kernel tap ``k`` each input channel of offset group ``q`` is sampled bilinearly (zero
-    outside the input) at ``p = o*s - pb + k*d + offset[n, q, k, :, o]``, the sample ``v`` is multiplied by
-    ``mask[n, q, k, o]``, and the columns ``cols = v * mask`` are contracted with the weight as in a grouped
-    Conv: ``y[n, m, o] = sum_{c, k} w[m, c, k] cols[n, c, k, o] + b[m]``. The gradients, as torchvision's
-    ``deform_conv2d`` backward (``deformable_col2im``, ``deformable_col2im_coord``):
-
-    - ``db = sum g``; ``dw[m, c, k] = sum_{n, o} g[n, m, o] cols[n, c, k, o]`` (a batched MatMul);
-    - ``dcols = w^T g``; ``dmask = sum_{c in q} dcols * v``; ``dv = dcols * mask``;
-    - ``dx``: ``dv`` times each corner's bilinear weight, added at the corner (rows of the input viewed as
-      ``[N * offset_group * pixels, C / offset_group]``, the race-free row scatter
-      :func:`~revgraph.autodiff.sparse.add_rows`);
-    - ``doffset`` along axis ``j``: ``sum_{c in q} dv * dv/dp_j``, ``dv/dp_j`` the sum over corners of the
-      corner's value times the derivative of its weight (``-1`` or ``+1`` along ``j`` times the other axes'
-      weights), the one-sided derivative at integer positions, as torchvision's.
-
-    The samples are recomputed in the backward graph with one ``Gather`` of rows over all ``2^k`` corners.
-    Any spatial rank (multilinear sampling); needs static channel and spatial sizes (the batch may vary)."""
-    e, g = ctx.e, cts[0]
-    x, w, off = node.inputs[:3]
-    b, mask = _optional(node, 3), _optional(node, 4)
-    sz = _deform_sizes(e, node, x, w)
-    k = len(sz.dims)
-    cog, cg, mg = sz.c // sz.og, sz.c // sz.group, sz.m // sz.group
-    taps, length = sz.taps, sz.length
-    corners = 2**k
-
-    def fconst(a: np.ndarray) -> str:
-        dt = e.dtype(x)
-        return e.const(a.astype(dt)) if dt is not None else e.op("CastLike", [e.const(a.astype(np.float32)), x])
-
-    @cache
-    def sampling() -> tuple[str, str, list[str]]:
-        """``(rows, weights, slopes)``: for every corner (axis 0, ``2^k``, the first spatial axis slowest) and
-        sample ``r`` (axis 1: ``R = N * offset_group * K * L`` in that order): the input row it reads (int64),
-        its multilinear weight (0 outside the input), and per spatial axis ``j`` the derivative of that weight
-        with respect to ``p_j``. Each axis contributes its two neighbours stacked on a corner axis of its own
-        (``[1.., 2, ..1, N * offset_group, K, L]``); the corners are their broadcast products."""
-        split = e.op("Reshape", [off, e.ints([-1, k, length])])
-        parts = e.op("Split", [split, e.ints([1] * k)], n_out=k, axis=1) if k > 1 else [split]
-        grid = np.indices(sz.kernel + sz.out).reshape(2 * k, taps, length)
-        sign = fconst(np.array([-1.0, 1.0]).reshape(2, 1, 1, 1))  # d weight / d frac of the low, high neighbour
-        stride = [int(np.prod(sz.dims[j + 1:])) for j in range(k)]
-        # row of sample r in the [N * og * pixels, C / og] table: (n * og + q) * pixels + position
-        if sz.n is not None:
-            pos = e.const((np.arange(sz.n * sz.og, dtype=np.int64) * sz.pixels).reshape(-1, 1, 1))
-        else:
-            count = e.op("Mul", [e.op("Squeeze", [e.op("Shape", [x], start=0, end=1), e.ints([0])]),
-                                 e.const(np.int64(sz.og * sz.pixels))])
-            ramp = e.op("Range", [e.const(np.int64(0)), count, e.const(np.int64(sz.pixels))])
-            pos = e.op("Reshape", [ramp, e.ints([-1, 1, 1])])
-        weights, slopes = [], []
-        for j in range(k):
-            base = grid[k + j] * sz.strides[j] - sz.pb[j] + grid[j] * sz.dilations[j]
-            p = e.op("Add", [e.op("Reshape", [parts[j], e.ints([-1, taps, length])]), fconst(base)])
-            fl = e.op("Floor", [p])
-            frac = e.op("Unsqueeze", [e.op("Sub", [p, fl]), e.ints([0])])
-            near = e.op("Add", [e.op("Unsqueeze", [e.op("Cast", [fl], to=onnx.TensorProto.INT64), e.ints([0])]),
-                                e.const(np.array([0, 1], dtype=np.int64).reshape(2, 1, 1, 1))])
-            top = e.const(np.int64(sz.dims[j] - 1))
-            inside = e.op("CastLike", [e.op("And", [e.op("GreaterOrEqual", [near, e.const(np.int64(0))]),
-                                                    e.op("LessOrEqual", [near, top])]), x])
-            # low neighbour 1 - frac, high neighbour frac; 0 outside the input
-            lin = e.op("Add", [fconst(np.array([1.0, 0.0]).reshape(2, 1, 1, 1)), e.op("Mul", [sign, frac])])
-            axes = e.ints([i for i in range(k) if i != j])
-            place = (lambda v, axes=axes: e.op("Unsqueeze", [v, axes])) if k > 1 else (lambda v: v)
-            weights.append(place(e.op("Mul", [lin, inside])))
-            slopes.append(place(e.op("Mul", [sign, inside])))
-            clipped = e.op("Max", [e.op("Min", [near, top]), e.const(np.int64(0))])
-            if stride[j] != 1:
-                clipped = e.op("Mul", [clipped, e.const(np.int64(stride[j]))])
-            pos = e.op("Add", [pos, place(clipped)])
-        flat = e.ints([corners, -1])
-        rows = e.op("Reshape", [pos, flat])
-        weight = e.op("Reshape", [_product(e, weights), flat])
-        slope = [e.op("Reshape", [_product(e, [sl, *weights[:j], *weights[j + 1:]]), flat])
-                 for j, sl in enumerate(slopes)]
-        return rows, weight, slope
-
-    @cache
-    def samples() -> str:
-        """``[2^k, R, C/og]``: the input at every corner of every sample (a Gather of rows)."""
-        rows = sampling()[0]
-        grouped = e.op("Reshape", [x, e.ints([-1, sz.og, cog, sz.pixels])])
-        table = e.op("Reshape", [e.op("Transpose", [grouped], perm=[0, 1, 3, 2]), e.ints([-1, cog])])
-        got = e.op("Gather", [table, e.op("Reshape", [rows, e.ints([-1])])], axis=0)
-        return e.op("Reshape", [got, e.ints([corners, -1, cog])])
-
-    @cache
-    def values() -> str:
-        """``[R, C/og]``: the bilinear samples ``v``."""
-        weights = e.op("Unsqueeze", [sampling()[1], e.ints([2])])
-        return e.op("ReduceSum", [e.op("Mul", [samples(), weights]), e.ints([0])], keepdims=0)
-
-    @cache
-    def mask_rows() -> str | None:
-        return e.op("Unsqueeze", [e.op("Reshape", [mask, e.ints([-1])]), e.ints([1])]) if mask else None
-
-    @cache
-    def cols() -> str:
-        """``[N, group, C/group * K, L]``: the masked samples laid out for the contraction."""
-        v = values() if mask is None else e.op("Mul", [values(), mask_rows()])
-        lay = e.op("Transpose", [e.op("Reshape", [v, e.ints([-1, sz.og, taps, length, cog])])], perm=[0, 1, 4, 2, 3])
-        return e.op("Reshape", [lay, e.ints([-1, sz.group, cg * taps, length])])
-
-    @cache
-    def grad_out() -> str:
-        return e.op("Reshape", [g, e.ints([-1, sz.group, mg, length])])
-
-    @cache
-    def dcols() -> str:
-        """``[R, C/og]``: the cotangent of the masked samples, ``w^T g`` in the samples' layout."""
-        wt = e.op("Transpose", [e.op("Reshape", [w, e.ints([sz.group, mg, cg * taps])])], perm=[0, 2, 1])
-        d = e.op("MatMul", [wt, grad_out()])
-        lay = e.op("Transpose", [e.op("Reshape", [d, e.ints([-1, sz.og, cog, taps, length])])], perm=[0, 1, 3, 4, 2])
-        return e.op("Reshape", [lay, e.ints([-1, cog])])
-
-    @cache
-    def dvalues() -> str:
-        return dcols() if mask is None else e.op("Mul", [dcols(), mask_rows()])
-
-    def dx() -> str:
-        rows, weights, _ = sampling()
-        contrib = e.op("Mul", [e.op("Unsqueeze", [weights, e.ints([2])]), e.op("Unsqueeze", [dvalues(), e.ints([0])])])
-        if sz.n is not None:
-            zeros_shape = e.ints([sz.n * sz.og * sz.pixels, cog])
-        else:
-            batch = e.op("Shape", [x], start=0, end=1)
-            zeros_shape = e.op("Concat", [e.op("Mul", [batch, e.ints([sz.og * sz.pixels])]), e.ints([cog])], axis=0)
-        dt = e.dtype(x)
-        zeros = e.op("ConstantOfShape", [zeros_shape], value=np.zeros(1, dtype=dt if dt is not None else np.float32))
-        if dt is None:
-            zeros = e.op("CastLike", [zeros, x])
-        table = add_rows(e, zeros, e.op("Reshape", [rows, e.ints([-1])]),
-                         e.op("Reshape", [contrib, e.ints([-1, cog])]))
-        lay = e.op("Transpose", [e.op("Reshape", [table, e.ints([-1, sz.og, sz.pixels, cog])])], perm=[0, 1, 3, 2])
-        return e.op("Reshape", [lay, e.shape_of(x)], like=x)
-
-    def dw() -> str:
-        gt = e.op("Transpose", [grad_out()], perm=[0, 1, 3, 2])
-        per_batch = e.op("MatMul", [cols(), gt])  # [N, group, C/group * K, M/group]
-        total = e.op("ReduceSum", [per_batch, e.ints([0])], keepdims=0)
-        return e.op("Reshape", [e.op("Transpose", [total], perm=[0, 2, 1]), e.shape_of(w)], like=w)
-
-    def doffset() -> str:
-        _, _, slopes = sampling()
-        # per corner and sample: sum over the group's channels of dv * the corner's value
-        s = e.op("ReduceSum", [e.op("Mul", [samples(), e.op("Unsqueeze", [dvalues(), e.ints([0])])]), e.ints([2])],
-                 keepdims=0)
-        per_axis = [e.op("Reshape", [e.op("ReduceSum", [e.op("Mul", [s, sl]), e.ints([0])], keepdims=0),
-                                     e.ints([-1, 1, length])]) for sl in slopes]
-        d = per_axis[0] if k == 1 else e.op("Concat", per_axis, axis=1)
-        return e.op("Reshape", [d, e.shape_of(off)], like=off)
-
-    def dmask() -> str:
-        d = e.op("ReduceSum", [e.op("Mul", [dcols(), values()]), e.ints([1])], keepdims=0)
-        return e.op("Reshape", [d, e.shape_of(mask)], like=mask)
-
-    grads = [dx, dw, doffset, (lambda: bias_grad(e, g, k, b)) if b else None, dmask if mask else None]
-    return grads[:len(node.inputs)]
-
-
-def _product(e: Emitter, factors: list[str]) -> str:
-    out = factors[0]
-    for f in factors[1:]:
-        out = e.op("Mul", [out, f])
-    return out

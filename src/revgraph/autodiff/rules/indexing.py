@@ -63,7 +63,7 @@ def _cat_shapes(e: Emitter, parts: list[list[int] | str]) -> str:
     """A 1-D int64 shape made of ``parts`` (int lists or 1-D int64 values); a constant when all are known."""
     known = [p if isinstance(p, list) else e.value(p) for p in parts]
     if all(k is not None for k in known):
-        return e.ints([int(d) for k in known for d in np.asarray(k).reshape(-1)])
+        return e.dims_const([int(d) for k in known for d in np.asarray(k).reshape(-1)])
     names = [e.ints(p) if isinstance(p, list) else p for p in parts]
     return names[0] if len(names) == 1 else e.op("Concat", names, axis=0)
 

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 
 from ...errors import GraphError
+from ...fastshape import slice_indices
 from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
@@ -223,19 +224,6 @@ def _untile(e: Emitter, node: Node, g: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ slice
-
-
-def slice_indices(dim: int, start: int, end: int, step: int) -> range:
-    """The indices ONNX ``Slice`` selects along one axis (operator spec, Slice-13: negative starts/ends
-    count from the end, then starts clamp to [0, dim] for positive steps and [0, dim-1] for negative
-    ones, ends to [0, dim] and [-1, dim-1])."""
-    start = start + dim if start < 0 else start
-    end = end + dim if end < 0 else end
-    if step > 0:
-        start, end = min(max(start, 0), dim), min(max(end, 0), dim)
-    else:
-        start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
-    return range(start, end, step)
 
 
 def _unslice_axis(e: Emitter, g: str, axis: int, dim: Dyn, lo: Dyn, n: Dyn, s: Dyn, neg) -> str:

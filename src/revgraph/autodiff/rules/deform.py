@@ -1,0 +1,373 @@
+"""VJPs of the two convolutions that move image patches explicitly, as columns (ONNX operator spec, "Col2Im",
+"DeformConv"): Col2Im folds columns into an image, DeformConv unfolds bilinear samples of the input into columns
+and contracts them with the weight. The plain convolutions, Conv and ConvTranspose, and the geometry and
+gradient helpers both modules use are in :mod:`.conv`.
+
+Col2Im (fold) is the adjoint of im2col (unfold), so its VJP is an im2col: a Conv with an identity kernel.
+DeformConv samples the input bilinearly at offset positions (:func:`deform_conv`); its VJP recomputes the
+samples with a Gather of rows and adds the input gradient back with the race-free row scatter of
+``autodiff/sparse.py``. Each cotangent, and each step of the sampling, is a function of its own; the rule
+:func:`deform_conv` only wires them (:class:`_DeformTerms` emits every shared intermediate once, when first read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import onnx
+
+from ...errors import GraphError
+from ...ir import Node
+from ..context import Ctx
+from ..emitter import Emitter
+from ..registry import vjp
+from ..sparse import add_rows
+from .conv import Geometry, _optional, bias_grad, dims_part, ints_attr, kernel_of, shape_cat
+from .sampling import _product  # the product of factors, shared with GridSample's multilinear weights
+
+# ------------------------------------------------------------------------------------------ Col2Im
+
+
+@vjp("Col2Im")
+def col2im(ctx: Ctx, node: Node, cts: list) -> list:
+    """ONNX "Col2Im" (PyTorch ``fold``) adds each column entry ``x[n, c*K + k, l]`` into the image at
+    ``l*s + k*d - pb`` (dropped in the padding). Its transpose reads those positions back, im2col (PyTorch
+    derivatives.yaml: ``col2im_backward`` is ``im2col``): the image planes as ``[N*C, 1, *image]`` convolved
+    with the identity kernel ``[K, 1, *block]`` (tap ``k`` copies its pixel to channel ``k``) with the same
+    strides, dilations and pads give ``[N*C, K, *blocks]``, which is ``x``'s ``[N, C*K, L]``. The kernel is a
+    constant when ``block_shape`` is; otherwise it is built in the graph (``EyeLike``), and the gradient
+    graph cannot be differentiated again (the Conv VJP needs a static kernel size)."""
+    e, (x, _, block), g = ctx.e, node.inputs, cts[0]
+
+    def dx() -> str:
+        k = e.need_rank(g, node) - 2
+        planes = e.op("Reshape", [g, shape_cat(e, [[-1, 1], dims_part(e, g, 2)])])
+        attrs = {"strides": ints_attr(node, "strides", [1] * k), "dilations": ints_attr(node, "dilations", [1] * k),
+                 "pads": ints_attr(node, "pads", [0] * (2 * k))}
+        cols = e.op("Conv", [planes, _identity_kernel(e, block, x)], **attrs)
+        return e.op("Reshape", [cols, e.shape_of(x)], like=x)
+
+    return [dx, None, None]
+
+
+def _identity_kernel(e: Emitter, block: str, like: str) -> str:
+    """``[K, 1, *block]`` with a one at tap ``k`` of output channel ``k`` (K = prod(block)), in ``like``'s dtype."""
+    dt = e.dtype(like)
+    bv = e.value(block)
+    if bv is not None:
+        kernel = [int(v) for v in np.asarray(bv).reshape(-1)]
+        eye = np.eye(int(np.prod(kernel))).reshape(-1, 1, *kernel)
+        return e.const(eye.astype(dt)) if dt is not None else e.op("CastLike", [e.const(eye.astype(np.float32)), like])
+    block = e.op("Cast", [block], to=onnx.TensorProto.INT64) if e.dtype(block) != np.int64 else block
+    taps = e.op("ReduceProd", [block], keepdims=1)
+    square = e.op("ConstantOfShape", [e.op("Concat", [taps, taps], axis=0)],
+                  value=np.zeros(1, dtype=dt if dt is not None else np.float32))
+    eye = e.op("EyeLike", [square])
+    eye = eye if dt is not None else e.op("CastLike", [eye, like])
+    return e.op("Reshape", [eye, e.op("Concat", [taps, e.ints([1]), block], axis=0)])
+
+
+# ------------------------------------------------------------------------------------------ DeformConv: sizes
+
+
+@dataclass
+class _Deform:
+    """Static sizes of a DeformConv: batch ``n`` (``None`` when unknown), channels ``c``, output channels ``m``,
+    spatial input sizes ``dims``, kernel, output sizes ``out``, ``group`` and ``og`` (offset groups)."""
+
+    n: int | None
+    c: int
+    m: int
+    dims: list[int]
+    kernel: list[int]
+    strides: list[int]
+    dilations: list[int]
+    pb: list[int]
+    out: list[int]
+    group: int
+    og: int
+
+    @property
+    def taps(self) -> int:
+        return int(np.prod(self.kernel))
+
+    @property
+    def length(self) -> int:
+        return int(np.prod(self.out))
+
+    @property
+    def pixels(self) -> int:
+        return int(np.prod(self.dims))
+
+    @property
+    def cog(self) -> int:
+        """Channels per offset group."""
+        return self.c // self.og
+
+    @property
+    def cg(self) -> int:
+        """Input channels per group."""
+        return self.c // self.group
+
+    @property
+    def mg(self) -> int:
+        """Output channels per group."""
+        return self.m // self.group
+
+
+def _deform_sizes(e: Emitter, node: Node, x: str, w: str) -> _Deform:
+    dx, dw = e.dims(x), e.dims(w)
+    if dx is None or dw is None or not all(isinstance(v, int) for v in dx[1:]) or not isinstance(dw[0], int):
+        raise GraphError(f"{node.label()}: the DeformConv VJP needs static channel and spatial dimensions of "
+                         f"{x!r} and the number of output channels of {w!r}; declare the shapes of the graph inputs")
+    k = len(dx) - 2
+    kernel = kernel_of(e, node, w, k)
+    strides, dilations = ints_attr(node, "strides", [1] * k), ints_attr(node, "dilations", [1] * k)
+    pads = ints_attr(node, "pads", [0] * (2 * k))
+    geo = Geometry(kernel, strides, dilations, pads[:k], pads[k:])
+    return _Deform(dx[0] if isinstance(dx[0], int) else None, dx[1], dw[0], list(dx[2:]), kernel, strides,
+                   dilations, pads[:k], geo.out(list(dx[2:])), int(node.attrs.get("group", 1)),
+                   int(node.attrs.get("offset_group", 1)))
+
+
+def _fconst(e: Emitter, a: np.ndarray, like: str) -> str:
+    """The float constant ``a`` in ``like``'s dtype."""
+    dt = e.dtype(like)
+    return e.const(a.astype(dt)) if dt is not None else e.op("CastLike", [e.const(a.astype(np.float32)), like])
+
+
+# ------------------------------------------------------------------------------------------ DeformConv: sampling
+
+
+def _batch_rows(e: Emitter, x: str, sz: _Deform) -> str:
+    """``[N * offset_group, 1, 1]``: the first row ``(n * og + q) * pixels`` of each image and offset group in
+    the ``[N * og * pixels, C / og]`` table of the input."""
+    if sz.n is not None:
+        return e.const((np.arange(sz.n * sz.og, dtype=np.int64) * sz.pixels).reshape(-1, 1, 1))
+    count = e.op("Mul", [e.op("Squeeze", [e.op("Shape", [x], start=0, end=1), e.ints([0])]),
+                         e.const(np.int64(sz.og * sz.pixels))])
+    ramp = e.op("Range", [e.const(np.int64(0)), count, e.const(np.int64(sz.pixels))])
+    return e.op("Reshape", [ramp, e.ints([-1, 1, 1])])
+
+
+def _axis_neighbours(e: Emitter, x: str, sz: _Deform, part: str, base: np.ndarray, j: int,
+                     sign: str) -> tuple[str, str, str]:
+    """Spatial axis ``j`` of every sample, its two neighbours stacked on a corner axis of their own
+    (``[1.., 2, ..1, N * offset_group, K, L]``): their linear weights (``1 - frac`` and ``frac``, 0 outside
+    the input), the derivatives of the weights with respect to ``p_j`` (``sign``: -1 and +1, 0 outside), and
+    their clipped positions times the row stride of axis ``j``. ``part`` is the axis' offsets and ``base`` the
+    undeformed positions ``o*s - pb + k*d`` (``[K, L]``)."""
+    k = len(sz.dims)
+    p = e.op("Add", [e.op("Reshape", [part, e.ints([-1, sz.taps, sz.length])]), _fconst(e, base, x)])
+    fl = e.op("Floor", [p])
+    frac = e.op("Unsqueeze", [e.op("Sub", [p, fl]), e.ints([0])])
+    near = e.op("Add", [e.op("Unsqueeze", [e.op("Cast", [fl], to=onnx.TensorProto.INT64), e.ints([0])]),
+                        e.const(np.array([0, 1], dtype=np.int64).reshape(2, 1, 1, 1))])
+    top = e.const(np.int64(sz.dims[j] - 1))
+    inside = e.op("CastLike", [e.op("And", [e.op("GreaterOrEqual", [near, e.const(np.int64(0))]),
+                                            e.op("LessOrEqual", [near, top])]), x])
+    # low neighbour 1 - frac, high neighbour frac; 0 outside the input
+    lin = e.op("Add", [_fconst(e, np.array([1.0, 0.0]).reshape(2, 1, 1, 1), x), e.op("Mul", [sign, frac])])
+    axes = e.ints([i for i in range(k) if i != j])
+    place = (lambda v: e.op("Unsqueeze", [v, axes])) if k > 1 else (lambda v: v)
+    weight = place(e.op("Mul", [lin, inside]))
+    slope = place(e.op("Mul", [sign, inside]))
+    clipped = e.op("Max", [e.op("Min", [near, top]), e.const(np.int64(0))])
+    stride = int(np.prod(sz.dims[j + 1:]))
+    if stride != 1:
+        clipped = e.op("Mul", [clipped, e.const(np.int64(stride))])
+    return weight, slope, place(clipped)
+
+
+def _sampling(e: Emitter, x: str, off: str, sz: _Deform) -> tuple[str, str, list[str]]:
+    """``(rows, weights, slopes)``: for every corner (axis 0, ``2^k``, the first spatial axis slowest) and
+    sample ``r`` (axis 1: ``R = N * offset_group * K * L`` in that order): the input row it reads (int64),
+    its multilinear weight (0 outside the input), and per spatial axis ``j`` the derivative of that weight
+    with respect to ``p_j``. The corners are the broadcast products of the axes' neighbours
+    (:func:`_axis_neighbours`)."""
+    k = len(sz.dims)
+    split = e.op("Reshape", [off, e.ints([-1, k, sz.length])])
+    parts = e.op("Split", [split, e.ints([1] * k)], n_out=k, axis=1) if k > 1 else [split]
+    grid = np.indices(sz.kernel + sz.out).reshape(2 * k, sz.taps, sz.length)
+    sign = _fconst(e, np.array([-1.0, 1.0]).reshape(2, 1, 1, 1), x)  # d weight / d frac of the low, high neighbour
+    pos = _batch_rows(e, x, sz)
+    weights, slopes = [], []
+    for j in range(k):
+        base = grid[k + j] * sz.strides[j] - sz.pb[j] + grid[j] * sz.dilations[j]
+        weight, slope, at = _axis_neighbours(e, x, sz, parts[j], base, j, sign)
+        weights.append(weight)
+        slopes.append(slope)
+        pos = e.op("Add", [pos, at])
+    flat = e.ints([2**k, -1])
+    rows = e.op("Reshape", [pos, flat])
+    weight = e.op("Reshape", [_product(e, weights), flat])
+    slope = [e.op("Reshape", [_product(e, [sl, *weights[:j], *weights[j + 1:]]), flat])
+             for j, sl in enumerate(slopes)]
+    return rows, weight, slope
+
+
+def _samples(e: Emitter, x: str, rows: str, sz: _Deform) -> str:
+    """``[2^k, R, C/og]``: the input at every corner of every sample (a Gather of rows)."""
+    grouped = e.op("Reshape", [x, e.ints([-1, sz.og, sz.cog, sz.pixels])])
+    table = e.op("Reshape", [e.op("Transpose", [grouped], perm=[0, 1, 3, 2]), e.ints([-1, sz.cog])])
+    got = e.op("Gather", [table, e.op("Reshape", [rows, e.ints([-1])])], axis=0)
+    return e.op("Reshape", [got, e.ints([2 ** len(sz.dims), -1, sz.cog])])
+
+
+def _values(e: Emitter, samples: str, weights: str) -> str:
+    """``[R, C/og]``: the bilinear samples ``v``, the corners' values times their weights, summed."""
+    return e.op("ReduceSum", [e.op("Mul", [samples, e.op("Unsqueeze", [weights, e.ints([2])])]), e.ints([0])],
+                keepdims=0)
+
+
+def _cols(e: Emitter, v: str, sz: _Deform) -> str:
+    """``[N, group, C/group * K, L]``: the masked samples ``v`` laid out for the contraction."""
+    lay = e.op("Transpose", [e.op("Reshape", [v, e.ints([-1, sz.og, sz.taps, sz.length, sz.cog])])],
+               perm=[0, 1, 4, 2, 3])
+    return e.op("Reshape", [lay, e.ints([-1, sz.group, sz.cg * sz.taps, sz.length])])
+
+
+# ------------------------------------------------------------------------------------------ DeformConv: cotangents
+
+
+def _dcols(e: Emitter, w: str, grad_out: str, sz: _Deform) -> str:
+    """``[R, C/og]``: the cotangent of the masked samples, ``w^T g`` in the samples' layout."""
+    wt = e.op("Transpose", [e.op("Reshape", [w, e.ints([sz.group, sz.mg, sz.cg * sz.taps])])], perm=[0, 2, 1])
+    d = e.op("MatMul", [wt, grad_out])
+    lay = e.op("Transpose", [e.op("Reshape", [d, e.ints([-1, sz.og, sz.cog, sz.taps, sz.length])])],
+               perm=[0, 1, 3, 4, 2])
+    return e.op("Reshape", [lay, e.ints([-1, sz.cog])])
+
+
+def _zero_table(e: Emitter, x: str, sz: _Deform) -> str:
+    """Zeros of the ``[N * og * pixels, C / og]`` row table of ``x``, in ``x``'s dtype."""
+    if sz.n is not None:
+        shape = e.ints([sz.n * sz.og * sz.pixels, sz.cog])
+    else:
+        batch = e.op("Shape", [x], start=0, end=1)
+        shape = e.op("Concat", [e.op("Mul", [batch, e.ints([sz.og * sz.pixels])]), e.ints([sz.cog])], axis=0)
+    dt = e.dtype(x)
+    zeros = e.op("ConstantOfShape", [shape], value=np.zeros(1, dtype=dt if dt is not None else np.float32))
+    return zeros if dt is not None else e.op("CastLike", [zeros, x])
+
+
+def _input_grad(e: Emitter, x: str, rows: str, weights: str, dv: str, sz: _Deform) -> str:
+    """``dx``: ``dv`` times each corner's weight, added at the corner's row
+    (:func:`~revgraph.autodiff.sparse.add_rows`)."""
+    contrib = e.op("Mul", [e.op("Unsqueeze", [weights, e.ints([2])]), e.op("Unsqueeze", [dv, e.ints([0])])])
+    table = add_rows(e, _zero_table(e, x, sz), e.op("Reshape", [rows, e.ints([-1])]),
+                     e.op("Reshape", [contrib, e.ints([-1, sz.cog])]))
+    lay = e.op("Transpose", [e.op("Reshape", [table, e.ints([-1, sz.og, sz.pixels, sz.cog])])], perm=[0, 1, 3, 2])
+    return e.op("Reshape", [lay, e.shape_of(x)], like=x)
+
+
+def _weight_grad(e: Emitter, w: str, cols: str, grad_out: str) -> str:
+    """``dw[m, c, k] = sum_{n, o} g[n, m, o] cols[n, c, k, o]``: a batched MatMul summed over the batch."""
+    gt = e.op("Transpose", [grad_out], perm=[0, 1, 3, 2])
+    per_batch = e.op("MatMul", [cols, gt])  # [N, group, C/group * K, M/group]
+    total = e.op("ReduceSum", [per_batch, e.ints([0])], keepdims=0)
+    return e.op("Reshape", [e.op("Transpose", [total], perm=[0, 2, 1]), e.shape_of(w)], like=w)
+
+
+def _offset_grad(e: Emitter, off: str, samples: str, slopes: list[str], dv: str, length: int) -> str:
+    """``doffset`` along axis ``j``: per corner and sample, the sum over the group's channels of ``dv`` times
+    the corner's value, times the derivative of the corner's weight along ``j``, summed over the corners."""
+    s = e.op("ReduceSum", [e.op("Mul", [samples, e.op("Unsqueeze", [dv, e.ints([0])])]), e.ints([2])], keepdims=0)
+    per_axis = [e.op("Reshape", [e.op("ReduceSum", [e.op("Mul", [s, sl]), e.ints([0])], keepdims=0),
+                                 e.ints([-1, 1, length])]) for sl in slopes]
+    d = per_axis[0] if len(slopes) == 1 else e.op("Concat", per_axis, axis=1)
+    return e.op("Reshape", [d, e.shape_of(off)], like=off)
+
+
+def _mask_grad(e: Emitter, mask: str, dcols: str, values: str) -> str:
+    """``dmask = sum_{c in q} dcols * v``."""
+    d = e.op("ReduceSum", [e.op("Mul", [dcols, values]), e.ints([1])], keepdims=0)
+    return e.op("Reshape", [d, e.shape_of(mask)], like=mask)
+
+
+# ------------------------------------------------------------------------------------------ DeformConv: the rule
+
+
+class _DeformTerms:
+    """The intermediates of one DeformConv's backward pass, each emitted once, when first read."""
+
+    def __init__(self, e: Emitter, node: Node, g: str):
+        self.e, self.g = e, g
+        self.x, self.w, self.off = node.inputs[:3]
+        self.mask = _optional(node, 4)
+        self.sz = _deform_sizes(e, node, self.x, self.w)
+
+    @cached_property
+    def sampling(self) -> tuple[str, str, list[str]]:
+        return _sampling(self.e, self.x, self.off, self.sz)
+
+    @cached_property
+    def samples(self) -> str:
+        return _samples(self.e, self.x, self.sampling[0], self.sz)
+
+    @cached_property
+    def values(self) -> str:
+        return _values(self.e, self.samples, self.sampling[1])
+
+    @cached_property
+    def mask_rows(self) -> str | None:
+        """The mask as ``[R, 1]``, or ``None``."""
+        e, mask = self.e, self.mask
+        return e.op("Unsqueeze", [e.op("Reshape", [mask, e.ints([-1])]), e.ints([1])]) if mask else None
+
+    @cached_property
+    def grad_out(self) -> str:
+        return self.e.op("Reshape", [self.g, self.e.ints([-1, self.sz.group, self.sz.mg, self.sz.length])])
+
+    @cached_property
+    def dcols(self) -> str:
+        return _dcols(self.e, self.w, self.grad_out, self.sz)
+
+    @cached_property
+    def dvalues(self) -> str:
+        """``dv = dcols * mask``."""
+        return self.dcols if self.mask is None else self.e.op("Mul", [self.dcols, self.mask_rows])
+
+    def dx(self) -> str:
+        rows, weights, _ = self.sampling
+        return _input_grad(self.e, self.x, rows, weights, self.dvalues, self.sz)
+
+    def dw(self) -> str:
+        v = self.values if self.mask is None else self.e.op("Mul", [self.values, self.mask_rows])
+        return _weight_grad(self.e, self.w, _cols(self.e, v, self.sz), self.grad_out)
+
+    def doffset(self) -> str:
+        return _offset_grad(self.e, self.off, self.samples, self.sampling[2], self.dvalues, self.sz.length)
+
+    def dmask(self) -> str:
+        return _mask_grad(self.e, self.mask, self.dcols, self.values)
+
+
+@vjp("DeformConv")
+def deform_conv(ctx: Ctx, node: Node, cts: list) -> list:
+    """ONNX "DeformConv" (Dai et al. 2017, arXiv:1703.06211; the mask of v2, arXiv:1811.11168): for output
+    position ``o`` and kernel tap ``k`` each input channel of offset group ``q`` is sampled bilinearly (zero
+    outside the input) at ``p = o*s - pb + k*d + offset[n, q, k, :, o]``, the sample ``v`` is multiplied by
+    ``mask[n, q, k, o]``, and the columns ``cols = v * mask`` are contracted with the weight as in a grouped
+    Conv: ``y[n, m, o] = sum_{c, k} w[m, c, k] cols[n, c, k, o] + b[m]``. The gradients, as torchvision's
+    ``deform_conv2d`` backward (``deformable_col2im``, ``deformable_col2im_coord``):
+
+    - ``db = sum g``; ``dw[m, c, k] = sum_{n, o} g[n, m, o] cols[n, c, k, o]`` (a batched MatMul);
+    - ``dcols = w^T g``; ``dmask = sum_{c in q} dcols * v``; ``dv = dcols * mask``;
+    - ``dx``: ``dv`` times each corner's bilinear weight, added at the corner (rows of the input viewed as
+      ``[N * offset_group * pixels, C / offset_group]``, the race-free row scatter
+      :func:`~revgraph.autodiff.sparse.add_rows`);
+    - ``doffset`` along axis ``j``: ``sum_{c in q} dv * dv/dp_j``, ``dv/dp_j`` the sum over corners of the
+      corner's value times the derivative of its weight (``-1`` or ``+1`` along ``j`` times the other axes'
+      weights), the one-sided derivative at integer positions, as torchvision's.
+
+    The samples are recomputed in the backward graph with one ``Gather`` of rows over all ``2^k`` corners.
+    Any spatial rank (multilinear sampling); needs static channel and spatial sizes (the batch may vary)."""
+    e, g = ctx.e, cts[0]
+    b = _optional(node, 3)
+    t = _DeformTerms(e, node, g)
+    k = len(t.sz.dims)
+    grads = [t.dx, t.dw, t.doffset, (lambda: bias_grad(e, g, k, b)) if b else None, t.dmask if t.mask else None]
+    return grads[:len(node.inputs)]
