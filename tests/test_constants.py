@@ -339,3 +339,30 @@ def test_the_emitter_message_names_who_needs_the_rank():
     e.undeclared = []
     text = e.unknown_rank("v", Node("Tile", ["v", "r"], ["t"], {}, "tile"), "the VJP of Tile")
     assert text.startswith("node 'tile' (Tile): the rank of 'v' is unknown, and the VJP of Tile needs it; ")
+
+
+def test_pad_amounts_reordered_by_the_legacy_exporter_give_static_shapes():
+    # torch's TorchScript exporter writes F.pad's amounts as Concat -> Reshape(-1, 2) -> Slice(reversed) ->
+    # Transpose -> Reshape(-1) -> Cast: folded over constants, the Pad's output (and the SAME-padded Conv after it,
+    # whose VJP needs the spatial sizes) gets its static shape; the gradient matches PyTorch
+    i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+    nodes = [Node("Concat", ["p", "z"], ["c"], {"axis": 0}, "cat"), Node("Reshape", ["c", "r2"], ["r"], name="rs"),
+             Node("Slice", ["r", "s0", "s1", "ax", "st"], ["sl"], name="sl"),
+             Node("Transpose", ["sl"], ["tr"], {"perm": [1, 0]}, "tr"), Node("Reshape", ["tr", "m1"], ["flat"], name="r1"),
+             Node("Cast", ["flat"], ["pads"], {"to": onnx.TensorProto.INT64}, "cast"),
+             Node("Pad", ["x", "pads"], ["xp"], {"mode": "constant"}, "pad"),
+             Node("Conv", ["xp", "w"], ["y"], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, "conv"),
+             Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, "sum")]
+    inits = {"p": i64(0, 1, 0, 1), "z": i64(0, 0, 0, 0), "r2": i64(-1, 2), "s0": i64(-1), "s1": i64(-9999),
+             "ax": i64(0), "st": i64(-1), "m1": i64(-1), "w": np.random.default_rng(0).standard_normal((2, 3, 3, 3))}
+    g = Graph(nodes, [ValueInfo("x", np.float64, (1, 3, 7, 7))], [ValueInfo("loss", np.float64, ())], inits)
+    types = infer_types(g)
+    assert types["xp"].shape == (1, 3, 8, 8) and types["y"].shape == (1, 2, 4, 4)
+    x = np.random.default_rng(1).standard_normal((1, 3, 7, 7))
+    got = rg.Session(rg.gradient(g, wrt=["x", "w"]), backend="reference").run({"x": x})
+    xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(inits["w"], requires_grad=True)
+    xp = torch.nn.functional.pad(xt, (0, 1, 0, 1))  # pads [0,1,0,1] in (W, H) order after the reordering
+    # SAME_UPPER on 8 x 8, kernel 3, stride 2: 4 outputs, one padded row and column at the end
+    torch.nn.functional.conv2d(torch.nn.functional.pad(xp, (0, 1, 0, 1)), wt, stride=2).sum().backward()
+    np.testing.assert_allclose(got["x_grad"], xt.grad.numpy(), rtol=1e-10)
+    np.testing.assert_allclose(got["w_grad"], wt.grad.numpy(), rtol=1e-10)

@@ -254,7 +254,7 @@ MAX_FOLDED = 1024
 FOLDABLE = frozenset({
     "Shape", "Size", "Identity", "Cast", "Concat", "Gather", "Slice", "Unsqueeze", "Squeeze", "Reshape",
     "Flatten", "Add", "Sub", "Mul", "Div", "Neg", "Abs", "Floor", "Ceil", "Max", "Min", "Equal", "Less",
-    "Greater", "Not", "Where", "ConstantOfShape", "Range", "ReduceProd", "ReduceSum", "Expand",
+    "Greater", "Not", "Where", "ConstantOfShape", "Range", "ReduceProd", "ReduceSum", "Expand", "Transpose",
 })
 
 
@@ -350,6 +350,9 @@ def _compute(node: Node, args: list) -> np.ndarray | None:
     x = args[0]
     if op == "Identity":
         return x.copy()
+    if op == "Transpose":  # the legacy exporter reorders Pad amounts with Reshape, Slice and Transpose
+        perm = a.get("perm")
+        return np.transpose(x, None if perm is None else [int(p) for p in perm])
     if op == "Cast":
         from onnx import helper
 

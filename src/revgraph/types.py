@@ -194,7 +194,7 @@ def _complete_shapes(graph: Graph, types: dict[str, ValueInfo]) -> dict[str, Val
     values = None
     for node in graph.nodes:
         outs = [o for o in node.outputs if o]
-        if node.subgraphs or all(o in types and types[o].shape is not None for o in outs):
+        if node.subgraphs or all(_settled(types.get(o)) for o in outs):
             continue
         if any(i and (i not in types or types[i].shape is None) for i in node.inputs):
             continue
@@ -202,10 +202,21 @@ def _complete_shapes(graph: Graph, types: dict[str, ValueInfo]) -> dict[str, Val
             values = {k: a for k, a in constant_values(graph, types).items() if a.size <= 64}
         for name, vi in node_types(node, types, values, graph.opset).items():
             known = types.get(name)
-            if vi.shape is not None and (known is None or known.shape is None):
+            if vi.shape is not None and (known is None or known.shape is None or _static_dims(vi) > _static_dims(known)):
                 dtype = vi.dtype if vi.dtype is not None or known is None else known.dtype
                 types[name] = ValueInfo(name, dtype, vi.shape, vi.kind)
     return types
+
+
+def _settled(vi: ValueInfo | None) -> bool:
+    """A type whose every dimension is a number or a name the model gave (not one ONNX inference made up,
+    ``unk__<k>``, which later folded values may pin down: the legacy exporter's computed Pad amounts)."""
+    return vi is not None and vi.shape is not None and all(
+        isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__")) for d in vi.shape)
+
+
+def _static_dims(vi: ValueInfo) -> int:
+    return -1 if vi.shape is None else sum(isinstance(d, int) for d in vi.shape)
 
 
 def keep_types(g: Graph, types: dict[str, ValueInfo]) -> None:
