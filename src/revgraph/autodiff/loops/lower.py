@@ -10,6 +10,7 @@ from ...ir import Graph, Node, ValueInfo, fresh_name, onnx_dtype
 from ...types import infer_types
 from ..registry import LOWERED
 from .recurrent import RECURRENT_OPS, lower_recurrent
+from .rewrite import replace_nodes
 from .scan import lower_scans
 
 LOWERED["SequenceMap"] = ("rewritten into its Loop form (ONNX's function body: SequenceAt of each input sequence, "
@@ -47,21 +48,11 @@ def lower_sequence_maps(graph: Graph, types: dict[str, ValueInfo], used: set[str
     "SequenceMap", opset 17): a loop over the elements of the first input, each sequence input read with
     ``SequenceAt`` at the iteration number and each tensor input passed as it is, the body, and each result
     appended (``SequenceInsert``) to a carried sequence that starts empty. Returns True if anything changed."""
-    changed = False
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        producers = {o: n for n in g.nodes for o in n.outputs if o}
-        out: list[Node] = []
-        for node in g.nodes:
-            if node.op_type == "SequenceMap" and node.domain in ("", "ai.onnx"):
-                out.extend(_lower_map(node, types, producers, used))
-                changed = True
-            else:
-                out.append(node)
-        g.nodes[:] = out
-        stack.extend(sub for n in out for sub in n.subgraphs.values())
-    return changed
+    def lower(node: Node, g: Graph) -> list[Node]:
+        producers = {o: n for n in g.nodes for o in n.outputs if o}  # a node's inputs come before it
+        return _lower_map(node, types, producers, used)
+
+    return replace_nodes(graph, ("SequenceMap",), lower)
 
 
 def _is_sequence(name: str, types: dict[str, ValueInfo], producers: dict[str, Node], node: Node) -> bool:

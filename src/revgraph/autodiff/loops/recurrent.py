@@ -24,6 +24,7 @@ import onnx
 from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo, fresh_name, is_float_dtype
 from ..registry import LOWERED
+from .rewrite import replace_nodes
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
 for _op in RECURRENT_OPS:
@@ -47,20 +48,7 @@ def lower_recurrent(graph: Graph, types: dict[str, ValueInfo], used: set[str]) -
     holds the names in use and receives the new ones, and ``types`` receives the types of the new values of
     ``graph``'s own scope. Raises :class:`GraphError` (naming the node) for an unknown activation or
     direction, or an input X of unknown dtype. Returns True if anything changed."""
-    changed = False
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        out: list[Node] = []
-        for node in g.nodes:
-            if node.op_type in RECURRENT_OPS and node.domain in ("", "ai.onnx"):
-                out.extend(_Lowering(node, g, types, used).run())
-                changed = True
-            else:
-                out.append(node)
-        g.nodes[:] = out
-        stack.extend(sub for n in out for sub in n.subgraphs.values())
-    return changed
+    return replace_nodes(graph, RECURRENT_OPS, lambda node, g: _Lowering(node, g, types, used).run())
 
 
 def _text(v) -> str:

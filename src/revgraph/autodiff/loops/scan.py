@@ -13,6 +13,7 @@ import numpy as np
 from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo, fresh_name
 from ..registry import LOWERED
+from .rewrite import replace_nodes
 
 LOWERED["Scan"] = "rewritten into the equivalent Loop (every direction and axis), then the Loop VJP"
 
@@ -24,20 +25,7 @@ def lower_scans(graph: Graph, types: dict[str, ValueInfo], used: set[str]) -> bo
 
     ``types`` gives the ranks of scan outputs (needed to move a stacked axis); raises :class:`GraphError`
     when a non-zero ``scan_output_axes`` meets an unknown rank. Returns True if anything changed."""
-    changed = False
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        out: list[Node] = []
-        for node in g.nodes:
-            if node.op_type == "Scan" and node.domain in ("", "ai.onnx"):
-                out.extend(_lower(node, types, used))
-                changed = True
-            else:
-                out.append(node)
-        g.nodes[:] = out
-        stack.extend(sub for n in out for sub in n.subgraphs.values())
-    return changed
+    return replace_nodes(graph, ("Scan",), lambda node, g: _lower(node, types, used))
 
 
 def _lower(node: Node, types: dict[str, ValueInfo], used: set[str]) -> list[Node]:
