@@ -195,3 +195,22 @@ def test_option_default_off():
     from revgraph.autodiff.context import Options
 
     assert Options().straight_through is False
+
+
+def test_the_cli_refuses_a_qdq_pair_without_the_option_and_differentiates_it_with_it(tmp_path, capsys):
+    """``revgraph grad``: without --straight-through, exit 2 and one line naming the option; with it, x's gradient
+    is 1 inside the representable range and 0 where the value saturates (hand-derived: scale 0.1, uint8, zero
+    point 0 -> range [0, 25.5])."""
+    from revgraph.cli import main
+
+    x = np.array([-1.0, 0.05, 3.0, 30.0], np.float32)
+    g = qdq_graph(x, np.array(0.1, np.float32), np.array(0, np.uint8), learn_scale=False)
+    lg, _ = with_loss(g, {"y0": x})
+    rg.save(lg, tmp_path / "qdq.onnx")
+    assert main(["grad", str(tmp_path / "qdq.onnx"), "--loss", "loss", "--wrt", "x", "-o", str(tmp_path / "g.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--straight-through" in err[0] and not (tmp_path / "g.onnx").exists()
+    assert main(["grad", str(tmp_path / "qdq.onnx"), "--loss", "loss", "--wrt", "x", "--straight-through",
+                 "-o", str(tmp_path / "g.onnx")]) == 0
+    out = rg.Session(rg.load(tmp_path / "g.onnx")).run({"x": x, "y0_u": np.ones(4, np.float32)})
+    np.testing.assert_array_equal(out["x_grad"], [0.0, 1.0, 1.0, 0.0])

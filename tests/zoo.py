@@ -339,13 +339,7 @@ SWEEP = [
                       patch_stride=[2, 2], patch_padding=[1, 1], depths=[1, 1], num_heads=[1, 2], num_query_pool=1,
                       masked_unit_size=[4, 4], masked_unit_attention=[True, False], mlp_ratio=2.0)),
     # audio
-    Case("whisper", _tf("WhisperModel", "WhisperConfig", H,
-                        lambda: (torch.randn(1, 16, 20, generator=torch.Generator().manual_seed(1)),
-                                 torch.tensor([[1, 2, 3]])), ("input_features", "decoder_input_ids"),
-                        vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
-                        num_mel_bins=16, d_model=16, encoder_layers=1, decoder_layers=1,
-                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
-                        max_source_positions=10, max_target_positions=16)),
+    BY_NAME["whisper"],  # the same configuration as in CASES
     Case("speech_to_text", _tf("Speech2TextModel", "Speech2TextConfig", H,
                                lambda: (_mel(8, 16)()[0], torch.tensor([[1, 2, 3], [3, 1, 2]])),
                                ("input_features", "decoder_input_ids"), input_feat_per_channel=8, conv_channels=16,
