@@ -4,7 +4,7 @@ Reverse-mode automatic differentiation done ahead of time on ONNX models and on 
 revgraph's IR. See DESIGN.md for the contract and the architecture.
 """
 
-from .autodiff import SparseGrad, backward, gradient
+from .autodiff import SparseGrad, backward, gradient, hessian, hvp, jacobian, jvp
 from .check import GradientReport, check_gradients
 from .errors import GraphError, InputError, RevgraphError, UnsupportedModelError
 from .ir import TARGET_OPSET, Graph, Node, ValueInfo
@@ -28,6 +28,10 @@ __all__ = [
     "backward",
     "check_gradients",
     "gradient",
+    "hessian",
+    "hvp",
+    "jacobian",
+    "jvp",
     "UnsupportedModelError",
     "ValueInfo",
     "analyze_ssa",

@@ -141,8 +141,10 @@ def backward(
     reach = set(wrt)
     for node in nodes:
         reach.update(o for o in node.outputs if o and differentiable(types.get(o)))
-    risky = nonfinite_values(graph.nodes, e.values, types, inputs=graph.input_names)
-    unsafe = nonfinite_cotangents(nodes, ys, e.values, risky, types)
+    risky, unsafe = set(), set()
+    if options.strong_zeros:
+        risky = nonfinite_values(graph.nodes, e.values, types, inputs=graph.input_names)
+        unsafe = nonfinite_cotangents(nodes, ys, e.values, risky, types)
     shared = dict(risky=frozenset(risky), reach=frozenset(reach), options=options, backward=_subgraph_pass(e),
                   producers=MappingProxyType({o: n for n in graph.nodes for o in n.outputs if o}))
     grad_map: dict[str, Grad] = {}

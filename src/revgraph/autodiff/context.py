@@ -42,10 +42,14 @@ class Options:
     ``straight_through``, whether a ``QuantizeLinear -> DequantizeLinear`` pair is differentiated with the
     straight-through estimator (the gradient passes the rounding as if it were the identity, and is 0 where the
     value saturates: PyTorch's ``fake_quantize`` backward, as quantization-aware training uses it; rules/quant.py).
-    Off by default, as the estimator is not the derivative: without it a path through such a pair is refused."""
+    Off by default, as the estimator is not the derivative: without it a path through such a pair is refused.
+    ``strong_zeros``: keep exact zeros where a zero cotangent meets an inf or NaN partial derivative (DESIGN
+    section 5). Forward mode (:mod:`..forward`) turns it off for the VJP it transposes: the guards there test
+    the cotangent, so the VJP would not be linear in it, and the transposed guards would read it."""
 
     checkpoint: CheckpointPolicy = field(default_factory=Store)
     straight_through: bool = False
+    strong_zeros: bool = True
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,7 @@ class Ctx:
         forward values (``1 / x`` at 0), always guarded."""
         e = self.e
         prod = e.op("Mul", [g, d], like=like)
-        if reads is not None and not self.nonfinite(*reads):
+        if not self.options.strong_zeros or (reads is not None and not self.nonfinite(*reads)):
             return prod
         zero = e.scalar(0.0, g)
         is_zero = e.op("Equal", [g, zero], shape=e.dims(g), dtype=np.dtype(bool))
@@ -171,7 +175,7 @@ class Ctx:
         NaN ``g`` (a selection, as :meth:`select`)."""
         e = self.e
         prod = e.op("Mul", [g, w], like=like)
-        if self.finite:
+        if self.finite or not self.options.strong_zeros:
             return prod
         return e.op("Where", [e.op("Greater", [w, e.scalar(0.0, w)]), prod, e.scalar(0.0, g)], like=like)
 

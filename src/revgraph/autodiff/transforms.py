@@ -1,0 +1,278 @@
+"""Transforms built on :func:`~.api.gradient` and :func:`~.forward.jvp`: Hessian-vector products, and full
+Jacobians and Hessians computed in one run of one graph.
+
+- :func:`hvp`: forward-over-reverse (Pearlmutter, "Fast exact multiplication by the Hessian", Neural
+  Computation 6(1), 1994): the JVP of the gradient graph along ``v`` is ``H v``, at about the cost of two
+  gradients and without forming ``H``.
+- :func:`jacobian` and :func:`hessian`: one ``Loop`` runs over the basis vectors ``e_k`` inside the graph; the
+  forward values are computed once, outside it, and each iteration runs only the tangent (or cotangent)
+  part of the JVP (or VJP) graph for one basis vector, its result stacked as a scan output. Forward mode
+  takes one iteration per input element, reverse mode one per output element, so ``mode="auto"`` takes
+  forward mode when the inputs have no more elements than the outputs (JAX's ``jacfwd`` / ``jacrev``
+  advice) and reverse mode otherwise, or when the sizes are not known when the graph is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from ..errors import RevgraphError
+from ..ir import Graph, Node, ValueInfo, fresh_name, onnx_dtype, require_graph
+from ..ssa import captured_names
+from ..types import infer_types, keep_types
+from .api import gradient
+from .arguments import names_argument, resolve_loss, resolve_wrt, used_names
+from .forward import jvp, resolve_outputs
+from .policies import CheckpointPolicy
+from .simplify import simplify
+
+
+def hvp(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
+        checkpoint: str | int | CheckpointPolicy = "store") -> Graph:
+    """A graph computing ``graph``'s outputs, the gradients ``<x>_grad`` of ``loss`` and the Hessian-vector
+    products ``<x>_hvp = sum_z d^2 loss / (dx dz) t_z`` for the tangents ``<z>_tangent`` (graph inputs of the
+    shapes and dtypes of the ``wrt`` values).
+
+    ``loss`` and ``wrt`` default as in :func:`~.api.gradient` (a non-scalar loss is summed); ``checkpoint`` is
+    the residual policy of the gradient's loops (the JVP of a loop stores nothing). The math:
+    forward-over-reverse, the JVP of the gradient graph (Pearlmutter 1994).
+
+    Raises :class:`RevgraphError` (one line) for unknown or non-floating names and :class:`GraphError` for an
+    operator without a VJP rule on the path (its gradient graph is differentiated too).
+    """
+    require_graph(graph, "hvp")
+    grads, names = _gradient(graph, loss, wrt, checkpoint)
+    return jvp(grads, outputs=[names[w] for w in names], inputs=list(names),
+               tangent_names={w: f"{w}_tangent" for w in names}, output_names={names[w]: f"{w}_hvp" for w in names})
+
+
+def _gradient(graph: Graph, loss: str | None, wrt, checkpoint) -> tuple[Graph, dict[str, str]]:
+    """The gradient graph and the name of each wrt value's gradient output."""
+    types = infer_types(graph)
+    wrt_names = resolve_wrt(graph, None if wrt is None else names_argument(wrt, "wrt"), types)
+    loss = resolve_loss(graph, loss)
+    gg = gradient(graph, loss, wrt_names, checkpoint=checkpoint)
+    return gg, dict(zip(wrt_names, gg.output_names[-len(wrt_names):], strict=True))
+
+
+def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None, *,
+             mode: str = "auto", checkpoint: str | int | CheckpointPolicy = "store") -> Graph:
+    """A graph computing ``graph``'s outputs and, for each output ``y`` and input ``x``, the Jacobian
+    ``<y>_jacobian_<x>`` of shape ``y.shape + x.shape`` (``J[i..., j...] = dy[i...] / dx[j...]``, as
+    ``torch.autograd.functional.jacobian`` lays it out), in ``y``'s dtype.
+
+    ``outputs`` default to every floating-point graph output, ``inputs`` to every floating-point input and
+    initializer. ``mode``: ``"forward"`` (one tangent pass per element of the inputs), ``"reverse"`` (one
+    backward pass per element of the outputs) or ``"auto"`` (module doc). The passes run in one ``Loop``
+    inside the graph, after the forward values. ``checkpoint``: the loops' residual policy in reverse mode.
+
+    Raises :class:`RevgraphError` for unknown or non-floating names or an unknown mode, and
+    :class:`GraphError` for an operator without a VJP rule on a path from ``inputs`` to ``outputs``.
+    """
+    require_graph(graph, "jacobian")
+    if mode not in ("auto", "forward", "reverse"):
+        raise RevgraphError(f"unknown mode {mode!r}; choose 'auto', 'forward' or 'reverse'")
+    types = infer_types(graph)
+    ys = resolve_outputs(graph, outputs, types)
+    xs = resolve_wrt(graph, None if inputs is None else names_argument(inputs, "inputs"), types)
+    if mode == "auto":
+        mode = "forward" if _forward_is_cheaper(types, xs, ys) else "reverse"
+    names = {(y, x): f"{y}_jacobian_{x}" for y in ys for x in xs}
+    if mode == "forward":
+        return _forward_jacobian(graph, ys, xs, names)
+    return _reverse_jacobian(graph, ys, xs, names, checkpoint)
+
+
+def hessian(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
+            checkpoint: str | int | CheckpointPolicy = "store") -> Graph:
+    """A graph computing ``graph``'s outputs and the Hessian of ``loss`` (summed if not scalar): for each pair
+    of ``wrt`` values the block ``d^2 loss / (dx_i dx_j)`` of shape ``x_i.shape + x_j.shape``, named
+    ``<x>_hessian`` for ``i == j`` and ``<x_i>_hessian_<x_j>`` otherwise (``torch.autograd.functional.hessian``'s
+    layout). Forward-over-reverse: the forward-mode Jacobian of the gradient, one Hessian-vector product per
+    element of the ``wrt`` values, in one ``Loop`` (module doc). ``checkpoint``: the gradient's loop policy.
+
+    Raises :class:`RevgraphError` for unknown or non-floating names and :class:`GraphError` for an operator
+    without a VJP rule on the path.
+    """
+    require_graph(graph, "hessian")
+    grads, names = _gradient(graph, loss, wrt, checkpoint)
+    xs = list(names)
+    blocks = {(names[a], b): (f"{a}_hessian" if a == b else f"{a}_hessian_{b}") for a in xs for b in xs}
+    return _forward_jacobian(grads, [names[a] for a in xs], xs, blocks)
+
+
+def _forward_is_cheaper(types: dict[str, ValueInfo], xs: list[str], ys: list[str]) -> bool:
+    nx, ny = (_numel(types, names) for names in (xs, ys))
+    return nx is not None and ny is not None and nx <= ny
+
+
+def _numel(types: dict[str, ValueInfo], names: list[str]) -> int | None:
+    total = 0
+    for n in names:
+        vi = types.get(n)
+        if vi is None or vi.shape is None or not all(isinstance(d, int) for d in vi.shape):
+            return None
+        total += int(np.prod(vi.shape, dtype=np.int64))
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- the basis loop
+
+
+def _forward_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tuple[str, str], str]) -> Graph:
+    """Forward mode: the JVP graph's tangent part in a loop over the basis of the inputs, stacked
+    ``[n_x, *y.shape]`` per input block, then laid out as ``[*y.shape, *x.shape]``."""
+    jg = jvp(graph, outputs=ys, inputs=xs)
+    seeds = jg.input_names[-len(xs):]
+    types = infer_types(jg)
+    stacked, offsets = _basis_loop(jg, seeds, jg.output_names[-len(ys):], types)
+    b = _Tail(jg)
+    for (y, x), out in names.items():
+        k = xs.index(x)
+        n_x = offsets[k + 1] - offsets[k]
+        block = b.rows(stacked[ys.index(y)], offsets, k, len(xs))  # [n_x, *y]
+        flat = b.op("Reshape", [block, b.ints([n_x, -1])])  # [n_x, n_y]
+        t = b.op("Transpose", [flat], perm=[1, 0])
+        b.output(b.op("Reshape", [t, b.shape_of(y, types[seeds[k]].shape)]), out, types.get(y))
+    return b.finish()
+
+
+def _reverse_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tuple[str, str], str],
+                      checkpoint) -> Graph:
+    """Reverse mode: the VJP of ``sum_y <y, s_y>`` for seeds ``s_y`` in a loop over the basis of the outputs,
+    stacked ``[n_y, *x.shape]`` per output block, then reshaped to ``[*y.shape, *x.shape]``."""
+    g = graph.copy()
+    used = used_names(g)
+    types = infer_types(g)
+    seeds, parts = [], []
+    for y in ys:
+        vi = types.get(y) or ValueInfo(y)
+        s = fresh_name(f"{y}_seed", used)
+        g.inputs.append(ValueInfo(s, vi.dtype, vi.shape))
+        seeds.append(s)
+        prod, part = fresh_name(f"{y}_seeded", used), fresh_name(f"{y}_seeded_sum", used)
+        g.nodes += [Node("Mul", [y, s], [prod], name=fresh_name("jacobian/Mul", used)),
+                    Node("ReduceSum", [prod], [part], {"keepdims": 0}, fresh_name("jacobian/ReduceSum", used))]
+        parts.append(part)
+    total = fresh_name("jacobian_objective", used)
+    g.nodes.append(Node("Sum", parts, [total], name=fresh_name("jacobian/Sum", used)))
+    keep = len(g.outputs)
+    g.outputs.append(ValueInfo(total, (types.get(ys[0]) or ValueInfo(ys[0])).dtype, ()))
+    gg = gradient(g, total, xs, checkpoint=checkpoint)
+    gg.outputs = [*gg.outputs[:keep], *gg.outputs[keep + 1 :]]
+    gtypes = infer_types(gg)
+    stacked, offsets = _basis_loop(gg, seeds, gg.output_names[-len(xs):], gtypes)
+    b = _Tail(gg)
+    for (y, x), out in names.items():
+        block = b.rows(stacked[xs.index(x)], offsets, ys.index(y), len(ys))  # [n_y, *x]
+        b.output(b.op("Reshape", [block, b.shape_of(y, None, x)]), out, types.get(y))
+    return b.finish()
+
+
+def _basis_loop(g: Graph, seeds: list[str], results: list[str], types: dict[str, ValueInfo]
+                ) -> tuple[list[str], list[int]]:
+    """Move the nodes of ``g`` that depend on the graph inputs ``seeds`` (static shapes) into a ``Loop`` over
+    the basis of the concatenated seeds: iteration ``k`` feeds the ``k``-th unit vector, split and reshaped
+    into the seeds, and stacks each of ``results`` (graph outputs, which stop being outputs). The seeds stop
+    being graph inputs. Returns the stacked results ``[n, *result.shape]`` and the offsets of the seeds in the
+    basis. A graph output computed in the loop (a forward value computed together with its tangent, as a
+    loop's JVP does) is stacked too and read from the first iteration."""
+    used = used_names(g)
+    seed_vis = [next(v for v in g.inputs if v.name == s) for s in seeds]
+    offsets = [0]
+    for vi in seed_vis:
+        if vi.shape is None or not all(isinstance(d, int) for d in vi.shape):
+            raise RevgraphError(f"a Jacobian needs the static shape of {vi.name.rsplit('_', 1)[0]!r} to lay out its "
+                                "basis; declare the model's input shapes")
+        offsets.append(offsets[-1] + int(np.prod(vi.shape, dtype=np.int64)))
+    dependent, inner, outer = set(seeds), [], []
+    for node in g.nodes:
+        reads = [*node.inputs, *(c for sg in node.subgraphs.values() for c in captured_names(sg))]
+        if any(i in dependent for i in reads if i):
+            inner.append(node)
+            dependent.update(o for o in node.outputs if o)
+        else:
+            outer.append(node)
+    g.inputs = [v for v in g.inputs if v.name not in seeds]
+    k, cond = fresh_name("basis/k", used), fresh_name("basis/cond", used)
+    b = _Tail(g, used, "basis")
+    n = b.const(np.array(offsets[-1], np.int64))
+    onehot = b.op("Cast", [b.op("Equal", [b.op("Range", [b.const(np.array(0, np.int64)), n,
+                                                          b.const(np.array(1, np.int64))]), k])],
+                  to=onnx_dtype(seed_vis[0].dtype))
+    sizes = [offsets[j + 1] - offsets[j] for j in range(len(seeds))]
+    pieces = [onehot] if len(seeds) == 1 else b.op("Split", [onehot, b.ints(sizes)], n_out=len(seeds), axis=0)
+    for vi, piece in zip(seed_vis, pieces, strict=True):
+        b.nodes.append(Node("Reshape", [piece, b.ints(list(vi.shape))], [vi.name], name=fresh_name("basis/Reshape", used)))
+    in_loop = [o for o in g.output_names if o in dependent and o not in results]
+    body_outs = []
+    for r in [*results, *in_loop]:
+        vi = types.get(r) or ValueInfo(r)
+        body_outs.append(ValueInfo(b.op("Identity", [r], late=True), vi.dtype, vi.shape))
+    cond_out = b.op("Identity", [cond], late=True)
+    body = Graph([*b.nodes, *inner, *b.late], [ValueInfo(k, np.int64, ()), ValueInfo(cond, np.bool_, ())],
+                 [ValueInfo(cond_out, np.bool_, ()), *body_outs], name="basis")
+    stacked = [fresh_name(f"{r}_stacked", used) for r in [*results, *in_loop]]
+    loop = [n_node for n_node in b.consts] + [Node("Loop", [n, ""], stacked, {"body": body}, fresh_name("basis/Loop", used))]
+    for r, s in zip(in_loop, stacked[len(results):], strict=True):
+        loop.append(Node("Gather", [s, b.outer_const(np.array(0, np.int64), loop)], [r], {"axis": 0},
+                         fresh_name("basis/Gather", used)))
+    g.nodes = [*outer, *loop]
+    g.outputs = [o for o in g.outputs if o.name not in results]
+    g.value_info = {}
+    return stacked[: len(results)], offsets
+
+
+class _Tail:
+    """Builds nodes with fresh names: ``nodes`` (and ``late``, placed after the moved nodes in a body);
+    constants in ``consts`` (the enclosing graph's, for the loop's trip count)."""
+
+    def __init__(self, g: Graph, used: set[str] | None = None, prefix: str = "jacobian"):
+        self.g, self.used, self.prefix = g, used if used is not None else used_names(g), prefix
+        self.nodes: list[Node] = []
+        self.late: list[Node] = []
+        self.consts: list[Node] = []
+
+    def op(self, op: str, inputs: list[str], n_out: int = 1, late: bool = False, **attrs) -> str | list[str]:
+        base = fresh_name(f"{self.prefix}/{op}", self.used)
+        outs = [base] if n_out == 1 else [fresh_name(f"{base}:{i}", self.used) for i in range(n_out)]
+        (self.late if late else self.nodes).append(Node(op, inputs, outs, attrs, base))
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value: np.ndarray) -> str:
+        """A constant of the enclosing graph (read by the loop node and, captured, by its body)."""
+        name = fresh_name(f"{self.prefix}/const", self.used)
+        self.consts.append(Node("Constant", [], [name], {"value": value}, name))
+        return name
+
+    def outer_const(self, value: np.ndarray, into: list[Node]) -> str:
+        name = fresh_name(f"{self.prefix}/const", self.used)
+        into.append(Node("Constant", [], [name], {"value": value}, name))
+        return name
+
+    def ints(self, values: list[int]) -> str:
+        return self.op("Constant", [], value=np.array(values, np.int64))
+
+    def rows(self, stacked: str, offsets: list[int], k: int, blocks: int) -> str:
+        """Rows ``offsets[k]:offsets[k+1]`` of ``stacked`` (all of it for one block)."""
+        if blocks == 1:
+            return stacked
+        return self.op("Slice", [stacked, self.ints([offsets[k]]), self.ints([offsets[k + 1]]), self.ints([0])])
+
+    def shape_of(self, y: str, x_shape: tuple | None, x: str | None = None) -> str:
+        """``y.shape + x.shape``: ``x``'s static shape, or its ``Shape``."""
+        tail = self.ints(list(x_shape)) if x_shape is not None else self.op("Shape", [x])
+        return self.op("Concat", [self.op("Shape", [y]), tail], axis=0)
+
+    def output(self, value: str, name: str, like: ValueInfo | None) -> None:
+        out = fresh_name(name, self.used)
+        self.nodes.append(Node("Identity", [value], [out], name=fresh_name(f"{self.prefix}/{name}", self.used)))
+        self.g.outputs.append(ValueInfo(out, None if like is None else like.dtype))
+
+    def finish(self) -> Graph:
+        self.g.nodes += self.nodes
+        simplify(self.g)
+        keep_types(self.g, infer_types(self.g))
+        return self.g
