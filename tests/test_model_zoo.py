@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")  # in the test extra; importorskip only for a bare checkout
 import zoo  # noqa: E402
+import zoo_forward  # noqa: E402
 
 #: (model, exporter, opset): the dynamo exporter at 18 and at 23 (ONNX Attention, RMSNormalization), the
 #: legacy TorchScript exporter at 17
@@ -59,3 +60,18 @@ def test_every_exported_model_matches_torch_autograd(name, exporter, opset):
 def test_every_architecture_matches_torch_autograd(name, exporter, opset):
     errors = zoo.compare(zoo.SWEEP_BY_NAME[name], exporter, opset)
     assert errors
+
+
+#: forward mode (issue 17) on a CI sample: attention at opset 23, a CNN, a loop (the LSTM's Loop form)
+JVP_SAMPLE = [("bert", "dynamo", 23), ("resnet", "dynamo", 18), ("lstm", "legacy", 17)]
+
+
+@pytest.mark.parametrize(("name", "exporter", "opset"), JVP_SAMPLE)
+def test_exported_models_jvp_matches_torch_func(name, exporter, opset):
+    assert zoo_forward.compare_jvp(zoo.BY_NAME[name], exporter, opset) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "exporter", "opset"), [c for c in SAMPLE + EVERY if c not in JVP_SAMPLE])
+def test_every_exported_model_jvp_matches_torch_func(name, exporter, opset):
+    assert zoo_forward.compare_jvp(zoo.BY_NAME[name], exporter, opset) <= 1e-6

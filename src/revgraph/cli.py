@@ -53,7 +53,8 @@ def _seed(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="revgraph", description="Reverse-mode automatic differentiation of ONNX graphs, as ONNX graphs.")
+    p = _Parser(prog="revgraph", description="Automatic differentiation of ONNX graphs, as ONNX graphs: gradients (reverse mode), JVPs "
+                "(forward mode), Hessian-vector products, Jacobians and Hessians; training.")
     p.add_argument("--version", action="version", version=f"revgraph {__version__}")
     p.add_argument("--traceback", action="store_true", help="show Python tracebacks of internal errors")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -108,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--lift-constants", action="store_true", help="as for grad")
     check.add_argument("--rtol", type=float, default=1e-4)
     check.add_argument("--atol", type=float, default=1e-6)
+
+    from .cli_forward import add_parsers  # here, not at the top: cli_forward imports this module's helpers
+
+    add_parsers(sub)
 
     show = sub.add_parser("show", help="draw the graph (with --grad: forward and backward) as SVG, PNG or DOT")
     show.add_argument("model", metavar="MODEL.onnx")
@@ -170,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)  # argv is echoed: no markup
         return 2
     try:
+        from .cli_forward import COMMANDS as forward_commands
+
         commands = {"info": cmd_info, "run": cmd_run, "grad": cmd_grad, "check": cmd_check, "train": cmd_train,
-                    "demo": cmd_demo, "show": cmd_show}
+                    "demo": cmd_demo, "show": cmd_show, **forward_commands}
         return _dispatch(commands[args.command], args)
     except RevgraphError as exc:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)
@@ -301,34 +308,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_grad(args: argparse.Namespace) -> int:
-    import warnings
-
-    import onnx
-
     g = load(args.model)
     check_command_outputs(args, {"-o": args.output})
     check_valid(g)  # a model ONNX's checker refuses is bad input, not a failure of the gradient graph's check
-    newest = onnx.defs.onnx_opset_version()
-    if args.opset is not None and not 7 <= args.opset <= newest:
-        raise RevgraphError(f"--opset {args.opset}: give an opset from 7 to {newest} (the newest this onnx knows)")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gg = gradient(g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,
-                      sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint,
-                      lift_constants=args.lift_constants, straight_through=args.straight_through)
-    for w in caught:
-        err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
-    drop_unused_initializers(gg)  # onnxruntime would warn about each one when it loads the graph
-    model = to_onnx(gg)
-    if args.opset is not None and args.opset != gg.opset:
-        try:
-            model = onnx.version_converter.convert_version(model, args.opset)
-        except Exception as exc:
-            raise RevgraphError(f"cannot write the gradient graph at opset {args.opset}: "
-                                f"{converter_error(exc)}") from None
-    if not too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
-        onnx.checker.check_model(model, full_check=True)
-    save(model, args.output)
+    check_opset(args.opset)
+    gg = with_warnings(gradient, g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,
+                       sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint,
+                       lift_constants=args.lift_constants, straight_through=args.straight_through)
+    model = write_graph(gg, args.output, args.opset, "gradient graph")
     added = [o for o in gg.output_names if o not in g.output_names]
     forward, backward = _count_nodes(model, g)
     out.print(
@@ -338,6 +325,45 @@ def cmd_grad(args: argparse.Namespace) -> int:
         markup=False,
     )
     return 0
+
+
+def check_opset(opset: int | None) -> None:
+    """``--opset N``: from 7 to the newest opset the installed onnx knows (checked before any work)."""
+    import onnx
+
+    newest = onnx.defs.onnx_opset_version()
+    if opset is not None and not 7 <= opset <= newest:
+        raise RevgraphError(f"--opset {opset}: give an opset from 7 to {newest} (the newest this onnx knows)")
+
+
+def with_warnings(build, *args, **kwargs):
+    """``build(*args, **kwargs)``, each Python warning it raises printed as one literal ``warning:`` line."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = build(*args, **kwargs)
+    for w in caught:
+        err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
+    return result
+
+
+def write_graph(gg: Graph, path: str, opset: int | None, what: str):
+    """Write ``gg`` to ``path`` atomically, at ``opset`` (default: its own), after ONNX's full check; returns
+    the written ``ModelProto``. Initializers no node reads are dropped (onnxruntime warns about each)."""
+    import onnx
+
+    drop_unused_initializers(gg)  # onnxruntime would warn about each one when it loads the graph
+    model = to_onnx(gg)
+    if opset is not None and opset != gg.opset:
+        try:
+            model = onnx.version_converter.convert_version(model, opset)
+        except Exception as exc:
+            raise RevgraphError(f"cannot write the {what} at opset {opset}: {converter_error(exc)}") from None
+    if not too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
+        onnx.checker.check_model(model, full_check=True)
+    save(model, path)
+    return model
 
 
 def _count_nodes(model, forward: Graph) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir import Graph, Node
+from ..ir import Graph, Node, fresh_name
 from ..ssa import captured_names
 
 #: operators whose two identical calls give different results (sampling), or whose outputs are a fresh mask
@@ -57,6 +57,7 @@ def simplify(graph: Graph) -> Graph:
     for node in graph.nodes:
         for sg in node.subgraphs.values():
             pinned.update(captured_names(sg))
+    names = _Names(graph)
     rename: dict[str, str] = {}
     seen: dict[tuple, list[str]] = {}
     producer: dict[str, Node] = {}
@@ -65,6 +66,8 @@ def simplify(graph: Graph) -> Graph:
         node.inputs = [rename.get(i, i) for i in node.inputs]
         if node.op_type == "Transpose" and not node.domain:
             _fold_transpose(node, producer)
+        if node.op_type == "Pad" and not node.domain:
+            kept += _fold_pad(node, producer, names)
         key = _key(node)
         replaced = _replacement(node, key, seen)
         if replaced is not None and not any(o in pinned for o in node.outputs):
@@ -74,7 +77,7 @@ def simplify(graph: Graph) -> Graph:
             seen.setdefault(key, node.outputs)
         producer.update((o, node) for o in node.outputs if o)
         kept.append(node)
-    graph.nodes = _live(_outputs_in_place(kept, graph, pinned), graph)
+    graph.nodes = _guard_conv_weights(_live(_outputs_in_place(kept, graph, pinned), graph), names)
     produced = {o for n in graph.nodes for o in n.outputs}
     graph.value_info = {k: v for k, v in graph.value_info.items() if k in produced or k in interface}
     return graph
@@ -103,6 +106,63 @@ def _fold_transpose(node: Node, producer: dict[str, Node]) -> None:
         return
     node.inputs = [inner.inputs[0]]
     node.attrs = {**node.attrs, "perm": [int(p[i]) for i in q]}
+
+
+def _fold_pad(node: Node, producer: dict[str, Node], names: _Names) -> list[Node]:
+    """``Pad(Pad(x, p), q)``, both zero-padding (mode "constant", no value, no axes) by constant non-negative
+    amounts, becomes ``Pad(x, p + q)`` (ONNX "Pad": the amounts add). Returns the new amounts' ``Constant``.
+    Forward mode writes such pairs (the transposes of two crops); onnxruntime 1.32 also rejects a ``Conv`` whose
+    weight is a Pad of a Pad ("Node input ... is not ... output of a previous node")."""
+    inner = producer.get(node.inputs[0]) if node.inputs else None
+    if inner is None or inner.op_type != "Pad" or inner.domain:
+        return []
+    pads = []
+    for n in (inner, node):
+        if n.attrs.get("mode", "constant") != "constant" or any(n.inputs[2:]) or len(n.inputs) < 2:
+            return []
+        const = producer.get(n.inputs[1])
+        if const is None or const.op_type != "Constant" or const.domain or "value" not in const.attrs:
+            return []
+        pads.append(np.asarray(const.attrs["value"]).reshape(-1))
+    if pads[0].shape != pads[1].shape or (pads[0] < 0).any() or (pads[1] < 0).any():
+        return []
+    total = names.fresh(f"{node.name or 'Pad'}/pads")
+    node.inputs = [inner.inputs[0], total]
+    return [Node("Constant", [], [total], {"value": (pads[0] + pads[1]).astype(np.int64)}, total)]
+
+
+def _guard_conv_weights(nodes: list[Node], names: _Names) -> list[Node]:
+    """Give a zero-padding ``Pad`` whose output is a ``Conv``'s weight an explicit ``axes`` input (all axes: the
+    same Pad). onnxruntime 1.32's ``Pad_Fusion`` moves a Pad into the following Conv's ``pads`` without checking
+    that it pads the data input, and then rejects the graph ("Node input ... is not a graph input, initializer,
+    or output of a previous node"); it leaves Pads with ``axes`` alone. Forward mode pads weight tangents (the
+    transpose of the crop in a strided convolution's weight gradient)."""
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    out = []
+    for node in nodes:
+        if node.op_type == "Conv" and not node.domain and len(node.inputs) > 1:
+            pad = producer.get(node.inputs[1])
+            const = producer.get(pad.inputs[1]) if pad is not None and pad.op_type == "Pad" and len(pad.inputs) > 1 else None
+            if (const is not None and len(pad.inputs) <= 3 and not pad.domain and const.op_type == "Constant"
+                    and "value" in const.attrs):
+                axes = names.fresh(f"{pad.name or 'Pad'}/axes")
+                rank = np.asarray(const.attrs["value"]).size // 2
+                out.insert(out.index(pad), Node("Constant", [], [axes], {"value": np.arange(rank, dtype=np.int64)}, axes))
+                pad.inputs = [*pad.inputs[:2], pad.inputs[2] if len(pad.inputs) > 2 else "", axes]
+        out.append(node)
+    return out
+
+
+class _Names:
+    """Fresh names for nodes that simplification adds (the graph's names are collected on first use)."""
+
+    def __init__(self, graph: Graph):
+        self.graph, self.used = graph, None
+
+    def fresh(self, base: str) -> str:
+        if self.used is None:
+            self.used = self.graph.all_names() | {n.name for _, n in self.graph.walk() if n.name}
+        return fresh_name(base, self.used)
 
 
 def _outputs_in_place(nodes: list[Node], graph: Graph, pinned: set[str]) -> list[Node]:

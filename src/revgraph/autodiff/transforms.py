@@ -14,6 +14,7 @@ Jacobians and Hessians computed in one run of one graph.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -25,7 +26,7 @@ from ..types import infer_types, keep_types
 from .api import gradient
 from .arguments import names_argument, resolve_loss, resolve_wrt, used_names
 from .forward import jvp, resolve_outputs
-from .policies import CheckpointPolicy
+from .policies import CheckpointPolicy, parse_policy
 from .simplify import simplify
 
 
@@ -44,8 +45,11 @@ def hvp(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None =
     """
     require_graph(graph, "hvp")
     grads, names = _gradient(graph, loss, wrt, checkpoint)
-    return jvp(grads, outputs=[names[w] for w in names], inputs=list(names),
-               tangent_names={w: f"{w}_tangent" for w in names}, output_names={names[w]: f"{w}_hvp" for w in names})
+    with warnings.catch_warnings():  # an unconnected wrt value was reported by the gradient; its HVP is 0 too
+        warnings.filterwarnings("ignore", message="no path from the inputs")
+        return jvp(grads, outputs=[names[w] for w in names], inputs=list(names),
+                   tangent_names={w: f"{w}_tangent" for w in names},
+                   output_names={names[w]: f"{w}_hvp" for w in names})
 
 
 def _gradient(graph: Graph, loss: str | None, wrt, checkpoint) -> tuple[Graph, dict[str, str]]:
@@ -74,11 +78,12 @@ def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: I
     require_graph(graph, "jacobian")
     if mode not in ("auto", "forward", "reverse"):
         raise RevgraphError(f"unknown mode {mode!r}; choose 'auto', 'forward' or 'reverse'")
+    parse_policy(checkpoint)  # refused in forward mode too, where no gradient reads it
     types = infer_types(graph)
     ys = resolve_outputs(graph, outputs, types)
     xs = resolve_wrt(graph, None if inputs is None else names_argument(inputs, "inputs"), types)
     if mode == "auto":
-        mode = "forward" if _forward_is_cheaper(types, xs, ys) else "reverse"
+        mode = jacobian_mode(graph, ys, xs)
     names = {(y, x): f"{y}_jacobian_{x}" for y in ys for x in xs}
     if mode == "forward":
         return _forward_jacobian(graph, ys, xs, names)
@@ -100,12 +105,21 @@ def hessian(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | No
     grads, names = _gradient(graph, loss, wrt, checkpoint)
     xs = list(names)
     blocks = {(names[a], b): (f"{a}_hessian" if a == b else f"{a}_hessian_{b}") for a in xs for b in xs}
-    return _forward_jacobian(grads, [names[a] for a in xs], xs, blocks)
+    with warnings.catch_warnings():  # an unconnected wrt value was reported by the gradient
+        warnings.filterwarnings("ignore", message="no path from the inputs")
+        return _forward_jacobian(grads, [names[a] for a in xs], xs, blocks)
 
 
-def _forward_is_cheaper(types: dict[str, ValueInfo], xs: list[str], ys: list[str]) -> bool:
+def jacobian_mode(graph: Graph, outputs: Iterable[str] | str | None = None,
+                  inputs: Iterable[str] | str | None = None) -> str:
+    """The mode ``jacobian(..., mode="auto")`` takes: ``"forward"`` when the inputs have no more elements than
+    the outputs (both static in the graph's declared or inferred types), ``"reverse"`` otherwise. Raises
+    :class:`RevgraphError` for unknown or non-floating names."""
+    types = infer_types(graph)
+    ys = resolve_outputs(graph, outputs, types)
+    xs = resolve_wrt(graph, None if inputs is None else names_argument(inputs, "inputs"), types)
     nx, ny = (_numel(types, names) for names in (xs, ys))
-    return nx is not None and ny is not None and nx <= ny
+    return "forward" if nx is not None and ny is not None and nx <= ny else "reverse"
 
 
 def _numel(types: dict[str, ValueInfo], names: list[str]) -> int | None:
@@ -272,7 +286,14 @@ class _Tail:
         self.g.outputs.append(ValueInfo(out, None if like is None else like.dtype))
 
     def finish(self) -> Graph:
+        """Append the nodes, simplify, and declare the blocks' shapes (ONNX's checker wants a shape on every
+        graph output)."""
         self.g.nodes += self.nodes
         simplify(self.g)
-        keep_types(self.g, infer_types(self.g))
+        types = infer_types(self.g)
+        for k, o in enumerate(self.g.outputs):
+            t = types.get(o.name)
+            if o.shape is None and t is not None and t.shape is not None:
+                self.g.outputs[k] = ValueInfo(o.name, o.dtype if o.dtype is not None else t.dtype, t.shape, o.kind)
+        keep_types(self.g, types)
         return self.g
