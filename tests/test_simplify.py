@@ -114,3 +114,45 @@ def test_zero_and_negative_zero_constants_stay_apart():
     with np.errstate(divide="ignore"):
         s = _same_outputs(g, FEEDS)  # 1 / 0.0 = inf and 1 / -0.0 = -inf
     assert _ops(s).count("Constant") == 2
+
+
+def _const(name, value):
+    return Node("Constant", [], [name], {"value": np.asarray(value, np.int64)}, name=f"{name}/c")
+
+
+def test_zero_pads_of_zero_pads_fold_into_one():
+    g = Graph([_const("p", [0, 1, 0, 0, 2, 1]), _const("q", [1, 0, 2, 0, 0, 0]),
+               Node("Pad", ["x", "p"], ["a"], name="pa"), Node("Pad", ["a", "q"], ["y"], name="pb")], [X], [ValueInfo("y")])
+    s = _same_outputs(g, FEEDS)
+    assert _ops(s).count("Pad") == 1
+    np.testing.assert_array_equal(rg.Session(s).run(FEEDS)["y"],
+                                  np.pad(FEEDS["x"], [(1, 0), (1, 2), (2, 1)]))
+
+
+def test_pads_with_a_value_or_another_mode_do_not_fold():
+    # padding with 1.0, or repeating edges, is not zero-padding: the amounts do not add
+    for value, mode in (("one", "constant"), ("", "edge")):
+        g = Graph([_const("p", [0, 0, 1, 0, 0, 0]), Node("Constant", [], ["one"], {"value": np.float32(1.0)}, "one/c"),
+                   Node("Pad", ["x", "p"], ["a"], name="pa"), Node("Pad", ["a", "p", value], ["y"], {"mode": mode}, name="pb")],
+                  [X], [ValueInfo("y")])
+        assert _ops(_same_outputs(g, FEEDS)).count("Pad") == 2
+    # negative amounts crop: a crop then a pad turns the cropped values into zeros, so it never folds (checked
+    # structurally: the reference evaluator refuses negative pads)
+    g = Graph([_const("p", [0, 0, -1, 0, 0, 0]), _const("q", [0, 0, 1, 0, 0, 0]), Node("Pad", ["x", "p"], ["a"], name="pa"),
+               Node("Pad", ["a", "q"], ["y"], name="pb")], [X], [ValueInfo("y")])
+    assert _ops(simplify(g)).count("Pad") == 2
+
+
+def test_a_padded_convolution_weight_runs_on_onnxruntime():
+    # onnxruntime 1.32's Pad_Fusion folds a Pad feeding a Conv's *weight* into the Conv's pads and then rejects
+    # the graph; forward mode writes such Pads (the transpose of a strided convolution's weight crop)
+    x, w = ValueInfo("x", np.float32, (1, 3, 12, 12)), ValueInfo("w", np.float32, (4, 3, 3, 3))
+    g = Graph([_const("p", [0, 0, 0, 0, 0, 0, 1, 1]), Node("Pad", ["w", "p"], ["wp"], name="pad"),
+               Node("Conv", ["x", "wp"], ["y"], {"strides": [2, 2], "pads": [1, 1, 1, 1]}, name="conv")],
+              [x, w], [ValueInfo("y")])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((1, 3, 12, 12)).astype(np.float32),
+             "w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32)}
+    s = _same_outputs(g, feeds)
+    expected = rg.Session(g, backend="reference").run(feeds)["y"]
+    np.testing.assert_allclose(rg.Session(s).run(feeds)["y"], expected, rtol=1e-5, atol=1e-5)
