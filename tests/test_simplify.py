@@ -132,7 +132,7 @@ def test_zero_pads_of_zero_pads_fold_into_one():
 def test_pads_with_a_value_or_another_mode_do_not_fold():
     # padding with 1.0, or repeating edges, is not zero-padding: the amounts do not add
     for value, mode in (("one", "constant"), ("", "edge")):
-        g = Graph([_const("p", [0, 0, 1, 0, 0, 0]), Node("Constant", [], ["one"], {"value": np.float32(1.0)}, "one/c"),
+        g = Graph([_const("p", [0, 0, 1, 0, 0, 0]), Node("Constant", [], ["one"], {"value": np.array(1.0, np.float32)}, "one/c"),
                    Node("Pad", ["x", "p"], ["a"], name="pa"), Node("Pad", ["a", "p", value], ["y"], {"mode": mode}, name="pb")],
                   [X], [ValueInfo("y")])
         assert _ops(_same_outputs(g, FEEDS)).count("Pad") == 2
