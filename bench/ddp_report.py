@@ -185,7 +185,7 @@ def render(res: dict, json_path: str) -> str:
     lines = [BEGIN, "## Data-parallel training: throughput against PyTorch DDP", "",
              (f"Written by `{res['command']}` ({res['mode']} run) on {res['date']}, in {res['minutes']:.1f} "
               f"minutes. Raw numbers, every launch: `{json_path}`; `python bench/ddp.py --render {json_path}` "
-              "rewrites this section from them (bench/run.py rewrites the rest of this file and drops it)."), "",
+              "rewrites this section from them (bench/run.py rewrites the rest of this file and keeps it)."), "",
              ("Training throughput in samples per second of the global batch, with Adam and cross-entropy, for "
              "revgraph (`rg.Trainer(..., threads=1)`; with 2 processes `distributed=True`: grad graph, gloo "
              "all-reduce, update graph) and the same model in PyTorch (same shapes and initial values, "

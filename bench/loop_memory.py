@@ -6,7 +6,13 @@ gradient graph (gradients for W, U, b and h0) and onnxruntime runs it, each conf
 with onnxruntime's memory arena off; the peak resident set size during the first run, minus the resident size
 just before it (Linux's VmHWM, reset through /proc/self/clear_refs), measures what forward and backward hold. Times are medians of 3 runs after one warm-up run.
 
-    python bench/loop_memory.py [--steps 100 1000 10000] [--policies store recompute sqrt 100]
+Two more modes run next to the policies: ``jvp``, revgraph's forward-mode graph ``rg.jvp(g, "loss", [W, U, b,
+h0])`` (the loss and its tangent along random tangents of the same four values; a Loop that carries the tangent
+of ``h`` next to ``h`` and stores no residuals), and ``forward``, the model alone: the JVP's peak should stay
+near the forward's at every T while ``store``'s grows with T. ``jvp+xs`` (not run by default) also gives the
+input sequence ``xs`` a tangent.
+
+    python bench/loop_memory.py [--steps 100 1000 10000] [--policies store recompute sqrt 100 jvp forward]
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import time
 import numpy as np
 
 HIDDEN, BATCH, INPUT = 256, 8, 32
+#: Modes measured next to the checkpoint policies: the forward graph alone and forward-mode JVP graphs.
+FORWARD_MODES = ("forward", "jvp", "jvp+xs")
 
 
 def rnn_graph(steps: int):
@@ -65,7 +73,12 @@ def _measure(steps: int, policy: str, queue) -> None:
     import revgraph as rg
 
     t0 = time.perf_counter()
-    gg = rg.gradient(rnn_graph(steps), wrt=["W", "U", "b", "h0"], checkpoint=policy)
+    tangents = []
+    if policy in FORWARD_MODES:  # the forward graph alone, or its JVP
+        tangents = {"forward": [], "jvp": ["W", "U", "b", "h0"], "jvp+xs": ["W", "U", "b", "h0", "xs"]}[policy]
+        gg = rg.jvp(rnn_graph(steps), "loss", tangents) if tangents else rnn_graph(steps)
+    else:
+        gg = rg.gradient(rnn_graph(steps), wrt=["W", "U", "b", "h0"], checkpoint=policy)
     build = time.perf_counter() - t0
     opts = ort.SessionOptions()
     opts.enable_cpu_mem_arena = False
@@ -75,6 +88,10 @@ def _measure(steps: int, policy: str, queue) -> None:
     rng = np.random.default_rng(1)
     feeds = {"xs": rng.standard_normal((steps, BATCH, INPUT)).astype(np.float32),
              "h0": rng.standard_normal((BATCH, HIDDEN)).astype(np.float32) * 0.1}
+    types = {i.name: i for i in gg.inputs}
+    for name in tangents:
+        shape = types[f"{name}_tangent"].shape
+        feeds[f"{name}_tangent"] = rng.standard_normal(shape).astype(np.float32)
     before = _reset_peak_rss()
     sess.run(None, feeds)
     peak = _peak_rss()
@@ -129,24 +146,30 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[100, 1000, 10000])
-    parser.add_argument("--policies", nargs="+", default=["store", "recompute", "sqrt", "100"])
+    parser.add_argument("--policies", nargs="+", default=["store", "recompute", "sqrt", "100", "jvp", "forward"],
+                        help="checkpoint policies of the gradient graph (store, recompute, sqrt, a segment "
+                             "length), and the modes forward, jvp and jvp+xs (module doc)")
     args = parser.parse_args(argv)
     console = Console()
     table = Table(title=f"Loop VJP, RNN body (hidden {HIDDEN}, batch {BATCH}), onnxruntime {_ort_version()}, "
                         f"{os.cpu_count()} cores", title_justify="left")
-    for col in ("T", "policy", "peak MB", "fwd+bwd s (median)", "vs store: memory", "vs store: time"):
+    base_name = args.policies[0]
+    for col in ("T", "policy", "peak MB", "fwd+bwd s (median)", f"vs {base_name}: memory", f"vs {base_name}: time"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for steps in args.steps:
         results = {policy: measure(steps, policy) for policy in args.policies}
         base = results[args.policies[0]]
-        sums = [r["checksum"] for r in results.values()]
-        if max(sums) - min(sums) > 1e-3 * max(abs(x) for x in sums):
+        sums = [r["checksum"] for p, r in results.items() if p not in FORWARD_MODES]
+        if sums and max(sums) - min(sums) > 1e-3 * max(abs(x) for x in sums):
             console.print(f"[red]policies disagree at T={steps}: {sums}[/red]")
         for policy, r in results.items():
             table.add_row(f"{steps:,}", policy, f"{r['peak_mb']:.1f}", f"{r['time_s']:.3f}",
                           f"{r['peak_mb'] / max(base['peak_mb'], 1e-9):.2f}x", f"{r['time_s'] / base['time_s']:.2f}x")
         table.add_section()
     console.print(table)
+    if any(p in FORWARD_MODES for p in args.policies):
+        console.print("forward: the model alone; jvp: forward plus tangent (rg.jvp of the loss along tangents of W, U, "
+                      "b, h0; jvp+xs: and xs), no backward pass; the time column is then forward (plus tangent).")
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -135,6 +136,18 @@ def render(res: dict, json_path=None, baseline: dict | None = None) -> str:
     return "\n\n".join(p.strip() for p in parts if p) + "\n"
 
 
+_SECTION = re.compile(r"<!-- (\w+):begin -->.*?<!-- \1:end -->\n?", re.DOTALL)
+
+
+def write(path: str | Path, text: str) -> None:
+    """Write ``text`` (this module's document) to ``path``, keeping the sections other benchmarks wrote into the
+    old file between ``<!-- name:begin -->`` and ``<!-- name:end -->`` markers (ddp, attention, jvp), in order."""
+    path = Path(path)
+    old = path.read_text() if path.exists() else ""
+    kept = [m.group(0).rstrip("\n") for m in _SECTION.finditer(old)]
+    path.write_text(text if not kept else text.rstrip("\n") + "\n\n" + "\n\n".join(kept) + "\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="render docs/benchmarks.md from bench/run.py's JSON")
     parser.add_argument("json")
@@ -143,7 +156,7 @@ def main(argv=None) -> int:
                         help="results of an earlier run to compare the goals with ('' for none)")
     args = parser.parse_args(argv)
     res = json.loads(Path(args.json).read_text())
-    Path(args.output).write_text(render(res, json_path=args.json, baseline=load_baseline(args.baseline)))
+    write(args.output, render(res, json_path=args.json, baseline=load_baseline(args.baseline)))
     return 0
 
 

@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     baseline = args.baseline if args.baseline is not None else ("" if args.quick else report.BASELINE)
-    Path(args.output).write_text(report.render(res, json_path=json_path, baseline=report.load_baseline(baseline)))
+    report.write(args.output, report.render(res, json_path=json_path, baseline=report.load_baseline(baseline)))
     log(f"wrote {args.output} and {json_path} in {res['seconds']:.0f}s")
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
