@@ -6,7 +6,15 @@ For a one-node (or small) graph built with the IR, :func:`check_rule` checks rev
    reference evaluator, which must agree);
 2. PyTorch autograd on the same function (``torch_fn``), with the same cotangent ``u``;
 3. second order: the gradient of ``s(x) = sum_i <grad_i(x), v_i>`` (a Hessian-vector product, built by
-   differentiating the gradient graph) against central differences of the gradient graph along ``v``.
+   differentiating the gradient graph) against central differences of the gradient graph along ``v``;
+4. forward mode: the JVP graph ``rg.jvp(g, outputs, wrt)`` (run by onnxruntime and by the reference evaluator,
+   which must agree) at random tangents ``t``, against ``torch.func.jvp`` of ``torch_fn``, against central
+   differences of the forward graph along ``t``, and against the VJP of 1. by the dot-product identity
+   ``<J t, u> = <t, J^T u>``; and no tangent may depend on the value of a cotangent placeholder (the zeros
+   forward.py names ``jvp/zero_cotangent``, which the transposition of a VJP not linear in its cotangent would
+   read, so that its JVP could be wrong). Reads of the placeholder's shape only are allowed: with unknown
+   dimensions a transposed VJP reads the shapes of values computed from it (``Shape``, ``Size``, ``CastLike``'s
+   type input, ``SequenceLength``).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import torch
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.ssa import captured_names
 
 H = 1e-6
 
@@ -72,12 +81,16 @@ def with_loss(g: Graph, fwd: dict[str, np.ndarray], outputs: list[str] | None = 
 
 def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: list[str] | None = None,
                outputs: list[str] | None = None, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-7,
-               second_order: bool = True, fd_with_torch: bool = False) -> dict[str, np.ndarray]:
-    """Check revgraph's gradients of ``g`` at ``feeds`` three ways (module doc); return the gradients.
+               second_order: bool = True, fd_with_torch: bool = False, no_jvp: str | None = None,
+               no_torch_jvp: str | None = None, torch_jvp_by_vjp: str | None = None) -> dict[str, np.ndarray]:
+    """Check revgraph's gradients of ``g`` at ``feeds`` four ways (module doc); return the gradients.
 
     ``fd_with_torch``: take the central differences of ``torch_fn`` instead of the ONNX forward graph, for
     ops whose only float64 ONNX implementation is not float64-accurate (the reference ``Erf`` rounds to
-    float32 and onnxruntime has no float64 ``Erf``)."""
+    float32 and onnxruntime has no float64 ``Erf``). ``no_jvp``: the reason forward mode (check 4) is not
+    checked; ``no_torch_jvp``: the reason its comparison with ``torch.func.jvp`` is left out (the other
+    three comparisons stay); ``torch_jvp_by_vjp``: the reason PyTorch's JVP is taken by double backward
+    (``torch.autograd.functional.jvp``) instead of its forward-mode AD."""
     rng = np.random.default_rng(seed)
     feeds = {k: np.asarray(v) for k, v in feeds.items()}
     run_fwd = _ort(g)
@@ -146,4 +159,138 @@ def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: li
         for w in wrt:
             numeric = (plus[f"{w}_grad"] - minus[f"{w}_grad"]) / (2 * H)
             np.testing.assert_allclose(got[w], numeric, rtol=1e-4, atol=1e-5, err_msg=f"second order, {w}")
+
+    # 4. forward mode
+    if no_jvp is None:
+        check_jvp(g, feeds, torch_fn, wrt=wrt, outputs=outputs, grads=grads, us={y: us[f"{y}_u"] for y in outputs},
+                  run_fwd=run_fwd, fwd=fwd, rng=rng, rtol=rtol, atol=atol, fd_with_torch=fd_with_torch,
+                  against_torch=no_torch_jvp is None, torch_by_vjp=torch_jvp_by_vjp is not None)
     return grads
+
+
+#: inputs of which only the shape, dtype or length is read (by position): such a read of a cotangent placeholder
+#: is harmless, as the placeholder has the primal's shape and dtype
+SHAPE_ONLY = {"Shape": {0}, "Size": {0}, "CastLike": {1}, "SequenceLength": {0}}
+
+
+def _cotangent_taint(graph: Graph, tainted: set[str], readers: list[str]) -> set[str]:
+    """The values of ``graph`` whose *values* depend on a placeholder cotangent of forward.py (zeros named
+    ``jvp/zero_cotangent/...``: only a VJP not linear in its cotangent makes the transposition read one), or
+    on ``tainted`` (captured or fed ones); reads of only a shape or dtype (:data:`SHAPE_ONLY`) do not count.
+    Loop and If outputs are followed one by one (a Loop's carried values to a fixpoint). ``readers`` gains the
+    nodes computing such values."""
+    tainted = set(tainted)
+    for node in graph.nodes:
+        if "jvp/zero_cotangent" in (node.name or "") and node.op_type in ("ConstantOfShape", "CastLike"):
+            tainted.update(node.outputs)
+            continue
+        skip = SHAPE_ONLY.get(node.op_type, set()) if not node.domain else set()
+        fed = [bool(i) and i in tainted and k not in skip for k, i in enumerate(node.inputs)]
+        if node.op_type == "Loop" and not node.domain:
+            body = node.attrs["body"]
+            n = len(node.inputs) - 2
+            carried = [fed[2 + j] for j in range(n)]
+            while True:
+                ins = {b for b, t in zip(body.input_names[2:], carried, strict=True) if t}
+                inner = _cotangent_taint(body, tainted | ins, [])
+                grown = [c or o in inner for c, o in zip(carried, body.output_names[1 : 1 + n], strict=True)]
+                if grown == carried:
+                    break
+                carried = grown
+            _cotangent_taint(body, tainted | ins, readers)
+            hit = [c or any(fed[:2]) for c in carried] + [o in inner or any(fed[:2])
+                                                           for o in body.output_names[1 + n :]]
+        elif node.op_type == "If" and not node.domain:
+            inners = [_cotangent_taint(node.attrs[k], tainted, readers) for k in ("then_branch", "else_branch")]
+            hit = [fed[0] or any(node.attrs[k].output_names[m] in inner
+                                 for k, inner in zip(("then_branch", "else_branch"), inners, strict=True))
+                   for m in range(len(node.outputs))]
+        else:
+            any_hit = any(fed) or any(c in tainted for sg in node.subgraphs.values() for c in captured_names(sg))
+            hit = [any_hit] * len(node.outputs)
+        if any(hit):
+            readers.append(f"{node.op_type} {node.name}")
+            tainted.update(o for o, h in zip(node.outputs, hit, strict=True) if o and h)
+    return tainted
+
+
+def _torch_jvp(torch_fn, feeds: dict[str, np.ndarray], wrt: list[str], tangents: dict[str, np.ndarray],
+               by_vjp: bool = False) -> list:
+    """``J t`` of ``torch_fn`` (called with every feed; ``wrt`` varies) by ``torch.func.jvp``, or by
+    ``torch.autograd.functional.jvp`` (double backward: the VJP of the VJP) when ``by_vjp``."""
+    consts = {k: torch.tensor(v) for k, v in feeds.items() if k not in wrt}
+
+    def f(*xs):
+        outs = torch_fn(**consts, **dict(zip(wrt, xs, strict=True)))
+        return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+
+    primals = tuple(torch.tensor(feeds[w]) for w in wrt)
+    dirs = tuple(torch.tensor(tangents[w]) for w in wrt)
+    try:
+        if by_vjp:
+            raise NotImplementedError
+        _, jt = torch.func.jvp(f, primals, dirs)
+    except NotImplementedError:
+        # an op without a forward-mode AD formula in torch: the double-backward trick of
+        # torch.autograd.functional.jvp computes the same J t from torch's VJPs
+        _, jt = torch.autograd.functional.jvp(f, primals, dirs)
+    except RuntimeError as exc:
+        if "functorch transform" not in str(exc):
+            raise
+        # torch.nn's RNN modules write parameters through .data (flatten_parameters), which torch.func refuses
+        _, jt = torch.autograd.functional.jvp(f, primals, dirs)
+    return [t.detach().numpy() for t in jt]
+
+
+def check_jvp(g: Graph, feeds: dict[str, np.ndarray], torch_fn, *, wrt: list[str], outputs: list[str],
+              grads: dict[str, np.ndarray], us: dict[str, np.ndarray], run_fwd, fwd: dict[str, np.ndarray],
+              rng: np.random.Generator, rtol: float, atol: float, fd_with_torch: bool = False,
+              against_torch: bool = True, torch_by_vjp: bool = False) -> None:
+    """Check 4 of :func:`check_rule` (module doc). ``grads``: the VJP ``J^T u`` at the cotangents ``us``
+    (one per output); ``run_fwd``, ``fwd``: the forward graph's runner and its outputs at ``feeds``;
+    ``fd_with_torch``: central differences of ``torch_fn`` instead (as check 1); ``against_torch``: compare
+    with PyTorch's JVP (when ``torch_fn`` is given), by double backward when ``torch_by_vjp``."""
+    jg = rg.jvp(g, outputs=outputs, inputs=wrt)
+    readers: list[str] = []
+    tainted = _cotangent_taint(jg, set(), readers)
+    left = [y for y in jg.output_names if y in tainted]
+    assert not left, (f"the JVP's values depend on a cotangent placeholder (a VJP rule not linear in its "
+                      f"cotangent?): {left} through {readers[:12]}")
+    t_names = [v.name for v in jg.inputs[len(jg.inputs) - len(wrt):]]
+    y_names = jg.output_names[len(jg.output_names) - len(outputs):]
+    ts = {w: rng.standard_normal(feeds[w].shape).astype(feeds[w].dtype) for w in wrt}
+    jfeeds = {**feeds, **{n: ts[w] for n, w in zip(t_names, wrt, strict=True)}}
+    got = _ort(jg)(jfeeds)
+    ref = rg.Session(jg, backend="reference").run(jfeeds)
+    jt = {y: got[n] for y, n in zip(outputs, y_names, strict=True)}
+    for y, n in zip(outputs, y_names, strict=True):
+        assert jt[y].shape == np.shape(fwd[y]) and jt[y].dtype == fwd[y].dtype, (y, jt[y].shape, jt[y].dtype)
+        np.testing.assert_allclose(ref[n], jt[y], rtol=1e-6, atol=1e-9, err_msg=f"JVP: ORT vs reference, {y}")
+        if y in got:
+            np.testing.assert_allclose(got[y], fwd[y], rtol=1e-6, atol=1e-9, err_msg=f"JVP graph's forward {y}")
+
+    # the dot-product identity against the VJP of check 1
+    lhs = sum(float(np.sum(jt[y].astype(np.float64) * us[y])) for y in outputs)
+    rhs = sum(float(np.sum(ts[w].astype(np.float64) * grads[w])) for w in wrt)
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-5, atol=1e-6, err_msg="JVP: <J t, u> vs <t, J^T u>")
+
+    # float64 central differences of the forward graph along t
+    plus = {**feeds, **{w: feeds[w] + H * ts[w] for w in wrt}}
+    minus = {**feeds, **{w: feeds[w] - H * ts[w] for w in wrt}}
+    if fd_with_torch:  # the ONNX forward is not float64-accurate (see check_rule)
+        def run_y(f):
+            outs = torch_fn(**{k: torch.tensor(f[k]) for k in feeds})
+            outs = outs if isinstance(outs, (tuple, list)) else [outs]
+            return {y: t.detach().numpy() for y, t in zip(outputs, outs, strict=False)}
+    else:
+        run_y = run_fwd
+    yp, ym = run_y(plus), run_y(minus)
+    for y in outputs:
+        numeric = (yp[y].astype(np.float64) - ym[y].astype(np.float64)) / (2 * H)
+        np.testing.assert_allclose(jt[y], numeric, rtol=1e-5, atol=1e-6, err_msg=f"JVP vs central differences, {y}")
+
+    # PyTorch's forward mode
+    if torch_fn is not None and against_torch:
+        expected = _torch_jvp(torch_fn, feeds, wrt, ts, torch_by_vjp)
+        for y, e in zip(outputs, expected, strict=False):
+            np.testing.assert_allclose(jt[y], e, rtol=rtol, atol=atol, err_msg=f"JVP vs PyTorch's, {y}")

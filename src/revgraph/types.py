@@ -47,13 +47,32 @@ def onnx_node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, n
         out = onnx.shape_inference.infer_node_outputs(schema, proto, in_types, data)
     except Exception:  # inference is a help; unknown types make rules use Shape-based ops
         return {}
-    found = {}
+    found: dict[str, ValueInfo] = {}
     for name, tp in out.items():
         if tp.HasField("tensor_type") or tp.sequence_type.elem_type.HasField("tensor_type"):
             try:
                 found[name] = value_info_from_proto(helper.make_value_info(name, tp))
             except UnsupportedModelError:  # a type revgraph does not model (a sequence of maps)
                 pass
+    return _computed_dft_length(node, found, values)
+
+
+def _computed_dft_length(node: Node, found: dict[str, ValueInfo], values: dict[str, np.ndarray]) -> dict[str, ValueInfo]:
+    """onnx 1.23 gives a DFT with a ``dft_length`` computed in the graph the signal's length along the transformed
+    axis (also when ``onesided=1`` halves it): leave that dimension unknown instead."""
+    if node.op_type != "DFT" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or not node.inputs[1]:
+        return found
+    if node.inputs[1] in values:
+        return found
+    axis = values.get(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else node.attrs.get("axis", -2)
+    for name, vi in found.items():
+        if axis is None or vi.shape is None:
+            found[name] = ValueInfo(name, vi.dtype, None, vi.kind)
+            continue
+        a = int(np.asarray(axis).reshape(-1)[0])
+        a = a + len(vi.shape) if a < 0 else a
+        if 0 <= a < len(vi.shape):
+            found[name] = ValueInfo(name, vi.dtype, (*vi.shape[:a], None, *vi.shape[a + 1:]), vi.kind)
     return found
 
 

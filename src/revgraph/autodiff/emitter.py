@@ -258,7 +258,8 @@ class Emitter:
         if dx is not None and dg is not None and len(dg) >= len(dx):
             lead = len(dg) - len(dx)
             tail = dg[lead:]
-            if all(isinstance(a, int) or a == b for a, b in zip(dx, tail, strict=True)):
+            # an unknown dimension (None) equals nothing, not even another unknown one: it may be broadcast
+            if all(isinstance(a, int) or (a is not None and a == b) for a, b in zip(dx, tail, strict=True)):
                 axes = list(range(lead)) + [lead + i for i, (a, b) in enumerate(zip(dx, tail, strict=True)) if a == 1 and b != 1]
                 if not axes:
                     return g

@@ -12,7 +12,7 @@ differentiating ``<J^T u, t>`` with respect to ``u`` (a second backward pass ove
 2. the VJP of that VJP with respect to each ``u_y``, seeded with the tangents of the segment's inputs: the
    tangent of each ``y``. The transposed graph reads the forward values and the tangents only; the values of
    the first VJP (which would need ``u``) are dead and :func:`~.simplify.simplify` removes them. Each ``u_y``
-   is defined as zeros, for a rule whose VJP could still read it.
+   is defined as zeros where the tangents still read it (a rule whose VJP is not linear in ``u``).
 
 ``Loop`` and ``If`` are not transposed: their JVP is the same control flow carrying tangents forward
 (:func:`_loop`, :func:`_if`), so a loop's JVP stores no residuals. Tangents of loop-carried values are
@@ -172,7 +172,7 @@ def reached_nodes(nodes: list[Node], seeds: Iterable[str], types: dict[str, Valu
 def _segment(graph: Graph, seg: list[Node], end: int, tangents: dict[str, str], types: dict[str, ValueInfo],
              e: Emitter, wanted: set[str], last_read: dict[str, int]) -> list[Node]:
     """``seg`` followed by the transposition of its VJP (module doc, steps 1 and 2)."""
-    hit, reach = reached_nodes(seg, tangents, types)
+    hit, _ = reached_nodes(seg, tangents, types)
     ys = [o for n in hit for o in n.outputs
           if o and o not in tangents and differentiable(types.get(o)) and (o in wanted or last_read.get(o, -1) > end)]
     if not ys:
@@ -195,17 +195,73 @@ def _segment(graph: Graph, seg: list[Node], end: int, tangents: dict[str, str], 
     if not ct:
         return seg
     # 2. its transposition: the VJP of x -> <vjp(x), t_x> with respect to u
-    zeros = e.child(types, "jvp/zero_cotangent")
-    for y, u in us.items():
-        if (types.get(y) or ValueInfo(y)).kind == "tensor":
-            zeros.nodes.append(Node("Identity", [zeros_like(zeros, y)], [u], name=zeros.fresh(f"jvp/zero_cotangent/{y}")))
     both = Graph([*seg, *e1.nodes], initializers=graph.initializers, opsets=dict(graph.opsets))
     e2 = e.child(types, "jvp/tangent")
     _, tans = backward(both, {ct[x]: tangents[x] for x in ct}, list(us.values()), types=types, emitter=e2)
+    new = []
     for y, u in us.items():
         if tans.get(u) is not None:
             tangents[y] = densify(e2, tans[u])
-    return [*seg, *zeros.nodes, *e1.nodes, *e2.nodes]
+            new.append(tangents[y])
+    # zeros for each u the tangents still read (only a VJP rule not linear in u leaves one: named so that
+    # tests can find it); none for the others, whose dead zeros simplify() could merge with live nodes
+    _shape_reads([*e1.nodes, *e2.nodes], {u: y for y, u in us.items()}, types)
+    zeros = e.child(types, "jvp/zero_cotangent")
+    read = _needed([*both.nodes, *e2.nodes], new)
+    for y, u in us.items():
+        if u in read:  # a sequence's too (zeros of its structure: a transposed SequenceAt reads it)
+            zeros.nodes.append(Node("Identity", [zeros_like(zeros, y)], [u], name=zeros.fresh(f"jvp/zero_cotangent/{y}")))
+    # both.nodes, not e1.nodes: step 2 may have added nodes to it (the trip counter's start of a Loop in the VJP)
+    ids = {id(n) for n in seg}
+    cut = max((k + 1 for k, n in enumerate(both.nodes) if id(n) in ids), default=0)
+    return [*both.nodes[:cut], *zeros.nodes, *both.nodes[cut:], *e2.nodes]
+
+
+#: operators whose output has the shape of their first input
+SAME_SHAPE = frozenset({"Identity", "Neg", "Abs", "Cast", "CastLike", "Exp", "Log", "Sqrt", "Reciprocal", "Sign",
+                        "Tanh", "Sigmoid", "Relu", "Softmax", "LogSoftmax", "Not", "IsNaN", "IsInf"})
+#: elementwise operators with multidirectional broadcasting (ONNX "Broadcasting in ONNX")
+BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Sum", "Max", "Min", "Mean", "Where", "Equal", "Less",
+                       "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or"})
+
+
+def _shape_reads(nodes: list[Node], proxy: dict[str, str], types: dict[str, ValueInfo]) -> None:
+    """Let ``Shape``/``Size`` nodes and ``CastLike``'s type input read, instead of a value computed from a
+    cotangent ``u``, a forward value of the same shape (``proxy``: each ``u`` to its primal ``y``, then along
+    ``nodes`` through shape-keeping operators: :data:`SAME_SHAPE`, and :data:`BROADCAST` ones whose other
+    inputs are scalars). With unknown dimensions a transposed VJP reads such shapes (to undo a broadcast, to
+    reshape back), which kept ``u`` (zeros) and the VJP nodes computing from it alive. Edits ``nodes``."""
+    def rank(name: str) -> int | None:
+        vi = types.get(name)
+        return None if vi is None or vi.shape is None else len(vi.shape)
+
+    for node in nodes:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in ("Shape", "Size") and node.inputs[0] in proxy:
+            node.inputs[0] = proxy[node.inputs[0]]
+        elif node.op_type == "CastLike" and len(node.inputs) > 1 and node.inputs[1] in proxy:
+            node.inputs[1] = proxy[node.inputs[1]]
+        ins = [i for i in node.inputs if i]
+        if not ins or not node.outputs or not node.outputs[0]:
+            continue
+        if node.op_type in SAME_SHAPE and ins[0] in proxy:
+            proxy[node.outputs[0]] = proxy[ins[0]]
+        elif node.op_type in BROADCAST:
+            ps = {proxy[i] for i in ins if i in proxy}
+            if len(ps) == 1 and all(i in proxy or rank(i) == 0 for i in ins):
+                proxy[node.outputs[0]] = ps.pop()
+
+
+def _needed(nodes: list[Node], targets: Iterable[str]) -> set[str]:
+    """The values that computing ``targets`` from ``nodes`` reads (a reverse walk, subgraph captures too)."""
+    needed = set(targets)
+    for node in reversed(nodes):
+        if any(o in needed for o in node.outputs if o):
+            needed.update(i for i in node.inputs if i)
+            for sg in node.subgraphs.values():
+                needed.update(captured_names(sg))
+    return needed
 
 
 # ---------------------------------------------------------------------------------------------- control flow

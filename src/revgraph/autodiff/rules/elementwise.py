@@ -201,7 +201,10 @@ def cast(ctx: Ctx, node: Node, cts: list) -> list:
     dt = e.dtype(x)
     if dt is not None and not is_float_dtype(dt) or integer_result(e, node):
         return [None] * len(node.inputs)  # no gradient through an integer value (truncation is piecewise constant)
-    return [lambda: e.op("CastLike", [cts[0], x], like=x)] + [None] * (len(node.inputs) - 1)
+    to = e.onnx_dtype(x)  # Cast when x's dtype is known: CastLike would read x, only for its dtype, keeping it alive
+    back = (lambda: e.op("Cast", [cts[0]], to=to, like=x)) if to is not None else (
+        lambda: e.op("CastLike", [cts[0], x], like=x))
+    return [back] + [None] * (len(node.inputs) - 1)
 
 
 @vjp("Sum", "Mean")

@@ -189,8 +189,12 @@ def reduce_log_sum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
 INT64_MAX = np.iinfo(np.int64).max
 
 
-def _guarded(e: Emitter, g: str, d: str) -> str:
-    """``g * d``, exactly 0 where ``g == 0`` whatever ``d`` (``Ctx.times`` for an emitter of a loop body)."""
+def _guarded(e: Emitter, g: str, d: str, strong: bool = True) -> str:
+    """``g * d``, exactly 0 where ``g == 0`` whatever ``d`` (``Ctx.times`` for an emitter of a loop body);
+    the plain product when not ``strong`` (``Options.strong_zeros`` off: forward mode transposes this VJP,
+    which must then be linear in ``g``)."""
+    if not strong:
+        return e.op("Mul", [g, d], like=g)
     zero = e.scalar(0.0, g)
     return e.op("Where", [e.op("Equal", [g, zero]), zero, e.op("Mul", [g, d], like=g)], like=g)
 
@@ -213,17 +217,19 @@ def _shift(e: Emitter, v: str, d, axis: int, rank: int, later: bool, fill: float
     return e.op("Pad", [part, pads, e.scalar(fill, v)], mode="constant", like=v)
 
 
-def _scan_step(e: Emitter, a: str, b: str, d, axis: int, rank: int, later: bool, last: bool) -> tuple[str, str | None]:
+def _scan_step(e: Emitter, a: str, b: str, d, axis: int, rank: int, later: bool, last: bool,
+               strong: bool = True) -> tuple[str, str | None]:
     """One doubling step of the affine scan ``R[i] = b[i] + a[i] R[i + 1]`` (``later``; ``R[i - 1]`` otherwise;
     0 past the end): ``(a, b)`` holds ``R[i] = b[i] + a[i] R[i + d]``, and composing it with the element ``d``
     places on gives the same with ``2 d`` (Hillis and Steele's doubling, "Data parallel algorithms", CACM 1986;
-    Blelloch's first-order recurrences). ``b`` gathers cotangents: its products are strong."""
-    b2 = e.op("Add", [b, _guarded(e, _shift(e, b, d, axis, rank, later, 0.0), a)], like=b)
+    Blelloch's first-order recurrences). ``b`` gathers cotangents: its products are strong (``strong``)."""
+    b2 = e.op("Add", [b, _guarded(e, _shift(e, b, d, axis, rank, later, 0.0), a, strong)], like=b)
     a2 = None if last else e.op("Mul", [a, _shift(e, a, d, axis, rank, later, 0.0)], like=a)
     return b2, a2
 
 
-def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, n: int | None, x: str) -> str:
+def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, n: int | None, x: str,
+                 strong: bool = True) -> str:
     """``R`` with ``R[i] = b[i] + a[i] R[next(i)]`` along ``axis`` (``next(i) = i + 1`` when ``later``, else
     ``i - 1``; ``R`` past the end is 0), by ``ceil(log2 n)`` doubling steps: unrolled for a static length ``n``,
     a ``Loop`` that doubles ``d`` while ``d < n`` otherwise. Only products and sums: exact at zeros."""
@@ -234,7 +240,7 @@ def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, 
             steps.append(d)
             d *= 2
         for k, d in enumerate(steps):
-            b, a = _scan_step(e, a, b, d, axis, rank, later, k == len(steps) - 1)
+            b, a = _scan_step(e, a, b, d, axis, rank, later, k == len(steps) - 1, strong)
         return b
     i64 = np.dtype(np.int64)
     length = e.op("Gather", [e.op("Shape", [x]), e.ints([axis])], axis=0, shape=(1,), dtype=i64)
@@ -248,7 +254,7 @@ def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, 
     for v in ins:
         eb.types[v.name] = v
     a_in, b_in, d_in = (v.name for v in ins)
-    b_out, a_out = _scan_step(eb, a_in, b_in, d_in, axis, rank, later, False)
+    b_out, a_out = _scan_step(eb, a_in, b_in, d_in, axis, rank, later, False, strong)
     d_out = eb.op("Mul", [d_in, eb.ints([2])], shape=(1,), dtype=i64)
     more = eb.op("Less", [d_out, length], shape=(1,), dtype=np.dtype(bool))
     more = eb.op("Squeeze", [more, eb.ints([0])], shape=(), dtype=np.dtype(bool))
@@ -292,8 +298,8 @@ def cumprod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
         return e.zeros_like(x)
     later = not node.attrs.get("reverse", 0)  # the recurrences run against the direction of the products
     if node.attrs.get("exclusive", 0):
-        u = _affine_scan(e, x, g, axis, rank, later, n, x)
+        u = _affine_scan(e, x, g, axis, rank, later, n, x, ctx.options.strong_zeros)
         return strong(ctx, _shift(e, u, 1, axis, rank, later, 0.0), y, x)
     a = _shift(e, x, 1, axis, rank, later, 0.0)
-    s = _affine_scan(e, a, g, axis, rank, later, n, x)
+    s = _affine_scan(e, a, g, axis, rank, later, n, x, ctx.options.strong_zeros)
     return strong(ctx, s, _shift(e, y, 1, axis, rank, not later, 1.0), x)
