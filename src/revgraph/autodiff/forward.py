@@ -79,6 +79,7 @@ def jvp(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterab
         types[name] = ValueInfo(name, vi.dtype, vi.shape)
         tangents[x] = name
     seeds = [tangents[x] for x in inputs]
+    public = {y: fresh_name((output_names or {}).get(y, f"{y}_tangent"), used) for y in outputs}  # before inner names
     g.nodes = tangent_pass(g, tangents, types, e, set(outputs), given=set(inputs))
     unconnected, tail = [], []
     for y in outputs:
@@ -88,7 +89,7 @@ def jvp(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterab
             with e.scope(f"jvp/{y}"):
                 t = zeros_like(e, y)
         vi = types.get(y) or ValueInfo(y)
-        out = fresh_name((output_names or {}).get(y, f"{y}_tangent"), used)
+        out = public[y]
         tail.append(Node("Identity", [t], [out], name=fresh_name(f"jvp/{y}/output", used)))
         g.outputs.append(ValueInfo(out, vi.dtype, vi.shape))
     if unconnected:
@@ -293,6 +294,7 @@ def _loop(node: Node, tangents: dict[str, str], types: dict[str, ValueInfo], e: 
             src = types[node.inputs[2 + j]]
             btypes[name] = ValueInfo(name, src.dtype, src.shape, src.kind)
     outer = {c: tangents[c] for c in captured_names(body) if c in tangents}
+    _capture_types(btypes, types, outer)
     has = {j for j in range(n) if node.inputs[2 + j] in tangents}
     while True:  # a carried value gains a tangent when an iteration computes it from one
         _, reach = reached_nodes(body.nodes, [*outer, *(v_in[j] for j in has)], btypes)
@@ -334,7 +336,7 @@ def _loop(node: Node, tangents: dict[str, str], types: dict[str, ValueInfo], e: 
     outputs = [*node.outputs[:n], *finals, *node.outputs[n:], *stacked]
     loop = Node("Loop", [*node.inputs, *inits], outputs, {**node.attrs, "body": new_body}, node.name, node.domain)
     for j, t in zip(has_t, finals, strict=True):
-        _record(types, t, types.get(node.outputs[j]) or btypes.get(v_out[j]))
+        _record(types, t, _with_shape(types.get(node.outputs[j]), btypes.get(v_out[j]), btypes.get(v_in[j])))
         if node.outputs[j]:
             tangents[node.outputs[j]] = t
     for k, t in zip(t_scans, stacked, strict=True):
@@ -355,6 +357,7 @@ def _if(node: Node, tangents: dict[str, str], types: dict[str, ValueInfo], e: Em
         btypes = body_types(branch, types)
         eb = e.child(btypes, f"jvp/{node.name or 'If'}/{key}")
         bt = {c: tangents[c] for c in captured_names(branch) if c in tangents}
+        _capture_types(btypes, types, bt)
         nodes = tangent_pass(branch, bt, btypes, eb, set(branch.output_names))
         built[key] = (branch, btypes, eb, bt, nodes)
     has = [k for k, o in enumerate(node.outputs) if any(b.output_names[k] in bt for b, _, _, bt, _ in built.values())]
@@ -379,6 +382,22 @@ def _tangent_output(eb: Emitter, value: str, bt: dict[str, str], btypes: dict[st
         t = zeros_like(eb, value)
     name = eb.op("Identity", [t], like=value)
     return ValueInfo(name, vi.dtype, vi.shape, vi.kind)
+
+
+def _capture_types(btypes: dict[str, ValueInfo], types: dict[str, ValueInfo], captured: dict[str, str]) -> None:
+    """A subgraph reads the tangents of the values it captures from the enclosing graph: give them the
+    primals' types there (rules read static shapes, e.g. to undo broadcasting without ``Shape`` chains)."""
+    for primal, tangent in captured.items():
+        src = types.get(tangent) or types.get(primal)
+        if src is not None:
+            btypes.setdefault(tangent, ValueInfo(tangent, src.dtype, src.shape, src.kind))
+
+
+def _with_shape(*candidates: ValueInfo | None) -> ValueInfo | None:
+    """The first of ``candidates`` with a known shape, else the first known one (the outer type of a loop's
+    output may lack the shape that its body output and carried input have)."""
+    known = [c for c in candidates if c is not None]
+    return next((c for c in known if c.shape is not None), known[0] if known else None)
 
 
 def _record(types: dict[str, ValueInfo], name: str, src: ValueInfo | None) -> None:
