@@ -45,6 +45,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from attention import _mean_time  # bench/ is the script's directory, so on sys.path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -53,14 +54,6 @@ TF_BATCH, TF_SEQ, TF_WIDTH, TF_HEADS, TF_FF = 8, 64, 256, 4, 1024
 RNN_T = 100
 MODELS = ("mlp", "transformer", "rnn")
 MODES = ("input", "all")
-
-
-def _mean_time(run, seconds: float) -> float:
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds or n < 2:
-        run()
-        n += 1
-    return (time.perf_counter() - t0) / n
 
 
 # ------------------------------------------------------------------------------------------ the models
