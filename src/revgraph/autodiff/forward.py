@@ -30,11 +30,11 @@ import warnings
 from collections.abc import Iterable
 
 from ..errors import RevgraphError
-from ..ir import Graph, Node, ValueInfo, fresh_name, require_graph
+from ..ir import Graph, Node, ValueInfo, fresh_name, is_float_dtype, require_graph
 from ..ssa import captured_names, is_ssa, to_ssa
 from ..types import differentiable, infer_types, keep_types
 from .accumulate import densify, zeros_like
-from .arguments import known_names, names_argument, refuse_integer_loss, resolve_wrt, suggest, used_names
+from .arguments import known_names, names_argument, resolve_wrt, suggest, used_names
 from .backward import backward
 from .context import Options
 from .emitter import Emitter
@@ -115,7 +115,10 @@ def resolve_outputs(g: Graph, outputs: Iterable[str] | str | None, types: dict[s
     for y in names:
         if y not in known:
             raise RevgraphError(f"no value named {y!r} to differentiate{suggest(y, known)}")
-        refuse_integer_loss(y, types)
+        vi = types.get(y)
+        if vi is not None and vi.dtype is not None and vi.kind == "tensor" and not is_float_dtype(vi.dtype):
+            raise RevgraphError(f"the output {y!r} is {vi.describe()}, not floating point: an integer or boolean value "
+                                "has no derivative; name the floating-point value it is computed from")
     return names
 
 

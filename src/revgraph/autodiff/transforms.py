@@ -9,7 +9,8 @@ Jacobians and Hessians computed in one run of one graph.
   part of the JVP (or VJP) graph for one basis vector, its result stacked as a scan output. Forward mode
   takes one iteration per input element, reverse mode one per output element, so ``mode="auto"`` takes
   forward mode when the inputs have no more elements than the outputs (JAX's ``jacfwd`` / ``jacrev``
-  advice) and reverse mode otherwise, or when the sizes are not known when the graph is built.
+  advice) and reverse mode otherwise; when only one side's size is known when the graph is built, the mode
+  whose basis runs over that side.
 """
 
 from __future__ import annotations
@@ -113,13 +114,16 @@ def hessian(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | No
 def jacobian_mode(graph: Graph, outputs: Iterable[str] | str | None = None,
                   inputs: Iterable[str] | str | None = None) -> str:
     """The mode ``jacobian(..., mode="auto")`` takes: ``"forward"`` when the inputs have no more elements than
-    the outputs (both static in the graph's declared or inferred types), ``"reverse"`` otherwise. Raises
+    the outputs (both static in the graph's declared or inferred types), ``"reverse"`` otherwise; when only one
+    side's size is static, the mode whose basis runs over it (forward for static inputs). Raises
     :class:`RevgraphError` for unknown or non-floating names."""
     types = infer_types(graph)
     ys = resolve_outputs(graph, outputs, types)
     xs = resolve_wrt(graph, None if inputs is None else names_argument(inputs, "inputs"), types)
     nx, ny = (_numel(types, names) for names in (xs, ys))
-    return "forward" if nx is not None and ny is not None and nx <= ny else "reverse"
+    if nx is None or ny is None:  # the mode whose basis size is known (reverse when neither is: it names y)
+        return "forward" if nx is not None else "reverse"
+    return "forward" if nx <= ny else "reverse"
 
 
 def _numel(types: dict[str, ValueInfo], names: list[str]) -> int | None:
@@ -141,7 +145,8 @@ def _forward_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tu
     jg = jvp(graph, outputs=ys, inputs=xs)
     seeds = jg.input_names[-len(xs):]
     types = infer_types(jg)
-    stacked, offsets = _basis_loop(jg, seeds, jg.output_names[-len(ys):], types)
+    stacked, offsets = _basis_loop(jg, seeds, jg.output_names[-len(ys):], types, xs,
+                                   "a forward-mode basis runs over the inputs' elements; declare their shapes")
     b = _Tail(jg)
     for (y, x), out in names.items():
         k = xs.index(x)
@@ -177,7 +182,9 @@ def _reverse_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tu
     gg = gradient(g, total, xs, checkpoint=checkpoint)
     gg.outputs = [*gg.outputs[:keep], *gg.outputs[keep + 1 :]]
     gtypes = infer_types(gg)
-    stacked, offsets = _basis_loop(gg, seeds, gg.output_names[-len(xs):], gtypes)
+    stacked, offsets = _basis_loop(gg, seeds, gg.output_names[-len(xs):], gtypes, ys,
+                                   "a reverse-mode basis runs over the outputs' elements; declare their shapes, "
+                                   "or use mode='forward' (--mode forward) when the inputs' shapes are static")
     b = _Tail(gg)
     for (y, x), out in names.items():
         block = b.rows(stacked[xs.index(x)], offsets, ys.index(y), len(ys))  # [n_y, *x]
@@ -185,21 +192,22 @@ def _reverse_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tu
     return b.finish()
 
 
-def _basis_loop(g: Graph, seeds: list[str], results: list[str], types: dict[str, ValueInfo]
-                ) -> tuple[list[str], list[int]]:
+def _basis_loop(g: Graph, seeds: list[str], results: list[str], types: dict[str, ValueInfo], of: list[str],
+                advice: str) -> tuple[list[str], list[int]]:
     """Move the nodes of ``g`` that depend on the graph inputs ``seeds`` (static shapes) into a ``Loop`` over
     the basis of the concatenated seeds: iteration ``k`` feeds the ``k``-th unit vector, split and reshaped
     into the seeds, and stacks each of ``results`` (graph outputs, which stop being outputs). The seeds stop
     being graph inputs. Returns the stacked results ``[n, *result.shape]`` and the offsets of the seeds in the
     basis. A graph output computed in the loop (a forward value computed together with its tangent, as a
-    loop's JVP does) is stacked too and read from the first iteration."""
+    loop's JVP does) is stacked too and read from the first iteration. ``of``: the value each seed stands for,
+    named with ``advice`` in the :class:`RevgraphError` for a seed whose shape is not static."""
     used = used_names(g)
     seed_vis = [next(v for v in g.inputs if v.name == s) for s in seeds]
     offsets = [0]
-    for vi in seed_vis:
+    for vi, value in zip(seed_vis, of, strict=True):
         if vi.shape is None or not all(isinstance(d, int) for d in vi.shape):
-            raise RevgraphError(f"a Jacobian needs the static shape of {vi.name.rsplit('_', 1)[0]!r} to lay out its "
-                                "basis; declare the model's input shapes")
+            shape = "unknown" if vi.shape is None else list(vi.shape)
+            raise RevgraphError(f"{value!r} has shape {shape}, not static: {advice}")
         offsets.append(offsets[-1] + int(np.prod(vi.shape, dtype=np.int64)))
     dependent, inner, outer = set(seeds), [], []
     for node in g.nodes:
