@@ -14,20 +14,19 @@ from rich.text import Text
 
 from .autodiff.accumulate import ACCUMULATE
 from .autodiff.api import gradient
-from .autodiff.policies import NAMED as _NAMED_POLICIES
 from .check import NOT_CHECKED, check_gradients
+from .cli_forward import COMMANDS as FORWARD_COMMANDS
+from .cli_forward import add_parsers as add_forward_parsers
 from .cli_io import check_command_outputs, err, out, read_npz, write_npz
 from .cli_train import cmd_train
+from .cli_write import POLICIES, check_opset, count_nodes, some, with_warnings, write_graph
 from .errors import RevgraphError
-from .external_data import too_large
-from .ir import TARGET_OPSET, Graph, ValueInfo, is_float_dtype
-from .lift import drop_unused_initializers, lift_constants
-from .onnx_io import check_valid, converter_error, load, save, to_onnx
+from .ir import TARGET_OPSET, ValueInfo, is_float_dtype
+from .lift import lift_constants
+from .onnx_io import check_valid, load
 from .runtime import BACKENDS, Session, random_inputs
 from .text import cell
 from .version import __version__
-
-POLICIES = "|".join([*_NAMED_POLICIES, "K"])  # the --checkpoint names (autodiff/policies.py)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -110,9 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--rtol", type=float, default=1e-4)
     check.add_argument("--atol", type=float, default=1e-6)
 
-    from .cli_forward import add_parsers  # here, not at the top: cli_forward imports this module's helpers
 
-    add_parsers(sub)
+    add_forward_parsers(sub)
 
     show = sub.add_parser("show", help="draw the graph (with --grad: forward and backward) as SVG, PNG or DOT")
     show.add_argument("model", metavar="MODEL.onnx")
@@ -175,10 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)  # argv is echoed: no markup
         return 2
     try:
-        from .cli_forward import COMMANDS as forward_commands
-
         commands = {"info": cmd_info, "run": cmd_run, "grad": cmd_grad, "check": cmd_check, "train": cmd_train,
-                    "demo": cmd_demo, "show": cmd_show, **forward_commands}
+                    "demo": cmd_demo, "show": cmd_show, **FORWARD_COMMANDS}
         return _dispatch(commands[args.command], args)
     except RevgraphError as exc:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)
@@ -317,69 +313,14 @@ def cmd_grad(args: argparse.Namespace) -> int:
                        lift_constants=args.lift_constants, straight_through=args.straight_through)
     model = write_graph(gg, args.output, args.opset, "gradient graph")
     added = [o for o in gg.output_names if o not in g.output_names]
-    forward, backward = _count_nodes(model, g)
+    forward, backward = count_nodes(model, g)
     out.print(
         f"wrote {args.output}: {forward} forward + {backward} backward nodes; "
-        f"{len(added)} gradient output(s): {_some(added)}",
+        f"{len(added)} gradient output(s): {some(added)}",
         soft_wrap=True,
         markup=False,
     )
     return 0
-
-
-def check_opset(opset: int | None) -> None:
-    """``--opset N``: from 7 to the newest opset the installed onnx knows (checked before any work)."""
-    import onnx
-
-    newest = onnx.defs.onnx_opset_version()
-    if opset is not None and not 7 <= opset <= newest:
-        raise RevgraphError(f"--opset {opset}: give an opset from 7 to {newest} (the newest this onnx knows)")
-
-
-def with_warnings(build, *args, **kwargs):
-    """``build(*args, **kwargs)``, each Python warning it raises printed as one literal ``warning:`` line."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = build(*args, **kwargs)
-    for w in caught:
-        err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
-    return result
-
-
-def write_graph(gg: Graph, path: str, opset: int | None, what: str):
-    """Write ``gg`` to ``path`` atomically, at ``opset`` (default: its own), after ONNX's full check; returns
-    the written ``ModelProto``. Initializers no node reads are dropped (onnxruntime warns about each)."""
-    import onnx
-
-    drop_unused_initializers(gg)  # onnxruntime would warn about each one when it loads the graph
-    model = to_onnx(gg)
-    if opset is not None and opset != gg.opset:
-        try:
-            model = onnx.version_converter.convert_version(model, opset)
-        except Exception as exc:
-            raise RevgraphError(f"cannot write the {what} at opset {opset}: {converter_error(exc)}") from None
-    if not too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
-        onnx.checker.check_model(model, full_check=True)
-    save(model, path)
-    return model
-
-
-def _count_nodes(model, forward: Graph) -> tuple[int, int]:
-    """The nodes of the written top-level graph that ``forward`` had (by name: revgraph names every node on
-    load, and the backward pass gives its nodes fresh names), and the others: the backward pass, and the forward
-    nodes it rewrote (a ``Scan`` or ``LSTM`` becomes a ``Loop``). Forward nodes no output depends on are not
-    written, so neither count is ever negative."""
-    names = {n.name for n in forward.nodes}
-    kept = sum(1 for n in model.graph.node if n.name in names)
-    return kept, len(model.graph.node) - kept
-
-
-def _some(names: list[str], most: int = 6) -> str:
-    """The first few names, and how many more there are."""
-    shown = ", ".join(names[:most])
-    return shown + (f", ... ({len(names) - most} more)" if len(names) > most else "")
 
 
 def cmd_check(args: argparse.Namespace) -> int:

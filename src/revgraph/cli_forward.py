@@ -15,8 +15,8 @@ import argparse
 from .autodiff.forward import jvp
 from .autodiff.policies import parse_policy
 from .autodiff.transforms import hessian, hvp, jacobian, jacobian_mode
-from .cli import POLICIES, _count_nodes, _some, check_opset, with_warnings, write_graph
 from .cli_io import check_command_outputs, out
+from .cli_write import POLICIES, check_opset, count_nodes, some, with_warnings, write_graph
 from .ir import TARGET_OPSET, Graph
 from .onnx_io import check_valid, load
 
@@ -105,13 +105,13 @@ def _finish(args: argparse.Namespace, g: Graph, result: Graph, what: str, nodes:
             outputs: str, note: str = "") -> int:
     """Write ``result`` and print what ``grad`` prints: node counts and the names added (with their suffixes)."""
     model = write_graph(result, args.output, args.opset, what)
-    forward, derived = _count_nodes(model, g)
+    forward, derived = count_nodes(model, g)
     new_inputs = [i for i in result.input_names if i not in g.input_names]
     new_outputs = [o for o in result.output_names if o not in g.output_names]
     parts = [f"wrote {args.output}: {forward} forward + {derived} {nodes} nodes{note}"]
     if new_inputs:
-        parts.append(f"{len(new_inputs)} {inputs} input(s): {_some(new_inputs)}")
-    parts.append(f"{len(new_outputs)} {outputs} output(s): {_some(new_outputs)}")
+        parts.append(f"{len(new_inputs)} {inputs} input(s): {some(new_inputs)}")
+    parts.append(f"{len(new_outputs)} {outputs} output(s): {some(new_outputs)}")
     out.print("; ".join(parts), soft_wrap=True, markup=False)
     return 0
 

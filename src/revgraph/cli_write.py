@@ -1,0 +1,70 @@
+"""What the commands that write a derived graph share (``grad`` in :mod:`revgraph.cli`; ``jvp``, ``hvp``,
+``jacobian`` and ``hessian`` in :mod:`revgraph.cli_forward`): the ``--checkpoint`` names, ``--opset`` checks,
+warnings as lines, the checked atomic write and the summary's counts."""
+
+from __future__ import annotations
+
+from .autodiff.policies import NAMED as _NAMED_POLICIES
+from .cli_io import err
+from .errors import RevgraphError
+from .external_data import too_large
+from .ir import Graph
+from .lift import drop_unused_initializers
+from .onnx_io import converter_error, save, to_onnx
+
+POLICIES = "|".join([*_NAMED_POLICIES, "K"])  # the --checkpoint names (autodiff/policies.py)
+
+
+def check_opset(opset: int | None) -> None:
+    """``--opset N``: from 7 to the newest opset the installed onnx knows (checked before any work)."""
+    import onnx
+
+    newest = onnx.defs.onnx_opset_version()
+    if opset is not None and not 7 <= opset <= newest:
+        raise RevgraphError(f"--opset {opset}: give an opset from 7 to {newest} (the newest this onnx knows)")
+
+
+def with_warnings(build, *args, **kwargs):
+    """``build(*args, **kwargs)``, each Python warning it raises printed as one literal ``warning:`` line."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = build(*args, **kwargs)
+    for w in caught:
+        err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
+    return result
+
+
+def write_graph(gg: Graph, path: str, opset: int | None, what: str):
+    """Write ``gg`` to ``path`` atomically, at ``opset`` (default: its own), after ONNX's full check; returns
+    the written ``ModelProto``. Initializers no node reads are dropped (onnxruntime warns about each)."""
+    import onnx
+
+    drop_unused_initializers(gg)  # onnxruntime would warn about each one when it loads the graph
+    model = to_onnx(gg)
+    if opset is not None and opset != gg.opset:
+        try:
+            model = onnx.version_converter.convert_version(model, opset)
+        except Exception as exc:
+            raise RevgraphError(f"cannot write the {what} at opset {opset}: {converter_error(exc)}") from None
+    if not too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
+        onnx.checker.check_model(model, full_check=True)
+    save(model, path)
+    return model
+
+
+def count_nodes(model, forward: Graph) -> tuple[int, int]:
+    """The nodes of the written top-level graph that ``forward`` had (by name: revgraph names every node on
+    load, and the backward pass gives its nodes fresh names), and the others: the backward pass, and the forward
+    nodes it rewrote (a ``Scan`` or ``LSTM`` becomes a ``Loop``). Forward nodes no output depends on are not
+    written, so neither count is ever negative."""
+    names = {n.name for n in forward.nodes}
+    kept = sum(1 for n in model.graph.node if n.name in names)
+    return kept, len(model.graph.node) - kept
+
+
+def some(names: list[str], most: int = 6) -> str:
+    """The first few names, and how many more there are."""
+    shown = ", ".join(names[:most])
+    return shown + (f", ... ({len(names) - most} more)" if len(names) > most else "")
