@@ -282,3 +282,30 @@ def test_policies_stack_only_what_the_body_vjp_needs():
     gw = rg.gradient(g, wrt=["w"])  # now x_in is needed: d(x*w)/dw = x
     fwd = next(node for node in gw.nodes if node.name == "loop")
     assert [o for o in fwd.outputs if "stacked" in o] == ["loop/stacked/x_in"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("steps", [0, 1, 4])
+def test_rows_read_per_iteration_are_stacked_not_accumulated(policy, steps):
+    # h <- tanh(h * w + xs[i]), as a recurrence reads its input sequence: xs's gradient is every iteration's row,
+    # stacked by the backward loop as scan outputs, never added into a [T, 3] accumulator the loop carries
+    # (onnxruntime copies a carried value each iteration: O(T^2) for T rows)
+    b = body([n("Gather", ["xs", "i"], "xt", axis=0), n("Mul", ["h_in", "w"], "hw"), n("Add", ["hw", "xt"], "pre"),
+              n("Tanh", ["pre"], "h_out")], [("h_in", "h_out")], types={"h_in": (3,), "h_out": (3,)})
+    g = graph([loop(b, "M", ["h0"], ["h"]), n("ReduceSum", ["h"], "loss", keepdims=0)],
+              {"xs": (4, 3), "w": (3,), "h0": (3,)}, ["loss"], _trip(steps))
+    rng = np.random.default_rng(steps)
+    feeds = {"xs": rng.standard_normal((4, 3)), "w": rng.standard_normal(3), "h0": rng.standard_normal(3)}
+
+    def unrolled(xs, w, h0):
+        h = h0
+        for t in range(steps):
+            h = torch.tanh(h * w + xs[t])
+        return h.sum()
+
+    ours = grads(g, feeds, ["xs", "w", "h0"], policy=policy)
+    assert_close(ours, torch_grads(unrolled, feeds, ["xs", "w", "h0"]))
+    if policy in ("store", "recompute"):
+        gg = rg.gradient(g, wrt=["xs"], checkpoint=policy)
+        backward_loops = [m for m in gg.nodes if m.op_type == "Loop" and m.name != "loop"]
+        assert backward_loops and all(vi.shape != (4, 3) for m in backward_loops for vi in m.attrs["body"].inputs)

@@ -233,28 +233,56 @@ def close_loop(ctx: Ctx, p: LoopParts, bb: BackwardBody, count: str, cts: list, 
             refuse_unknown_structure(p, j)
         g = eb.zeros_like(p.v_in[j]) if g is None else densify(eb, g)
         outs.append(ValueInfo(eb.op("Identity", [g]), *_type(p.types, p.v_in[j])))
+    rows = {c: g for c in p.captured if (g := _fixed_rows(eb, captured.get(c))) is not None}
+    summed = [c for c in p.captured if c not in rows]
     acc = Accumulator(eb)
-    for c in p.captured:
+    for c in summed:
         if not isinstance(captured.get(c), Total):
             acc.add(c, bb.acc[c].name)
         if captured.get(c) is not None:
             acc.add(c, str(captured[c]) if isinstance(captured[c], Total) else captured[c])
         outs.append(ValueInfo(eb.op("Identity", [acc.dense_total(c)]), *_type(e.types, c)))
-    inputs = [bb.k, bb.cond, *bb.cot.values(), *bb.acc.values()]
+    for g in rows.values():  # scan outputs: each iteration's rows, stacked
+        outs += [ValueInfo(eb.op("Identity", [g.indices]), I64, eb.shape(g.indices)),
+                 ValueInfo(eb.op("Identity", [g.values]), eb.dtype(g.values), eb.shape(g.values))]
+    inputs = [bb.k, bb.cond, *bb.cot.values(), *(bb.acc[c] for c in summed)]
     bwd_body = Graph(eb.nodes, inputs, outs, name=f"grad_{node.name}_body")
     keep_types(bwd_body, eb.types)
 
     initial = [densify(e, cts[j]) if cts[j] is not None else zeros_like(e, node.outputs[j]) for j in p.carried]
-    initial += [zeros_like(e, c) for c in p.captured]
-    n_out = len(initial)
+    initial += [zeros_like(e, c) for c in summed]
+    n_out = len(initial) + 2 * len(rows)
     results = e.op("Loop", [count, e.const(np.array(True)), *initial], n_out=n_out, body=bwd_body)
     results = [results] if n_out == 1 else results
-    for name, src in zip(results, [node.inputs[2 + j] for j in p.carried] + p.captured, strict=True):
+    for name, src in zip(results, [node.inputs[2 + j] for j in p.carried] + summed, strict=False):
         e.types[name] = ValueInfo(name, *_type(e.types, src))
     in_grads: list = [None] * len(node.inputs)
     for j, name in zip(p.carried, results, strict=False):
         in_grads[2 + j] = name
-    return PatchedVJP(in_grads, dict(zip(p.captured, results[len(p.carried):], strict=True)), patch)
+    grads: dict[str, Grad] = dict(zip(summed, results[len(p.carried):len(initial)], strict=True))
+    stacked = results[len(initial):]
+    for k, (c, g) in enumerate(rows.items()):
+        rest = list(eb.shape(g.values)[1:])
+        indices = e.op("Reshape", [stacked[2 * k], e.ints([-1])], dtype=I64, shape=(None,))
+        values = e.op("Reshape", [stacked[2 * k + 1], e.ints([-1, *rest])], dtype=eb.dtype(g.values),
+                      shape=(None, *rest))
+        grads[c] = SparseGrad(indices, values, c)
+    return PatchedVJP(in_grads, {c: grads[c] for c in p.captured}, patch)
+
+
+def _fixed_rows(eb: Emitter, g: Grad | None) -> SparseGrad | None:
+    """``g`` when it is rows of a table (a ``Gather`` in the body) whose count and shape are the same in every
+    iteration (static in ``eb``'s types): the backward loop then stacks them as scan outputs, and the loop's
+    gradient of the table is all the rows, sparse (the accumulator adds them once, or keeps them sparse).
+    Adding each iteration's rows into a dense accumulator carried by the loop would copy the whole table every
+    iteration (onnxruntime does not update loop-carried values in place): O(T^2) for a [T, ...] table read
+    one row per iteration, as a recurrence reads its input sequence."""
+    if not isinstance(g, SparseGrad):
+        return None
+    shapes = [eb.shape(g.indices), eb.shape(g.values)]
+    if any(s is None or not all(isinstance(d, int) for d in s) for s in shapes) or len(shapes[0]) != 1:
+        return None
+    return g
 
 
 def refuse_unknown_structure(p: LoopParts, j: int) -> None:
