@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 import torch
@@ -74,3 +76,29 @@ def torch_grads(fn, feeds, wrt):
 def assert_close(ours, theirs, rtol=1e-9, atol=1e-10):
     for k in theirs:
         np.testing.assert_allclose(ours[k], theirs[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+def three_nested_loops() -> tuple[Graph, dict[str, np.ndarray], Callable]:
+    """innermost: s <- s * w (2 steps); middle: 3 steps of it plus a sin; outer: 2 steps of the middle, then
+    loss = sum(s). Returns the graph, feeds and the unrolled PyTorch function (of s0 and w, returning s)."""
+    inner = body([n("Mul", ["s3_in", "w"], "s3_out")], [("s3_in", "s3_out")], iter_name="k", cond_name="c3")
+    middle = body([loop(inner, "M2", ["s2_in"], ["s2_mid"], "inner"), n("Sin", ["s2_mid"], "s2_out")],
+                  [("s2_in", "s2_out")], iter_name="j", cond_name="c2")
+    outer = body([loop(middle, "M3", ["s1_in"], ["s1_mid"], "middle"), n("Mul", ["s1_mid", "w"], "s1_out")],
+                 [("s1_in", "s1_out")])
+    trips = {"M": np.array(2, np.int64), "M2": np.array(2, np.int64), "M3": np.array(3, np.int64)}
+    g = graph([loop(outer, "M", ["s0"], ["s"], "outer"), n("ReduceSum", ["s"], "loss", keepdims=0)],
+              {"s0": (2,), "w": (2,)}, ["loss"], trips)
+    feeds = {"s0": np.array([0.7, -0.4]), "w": np.array([1.1, 0.9])}
+
+    def unrolled(s0, w):
+        s = s0
+        for _ in range(2):
+            for _ in range(3):
+                for _ in range(2):
+                    s = s * w
+                s = torch.sin(s)
+            s = s * w
+        return s
+
+    return g, feeds, unrolled

@@ -41,7 +41,7 @@ from forwardkit import (
     torch_hvp,
     torch_jvp,
 )
-from loopkit import F64, POLICIES, body, const, graph, loop, n
+from loopkit import F64, POLICIES, body, const, graph, loop, n, three_nested_loops
 from test_control_flow import _scan_graph, branch, if_node
 from test_light_models import MODELS as LIGHT_MODELS
 from test_loops import _taylor_cond_nodes, _taylor_sin_body
@@ -142,26 +142,13 @@ def test_while_loop_nested_in_an_outer_loop():
 
 
 def test_three_nested_loops():
-    inner = body([n("Mul", ["s3_in", "w"], "s3_out")], [("s3_in", "s3_out")], iter_name="k", cond_name="c3")
-    middle = body([loop(inner, "M2", ["s2_in"], ["s2_mid"], "inner"), n("Sin", ["s2_mid"], "s2_out")],
-                  [("s2_in", "s2_out")], iter_name="j", cond_name="c2")
-    outer = body([loop(middle, "M3", ["s1_in"], ["s1_mid"], "middle"), n("Mul", ["s1_mid", "w"], "s1_out")],
-                 [("s1_in", "s1_out")])
-    g = graph([loop(outer, "M", ["s0"], ["s"], "outer"), n("ReduceSum", ["s"], "loss", keepdims=0)],
-              {"s0": (2,), "w": (2,)}, ["loss"], {**_trip(2), "M2": np.array(2, np.int64), "M3": np.array(3, np.int64)})
+    g, feeds, inner_fn = three_nested_loops()
     g.outputs.append(ValueInfo("s", F64, (2,)))
-    feeds = {"s0": np.array([0.7, -0.4]), "w": np.array([1.1, 0.9])}
     tangents = {"s0": np.array([0.2, 0.5]), "w": np.array([-1.0, 0.3])}
     jg, _, tan = jvp_run(g, feeds, tangents, ["loss", "s"])
 
     def unrolled(s0, w):
-        s = s0
-        for _ in range(2):
-            for _ in range(3):
-                for _ in range(2):
-                    s = s * w
-                s = torch.sin(s)
-            s = s * w
+        s = inner_fn(s0, w)
         return s.sum(), s
 
     t_loss, t_s = torch_jvp(unrolled, feeds, tangents)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from loopkit import POLICIES, assert_close, body, const, grads, graph, loop, n, torch_grads
+from loopkit import POLICIES, assert_close, body, const, grads, graph, loop, n, three_nested_loops, torch_grads
 
 import revgraph as rg
 
@@ -248,27 +248,9 @@ def test_outer_value_both_initial_and_captured(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_three_nested_loops(policy):
-    # innermost: s <- s * w (2 steps); middle: 3 steps of it plus a sin; outer: 2 steps of the middle
-    inner = body([n("Mul", ["s3_in", "w"], "s3_out")], [("s3_in", "s3_out")], iter_name="k", cond_name="c3")
-    middle = body([loop(inner, "M2", ["s2_in"], ["s2_mid"], "inner"), n("Sin", ["s2_mid"], "s2_out")],
-                  [("s2_in", "s2_out")], iter_name="j", cond_name="c2")
-    outer = body([loop(middle, "M3", ["s1_in"], ["s1_mid"], "middle"), n("Mul", ["s1_mid", "w"], "s1_out")],
-                  [("s1_in", "s1_out")])
-    g = graph([loop(outer, "M", ["s0"], ["s"], "outer"), n("ReduceSum", ["s"], "loss", keepdims=0)],
-              {"s0": (2,), "w": (2,)}, ["loss"], {**_trip(2), "M2": np.array(2, np.int64), "M3": np.array(3, np.int64)})
-    feeds = {"s0": np.array([0.7, -0.4]), "w": np.array([1.1, 0.9])}
-
-    def unrolled(s0, w):
-        s = s0
-        for _ in range(2):
-            for _ in range(3):
-                for _ in range(2):
-                    s = s * w
-                s = torch.sin(s)
-            s = s * w
-        return s.sum()
-
-    assert_close(grads(g, feeds, ["s0", "w"], policy=policy), torch_grads(unrolled, feeds, ["s0", "w"]))
+    g, feeds, unrolled = three_nested_loops()
+    loss = lambda s0, w: unrolled(s0, w).sum()
+    assert_close(grads(g, feeds, ["s0", "w"], policy=policy), torch_grads(loss, feeds, ["s0", "w"]))
 
 
 def test_policies_stack_only_what_the_body_vjp_needs():
