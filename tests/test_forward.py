@@ -617,3 +617,14 @@ def test_light_model_jvp_small(name):
 @pytest.mark.parametrize("name", [m for m in LIGHT_MODELS if m not in SMALL_LIGHT])
 def test_light_model_jvp(name):
     light_check(name)
+
+
+def test_a_zero_tangent_meeting_an_infinite_derivative_gives_zero():
+    # sqrt(relu(x)): where relu is inactive its tangent is exactly 0, and sqrt'(0) = inf; strong zeros make the
+    # JVP 0 there (torch.func.jvp gives NaN), and 1 / (2 sqrt(x)) * t where x > 0
+    g = Graph([n("Relu", ["x"], "r"), n("Sqrt", ["r"], "y")], [ValueInfo("x", F64, (3,))], [ValueInfo("y", F64, (3,))])
+    jg = rg.jvp(g)
+    x, t = np.array([-1.0, 0.0, 4.0]), np.array([1.0, 2.0, 3.0])
+    for backend in ("onnxruntime", "reference"):
+        out = rg.Session(jg, backend=backend).run({"x": x, "x_tangent": t})["y_tangent"]
+        np.testing.assert_array_equal(out, [0.0, 0.0, 0.75])
