@@ -30,11 +30,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register the four commands on ``revgraph``'s subparsers."""
     j = sub.add_parser("jvp", help="write the JVP graph (forward mode): inputs <x>_tangent, outputs <y>_tangent = J t")
     _common(j)
-    j.add_argument("--outputs", metavar="NAME", nargs="+",
-                   help="values whose tangents to compute (default: every floating-point output)")
-    j.add_argument("--inputs", metavar="NAME", nargs="+", help="values that get a tangent input "
-                   "(default: every floating-point input and initializer; an intermediate value's tangent replaces "
-                   "the one its producer gives it)")
+    _outputs_inputs(j, "values whose tangents to compute", "values that get a tangent input",
+                    "; an intermediate value's tangent replaces the one its producer gives it")
     j.add_argument("--checkpoint", default="store", metavar=POLICIES,
                    help="accepted for uniformity with the other commands and checked, but unused: forward mode "
                    "stores no residuals (a loop's JVP carries the tangents forward with the loop), so only the "
@@ -51,11 +48,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     jac = sub.add_parser("jacobian", help="write the Jacobian graph: outputs <y>_jacobian_<x> of shape "
                          "y.shape + x.shape, computed by one Loop in the graph")
     _common(jac)
-    jac.add_argument("--outputs", metavar="NAME", nargs="+",
-                     help="values to differentiate (default: every floating-point output)")
-    jac.add_argument("--inputs", metavar="NAME", nargs="+",
-                     help="values to differentiate with respect to (default: every floating-point input and "
-                     "initializer)")
+    _outputs_inputs(jac, "values to differentiate", "values to differentiate with respect to")
     jac.add_argument("--mode", choices=("auto", "forward", "reverse"), default="auto",
                      help="forward: one JVP per input element; reverse: one VJP per output element; auto "
                      "(default): forward when the inputs have no more elements than the outputs (static shapes), "
@@ -75,6 +68,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.onnx")
     p.add_argument("-o", "--output", metavar="OUT.onnx", required=True)
+
+
+def _outputs_inputs(p: argparse.ArgumentParser, outputs: str, inputs: str, note: str = "") -> None:
+    p.add_argument("--outputs", metavar="NAME", nargs="+", help=f"{outputs} (default: every floating-point output)")
+    p.add_argument("--inputs", metavar="NAME", nargs="+",
+                   help=f"{inputs} (default: every floating-point input and initializer{note})")
 
 
 def _loss_wrt(p: argparse.ArgumentParser) -> None:

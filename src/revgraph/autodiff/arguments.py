@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 
 from ..errors import RevgraphError
 from ..ir import Graph, NameSet, ValueInfo, is_float_dtype
+from ..types import differentiable
 
 
 def used_names(graph: Graph) -> set[str]:
@@ -93,12 +94,32 @@ def resolve_wrt(graph: Graph, wrt: Iterable[str] | str | None, types: dict[str, 
         if not names:
             raise RevgraphError("the model has no floating-point inputs or initializers to differentiate; name values with --wrt")
         return names
-    names = names_argument(wrt, "wrt")
+    return _floating_names(graph, names_argument(wrt, "wrt"), types, "to differentiate with respect to",
+                           "{name!r} is {type}; only floating-point values have gradients")
+
+
+def resolve_outputs(graph: Graph, outputs: Iterable[str] | str | None, types: dict[str, ValueInfo]) -> list[str]:
+    """The differentiated outputs of forward mode and Jacobians: the given names (checked: known, floating
+    point), or every floating-point tensor output of the graph."""
+    if outputs is None:
+        names = [o for o in graph.output_names
+                 if differentiable(types.get(o)) and (types.get(o) or ValueInfo(o)).kind == "tensor"]
+        if not names:
+            raise RevgraphError("the model has no floating-point outputs to differentiate; name values with --outputs")
+        return names
+    return _floating_names(graph, names_argument(outputs, "outputs"), types, "to differentiate",
+                           "the output {name!r} is {type}, not floating point: an integer or boolean value has no "
+                           "derivative; name the floating-point value it is computed from")
+
+
+def _floating_names(graph: Graph, names: list[str], types: dict[str, ValueInfo], role: str, not_float: str) -> list[str]:
+    """``names`` when each names a value of ``graph`` whose type is floating point (or unknown); else a one-line
+    :class:`RevgraphError`: "no value named ... {role}" (with close names), or ``not_float`` formatted."""
     known = known_names(graph)
-    for n in names:
-        if n not in known:
-            raise RevgraphError(f"no value named {n!r} to differentiate with respect to{suggest(n, known)}")
-        vi = types.get(n)
+    for name in names:
+        if name not in known:
+            raise RevgraphError(f"no value named {name!r} {role}{suggest(name, known)}")
+        vi = types.get(name)
         if vi is not None and vi.dtype is not None and not vi.is_float:
-            raise RevgraphError(f"{n!r} is {vi.describe()}; only floating-point values have gradients")
+            raise RevgraphError(not_float.format(name=name, type=vi.describe()))
     return names

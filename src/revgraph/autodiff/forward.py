@@ -29,12 +29,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
-from ..errors import RevgraphError
-from ..ir import Graph, Node, ValueInfo, fresh_name, is_float_dtype, require_graph
+from ..ir import Graph, Node, ValueInfo, fresh_name, require_graph
 from ..ssa import captured_names, is_ssa, to_ssa
 from ..types import differentiable, infer_types, keep_types
 from .accumulate import densify, zeros_like
-from .arguments import known_names, names_argument, resolve_wrt, suggest, used_names
+from .arguments import resolve_outputs, resolve_wrt, used_names
 from .backward import backward
 from .context import Options
 from .emitter import Emitter
@@ -100,26 +99,6 @@ def jvp(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterab
     g.nodes = schedule(g.nodes, seeds)
     keep_types(g, types)
     return g
-
-
-def resolve_outputs(g: Graph, outputs: Iterable[str] | str | None, types: dict[str, ValueInfo]) -> list[str]:
-    """The differentiated outputs: the given names (checked: known, floating point), or every floating-point
-    graph output."""
-    if outputs is None:
-        names = [o for o in g.output_names if differentiable(types.get(o)) and (types.get(o) or ValueInfo(o)).kind == "tensor"]
-        if not names:
-            raise RevgraphError("the model has no floating-point outputs to differentiate; name values with --outputs")
-        return names
-    names = names_argument(outputs, "outputs")
-    known = known_names(g)
-    for y in names:
-        if y not in known:
-            raise RevgraphError(f"no value named {y!r} to differentiate{suggest(y, known)}")
-        vi = types.get(y)
-        if vi is not None and vi.dtype is not None and vi.kind == "tensor" and not is_float_dtype(vi.dtype):
-            raise RevgraphError(f"the output {y!r} is {vi.describe()}, not floating point: an integer or boolean value "
-                                "has no derivative; name the floating-point value it is computed from")
-    return names
 
 
 # ---------------------------------------------------------------------------------------------- the pass

@@ -25,8 +25,8 @@ from ..ir import Graph, Node, ValueInfo, fresh_name, onnx_dtype, require_graph
 from ..ssa import captured_names
 from ..types import infer_types, keep_types
 from .api import gradient
-from .arguments import names_argument, resolve_loss, resolve_wrt, used_names
-from .forward import jvp, resolve_outputs
+from .arguments import names_argument, resolve_loss, resolve_outputs, resolve_wrt, used_names
+from .forward import jvp
 from .policies import CheckpointPolicy, parse_policy
 from .simplify import simplify
 

@@ -128,20 +128,19 @@ class _Attention:
 
     def group(self, x: str) -> str:
         """``[B, Hq, L, F]`` as ``[B, Hkv, G*L, F]`` (query head ``h`` = ``kv * G + g``): a reshape."""
-        if not self.grouped:
-            return x
-        e = self.e
-        shape = e.op("Concat", [e.ints([0]), self._heads_dim(self.hkv, self.k), e.ints([-1, 0])], axis=0) \
-            if self.hkv is None else e.ints([0, self.hkv, -1, 0])
-        return e.op("Reshape", [x, shape])
+        return self._heads(x, self.hkv, self.k)
 
     def ungroup(self, x: str) -> str:
         """The inverse of :meth:`group`."""
+        return self._heads(x, self.hq, self.q)
+
+    def _heads(self, x: str, n: int | None, ref: str) -> str:
+        """``x`` reshaped to ``n`` heads (dimension 1 of ``ref`` when unknown), the rest folded into axis 2."""
         if not self.grouped:
             return x
         e = self.e
-        shape = e.op("Concat", [e.ints([0]), self._heads_dim(self.hq, self.q), e.ints([-1, 0])], axis=0) \
-            if self.hq is None else e.ints([0, self.hq, -1, 0])
+        shape = e.ints([0, n, -1, 0]) if n is not None else \
+            e.op("Concat", [e.ints([0]), self._heads_dim(n, ref), e.ints([-1, 0])], axis=0)
         return e.op("Reshape", [x, shape])
 
     @cached_property
