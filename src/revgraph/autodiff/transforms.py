@@ -21,11 +21,12 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..errors import RevgraphError
-from ..ir import Graph, Node, ValueInfo, fresh_name, onnx_dtype, require_graph
+from ..ir import Graph, Node, ValueInfo, onnx_dtype, require_graph
 from ..ssa import captured_names
 from ..types import infer_types, keep_types
 from .api import gradient
 from .arguments import names_argument, resolve_loss, resolve_outputs, resolve_wrt, used_names
+from .emitter import Emitter
 from .forward import jvp
 from .policies import CheckpointPolicy, parse_policy
 from .simplify import simplify
@@ -147,15 +148,15 @@ def _forward_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tu
     types = infer_types(jg)
     stacked, offsets = _basis_loop(jg, seeds, jg.output_names[-len(ys):], types, xs,
                                    "a forward-mode basis runs over the inputs' elements; declare their shapes")
-    b = _Tail(jg)
+    e = Emitter(types, used_names(jg), jg.opset, prefix="jacobian")
     for (y, x), out in names.items():
         k = xs.index(x)
-        n_x = offsets[k + 1] - offsets[k]
-        block = b.rows(stacked[ys.index(y)], offsets, k, len(xs))  # [n_x, *y]
-        flat = b.op("Reshape", [block, b.ints([n_x, -1])])  # [n_x, n_y]
-        t = b.op("Transpose", [flat], perm=[1, 0])
-        b.output(b.op("Reshape", [t, b.shape_of(y, types[seeds[k]].shape)]), out, types.get(y))
-    return b.finish()
+        block = _rows(e, stacked[ys.index(y)], offsets, k, len(xs))  # [n_x, *y]
+        flat = e.op("Reshape", [block, e.ints([offsets[k + 1] - offsets[k], -1])])  # [n_x, n_y]
+        t = e.op("Transpose", [flat], perm=[1, 0])
+        shape = e.op("Concat", [e.op("Shape", [y]), e.ints(list(types[seeds[k]].shape))], axis=0)
+        _output(e, jg, e.op("Reshape", [t, shape]), out, types.get(y))
+    return _finish(jg, e)
 
 
 def _reverse_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tuple[str, str], str],
@@ -163,33 +164,29 @@ def _reverse_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tu
     """Reverse mode: the VJP of ``sum_y <y, s_y>`` for seeds ``s_y`` in a loop over the basis of the outputs,
     stacked ``[n_y, *x.shape]`` per output block, then reshaped to ``[*y.shape, *x.shape]``."""
     g = graph.copy()
-    used = used_names(g)
     types = infer_types(g)
+    e = Emitter(types, used_names(g), g.opset, prefix="jacobian")
     seeds, parts = [], []
     for y in ys:
         vi = types.get(y) or ValueInfo(y)
-        s = fresh_name(f"{y}_seed", used)
-        g.inputs.append(ValueInfo(s, vi.dtype, vi.shape))
-        seeds.append(s)
-        prod, part = fresh_name(f"{y}_seeded", used), fresh_name(f"{y}_seeded_sum", used)
-        g.nodes += [Node("Mul", [y, s], [prod], name=fresh_name("jacobian/Mul", used)),
-                    Node("ReduceSum", [prod], [part], {"keepdims": 0}, fresh_name("jacobian/ReduceSum", used))]
-        parts.append(part)
-    total = fresh_name("jacobian_objective", used)
-    g.nodes.append(Node("Sum", parts, [total], name=fresh_name("jacobian/Sum", used)))
+        seeds.append(e.fresh(f"{y}_seed"))
+        g.inputs.append(ValueInfo(seeds[-1], vi.dtype, vi.shape))
+        parts.append(e.op("ReduceSum", [e.op("Mul", [y, seeds[-1]])], keepdims=0))
+    total = e.op("Sum", parts)
+    g.nodes += e.nodes
     keep = len(g.outputs)
     g.outputs.append(ValueInfo(total, (types.get(ys[0]) or ValueInfo(ys[0])).dtype, ()))
     gg = gradient(g, total, xs, checkpoint=checkpoint)
     gg.outputs = [*gg.outputs[:keep], *gg.outputs[keep + 1 :]]
-    gtypes = infer_types(gg)
-    stacked, offsets = _basis_loop(gg, seeds, gg.output_names[-len(xs):], gtypes, ys,
+    stacked, offsets = _basis_loop(gg, seeds, gg.output_names[-len(xs):], infer_types(gg), ys,
                                    "a reverse-mode basis runs over the outputs' elements; declare their shapes, "
                                    "or use mode='forward' (--mode forward) when the inputs' shapes are static")
-    b = _Tail(gg)
+    e = Emitter(infer_types(gg), used_names(gg), gg.opset, prefix="jacobian")
     for (y, x), out in names.items():
-        block = b.rows(stacked[xs.index(x)], offsets, ys.index(y), len(ys))  # [n_y, *x]
-        b.output(b.op("Reshape", [block, b.shape_of(y, None, x)]), out, types.get(y))
-    return b.finish()
+        block = _rows(e, stacked[xs.index(x)], offsets, ys.index(y), len(ys))  # [n_y, *x]
+        shape = e.op("Concat", [e.op("Shape", [y]), e.op("Shape", [x])], axis=0)
+        _output(e, gg, e.op("Reshape", [block, shape]), out, types.get(y))
+    return _finish(gg, e)
 
 
 def _basis_loop(g: Graph, seeds: list[str], results: list[str], types: dict[str, ValueInfo], of: list[str],
@@ -201,7 +198,6 @@ def _basis_loop(g: Graph, seeds: list[str], results: list[str], types: dict[str,
     basis. A graph output computed in the loop (a forward value computed together with its tangent, as a
     loop's JVP does) is stacked too and read from the first iteration. ``of``: the value each seed stands for,
     named with ``advice`` in the :class:`RevgraphError` for a seed whose shape is not static."""
-    used = used_names(g)
     seed_vis = [next(v for v in g.inputs if v.name == s) for s in seeds]
     offsets = [0]
     for vi, value in zip(seed_vis, of, strict=True):
@@ -218,90 +214,55 @@ def _basis_loop(g: Graph, seeds: list[str], results: list[str], types: dict[str,
         else:
             outer.append(node)
     g.inputs = [v for v in g.inputs if v.name not in seeds]
-    k, cond = fresh_name("basis/k", used), fresh_name("basis/cond", used)
-    b = _Tail(g, used, "basis")
-    n = b.const(np.array(offsets[-1], np.int64))
-    onehot = b.op("Cast", [b.op("Equal", [b.op("Range", [b.const(np.array(0, np.int64)), n,
-                                                          b.const(np.array(1, np.int64))]), k])],
-                  to=onnx_dtype(seed_vis[0].dtype))
+    e = Emitter(types, used_names(g), g.opset, prefix="basis")  # the enclosing graph's nodes
+    head, tail = e.child(types, "basis"), e.child(types, "basis")  # the body's, before and after the moved nodes
+    k, cond = e.fresh("basis/k"), e.fresh("basis/cond")
+    n = e.const(np.array(offsets[-1], np.int64))
+    steps = head.op("Range", [head.const(np.array(0, np.int64)), n, head.const(np.array(1, np.int64))])
+    onehot = head.op("Cast", [head.op("Equal", [steps, k])], to=onnx_dtype(seed_vis[0].dtype))
     sizes = [offsets[j + 1] - offsets[j] for j in range(len(seeds))]
-    pieces = [onehot] if len(seeds) == 1 else b.op("Split", [onehot, b.ints(sizes)], n_out=len(seeds), axis=0)
+    pieces = [onehot] if len(seeds) == 1 else head.op("Split", [onehot, head.ints(sizes)], n_out=len(seeds), axis=0)
     for vi, piece in zip(seed_vis, pieces, strict=True):
-        b.nodes.append(Node("Reshape", [piece, b.ints(list(vi.shape))], [vi.name], name=fresh_name("basis/Reshape", used)))
+        head.nodes.append(Node("Reshape", [piece, head.ints(list(vi.shape))], [vi.name], name=e.fresh("basis/Reshape")))
     in_loop = [o for o in g.output_names if o in dependent and o not in results]
-    body_outs = []
-    for r in [*results, *in_loop]:
-        vi = types.get(r) or ValueInfo(r)
-        body_outs.append(ValueInfo(b.op("Identity", [r], late=True), vi.dtype, vi.shape))
-    cond_out = b.op("Identity", [cond], late=True)
-    body = Graph([*b.nodes, *inner, *b.late], [ValueInfo(k, np.int64, ()), ValueInfo(cond, np.bool_, ())],
-                 [ValueInfo(cond_out, np.bool_, ()), *body_outs], name="basis")
-    stacked = [fresh_name(f"{r}_stacked", used) for r in [*results, *in_loop]]
-    loop = [n_node for n_node in b.consts] + [Node("Loop", [n, ""], stacked, {"body": body}, fresh_name("basis/Loop", used))]
+    body_outs = [ValueInfo(tail.op("Identity", [r]), *(types.get(r) or ValueInfo(r)).dtype_shape)
+                 for r in [*results, *in_loop]]
+    cond_out = ValueInfo(tail.op("Identity", [cond]), np.bool_, ())
+    body = Graph([*head.nodes, *inner, *tail.nodes], [ValueInfo(k, np.int64, ()), ValueInfo(cond, np.bool_, ())],
+                 [cond_out, *body_outs], name="basis")
+    stacked = [e.fresh(f"{r}_stacked") for r in [*results, *in_loop]]
+    e.nodes.append(Node("Loop", [n, ""], stacked, {"body": body}, e.fresh("basis/Loop")))
     for r, s in zip(in_loop, stacked[len(results):], strict=True):
-        loop.append(Node("Gather", [s, b.outer_const(np.array(0, np.int64), loop)], [r], {"axis": 0},
-                         fresh_name("basis/Gather", used)))
-    g.nodes = [*outer, *loop]
+        e.nodes.append(Node("Gather", [s, e.const(np.array(0, np.int64))], [r], {"axis": 0}, e.fresh("basis/Gather")))
+    g.nodes = [*outer, *e.nodes]
     g.outputs = [o for o in g.outputs if o.name not in results]
     g.value_info = {}
     return stacked[: len(results)], offsets
 
 
-class _Tail:
-    """Builds nodes with fresh names: ``nodes`` (and ``late``, placed after the moved nodes in a body);
-    constants in ``consts`` (the enclosing graph's, for the loop's trip count)."""
+def _rows(e: Emitter, stacked: str, offsets: list[int], k: int, blocks: int) -> str:
+    """Rows ``offsets[k]:offsets[k+1]`` of ``stacked`` (all of it for one block)."""
+    if blocks == 1:
+        return stacked
+    return e.op("Slice", [stacked, e.ints([offsets[k]]), e.ints([offsets[k + 1]]), e.ints([0])])
 
-    def __init__(self, g: Graph, used: set[str] | None = None, prefix: str = "jacobian"):
-        self.g, self.used, self.prefix = g, used if used is not None else used_names(g), prefix
-        self.nodes: list[Node] = []
-        self.late: list[Node] = []
-        self.consts: list[Node] = []
 
-    def op(self, op: str, inputs: list[str], n_out: int = 1, late: bool = False, **attrs) -> str | list[str]:
-        base = fresh_name(f"{self.prefix}/{op}", self.used)
-        outs = [base] if n_out == 1 else [fresh_name(f"{base}:{i}", self.used) for i in range(n_out)]
-        (self.late if late else self.nodes).append(Node(op, inputs, outs, attrs, base))
-        return outs[0] if n_out == 1 else outs
+def _output(e: Emitter, g: Graph, value: str, name: str, like: ValueInfo | None) -> None:
+    """Declare ``value`` as the graph output ``name`` (a fresh name)."""
+    out = e.fresh(name)
+    e.nodes.append(Node("Identity", [value], [out], name=e.fresh(f"jacobian/{name}")))
+    g.outputs.append(ValueInfo(out, None if like is None else like.dtype))
 
-    def const(self, value: np.ndarray) -> str:
-        """A constant of the enclosing graph (read by the loop node and, captured, by its body)."""
-        name = fresh_name(f"{self.prefix}/const", self.used)
-        self.consts.append(Node("Constant", [], [name], {"value": value}, name))
-        return name
 
-    def outer_const(self, value: np.ndarray, into: list[Node]) -> str:
-        name = fresh_name(f"{self.prefix}/const", self.used)
-        into.append(Node("Constant", [], [name], {"value": value}, name))
-        return name
-
-    def ints(self, values: list[int]) -> str:
-        return self.op("Constant", [], value=np.array(values, np.int64))
-
-    def rows(self, stacked: str, offsets: list[int], k: int, blocks: int) -> str:
-        """Rows ``offsets[k]:offsets[k+1]`` of ``stacked`` (all of it for one block)."""
-        if blocks == 1:
-            return stacked
-        return self.op("Slice", [stacked, self.ints([offsets[k]]), self.ints([offsets[k + 1]]), self.ints([0])])
-
-    def shape_of(self, y: str, x_shape: tuple | None, x: str | None = None) -> str:
-        """``y.shape + x.shape``: ``x``'s static shape, or its ``Shape``."""
-        tail = self.ints(list(x_shape)) if x_shape is not None else self.op("Shape", [x])
-        return self.op("Concat", [self.op("Shape", [y]), tail], axis=0)
-
-    def output(self, value: str, name: str, like: ValueInfo | None) -> None:
-        out = fresh_name(name, self.used)
-        self.nodes.append(Node("Identity", [value], [out], name=fresh_name(f"{self.prefix}/{name}", self.used)))
-        self.g.outputs.append(ValueInfo(out, None if like is None else like.dtype))
-
-    def finish(self) -> Graph:
-        """Append the nodes, simplify, and declare the blocks' shapes (ONNX's checker wants a shape on every
-        graph output)."""
-        self.g.nodes += self.nodes
-        simplify(self.g)
-        types = infer_types(self.g)
-        for k, o in enumerate(self.g.outputs):
-            t = types.get(o.name)
-            if o.shape is None and t is not None and t.shape is not None:
-                self.g.outputs[k] = ValueInfo(o.name, o.dtype if o.dtype is not None else t.dtype, t.shape, o.kind)
-        keep_types(self.g, types)
-        return self.g
+def _finish(g: Graph, e: Emitter) -> Graph:
+    """Append ``e``'s nodes, simplify, and declare the blocks' shapes (ONNX's checker wants a shape on every
+    graph output)."""
+    g.nodes += e.nodes
+    simplify(g)
+    types = infer_types(g)
+    for k, o in enumerate(g.outputs):
+        t = types.get(o.name)
+        if o.shape is None and t is not None and t.shape is not None:
+            g.outputs[k] = ValueInfo(o.name, o.dtype if o.dtype is not None else t.dtype, t.shape, o.kind)
+    keep_types(g, types)
+    return g
