@@ -172,7 +172,9 @@ def _reverse_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tu
         seeds.append(e.fresh(f"{y}_seed"))
         g.inputs.append(ValueInfo(seeds[-1], vi.dtype, vi.shape))
         parts.append(e.op("ReduceSum", [e.op("Mul", [y, seeds[-1]])], keepdims=0))
-    total = e.op("Sum", parts)
+    total = parts[0]
+    for part in parts[1:]:  # the objective, a forward value (gradient contributions are the Accumulator's)
+        total = e.op("Add", [total, part])
     g.nodes += e.nodes
     keep = len(g.outputs)
     g.outputs.append(ValueInfo(total, (types.get(ys[0]) or ValueInfo(ys[0])).dtype, ()))
