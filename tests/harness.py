@@ -79,6 +79,25 @@ def with_loss(g: Graph, fwd: dict[str, np.ndarray], outputs: list[str] | None = 
     return g, outputs
 
 
+def double_backward(gg: Graph, wrt: list[str], feeds: dict[str, np.ndarray], dtype=None) -> Graph:
+    """Hessian-vector products by reverse-over-reverse: the gradient with respect to ``wrt`` of
+    ``s = sum_w <w_grad, w_v>`` over the gradient graph ``gg`` (outputs ``<w>_grad``), which gets inputs ``<w>_v``
+    of each feed's shape (and dtype, or ``dtype``). Its last ``len(wrt)`` outputs are ``H v`` (zeros, without a
+    warning, where ``s`` has no path: a linear function)."""
+    hv = gg.copy()
+    parts = []
+    for w in wrt:
+        hv.inputs.append(ValueInfo(f"{w}_v", np.dtype(dtype or feeds[w].dtype), feeds[w].shape))
+        hv.nodes += [Node("Mul", [f"{w}_grad", f"{w}_v"], [f"{w}_gv"], name=f"hv/{w}/mul"),
+                     Node("ReduceSum", [f"{w}_gv"], [f"{w}_gvs"], {"keepdims": 0}, name=f"hv/{w}/sum")]
+        parts.append(f"{w}_gvs")
+    hv.nodes.append(Node("Sum", parts, ["hv/s"], name="hv/sum"))  # not "s": an input of that name would shadow it
+    hv.outputs = [ValueInfo("hv/s")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return rg.gradient(hv, loss="hv/s", wrt=wrt, unconnected="zero")
+
+
 def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: list[str] | None = None,
                outputs: list[str] | None = None, seed: int = 0, rtol: float = 1e-5, atol: float = 1e-7,
                second_order: bool = True, fd_with_torch: bool = False, no_jvp: str | None = None,
@@ -137,20 +156,8 @@ def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: li
 
     # 3. second order: Hessian-vector product against differences of the gradient graph
     if second_order:
-        hv_graph = gg.copy()
         vs = {f"{w}_v": rng.standard_normal(feeds[w].shape) for w in wrt}
-        parts = []
-        for w in wrt:
-            hv_graph.inputs.append(ValueInfo(f"{w}_v", feeds[w].dtype, feeds[w].shape))
-            hv_graph.nodes.append(Node("Mul", [f"{w}_grad", f"{w}_v"], [f"{w}_gv"], name=f"hv/{w}/mul"))
-            hv_graph.nodes.append(Node("ReduceSum", [f"{w}_gv"], [f"{w}_gvs"], {"keepdims": 0}, name=f"hv/{w}/sum"))
-            parts.append(f"{w}_gvs")
-        # not "s": a graph input of that name would be silently shadowed
-        hv_graph.nodes.append(Node("Sum", parts, ["hv/s"], name="hv/sum"))
-        hv_graph.outputs = [ValueInfo("hv/s")]
-        with warnings.catch_warnings():  # a linear function has a zero Hessian: no path, zeros
-            warnings.simplefilter("ignore")
-            hvp = rg.gradient(hv_graph, loss="hv/s", wrt=wrt, unconnected="zero")
+        hvp = double_backward(gg, wrt, feeds)  # a linear function has a zero Hessian: no path, zeros
         got = _ort(hvp)({**feeds, **us, **vs})
         got = dict(zip(wrt, (got[n] for n in hvp.output_names[-len(wrt):]), strict=True))
         v = {w: vs[f"{w}_v"] for w in wrt}

@@ -8,12 +8,10 @@ Where the ONNX forward is not float64-accurate (the reference ``Erf`` behind ``G
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
-from harness import _ort, check_rule, one_node_graph, with_loss
+from harness import _ort, check_rule, double_backward, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
@@ -40,18 +38,7 @@ def torch_check(g: Graph, feeds: dict, torch_fn, *, wrt: list[str], outputs: lis
     us = {f"{y}_u": rng.standard_normal(np.shape(fwd[y])).astype(fwd[y].dtype) for y in outputs}
     vs = {f"{w}_v": rng.standard_normal(feeds[w].shape).astype(feeds[w].dtype) for w in wrt}
     gg = rg.gradient(lg, loss="loss", wrt=wrt)
-    hv = gg.copy()
-    parts = []
-    for w in wrt:
-        hv.inputs.append(ValueInfo(f"{w}_v", feeds[w].dtype, feeds[w].shape))
-        hv.nodes += [Node("Mul", [f"{w}_grad", f"{w}_v"], [f"{w}_gv"], name=f"hv/{w}/mul"),
-                     Node("ReduceSum", [f"{w}_gv"], [f"{w}_gvs"], {"keepdims": 0}, f"hv/{w}/sum")]
-        parts.append(f"{w}_gvs")
-    hv.nodes.append(Node("Sum", parts, ["hv/s"], name="hv/sum"))
-    hv.outputs = [ValueInfo("hv/s")]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hvp = rg.gradient(hv, loss="hv/s", wrt=wrt)
+    hvp = double_backward(gg, wrt, feeds)
 
     tin = {k: torch.tensor(v, dtype=torch.float64, requires_grad=k in wrt) if v.dtype.kind == "f" else torch.tensor(v)
            for k, v in feeds.items()}

@@ -16,16 +16,14 @@ caches).
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from harness import check_rule, one_node_graph, with_loss
+from harness import check_rule, double_backward, one_node_graph, with_loss
 
 import revgraph as rg
-from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.ir import Graph, ValueInfo
 
 F = torch.nn.functional
 INF = float("inf")
@@ -516,18 +514,7 @@ def check_rope(feeds: dict, attrs: dict, seed: int = 0) -> dict:
         analytic = sum(float(np.sum(got[f"{w}_grad"].astype(np.float64) * v[w])) for w in wrt)
         np.testing.assert_allclose(analytic, (f[0] - f[1]) / (2 * h), rtol=1e-4, atol=1e-3)
     # second order
-    hv = gg.copy()
-    parts = []
-    for w in wrt:
-        hv.inputs.append(ValueInfo(f"{w}_v", np.dtype(np.float32), feeds[w].shape))
-        hv.nodes += [Node("Mul", [f"{w}_grad", f"{w}_v"], [f"{w}_gv"], name=f"hv/{w}/mul"),
-                     Node("ReduceSum", [f"{w}_gv"], [f"{w}_gvs"], {"keepdims": 0}, name=f"hv/{w}/sum")]
-        parts.append(f"{w}_gvs")
-    hv.nodes.append(Node("Sum", parts, ["hv/s"], name="hv/sum"))
-    hv.outputs = [ValueInfo("hv/s")]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hvp = rg.gradient(hv, loss="hv/s", wrt=wrt, unconnected="zero")
+    hvp = double_backward(gg, wrt, feeds, np.float32)
     vs = {f"{w}_v": rng.standard_normal(feeds[w].shape).astype(np.float32) for w in wrt}
     s_hvp = session(hvp)
     out = dict(zip([o.name for o in s_hvp.get_outputs()], s_hvp.run(None, {**feeds, "y0_u": u, **vs}), strict=True))

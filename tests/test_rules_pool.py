@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import _ort, check_rule, one_node_graph, with_loss
+from harness import _ort, check_rule, double_backward, one_node_graph, with_loss
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -351,19 +351,8 @@ def ort32_vs_torch(g, feeds, torch_fn, wrt, seed=0, rtol=1e-4, atol=1e-5, second
         np.testing.assert_allclose(got[f"{w}_grad"], t.detach().numpy(), rtol=rtol, atol=atol, err_msg=f"grad {w}")
     if not second_order:
         return got
-    hv = gg.copy()
     vs = {f"{w}_v": rng.standard_normal(feeds[w].shape).astype(np.float32) for w in wrt}
-    parts = []
-    for w in wrt:
-        hv.inputs.append(ValueInfo(f"{w}_v", np.float32, feeds[w].shape))
-        hv.nodes.append(Node("Mul", [f"{w}_grad", f"{w}_v"], [f"{w}_gv"], name=f"hv/{w}/mul"))
-        hv.nodes.append(Node("ReduceSum", [f"{w}_gv"], [f"{w}_gvs"], {"keepdims": 0}, name=f"hv/{w}/sum"))
-        parts.append(f"{w}_gvs")
-    hv.nodes.append(Node("Sum", parts, ["hv/s"], name="hv/sum"))
-    hv.outputs = [ValueInfo("hv/s")]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hvp = rg.gradient(hv, loss="hv/s", wrt=wrt, unconnected="zero")
+    hvp = double_backward(gg, wrt, feeds, np.float32)
     res = rg.Session(hvp).run({**feeds, **us, **vs})
     s = sum((t * torch.tensor(vs[f"{w}_v"], dtype=torch.float64)).sum() for w, t in zip(wrt, tg, strict=True))
     th = torch.autograd.grad(s, [tin[w] for w in wrt], allow_unused=True) if s.requires_grad else [None] * len(wrt)
@@ -1262,7 +1251,7 @@ def test_resize_node_models_with_run_time_scales_all():
 def test_global_max_pool_sends_exact_zeros_off_the_maxima_for_an_infinite_cotangent():
     # loss = sum(1 / GlobalMaxPool(x)) with a maximum of 0: the cotangent is -inf there; the other positions must
     # get an exact 0 (a selection, as PyTorch's amax backward), not -inf * 0 = NaN
-    from revgraph.ir import Graph, Node
+    from revgraph.ir import Graph
 
     g = Graph([Node("GlobalMaxPool", ["x"], ["y"], name="gmp"), Node("Reciprocal", ["y"], ["r"], name="rec"),
                Node("ReduceSum", ["r"], ["loss"], {"keepdims": 0}, "sum")],

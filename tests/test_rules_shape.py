@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import _ort, check_rule, one_node_graph, with_loss
+from harness import _ort, check_rule, double_backward, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
@@ -491,16 +491,7 @@ def ort_only_check(g: Graph, feeds: dict, torch_fn, wrt: list[str], seed: int = 
     analytic = sum(float(np.sum(got[f"{w}_grad"] * v[w])) for w in wrt)
     np.testing.assert_allclose(analytic, (plus - minus) / (2 * h), rtol=1e-6, atol=1e-8)
 
-    hv = gg.copy()
-    parts = []
-    for w in wrt:
-        hv.inputs.append(ValueInfo(f"{w}_v", feeds[w].dtype, feeds[w].shape))
-        hv.nodes.append(Node("Mul", [f"{w}_grad", f"{w}_v"], [f"{w}_gv"], name=f"hv/{w}/mul"))
-        hv.nodes.append(Node("ReduceSum", [f"{w}_gv"], [f"{w}_gvs"], {"keepdims": 0}, name=f"hv/{w}/sum"))
-        parts.append(f"{w}_gvs")
-    hv.nodes.append(Node("Sum", parts, ["s"], name="hv/sum"))
-    hv.outputs = [ValueInfo("s")]
-    hvp = rg.gradient(hv, loss="s", wrt=wrt)
+    hvp = double_backward(gg, wrt, feeds)
     second = _ort(hvp)({**feeds, **us, **{f"{w}_v": v[w] for w in wrt}})
     s = sum((t * torch.tensor(v[w])).sum() for w, t in zip(wrt, tgrads, strict=True))
     expected = torch.autograd.grad(s, [tin[w] for w in wrt], allow_unused=True)
