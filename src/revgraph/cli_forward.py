@@ -38,12 +38,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "gradient inside hvp, hessian and reverse-mode jacobian uses it")
     _opset(j)
 
-    h = sub.add_parser("hvp", help="write the Hessian-vector product graph: inputs <x>_tangent, outputs <x>_grad "
-                       "and <x>_hvp (forward-over-reverse)")
-    _common(h)
-    _loss_wrt(h)
-    h.add_argument("--checkpoint", default="store", metavar=POLICIES, help=_CHECKPOINT_HELP)
-    _opset(h)
+    _second_order(sub, "hvp", "write the Hessian-vector product graph: inputs <x>_tangent, outputs <x>_grad and "
+                  "<x>_hvp (forward-over-reverse)")
 
     jac = sub.add_parser("jacobian", help="write the Jacobian graph: outputs <y>_jacobian_<x> of shape "
                          "y.shape + x.shape, computed by one Loop in the graph")
@@ -57,12 +53,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                      help=_CHECKPOINT_HELP + "; used in reverse mode only (forward mode stores no residuals)")
     _opset(jac)
 
-    hes = sub.add_parser("hessian", help="write the Hessian graph: outputs <x>_hessian and cross blocks "
-                         "<xi>_hessian_<xj> (forward-over-reverse)")
-    _common(hes)
-    _loss_wrt(hes)
-    hes.add_argument("--checkpoint", default="store", metavar=POLICIES, help=_CHECKPOINT_HELP)
-    _opset(hes)
+    _second_order(sub, "hessian", "write the Hessian graph: outputs <x>_hessian and cross blocks <xi>_hessian_<xj> "
+                  "(forward-over-reverse)")
+
+
+def _second_order(sub: argparse._SubParsersAction, name: str, help: str) -> None:
+    """``hvp`` and ``hessian``: a loss, wrt values and the gradient's checkpoint policy."""
+    p = sub.add_parser(name, help=help)
+    _common(p)
+    _loss_wrt(p)
+    p.add_argument("--checkpoint", default="store", metavar=POLICIES, help=_CHECKPOINT_HELP)
+    _opset(p)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
