@@ -437,12 +437,7 @@ def compare(case: Case, exporter: str, opset: int, rtol: float = 1e-6) -> dict[s
         fwd = torch_out = module(*inputs)
     u = np.random.default_rng(7).standard_normal(tuple(torch_out.shape))
     feeds[f"{out}_grad"] = u
-    try:
-        got = rg.Session(gg).run(feeds)
-    except RevgraphError as exc:  # onnxruntime has no float64 kernel for some operators
-        if "float64" not in str(exc):
-            raise
-        got = rg.Session(gg, backend="reference").run(feeds)
+    got = run(gg, feeds)
     module.zero_grad()
     (fwd * torch.tensor(u)).sum().backward()
     padding = {f"{n}.weight": m.padding_idx for n, m in module.named_modules()
@@ -464,6 +459,16 @@ def compare(case: Case, exporter: str, opset: int, rtol: float = 1e-6) -> dict[s
     worst = max(errors, key=errors.get)
     assert errors[worst] <= rtol, f"{case.name}/{exporter}/{opset}: {worst} off by {errors[worst]:.2e} (norm-relative)"
     return errors
+
+
+def run(g: rg.Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``g`` on onnxruntime, or on the reference evaluator where onnxruntime has no float64 kernel."""
+    try:
+        return rg.Session(g).run(feeds)
+    except RevgraphError as exc:
+        if "float64" not in str(exc):
+            raise
+        return rg.Session(g, backend="reference").run(feeds)
 
 
 def _match(g: rg.Graph, params: dict[str, torch.nn.Parameter]) -> dict[str, str]:
