@@ -291,3 +291,49 @@ def test_rows_read_per_iteration_are_stacked_not_accumulated(policy, steps):
         gg = rg.gradient(g, wrt=["xs"], checkpoint=policy)
         backward_loops = [m for m in gg.nodes if m.op_type == "Loop" and m.name != "loop"]
         assert backward_loops and all(vi.shape != (4, 3) for m in backward_loops for vi in m.attrs["body"].inputs)
+
+
+def _runs_of(graph, node_name: str) -> int:
+    """How many loop bodies (at any depth) hold a node named ``node_name``: how often the gradient graph runs it."""
+    count, todo = 0, [graph]
+    while todo:
+        g = todo.pop()
+        for node in g.nodes:
+            for sub in node.subgraphs.values():
+                count += any(m.name == node_name for m in sub.nodes)
+                todo.append(sub)
+    return count
+
+
+@pytest.mark.parametrize("policy", ["sqrt", 2, 3])
+@pytest.mark.parametrize(("trips", "stop", "start"), [
+    (np.array(0, np.int64), 9, True), (np.array(1, np.int64), 9, True), (np.array(4, np.int64), 9, True),
+    (np.array(10, np.int64), 9, True),  # the condition stops it first: 9 trips
+    (np.array([7], np.int64), 9, True),  # M written with shape [1]
+    (None, 5, True), (None, 16, True),  # a while loop: no trip count
+    (np.array(6, np.int64), 9, False),  # the condition is false before the first iteration
+])
+def test_forward_loop_keeps_the_checkpoints(policy, trips, stop, start):
+    """Segment policies on a loop without scan outputs: the forward loop is rewritten to stack the checkpoints
+    as it runs, so the user's body runs in two loops of the gradient graph (forward, and the backward loop's
+    segment recomputation), not three; the gradients match the unrolled loop for every way the loop ends."""
+    b = body([n("Mul", ["s_in", "x"], "s_out", "user_mul"), const("one", 1, np.int64), n("Add", ["i", "one"], "i1"),
+              n("Less", ["i1", "stop"], "cond_out")], [("s_in", "s_out")], cond_out="go", types={"s_in": (3,)})
+    b.outputs[0] = rg.ir.ValueInfo("cond_out", np.bool_, ())
+    inits = {"stop": np.array(stop, np.int64), "start": np.array(start)}
+    if trips is not None:
+        inits["M"] = trips
+    g = graph([loop(b, "M" if trips is not None else "", ["s0"], ["s"], cond="start"),
+               n("ReduceSum", ["s"], "loss", keepdims=0)], {"x": (3,), "s0": (3,)}, ["loss"], inits)
+    gg = rg.gradient(g, wrt=["x", "s0"], checkpoint=policy)
+    assert _runs_of(gg, "user_mul") == 2
+    steps = 0 if not start else min(stop, int(trips.reshape(-1)[0]) if trips is not None else stop)
+
+    def unrolled(x, s0):
+        s = s0
+        for _ in range(steps):
+            s = s * x
+        return s.sum()
+
+    feeds = {"x": X3, "s0": S3}
+    assert_close(grads(g, feeds, ["x", "s0"], policy=policy), torch_grads(unrolled, feeds, ["x", "s0"]))

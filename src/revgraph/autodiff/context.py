@@ -70,14 +70,17 @@ class ForwardPatch:
     enclosing graph that must run before the forward node (a counter's initial value). ``carried``: new
     loop-carried values ``(initial value, body input, body output, node output)``, placed after the existing
     ones. ``body``: nodes appended to the forward body. ``scan_outputs``: new scan outputs ``(body output, node
-    output)``, placed after the existing ones (stacked residuals). A rule may fill it from a lazy cotangent:
-    the backward pass applies it after the cotangents are emitted."""
+    output)``, placed after the existing ones (stacked residuals). ``replace``: a node that takes the forward
+    node's place (same name; it writes the forward node's outputs first, then its own), applied before the
+    rest. A rule may fill it from a lazy cotangent: the backward pass applies it after the cotangents are
+    emitted."""
 
     outputs: dict[int, str] = field(default_factory=dict)
     before: list[Node] = field(default_factory=list)
     carried: list[tuple[str, ValueInfo, ValueInfo, str]] = field(default_factory=list)
     body: list[Node] = field(default_factory=list)
     scan_outputs: list[tuple[ValueInfo, str]] = field(default_factory=list)
+    replace: Node | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,10 @@ class PatchedVJP:
 
 def apply_patch(graph: Graph, node: Node, patch: ForwardPatch) -> None:
     """Extend the forward ``node`` of ``graph`` as ``patch`` says (see :class:`ForwardPatch`)."""
+    if patch.replace is not None:  # in place: the backward pass and its callers hold this node object
+        node.op_type, node.domain = patch.replace.op_type, patch.replace.domain
+        node.inputs, node.outputs = list(patch.replace.inputs), list(patch.replace.outputs)
+        node.attrs = dict(patch.replace.attrs)
     for pos, name in sorted(patch.outputs.items()):
         node.outputs += [""] * (pos + 1 - len(node.outputs))
         node.outputs[pos] = name

@@ -32,7 +32,11 @@ class Builder(Protocol):  # the autodiff Emitter
 
 
 class Boundary(Protocol):
-    """Where the segments of a checkpointed loop start, as graph nodes (int64 scalars)."""
+    """Where the segments of a checkpointed loop start, as graph nodes (int64 scalars).
+
+    A boundary whose class sets ``online = True`` computes ``start`` without reading ``trips`` (it is passed
+    ``""``): the forward loop can then keep the checkpoints itself as it runs, instead of a second forward
+    loop recomputing them once T is known (loops/checkpoint.py)."""
 
     def start(self, b: Builder, s: str, trips: str) -> str:
         """The first iteration of segment ``s`` of a loop of ``trips`` iterations (0 for s = 0, increasing)."""
@@ -46,6 +50,7 @@ class EveryK:
     """Segments of ``k`` iterations (the last one shorter)."""
 
     k: int
+    online = True
 
     def start(self, b: Builder, s: str, trips: str) -> str:
         return b.op("Mul", [s, b.const(np.array(self.k, np.int64))], shape=(), dtype=I64)
@@ -58,6 +63,8 @@ class EveryK:
 @dataclass(frozen=True)
 class Squares:
     """Segments starting at the perfect squares 0, 1, 4, 9, ...: lengths 1, 3, 5, ..."""
+
+    online = True
 
     def start(self, b: Builder, s: str, trips: str) -> str:
         return b.op("Mul", [s, s], shape=(), dtype=I64)

@@ -7,10 +7,17 @@ runs over the segments, last first: it reads the segment's checkpoint, recompute
 own, and differentiates that loop with the ``store`` policy, so only one segment's residuals exist at a time.
 Everything stays tensors and loops, so a checkpointed gradient graph can be differentiated again.
 
+When the segments start at iterations known before T is (:class:`Squares`, :class:`EveryK`: the boundary is
+``online``) and the loop has no scan outputs, the forward loop itself keeps the checkpoints: it is rewritten
+into a loop over segments whose body runs one segment as an inner loop and stacks the carried values at the
+segment's start as a scan output (:func:`_checkpointing_forward`), so the checkpoints cost no extra forward
+pass. Otherwise (scan outputs, whose rows segments of different lengths could not stack; a boundary that
+reads T) a second loop recomputes them after the forward loop (:func:`_checkpoint_loop`).
+
 Boundaries: every K iterations for a policy K; for ``sqrt``, the perfect squares 0, 1, 4, 9, ..., so that
 segments grow as 1, 3, 5, ... and a loop of T iterations keeps about sqrt(T) checkpoints and segments of at
 most about 2 sqrt(T) iterations. Memory is O(sqrt(T)) for two extra forward passes (the checkpoint loop and
-the segments' recomputation).
+the segments' recomputation), one when the forward loop keeps the checkpoints.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from ...ir import Graph, Node, ValueInfo
 from ..context import Ctx, ForwardPatch, PatchedVJP
 from ..emitter import Emitter
 from ..policies import Boundary, Segments, Store
-from .reverse import I64, LoopParts, body_seeds, close_loop, count_trips, open_body, take_apart
+from .reverse import BOOL, I64, LoopParts, body_seeds, close_loop, count_trips, open_body, take_apart
 
 
 def checkpointed_loop(ctx: Ctx, node: Node, cts: list, policy: Segments) -> PatchedVJP:
@@ -31,10 +38,14 @@ def checkpointed_loop(ctx: Ctx, node: Node, cts: list, policy: Segments) -> Patc
     template = node.attrs["body"].copy()  # the body as the user wrote it, to recompute segments with
     p = take_apart(ctx, node)
     patch = ForwardPatch()
-    trips = count_trips(ctx.e, p, patch)
     bounds = policy.boundary
-    n_segments = bounds.count(ctx.e, trips)
-    checkpoints = _checkpoint_loop(ctx.e, p, template, trips, n_segments, bounds)
+    if getattr(bounds, "online", False) and not p.scan_out:
+        trips, checkpoints = _checkpointing_forward(ctx.e, p, template, bounds, patch)
+        n_segments = bounds.count(ctx.e, trips)
+    else:
+        trips = count_trips(ctx.e, p, patch)
+        n_segments = bounds.count(ctx.e, trips)
+        checkpoints = _checkpoint_loop(ctx.e, p, template, trips, n_segments, bounds)
 
     bb = open_body(ctx, p)
     eb = bb.e
@@ -124,3 +135,59 @@ def _checkpoint_loop(e: Emitter, p: LoopParts, template: Graph, trips: str, n_se
     for stack, v in zip(stacks, state, strict=True):
         e.types[stack] = ValueInfo(stack, v.dtype, None if v.shape is None else (None, *v.shape))
     return stacks
+
+
+def _checkpointing_forward(e: Emitter, p: LoopParts, template: Graph, bounds: Boundary,
+                           patch: ForwardPatch) -> tuple[str, list[str]]:
+    """Make ``patch`` replace the forward loop by a loop over segments that keeps the checkpoints as it runs:
+    segment ``s`` runs iterations ``[start(s), start(s + 1))`` (fewer when the condition stops the loop or the
+    trip count ``M`` is reached) as an inner loop of the user's body, and stacks the loop-carried values at
+    its start as a scan output. The outer loop stops when the inner one's last condition is false or the next
+    segment would start at ``M``. It writes the forward loop's outputs, then the trip count T, then the
+    checkpoints (``[S, ...]`` each); return the names of these two."""
+    node, n, name = p.node, p.n_carried, p.node.name
+    m, cond = [*node.inputs[:2], "", ""][:2]
+    eo = e.child(e.types, f"{name}/segments")  # the nodes before the forward loop
+    m = m and eo.op("Reshape", [m, eo.ints([])], shape=(), dtype=I64)  # M may be written with shape [1]
+    zero = eo.const(np.array(0, np.int64))
+
+    ob = e.child(p.types, f"{name}/segments")
+    s, c_in = ob.fresh(f"{name}/segments/s"), ob.fresh(f"{name}/segments/cond")
+    state = [ValueInfo(ob.fresh(f"{name}/segments/{p.v_in[j]}"), *_carried(p, j).dtype_shape) for j in range(n)]
+    count = ValueInfo(ob.fresh(f"{name}/segments/count"), I64, ())
+    start = bounds.start(ob, s, "")
+    after = bounds.start(ob, ob.op("Add", [s, ob.const(np.array(1, np.int64))], shape=(), dtype=I64), "")
+    length = ob.op("Sub", [after, start], shape=(), dtype=I64)
+    if m:
+        length = ob.op("Min", [length, ob.op("Sub", [m, start], shape=(), dtype=I64)], shape=(), dtype=I64)
+    inner = _offset_body(ob, template, start, f"{name}/segments/run")
+    # Two more carried values in the inner loop: an iteration counter, and its last condition (the outer
+    # loop's own condition).
+    k_in, k_out, c_i, c_o, k_one = (ob.fresh(f"{name}/segments/{x}") for x in ("k_in", "k_out", "c_in", "c_out", "one"))
+    inner.inputs += [ValueInfo(k_in, I64, ()), ValueInfo(c_i, BOOL, ())]
+    inner.outputs[1 + n : 1 + n] = [ValueInfo(k_out, I64, ()), ValueInfo(c_o, BOOL, ())]
+    inner.nodes += [Node("Constant", [], [k_one], {"value": np.array(1, np.int64)}, k_one),
+                    Node("Add", [k_in, k_one], [k_out], name=k_out),
+                    Node("Identity", [inner.outputs[0].name], [c_o], name=c_o)]
+    ends = [ob.fresh(f"{name}/segments/end") for _ in range(n)]
+    k_end, c_end = ob.fresh(f"{name}/segments/count_out"), ob.fresh(f"{name}/segments/cond_out")
+    ob.nodes.append(Node("Loop", [length, c_in, *(v.name for v in state), count.name, c_in], [*ends, k_end, c_end],
+                         {"body": inner}, ob.fresh(f"{name}/segments/run")))
+    go = c_end if not m else ob.op("And", [c_end, ob.op("Less", [after, m], shape=(), dtype=BOOL)], shape=(), dtype=BOOL)
+    outs = [ValueInfo(go, BOOL, ()), *(ValueInfo(v, w.dtype, w.shape) for v, w in zip(ends, state, strict=True)),
+            ValueInfo(k_end, I64, ())]
+    outs += [ValueInfo(ob.op("Identity", [v.name]), v.dtype, v.shape) for v in state]
+    body = Graph(ob.nodes, [ValueInfo(s, I64, ()), ValueInfo(c_in, BOOL, ()), *state, count], outs,
+                 name=f"{name}_segments")
+
+    m_outer = bounds.count(eo, m) if m else ""
+    cond0 = cond or eo.const(np.array(True))
+    trips = e.fresh(f"{name}/trip_count")
+    stacks = [e.fresh(f"{name}/checkpoint") for _ in range(n)]
+    e.types[trips] = ValueInfo(trips, I64, ())
+    for stack, v in zip(stacks, state, strict=True):
+        e.types[stack] = ValueInfo(stack, v.dtype, None if v.shape is None else (None, *v.shape))
+    patch.before += eo.nodes
+    patch.replace = Node("Loop", [m_outer, cond0, *node.inputs[2 : 2 + n], zero], [*node.outputs[:n], trips, *stacks],
+                         {"body": body}, node.name)
+    return trips, stacks
