@@ -1,13 +1,11 @@
 """Number and table formatting shared by the report modules (report, report_sections, report_hotspots), the
-goals the report checks against, and the measures derived from the results that more than one section needs (the
+measures derived from the results that more than one section needs (the
 revgraph / other ratio, contention of a multi-threaded step entry). It renders no section and imports none of the
 section modules, so that each of them can import it without an import cycle.
 """
 
 from __future__ import annotations
 
-STEP_GOAL = 1.0   # revgraph step time / PyTorch eager step time, batch 64, MLP, CNN, Transformer
-BUILD_GOAL = 2.0  # revgraph build time / onnxruntime-training build time
 MODEL_NAMES = {"mlp": "MLP", "cnn": "CNN", "transformer": "Transformer", "rnn": "RNN (Loop, T=100)"}
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from report_format import BUILD_GOAL, MODEL_NAMES, STEP_GOAL, _r, ms, ratio, s, table
+import report_goals
+from report_format import MODEL_NAMES, _r, ms, ratio, s, table
 
 
 def _share(part, whole):
@@ -18,18 +19,9 @@ def _share(part, whole):
 def hotspots_section(res: dict) -> str:
     prof = res.get("profile", {})
     out = ["## 5. Where revgraph misses the goals, and why", ""]
-    missed_step = []
-    for e in res.get("steps", {}).get("grad", []):
-        if e["batch"] == 64 and e["model"] in ("mlp", "cnn", "transformer"):
-            r = _r(e["ms"].get("revgraph"), e["ms"].get("pytorch"))
-            if r is not None and r > STEP_GOAL:
-                missed_step.append(f"{MODEL_NAMES[e['model']]} ({e['threads']} thread{'s' if e['threads'] > 1 else ''}"
-                                   f"): {r:.2f}x PyTorch's time, {100 * (r - 1):.0f}% slower")
-    missed_build = [f"{c['name']}: {c['ratio']:.2f}x onnxruntime-training's time ({c['ratio'] / BUILD_GOAL:.2f}x the "
-                    "allowed 2x)" for c in res.get("build", {}).get("cases", [])
-                    if c.get("ratio") is not None and c["ratio"] > BUILD_GOAL]
-    out += ["Missed step-time goals: " + ("; ".join(missed_step) if missed_step else "none") + ".", "",
-            "Missed build-time goals: " + ("; ".join(missed_build) if missed_build else "none") + ".", ""]
+    missed = [g for g in report_goals.goals(res) if g.met is False]
+    out += ["Goals missed in this run: " + ("; ".join(f"{g.name}: {g.show()} (limit {g.show(g.limit)})" for g in missed)
+                                            if missed else "none") + ".", ""]
     # comparison with JAX too (what a graph compiler reaches on the same machine)
     jx = []
     for e in res.get("steps", {}).get("grad", []):

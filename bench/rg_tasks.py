@@ -202,6 +202,8 @@ def prepare_step(key: str, info: dict, threads: int = 2, mode: str = "grad") -> 
 
     state, data = load_npz(info["npz"])
     t0 = time.perf_counter()
+    if mode == "update":
+        return _prepare_update(key, info, threads, t0)
     if mode == "adam":
         from revgraph.trainer import Trainer
 
@@ -230,6 +232,44 @@ def prepare_step(key: str, info: dict, threads: int = 2, mode: str = "grad") -> 
     return {"build_seconds": build, "loss": float(outs[0]),
             "grad_sq": {p: float(np.sum(np.square(grads[f"{p}_grad"], dtype=np.float64))) for p in info["params"]},
             **graph_stats(model)}
+
+
+def _prepare_update(key: str, info: dict, threads: int, t0: float) -> dict:
+    """The optimizer update alone: the update half of the Trainer's step graph (``revgraph.train.split_step``,
+    what a data-parallel step runs after its all-reduce), Adam on fixed random gradients, with parameters and
+    state swapped between two buffer sets through IO bindings as ``rg.Trainer`` does."""
+    import onnxruntime as ort
+
+    import revgraph as rg
+    from revgraph.train import split_step, training_graph
+
+    spec = training_graph(info["path"], "cross-entropy", rg.train.adam(), params=info["params"])
+    _, update = split_step(spec)
+    sess = _session(rg.to_onnx(update).SerializeToString(), threads)
+    start = spec.initial_state()
+    sets = [{i: ort.OrtValue.ortvalue_from_numpy(start[i]) for i, _ in spec.carried()},
+            {i: ort.OrtValue.ortvalue_from_numpy(np.empty_like(start[i])) for i, _ in spec.carried()}]
+    rng = np.random.default_rng(0)
+    grads = {spec.grads[p][0]: ort.OrtValue.ortvalue_from_numpy(
+        (1e-2 * rng.standard_normal(spec.initial[p].shape)).astype(spec.initial[p].dtype)) for p in spec.params}
+    bindings = []
+    for k in range(2):
+        b = sess.io_binding()
+        for i, o in spec.carried():
+            b.bind_ortvalue_input(i, sets[k][i])
+            b.bind_ortvalue_output(o, sets[1 - k][i])
+        for g, v in grads.items():
+            b.bind_ortvalue_input(g, v)
+        bindings.append(b)
+    turn = [0]
+
+    def run():
+        sess.run_with_iobinding(bindings[turn[0]])
+        turn[0] = 1 - turn[0]
+
+    _STEPS[key] = {"run": run, "keep": (sess, sets, grads, bindings)}
+    run()
+    return {"build_seconds": time.perf_counter() - t0, "nodes": len(update.nodes)}
 
 
 def step_time(key: str, seconds: float = 0.5, min_iters: int = 3) -> dict:

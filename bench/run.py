@@ -344,9 +344,8 @@ def run_steps(rg: Worker, th: Worker, jax_python, cfg: Config, work: Path, infos
                     w.call(f"{STEP_WORKERS[fw]}:drop_step", key=key)
                 out["grad"].append(entry)
                 log("  " + ", ".join(f"{fw} {ms:.2f} ms" for fw, ms in entry["ms"].items()))
-        # whole Adam steps: revgraph's Trainer against torch.optim.Adam, with the forward-and-backward steps of
-        # both timed in the same turns (so that the cost of the update is the difference of two medians taken
-        # side by side)
+        # whole Adam steps: revgraph's Trainer against torch.optim.Adam, with the forward-and-backward steps and
+        # the update alone (on fixed gradients) of both timed in the same turns
         for model in ("mlp", "cnn", "transformer", "rnn"):
             for batch in cfg.adam_batches:
                 info = infos[f"{model}_b{batch}"]
@@ -354,7 +353,7 @@ def run_steps(rg: Worker, th: Worker, jax_python, cfg: Config, work: Path, infos
                 entry = {"model": model, "batch": batch, "threads": threads, "errors": {}}
                 live = {}
                 for fw in ("revgraph", "pytorch"):
-                    for mode in ("adam", "grad"):
+                    for mode in ("adam", "grad", "update"):
                         key = f"{mode}_{model}_b{batch}"
                         try:
                             workers[fw].call(f"{STEP_WORKERS[fw]}:prepare_step", key=key, info=info,
@@ -375,6 +374,7 @@ def run_steps(rg: Worker, th: Worker, jax_python, cfg: Config, work: Path, infos
                 entry["times"] = {f"{fw} {mode}": v for (fw, mode), v in times.items()}
                 entry["ms"] = {fw: 1e3 * median(v) for (fw, mode), v in times.items() if v and mode == "adam"}
                 entry["grad_ms"] = {fw: 1e3 * median(v) for (fw, mode), v in times.items() if v and mode == "grad"}
+                entry["update_ms"] = {fw: 1e3 * median(v) for (fw, mode), v in times.items() if v and mode == "update"}
                 out["adam"].append(entry)
                 log("  " + ", ".join(f"{fw} {ms:.2f} ms (fwd+bwd {entry['grad_ms'].get(fw, 0):.2f} ms)"
                                      for fw, ms in entry["ms"].items()))

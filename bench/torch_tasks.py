@@ -34,7 +34,14 @@ def prepare_step(key: str, info: dict, threads: int = 2, mode: str = "grad") -> 
     x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["labels"])
     F = torch.nn.functional
     params = dict(model.named_parameters())
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3) if mode == "adam" else None
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3) if mode in ("adam", "update") else None
+    if mode == "update":  # the update alone, on fixed random gradients (the default single-tensor path)
+        gen = torch.Generator().manual_seed(0)
+        for t in model.parameters():
+            t.grad = 1e-2 * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        _STEPS[key] = {"run": opt.step}
+        opt.step()
+        return {"loss": None}
 
     def run():
         model.zero_grad(set_to_none=True)
