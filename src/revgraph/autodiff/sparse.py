@@ -51,7 +51,11 @@ def concat(e: Emitter, parts: list[SparseGrad]) -> SparseGrad:
     """One :class:`SparseGrad` holding the rows of all ``parts`` (which share a table)."""
     if len(parts) == 1:
         return parts[0]
-    indices = e.op("Concat", [p.indices for p in parts], axis=0)
+    known = [e.value(p.indices) for p in parts]
+    if all(k is not None for k in known):  # constant indices stay a constant, for densify to read
+        indices = e.const(np.concatenate([np.asarray(k, np.int64).reshape(-1) for k in known]))
+    else:
+        indices = e.op("Concat", [p.indices for p in parts], axis=0)
     values = e.op("Concat", [p.values for p in parts], axis=0)
     return SparseGrad(indices, values, parts[0].table)
 
@@ -63,7 +67,16 @@ def scatter_add(e: Emitter, dense: str, sparse: SparseGrad) -> str:
 
 
 def densify(e: Emitter, sparse: SparseGrad) -> str:
-    """The dense gradient: zeros of the table's shape with the rows added."""
+    """The dense gradient: zeros of the table's shape with the rows added. Rows at constant indices that name
+    every row of the table exactly once (a tensor split by ``Gather`` at 0, 1, 2, as exported attention splits
+    its packed q, k, v) are the table itself, in index order: no zeros and no scatter."""
+    idx, shape = e.value(sparse.indices), e.shape(sparse.table)
+    if idx is not None and shape and isinstance(shape[0], int) and tuple(e.shape(sparse.values) or ()) == tuple(shape):
+        idx = np.asarray(idx, np.int64).reshape(-1)
+        if idx.size == shape[0] and np.array_equal(np.sort(idx), np.arange(shape[0])):
+            if np.array_equal(idx, np.arange(shape[0])):
+                return sparse.values
+            return e.op("Gather", [sparse.values, e.const(np.argsort(idx))], axis=0, like=sparse.table)
     return scatter_add(e, e.zeros_like(sparse.table), sparse)
 
 
