@@ -153,6 +153,87 @@ def test_float64_model_matches_pytorch_to_rounding(name):
     assert trainer.parameters["W1"].dtype == np.float64
 
 
+MORE_OPTIMIZERS = {
+    "sgd-plain": T.sgd(lr=0.1),
+    "sgd-decay-no-momentum": T.sgd(lr=0.1, weight_decay=0.05),
+    "sgd-momentum": T.sgd(lr=0.05, momentum=0.5),
+    "adam-no-decay-small-beta1": T.adam(lr=0.02, betas=(0.3, 0.99), eps=1e-6),  # lerp with weight > 0.5
+    "adamw-no-decay": T.adamw(lr=0.02, weight_decay=0.0),
+    "adamw-decay-eps": T.adamw(lr=0.02, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.2),
+}
+
+
+@pytest.mark.parametrize("name", MORE_OPTIMIZERS)
+def test_more_hyperparameters_match_pytorch_over_many_steps(name):
+    """The update's rearranged formulas (few passes, bias corrections folded into two scalars) equal
+    torch.optim's to rounding over 20 steps: float64 (tight) and float32."""
+    for dtype, rtol in ((np.float64, 1e-10), (F32, 1e-4)):
+        rng = np.random.default_rng(15)
+        g = mlp(rng, dtype=dtype)
+        schedule = [(rng.normal(0, 1, (16, 6)).astype(dtype), rng.integers(0, 3, 16)) for _ in range(STEPS)]
+        trainer = rg.Trainer(g, "cross-entropy", MORE_OPTIMIZERS[name])
+        for b in schedule:
+            trainer.step(b)
+        theirs, _ = torch_train(g.initializers, torch_mlp, "cross-entropy", MORE_OPTIMIZERS[name], schedule)
+        assert_params_close(trainer.parameters, theirs, rtol=rtol)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_update_writes_its_outputs_without_copies(name, monkeypatch):
+    """The outputs are named by the nodes that compute them (no Identity copies), with the names of old, and
+    Adam is 12 elementwise passes per tensor (plus 2 for L2 weight decay, 1 for AdamW's decay)."""
+    monkeypatch.setattr(T, "GROUP_ELEMENTS", 0)  # one update per tensor
+    tg = T.training_graph(mlp(np.random.default_rng(3)), "cross-entropy", OPTIMIZERS[name])
+    update = tg.graph.nodes[-tg.n_update_nodes:]
+    assert not [n for n in update if n.op_type == "Identity"]
+    assert tg.new_params == {p: f"{p}.new" for p in tg.params}
+    assert tg.new_state == {p: [f"{s}.new" for s in tg.state[p]] for p in tg.params} and tg.new_step == "step.new"
+    produced = {o for n in update for o in n.outputs}
+    assert {o for _, o in tg.carried()} <= produced
+    per_tensor = [n for n in update if n.op_type != "Constant" and n.name.startswith(tuple(f"optim/{p}/" for p in
+                                                                                           tg.params))]
+    expected = {"sgd": 6, "adam": 14, "adamw": 13}[name]
+    assert len(per_tensor) == expected * len(tg.params)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_grouped_small_tensors_update_as_separate_ones(name, monkeypatch):
+    """Small tensors of one dtype and trailing shape are updated as one concatenation, split back: the same
+    elementwise arithmetic, so the same values as one update per tensor; names and outputs unchanged."""
+    rng = np.random.default_rng(4)
+    g = mlp(rng, din=5, hidden=5, out=5)  # W1, W2 [5, 5] and b1, b2 [5]: two groups
+    batches = make_batches(rng, "cross-entropy", n_batches=3, din=5, out=5)
+    runs = {}
+    for limit in (0, T.GROUP_ELEMENTS):
+        monkeypatch.setattr(T, "GROUP_ELEMENTS", limit)
+        trainer = rg.Trainer(g, "cross-entropy", OPTIMIZERS[name])
+        losses = [trainer.step(b) for b in batches * 3]
+        runs[limit] = trainer, losses
+    (alone, l0), (grouped, l1) = runs.values()
+    tg = grouped.spec
+    assert len([n for n in tg.graph.nodes if n.op_type == "Split"]) == 2 * (1 + len(tg.optimizer.slots))
+    assert (tg.new_params, tg.new_state, tg.graph.output_names) == (alone.spec.new_params, alone.spec.new_state,
+                                                                    alone.spec.graph.output_names)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    state0, state1 = (t._engine.read(t._engine.names) for t in (alone, grouped))
+    for k, v in state0.items():
+        np.testing.assert_allclose(state1[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_outputs_keep_identity_only_where_needed():
+    """A value no update node computes (an input) or one already named gets an Identity; others are renamed."""
+    b = T._Builder({"p", "g"})
+    b.prefix = "optim/p"
+    s = b.op("Add", ["p", "g"])
+    t = b.op("Mul", [s, s])
+    names = T._outputs(b, 0, [(s, "p.new"), ("p", "q.new"), (s, "r.new")])
+    assert names == ["p.new", "q.new", "r.new"]
+    add, mul, keep, dup = b.nodes
+    assert add.outputs == ["p.new"] and mul.inputs == ["p.new", "p.new"] and mul.outputs == [t]
+    assert (keep.op_type, keep.inputs, keep.outputs) == ("Identity", ["p"], ["q.new"])
+    assert (dup.op_type, dup.inputs, dup.outputs) == ("Identity", ["p.new"], ["r.new"])
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_recurrent_loop_model_matches_pytorch(name):
     rng = np.random.default_rng(1)
