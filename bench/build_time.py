@@ -1,64 +1,84 @@
-"""Gradient-graph build time against graph size: chains and fan-out graphs of 1k, 10k and 100k nodes.
+"""Gradient-graph build time against graph size: the chains and fan-out graphs of bench/models.py.
 
-    python bench/build_time.py [--sizes 1000 10000 100000] [--repeat 3]
+    python bench/build_time.py [--sizes 1000 10000 100000] [--repeat 3] [--kinds chain fan] [--profile 25]
 
-Prints the median build time (revgraph.gradient) per size and the time per node, which stays about
-constant when building is linear in the size.
+Times what section 1 of docs/benchmarks.md times, from the parsed ``onnx.ModelProto`` to the gradient
+``ModelProto``: ``rg.load``, ``rg.gradient`` (with respect to ``w``; the loss is the model's ``ReduceSum``
+output) and ``rg.to_onnx``, each in process CPU time (less sensitive to other processes than wall time), and
+prints the medians per size and the time per forward node, which stays about constant when building is linear
+in the size. ``--profile N`` prints the N functions with the most own time (cProfile) of one more build of each
+graph.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from models import chain_model, fan_out_model  # noqa: E402  (bench/ is not a package)
 
-def chain(n: int):
-    from revgraph.ir import Graph, Node, ValueInfo
-
-    nodes, prev = [], "x"
-    for i in range(n):
-        nodes.append(Node("Sin" if i % 2 else "Tanh", [prev], [f"v{i}"], name=f"n{i}"))
-        prev = f"v{i}"
-    return Graph(nodes, [ValueInfo("x", np.float32, (16,))], [ValueInfo(prev, np.float32, (16,))])
+PHASES = ("load", "gradient", "to_onnx")
 
 
-def fan_out(n: int):
-    from revgraph.ir import Graph, Node, ValueInfo
+def build(proto) -> dict[str, float]:
+    """One build of ``proto``'s gradient graph: CPU seconds of each phase, and the gradient graph's node count."""
+    import revgraph as rg
 
-    nodes = [Node("Sin" if i % 2 else "Tanh", ["x"], [f"v{i}"], name=f"n{i}") for i in range(n - 1)]
-    nodes.append(Node("Sum", [f"v{i}" for i in range(n - 1)], ["y"], name="sum"))
-    return Graph(nodes, [ValueInfo("x", np.float32, (16,))], [ValueInfo("y", np.float32, (16,))])
+    t0 = time.process_time()
+    g = rg.load(proto)
+    t1 = time.process_time()
+    gg = rg.gradient(g, g.output_names[0], ["w"])
+    t2 = time.process_time()
+    model = rg.to_onnx(gg)
+    t3 = time.process_time()
+    return {"load": t1 - t0, "gradient": t2 - t1, "to_onnx": t3 - t2, "nodes": len(model.graph.node)}
+
+
+def profile(proto, top: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    build(proto)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    import revgraph as rg
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3, help="builds per graph below 100k nodes (one at 100k)")
+    parser.add_argument("--kinds", nargs="+", default=["chain", "fan"], choices=["chain", "fan"])
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions by own time")
     args = parser.parse_args(argv)
-    table = Table(title="revgraph.gradient build time (median)", title_justify="left")
-    for col in ("graph", "nodes", "seconds", "µs per node", "backward nodes"):
+    console = Console()
+    table = Table(title="revgraph build time (process CPU time, medians)", title_justify="left")
+    for col in ("graph", "nodes", "ms", "load / gradient / to_onnx (ms)", "µs per node", "gradient graph nodes"):
         table.add_column(col, justify="left" if col == "graph" else "right")
-    for make in (chain, fan_out):
+    for kind in args.kinds:
+        make = {"chain": chain_model, "fan": fan_out_model}[kind]
         for n in args.sizes:
-            g = make(n)
-            times, size = [], 0
-            for _ in range(args.repeat if n < 100_000 else 1):
-                t0 = time.perf_counter()
-                gg = rg.gradient(g)
-                times.append(time.perf_counter() - t0)
-                size = len(gg.nodes) - len(g.nodes)
-            med = statistics.median(times)
-            table.add_row(make.__name__, f"{n:,}", f"{med:.2f}", f"{1e6 * med / n:.0f}", f"{size:,}")
-    Console().print(table)
+            proto = make(n)
+            runs = [build(copy.deepcopy(proto)) for _ in range(args.repeat if n < 100_000 else 1)]
+            med = {k: statistics.median(r[k] for r in runs) for k in PHASES}
+            total = statistics.median(sum(r[k] for k in PHASES) for r in runs)
+            phases = " / ".join(f"{1e3 * med[k]:.1f}" for k in PHASES)
+            table.add_row(kind, f"{n:,}", f"{1e3 * total:.1f}", phases, f"{1e6 * total / n:.0f}", f"{runs[0]['nodes']:,}")
+            if args.profile:
+                console.print(f"[bold]{kind} {n:,}[/bold]\n" + profile(copy.deepcopy(proto), args.profile))
+    console.print(table)
     return 0
 
 

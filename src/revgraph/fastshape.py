@@ -153,15 +153,42 @@ def _reduce(node: Node, shapes: list[Shape], values) -> Shape | None:
     return tuple(d for i, d in enumerate(x) if i not in drop)
 
 
+def _same(node: Node, shapes: list[Shape], values) -> Shape:
+    return shapes[0]
+
+
+def _flatten(node: Node, shapes: list[Shape], values) -> Shape:
+    x = shapes[0]
+    axis = node.attrs.get("axis", 1)
+    axis = axis + len(x) if axis < 0 else axis
+    if not 0 <= axis <= len(x):
+        raise ValueError("axis out of range")
+    return (math.prod(x[:axis]), math.prod(x[axis:]))
+
+
+def _pad(node: Node, shapes: list[Shape], values) -> Shape | None:
+    pads, axes = _ints(values, node, 1), _ints(values, node, 3)
+    x = list(shapes[0])
+    if pads is None or axes is None or node.attrs.get("mode", "constant") != "constant":
+        return None
+    axes = [a % len(x) for a in axes] if axes else list(range(len(x)))
+    if len(pads) != 2 * len(axes):
+        return None
+    for j, a in enumerate(axes):
+        x[a] += pads[j] + pads[j + len(axes)]
+    return tuple(x)
+
+
 SHAPES: dict[str, Callable] = {
     **dict.fromkeys(BROADCASTING, _broadcast),
     "Transpose": _transpose, "Reshape": _reshape, "Unsqueeze": _unsqueeze, "Squeeze": _squeeze,
-    "Slice": _slice, "Concat": _concat, "MatMul": _matmul, "Gemm": _gemm,
+    "Slice": _slice, "Concat": _concat, "MatMul": _matmul, "Gemm": _gemm, "Flatten": _flatten, "Pad": _pad,
+    "Cast": _same,
     **dict.fromkeys(["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"], _reduce),
 }
 #: how many leading inputs carry data whose shapes the formula reads (the rest are constant operands)
 _DATA_INPUTS = {"Reshape": 1, "Unsqueeze": 1, "Squeeze": 1, "Slice": 1, "ReduceSum": 1, "ReduceMean": 1,
-                "ReduceMax": 1, "ReduceMin": 1, "Gemm": 2}
+                "ReduceMax": 1, "ReduceMin": 1, "Gemm": 2, "Pad": 1}
 
 
 #: reductions that keep the input's rank with ``keepdims=1`` (the default), whatever their axes
@@ -424,18 +451,39 @@ def _compute(node: Node, args: list) -> np.ndarray | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _all_ints(shape: tuple) -> bool:
+    """Is every dimension of ``shape`` a known int? (Asked for every emitted node; graphs have few shapes.)"""
+    return all(type(d) is int for d in shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _cast_dtype(to: int | None) -> np.dtype | None:
+    """The numpy dtype of ``Cast``'s ``to`` (as :func:`revgraph.onnx_io.value_info_from_proto` reads an element
+    type), ``None`` for one numpy does not have."""
+    from onnx import helper
+
+    try:
+        return helper.tensor_dtype_to_np_dtype(int(to)) if to else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def infer(node: Node, types: Mapping[str, ValueInfo], values: Mapping[str, np.ndarray]) -> ValueInfo | None:
     """The type of ``node``'s single output when every data input has a static shape and a known dtype and
     the operator is one of :data:`SHAPES`; ``None`` otherwise (ask ONNX)."""
     fn = SHAPES.get(node.op_type)
     if fn is None or node.domain or len(node.outputs) != 1:
         return None
-    data = [i for i in node.inputs[: _DATA_INPUTS.get(node.op_type, len(node.inputs))] if i]
-    if not data or any(i not in types for i in data):
+    infos = []
+    for i in node.inputs[: _DATA_INPUTS.get(node.op_type, len(node.inputs))]:
+        if i:
+            vi = types.get(i)
+            if vi is None or vi.kind != "tensor" or vi.shape is None or not _all_ints(tuple(vi.shape)):
+                return None  # (ONNX sequences: ONNX's inference types them)
+            infos.append(vi)
+    if not infos:
         return None
-    infos = [types[i] for i in data]
-    if any(vi.kind != "tensor" or vi.shape is None or not all(type(d) is int for d in vi.shape) for vi in infos):
-        return None  # ONNX sequences: ONNX's inference types them
     try:
         shape = fn(node, [tuple(vi.shape) for vi in infos], values)
     except (ValueError, IndexError, KeyError, ZeroDivisionError):
@@ -444,6 +492,8 @@ def infer(node: Node, types: Mapping[str, ValueInfo], values: Mapping[str, np.nd
         return None
     ref = infos[1] if node.op_type == "Where" else infos[0]
     dtype = np.dtype(bool) if BROADCASTING.get(node.op_type) == "bool" else ref.dtype
+    if node.op_type == "Cast":
+        dtype = _cast_dtype(node.attrs.get("to"))
     if dtype is None:
         return None
     return ValueInfo(node.outputs[0], dtype, tuple(shape))

@@ -27,7 +27,7 @@ from onnx import AttributeProto, helper, numpy_helper
 from . import limits
 from .atomic import atomic_path
 from .errors import GraphError, RevgraphError, UnsupportedModelError
-from .ir import NEWEST_OPSET, TARGET_OPSET, Graph, Node, ValueInfo, require_graph
+from .ir import NEWEST_OPSET, TARGET_OPSET, Graph, Node, ValueInfo, gc_paused, require_graph
 from .reading import (  # noqa: F401  (read_model, converter_error: API of this module)
     check_graph_proto,
     check_loop_signatures,
@@ -82,7 +82,8 @@ def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int | Non
                             f"{TARGET_OPSET} to {NEWEST_OPSET} (the newest this onnx knows), got {opset!r}")
     model = model_proto(model, base_dir)
     try:
-        return _convert(model, opset)
+        with gc_paused():
+            return _convert(model, opset)
     except UnicodeDecodeError:  # a string field holds bytes that are not UTF-8: protobuf hands them over as bytes
         where = non_utf8_field(model) or "a name or string"
         raise GraphError(f"the model's field {where} is not UTF-8 text; ONNX names and strings are UTF-8") from None
@@ -130,8 +131,13 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
     if not is_ssa(graph):
         graph = to_ssa(graph)
     light, big = light_graph(graph)
-    proto = to_onnx(light)
-    if original != opset:
+    proto = _ssa_to_onnx(light)
+    renumber = _renumbering_converts(graph, original, opset)
+    if renumber:
+        for o in proto.opset_import:
+            if o.domain in ("", "ai.onnx"):
+                o.version = opset
+    elif original != opset:
         try:
             proto = onnx.version_converter.convert_version(proto, opset)
         except Exception as exc:
@@ -143,19 +149,54 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
         proto = limits.infer_shapes(proto)  # data propagation only where it cannot materialise a huge value
     except Exception:  # shape inference is a help for rules, never a requirement
         pass
-    result = graph_from_proto(proto.graph, {o.domain or "": o.version for o in proto.opset_import})
-    declared = set(graph.input_names)
-    result.inputs = [v for v in result.inputs if v.name not in big or v.name in declared]
-    added = {k: a for k, a in result.initializers.items() if k not in graph.initializers}
-    result.initializers = {**{k: big.get(k, result.initializers.get(k)) for k in graph.initializers}, **added}
+    if (original == opset or renumber) and not any(_subgraph_attrs(n) for n in graph.nodes):
+        # No node converted: inference added types only (value_info, and the outputs' own), and the graph read
+        # back from its proto would be ``graph`` again (a subgraph's value_info comes from the proto below).
+        graph.value_info = {v.name: value_info_from_proto(v) for v in proto.graph.value_info}
+        graph.outputs = [value_info_from_proto(v) for v in proto.graph.output]
+        graph.opsets = {o.domain or "": o.version for o in proto.opset_import}
+        result = graph
+    else:
+        result = graph_from_proto(proto.graph, {o.domain or "": o.version for o in proto.opset_import})
+        declared = set(graph.input_names)
+        result.inputs = [v for v in result.inputs if v.name not in big or v.name in declared]
+        added = {k: a for k, a in result.initializers.items() if k not in graph.initializers}
+        result.initializers = {**{k: big.get(k, result.initializers.get(k)) for k in graph.initializers}, **added}
     _name_nodes(result)
     result.source_opset = original
     result.check()
     return result
 
 
+#: Opset steps (by the version they reach) at which ``onnx.version_converter``'s adapters change no node but
+#: those of the operators listed: every other operator's adapter there is a ``CompatibleAdapter``, which only
+#: renumbers the opset (onnx/version_converter/convert.h, "20 -> 21").
+_RENUMBER_ONLY = {21: frozenset({"GroupNormalization"})}
+
+
+def _renumbering_converts(graph: Graph, original: int, opset: int) -> bool:
+    """Does renumbering the default-domain opset import convert ``graph`` from opset ``original`` to ``opset``,
+    as ``onnx.version_converter`` would (every step is in :data:`_RENUMBER_ONLY`, and the graph has none of the
+    operators whose adapters rewrite nodes there)? PyTorch's exporter writes opset 20. The converter costs 4 to
+    8 ms even for a 5-node model (most of an MLP's build): it builds its adapter table and an IR copy of the
+    graph on every call."""
+    steps = range(original + 1, opset + 1)
+    if original >= opset or not all(v in _RENUMBER_ONLY for v in steps):
+        return False
+    ops = {n.op_type for _, n in graph.walk() if n.domain in ("", "ai.onnx")}
+    return not any(ops & _RENUMBER_ONLY[v] for v in steps)
+
+
+def _subgraph_attrs(node: Node) -> bool:
+    """Does ``node`` have a subgraph attribute (a graph, or a list of graphs)?"""
+    return any(isinstance(v, Graph) or (isinstance(v, list) and v and isinstance(v[0], Graph))
+               for v in node.attrs.values())
+
+
 def _name_nodes(graph: Graph) -> None:
     """Give unnamed nodes a name (``<op_type>_<k>``) so that messages and gradient nodes can refer to them."""
+    if all(node.name for _, node in graph.walk()):
+        return
     used = {n.name for _, n in graph.walk() if n.name}
     counter = 0
     for _, node in graph.walk():
@@ -188,21 +229,34 @@ def _fix_legacy_prelu(graph: Graph) -> bool:
 
 def value_info_from_proto(vi: onnx.ValueInfoProto) -> ValueInfo:
     """Convert a ``ValueInfoProto``; raise :class:`UnsupportedModelError` for non-tensor, non-sequence types."""
-    t = vi.type
+    try:  # a graph repeats a few types thousands of times: read each once (by its serialized bytes)
+        dtype, shape, kind = _cached_type(vi.type.SerializeToString())
+    except UnsupportedModelError:
+        dtype, shape, kind = _read_type(vi.type, vi.name)  # raises again, naming the value
+    return ValueInfo(vi.name, dtype, shape, kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_type(serialized: bytes) -> tuple:
+    return _read_type(onnx.TypeProto.FromString(serialized), "")
+
+
+def _read_type(t: onnx.TypeProto, name: str) -> tuple:
+    """``(dtype, shape, kind)`` of the type ``t`` of value ``name`` (see :class:`ValueInfo`)."""
     which = t.WhichOneof("value")
     if which is None:
-        return ValueInfo(vi.name)
+        return None, None, "tensor"
     kind = "tensor"
     if which == "sequence_type" and t.sequence_type.elem_type.WhichOneof("value") == "tensor_type":
         kind, t = "sequence", t.sequence_type.elem_type
     elif which != "tensor_type":
         readable = which.replace("_type", "").replace("_", " ")
         raise UnsupportedModelError(
-            f"value {vi.name!r} has {readable} type; revgraph handles tensors and sequences of tensors"
+            f"value {name!r} has {readable} type; revgraph handles tensors and sequences of tensors"
         )
     tt = t.tensor_type
     if tt.elem_type not in _ELEM_TYPES:
-        raise UnsupportedModelError(f"value {vi.name!r} has element type {tt.elem_type}, which ONNX does not define")
+        raise UnsupportedModelError(f"value {name!r} has element type {tt.elem_type}, which ONNX does not define")
     dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
     shape = None
     if tt.HasField("shape"):
@@ -212,7 +266,7 @@ def value_info_from_proto(vi: onnx.ValueInfoProto) -> ValueInfo:
             else (d.dim_param if d.HasField("dim_param") else None)
             for d in tt.shape.dim
         )
-    return ValueInfo(vi.name, dtype, shape, kind)
+    return dtype, shape, kind
 
 
 def _attr_from_proto(a: AttributeProto, opsets: dict[str, int], node: onnx.NodeProto | None = None) -> Any:
@@ -246,9 +300,9 @@ def graph_from_proto(gp: onnx.GraphProto, opsets: dict[str, int]) -> Graph:
     nodes = [
         Node(
             n.op_type,
-            list(n.input),
-            list(n.output),
-            {a.name: _attr_from_proto(a, opsets, n) for a in n.attribute},
+            n.input,  # (Node copies them into lists)
+            n.output,
+            {a.name: _attr_from_proto(a, opsets, n) for a in n.attribute} if n.attribute else {},
             n.name,
             n.domain if n.domain != "ai.onnx" else "",
         )
@@ -288,6 +342,31 @@ def _type_proto(kind: str, dtype: np.dtype | None, shape: tuple | None) -> onnx.
     return helper.make_sequence_type_proto(tensor_type) if kind == "sequence" else tensor_type
 
 
+#: Attribute types :func:`_numeric_attr` writes, by how to read a value of that type.
+_NUMERIC = {AttributeProto.INT: int, AttributeProto.FLOAT: float, AttributeProto.INTS: int,
+            AttributeProto.FLOATS: float}
+_LISTS = (AttributeProto.INTS, AttributeProto.FLOATS)
+
+
+def _numeric_attr(key: str, value: Any, attr_type: int) -> AttributeProto:
+    """The fields ``onnx.helper.make_attribute`` writes for an int, float, ints or floats attribute, without its
+    checks of the value's Python type against the ``numbers`` ABCs (which took most of the time of writing the
+    attributes of a convolutional gradient graph)."""
+    a = AttributeProto()
+    a.name = key
+    a.type = attr_type
+    read = _NUMERIC[attr_type]
+    if attr_type == AttributeProto.INT:
+        a.i = read(value)
+    elif attr_type == AttributeProto.FLOAT:
+        a.f = read(value)
+    elif attr_type == AttributeProto.INTS:
+        a.ints.extend(read(v) for v in value)
+    else:
+        a.floats.extend(read(v) for v in value)
+    return a
+
+
 def attr_to_proto(node: Node, key: str, value: Any, opsets: dict[str, int]) -> AttributeProto:
     """The attribute ``key`` of ``node``, typed by its schema at ``opsets`` (subgraphs too: a body built by
     revgraph has no opsets of its own, it is written at its model's)."""
@@ -298,12 +377,18 @@ def attr_to_proto(node: Node, key: str, value: Any, opsets: dict[str, int]) -> A
         return a
     if isinstance(value, Graph):
         return helper.make_attribute(key, graph_to_proto(value, opsets))
-    if isinstance(value, np.ndarray):
-        return helper.make_attribute(key, numpy_helper.from_array(value))
-    schema = get_schema(node.op_type, node.domain or "", opsets)
-    attr_type = None
-    if schema is not None and key in schema.attributes:
-        attr_type = int(schema.attributes[key].type)
+    if isinstance(value, np.ndarray):  # (the fields make_attribute writes for a tensor)
+        a = AttributeProto()
+        a.name = key
+        a.t.CopyFrom(numpy_helper.from_array(value))
+        a.type = AttributeProto.TENSOR
+        return a
+    domain = node.domain or ""
+    version = opsets.get(domain, opsets.get("ai.onnx") if domain == "" else None)
+    attr_type = _attr_types(node.op_type, domain, version).get(key)
+    if attr_type in _NUMERIC and isinstance(value, list) == (attr_type in _LISTS) and (
+            isinstance(value, list) or type(value) in (int, float)):
+        return _numeric_attr(key, value, attr_type)
     if isinstance(value, (list, tuple)):
         value = [
             graph_to_proto(v, opsets) if isinstance(v, Graph)
@@ -326,32 +411,58 @@ def attr_to_proto(node: Node, key: str, value: Any, opsets: dict[str, int]) -> A
     return helper.make_attribute(key, value, attr_type=attr_type)
 
 
+@functools.lru_cache(maxsize=1024)
+def _attr_types(op_type: str, domain: str, version: int | None) -> dict[str, int]:
+    """The attribute types of ``domain::op_type``'s schema at opset ``version`` by name (``{}`` if unknown): a
+    schema lookup per attribute written was a tenth of the time of writing a convolutional gradient graph."""
+    schema = get_schema(op_type, domain, {domain: version}) if version is not None else None
+    return {} if schema is None else {k: int(a.type) for k, a in schema.attributes.items()}
+
+
 def graph_to_proto(graph: Graph, opsets: dict[str, int] | None = None) -> onnx.GraphProto:
     """Convert a :class:`Graph` to a ``GraphProto`` as it is (no SSA renaming; see :func:`to_onnx`), its
-    attributes typed at ``opsets`` (default: the graph's own; a subgraph is written at its model's)."""
+    attributes typed at ``opsets`` (default: the graph's own; a subgraph is written at its model's).
+
+    The fields are those ``onnx.helper.make_node`` and ``make_graph`` write (a node's name and domain only when
+    set), filled in place in the graph's repeated fields: building each message apart and extending the graph
+    with it copies it again, and that was a third of the time of writing a large gradient graph."""
     opsets = graph.opsets if opsets is None else opsets
-    nodes = [
-        helper.make_node(
-            n.op_type,
-            n.inputs,
-            n.outputs,
-            name=n.name or None,
-            domain=n.domain or None,
-        )
-        for n in graph.nodes
-    ]
-    for proto, node in zip(nodes, graph.nodes, strict=True):
-        proto.attribute.extend(attr_to_proto(node, k, v, opsets) for k, v in node.attrs.items())
+    gp = onnx.GraphProto()
+    add_node = gp.node.add
+    for node in graph.nodes:
+        proto = add_node()
+        proto.op_type = node.op_type
+        proto.input.extend(node.inputs)
+        proto.output.extend(node.outputs)
+        if node.name:
+            proto.name = node.name
+        if node.domain:
+            proto.domain = node.domain
+        if node.attrs:
+            proto.attribute.extend(attr_to_proto(node, k, v, opsets) for k, v in node.attrs.items())
+    gp.name = graph.name or "graph"
+    for vi in graph.inputs:
+        _add_value_info(gp.input, vi)
+    for vi in graph.outputs:
+        _add_value_info(gp.output, vi)
+    gp.initializer.extend(numpy_helper.from_array(np.asarray(a), name=k) for k, a in graph.initializers.items())
     declared = set(graph.input_names) | set(graph.output_names)
-    return helper.make_graph(
-        nodes,
-        graph.name or "graph",
-        [value_info_to_proto(v) for v in graph.inputs],
-        [value_info_to_proto(v) for v in graph.outputs],
-        initializer=[numpy_helper.from_array(np.asarray(a), name=k) for k, a in graph.initializers.items()],
-        doc_string=graph.doc_string or None,
-        value_info=[value_info_to_proto(v) for k, v in graph.value_info.items() if k not in declared],
-    )
+    add_value_info = gp.value_info.add
+    for k, vi in graph.value_info.items():  # (_add_value_info, inlined: gradient graphs type every value)
+        if k not in declared:
+            proto = add_value_info()
+            proto.name = vi.name
+            proto.type.CopyFrom(_type_proto(vi.kind, vi.dtype, None if vi.shape is None else tuple(vi.shape)))
+    if graph.doc_string:
+        gp.doc_string = graph.doc_string
+    return gp
+
+
+def _add_value_info(field, vi: ValueInfo) -> None:
+    """Append :func:`value_info_to_proto` of ``vi`` to the repeated field ``field`` (in place, no copy)."""
+    proto = field.add()
+    proto.name = vi.name
+    proto.type.CopyFrom(_type_proto(vi.kind, vi.dtype, None if vi.shape is None else tuple(vi.shape)))
 
 
 def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
@@ -361,11 +472,14 @@ def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
     at least 4 so that initializers need not be graph inputs.
     """
     require_graph(graph, "to_onnx")
-    if not is_ssa(graph):
-        graph = to_ssa(graph)
+    with gc_paused():
+        return _ssa_to_onnx(graph if is_ssa(graph) else to_ssa(graph), producer)
+
+
+def _ssa_to_onnx(graph: Graph, producer: str = "revgraph") -> onnx.ModelProto:
+    """:func:`to_onnx` of a graph in SSA form."""
     opset_imports = [helper.make_opsetid(d, v) for d, v in sorted(graph.opsets.items())]
     model = helper.make_model(graph_to_proto(graph), opset_imports=opset_imports, producer_name=producer)
-
     model.producer_version = __version__
     model.ir_version = max(4, helper.find_min_ir_version_for(opset_imports, ignore_unknown=True))
     if any(not o.type.tensor_type.elem_type for o in model.graph.output if o.type.HasField("tensor_type")):

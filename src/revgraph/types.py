@@ -241,8 +241,10 @@ def _static_dims(vi: ValueInfo) -> int:
 def keep_types(g: Graph, types: dict[str, ValueInfo]) -> None:
     """Record the types the pass tracked as ``value_info``, so a later pass (gradients of gradients) has them."""
     declared = set(g.input_names) | set(g.output_names) | set(g.initializers)
+    value_info = g.value_info
     for node in g.nodes:
         for o in node.outputs:
             vi = types.get(o)
-            if o and o not in declared and vi is not None and vi.dtype is not None and vi.shape is not None:
-                g.value_info[o] = ValueInfo(o, vi.dtype, vi.shape, vi.kind)
+            if vi is not None and vi.dtype is not None and vi.shape is not None and o and o not in declared:
+                # the tracked type itself when it carries the name (nothing changes a ValueInfo in place)
+                value_info[o] = vi if vi.name == o else ValueInfo(o, vi.dtype, vi.shape, vi.kind)

@@ -336,6 +336,9 @@ class Accumulator:
         if value in self.done:
             return self.done[value]
         dense, rows, reads = self.dense.pop(value, []), self.sparse.pop(value, []), self.reads.pop(value, [])
+        if len(dense) == 1 and not rows and not reads:  # one contribution (most values): nothing to emit
+            self.done[value] = dense[0]
+            return dense[0]
         result: Grad | None = None
         with self.e.scope(f"accum/{value}"):
             if len(dense) == 1:

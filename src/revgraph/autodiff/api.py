@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..errors import RevgraphError
-from ..ir import Graph, Node, ValueInfo, fresh_name, require_graph
+from ..ir import Graph, Node, ValueInfo, fresh_name, gc_paused, require_graph
 from ..lift import lift_constants as lift
 from ..ssa import is_ssa, to_ssa
 from ..types import infer_types, keep_types
@@ -69,41 +69,43 @@ def gradient(
         raise RevgraphError(f"unknown seed {seed!r}; choose 'ones' or 'input'")
     if not isinstance(unconnected, str) or unconnected not in ("zero", "error"):
         raise RevgraphError(f"unknown unconnected policy {unconnected!r}; choose 'zero' or 'error'")
-    g = graph if is_ssa(graph) else to_ssa(graph)
-    g = lift(g)[0] if lift_constants else g.copy()
-    lower_to_loops(g, None, used_names(g))
-    types = infer_types(g)
-    loss = resolve_loss(g, loss)
-    refuse_integer_loss(loss, types)
-    wrt_names = resolve_wrt(g, wrt, types)
-    ys: dict[str, str | None] = {loss: None}
-    used = used_names(g)
-    if seed == "input":
-        seed_name = fresh_name(f"{loss}_grad", used)
-        vi = types.get(loss) or ValueInfo(loss)
-        g.inputs.append(ValueInfo(seed_name, vi.dtype, vi.shape))
-        types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape)
-        ys[loss] = seed_name
-    e = Emitter(types, used, g.opset)
-    options = Options(checkpoint=parse_policy(checkpoint), straight_through=bool(straight_through))
-    _, grad_map = backward(g, ys, wrt_names, accumulate=accumulate, types=types, emitter=e, options=options)
+    with gc_paused():  # (see gc_paused: a third of a long chain's build)
+        g = graph if is_ssa(graph) else to_ssa(graph)
+        g = lift(g)[0] if lift_constants else g.copy()
+        used = used_names(g)
+        if lower_to_loops(g, None, used):
+            used = used_names(g)  # the names of the nodes the rewrite replaced are free again
+        types = infer_types(g)
+        loss = resolve_loss(g, loss)
+        refuse_integer_loss(loss, types)
+        wrt_names = resolve_wrt(g, wrt, types)
+        ys: dict[str, str | None] = {loss: None}
+        if seed == "input":
+            seed_name = fresh_name(f"{loss}_grad", used)
+            vi = types.get(loss) or ValueInfo(loss)
+            g.inputs.append(ValueInfo(seed_name, vi.dtype, vi.shape))
+            types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape)
+            ys[loss] = seed_name
+        e = Emitter(types, used, g.opset)
+        options = Options(checkpoint=parse_policy(checkpoint), straight_through=bool(straight_through))
+        _, grad_map = backward(g, ys, wrt_names, accumulate=accumulate, types=types, emitter=e, options=options)
 
-    missing = [w for w in wrt_names if w not in grad_map]
-    if missing and unconnected == "error":
-        raise RevgraphError(
-            f"no path from {', '.join(map(repr, missing))} to the loss {loss!r} (use unconnected='zero' for zero gradients)"
-        )
-    if missing:
-        warnings.warn(f"no path from {', '.join(map(repr, missing))} to the loss {loss!r}; their gradients are zero", stacklevel=2)
-    tail: list[Node] = []
-    for w in wrt_names:
-        with e.scope(f"grad/{w}"):
-            tail += _grad_output(e, g, w, grad_map.get(w), types.get(w) or ValueInfo(w), sparse)
-    g.nodes.extend(e.nodes)
-    g.nodes.extend(tail)
-    simplify(g)
-    keep_types(g, e.types)
-    return g
+        missing = [w for w in wrt_names if w not in grad_map]
+        if missing and unconnected == "error":
+            raise RevgraphError(
+                f"no path from {', '.join(map(repr, missing))} to the loss {loss!r} (use unconnected='zero' for zero gradients)"
+            )
+        if missing:
+            warnings.warn(f"no path from {', '.join(map(repr, missing))} to the loss {loss!r}; their gradients are zero", stacklevel=2)
+        tail: list[Node] = []
+        for w in wrt_names:
+            with e.scope(f"grad/{w}"):
+                tail += _grad_output(e, g, w, grad_map.get(w), types.get(w) or ValueInfo(w), sparse)
+        g.nodes.extend(e.nodes)
+        g.nodes.extend(tail)
+        simplify(g)
+        keep_types(g, e.types)
+        return g
 
 
 def _grad_output(e: Emitter, g: Graph, w: str, grad: Grad | None, vi: ValueInfo, sparse: bool) -> list[Node]:

@@ -47,6 +47,13 @@ def _captures(node: Node) -> list[str]:
     return names
 
 
+def _other_reads(node: Node, writers: Mapping[str, Node]) -> list[str]:
+    """What ``node`` reads besides its inputs: the values its subgraphs capture, and :func:`_pair_reads`."""
+    if not node.attrs and node.op_type != "DequantizeLinear":  # (most nodes: neither applies)
+        return []
+    return [*_captures(node), *_pair_reads(node, writers)]
+
+
 def _pair_reads(node: Node, writers: Mapping[str, Node]) -> list[str]:
     """The inputs of the QuantizeLinear that writes a DequantizeLinear's quantized input: the pair is
     differentiated as one function by the DequantizeLinear rule (the straight-through estimator,
@@ -59,25 +66,28 @@ def _pair_reads(node: Node, writers: Mapping[str, Node]) -> list[str]:
     return [i for i in q.inputs if i]
 
 
-def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, ValueInfo]) -> list[Node]:
+def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, ValueInfo],
+          writers: Mapping[str, Node] | None = None) -> list[Node]:
     """The nodes on a path from a ``wrt`` value to a ``ys`` value through floating-point values (tensors, and
     sequences of them: :func:`~.accumulate.differentiable`), in order. Integer and boolean values, and
-    operators declared not differentiable, cut paths."""
+    operators declared not differentiable, cut paths. ``writers``: the node writing each value, if known."""
     reach = {w for w in wrt}
     reached_nodes = []
-    writers = {o: n for n in graph.nodes for o in n.outputs if o}
+    if writers is None:
+        writers = {o: n for n in graph.nodes for o in n.outputs if o}
     for node in graph.nodes:
         if node.op_type in NOT_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
             continue
-        if any(i in reach for i in [*node.inputs, *_captures(node), *_pair_reads(node, writers)]):
+        if not reach.isdisjoint(node.inputs) or not reach.isdisjoint(_other_reads(node, writers)):
             reached_nodes.append(node)
             reach.update(o for o in node.outputs if o and differentiable(types.get(o)))
     wanted = set(ys)
+    wanted.discard("")
     needed = []
     for node in reversed(reached_nodes):
-        if any(o in wanted for o in node.outputs if o):
+        if not wanted.isdisjoint(node.outputs):  # ("" is never in wanted)
             needed.append(node)
-            wanted.update(i for i in [*node.inputs, *_captures(node), *_pair_reads(node, writers)] if i in reach)
+            wanted.update(i for i in [*node.inputs, *_other_reads(node, writers)] if i in reach)
     needed.reverse()
     return needed
 
@@ -125,7 +135,8 @@ def backward(
     sequence_types(graph.nodes, types, e.values, graph.opset)
     _type_seeds(graph, ys, types)
     acc = Accumulator(e, accumulate)
-    nodes = prune(graph, ys, wrt, types)
+    producers = {o: n for n in graph.nodes for o in n.outputs if o}
+    nodes = prune(graph, ys, wrt, types, producers)
 
     missing = [n for n in nodes if get_rule(n) is None]
     if missing:
@@ -146,7 +157,7 @@ def backward(
         risky = nonfinite_values(graph.nodes, e.values, types, inputs=graph.input_names)
         unsafe = nonfinite_cotangents(nodes, ys, e.values, risky, types)
     shared = dict(risky=frozenset(risky), reach=frozenset(reach), options=options, backward=_subgraph_pass(e),
-                  producers=MappingProxyType({o: n for n in graph.nodes for o in n.outputs if o}))
+                  producers=MappingProxyType(producers))
     grad_map: dict[str, Grad] = {}
     for node in reversed(nodes):
         out_grads = [acc.rule_total(o) if o else None for o in node.outputs]
@@ -188,15 +199,17 @@ def _type_seeds(graph: Graph, ys: Mapping[str, str | None], types: dict[str, Val
 def _run_rule(ctx: Ctx, node: Node, out_grads: list, graph: Graph) -> tuple[list, dict[str, Grad]]:
     """Call ``node``'s rule; emit the cotangents of the inputs that need one; apply a forward patch."""
     result = get_rule(node)(ctx, node, out_grads)
-    patched = result if isinstance(result, PatchedVJP) else PatchedVJP(result, {})
-    grads = list(patched.inputs)
+    if isinstance(result, PatchedVJP):
+        grads, captured, patch = list(result.inputs), result.captured, result.patch
+    else:
+        grads, captured, patch = list(result), {}, None
     if len(grads) != len(node.inputs):
         return grads, {}  # reported by the caller
     grads = [(g() if callable(g) else g) if needed else None for needed, g in zip(ctx.need, grads, strict=True)]
-    if patched.patch is not None:  # after the lazy cotangents, which may add to it
-        apply_patch(graph, node, patched.patch)  # new inputs (a counter's initial value) get no gradient
+    if patch is not None:  # after the lazy cotangents, which may add to it
+        apply_patch(graph, node, patch)  # new inputs (a counter's initial value) get no gradient
         grads += [None] * (len(node.inputs) - len(grads))
-    return grads, dict(patched.captured)
+    return grads, dict(captured)
 
 
 def check_cotangent(types: Mapping[str, ValueInfo], node: Node, name: str, g: Grad) -> None:

@@ -6,8 +6,7 @@ cotangents are finite, the producers of values, options) is its :class:`~revgrap
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,6 +14,23 @@ import numpy as np
 from ..errors import GraphError
 from ..ir import Node, ValueInfo, fresh_name, onnx_dtype
 from ..types import constant_values, node_types
+
+
+class _Scope:
+    """The ``with`` block of :meth:`Emitter.scope` (a class: rules enter one per differentiated node, and a
+    generator-based context manager costs several times more)."""
+
+    __slots__ = ("e", "prefix", "saved")
+
+    def __init__(self, e: Emitter, prefix: str):
+        self.e, self.prefix = e, prefix
+
+    def __enter__(self) -> Emitter:
+        self.saved, self.e.prefix = self.e.prefix, self.prefix
+        return self.e
+
+    def __exit__(self, *exc: object) -> None:
+        self.e.prefix = self.saved
 
 
 class Emitter:
@@ -34,6 +50,7 @@ class Emitter:
         self.nodes: list[Node] = []
         self.prefix = prefix  # set through scope()
         self._consts: dict[tuple, str] = {}
+        self._ints: dict[tuple[int, ...], str] = {}  # ints() by value: its constants in self._consts
         self._dims: set[str] = set()  # shapes of real values (shape_of, dims_const): Reshape takes 0 literally
         #: values known when the graph is built (initializers, Constant outputs, folded shape arithmetic):
         #: axes, shapes, pads
@@ -48,14 +65,9 @@ class Emitter:
         child.undeclared = list(self.undeclared)
         return child
 
-    @contextmanager
-    def scope(self, prefix: str) -> Iterator[Emitter]:
+    def scope(self, prefix: str) -> _Scope:
         """Name what is emitted inside the ``with`` block ``<prefix>/<OpType>`` (then the previous prefix again)."""
-        saved, self.prefix = self.prefix, prefix
-        try:
-            yield self
-        finally:
-            self.prefix = saved
+        return _Scope(self, prefix)
 
     # ------------------------------------------------------------------------------------------ naming
 
@@ -75,16 +87,20 @@ class Emitter:
             inputs = inputs if inputs[2] else inputs[:2]
         if op_type == "Reshape" and len(inputs) > 1 and inputs[1] in self._dims and "allowzero" not in attrs:
             attrs["allowzero"] = 1  # an empty dimension, not "copy" (Gather's rows of an empty index tensor)
-        base = self.fresh(f"{self.prefix}/{op_type}")
-        outs = [base] if n_out == 1 else [self.fresh(f"{base}:{i}") for i in range(n_out)]
-        self.nodes.append(Node(op_type, list(inputs), outs, {k: v for k, v in attrs.items() if v is not None}, base))
-        if like is not None and like in self.types:
-            ref = self.types[like]
-            self.types[outs[0]] = ValueInfo(outs[0], ref.dtype, ref.shape, ref.kind)
+        base = fresh_name(f"{self.prefix}/{op_type}", self.used)
+        outs = [base] if n_out == 1 else [fresh_name(f"{base}:{i}", self.used) for i in range(n_out)]
+        if attrs:  # (a fresh dict of this call's keywords otherwise: the node may keep it)
+            attrs = {k: v for k, v in attrs.items() if v is not None}
+        node = Node(op_type, inputs, outs, attrs, base)  # (Node copies the inputs into a list)
+        self.nodes.append(node)
+        types = self.types
+        if like is not None and like in types:
+            ref = types[like]
+            types[outs[0]] = ValueInfo(outs[0], ref.dtype, ref.shape, ref.kind)
         elif shape is not None or dtype is not None:
-            self.types[outs[0]] = ValueInfo(outs[0], dtype, shape)
+            types[outs[0]] = ValueInfo(outs[0], dtype, shape)
         else:
-            self._infer(self.nodes[-1])
+            self._infer(node)
         return outs[0] if n_out == 1 else outs
 
     def _pad_all_axes(self, inputs: list[str]) -> list[str]:
@@ -125,8 +141,11 @@ class Emitter:
     def _infer(self, node: Node) -> None:
         """Record the output types of an emitted node, so that later rules see static shapes of backward values
         too (and reduce broadcasting with static axes)."""
-        if not any(i and i not in self.types for i in node.inputs):
-            self.types.update(node_types(node, self.types, self.values, self.opset))
+        types = self.types
+        for i in node.inputs:
+            if i and i not in types:
+                return
+        types.update(node_types(node, types, self.values, self.opset))
 
     # ------------------------------------------------------------------------------------------ types
 
@@ -190,7 +209,13 @@ class Emitter:
 
     def ints(self, values: Sequence[int]) -> str:
         """A 1-D int64 constant (axes, shapes, pads)."""
-        return self.const(np.asarray(list(values), dtype=np.int64).reshape(-1))
+        key = tuple(values)
+        if not all(type(v) is int for v in key):  # numpy ints, floats, nested lists: as numpy reads them
+            key = tuple(np.asarray(list(key), dtype=np.int64).reshape(-1).tolist())
+        name = self._ints.get(key)
+        if name is None:  # (rules ask for the same few axes and shapes hundreds of times)
+            name = self._ints[key] = self.const(np.asarray(key, dtype=np.int64).reshape(-1))
+        return name
 
     def scalar(self, value: float, like: str) -> str:
         """A scalar constant with the dtype of ``like`` (``CastLike`` when that dtype is unknown)."""

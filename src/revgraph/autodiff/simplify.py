@@ -44,7 +44,7 @@ def _key(node: Node) -> tuple | None:
     if node.op_type in RANDOM or not all(node.outputs):
         return None  # (a subgraph attribute makes _attr_key raise: control flow never merges either)
     try:
-        attrs = tuple(sorted((k, _attr_key(v)) for k, v in node.attrs.items()))
+        attrs = tuple(sorted((k, _attr_key(v)) for k, v in node.attrs.items())) if node.attrs else ()
     except TypeError:
         return None
     return (node.domain, node.op_type, tuple(node.inputs), len(node.outputs), attrs)
@@ -55,30 +55,40 @@ def simplify(graph: Graph) -> Graph:
     interface = set(graph.input_names) | set(graph.output_names) | set(graph.initializers)
     pinned = set(interface)
     for node in graph.nodes:
-        for sg in node.subgraphs.values():
-            pinned.update(captured_names(sg))
+        if node.attrs:
+            for sg in node.subgraphs.values():
+                pinned.update(captured_names(sg))
     names = _Names(graph)
     rename: dict[str, str] = {}
     seen: dict[tuple, list[str]] = {}
     producer: dict[str, Node] = {}
     kept: list[Node] = []
+    identities: list[Node] = []  # the kept Identity nodes (they write graph outputs)
     for node in graph.nodes:
-        node.inputs = [rename.get(i, i) for i in node.inputs]
+        if not rename.keys().isdisjoint(node.inputs):
+            node.inputs = [rename.get(i, i) for i in node.inputs]
         if node.op_type == "Transpose" and not node.domain:
             _fold_transpose(node, producer)
         if node.op_type == "Pad" and not node.domain:
             kept += _fold_pad(node, producer, names)
         key = _key(node)
         replaced = _replacement(node, key, seen)
-        if replaced is not None and not any(o in pinned for o in node.outputs):
+        if replaced is not None and pinned.isdisjoint(node.outputs):
             rename.update(zip(node.outputs, replaced, strict=True))
             continue
         if key is not None:
             seen.setdefault(key, node.outputs)
-        producer.update((o, node) for o in node.outputs if o)
+        for o in node.outputs:
+            if o:
+                producer[o] = node
         kept.append(node)
-    graph.nodes = _guard_conv_weights(_live(_outputs_in_place(kept, graph, pinned), graph), names)
-    produced = {o for n in graph.nodes for o in n.outputs}
+        if node.op_type == "Identity":
+            identities.append(node)
+    kept = _outputs_in_place(kept, identities, graph, pinned, producer.keys())
+    graph.nodes = _guard_conv_weights(_live(kept, graph), names)
+    produced: set[str] = set()
+    for node in graph.nodes:
+        produced.update(node.outputs)
     graph.value_info = {k: v for k, v in graph.value_info.items() if k in produced or k in interface}
     return graph
 
@@ -137,6 +147,8 @@ def _guard_conv_weights(nodes: list[Node], names: _Names) -> list[Node]:
     that it pads the data input, and then rejects the graph ("Node input ... is not a graph input, initializer,
     or output of a previous node"); it leaves Pads with ``axes`` alone. Forward mode pads weight tangents (the
     transpose of the crop in a strided convolution's weight gradient)."""
+    if not any(node.op_type == "Conv" for node in nodes):
+        return nodes
     producer = {o: n for n in nodes for o in n.outputs if o}
     out = []
     for node in nodes:
@@ -165,13 +177,14 @@ class _Names:
         return fresh_name(base, self.used)
 
 
-def _outputs_in_place(nodes: list[Node], graph: Graph, pinned: set[str]) -> list[Node]:
+def _outputs_in_place(nodes: list[Node], identities: list[Node], graph: Graph, pinned: set[str],
+                      produced) -> list[Node]:
     """Drop ``y = Identity(x)`` for a graph output ``y`` by letting ``x``'s producer write ``y`` itself (when
-    ``x`` is an internal value, read by no subgraph)."""
+    ``x`` is an internal value, read by no subgraph). ``identities``: the Identity nodes of ``nodes``;
+    ``produced``: the outputs of ``nodes``."""
     outputs = set(graph.output_names)
-    produced = {o for n in nodes for o in n.outputs if o}
     rename: dict[str, str] = {}
-    for node in nodes:
+    for node in identities:
         if (node.op_type == "Identity" and not node.domain and node.outputs[0] in outputs and node.inputs
                 and node.inputs[0] in produced and node.inputs[0] not in pinned and node.inputs[0] not in rename):
             rename[node.inputs[0]] = node.outputs[0]
@@ -181,8 +194,10 @@ def _outputs_in_place(nodes: list[Node], graph: Graph, pinned: set[str]) -> list
     for node in nodes:
         if node.op_type == "Identity" and node.inputs and rename.get(node.inputs[0]) == node.outputs[0]:
             continue
-        node.inputs = [rename.get(i, i) for i in node.inputs]
-        node.outputs = [rename.get(o, o) for o in node.outputs]
+        if not rename.keys().isdisjoint(node.inputs):
+            node.inputs = [rename.get(i, i) for i in node.inputs]
+        if not rename.keys().isdisjoint(node.outputs):
+            node.outputs = [rename.get(o, o) for o in node.outputs]
         out.append(node)
     return out  # the outputs' types are declared by the graph's outputs already
 
@@ -190,13 +205,16 @@ def _outputs_in_place(nodes: list[Node], graph: Graph, pinned: set[str]) -> list
 def _live(nodes: list[Node], graph: Graph) -> list[Node]:
     """``nodes`` without those whose outputs nothing reads (a reverse walk from the graph outputs)."""
     needed = set(graph.output_names)
+    needed.discard("")
     out: list[Node] = []
     for node in reversed(nodes):
-        if not any(o in needed for o in node.outputs if o):
+        if needed.isdisjoint(node.outputs):  # ("" is never in needed)
             continue
         out.append(node)
-        needed.update(i for i in node.inputs if i)
-        for sg in node.subgraphs.values():
-            needed.update(captured_names(sg))
+        needed.update(node.inputs)
+        needed.discard("")
+        if node.attrs:
+            for sg in node.subgraphs.values():
+                needed.update(captured_names(sg))
     out.reverse()
     return out
