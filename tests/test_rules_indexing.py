@@ -551,12 +551,14 @@ def test_tensor_scatter_strong_zeros():
     assert np.isneginf(out["u_grad"]).all()
 
 
-@pytest.mark.parametrize(("order", "scatters"), [((0, 1, 2), 0), ((2, 0, 1), 0), ((0, -1, 1), 0),
-                                                 ((0, 2), 1), ((1, 1, 2), 1)])
-def test_rows_split_by_constant_gathers(order, scatters):
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize(("order", "scatters"), [((0, 1, 2), 0), ((2, 0, 1), 0), ((0, -1, 1), 0), ((1, 0), 0),
+                                                 ((0, 2), 1), ((1, 1, 2), 1), ((1, 2), 1)])
+def test_rows_split_by_constant_gathers(order, scatters, static):
     """q, k, v split from one packed tensor by Gather at constant indices (exported attention): when the
-    indices name every row once, the table's gradient is the rows in index order, with no zeros and no scatter;
-    a missing or a repeated row keeps the scatter. Against PyTorch autograd, both runtimes."""
+    indices name rows 0 .. K-1 once each, the table's gradient is the rows in index order followed by zeros
+    for the other rows, with no scatter; a gap or a repeated row keeps the scatter. The table's shape static or
+    not (exported attention computes it at run time). Against PyTorch autograd, both runtimes."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 2, 4))
     nodes = [Node("Constant", [], [f"i{k}"], {"value": np.array(i, np.int64)}, f"c{k}") for k, i in enumerate(order)]
@@ -565,9 +567,12 @@ def test_rows_split_by_constant_gathers(order, scatters):
     nodes += [Node("Mul", [f"s{k}", f"r{k}"], [f"m{k}"], name=f"mul{k}") for k in range(len(order))]
     nodes += [Node("Sum", [f"m{k}" for k in range(len(order))], ["total"], name="sum"),
               Node("ReduceSum", ["total"], ["loss"], {"keepdims": 0}, "loss")]
-    g = Graph(nodes, [ValueInfo("x", np.float64, (3, 2, 4))], [ValueInfo("loss", np.float64, ())])
+    g = Graph(nodes, [ValueInfo("x", np.float64, (3, 2, 4) if static else ("n", 2, None))],
+              [ValueInfo("loss", np.float64, ())])
     gg = rg.gradient(g, loss="loss", wrt=["x"])
     onnx.checker.check_model(rg.to_onnx(gg), full_check=True)
+    if not static and min(order) < 0:
+        scatters = 1  # a negative index names a row only once the row count is known: at run time
     assert sum(n.op_type.startswith("Scatter") for n in gg.nodes) == scatters
     xt = torch.tensor(x, requires_grad=True)
     rows = [xt[i] for i in order]

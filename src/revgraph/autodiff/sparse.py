@@ -68,16 +68,27 @@ def scatter_add(e: Emitter, dense: str, sparse: SparseGrad) -> str:
 
 def densify(e: Emitter, sparse: SparseGrad) -> str:
     """The dense gradient: zeros of the table's shape with the rows added. Rows at constant indices that name
-    every row of the table exactly once (a tensor split by ``Gather`` at 0, 1, 2, as exported attention splits
-    its packed q, k, v) are the table itself, in index order: no zeros and no scatter."""
-    idx, shape = e.value(sparse.indices), e.shape(sparse.table)
-    if idx is not None and shape and isinstance(shape[0], int) and tuple(e.shape(sparse.values) or ()) == tuple(shape):
-        idx = np.asarray(idx, np.int64).reshape(-1)
-        if idx.size == shape[0] and np.array_equal(np.sort(idx), np.arange(shape[0])):
-            if np.array_equal(idx, np.arange(shape[0])):
-                return sparse.values
-            return e.op("Gather", [sparse.values, e.const(np.argsort(idx))], axis=0, like=sparse.table)
-    return scatter_add(e, e.zeros_like(sparse.table), sparse)
+    rows 0 .. K-1 once each (a tensor split by ``Gather`` at 0, 1, 2, as exported attention splits its packed
+    q, k, v) are the gradient's first K rows, in index order: no scatter, and zeros only for the rows past K
+    (none when the table has K rows; their count is read at run time when the table's shape is not static)."""
+    idx, dt = e.value(sparse.indices), e.dtype(sparse.table)
+    if idx is None or dt is None:
+        return scatter_add(e, e.zeros_like(sparse.table), sparse)
+    idx = np.asarray(idx, np.int64).reshape(-1)
+    k = idx.size
+    if not k or not np.array_equal(np.sort(idx), np.arange(k)):
+        return scatter_add(e, e.zeros_like(sparse.table), sparse)
+    rows = sparse.values
+    if not np.array_equal(idx, np.arange(k)):
+        rows = e.op("Gather", [rows, e.const(np.argsort(idx))], axis=0, like=rows)
+    shape = e.shape(sparse.table)
+    if shape and shape[0] == k:
+        return rows
+    full = e.shape_of(sparse.table)
+    rest = e.op("Concat", [e.op("Sub", [e.op("Slice", [full, e.ints([0]), e.ints([1])]), e.ints([k])]),
+                           e.op("Slice", [full, e.ints([1]), e.ints([np.iinfo(np.int64).max])])], axis=0)
+    zeros = e.op("ConstantOfShape", [rest], value=np.zeros(1, dtype=dt))
+    return e.op("Concat", [rows, zeros], axis=0, like=sparse.table)
 
 
 # ------------------------------------------------------------------------------------ race-free scatters
