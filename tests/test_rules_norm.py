@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import check_rule, one_node_graph, with_loss
+from harness import check_rule, double_backward, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_rules_activations import torch_check
@@ -86,6 +86,51 @@ def test_batch_norm_training_y(data, eps, seed):
                        n_out=3, float_inputs=list(feeds))
     check_rule(g, feeds, lambda x, scale, bias: F.batch_norm(x, None, None, scale, bias, training=True, eps=f32(eps)),
                outputs=["y0"])
+
+
+def _bn_y_only(feeds: dict, rng) -> Graph:
+    c = feeds["x"].shape[1]
+    dt = feeds["x"].dtype
+    stats = {"mean": rng.standard_normal(c).astype(dt), "var": rng.uniform(0.5, 2.0, c).astype(dt)}
+    return one_node_graph("BatchNormalization", {**feeds, **stats}, {"training_mode": 1}, n_out=3,
+                          float_inputs=list(feeds))
+
+
+def test_batch_norm_training_y_symbolic_batch():
+    """Y only with a symbolic batch: the form of single passes (rules/norm.py ``_batch_norm_training_y``), not
+    the one through onnxruntime's fused batch-norm kernels, which needs static shapes."""
+    rng = np.random.default_rng(13)
+    feeds = {"x": rng.standard_normal((3, 4, 5)), "scale": rng.standard_normal(4), "bias": rng.standard_normal(4)}
+    g = _symbolic(_bn_y_only(feeds, rng), {"x": ("N", 4, "L")})
+    check_rule(g, feeds, lambda x, scale, bias: F.batch_norm(x, None, None, scale, bias, training=True, eps=f32(1e-5)),
+               outputs=["y0"])
+    gg = rg.gradient(with_loss(g, rg.Session(g, backend="reference").run(feeds), ["y0"])[0], loss="loss", wrt=["x"])
+    assert not any(n.op_type == "BatchNormalization" for n in gg.nodes if n.name.startswith("grad/"))
+
+
+def test_batch_norm_training_y_runs_are_independent():
+    """The fused form's helper BatchNormalization writes its running statistics into its statistics inputs in
+    place under onnxruntime: a run whose input holds inf (NaN statistics) must not change the next run's
+    gradients, which are those of a fresh session."""
+    rng = np.random.default_rng(14)
+    feeds = {"x": rng.standard_normal((4, 3, 2)).astype(np.float32),
+             "scale": rng.standard_normal(3).astype(np.float32), "bias": rng.standard_normal(3).astype(np.float32)}
+    g = _bn_y_only(feeds, rng)
+    lg, _ = with_loss(g, rg.Session(g, backend="reference").run(feeds), ["y0"])
+    gg = rg.gradient(lg, loss="loss", wrt=["x", "scale", "bias"])
+    assert any(n.op_type == "BatchNormalization" for n in gg.nodes if n.name.startswith("grad/"))
+    u = {"y0_u": rng.standard_normal((4, 3, 2)).astype(np.float32)}
+    fresh = rg.Session(gg).run({**feeds, **u})
+    sess = rg.Session(gg)
+    bad = feeds["x"].copy()
+    bad[0, :, 0] = np.inf
+    sess.run({**feeds, "x": bad, **u})
+    again = sess.run({**feeds, **u})
+    for k, v in fresh.items():
+        np.testing.assert_array_equal(again[k], v, err_msg=k)
+    ref = rg.Session(gg, backend="reference").run({**feeds, **u})
+    for k in ("x_grad", "scale_grad", "bias_grad"):
+        np.testing.assert_allclose(fresh[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 @SETTINGS
@@ -210,6 +255,29 @@ def test_layer_norm_float16_computes_in_float32():
     assert got["x_grad"].dtype == np.float16
     np.testing.assert_allclose(got["x_grad"], tx.grad.numpy(), rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(got["scale_grad"], ts.grad.numpy(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_layer_norm_float32_recomputes_statistics_with_one_node(axis):
+    # float32: zh and InvStdDev from one LayerNormalization(x, ones); first and second order against float64 torch
+    rng = np.random.default_rng(8)
+    feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in
+             (("x", (4, 6, 8)), ("scale", (4, 6, 8)[axis:]), ("bias", (4, 6, 8)[axis:]), ("y0_u", (4, 6, 8)))}
+    lg, _ = with_loss(one_node_graph("LayerNormalization", {k: feeds[k] for k in ("x", "scale", "bias")},
+                                     {"axis": axis}), {"y0": feeds["x"]})
+    gg = rg.gradient(lg, loss="loss", wrt=["x", "scale", "bias"])
+    assert any(n.op_type == "LayerNormalization" and len(n.outputs) == 3 for n in gg.nodes)
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=k != "y0_u") for k, v in feeds.items()}
+    y = F.layer_norm(t["x"], t["scale"].shape, t["scale"], t["bias"], eps=f32(1e-5))
+    want = torch.autograd.grad((y * t["y0_u"]).sum(), [t["x"], t["scale"], t["bias"]], create_graph=True)
+    for backend in ["onnxruntime", "reference"]:
+        got = rg.Session(gg, backend=backend).run(feeds)
+        for k, w in zip(("x", "scale", "bias"), want, strict=True):
+            np.testing.assert_allclose(got[f"{k}_grad"], w.detach().numpy(), rtol=2e-4, atol=2e-5, err_msg=k)
+    v, hv = rng.standard_normal((4, 6, 8)).astype(np.float32), double_backward(gg, ["x"], feeds)
+    (hvp,) = torch.autograd.grad((want[0] * torch.tensor(v, dtype=torch.float64)).sum(), [t["x"]])
+    got = rg.Session(hv, backend="onnxruntime").run({**feeds, "x_v": v})
+    np.testing.assert_allclose(got[hv.output_names[-1]], hvp.numpy(), rtol=1e-3, atol=1e-4)
 
 
 # -------------------------------------------------------------------------------------- RMSNormalization
@@ -438,106 +506,6 @@ def test_group_norm_default_stash_float32():
 
 
 # -------------------------------------------------------------------------------------- Dropout
-
-
-def _dropout_graph(x: np.ndarray, ratio: float | None, training, n_out: int = 1, seed: int = 7) -> Graph:
-    inputs = ["x", "ratio" if ratio is not None else "", "training" if training is not None else ""]
-    while inputs and not inputs[-1]:
-        inputs.pop()
-    init = {}
-    if ratio is not None:
-        init["ratio"] = np.array(ratio, np.float32)
-    graph_inputs = [ValueInfo("x", x.dtype, x.shape)]
-    if isinstance(training, str):  # a run-time input
-        graph_inputs.append(ValueInfo("training", np.bool_, ()))
-    elif training is not None:
-        init["training"] = np.array(training)
-    outs = ["y0", "mask"][:n_out]
-    return Graph([Node("Dropout", inputs, outs, {"seed": seed}, "drop")], graph_inputs, [ValueInfo("y0")], init)
-
-
-@pytest.mark.parametrize("ratio,training", [(None, None), (0.25, None), (0.25, False), (0.0, True)])
-def test_dropout_inference_is_identity(ratio, training):
-    x = np.random.default_rng(0).standard_normal((3, 4))
-    g = _dropout_graph(x, ratio, training)
-    grads = check_rule(g, {"x": x}, lambda x: x * 1.0)
-    assert grads["x"].shape == x.shape
-
-
-def _run_with_mask(gg: Graph, feeds: dict, backend: str):
-    drops = [n for n in gg.nodes if n.op_type == "Dropout"]
-    assert len(drops) == 1, "the mask must be reused, not drawn again"
-    mask = drops[0].outputs[1]
-    gg = gg.copy()
-    gg.outputs.append(ValueInfo(mask, np.bool_, feeds["x"].shape))
-    out = rg.Session(gg, backend=backend).run(feeds)
-    return out, out[mask]
-
-
-@pytest.mark.parametrize("n_out", [1, 2])
-@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
-def test_dropout_training_reuses_the_forward_mask(n_out, backend):
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((4, 5))
-    ratio = 0.25
-    g = _dropout_graph(x, ratio, True, n_out=n_out)
-    lg, _ = with_loss(g, {"y0": x})
-    u = rng.standard_normal(x.shape)
-    gg = rg.gradient(lg, loss="loss", wrt=["x"])
-    out, mask = _run_with_mask(gg, {"x": x, "y0_u": u}, backend)
-    assert 0 < mask.sum() < mask.size  # the seed drops some values and keeps others
-    np.testing.assert_allclose(out["x_grad"], mask * u / (1 - f32(ratio)), rtol=1e-12)
-    assert len(g.nodes[0].outputs) == n_out  # the caller's graph is left alone
-
-
-def test_dropout_training_central_differences():
-    # The reference evaluator draws the same mask for the same seed every run: central differences apply.
-    rng = np.random.default_rng(2)
-    x, u, v = rng.standard_normal((3, 6)), rng.standard_normal((3, 6)), rng.standard_normal((3, 6))
-    g = _dropout_graph(x, 0.5, True)
-    lg, _ = with_loss(g, {"y0": x})
-    gg = rg.gradient(lg, loss="loss", wrt=["x"])
-    grad = rg.Session(gg, backend="reference").run({"x": x, "y0_u": u})["x_grad"]
-    fwd = rg.Session(lg, backend="reference")
-    h = 1e-6
-    numeric = (fwd.run({"x": x + h * v, "y0_u": u})["loss"] - fwd.run({"x": x - h * v, "y0_u": u})["loss"]) / (2 * h)
-    np.testing.assert_allclose(np.sum(grad * v), numeric, rtol=1e-6)
-    tx = torch.tensor(x, requires_grad=True)  # PyTorch on the same mask
-    mask = torch.tensor(grad != 0)
-    (tx * mask / 0.5 * torch.tensor(u)).sum().backward()
-    np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12)
-
-
-@pytest.mark.parametrize("training", [True, False])
-def test_dropout_runtime_training_mode_and_ratio(training):
-    x = np.random.default_rng(3).standard_normal((4, 4))
-    g = _dropout_graph(x, None, "training")
-    g.nodes[0].inputs[1] = "ratio"
-    g.inputs.append(ValueInfo("ratio", np.float64, ()))
-    lg, _ = with_loss(g, {"y0": x})
-    u = np.random.default_rng(4).standard_normal(x.shape)
-    gg = rg.gradient(lg, loss="loss", wrt=["x"])
-    out, mask = _run_with_mask(gg, {"x": x, "y0_u": u, "training": np.array(training), "ratio": np.array(0.75)},
-                               "reference")
-    assert mask.all() != training
-    np.testing.assert_allclose(out["x_grad"], mask * u * (4.0 if training else 1.0), rtol=1e-12)
-
-
-def test_dropout_second_pass_keeps_one_dropout():
-    # Differentiating the gradient graph again (here with respect to the cotangent) reuses the same mask.
-    x = np.random.default_rng(5).standard_normal((2, 3))
-    g = _dropout_graph(x, 0.5, True)
-    lg, _ = with_loss(g, {"y0": x})
-    gg = rg.gradient(lg, loss="loss", wrt=["x"])
-    gg.outputs = [o for o in gg.outputs if o.name == "x_grad"]
-    g2 = rg.gradient(gg, loss="x_grad", wrt=["y0_u"])
-    assert sum(n.op_type == "Dropout" for n in g2.nodes) == 1
-    out = rg.Session(g2, backend="reference").run({"x": x, "y0_u": np.ones_like(x)})
-    mask = out["x_grad"] != 0
-    np.testing.assert_allclose(out["y0_u_grad"], mask * 2.0, rtol=1e-12)
-
-
-# -------------------------------------------------------------------------------------- unknown dimensions
 
 
 def _symbolic(g: Graph, dims: dict[str, tuple]) -> Graph:

@@ -6,6 +6,7 @@ from . import (  # noqa: F401
     attention,  # Attention
     conv,  # Conv, ConvTranspose
     deform,  # DeformConv, Col2Im
+    dropout,
     elementwise,
     indexing,
     linalg,

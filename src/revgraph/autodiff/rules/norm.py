@@ -7,7 +7,10 @@ batch-norm paper, https://arxiv.org/abs/1502.03167, section 3).
 Every normalization standardizes ``z`` over some axes: ``mu = mean(z)``, ``var = mean((z - mu)^2)``,
 ``inv = (var + eps)^(-1/2)``, ``zh = (z - mu) inv``. The rules recompute these statistics from the input in
 the input's precision (never reading the forward's optional outputs, which ``stash_type`` may make float32
-for a float64 input) with plain ONNX ops, so the backward graph can be differentiated again.
+for a float64 input), so the backward graph can be differentiated again: with plain ONNX ops, or, where
+onnxruntime's fused kernels are faster and exact (float32 LayerNormalization; BatchNormalization in training
+mode with static shapes), with a ``LayerNormalization`` or ``BatchNormalization`` node of their own, which are
+differentiable too.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node, ValueInfo
-from ..context import Ctx, ForwardPatch, PatchedVJP
+from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 
@@ -135,6 +138,23 @@ def _trailing(e: Emitter, node: Node, x: str) -> list[int]:
     return list(range(axis, rank))
 
 
+def _fused_stats(e: Emitter, node: Node, s: Stats) -> None:
+    """For a float32 ``z`` with static normalized dimensions, ``zh`` and ``inv`` from one
+    ``LayerNormalization(z, ones)`` with its ``InvStdDev`` output (one pass over ``z``, the forward's own kernel)
+    instead of the five passes of ``ReduceMean``, ``Sub``, ``Mul``, ``ReduceMean``, ``Mul``; the node is
+    differentiable again (its rule reads the ``InvStdDev`` cotangent)."""
+    z, axes = s.z, s.axis_list
+    dims = e.dims(z)
+    if e.dtype(z) != np.float32 or dims is None or not all(isinstance(dims[a], int) for a in axes):
+        return
+    ones = e.const(np.ones([dims[a] for a in axes], np.float32))
+    zh, _mean, inv = e.op("LayerNormalization", [z, ones], 3, axis=axes[0], epsilon=s.eps, stash_type=1)
+    kept = tuple(1 if a in axes else d for a, d in enumerate(dims))
+    for name, shape in ((zh, dims), (_mean, kept), (inv, kept)):
+        e.types[name] = ValueInfo(name, np.dtype(np.float32), shape)
+    s.__dict__.update(zh=zh, inv=inv)  # the cached properties, set ahead
+
+
 @vjp("LayerNormalization")
 def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """Standardization over ``[axis, rank)`` then ``Y = zh * Scale + B`` (ONNX "LayerNormalization");
@@ -146,7 +166,9 @@ def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
 
     @cache
     def st() -> Stats:
-        return Stats(e, _work(e, node, x), axes, _attr(node, "epsilon", 1e-5))
+        s = Stats(e, _work(e, node, x), axes, _attr(node, "epsilon", 1e-5))
+        _fused_stats(e, node, s)
+        return s
 
     def dx() -> str:
         z = st().z
@@ -339,25 +361,20 @@ def _batch_norm_inference(e: Emitter, node: Node, gy: str, rank: int, eps: float
 
 def _batch_norm_training(e: Emitter, node: Node, cts: list, rank: int, eps: float) -> list:
     """The cotangents of the five inputs for ``training_mode=1``, from those of ``Y`` and the running statistics."""
-    (x, scale, _, mean, var), (gy, g_rmean, g_rvar) = node.inputs[:5], cts
+    (x, scale, bias, mean, var), (gy, g_rmean, g_rvar) = node.inputs[:5], cts
     momentum = _attr(node, "momentum", 0.9)
+    if gy is not None and g_rmean is None and g_rvar is None:
+        dims, dt = e.dims(x), e.dtype(x)
+        if dims is not None and all(isinstance(v, int) and v > 0 for v in dims) and dt in (np.float32, np.float64) \
+                and e.dtype(scale) == dt and e.dtype(bias) == dt:
+            return [*_batch_norm_training_fused(e, x, scale, gy, rank, eps, dims[1]), None, None]
+        return [*_batch_norm_training_y(e, x, scale, bias, gy, rank, eps), None, None]
 
     @cache
     def st() -> Stats:
         return Stats(e, x, [0, *range(2, rank)], eps)
 
-    @cache
-    def gyzh() -> str:
-        return e.op("Mul", [gy, st().zh], like=x)
-
     def dx() -> str:
-        if gy is not None and g_rmean is None and g_rvar is None:
-            # Stats.vjp with gzh = gy * scale, the per-channel scale taken out of the means: two passes over x fewer
-            m1 = e.op("ReduceMean", [gy, st().axes], keepdims=1)
-            m2 = e.op("ReduceMean", [gyzh(), st().axes], keepdims=1)
-            centred = e.op("Sub", [e.op("Sub", [gy, m1], like=x), e.op("Mul", [st().zh, m2], like=x)], like=x)
-            return e.op("Mul", [centred, e.op("Mul", [st().inv, _chan(e, scale, x, rank)])], like=x)
-
         def stat(g):  # a running statistic's cotangent, as the batch statistic's: times (1 - momentum)
             return None if g is None else e.op("Mul", [_chan(e, g, x, rank), e.scalar(1.0 - momentum, x)])
         gzh = None if gy is None else e.op("Mul", [gy, _chan(e, scale, x, rank)], like=x)
@@ -366,8 +383,98 @@ def _batch_norm_training(e: Emitter, node: Node, cts: list, rank: int, eps: floa
     def running(g: str | None, like: str):  # the input statistic's share of the running one: times momentum
         return None if g is None else lambda: e.op("Mul", [g, e.scalar(momentum, g)], like=like)
 
-    affine = [None, None] if gy is None else _affine(e, node, gy, gyzh, rank)
+    affine = [None, None] if gy is None else _affine(e, node, gy, lambda: e.op("Mul", [gy, st().zh], like=x), rank)
     return [dx, *affine, running(g_rmean, mean), running(g_rvar, var)]
+
+
+def _batch_norm_training_fused(e: Emitter, x: str, scale: str, gy: str, rank: int, eps: float, c: int) -> list:
+    """:func:`_batch_norm_training_y` with onnxruntime's fused batch-norm kernels doing most per-element work
+    (float32/float64, static shapes, ``c`` channels). A training-mode ``BatchNormalization`` of X with scale 1,
+    bias 0 and momentum 0 gives ``xh`` and, as its running variance, the batch's population variance itself
+    (ONNX "BatchNormalization": ``running = input * momentum + current * (1 - momentum)``). With the sums
+    ``s1 = sum(dY)`` and ``s2 = sum(dY xh)``: ``dB = s1``, ``dscale = s2``,
+    ``dX = (dY - (xh s2 / n + s1 / n)) inv scale``, where ``xh s2 / n + s1 / n`` is an inference-mode
+    ``BatchNormalization`` of ``xh`` with mean 0, variance 1 and epsilon 0 (exactly that affine map). 7 passes
+    over X-sized tensors, 2 of them fused kernels (bench/micro.py ``batch_norm_backward``)."""
+    axes = e.ints([0, *range(2, rank)])
+    dt, shape = e.dtype(x), tuple(e.dims(x))
+    vec = {"shape": (c,), "dtype": dt}  # static types given, not inferred: this rule runs once per BN layer
+    zero, one = e.const(np.zeros(c, dt)), e.const(np.ones(c, dt))
+    n = e.scalar(1.0 / float(np.prod([d for i, d in enumerate(shape) if i != 1])), x)
+
+    @cache
+    def stats() -> tuple[str, str]:  # xh and the batch variance
+        # The input statistics are multiplied by momentum 0, but onnxruntime writes the running statistics
+        # into their buffers in place: they must be finite temporaries of this run that nothing else reads (a
+        # shared constant would be overwritten for every later reader and run), here 0/1 flags of one [C]
+        # slice of X (of X, not of dY: the VJP stays linear in its cotangent).
+        corner = e.op("Slice", [x, e.ints([0] * (rank - 1)), e.ints([1] * (rank - 1)), e.ints([0, *range(2, rank)])],
+                      shape=(1, c) + (1,) * (rank - 2), dtype=dt)
+        corner = e.op("Reshape", [corner, e.ints([c])], **vec)
+        flags = [e.op("Cast", [e.op(op, [corner], shape=(c,), dtype=np.dtype(bool))],
+                      to=1 if dt == np.float32 else 11, **vec) for op in ("IsNaN", "IsInf")]
+        xh, _, var = e.op("BatchNormalization", [x, one, zero, *flags], 3, training_mode=1, momentum=0.0,
+                          epsilon=eps, shape=shape, dtype=dt)
+        e.types[var] = ValueInfo(var, dt, (c,))
+        return xh, var
+
+    @cache
+    def s1() -> str:
+        return e.op("ReduceSum", [gy, axes], keepdims=0, **vec)
+
+    @cache
+    def s2() -> str:
+        return e.op("ReduceSum", [e.op("Mul", [gy, stats()[0]], like=x), axes], keepdims=0, **vec)
+
+    def dx() -> str:
+        xh, var = stats()
+        inv = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, x)], **vec)], **vec)], **vec)
+        fit = e.op("BatchNormalization", [xh, e.op("Mul", [s2(), n], **vec), e.op("Mul", [s1(), n], **vec), zero, one],
+                   epsilon=0.0, like=x)  # xh * s2 / n + s1 / n
+        k = e.op("Unsqueeze", [e.op("Mul", [inv, scale], **vec), e.ints([0, *range(2, rank)])],
+                 shape=(1, c) + (1,) * (rank - 2), dtype=dt)
+        return e.op("Mul", [e.op("Sub", [gy, fit], like=x), k], like=x)
+
+    return [dx, s2, s1]
+
+
+def _batch_norm_training_y(e: Emitter, x: str, scale: str, bias: str, gy: str, rank: int, eps: float) -> list:
+    """The cotangents of X, scale and B when only ``Y`` has one (a training step): PyTorch's
+    ``batch_norm_backward`` (aten/src/ATen/native/Normalization.cpp, training branch) in closed form over the
+    centred input ``d = X - mean`` with ``inv = (mean(d^2) + eps)^(-1/2)``, the per-channel sums
+    ``s1 = sum(dY)`` and ``s2 = sum(dY d)`` (over every axis but 1, ``n`` elements each):
+    ``dB = s1``, ``dscale = s2 inv``, ``dX = (dY - s1 / n - d s2 inv^2 / n) inv scale``.
+    Each sum is taken once and shared by dX and the affine cotangents, and ``xh = d inv`` is never
+    materialized: 11 passes over X-sized tensors where the Stats-based form (:meth:`Stats.vjp`) takes 14."""
+    axes = e.ints([0, *range(2, rank)])
+    n = _count(e, x, [0, *range(2, rank)])
+
+    @cache
+    def d() -> str:
+        return e.op("Sub", [x, e.op("ReduceMean", [x, axes], keepdims=1)], like=x)
+
+    @cache
+    def inv() -> str:  # not ReduceSumSquare(d): onnxruntime runs it 3-4x slower than ReduceMean(d * d)
+        var = e.op("ReduceMean", [e.op("Mul", [d(), d()], like=x), axes], keepdims=1)
+        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, x)])])])
+
+    @cache
+    def s1() -> str:
+        return e.op("ReduceSum", [gy, axes], keepdims=1)
+
+    @cache
+    def s2() -> str:
+        return e.op("ReduceSum", [e.op("Mul", [gy, d()], like=x), axes], keepdims=1)
+
+    def dx() -> str:
+        c = e.op("Div", [e.op("Mul", [s2(), e.op("Mul", [inv(), inv()])]), n])
+        m1 = e.op("Div", [s1(), n])
+        centred = e.op("Sub", [gy, e.op("Add", [e.op("Mul", [d(), c], like=x), m1], like=x)], like=x)
+        return e.op("Mul", [centred, e.op("Mul", [inv(), _chan(e, scale, x, rank)])], like=x)
+
+    def flat(v: str, like: str) -> str:  # a keepdims per-channel value as [C] in like's dtype
+        return _back(e, e.op("Reshape", [v, e.ints([-1])]), like)
+    return [dx, lambda: flat(e.op("Mul", [s2(), inv()]), scale), lambda: flat(s1(), bias)]
 
 
 @vjp("InstanceNormalization")
@@ -414,72 +521,3 @@ def group_norm(ctx: Ctx, node: Node, cts: list) -> list:
         return e.op("Mul", [gy, e.op("Reshape", [_back(e, st().zh, x), xshape()], like=x)])
 
     return [dx, *_affine(e, node, gy, gy_xh, rank)]
-
-
-# ---------------------------------------------------------------------------------------------- Dropout
-
-
-def _mask(e: Emitter, node: Node, patch: ForwardPatch) -> str:
-    """The forward node's mask output; when it has none, ``patch`` adds one, so that the backward pass uses the
-    very mask the forward drew (a second Dropout would draw another)."""
-    if len(node.outputs) > 1 and node.outputs[1]:
-        return node.outputs[1]
-    if 1 not in patch.outputs:
-        patch.outputs[1] = e.fresh(f"{node.name or 'Dropout'}/mask")
-        e.types[patch.outputs[1]] = ValueInfo(patch.outputs[1], np.dtype(bool), e.dims(node.inputs[0]))
-    return patch.outputs[1]
-
-
-@vjp("Dropout")
-def dropout(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
-    """``output = data * mask / (1 - ratio)`` in training mode, ``data`` otherwise (ONNX "Dropout", opset 13),
-    so ``ddata = dy / (1 - ratio)`` where the forward's mask is true and exactly 0 elsewhere.
-
-    ``ratio`` (an input) gets the derivative with the mask held fixed, ``dratio = sum(dy * output) / (1 -
-    ratio)``: the pathwise derivative for the uniform draws the forward made (``mask = draw >= ratio`` moves
-    only where ``ratio`` crosses a draw, a set of measure zero), which central differences with a fixed seed
-    reproduce. It is not the derivative of the expected loss (the mask's distribution moves with ``ratio``
-    too, and ``E[output] = data`` does not depend on it); PyTorch, whose ``p`` is a Python float, gives none.
-    In inference mode ``ratio`` has no effect and gets no gradient."""
-    e, x, g = ctx.e, node.inputs[0], cts[0]
-    n = len(node.inputs)
-    if g is None:
-        return [None] * n
-    training, ratio = _opt(node, 2), _opt(node, 1)
-    mode = ctx.value(training) if training else np.asarray(False)
-    if mode is not None and not bool(np.asarray(mode).reshape(-1)[0]):
-        return _pad([g], n)
-
-    @cache
-    def scale() -> str:
-        rv = ctx.value(ratio) if ratio else np.asarray(0.5)
-        if rv is not None:
-            r = float(np.asarray(rv).reshape(-1)[0])
-            s = e.scalar(1.0 / (1.0 - r) if r < 1.0 else 0.0, g)
-        else:
-            one = e.scalar(1.0, g)
-            s = e.op("Div", [one, e.op("Sub", [one, e.op("CastLike", [ratio, g])])])
-        if mode is None:  # training_mode only known at run time: scale 1 when it is false (the mask is all true)
-            s = e.op("Where", [training, s, e.scalar(1.0, g)])
-        return s
-
-    patch = ForwardPatch()
-
-    def dx() -> str:
-        return ctx.select(_mask(e, node, patch), e.op("Mul", [g, scale()], like=x), like=x)
-
-    def dratio() -> str:
-        return _ratio_grad(e, node, g, scale(), training if mode is None else None)
-
-    return PatchedVJP(_pad([dx, dratio if ratio else None], n), {}, patch)
-
-
-def _ratio_grad(e: Emitter, node: Node, g: str, scale: str, training: str | None) -> str:
-    """``sum(g * output) * scale`` (``scale = 1 / (1 - ratio)``), in the ratio's dtype and shape; 0 where the
-    run-time ``training`` flag is false (``output`` is ``data`` then, whatever the ratio)."""
-    ratio, y = node.inputs[1], node.outputs[0]
-    total = e.op("Mul", [e.op("ReduceSum", [e.op("Mul", [g, y])], keepdims=0), scale])
-    if training is not None:
-        total = e.op("Where", [training, total, e.scalar(0.0, g)])
-    dr = e.op("CastLike", [total, ratio])
-    return dr if e.rank(ratio) == 0 else e.op("Reshape", [dr, e.shape_of(ratio)], like=ratio)
