@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="models and gradient graphs (default: a temporary dir)")
     parser.add_argument("--venv-dir", default=None, help="where the comparison virtual environments live")
     parser.add_argument("--baseline", default=None, help="results of an earlier full run to compare the goals "
-                        "with (default for a full run: bench/results/baseline.json; '' for none)")
+                        "with (default for a full run: bench/results/before-round2.json; '' for none)")
     args = parser.parse_args(argv)
     if args.venv_dir:
         os.environ["RG_BENCH_VENV_DIR"] = args.venv_dir
