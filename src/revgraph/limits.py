@@ -143,7 +143,8 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """``onnx.shape_inference.infer_shapes`` with data propagation where it is bounded
     (:func:`data_propagation_is_bounded`), without it otherwise. Raises what ONNX raises."""
     plain = onnx.shape_inference.infer_shapes(model, data_prop=False)
-    if not data_propagation_is_bounded(plain):
+    nodes = list(_nodes(plain.graph))
+    if not _propagates_data(plain, nodes) or not data_propagation_is_bounded(plain, nodes):
         return plain
     try:
         return onnx.shape_inference.infer_shapes(model, data_prop=True)
@@ -151,7 +152,32 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         return plain
 
 
-def data_propagation_is_bounded(inferred: onnx.ModelProto) -> bool:
+#: Element types whose values ONNX data propagation reads from an initializer or ``Constant`` (onnx
+#: ``DataPropagationContextImpl::getInputData``: "Only supports integer type to form a shape").
+_SHAPE_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
+
+
+def _propagates_data(inferred: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> bool:
+    """Can data propagation on ``inferred`` (typed without it) find anything plain inference does not? Only if
+    some value is data to it: a ``Shape`` or ``Size`` output, or an int32/int64 value that a data-propagating
+    operator reads (its first input: ``Add``, ``Mul``, ``Concat`` and the others take operands of one type).
+    A graph without either (a float chain, a convnet with static shapes) is typed alike both ways, and the
+    second inference (a third of the 10k chain's load) is skipped. An input of unknown type counts as data."""
+    first = set()
+    for node in nodes:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in ("Shape", "Size"):
+            return True
+        if node.op_type in READS_VALUES and node.input and node.input[0]:
+            first.add(node.input[0])
+    if not first:
+        return False
+    types = _elem_types(inferred, first)
+    return len(types) < len(first) or any(t in _SHAPE_TYPES or t == 0 for t in types.values())
+
+
+def data_propagation_is_bounded(inferred: onnx.ModelProto, nodes: list[onnx.NodeProto] | None = None) -> bool:
     """True if ONNX data propagation on ``inferred`` (a model typed by shape inference *without* data
     propagation) materialises at most :data:`MAX_PROPAGATED_ELEMENTS` elements.
 
@@ -160,7 +186,8 @@ def data_propagation_is_bounded(inferred: onnx.ModelProto) -> bool:
     rank is unknown here may get a static length there (a ``ConstantOfShape`` of a ``Shape``). So: every such
     input must have a known rank, a static length if it has rank 1, and those lengths must add up to at most
     the bound."""
-    read = {i for node in _nodes(inferred.graph) if node.op_type in READS_VALUES and node.domain in ("", "ai.onnx")
+    nodes = _nodes(inferred.graph) if nodes is None else nodes
+    read = {i for node in nodes if node.op_type in READS_VALUES and node.domain in ("", "ai.onnx")
             for i in node.input if i}
     shapes = _shapes(inferred, read)
     total = 0
@@ -193,6 +220,37 @@ def _shapes(model: onnx.ModelProto, names: set[str]) -> dict[str, tuple]:
             for a in node.attribute:
                 stack.extend([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs))
     return found
+
+
+def _elem_types(model: onnx.ModelProto, names: set[str]) -> dict[str, int]:
+    """The element types of the values ``names`` that ``model`` (and its subgraphs) declare or infer, by name
+    (0: undefined); a value of no tensor type is left out."""
+    found: dict[str, int] = {}
+    stack = [model.graph]
+    while stack:
+        g = stack.pop()
+        for t in g.initializer:
+            if t.name in names:
+                found[t.name] = t.data_type
+        for vi in [*g.input, *g.output, *g.value_info]:
+            if vi.name in names and vi.type.HasField("tensor_type"):
+                found[vi.name] = vi.type.tensor_type.elem_type
+        for node in g.node:
+            if node.op_type == "Constant" and node.output and node.output[0] in names:
+                found[node.output[0]] = _constant_type(node)
+            for a in node.attribute:
+                stack.extend([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs))
+    return found
+
+
+def _constant_type(node: onnx.NodeProto) -> int:
+    """The element type of a ``Constant`` node's value (0 when it is not a tensor attribute)."""
+    for a in node.attribute:
+        if a.name == "value" and a.type == AttributeProto.TENSOR:
+            return a.t.data_type
+        if a.name in ("value_int", "value_ints"):
+            return onnx.TensorProto.INT64
+    return 0
 
 
 def _nodes(graph: onnx.GraphProto):

@@ -208,9 +208,16 @@ def check_graph_proto(gp: onnx.GraphProto, opsets: dict[str, int]) -> None:
         for k, item in enumerate(items):
             if not item.name:
                 raise GraphError(f"graph {gp.name!r}: {kind} #{k + 1} has an empty name; ONNX values need names")
+    schemas: dict[tuple[str, str], object] = {}
     for k, node in enumerate(gp.node):
-        schema = get_schema(node.op_type, node.domain if node.domain != "ai.onnx" else "", opsets)
-        for a in node.attribute:
+        attributes = node.attribute
+        if not attributes:  # (most nodes of a long chain: no schema lookup)
+            continue
+        key = (node.op_type, node.domain if node.domain != "ai.onnx" else "")
+        if key not in schemas:
+            schemas[key] = get_schema(*key, opsets)
+        schema = schemas[key]
+        for a in attributes:
             if a.ref_attr_name:
                 continue  # a function's reference to its caller's attribute
             declared = schema.attributes.get(a.name) if schema is not None else None
@@ -235,6 +242,19 @@ def _check_text(gp: onnx.GraphProto) -> None:
     """Refuse (:class:`GraphError`) a name in ``gp`` that is not UTF-8: protobuf hands such a string field over
     as ``bytes`` (or raises ``UnicodeDecodeError``, which :func:`revgraph.load` turns into the same error)."""
     names = [gp.name, *(v.name for v in (*gp.input, *gp.output, *gp.value_info, *gp.initializer))]
+    texts = []
+    for node in gp.node:
+        texts += node.input
+        texts += node.output
+        texts += (node.op_type, node.domain, node.name)
+        if node.attribute:
+            texts += (a.name for a in node.attribute)
+    try:  # ("".join refuses a bytes item: one C loop instead of one isinstance call per name)
+        "".join(names)
+        "".join(texts)
+        return
+    except TypeError:
+        pass  # find the culprit below
     if not all(isinstance(n, str) for n in names):
         bad = next(n for n in names if not isinstance(n, str))
         raise GraphError(f"graph {_text(gp.name)}: the name {bad!r} is not UTF-8 text; ONNX names are UTF-8")
