@@ -206,9 +206,7 @@ def _shapes(model: onnx.ModelProto, names: set[str]) -> dict[str, tuple]:
     """Shapes of the values ``names``, over the graph and its subgraphs; dims are ``int`` or ``None``; a value
     of unknown rank is left out."""
     found: dict[str, tuple] = {}
-    stack = [model.graph]
-    while stack:
-        g = stack.pop()
+    for g in _graphs(model.graph):
         for t in g.initializer:
             if t.name in names:
                 found[t.name] = tuple(t.dims)
@@ -216,9 +214,6 @@ def _shapes(model: onnx.ModelProto, names: set[str]) -> dict[str, tuple]:
             if vi.name in names and vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
                 found[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None
                                        for d in vi.type.tensor_type.shape.dim)
-        for node in g.node:
-            for a in node.attribute:
-                stack.extend([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs))
     return found
 
 
@@ -226,9 +221,7 @@ def _elem_types(model: onnx.ModelProto, names: set[str]) -> dict[str, int]:
     """The element types of the values ``names`` that ``model`` (and its subgraphs) declare or infer, by name
     (0: undefined); a value of no tensor type is left out."""
     found: dict[str, int] = {}
-    stack = [model.graph]
-    while stack:
-        g = stack.pop()
+    for g in _graphs(model.graph):
         for t in g.initializer:
             if t.name in names:
                 found[t.name] = t.data_type
@@ -238,8 +231,6 @@ def _elem_types(model: onnx.ModelProto, names: set[str]) -> dict[str, int]:
         for node in g.node:
             if node.op_type == "Constant" and node.output and node.output[0] in names:
                 found[node.output[0]] = _constant_type(node)
-            for a in node.attribute:
-                stack.extend([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs))
     return found
 
 
@@ -253,11 +244,17 @@ def _constant_type(node: onnx.NodeProto) -> int:
     return 0
 
 
-def _nodes(graph: onnx.GraphProto):
+def _graphs(graph: onnx.GraphProto):
+    """``graph`` and every subgraph in it, at any depth (iteratively)."""
     stack = [graph]
     while stack:
         g = stack.pop()
+        yield g
         for node in g.node:
-            yield node
             for a in node.attribute:
                 stack.extend([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs))
+
+
+def _nodes(graph: onnx.GraphProto):
+    for g in _graphs(graph):
+        yield from g.node
