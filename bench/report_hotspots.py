@@ -187,7 +187,19 @@ def hotspot_notes(res: dict) -> list[str]:
         if micro_c:
             line += ". Micro-benchmark on the largest layer: " + ", ".join(
                 f"{k} {ms(1e3 * v)} ms" for k, v in micro_c.items())
-        notes.append(line + ".")
+        notes.append(line + ". Done in round 2: the batch-norm VJP in training mode runs on onnxruntime's fused "
+                     "batch-norm kernels (a training-mode `BatchNormalization` gives the normalised input and the "
+                     "batch variance, an inference-mode one applies the final affine map: 7 passes over the "
+                     "activation instead of 14; 0.89x the CNN's step). Measured and not kept, because none "
+                     "changed the whole step by more than the noise (0.97x to 1.04x; bench/micro.py holds each "
+                     "as a micro-benchmark): the weight gradient as one 2-D GEMM per tap over the batch and "
+                     "pixels, as contiguous wide-row taps, or after an unfold by a one-hot grouped `Conv`; the "
+                     "input gradient as a `Conv` of the flipped, channel-transposed weight instead of "
+                     "`ConvTranspose` (onnxruntime's `Conv` with a computed weight takes the same generic path); "
+                     "taps cut without the padded copy. In the profile of the best micro form its extra "
+                     "`Transpose` copies cost what its GEMMs saved: the step is bound by memory traffic, and "
+                     "closing the gap to oneDNN needs kernels standard ONNX does not reach (a fused "
+                     "convolution weight gradient).")
     tr = ort.get("transformer")
     audit = prof.get("audit", {})
     a_tr = audit.get("Transformer", {}).get("revgraph", {}).get("counts", {})
@@ -307,22 +319,31 @@ def hotspot_notes(res: dict) -> list[str]:
                          + (f" (onnxruntime-training {s(fan['ort_s'])})" if fan.get("ort_s") else ""))
             line += "; a counter per base name makes it linear."
         else:
-            line += (" Done in this round: weights pass through onnx's version converter and shape inference "
-                     "as typed inputs (no serialization of their data), the emitter types the nodes it writes with "
-                     "Python shape formulas (`revgraph/fastshape.py`) before asking ONNX, and a graph that declares "
-                     "most of its types (a loaded model plus its loss) is typed node by node instead of being "
-                     "inferred again whole. What is left is spread over the Python-level graph walk and `to_onnx`.")
+            line += (" Done in round 2: the garbage collector is paused while a graph is loaded, differentiated "
+                     "and written (it rescanned the growing heap and found nothing to free: 30% of a 10k chain's "
+                     "build), protobuf messages are filled in place instead of built by `onnx.helper` and copied, "
+                     "each distinct type is read once, opset 20 models go to 21 by renumbering (every adapter of "
+                     "that step but GroupNormalization's is a no-op; the converter cost 4-8 ms even for the MLP), "
+                     "Flatten/Pad/Cast have Python shape formulas, data-propagating shape inference runs only "
+                     "when there is integer data to propagate, and the graph walks of the clean-up pass, the "
+                     "pruning and the SSA check do less per node; the output graphs are byte for byte the same.")
         chains = [c for c in res.get("build", {}).get("cases", []) if c.get("kind") == "chain" and c.get("ort_s")]
         if chains:
             line += (" The chains have no weights and no opset conversion, and their elementwise nodes had a "
                      "Python typing path before, so those changes do not reach them: per forward node revgraph spends " + ", ".join(
                          f"{1e6 * c['revgraph_s'] / c['n']:.0f} µs ({c['name']})" for c in chains)
-                     + " in Python (a VJP rule, 2.5 emitted nodes with their names and types, the clean-up pass, "
-                     "`to_onnx`), onnxruntime-training " + ", ".join(
-                         f"{1e6 * c['ort_s'] / c['n']:.0f} µs" for c in chains) + " in C++; at 1k and 10k nodes "
-                     "that fixed cost per node is over the 2x goal, at 100k nodes the C++ builder's superlinear "
-                     "growth puts it behind. The CNN's build also carries the per-tap weight gradients (about "
-                     "40 more nodes per 3x3 convolution), which trade build time and graph size for step time.")
+                     + " in Python (a VJP rule and 4.5 emitted nodes with their names and types: the chain's input "
+                     "may hold inf, so each product of a cotangent and a factor that may be infinite is guarded "
+                     "for strong zeros, `Mul`, `Equal`, `Where`; the clean-up pass; `to_onnx`), "
+                     "onnxruntime-training " + ", ".join(
+                         f"{1e6 * c['ort_s'] / c['n']:.0f} µs" for c in chains) + " in C++ for 2.5 nodes. The cost "
+                     "left is spread thinly (no function above 7% of the build): Python's fixed cost per emitted "
+                     "node, about 2-3 µs to create it with its name and type, 2 µs in the clean-up pass and 2 µs "
+                     "to write it out. Reaching 40 µs per node needs fewer nodes per VJP or one pass that cleans "
+                     "up and types at once, not more micro-optimisation. The CNN's build also carries the per-tap "
+                     "weight gradients (about 40 more nodes per 3x3 convolution), which trade build time and "
+                     "graph size for step time; the Transformer's, two rounds of ONNX shape inference on its "
+                     "322 exported nodes (load, then the loss appended).")
         notes.append(line)
     loops = {(r["steps"], r["policy"]): r for r in res.get("memory", {}).get("loops", [])}
     if (10000, "store") in loops and (10000, "sqrt") in loops:
