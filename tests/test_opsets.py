@@ -74,6 +74,37 @@ def test_an_older_model_is_converted_up_to_21():
     assert rg.gradient(g, "y").opset == TARGET_OPSET
 
 
+def test_an_opset_20_model_is_renumbered_as_the_converter_would_convert_it():
+    """From 20 to 21 revgraph renumbers the opset itself (every adapter of that step but GroupNormalization's
+    only renumbers): the nodes are those onnx.version_converter writes, and the gradient matches PyTorch."""
+    model = small_model(20)
+    g = rg.load(model)
+    assert (g.opset, g.source_opset) == (TARGET_OPSET, 20)
+    converted = onnx.version_converter.convert_version(model, TARGET_OPSET)
+    assert [(n.op_type, list(n.input), list(n.output)) for n in converted.graph.node] == \
+        [(n.op_type, n.inputs, n.outputs) for n in g.nodes]
+    x = np.random.default_rng(2).standard_normal((2, 4)).astype(F32)
+    got = rg.Session(rg.gradient(g, "y")).run({"x": x})
+    for k, ref in torch_grads(x).items():
+        np.testing.assert_allclose(got[f"{k}_grad"], ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("op", "converted"), [("Tanh", 0), ("GroupNormalization", 1)])
+def test_only_an_opset_20_model_with_a_rewriting_adapter_goes_through_the_converter(op, converted, monkeypatch):
+    """GroupNormalization's 20 -> 21 adapter may rewrite the node (per-group scale and bias become per-channel):
+    a model holding one is given to onnx.version_converter; any other opset-20 model is renumbered."""
+    calls = []
+    real = onnx.version_converter.convert_version
+    monkeypatch.setattr(onnx.version_converter, "convert_version", lambda m, v: calls.append(v) or real(m, v))
+    ones = np.ones(4, F32)
+    node = (Node("GroupNormalization", ["x", "s", "b"], ["y"], {"num_groups": 4, "epsilon": 1e-5}, "gn")
+            if op == "GroupNormalization" else Node("Tanh", ["x"], ["y"], name="tanh"))
+    g = Graph([node], [ValueInfo("x", F32, (2, 4, 3))], [ValueInfo("y", F32, (2, 4, 3))],
+              {"s": ones, "b": ones} if op == "GroupNormalization" else {}, opsets={"": 20})
+    assert rg.load(rg.to_onnx(g)).opset == TARGET_OPSET
+    assert len(calls) == converted
+
+
 @pytest.mark.parametrize("opset", [21, 22, 24, NEWEST_OPSET])
 def test_load_converts_to_the_opset_asked_for(opset):
     g = rg.load(small_model(23), opset=opset)
