@@ -105,6 +105,34 @@ def test_only_an_opset_20_model_with_a_rewriting_adapter_goes_through_the_conver
     assert len(calls) == converted
 
 
+@pytest.mark.parametrize("opset", [18, 20])
+@pytest.mark.parametrize("backend", ["onnxruntime", "reference"])
+def test_group_normalization_before_21_keeps_its_per_group_scale_and_bias(opset, backend):
+    """GroupNormalization 18 scales and shifts per group, 21 per channel, and onnx 1.23's converter leaves the
+    node as it is (onnxruntime then refuses it): revgraph repeats each group's scale and bias over its
+    channels in the graph, so the per-group parameters keep their shape. Forward and gradients (x, scale,
+    bias) against PyTorch's group_norm with the repeated parameters."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 4, 3))
+    scale, bias = rng.standard_normal(2), rng.standard_normal(2)
+    g = Graph([Node("GroupNormalization", ["x", "scale", "bias"], ["y"], {"num_groups": 2, "epsilon": 1e-5}, "gn"),
+               Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float64, (2, 4, 3))], [ValueInfo("loss", np.float64, ())],
+              {"scale": scale, "bias": bias}, opsets={"": opset})
+    loaded = rg.load(rg.to_onnx(g))
+    assert loaded.opset == TARGET_OPSET and loaded.initializers["scale"].shape == (2,)
+    gg = rg.gradient(loaded, "loss", wrt=["x", "scale", "bias"])
+    got = rg.Session(gg, backend=backend).run({"x": x})
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in {"x": x, "scale": scale, "bias": bias}.items()}
+    y = torch.nn.functional.group_norm(t["x"], 2, t["scale"].repeat_interleave(2), t["bias"].repeat_interleave(2),
+                                       eps=float(np.float32(1e-5)))
+    y.sum().backward()
+    # (GroupNormalization's statistics are float32 by default, stash_type 1, also for a float64 input)
+    np.testing.assert_allclose(got["loss"], y.sum().item(), rtol=1e-6, atol=1e-6)
+    for k in t:
+        np.testing.assert_allclose(got[f"{k}_grad"], t[k].grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 @pytest.mark.parametrize("opset", [21, 22, 24, NEWEST_OPSET])
 def test_load_converts_to_the_opset_asked_for(opset):
     g = rg.load(small_model(23), opset=opset)

@@ -41,6 +41,7 @@ from .reading import (  # noqa: F401  (read_model, converter_error: API of this 
 )
 from .schema import get_schema
 from .ssa import is_ssa, to_ssa
+from .upgrade import fix_legacy_prelu, group_norm_per_channel
 from .version import __version__
 
 #: Operator domains a loaded model may import besides the default one.
@@ -127,7 +128,7 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
     original = opsets.get("", TARGET_OPSET)
     opset = target_opset(original, opset)
     if original < 7:
-        _fix_legacy_prelu(graph)
+        fix_legacy_prelu(graph)
     if not is_ssa(graph):
         graph = to_ssa(graph)
     light, big = light_graph(graph)
@@ -162,6 +163,8 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
         result.inputs = [v for v in result.inputs if v.name not in big or v.name in declared]
         added = {k: a for k, a in result.initializers.items() if k not in graph.initializers}
         result.initializers = {**{k: big.get(k, result.initializers.get(k)) for k in graph.initializers}, **added}
+    if original < 21 <= result.opset:
+        group_norm_per_channel(result)
     _name_nodes(result)
     result.source_opset = original
     result.check()
@@ -205,23 +208,6 @@ def _name_nodes(graph: Graph) -> None:
                 counter += 1
             node.name = f"{node.op_type}_{counter}"
             used.add(node.name)
-
-
-def _fix_legacy_prelu(graph: Graph) -> bool:
-    """Before opset 7, ``PRelu`` applied a 1-D slope of size C along axis 1 (one slope per channel); from
-    opset 7 on the slope broadcasts numpy-style from the last axis. The version converter does not adapt
-    this, so reshape such slope initializers to ``(C, 1, ..., 1)``. Returns True if it changed anything."""
-    changed = False
-    ranks = {v.name: len(v.shape) for v in graph.inputs if v.shape is not None}
-    for node in graph.nodes:
-        if node.op_type != "PRelu" or node.inputs[1] not in graph.initializers:
-            continue
-        slope = graph.initializers[node.inputs[1]]
-        rank = ranks.get(node.inputs[0])
-        if slope.ndim == 1 and slope.size > 1 and rank is not None and rank > 2:
-            graph.initializers[node.inputs[1]] = slope.reshape((slope.size,) + (1,) * (rank - 2))
-            changed = True
-    return changed
 
 
 # ---------------------------------------------------------------------------------------------- ONNX -> IR
@@ -518,9 +504,8 @@ def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
         external_data.save_external(model, path)
         return
     data = model.SerializeToString()  # before the temporary file exists: a signal meanwhile leaves nothing
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(data)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
 
 
 def check_valid(graph: Graph) -> None:
