@@ -6,6 +6,8 @@ section modules, so that each of them can import it without an import cycle.
 
 from __future__ import annotations
 
+import re
+
 MODEL_NAMES = {"mlp": "MLP", "cnn": "CNN", "transformer": "Transformer", "rnn": "RNN (Loop, T=100)"}
 
 
@@ -59,3 +61,22 @@ def contended(res: dict, e: dict) -> str:
 
 def _r(a, b):
     return a / b if a and b else None
+
+
+_PYTHON_LIB = re.compile(r"(?:/[^\s\"':()]+)*/lib/python3\.\d+/")
+
+
+def portable(obj, roots: dict[str, str]):
+    """``obj`` (results: dicts, lists, strings) with this machine's absolute paths replaced by placeholders, so
+    that saved results name no directory of the machine that measured them: each ``roots`` prefix (the work
+    directory, the repository) by its placeholder, and Python's library directories by ``<python>/``."""
+    if isinstance(obj, dict):
+        return {k: portable(v, roots) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [portable(v, roots) for v in obj]
+    if isinstance(obj, str):
+        for prefix, placeholder in sorted(roots.items(), key=lambda kv: -len(kv[0])):
+            if prefix:
+                obj = obj.replace(prefix, placeholder)
+        return _PYTHON_LIB.sub("<python>/", obj)
+    return obj

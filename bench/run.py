@@ -45,6 +45,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import envs
+from report_format import portable
 from workers import Worker, WorkerError, WorkerTimeout
 
 
@@ -565,7 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     res["load_end"] = loadavg()
     res["finished"] = dt.datetime.now().isoformat(timespec="seconds")
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(res, indent=1, default=str))
+    res["argv"] = [f"<path>/{Path(a).name}" if os.path.isabs(a) and not a.startswith(str(ROOT)) else a
+                   for a in res.get("argv", [])]  # (the machine's own directories are not saved)
+    res = portable(json.loads(json.dumps(res, default=str)), {res["work_dir"]: "<work_dir>", str(ROOT): "<repo>"})
+    json_path.write_text(json.dumps(res, indent=1))
     import report
 
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
