@@ -153,6 +153,9 @@ class Graph:
     doc_string: str = ""
     #: The default-domain opset of the file this graph was loaded from, before any conversion (``None`` if built).
     source_opset: int | None = None
+    #: What the memory planner chose for this gradient graph (``revgraph.autodiff.memory.MemoryPlan``: saved
+    #: bytes before and after, recomputed FLOPs), set by ``revgraph.gradient``; not kept by :meth:`copy`.
+    memory_plan: Any = field(default=None, compare=False, repr=False)
 
     @property
     def opset(self) -> int:

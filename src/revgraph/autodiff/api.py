@@ -23,6 +23,7 @@ from .backward import backward
 from .context import Grad, Options
 from .emitter import Emitter
 from .loops.lower import lower_to_loops
+from .memory import Budget, as_budget, plan_memory
 from .policies import CheckpointPolicy, parse_policy
 from .simplify import simplify
 from .sparse import SparseGrad
@@ -40,6 +41,7 @@ def gradient(
     checkpoint: str | int | CheckpointPolicy = "store",
     lift_constants: bool = False,
     straight_through: bool = False,
+    memory: float | int | Budget | str | None = None,
 ) -> Graph:
     """A graph computing ``graph``'s outputs and the gradient of ``loss`` with respect to each ``wrt`` value.
 
@@ -57,11 +59,17 @@ def gradient(
     so that they are differentiated by default. ``straight_through=True`` differentiates each
     ``QuantizeLinear -> DequantizeLinear`` pair with the straight-through estimator (quantization-aware training,
     :mod:`.rules.quant`); without it a path through such a pair raises :class:`GraphError`.
+    ``memory`` is the budget of the residuals (the forward values the backward reads), planned by
+    :func:`~.memory.plan_memory`: ``None`` (default) recomputes only free operators (reshapes, transposes, ...)
+    where that keeps fewer bytes; a float in [0, 1] keeps at most that fraction of the default's bytes, an int
+    at most that many bytes, or a :class:`~.memory.Budget` (which may size symbolic dimensions), recomputing
+    forward nodes inside the backward graph at the least FLOPs found. The plan is ``result.memory_plan``.
 
     Raises :class:`RevgraphError` (one line) for an unknown, ambiguous or non-floating name, and
     :class:`GraphError` for operators without a VJP rule on the path.
     """
     require_graph(graph, "gradient")
+    budget = as_budget(memory)
     if loss is not None and not isinstance(loss, str):
         raise RevgraphError(f"loss must be a value name (a str) or None, got {type(loss).__name__}")
     wrt = None if wrt is None else names_argument(wrt, "wrt")
@@ -105,6 +113,7 @@ def gradient(
         g.nodes.extend(tail)
         simplify(g)
         keep_types(g, e.types)
+        g.memory_plan = plan_memory(g, budget)
         return g
 
 

@@ -41,7 +41,8 @@ def _attr_key(value) -> object:
 
 
 def _key(node: Node) -> tuple | None:
-    if node.op_type in RANDOM or not all(node.outputs):
+    if node.op_type in RANDOM or not all(node.outputs) or node.name.startswith("remat/"):
+        # (a recomputation merged back into its forward original would keep what the planner freed)
         return None  # (a subgraph attribute makes _attr_key raise: control flow never merges either)
     try:
         attrs = tuple(sorted((k, _attr_key(v)) for k, v in node.attrs.items())) if node.attrs else ()

@@ -62,7 +62,7 @@ def value_bytes(vi: ValueInfo | None, dims: Mapping[str, int] | None = None) -> 
     n = 1
     for d in vi.shape:
         if isinstance(d, str):
-            d = (dims or {}).get(d)
+            d = dims.get(d) if dims is not None else None
         if not isinstance(d, (int, np.integer)):
             return None
         n *= int(d)

@@ -1,0 +1,318 @@
+"""The memory planner: which forward values the backward keeps and which it recomputes (rematerialization).
+
+A gradient graph computes the forward values, then the backward nodes, which read some forward values (the
+residuals, :mod:`.residuals`). Each residual can be **kept** (alive from its producer to its last backward
+reader: bytes) or **recomputed** inside the backward graph from values that are kept (FLOPs). The planner
+chooses, over the whole top-level graph, the cheapest mix:
+
+- It is a minimum s-t cut, as torch.compile's min-cut partitioner (``torch/_functorch/partitioners.py``,
+  after Checkmate: Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor Rematerialization",
+  MLSys 2020). Every forward value ``v`` is split into ``v_in -> v_out`` with capacity ``bytes(v)`` (cutting it =
+  keeping ``v``); a recomputable node ``n`` has edges ``u_out -> n`` from its inputs and ``n -> v_in`` to its
+  outputs (infinite), and ``source -> n`` with capacity ``lambda * flops(n)`` (cut when ``n`` is on the sink side:
+  recomputed); residuals have ``v_out -> sink`` (infinite); values a node that cannot be recomputed writes hang
+  from the source. A minimum cut then minimises ``kept bytes + lambda * recomputed FLOPs`` exactly, for the
+  recomputation being ordinary forward nodes run in the backward (the sink side: every recomputed node's
+  inputs are kept or recomputed themselves).
+- ``lambda`` (bytes per FLOP) is the Lagrange multiplier of the budget: ``lambda = inf`` recomputes only the
+  free operators (no FLOPs: reshapes, transposes, casts, ... :data:`.cost.FREE`), the default plan; ``lambda =
+  0`` keeps the fewest bytes possible (``memory=0``). Under a budget, ``lambda`` is bisected (on a log scale) to
+  the largest value whose plan keeps at most the budget: kept bytes fall monotonically with ``lambda``
+  (parametric min-cut), so the plan found minimises recomputation among the Lagrangian plans that meet it.
+- A tie-breaking cost of one thousandth of a node's output bytes makes a recomputation that saves nothing
+  lose to keeping the value (the default plan changes nothing that saves no bytes).
+
+Random operators (their draws and masks), loops and branches (their own checkpoint policies decide inside
+them), sequences and nodes of unknown size are never recomputed; values a backward subgraph captures are kept.
+The recomputed nodes are copies of the forward nodes named ``remat/<node>`` that write ``<value>__remat``
+values, placed just before the first backward node that reads them (so they live only from there to their
+last backward reader); forward nodes whose outputs nothing reads any more are removed.
+
+Runtimes that merge common subexpressions would merge a recomputation back into its forward node (the
+gradient stays right, the saving is lost): :data:`ORT_DISABLED_OPTIMIZERS` is what revgraph's onnxruntime
+sessions turn off for graphs with ``remat/`` nodes.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ...ir import Graph, Node, ValueInfo, fresh_name
+from ...ssa import captured_names
+from .budget import DEFAULT_SYMBOLIC_DIM, Budget
+from .cost import flops, recomputable
+from .mincut import INF, Network
+from .residuals import is_backward_node, value_bytes
+
+#: onnxruntime graph optimizers that would merge a recomputed node with its forward original
+ORT_DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination",)
+
+REMAT_PREFIX = "remat/"
+_SCALE = 2**22  # finite cut costs are scaled to about this many units (scipy's capacities are int32)
+_NEVER = 2**26  # more than any finite cut: "do not recompute" for lambda = inf
+_TIE = 1e-3  # tie-breaking cost of a recomputation, per byte it writes
+_SKEW = 0.05  # FLOPs of the last forward node count this much more than the first's (see _cut)
+
+
+@dataclass
+class MemoryPlan:
+    """What :func:`plan_memory` chose for a gradient graph.
+
+    ``saved_before``: residual bytes without recomputation; ``saved_default``: those of the default plan (free
+    operators recomputed); ``saved_after``: those of the chosen plan; ``recomputed_flops``: the FLOPs its
+    recomputation adds to a step; ``recomputed``: the recomputed forward nodes' names; ``target``: the budget
+    in bytes (``None`` for the default plan); ``met``: whether the plan keeps at most the target; ``unknown``:
+    residuals of unknown size (kept, counted as 0 bytes). Sizes use ``dims`` for symbolic dimensions."""
+
+    saved_before: int = 0
+    saved_default: int = 0
+    saved_after: int = 0
+    recomputed_flops: int = 0
+    recomputed: list[str] = field(default_factory=list)
+    target: int | None = None
+    met: bool = True
+    unknown: list[str] = field(default_factory=list)
+    dims: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line: saved MB before and after, the recomputation added."""
+        mb = 1e6
+        text = (f"residuals {self.saved_before / mb:.2f} MB without recomputation, {self.saved_after / mb:.2f} MB "
+                f"kept; {len(self.recomputed)} forward node(s) recomputed ({self.recomputed_flops / 1e6:.1f} MFLOP)")
+        if self.target is not None:
+            text += f"; budget {self.target / mb:.2f} MB" + ("" if self.met else " (not reachable)")
+        if self.dims:
+            text += " at " + ", ".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
+        return text
+
+
+class _Problem:
+    """The forward part of a gradient graph as the planner sees it: residuals, sizes, costs."""
+
+    def __init__(self, graph: Graph, dims: Mapping[str, int]):
+        self.graph, self.dims = graph, dict(dims)
+        types: dict[str, ValueInfo] = dict(graph.value_info)
+        types.update({vi.name: vi for vi in [*graph.inputs, *graph.outputs]})
+        self.types = types
+        self.outputs = set(graph.output_names)
+        self.producer: dict[str, int] = {}
+        self.forward: list[int] = []
+        self.backward: list[int] = []
+        residual: set[str] = set()
+        self.pinned: set[str] = set()
+        for k, node in enumerate(graph.nodes):
+            if is_backward_node(node):
+                self.backward.append(k)
+                residual.update(i for i in node.inputs if i)
+                for sub in node.subgraphs.values():
+                    self.pinned.update(captured_names(sub))
+            else:
+                self.forward.append(k)
+                for o in node.outputs:
+                    if o:
+                        self.producer.setdefault(o, k)
+        self.position = {k: j / max(1, len(self.forward)) for j, k in enumerate(self.forward)}
+        self.residuals = sorted((r for r in residual | self.pinned if r in self.producer), key=self.producer.get)
+        self.pinned &= set(self.residuals)
+        self._bytes: dict[str, int | None] = {}
+        self._flops: dict[int, int | None] = {}
+
+    def bytes(self, v: str) -> int | None:
+        if v not in self._bytes:
+            self._bytes[v] = value_bytes(self.types.get(v), self.dims)
+        return self._bytes[v]
+
+    def flops(self, k: int) -> int | None:
+        if k not in self._flops:
+            node = self.graph.nodes[k]
+            ok = recomputable(node) and all(self.bytes(o) is not None for o in node.outputs if o)
+            self._flops[k] = flops(node, self.types, self.dims) if ok else None
+        return self._flops[k]
+
+    def candidates(self, free_only: bool) -> list[int]:
+        """The recomputable forward nodes some residual depends on through recomputable nodes only."""
+        seen: set[int] = set()
+        stack = [self.producer[r] for r in self.residuals if r not in self.pinned]
+        while stack:
+            k = stack.pop()
+            if k in seen:
+                continue
+            f = self.flops(k)
+            if f is None or (free_only and f > 0):
+                continue
+            seen.add(k)
+            stack.extend(self.producer[i] for i in self.graph.nodes[k].inputs if i in self.producer)
+        return sorted(seen)
+
+
+def _cut(p: _Problem, nodes: list[int], lam: float | None, unit: float) -> tuple[set[int], int, int]:
+    """The minimum cut for multiplier ``lam`` (``None``: infinity) over the candidate ``nodes``: the recomputed
+    nodes, the residual bytes kept and the FLOPs recomputed."""
+    net = Network()
+    vin: dict[str, int] = {}
+    vout: dict[str, int] = {}
+    nid = {k: net.vertex() for k in nodes}
+
+    def out_vertex(v: str) -> int:
+        if v not in vout:
+            vout[v] = net.vertex()
+            cap = 0 if v in p.outputs else math.ceil((p.bytes(v) or 0) / unit)
+            k = p.producer[v]
+            if k in nid:
+                vin[v] = net.vertex()
+                net.edge(nid[k], vin[v], INF)
+                net.edge(vin[v], vout[v], cap)
+            else:  # written by a node that stays in the forward: kept if needed
+                net.edge(Network.SOURCE, vout[v], cap)
+        return vout[v]
+
+    for k in nodes:
+        node = p.graph.nodes[k]
+        f = p.flops(k)
+        out_bytes = sum(p.bytes(o) or 0 for o in node.outputs if o)
+        tie = max(1, math.ceil(_TIE * out_bytes / unit))
+        if f and lam is not None:  # later nodes a little dearer: ties (a chain's equal layers) flip one by one
+            f *= 1 + _SKEW * p.position[k]
+        cost = tie if f == 0 else (_NEVER if lam is None else min(_NEVER, tie + math.ceil(lam * f / unit)))
+        net.edge(Network.SOURCE, nid[k], cost)
+        for i in node.inputs:
+            if i in p.producer:
+                net.edge(out_vertex(i), nid[k], INF)
+        for o in node.outputs:
+            if o:
+                out_vertex(o)
+    for r in p.residuals:
+        net.edge(out_vertex(r), Network.SINK, INF)
+        if r in p.pinned and r in vin:
+            net.edge(Network.SOURCE, vin[r], INF)
+    side = net.source_side()
+    recomputed = {k for k in nodes if not side[nid[k]]}
+    kept = sum(p.bytes(v) or 0 for v, o in vout.items() if not side[o] and (v not in vin or side[vin[v]]))
+    return recomputed, kept, sum(p.flops(k) or 0 for k in recomputed)
+
+
+def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
+    """Choose the residuals of the gradient graph ``graph`` (top level; written by :func:`revgraph.gradient`)
+    under ``budget`` and rewrite ``graph`` in place with the recomputation (see the module doc). ``None`` is the
+    default plan: only the free operators are recomputed, where that keeps fewer bytes. A budget that cannot be
+    met warns (``UserWarning``) with the smallest achievable figure and applies that plan. Returns the
+    :class:`MemoryPlan`. Values with symbolic dimensions are sized with ``budget.dims`` (others: 64)."""
+    dims = dict(budget.dims) if budget is not None else {}
+    sizing = _Dims(dims)
+    p = _Problem(graph, sizing)
+    sizes = [p.bytes(r) for r in p.residuals]
+    plan = MemoryPlan(saved_before=sum(s or 0 for s in sizes), dims=sizing.used,
+                      unknown=[r for r, s in zip(p.residuals, sizes, strict=True) if s is None])
+    free = p.candidates(free_only=True)
+    total = sum(p.bytes(o) or 0 for k in p.candidates(free_only=False) for o in graph.nodes[k].outputs if o)
+    unit = max(1.0, (total + plan.saved_before) / _SCALE)
+    chosen, kept, cost = _cut(p, free, None, unit) if free else (set(), plan.saved_before, 0)
+    plan.saved_default = kept
+    if budget is not None and not (budget.fraction is not None and budget.fraction >= 1):
+        target = round(budget.fraction * kept) if budget.fraction is not None else budget.bytes
+        plan.target = target
+        if kept > target:
+            chosen, kept, cost = _search(p, target, unit)
+            plan.met = kept <= target or target == 0
+            if not plan.met and target > 0:  # (a budget of 0 asks for the fewest bytes: no warning)
+                warnings.warn(f"the memory budget of {target / 1e6:.2f} MB cannot be met: recomputing everything "
+                              f"recomputable keeps {kept / 1e6:.2f} MB of residuals; the graph keeps that", stacklevel=3)
+    plan.saved_after, plan.recomputed_flops = kept, cost
+    plan.recomputed = [graph.nodes[k].name or graph.nodes[k].op_type for k in sorted(chosen)]
+    if chosen:
+        _rewrite(graph, p, sorted(chosen))
+    return plan
+
+
+def _search(p: _Problem, target: int, unit: float) -> tuple[set[int], int, int]:
+    """The plan of the largest multiplier (bisected on a log scale) that keeps at most ``target`` bytes, or the
+    ``lambda = 0`` plan (the fewest bytes) when none does."""
+    nodes = p.candidates(free_only=False)
+    best = _cut(p, nodes, 0.0, unit)
+    if best[1] > target:
+        return best
+    lo, hi = -12.0, 6.0  # log10 of lambda, bytes per FLOP: 1e-12 recomputes anything, 1e6 nothing with FLOPs
+    for _ in range(40):  # (fine enough to separate the skewed ties)
+        mid = (lo + hi) / 2
+        trial = _cut(p, nodes, 10.0**mid, unit)
+        if trial[1] <= target:
+            best, lo = trial, mid
+        else:
+            hi = mid
+    return best
+
+
+class _Dims(dict):
+    """Symbolic dimension sizes: the budget's, else :data:`DEFAULT_SYMBOLIC_DIM`; remembers which it used."""
+
+    def __init__(self, given: Mapping[str, int]):
+        super().__init__(given)
+        self.used: dict[str, int] = {}
+
+    def get(self, key, default=None):
+        value = super().get(key, DEFAULT_SYMBOLIC_DIM)
+        self.used[key] = value
+        return value
+
+
+def _rewrite(graph: Graph, p: _Problem, chosen: list[int]) -> None:
+    """Insert copies of the ``chosen`` forward nodes before their first backward reader; rename the reads."""
+    used = graph.all_names()
+    rename: dict[str, str] = {}
+    copies: dict[int, Node] = {}
+    for k in chosen:  # forward order: a copy's recomputed inputs are renamed already
+        node = graph.nodes[k]
+        new = node.copy()
+        new.name = fresh_name(f"{REMAT_PREFIX}{node.name or node.op_type}", used)
+        new.inputs = [rename.get(i, i) for i in node.inputs]
+        for j, o in enumerate(node.outputs):
+            if o:
+                rename[o] = new.outputs[j] = fresh_name(f"{o}__remat", used)
+                vi = p.types.get(o)
+                if vi is not None:
+                    graph.value_info[rename[o]] = ValueInfo(rename[o], vi.dtype, vi.shape, vi.kind)
+        copies[k] = new
+    first: dict[str, int] = {}
+    for pos, k in enumerate(p.backward):
+        node = graph.nodes[k]
+        if not rename.keys().isdisjoint(node.inputs):
+            node.inputs = [rename.get(i, i) for i in node.inputs]
+            for i in node.inputs:
+                first.setdefault(i, pos)
+    at: dict[int, int] = {}
+    remat = set(rename.values())
+    for k in reversed(chosen):  # a copy runs before its first reader, backward node or copy
+        new = copies[k]
+        at[k] = min((first[o] for o in new.outputs if o in first), default=len(p.backward))
+        for i in new.inputs:
+            if i in remat:
+                first[i] = min(first.get(i, at[k]), at[k])
+    slots: dict[int, list[Node]] = {}
+    for k in chosen:
+        slots.setdefault(at[k], []).append(copies[k])
+    out = [graph.nodes[k] for k in p.forward]
+    for pos, k in enumerate(p.backward):
+        out.extend(slots.get(pos, ()))
+        out.append(graph.nodes[k])
+    out.extend(slots.get(len(p.backward), ()))
+    graph.nodes = _drop_dead_forward(graph, out)
+
+
+def _drop_dead_forward(graph: Graph, nodes: list[Node]) -> list[Node]:
+    """``nodes`` without the forward nodes none of whose outputs anything reads any more (their readers were
+    backward nodes that now read a recomputation); random nodes stay (removing one changes later draws)."""
+    read = set(graph.output_names)
+    keep = [True] * len(nodes)
+    for idx in range(len(nodes) - 1, -1, -1):
+        node = nodes[idx]
+        if (not is_backward_node(node) and read.isdisjoint(o for o in node.outputs if o) and not node.subgraphs
+                and recomputable(node)):
+            keep[idx] = False
+            continue
+        read.update(i for i in node.inputs if i)
+        for sub in node.subgraphs.values():
+            read.update(captured_names(sub))
+    return [n for n, k in zip(nodes, keep, strict=True) if k]
