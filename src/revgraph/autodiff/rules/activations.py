@@ -21,7 +21,7 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import unary, vjp
-from .elementwise import strong
+from .elementwise import positive, strong
 
 
 def _attr(node: Node, name: str, default: float) -> float:
@@ -101,11 +101,12 @@ def swiglu(ctx: Ctx, node: Node, cts: list) -> list:
 
 @unary("HardSigmoid")
 def hard_sigmoid(ctx, node, x, y, g):
-    """``alpha`` where ``0 < alpha x + beta < 1``, else 0 (also at both kinks)."""
+    """``alpha`` where ``0 < alpha x + beta < 1``, else 0 (also at both kinks). The mask is read from the output
+    ``y = max(0, min(1, alpha x + beta))``: ``0 < y < 1`` exactly where the forward's ``alpha x + beta`` was
+    inside (``y`` is that value there, and 0, 1 or NaN elsewhere), with no recomputation of it."""
     e = ctx.e
     alpha = _attr(node, "alpha", 0.2)
-    t = e.op("Add", [e.op("Mul", [x, e.scalar(alpha, x)]), e.scalar(_attr(node, "beta", 0.5), x)], like=x)
-    inside = e.op("And", [e.op("Greater", [t, e.scalar(0.0, x)]), e.op("Less", [t, e.scalar(1.0, x)])])
+    inside = e.op("And", [e.op("Greater", [y, e.scalar(0.0, y)]), e.op("Less", [y, e.scalar(1.0, y)])])
     return ctx.select(inside, e.op("Mul", [g, e.scalar(alpha, x)]), like=x)
 
 
@@ -136,23 +137,30 @@ def prelu(ctx: Ctx, node: Node, cts: list) -> list:
 
 @unary("Selu")
 def selu(ctx, node, x, y, g):
-    """``gamma`` for ``x > 0``, ``gamma alpha exp(x) = y + gamma alpha`` otherwise (ONNX "Selu")."""
+    """``gamma`` for ``x > 0``, ``gamma alpha exp(x) = y + gamma alpha`` otherwise (ONNX "Selu"). For
+    ``gamma >= 1`` and ``alpha >= 0`` (the defaults) only the output is read: ``y = gamma x >= x > 0`` where
+    ``x > 0`` and ``y = gamma (alpha exp(x) - alpha) <= 0`` elsewhere (``exp(x) <= 1``), so ``y > 0`` is
+    ``x > 0``. Otherwise the mask reads ``x`` (a ``gamma < 1`` can round ``gamma x`` of a subnormal ``x`` to 0,
+    a negative ``alpha`` or ``gamma`` flips a sign)."""
     e = ctx.e
     alpha, gamma = _attr(node, "alpha", 1.67326319217681884765625), _attr(node, "gamma", 1.05070102214813232421875)
-    neg = e.op("Add", [y, e.scalar(alpha * gamma, x)], like=x)
-    d = e.op("Where", [e.op("Greater", [x, e.scalar(0.0, x)]), e.scalar(gamma, x), neg], like=x)
-    return _times(ctx, g, d, x, [x])
+    neg = e.op("Add", [y, e.scalar(alpha * gamma, y)], like=x)
+    d = e.op("Where", [positive(e, y if gamma >= 1.0 and alpha >= 0.0 else x), e.scalar(gamma, y), neg], like=x)
+    return _times(ctx, g, d, x, [y])
 
 
 @unary("Celu")
 def celu(ctx, node, x, y, g):
     """1 for ``x > 0``, ``exp(x / alpha) = y / alpha + 1`` otherwise (ONNX "Celu"); written with ``y`` so that
-    no ``exp`` of a large positive ``x`` can overflow."""
+    no ``exp`` of a large positive ``x`` can overflow. For ``alpha > 0`` (the default 1) only the output is
+    read: ``x <= 0`` gives ``y <= 0``, ``x > 0`` gives ``y = x > 0`` (or 0 where ``x / alpha`` underflows, and
+    there both pieces are 1), so ``Where(y > 0, 1, y / alpha + 1)`` is the same derivative. Another ``alpha``
+    reads ``x`` for the mask."""
     e = ctx.e
     alpha = _attr(node, "alpha", 1.0)
-    one = e.scalar(1.0, x)
-    neg = e.op("Add", [e.op("Div", [y, e.scalar(alpha, x)]), one], like=x)
-    return _times(ctx, g, e.op("Where", [e.op("Greater", [x, e.scalar(0.0, x)]), one, neg], like=x), x, [x])
+    one = e.scalar(1.0, y)
+    neg = e.op("Add", [e.op("Div", [y, e.scalar(alpha, y)]), one], like=x)
+    return _times(ctx, g, e.op("Where", [positive(e, y if alpha > 0.0 else x), one, neg], like=x), x, [y])
 
 
 @unary("Mish")
@@ -175,10 +183,13 @@ def softsign(ctx, node, x, y, g):
 
 @unary("ThresholdedRelu")
 def thresholded_relu(ctx, node, x, y, g):
-    """1 where ``x > alpha``, else 0 (also at ``x = alpha``, PyTorch's ``threshold_backward``)."""
+    """1 where ``x > alpha``, else 0 (also at ``x = alpha``, PyTorch's ``threshold_backward``). For ``alpha >= 0``
+    (the default 1) the mask is read from the output: ``y = x > alpha`` there and ``y = 0`` elsewhere, which
+    is not ``> alpha``; a negative ``alpha`` reads ``x`` (``y = 0`` is then also the value of ``x = 0``)."""
     e = ctx.e
-    above = e.op("Greater", [x, e.scalar(_attr(node, "alpha", 1.0), x)])
-    return ctx.select(above, g, like=x)
+    alpha = _attr(node, "alpha", 1.0)
+    v = y if alpha >= 0.0 else x
+    return ctx.select(e.op("Greater", [v, e.scalar(alpha, v)]), g, like=x)
 
 
 @unary("Shrink")

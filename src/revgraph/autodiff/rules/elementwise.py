@@ -115,18 +115,27 @@ def pow_(ctx: Ctx, node: Node, cts: list) -> list:
     return [gx, gp]
 
 
+# Rules whose derivative is a function of the output read the output ``y``, not the input (PyTorch's
+# ``derivatives.yaml`` uses ``result`` for the same ones): the output is kept anyway when the next layer's VJP
+# reads it (a MatMul or Conv after an activation), so the input need not be kept beside it (issue 24). Each
+# says why reading ``y`` is exact, also at 0, at +-inf and at NaN.
+
+
 @unary("Sqrt")
 def sqrt(ctx, node, x, y, g):
+    """``1 / (2 sqrt(x)) = 0.5 / y``: reads the output (inf at ``x = 0``: always strong)."""
     return strong(ctx, g, ctx.e.op("Div", [ctx.e.scalar(0.5, y), y]), x)
 
 
 @unary("Reciprocal")
 def reciprocal(ctx, node, x, y, g):
+    """``-1 / x^2 = -y^2``: reads the output (inf at ``x = 0``: always strong)."""
     return strong(ctx, g, ctx.e.op("Neg", [ctx.e.op("Mul", [y, y])]), x)
 
 
 @unary("Exp")
 def exp(ctx, node, x, y, g):
+    """``exp(x) = y``: reads the output."""
     return strong(ctx, g, y, x, [y])  # exp(1000) = inf: a zero cotangent must still give 0
 
 
@@ -142,35 +151,57 @@ def abs_(ctx, node, x, y, g):
 
 @unary("Tanh")
 def tanh(ctx, node, x, y, g):
+    """``1 - tanh(x)^2 = 1 - y^2``: reads the output (PyTorch's ``tanh_backward``)."""
     e = ctx.e
     return strong(ctx, g, e.op("Sub", [e.scalar(1.0, y), e.op("Mul", [y, y])]), x, [y])
 
 
 @unary("Sigmoid")
 def sigmoid(ctx, node, x, y, g):
+    """``sigmoid(x) (1 - sigmoid(x)) = y (1 - y)``: reads the output (PyTorch's ``sigmoid_backward``)."""
     e = ctx.e
     return strong(ctx, g, e.op("Mul", [y, e.op("Sub", [e.scalar(1.0, y), y])]), x, [y])
 
 
+def positive(e: Emitter, v: str) -> str:
+    """``v > 0`` (bool; false for NaN)."""
+    return e.op("Greater", [v, e.scalar(0.0, v)])
+
+
 @unary("Relu")
 def relu(ctx, node, x, y, g):
-    e = ctx.e
-    return ctx.select(e.op("Greater", [x, e.scalar(0.0, x)]), g, like=x)
+    """``g`` where ``x > 0``, exactly 0 elsewhere (the 0 subgradient at 0). The mask is read from the output:
+    ``y > 0`` is ``x > 0`` for every ``x`` (``y = x`` where ``x > 0``; ``y`` is 0, -0 or NaN elsewhere, none of
+    them ``> 0``), as PyTorch's ``threshold_backward`` of the result."""
+    return ctx.select(positive(ctx.e, y), g, like=x)
+
+
+def _f32(node: Node, name: str, default: float) -> float:
+    """A float attribute as the runtimes see it (ONNX float attributes are 32-bit)."""
+    return float(np.float32(node.attrs.get(name, default)))
 
 
 @unary("LeakyRelu")
 def leaky_relu(ctx, node, x, y, g):
+    """``g`` where ``x > 0``, ``alpha g`` elsewhere (``alpha`` at 0, as PyTorch). For ``alpha >= 0`` the mask is
+    read from the output: ``y = alpha x <= 0`` (rounded, -0 when it underflows) where ``x <= 0``, ``y = x > 0``
+    elsewhere, so ``y > 0`` is ``x > 0``; a negative ``alpha`` flips the sign of ``y`` and reads ``x``."""
     e = ctx.e
-    alpha = e.scalar(node.attrs.get("alpha", 0.01), x)
-    return e.op("Where", [e.op("Greater", [x, e.scalar(0.0, x)]), g, e.op("Mul", [g, alpha])], like=x)
+    alpha = _f32(node, "alpha", 0.01)
+    pos = positive(e, y if alpha >= 0 else x)
+    return e.op("Where", [pos, g, e.op("Mul", [g, e.scalar(alpha, x)])], like=x)
 
 
 @unary("Elu")
 def elu(ctx, node, x, y, g):
+    """1 where ``x > 0``, ``alpha exp(x) = y + alpha`` elsewhere (``alpha`` at 0, as PyTorch). For ``alpha >= 0``
+    everything is read from the output, as PyTorch's ``elu_backward`` with ``is_result``: ``y = x > 0`` where
+    ``x > 0`` and ``y = alpha (exp(x) - 1) <= 0`` elsewhere (a faithfully rounded ``exp`` of ``x <= 0`` is at
+    most 1), so ``y > 0`` is ``x > 0``; a negative ``alpha`` makes ``y > 0`` for ``x < 0`` and reads ``x``."""
     e = ctx.e
-    alpha = e.scalar(node.attrs.get("alpha", 1.0), x)
-    neg = strong(ctx, g, e.op("Add", [y, alpha]), None, [y])
-    return e.op("Where", [e.op("Greater", [x, e.scalar(0.0, x)]), g, neg], like=x)
+    alpha = _f32(node, "alpha", 1.0)
+    neg = strong(ctx, g, e.op("Add", [y, e.scalar(alpha, y)]), None, [y])
+    return e.op("Where", [positive(e, y if alpha >= 0 else x), g, neg], like=x)
 
 
 @unary("Softplus")
