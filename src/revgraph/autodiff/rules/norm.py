@@ -11,6 +11,11 @@ for a float64 input), so the backward graph can be differentiated again: with pl
 onnxruntime's fused kernels are faster and exact (float32 LayerNormalization; BatchNormalization in training
 mode with static shapes), with a ``LayerNormalization`` or ``BatchNormalization`` node of their own, which are
 differentiable too.
+
+Residuals (issue 24): each rule reads the input ``X`` (and the parameters) and nothing else of the forward, so
+a normalization keeps ``X`` only, never a statistic or a copy (a float16 ``X`` is cast to float32 inside the
+backward pass); PyTorch's ``native_layer_norm`` and ``native_batch_norm`` save the mean and inverse standard
+deviation beside the input. ``Y`` is no exact function to recover ``X`` from (``Scale`` may be 0).
 """
 
 from __future__ import annotations
