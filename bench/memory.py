@@ -1,0 +1,517 @@
+"""Memory of one training step: revgraph (defaults, memory budgets, onnxruntime settings) against PyTorch eager,
+PyTorch with activation checkpointing, JAX and JAX with ``jax.checkpoint`` (issue 24, part 5).
+
+    python bench/memory.py [--quick] [--models llama transformer cnn rnn] [--configs rg pt jax ...] [--turns N]
+                           [--largest-batch] [--json FILE] [--write-docs]
+    python bench/memory.py --render bench/results/memory.json --write-docs    # the docs section from saved numbers
+
+Rows: the LLaMA of transformers' ``LlamaConfig`` (memory_common.LLAMA) at 8 x 128 and 64 x 128 tokens, the bench
+Transformer and CNN at batch 64 (Adam steps), the bench RNN Loop at T = 1000, batch 64 (forward plus backward).
+Columns: the configurations of :data:`CONFIGS`. Every cell is a fresh worker process (bench/workers.py), which
+imports one framework, builds the step, warms it up and measures one step (memory_worker's doc: *over setup*,
+*total*); then the cells of a row take turns timing their steps (``--turns``, each turn about ``--turn-seconds``
+of steps per cell, the starting cell rotating), and the step time is the median over the turns. The first-step
+losses of a row must agree (same weights, same batch): a check of every framework's model against the others.
+
+``--largest-batch``: the largest LLaMA batch whose step stays under ``--limit-gib`` (8) GiB of *total* memory,
+per configuration: a line through the two LLaMA rows' totals predicts it, rounded down to a multiple of 8, and a
+fresh process at that batch confirms it (stepping down by 8 while it is over the limit, at most 3 tries).
+
+Results go to ``--json`` (default bench/results/memory.json, bench/results/memory-quick.json with --quick);
+``--write-docs`` puts the section "Memory" into docs/benchmarks.md between ``<!-- memory:begin -->`` and
+``<!-- memory:end -->`` (bench/report.py, which writes the rest of that file, keeps marked sections).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from memory_worker import THREAD_ENV  # noqa: E402
+from workers import Worker, WorkerError  # noqa: E402
+
+#: Configuration key -> label, in table order.
+CONFIGS = {
+    "rg": "revgraph default",
+    "rg-1.0": "revgraph memory=1.0",
+    "rg-0.5": "revgraph memory=0.5",
+    "rg-0": "revgraph memory=0",
+    "rg-ort": "revgraph, onnxruntime defaults (arena on, pattern on)",
+    "rg-lean": "revgraph, arena off, pattern off",
+    "pt": "PyTorch eager",
+    "pt-ckpt": "PyTorch, checkpoint per block",
+    "jax": "JAX jit",
+    "jax-ckpt": "JAX jit, jax.checkpoint per block",
+}
+SHORT = {"rg": "rg default", "rg-1.0": "rg 1.0", "rg-0.5": "rg 0.5", "rg-0": "rg 0", "rg-ort": "rg ORT defaults",
+         "rg-lean": "rg arena/pattern off", "pt": "PyTorch", "pt-ckpt": "PyTorch ckpt", "jax": "JAX",
+         "jax-ckpt": "JAX ckpt"}
+MODELS = ("llama", "transformer", "cnn", "rnn")
+BASE = "pt"  # ratios are against PyTorch eager
+
+
+def rows_for(quick: bool, models) -> list[dict]:
+    """The rows: ``id``, ``model``, ``batch``, ``steps`` (the RNN's T), ``step`` (``adam`` or ``grad``)."""
+    small, large, b, T = (2, 8, 8, 100) if quick else (8, 64, 64, 1000)
+    rows = [
+        {"model": "llama", "batch": small, "step": "adam"},
+        {"model": "llama", "batch": large, "step": "adam"},
+        {"model": "transformer", "batch": b, "step": "adam"},
+        {"model": "cnn", "batch": b, "step": "adam"},
+        {"model": "rnn", "batch": b, "steps": T, "step": "grad"},
+    ]
+    for r in rows:
+        r["id"] = f"{r['model']}-b{r['batch']}" + (f"-T{r['steps']}" if "steps" in r else "")
+    return [r for r in rows if r["model"] in models]
+
+
+def row_label(r: dict) -> str:
+    if r["model"] == "llama":
+        return f"LLaMA, {r['batch']} x 128 tokens"
+    if r["model"] == "rnn":
+        return f"bench RNN Loop, T = {r['steps']:,} ({r['batch']})"
+    return f"bench {r['model'].capitalize() if r['model'] != 'cnn' else 'CNN'} ({r['batch']})"
+
+
+def mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+class Log:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
+
+
+log = Log()
+
+
+# -------------------------------------------------------------------------------------------------- running
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.cache = Path(args.cache)
+        self.logs = self.cache / "logs" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.files: dict = {}
+
+    def worker(self, name: str) -> Worker:
+        return Worker(name, sys.executable, self.logs, env=THREAD_ENV)
+
+    def prepare(self, rows: list[dict]) -> dict:
+        with self.worker("prepare") as w:
+            t0 = time.perf_counter()
+            self.files = w.call("memory_worker:prepare", spec={"rows": rows, "cache": str(self.cache)})
+            log(f"model files ready in {time.perf_counter() - t0:.1f} s ({self.cache})")
+            return w.call("memory_worker:versions")
+
+    def spec(self, row: dict, config: str, batch: int | None = None, saved: bool = True) -> dict:
+        return {"model": row["model"], "batch": batch or row["batch"], "step": row["step"], "config": config,
+                "files": self.files[row["id"]], "saved": saved}
+
+    def measure(self, name: str, spec: dict) -> tuple[dict, Worker | None]:
+        """One cell in a fresh worker: the measurement, and the worker (still running) when it succeeded."""
+        w = self.worker(name)
+        t0 = time.perf_counter()
+        try:
+            r = w.call("memory_worker:measure", timeout=self.args.timeout, spec=spec)
+        except WorkerError as exc:
+            w.close()
+            log(f"  {name}: error: {exc.error}")
+            return {"status": "error", "why": exc.error, "traceback": exc.traceback[-2000:]}, None
+        r["cell_seconds"] = time.perf_counter() - t0
+        if r["status"] != "ok":
+            w.close()
+            log(f"  {name}: n/a ({r.get('why')})")
+            return r, None
+        log(f"  {name}: over setup {r['over_setup']:.0f} MB, total {r['total']:.0f} MB, saved "
+            f"{_mb(r.get('saved_bytes'))} MB, loss {r['loss']:.6f} ({r['cell_seconds']:.0f} s)")
+        return r, w
+
+    def time_group(self, live: list[tuple[str, Worker]], cells: dict) -> None:
+        """Turns of timed steps over the live workers (the starting one rotates), then close them."""
+        times: dict[str, list[float]] = {c: [] for c, _ in live}
+        cpu: dict[str, list[float]] = {c: [] for c, _ in live}
+        for turn in range(self.args.turns):
+            order = live[turn % len(live):] + live[:turn % len(live)] if live else []
+            for config, w in order:
+                try:
+                    t = w.call("memory_worker:time_steps", timeout=self.args.timeout, seconds=self.args.turn_seconds)
+                except WorkerError as exc:
+                    cells[config]["time_error"] = exc.error
+                    continue
+                times[config].append(t["mean"])
+                cpu[config].append(t["cpu"])
+        for config, w in live:
+            w.close()
+            if times[config]:
+                cells[config]["step_ms"] = 1e3 * statistics.median(times[config])
+                cells[config]["step_ms_turns"] = [1e3 * t for t in times[config]]
+                cells[config]["cpu_per_wall"] = statistics.median(cpu[config])
+
+    def row(self, row: dict, configs: list[str]) -> dict:
+        log(f"{row['id']}: {row_label(row)}")
+        cells: dict = {}
+        live: list[tuple[str, Worker]] = []
+        groups = []
+        for config in configs:
+            cells[config], w = self.measure(f"{row['id']}-{config}", self.spec(row, config))
+            if w is not None:
+                live.append((config, w))
+            if live and mem_available_gib() < self.args.reserve_gib:  # time what is alive now, free its memory
+                groups.append([c for c, _ in live])
+                self.time_group(live, cells)
+                live = []
+        if live:
+            groups.append([c for c, _ in live])
+            self.time_group(live, cells)
+        out = {**row, "label": row_label(row), "cells": cells, "timing_groups": groups}
+        losses = {c: r["loss"] for c, r in cells.items() if r.get("status") == "ok"}
+        if losses:
+            ref = losses.get(BASE, next(iter(losses.values())))
+            dev = {c: abs(v - ref) / max(abs(ref), 1e-12) for c, v in losses.items()}
+            out["loss_check"] = {"reference": ref, "max_relative_deviation": max(dev.values()),
+                                 "worst": max(dev, key=dev.get)}
+            if max(dev.values()) > 1e-4:
+                log(f"  WARNING: first-step losses disagree: {losses}")
+        return out
+
+    def largest(self, rows: list[dict], configs: list[str], limit_gib: float) -> dict:
+        """The largest LLaMA batch under ``limit_gib`` of total memory per configuration (module doc)."""
+        llama = sorted((r for r in rows if r["model"] == "llama"), key=lambda r: r["batch"])
+        if len(llama) < 2:
+            return {"error": "needs the two LLaMA rows"}
+        lo, hi = llama[0], llama[-1]
+        limit = limit_gib * 1024
+        t0 = time.perf_counter()
+        out = {"limit_gib": limit_gib, "from": [lo["batch"], hi["batch"]], "configs": {}}
+        for config in configs:
+            a, b = lo["cells"].get(config, {}), hi["cells"].get(config, {})
+            if a.get("status") != "ok" or b.get("status") != "ok":
+                out["configs"][config] = {"status": "n/a"}
+                continue
+            slope = (b["total"] - a["total"]) / (hi["batch"] - lo["batch"])
+            intercept = a["total"] - slope * lo["batch"]
+            predicted = (limit - intercept) / slope if slope > 0 else float("inf")
+            entry = {"status": "ok", "mb_per_sample": slope, "intercept_mb": intercept, "predicted": predicted,
+                     "tries": []}
+            batch = int(predicted // 8 * 8)
+            for _ in range(3):
+                if batch < 8:
+                    break
+                need = (intercept + slope * batch) / 1024 + 2
+                if mem_available_gib() < need:
+                    entry["skipped"] = f"only {mem_available_gib():.1f} GiB available, {need:.1f} needed"
+                    log(f"  largest {config}: skipped ({entry['skipped']})")
+                    break
+                r, w = self.measure(f"largest-{config}-b{batch}", self.spec(hi, config, batch=batch, saved=False))
+                if w is not None:
+                    w.close()
+                entry["tries"].append({"batch": batch, **{k: r.get(k) for k in (
+                    "status", "why", "total", "over_setup", "step_seconds", "cell_seconds")}})
+                if r.get("status") == "ok" and r["total"] <= limit:
+                    entry["batch"] = batch
+                    break
+                batch -= 8
+            out["configs"][config] = entry
+        out["seconds"] = time.perf_counter() - t0
+        return out
+
+
+def run(args) -> dict:
+    models = args.models or list(MODELS)
+    configs = args.configs or list(CONFIGS)
+    rows = rows_for(args.quick, models)
+    started = dt.datetime.now()
+    t0 = time.perf_counter()
+    bench = Bench(args)
+    from run import loadavg, machine_info
+
+    res = {"command": "python bench/memory.py " + " ".join(sys.argv[1:]), "mode": "quick" if args.quick else "full",
+           "started": started.isoformat(timespec="seconds"), "machine": machine_info(), "load_start": loadavg(),
+           "turns": args.turns, "turn_seconds": args.turn_seconds, "configs": {c: CONFIGS[c] for c in configs},
+           "threads": THREAD_ENV}
+    res["versions"] = bench.prepare(rows)
+    res["rows"] = [bench.row(r, configs) for r in rows]
+    if args.largest_batch:
+        log(f"largest LLaMA batch under {args.limit_gib} GiB")
+        res["largest"] = bench.largest(res["rows"], configs, args.limit_gib)
+    res["load_end"] = loadavg()
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+# -------------------------------------------------------------------------------------------------- report
+
+
+def _mb(b) -> str:
+    return "–" if b is None else f"{b / 2**20:,.0f}" if b >= 10 * 2**20 else f"{b / 2**20:.1f}"
+
+
+def _num(x, digits: int = 0) -> str:
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def _cell(r: dict | None, fmt) -> str:
+    if not r:
+        return "–"
+    if r.get("status") == "n/a":
+        return "n/a"
+    if r.get("status") != "ok":
+        return "error"
+    return fmt(r)
+
+
+def _ratio(r: dict, base: dict | None, key) -> str:
+    if not base or base.get("status") != "ok" or r.get("status") != "ok":
+        return "–"
+    a, b = key(r), key(base)
+    return f"{a / b:.2f}" if a is not None and b else "–"
+
+
+def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
+    from report_format import table
+
+    configs = list(res["configs"])
+    rows = res["rows"]
+    m, v = res["machine"], res["versions"]
+    head = ["model (batch)", "step", *(SHORT[c] for c in configs)]
+    step = {"adam": "Adam step", "grad": "forward + backward"}
+
+    def matrix(fmt):
+        return table(head, [[r["label"], step[r["step"]], *(_cell(r["cells"].get(c), fmt) for c in configs)]
+                            for r in rows], "ll" + "r" * len(configs))
+
+    def versus(r):
+        base = r["cells"].get(BASE)
+        return [" / ".join(_ratio(r["cells"][c], base, k) for k in (
+            lambda x: x["over_setup"], lambda x: x["total"], lambda x: x.get("saved_bytes"),
+            lambda x: x.get("step_ms"))) if r["cells"].get(c, {}).get("status") == "ok" else
+            _cell(r["cells"].get(c), str) for c in configs]
+
+    checks = [f"{r['label']}: {r['loss_check']['max_relative_deviation']:.1e} ({SHORT[r['loss_check']['worst']]})"
+              for r in rows if "loss_check" in r]
+    lines = [
+        "<!-- memory:begin -->",
+        "## Memory",
+        "",
+        f"Written by `{res['command']}` ({res['mode']} run) on {res['started'][:10]}, in {res['seconds'] / 60:.1f} "
+        f"minutes. Raw numbers: `{json_path}`; `python bench/memory.py --render {json_path} --write-docs` rewrites "
+        "this section from them (bench/run.py rewrites the rest of this file and keeps it).",
+        "",
+        table(["", ""], [
+            ["machine", f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['os']}"],
+            ["load average (1, 5, 15 min)", f"{res['load_start']} at the start, {res.get('load_end')} at the end "
+             "(shared machine: other processes ran during the run)"],
+            ["revgraph", f"commit {m['commit']}" + (" with local changes under src/" if m.get("src_modified") else "")
+             + f", onnxruntime {v.get('onnxruntime')}, onnx {v.get('onnx')}, numpy {v.get('numpy')}, Python "
+             f"{v.get('python')}"],
+            ["PyTorch", f"{v.get('torch')}, transformers {v.get('transformers')}"],
+            ["JAX", f"jax {v.get('jax')}, jaxlib {v.get('jaxlib')}, optax {v.get('optax')}"],
+        ], "ll"),
+        "",
+        "**How it is measured.** Each cell is a fresh process running one framework with one intra-op thread "
+        "(onnxruntime `threads=1`; `torch.set_num_threads(1)` and `set_num_interop_threads(1)`; XLA "
+        "`--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`; `OMP_NUM_THREADS`, "
+        "`MKL_NUM_THREADS`, `OPENBLAS_NUM_THREADS` = 1). It imports the framework (revgraph with onnx and "
+        "onnxruntime; torch, plus transformers' LLaMA for the LLaMA; jax and optax), then `gc.collect()` and reads "
+        "VmRSS: the **baseline**. It builds the model and its step (revgraph: the exported ONNX file read, the "
+        "training graph built, the onnxruntime session made; PyTorch: the module built and the weights loaded, "
+        "`torch.optim.Adam`; JAX: the weights on the device, `jit` of the whole step with the parameters and Adam "
+        "state donated), runs one warm-up step (JAX compiles, onnxruntime plans, PyTorch's Adam creates its state), "
+        "`gc.collect()`, resets the peak (5 into `/proc/self/clear_refs`), reads VmRSS (*before*), runs one step "
+        "and reads VmHWM. **Over setup** = VmHWM − *before*: what the step itself adds. **Total** = the highest "
+        "VmHWM of the process's life (setup, warm-up and step) − the baseline: everything the model and its "
+        "training cost the process on top of the imported framework (parameters, optimizer state, graphs, "
+        "sessions, compiled code, arenas and caches, the step). The imports themselves are not in it (RSS of "
+        "the imported framework: revgraph "
+        f"{_import_mb(rows, 'rg')}, PyTorch {_import_mb(rows, 'pt')}, JAX {_import_mb(rows, 'jax')} MB). "
+        "MB = 2^20 bytes.",
+        "",
+        "**Saved** is the bytes of the activations the backward pass keeps from the forward pass, the parameters "
+        "and the batch left out: revgraph's `revgraph.autodiff.memory.saved_bytes` of the step graph (the forward "
+        "values its backward nodes read, sized from the graph's types); PyTorch's tensors packed by "
+        "`torch.autograd.graph.saved_tensors_hooks` during one more step, counted once per storage "
+        "(`untyped_storage().data_ptr()`, the whole storage's bytes: a saved view keeps its storage), leaving "
+        "out the parameters' and the batch's storages; under checkpointing, autograd packs nothing inside a block "
+        "and the block's tensor arguments (what the checkpoint keeps) are counted by the wrapper that calls "
+        "`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; JAX's "
+        "`jax._src.ad_checkpoint.saved_residuals` of the loss (residuals of the jaxpr, before XLA fuses or "
+        "schedules anything; arguments left out).",
+        "",
+        f"**Step** time: every cell of a row stays alive after its measurement and the cells take {res['turns']} "
+        f"turns of about {res['turn_seconds']} s of steps each (the first cell of a turn rotates); the median over "
+        "the turns. **Checkpoint per block**: each LLaMA decoder layer (transformers' own hook with "
+        "`torch.utils.checkpoint.checkpoint(use_reentrant=False)`), each Transformer encoder layer, each CNN "
+        "residual block, and for the RNN each segment of 25 steps (the divisor of T nearest sqrt(T); a "
+        "checkpoint per step would keep as much); JAX the same blocks under `jax.checkpoint` (the RNN a scan of "
+        "checkpointed scans). Losses: cross-entropy (the LLaMA's over its 127 shifted positions: the exported "
+        "module returns `logits[:, :-1]` and the labels are `input_ids[:, 1:]`). The first-step losses of each "
+        "row agree across all cells (largest relative deviation: " + "; ".join(checks) + ").",
+        "",
+        "The LLaMA: `transformers.LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=256, "
+        "intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, "
+        "max_position_embeddings=128))` (688 = 256 x 11008 / 4096, transformers' default ratio; SDPA attention), "
+        "exported once with `torch.onnx.export(dynamo=True, optimize=False, opset_version=23)` and a symbolic "
+        "batch; JAX runs the same function written in `jax.numpy` on the same weights. The bench Transformer, "
+        "CNN and RNN are bench/models.py's.",
+        "",
+        "### Peak memory of a step (MB): over setup / total",
+        "",
+        matrix(lambda r: f"{r['over_setup']:,.0f} / {r['total']:,.0f}"),
+        "",
+        "### Saved activations (MB)",
+        "",
+        matrix(lambda r: _mb(r.get("saved_bytes"))),
+        "",
+        "### Step time (ms, median of the turns)",
+        "",
+        matrix(lambda r: _num(r.get("step_ms"), 1 if (r.get("step_ms") or 0) < 100 else 0)),
+        "",
+        "### Against PyTorch eager: over setup / total / saved / step time",
+        "",
+        "Each figure of the configuration over PyTorch eager's on the same row (below 1: less than PyTorch).",
+        "",
+        table(head, [[r["label"], step[r["step"]], *versus(r)] for r in rows], "ll" + "r" * len(configs)),
+        "",
+        "### Setup (MB): resident after setup and the warm-up step, over the baseline",
+        "",
+        matrix(lambda r: f"{r['setup_rss'] - r['import']:,.0f}"),
+    ]
+    na = sorted({f"{SHORT[c]}: {r['cells'][c].get('why')}" for r in rows for c in configs
+                 if r["cells"].get(c, {}).get("status") == "n/a"})
+    errors = sorted({f"{SHORT[c]} on {r['label']}: {r['cells'][c].get('why')}" for r in rows for c in configs
+                     if r["cells"].get(c, {}).get("status") == "error"})
+    if na:
+        lines += ["", "n/a: " + "; ".join(na) + "."]
+    if errors:
+        lines += ["", "Errors: " + "; ".join(errors) + "."]
+    if res.get("largest"):
+        lines += ["", *_largest_section(res["largest"], configs)]
+    lines.append("<!-- memory:end -->")
+    return "\n".join(lines) + "\n"
+
+
+def _import_mb(rows, prefix) -> str:
+    vals = [r["cells"][c]["import"] for r in rows for c in r["cells"]
+            if c.split("-")[0] == prefix and r["cells"][c].get("import") is not None]
+    return f"{min(vals):.0f}-{max(vals):.0f}" if vals else "–"
+
+
+def _largest_section(lg: dict, configs: list[str]) -> list[str]:
+    from report_format import table
+
+    if "error" in lg:
+        return [f"Largest batch: {lg['error']}."]
+    rows = []
+    for c in configs:
+        e = lg["configs"].get(c, {})
+        if e.get("status") != "ok":
+            rows.append([CONFIGS[c], "n/a", "", "", ""])
+            continue
+        tries = ", ".join(f"{t['batch']}: {_num(t.get('total'))} MB" if t.get("status") == "ok" else
+                          f"{t['batch']}: {t.get('status')}" for t in e["tries"]) or e.get("skipped", "–")
+        rows.append([CONFIGS[c], f"{e['mb_per_sample']:.1f}", f"{e['predicted']:.0f}",
+                     str(e.get("batch", "–")), tries])
+    return [f"### Largest LLaMA batch under {lg['limit_gib']:g} GiB", "",
+            f"Total memory against the batch is close to a line: the line through the {lg['from'][0]} and "
+            f"{lg['from'][1]} rows' totals predicts the batch at {lg['limit_gib']:g} GiB = "
+            f"{lg['limit_gib'] * 1024:,.0f} MB; its multiple of 8 below runs in a fresh process and the batch "
+            f"steps down by 8 while its total is over the limit (at most 3 tries). This part took "
+            f"{lg['seconds'] / 60:.1f} minutes.", "",
+            table(["configuration", "MB per sequence", "predicted", "largest confirmed", "runs (batch: total)"],
+                  rows, "lrrrl")]
+
+
+def write_docs(section: str, doc: Path = ROOT / "docs" / "benchmarks.md") -> None:
+    import re
+
+    text = doc.read_text() if doc.exists() else ""
+    pattern = re.compile(r"<!-- memory:begin -->.*?<!-- memory:end -->\n?", re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    doc.write_text(text)
+
+
+def console_table(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    configs = list(res["configs"])
+    t = Table(title="over setup / total MB, saved MB, step ms", title_justify="left")
+    t.add_column("row")
+    for c in configs:
+        t.add_column(SHORT[c], justify="right")
+    for r in res["rows"]:
+        t.add_row(r["label"], *(_cell(r["cells"].get(c), lambda x: (
+            f"{x['over_setup']:.0f} / {x['total']:.0f}\n{_mb(x.get('saved_bytes'))}\n{_num(x.get('step_ms'), 1)}"))
+            for c in configs))
+    Console().print(t)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small batches (LLaMA 2 and 8, bench models 8, RNN "
+                        "T = 100), 1 turn: a few minutes")
+    parser.add_argument("--models", nargs="+", choices=MODELS)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS))
+    parser.add_argument("--turns", type=int)
+    parser.add_argument("--turn-seconds", type=float)
+    parser.add_argument("--largest-batch", action="store_true")
+    parser.add_argument("--limit-gib", type=float, default=8.0)
+    parser.add_argument("--json")
+    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--render", metavar="JSON", help="no measurement: render saved results")
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "revgraph-bench-memory"),
+                        help="model files and worker logs")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker call")
+    parser.add_argument("--reserve-gib", type=float, default=4.0,
+                        help="time the live cells of a row early when less memory than this is available")
+    args = parser.parse_args(argv)
+    if args.turns is None:
+        args.turns = 1 if args.quick else 5
+    if args.turn_seconds is None:
+        args.turn_seconds = 0.3 if args.quick else 1.0
+    if args.render:
+        res = json.loads(Path(args.render).read_text())
+        json_path = args.render
+    else:
+        res = run(args)
+        json_path = args.json or str(HERE / "results" / ("memory-quick.json" if args.quick else "memory.json"))
+        from report_format import portable
+
+        res = portable(res, {str(ROOT): "<repo>", str(Path(args.cache)): "<cache>", tempfile.gettempdir(): "<tmp>"})
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
+        log(f"wrote {json_path} ({res['seconds'] / 60:.1f} minutes)")
+    console_table(res)
+    if args.write_docs:
+        rel = os.path.relpath(Path(json_path).resolve(), ROOT)
+        write_docs(render(res, rel))
+        log("wrote the Memory section of docs/benchmarks.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
