@@ -188,10 +188,10 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path):
     crashing, _ = trainer("embedding", "adam", 97, False)
     real_step = crashing._engine.step
 
-    def step(*args):
+    def step(*args, **kwargs):
         if crashing.steps == 11:
             raise KeyboardInterrupt
-        return real_step(*args)
+        return real_step(*args, **kwargs)
 
     crashing._engine.step = step
     with pytest.raises(KeyboardInterrupt):

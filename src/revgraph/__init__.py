@@ -10,6 +10,7 @@ from .errors import GraphError, InputError, RevgraphError, UnsupportedModelError
 from .ir import TARGET_OPSET, Graph, Node, ValueInfo
 from .onnx_io import load, save, to_onnx
 from .runtime import Session
+from .runtime_options import RuntimeOptions
 from .ssa import analyze as analyze_ssa
 from .ssa import is_ssa, to_ssa
 from .trainer import Trainer  # noqa: F401  (rg.Trainer: training with the graphs of revgraph.train)
@@ -23,6 +24,7 @@ __all__ = [
     "InputError",
     "Node",
     "RevgraphError",
+    "RuntimeOptions",
     "Session",
     "SparseGrad",
     "backward",

@@ -33,8 +33,9 @@ import numpy as np
 from .devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
 from .errors import RevgraphError
 from .runtime import _first_line
-from .steps import Engine
-from .train import TrainingGraph, split_step
+from .runtime_options import RuntimeOptions
+from .steps import SplitEngine
+from .train import TrainingGraph
 
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -176,44 +177,27 @@ class _Bucket:
     views: dict = field(default_factory=dict)
 
 
-class DistributedEngine(Engine):
-    """A data-parallel training step (module doc): grad graph, gradient exchange, update graph.
+class DistributedEngine(SplitEngine):
+    """A data-parallel training step (module doc): grad graph, gradient exchange, update graph. Parameters and
+    state are held in one buffer set where the update may overwrite them (:class:`revgraph.steps.SplitEngine`;
+    ``one_set=False``: two sets); the dense gradients live in the all-reduce buckets.
 
     Raises :class:`RevgraphError` (one line) when onnxruntime refuses a graph or the process group fails.
     """
 
-    def __init__(self, spec: TrainingGraph, threads: int, device: Device, comm: Collective):
-        super().__init__(spec, threads, device)
+    def __init__(self, spec: TrainingGraph, threads: int, device: Device, comm: Collective,
+                 runtime: RuntimeOptions | None = None, one_set: bool = True):
         self.comm = comm
         torch = comm.torch
-        grad_graph, update_graph = split_step(spec)
-        self._grad = self.session(grad_graph, "gradient graph")
-        self._update = self.session(update_graph, "update graph")
-        dense = [spec.grads[p][0] for p in spec.params if p not in spec.sparse]
-        self.buckets = self._make_buckets(dense)
-        self._grad_values = {g: ortvalue_from_dlpack(v) for b in self.buckets for g, v in b.views.items()}
-        self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
-        self._grad_bindings, self._update_bindings = [], []
-        for k in range(2):
-            gb = self._grad.io_binding()
-            for p in spec.params:
-                gb.bind_ortvalue_input(p, self._sets[k][p])
-            gb.bind_ortvalue_output(spec.loss.loss, self._loss[k])
-            for g, value in self._grad_values.items():
-                gb.bind_ortvalue_output(g, value)
-            for _, idx, rows in self._sparse:  # bound last, so step() finds them after the dense gradients
-                gb.bind_output(idx, self.device.ort_type, self.device.index)
-                gb.bind_output(rows, self.device.ort_type, self.device.index)
-            ub = self._update.io_binding()
-            for i, o in spec.carried():
-                ub.bind_ortvalue_input(i, self._sets[k][i])
-                ub.bind_ortvalue_output(o, self._sets[1 - k][i])
-            for g, value in self._grad_values.items():
-                ub.bind_ortvalue_input(g, value)
-            self._grad_bindings.append(gb)
-            self._update_bindings.append(ub)
+        super().__init__(spec, threads, device, runtime, one_set)
         self._empty_rows = {p: torch.zeros((0, *spec.initial[p].shape[1:]), dtype=_torch_dtype(torch, spec.initial[p]),
                                            device=comm.tdevice) for p in spec.sparse}
+
+    def _make_gradient_buffers(self) -> dict:
+        """The dense gradients as views of the all-reduce buckets (shared with onnxruntime through DLPack)."""
+        spec = self.spec
+        self.buckets = self._make_buckets([spec.grads[p][0] for p in spec.params if p not in spec.sparse])
+        return {g: ortvalue_from_dlpack(v) for b in self.buckets for g, v in b.views.items()}
 
     def _make_buckets(self, grads: list[str]) -> list[_Bucket]:
         """Dense gradients packed, in reverse parameter order as DDP packs them, into flat tensors of at most
@@ -240,25 +224,15 @@ class DistributedEngine(Engine):
             buckets.append(bucket)
         return buckets
 
-    def step(self, feeds: dict[str, np.ndarray], count: int, total: int) -> float:
+    def _gradients(self, feeds: dict[str, np.ndarray], count: int, total: int) -> tuple[float, dict]:
+        """This rank's gradients weighted by ``count / total`` and exchanged: the global batch's loss and the
+        gathered sparse rows (the dense gradients are summed in their buckets)."""
         torch, dist = self.comm.torch, self.comm.dist
-        k = self._current
         rows: dict[str, tuple] = {}
         if count:
-            gb = self._grad_bindings[k]
-            for name, arr in feeds.items():
-                gb.bind_cpu_input(name, arr)
-            for _, idx, rows_name in self._sparse:  # sparse rows change size: fresh outputs every run
-                gb.bind_output(idx, self.device.ort_type, self.device.index)
-                gb.bind_output(rows_name, self.device.ort_type, self.device.index)
-            try:
-                self._grad.run_with_iobinding(gb)
-            except Exception as exc:
-                raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
-            loss = float(self._loss[k].numpy())
-            outs = gb.get_outputs()[1 + len(self._grad_values):]
-            for j, (p, _, _) in enumerate(self._sparse):
-                rows[p] = (torch_from_ortvalue(torch, outs[2 * j]), torch_from_ortvalue(torch, outs[2 * j + 1]))
+            loss, sparse = self._run_grad(feeds)
+            for p, idx, rows_name in self._sparse:
+                rows[p] = (torch_from_ortvalue(torch, sparse[idx]), torch_from_ortvalue(torch, sparse[rows_name]))
         else:  # this rank has no sample in the global batch's last piece: it contributes zeros
             loss = 0.0
             for b in self.buckets:
@@ -278,18 +252,14 @@ class DistributedEngine(Engine):
             gathered = self._gather_rows(rows, scale)
             for work in pending:
                 work.wait()
-        ub = self._update_bindings[k]
+        inputs = {}
         for p, idx, rows_name in self._sparse:
             i_all, r_all = gathered[p]
-            ub.bind_ortvalue_input(idx, ortvalue_from_dlpack(i_all))
-            ub.bind_ortvalue_input(rows_name, ortvalue_from_dlpack(r_all))
-        self.device.synchronize(torch)  # onnxruntime's CUDA stream does not wait for torch's collectives
-        try:
-            self._update.run_with_iobinding(ub)
-        except Exception as exc:
-            raise RevgraphError(f"the update step failed: {_first_line(exc)}") from None
-        self._swap()
-        return float(loss_t.item())
+            inputs[idx], inputs[rows_name] = ortvalue_from_dlpack(i_all), ortvalue_from_dlpack(r_all)
+        return float(loss_t.item()), inputs
+
+    def _synchronize(self) -> None:
+        self.device.synchronize(self.comm.torch)  # onnxruntime's CUDA stream does not wait for torch's collectives
 
     def _gather_rows(self, rows: dict[str, tuple], scale: float) -> dict[str, tuple]:
         """Every rank's sparse rows of each table (scaled by ``scale``), concatenated in rank order: the sizes

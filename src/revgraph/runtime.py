@@ -10,6 +10,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from contextlib import nullcontext
 
 import numpy as np
 import onnx
@@ -20,6 +21,8 @@ from .errors import InputError, RevgraphError, UnsupportedModelError
 from .external_data import session_source
 from .ir import Graph, ValueInfo, is_float_dtype
 from .onnx_io import load, to_onnx
+from .runtime_options import RuntimeOptions, check_runtime, overriding, refusal
+from .runtime_options import session_options as session_options_for
 
 BACKENDS = ("onnxruntime", "reference")
 
@@ -36,18 +39,26 @@ class Session:
     :func:`revgraph.load`). ``backend`` is ``"onnxruntime"`` (``threads`` sets its intra-op thread count, 0
     lets it choose) or ``"reference"`` (``onnx.reference.ReferenceEvaluator``, slow but written from the ONNX
     spec, CPU only). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"`` (:mod:`revgraph.devices`; CUDA needs
-    onnxruntime-gpu); feeds and results are numpy arrays either way. Raises :class:`RevgraphError` for an
-    unknown backend or device, a CUDA device without onnxruntime's CUDA provider, or a graph the backend
-    refuses.
+    onnxruntime-gpu); feeds and results are numpy arrays either way. ``runtime`` (a
+    :class:`revgraph.RuntimeOptions`: arena, memory pattern, execution order; ``None`` keeps onnxruntime's
+    defaults) and ``session_options`` (an ``onnxruntime.SessionOptions`` to start from; ``runtime`` then
+    overrides the settings it names, and the object itself is left unchanged) configure onnxruntime's session.
+    Raises :class:`RevgraphError` for an unknown backend or device, a CUDA device without onnxruntime's CUDA
+    provider, runtime settings with the reference backend, or a graph the backend refuses.
     """
 
     def __init__(self, graph: Graph | onnx.ModelProto | str | os.PathLike, backend: str = "onnxruntime", *,
-                 threads: int = 0, device: str | Device = "cpu"):
+                 threads: int = 0, device: str | Device = "cpu", runtime: RuntimeOptions | None = None,
+                 session_options=None):
         if not isinstance(backend, str) or backend not in BACKENDS:
             raise RevgraphError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
             raise RevgraphError(f"threads must be an int >= 0 (0: onnxruntime chooses), got {threads!r}")
         self.device = Device.parse(device)
+        check_runtime(runtime)
+        if backend == "reference" and (session_options is not None or runtime not in (None, RuntimeOptions())):
+            raise RevgraphError("runtime settings and session_options configure onnxruntime; the reference backend "
+                                "takes neither")
         if backend == "reference" and self.device.kind != "cpu":
             raise RevgraphError(f"the reference backend runs on the CPU only; use the onnxruntime backend on "
                                 f"{self.device}")
@@ -65,16 +76,17 @@ class Session:
             # the default graph optimisation level (ORT_ENABLE_ALL), as users run models: gradient graphs are
             # tested at it (onnxruntime's transpose optimizer mishandles a Pad with an axes input, which
             # revgraph therefore never writes)
-            options = ort.SessionOptions()
-            options.log_severity_level = 4  # errors reach the user as exceptions
-            options.intra_op_num_threads = threads
+            if session_options is None:
+                options = nullcontext(session_options_for(runtime, threads))
+            else:  # the user's options, with runtime's settings while the session is made
+                options = overriding(session_options, runtime, threads)
             try:
-                with session_source(self.model) as source:  # a path for a model over 2 GiB (external data)
-                    self._sess = ort.InferenceSession(source, options, providers=providers)
+                with options as opts, session_source(self.model) as source:  # a path for a model over 2 GiB
+                    self._sess = ort.InferenceSession(source, opts, providers=providers)
             except RevgraphError:
                 raise
             except Exception as exc:
-                raise RevgraphError(f"onnxruntime refuses the graph: {_first_line(exc)}"
+                raise RevgraphError(refusal(str(exc)) or f"onnxruntime refuses the graph: {_first_line(exc)}"
                                     f"{_missing_kernel_hint(str(exc), graph)}") from None
             self.device.check_session(self._sess)
         else:

@@ -1,48 +1,76 @@
 """Run training-step graphs step after step, with the parameters and optimizer state kept on the device.
 
-:class:`Engine` holds the parameters, the optimizer state and the step counter in two sets of onnxruntime
-``OrtValue`` buffers on the device (:mod:`revgraph.devices`), never copied through numpy between steps: one
-step reads the current set and writes the new values straight into the other set, and the sets swap roles.
-Each step rebinds only the batch; only the loss (a scalar) is copied out per step.
+:class:`Engine` holds the parameters, the optimizer state and the step counter in onnxruntime ``OrtValue``
+buffers on the device (:mod:`revgraph.devices`), never copied through numpy between steps; each step rebinds
+only the batch, and only the loss (a scalar) is copied out per step. Two layouts:
 
-:class:`FusedEngine` runs the fused step graph of :func:`revgraph.train.training_graph` (forward, backward and
-update in one graph), the single-process path. The data-parallel engine of :mod:`revgraph.distributed` runs
-the same graph cut in two (:func:`revgraph.train.split_step`) with an all-reduce between the halves.
+- **two buffer sets** (:class:`FusedEngine`): one step reads the current set and writes the new values straight
+  into the other set, and the sets swap roles. It runs the fused step graph of
+  :func:`revgraph.train.training_graph` (forward, backward and update in one graph). Parameters and state take
+  twice their size (6P for Adam's parameters, first and second moments).
+- **one buffer set** (:class:`SplitEngine`): the step graph cut in two (:func:`revgraph.train.split_step`): the
+  grad graph writes the loss and the gradients (into buffers kept from step to step), then the update graph
+  writes each new value into the buffer of the old one: its output ``p.new`` is bound to the ``OrtValue`` of
+  its input ``p``. That is done for each pair that :func:`revgraph.inplace.inplace_pairs` finds safe (every node
+  that may read the old value runs before the node writing the new one); the other pairs (the int64 step,
+  read twice by the update) keep two buffers that swap. Parameters, state and gradients take 4P for Adam.
+  onnxruntime writes the bound buffers themselves (their data pointers do not change) and the numbers equal the
+  fused engine's bitwise: the same nodes run on the same values.
+
+Undoing a step (:meth:`Engine.undo`, which the trainer uses to reject a step that left a parameter NaN or
+infinite): two sets still hold the values from before the last step. One set holds them only when the step was
+asked to keep them (``keep_previous=True``: the update then writes a fresh set, and the old one is kept until
+:meth:`Engine.release` or the next step). A step whose loss fails ``accept`` is not applied at all (the split
+engine runs no update; the fused engine swaps back).
+
+The data-parallel engine of :mod:`revgraph.distributed` is a :class:`SplitEngine` with an all-reduce between
+the halves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .devices import Device
-from .errors import RevgraphError
+from .errors import InternalError, RevgraphError
 from .external_data import session_source
+from .inplace import inplace_pairs
 from .onnx_io import to_onnx
 from .runtime import _first_line
-from .train import TrainingGraph, eval_graph
+from .runtime_options import RuntimeOptions, refusal, session_options
+from .train import TrainingGraph, eval_graph, split_step
+
+#: ``buffers=`` of :class:`revgraph.Trainer`: one set (:class:`SplitEngine`), two (:class:`FusedEngine`).
+BUFFERS = ("one", "two")
 
 
 class Engine:
     """The device-resident training state of ``spec`` and the sessions that update it.
 
-    ``threads`` is onnxruntime's intra-op thread count (0: its default); ``device`` a :class:`Device`.
+    ``threads`` is onnxruntime's intra-op thread count (0: its default); ``device`` a :class:`Device`;
+    ``runtime`` onnxruntime's memory settings (:class:`RuntimeOptions`; ``None``: onnxruntime's defaults);
+    ``shared``: the carried names whose old and new values share one buffer (the others get two that swap).
     Raises :class:`RevgraphError` (one line) when onnxruntime refuses a graph or the device is missing.
     """
 
-    def __init__(self, spec: TrainingGraph, threads: int, device: Device):
+    def __init__(self, spec: TrainingGraph, threads: int, device: Device, runtime: RuntimeOptions | None = None,
+                 shared: frozenset[str] = frozenset()):
         import onnxruntime as ort
 
-        self.spec, self.device = spec, device
-        self.options = ort.SessionOptions()
-        self.options.log_severity_level = 4
-        self.options.intra_op_num_threads = threads
+        self.spec, self.device, self.runtime = spec, device, runtime
+        self.options = session_options(runtime, threads)
         self._eval = self.session(eval_graph(spec), "evaluation graph")
         start = spec.initial_state()
         self.names = [i for i, _ in spec.carried()]
-        self._sets = [{i: device.ortvalue(start[i]) for i in self.names},
-                      {i: device.ortvalue(np.empty_like(start[i])) for i in self.names}]
+        self.shared = frozenset(shared)
+        first = {i: device.ortvalue(start[i]) for i in self.names}
+        self._sets = [first, {i: first[i] if i in self.shared else device.ortvalue(np.empty_like(start[i]))
+                              for i in self.names}]
         self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), spec.graph.outputs[0].dtype)) for _ in range(2)]
         self._current = 0
+        self._previous: dict | None = None  # the shared buffers from before the last step, when it kept them
 
     def session(self, graph, what: str):
         """An onnxruntime session of ``graph`` on the device; :class:`RevgraphError` if onnxruntime refuses it."""
@@ -53,7 +81,7 @@ class Engine:
             with session_source(to_onnx(graph)) as source:  # a file for a model over 2 GiB (external data)
                 sess = ort.InferenceSession(source, self.options, providers=providers)
         except Exception as exc:
-            raise RevgraphError(f"onnxruntime refuses the {what}: {_first_line(exc)}") from None
+            raise RevgraphError(refusal(str(exc)) or f"onnxruntime refuses the {what}: {_first_line(exc)}") from None
         self.device.check_session(sess)
         return sess
 
@@ -84,19 +112,56 @@ class Engine:
     def steps(self) -> int:
         return int(self.value(self.spec.step).numpy())
 
+    def held(self) -> dict[str, int]:
+        """Bytes of the device buffers this engine keeps from step to step: ``"state"`` (parameters, optimizer
+        state and step, each buffer counted once, the kept previous values included) and ``"gradients"``."""
+        values = {id(v): v for s in self._sets for v in s.values()}
+        values.update((id(v), v) for v in (self._previous or {}).values())
+        grads = {id(v): v for v in self._gradient_buffers()}
+        return {"state": sum(_nbytes(v) for v in values.values()), "gradients": sum(_nbytes(v) for v in grads.values())}
+
+    def _gradient_buffers(self) -> list:
+        return []
+
     # ------------------------------------------------------------------------------------------ running
 
-    def step(self, feeds: dict[str, np.ndarray], count: int, total: int) -> float:
+    def step(self, feeds: dict[str, np.ndarray], count: int, total: int, *,
+             accept: Callable[[float], bool] | None = None, keep_previous: bool = False) -> float:
         """One optimizer step: ``feeds`` is this process's share (``count`` samples) of a global batch of
-        ``total`` samples. Returns the loss of the global batch (its mean over the ``total`` samples)."""
+        ``total`` samples. Returns the loss of the global batch (its mean over the ``total`` samples).
+
+        ``accept``: when given and ``accept(loss)`` is false, the step is not applied (parameters, state and
+        step stay as they were). ``keep_previous``: keep the values from before the step, so that
+        :meth:`undo` can return to them (two buffer sets always keep them)."""
         raise NotImplementedError
 
     def _swap(self) -> None:
         self._current = 1 - self._current  # the new values are in the other set: it becomes current
 
+    @property
+    def can_undo(self) -> bool:
+        """Whether :meth:`undo` can return to the values before the last step."""
+        return self._previous is not None or not self.shared
+
     def undo(self) -> None:
-        """Return to the values before the last step (they are still in the other buffer set)."""
+        """Return to the values before the last step (the other buffer set, or the values the last step kept
+        with ``keep_previous``). Raises :class:`InternalError` when one buffer set was overwritten in place."""
+        if self._previous is not None:
+            for name, value in self._previous.items():
+                self._sets[0][name] = self._sets[1][name] = value
+            self._previous = None
+            self._rebind()
+        elif self.shared:
+            raise InternalError("the last training step overwrote its buffers in place and kept no previous values "
+                                "(step with keep_previous=True to undo it)")
         self._swap()
+
+    def release(self) -> None:
+        """Forget the values a ``keep_previous`` step kept (their memory is freed)."""
+        self._previous = None
+
+    def _rebind(self) -> None:
+        """Bind the current buffers again after they changed (a kept or restored set)."""
 
     def evaluate(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """``(loss, model output)`` of the loss graph on ``feeds`` with the current parameters."""
@@ -116,10 +181,10 @@ class Engine:
 
 
 class FusedEngine(Engine):
-    """One process: the fused step graph, with one IO binding per direction between the two buffer sets."""
+    """One process, two buffer sets: the fused step graph, with one IO binding per direction between the sets."""
 
-    def __init__(self, spec: TrainingGraph, threads: int, device: Device):
-        super().__init__(spec, threads, device)
+    def __init__(self, spec: TrainingGraph, threads: int, device: Device, runtime: RuntimeOptions | None = None):
+        super().__init__(spec, threads, device, runtime)
         self._sess = self.session(spec.graph, "training graph")
         self._bindings = []
         for k in range(2):
@@ -130,7 +195,8 @@ class FusedEngine(Engine):
             binding.bind_ortvalue_output(spec.loss.loss, self._loss[k])
             self._bindings.append(binding)
 
-    def step(self, feeds: dict[str, np.ndarray], count: int, total: int) -> float:
+    def step(self, feeds: dict[str, np.ndarray], count: int, total: int, *,
+             accept: Callable[[float], bool] | None = None, keep_previous: bool = False) -> float:
         binding = self._bindings[self._current]
         for name, arr in feeds.items():
             binding.bind_cpu_input(name, arr)
@@ -139,5 +205,141 @@ class FusedEngine(Engine):
         except Exception as exc:
             raise RevgraphError(f"the training step failed: {_first_line(exc)}") from None
         loss = float(self._loss[self._current].numpy())
-        self._swap()
+        if accept is None or accept(loss):
+            self._swap()
         return loss
+
+
+class SplitEngine(Engine):
+    """The step cut in two (module doc): the grad graph, then the update graph writing over its inputs where
+    :func:`~revgraph.inplace.inplace_pairs` finds it safe (``one_set=False``: nowhere, two buffer sets).
+
+    Subclasses change what happens between the halves (:meth:`_gradients`) and where the gradients live
+    (:meth:`_make_gradient_buffers`)."""
+
+    def __init__(self, spec: TrainingGraph, threads: int, device: Device, runtime: RuntimeOptions | None = None,
+                 one_set: bool = True):
+        self.grad_graph, self.update_graph = split_step(spec)
+        self.unsafe = inplace_pairs(self.update_graph, spec.carried()) if one_set else {}
+        shared = frozenset(i for i, _ in spec.carried() if one_set and i not in self.unsafe)
+        super().__init__(spec, threads, device, runtime, shared)
+        self._grad = self.session(self.grad_graph, "gradient graph")
+        self._update = self.session(self.update_graph, "update graph")
+        self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
+        self._grad_values = self._make_gradient_buffers()
+        self._rebind()
+
+    def _make_gradient_buffers(self) -> dict:
+        """Device buffers of the dense gradients, by gradient name (a gradient has its parameter's shape)."""
+        return {self.spec.grads[p][0]: self.device.ortvalue(np.empty_like(self.spec.initial[p]))
+                for p in self.spec.params if p not in self.spec.sparse}
+
+    def _gradient_buffers(self) -> list:
+        return list(self._grad_values.values())
+
+    def _rebind(self) -> None:
+        spec = self.spec
+        self._grad_bindings, self._update_bindings = [], []
+        for k in range(2):
+            gb = self._grad.io_binding()
+            for p in spec.params:
+                gb.bind_ortvalue_input(p, self._sets[k][p])
+            gb.bind_ortvalue_output(spec.loss.loss, self._loss[k])
+            for g, value in self._grad_values.items():
+                gb.bind_ortvalue_output(g, value)
+            ub = self._update.io_binding()
+            for i, o in spec.carried():
+                ub.bind_ortvalue_input(i, self._sets[k][i])
+                ub.bind_ortvalue_output(o, self._sets[1 - k][i])
+            for g, value in self._grad_values.items():
+                ub.bind_ortvalue_input(g, value)
+            self._grad_bindings.append(gb)
+            self._update_bindings.append(ub)
+
+    def _run_grad(self, feeds: dict[str, np.ndarray]) -> tuple[float, dict]:
+        """Run the grad graph on ``feeds``: the loss, and the sparse gradients ``{name: OrtValue}`` (the dense
+        ones are in their buffers)."""
+        gb = self._grad_bindings[self._current]
+        for name, arr in feeds.items():
+            gb.bind_cpu_input(name, arr)
+        for _, idx, rows in self._sparse:  # sparse rows change size: fresh outputs every run
+            gb.bind_output(idx, self.device.ort_type, self.device.index)
+            gb.bind_output(rows, self.device.ort_type, self.device.index)
+        try:
+            self._grad.run_with_iobinding(gb)
+        except Exception as exc:
+            raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
+        sparse = {}
+        if self._sparse:
+            outs = gb.get_outputs()[1 + len(self._grad_values):]  # bound after the loss and the dense gradients
+            for j, (_, idx, rows) in enumerate(self._sparse):
+                sparse[idx], sparse[rows] = outs[2 * j], outs[2 * j + 1]
+        return float(self._loss[self._current].numpy()), sparse
+
+    def _gradients(self, feeds: dict[str, np.ndarray], count: int, total: int) -> tuple[float, dict]:
+        """The loss of the global batch and the update graph's per-step inputs (sparse gradients by name)."""
+        return self._run_grad(feeds)
+
+    def step(self, feeds: dict[str, np.ndarray], count: int, total: int, *,
+             accept: Callable[[float], bool] | None = None, keep_previous: bool = False) -> float:
+        self._previous = None
+        loss, inputs = self._gradients(feeds, count, total)
+        if accept is not None and not accept(loss):
+            return loss
+        self._run_update(inputs, keep_previous)
+        return loss
+
+    def _run_update(self, inputs: dict, keep_previous: bool) -> None:
+        """Run the update graph (``inputs``: OrtValues of this step's sparse gradients) and make the new values
+        current; with ``keep_previous`` the shared names are written into fresh buffers, the old ones kept."""
+        ub = self._update_bindings[self._current]
+        fresh = self._fresh_shared() if keep_previous and self.shared else None
+        if fresh is not None:
+            ub = self._update.io_binding()
+            k = self._current
+            for i, o in self.spec.carried():
+                ub.bind_ortvalue_input(i, self._sets[k][i])
+                ub.bind_ortvalue_output(o, fresh[i] if i in fresh else self._sets[1 - k][i])
+            for g, value in self._grad_values.items():
+                ub.bind_ortvalue_input(g, value)
+        for name, value in inputs.items():
+            ub.bind_ortvalue_input(name, value)
+        self._synchronize()
+        try:
+            self._update.run_with_iobinding(ub)
+        except Exception as exc:
+            raise RevgraphError(f"the update step failed: {_first_line(exc)}") from None
+        if fresh is not None:
+            self._previous = {n: self._sets[0][n] for n in fresh}
+            for n, value in fresh.items():
+                self._sets[0][n] = self._sets[1][n] = value
+            self._rebind()
+        self._swap()
+
+    def _synchronize(self) -> None:
+        """Wait for writes of other libraries to the update's inputs (nothing to wait for in one process)."""
+
+    def _fresh_shared(self) -> dict:
+        """New buffers for the shared names (written by a step that keeps the previous values)."""
+        like = {self.spec.step: np.zeros((), np.int64)}
+        for p in self.spec.params:
+            like.update({n: self.spec.initial[p] for n in [p, *self.spec.state[p]]})
+        return {n: self.device.ortvalue(np.empty_like(like[n])) for n in self.shared}
+
+
+def make_engine(spec: TrainingGraph, threads: int, device: Device, runtime: RuntimeOptions | None,
+                buffers: str) -> Engine:
+    """The single-process engine for ``buffers`` (:data:`BUFFERS`)."""
+    if buffers == "two":
+        return FusedEngine(spec, threads, device, runtime)
+    return SplitEngine(spec, threads, device, runtime)
+
+
+def _nbytes(value) -> int:
+    """Bytes of an ``OrtValue``'s tensor (read from its type: a device buffer is not copied to learn it)."""
+    return int(np.prod(value.shape(), dtype=np.int64)) * _ITEMSIZE.get(value.data_type(), 4)
+
+
+#: bytes per element of onnxruntime's tensor types
+_ITEMSIZE = {"tensor(float)": 4, "tensor(double)": 8, "tensor(float16)": 2, "tensor(bfloat16)": 2,
+             "tensor(int64)": 8, "tensor(int32)": 4, "tensor(int8)": 1, "tensor(uint8)": 1, "tensor(bool)": 1}

@@ -28,7 +28,8 @@ from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
 from .ir import Graph
 from .onnx_io import save
-from .steps import FusedEngine
+from .runtime_options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
+from .steps import BUFFERS, make_engine
 from .train import Optimizer, TrainingGraph, training_graph
 
 Data = Mapping[str, np.ndarray] | tuple
@@ -56,7 +57,12 @@ class Trainer:
 
     def __init__(self, model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
-                 threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu", distributed: bool = False):
+                 threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
+                 distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one"):
+        if buffers not in BUFFERS:
+            raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
+        # settings left None take the training default (arena and memory pattern off)
+        self.runtime: RuntimeOptions = (check_runtime(runtime) or RuntimeOptions()).over(TRAINING_DEFAULT)
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
         self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
@@ -71,9 +77,10 @@ class Trainer:
             self.comm = Collective(self.device)
             threads = threads or threads_per_process()
         if self.comm and self.comm.world_size > 1:
-            self._engine = DistributedEngine(self.spec, threads, self.device, self.comm)
-        else:  # one process (also a world of one, where there is nothing to exchange): the fused step
-            self._engine = FusedEngine(self.spec, threads, self.device)
+            self._engine = DistributedEngine(self.spec, threads, self.device, self.comm, self.runtime,
+                                             one_set=buffers == "one")
+        else:  # one process (also a world of one, where there is nothing to exchange)
+            self._engine = make_engine(self.spec, threads, self.device, self.runtime, buffers)
         if self.comm:
             self.comm.check_replicas(self.parameters, "initial parameters")
 
@@ -197,8 +204,8 @@ class Trainer:
         total = int(self.comm.sum([count])[0]) if self.comm else count
         return self._step(feeds, count, total)
 
-    def _step(self, feeds: dict[str, np.ndarray], count: int, total: int) -> float:
-        loss = self._engine.step(feeds, count, total)
+    def _step(self, feeds: dict[str, np.ndarray], count: int, total: int, **how) -> float:
+        loss = self._engine.step(feeds, count, total, **how)
         self.losses.append(loss)
         return loss
 
@@ -246,6 +253,8 @@ class Trainer:
         pos = self._resume(checkpoint_dir, run) if checkpoint_dir is not None else _Position()
         bar = _Bar(progress and self.is_main, console, description, epochs * per_epoch,
                    done=min(pos.epoch * per_epoch + pos.batch, epochs * per_epoch))
+        stop = nonfinite == "stop"
+        stepped = False
         with bar:
             seen, started = 0, time.perf_counter()
             while pos.epoch < epochs:
@@ -253,9 +262,14 @@ class Trainer:
                 while pos.batch < per_epoch:
                     chunk = order[pos.batch * group:(pos.batch + 1) * group]
                     rows = shard(chunk, rank, world)
-                    loss = self._step(self._feeds(arrays, rows), len(rows), len(chunk))
-                    if nonfinite == "stop" and not np.isfinite(loss):
-                        self._reject_step(f"the loss is {loss}", pos.epoch, pos.batch)
+                    # with "stop", a step with a non-finite loss is not applied, and the last step keeps the
+                    # values from before it (the check of the parameters below may have to return to them)
+                    last = pos.epoch == epochs - 1 and pos.batch == per_epoch - 1
+                    loss = self._step(self._feeds(arrays, rows), len(rows), len(chunk),
+                                      accept=_finite if stop else None, keep_previous=stop and last)
+                    stepped = True
+                    if stop and not np.isfinite(loss):
+                        self._reject_step(f"the loss is {loss}", pos.epoch, pos.batch, applied=False)
                     pos.total += loss * len(chunk)
                     pos.batch += 1
                     seen += len(chunk)
@@ -271,18 +285,20 @@ class Trainer:
                     if ended:
                         break
         final = self.parameters
-        if nonfinite == "stop" and pos.means and not all(np.isfinite(a).all() for a in final.values()):
+        if stop and stepped and not all(np.isfinite(a).all() for a in final.values()):
             bad = next(p for p, a in final.items() if not np.isfinite(a).all())
             self._reject_step(f"parameter {bad!r} became NaN or infinite", pos.epoch - 1, per_epoch - 1)
+        self._engine.release()  # the values from before the last step are no longer needed
         if self.comm:
             self.comm.check_replicas({**final, **self.state}, "parameters or optimizer state")
         return list(pos.means)
 
-    def _reject_step(self, what: str, epoch: int, batch: int) -> None:
-        """Undo the last step and raise :class:`NonFiniteError` naming it (every rank sees the same global
-        loss and parameters, so every rank stops at the same step)."""
-        step = self.steps
-        self._engine.undo()
+    def _reject_step(self, what: str, epoch: int, batch: int, applied: bool = True) -> None:
+        """Undo the last step (unless it was not ``applied``) and raise :class:`NonFiniteError` naming it (every
+        rank sees the same global loss and parameters, so every rank stops at the same step)."""
+        step = self.steps + (0 if applied else 1)
+        if applied:
+            self._engine.undo()
         self.losses.pop()
         raise NonFiniteError(f"{what} at step {step} (epoch {epoch + 1}, batch {batch + 1}); the trainer keeps the "
                              "parameters from before it: lower the learning rate or look for NaN or infinite values "
@@ -380,6 +396,10 @@ class Trainer:
     def save_training_graph(self, path: str | os.PathLike) -> None:
         """Write the training-step graph (module doc of :mod:`revgraph.train`), with no initial values."""
         save(self.spec.graph, path)
+
+
+def _finite(loss: float) -> bool:
+    return bool(np.isfinite(loss))
 
 
 def epoch_order(n: int, shuffle: bool, seed: int) -> np.ndarray:

@@ -1,0 +1,290 @@
+"""Memory and time of an Adam training step per onnxruntime memory setting and buffer layout (issue 24, parts 3-4).
+
+For the step benchmark's models at batch 64 (bench/models.py: MLP, CNN, Transformer, RNN Loop with T = 100),
+``rg.Trainer(..., "cross-entropy", "adam")`` runs with every combination of
+
+- onnxruntime's CPU arena on/off and memory pattern on/off (``rg.RuntimeOptions(arena=, memory_pattern=)``),
+- two buffer sets (the fused step graph, parameters and state swapped between two sets) or one
+  (``buffers="one"``: the step split into a grad graph and an update graph that writes over its inputs).
+
+Each configuration is a fresh process (bench/_worker.py). It measures, from /proc/self/status:
+
+- **held**: resident memory after building the trainer minus before (parameters, state, gradients, sessions);
+- **setup HWM**: VmHWM after setup (the process's peak so far: imports, the build, the sessions);
+- **step peak**: VmHWM over the first three steps (reset to the resident size through /proc/self/clear_refs,
+  "5", just before them) minus the resident size after setup: what a step needs beyond setup (the memory
+  pattern is planned on the first run and used from the second);
+- **kept**: resident memory after those steps minus after setup (what the arena keeps between steps);
+
+then every configuration of a model runs its step in turns (the order rotates each turn) and the step time is
+the median over turns of each turn's mean. Raw numbers go to ``bench/results/runtime_settings.json``, the table
+between ``<!-- runtime:begin -->`` and ``<!-- runtime:end -->`` in docs/benchmarks.md.
+
+    python bench/runtime_settings.py [--models mlp cnn transformer rnn] [--turns 7] [--threads 1] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+BEGIN, END = "<!-- runtime:begin -->", "<!-- runtime:end -->"
+NAMES = {"mlp": "MLP", "cnn": "CNN", "transformer": "Transformer", "rnn": "RNN (Loop, T=100)",
+         "mlp-wide": "MLP 784-2048-2048-10"}
+WIDE = (784, 2048, 2048, 10)
+#: (arena, memory pattern, buffers), onnxruntime's defaults and the old engine first
+CONFIGS = [(a, m, b) for b in ("two", "one") for a in (True, False) for m in (True, False)]
+_CELL: dict = {}
+
+
+# ------------------------------------------------------------------------------------ worker side (one cell)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def prepare(info: dict, arena: bool, memory_pattern: bool, buffers: str, threads: int) -> dict:
+    """Build the trainer of one configuration in this (fresh) process and measure its memory (module doc)."""
+    import numpy as np
+
+    import revgraph as rg
+    from models import load_npz
+
+    _, data = load_npz(info["npz"])
+    rss0 = _status("VmRSS")
+    t0 = time.perf_counter()
+    tr = rg.Trainer(info["path"], "cross-entropy", "adam", params=info["params"], threads=threads, buffers=buffers,
+                    runtime=rg.RuntimeOptions(arena=arena, memory_pattern=memory_pattern))
+    build = time.perf_counter() - t0
+    rss1, hwm1 = _status("VmRSS"), _status("VmHWM")
+    feeds = {tr.spec.inputs[0]: np.ascontiguousarray(data["x"]), tr.spec.labels: data["labels"]}
+    n = len(data["labels"])
+    base = _reset_peak()
+    losses = [tr._step(feeds, n, n) for _ in range(3)]
+    peak = _status("VmHWM")
+    rss2 = _status("VmRSS")
+    t0 = time.perf_counter()
+    tr._step(feeds, n, n)
+    first = time.perf_counter() - t0
+    _CELL.update(trainer=tr, run=lambda: tr._step(feeds, n, n))
+    held = tr._engine.held()
+    digest = parameters_digest()  # after 4 steps in every configuration
+    return {"held_mb": (rss1 - rss0) / 1024, "setup_hwm_mb": hwm1 / 1024, "step_peak_mb": (peak - base) / 1024,
+            "kept_mb": (rss2 - rss1) / 1024, "build_s": build, "first_step_s": first, "losses": losses,
+            "engine_state_mb": held["state"] / 2**20, "engine_gradients_mb": held["gradients"] / 2**20,
+            "shared": len(tr._engine.shared), "carried": len(tr._engine.names), "digest": digest}
+
+
+def timed(steps: int) -> list[float]:
+    """Mean wall and CPU seconds per step over ``steps`` steps of the prepared trainer."""
+    run = _CELL["run"]
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        run()
+    return [(time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps]
+
+
+def parameters_digest() -> str:
+    """SHA-256 of the trainer's parameters and state (every configuration must train to the same bits)."""
+    import hashlib
+
+    import numpy as np
+
+    tr = _CELL["trainer"]
+    h = hashlib.sha256()
+    values = tr._engine.read(tr._engine.names)
+    for k in sorted(values):
+        h.update(np.ascontiguousarray(values[k]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def write_wide_mlp(batch: int, out_dir: str) -> dict:
+    """A wider MLP (:data:`WIDE`, ReLU; 5.8 M parameters) written by revgraph, where parameters and optimizer
+    state are a visible share of the step's memory: ``{"path", "npz", "params"}`` as bench/models.py gives."""
+    import numpy as np
+
+    import revgraph as rg
+    from revgraph.ir import Graph, Node, ValueInfo
+
+    rng = np.random.default_rng(0)
+    inits, nodes, h = {}, [], "x"
+    for k, (a, b) in enumerate(zip(WIDE, WIDE[1:], strict=False)):
+        inits[f"W{k}"] = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
+        inits[f"b{k}"] = np.zeros(b, np.float32)
+        nodes += [Node("MatMul", [h, f"W{k}"], [f"m{k}"], name=f"mm{k}"),
+                  Node("Add", [f"m{k}", f"b{k}"], [f"z{k}"], name=f"add{k}")]
+        h = f"z{k}"
+        if k < len(WIDE) - 2:
+            nodes.append(Node("Relu", [h], [f"h{k}"], name=f"relu{k}"))
+            h = f"h{k}"
+    nodes[-1].outputs = ["logits"]
+    g = Graph(nodes, [ValueInfo("x", np.float32, (batch, WIDE[0]))], [ValueInfo("logits", np.float32, (batch, WIDE[-1]))],
+              inits, name="mlp_wide")
+    path = Path(out_dir) / f"mlp-wide_b{batch}.onnx"
+    rg.save(g, path)
+    npz = path.with_suffix(".npz")
+    np.savez(npz, x=rng.standard_normal((batch, WIDE[0])).astype(np.float32),
+             labels=rng.integers(0, WIDE[-1], batch).astype(np.int64))
+    return {"path": str(path), "npz": str(npz), "params": list(inits)}
+
+
+# ------------------------------------------------------------------------------------------- orchestrator
+
+
+def _label(cfg) -> str:
+    a, m, b = cfg
+    return f"arena {'on' if a else 'off'}, pattern {'on' if m else 'off'}, {b} set{'s' if b == 'two' else ''}"
+
+
+def measure_model(name: str, info: dict, turns: int, seconds: float, threads: int, log_dir: Path, log) -> dict:
+    from workers import Worker
+
+    workers, cells = {}, {}
+    try:
+        for cfg in CONFIGS:
+            w = Worker(f"{name}-{'-'.join(map(str, cfg))}", sys.executable, log_dir)
+            workers[cfg] = w
+            cells[cfg] = w.call("runtime_settings:prepare", info=info, arena=cfg[0], memory_pattern=cfg[1],
+                                buffers=cfg[2], threads=threads)
+            log(f"  {name} {_label(cfg)}: held {cells[cfg]['held_mb']:.1f} MB, step peak "
+                f"{cells[cfg]['step_peak_mb']:.1f} MB")
+        times = {cfg: [] for cfg in CONFIGS}
+        for t in range(turns):
+            order = CONFIGS[t % len(CONFIGS):] + CONFIGS[:t % len(CONFIGS)]
+            for cfg in order:
+                steps = max(3, int(seconds / max(cells[cfg]["first_step_s"], 1e-5)))
+                times[cfg].append(workers[cfg].call("runtime_settings:timed", steps=steps))
+    finally:
+        for w in workers.values():
+            w.close()
+    for cfg in CONFIGS:
+        cells[cfg]["step_ms"] = 1e3 * statistics.median(t[0] for t in times[cfg])
+        cells[cfg]["cpu_ms"] = 1e3 * statistics.median(t[1] for t in times[cfg])
+        cells[cfg]["turns_ms"] = [[1e3 * x for x in t] for t in times[cfg]]
+    return {"|".join(map(str, cfg)): cells[cfg] for cfg in CONFIGS}
+
+
+def render(res: dict) -> str:
+    """The docs/benchmarks.md section."""
+    cmd = "python bench/runtime_settings.py" + ("" if not res["argv"] else " " + " ".join(res["argv"]))
+    lines = [BEGIN, "## Runtime memory settings and buffer sets", "",
+             f"Written by `{cmd}` on {res['date']} (commit {res['commit']}, onnxruntime {res['onnxruntime']}, "
+             f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}, {res['turns']} turns; load average "
+             f"{res['load_start']} at the start, {res['load_end']} at the end on a shared machine). Raw numbers: "
+             "`bench/results/runtime_settings.json`.", "",
+             "An Adam step of `rg.Trainer` at batch 64 per onnxruntime setting (`rg.RuntimeOptions(arena=, "
+             "memory_pattern=)`) and buffer layout (`buffers=\"two\"`: the fused step graph, parameters and state "
+             "swapped between two sets; `\"one\"`: the step split into grad and update graphs, the update writing "
+             "over its inputs). Each configuration is a fresh process. *held*: resident memory after building the "
+             "trainer minus before; *setup HWM*: the process's VmHWM after setup; *step peak*: VmHWM over the first "
+             "three steps minus the resident size after setup; *kept*: resident memory after those steps minus "
+             "after setup; *step ms*: median over turns (configurations alternate) of each turn's mean; *vs "
+             "default*: against onnxruntime's defaults with two sets (the engine before issue 24). Every "
+             "configuration trains to bitwise the same parameters (*same bits*).", "",
+             "| model | arena | memory pattern | buffers | held MB | setup HWM MB | step peak MB | held + peak MB | "
+             "kept MB | step ms | CPU ms | CPU vs default | same bits |",
+             "| :--- | :---: | :---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    on = {"True": "on", "False": "off"}
+    for model, cells in res["models"].items():
+        ref = cells["|".join(map(str, CONFIGS[0]))]
+        for key, c in cells.items():
+            a, m, b = key.split("|")
+            lines.append(f"| {NAMES.get(model, model)} | {on[a]} | {on[m]} | {b} | {c['held_mb']:.1f} | "
+                         f"{c['setup_hwm_mb']:.0f} | {c['step_peak_mb']:.1f} | {c['held_mb'] + c['step_peak_mb']:.1f} | "
+                         f"{c['kept_mb']:.1f} | {c['step_ms']:.2f} | {c['cpu_ms']:.2f} | "
+                         f"{c['cpu_ms'] / ref['cpu_ms']:.2f}x | {'yes' if c['digest'] == ref['digest'] else 'no'} |")
+    lines += ["", "Step memory per model, onnxruntime's defaults with two sets against the training default "
+              "(arena off, memory pattern off, one set):", "",
+              "| model | default: held + step peak MB | training default: held + step peak MB | ratio | "
+              "CPU time ratio | wall time ratio |",
+              "| :--- | ---: | ---: | ---: | ---: | ---: |"]
+    for model, cells in res["models"].items():
+        ref, new = cells["True|True|two"], cells["False|False|one"]
+        a, b = ref["held_mb"] + ref["step_peak_mb"], new["held_mb"] + new["step_peak_mb"]
+        lines.append(f"| {NAMES.get(model, model)} | {a:.1f} | {b:.1f} | {b / a:.2f}x | "
+                     f"{new['cpu_ms'] / ref['cpu_ms']:.2f}x | {new['step_ms'] / ref['step_ms']:.2f}x |")
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def write_section(doc: Path, section: str) -> None:
+    """Put ``section`` between the markers of ``doc`` (replacing what was there), or at its end."""
+    text = doc.read_text() if doc.exists() else ""
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.DOTALL)
+    text = pattern.sub(lambda _: section, text, count=1) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
+    doc.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(NAMES), choices=list(NAMES),
+                        help="(default: all; mlp-wide is a 5.8 M-parameter MLP where the buffer sets show)")
+    parser.add_argument("--turns", type=int, default=7)
+    parser.add_argument("--seconds", type=float, default=0.4, help="time per configuration per turn (default 0.4)")
+    parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)")
+    parser.add_argument("--quick", action="store_true", help="3 turns of 0.15 s (a smoke run)")
+    parser.add_argument("--json", default=str(HERE / "results" / "runtime_settings.json"))
+    parser.add_argument("-o", "--output", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--render", metavar="JSON", help="only rewrite the section from saved numbers")
+    args = parser.parse_args(argv)
+    if args.render:
+        write_section(Path(args.output), render(json.loads(Path(args.render).read_text())))
+        return 0
+    if args.quick:
+        args.turns, args.seconds = 3, 0.15
+    import onnxruntime
+
+    from models import write_step_model
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    res = {"date": dt.date.today().isoformat(), "commit": commit, "onnxruntime": onnxruntime.__version__,
+           "threads": args.threads, "turns": args.turns, "load_start": [round(x, 2) for x in os.getloadavg()],
+           "argv": [f"<path>/{Path(a).name}" if os.path.isabs(a) else a for a in (argv if argv is not None else sys.argv[1:])],
+           "models": {}}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        (work / "logs").mkdir()
+        for name in args.models:
+            info = write_wide_mlp(64, str(work)) if name == "mlp-wide" else write_step_model(name, 64, str(work))
+            log(f"{name}: {len(CONFIGS)} configurations")
+            res["models"][name] = measure_model(name, info, args.turns, args.seconds, args.threads, work / "logs", log)
+    res["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    res["seconds"] = time.perf_counter() - t0
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=1))
+    write_section(Path(args.output), render(res))
+    log(f"wrote {args.output} and {args.json} in {res['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
