@@ -18,7 +18,7 @@ from .check import NOT_CHECKED, check_gradients
 from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers
 from .cli_io import check_command_outputs, err, out, read_npz, write_npz
-from .cli_train import cmd_train
+from .cli_train import add_runtime_arguments, cmd_train, runtime_from_args
 from .cli_write import POLICIES, check_opset, count_nodes, some, with_warnings, write_graph
 from .errors import RevgraphError
 from .ir import TARGET_OPSET, ValueInfo, is_float_dtype
@@ -73,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs (default 0)")
     run.add_argument("--device", default="cpu", metavar="cpu|cuda[:i]",
                      help="where onnxruntime runs the model (cuda needs onnxruntime-gpu; default cpu)")
+    add_runtime_arguments(run, "onnxruntime's, on")
 
     grad = sub.add_parser("grad", help="write the gradient graph: forward outputs plus <name>_grad outputs")
     grad.add_argument("model", metavar="MODEL.onnx")
@@ -152,6 +153,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, metavar="N",
                        help="train data-parallel in N processes on this machine (starts torchrun; needs "
                             "revgraph[distributed]); the global batch is N x --batch-size")
+    add_runtime_arguments(train, "off, measured cheapest for training")
+    train.add_argument("--buffers", choices=("one", "two"), default="one",
+                       help="parameters and optimizer state in one buffer set that the update overwrites where that "
+                            "is safe, or in two swapped sets (the fused step graph; default one)")
 
     demo = sub.add_parser("demo", help="train a recurrent classifier (ONNX Loop) and an MLP on scikit-learn's digits")
     demo.add_argument("-o", "--output", metavar="DIR", default="revgraph-demo",
@@ -284,7 +289,8 @@ def _flatten_sequences(arrays: dict) -> dict[str, np.ndarray]:
 def cmd_run(args: argparse.Namespace) -> int:
     g = load(args.model)
     check_command_outputs(args, {"-o": args.output}, {"--inputs": args.inputs})
-    session = Session(g, backend=args.backend, device=args.device)  # a bad device fails before the note below
+    session = Session(g, backend=args.backend, device=args.device,  # a bad device fails before the note below
+                      runtime=runtime_from_args(args))
     if args.inputs is not None:  # "" is a path too, and not "no --inputs"
         feeds = read_npz(args.inputs)
     else:

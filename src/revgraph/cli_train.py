@@ -13,6 +13,30 @@ from .cli_io import check_command_outputs, err, out, read_npz
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
+from .runtime_options import RuntimeOptions
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser, defaults: str) -> None:
+    """``--arena on|off``, ``--memory-pattern on|off`` and ``--execution-order ...`` (:class:`RuntimeOptions`);
+    ``defaults`` says in the help what an option left out means."""
+    from .runtime_options import EXECUTION_ORDERS
+
+    parser.add_argument("--arena", choices=("on", "off"),
+                        help=f"onnxruntime's CPU memory arena (enable_cpu_mem_arena; default: {defaults})")
+    parser.add_argument("--memory-pattern", choices=("on", "off"),
+                        help=f"onnxruntime's planned allocation of intermediate tensors (enable_mem_pattern; default: "
+                             f"{defaults})")
+    parser.add_argument("--execution-order", choices=tuple(EXECUTION_ORDERS),
+                        help="the order onnxruntime runs nodes in (memory_efficient needs an onnxruntime training "
+                             "build; default: default)")
+
+
+def runtime_from_args(args: argparse.Namespace) -> RuntimeOptions:
+    """The :class:`RuntimeOptions` of ``--arena``, ``--memory-pattern`` and ``--execution-order`` (``None``
+    for each option left out)."""
+    flag = {"on": True, "off": False, None: None}
+    return RuntimeOptions(arena=flag[args.arena], memory_pattern=flag[args.memory_pattern],
+                          execution_order=args.execution_order)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -35,7 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
-                          distributed=distributed)
+                          distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers)
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
     for w in caught if main else []:

@@ -57,8 +57,8 @@ class Session:
         self.device = Device.parse(device)
         check_runtime(runtime)
         if backend == "reference" and (session_options is not None or runtime not in (None, RuntimeOptions())):
-            raise RevgraphError("runtime settings and session_options configure onnxruntime; the reference backend "
-                                "takes neither")
+            raise RevgraphError("runtime settings (runtime=, session_options=; --arena, --memory-pattern, "
+                                "--execution-order) configure onnxruntime; the reference backend takes none")
         if backend == "reference" and self.device.kind != "cpu":
             raise RevgraphError(f"the reference backend runs on the CPU only; use the onnxruntime backend on "
                                 f"{self.device}")
