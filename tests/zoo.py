@@ -423,15 +423,16 @@ def _float64_statistics(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def compare(case: Case, exporter: str, opset: int, rtol: float = 1e-6) -> dict[str, float]:
+def compare(case: Case, exporter: str, opset: int, rtol: float = 1e-6, memory=None) -> dict[str, float]:
     """Differentiate the exported model with revgraph and with torch; return the norm-relative error per
-    parameter (raise AssertionError naming the worst one beyond ``rtol``)."""
+    parameter (raise AssertionError naming the worst one beyond ``rtol``). ``memory``: revgraph's residual
+    budget (``rg.gradient(memory=)``)."""
     data, module, inputs = export(case, exporter, opset)
     g = rg.load(data)
     out = g.output_names[0]
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
     matched = _match(g, params)
-    gg = rg.gradient(g, loss=out, wrt=sorted(matched), seed="input")
+    gg = rg.gradient(g, loss=out, wrt=sorted(matched), seed="input", memory=memory)
     feeds = {vi.name: t.numpy() for vi, t in zip(g.inputs, inputs, strict=True)}
     with Float64():
         fwd = torch_out = module(*inputs)

@@ -19,7 +19,17 @@ from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers
 from .cli_io import check_command_outputs, err, out, read_npz, write_npz
 from .cli_train import add_runtime_arguments, cmd_train, runtime_from_args
-from .cli_write import POLICIES, check_opset, count_nodes, some, with_warnings, write_graph
+from .cli_write import (
+    MEMORY_HELP,
+    POLICIES,
+    check_memory_budget,
+    check_opset,
+    count_nodes,
+    report_memory,
+    some,
+    with_warnings,
+    write_graph,
+)
 from .errors import RevgraphError
 from .ir import TARGET_OPSET, ValueInfo, is_float_dtype
 from .lift import lift_constants
@@ -92,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     grad.add_argument("--checkpoint", default="store", metavar=POLICIES,
                       help="loop residuals: stack them (store), recompute the body (recompute), or keep checkpoints "
                       "every K iterations or at perfect squares (sqrt: O(sqrt(T)) memory)")
+    grad.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP)
     grad.add_argument("--lift-constants", action="store_true",
                       help="make floating Constant/ConstantOfShape values with more than one element trainable initializers")
     grad.add_argument("--straight-through", action="store_true",
@@ -310,13 +321,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_grad(args: argparse.Namespace) -> int:
+    check_memory_budget(args.memory_budget)
     g = load(args.model)
     check_command_outputs(args, {"-o": args.output})
     check_valid(g)  # a model ONNX's checker refuses is bad input, not a failure of the gradient graph's check
     check_opset(args.opset)
     gg = with_warnings(gradient, g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,
                        sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint,
-                       lift_constants=args.lift_constants, straight_through=args.straight_through)
+                       lift_constants=args.lift_constants, straight_through=args.straight_through,
+                       memory=args.memory_budget)
     model = write_graph(gg, args.output, args.opset, "gradient graph")
     added = [o for o in gg.output_names if o not in g.output_names]
     forward, backward = count_nodes(model, g)
@@ -326,6 +339,7 @@ def cmd_grad(args: argparse.Namespace) -> int:
         soft_wrap=True,
         markup=False,
     )
+    report_memory(args, gg)
     return 0
 
 

@@ -16,7 +16,17 @@ from .autodiff.forward import jvp
 from .autodiff.policies import parse_policy
 from .autodiff.transforms import hessian, hvp, jacobian, jacobian_mode
 from .cli_io import check_command_outputs, out
-from .cli_write import POLICIES, check_opset, count_nodes, some, with_warnings, write_graph
+from .cli_write import (
+    MEMORY_HELP,
+    POLICIES,
+    check_memory_budget,
+    check_opset,
+    count_nodes,
+    report_memory,
+    some,
+    with_warnings,
+    write_graph,
+)
 from .ir import TARGET_OPSET, Graph
 from .onnx_io import check_valid, load
 
@@ -51,6 +61,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                      "else reverse")
     jac.add_argument("--checkpoint", default="store", metavar=POLICIES,
                      help=_CHECKPOINT_HELP + "; used in reverse mode only (forward mode stores no residuals)")
+    jac.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + "; reverse mode only")
     _opset(jac)
 
     _second_order(sub, "hessian", "write the Hessian graph: outputs <x>_hessian and cross blocks <xi>_hessian_<xj> "
@@ -63,6 +74,7 @@ def _second_order(sub: argparse._SubParsersAction, name: str, help: str) -> None
     _common(p)
     _loss_wrt(p)
     p.add_argument("--checkpoint", default="store", metavar=POLICIES, help=_CHECKPOINT_HELP)
+    p.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + " (of the gradient inside)")
     _opset(p)
 
 
@@ -98,6 +110,7 @@ def _prepare(args: argparse.Namespace) -> Graph:
     check_valid(g)  # a model ONNX's checker refuses is bad input, not a failure of the derived graph's check
     check_opset(args.opset)
     parse_policy(args.checkpoint)  # a bad policy is refused even where no gradient reads it
+    check_memory_budget(getattr(args, "memory_budget", None))
     return g
 
 
@@ -113,6 +126,7 @@ def _finish(args: argparse.Namespace, g: Graph, result: Graph, what: str, nodes:
         parts.append(f"{len(new_inputs)} {inputs} input(s): {some(new_inputs)}")
     parts.append(f"{len(new_outputs)} {outputs} output(s): {some(new_outputs)}")
     out.print("; ".join(parts), soft_wrap=True, markup=False)
+    report_memory(args, result)
     return 0
 
 
@@ -124,7 +138,7 @@ def cmd_jvp(args: argparse.Namespace) -> int:
 
 def cmd_hvp(args: argparse.Namespace) -> int:
     g = _prepare(args)
-    result = with_warnings(hvp, g, args.loss, args.wrt, checkpoint=args.checkpoint)
+    result = with_warnings(hvp, g, args.loss, args.wrt, checkpoint=args.checkpoint, memory=args.memory_budget)
     return _finish(args, g, result, "Hessian-vector product graph", "derivative", "tangent", "gradient and HVP")
 
 
@@ -133,14 +147,15 @@ def cmd_jacobian(args: argparse.Namespace) -> int:
     mode = args.mode
     if mode == "auto":  # decided here, by rg.jacobian's rule, so that the summary can say which mode it took
         mode = jacobian_mode(g, args.outputs, args.inputs)
-    result = with_warnings(jacobian, g, args.outputs, args.inputs, mode=mode, checkpoint=args.checkpoint)
+    result = with_warnings(jacobian, g, args.outputs, args.inputs, mode=mode, checkpoint=args.checkpoint,
+                           memory=args.memory_budget)
     note = f" ({mode} mode{', chosen by --mode auto' if args.mode == 'auto' else ''})"
     return _finish(args, g, result, "Jacobian graph", "derivative", "", "Jacobian", note)
 
 
 def cmd_hessian(args: argparse.Namespace) -> int:
     g = _prepare(args)
-    result = with_warnings(hessian, g, args.loss, args.wrt, checkpoint=args.checkpoint)
+    result = with_warnings(hessian, g, args.loss, args.wrt, checkpoint=args.checkpoint, memory=args.memory_budget)
     return _finish(args, g, result, "Hessian graph", "derivative", "", "gradient and Hessian")
 
 

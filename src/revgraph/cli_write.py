@@ -14,6 +14,28 @@ from .onnx_io import converter_error, save, to_onnx
 
 POLICIES = "|".join([*_NAMED_POLICIES, "K"])  # the --checkpoint names (autodiff/policies.py)
 
+MEMORY_HELP = ("budget for the residuals (forward values the backward reads): a fraction of what the default keeps "
+               "(0.5), a byte count (300000000) or a size with a unit (300MB, 2GiB); 0 keeps only what cannot be "
+               "recomputed. Forward nodes are recomputed in the backward at the least FLOPs (a minimum cut). "
+               "Default: recompute only free shape ops (reshapes, transposes, casts)")
+
+
+def report_memory(args, graph: Graph) -> None:
+    """With ``--memory-budget``, print what the planner chose (saved MB before and after, recomputed FLOPs)."""
+    plan = getattr(graph, "memory_plan", None)
+    if getattr(args, "memory_budget", None) is not None and plan is not None:
+        from .cli_io import out
+
+        out.print(f"memory: {plan.summary()}", soft_wrap=True, markup=False)
+
+
+def check_memory_budget(text: str | None) -> None:
+    """``--memory-budget``: refused (one line, exit 2) before any work when it is not a budget."""
+    if text is not None:
+        from .autodiff.memory import parse_budget
+
+        parse_budget(text)
+
 
 def check_opset(opset: int | None) -> None:
     """``--opset N``: from 7 to the newest opset the installed onnx knows (checked before any work)."""

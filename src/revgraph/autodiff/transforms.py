@@ -28,43 +28,47 @@ from .api import gradient
 from .arguments import names_argument, resolve_loss, resolve_outputs, resolve_wrt, used_names
 from .emitter import Emitter
 from .forward import jvp
+from .memory import as_budget
 from .policies import CheckpointPolicy, parse_policy
 from .simplify import simplify
 
 
 def hvp(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
-        checkpoint: str | int | CheckpointPolicy = "store") -> Graph:
+        checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs, the gradients ``<x>_grad`` of ``loss`` and the Hessian-vector
     products ``<x>_hvp = sum_z d^2 loss / (dx dz) t_z`` for the tangents ``<z>_tangent`` (graph inputs of the
     shapes and dtypes of the ``wrt`` values).
 
     ``loss`` and ``wrt`` default as in :func:`~.api.gradient` (a non-scalar loss is summed); ``checkpoint`` is
-    the residual policy of the gradient's loops (the JVP of a loop stores nothing). The math:
+    the residual policy of the gradient's loops (the JVP of a loop stores nothing); ``memory`` the gradient's
+    residual budget (:func:`~.api.gradient`; forward mode keeps no residuals of its own). The math:
     forward-over-reverse, the JVP of the gradient graph (Pearlmutter 1994).
 
     Raises :class:`RevgraphError` (one line) for unknown or non-floating names and :class:`GraphError` for an
     operator without a VJP rule on the path (its gradient graph is differentiated too).
     """
     require_graph(graph, "hvp")
-    grads, names = _gradient(graph, loss, wrt, checkpoint)
+    grads, names = _gradient(graph, loss, wrt, checkpoint, memory)
     with warnings.catch_warnings():  # an unconnected wrt value was reported by the gradient; its HVP is 0 too
         warnings.filterwarnings("ignore", message="no path from the inputs")
-        return jvp(grads, outputs=[names[w] for w in names], inputs=list(names),
-                   tangent_names={w: f"{w}_tangent" for w in names},
-                   output_names={names[w]: f"{w}_hvp" for w in names})
+        result = jvp(grads, outputs=[names[w] for w in names], inputs=list(names),
+                     tangent_names={w: f"{w}_tangent" for w in names},
+                     output_names={names[w]: f"{w}_hvp" for w in names})
+    result.memory_plan = grads.memory_plan
+    return result
 
 
-def _gradient(graph: Graph, loss: str | None, wrt, checkpoint) -> tuple[Graph, dict[str, str]]:
+def _gradient(graph: Graph, loss: str | None, wrt, checkpoint, memory=None) -> tuple[Graph, dict[str, str]]:
     """The gradient graph and the name of each wrt value's gradient output."""
     types = infer_types(graph)
     wrt_names = resolve_wrt(graph, None if wrt is None else names_argument(wrt, "wrt"), types)
     loss = resolve_loss(graph, loss)
-    gg = gradient(graph, loss, wrt_names, checkpoint=checkpoint)
+    gg = gradient(graph, loss, wrt_names, checkpoint=checkpoint, memory=memory)
     return gg, dict(zip(wrt_names, gg.output_names[-len(wrt_names):], strict=True))
 
 
 def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None, *,
-             mode: str = "auto", checkpoint: str | int | CheckpointPolicy = "store") -> Graph:
+             mode: str = "auto", checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs and, for each output ``y`` and input ``x``, the Jacobian
     ``<y>_jacobian_<x>`` of shape ``y.shape + x.shape`` (``J[i..., j...] = dy[i...] / dx[j...]``, as
     ``torch.autograd.functional.jacobian`` lays it out), in ``y``'s dtype.
@@ -72,7 +76,8 @@ def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: I
     ``outputs`` default to every floating-point graph output, ``inputs`` to every floating-point input and
     initializer. ``mode``: ``"forward"`` (one tangent pass per element of the inputs), ``"reverse"`` (one
     backward pass per element of the outputs) or ``"auto"`` (module doc). The passes run in one ``Loop``
-    inside the graph, after the forward values. ``checkpoint``: the loops' residual policy in reverse mode.
+    inside the graph, after the forward values. ``checkpoint``: the loops' residual policy in reverse mode;
+    ``memory``: the residual budget of the reverse-mode gradient (:func:`~.api.gradient`).
 
     Raises :class:`RevgraphError` for unknown or non-floating names or an unknown mode, and
     :class:`GraphError` for an operator without a VJP rule on a path from ``inputs`` to ``outputs``.
@@ -81,6 +86,7 @@ def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: I
     if mode not in ("auto", "forward", "reverse"):
         raise RevgraphError(f"unknown mode {mode!r}; choose 'auto', 'forward' or 'reverse'")
     parse_policy(checkpoint)  # refused in forward mode too, where no gradient reads it
+    as_budget(memory)  # (as is the budget)
     types = infer_types(graph)
     ys = resolve_outputs(graph, outputs, types)
     xs = resolve_wrt(graph, None if inputs is None else names_argument(inputs, "inputs"), types)
@@ -89,11 +95,11 @@ def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: I
     names = {(y, x): f"{y}_jacobian_{x}" for y in ys for x in xs}
     if mode == "forward":
         return _forward_jacobian(graph, ys, xs, names)
-    return _reverse_jacobian(graph, ys, xs, names, checkpoint)
+    return _reverse_jacobian(graph, ys, xs, names, checkpoint, memory)
 
 
 def hessian(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
-            checkpoint: str | int | CheckpointPolicy = "store") -> Graph:
+            checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs and the Hessian of ``loss`` (summed if not scalar): for each pair
     of ``wrt`` values the block ``d^2 loss / (dx_i dx_j)`` of shape ``x_i.shape + x_j.shape``, named
     ``<x>_hessian`` for ``i == j`` and ``<x_i>_hessian_<x_j>`` otherwise (``torch.autograd.functional.hessian``'s
@@ -104,12 +110,14 @@ def hessian(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | No
     without a VJP rule on the path.
     """
     require_graph(graph, "hessian")
-    grads, names = _gradient(graph, loss, wrt, checkpoint)
+    grads, names = _gradient(graph, loss, wrt, checkpoint, memory)
     xs = list(names)
     blocks = {(names[a], b): (f"{a}_hessian" if a == b else f"{a}_hessian_{b}") for a in xs for b in xs}
     with warnings.catch_warnings():  # an unconnected wrt value was reported by the gradient
         warnings.filterwarnings("ignore", message="no path from the inputs")
-        return _forward_jacobian(grads, [names[a] for a in xs], xs, blocks)
+        result = _forward_jacobian(grads, [names[a] for a in xs], xs, blocks)
+    result.memory_plan = grads.memory_plan
+    return result
 
 
 def jacobian_mode(graph: Graph, outputs: Iterable[str] | str | None = None,
@@ -160,7 +168,7 @@ def _forward_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tu
 
 
 def _reverse_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tuple[str, str], str],
-                      checkpoint) -> Graph:
+                      checkpoint, memory=None) -> Graph:
     """Reverse mode: the VJP of ``sum_y <y, s_y>`` for seeds ``s_y`` in a loop over the basis of the outputs,
     stacked ``[n_y, *x.shape]`` per output block, then reshaped to ``[*y.shape, *x.shape]``."""
     g = graph.copy()
@@ -178,7 +186,7 @@ def _reverse_jacobian(graph: Graph, ys: list[str], xs: list[str], names: dict[tu
     g.nodes += e.nodes
     keep = len(g.outputs)
     g.outputs.append(ValueInfo(total, (types.get(ys[0]) or ValueInfo(ys[0])).dtype, ()))
-    gg = gradient(g, total, xs, checkpoint=checkpoint)
+    gg = gradient(g, total, xs, checkpoint=checkpoint, memory=memory)
     gg.outputs = [*gg.outputs[:keep], *gg.outputs[keep + 1 :]]
     stacked, offsets = _basis_loop(gg, seeds, gg.output_names[-len(xs):], infer_types(gg), ys,
                                    "a reverse-mode basis runs over the outputs' elements; declare their shapes, "

@@ -92,7 +92,7 @@ def as_budget(memory: object) -> Budget | None:
                         f"got {type(memory).__name__}")
 
 
-_TEXT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_TEXT = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_budget(text: str) -> Budget:
@@ -104,6 +104,9 @@ def parse_budget(text: str) -> Budget:
         raise RevgraphError(f"a memory budget is a fraction from 0 to 1 (0.5), a byte count (300000000) or a size "
                             f"with a unit (300MB, 2GiB), got {text!r}")
     number, unit = m.groups()
+    if number.startswith("-") and float(number) != 0:
+        raise RevgraphError(f"a memory budget cannot be negative, got {text!r}")
+    number = number.lstrip("+-")
     if unit:
         scale = _UNITS.get(unit.lower())
         if scale is None:

@@ -78,24 +78,32 @@ class MemoryPlan:
     dims: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
-        """One line: saved MB before and after, the recomputation added."""
-        mb = 1e6
-        text = (f"residuals {self.saved_before / mb:.2f} MB without recomputation, {self.saved_after / mb:.2f} MB "
+        """One line: saved bytes before and after, the recomputation added."""
+        text = (f"residuals {human_bytes(self.saved_before)} without recomputation, {human_bytes(self.saved_after)} "
                 f"kept; {len(self.recomputed)} forward node(s) recomputed ({self.recomputed_flops / 1e6:.1f} MFLOP)")
         if self.target is not None:
-            text += f"; budget {self.target / mb:.2f} MB" + ("" if self.met else " (not reachable)")
+            text += f"; budget {human_bytes(self.target)}" + ("" if self.met else " (not reachable)")
         if self.dims:
             text += " at " + ", ".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
         return text
+
+
+def human_bytes(n: int) -> str:
+    """``512 B``, ``12.3 KB``, ``45.67 MB``, ``1.23 GB`` (powers of 1000)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{1 if unit == 'KB' else 2}f} {unit}"
+    return f"{n} B"
 
 
 class _Problem:
     """The forward part of a gradient graph as the planner sees it: residuals, sizes, costs."""
 
     def __init__(self, graph: Graph, dims: Mapping[str, int]):
-        self.graph, self.dims = graph, dict(dims)
+        self.graph, self.dims = graph, dims
         types: dict[str, ValueInfo] = dict(graph.value_info)
         types.update({vi.name: vi for vi in [*graph.inputs, *graph.outputs]})
+        types.update({k: ValueInfo(k, a.dtype, a.shape) for k, a in graph.initializers.items() if k not in types})
         self.types = types
         self.outputs = set(graph.output_names)
         self.producer: dict[str, int] = {}
@@ -218,8 +226,8 @@ def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
             chosen, kept, cost = _search(p, target, unit)
             plan.met = kept <= target or target == 0
             if not plan.met and target > 0:  # (a budget of 0 asks for the fewest bytes: no warning)
-                warnings.warn(f"the memory budget of {target / 1e6:.2f} MB cannot be met: recomputing everything "
-                              f"recomputable keeps {kept / 1e6:.2f} MB of residuals; the graph keeps that", stacklevel=3)
+                warnings.warn(f"the memory budget of {human_bytes(target)} cannot be met: recomputing everything "
+                              f"recomputable keeps {human_bytes(kept)} of residuals; the graph keeps that", stacklevel=3)
     plan.saved_after, plan.recomputed_flops = kept, cost
     plan.recomputed = [graph.nodes[k].name or graph.nodes[k].op_type for k in sorted(chosen)]
     if chosen:
