@@ -65,28 +65,44 @@ def _remat(gg: Graph) -> list[Node]:
 
 
 def test_default_plan_recomputes_a_reshape_instead_of_keeping_its_copy():
-    # h = tanh(x w) [4, 16] float64; r = reshape(h, [8, 8]); y = r v. The backward reads h (Tanh's VJP) and r
-    # (v's gradient r^T g): 2 x 512 bytes. r is a free copy of h, which is kept anyway: the default plan
-    # recomputes the Reshape in the backward and keeps h alone, 512 bytes.
+    # h = tanh(x w) [64, 64] float64 (32 KiB); r = reshape(h, [128, 32]); y = r v. The backward reads h (Tanh's
+    # VJP) and r (v's gradient r^T g): 2 x 32 KiB. r is a free copy of h, which is kept anyway: the default plan
+    # recomputes the Reshape in the backward and keeps h alone, 32 KiB.
     rng = np.random.default_rng(0)
-    f64 = np.float64
+    f64, n = np.float64, 64
     g = Graph([Node("MatMul", ["x", "w"], ["m"], name="mm"), Node("Tanh", ["m"], ["h"], name="act"),
                Node("Reshape", ["h", "shape"], ["r"], name="reshape"), Node("MatMul", ["r", "v"], ["y"], name="mm2"),
                Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, name="sum")],
-              [ValueInfo("x", f64, (B, H))], [ValueInfo("loss", f64, ())],
-              {"w": rng.standard_normal((H, H)), "v": rng.standard_normal((8, 8)), "shape": np.array([8, 8], np.int64)})
+              [ValueInfo("x", f64, (n, n))], [ValueInfo("loss", f64, ())],
+              {"w": rng.standard_normal((n, n)) / 8, "v": rng.standard_normal((32, 8)),
+               "shape": np.array([128, 32], np.int64)})
     gg = rg.gradient(g, wrt=["w", "v"])
-    assert gg.memory_plan.saved_before == 2 * B * H * 8
-    assert saved_bytes(gg) == gg.memory_plan.saved_after == B * H * 8
+    assert gg.memory_plan.saved_before == 2 * n * n * 8
+    assert saved_bytes(gg) == gg.memory_plan.saved_after == n * n * 8
     assert residuals(gg) == ["h"]
     assert [node.op_type for node in _remat(gg)] == ["Reshape"]
     assert "reshape" in [node.name for node in gg.nodes]  # the forward copy stays for mm2: it is freed after it
-    x = np.random.default_rng(1).standard_normal((B, H))
+    x = np.random.default_rng(1).standard_normal((n, n))
     torch_w, torch_v = (torch.tensor(g.initializers[k], requires_grad=True) for k in ("w", "v"))
-    (torch.tanh(torch.tensor(x) @ torch_w).reshape(8, 8) @ torch_v).sum().backward()
-    got = rg.Session(gg, backend="reference").run({"x": x})
-    np.testing.assert_allclose(got["w_grad"], torch_w.grad.numpy(), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(got["v_grad"], torch_v.grad.numpy(), rtol=1e-12, atol=1e-12)
+    (torch.tanh(torch.tensor(x) @ torch_w).reshape(128, 32) @ torch_v).sum().backward()
+    got = rg.Session(gg).run({"x": x})
+    np.testing.assert_allclose(got["w_grad"], torch_w.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got["v_grad"], torch_v.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_default_plan_leaves_copies_that_save_less_than_16_kib():
+    # the same with h [4, 16] float32 (256 bytes): one more node to run is not worth 256 bytes
+    rng = np.random.default_rng(0)
+    g = Graph([Node("MatMul", ["x", "w"], ["m"], name="mm"), Node("Tanh", ["m"], ["h"], name="act"),
+               Node("Reshape", ["h", "shape"], ["r"], name="reshape"), Node("MatMul", ["r", "v"], ["y"], name="mm2"),
+               Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, name="sum")],
+              [ValueInfo("x", F32, (B, H))], [ValueInfo("loss", F32, ())],
+              {"w": rng.standard_normal((H, H)).astype(F32), "v": rng.standard_normal((8, 8)).astype(F32),
+               "shape": np.array([8, 8], np.int64)})
+    gg = rg.gradient(g, wrt=["w", "v"])
+    assert saved_bytes(gg) == 2 * LAYER and not _remat(gg)
+    assert saved_bytes(rg.gradient(g, wrt=["w", "v"], memory=1.0)) == 2 * LAYER  # 1.0 is the default plan
+    assert saved_bytes(rg.gradient(g, wrt=["w", "v"], memory=0.99)) == LAYER  # any budget: every byte counts
 
 
 def test_default_plan_changes_nothing_that_saves_no_bytes():
@@ -278,3 +294,51 @@ def test_cli_reports_the_plan_and_refuses_bad_budgets(tmp_path, capsys):
     for cmd in ("hvp", "jacobian"):
         assert main([cmd, str(path), "-o", str(tmp_path / f"{cmd}.onnx"), "--memory-budget", "0"]) == 0
         assert main([cmd, str(path), "-o", str(tmp_path / f"{cmd}.onnx"), "--memory-budget", "x"]) == 2
+
+
+def test_onnxruntime_keeps_the_recomputation_apart(tmp_path):
+    # onnxruntime's common-subexpression elimination would merge each recomputed MatMul with its forward
+    # original (12 of 16 left: the gradient right, the saving lost); rg.Session turns it off for such graphs
+    import onnxruntime as ort
+
+    from revgraph.runtime_options import disabled_optimizers
+
+    gg = rg.gradient(_chain(4), memory=0)
+    assert disabled_optimizers(gg) == ["CommonSubexpressionElimination"]
+    assert disabled_optimizers(rg.gradient(_chain(4))) == []
+
+    def products(model: onnx.ModelProto) -> int:
+        return sum(node.op_type in ("MatMul", "FusedMatMul", "Gemm") for node in model.graph.node)
+
+    assert products(rg.to_onnx(gg)) == 16  # 4 forward, 4 recomputed, 8 in the backward
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    rg.Session(gg, session_options=options)
+    assert products(onnx.load(options.optimized_model_filepath)) == 16
+
+
+def test_training_under_a_budget_follows_the_same_trajectory(tmp_path, capsys):
+    from revgraph.train import adam
+
+    rng = np.random.default_rng(3)
+    g = _chain(4, batch="N", extra=lambda x: [Node("MatMul", [x, "head"], ["logits"], name="head")])
+    g.outputs = [ValueInfo("logits", F32, ("N", 3))]
+    g.initializers["head"] = rng.standard_normal((H, 3)).astype(F32)
+    data = {"x": rng.standard_normal((64, H)).astype(F32), "labels": rng.integers(0, 3, 64)}
+    losses = {}
+    for m in (None, 0.5, 0):
+        tr = rg.Trainer(g, "cross-entropy", adam(1e-2), memory=m)
+        assert bool(_remat(tr.spec.graph)) == (m is not None)
+        tr.fit(data, epochs=2, batch_size=16, console=None)
+        losses[m] = np.array(tr.losses)
+    np.testing.assert_allclose(losses[0.5], losses[None], rtol=1e-5)
+    np.testing.assert_allclose(losses[0], losses[None], rtol=1e-5)
+    path = tmp_path / "model.onnx"
+    rg.save(g, path)
+    np.savez(tmp_path / "data.npz", **data)
+    args = ["train", str(path), "--data", str(tmp_path / "data.npz"), "--loss", "cross-entropy", "--epochs", "1",
+            "--batch-size", "16", "-o", str(tmp_path / "trained.onnx")]
+    assert main([*args, "--memory-budget", "2KB"]) == 0
+    assert "at N=16" in capsys.readouterr().out  # a byte budget sizes the batch dimension with --batch-size
+    assert main([*args, "--memory-budget", "-3"]) == 2
+    assert "cannot be negative" in capsys.readouterr().err

@@ -165,6 +165,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="train data-parallel in N processes on this machine (starts torchrun; needs "
                             "revgraph[distributed]); the global batch is N x --batch-size")
     add_runtime_arguments(train, "off, measured cheapest for training")
+    train.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + "; a byte count sizes the batch "
+                       "dimension with --batch-size")
     train.add_argument("--buffers", choices=("one", "two"), default="one",
                        help="parameters and optimizer state in one buffer set that the update overwrites where that "
                             "is safe, or in two swapped sets (the fused step graph; default one)")

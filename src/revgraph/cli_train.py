@@ -13,6 +13,7 @@ from .cli_io import check_command_outputs, err, out, read_npz
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
+from .autodiff.memory import Budget, parse_budget
 from .runtime_options import RuntimeOptions
 
 
@@ -48,6 +49,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.threads < 0 or args.checkpoint_every < 0:  # before any worker starts, too
         raise RevgraphError("--threads and --checkpoint-every must be >= 0")
+    budget = parse_budget(args.memory_budget) if args.memory_budget is not None else None  # (checked before launching)
     if args.nproc is not None:
         return _launch_torchrun(args)
     distributed = under_torchrun()
@@ -56,14 +58,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     test = read_npz(args.test_data) if args.test_data is not None else None
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     g = load(args.model)
+    if budget is not None:  # symbolic first dimensions of the inputs are the batch: --batch-size of them
+        dims = {vi.shape[0]: args.batch_size for vi in g.inputs if vi.shape and isinstance(vi.shape[0], str)}
+        budget = Budget(fraction=budget.fraction, bytes=budget.bytes, dims=dims)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
-                          distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers)
+                          distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
+                          memory=budget)
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
     for w in caught if main else []:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
+    if budget is not None:
+        console.print(f"memory: {trainer.spec.graph.memory_plan.summary()}", soft_wrap=True, markup=False)
     trainer.arrays(data)  # bad data fails here, in one line, before anything runs
     if test is not None:
         trainer.arrays(test)

@@ -38,6 +38,10 @@ NEWEST_OPSET = onnx.defs.onnx_opset_version()
 
 Dim = int | str | None
 
+#: The name prefix of forward nodes that the memory planner recomputes inside the backward graph
+#: (``revgraph.autodiff.memory.plan``); runtimes that merge common subexpressions must leave them apart.
+REMAT_PREFIX = "remat/"
+
 #: Floating-point types numpy sees as kind "V" (ml_dtypes' bfloat16): floating point all the same.
 _VOID_FLOATS = frozenset({"bfloat16"})
 

@@ -21,7 +21,7 @@ from .errors import InputError, RevgraphError, UnsupportedModelError
 from .external_data import session_source
 from .ir import Graph, ValueInfo, is_float_dtype
 from .onnx_io import load, to_onnx
-from .runtime_options import RuntimeOptions, check_runtime, overriding, refusal
+from .runtime_options import RuntimeOptions, check_runtime, disabled_optimizers, overriding, refusal
 from .runtime_options import session_options as session_options_for
 
 BACKENDS = ("onnxruntime", "reference")
@@ -82,7 +82,8 @@ class Session:
                 options = overriding(session_options, runtime, threads)
             try:
                 with options as opts, session_source(self.model) as source:  # a path for a model over 2 GiB
-                    self._sess = ort.InferenceSession(source, opts, providers=providers)
+                    self._sess = ort.InferenceSession(source, opts, providers=providers,
+                                                      disabled_optimizers=disabled_optimizers(graph))
             except RevgraphError:
                 raise
             except Exception as exc:

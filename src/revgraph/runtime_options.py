@@ -91,6 +91,23 @@ class RuntimeOptions:
 TRAINING_DEFAULT = RuntimeOptions(arena=False, memory_pattern=False)
 
 
+#: onnxruntime graph optimizers that would merge a node the memory planner recomputes in the backward
+#: (``remat/...``) back into its forward original: the gradient would stay right, the memory saving be lost
+ORT_DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination",)
+
+
+def disabled_optimizers(graph) -> list[str]:
+    """The ``disabled_optimizers`` argument of ``onnxruntime.InferenceSession`` for ``graph`` (a
+    :class:`revgraph.Graph`): :data:`ORT_DISABLED_OPTIMIZERS` when a node anywhere in it is a recomputation
+    (named ``remat/...``), else none (onnxruntime's optimizers as users run them)."""
+    from .ir import REMAT_PREFIX
+
+    for _, node in graph.walk():
+        if node.name.startswith(REMAT_PREFIX):
+            return list(ORT_DISABLED_OPTIMIZERS)
+    return []
+
+
 def check_runtime(runtime: object, what: str = "runtime") -> RuntimeOptions | None:
     """``runtime`` if it is a :class:`RuntimeOptions` or ``None``; :class:`RevgraphError` otherwise."""
     if runtime is not None and not isinstance(runtime, RuntimeOptions):

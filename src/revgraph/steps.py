@@ -39,7 +39,7 @@ from .external_data import session_source
 from .inplace import inplace_pairs
 from .onnx_io import to_onnx
 from .runtime import _first_line
-from .runtime_options import RuntimeOptions, refusal, session_options
+from .runtime_options import RuntimeOptions, disabled_optimizers, refusal, session_options
 from .train import TrainingGraph, eval_graph, split_step
 
 #: ``buffers=`` of :class:`revgraph.Trainer`: one set (:class:`SplitEngine`), two (:class:`FusedEngine`).
@@ -79,7 +79,8 @@ class Engine:
         providers = self.device.providers()
         try:
             with session_source(to_onnx(graph)) as source:  # a file for a model over 2 GiB (external data)
-                sess = ort.InferenceSession(source, self.options, providers=providers)
+                sess = ort.InferenceSession(source, self.options, providers=providers,
+                                            disabled_optimizers=disabled_optimizers(graph))
         except Exception as exc:
             raise RevgraphError(refusal(str(exc)) or f"onnxruntime refuses the {what}: {_first_line(exc)}") from None
         self.device.check_session(sess)

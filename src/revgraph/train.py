@@ -329,13 +329,15 @@ class TrainingGraph:
 
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                    optimizer: Optimizer | str = "adam", *, output: str | None = None,
-                   params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store") -> TrainingGraph:
+                   params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store",
+                   memory=None) -> TrainingGraph:
     """The training-step graph of ``model`` (module doc): loss, gradients, optimizer update, as ONNX nodes.
 
     ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES`; ``optimizer`` an
     :class:`Optimizer` or a name (PyTorch's default hyperparameters); ``output`` the model output the loss
     reads (default: the only one); ``params`` the initializers to train (default: every float one; the
-    others stay initializers); ``checkpoint`` the loop residual policy of :func:`revgraph.gradient`.
+    others stay initializers); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
+    :func:`revgraph.gradient` (a fraction, bytes or a ``revgraph.Budget``; the plan is ``graph.memory_plan``).
     Raises :class:`RevgraphError` (one line) for bad names or values, and what :func:`revgraph.gradient`
     raises for a model it cannot differentiate.
     """
@@ -346,7 +348,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     lg, spec = loss_graph(model, loss, output=output)
     params_as_inputs(lg, names)
     lg.outputs = lg.outputs[:1]
-    gg = gradient(lg, spec.loss, names, sparse=True, checkpoint=checkpoint)
+    gg = gradient(lg, spec.loss, names, sparse=True, checkpoint=checkpoint, memory=memory)
     b = _Builder(gg.all_names() | {n.name for _, n in gg.walk() if n.name})
     step = b.fresh("step")
     grads = grad_outputs = gg.outputs[1:]

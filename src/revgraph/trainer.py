@@ -45,7 +45,10 @@ class Trainer:
     onnxruntime's intra-op thread count (0: its default). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``
     (:mod:`revgraph.devices`). ``distributed=True`` trains data-parallel with the other processes of a
     ``torchrun`` launch (:mod:`revgraph.distributed`; needs ``pip install "revgraph[distributed]"``): every
-    rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. Raises
+    rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``memory`` is the
+    budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
+    bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
+    ``trainer.spec.graph.memory_plan``. Raises
     :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
     or a process group that cannot be joined.
 
@@ -58,7 +61,8 @@ class Trainer:
     def __init__(self, model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
                  threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
-                 distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one"):
+                 distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
+                 memory=None):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         # settings left None take the training default (arena and memory pattern off)
@@ -67,7 +71,7 @@ class Trainer:
         self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
-                                                  checkpoint=checkpoint)
+                                                  checkpoint=checkpoint, memory=memory)
         self.losses: list[float] = []  # one per step, in order (the global batch's loss when distributed)
         self.resumed: str | None = None  # set by fit when it resumed from a checkpoint: where from
         self.comm = None

@@ -20,7 +20,8 @@ chooses, over the whole top-level graph, the cheapest mix:
   the largest value whose plan keeps at most the budget: kept bytes fall monotonically with ``lambda``
   (parametric min-cut), so the plan found minimises recomputation among the Lagrangian plans that meet it.
 - A tie-breaking cost of one thousandth of a node's output bytes makes a recomputation that saves nothing
-  lose to keeping the value (the default plan changes nothing that saves no bytes).
+  lose to keeping the value; in the default plan a recomputation must save at least 16 KiB (each is one more
+  node to run), so the default plan changes nothing that saves no real memory.
 
 Random operators (their draws and masks), loops and branches (their own checkpoint policies decide inside
 them), sequences and nodes of unknown size are never recomputed; values a backward subgraph captures are kept.
@@ -29,8 +30,9 @@ values, placed just before the first backward node that reads them (so they live
 last backward reader); forward nodes whose outputs nothing reads any more are removed.
 
 Runtimes that merge common subexpressions would merge a recomputation back into its forward node (the
-gradient stays right, the saving is lost): :data:`ORT_DISABLED_OPTIMIZERS` is what revgraph's onnxruntime
-sessions turn off for graphs with ``remat/`` nodes.
+gradient stays right, the saving is lost): revgraph's onnxruntime sessions turn off
+:data:`~revgraph.runtime_options.ORT_DISABLED_OPTIMIZERS` for graphs with ``remat/`` nodes
+(:func:`revgraph.runtime_options.disabled_optimizers`); other runtimes' users should do the same.
 """
 
 from __future__ import annotations
@@ -40,20 +42,19 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ...ir import Graph, Node, ValueInfo, fresh_name
+from ...ir import REMAT_PREFIX, Graph, Node, ValueInfo, fresh_name
+from ...runtime_options import ORT_DISABLED_OPTIMIZERS
 from ...ssa import captured_names
 from .budget import DEFAULT_SYMBOLIC_DIM, Budget
 from .cost import flops, recomputable
 from .mincut import INF, Network
 from .residuals import is_backward_node, value_bytes
 
-#: onnxruntime graph optimizers that would merge a recomputed node with its forward original
-ORT_DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination",)
-
-REMAT_PREFIX = "remat/"
+__all__ = ["ORT_DISABLED_OPTIMIZERS", "REMAT_PREFIX", "MemoryPlan", "plan_memory"]
 _SCALE = 2**22  # finite cut costs are scaled to about this many units (scipy's capacities are int32)
 _NEVER = 2**26  # more than any finite cut: "do not recompute" for lambda = inf
 _TIE = 1e-3  # tie-breaking cost of a recomputation, per byte it writes
+_MIN_SAVING = 16384  # bytes a free recomputation must save in the default plan (per-node cost of running it)
 _SKEW = 0.05  # FLOPs of the last forward node count this much more than the first's (see _cut)
 
 
@@ -80,7 +81,7 @@ class MemoryPlan:
     def summary(self) -> str:
         """One line: saved bytes before and after, the recomputation added."""
         text = (f"residuals {human_bytes(self.saved_before)} without recomputation, {human_bytes(self.saved_after)} "
-                f"kept; {len(self.recomputed)} forward node(s) recomputed ({self.recomputed_flops / 1e6:.1f} MFLOP)")
+                f"kept; {len(self.recomputed)} forward node(s) recomputed ({human_flops(self.recomputed_flops)})")
         if self.target is not None:
             text += f"; budget {human_bytes(self.target)}" + ("" if self.met else " (not reachable)")
         if self.dims:
@@ -94,6 +95,14 @@ def human_bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.{1 if unit == 'KB' else 2}f} {unit}"
     return f"{n} B"
+
+
+def human_flops(n: int) -> str:
+    """``0 FLOP``, ``512 FLOP``, ``12.3 KFLOP``, ``4.31 GFLOP`` (powers of 1000)."""
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{1 if unit == 'KFLOP' else 2}f} {unit}"
+    return f"{n} FLOP"
 
 
 class _Problem:
@@ -182,6 +191,8 @@ def _cut(p: _Problem, nodes: list[int], lam: float | None, unit: float) -> tuple
         f = p.flops(k)
         out_bytes = sum(p.bytes(o) or 0 for o in node.outputs if o)
         tie = max(1, math.ceil(_TIE * out_bytes / unit))
+        if lam is None:  # the default plan: a recomputation is one more node to run, worth it for a real saving
+            tie = max(tie, math.ceil(_MIN_SAVING / unit))
         if f and lam is not None:  # later nodes a little dearer: ties (a chain's equal layers) flip one by one
             f *= 1 + _SKEW * p.position[k]
         cost = tie if f == 0 else (_NEVER if lam is None else min(_NEVER, tie + math.ceil(lam * f / unit)))
