@@ -62,13 +62,16 @@ def _shape(vi: ValueInfo | None, dims: Mapping[str, int]) -> tuple[int, ...] | N
     return tuple(out)
 
 
-def recomputable(node: Node) -> bool:
+def recomputable(node: Node, constant=lambda name: None) -> bool:
     """May ``node`` be recomputed inside the backward graph (deterministic, no subgraph, default domain)?
-    ``Dropout`` is only when it cannot draw: its ``training_mode`` input absent (inference)."""
+    ``Dropout`` is only when it cannot draw: its ``training_mode`` absent or a constant false (inference), or
+    its ``ratio`` a constant 0 (the output is the input). ``constant(name)``: a value's constant, or ``None``."""
     if node.domain not in ("", "ai.onnx") or node.attrs and node.subgraphs:
         return False
     if node.op_type == "Dropout":
-        return len(node.inputs) < 3 or not node.inputs[2]
+        ins = [*node.inputs, "", ""]
+        mode, ratio = constant(ins[2]) if ins[2] else False, constant(ins[1]) if ins[1] else 0.5
+        return (mode is not None and not bool(np.all(mode))) or (ratio is not None and bool(np.all(ratio == 0)))
     if node.op_type in RANDOM or node.op_type.startswith("Sequence") or node.op_type in (
             "SplitToSequence", "ConcatFromSequence", "Optional", "OptionalGetElement", "OptionalHasElement"):
         return False

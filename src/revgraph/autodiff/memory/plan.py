@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import math
 import warnings
+
+import numpy as np
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -137,6 +139,16 @@ class _Problem:
         self._bytes: dict[str, int | None] = {}
         self._flops: dict[int, int | None] = {}
 
+    def constant(self, v: str):
+        """The value of ``v`` when it is an initializer or a ``Constant`` node's output, else ``None``."""
+        if v in self.graph.initializers:
+            return self.graph.initializers[v]
+        k = self.producer.get(v)
+        node = self.graph.nodes[k] if k is not None else None
+        if node is not None and node.op_type == "Constant" and isinstance(node.attrs.get("value"), np.ndarray):
+            return node.attrs["value"]
+        return None
+
     def bytes(self, v: str) -> int | None:
         if v not in self._bytes:
             self._bytes[v] = value_bytes(self.types.get(v), self.dims)
@@ -145,7 +157,7 @@ class _Problem:
     def flops(self, k: int) -> int | None:
         if k not in self._flops:
             node = self.graph.nodes[k]
-            ok = recomputable(node) and all(self.bytes(o) is not None for o in node.outputs if o)
+            ok = recomputable(node, self.constant) and all(self.bytes(o) is not None for o in node.outputs if o)
             self._flops[k] = flops(node, self.types, self.dims) if ok else None
         return self._flops[k]
 
