@@ -5,6 +5,7 @@ revgraph's IR. See DESIGN.md for the contract and the architecture.
 """
 
 from .autodiff import SparseGrad, backward, gradient, hessian, hvp, jacobian, jvp
+from .autodiff.memory import Budget, MemoryPlan, plan_memory, saved_bytes
 from .check import GradientReport, check_gradients
 from .errors import GraphError, InputError, RevgraphError, UnsupportedModelError
 from .ir import TARGET_OPSET, Graph, Node, ValueInfo
@@ -18,6 +19,10 @@ from .version import __version__ as __version__
 
 __all__ = [
     "TARGET_OPSET",
+    "Budget",
+    "MemoryPlan",
+    "plan_memory",
+    "saved_bytes",
     "Graph",
     "GradientReport",
     "GraphError",
