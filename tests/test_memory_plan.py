@@ -363,3 +363,48 @@ def test_dropout_is_recomputed_only_where_it_draws_nothing(ratio, kept):
     if ratio == 0:
         x = {"x": rng.standard_normal((n, n)).astype(F32)}
         _same(_grads(gg, x), _grads(rg.gradient(g, wrt=["w", "v"], memory=0), x), rtol=1e-5)
+
+
+def test_default_plan_keeps_a_value_not_beside_its_elementwise_images():
+    # SiLU as exported: s = Sigmoid(g), a = g * s, with g = x w [64, 128] float32 (32 KiB) and y = a v. The
+    # backward reads a (v's gradient), g and s (the Mul's VJP) and s (Sigmoid's): 3 x 32 KiB. s and a are
+    # elementwise images of g, which is kept anyway: the default plan recomputes them (two passes over 32 KiB)
+    # and keeps g alone.
+    rng = np.random.default_rng(0)
+    b, h = 64, 128
+    g = Graph([Node("MatMul", ["x", "w"], ["g"], name="mm"), Node("Sigmoid", ["g"], ["s"], name="sig"),
+               Node("Mul", ["g", "s"], ["a"], name="silu"), Node("MatMul", ["a", "v"], ["y"], name="mm2"),
+               Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, name="sum")],
+              [ValueInfo("x", F32, (b, H))], [ValueInfo("loss", F32, ())],
+              {"w": (rng.standard_normal((H, h)) / 4).astype(F32), "v": (rng.standard_normal((h, 4)) / 4).astype(F32)})
+    gg = rg.gradient(g, wrt=["w", "v"])
+    assert gg.memory_plan.saved_before == 3 * b * h * 4
+    assert residuals(gg) == ["g"] and saved_bytes(gg) == b * h * 4
+    assert sorted(node.op_type for node in _remat(gg)) == ["Mul", "Sigmoid"]
+    x = np.random.default_rng(1).standard_normal((b, H)).astype(F32)
+    tw, tv = (torch.tensor(g.initializers[k], dtype=torch.float64, requires_grad=True) for k in ("w", "v"))
+    (torch.nn.functional.silu(torch.tensor(x, dtype=torch.float64) @ tw) @ tv).sum().backward()
+    got = _grads(gg, {"x": x})
+    np.testing.assert_allclose(got["w_grad"], tw.grad.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["v_grad"], tv.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_vjp_that_reads_only_a_shape_does_not_keep_the_value():
+    # loss = ReduceMean(Pow(x w, 2)) over a symbolic batch: ReduceMean's VJP needs only the shape of p = (x w)^2
+    # (Shape(p), Size(p) and Size(loss) in the backward). They are moved into the forward, so p (N x 16 floats)
+    # is not kept: the residuals are m = x w (Pow's VJP reads its input: 8 x 16 x 4 bytes at N = 8), the shape
+    # (int64[2], 16 bytes) and the two sizes (int64, 8 bytes each).
+    rng = np.random.default_rng(0)
+    g = Graph([Node("MatMul", ["x", "w"], ["m"], name="mm"), Node("Pow", ["m", "two"], ["p"], name="pow"),
+               Node("ReduceMean", ["p"], ["loss"], {"keepdims": 0}, name="mean")],
+              [ValueInfo("x", F32, ("N", H))], [ValueInfo("loss", F32, ())],
+              {"w": rng.standard_normal((H, H)).astype(F32), "two": np.array(2.0, F32)})
+    gg = rg.gradient(g, wrt=["w"])
+    shapes = [node for node in gg.nodes if node.name.startswith("hoist/")]
+    assert sorted(node.op_type for node in shapes) == ["Shape", "Size", "Size"]
+    assert "p" not in residuals(gg)
+    assert saved_bytes(gg, dims={"N": 8}) == 8 * H * 4 + 16 + 2 * 8
+    x = np.random.default_rng(1).standard_normal((8, H)).astype(F32)
+    tw = torch.tensor(g.initializers["w"], dtype=torch.float64, requires_grad=True)
+    ((torch.tensor(x, dtype=torch.float64) @ tw) ** 2).mean().backward()
+    np.testing.assert_allclose(_grads(gg, {"x": x})["w_grad"], tw.grad.numpy(), rtol=1e-4, atol=1e-5)

@@ -31,6 +31,16 @@ FREE = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Ex
                   "Gather", "Slice", "Shape", "Size", "Constant", "ConstantOfShape", "Concat", "Split",
                   "CastLike", "Dropout", "Tile", "Pad"})
 
+#: elementwise operators (numpy broadcasting, one output): **cheap** to recompute when no input is larger than
+#: the output (one pass over it). The default plan recomputes them where the values they read are kept anyway
+#: (a value and its elementwise image are never both kept: Sigmoid(x) beside x, x * r beside x).
+ELEMENTWISE = frozenset({
+    "Abs", "Acos", "Acosh", "Add", "And", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Celu", "Clip", "Cos", "Cosh",
+    "Div", "Elu", "Equal", "Erf", "Exp", "Floor", "Gelu", "Greater", "GreaterOrEqual", "HardSigmoid", "HardSwish",
+    "IsInf", "IsNaN", "LeakyRelu", "Less", "LessOrEqual", "Log", "Max", "Mean", "Min", "Mish", "Mul", "Neg", "Not",
+    "Or", "Pow", "PRelu", "Reciprocal", "Relu", "Round", "Selu", "Sigmoid", "Sign", "Sin", "Sinh", "Softplus",
+    "Softsign", "Sqrt", "Sub", "Sum", "Swish", "Tan", "Tanh", "ThresholdedRelu", "Where", "Xor"})
+
 #: operations per output element of operators that are neither free nor contractions (default 1)
 PER_ELEMENT = {
     "Exp": 4, "Log": 4, "Tanh": 6, "Sigmoid": 5, "Erf": 8, "Gelu": 10, "Sqrt": 2, "Pow": 8, "Sin": 6, "Cos": 6,
@@ -76,6 +86,15 @@ def recomputable(node: Node, constant=lambda name: None) -> bool:
             "SplitToSequence", "ConcatFromSequence", "Optional", "OptionalGetElement", "OptionalHasElement"):
         return False
     return True
+
+
+def cheap(node: Node, types: Mapping[str, ValueInfo], dims: Mapping[str, int]) -> bool:
+    """Is ``node`` elementwise (:data:`ELEMENTWISE`) with no input larger than its output (known sizes)?"""
+    if node.op_type not in ELEMENTWISE or len(node.outputs) != 1:
+        return False
+    out = _numel(types.get(node.outputs[0]), dims)
+    ins = [_numel(types.get(i), dims) for i in node.inputs if i]
+    return out is not None and all(n is not None and n <= out for n in ins)
 
 
 def flops(node: Node, types: Mapping[str, ValueInfo], dims: Mapping[str, int]) -> int | None:

@@ -48,7 +48,7 @@ from ...ir import REMAT_PREFIX, Graph, Node, ValueInfo, fresh_name
 from ...runtime_options import ORT_DISABLED_OPTIMIZERS
 from ...ssa import captured_names
 from .budget import DEFAULT_SYMBOLIC_DIM, Budget
-from .cost import flops, recomputable
+from .cost import cheap, flops, recomputable
 from .mincut import INF, Network
 from .residuals import is_backward_node, value_bytes
 
@@ -56,7 +56,9 @@ __all__ = ["ORT_DISABLED_OPTIMIZERS", "REMAT_PREFIX", "MemoryPlan", "plan_memory
 _SCALE = 2**22  # finite cut costs are scaled to about this many units (scipy's capacities are int32)
 _NEVER = 2**26  # more than any finite cut: "do not recompute" for lambda = inf
 _TIE = 1e-3  # tie-breaking cost of a recomputation, per byte it writes
+HOIST_PREFIX = "hoist/"  # backward Shape/Size nodes moved into the forward (_hoist_shapes)
 _MIN_SAVING = 16384  # bytes a free recomputation must save in the default plan (per-node cost of running it)
+_CHEAP = 0.5  # in the default plan, recomputing a cheap elementwise node costs this share of its output bytes
 _SKEW = 0.05  # FLOPs of the last forward node count this much more than the first's (see _cut)
 
 
@@ -138,6 +140,7 @@ class _Problem:
         self.pinned &= set(self.residuals)
         self._bytes: dict[str, int | None] = {}
         self._flops: dict[int, int | None] = {}
+        self._cheap: set[int] | None = None
 
     def constant(self, v: str):
         """The value of ``v`` when it is an initializer or a ``Constant`` node's output, else ``None``."""
@@ -161,8 +164,16 @@ class _Problem:
             self._flops[k] = flops(node, self.types, self.dims) if ok else None
         return self._flops[k]
 
+    @property
+    def cheap(self) -> set[int]:
+        """Forward nodes that are elementwise and no larger than their output (:func:`.cost.cheap`)."""
+        if self._cheap is None:
+            self._cheap = {k for k in self.forward if cheap(self.graph.nodes[k], self.types, self.dims)}
+        return self._cheap
+
     def candidates(self, free_only: bool) -> list[int]:
-        """The recomputable forward nodes some residual depends on through recomputable nodes only."""
+        """The recomputable forward nodes some residual depends on through recomputable nodes only (with
+        ``free_only``, the default plan's: free and cheap elementwise nodes)."""
         seen: set[int] = set()
         stack = [self.producer[r] for r in self.residuals if r not in self.pinned]
         while stack:
@@ -170,7 +181,7 @@ class _Problem:
             if k in seen:
                 continue
             f = self.flops(k)
-            if f is None or (free_only and f > 0):
+            if f is None or (free_only and f > 0 and k not in self.cheap):
                 continue
             seen.add(k)
             stack.extend(self.producer[i] for i in self.graph.nodes[k].inputs if i in self.producer)
@@ -205,6 +216,8 @@ def _cut(p: _Problem, nodes: list[int], lam: float | None, unit: float) -> tuple
         tie = max(1, math.ceil(_TIE * out_bytes / unit))
         if lam is None:  # the default plan: a recomputation is one more node to run, worth it for a real saving
             tie = max(tie, math.ceil(_MIN_SAVING / unit))
+            if f and k in p.cheap:  # one pass over its output: worth it where it saves more than half of that
+                f, tie = 0, tie + math.ceil(_CHEAP * out_bytes / unit)
         if f and lam is not None:  # later nodes a little dearer: ties (a chain's equal layers) flip one by one
             f *= 1 + _SKEW * p.position[k]
         cost = tie if f == 0 else (_NEVER if lam is None else min(_NEVER, tie + math.ceil(lam * f / unit)))
@@ -232,6 +245,7 @@ def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
     met warns (``UserWarning``) with the smallest achievable figure and applies that plan. Returns the
     :class:`MemoryPlan`. Values with symbolic dimensions are sized with ``budget.dims`` (others: 64)."""
     dims = dict(budget.dims) if budget is not None else {}
+    _hoist_shapes(graph)
     sizing = _Dims(dims)
     p = _Problem(graph, sizing)
     sizes = [p.bytes(r) for r in p.residuals]
@@ -287,6 +301,30 @@ class _Dims(dict):
         value = super().get(key, DEFAULT_SYMBOLIC_DIM)
         self.used[key] = value
         return value
+
+
+def _hoist_shapes(graph: Graph) -> None:
+    """Move each backward ``Shape``/``Size`` of a forward value to just after that value's producer, renamed
+    ``hoist/...``: a VJP that needs only a value's shape (ReduceMean's, Reshape's, Slice's, when a dimension is
+    symbolic) would otherwise keep the whole value alive until the backward, for a few int64s."""
+    producer: dict[str, int] = {}
+    moved: dict[int, list[Node]] = {}
+    gone: set[int] = set()
+    for k, node in enumerate(graph.nodes):
+        if not is_backward_node(node):
+            producer.update((o, k) for o in node.outputs if o)
+        elif (node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx") and node.inputs
+              and node.inputs[0] in producer and node.name.startswith("grad/")):
+            node.name = HOIST_PREFIX + node.name[len("grad/"):]
+            moved.setdefault(producer[node.inputs[0]], []).append(node)
+            gone.add(k)
+    if moved:
+        out: list[Node] = []
+        for k, node in enumerate(graph.nodes):
+            if k not in gone:
+                out.append(node)
+                out.extend(moved.get(k, ()))
+        graph.nodes = out
 
 
 def _rewrite(graph: Graph, p: _Problem, chosen: list[int]) -> None:
