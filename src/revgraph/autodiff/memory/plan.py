@@ -56,6 +56,7 @@ __all__ = ["ORT_DISABLED_OPTIMIZERS", "REMAT_PREFIX", "MemoryPlan", "plan_memory
 _SCALE = 2**22  # finite cut costs are scaled to about this many units (scipy's capacities are int32)
 _NEVER = 2**26  # more than any finite cut: "do not recompute" for lambda = inf
 _TIE = 1e-3  # tie-breaking cost of a recomputation, per byte it writes
+_KEEP = frozenset({"Shape", "Size", "Constant"})  # outputs a few bytes: kept, never recomputed (Shape reads a value)
 HOIST_PREFIX = "hoist/"  # backward Shape/Size nodes moved into the forward (_hoist_shapes)
 _MIN_SAVING = 16384  # bytes a free recomputation must save in the default plan (per-node cost of running it)
 _CHEAP = 0.5  # in the default plan, recomputing a cheap elementwise node costs this share of its output bytes
@@ -160,7 +161,8 @@ class _Problem:
     def flops(self, k: int) -> int | None:
         if k not in self._flops:
             node = self.graph.nodes[k]
-            ok = recomputable(node, self.constant) and all(self.bytes(o) is not None for o in node.outputs if o)
+            ok = (recomputable(node, self.constant) and node.op_type not in _KEEP
+                  and all(self.bytes(o) is not None for o in node.outputs if o))
             self._flops[k] = flops(node, self.types, self.dims) if ok else None
         return self._flops[k]
 
