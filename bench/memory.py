@@ -115,7 +115,8 @@ class Bench:
         self.files: dict = {}
 
     def worker(self, name: str) -> Worker:
-        return Worker(name, sys.executable, self.logs, env=THREAD_ENV)
+        extra = dict(kv.split("=", 1) for kv in self.args.worker_env or [])
+        return Worker(name, sys.executable, self.logs, env={**THREAD_ENV, **extra})
 
     def prepare(self, rows: list[dict]) -> dict:
         with self.worker("prepare") as w:
@@ -185,14 +186,16 @@ class Bench:
             groups.append([c for c, _ in live])
             self.time_group(live, cells)
         out = {**row, "label": row_label(row), "cells": cells, "timing_groups": groups}
-        losses = {c: r["loss"] for c, r in cells.items() if r.get("status") == "ok"}
-        if losses:
+        for key in ("loss", "loss_after"):  # before the first update, and after it (a check of the gradients)
+            losses = {c: r[key] for c, r in cells.items() if r.get("status") == "ok" and r.get(key) is not None}
+            if not losses:
+                continue
             ref = losses.get(BASE, next(iter(losses.values())))
             dev = {c: abs(v - ref) / max(abs(ref), 1e-12) for c, v in losses.items()}
-            out["loss_check"] = {"reference": ref, "max_relative_deviation": max(dev.values()),
-                                 "worst": max(dev, key=dev.get)}
+            out[f"{key}_check"] = {"reference": ref, "max_relative_deviation": max(dev.values()),
+                                   "worst": max(dev, key=dev.get)}
             if max(dev.values()) > 1e-4:
-                log(f"  WARNING: first-step losses disagree: {losses}")
+                log(f"  WARNING: {key} disagrees between the configurations: {losses}")
         return out
 
     def largest(self, rows: list[dict], configs: list[str], limit_gib: float) -> dict:
@@ -249,7 +252,7 @@ def run(args) -> dict:
     res = {"command": "python bench/memory.py " + " ".join(sys.argv[1:]), "mode": "quick" if args.quick else "full",
            "started": started.isoformat(timespec="seconds"), "machine": machine_info(), "load_start": loadavg(),
            "turns": args.turns, "turn_seconds": args.turn_seconds, "configs": {c: CONFIGS[c] for c in configs},
-           "threads": THREAD_ENV}
+           "threads": THREAD_ENV, "worker_env": args.worker_env or []}
     res["versions"] = bench.prepare(rows)
     res["rows"] = [bench.row(r, configs) for r in rows]
     if args.largest_batch:
@@ -282,10 +285,12 @@ def _cell(r: dict | None, fmt) -> str:
 
 
 def _ratio(r: dict, base: dict | None, key) -> str:
+    """``key(r) / key(base)``; "–" when either is missing or the base is under 1 MB (noise: memory figures are in
+    MB, a step under a millisecond is not measured here)."""
     if not base or base.get("status") != "ok" or r.get("status") != "ok":
         return "–"
     a, b = key(r), key(base)
-    return f"{a / b:.2f}" if a is not None and b else "–"
+    return f"{max(a, 0) / b:.2f}" if a is not None and b is not None and b >= 1 else "–"
 
 
 def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
@@ -304,11 +309,13 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
     def versus(r):
         base = r["cells"].get(BASE)
         return [" / ".join(_ratio(r["cells"][c], base, k) for k in (
-            lambda x: x["over_setup"], lambda x: x["total"], lambda x: x.get("saved_bytes"),
+            lambda x: x["over_setup"], lambda x: x["total"],
+            lambda x: x["saved_bytes"] / 2**20 if x.get("saved_bytes") is not None else None,
             lambda x: x.get("step_ms"))) if r["cells"].get(c, {}).get("status") == "ok" else
             _cell(r["cells"].get(c), str) for c in configs]
 
-    checks = [f"{r['label']}: {r['loss_check']['max_relative_deviation']:.1e} ({SHORT[r['loss_check']['worst']]})"
+    checks = [f"{r['label']}: {r['loss_check']['max_relative_deviation']:.0e} and "
+              f"{r.get('loss_after_check', {}).get('max_relative_deviation', float('nan')):.0e}"
               for r in rows if "loss_check" in r]
     lines = [
         "<!-- memory:begin -->",
@@ -366,7 +373,8 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
         "checkpoint per step would keep as much); JAX the same blocks under `jax.checkpoint` (the RNN a scan of "
         "checkpointed scans). Losses: cross-entropy (the LLaMA's over its 127 shifted positions: the exported "
         "module returns `logits[:, :-1]` and the labels are `input_ids[:, 1:]`). The first-step losses of each "
-        "row agree across all cells (largest relative deviation: " + "; ".join(checks) + ").",
+        "row agree across all cells, before the first update and after it (largest relative deviation from PyTorch "
+        "eager's: " + "; ".join(checks) + ").",
         "",
         "The LLaMA: `transformers.LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=256, "
         "intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, "
@@ -375,13 +383,19 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
         "batch; JAX runs the same function written in `jax.numpy` on the same weights. The bench Transformer, "
         "CNN and RNN are bench/models.py's.",
         "",
+        *_goals(res),
         "### Peak memory of a step (MB): over setup / total",
         "",
-        matrix(lambda r: f"{r['over_setup']:,.0f} / {r['total']:,.0f}"),
+        matrix(lambda r: f"{max(r['over_setup'], 0):,.0f} / {r['total']:,.0f}"),
         "",
         "### Saved activations (MB)",
         "",
-        matrix(lambda r: _mb(r.get("saved_bytes"))),
+        "JAX's cells add, in parentheses, the temporary buffer XLA's buffer assignment gives the compiled step "
+        "(`compiled.memory_analysis().temp_size_in_bytes`: every intermediate of the step, the residuals among "
+        "them).",
+        "",
+        matrix(lambda r: _mb(r.get("saved_bytes")) + (f" ({_mb(r['xla_temp_bytes'])})" if "xla_temp_bytes" in r
+                                                       else "")),
         "",
         "### Step time (ms, median of the turns)",
         "",
@@ -393,9 +407,16 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
         "",
         table(head, [[r["label"], step[r["step"]], *versus(r)] for r in rows], "ll" + "r" * len(configs)),
         "",
-        "### Setup (MB): resident after setup and the warm-up step, over the baseline",
+        "### Where the total goes (MB): built / first step / kept",
         "",
-        matrix(lambda r: f"{r['setup_rss'] - r['import']:,.0f}"),
+        "*Built*: resident after building the model and its step, before any step (parameters, graphs, sessions, "
+        "traced functions), over the baseline. *First step*: the peak of the warm-up step over the built model "
+        "(includes JAX's compilation and onnxruntime's first run). *Kept*: resident after the warm-up step, over the "
+        "baseline (optimizer state, arenas, compiled code, memory the allocator keeps): *over setup* starts from "
+        "there, so an allocator that keeps the first step's memory shows a small *over setup* and a large *kept*.",
+        "",
+        matrix(lambda r: f"{r['built'] - r['import']:,.0f} / {r['first_step']:,.0f} / {r['setup_rss'] - r['import']:,.0f}"
+               if "built" in r else "–"),
     ]
     na = sorted({f"{SHORT[c]}: {r['cells'][c].get('why')}" for r in rows for c in configs
                  if r["cells"].get(c, {}).get("status") == "n/a"})
@@ -409,6 +430,52 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
         lines += ["", *_largest_section(res["largest"], configs)]
     lines.append("<!-- memory:end -->")
     return "\n".join(lines) + "\n"
+
+
+def _goals(res: dict) -> list[str]:
+    """The measured goals of issue 24 (each row's figure against its target)."""
+    from report_format import table
+
+    out = []
+
+    def ok(r, c):
+        return r["cells"].get(c, {}).get("status") == "ok"
+
+    for r in res["rows"]:
+        if not (ok(r, "rg") and ok(r, BASE)):
+            continue
+        rg, pt = r["cells"]["rg"], r["cells"][BASE]
+        for what, key in (("over setup", "over_setup"), ("total", "total")):
+            if pt[key] < 1:  # under 1 MB: no ratio
+                out.append([f"defaults: {what} <= 1.0x PyTorch eager", r["label"],
+                            f"{max(rg[key], 0):.0f} vs {pt[key]:.0f} MB", _met(rg[key] <= 1)])
+                continue
+            x = max(rg[key], 0) / pt[key]
+            out.append([f"defaults: {what} <= 1.0x PyTorch eager", r["label"], f"{x:.2f}x", _met(x <= 1.0)])
+        if rg.get("saved_bytes") and pt.get("saved_bytes"):
+            x = rg["saved_bytes"] / pt["saved_bytes"]
+            out.append(["defaults: saved <= PyTorch's", r["label"], f"{x:.2f}x", _met(x <= 1.0)])
+        half = r["cells"].get("rg-0.5", {})
+        if half.get("status") == "ok" and half.get("saved_bytes") is not None and rg.get("saved_bytes"):
+            s = half["saved_bytes"] / rg["saved_bytes"]
+            t = half["step_ms"] / rg["step_ms"] if half.get("step_ms") and rg.get("step_ms") else None
+            out.append(["memory=0.5: saved <= 0.5x the default's at <= 1.25x its time", r["label"],
+                        f"{s:.2f}x, time {t:.2f}x" if t else f"{s:.2f}x", _met(s <= 0.5 and (t or 0) <= 1.25)])
+        else:
+            out.append(["memory=0.5: saved <= 0.5x the default's at <= 1.25x its time", r["label"], "n/a", "–"])
+    lg = (res.get("largest") or {}).get("configs", {})
+    half, pt = lg.get("rg-0.5", {}).get("batch"), lg.get(BASE, {}).get("batch")
+    if lg:
+        out.append([f"memory=0.5: largest LLaMA batch under {res['largest']['limit_gib']:g} GiB >= 2x PyTorch "
+                    "eager's", "LLaMA",
+                    f"{half} vs {pt}" if half and pt else "n/a", _met(half >= 2 * pt) if half and pt else "–"])
+    if not out:
+        return []
+    return ["### Goals of issue 24", "", table(["goal", "row", "now", "met?"], out, "llrl"), ""]
+
+
+def _met(b: bool) -> str:
+    return "yes" if b else "**no**"
 
 
 def _import_mb(rows, prefix) -> str:
@@ -488,6 +555,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker call")
     parser.add_argument("--reserve-gib", type=float, default=4.0,
                         help="time the live cells of a row early when less memory than this is available")
+    parser.add_argument("--worker-env", nargs="+", metavar="KEY=VALUE",
+                        help="more environment for the cells (e.g. MALLOC_MMAP_THRESHOLD_=131072)")
     args = parser.parse_args(argv)
     if args.turns is None:
         args.turns = 1 if args.quick else 5

@@ -4,7 +4,6 @@ length, and the readings of /proc/self/status (resident set size and its peak, V
 from __future__ import annotations
 
 import math
-import resource
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +57,3 @@ def reset_peak() -> float:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return rss_mb()
-
-
-def lifetime_peak_mb() -> float:
-    """getrusage's maximum RSS (never reset by clear_refs)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -12,7 +12,8 @@ An Adam step is ``jax.jit(step, donate_argnums=(0, 1))`` of ``value_and_grad`` a
 defaults; a hand-written Adam with the same formulas if optax is not installed), parameters and state donated, as
 a careful JAX user writes it; forward plus backward is ``jax.jit(jax.value_and_grad(loss))``. Each call ends
 with ``block_until_ready``. Saved bytes: ``jax._src.ad_checkpoint.saved_residuals`` of the loss (the residuals
-of the jaxpr, before XLA's own fusion and scheduling), arguments (parameters, batch) left out.
+of the jaxpr, before XLA's own fusion and scheduling), arguments (parameters, batch) left out; next to it the
+compiled step's ``memory_analysis()`` (XLA's temporary buffer, which holds every intermediate of the step).
 """
 
 from __future__ import annotations
@@ -212,6 +213,7 @@ class JaxTask:
 
             self.state = [params, init(params)]
             f = jax.jit(step, donate_argnums=(0, 1))
+            self._lower = lambda: f.lower(*self.state, x, y)
 
             def run():
                 p, s, loss = jax.block_until_ready(f(*self.state, x, y))
@@ -221,6 +223,7 @@ class JaxTask:
             self.adam = None
             self.state = [params]
             g = jax.jit(jax.value_and_grad(loss_fn))
+            self._lower = lambda: g.lower(params, x, y)
 
             def run():
                 loss, grads = jax.block_until_ready(g(params, x, y))
@@ -237,5 +240,14 @@ class JaxTask:
         res = saved_residuals(self.loss_fn, self.state[0], self.x, self.y)
         kept = [(a, why) for a, why in res if not why.startswith("from the argument")]
         total = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a, _ in kept)
-        return {"saved_bytes": total, "saved_tensors": len(kept),
-                "saved_method": "jax saved_residuals of the loss (jaxpr level), arguments left out"}
+        out = {"saved_bytes": total, "saved_tensors": len(kept),
+               "saved_method": "jax saved_residuals of the loss (jaxpr level), arguments left out"}
+        try:  # what XLA's buffer assignment allocates for the compiled step (compiles it once more)
+            ma = self._lower().compile().memory_analysis()
+            out["xla_temp_bytes"] = int(ma.temp_size_in_bytes)
+            out["xla_argument_bytes"] = int(ma.argument_size_in_bytes)
+            out["xla_output_bytes"] = int(ma.output_size_in_bytes)
+            out["xla_alias_bytes"] = int(ma.alias_size_in_bytes)
+        except Exception as exc:  # noqa: BLE001 - optional
+            out["xla_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return out

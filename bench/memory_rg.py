@@ -95,6 +95,8 @@ class RgTask:
                 data = {tr.spec.inputs[0]: d["x"], "labels": d["labels"]}
             self.graph = tr.spec.graph
             self._run = lambda: tr.step(data)
+            self.feeds = lambda: {**tr.spec.initial_state(), **{tr.spec.labels if k == "labels" else k: v
+                                                                for k, v in data.items()}}
         else:
             import models
             from revgraph.train import loss_graph, params_as_inputs
@@ -113,7 +115,7 @@ class RgTask:
             except TypeError as exc:
                 raise NotAvailable(str(exc)) from None
             feeds = {g.inputs[0].name: d["x"], ls.labels: d["labels"], **{p: state[p] for p in params}}
-            self.graph, self.feeds = gg, feeds
+            self.graph, self.feeds = gg, lambda: feeds
             self._run = lambda: float(sess.run(feeds)[ls.loss])
         self.params = sum(int(np.prod(v.shape)) for v in self.graph.inputs if v.name in set(files["params"]))
 
@@ -121,8 +123,8 @@ class RgTask:
         return self._run()
 
     def saved(self) -> dict:
-        """``saved_bytes`` of the step graph; on the forward-plus-backward path, residuals whose types leave a
-        dimension unknown (``?``, e.g. behind a Loop) are sized by running the graph once with them as outputs."""
+        """``saved_bytes`` of the step graph; residuals whose types leave a dimension unknown (``?``: behind a
+        Loop, a Reshape to a computed shape) are sized by running the graph once more with them as outputs."""
         import revgraph as rg
         from revgraph.autodiff.memory import residual_sizes, saved_bytes
         from revgraph.ir import ValueInfo
@@ -132,10 +134,10 @@ class RgTask:
         out = {"saved_tensors": len(sizes), "nodes": len(self.graph.nodes), "how": self.how,
                "saved_method": "revgraph.autodiff.memory.saved_bytes of the step graph"}
         unknown = [n for n, b in sizes.items() if b is None]
-        if unknown and getattr(self, "feeds", None) is not None:
+        if unknown:
             g = self.graph.copy()
             g.outputs = [*g.outputs, *(ValueInfo(n) for n in unknown)]
-            values = rg.Session(g, threads=1).run(self.feeds, outputs=unknown)
+            values = rg.Session(g, threads=1).run(self.feeds(), outputs=unknown)
             sizes.update({n: int(values[n].nbytes) for n in unknown})
             out["saved_sized_by_running"] = unknown
             out["saved_bytes"] = sum(sizes.values())

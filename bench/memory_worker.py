@@ -15,12 +15,14 @@ The measurement (all in MB = 2^20 bytes, from /proc/self/status):
    onnxruntime's environment; XLA's CPU client) are not charged to the model; ``gc.collect()``; ``import`` = VmRSS
    now (the baseline of *total*);
 3. setup: the model is built (exported file loaded, step graph built, session created; module built and weights
-   loaded; parameters on the device, the step traced), the batch made; then one warm-up step (JAX compiles,
-   onnxruntime plans, PyTorch's Adam creates its state), ``gc.collect()``; ``setup_peak`` = VmHWM so far;
+   loaded; parameters on the device, the step traced), the batch made, ``gc.collect()``; ``build_peak`` = VmHWM,
+   VmHWM reset, ``built`` = VmRSS; then one warm-up step (JAX compiles, onnxruntime plans, PyTorch's Adam creates
+   its state), ``warmup_peak`` = VmHWM (``first_step`` = ``warmup_peak - built``: the first step's peak over the
+   built model), ``gc.collect()``, ``setup_rss`` = VmRSS (what the process keeps after it);
 4. VmHWM is reset (5 into /proc/self/clear_refs), ``before`` = VmRSS, one step, ``step_peak`` = VmHWM;
-5. **over setup** = ``step_peak - before``; **total** = ``max(setup_peak, step_peak) - import``: everything the
-   model, its step and the framework's work on them (compilation, sessions, arenas, caches) cost the process
-   beyond the imported framework, at the highest point of its life so far.
+5. **over setup** = ``step_peak - before``; **total** = ``max(build_peak, warmup_peak, step_peak) - import``:
+   everything the model, its step and the framework's work on them (compilation, sessions, arenas, caches) cost
+   the process beyond the imported framework, at the highest point of its life so far.
 
 Every framework runs one intra-op thread (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS``
 = 1 in the environment, ``torch.set_num_threads(1)`` and ``set_num_interop_threads(1)``, XLA's
@@ -34,7 +36,7 @@ import gc
 import os
 import time
 
-from memory_common import lifetime_peak_mb, peak_mb, reset_peak, rss_mb
+from memory_common import peak_mb, reset_peak, rss_mb
 
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
               "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
@@ -125,12 +127,16 @@ def measure(spec: dict) -> dict:
     except NotAvailable as exc:
         return {**out, "status": "n/a", "why": str(exc).splitlines()[0][:300]}
     out["setup_seconds"] = time.perf_counter() - t0
+    gc.collect()
+    out["build_peak"] = peak_mb()
+    out["built"] = reset_peak()
     t0 = time.perf_counter()
     out["loss"] = task.step()
     out["warmup_seconds"] = time.perf_counter() - t0
+    out["warmup_peak"] = peak_mb()
     gc.collect()
     out["setup_rss"] = rss_mb()
-    out["setup_peak"] = peak_mb()
+    out["setup_peak"] = max(out["build_peak"], out["warmup_peak"])
     out["before"] = reset_peak()
     t0, c0 = time.perf_counter(), time.process_time()
     out["loss_after"] = task.step()
@@ -138,8 +144,8 @@ def measure(spec: dict) -> dict:
     out["step_cpu"] = (time.process_time() - c0) / max(out["step_seconds"], 1e-9)
     out["step_peak"] = peak_mb()
     out["after"] = rss_mb()
-    out["lifetime_peak"] = lifetime_peak_mb()
     out["over_setup"] = out["step_peak"] - out["before"]
+    out["first_step"] = out["warmup_peak"] - out["built"]
     out["total"] = max(out["setup_peak"], out["step_peak"]) - out["import"]
     out["params"] = getattr(task, "params", None)
     out["how"] = getattr(task, "how", None)
