@@ -73,15 +73,23 @@ INPUT_BASED = [
 @pytest.mark.parametrize("op,attrs", OUTPUT_BASED, ids=[f"{o}{a}" for o, a in OUTPUT_BASED])
 def test_rules_that_read_their_output_keep_one_activation(op, attrs):
     gg = rg.gradient(_layer(op, attrs), "loss", WRT)
+    assert "r" in _reads_of(gg, "act") and "h" not in _reads_of(gg, "act")
     assert residuals(gg) == ["r"]
     assert saved_bytes(gg) == ACT  # r only: 2 x 4 float32
+
+
+def _reads_of(gg: Graph, node_name: str) -> set[str]:
+    """The values the backward nodes of the forward node ``node_name`` read."""
+    return {i for n in gg.nodes if n.name.startswith(f"grad/{node_name}/") for i in n.inputs if i}
 
 
 @pytest.mark.parametrize("op,attrs", INPUT_BASED, ids=[f"{o}{a}" for o, a in INPUT_BASED])
 def test_rules_that_read_their_input_keep_both(op, attrs):
     gg = rg.gradient(_layer(op, attrs), "loss", WRT)
-    assert residuals(gg) == ["h", "r"]
-    assert saved_bytes(gg) == 2 * ACT  # h and r
+    assert "h" in _reads_of(gg, "act")
+    # h and r, 32 bytes each (r could only go if the memory plan recomputed it from h: still 32 bytes a residual)
+    assert "h" in residuals(gg) and set(residuals(gg)) <= {"h", "r"}
+    assert saved_bytes(gg) == ACT * len(residuals(gg))
 
 
 def test_mlp_keeps_the_relu_outputs_not_their_inputs():
@@ -130,8 +138,9 @@ def test_normalizations_keep_their_input_and_no_statistics(op):
         stats = {"mean": np.zeros(4, F32), "var": np.ones(4, F32)}
         g = _layer(op, {"training_mode": 1}, {**vec, **stats}, ("s", "bb", "mean", "var"), n_out=3)
     gg = rg.gradient(g, "loss", WRT + ["s", "bb"])
-    assert residuals(gg) == ["h", "r"]
-    assert saved_bytes(gg) == 2 * ACT
+    assert "h" in _reads_of(gg, "act") and "r" not in _reads_of(gg, "act")
+    assert "h" in residuals(gg) and set(residuals(gg)) <= {"h", "r"}  # (r: unless the plan recomputes it)
+    assert saved_bytes(gg) == ACT * len(residuals(gg))
 
 
 # ---------------------------------------------------------------------------------------------- gradients
