@@ -24,25 +24,34 @@ class Network:
         self._tails: list[int] = []
         self._heads: list[int] = []
         self._caps: list[int] = []
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     def vertex(self) -> int:
         """A new vertex."""
         self.n += 1
         return self.n - 1
 
-    def edge(self, tail: int, head: int, capacity: int) -> None:
-        """An edge ``tail -> head``; capacities are clipped into ``[0, INF]``."""
-        if tail != head:
-            self._tails.append(tail)
-            self._heads.append(head)
-            self._caps.append(min(INF, max(0, int(capacity))))
+    def edge(self, tail: int, head: int, capacity: int) -> int:
+        """An edge ``tail -> head``; capacities are clipped into ``[0, INF]``. Returns its index (for
+        :meth:`source_side`'s ``capacities``)."""
+        self._tails.append(tail)
+        self._heads.append(head)
+        self._caps.append(min(INF, max(0, int(capacity))))
+        return len(self._caps) - 1
 
-    def source_side(self) -> np.ndarray:
-        """A boolean mask of the vertices on the source side of a minimum cut."""
+    def source_side(self, capacities: dict[int, int] | None = None) -> np.ndarray:
+        """A boolean mask of the vertices on the source side of a minimum cut; ``capacities`` replaces the
+        capacities of some edges (by index) for this cut only."""
         from scipy.sparse import csr_matrix
         from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
-        caps = csr_matrix((np.asarray(self._caps, dtype=np.int32), (self._tails, self._heads)), shape=(self.n, self.n))
+        if self._arrays is None:
+            self._arrays = (np.asarray(self._tails), np.asarray(self._heads))
+        caps = np.asarray(self._caps, dtype=np.int64)
+        if capacities:
+            caps[list(capacities)] = np.clip(list(capacities.values()), 0, INF)
+        tails, heads = self._arrays
+        caps = csr_matrix((caps.astype(np.int32), (tails, heads)), shape=(self.n, self.n))
         caps.sum_duplicates()
         flow = maximum_flow(caps, self.SOURCE, self.SINK, method="dinic").flow
         residual = (caps - flow).tocsr()  # the flow is antisymmetric: reverse edges get what flows forward

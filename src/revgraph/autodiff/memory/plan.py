@@ -141,7 +141,7 @@ class _Problem:
         self.pinned &= set(self.residuals)
         self._bytes: dict[str, int | None] = {}
         self._flops: dict[int, int | None] = {}
-        self._cheap: set[int] | None = None
+        self._cheap: dict[int, bool] = {}
 
     def constant(self, v: str):
         """The value of ``v`` when it is an initializer or a ``Constant`` node's output, else ``None``."""
@@ -166,12 +166,11 @@ class _Problem:
             self._flops[k] = flops(node, self.types, self.dims) if ok else None
         return self._flops[k]
 
-    @property
-    def cheap(self) -> set[int]:
-        """Forward nodes that are elementwise and no larger than their output (:func:`.cost.cheap`)."""
-        if self._cheap is None:
-            self._cheap = {k for k in self.forward if cheap(self.graph.nodes[k], self.types, self.dims)}
-        return self._cheap
+    def is_cheap(self, k: int) -> bool:
+        """Is forward node ``k`` elementwise and no larger than its output (:func:`.cost.cheap`)?"""
+        if k not in self._cheap:
+            self._cheap[k] = cheap(self.graph.nodes[k], self.types, self.dims)
+        return self._cheap[k]
 
     def candidates(self, free_only: bool) -> list[int]:
         """The recomputable forward nodes some residual depends on through recomputable nodes only (with
@@ -182,62 +181,77 @@ class _Problem:
             k = stack.pop()
             if k in seen:
                 continue
+            if free_only and sum(self.bytes(o) or 0 for o in self.graph.nodes[k].outputs if o) < _MIN_SAVING:
+                continue  # keeping its outputs is cheaper than the least a recomputation costs there: exact
             f = self.flops(k)
-            if f is None or (free_only and f > 0 and k not in self.cheap):
+            if f is None or (free_only and f > 0 and not self.is_cheap(k)):
                 continue
             seen.add(k)
             stack.extend(self.producer[i] for i in self.graph.nodes[k].inputs if i in self.producer)
         return sorted(seen)
 
 
-def _cut(p: _Problem, nodes: list[int], lam: float | None, unit: float) -> tuple[set[int], int, int]:
-    """The minimum cut for multiplier ``lam`` (``None``: infinity) over the candidate ``nodes``: the recomputed
-    nodes, the residual bytes kept and the FLOPs recomputed."""
-    net = Network()
-    vin: dict[str, int] = {}
-    vout: dict[str, int] = {}
-    nid = {k: net.vertex() for k in nodes}
+class _Cuts:
+    """The flow network over the candidate ``nodes`` (module doc), built once; :meth:`solve` cuts it for one
+    multiplier. ``default``: the default plan's costs (free and cheap nodes only, :data:`_MIN_SAVING`)."""
 
-    def out_vertex(v: str) -> int:
-        if v not in vout:
-            vout[v] = net.vertex()
-            cap = 0 if v in p.outputs else math.ceil((p.bytes(v) or 0) / unit)
-            k = p.producer[v]
-            if k in nid:
-                vin[v] = net.vertex()
-                net.edge(nid[k], vin[v], INF)
-                net.edge(vin[v], vout[v], cap)
-            else:  # written by a node that stays in the forward: kept if needed
-                net.edge(Network.SOURCE, vout[v], cap)
-        return vout[v]
+    def __init__(self, p: _Problem, nodes: list[int], unit: float, default: bool):
+        self.p, self.nodes, self.unit, self.default = p, nodes, unit, default
+        net = self.net = Network()
+        vin: dict[str, int] = {}
+        vout: dict[str, int] = {}
+        nid = {k: net.vertex() for k in nodes}
 
-    for k in nodes:
-        node = p.graph.nodes[k]
-        f = p.flops(k)
-        out_bytes = sum(p.bytes(o) or 0 for o in node.outputs if o)
-        tie = max(1, math.ceil(_TIE * out_bytes / unit))
-        if lam is None:  # the default plan: a recomputation is one more node to run, worth it for a real saving
-            tie = max(tie, math.ceil(_MIN_SAVING / unit))
-            if f and k in p.cheap:  # one pass over its output: worth it where it saves more than half of that
-                f, tie = 0, tie + math.ceil(_CHEAP * out_bytes / unit)
-        if f and lam is not None:  # later nodes a little dearer: ties (a chain's equal layers) flip one by one
-            f *= 1 + _SKEW * p.position[k]
-        cost = tie if f == 0 else (_NEVER if lam is None else min(_NEVER, tie + math.ceil(lam * f / unit)))
-        net.edge(Network.SOURCE, nid[k], cost)
-        for i in node.inputs:
-            if i in p.producer:
-                net.edge(out_vertex(i), nid[k], INF)
-        for o in node.outputs:
-            if o:
-                out_vertex(o)
-    for r in p.residuals:
-        net.edge(out_vertex(r), Network.SINK, INF)
-        if r in p.pinned and r in vin:
-            net.edge(Network.SOURCE, vin[r], INF)
-    side = net.source_side()
-    recomputed = {k for k in nodes if not side[nid[k]]}
-    kept = sum(p.bytes(v) or 0 for v, o in vout.items() if not side[o] and (v not in vin or side[vin[v]]))
-    return recomputed, kept, sum(p.flops(k) or 0 for k in recomputed)
+        def out_vertex(v: str) -> int:
+            if v not in vout:
+                vout[v] = net.vertex()
+                cap = 0 if v in p.outputs else math.ceil((p.bytes(v) or 0) / unit)
+                k = p.producer[v]
+                if k in nid:
+                    vin[v] = net.vertex()
+                    net.edge(nid[k], vin[v], INF)
+                    net.edge(vin[v], vout[v], cap)
+                else:  # written by a node that stays in the forward: kept if needed
+                    net.edge(Network.SOURCE, vout[v], cap)
+            return vout[v]
+
+        self.recompute_edges: list[int] = []  # the source -> node edge of each candidate, in ``nodes`` order
+        self.ties: list[int] = []
+        self.flops: list[float] = []
+        for k in nodes:
+            node = p.graph.nodes[k]
+            f = p.flops(k)
+            out_bytes = sum(p.bytes(o) or 0 for o in node.outputs if o)
+            tie = max(1, math.ceil(_TIE * out_bytes / unit))
+            if default:  # a recomputation is one more node to run: worth it for a real saving
+                tie = max(tie, math.ceil(_MIN_SAVING / unit))
+                if f and p.is_cheap(k):  # one pass over its output: worth it where it saves more than half of that
+                    f, tie = 0, tie + math.ceil(_CHEAP * out_bytes / unit)
+            self.ties.append(tie)
+            self.flops.append(f * (1 + _SKEW * p.position[k]))  # later nodes a little dearer: ties flip one by one
+            self.recompute_edges.append(net.edge(Network.SOURCE, nid[k], tie))
+            for i in node.inputs:
+                if i in p.producer:
+                    net.edge(out_vertex(i), nid[k], INF)
+            for o in node.outputs:
+                if o:
+                    out_vertex(o)
+        for r in p.residuals:
+            net.edge(out_vertex(r), Network.SINK, INF)
+            if r in p.pinned and r in vin:
+                net.edge(Network.SOURCE, vin[r], INF)
+        self.nid, self.vin, self.vout = nid, vin, vout
+
+    def solve(self, lam: float | None) -> tuple[set[int], int, int]:
+        """The minimum cut for ``lam`` (``None``: infinity, only FLOP-free recomputation): the recomputed nodes,
+        the residual bytes kept and the FLOPs recomputed."""
+        costs = [tie if f == 0 else (_NEVER if lam is None else min(_NEVER, tie + math.ceil(lam * f / self.unit)))
+                 for tie, f in zip(self.ties, self.flops, strict=True)]
+        side = self.net.source_side(dict(zip(self.recompute_edges, costs, strict=True)))
+        p, vin = self.p, self.vin
+        recomputed = {k for k in self.nodes if not side[self.nid[k]]}
+        kept = sum(p.bytes(v) or 0 for v, o in self.vout.items() if not side[o] and (v not in vin or side[vin[v]]))
+        return recomputed, kept, sum(p.flops(k) or 0 for k in recomputed)
 
 
 def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
@@ -254,15 +268,13 @@ def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
     plan = MemoryPlan(saved_before=sum(s or 0 for s in sizes), dims=sizing.used,
                       unknown=[r for r, s in zip(p.residuals, sizes, strict=True) if s is None])
     free = p.candidates(free_only=True)
-    total = sum(p.bytes(o) or 0 for k in p.candidates(free_only=False) for o in graph.nodes[k].outputs if o)
-    unit = max(1.0, (total + plan.saved_before) / _SCALE)
-    chosen, kept, cost = _cut(p, free, None, unit) if free else (set(), plan.saved_before, 0)
+    chosen, kept, cost = _Cuts(p, free, _unit(p, free, plan), True).solve(None) if free else (set(), plan.saved_before, 0)
     plan.saved_default = kept
     if budget is not None and not (budget.fraction is not None and budget.fraction >= 1):
         target = round(budget.fraction * kept) if budget.fraction is not None else budget.bytes
         plan.target = target
         if kept > target:
-            chosen, kept, cost = _search(p, target, unit)
+            chosen, kept, cost = _search(p, target, plan)
             plan.met = kept <= target or target == 0
             if not plan.met and target > 0:  # (a budget of 0 asks for the fewest bytes: no warning)
                 warnings.warn(f"the memory budget of {human_bytes(target)} cannot be met: recomputing everything "
@@ -274,17 +286,24 @@ def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
     return plan
 
 
-def _search(p: _Problem, target: int, unit: float) -> tuple[set[int], int, int]:
+def _unit(p: _Problem, nodes: list[int], plan: MemoryPlan) -> float:
+    """Bytes per capacity unit: every finite cut of the network over ``nodes`` fits in about :data:`_SCALE`."""
+    total = sum(p.bytes(o) or 0 for k in nodes for o in p.graph.nodes[k].outputs if o)
+    return max(1.0, (total + plan.saved_before) / _SCALE)
+
+
+def _search(p: _Problem, target: int, plan: MemoryPlan) -> tuple[set[int], int, int]:
     """The plan of the largest multiplier (bisected on a log scale) that keeps at most ``target`` bytes, or the
     ``lambda = 0`` plan (the fewest bytes) when none does."""
     nodes = p.candidates(free_only=False)
-    best = _cut(p, nodes, 0.0, unit)
+    cuts = _Cuts(p, nodes, _unit(p, nodes, plan), False)
+    best = cuts.solve(0.0)
     if best[1] > target:
         return best
     lo, hi = -12.0, 6.0  # log10 of lambda, bytes per FLOP: 1e-12 recomputes anything, 1e6 nothing with FLOPs
     for _ in range(40):  # (fine enough to separate the skewed ties)
         mid = (lo + hi) / 2
-        trial = _cut(p, nodes, 10.0**mid, unit)
+        trial = cuts.solve(10.0**mid)
         if trial[1] <= target:
             best, lo = trial, mid
         else:
