@@ -327,7 +327,8 @@ class _Dims(dict):
 def _hoist_shapes(graph: Graph) -> None:
     """Move each backward ``Shape``/``Size`` of a forward value to just after that value's producer, renamed
     ``hoist/...``: a VJP that needs only a value's shape (ReduceMean's, Reshape's, Slice's, when a dimension is
-    symbolic) would otherwise keep the whole value alive until the backward, for a few int64s."""
+    symbolic), or the accumulation of sparse rows into a table of that shape, would otherwise keep the whole
+    value alive until the backward, for a few int64s."""
     producer: dict[str, int] = {}
     moved: dict[int, list[Node]] = {}
     gone: set[int] = set()
@@ -335,8 +336,8 @@ def _hoist_shapes(graph: Graph) -> None:
         if not is_backward_node(node):
             producer.update((o, k) for o in node.outputs if o)
         elif (node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx") and node.inputs
-              and node.inputs[0] in producer and node.name.startswith("grad/")):
-            node.name = HOIST_PREFIX + node.name[len("grad/"):]
+              and node.inputs[0] in producer and not node.name.startswith(REMAT_PREFIX)):
+            node.name = HOIST_PREFIX + node.name.split("/", 1)[1]  # (grad/, accum/ or seed/ ...)
             moved.setdefault(producer[node.inputs[0]], []).append(node)
             gone.add(k)
     if moved:
