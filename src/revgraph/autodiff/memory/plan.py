@@ -14,16 +14,19 @@ chooses, over the whole top-level graph, the cheapest mix:
   from the source. A minimum cut then minimises ``kept bytes + lambda * recomputed FLOPs`` exactly, for the
   recomputation being ordinary forward nodes run in the backward (the sink side: every recomputed node's
   inputs are kept or recomputed themselves).
-- ``lambda`` (bytes per FLOP) is the Lagrange multiplier of the budget: ``lambda = inf`` recomputes only the
-  free operators (no FLOPs: reshapes, transposes, casts, ... :data:`.cost.FREE`), the default plan; ``lambda =
-  0`` keeps the fewest bytes possible (``memory=0``). Under a budget, ``lambda`` is bisected (on a log scale) to
+- ``lambda`` (bytes per FLOP) is the Lagrange multiplier of the budget: ``lambda = inf`` is the default plan,
+  which recomputes only the free operators (no FLOPs: reshapes, transposes, casts, ... :data:`.cost.FREE`) and
+  cheap elementwise images of kept values (costed at half their bytes: a value is never kept beside its
+  elementwise image when one suffices); ``lambda = 0`` keeps the fewest bytes possible (``memory=0``). Under a budget, ``lambda`` is bisected (on a log scale) to
   the largest value whose plan keeps at most the budget: kept bytes fall monotonically with ``lambda``
   (parametric min-cut), so the plan found minimises recomputation among the Lagrangian plans that meet it.
 - A tie-breaking cost of one thousandth of a node's output bytes makes a recomputation that saves nothing
   lose to keeping the value; in the default plan a recomputation must save at least 16 KiB (each is one more
   node to run), so the default plan changes nothing that saves no real memory.
 
-Random operators (their draws and masks), loops and branches (their own checkpoint policies decide inside
+Before the cut, backward ``Shape``/``Size`` nodes of forward values move into the forward (``hoist/...``): a
+VJP that needs a value's shape keeps a few int64s, not the value. Random operators (their draws and masks),
+loops and branches (their own checkpoint policies decide inside
 them), sequences and nodes of unknown size are never recomputed; values a backward subgraph captures are kept.
 The recomputed nodes are copies of the forward nodes named ``remat/<node>`` that write ``<value>__remat``
 values, placed just before the first backward node that reads them (so they live only from there to their
@@ -39,10 +42,10 @@ from __future__ import annotations
 
 import math
 import warnings
-
-import numpy as np
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ...ir import REMAT_PREFIX, Graph, Node, ValueInfo, fresh_name
 from ...runtime_options import ORT_DISABLED_OPTIMIZERS
@@ -60,7 +63,7 @@ _KEEP = frozenset({"Shape", "Size", "Constant"})  # outputs a few bytes: kept, n
 HOIST_PREFIX = "hoist/"  # backward Shape/Size nodes moved into the forward (_hoist_shapes)
 _MIN_SAVING = 16384  # bytes a free recomputation must save in the default plan (per-node cost of running it)
 _CHEAP = 0.5  # in the default plan, recomputing a cheap elementwise node costs this share of its output bytes
-_SKEW = 0.05  # FLOPs of the last forward node count this much more than the first's (see _cut)
+_SKEW = 0.05  # FLOPs of the last forward node count this much more than the first's (see _Cuts)
 
 
 @dataclass
