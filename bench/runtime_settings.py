@@ -1,6 +1,8 @@
 """Memory and time of an Adam training step per onnxruntime memory setting and buffer layout (issue 24, parts 3-4).
 
-For the step benchmark's models at batch 64 (bench/models.py: MLP, CNN, Transformer, RNN Loop with T = 100),
+For the step benchmark's models at batch 64 (bench/models.py: MLP, CNN, Transformer, RNN Loop with T = 100), a
+wider MLP (784-2048-2048-10, 5.8 M parameters) and bench/memory.py's LLaMA (transformers' ``LlamaConfig``, 4
+layers, hidden 256, vocabulary 2048) at 8 x 128 tokens,
 ``rg.Trainer(..., "cross-entropy", "adam")`` runs with every combination of
 
 - onnxruntime's CPU arena on/off and memory pattern on/off (``rg.RuntimeOptions(arena=, memory_pattern=)``),
@@ -43,10 +45,12 @@ sys.path.insert(0, str(HERE))
 
 BEGIN, END = "<!-- runtime:begin -->", "<!-- runtime:end -->"
 NAMES = {"mlp": "MLP", "cnn": "CNN", "transformer": "Transformer", "rnn": "RNN (Loop, T=100)",
-         "mlp-wide": "MLP 784-2048-2048-10"}
+         "mlp-wide": "MLP 784-2048-2048-10", "llama": "LLaMA 8 x 128 tokens"}
 WIDE = (784, 2048, 2048, 10)
 #: (arena, memory pattern, buffers), onnxruntime's defaults and the old engine first
 CONFIGS = [(a, m, b) for b in ("two", "one") for a in (True, False) for m in (True, False)]
+#: the training default (rg.Trainer, revgraph train), compared with onnxruntime's defaults in the summary
+DEFAULT_KEY = "True|False|one"
 _CELL: dict = {}
 
 
@@ -74,7 +78,13 @@ def prepare(info: dict, arena: bool, memory_pattern: bool, buffers: str, threads
     import revgraph as rg
     from models import load_npz
 
-    _, data = load_npz(info["npz"])
+    if "llama_batch" in info:  # bench/memory.py's LLaMA: token ids and next-token labels
+        from memory_common import llama_batch
+
+        data = llama_batch(info["llama_batch"])
+        data = {"x": data["input_ids"], "labels": data["labels"]}
+    else:
+        _, data = load_npz(info["npz"])
     rss0 = _status("VmRSS")
     t0 = time.perf_counter()
     tr = rg.Trainer(info["path"], "cross-entropy", "adam", params=info["params"], threads=threads, buffers=buffers,
@@ -160,37 +170,55 @@ def _label(cfg) -> str:
     return f"arena {'on' if a else 'off'}, pattern {'on' if m else 'off'}, {b} set{'s' if b == 'two' else ''}"
 
 
-def measure_model(name: str, info: dict, turns: int, seconds: float, threads: int, log_dir: Path, log) -> dict:
+def _parse_config(text: str) -> tuple:
+    a, m, b = text.split("-")
+    return a == "on", m == "on", b
+
+
+def measure_model(name: str, info: dict, turns: int, seconds: float, threads: int, log_dir: Path, log,
+                  configs=CONFIGS) -> dict:
     from workers import Worker
 
     workers, cells = {}, {}
     try:
-        for cfg in CONFIGS:
+        for cfg in configs:
             w = Worker(f"{name}-{'-'.join(map(str, cfg))}", sys.executable, log_dir)
             workers[cfg] = w
             cells[cfg] = w.call("runtime_settings:prepare", info=info, arena=cfg[0], memory_pattern=cfg[1],
                                 buffers=cfg[2], threads=threads)
             log(f"  {name} {_label(cfg)}: held {cells[cfg]['held_mb']:.1f} MB, step peak "
                 f"{cells[cfg]['step_peak_mb']:.1f} MB")
-        times = {cfg: [] for cfg in CONFIGS}
+        times = {cfg: [] for cfg in configs}
         for t in range(turns):
-            order = CONFIGS[t % len(CONFIGS):] + CONFIGS[:t % len(CONFIGS)]
+            order = configs[t % len(configs):] + configs[:t % len(configs)]
             for cfg in order:
                 steps = max(3, int(seconds / max(cells[cfg]["first_step_s"], 1e-5)))
                 times[cfg].append(workers[cfg].call("runtime_settings:timed", steps=steps))
     finally:
         for w in workers.values():
             w.close()
-    for cfg in CONFIGS:
+    for cfg in configs:
         cells[cfg]["step_ms"] = 1e3 * statistics.median(t[0] for t in times[cfg])
         cells[cfg]["cpu_ms"] = 1e3 * statistics.median(t[1] for t in times[cfg])
         cells[cfg]["turns_ms"] = [[1e3 * x for x in t] for t in times[cfg]]
-    return {"|".join(map(str, cfg)): cells[cfg] for cfg in CONFIGS}
+    return {"|".join(map(str, cfg)): cells[cfg] for cfg in configs}
+
+
+def _name(model: str) -> str:
+    if model.startswith("llama-b"):
+        return f"LLaMA {model[7:]} x 128 tokens"
+    return NAMES.get(model, model)
 
 
 def render(res: dict) -> str:
     """The docs/benchmarks.md section."""
-    cmd = "python bench/runtime_settings.py" + ("" if not res["argv"] else " " + " ".join(res["argv"]))
+    shown, skip = [], False
+    for a in res["argv"]:  # where the numbers were written is not part of the command that measures them
+        if skip or a in ("-o", "--output", "--json"):
+            skip = not skip
+            continue
+        shown.append(a)
+    cmd = " ".join(["python bench/runtime_settings.py", *shown])
     lines = [BEGIN, "## Runtime memory settings and buffer sets", "",
              f"Written by `{cmd}` on {res['date']} (commit {res['commit']}, onnxruntime {res['onnxruntime']}, "
              f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}, {res['turns']} turns; load average "
@@ -210,22 +238,25 @@ def render(res: dict) -> str:
              "| :--- | :---: | :---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
     on = {"True": "on", "False": "off"}
     for model, cells in res["models"].items():
-        ref = cells["|".join(map(str, CONFIGS[0]))]
+        ref = cells.get("|".join(map(str, CONFIGS[0]))) or next(iter(cells.values()))
         for key, c in cells.items():
             a, m, b = key.split("|")
-            lines.append(f"| {NAMES.get(model, model)} | {on[a]} | {on[m]} | {b} | {c['held_mb']:.1f} | "
+            lines.append(f"| {_name(model)} | {on[a]} | {on[m]} | {b} | {c['held_mb']:.1f} | "
                          f"{c['setup_hwm_mb']:.0f} | {c['step_peak_mb']:.1f} | {c['held_mb'] + c['step_peak_mb']:.1f} | "
                          f"{c['kept_mb']:.1f} | {c['step_ms']:.2f} | {c['cpu_ms']:.2f} | "
                          f"{c['cpu_ms'] / ref['cpu_ms']:.2f}x | {'yes' if c['digest'] == ref['digest'] else 'no'} |")
-    lines += ["", "Step memory per model, onnxruntime's defaults with two sets against the training default "
-              "(arena off, memory pattern off, one set):", "",
+    a, m, b = DEFAULT_KEY.split("|")
+    lines += ["", f"Step memory per model, onnxruntime's defaults with two sets against the training default "
+              f"(arena {on[a]}, memory pattern {on[m]}, {b} set):", "",
               "| model | default: held + step peak MB | training default: held + step peak MB | ratio | "
               "CPU time ratio | wall time ratio |",
               "| :--- | ---: | ---: | ---: | ---: | ---: |"]
     for model, cells in res["models"].items():
-        ref, new = cells["True|True|two"], cells["False|False|one"]
+        ref, new = cells.get("True|True|two"), cells.get(DEFAULT_KEY)
+        if ref is None or new is None:
+            continue
         a, b = ref["held_mb"] + ref["step_peak_mb"], new["held_mb"] + new["step_peak_mb"]
-        lines.append(f"| {NAMES.get(model, model)} | {a:.1f} | {b:.1f} | {b / a:.2f}x | "
+        lines.append(f"| {_name(model)} | {a:.1f} | {b:.1f} | {b / a:.2f}x | "
                      f"{new['cpu_ms'] / ref['cpu_ms']:.2f}x | {new['step_ms'] / ref['step_ms']:.2f}x |")
     lines.append(END)
     return "\n".join(lines) + "\n"
@@ -247,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=0.4, help="time per configuration per turn (default 0.4)")
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="3 turns of 0.15 s (a smoke run)")
+    parser.add_argument("--configs", nargs="+", metavar="ARENA-PATTERN-BUFFERS",
+                        help="a subset of the configurations, e.g. on-off-one off-off-one (default: all 8)")
+    parser.add_argument("--llama-batch", type=int, default=8, help="sequences of 128 tokens of the LLaMA (default 8)")
     parser.add_argument("--json", default=str(HERE / "results" / "runtime_settings.json"))
     parser.add_argument("-o", "--output", default=str(ROOT / "docs" / "benchmarks.md"))
     parser.add_argument("--render", metavar="JSON", help="only rewrite the section from saved numbers")
@@ -259,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime
 
     from models import write_step_model
+
+    configs = [_parse_config(c) for c in args.configs] if args.configs else CONFIGS
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -274,9 +310,19 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(work)
         (work / "logs").mkdir()
         for name in args.models:
-            info = write_wide_mlp(64, str(work)) if name == "mlp-wide" else write_step_model(name, 64, str(work))
-            log(f"{name}: {len(CONFIGS)} configurations")
-            res["models"][name] = measure_model(name, info, args.turns, args.seconds, args.threads, work / "logs", log)
+            if name == "llama":  # the LLaMA of bench/memory.py (transformers' LlamaConfig), at batch 8
+                from memory_torch import export_llama
+
+                files = export_llama(str(work))
+                info = {"path": files["onnx"], "params": files["params"], "llama_batch": args.llama_batch}
+            elif name == "mlp-wide":
+                info = write_wide_mlp(64, str(work))
+            else:
+                info = write_step_model(name, 64, str(work))
+            log(f"{name}: {len(configs)} configurations")
+            key = f"llama-b{args.llama_batch}" if name == "llama" and args.llama_batch != 8 else name
+            res["models"][key] = measure_model(name, info, args.turns, args.seconds, args.threads, work / "logs", log,
+                                               configs)
     res["load_end"] = [round(x, 2) for x in os.getloadavg()]
     res["seconds"] = time.perf_counter() - t0
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -164,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, metavar="N",
                        help="train data-parallel in N processes on this machine (starts torchrun; needs "
                             "revgraph[distributed]); the global batch is N x --batch-size")
-    add_runtime_arguments(train, "off, measured cheapest for training")
+    add_runtime_arguments(train, "arena on, memory pattern off, measured best for training")
     train.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + "; a byte count sizes the batch "
                        "dimension with --batch-size")
     train.add_argument("--buffers", choices=("one", "two"), default="one",

@@ -75,10 +75,12 @@ def inplace_pairs(graph: Graph, pairs: Iterable[tuple[str, str]]) -> dict[str, s
         for name in names:
             readers.setdefault(name, []).append(k)
     ancestors: list[int] = []  # ancestors[k]: bit j set when node j is an ancestor of node k
-    for names in reads:
+    for k, names in enumerate(reads):
         bits = 0
         for name in names:
             j = producer.get(name)
+            if j is not None and j >= k:  # ONNX keeps nodes in topological order; anything else is not checked
+                return {i: f"{nodes[k].label()} reads {name!r} before it is computed" for i, _ in pairs}
             if j is not None:
                 bits |= ancestors[j] | (1 << j)
         ancestors.append(bits)

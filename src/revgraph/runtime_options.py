@@ -13,9 +13,10 @@ themselves:
   ``"default"``, ``"priority_based"`` or ``"memory_efficient"`` (the last exists in onnxruntime's training
   builds only; a regular build refuses it when a session is made).
 
-``None`` keeps onnxruntime's default (arena on, memory pattern on, the default order). ``rg.Session``
-uses onnxruntime's defaults; ``rg.Trainer`` and ``revgraph train`` use :data:`TRAINING_DEFAULT`, chosen by
-``bench/runtime_settings.py`` (docs/benchmarks.md, "Runtime memory settings").
+``None`` leaves a setting to whoever runs the graph: ``rg.Session`` keeps onnxruntime's defaults (arena on,
+memory pattern on, the default order); ``rg.Trainer`` and ``revgraph train`` use :data:`TRAINING_DEFAULT`
+(memory pattern off, arena on), chosen by ``bench/runtime_settings.py`` (docs/benchmarks.md, "Runtime memory
+settings and buffer sets").
 """
 
 from __future__ import annotations
@@ -86,9 +87,12 @@ class RuntimeOptions:
         return f"arena {word(self.arena)}, memory pattern {word(self.memory_pattern)}, execution order {order}"
 
 
-#: What ``rg.Trainer`` and ``revgraph train`` run with unless told otherwise: the arena and the memory pattern
-#: off (docs/benchmarks.md, "Runtime memory settings": the least memory at no measurable cost in step time).
-TRAINING_DEFAULT = RuntimeOptions(arena=False, memory_pattern=False)
+#: What ``rg.Trainer`` and ``revgraph train`` run with unless told otherwise (docs/benchmarks.md, "Runtime memory
+#: settings and buffer sets", bench/runtime_settings.py): the memory pattern off, which about halves a step's
+#: peak over setup (the planned block holds every intermediate at once) at no cost in step time, and the arena
+#: on: off, every step's tensors are allocated and freed through the C allocator, which costs 8-30% more CPU time
+#: per step on the CNN and the Transformer and lowers no peak but the LLaMA's by a few percent.
+TRAINING_DEFAULT = RuntimeOptions(arena=True, memory_pattern=False)
 
 
 #: onnxruntime graph optimizers that would merge a node the memory planner recomputes in the backward

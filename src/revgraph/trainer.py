@@ -43,7 +43,12 @@ class Trainer:
     ``"adam"``, ``"adamw"`` with PyTorch's defaults). ``output`` picks the model output the loss reads (default:
     the only one), ``params`` the initializers to train (default: every floating-point one). ``threads`` is
     onnxruntime's intra-op thread count (0: its default). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``
-    (:mod:`revgraph.devices`). ``distributed=True`` trains data-parallel with the other processes of a
+    (:mod:`revgraph.devices`). ``runtime``: onnxruntime's memory settings (:class:`revgraph.RuntimeOptions`;
+    a setting left ``None`` takes :data:`revgraph.runtime_options.TRAINING_DEFAULT`: memory pattern off, arena
+    on). ``buffers``: ``"one"`` (default) keeps parameters and optimizer state in one buffer set that the update
+    overwrites where :mod:`revgraph.inplace` finds it safe, ``"two"`` in two sets swapped every step (the fused
+    step graph; :mod:`revgraph.steps`); the numbers are the same. ``distributed=True`` trains data-parallel with
+    the other processes of a
     ``torchrun`` launch (:mod:`revgraph.distributed`; needs ``pip install "revgraph[distributed]"``): every
     rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``memory`` is the
     budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
@@ -65,7 +70,7 @@ class Trainer:
                  memory=None):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
-        # settings left None take the training default (arena and memory pattern off)
+        # settings left None take the training default (memory pattern off, arena on)
         self.runtime: RuntimeOptions = (check_runtime(runtime) or RuntimeOptions()).over(TRAINING_DEFAULT)
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
         self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
