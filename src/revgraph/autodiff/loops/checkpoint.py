@@ -22,6 +22,7 @@ the segments' recomputation), one when the forward loop keeps the checkpoints.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -29,7 +30,8 @@ import numpy as np
 from ...ir import Graph, Node, ValueInfo
 from ..context import Ctx, ForwardPatch, PatchedVJP
 from ..emitter import Emitter
-from ..policies import Boundary, Segments, Store
+from ..policies import Boundary, EveryK, Segments, Squares, Store
+from .residuals import declare_outputs, static_trips
 from .reverse import BOOL, I64, LoopParts, body_seeds, close_loop, count_trips, open_body, take_apart
 
 
@@ -37,8 +39,10 @@ def checkpointed_loop(ctx: Ctx, node: Node, cts: list, policy: Segments) -> Patc
     """VJP of ``Loop`` under a :class:`Segments` policy (see the module doc)."""
     template = node.attrs["body"].copy()  # the body as the user wrote it, to recompute segments with
     p = take_apart(ctx, node)
+    declare_outputs(ctx.e, p)
     patch = ForwardPatch()
     bounds = policy.boundary
+    rows = _static_segments(bounds, static_trips(ctx.e, p))
     if getattr(bounds, "online", False) and not p.scan_out:
         trips, checkpoints = _checkpointing_forward(ctx.e, p, template, bounds, patch)
         n_segments = bounds.count(ctx.e, trips)
@@ -46,6 +50,10 @@ def checkpointed_loop(ctx: Ctx, node: Node, cts: list, policy: Segments) -> Patc
         trips = count_trips(ctx.e, p, patch)
         n_segments = bounds.count(ctx.e, trips)
         checkpoints = _checkpoint_loop(ctx.e, p, template, trips, n_segments, bounds)
+    for stack in checkpoints:  # [S, ...]: S known before running when T is
+        vi = ctx.e.types[stack]
+        if vi.shape is not None:
+            ctx.e.types[stack] = ValueInfo(stack, vi.dtype, (rows, *vi.shape[1:]))
 
     bb = open_body(ctx, p)
     eb = bb.e
@@ -64,6 +72,19 @@ def checkpointed_loop(ctx: Ctx, node: Node, cts: list, policy: Segments) -> Patc
     eb.nodes += body_vjp.nodes
     carried = {j: body_vjp.grads.get(v_start[j]) for j in p.carried}
     return close_loop(ctx, p, bb, n_segments, cts, carried, {c: body_vjp.grads.get(c) for c in p.captured}, patch)
+
+
+def _static_segments(bounds: Boundary, trips: int | None) -> int | None:
+    """The number of segments of a loop of ``trips`` iterations for the boundaries revgraph defines (``None``
+    when ``trips`` is, or for a user's boundary, whose count is only known as graph nodes)."""
+    if trips is None:
+        return None
+    if isinstance(bounds, EveryK):
+        return -(-trips // bounds.k)
+    if isinstance(bounds, Squares):
+        root = math.isqrt(trips)
+        return root + (root * root < trips)
+    return None
 
 
 def _carried(p: LoopParts, j: int) -> ValueInfo:

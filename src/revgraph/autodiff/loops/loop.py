@@ -9,11 +9,12 @@ JAX's ``_transpose_scan_jaxpr`` is the same construction for ``scan``).
 * Carried cotangents and loop-invariant accumulators are the backward loop's carried values
   (:mod:`.reverse`).
 
-Residual policies (:mod:`..policies`): :class:`Store` stacks, as extra scan outputs of the forward loop, exactly
-the body values that the body's VJP reads; :class:`Recompute` stacks only the loop-carried inputs and recomputes
-the rest of the body inside the backward loop; :class:`Segments` checkpoints segments (:mod:`.checkpoint`).
-What the forward loop must additionally produce comes back as a :class:`ForwardPatch`, which the backward pass
-applies.
+Residual policies (:mod:`..policies`): :class:`Store` stacks, as extra scan outputs of the forward loop, the
+body values that the body's VJP reads, each distinct value once (:mod:`.residuals`: a carried value's input is
+the previous iteration's output, a row of an outer input is read again, the user's own scan outputs are reused);
+:class:`Recompute` stacks only the loop-carried inputs and recomputes the rest of the body inside the backward
+loop; :class:`Segments` checkpoints segments (:mod:`.checkpoint`). What the forward loop must additionally
+produce comes back as a :class:`ForwardPatch`, which the backward pass applies.
 """
 
 from __future__ import annotations
@@ -22,17 +23,15 @@ import warnings
 
 import numpy as np
 
-from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import keep_types
-from ..accumulate import is_sequence
 from ..context import Ctx, ForwardPatch, PatchedVJP
-from ..emitter import Emitter
-from ..policies import CheckpointPolicy, Recompute, Segments, Store
+from ..policies import Recompute, Segments
 from ..registry import vjp
 from .checkpoint import checkpointed_loop
-from .reverse import I64, LoopParts, body_seeds, close_loop, count_trips, open_body, settle, take_apart
+from .residuals import declare_outputs, emit_plan, plan_residuals, static_trips
+from .reverse import I64, body_seeds, close_loop, count_trips, open_body, settle, take_apart
 
 
 @vjp("Loop")
@@ -47,6 +46,7 @@ def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     if isinstance(policy, Segments):
         return checkpointed_loop(ctx, node, cts, policy)
     p = take_apart(ctx, node)
+    declare_outputs(ctx.e, p)
     patch = ForwardPatch()
     trips = count_trips(ctx.e, p, patch)
     bb = open_body(ctx, p)
@@ -60,15 +60,12 @@ def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     vjp_nodes = [*body_vjp.nodes, *settled]
 
     residuals = [r for r in reads(vjp_nodes) if r in scope(p.body)]
-    stacked, rerun = plan_residuals(p.body, residuals, policy, p.types)
+    plan = plan_residuals(p, residuals, policy, ctx.e.types)
     bound = {p.iter_in: t, p.cond_in: eb.const(np.array(True))}  # an iteration that ran had cond_in true
-    for r in stacked:
-        if r not in bound:
-            stack_residual(ctx.e, eb, p, r, t, patch)
-    wanted = set(residuals) | set(reads(rerun))
+    wanted = set(residuals) | set(reads(plan.rerun))
     eb.nodes += [Node("Identity", [v], [name], name=eb.fresh(f"grad/{node.name}/bind/{name}"))
                  for name, v in bound.items() if name in wanted]
-    eb.nodes += [nd.copy() for nd in rerun]
+    emit_plan(ctx.e, eb, p, plan, t, trips, patch, static_trips(ctx.e, p))
     eb.nodes += vjp_nodes
     keep_types(p.body, p.types)
     return close_loop(ctx, p, bb, trips, cts, carried, captured, patch)
@@ -94,80 +91,3 @@ def reads(nodes: list[Node]) -> list[str]:
             if name and name not in written:
                 seen.setdefault(name)
     return list(seen)
-
-
-def plan_residuals(body: Graph, needed: list[str], policy: CheckpointPolicy,
-                   types: dict[str, ValueInfo] | None = None) -> tuple[list[str], list[Node]]:
-    """Which body values the forward loop stacks, and which body nodes the backward loop recomputes, so that
-    every value in ``needed`` is available in the backward body.
-
-    :class:`Recompute` stacks only body inputs (the loop-carried values and the iteration number) and
-    recomputes every other needed value. :class:`Store` stacks needed values, except values whose shape may
-    change from one iteration to the next (scan outputs of inner loops, whose length is the inner trip count,
-    and values with dimensions that shape inference could not name): those are recomputed from what can be
-    stacked. Constants are always recomputed. A sequence is never stacked (a scan output is a tensor): it is
-    recomputed, and a tensor read out of a sequence is stacked under both policies (when its shape is fixed),
-    so that no sequence has to be kept per iteration. A loop-carried sequence that must be kept is a
-    :class:`GraphError`."""
-    types = types or {}
-    store = isinstance(policy, Store)
-    producer = {o: nd for nd in body.nodes for o in nd.outputs if o}
-    inputs = set(body.input_names)
-    stacked: dict[str, None] = {}
-    rerun: set[int] = set()
-    want, seen = list(needed), set()
-    while want:
-        v = want.pop()
-        if v in seen or v in body.initializers:
-            continue
-        seen.add(v)
-        nd = producer.get(v)
-        vi = types.get(v)
-        if nd is None:
-            if v in inputs and vi is not None and vi.kind == "sequence":
-                raise GraphError(
-                    f"the backward pass of a loop body needs the loop-carried sequence {v!r} of every iteration, "
-                    "and a sequence cannot be stacked per iteration; revgraph supports loop-carried sequences "
-                    "whose elements are only appended, erased and read (the cotangent then needs no copy of them)"
-                )
-            if v in inputs:
-                stacked.setdefault(v)
-            continue  # captured from the enclosing graph: visible in the backward body as it is
-        inner_scan = nd.op_type in ("Loop", "Scan") and nd.outputs.index(v) >= _n_state(nd)
-        from_sequence = any(is_sequence(types, i) for i in nd.inputs if i)
-        stackable = not inner_scan and nd.op_type != "Constant" and _fixed_shape(vi) and not is_sequence(types, v)
-        if stackable and (store or from_sequence):
-            stacked.setdefault(v)
-            continue
-        if id(nd) not in rerun:
-            rerun.add(id(nd))
-            want.extend(i for i in nd.inputs if i)
-            want.extend(c for sub in nd.subgraphs.values() for c in captured_names(sub))
-    return list(stacked), [nd for nd in body.nodes if id(nd) in rerun]
-
-
-def _fixed_shape(vi: ValueInfo | None) -> bool:
-    """Is the value's shape the same in every iteration? Static dimensions and symbols that name a graph
-    input's dimension are; unknown dimensions (and the ``unk__`` symbols ONNX inference makes up) may not be."""
-    if vi is None or vi.shape is None:
-        return False
-    return all(isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__")) for d in vi.shape)
-
-
-def _n_state(node: Node) -> int:
-    """The number of loop-carried (state) outputs of a ``Loop`` or ``Scan`` node."""
-    if node.op_type == "Loop":
-        return len(node.inputs) - 2
-    return len(node.inputs) - int(node.attrs.get("num_scan_inputs", 0))
-
-
-def stack_residual(e: Emitter, eb: Emitter, p: LoopParts, r: str, t: str, patch: ForwardPatch) -> None:
-    """Make the forward loop stack body value ``r`` per iteration (one more scan output, through ``patch``),
-    and read slice ``t`` of it back under the same name in the backward body ``eb``."""
-    name = p.node.name
-    vi = p.types.get(r) or ValueInfo(r)
-    out, stack = eb.fresh(f"{name}/residual/{r}"), eb.fresh(f"{name}/stacked/{r}")
-    patch.body.append(Node("Identity", [r], [out], name=out))
-    patch.scan_outputs.append((ValueInfo(out, *vi.dtype_shape), stack))
-    e.types[stack] = ValueInfo(stack, vi.dtype, None if vi.shape is None else (None, *vi.shape))
-    eb.nodes.append(Node("Gather", [stack, t], [r], {"axis": 0}, eb.fresh(f"grad/{name}/residual/{r}")))

@@ -145,6 +145,7 @@ def count_trips(e: Emitter, p: LoopParts, patch: ForwardPatch) -> str:
                    Node("Add", [p.iter_in, one], [count_out], name=count_out)]
     patch.carried.append((zero, ValueInfo(count_in, I64, ()), ValueInfo(count_out, I64, ()), trips))
     e.types[trips] = ValueInfo(trips, I64, ())
+    e.types[zero] = ValueInfo(zero, I64, ())
     return trips
 
 
