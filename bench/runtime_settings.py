@@ -210,55 +210,111 @@ def _name(model: str) -> str:
     return NAMES.get(model, model)
 
 
-def render(res: dict) -> str:
-    """The docs/benchmarks.md section."""
+def _command(res: dict) -> str:
     shown, skip = [], False
     for a in res["argv"]:  # where the numbers were written is not part of the command that measures them
         if skip or a in ("-o", "--output", "--json"):
             skip = not skip
             continue
         shown.append(a)
-    cmd = " ".join(["python bench/runtime_settings.py", *shown])
+    return " ".join(["python bench/runtime_settings.py", *shown])
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _findings(models: dict) -> list[str]:
+    """The paragraph that reads the table: each effect as the range of its ratio over the models measured."""
+    def ratios(num, den, field):
+        out = {}
+        for model, cells in models.items():
+            a, b = cells.get(num), cells.get(den)
+            if a and b:
+                out[model] = field(a) / field(b)
+        return out
+
+    def span(r: dict) -> str:
+        if not r:
+            return "n/a"
+        lo, hi = min(r.values()), max(r.values())
+        return f"{lo:.2f}x" if abs(hi - lo) < 0.005 else f"{lo:.2f}x to {hi:.2f}x"
+
+    peak = lambda c: c["step_peak_mb"]  # noqa: E731
+    total = lambda c: c["held_mb"] + c["step_peak_mb"]  # noqa: E731
+    cpu = lambda c: c["cpu_ms"]  # noqa: E731
+    held = {m: c["True|False|two"]["held_mb"] - c["True|False|one"]["held_mb"] for m, c in models.items()
+            if "True|False|two" in c and "True|False|one" in c}
+    return [
+        "What the numbers say (ratios over the models above, each a range from the smallest to the largest):", "",
+        f"- **Memory pattern off** (arena on, one set): step peak {span(ratios('True|False|one', 'True|True|one', peak))} "
+        f"of the pattern's, CPU time {span(ratios('True|False|one', 'True|True|one', cpu))}. The pattern allocates "
+        "every intermediate of a run in one block planned from the previous run, so the peak holds them all at once.",
+        f"- **Arena off** (pattern off, one set): step peak {span(ratios('False|False|one', 'True|False|one', peak))} "
+        f"of the arena's, CPU time {span(ratios('False|False|one', 'True|False|one', cpu))}: each step's tensors are "
+        "allocated and freed through the C allocator (fresh pages to fault in and zero each step), and glibc keeps "
+        "freed memory too, so the arena's reuse costs no more memory.",
+        f"- **One buffer set** (arena on, pattern off): held + step peak "
+        f"{span(ratios('True|False|one', 'True|False|two', total))} of two sets'; held after setup "
+        + ", ".join(f"{_name(m)} {max(d, 0.0):.1f} MB" for m, d in held.items())
+        + f" less; CPU time {span(ratios('True|False|one', 'True|False|two', cpu))}. Adam holds parameters, "
+        "moments and gradients (4P) where two sets held 6P; the split step's update reads the gradients from "
+        "buffers and allocates its temporaries anew, where the fused graph reuses the buffers of gradients it no "
+        "longer needs, so its step peak is higher by up to about twice the largest parameter.",
+        "- **Training default** (`rg.Trainer`, `revgraph train`): memory pattern off, arena on, one buffer set. "
+        "`rg.Session` keeps onnxruntime's defaults (measured here for training steps only).", ""]
+
+
+def render(results: list[dict]) -> str:
+    """The docs/benchmarks.md section from one or more runs (``results``, each the JSON of a run)."""
+    models = {m: c for res in results for m, c in res["models"].items()}
+    runs = [f"`{_command(res)}` on {res['date']} (commit {res['commit']}, onnxruntime {res['onnxruntime']}, "
+            f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}, {res['turns']} turns, "
+            f"{', '.join(_name(m) for m in res['models'])}; load average {res['load_start']} at the start, "
+            f"{res['load_end']} at the end; raw numbers `bench/results/{res.get('json_name', 'runtime_settings.json')}`)"
+            for res in results]
     lines = [BEGIN, "## Runtime memory settings and buffer sets", "",
-             f"Written by `{cmd}` on {res['date']} (commit {res['commit']}, onnxruntime {res['onnxruntime']}, "
-             f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}, {res['turns']} turns; load average "
-             f"{res['load_start']} at the start, {res['load_end']} at the end on a shared machine). Raw numbers: "
-             "`bench/results/runtime_settings.json`.", "",
-             "An Adam step of `rg.Trainer` at batch 64 per onnxruntime setting (`rg.RuntimeOptions(arena=, "
-             "memory_pattern=)`) and buffer layout (`buffers=\"two\"`: the fused step graph, parameters and state "
-             "swapped between two sets; `\"one\"`: the step split into grad and update graphs, the update writing "
-             "over its inputs). Each configuration is a fresh process. *held*: resident memory after building the "
-             "trainer minus before; *setup HWM*: the process's VmHWM after setup; *step peak*: VmHWM over the first "
-             "three steps minus the resident size after setup; *kept*: resident memory after those steps minus "
-             "after setup; *step ms*: median over turns (configurations alternate) of each turn's mean; *vs "
-             "default*: against onnxruntime's defaults with two sets (the engine before issue 24). Every "
-             "configuration trains to bitwise the same parameters (*same bits*).", "",
+             "Written by " + "; and ".join(runs) + ", on a shared machine (other processes ran: wall times move "
+             "with the load, CPU times less).", "",
+             "An Adam step of `rg.Trainer` per onnxruntime setting (`rg.RuntimeOptions(arena=, memory_pattern=)`) "
+             "and buffer layout (`buffers=\"two\"`: the fused step graph, parameters and state swapped between two "
+             "sets; `\"one\"`: the step split into grad and update graphs, the update writing over its inputs), at "
+             "batch 64 but for the LLaMA. Each configuration is a fresh process. *held*: resident memory after "
+             "building the trainer minus before; *setup HWM*: the process's VmHWM after setup; *step peak*: VmHWM "
+             "over the first three steps minus the resident size after setup; *kept*: resident memory after those "
+             "steps minus after setup; *step ms*, *CPU ms*: medians over turns (configurations alternate) of each "
+             "turn's mean wall and process CPU time per step; *CPU vs default*: against onnxruntime's defaults with "
+             "two sets (the engine before issue 24). *same bits*: the parameters and state after 4 steps are "
+             "bitwise those of the first configuration of the model.", "",
              "| model | arena | memory pattern | buffers | held MB | setup HWM MB | step peak MB | held + peak MB | "
              "kept MB | step ms | CPU ms | CPU vs default | same bits |",
              "| :--- | :---: | :---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
     on = {"True": "on", "False": "off"}
-    for model, cells in res["models"].items():
-        ref = cells.get("|".join(map(str, CONFIGS[0]))) or next(iter(cells.values()))
+    for model, cells in models.items():
+        ref = cells.get("|".join(map(str, CONFIGS[0])))
+        first = next(iter(cells.values()))
         for key, c in cells.items():
             a, m, b = key.split("|")
+            versus = f"{c['cpu_ms'] / ref['cpu_ms']:.2f}x" if ref else "n/a"
             lines.append(f"| {_name(model)} | {on[a]} | {on[m]} | {b} | {c['held_mb']:.1f} | "
                          f"{c['setup_hwm_mb']:.0f} | {c['step_peak_mb']:.1f} | {c['held_mb'] + c['step_peak_mb']:.1f} | "
-                         f"{c['kept_mb']:.1f} | {c['step_ms']:.2f} | {c['cpu_ms']:.2f} | "
-                         f"{c['cpu_ms'] / ref['cpu_ms']:.2f}x | {'yes' if c['digest'] == ref['digest'] else 'no'} |")
+                         f"{c['kept_mb']:.1f} | {c['step_ms']:.2f} | {c['cpu_ms']:.2f} | {versus} | "
+                         f"{'yes' if c['digest'] == first['digest'] else 'no'} |")
     a, m, b = DEFAULT_KEY.split("|")
-    lines += ["", f"Step memory per model, onnxruntime's defaults with two sets against the training default "
-              f"(arena {on[a]}, memory pattern {on[m]}, {b} set):", "",
+    lines += ["", f"Per model, onnxruntime's defaults with two sets against the training default (arena {on[a]}, "
+              f"memory pattern {on[m]}, {b} set):", "",
               "| model | default: held + step peak MB | training default: held + step peak MB | ratio | "
               "CPU time ratio | wall time ratio |",
               "| :--- | ---: | ---: | ---: | ---: | ---: |"]
-    for model, cells in res["models"].items():
+    for model, cells in models.items():
         ref, new = cells.get("True|True|two"), cells.get(DEFAULT_KEY)
         if ref is None or new is None:
             continue
-        a, b = ref["held_mb"] + ref["step_peak_mb"], new["held_mb"] + new["step_peak_mb"]
-        lines.append(f"| {_name(model)} | {a:.1f} | {b:.1f} | {b / a:.2f}x | "
+        x, y = ref["held_mb"] + ref["step_peak_mb"], new["held_mb"] + new["step_peak_mb"]
+        lines.append(f"| {_name(model)} | {x:.1f} | {y:.1f} | {y / x:.2f}x | "
                      f"{new['cpu_ms'] / ref['cpu_ms']:.2f}x | {new['step_ms'] / ref['step_ms']:.2f}x |")
-    lines.append(END)
+    lines += ["", *_findings(models), END]
     return "\n".join(lines) + "\n"
 
 
@@ -283,10 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-batch", type=int, default=8, help="sequences of 128 tokens of the LLaMA (default 8)")
     parser.add_argument("--json", default=str(HERE / "results" / "runtime_settings.json"))
     parser.add_argument("-o", "--output", default=str(ROOT / "docs" / "benchmarks.md"))
-    parser.add_argument("--render", metavar="JSON", help="only rewrite the section from saved numbers")
+    parser.add_argument("--render", metavar="JSON", nargs="+",
+                        help="only rewrite the section from saved numbers (one or more runs, in table order)")
     args = parser.parse_args(argv)
     if args.render:
-        write_section(Path(args.output), render(json.loads(Path(args.render).read_text())))
+        runs = []
+        for path in args.render:
+            res = json.loads(Path(path).read_text())
+            res["json_name"] = Path(path).name
+            runs.append(res)
+        write_section(Path(args.output), render(runs))
         return 0
     if args.quick:
         args.turns, args.seconds = 3, 0.15
@@ -327,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     res["seconds"] = time.perf_counter() - t0
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=1))
-    write_section(Path(args.output), render(res))
+    res["json_name"] = Path(args.json).name
+    write_section(Path(args.output), render([res]))
     log(f"wrote {args.output} and {args.json} in {res['seconds']:.0f} s")
     return 0
 
