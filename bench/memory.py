@@ -3,6 +3,7 @@ PyTorch with activation checkpointing, JAX and JAX with ``jax.checkpoint`` (issu
 
     python bench/memory.py [--quick] [--models llama transformer cnn rnn] [--configs rg pt jax ...] [--turns N]
                            [--largest-batch] [--json FILE] [--write-docs]
+    python bench/memory.py --largest-batch --from bench/results/memory.json   # only the largest batches, later
     python bench/memory.py --render bench/results/memory.json --write-docs    # the docs section from saved numbers
 
 Rows: the LLaMA of transformers' ``LlamaConfig`` (memory_common.LLAMA) at 8 x 128 and 64 x 128 tokens, the bench
@@ -12,6 +13,9 @@ imports one framework, builds the step, warms it up and measures one step (memor
 *total*); then the cells of a row take turns timing their steps (``--turns``, each turn about ``--turn-seconds``
 of steps per cell, the starting cell rotating), and the step time is the median over the turns. The first-step
 losses of a row must agree (same weights, same batch): a check of every framework's model against the others.
+
+Every cell runs a copy of src/revgraph made when the run starts (``--no-snapshot``: the working tree), so that
+edits made meanwhile (the tree is shared) do not split a run between two versions.
 
 ``--largest-batch``: the largest LLaMA batch whose step stays under ``--limit-gib`` (8) GiB of *total* memory,
 per configuration: a line through the two LLaMA rows' totals predicts it, rounded down to a multiple of 8, and a
@@ -113,10 +117,33 @@ class Bench:
         self.logs = self.cache / "logs" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         self.logs.mkdir(parents=True, exist_ok=True)
         self.files: dict = {}
+        self.env = {**THREAD_ENV, **dict(kv.split("=", 1) for kv in args.worker_env or [])}
+        self.source = self.snapshot() if args.snapshot else {"snapshot": None}
+
+    def reuse(self, source: dict) -> None:
+        """Run the revgraph snapshot of an earlier run (``source``) if it is still in the cache."""
+        path = (source or {}).get("snapshot") or ""
+        path = path.replace("<cache>", str(self.cache))
+        if os.path.isdir(os.path.join(path, "revgraph")):
+            self.env["PYTHONPATH"] = path + os.pathsep + os.environ.get("PYTHONPATH", "")
+            self.source = {**source, "reused": True}
+
+    def snapshot(self) -> dict:
+        """Copy src/revgraph as it is now and put the copy first on the workers' path: every cell of the run
+        measures the same revgraph, whatever is edited in the working tree meanwhile."""
+        import hashlib
+        import shutil
+        import subprocess
+
+        dst = self.logs / "src"
+        shutil.copytree(ROOT / "src" / "revgraph", dst / "revgraph", ignore=shutil.ignore_patterns("__pycache__"))
+        self.env["PYTHONPATH"] = str(dst) + os.pathsep + os.environ.get("PYTHONPATH", "")
+        diff = subprocess.run(["git", "diff", "HEAD", "--", "src"], capture_output=True, cwd=ROOT).stdout
+        return {"snapshot": str(dst), "src_diff_sha1": hashlib.sha1(diff).hexdigest()[:12] if diff else None,
+                "src_diff_lines": diff.count(b"\n")}
 
     def worker(self, name: str) -> Worker:
-        extra = dict(kv.split("=", 1) for kv in self.args.worker_env or [])
-        return Worker(name, sys.executable, self.logs, env={**THREAD_ENV, **extra})
+        return Worker(name, sys.executable, self.logs, env=self.env)
 
     def prepare(self, rows: list[dict]) -> dict:
         with self.worker("prepare") as w:
@@ -151,7 +178,7 @@ class Bench:
     def time_group(self, live: list[tuple[str, Worker]], cells: dict) -> None:
         """Turns of timed steps over the live workers (the starting one rotates), then close them."""
         times: dict[str, list[float]] = {c: [] for c, _ in live}
-        cpu: dict[str, list[float]] = {c: [] for c, _ in live}
+        cpu: dict[str, list[dict]] = {c: [] for c, _ in live}
         for turn in range(self.args.turns):
             order = live[turn % len(live):] + live[:turn % len(live)] if live else []
             for config, w in order:
@@ -161,13 +188,14 @@ class Bench:
                     cells[config]["time_error"] = exc.error
                     continue
                 times[config].append(t["mean"])
-                cpu[config].append(t["cpu"])
+                cpu[config].append(t)
         for config, w in live:
             w.close()
             if times[config]:
                 cells[config]["step_ms"] = 1e3 * statistics.median(times[config])
                 cells[config]["step_ms_turns"] = [1e3 * t for t in times[config]]
-                cells[config]["cpu_per_wall"] = statistics.median(cpu[config])
+                for key, name in (("cpu", "cpu_per_wall"), ("sys", "sys_per_wall"), ("page_faults", "page_faults")):
+                    cells[config][name] = statistics.median(t[key] for t in cpu[config])
 
     def row(self, row: dict, configs: list[str]) -> dict:
         log(f"{row['id']}: {row_label(row)}")
@@ -240,6 +268,22 @@ class Bench:
         return out
 
 
+def largest_only(args) -> dict:
+    """``--largest-batch --from JSON``: the largest-batch search on the LLaMA rows of saved results (with the
+    revgraph snapshot of that run when it is still in the cache), written back into them."""
+    res = json.loads(Path(args.from_json).read_text())
+    bench = Bench(args)
+    bench.reuse(res.get("source"))
+    rows = [r for r in res["rows"] if r["model"] == "llama"]
+    bench.prepare([{k: r[k] for k in ("id", "model", "batch", "step")} for r in rows])
+    configs = [c for c in res["configs"] if not args.configs or c in args.configs]
+    log(f"largest LLaMA batch under {args.limit_gib} GiB, from {args.from_json}")
+    res["largest"] = bench.largest(rows, configs, args.limit_gib)
+    res["largest"].update(command="python bench/memory.py " + " ".join(sys.argv[1:]), source=bench.source,
+                          started=dt.datetime.now().isoformat(timespec="seconds"))
+    return res
+
+
 def run(args) -> dict:
     models = args.models or list(MODELS)
     configs = args.configs or list(CONFIGS)
@@ -254,6 +298,7 @@ def run(args) -> dict:
            "turns": args.turns, "turn_seconds": args.turn_seconds, "configs": {c: CONFIGS[c] for c in configs},
            "threads": THREAD_ENV, "worker_env": args.worker_env or []}
     res["versions"] = bench.prepare(rows)
+    res["source"] = bench.source
     res["rows"] = [bench.row(r, configs) for r in rows]
     if args.largest_batch:
         log(f"largest LLaMA batch under {args.limit_gib} GiB")
@@ -329,9 +374,13 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
             ["machine", f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['os']}"],
             ["load average (1, 5, 15 min)", f"{res['load_start']} at the start, {res.get('load_end')} at the end "
              "(shared machine: other processes ran during the run)"],
-            ["revgraph", f"commit {m['commit']}" + (" with local changes under src/" if m.get("src_modified") else "")
-             + f", onnxruntime {v.get('onnxruntime')}, onnx {v.get('onnx')}, numpy {v.get('numpy')}, Python "
-             f"{v.get('python')}"],
+            ["revgraph", f"commit {m['commit']}" + (
+                f" with local changes under src/ (diff {res.get('source', {}).get('src_diff_sha1')}, "
+                f"{res.get('source', {}).get('src_diff_lines')} lines: other work in progress in the shared tree)"
+                if m.get("src_modified") else "")
+             + (", copied when the run started (every cell runs the copy)" if res.get("source", {}).get("snapshot")
+                else "") + f"; onnxruntime {v.get('onnxruntime')}, onnx {v.get('onnx')}, numpy {v.get('numpy')}, "
+             f"Python {v.get('python')}"],
             ["PyTorch", f"{v.get('torch')}, transformers {v.get('transformers')}"],
             ["JAX", f"jax {v.get('jax')}, jaxlib {v.get('jaxlib')}, optax {v.get('optax')}"],
         ], "ll"),
@@ -504,7 +553,10 @@ def _largest_section(lg: dict, configs: list[str]) -> list[str]:
             f"{lg['from'][1]} rows' totals predicts the batch at {lg['limit_gib']:g} GiB = "
             f"{lg['limit_gib'] * 1024:,.0f} MB; its multiple of 8 below runs in a fresh process and the batch "
             f"steps down by 8 while its total is over the limit (at most 3 tries). This part took "
-            f"{lg['seconds'] / 60:.1f} minutes.", "",
+            f"{lg['seconds'] / 60:.1f} minutes" + (f" (`{lg['command']}` on {lg['started'][:10]}, with the same "
+                                                 "revgraph as the rows above)" if lg.get("command") and
+                                                 lg.get("source", {}).get("reused") else
+                                                 f" (`{lg['command']}`)" if lg.get("command") else "") + ".", "",
             table(["configuration", "MB per sequence", "predicted", "largest confirmed", "runs (batch: total)"],
                   rows, "lrrrl")]
 
@@ -547,6 +599,9 @@ def main(argv=None) -> int:
     parser.add_argument("--turn-seconds", type=float)
     parser.add_argument("--largest-batch", action="store_true")
     parser.add_argument("--limit-gib", type=float, default=8.0)
+    parser.add_argument("--from", dest="from_json", metavar="JSON",
+                        help="with --largest-batch: measure only the largest batches, from the LLaMA rows of saved "
+                             "results (written back into them, or into --json)")
     parser.add_argument("--json")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--render", metavar="JSON", help="no measurement: render saved results")
@@ -555,6 +610,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker call")
     parser.add_argument("--reserve-gib", type=float, default=4.0,
                         help="time the live cells of a row early when less memory than this is available")
+    parser.add_argument("--no-snapshot", dest="snapshot", action="store_false",
+                        help="run the working tree's src/revgraph in each cell instead of a copy made at the start")
     parser.add_argument("--worker-env", nargs="+", metavar="KEY=VALUE",
                         help="more environment for the cells (e.g. MALLOC_MMAP_THRESHOLD_=131072)")
     args = parser.parse_args(argv)
@@ -566,14 +623,15 @@ def main(argv=None) -> int:
         res = json.loads(Path(args.render).read_text())
         json_path = args.render
     else:
-        res = run(args)
-        json_path = args.json or str(HERE / "results" / ("memory-quick.json" if args.quick else "memory.json"))
+        res = largest_only(args) if args.from_json else run(args)
+        json_path = args.json or args.from_json or str(
+            HERE / "results" / ("memory-quick.json" if args.quick else "memory.json"))
         from report_format import portable
 
         res = portable(res, {str(ROOT): "<repo>", str(Path(args.cache)): "<cache>", tempfile.gettempdir(): "<tmp>"})
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
-        log(f"wrote {json_path} ({res['seconds'] / 60:.1f} minutes)")
+        log(f"wrote {json_path}")
     console_table(res)
     if args.write_docs:
         rel = os.path.relpath(Path(json_path).resolve(), ROOT)
