@@ -10,6 +10,7 @@ from ...ir import Graph, Node, ValueInfo, fresh_name, onnx_dtype
 from ...types import infer_types
 from ..registry import LOWERED
 from .recurrent import RECURRENT_OPS, lower_recurrent
+from .reverse import complete_loop_types, refine
 from .rewrite import replace_nodes
 from .scan import lower_scans
 
@@ -24,7 +25,11 @@ _MAKES_SEQUENCES = frozenset({"SequenceEmpty", "SequenceConstruct", "SequenceIns
 def lower_to_loops(graph: Graph, types: dict[str, ValueInfo] | None, used: set[str]) -> bool:
     """Rewrite, in place and in every subgraph, each ``Scan``/``LSTM``/``GRU``/``RNN`` node into the
     equivalent ``Loop``; fresh names avoid ``used``; ``types`` (inferred here when ``None``) gains the types of
-    the new values (rules need static ranks). Returns True if the graph changed."""
+    the new values (rules need static ranks), and the shapes of loops' carried outputs that ONNX's inference
+    leaves out (:func:`.reverse.complete_loop_types`; also when nothing is rewritten). Returns True if the graph
+    changed."""
+    if types is not None:
+        _complete_loop_types(graph, types)
     ops = {n.op_type for _, n in graph.walk() if n.domain in ("", "ai.onnx")}
     if "Scan" not in ops and not ops & set(RECURRENT_OPS) and "SequenceMap" not in ops:
         return False
@@ -40,7 +45,17 @@ def lower_to_loops(graph: Graph, types: dict[str, ValueInfo] | None, used: set[s
     if changed:
         for name, vi in infer_types(graph).items():
             types.setdefault(name, vi)
+        _complete_loop_types(graph, types)
     return changed
+
+
+def _complete_loop_types(graph: Graph, types: dict[str, ValueInfo]) -> None:
+    """The shapes of the loops' carried outputs (:func:`.reverse.complete_loop_types`), declared in the graph's
+    value_info, and the types inferred again from them."""
+    completed = complete_loop_types(graph.nodes, types)
+    if completed:
+        graph.value_info.update(completed)
+        refine(types, infer_types(graph))
 
 
 def lower_sequence_maps(graph: Graph, types: dict[str, ValueInfo], used: set[str]) -> bool:

@@ -73,7 +73,47 @@ def body_types(body: Graph, outer: dict[str, ValueInfo], hints: dict[str, ValueI
     for c in captured:
         types.setdefault(c.name, c)
     sequence_types(body.nodes, types, {}, body.opset)
+    completed = complete_loop_types(body.nodes, types)
+    if completed:  # inferred again from them, so that the values computed from an inner loop's results have shapes
+        probe.value_info = {**probe.value_info, **completed}
+        refine(types, infer_types(probe))
     return types
+
+
+def refine(types: dict[str, ValueInfo], better: dict[str, ValueInfo]) -> None:
+    """Take from ``better`` the types ``types`` lacks or knows without a shape."""
+    for name, vi in better.items():
+        old = types.get(name)
+        if old is None or old.shape is None and vi.shape is not None and old.kind == vi.kind:
+            types[name] = vi
+
+
+def complete_loop_types(nodes: list[Node], types: dict[str, ValueInfo]) -> dict[str, ValueInfo]:
+    """Give the final value of each carried tensor of each ``Loop`` in ``nodes`` (not in their bodies) the shape
+    its body declares, where ``types`` has none: ONNX's inference leaves a loop's carried outputs unshaped (a
+    carried value may change shape in general), so rules reading them later would need ``Shape`` nodes or refuse
+    (an unknown rank) and their residuals would have no size. Only when the body declares its input and output
+    with one fixed shape and the initial value's known shape agrees. Returns the types it set."""
+    completed: dict[str, ValueInfo] = {}
+    for node in nodes:
+        if node.op_type != "Loop" or "body" not in node.attrs:
+            continue
+        body: Graph = node.attrs["body"]
+        n = len(node.inputs) - 2
+        for j, out in enumerate(node.outputs[:n]):
+            known = types.get(out)
+            if not out or j + 2 >= len(body.inputs) or j + 1 >= len(body.outputs) or (
+                    known is not None and known.shape is not None):
+                continue
+            a, b, init = body.inputs[2 + j], body.outputs[1 + j], types.get(node.inputs[2 + j])
+            fixed = a.shape is not None and all(isinstance(d, int) for d in a.shape)
+            if not (fixed and a.kind == b.kind == "tensor" and a.shape == b.shape and a.dtype is not None
+                    and b.dtype in (None, a.dtype)):
+                continue
+            if init is not None and init.shape is not None and init.shape != a.shape:
+                continue
+            types[out] = completed[out] = ValueInfo(out, a.dtype, a.shape)
+    return completed
 
 
 def take_apart(ctx: Ctx, node: Node) -> LoopParts:
