@@ -41,7 +41,9 @@ def _run(gg: Graph, feeds: dict) -> dict:
             return ref
     for k in out:
         if k.endswith("_grad"):
-            np.testing.assert_allclose(out[k], ref[k], rtol=1e-12, atol=1e-14, err_msg=k)  # summation order
+            # summation order: a gradient that cancels to about 0 keeps the rounding of its terms (Hypothesis
+            # found exp(exp(x) / p / p) terms whose sum is -2.3e-13 on one runtime and 0 on the other)
+            np.testing.assert_allclose(out[k], ref[k], rtol=1e-12, atol=1e-11, err_msg=k)
     return out
 
 
