@@ -70,14 +70,15 @@ def node_kind(node: Node) -> str:
 
     The backward pass names its nodes ``grad/<forward node>/...``, ``accum/<value>/...`` and ``seed/<y>/...``
     (DESIGN.md section 5), and the names survive saving and loading, so a gradient graph read back from a
-    file is coloured the same way.
+    file is coloured the same way. Recomputations (``remat/<forward node>``, DESIGN.md section 7) run in the
+    backward and are drawn as backward nodes.
     """
     name = node.name or ""
     if name.startswith("accum/"):
         return "accum"
     if name.startswith("seed/"):
         return "seed"
-    if name.startswith("grad/"):
+    if name.startswith(("grad/", "remat/")):  # (remat/: a forward node the memory planner reruns in the backward)
         return "backward"
     return "forward"
 
