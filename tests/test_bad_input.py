@@ -416,3 +416,31 @@ def test_axes_beyond_32_bits(tmp_path, capsys, op, attr, value):
     node = helper.make_node(op, ["x"], ["y"], name="n1", **{attr: value})
     every_command_refuses(raw_model(tmp_path / "m.onnx", [node]), tmp_path, capsys, "node 'n1'",
                           f"attribute {attr!r} holds", "not an axis")
+
+
+@pytest.mark.parametrize("declared", [[None], [3, 1]])
+def test_declared_output_type_that_a_loop_hides_from_onnx(tmp_path, capsys, declared):
+    # h = Loop(3 x (h <- sin(h * w))) of x [3]; y = ReduceSum(h, keepdims=0) is a scalar, but the model says
+    # y has rank 1 (or 2). ONNX's check of the model cannot see through the loop (its carried output has no
+    # shape there); revgraph completes the loop's shapes from the body, so the check of the gradient graph
+    # finds the contradiction at the model's own node 'sum': bad input (exit 2), not an internal error.
+    b = helper.make_graph(
+        [helper.make_node("Mul", ["h_in", "w"], ["m"]), helper.make_node("Sin", ["m"], ["h_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_in", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [3])])
+    g = helper.make_graph(
+        [helper.make_node("Loop", ["trip", "", "x"], ["h"], body=b, name="loop"),
+         helper.make_node("ReduceSum", ["h"], ["y"], keepdims=0, name="sum")], "hidden",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, declared)],
+        initializer=[helper.make_tensor("trip", TensorProto.INT64, [], [3]),
+                     helper.make_tensor("w", TensorProto.FLOAT, [3], [0.5, 1.0, 1.5])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    assert main(["grad", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "g.onnx")]) == 2
+    one_line(capsys, "declared types disagree", "'sum'")
+    assert not (tmp_path / "g.onnx").exists()

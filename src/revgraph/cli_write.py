@@ -71,9 +71,35 @@ def write_graph(gg: Graph, path: str, opset: int | None, what: str):
         except Exception as exc:
             raise RevgraphError(f"cannot write the {what} at opset {opset}: {converter_error(exc)}") from None
     if not too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
-        onnx.checker.check_model(model, full_check=True)
+        try:
+            onnx.checker.check_model(model, full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+            _refuse_inconsistent_model(exc, gg, what)
+            raise
     save(model, path)
     return model
+
+
+def _refuse_inconsistent_model(exc: Exception, gg: Graph, what: str) -> None:
+    """Raise :class:`RevgraphError` (exit 2) when ONNX's check of the written graph fails at one of the model's
+    own nodes: its declared types disagree with what its nodes compute, which ONNX's check of the model alone
+    can miss (a loop's carried shapes, which revgraph completes from the body's declarations, reach the nodes
+    after the loop). A failure at a node revgraph wrote is left to the caller (a bug: exit 3)."""
+    import re
+
+    text = str(exc)
+    m = re.search(r"node name: ([^)]*)\)", text)
+    node = m.group(1) if m else None
+    if node is None:
+        return
+    from .autodiff.memory import is_backward_node
+
+    ours = [n for n in gg.nodes if n.name == node]
+    if ours and not any(is_backward_node(n) or n.name.startswith("hoist/") for n in ours):
+        detail = text.strip().splitlines()[0][:300]
+        raise RevgraphError(f"the {what} cannot be written: the model's declared types disagree with what its node "
+                            f"{node!r} computes ({detail}); correct the model's output and value_info types") from None
+
 
 
 def count_nodes(model, forward: Graph) -> tuple[int, int]:

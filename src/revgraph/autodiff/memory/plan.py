@@ -343,6 +343,7 @@ def _hoist_shapes(graph: Graph) -> None:
             node.name = HOIST_PREFIX + node.name.split("/", 1)[1]  # (grad/, accum/ or seed/ ...)
             moved.setdefault(producer[node.inputs[0]], []).append(node)
             gone.add(k)
+            _type_shape_node(graph, node)
     if moved:
         out: list[Node] = []
         for k, node in enumerate(graph.nodes):
@@ -350,6 +351,22 @@ def _hoist_shapes(graph: Graph) -> None:
                 out.append(node)
                 out.extend(moved.get(k, ()))
         graph.nodes = out
+
+
+def _type_shape_node(graph: Graph, node: Node) -> None:
+    """Declare the output of a hoisted ``Shape`` (int64 ``[rank]``, or its ``start:end`` slice) or ``Size``
+    (int64 scalar) where it is undeclared and the input's rank is known, so that it is sized as a residual."""
+    out = node.outputs[0] if node.outputs else ""
+    vi = graph.type_of(node.inputs[0])
+    if not out or out in graph.value_info:
+        return
+    if node.op_type == "Size":
+        graph.value_info[out] = ValueInfo(out, np.int64, ())
+    elif vi is not None and vi.shape is not None:
+        r = len(vi.shape)
+        start, end = node.attrs.get("start", 0), node.attrs.get("end", r)
+        n = len(range(r)[slice(start, end)])
+        graph.value_info[out] = ValueInfo(out, np.int64, (n,))
 
 
 def _rewrite(graph: Graph, p: _Problem, chosen: list[int]) -> None:
