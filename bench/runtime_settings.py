@@ -254,14 +254,16 @@ def _findings(models: dict) -> list[str]:
         f"- **Arena off** (pattern off, one set): step peak {span(ratios('False|False|one', 'True|False|one', peak))} "
         f"of the arena's, CPU time {span(ratios('False|False|one', 'True|False|one', cpu))}: each step's tensors are "
         "allocated and freed through the C allocator (fresh pages to fault in and zero each step), and glibc keeps "
-        "freed memory too, so the arena's reuse costs no more memory.",
+        "freed memory too, so the arena's reuse costs no more memory. Between steps the arena keeps what it grew; "
+        "without it part of the peak returns to the system (*kept*).",
         f"- **One buffer set** (arena on, pattern off): held + step peak "
         f"{span(ratios('True|False|one', 'True|False|two', total))} of two sets'; held after setup "
         + ", ".join(f"{_name(m)} {max(d, 0.0):.1f} MB" for m, d in held.items())
         + f" less; CPU time {span(ratios('True|False|one', 'True|False|two', cpu))}. Adam holds parameters, "
         "moments and gradients (4P) where two sets held 6P; the split step's update reads the gradients from "
         "buffers and allocates its temporaries anew, where the fused graph reuses the buffers of gradients it no "
-        "longer needs, so its step peak is higher by up to about twice the largest parameter.",
+        "longer needs, so its step peak can be higher (up to about twice the largest parameter: the wide MLP); "
+        "held plus peak is never higher.",
         "- **Training default** (`rg.Trainer`, `revgraph train`): memory pattern off, arena on, one buffer set. "
         "`rg.Session` keeps onnxruntime's defaults (measured here for training steps only).", ""]
 
