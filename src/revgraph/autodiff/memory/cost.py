@@ -41,6 +41,10 @@ ELEMENTWISE = frozenset({
     "Or", "Pow", "PRelu", "Reciprocal", "Relu", "Round", "Selu", "Sigmoid", "Sign", "Sin", "Sinh", "Softplus",
     "Softsign", "Sqrt", "Sub", "Sum", "Swish", "Tan", "Tanh", "ThresholdedRelu", "Where", "Xor"})
 
+#: free operators that onnxruntime runs without copying (the output aliases the input): the others of
+#: :data:`FREE` copy their input (one pass over memory), so the default plan costs them like cheap nodes
+ALIASING = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
 #: operations per output element of operators that are neither free nor contractions (default 1)
 PER_ELEMENT = {
     "Exp": 4, "Log": 4, "Tanh": 6, "Sigmoid": 5, "Erf": 8, "Gelu": 10, "Sqrt": 2, "Pow": 8, "Sin": 6, "Cos": 6,
@@ -86,6 +90,14 @@ def recomputable(node: Node, constant=lambda name: None) -> bool:
             "SplitToSequence", "ConcatFromSequence", "Optional", "OptionalGetElement", "OptionalHasElement"):
         return False
     return True
+
+
+def is_identity(node: Node) -> bool:
+    """Does ``node``'s only output equal its first input (``Identity``; ``Dropout`` writing no mask, which
+    :func:`recomputable` lets through only where it draws nothing)? Its recomputation is no node at all: the
+    backward reads the input instead."""
+    return node.op_type in ("Identity", "Dropout") and node.domain in ("", "ai.onnx") and bool(node.inputs) and \
+        [o for o in node.outputs if o] == node.outputs[:1]
 
 
 def cheap(node: Node, types: Mapping[str, ValueInfo], dims: Mapping[str, int]) -> bool:

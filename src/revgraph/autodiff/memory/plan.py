@@ -51,7 +51,7 @@ from ...ir import REMAT_PREFIX, Graph, Node, ValueInfo, fresh_name
 from ...runtime_options import ORT_DISABLED_OPTIMIZERS
 from ...ssa import captured_names
 from .budget import DEFAULT_SYMBOLIC_DIM, Budget
-from .cost import cheap, flops, recomputable
+from .cost import ALIASING, cheap, flops, is_identity, recomputable
 from .mincut import INF, Network
 from .residuals import is_backward_node, value_bytes
 
@@ -62,7 +62,7 @@ _TIE = 1e-3  # tie-breaking cost of a recomputation, per byte it writes
 _KEEP = frozenset({"Shape", "Size", "Constant"})  # outputs a few bytes: kept, never recomputed (Shape reads a value)
 HOIST_PREFIX = "hoist/"  # backward Shape/Size nodes moved into the forward (_hoist_shapes)
 _MIN_SAVING = 16384  # bytes a free recomputation must save in the default plan (per-node cost of running it)
-_CHEAP = 0.5  # in the default plan, recomputing a cheap elementwise node costs this share of its output bytes
+_CHEAP = 0.5  # in the default plan, recomputing a cheap or copying node costs this share of its output bytes
 _SKEW = 0.05  # FLOPs of the last forward node count this much more than the first's (see _Cuts)
 
 
@@ -228,7 +228,8 @@ class _Cuts:
             tie = max(1, math.ceil(_TIE * out_bytes / unit))
             if default:  # a recomputation is one more node to run: worth it for a real saving
                 tie = max(tie, math.ceil(_MIN_SAVING / unit))
-                if f and p.is_cheap(k):  # one pass over its output: worth it where it saves more than half of that
+                if (f and p.is_cheap(k)) or (f == 0 and node.op_type not in ALIASING and not is_identity(node)):
+                    # one pass over its output (elementwise, or a copy): worth it where it saves twice that
                     f, tie = 0, tie + math.ceil(_CHEAP * out_bytes / unit)
             self.ties.append(tie)
             self.flops.append(f * (1 + _SKEW * p.position[k]))  # later nodes a little dearer: ties flip one by one
@@ -376,6 +377,9 @@ def _rewrite(graph: Graph, p: _Problem, chosen: list[int]) -> None:
     copies: dict[int, Node] = {}
     for k in chosen:  # forward order: a copy's recomputed inputs are renamed already
         node = graph.nodes[k]
+        if is_identity(node):  # (Identity, Dropout that draws nothing): read its input, recomputed or kept
+            rename[node.outputs[0]] = rename.get(node.inputs[0], node.inputs[0])
+            continue
         new = node.copy()
         new.name = fresh_name(f"{REMAT_PREFIX}{node.name or node.op_type}", used)
         new.inputs = [rename.get(i, i) for i in node.inputs]
@@ -394,15 +398,15 @@ def _rewrite(graph: Graph, p: _Problem, chosen: list[int]) -> None:
             for i in node.inputs:
                 first.setdefault(i, pos)
     at: dict[int, int] = {}
-    remat = set(rename.values())
-    for k in reversed(chosen):  # a copy runs before its first reader, backward node or copy
+    remat = {o for new in copies.values() for o in new.outputs if o}
+    for k in reversed(list(copies)):  # a copy runs before its first reader, backward node or copy
         new = copies[k]
         at[k] = min((first[o] for o in new.outputs if o in first), default=len(p.backward))
         for i in new.inputs:
             if i in remat:
                 first[i] = min(first.get(i, at[k]), at[k])
     slots: dict[int, list[Node]] = {}
-    for k in chosen:
+    for k in copies:
         slots.setdefault(at[k], []).append(copies[k])
     out = [graph.nodes[k] for k in p.forward]
     for pos, k in enumerate(p.backward):
