@@ -19,7 +19,10 @@ edits made meanwhile (the tree is shared) do not split a run between two version
 
 ``--largest-batch``: the largest LLaMA batch whose step stays under ``--limit-gib`` (8) GiB of *total* memory,
 per configuration: a line through the two LLaMA rows' totals predicts it, rounded down to a multiple of 8, and a
-fresh process at that batch confirms it (stepping down by 8 while it is over the limit, at most 3 tries).
+fresh process at that batch confirms it. A run over the limit is followed by one at the batch the line through
+the larger row and that run predicts (rounded down to a multiple of 8, and at least 8 below), at most 3 runs:
+stepping down by 8 alone does not get under the limit when the line through the small batches is off by more than
+a few steps' worth (about 135 MB per 8 sequences).
 
 Results go to ``--json`` (default bench/results/memory.json, bench/results/memory-quick.json with --quick);
 ``--write-docs`` puts the section "Memory" into docs/benchmarks.md between ``<!-- memory:begin -->`` and
@@ -262,7 +265,14 @@ class Bench:
                 if r.get("status") == "ok" and r["total"] <= limit:
                     entry["batch"] = batch
                     break
-                batch -= 8
+                if r.get("status") != "ok":
+                    batch -= 8
+                    continue
+                # over the limit: the line through the larger row and this run predicts again (a secant step),
+                # and the batch goes down by at least 8
+                s2 = (r["total"] - b["total"]) / (batch - hi["batch"])
+                again = hi["batch"] + (limit - b["total"]) / s2 if s2 > 0 else batch - 8
+                batch = min(batch - 8, int(again // 8 * 8))
             out["configs"][config] = entry
         out["seconds"] = time.perf_counter() - t0
         return out
@@ -572,8 +582,10 @@ def _largest_section(lg: dict, configs: list[str]) -> list[str]:
     return [f"### Largest LLaMA batch under {lg['limit_gib']:g} GiB", "",
             f"Total memory against the batch is close to a line: the line through the {lg['from'][0]} and "
             f"{lg['from'][1]} rows' totals predicts the batch at {lg['limit_gib']:g} GiB = "
-            f"{lg['limit_gib'] * 1024:,.0f} MB; its multiple of 8 below runs in a fresh process and the batch "
-            f"steps down by 8 while its total is over the limit (at most 3 tries). This part took "
+            f"{lg['limit_gib'] * 1024:,.0f} MB; its multiple of 8 below runs in a fresh process; a run over the limit "
+            "is followed by one at the batch the line through the larger row and that run predicts (a multiple of 8, "
+            "at least 8 lower), at most 3 runs; *largest confirmed* is the largest batch that ran under the limit "
+            "(a larger one may fit too: the search goes down only). This part took "
             f"{lg['seconds'] / 60:.1f} minutes" + (f" (`{lg['command']}` on {lg['started'][:10]}, with the same "
                                                  "revgraph as the rows above)" if lg.get("command") and
                                                  lg.get("source", {}).get("reused") else
