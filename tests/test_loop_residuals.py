@@ -325,3 +325,25 @@ def test_gradient_of_the_gradient_through_shifted_values(policy):
     for backend in ("onnxruntime", "reference"):
         out = rg.Session(second, backend=backend).run(f)
         np.testing.assert_allclose(out[second.output_names[-1]], ggw.numpy(), rtol=1e-8, atol=1e-10)
+
+
+def test_zero_trip_loop_with_a_reduced_scan_output_runs_on_onnxruntime():
+    # Hypothesis's example: Loop(M = 0) scanning out y = sin(s) tanh(x) x, then ReduceSum over the (empty) scan
+    # axis. The scan output's length 0 is known before running; declaring it made onnxruntime refuse the
+    # gradient graph (its inference merges the [0] stack with the [1] it infers for the reduction's VJP).
+    # The loss is 0 whatever x is: the gradient is exactly 0.
+    f64 = np.float64
+    b = Graph([Node("Sin", ["s_in"], ["s_sin"], name="b_sin"), Node("Tanh", ["x"], ["tx"], name="b_tanh"),
+               Node("Mul", ["s_sin", "tx"], ["s_out"], name="b_mul"), Node("Mul", ["s_out", "x"], ["y"], name="b_y"),
+               Node("Identity", ["c"], ["c_out"], name="b_c")],
+              [ValueInfo("i", np.int64, ()), ValueInfo("c", np.bool_, ()), ValueInfo("s_in", f64, ())],
+              [ValueInfo("c_out", np.bool_, ()), ValueInfo("s_out", f64, ()), ValueInfo("y", f64, ())], name="body")
+    g = Graph([Node("Loop", ["M", "true", "x"], ["s_T", "Y"], {"body": b}, name="loop"),
+               Node("ReduceSum", ["Y", "axis0"], ["Ys"], {"keepdims": 0}, name="r"),
+               Node("Mul", ["Ys", "Ys"], ["sq"], name="sq"), Node("ReduceSum", ["sq"], ["loss"], {"keepdims": 0}, name="sum")],
+              [ValueInfo("x", f64, ())], [ValueInfo("loss", f64, ())],
+              {"M": np.array(0), "true": np.array(True), "axis0": np.array([0])})
+    gg = rg.gradient(g, wrt=["x"])
+    for backend in ("onnxruntime", "reference"):
+        out = rg.Session(gg, backend=backend).run({"x": np.array(0.3)})
+        assert out["loss"] == 0 and out["x_grad"] == 0

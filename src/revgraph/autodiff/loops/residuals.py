@@ -322,6 +322,8 @@ def declare_outputs(e: Emitter, p: LoopParts) -> None:
                 and a.shape == b.shape:
             types[out] = ValueInfo(out, a.dtype, a.shape)
     rows = static_trips(e, p)
+    if rows == 0:  # (left unknown: onnxruntime's inference then merges a [0] stack with the [1] it infers for
+        return     # the reductions of it, and refuses the graph; a loop that never runs keeps nothing anyway)
     for out, row in zip(p.node.outputs[p.n_carried :], p.scan_out, strict=False):
         known, vi = types.get(out), p.types.get(row)
         if not out or rows is None or vi is None or vi.kind != "tensor" or not fixed_shape(vi):
