@@ -229,8 +229,10 @@ class Bench:
                 log(f"  WARNING: {key} disagrees between the configurations: {losses}")
         return out
 
-    def largest(self, rows: list[dict], configs: list[str], limit_gib: float) -> dict:
-        """The largest LLaMA batch under ``limit_gib`` of total memory per configuration (module doc)."""
+    def largest(self, rows: list[dict], configs: list[str], limit_gib: float, tries: int = 3,
+                previous: dict | None = None) -> dict:
+        """The largest LLaMA batch under ``limit_gib`` of total memory per configuration (module doc): at most
+        ``tries`` runs per configuration, continuing from the runs of ``previous`` (an earlier search's entries)."""
         llama = sorted((r for r in rows if r["model"] == "llama"), key=lambda r: r["batch"])
         if len(llama) < 2:
             return {"error": "needs the two LLaMA rows"}
@@ -247,10 +249,10 @@ class Bench:
             intercept = a["total"] - slope * lo["batch"]
             predicted = (limit - intercept) / slope if slope > 0 else float("inf")
             entry = {"status": "ok", "mb_per_sample": slope, "intercept_mb": intercept, "predicted": predicted,
-                     "tries": []}
-            batch = int(predicted // 8 * 8)
-            for _ in range(3):
-                if batch < 8:
+                     "tries": list(((previous or {}).get(config) or {}).get("tries", []))}
+            for _ in range(tries):
+                batch = _next_batch(entry["tries"], (lo["batch"], a["total"]), (hi["batch"], b["total"]), limit)
+                if batch is None:
                     break
                 need = (intercept + slope * batch) / 1024 + 2
                 if mem_available_gib() < need:
@@ -262,25 +264,53 @@ class Bench:
                     w.close()
                 entry["tries"].append({"batch": batch, **{k: r.get(k) for k in (
                     "status", "why", "total", "over_setup", "step_seconds", "cell_seconds")}})
-                if r.get("status") == "ok" and r["total"] <= limit:
-                    entry["batch"] = batch
-                    break
-                if r.get("status") != "ok":
-                    batch -= 8
-                    continue
-                # over the limit: the line through the larger row and this run predicts again (a secant step),
-                # and the batch goes down by at least 8
-                s2 = (r["total"] - b["total"]) / (batch - hi["batch"])
-                again = hi["batch"] + (limit - b["total"]) / s2 if s2 > 0 else batch - 8
-                batch = min(batch - 8, int(again // 8 * 8))
+            fits = [t["batch"] for t in entry["tries"] if t.get("status") == "ok" and t["total"] <= limit]
+            if fits:
+                entry["batch"] = max(fits)
+            over = [t["batch"] for t in entry["tries"] if not (t.get("status") == "ok" and t["total"] <= limit)]
+            if over and (not fits or min(over) > max(fits)):
+                entry["over"] = min(over)  # the smallest batch seen over the limit (or failing)
             out["configs"][config] = entry
         out["seconds"] = time.perf_counter() - t0
         return out
 
 
+def _next_batch(tries: list[dict], small: tuple, large: tuple, limit: float) -> int | None:
+    """The next batch to run in the search for the largest batch under ``limit`` MB, or ``None`` when the answer
+    is known to 8 sequences. Between the largest batch that fitted and the smallest that did not (or was refused),
+    a secant step: the line through the two measured points nearest the limit on either side (the two rows when
+    there is nothing else), rounded down to a multiple of 8 and kept strictly inside the bracket."""
+    ok = sorted((t["batch"], t["total"]) for t in tries if t.get("status") == "ok")
+    fit = [p for p in ok if p[1] <= limit]
+    over = [p for p in ok if p[1] > limit] + [(t["batch"], None) for t in tries if t.get("status") != "ok"]
+    lo = max(fit) if fit else None
+    hi = min(over) if over else None
+    if lo and hi and hi[0] - lo[0] <= 8:
+        return None
+    if lo and hi and hi[1] is not None:
+        p, q = lo, hi
+    elif lo:
+        p, q = (large if large[0] < lo[0] else small), lo
+    elif hi and hi[1] is not None:
+        p, q = large, hi
+    else:
+        p, q = small, large
+    slope = (q[1] - p[1]) / (q[0] - p[0]) if q[0] != p[0] else 0
+    guess = q[0] + (limit - q[1]) / slope if slope > 0 else (lo[0] + 8 if lo else 8)
+    batch = int(guess // 8 * 8)
+    if hi:
+        batch = min(batch, hi[0] - 8)
+    if lo:
+        batch = max(batch, lo[0] + 8)
+    if batch < 8 or (hi and batch >= hi[0]) or any(t["batch"] == batch for t in tries):
+        return None
+    return batch
+
+
 def largest_only(args) -> dict:
     """``--largest-batch --from JSON``: the largest-batch search on the LLaMA rows of saved results (with the
-    revgraph snapshot of that run when it is still in the cache), written back into them."""
+    revgraph snapshot of that run when it is still in the cache), written back into them. With ``--configs``, only
+    those configurations are searched (on from their earlier runs) and the others' results are kept."""
     res = json.loads(Path(args.from_json).read_text())
     bench = Bench(args)
     bench.reuse(res.get("source"))
@@ -288,9 +318,16 @@ def largest_only(args) -> dict:
     bench.prepare([{k: r[k] for k in ("id", "model", "batch", "step")} for r in rows])
     configs = [c for c in res["configs"] if not args.configs or c in args.configs]
     log(f"largest LLaMA batch under {args.limit_gib} GiB, from {args.from_json}")
-    res["largest"] = bench.largest(rows, configs, args.limit_gib)
-    res["largest"].update(command="python bench/memory.py " + " ".join(sys.argv[1:]), source=bench.source,
-                          started=dt.datetime.now().isoformat(timespec="seconds"))
+    old = res.get("largest") or {}
+    previous = old.get("configs", {}) if old.get("limit_gib") == args.limit_gib else {}
+    new = bench.largest(rows, configs, args.limit_gib, args.largest_tries, previous)
+    runs = old.get("runs", [{k: old[k] for k in ("command", "started", "seconds") if k in old}] if old else [])
+    new["runs"] = [*runs, {"command": "python bench/memory.py " + " ".join(sys.argv[1:]), "seconds": new["seconds"],
+                           "started": dt.datetime.now().isoformat(timespec="seconds"), "configs": configs}]
+    new["configs"] = {**previous, **new["configs"]}
+    new["seconds"] = sum(r.get("seconds", 0) for r in new["runs"])
+    new["source"] = bench.source
+    res["largest"] = new
     return res
 
 
@@ -312,7 +349,7 @@ def run(args) -> dict:
     res["rows"] = [bench.row(r, configs) for r in rows]
     if args.largest_batch:
         log(f"largest LLaMA batch under {args.limit_gib} GiB")
-        res["largest"] = bench.largest(res["rows"], configs, args.limit_gib)
+        res["largest"] = bench.largest(res["rows"], configs, args.limit_gib, args.largest_tries)
     res["load_end"] = loadavg()
     res["seconds"] = time.perf_counter() - t0
     return res
@@ -632,6 +669,7 @@ def main(argv=None) -> int:
     parser.add_argument("--turn-seconds", type=float)
     parser.add_argument("--largest-batch", action="store_true")
     parser.add_argument("--limit-gib", type=float, default=8.0)
+    parser.add_argument("--largest-tries", type=int, default=3, help="runs per configuration in the search")
     parser.add_argument("--from", dest="from_json", metavar="JSON",
                         help="with --largest-batch: measure only the largest batches, from the LLaMA rows of saved "
                              "results (written back into them, or into --json)")
