@@ -261,7 +261,9 @@ class _Cuts:
 def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
     """Choose the residuals of the gradient graph ``graph`` (top level; written by :func:`revgraph.gradient`)
     under ``budget`` and rewrite ``graph`` in place with the recomputation (see the module doc). ``None`` is the
-    default plan: only the free operators are recomputed, where that keeps fewer bytes. A budget that cannot be
+    default plan: only free operators (views, copies) and cheap elementwise images of kept values are
+    recomputed, where that keeps fewer bytes than the recomputation moves (twice for copies and elementwise
+    nodes, 16 KiB at least). A fraction budget is of that plan's bytes. A budget that cannot be
     met warns (``UserWarning``) with the smallest achievable figure and applies that plan. Returns the
     :class:`MemoryPlan`. Values with symbolic dimensions are sized with ``budget.dims`` (others: 64)."""
     dims = dict(budget.dims) if budget is not None else {}
