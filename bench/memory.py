@@ -546,6 +546,8 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
         lines += ["", "Errors: " + "; ".join(errors) + "."]
     if res.get("largest"):
         lines += ["", *_largest_section(res["largest"], configs)]
+    if res.get("notes"):
+        lines += ["", "### Observations", "", res["notes"].strip()]
     lines.append("<!-- memory:end -->")
     return "\n".join(lines) + "\n"
 
@@ -572,7 +574,8 @@ def _goals(res: dict) -> list[str]:
             out.append([f"defaults: {what} <= 1.0x PyTorch eager", r["label"], f"{x:.2f}x", _met(x <= 1.0)])
         if rg.get("saved_bytes") and pt.get("saved_bytes"):
             x = rg["saved_bytes"] / pt["saved_bytes"]
-            out.append(["defaults: saved <= PyTorch's", r["label"], f"{x:.2f}x", _met(x <= 1.0)])
+            out.append(["defaults: saved <= PyTorch's", r["label"], f"{x:.3f}x" if abs(x - 1) < 0.01 else f"{x:.2f}x",
+                        _met(x <= 1.0)])
         half = r["cells"].get("rg-0.5", {})
         if half.get("status") == "ok" and half.get("saved_bytes") is not None and rg.get("saved_bytes"):
             s = half["saved_bytes"] / rg["saved_bytes"]
@@ -622,7 +625,14 @@ def _largest_section(lg: dict, configs: list[str]) -> list[str]:
                      f"**{e['batch']}**" if e.get("batch") else "–", str(e.get("over", "–")), tries])
     runs = lg.get("runs") or ([{"command": lg["command"]}] if lg.get("command") else [])
     how = "; ".join(f"`{r['command']}`" for r in runs if r.get("command"))
-    same = " with the same revgraph as the rows above" if lg.get("source", {}).get("reused") else ""
+    same = " with the same revgraph as its rows" if lg.get("source", {}).get("reused") else ""
+    fr = lg.get("from_run")
+    if fr:
+        same += (f"). **This search ran on the LLaMA rows of another full run** (`{fr['json']}`, revgraph commit "
+                 f"{fr['commit']}, {fr['started'][:10]}), whose line it starts from; that run's totals: " + "; ".join(
+                     f"{k.split('-b')[-1]} sequences: revgraph default {fr['rows'][k].get('rg') or 0:,.0f}, PyTorch "
+                     f"{fr['rows'][k].get('pt') or 0:,.0f} MB" for k in fr["rows"]) +
+                 " (the tables above come from the run of this section")
     return [f"### Largest LLaMA batch under {lg['limit_gib']:g} GiB", "",
             f"The line through the {lg['from'][0]} and {lg['from'][1]} rows' totals predicts the batch whose total "
             f"reaches {lg['limit_gib']:g} GiB = {lg['limit_gib'] * 1024:,.0f} MB; a fresh process runs its multiple "
@@ -665,7 +675,7 @@ def console_table(res: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--quick", action="store_true", help="small batches (LLaMA 2 and 8, bench models 8, RNN "
                         "T = 100), 1 turn: a few minutes")
     parser.add_argument("--models", nargs="+", choices=MODELS)
@@ -681,6 +691,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--render", metavar="JSON", help="no measurement: render saved results")
+    parser.add_argument("--largest-from", metavar="JSON", help="with --render: take the largest-batch search from "
+                        "another run's results (stored, and labelled in the section)")
+    parser.add_argument("--notes", metavar="MD", help="observations on these numbers (Markdown): stored in the JSON "
+                        "and rendered at the end of the section")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "revgraph-bench-memory"),
                         help="model files and worker logs")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker call")
@@ -708,6 +722,16 @@ def main(argv=None) -> int:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
         log(f"wrote {json_path}")
+    if args.largest_from:  # the largest-batch search of another run (labelled as such in the section)
+        other = json.loads(Path(args.largest_from).read_text())
+        res["largest"] = {**other["largest"], "from_run": {
+            "json": os.path.relpath(Path(args.largest_from).resolve(), ROOT), "commit": other["machine"]["commit"],
+            "started": other["started"], "rows": {r["id"]: {c: x.get("total") for c, x in r["cells"].items()}
+                                                  for r in other["rows"] if r["model"] == "llama"}}}
+    if args.notes:  # observations written for these numbers, kept with them in the JSON
+        res["notes"] = Path(args.notes).read_text()
+    if args.notes or args.largest_from:
+        Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
     console_table(res)
     if args.write_docs:
         rel = os.path.relpath(Path(json_path).resolve(), ROOT)
