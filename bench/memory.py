@@ -46,7 +46,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from memory_worker import THREAD_ENV  # noqa: E402
-from workers import Worker, WorkerError  # noqa: E402
+from workers import Log, Worker, WorkerError  # noqa: E402
 
 #: Configuration key -> label, in table order.
 CONFIGS = {
@@ -97,14 +97,6 @@ def mem_available_gib() -> float:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) / 2**20
     return float("inf")
-
-
-class Log:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def __call__(self, msg: str) -> None:
-        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
 
 
 log = Log()

@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 
 import envs
 from report_format import portable
-from workers import Worker, WorkerError, WorkerTimeout
+from workers import Log, Worker, WorkerError, WorkerTimeout
 
 
 class Config:
@@ -69,14 +69,6 @@ class Config:
         self.micro_rounds = 2 if quick else 3
         self.concat_n = 2000 if quick else 3000
         self.ort_timeout = 600.0  # seconds for one onnxruntime-training build of a 100k-node graph
-
-
-class Log:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def __call__(self, msg: str) -> None:
-        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
 
 
 log = Log()

@@ -43,6 +43,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from memory_common import reset_peak, status_kb  # noqa: E402
+
 BEGIN, END = "<!-- runtime:begin -->", "<!-- runtime:end -->"
 NAMES = {"mlp": "MLP", "cnn": "CNN", "transformer": "Transformer", "rnn": "RNN (Loop, T=100)",
          "mlp-wide": "MLP 784-2048-2048-10", "llama": "LLaMA 8 x 128 tokens"}
@@ -57,18 +59,9 @@ _CELL: dict = {}
 # ------------------------------------------------------------------------------------ worker side (one cell)
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])  # kB
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
+    """Reset VmHWM to the current RSS; that RSS in kB."""
+    return round(reset_peak() * 1024)
 
 
 def prepare(info: dict, arena: bool, memory_pattern: bool, buffers: str, threads: int) -> dict:
@@ -85,18 +78,18 @@ def prepare(info: dict, arena: bool, memory_pattern: bool, buffers: str, threads
         data = {"x": data["input_ids"], "labels": data["labels"]}
     else:
         _, data = load_npz(info["npz"])
-    rss0 = _status("VmRSS")
+    rss0 = status_kb("VmRSS")
     t0 = time.perf_counter()
     tr = rg.Trainer(info["path"], "cross-entropy", "adam", params=info["params"], threads=threads, buffers=buffers,
                     runtime=rg.RuntimeOptions(arena=arena, memory_pattern=memory_pattern))
     build = time.perf_counter() - t0
-    rss1, hwm1 = _status("VmRSS"), _status("VmHWM")
+    rss1, hwm1 = status_kb("VmRSS"), status_kb("VmHWM")
     feeds = {tr.spec.inputs[0]: np.ascontiguousarray(data["x"]), tr.spec.labels: data["labels"]}
     n = len(data["labels"])
     base = _reset_peak()
     losses = [tr._step(feeds, n, n) for _ in range(3)]
-    peak = _status("VmHWM")
-    rss2 = _status("VmRSS")
+    peak = status_kb("VmHWM")
+    rss2 = status_kb("VmRSS")
     t0 = time.perf_counter()
     tr._step(feeds, n, n)
     first = time.perf_counter() - t0

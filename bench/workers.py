@@ -7,9 +7,20 @@ import os
 import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
+class Log:
+    """Progress lines prefixed with the seconds since the script started (bench/run.py, bench/memory.py)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
 
 
 class WorkerError(RuntimeError):
