@@ -47,10 +47,11 @@ OPTIMIZERS = {"adam": dict(name="adam", lr=0.01), "sgd": dict(name="sgd", lr=0.0
               "adamw": dict(name="adamw", lr=0.01, weight_decay=0.1)}
 
 
-def trainer(model: str, optimizer: str, samples: int, distributed: bool) -> tuple[rg.Trainer, dict]:
+def trainer(model: str, optimizer: str, samples: int, distributed: bool, **how) -> tuple[rg.Trainer, dict]:
+    """The model's Trainer (``how``: more Trainer arguments, e.g. ``bucket_mb``) and its training data."""
     g, data = build(model, samples)
     opt = make_optimizer(**OPTIMIZERS[optimizer])
-    return rg.Trainer(g, "cross-entropy", opt, threads=1, distributed=distributed), data
+    return rg.Trainer(g, "cross-entropy", opt, threads=1, distributed=distributed, **how), data
 
 
 def main() -> None:
@@ -62,12 +63,19 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--out", required=True)
     p.add_argument("--skew", action="store_true", help="rank 1 trains on one sample less (a user's mistake)")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--reduce-dtype", default="fp32")
+    p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--accumulate-steps", type=int, default=1)
     a = p.parse_args()
     samples = a.samples - (a.skew and os.environ.get("RANK") == "1")
-    tr, data = trainer(a.model, a.optimizer, samples, True)
-    means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False)
+    tr, data = trainer(a.model, a.optimizer, samples, True, bucket_mb=a.bucket_mb, reduce_dtype=a.reduce_dtype,
+                       overlap=not a.no_overlap)
+    means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False, accumulate_steps=a.accumulate_steps)
     np.savez(os.path.join(a.out, f"rank{tr.rank}.npz"), **tr.parameters, **tr.state,
              losses=np.array(tr.losses), means=np.array(means), world=np.array(tr.world_size))
+    if a.bucket_mb < 1 and not a.no_overlap and os.environ.get("RANK") == "0":  # the test checks the cut happened
+        print(f"segments: {len(tr._engine.segments.segments) if tr._engine.segments else 0}")
     tr.comm.close()
 
 

@@ -26,18 +26,19 @@ import hashlib
 import os
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from .devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
 from .errors import RevgraphError
+from .exchange import (BUCKET_MB, EXACT_COUNTS, bucket_bytes, check_reduce_dtype, make_buckets, pack_rows,
+                       packed_size, torch_dtype, unpack_rows)
+from .overlap import Segments, cut, inferred_types
 from .runtime import _first_line
 from .runtime_options import RuntimeOptions
 from .steps import SplitEngine
 from .train import TrainingGraph
 
-BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -169,125 +170,234 @@ class Collective:
             self.dist.destroy_process_group()
 
 
-@dataclass
-class _Bucket:
-    """A flat device tensor holding several dense gradients back to back (``views`` by gradient name)."""
-
-    flat: object
-    views: dict = field(default_factory=dict)
-
-
 class DistributedEngine(SplitEngine):
     """A data-parallel training step (module doc): grad graph, gradient exchange, update graph. Parameters and
     state are held in one buffer set where the update may overwrite them (:class:`revgraph.steps.SplitEngine`;
-    ``one_set=False``: two sets); the dense gradients live in the all-reduce buckets.
+    ``one_set=False``: two sets); the dense gradients live in the all-reduce buckets (:mod:`revgraph.exchange`)
+    of at most ``bucket_mb`` MiB, exchanged in ``reduce_dtype`` (``"fp32"``: the gradients' own dtype;
+    ``"bf16"``). ``overlap``: with more than one bucket, run the grad graph in segments
+    (:mod:`revgraph.overlap`) and start each bucket's all-reduce as soon as its segment has produced it.
+
+    The phases a subclass may override: :meth:`_backward` (one micro-batch's grad graph run, calling back as
+    buckets become ready), :meth:`_bucket_ready` (accumulate a bucket; start its exchange after the last
+    micro-batch), :meth:`_start_exchange` / :meth:`_finish_exchange` (one bucket's collective),
+    :meth:`_exchange_rows` (the sparse rows) and :meth:`_run_update` (the update graph).
 
     Raises :class:`RevgraphError` (one line) when onnxruntime refuses a graph or the process group fails.
     """
 
     def __init__(self, spec: TrainingGraph, threads: int, device: Device, comm: Collective,
-                 runtime: RuntimeOptions | None = None, one_set: bool = True):
+                 runtime: RuntimeOptions | None = None, one_set: bool = True, *, bucket_mb: float = BUCKET_MB,
+                 reduce_dtype: str = "fp32", overlap: bool = True):
         self.comm = comm
+        self.bucket_cap = bucket_bytes(bucket_mb)
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype)
+        self.overlap = overlap
+        self.segments: Segments | None = None
+        self._scratch_values: dict | None = None
         torch = comm.torch
         super().__init__(spec, threads, device, runtime, one_set)
-        self._empty_rows = {p: torch.zeros((0, *spec.initial[p].shape[1:]), dtype=_torch_dtype(torch, spec.initial[p]),
-                                           device=comm.tdevice) for p in spec.sparse}
+        self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]), dtype=torch_dtype(torch, spec.initial[p].dtype),
+                                        device=comm.tdevice) for p in spec.sparse]
+
+    # ------------------------------------------------------------------------------------------ buffers
 
     def _make_gradient_buffers(self) -> dict:
         """The dense gradients as views of the all-reduce buckets (shared with onnxruntime through DLPack)."""
-        spec = self.spec
-        self.buckets = self._make_buckets([spec.grads[p][0] for p in spec.params if p not in spec.sparse])
+        spec, torch = self.spec, self.comm.torch
+        dense = [p for p in spec.params if p not in spec.sparse]
+        like = {spec.grads[p][0]: spec.initial[p] for p in dense}
+        # the tail: the loss and every rank's count of sparse rows per table (module doc of revgraph.exchange)
+        self._tail_size = 1 + self.comm.world_size * len(spec.sparse)
+        last = like[spec.grads[dense[0]][0]].dtype if dense else None
+        rides = self.reduce_dtype == "fp32" and last in (np.float32, np.float64)
+        self.buckets = make_buckets(torch, like, [spec.grads[p][0] for p in dense], self.bucket_cap,
+                                    self._tail_size if rides else 0, self.comm.tdevice, self.reduce_dtype == "bf16")
+        self._tail = self.buckets[-1].tail if rides else torch.zeros(self._tail_size, dtype=torch.float64,
+                                                                     device=self.comm.tdevice)
+        self._tail_alone = not rides
         return {g: ortvalue_from_dlpack(v) for b in self.buckets for g, v in b.views.items()}
 
-    def _make_buckets(self, grads: list[str]) -> list[_Bucket]:
-        """Dense gradients packed, in reverse parameter order as DDP packs them, into flat tensors of at most
-        :data:`BUCKET_BYTES` each (one dtype per bucket). A gradient has its parameter's shape and dtype."""
-        torch = self.comm.torch
-        like = {self.spec.grads[p][0]: self.spec.initial[p] for p in self.spec.params if p not in self.spec.sparse}
-        groups: list[tuple[np.dtype, list[str], int]] = []
-        for g in reversed(grads):
-            a = like[g]
-            if not groups or groups[-1][0] != a.dtype or groups[-1][2] + a.nbytes > BUCKET_BYTES:
-                groups.append((a.dtype, [], 0))
-            dt, names, used = groups[-1]
-            groups[-1] = (dt, [*names, g], used + a.nbytes)
-        buckets = []
-        for j, (dt, names, _) in enumerate(groups):
-            # the last bucket has one more element: the rank's share of the loss rides along (one collective less)
-            extra = int(j == len(groups) - 1)
-            flat = torch.zeros(sum(like[g].size for g in names) + extra, dtype=_torch_dtype(torch, like[names[0]]),
-                               device=self.comm.tdevice)
-            bucket, at = _Bucket(flat), 0
-            for g in names:
-                bucket.views[g] = flat[at:at + like[g].size].view(like[g].shape)
-                at += like[g].size
-            buckets.append(bucket)
-        return buckets
+    def _make_grad_session(self):
+        """The grad graph as one session, or (``overlap``, more than one bucket) cut into segments."""
+        if self.overlap and len(self.buckets) > 1:
+            segments = self._cut()
+            if segments is not None and len(segments) > 1:
+                self.segments = Segments(segments, self.grad_graph.output_names, self.session, self.device)
+                return None
+        return super()._make_grad_session()
 
-    def _gradients(self, feeds: dict[str, np.ndarray], count: int, total: int) -> tuple[float, dict]:
-        """This rank's gradients weighted by ``count / total`` and exchanged: the global batch's loss and the
-        gathered sparse rows (the dense gradients are summed in their buckets)."""
-        torch, dist = self.comm.torch, self.comm.dist
-        rows: dict[str, tuple] = {}
-        if count:
-            loss, sparse = self._run_grad(feeds)
-            for p, idx, rows_name in self._sparse:
-                rows[p] = (torch_from_ortvalue(torch, sparse[idx]), torch_from_ortvalue(torch, sparse[rows_name]))
-        else:  # this rank has no sample in the global batch's last piece: it contributes zeros
-            loss = 0.0
+    def _cut(self):
+        """The segments of the grad graph, one per bucket (:func:`revgraph.overlap.cut`); the last bucket also
+        waits for the loss and the sparse gradients, which ride in its tail. ``None`` when it cannot be cut."""
+        spec = self.spec
+        groups = [list(b.views) for b in self.buckets]
+        groups[-1] += [spec.loss.loss, *(g for p in spec.sparse for g in spec.grads[p])]
+        try:
+            return cut(self.grad_graph, groups)
+        except RevgraphError:
+            try:
+                return cut(self.grad_graph, groups, inferred_types(self.grad_graph))
+            except RevgraphError as exc:
+                warnings.warn(f"the gradient exchange does not overlap the backward pass: {exc}", stacklevel=3)
+                return None
+
+    def _scratch(self) -> dict:
+        """Buffers of the buckets' layout that micro-batches after the first write their gradients into."""
+        if self._scratch_values is None:
+            torch = self.comm.torch
+            values = {}
             for b in self.buckets:
-                b.flat.zero_()
-            for p in self.spec.sparse:
-                rows[p] = (torch.zeros(0, dtype=torch.int64, device=self.comm.tdevice), self._empty_rows[p])
-        scale = count / total
+                b.scratch = torch.zeros_like(b.flat)
+                at = 0
+                for g, v in b.views.items():
+                    values[g] = ortvalue_from_dlpack(b.scratch[at:at + v.numel()].view(v.shape))
+                    at += v.numel()
+            self._scratch_values = values
+            self._rebind()
+        return self._scratch_values
+
+    def _rebind(self) -> None:
+        super()._rebind()
+        self._scratch_bindings = [self._bind_grad(k, self._scratch_values) for k in range(2)] \
+            if self._scratch_values is not None and self._grad is not None else None
+
+    # ------------------------------------------------------------------------------------------ the step
+
+    def _gradients(self, micro: list[tuple[dict, int]], total: int) -> tuple[float, dict]:
+        """Every micro-batch's gradients weighted by ``count / total`` and summed into the buckets, which are
+        exchanged after the last one (each as soon as the backward pass has produced it); returns the global
+        batch's loss and the update graph's sparse inputs (the exchanged rows)."""
+        times = self.times
+        start = times.now() if times is not None else 0.0
+        runs = [(f, n) for f, n in micro if n]
+        self._pending: list = []
+        self._loss_sum = 0.0
+        self._rows: list[list] = [[] for _ in self._sparse]
+        self._tail.zero_()
+        if not runs:  # this rank has no sample in the global batch's last piece: it contributes zeros
+            for j, b in enumerate(self.buckets):
+                b.grads.zero_()
+                self._start_exchange(j)
+        for m, (feeds, n) in enumerate(runs):
+            if m:
+                self._synchronize()  # the last micro-batch's sums (torch) must be done before onnxruntime writes
+            self._backward(feeds, n / total, first=m == 0, last=m == len(runs) - 1)
+        if not self.buckets or self._tail_alone:
+            self._fill_tail()
+            self._pending.append((None, self._all_reduce(self._tail, "tail")))
+        if times is not None:
+            times.add("forward+backward", start)
+            start = times.now()
         with collective("the gradient exchange"):
-            pending = []
-            for b in self.buckets:
-                b.flat.mul_(scale)
-            loss_t = self.buckets[-1].flat[-1:] if self.buckets else torch.zeros(1, dtype=torch.float64,
-                                                                                 device=self.comm.tdevice)
-            loss_t.fill_(loss * scale)
-            for b in self.buckets or [_Bucket(loss_t)]:
-                pending.append(dist.all_reduce(b.flat, async_op=True))
-            gathered = self._gather_rows(rows, scale)
-            for work in pending:
-                work.wait()
+            for j, work in self._pending:
+                self._finish_exchange(j, work)
+            inputs = self._exchange_rows()
+        if times is not None:
+            times.add("exchange", start)
+            times.event("phase", "exchange (waited)", start)
+        return float(self._tail[0].item()), inputs
+
+    def _backward(self, feeds: dict, weight: float, first: bool, last: bool) -> None:
+        """Run the grad graph on one micro-batch (``weight``: its share ``count / total`` of the global batch),
+        writing the first micro-batch's dense gradients into the buckets and later ones into the scratch
+        buffers, and call :meth:`_bucket_ready` for each bucket as it is produced."""
+        into = self._grad_values if first else self._scratch()
+        sparse: dict = {}
+
+        def ready(js, fresh):
+            sparse.update(fresh)
+            if last and len(self.buckets) - 1 in js:  # the tail rides in the last bucket: fill it first
+                self._take(weight, sparse)
+            for j in js:
+                self._bucket_ready(j, weight, first, last)
+
+        if self.segments is not None:
+            values = {p: self._sets[self._current][p] for p in self.spec.params}
+            outs = self.segments.run(values, feeds, {**into, self.spec.loss.loss: self._loss[self._current]},
+                                     lambda k, seg, fresh: ready(seg.buckets, fresh), self.times)
+            sparse.update(outs)
+        else:
+            _, outs = self._run_grad(feeds, None if first else self._scratch_bindings)
+            ready(range(len(self.buckets)), outs)
+        if not (last and self.buckets):
+            self._take(weight, sparse)
+
+    def _take(self, weight: float, sparse: dict) -> None:
+        """Add this micro-batch's loss and sparse rows (weighted) to the step's; after the last one, the tail."""
+        torch = self.comm.torch
+        self._loss_sum += float(self._loss[self._current].numpy()) * weight
+        for t, (_, idx, rows) in enumerate(self._sparse):
+            self._rows[t].append((torch_from_ortvalue(torch, sparse[idx]), torch_from_ortvalue(torch, sparse[rows]) * weight))
+        self._fill_tail()
+
+    def _fill_tail(self) -> None:
+        counts = [sum(int(i.shape[0]) for i, _ in parts) for parts in self._rows]
+        if self._tail.dtype != self.comm.torch.float64 and max(counts, default=0) >= EXACT_COUNTS:
+            raise RevgraphError(f"a step has {max(counts)} sparse gradient rows on one rank, more than the float32 "
+                                "counts of the exchange hold exactly; use a smaller batch")
+        self._tail[0] = self._loss_sum
+        t, r = len(self._rows), self.comm.rank
+        for k, c in enumerate(counts):
+            self._tail[1 + r * t + k] = c
+
+    def _bucket_ready(self, j: int, weight: float, first: bool, last: bool) -> None:
+        """Bucket ``j``'s gradients of one micro-batch are written: weight them into the bucket; after the last
+        micro-batch start the bucket's exchange."""
+        b = self.buckets[j]
+        if first:
+            b.grads.mul_(weight)
+        else:
+            b.grads.add_(b.scratch[:b.grads.numel()], alpha=weight)
+        if last:
+            self._start_exchange(j)
+
+    def _start_exchange(self, j: int) -> None:
+        """Start the all-reduce of bucket ``j`` (asynchronous; :meth:`_finish_exchange` waits for it)."""
+        b = self.buckets[j]
+        if b.low is not None:
+            b.low.copy_(b.grads)
+        self._pending.append((j, self._all_reduce(b.low if b.low is not None else b.flat, f"bucket {j}")))
+
+    def _all_reduce(self, tensor, name: str):
+        times = self.times
+        with collective("the gradient exchange"):
+            event = times.event("all-reduce", name, times.now()) if times is not None else None
+            work = self.comm.dist.all_reduce(tensor, async_op=True)
+        if event is not None:
+            try:  # the end: when the collective completes, not when the step gets round to waiting for it
+                work.get_future().then(lambda _: times.finish(event))
+            except Exception:
+                event["end"] = None
+        return work
+
+    def _finish_exchange(self, j: int | None, work) -> None:
+        """Wait for bucket ``j``'s all-reduce (``None``: the tail's) and, in bfloat16, cast it back."""
+        work.wait()
+        if j is not None and self.buckets[j].low is not None:
+            self.buckets[j].grads.copy_(self.buckets[j].low)
+
+    def _exchange_rows(self) -> dict:
+        """Every rank's sparse rows of each table, concatenated in rank order, as the update graph's inputs:
+        the row counts came with the tail, so one all-gather of all tables' rows packed into bytes is left."""
+        if not self._sparse:
+            return {}
+        torch, world, comm = self.comm.torch, self.comm.world_size, self.comm
+        tables = len(self._sparse)
+        counts = self._tail[1:].to(torch.int64).view(world, tables).tolist()
+        mine = [(torch.cat([i for i, _ in parts]) if parts else torch.zeros(0, dtype=torch.int64, device=comm.tdevice),
+                 torch.cat([v for _, v in parts]) if parts else empty)
+                for parts, empty in zip(self._rows, self._empty_rows, strict=True)]
+        row_bytes = [e.element_size() * int(np.prod(e.shape[1:], dtype=np.int64)) for e in self._empty_rows]
+        size = max(packed_size(c, row_bytes) for c in counts)
+        buf = pack_rows(torch, mine, size, comm.tdevice)
+        every = [torch.empty_like(buf) for _ in range(world)]
+        comm.dist.all_gather(every, buf)
+        gathered = unpack_rows(torch, every, counts, self._empty_rows)
         inputs = {}
-        for p, idx, rows_name in self._sparse:
-            i_all, r_all = gathered[p]
+        for (_, idx, rows_name), (i_all, r_all) in zip(self._sparse, gathered, strict=True):
             inputs[idx], inputs[rows_name] = ortvalue_from_dlpack(i_all), ortvalue_from_dlpack(r_all)
-        return float(loss_t.item()), inputs
+        return inputs
 
     def _synchronize(self) -> None:
         self.device.synchronize(self.comm.torch)  # onnxruntime's CUDA stream does not wait for torch's collectives
-
-    def _gather_rows(self, rows: dict[str, tuple], scale: float) -> dict[str, tuple]:
-        """Every rank's sparse rows of each table (scaled by ``scale``), concatenated in rank order: the sizes
-        go first (one all-gather), then the rows padded to the largest size, then each piece is cut to size."""
-        if not rows:
-            return {}
-        torch, dist, world = self.comm.torch, self.comm.dist, self.comm.world_size
-        names = [p for p, _, _ in self._sparse]
-        sizes = torch.tensor([rows[p][0].shape[0] for p in names], dtype=torch.int64, device=self.comm.tdevice)
-        every = [torch.empty_like(sizes) for _ in range(world)]
-        dist.all_gather(every, sizes)
-        out = {}
-        for j, p in enumerate(names):
-            idx, vals = rows[p]
-            counts = [int(s[j]) for s in every]
-            top = max(counts)
-            pad_i = torch.zeros(top, dtype=torch.int64, device=self.comm.tdevice)
-            pad_v = torch.zeros((top, *vals.shape[1:]), dtype=vals.dtype, device=self.comm.tdevice)
-            pad_i[:idx.shape[0]] = idx
-            pad_v[:vals.shape[0]] = vals * scale
-            all_i = [torch.empty_like(pad_i) for _ in range(world)]
-            all_v = [torch.empty_like(pad_v) for _ in range(world)]
-            dist.all_gather(all_i, pad_i)
-            dist.all_gather(all_v, pad_v)
-            out[p] = (torch.cat([t[:c] for t, c in zip(all_i, counts, strict=True)]).contiguous(),
-                      torch.cat([t[:c] for t, c in zip(all_v, counts, strict=True)]).contiguous())
-        return out
-
-
-def _torch_dtype(torch, like: np.ndarray):
-    return torch.from_numpy(np.zeros(1, dtype=np.asarray(like).dtype)).dtype

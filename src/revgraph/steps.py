@@ -40,6 +40,7 @@ from .inplace import inplace_pairs
 from .onnx_io import to_onnx
 from .runtime import _first_line
 from .runtime_options import RuntimeOptions, disabled_optimizers, refusal, session_options
+from .steptimes import StepTimes
 from .train import TrainingGraph, eval_graph, split_step
 
 #: ``buffers=`` of :class:`revgraph.Trainer`: one set (:class:`SplitEngine`), two (:class:`FusedEngine`).
@@ -71,6 +72,7 @@ class Engine:
         self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), spec.graph.outputs[0].dtype)) for _ in range(2)]
         self._current = 0
         self._previous: dict | None = None  # the shared buffers from before the last step, when it kept them
+        self.times: StepTimes | None = None  # per-phase timings of each step, when profiled
 
     def session(self, graph, what: str):
         """An onnxruntime session of ``graph`` on the device; :class:`RevgraphError` if onnxruntime refuses it."""
@@ -126,10 +128,12 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ running
 
-    def step(self, feeds: dict[str, np.ndarray], count: int, total: int, *,
-             accept: Callable[[float], bool] | None = None, keep_previous: bool = False) -> float:
+    def step(self, feeds: dict[str, np.ndarray] | list[tuple[dict[str, np.ndarray], int]], count: int, total: int,
+             *, accept: Callable[[float], bool] | None = None, keep_previous: bool = False) -> float:
         """One optimizer step: ``feeds`` is this process's share (``count`` samples) of a global batch of
-        ``total`` samples. Returns the loss of the global batch (its mean over the ``total`` samples).
+        ``total`` samples, or a list of micro-batches ``[(feeds, count), ...]`` whose gradients are summed
+        (weighted by their sample counts) before the one exchange and update (gradient accumulation).
+        Returns the loss of the global batch (its mean over the ``total`` samples).
 
         ``accept``: when given and ``accept(loss)`` is false, the step is not applied (parameters, state and
         step stay as they were). ``keep_previous``: keep the values from before the step, so that
@@ -196,8 +200,16 @@ class FusedEngine(Engine):
             binding.bind_ortvalue_output(spec.loss.loss, self._loss[k])
             self._bindings.append(binding)
 
-    def step(self, feeds: dict[str, np.ndarray], count: int, total: int, *,
+    def step(self, feeds, count: int, total: int, *,
              accept: Callable[[float], bool] | None = None, keep_previous: bool = False) -> float:
+        if isinstance(feeds, list):
+            if len(feeds) != 1:
+                raise RevgraphError("gradient accumulation (accumulate_steps > 1) needs buffers='one' (--buffers one): "
+                                    "the fused step graph of two buffer sets updates after every batch")
+            feeds = feeds[0][0]
+        if self.times is not None:
+            self.times.begin()
+            start = self.times.now()
         binding = self._bindings[self._current]
         for name, arr in feeds.items():
             binding.bind_cpu_input(name, arr)
@@ -205,6 +217,8 @@ class FusedEngine(Engine):
             self._sess.run_with_iobinding(binding)
         except Exception as exc:
             raise RevgraphError(f"the training step failed: {_first_line(exc)}") from None
+        if self.times is not None:  # one graph: the whole step counts as forward+backward
+            self.times.add("forward+backward", start)
         loss = float(self._loss[self._current].numpy())
         if accept is None or accept(loss):
             self._swap()
@@ -224,11 +238,15 @@ class SplitEngine(Engine):
         self.unsafe = inplace_pairs(self.update_graph, spec.carried()) if one_set else {}
         shared = frozenset(i for i, _ in spec.carried() if one_set and i not in self.unsafe)
         super().__init__(spec, threads, device, runtime, shared)
-        self._grad = self.session(self.grad_graph, "gradient graph")
-        self._update = self.session(self.update_graph, "update graph")
         self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
         self._grad_values = self._make_gradient_buffers()
+        self._grad = self._make_grad_session()
+        self._update = self.session(self.update_graph, "update graph")
         self._rebind()
+
+    def _make_grad_session(self):
+        """The session of the whole grad graph (``None`` when a subclass runs it otherwise, in segments)."""
+        return self.session(self.grad_graph, "gradient graph")
 
     def _make_gradient_buffers(self) -> dict:
         """Device buffers of the dense gradients, by gradient name (a gradient has its parameter's shape)."""
@@ -242,34 +260,42 @@ class SplitEngine(Engine):
         spec = self.spec
         self._grad_bindings, self._update_bindings = [], []
         for k in range(2):
-            gb = self._grad.io_binding()
-            for p in spec.params:
-                gb.bind_ortvalue_input(p, self._sets[k][p])
-            gb.bind_ortvalue_output(spec.loss.loss, self._loss[k])
-            for g, value in self._grad_values.items():
-                gb.bind_ortvalue_output(g, value)
+            if self._grad is not None:
+                self._grad_bindings.append(self._bind_grad(k, self._grad_values))
             ub = self._update.io_binding()
             for i, o in spec.carried():
                 ub.bind_ortvalue_input(i, self._sets[k][i])
                 ub.bind_ortvalue_output(o, self._sets[1 - k][i])
             for g, value in self._grad_values.items():
                 ub.bind_ortvalue_input(g, value)
-            self._grad_bindings.append(gb)
             self._update_bindings.append(ub)
 
-    def _run_grad(self, feeds: dict[str, np.ndarray]) -> tuple[float, dict]:
+    def _bind_grad(self, k: int, into: dict):
+        """An IO binding of the grad graph reading buffer set ``k`` and writing the dense gradients to ``into``."""
+        gb = self._grad.io_binding()
+        for p in self.spec.params:
+            gb.bind_ortvalue_input(p, self._sets[k][p])
+        gb.bind_ortvalue_output(self.spec.loss.loss, self._loss[k])
+        for g, value in into.items():
+            gb.bind_ortvalue_output(g, value)
+        return gb
+
+    def _run_grad(self, feeds: dict[str, np.ndarray], bindings: list | None = None) -> tuple[float, dict]:
         """Run the grad graph on ``feeds``: the loss, and the sparse gradients ``{name: OrtValue}`` (the dense
-        ones are in their buffers)."""
-        gb = self._grad_bindings[self._current]
+        ones are in their buffers: those of ``bindings``, one per buffer set, default the gradient buffers)."""
+        gb = (bindings or self._grad_bindings)[self._current]
         for name, arr in feeds.items():
             gb.bind_cpu_input(name, arr)
         for _, idx, rows in self._sparse:  # sparse rows change size: fresh outputs every run
             gb.bind_output(idx, self.device.ort_type, self.device.index)
             gb.bind_output(rows, self.device.ort_type, self.device.index)
+        start = self.times.now() if self.times is not None else 0.0
         try:
             self._grad.run_with_iobinding(gb)
         except Exception as exc:
             raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
+        if self.times is not None:
+            self.times.event("segment", "grad graph", start)
         sparse = {}
         if self._sparse:
             outs = gb.get_outputs()[1 + len(self._grad_values):]  # bound after the loss and the dense gradients
@@ -277,17 +303,60 @@ class SplitEngine(Engine):
                 sparse[idx], sparse[rows] = outs[2 * j], outs[2 * j + 1]
         return float(self._loss[self._current].numpy()), sparse
 
-    def _gradients(self, feeds: dict[str, np.ndarray], count: int, total: int) -> tuple[float, dict]:
-        """The loss of the global batch and the update graph's per-step inputs (sparse gradients by name)."""
-        return self._run_grad(feeds)
+    def _gradients(self, micro: list[tuple[dict, int]], total: int) -> tuple[float, dict]:
+        """The loss of the global batch and the update graph's per-step inputs (sparse gradients by name), from
+        the micro-batches ``micro`` (``(feeds, count)``; one without accumulation)."""
+        start = self.times.now() if self.times is not None else 0.0
+        out = self._run_grad(micro[0][0]) if len(micro) == 1 else self._accumulate(micro, total)
+        if self.times is not None:
+            self.times.add("forward+backward", start)
+        return out
 
-    def step(self, feeds: dict[str, np.ndarray], count: int, total: int, *,
+    def _accumulate(self, micro: list[tuple[dict, int]], total: int) -> tuple[float, dict]:
+        """Gradient accumulation in one process: each micro-batch's mean gradients weighted by ``count /
+        total`` and summed (so the sum is the mean over all ``total`` samples), sparse rows weighted and
+        concatenated. The sums are formed on the host (numpy): one process has no collective to overlap, and
+        torch stays optional."""
+        dense = {g: v for g, v in self._grad_values.items()}
+        acc: dict[str, np.ndarray] = {}
+        pieces: dict[str, list] = {n: [] for _, idx, rows in self._sparse for n in (idx, rows)}
+        loss = 0.0
+        for feeds, n in micro:
+            if not n:
+                continue
+            w = n / total
+            part, sparse = self._run_grad(feeds)
+            loss += part * w
+            for g, value in dense.items():
+                a = value.numpy()
+                if g in acc:
+                    acc[g] += a * a.dtype.type(w)
+                else:
+                    acc[g] = a * a.dtype.type(w)
+            for _, idx, rows in self._sparse:
+                r = sparse[rows].numpy()
+                pieces[idx].append(sparse[idx].numpy())
+                pieces[rows].append(r * r.dtype.type(w))
+        for g, value in dense.items():
+            value.update_inplace(np.ascontiguousarray(acc[g]))
+        inputs = {n: self.device.ortvalue(np.concatenate(parts)) for n, parts in pieces.items()}
+        return loss, inputs
+
+    def step(self, feeds, count: int, total: int, *,
              accept: Callable[[float], bool] | None = None, keep_previous: bool = False) -> float:
         self._previous = None
-        loss, inputs = self._gradients(feeds, count, total)
+        micro = feeds if isinstance(feeds, list) else [(feeds, count)]
+        times = self.times
+        if times is not None:
+            times.begin()
+        loss, inputs = self._gradients(micro, total)
         if accept is not None and not accept(loss):
             return loss
+        start = times.now() if times is not None else 0.0
         self._run_update(inputs, keep_previous)
+        if times is not None:
+            times.add("update", start)
+            times.event("phase", "update", start)
         return loss
 
     def _run_update(self, inputs: dict, keep_previous: bool) -> None:

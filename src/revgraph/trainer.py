@@ -11,6 +11,12 @@ Data-parallel semantics. With ``W`` processes and ``batch_size`` ``B``, each ste
 ``torch.utils.data.DistributedSampler`` deals them. The last global batch of an epoch may be smaller and split
 unevenly (a rank may even get no sample); the gradients are weighted by each rank's share, so that every step
 equals the single-process step on the same global batch, with no sample repeated or dropped.
+
+Gradient accumulation (``fit(accumulate_steps=K)``): a step takes the next ``K * B * W`` samples of the
+epoch's order, as ``K`` global micro-batches of ``B * W`` consecutive samples, each dealt over the ranks as
+above. Every micro-batch's mean gradient is weighted by its sample count over the step's count and summed, so
+the step equals one step with batch size ``K * B`` (per process) on the same order, and one process with
+batch ``K * B * W``, also for the shorter last step of an epoch (its micro-batches may be short or empty).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from .errors import InputError, NonFiniteError, RevgraphError
 from .ir import Graph
 from .onnx_io import save
 from .runtime_options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
+from .exchange import BUCKET_MB, REDUCE_DTYPES, bucket_bytes, check_reduce_dtype
 from .steps import BUFFERS, make_engine
+from .steptimes import StepTimes
 from .train import Optimizer, TrainingGraph, training_graph
 
 Data = Mapping[str, np.ndarray] | tuple
@@ -53,7 +61,13 @@ class Trainer:
     rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``memory`` is the
     budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
     bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
-    ``trainer.spec.graph.memory_plan``. Raises
+    ``trainer.spec.graph.memory_plan``. Data-parallel gradient exchange (:mod:`revgraph.exchange`):
+    ``bucket_mb`` the all-reduce bucket size in MiB (DDP's ``bucket_cap_mb``, default 25), ``reduce_dtype``
+    ``"fp32"`` (default: the gradients' dtype) or ``"bf16"`` (buckets all-reduced in bfloat16), ``overlap``
+    (default on) starts each bucket's all-reduce while the rest of the backward pass runs
+    (:mod:`revgraph.overlap`; one bucket: no cut). ``profile=True`` times the phases of every step
+    (:attr:`times`, :mod:`revgraph.steptimes`; ``"timeline"`` also records each segment and all-reduce).
+    Raises
     :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
     or a process group that cannot be joined.
 
@@ -67,9 +81,12 @@ class Trainer:
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
                  threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
-                 memory=None):
+                 memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool = True,
+                 profile: bool = False):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
+        cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
+        check_reduce_dtype(reduce_dtype)
         # settings left None take the training default (memory pattern off, arena on)
         self.runtime: RuntimeOptions = (check_runtime(runtime) or RuntimeOptions()).over(TRAINING_DEFAULT)
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
@@ -87,11 +104,18 @@ class Trainer:
             threads = threads or threads_per_process()
         if self.comm and self.comm.world_size > 1:
             self._engine = DistributedEngine(self.spec, threads, self.device, self.comm, self.runtime,
-                                             one_set=buffers == "one")
+                                             one_set=buffers == "one", bucket_mb=bucket_mb,
+                                             reduce_dtype=reduce_dtype, overlap=overlap)
         else:  # one process (also a world of one, where there is nothing to exchange)
             self._engine = make_engine(self.spec, threads, self.device, self.runtime, buffers)
+        if profile:
+            self._engine.times = StepTimes(timeline=profile == "timeline")
         if self.comm:
             self.comm.check_replicas(self.parameters, "initial parameters")
+            # other buckets or dtypes on some rank would pair collectives of different sizes: refuse
+            settings = np.array([cap, REDUCE_DTYPES.index(reduce_dtype), bool(overlap)], np.int64)
+            self.comm.check_replicas({"exchange settings": settings}, "gradient exchange settings",
+                                     "give every rank the same --bucket-mb and --reduce-dtype")
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -109,6 +133,11 @@ class Trainer:
     def is_main(self) -> bool:
         """True on rank 0, the process that prints and writes files."""
         return self.rank == 0
+
+    @property
+    def times(self) -> StepTimes | None:
+        """The per-phase timings of every step when built with ``profile`` (:class:`revgraph.steptimes.StepTimes`)."""
+        return self._engine.times
 
     @property
     def steps(self) -> int:
@@ -221,9 +250,12 @@ class Trainer:
     def fit(self, data: Data, epochs: int = 1, batch_size: int = 32, *, shuffle: bool = True, seed: int = 0,
             progress: bool = True, console=None, description: str = "training",
             checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
-            nonfinite: str = "stop") -> list[float]:
+            nonfinite: str = "stop", accumulate_steps: int = 1) -> list[float]:
         """Train for ``epochs`` passes over ``data`` in batches of ``batch_size`` per process (module doc: the
-        global batch is ``batch_size * world_size``; the last batch of an epoch may be smaller). ``shuffle``:
+        global batch is ``batch_size * world_size``; the last batch of an epoch may be smaller).
+        ``accumulate_steps`` ``K``: each optimizer step runs forward and backward on ``K`` micro-batches, sums
+        their gradients (weighted by sample counts) and exchanges and updates once (module doc: the step equals
+        one step with ``batch_size * K``, in the same data order). ``shuffle``:
         each epoch visits the samples in the order of ``numpy.random.default_rng(seed + epoch).permutation(n)``
         (epochs counted from 0 per call), else in order. ``progress`` shows a rich progress bar (on rank 0)
         with the loss and the throughput (samples/s over all ranks) on ``console`` (a ``rich.console.Console``).
@@ -245,6 +277,12 @@ class Trainer:
         if epochs < 1 or batch_size < 1 or checkpoint_every < 0:
             raise InputError(f"epochs and batch size must be positive and checkpoint_every >= 0, got {epochs}, "
                              f"{batch_size} and {checkpoint_every}")
+        if not isinstance(accumulate_steps, int | np.integer) or accumulate_steps < 1:
+            raise InputError(f"accumulate_steps (--accumulate-steps) must be a positive integer, got {accumulate_steps!r}")
+        accumulate = int(accumulate_steps)
+        if accumulate > 1 and self._engine.__class__.__name__ == "FusedEngine":
+            raise InputError("gradient accumulation (accumulate_steps > 1) needs buffers='one' (--buffers one): the "
+                             "fused step graph of two buffer sets updates after every batch")
         arrays = self.arrays(data)
         n = len(arrays["labels"])
         if n == 0:
@@ -252,13 +290,15 @@ class Trainer:
         self._check_fixed_batch(batch_size, n)
         rank, world = self.rank, self.world_size
         if self.comm:  # different data or arguments on some rank would deadlock or train wrongly: refuse
-            args = np.array([epochs, batch_size, shuffle, seed, checkpoint_every], np.int64)
+            args = np.array([epochs, batch_size, shuffle, seed, checkpoint_every, accumulate], np.int64)
             self.comm.check_replicas({**arrays, "fit arguments": args}, "training data or fit arguments",
-                                     "give every rank the same data and the same epochs, batch size, seed and "
-                                     "checkpoint interval")
-        group = batch_size * world
+                                     "give every rank the same data and the same epochs, batch size, seed, "
+                                     "accumulation and checkpoint interval")
+        micro = batch_size * world  # a global micro-batch; a step takes `accumulate` of them
+        group = micro * accumulate
         per_epoch = -(-n // group)
-        run = {"batch_size": batch_size, "world_size": world, "seed": seed, "shuffle": shuffle, "samples": n}
+        run = {"batch_size": batch_size, "world_size": world, "seed": seed, "shuffle": shuffle, "samples": n,
+               "accumulate_steps": accumulate}
         pos = self._resume(checkpoint_dir, run) if checkpoint_dir is not None else _Position()
         bar = _Bar(progress and self.is_main, console, description, epochs * per_epoch,
                    done=min(pos.epoch * per_epoch + pos.batch, epochs * per_epoch))
@@ -270,12 +310,17 @@ class Trainer:
                 order = epoch_order(n, shuffle, seed + pos.epoch)
                 while pos.batch < per_epoch:
                     chunk = order[pos.batch * group:(pos.batch + 1) * group]
-                    rows = shard(chunk, rank, world)
                     # with "stop", a step with a non-finite loss is not applied, and the last step keeps the
                     # values from before it (the check of the parameters below may have to return to them)
                     last = pos.epoch == epochs - 1 and pos.batch == per_epoch - 1
-                    loss = self._step(self._feeds(arrays, rows), len(rows), len(chunk),
-                                      accept=_finite if stop else None, keep_previous=stop and last)
+                    how = dict(accept=_finite if stop else None, keep_previous=stop and last)
+                    if accumulate == 1:
+                        rows = shard(chunk, rank, world)
+                        loss = self._step(self._feeds(arrays, rows), len(rows), len(chunk), **how)
+                    else:  # K global micro-batches of `micro` samples, each dealt over the ranks
+                        parts = [shard(chunk[j:j + micro], rank, world) for j in range(0, len(chunk), micro)]
+                        feeds = [(self._feeds(arrays, r), len(r)) for r in parts]
+                        loss = self._step(feeds, sum(len(r) for r in parts), len(chunk), **how)
                     stepped = True
                     if stop and not np.isfinite(loss):
                         self._reject_step(f"the loss is {loss}", pos.epoch, pos.batch, applied=False)
@@ -338,7 +383,9 @@ class Trainer:
         if meta["names"] != names or meta.get("optimizer") != self.spec.optimizer.kind:
             raise RevgraphError(f"{where} holds the state of another model or optimizer; move it away or choose "
                                 "another checkpoint directory")
-        differ = [f"{k} {meta.get(k)!r} (now {v!r})" for k, v in run.items() if meta.get(k) != v]
+        defaults = {"accumulate_steps": 1}  # (checkpoints written before the setting existed)
+        differ = [f"{k} {meta.get(k, defaults.get(k))!r} (now {v!r})" for k, v in run.items()
+                  if meta.get(k, defaults.get(k)) != v]
         if differ:
             raise RevgraphError(f"{where} was written by a run with {', '.join(differ)}; resume with the same "
                                 "settings, or move it away to start afresh")
