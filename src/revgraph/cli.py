@@ -18,6 +18,7 @@ from .check import NOT_CHECKED, check_gradients
 from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers
 from .cli_io import check_command_outputs, err, out, read_npz, write_npz
+from .cli_exchange import add_exchange_arguments
 from .cli_train import add_runtime_arguments, cmd_train, runtime_from_args
 from .cli_write import (
     MEMORY_HELP,
@@ -170,6 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--buffers", choices=("one", "two"), default="one",
                        help="parameters and optimizer state in one buffer set that the update overwrites where that "
                             "is safe, or in two swapped sets (the fused step graph; default one)")
+    add_exchange_arguments(train)
 
     demo = sub.add_parser("demo", help="train a recurrent classifier (ONNX Loop) and an MLP on scikit-learn's digits")
     demo.add_argument("-o", "--output", metavar="DIR", default="revgraph-demo",

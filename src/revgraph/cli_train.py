@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from .cli_exchange import check_exchange_arguments, profile_line, trainer_arguments
 from .cli_io import check_command_outputs, err, out, read_npz
 from .devices import Device
 from .errors import RevgraphError
@@ -49,6 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.threads < 0 or args.checkpoint_every < 0:  # before any worker starts, too
         raise RevgraphError("--threads and --checkpoint-every must be >= 0")
+    check_exchange_arguments(args)
     budget = parse_budget(args.memory_budget) if args.memory_budget is not None else None  # (checked before launching)
     if args.nproc is not None:
         return _launch_torchrun(args)
@@ -65,7 +67,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
-                          memory=budget)
+                          memory=budget, **trainer_arguments(args))
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
     for w in caught if main else []:
@@ -78,12 +80,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     if distributed:
         console.print(f"data-parallel on {trainer.world_size} processes (torch.distributed, "
                       f"{'nccl' if trainer.device.kind == 'cuda' else 'gloo'}): global batch "
-                      f"{trainer.world_size} x {args.batch_size} = {trainer.world_size * args.batch_size}",
+                      f"{trainer.world_size} x {args.batch_size}"
+                      + (f" x {args.accumulate_steps} micro-batches" if args.accumulate_steps > 1 else "")
+                      + f" = {trainer.world_size * args.batch_size * args.accumulate_steps}",
                       soft_wrap=True, markup=False)
     before = trainer.evaluate(data)
     means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=console,
                         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                        nonfinite="continue" if args.allow_nonfinite else "stop")
+                        nonfinite="continue" if args.allow_nonfinite else "stop",
+                        accumulate_steps=args.accumulate_steps)
     if trainer.resumed:
         console.print(f"resumed from {trainer.resumed}", soft_wrap=True, markup=False)
     after = trainer.evaluate(data)
@@ -98,13 +103,16 @@ def cmd_train(args: argparse.Namespace) -> int:
             return f"loss {ev['loss']:.4g}, no accuracy ({ev['nonfinite']} outputs are NaN or infinite)"
         return f"loss {ev['loss']:.4g}" + ("" if ev["accuracy"] is None else f", accuracy {ev['accuracy']:.2%}")
 
-    batch = f"batch size {args.batch_size}" + (f" x {trainer.world_size} processes" if distributed else "")
+    batch = f"batch size {args.batch_size}" + (f" x {trainer.world_size} processes" if distributed else "") + (
+        f" x {args.accumulate_steps} accumulated micro-batches" if args.accumulate_steps > 1 else "")
     console.print(f"{trainer.steps} steps of {args.optimizer} ({args.epochs} epochs, {batch}); "
                   f"last epoch's mean loss {means[-1]:.4g}", soft_wrap=True, markup=False)
     console.print(f"training data ({before['samples']} samples): {score(before)} before, {score(after)} after",
                   soft_wrap=True, markup=False)
     if evaluated is not None:
         console.print(f"test data: {score(evaluated)}", soft_wrap=True, markup=False)
+    if profile_line(trainer):
+        console.print(profile_line(trainer), soft_wrap=True, markup=False)
     saved = f"; training graph: {args.save_training_graph}" if args.save_training_graph else ""
     console.print(f"wrote {args.output} (trained weights as initializers){saved}", soft_wrap=True, markup=False)
     if trainer.comm:
