@@ -44,6 +44,7 @@ def build(model: str, samples: int) -> tuple[Graph, dict[str, np.ndarray]]:
 
 
 OPTIMIZERS = {"adam": dict(name="adam", lr=0.01), "sgd": dict(name="sgd", lr=0.05, momentum=0.9),
+              "sgd0": dict(name="sgd", lr=0.05),
               "adamw": dict(name="adamw", lr=0.01, weight_decay=0.1)}
 
 

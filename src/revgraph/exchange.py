@@ -64,11 +64,9 @@ class Bucket:
     scratch: object = None
 
 
-def make_buckets(torch, like: dict[str, np.ndarray], grads: list[str], cap: int, tail: int, device,
-                 low: bool) -> list[Bucket]:
-    """Buckets (module doc) of the gradients ``grads`` (in parameter order; ``like[g]`` has ``g``'s dtype and
-    shape), at most ``cap`` bytes each, the last one with ``tail`` extra elements; ``low``: with bfloat16
-    copies. On ``device`` (a ``torch.device``)."""
+def bucket_groups(like: dict[str, np.ndarray], grads: list[str], cap: int) -> list[list[str]]:
+    """The gradient names of each bucket (module doc), in exchange order: ``grads`` (in parameter order) taken
+    in reverse, a new bucket when the dtype changes or the next gradient would pass ``cap`` bytes."""
     groups: list[tuple[np.dtype, list[str], int]] = []
     for g in reversed(grads):
         a = like[g]
@@ -76,8 +74,18 @@ def make_buckets(torch, like: dict[str, np.ndarray], grads: list[str], cap: int,
             groups.append((a.dtype, [], 0))
         dt, names, used = groups[-1]
         groups[-1] = (dt, [*names, g], used + a.nbytes)
+    return [names for _, names, _ in groups]
+
+
+def make_buckets(torch, like: dict[str, np.ndarray], grads: list[str], cap: int, tail: int, device,
+                 low: bool) -> list[Bucket]:
+    """Buckets (module doc) of the gradients ``grads`` (in parameter order; ``like[g]`` has ``g``'s dtype and
+    shape), at most ``cap`` bytes each, the last one with ``tail`` extra elements; ``low``: with bfloat16
+    copies. On ``device`` (a ``torch.device``)."""
+    groups = bucket_groups(like, grads, cap)
     buckets = []
-    for j, (dt, names, _) in enumerate(groups):
+    for j, names in enumerate(groups):
+        dt = like[names[0]].dtype
         size = sum(like[g].size for g in names)
         extra = tail if j == len(groups) - 1 else 0
         flat = torch.zeros(size + extra, dtype=torch_dtype(torch, dt), device=device)

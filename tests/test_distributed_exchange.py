@@ -1,0 +1,197 @@
+"""The data-parallel gradient exchange (issue 25, items 5, 7, 9): buckets of a chosen size, the grad graph cut
+into segments so that each bucket's all-reduce overlaps the rest of the backward pass, gradient accumulation
+over micro-batches, and buckets reduced in bfloat16.
+
+As in tests/test_distributed.py, every distributed run (2 gloo processes under torchrun, 1 thread each) is
+compared with one process training on the same global batches, parameter by parameter (rtol 2e-5), and the
+ranks must hold bitwise identical parameters and state. 97 samples leave an uneven last batch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import revgraph as rg
+from revgraph.exchange import bucket_groups
+from revgraph.overlap import Segments, check_cut, cut
+from revgraph.train import split_step
+from revgraph.trainer import epoch_order, shard
+
+pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
+
+from distributed_worker import trainer  # noqa: E402  (tests/ is on sys.path)
+from test_distributed import ENV, TORCHRUN, WORKER, _compare, _run, _single  # noqa: E402
+
+
+def _torchrun(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), *args, "--out", str(tmp_path)])
+
+
+# ---------------------------------------------------------------------------------------- the segment cut
+
+#: bucket caps (bytes) that give each of the test models several buckets (their parameters are 40 B - 4 KiB)
+SMALL = {"mlp": 1024, "rnn": 512, "embedding": 100}
+
+
+@pytest.mark.parametrize("model", ["mlp", "rnn", "embedding"])
+def test_segments_are_a_valid_cut_and_run_bitwise_like_the_grad_graph(model):
+    """The cut of the grad graph by buckets: every node in one segment, every value a segment reads produced
+    before it (a graph input, an initializer, an earlier segment's output); running the segments one after
+    another gives the uncut grad graph's loss and gradients bitwise (the MLP, the RNN's Loop whose body
+    captures outer values, the embedding's sparse rows)."""
+    tr, data = trainer(model, "adam", 40, False)
+    spec, eng = tr.spec, tr._engine
+    grad_graph, _ = split_step(spec)
+    dense = [p for p in spec.params if p not in spec.sparse]
+    groups = bucket_groups({spec.grads[p][0]: spec.initial[p] for p in dense}, [spec.grads[p][0] for p in dense],
+                           SMALL[model])
+    assert len(groups) >= 2
+    groups[-1] += [spec.loss.loss, *(g for p in spec.sparse for g in spec.grads[p])]
+    segments = cut(grad_graph, groups)
+    check_cut(grad_graph, segments)
+    assert len(segments) >= 2 and sorted(j for s in segments for j in s.buckets) == list(range(len(groups)))
+    for s in segments:  # a bucket is announced with the segment that produces its last gradient
+        produced = {o for seg in segments[:segments.index(s) + 1] for n in seg.graph.nodes for o in n.outputs}
+        assert all(g in produced or g in grad_graph.input_names for j in s.buckets for g in groups[j])
+
+    feeds = tr._feeds(tr.arrays(data), slice(0, 16))
+    loss, sparse = eng._run_grad(feeds)
+    whole = {g: v.numpy().copy() for g, v in eng._grad_values.items()}
+    whole.update({n: v.numpy() for n, v in sparse.items()})
+    import onnxruntime as ort
+
+    into = {g: ort.OrtValue.ortvalue_from_numpy(np.zeros_like(a)) for g, a in whole.items() if g not in sparse}
+    into[spec.loss.loss] = ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float32))
+    seen = []
+    runner = Segments(segments, grad_graph.output_names, eng.session, tr.device)
+    out = runner.run({p: eng.value(p) for p in spec.params}, feeds, into, lambda k, seg, fresh: seen.append(k))
+    assert seen == list(range(len(segments)))
+    assert float(into[spec.loss.loss].numpy()) == loss
+    for g, a in whole.items():
+        np.testing.assert_array_equal(out[g].numpy() if g in out else into[g].numpy(), a, err_msg=g)
+
+
+# ---------------------------------------------------------------------------------------- 2 processes
+
+
+@pytest.mark.parametrize("model,optimizer", [("mlp", "adam"), ("rnn", "sgd"), ("embedding", "adam")])
+def test_small_buckets_overlapped_train_like_one_process(tmp_path, model, optimizer):
+    """--bucket-mb small enough for several buckets: the grad graph runs in segments and each bucket is
+    all-reduced while the next segment runs; the weights equal one process's (MLP; the RNN's Loop; the
+    embedding's sparse rows, packed into one all-gather with their counts riding in the last bucket)."""
+    r = _torchrun(tmp_path, "--model", model, "--optimizer", optimizer, "--bucket-mb", str(SMALL[model] / 2**20))
+    assert int(r.stdout.split("segments: ")[1].split()[0]) >= 2, r.stdout  # the grad graph was cut
+    _compare(tmp_path, _single(model, optimizer, 97, 16, 2))
+
+
+@pytest.mark.parametrize("model,extra", [("mlp", []), ("embedding", ["--bucket-mb", str(SMALL["embedding"] / 2**20)])])
+def test_accumulated_micro_batches_in_two_processes_equal_one_large_batch(tmp_path, model, extra):
+    """2 processes x batch 4 x 2 accumulated micro-batches = 1 process x batch 16, on the same order: the
+    uneven last step (97 = 6 x 16 + 1) has one micro-batch of 1 sample (rank 1 has none) and an empty one.
+    The embedding run also cuts the grad graph, so later micro-batches go through the scratch buckets."""
+    _torchrun(tmp_path, "--model", model, "--batch-size", "4", "--accumulate-steps", "2", *extra)
+    _compare(tmp_path, _single(model, "adam", 97, 16, 2))
+
+
+@pytest.mark.parametrize("model", ["mlp", "embedding"])
+def test_accumulated_micro_batches_in_one_process_equal_one_large_batch(model):
+    """One process: batch 4 x 4 accumulated micro-batches = batch 16 (same order, same uneven last batch)."""
+    ref = _single(model, "adam", 97, 16, 2)
+    acc, data = trainer(model, "adam", 97, False)
+    means = acc.fit(data, 2, 4, seed=3, progress=False, accumulate_steps=4)
+    assert acc.steps == ref.steps == 14 and len(means) == 2
+    for name, value in {**ref.parameters, **ref.state}.items():
+        np.testing.assert_allclose({**acc.parameters, **acc.state}[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+    np.testing.assert_allclose(acc.losses, ref.losses, rtol=2e-5, atol=1e-6)
+
+
+def test_bf16_reduce_stays_within_bfloat16_rounding(tmp_path):
+    """--reduce-dtype bf16 with plain SGD (w <- w - lr g) for one epoch (7 steps). bfloat16 keeps 8 significant
+    bits: unit roundoff u = 2**-8. Each rank's share g_r (already weighted by n_r / N) is rounded once when cast
+    (error <= u |g_r|) and the sum once more (<= u |g_0 + g_1| <= u (|g_0| + |g_1|)), so the exchanged gradient
+    is off by at most 2u (|g_0| + |g_1|) elementwise, and after the steps the weights by at most
+    lr * sum_s 2u (|g_0s| + |g_1s|), to first order (the ranks' g_rs come from the one-process run; allowed: 1.5x
+    that bound for the drift of the trajectory, plus float32 rounding). The same run in fp32 stays at rtol 2e-5."""
+    for dtype in ("bf16", "fp32"):
+        out = tmp_path / dtype
+        out.mkdir()
+        _torchrun(out, "--model", "mlp", "--optimizer", "sgd0", "--epochs", "1", "--reduce-dtype", dtype)
+    ref, data = trainer("mlp", "sgd0", 97, False)
+    arrays, lr, u = ref.arrays(data), 0.05, 2.0**-8
+    bound = {p: np.zeros_like(a) for p, a in ref.parameters.items()}
+    order = epoch_order(97, True, 3)
+    for start in range(0, 97, 16):
+        chunk = order[start:start + 16]
+        for r in range(2):  # each rank's weighted share of the gradient, at the one-process run's weights
+            rows = shard(chunk, r, 2)
+            if len(rows):
+                ref._engine._run_grad(ref._feeds(arrays, rows))
+                for p in bound:
+                    g = ref._engine._grad_values[ref.spec.grads[p][0]].numpy()
+                    bound[p] += lr * 2 * u * np.abs(g) * len(rows) / len(chunk)
+        ref._step(ref._feeds(arrays, chunk), len(chunk), len(chunk))
+    bf16, fp32 = (dict(np.load(tmp_path / d / "rank0.npz")) for d in ("bf16", "fp32"))
+    off = False
+    for p, value in ref.parameters.items():
+        diff = np.abs(bf16[p] - value)
+        assert np.all(diff <= 1.5 * bound[p] + 1e-6 + 2e-5 * np.abs(value)), (p, float(np.max(diff - 1.5 * bound[p])))
+        off = off or bool(np.any(diff > 2e-5 * np.abs(value) + 2e-6))
+        np.testing.assert_allclose(fp32[p], value, rtol=2e-5, atol=2e-6, err_msg=p)
+    assert off, "the bf16 run equals the fp32 one: the buckets were not reduced in bfloat16"
+    for r in range(2):  # (the ranks agree bitwise in bf16 too)
+        other = dict(np.load(tmp_path / "bf16" / f"rank{r}.npz"))
+        for name in bf16:
+            np.testing.assert_array_equal(other[name], bf16[name])
+
+
+# ---------------------------------------------------------------------------------------- options
+
+
+def test_profile_prints_phase_medians_on_rank_0(tmp_path):
+    """`revgraph train --nproc 2 --profile --bucket-mb ... --accumulate-steps 2` trains like one process with
+    4 x the batch and prints one line of per-phase medians (rank 0 only)."""
+    from revgraph import demo
+
+    train, _ = demo.digits()
+    np.savez(tmp_path / "data.npz", x=train["x"][:120], y=train["labels"][:120])
+    rg.save(demo.mlp_model(hidden=16), tmp_path / "mlp.onnx")
+    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data", str(tmp_path / "data.npz"),
+              "--loss", "cross-entropy", "--epochs", "1", "--threads", "1"]
+    _run([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
+    r = _run([*common, "--batch-size", "5", "--nproc", "2", "--accumulate-steps", "2", "--bucket-mb", "0.001",
+              "--profile", "-o", str(tmp_path / "two.onnx")])
+    assert r.stdout.count("profile (rank 0): forward+backward ") == 1, r.stdout
+    assert "global batch 2 x 5 x 2 micro-batches = 20" in r.stdout, r.stdout
+    one, two = rg.load(tmp_path / "one.onnx").initializers, rg.load(tmp_path / "two.onnx").initializers
+    for name, value in one.items():
+        np.testing.assert_allclose(two[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--accumulate-steps", "0"], "--accumulate-steps must be at least 1"),
+    (["--bucket-mb", "0"], "--bucket-mb must be a positive number"),
+    (["--reduce-dtype", "fp8"], "invalid choice"),
+    (["--accumulate-steps", "2", "--buffers", "two"], "gradient accumulation (accumulate_steps > 1) needs buffers='one'"),
+])
+def test_bad_exchange_options_exit_2(tmp_path, args, message):
+    rg.save(rg.demo.mlp_model(hidden=8), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.zeros((4, 8, 8), np.float32), y=np.zeros(4, np.int64))
+    r = subprocess.run([sys.executable, "-m", "revgraph", "train", str(tmp_path / "m.onnx"), "--data",
+                        str(tmp_path / "d.npz"), "--loss", "cross-entropy", "--epochs", "1", *args, "-o",
+                        str(tmp_path / "o.onnx")], env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_bad_exchange_arguments_of_the_api_are_one_line_errors():
+    with pytest.raises(rg.InputError, match="bucket size must be a positive number"):
+        rg.Trainer(rg.demo.mlp_model(hidden=8), "cross-entropy", "adam", bucket_mb=-1)
+    with pytest.raises(rg.InputError, match="reduce dtype must be one of fp32, bf16"):
+        rg.Trainer(rg.demo.mlp_model(hidden=8), "cross-entropy", "adam", reduce_dtype="fp16")
+    tr, data = trainer("mlp", "adam", 16, False)
+    with pytest.raises(rg.InputError, match="accumulate_steps .* must be a positive integer"):
+        tr.fit(data, 1, 4, progress=False, accumulate_steps=0)
