@@ -7,11 +7,15 @@ graph cut in two (:func:`revgraph.train.split_step`):
 1. the **grad graph** runs on the rank's ``n_r`` samples and writes the loss and the gradients (means over
    those samples);
 2. the gradients are exchanged: every gradient is scaled by ``n_r / N`` (``N`` the global batch, the sum of
-   the ``n_r``) and **dense** gradients are all-reduced (summed) in buckets of about 25 MiB (the default of
-   ``torch.nn.parallel.DistributedDataParallel``), so each rank gets the mean gradient over the global batch,
-   exact also when the last batch of an epoch does not split evenly. **Sparse** gradients of embedding tables
-   (the ``(indices, rows)`` pairs of ``revgraph.gradient(..., sparse=True)``) are all-gathered as rows and
-   concatenated in rank order, never densified (Caffe2's ``data_parallel_model`` exchanged them the same way);
+   the ``n_r``) and **dense** gradients are all-reduced (summed) in buckets of at most ``bucket_mb`` MiB (25 by
+   default, as ``torch.nn.parallel.DistributedDataParallel``; :mod:`revgraph.exchange`), so each rank gets the
+   mean gradient over the global batch, exact also when the last batch of an epoch does not split evenly. With
+   several buckets the grad graph runs in segments and each bucket's all-reduce starts while the next segment
+   runs (:mod:`revgraph.overlap`). **Sparse** gradients of embedding tables (the ``(indices, rows)`` pairs of
+   ``revgraph.gradient(..., sparse=True)``) are all-gathered as rows (all tables in one packed buffer, their
+   counts riding in the last bucket) and concatenated in rank order, never densified (Caffe2's
+   ``data_parallel_model`` exchanged them the same way). With gradient accumulation, the micro-batches'
+   gradients are summed into the buckets first (each weighted by its count over ``N``);
 3. the **update graph** applies the optimizer to the exchanged gradients. Its inputs are identical on every
    rank, so parameters and optimizer state stay identical (:meth:`Collective.check_replicas` verifies it).
 
