@@ -12,10 +12,12 @@ import re
 from pathlib import Path
 
 BEGIN, END = "<!-- ddp:begin -->", "<!-- ddp:end -->"
-NAMES = {"mlp": "MLP", "rnn": "RNN (Loop)", "embed": "embedding (sparse)"}
+NAMES = {"mlp": "MLP", "rnn": "RNN (Loop)", "embed": "embedding (sparse)", "transformer": "Transformer",
+         "wide": "wide MLP"}
 PHASES = [("grad graph", "grad graph"), ("all-reduce (dense grads, loss)", "all-reduce"),
           ("all-gather (sparse counts)", "all-gather counts"), ("all-gather (sparse indices)", "all-gather indices"),
-          ("all-gather (sparse rows)", "all-gather rows"), ("update graph", "update graph")]
+          ("all-gather (sparse rows)", "all-gather rows"), ("all-gather (sparse rows, packed)", "all-gather rows+indices"),
+          ("update graph", "update graph")]
 
 
 def _m(res: dict, model: str, fw: str, mode: str, n: int) -> float | None:
@@ -107,7 +109,7 @@ def _profile(res: dict) -> list[str]:
     batch = res["batch"]
     return ["", "### Where a revgraph step goes at 2 processes", "",
             (f"One profiled launch per model (rank 0; ms per step, means over the "
-            f"{_steps(res, '2')} timed steps of MLP, RNN and embedding; batch {batch} per "
+            f"{_steps(res, '2')} timed steps of the models in order; batch {batch} per "
             "process). The engine's sessions and `torch.distributed` calls are wrapped with timers "
             "(bench/ddp_worker.py `--profile`): *grad graph* and *update graph* are onnxruntime's runs "
             "of the two halves of the split step graph; *all-reduce* "
@@ -165,17 +167,15 @@ def _notes(res: dict) -> list[str]:
             f"(TCP over loopback, threads woken on 2 shared, busy cores) costs {cost}, as much as a whole step "
             "of these small models or more, so the second process rarely pays for the exchange; of the three, "
             f"the {best} comes closest to scaling."),
-            ("- Round trips per step. revgraph (at the commit above) starts two all-reduces per step for a dense "
-            "model, the gradient bucket and, separately, the loss (asynchronous, but each is a round trip of "
-            "its own), and for a sparse table three all-gathers more, each waiting for the previous one: the "
-            "row counts, the indices, the rows. DDP all-reduces each gradient bucket once and leaves the loss "
-            "local; for a sparse gradient gloo's sparse all-reduce also all-gathers metadata, indices and values "
-            f"in turn.{trail}"),
-            ("- What would cut revgraph's exchange (not done here): the loss appended to the last gradient bucket "
-            "(one all-reduce a step instead of two); the counts, indices and rows of a table in one all-gather "
-            "(padded to the largest count, known from the batch shape); and with a world of 1, the fused step "
-            "graph instead of the split one with its collectives (the table of the distributed paths in 1 "
-            "process).")]
+            ("- Round trips per step. revgraph (since issue 25) all-reduces each gradient bucket once, the loss "
+            "and every rank's count of sparse rows riding in the last bucket, and gathers the indices and rows "
+            "of all sparse tables in one all-gather of one packed byte buffer: one round trip per bucket plus "
+            "one for all sparse tables. DDP all-reduces each gradient bucket once and leaves the loss local; for "
+            "a sparse gradient gloo's sparse all-reduce all-gathers metadata, indices and values in turn."
+            f"{trail}"),
+            ("- With several buckets revgraph runs the grad graph in segments and all-reduces each bucket while "
+            "the next segment runs (the timeline section below); with a world of 1 the fused step graph would "
+            "still beat the split one with its collectives (the table of the distributed paths in 1 process).")]
 
 
 def render(res: dict, json_path: str) -> str:
@@ -194,7 +194,7 @@ def render(res: dict, json_path: str) -> str:
              "trains on twice the samples. Each configuration is a launch of its own under torchrun "
              "(`python -m torch.distributed.run --standalone --nproc-per-node N bench/ddp_worker.py ...`); graph "
              f"build, sessions and {res['warmup']} warm-up steps are not timed, then a fixed number of steps is "
-             f"({_steps(res, '1')} steps of MLP, RNN and embedding with 1 process, {_steps(res, '2')} with 2), "
+             f"({_steps(res, '1')} steps of the models in table order with 1 process, {_steps(res, '2')} with 2), "
              "from a barrier to a barrier. revgraph "
              "and PyTorch take turns (who goes first alternates); each number is the median over "
              f"{res['turns']} turns, each ratio the ratio of two medians."), "",
@@ -249,10 +249,11 @@ def render(res: dict, json_path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(doc: Path, section: str) -> None:
-    """Put ``section`` between the markers of ``doc`` (replacing what was there), or at its end."""
+def write_section(doc: Path, section: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put ``section`` between the markers ``begin`` and ``end`` of ``doc`` (replacing what was there), or at
+    its end."""
     text = doc.read_text() if doc.exists() else ""
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.DOTALL)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.DOTALL)
     if pattern.search(text):
         text = pattern.sub(lambda _: section, text, count=1)
     else:

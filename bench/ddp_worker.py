@@ -74,7 +74,8 @@ def _profile(trainer, clock: Clock) -> None:
     if hasattr(eng, "_sess"):  # the fused engine: one session
         eng._sess = _Proxy(eng._sess, run_with_iobinding=clock.wrap("step graph", eng._sess.run_with_iobinding))
         return
-    eng._grad = _Proxy(eng._grad, run_with_iobinding=clock.wrap("grad graph", eng._grad.run_with_iobinding))
+    if eng._grad is not None:  # (cut into segments: those are timed by --timeline)
+        eng._grad = _Proxy(eng._grad, run_with_iobinding=clock.wrap("grad graph", eng._grad.run_with_iobinding))
     eng._update = _Proxy(eng._update, run_with_iobinding=clock.wrap("update graph", eng._update.run_with_iobinding))
     dist = eng.comm.dist
 
@@ -84,12 +85,10 @@ def _profile(trainer, clock: Clock) -> None:
             return None
         return _Proxy(work, wait=clock.wrap("all-reduce (dense grads, loss)", work.wait))
 
-    def all_gather(out, t, *a, **k):  # _gather_rows: the row counts, then the indices and the rows of each table
-        torch = eng.comm.torch
-        if t.dtype == torch.uint8:  # Collective.check_replicas, once at the end of fit: not a step's
+    def all_gather(out, t, *a, **k):  # _exchange_rows: every table's indices and rows packed in one byte buffer
+        if t.numel() == 32:  # Collective.check_replicas (a SHA-256), once at the end of fit: not a step's
             return dist.all_gather(out, t, *a, **k)
-        what = "counts" if t.numel() <= 16 else "indices" if t.dtype == torch.int64 else "rows"
-        return clock.wrap(f"all-gather (sparse {what})", dist.all_gather)(out, t, *a, **k)
+        return clock.wrap("all-gather (sparse rows, packed)", dist.all_gather)(out, t, *a, **k)
 
     eng.comm.dist = _Proxy(dist, all_reduce=all_reduce, all_gather=all_gather)
 
@@ -110,15 +109,18 @@ def _collectives_alone(trainer, args, reps: int = 200) -> dict:
                      dist.all_reduce(loss, async_op=True)]:
             work.wait()
     out["all-reduce alone"] = 1e3 * (time.perf_counter() - t) / reps
-    if eng._sparse:
+    if eng._sparse:  # the packed all-gather of B * 16 rows per table (and their indices)
+        from revgraph.exchange import packed_size
+
         k = args.batch * ddp_models.TOKENS
-        empty = eng._empty_rows
-        rows = {p: (torch.zeros(k, dtype=torch.int64), empty[p].new_zeros((k, *empty[p].shape[1:])))
-                for p, _, _ in eng._sparse}
+        size = packed_size([k] * len(eng._empty_rows),
+                           [e.element_size() * int(np.prod(e.shape[1:])) for e in eng._empty_rows])
+        buf = torch.zeros(size, dtype=torch.uint8)
+        every = [torch.empty_like(buf) for _ in range(eng.comm.world_size)]
         dist.barrier()
         t = time.perf_counter()
         for _ in range(reps):
-            eng._gather_rows(rows, 1.0)
+            dist.all_gather(every, buf)
         out["all-gather alone"] = 1e3 * (time.perf_counter() - t) / reps
     return out
 
@@ -173,7 +175,8 @@ def run_revgraph(args, rank: int, world: int) -> tuple[float, dict]:
     if args.ort_profile:
         _ort_profiling()
     trainer = rg.Trainer(ddp_models.rg_graph(args.model), "cross-entropy", "adam", threads=1,
-                         distributed=args.mode == "ddp")
+                         distributed=args.mode == "ddp", bucket_mb=args.bucket_mb, reduce_dtype=args.reduce_dtype,
+                         overlap=not args.no_overlap, profile="timeline" if args.timeline else False)
     assert trainer.world_size == world
     pool, group, epochs = _pool(args, world)
     trainer.fit({k: a[:args.warmup * group] for k, a in pool.items()}, batch_size=args.batch, progress=False)
@@ -193,9 +196,52 @@ def run_revgraph(args, rank: int, world: int) -> tuple[float, dict]:
         phases.update({k: v / 1e3 for k, v in _collectives_alone(trainer, args).items()})
     if args.ort_profile:
         phases = {"ops": _ort_ops(trainer)}
+    if args.timeline:
+        phases = {"timeline": timeline_summary(trainer, args.warmup)}
     if trainer.comm:
         trainer.comm.close()
-    return seconds, phases if args.profile or args.ort_profile else {}
+    return seconds, phases if args.profile or args.ort_profile or args.timeline else {}
+
+
+def _hidden(events: list[dict]) -> tuple[float, float]:
+    """``(all-reduce seconds, of which hidden)``: the union of the buckets' all-reduce intervals, and its part
+    before the backward pass ended (the end of the last segment), when compute ran alongside."""
+    spans = sorted((e["start"], e["end"]) for e in events if e["kind"] == "all-reduce" and e["end"] is not None)
+    compute_end = max((e["end"] for e in events if e["kind"] == "segment"), default=0.0)
+    total = hidden = 0.0
+    cur = None
+    for a, b in spans + [(float("inf"), float("inf"))]:
+        if cur and a <= cur[1]:
+            cur = (cur[0], max(cur[1], b))
+            continue
+        if cur:
+            total += cur[1] - cur[0]
+            hidden += max(0.0, min(cur[1], compute_end) - cur[0])
+        cur = (a, b)
+    return total, hidden
+
+
+def timeline_summary(trainer, warmup: int) -> dict:
+    """What bench/ddp.py --profile reports from rank 0's timeline: per-phase medians, per-segment compute and
+    per-bucket all-reduce medians (ms), the buckets' bytes, the median all-reduce time and its hidden part, and
+    the timeline of the step whose time is the median (seconds from its start)."""
+    import statistics
+
+    times, eng = trainer.times, trainer._engine
+    steps = list(zip(times.steps[warmup:], times.timelines[warmup:], strict=True))
+    med = lambda xs: 1e3 * statistics.median(xs) if xs else None  # noqa: E731
+    names = sorted({(e["kind"], e["name"]) for _, tl in steps for e in tl})
+    per = {f"{k}: {n}": med([e["end"] - e["start"] for _, tl in steps for e in tl
+                             if (e["kind"], e["name"]) == (k, n) and e["end"] is not None]) for k, n in names}
+    hid = [_hidden(tl) for _, tl in steps]
+    totals = [sum(ph.values()) for ph, _ in steps]
+    mid = sorted(range(len(steps)), key=lambda i: totals[i])[len(steps) // 2] if steps else None
+    buckets = [int(b.grads.numel() * b.grads.element_size()) for b in getattr(eng, "buckets", [])]
+    return {"phases_ms": {k: 1e3 * v for k, v in times.medians(warmup).items()}, "events_ms": per,
+            "bucket_bytes": buckets, "segments": len(eng.segments.segments) if getattr(eng, "segments", None) else 1,
+            "ready": [s.buckets for s in eng.segments.segments] if getattr(eng, "segments", None) else None,
+            "allreduce_ms": med([h[0] for h in hid]), "hidden_ms": med([h[1] for h in hid]),
+            "median_step": steps[mid][1] if steps else []}
 
 
 def run_torch(args, rank: int, world: int) -> tuple[float, dict]:
@@ -247,6 +293,11 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="time the phases of each step (revgraph)")
     parser.add_argument("--ort-profile", action="store_true", help="onnxruntime's profile of the step graphs: "
                         "the operator types' shares of kernel time (revgraph)")
+    parser.add_argument("--timeline", action="store_true", help="(revgraph) record each step's segments and "
+                        "all-reduces (Trainer(profile='timeline')) and report them")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="(revgraph) Trainer(bucket_mb=)")
+    parser.add_argument("--no-overlap", action="store_true", help="(revgraph) Trainer(overlap=False)")
+    parser.add_argument("--reduce-dtype", default="fp32", help="(revgraph) Trainer(reduce_dtype=)")
     parser.add_argument("--data", required=True, help="an .npz of ddp_models.data (at least 50 global batches)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -259,7 +310,7 @@ def main() -> int:
         samples = args.steps * args.batch * world
         Path(args.out).write_text(json.dumps({
             "samples_per_s": samples / seconds, "seconds": seconds, "steps": args.steps, "samples": samples,
-            "world": world, "ops": phases.pop("ops", None),
+            "world": world, "ops": phases.pop("ops", None), "timeline": phases.pop("timeline", None),
             "phases_ms_per_step": {k: 1e3 * v for k, v in phases.items()}}))
     sys.stdout.flush()
     sys.stderr.flush()

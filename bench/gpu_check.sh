@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # revgraph on a CUDA GPU (--device cuda, issue 16): run the GPU-only tests and a short step-time benchmark,
-# and print them with the GPU's name. For a machine with an NVIDIA GPU, onnxruntime-gpu in place of onnxruntime
+# and print them with the GPU's name; with 2 GPUs also the data-parallel exchange options on NCCL (issue 25). For a machine with an NVIDIA GPU, onnxruntime-gpu in place of onnxruntime
 # (pip install "revgraph[cuda]"; see the comment in pyproject.toml) and, for the data-parallel tests, a CUDA
 # build of torch (revgraph[distributed]). Needs no network; takes under 5 minutes.
 #
@@ -56,6 +56,13 @@ echo "== GPU tests (pytest -m cuda tests/test_devices.py)"
 status=0
 # -o addopts='' drops the default -m "not slow"; -rs prints why a test was skipped (e.g. one GPU: no 2-process NCCL)
 timeout 210 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py || status=$?
+
+echo "== data-parallel exchange on the GPU (issue 25: --bucket-mb with overlap, --overlap off, --accumulate-steps, --reduce-dtype bf16)"
+# one table row per option and model: pytest's verdict (passed / failed / skipped with its reason)
+timeout 600 "$PYTHON" -m pytest -q -o addopts='' -rA -m cuda -p no:cacheprovider tests/test_devices_exchange.py 2>&1 \
+    | awk '/^(PASSED|FAILED|SKIPPED|ERROR)/ {print}' \
+    | sed -E 's/^(PASSED|FAILED|ERROR) tests\/test_devices_exchange.py::test_nccl_exchange_options_match_one_process\[nproc2-([^]]*)\].*/\1  \2/' \
+    | column -t -s ' ' || status=$?
 
 echo "== step time (ms per Trainer.step with Adam, after 3 warm-up steps; median of up to 2 s of steps)"
 DEVICE=$DEVICE timeout 150 "$PYTHON" - <<'EOF'

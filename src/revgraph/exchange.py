@@ -4,8 +4,8 @@ byte buffer for one all-gather.
 
 Buckets (as ``torch.nn.parallel.DistributedDataParallel`` builds them): the dense gradients in reverse
 parameter order, the order in which the backward pass produces them, packed back to back into flat tensors of
-at most ``bucket_mb`` MiB each (DDP's ``bucket_cap_mb``, default 25; a gradient larger than the cap gets a
-bucket of its own) and one dtype per bucket. The last bucket may carry a **tail** of float values that are
+at most ``bucket_mb`` MiB each (DDP's ``bucket_cap_mb``, default 25; the first at most 1 MiB as in DDP; a
+gradient larger than the cap gets a bucket of its own) and one dtype per bucket. The last bucket may carry a **tail** of float values that are
 summed over the ranks with it, saving collectives: this rank's share of the loss, and in the slot of this
 rank the number of sparse rows of each table (zero in the other ranks' slots, so the sum holds every rank's
 counts; float32 counts are exact below 2**24).
@@ -29,6 +29,9 @@ from .errors import InputError
 BUCKET_MB = 25.0  #: DistributedDataParallel's bucket_cap_mb default
 REDUCE_DTYPES = ("fp32", "bf16")
 EXACT_COUNTS = 2**24  #: float32 holds every integer below this exactly
+#: DDP's cap of the first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``): the gradients the backward
+#: pass produces first start their all-reduce early, before a whole bucket_cap_mb has been produced
+FIRST_BUCKET = 2**20
 
 
 def bucket_bytes(mb: float) -> int:
@@ -66,11 +69,13 @@ class Bucket:
 
 def bucket_groups(like: dict[str, np.ndarray], grads: list[str], cap: int) -> list[list[str]]:
     """The gradient names of each bucket (module doc), in exchange order: ``grads`` (in parameter order) taken
-    in reverse, a new bucket when the dtype changes or the next gradient would pass ``cap`` bytes."""
+    in reverse, a new bucket when the dtype changes or the next gradient would pass ``cap`` bytes (the first
+    bucket: :data:`FIRST_BUCKET`, as DDP)."""
     groups: list[tuple[np.dtype, list[str], int]] = []
     for g in reversed(grads):
         a = like[g]
-        if not groups or groups[-1][0] != a.dtype or groups[-1][2] + a.nbytes > cap:
+        limit = min(cap, FIRST_BUCKET) if len(groups) == 1 else cap
+        if not groups or groups[-1][0] != a.dtype or groups[-1][2] + a.nbytes > limit:
             groups.append((a.dtype, [], 0))
         dt, names, used = groups[-1]
         groups[-1] = (dt, [*names, g], used + a.nbytes)

@@ -1,0 +1,138 @@
+"""The modelled scaling of data-parallel training to 8 and 64 GPUs (bench/ddp.py ``--profile``; issue 25): the
+step time of a 100M-parameter fp32 model with and without overlapping the gradient exchange with the backward
+pass, from a stated network model and the per-bucket backward compute measured by the bench.
+
+The model (every input is in :data:`INPUTS` and printed with the results):
+
+- **The model**: ``P`` = 100M fp32 parameters (400 MB of gradients), forward ``F`` = 50 ms and backward ``B`` =
+  100 ms on one GPU (the issue's 100 ms backward; the forward at half of it, the usual 1:2 ratio of their
+  FLOPs); the update is left out (it is the same on 1 and on W GPUs).
+- **Buckets** as DDP and revgraph pack them: reverse parameter order, the first of 1 MiB, then 25 MiB each.
+- **When a bucket is ready**: bucket ``j`` is ready when the backward has produced its gradients, at ``F + B *
+  c_j``, ``c_j`` the share of the backward's compute done by then. ``uniform``: the compute is proportional to
+  the bytes of parameters (dense layers: 2 FLOPs per parameter and sample, each way). ``measured``: the shape of
+  the measured curve, the share of compute done by each segment of revgraph's grad graph against the share of
+  bytes of the buckets it completed (bench/ddp.py runs the Transformer with small buckets for it), with the first
+  segment's forward part taken out (``F / (F + B)`` of the uncut grad graph's time).
+- **Network**: ring all-reduce of ``n`` bytes among ``W`` GPUs takes ``2 (W - 1) / W * n / BW + 2 (W - 1) *
+  alpha`` (``2 (W - 1)`` steps of a reduce-scatter and an all-gather around the ring, each paying the latency
+  ``alpha``), ``BW`` = 100 Gbit/s per GPU, ``alpha`` = 10 us; one collective at a time (NCCL runs a process
+  group's collectives in order on one stream).
+- **Without overlap** (revgraph before issue 25): every bucket is all-reduced after the backward: step =
+  ``F + B + sum_j T(b_j)``. **With overlap** (DDP; revgraph with ``--overlap on``): bucket ``j`` starts at
+  ``max(ready_j, end_{j-1})``: step = ``max(F + B, end_last)``. revgraph's segments cost ``k`` times the uncut
+  backward (the cost of cutting: lost fusions and one session run per segment), ``k`` measured by the bench on
+  the CPU (``forward+backward`` with overlap over without, 2 processes), 1 if not measured.
+- **Scaling efficiency** = the one-GPU step time over the W-GPU step time (throughput per GPU, relative).
+"""
+
+from __future__ import annotations
+
+INPUTS = {"params": 100e6, "bytes_per_param": 4, "forward_ms": 50.0, "backward_ms": 100.0,
+          "first_bucket_bytes": 2**20, "bucket_bytes": 25 * 2**20, "bandwidth_gbit": 100.0, "alpha_us": 10.0,
+          "worlds": [8, 64]}
+
+
+def buckets(total: float, first: float, cap: float) -> list[float]:
+    out, left = [], total
+    while left > 0:
+        b = min(left, first if not out else cap)
+        out.append(b)
+        left -= b
+    return out
+
+
+def allreduce_ms(nbytes: float, world: int, inputs: dict) -> float:
+    bw = inputs["bandwidth_gbit"] * 1e9 / 8  # bytes per second
+    return 1e3 * (2 * (world - 1) / world * nbytes / bw) + 2 * (world - 1) * inputs["alpha_us"] / 1e3
+
+
+def compute_curve(measured: dict | None) -> list[tuple[float, float]] | None:
+    """``[(share of bytes, share of backward compute)]`` from a bench timeline (``bucket_bytes`` and
+    ``events_ms`` of ``segment: segment k`` with the buckets each completed), or ``None``."""
+    if not measured or measured.get("segments", 1) < 2:
+        return None
+    seg = [measured["events_ms"].get(f"segment: segment {k}") for k in range(measured["segments"])]
+    ready = measured.get("ready")  # the buckets each segment completed
+    if any(s is None for s in seg) or not ready:
+        return None
+    total_bytes = sum(measured["bucket_bytes"])
+    grad_ms = sum(seg)
+    fwd = grad_ms * INPUTS["forward_ms"] / (INPUTS["forward_ms"] + INPUTS["backward_ms"])
+    back = [max(seg[0] - fwd, 0.0), *seg[1:]]
+    done_b = done_c = 0.0
+    curve = [(0.0, 0.0)]
+    for k, js in enumerate(ready):
+        done_c += back[k]
+        done_b += sum(measured["bucket_bytes"][j] for j in js)
+        curve.append((done_b / total_bytes, done_c / max(sum(back), 1e-12)))
+    return curve
+
+
+def _interp(curve: list[tuple[float, float]], x: float) -> float:
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:], strict=False):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-12)
+    return curve[-1][1]
+
+
+def step_ms(world: int, overlap: bool, inputs: dict, curve=None, cost: float = 1.0) -> float:
+    total = inputs["params"] * inputs["bytes_per_param"]
+    sizes = buckets(total, inputs["first_bucket_bytes"], inputs["bucket_bytes"])
+    F, B = inputs["forward_ms"], inputs["backward_ms"] * (cost if overlap else 1.0)
+    if not overlap:
+        return F + B + sum(allreduce_ms(b, world, inputs) for b in sizes)
+    end, done = 0.0, 0.0
+    for b in sizes:
+        done += b
+        share = _interp(curve, done / total) if curve else done / total
+        end = max(F + B * share, end) + allreduce_ms(b, world, inputs)
+    return max(F + B, end)
+
+
+def model(measured: dict | None = None, cost: float | None = None, inputs: dict | None = None) -> dict:
+    """The modelled step times (ms) and scaling efficiencies at each world size, without and with overlap
+    (``uniform`` and, given a ``measured`` timeline, ``measured`` compute curves)."""
+    inputs = {**INPUTS, **(inputs or {})}
+    curve = compute_curve(measured)
+    one = inputs["forward_ms"] + inputs["backward_ms"]
+    sizes = buckets(inputs["params"] * inputs["bytes_per_param"], inputs["first_bucket_bytes"], inputs["bucket_bytes"])
+    out = {"inputs": inputs, "buckets": len(sizes), "one_gpu_ms": one, "cost": cost or 1.0, "curve": curve, "rows": []}
+    for w in inputs["worlds"]:
+        row = {"world": w, "no_overlap_ms": step_ms(w, False, inputs)}
+        row["overlap_uniform_ms"] = step_ms(w, True, inputs, None, cost or 1.0)
+        if curve:
+            row["overlap_measured_ms"] = step_ms(w, True, inputs, curve, cost or 1.0)
+        for k in [k for k in row if k.endswith("_ms")]:
+            row[k.replace("_ms", "_eff")] = one / row[k]
+        out["rows"].append(row)
+    return out
+
+
+def render(res: dict) -> list[str]:
+    """Markdown lines: the inputs, then a table of step times and efficiencies."""
+    i = res["inputs"]
+    lines = [f"Model (bench/ddp_scaling.py): {i['params'] / 1e6:.0f}M fp32 parameters, forward {i['forward_ms']:g} ms, "
+             f"backward {i['backward_ms']:g} ms on one GPU; {res['buckets']} buckets (first "
+             f"{i['first_bucket_bytes'] / 2**20:g} MiB, then {i['bucket_bytes'] / 2**20:g} MiB); ring all-reduce "
+             f"2(W-1)/W x bytes / {i['bandwidth_gbit']:g} Gbit/s + 2(W-1) x {i['alpha_us']:g} us, one collective at a "
+             f"time; revgraph's cost of cutting the backward into segments: {res['cost']:.2f}x (measured on this CPU).",
+             "", "| GPUs | step, no overlap | efficiency | step, overlap (uniform) | efficiency |"
+             + (" step, overlap (measured curve) | efficiency |" if res["curve"] else ""),
+             "|---:|---:|---:|---:|---:|" + ("---:|---:|" if res["curve"] else "")]
+    for r in res["rows"]:
+        cells = [str(r["world"]), f"{r['no_overlap_ms']:.1f} ms", f"{r['no_overlap_eff']:.0%}",
+                 f"{r['overlap_uniform_ms']:.1f} ms", f"{r['overlap_uniform_eff']:.0%}"]
+        if res["curve"]:
+            cells += [f"{r['overlap_measured_ms']:.1f} ms", f"{r['overlap_measured_eff']:.0%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if res["curve"]:
+        pts = ", ".join(f"({x:.2f}, {y:.2f})" for x, y in res["curve"])
+        lines += ["", f"Measured curve (share of gradient bytes ready, share of backward compute done): {pts}."]
+    return lines
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(model(), indent=1))
