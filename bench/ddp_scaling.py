@@ -21,9 +21,10 @@ The model (every input is in :data:`INPUTS` and printed with the results):
 - **Without overlap** (revgraph before issue 25): every bucket is all-reduced after the backward: step =
   ``F + B + sum_j T(b_j)``. **With overlap** (DDP; revgraph with ``--overlap on``): bucket ``j`` starts at
   ``max(ready_j, end_{j-1})``: step = ``max(F + B, end_last)``. revgraph's segments cost ``k`` times the uncut
-  backward (the cost of cutting: lost fusions and one session run per segment), ``k`` measured by the bench on
-  the CPU (``forward+backward`` with overlap over without, 2 processes), 1 if not measured.
-- **Scaling efficiency** = the one-GPU step time over the W-GPU step time (throughput per GPU, relative).
+  grad graph (forward and backward) (the cost of cutting: lost fusions and one session run per segment), ``k`` measured by the bench on
+  the CPU (the Transformer's segments against its uncut grad graph, no collectives), 1 if not measured.
+- **Scaling efficiency** = the one-GPU step time over the W-GPU step time (throughput per GPU, relative). DDP
+  corresponds to the overlapped columns without cutting cost (it overlaps inside autograd's one backward).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def _interp(curve: list[tuple[float, float]], x: float) -> float:
 def step_ms(world: int, overlap: bool, inputs: dict, curve=None, cost: float = 1.0) -> float:
     total = inputs["params"] * inputs["bytes_per_param"]
     sizes = buckets(total, inputs["first_bucket_bytes"], inputs["bucket_bytes"])
-    F, B = inputs["forward_ms"], inputs["backward_ms"] * (cost if overlap else 1.0)
+    k = cost if overlap else 1.0  # the segments' cost applies to the whole grad graph, forward included
+    F, B = inputs["forward_ms"] * k, inputs["backward_ms"] * k
     if not overlap:
         return F + B + sum(allreduce_ms(b, world, inputs) for b in sizes)
     end, done = 0.0, 0.0
@@ -91,40 +93,48 @@ def step_ms(world: int, overlap: bool, inputs: dict, curve=None, cost: float = 1
 
 
 def model(measured: dict | None = None, cost: float | None = None, inputs: dict | None = None) -> dict:
-    """The modelled step times (ms) and scaling efficiencies at each world size, without and with overlap
-    (``uniform`` and, given a ``measured`` timeline, ``measured`` compute curves)."""
+    """The modelled step times (ms) and scaling efficiencies at each world size: without overlap; with overlap
+    and the uniform curve; with the ``measured`` curve (a bench timeline); and with the measured curve and
+    revgraph's measured cost ``cost`` of cutting the grad graph (the segments over the uncut graph)."""
     inputs = {**INPUTS, **(inputs or {})}
     curve = compute_curve(measured)
     one = inputs["forward_ms"] + inputs["backward_ms"]
     sizes = buckets(inputs["params"] * inputs["bytes_per_param"], inputs["first_bucket_bytes"], inputs["bucket_bytes"])
-    out = {"inputs": inputs, "buckets": len(sizes), "one_gpu_ms": one, "cost": cost or 1.0, "curve": curve, "rows": []}
+    out = {"inputs": inputs, "buckets": len(sizes), "one_gpu_ms": one, "cost": cost, "curve": curve, "rows": []}
     for w in inputs["worlds"]:
-        row = {"world": w, "no_overlap_ms": step_ms(w, False, inputs)}
-        row["overlap_uniform_ms"] = step_ms(w, True, inputs, None, cost or 1.0)
+        row = {"world": w, "no_overlap_ms": step_ms(w, False, inputs), "overlap_uniform_ms": step_ms(w, True, inputs)}
         if curve:
-            row["overlap_measured_ms"] = step_ms(w, True, inputs, curve, cost or 1.0)
+            row["overlap_measured_ms"] = step_ms(w, True, inputs, curve)
+            if cost:
+                row["overlap_measured_cost_ms"] = step_ms(w, True, inputs, curve, cost)
         for k in [k for k in row if k.endswith("_ms")]:
-            row[k.replace("_ms", "_eff")] = one / row[k]
+            row[k[:-3] + "_eff"] = one / row[k]
         out["rows"].append(row)
     return out
+
+
+COLUMNS = [("no_overlap", "no overlap"), ("overlap_uniform", "overlap, uniform curve"),
+           ("overlap_measured", "overlap, measured curve"),
+           ("overlap_measured_cost", "overlap, measured curve and cutting cost")]
 
 
 def render(res: dict) -> list[str]:
     """Markdown lines: the inputs, then a table of step times and efficiencies."""
     i = res["inputs"]
+    cols = [(k, h) for k, h in COLUMNS if all(f"{k}_ms" in r for r in res["rows"])]
+    cost = f"{res['cost']:.2f}x" if res.get("cost") else "not measured"
     lines = [f"Model (bench/ddp_scaling.py): {i['params'] / 1e6:.0f}M fp32 parameters, forward {i['forward_ms']:g} ms, "
              f"backward {i['backward_ms']:g} ms on one GPU; {res['buckets']} buckets (first "
              f"{i['first_bucket_bytes'] / 2**20:g} MiB, then {i['bucket_bytes'] / 2**20:g} MiB); ring all-reduce "
              f"2(W-1)/W x bytes / {i['bandwidth_gbit']:g} Gbit/s + 2(W-1) x {i['alpha_us']:g} us, one collective at a "
-             f"time; revgraph's cost of cutting the backward into segments: {res['cost']:.2f}x (measured on this CPU).",
-             "", "| GPUs | step, no overlap | efficiency | step, overlap (uniform) | efficiency |"
-             + (" step, overlap (measured curve) | efficiency |" if res["curve"] else ""),
-             "|---:|---:|---:|---:|---:|" + ("---:|---:|" if res["curve"] else "")]
+             f"time. revgraph's cost of cutting the grad graph into segments, measured on this CPU (the Transformer's "
+             f"11 segments against its uncut grad graph): {cost}; it multiplies the whole forward+backward in the "
+             "last column (pessimistic for a GPU, where a segment boundary costs a kernel launch and a session "
+             "run, not a share of the compute). Step times in ms, efficiency = one GPU's step / W GPUs' step.",
+             "", "| GPUs | " + " | ".join(f"{h} | efficiency" for _, h in cols) + " |",
+             "|---:|" + "---:|---:|" * len(cols)]
     for r in res["rows"]:
-        cells = [str(r["world"]), f"{r['no_overlap_ms']:.1f} ms", f"{r['no_overlap_eff']:.0%}",
-                 f"{r['overlap_uniform_ms']:.1f} ms", f"{r['overlap_uniform_eff']:.0%}"]
-        if res["curve"]:
-            cells += [f"{r['overlap_measured_ms']:.1f} ms", f"{r['overlap_measured_eff']:.0%}"]
+        cells = [str(r["world"])] + [x for k, _ in cols for x in (f"{r[k + '_ms']:.1f}", f"{r[k + '_eff']:.0%}")]
         lines.append("| " + " | ".join(cells) + " |")
     if res["curve"]:
         pts = ", ".join(f"({x:.2f}, {y:.2f})" for x, y in res["curve"])

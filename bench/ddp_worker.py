@@ -197,7 +197,7 @@ def run_revgraph(args, rank: int, world: int) -> tuple[float, dict]:
     if args.ort_profile:
         phases = {"ops": _ort_ops(trainer)}
     if args.timeline:
-        phases = {"timeline": timeline_summary(trainer, args.warmup)}
+        phases = {"timeline": {**timeline_summary(trainer, args.warmup), **_cut_cost(trainer, pool, args)}}
     if trainer.comm:
         trainer.comm.close()
     return seconds, phases if args.profile or args.ort_profile or args.timeline else {}
@@ -219,6 +219,41 @@ def _hidden(events: list[dict]) -> tuple[float, float]:
             hidden += max(0.0, min(cur[1], compute_end) - cur[0])
         cur = (a, b)
     return total, hidden
+
+
+def _cut_cost(trainer, pool: dict, args, reps: int = 30) -> dict:
+    """The cost of running the grad graph in segments rather than uncut, with no collective: medians (ms) of
+    ``reps`` alternating runs of each on one batch (every rank does the same, at the same time)."""
+    import statistics
+
+    eng = trainer._engine
+    if getattr(eng, "segments", None) is None:
+        return {}
+    feeds = trainer._feeds(trainer.arrays({k: a[:args.batch] for k, a in pool.items()}), slice(None))
+    whole = eng.session(eng.grad_graph, "gradient graph (uncut, timed)")
+    params = {p: eng.value(p) for p in eng.spec.params}
+
+    def uncut():
+        b = whole.io_binding()
+        for n, a in feeds.items():
+            b.bind_cpu_input(n, a)
+        for p, v in params.items():
+            b.bind_ortvalue_input(p, v)
+        for o in eng.grad_graph.output_names:
+            b.bind_output(o)
+        whole.run_with_iobinding(b)
+
+    def cut():
+        eng.segments.run(params, feeds, {}, lambda *a: None)
+
+    times = {"uncut": [], "cut": []}
+    for _ in range(reps):
+        for name, fn in (("uncut", uncut), ("cut", cut)):
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {"grad_uncut_ms": 1e3 * statistics.median(times["uncut"]),
+            "grad_cut_ms": 1e3 * statistics.median(times["cut"])}
 
 
 def timeline_summary(trainer, warmup: int) -> dict:

@@ -52,10 +52,17 @@ def _reads(node: Node) -> list[str]:
     return names
 
 
-def cut(graph: Graph, groups: list[list[str]], types: dict[str, ValueInfo] | None = None) -> list[Segment]:
+#: Segments of fewer nodes join the next segment (:func:`cut`): each segment costs a session run and the
+#: onnxruntime optimisations across its boundary, more than a few small nodes' head start is worth.
+MIN_NODES = 8
+
+
+def cut(graph: Graph, groups: list[list[str]], types: dict[str, ValueInfo] | None = None,
+        min_nodes: int = MIN_NODES) -> list[Segment]:
     """The segments of ``graph`` (module doc) for ``groups``: lists of names (gradients, and with the last
     group whatever must be known when it is exchanged) in exchange order. ``types``: declared types of
-    intermediate values that ``graph.value_info`` lacks. Raises :class:`RevgraphError` when the graph writes a
+    intermediate values that ``graph.value_info`` lacks. A segment of fewer than ``min_nodes`` nodes joins
+    the next one (its buckets start after that one). Raises :class:`RevgraphError` when the graph writes a
     name twice (not SSA) or a crossing value has no known type; callers then run the graph uncut."""
     producer: dict[str, int] = {}
     for i, node in enumerate(graph.nodes):
@@ -90,7 +97,18 @@ def cut(graph: Graph, groups: list[list[str]], types: dict[str, ValueInfo] | Non
     keep = [j for j, m in enumerate(members) if m]
     if ready and not members[0] and keep:  # buckets ready before any node ran: at the end of the first segment
         ready[keep[0]] = sorted({*ready[keep[0]], *ready[0]})
-    return _segments(graph, [members[j] for j in keep], [ready[j] for j in keep], types or {})
+    members, ready = [members[j] for j in keep], [ready[j] for j in keep]
+    # a segment of a few nodes (a bias gradient's ReduceSum) is not worth a session run of its own: it joins
+    # the next segment, and its buckets start with that one's
+    j = 0
+    while j < len(members) - 1:
+        if len(members[j]) < min_nodes:
+            members[j + 1] = sorted(members[j] + members[j + 1])
+            ready[j + 1] = sorted(ready[j] + ready[j + 1])
+            del members[j], ready[j]
+        else:
+            j += 1
+    return _segments(graph, members, ready, types or {})
 
 
 def _segments(graph: Graph, members: list[list[int]], ready: list[list[int]], types: dict) -> list[Segment]:
