@@ -75,6 +75,20 @@ def test_segments_are_a_valid_cut_and_run_bitwise_like_the_grad_graph(model):
         np.testing.assert_array_equal(out[g].numpy() if g in out else into[g].numpy(), a, err_msg=g)
 
 
+def test_buckets_are_packed_in_reverse_order_with_a_small_first_bucket():
+    """DDP's packing: reverse parameter order, the first bucket capped at 1 MiB, the others at bucket_mb, a
+    new bucket at a dtype change, a gradient above the cap alone in its bucket."""
+    mib = 2**20
+    sizes = {"a": 1.0, "b": 0.5, "c": 2.0, "d": 3.0, "f": 8.0}  # MiB of float32
+    like = {k: np.zeros(int(v * mib) // 4, np.float32) for k, v in sizes.items()} | {"e": np.zeros(10, np.float64)}
+    order = ["f", "e", "d", "c", "b", "a"]  # parameter order: the backward produces "a" first
+    assert bucket_groups(like, order, 25 * mib) == [["a"], ["b", "c", "d"], ["e"], ["f"]]
+    assert bucket_groups(like, order, 4 * mib) == [["a"], ["b", "c"], ["d"], ["e"], ["f"]]
+    assert bucket_groups(like, ["c", "b", "a"], mib // 2) == [["a"], ["b"], ["c"]]
+    small = {k: np.zeros(100, np.float32) for k in "xyz"}
+    assert bucket_groups(small, ["x", "y", "z"], 25 * mib) == [["z", "y", "x"]]
+
+
 # ---------------------------------------------------------------------------------------- 2 processes
 
 
