@@ -129,11 +129,14 @@ def test_bf16_reduce_stays_within_bfloat16_rounding(tmp_path):
     (error <= u |g_r|) and the sum once more (<= u |g_0 + g_1| <= u (|g_0| + |g_1|)), so the exchanged gradient
     is off by at most 2u (|g_0| + |g_1|) elementwise, and after the steps the weights by at most
     lr * sum_s 2u (|g_0s| + |g_1s|), to first order (the ranks' g_rs come from the one-process run; allowed: 1.5x
-    that bound for the drift of the trajectory, plus float32 rounding). The same run in fp32 stays at rtol 2e-5."""
-    for dtype in ("bf16", "fp32"):
+    that bound for the drift of the trajectory, plus float32 rounding). The same run in fp32 (several buckets,
+    not overlapped) stays at rtol 2e-5."""
+    runs = {"bf16": ["--bucket-mb", "0.001"],  # several buckets, overlapped, in bfloat16
+            "fp32": ["--bucket-mb", "0.001", "--no-overlap"]}  # several buckets exchanged after the whole backward
+    for dtype, extra in runs.items():
         out = tmp_path / dtype
         out.mkdir()
-        _torchrun(out, "--model", "mlp", "--optimizer", "sgd0", "--epochs", "1", "--reduce-dtype", dtype)
+        _torchrun(out, "--model", "mlp", "--optimizer", "sgd0", "--epochs", "1", "--reduce-dtype", dtype, *extra)
     ref, data = trainer("mlp", "sgd0", 97, False)
     arrays, lr, u = ref.arrays(data), 0.05, 2.0**-8
     bound = {p: np.zeros_like(a) for p, a in ref.parameters.items()}
