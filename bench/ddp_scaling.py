@@ -13,7 +13,8 @@ The model (every input is in :data:`INPUTS` and printed with the results):
   the bytes of parameters (dense layers: 2 FLOPs per parameter and sample, each way). ``measured``: the shape of
   the measured curve, the share of compute done by each segment of revgraph's grad graph against the share of
   bytes of the buckets it completed (bench/ddp.py runs the Transformer with small buckets for it), with the first
-  segment's forward part taken out (``F / (F + B)`` of the uncut grad graph's time).
+  segment's forward part taken out (the loss graph's time measured alone; without it ``F / (F + B)`` of the
+  segments' time).
 - **Network**: ring all-reduce of ``n`` bytes among ``W`` GPUs takes ``2 (W - 1) / W * n / BW + 2 (W - 1) *
   alpha`` (``2 (W - 1)`` steps of a reduce-scatter and an all-gather around the ring, each paying the latency
   ``alpha``), ``BW`` = 100 Gbit/s per GPU, ``alpha`` = 10 us; one collective at a time (NCCL runs a process
@@ -59,7 +60,8 @@ def compute_curve(measured: dict | None) -> list[tuple[float, float]] | None:
         return None
     total_bytes = sum(measured["bucket_bytes"])
     grad_ms = sum(seg)
-    fwd = grad_ms * INPUTS["forward_ms"] / (INPUTS["forward_ms"] + INPUTS["backward_ms"])
+    # the forward inside the first segment: measured alone (the loss graph), else the model's 1:2 ratio
+    fwd = measured.get("forward_ms") or grad_ms * INPUTS["forward_ms"] / (INPUTS["forward_ms"] + INPUTS["backward_ms"])
     back = [max(seg[0] - fwd, 0.0), *seg[1:]]
     done_b = done_c = 0.0
     curve = [(0.0, 0.0)]

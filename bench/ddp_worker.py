@@ -176,7 +176,7 @@ def run_revgraph(args, rank: int, world: int) -> tuple[float, dict]:
         _ort_profiling()
     trainer = rg.Trainer(ddp_models.rg_graph(args.model), "cross-entropy", "adam", threads=1,
                          distributed=args.mode == "ddp", bucket_mb=args.bucket_mb, reduce_dtype=args.reduce_dtype,
-                         overlap=not args.no_overlap, profile="timeline" if args.timeline else False)
+                         overlap={"on": True, "off": False, "auto": "auto"}[args.overlap], profile="timeline" if args.timeline else False)
     assert trainer.world_size == world
     pool, group, epochs = _pool(args, world)
     trainer.fit({k: a[:args.warmup * group] for k, a in pool.items()}, batch_size=args.batch, progress=False)
@@ -246,14 +246,17 @@ def _cut_cost(trainer, pool: dict, args, reps: int = 30) -> dict:
     def cut():
         eng.segments.run(params, feeds, {}, lambda *a: None)
 
-    times = {"uncut": [], "cut": []}
+    def forward():  # the loss graph alone: the forward part of the grad graph's first segment
+        eng.evaluate(feeds)
+
+    times = {"uncut": [], "cut": [], "forward": []}
     for _ in range(reps):
-        for name, fn in (("uncut", uncut), ("cut", cut)):
+        for name, fn in (("uncut", uncut), ("cut", cut), ("forward", forward)):
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
     return {"grad_uncut_ms": 1e3 * statistics.median(times["uncut"]),
-            "grad_cut_ms": 1e3 * statistics.median(times["cut"])}
+            "grad_cut_ms": 1e3 * statistics.median(times["cut"]), "forward_ms": 1e3 * statistics.median(times["forward"])}
 
 
 def timeline_summary(trainer, warmup: int) -> dict:
@@ -331,7 +334,8 @@ def main() -> int:
     parser.add_argument("--timeline", action="store_true", help="(revgraph) record each step's segments and "
                         "all-reduces (Trainer(profile='timeline')) and report them")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="(revgraph) Trainer(bucket_mb=)")
-    parser.add_argument("--no-overlap", action="store_true", help="(revgraph) Trainer(overlap=False)")
+    parser.add_argument("--overlap", choices=("on", "off", "auto"), default="auto",
+                        help="(revgraph) Trainer(overlap=): on, off, or auto (the default: off on the CPU)")
     parser.add_argument("--reduce-dtype", default="fp32", help="(revgraph) Trainer(reduce_dtype=)")
     parser.add_argument("--data", required=True, help="an .npz of ddp_models.data (at least 50 global batches)")
     parser.add_argument("--out", required=True)

@@ -18,9 +18,10 @@ def add_exchange_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
                         help="data-parallel: the dtype gradient buckets are all-reduced in; bf16 halves the bytes and "
                              "rounds each gradient to 8 significant bits, as DDP's bf16_compress_hook (default fp32)")
-    parser.add_argument("--overlap", choices=("on", "off"), default="on",
+    parser.add_argument("--overlap", choices=("on", "off", "auto"), default="auto",
                         help="data-parallel: run the backward pass in segments, one per bucket, and all-reduce each "
-                             "bucket while the next segment runs (default on; with one bucket nothing is cut)")
+                             "bucket while the next segment runs (with one bucket nothing is cut); auto (default): on "
+                             "with --device cuda, off on the CPU, where gloo competes with the backward for the cores")
     parser.add_argument("--accumulate-steps", type=int, default=1, metavar="K",
                         help="sum the gradients of K micro-batches of --batch-size (per process) before one exchange "
                              "and one update: a step equals one of batch size K x --batch-size (default 1)")
@@ -39,7 +40,8 @@ def check_exchange_arguments(args: argparse.Namespace) -> None:
 
 def trainer_arguments(args: argparse.Namespace) -> dict:
     """The :class:`revgraph.Trainer` keywords of the options."""
-    return {"bucket_mb": args.bucket_mb, "reduce_dtype": args.reduce_dtype, "overlap": args.overlap == "on",
+    return {"bucket_mb": args.bucket_mb, "reduce_dtype": args.reduce_dtype,
+            "overlap": {"on": True, "off": False, "auto": "auto"}[args.overlap],
             "profile": args.profile}
 
 

@@ -64,8 +64,9 @@ class Trainer:
     ``trainer.spec.graph.memory_plan``. Data-parallel gradient exchange (:mod:`revgraph.exchange`):
     ``bucket_mb`` the all-reduce bucket size in MiB (DDP's ``bucket_cap_mb``, default 25), ``reduce_dtype``
     ``"fp32"`` (default: the gradients' dtype) or ``"bf16"`` (buckets all-reduced in bfloat16), ``overlap``
-    (default on) starts each bucket's all-reduce while the rest of the backward pass runs
-    (:mod:`revgraph.overlap`; one bucket: no cut). ``profile=True`` times the phases of every step
+    starts each bucket's all-reduce while the rest of the backward pass runs (:mod:`revgraph.overlap`; one
+    bucket: no cut); ``"auto"`` (default): on CUDA, not on the CPU, where gloo's all-reduce competes with the
+    backward for the same cores. ``profile=True`` times the phases of every step
     (:attr:`times`, :mod:`revgraph.steptimes`; ``"timeline"`` also records each segment and all-reduce).
     Raises
     :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
@@ -81,12 +82,14 @@ class Trainer:
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
                  threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
-                 memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool = True,
+                 memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
                  profile: bool = False):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
         check_reduce_dtype(reduce_dtype)
+        if overlap not in (True, False, "auto"):
+            raise InputError(f"overlap must be True, False or 'auto', got {overlap!r}")
         # settings left None take the training default (memory pattern off, arena on)
         self.runtime: RuntimeOptions = (check_runtime(runtime) or RuntimeOptions()).over(TRAINING_DEFAULT)
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
@@ -102,6 +105,9 @@ class Trainer:
 
             self.comm = Collective(self.device)
             threads = threads or threads_per_process()
+        # auto: overlap on GPUs, where NCCL moves the bytes beside the compute; not on the CPU, where gloo's
+        # thread sums and copies on the cores the next segment needs (measured slower: docs/benchmarks.md)
+        overlap = self.device.kind == "cuda" if overlap == "auto" else bool(overlap)
         if self.comm and self.comm.world_size > 1:
             self._engine = DistributedEngine(self.spec, threads, self.device, self.comm, self.runtime,
                                              one_set=buffers == "one", bucket_mb=bucket_mb,
