@@ -16,7 +16,8 @@ NAMES = {"mlp": "MLP", "rnn": "RNN (Loop)", "embed": "embedding (sparse)", "tran
          "wide": "wide MLP"}
 PHASES = [("grad graph", "grad graph"), ("all-reduce (dense grads, loss)", "all-reduce"),
           ("all-gather (sparse counts)", "all-gather counts"), ("all-gather (sparse indices)", "all-gather indices"),
-          ("all-gather (sparse rows)", "all-gather rows"), ("all-gather (sparse rows, packed)", "all-gather rows+indices"),
+          ("all-gather (sparse rows)", "all-gather rows"),
+          ("all-gather (sparse rows, packed)", "all-gather rows+indices"),
           ("update graph", "update graph")]
 
 

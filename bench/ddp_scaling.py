@@ -22,8 +22,9 @@ The model (every input is in :data:`INPUTS` and printed with the results):
 - **Without overlap** (revgraph before issue 25): every bucket is all-reduced after the backward: step =
   ``F + B + sum_j T(b_j)``. **With overlap** (DDP; revgraph with ``--overlap on``): bucket ``j`` starts at
   ``max(ready_j, end_{j-1})``: step = ``max(F + B, end_last)``. revgraph's segments cost ``k`` times the uncut
-  grad graph (forward and backward) (the cost of cutting: lost fusions and one session run per segment), ``k`` measured by the bench on
-  the CPU (the Transformer's segments against its uncut grad graph, no collectives), 1 if not measured.
+  grad graph, forward and backward (the cost of cutting: lost fusions and one session run per segment), ``k``
+  measured by the bench on the CPU (the Transformer's segments against its uncut grad graph, no collectives);
+  the last column of the table only.
 - **Scaling efficiency** = the one-GPU step time over the W-GPU step time (throughput per GPU, relative). DDP
   corresponds to the overlapped columns without cutting cost (it overlaps inside autograd's one backward).
 """

@@ -176,7 +176,8 @@ def run_revgraph(args, rank: int, world: int) -> tuple[float, dict]:
         _ort_profiling()
     trainer = rg.Trainer(ddp_models.rg_graph(args.model), "cross-entropy", "adam", threads=1,
                          distributed=args.mode == "ddp", bucket_mb=args.bucket_mb, reduce_dtype=args.reduce_dtype,
-                         overlap={"on": True, "off": False, "auto": "auto"}[args.overlap], profile="timeline" if args.timeline else False)
+                         overlap={"on": True, "off": False, "auto": "auto"}[args.overlap],
+                         profile="timeline" if args.timeline else False)
     assert trainer.world_size == world
     pool, group, epochs = _pool(args, world)
     trainer.fit({k: a[:args.warmup * group] for k, a in pool.items()}, batch_size=args.batch, progress=False)
@@ -256,7 +257,8 @@ def _cut_cost(trainer, pool: dict, args, reps: int = 30) -> dict:
             fn()
             times[name].append(time.perf_counter() - t)
     return {"grad_uncut_ms": 1e3 * statistics.median(times["uncut"]),
-            "grad_cut_ms": 1e3 * statistics.median(times["cut"]), "forward_ms": 1e3 * statistics.median(times["forward"])}
+            "grad_cut_ms": 1e3 * statistics.median(times["cut"]),
+            "forward_ms": 1e3 * statistics.median(times["forward"])}
 
 
 def timeline_summary(trainer, warmup: int) -> dict:

@@ -176,8 +176,8 @@ def test_profile_prints_phase_medians_on_rank_0(tmp_path):
     train, _ = demo.digits()
     np.savez(tmp_path / "data.npz", x=train["x"][:120], y=train["labels"][:120])
     rg.save(demo.mlp_model(hidden=16), tmp_path / "mlp.onnx")
-    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data", str(tmp_path / "data.npz"),
-              "--loss", "cross-entropy", "--epochs", "1", "--threads", "1"]
+    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data",
+              str(tmp_path / "data.npz"), "--loss", "cross-entropy", "--epochs", "1", "--threads", "1"]
     _run([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
     r = _run([*common, "--batch-size", "5", "--nproc", "2", "--accumulate-steps", "2", "--bucket-mb", "0.001",
               "--profile", "-o", str(tmp_path / "two.onnx")])
@@ -192,7 +192,8 @@ def test_profile_prints_phase_medians_on_rank_0(tmp_path):
     (["--accumulate-steps", "0"], "--accumulate-steps must be at least 1"),
     (["--bucket-mb", "0"], "--bucket-mb must be a positive number"),
     (["--reduce-dtype", "fp8"], "invalid choice"),
-    (["--accumulate-steps", "2", "--buffers", "two"], "gradient accumulation (accumulate_steps > 1) needs buffers='one'"),
+    (["--accumulate-steps", "2", "--buffers", "two"],
+     "gradient accumulation (accumulate_steps > 1) needs buffers='one'"),
 ])
 def test_bad_exchange_options_exit_2(tmp_path, args, message):
     rg.save(rg.demo.mlp_model(hidden=8), tmp_path / "m.onnx")

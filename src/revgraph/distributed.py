@@ -201,8 +201,8 @@ class DistributedEngine(SplitEngine):
         self._scratch_values: dict | None = None
         torch = comm.torch
         super().__init__(spec, threads, device, runtime, one_set)
-        self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]), dtype=torch_dtype(torch, spec.initial[p].dtype),
-                                        device=comm.tdevice) for p in spec.sparse]
+        self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]), device=comm.tdevice,
+                                        dtype=torch_dtype(torch, spec.initial[p].dtype)) for p in spec.sparse]
 
     # ------------------------------------------------------------------------------------------ buffers
 
@@ -332,10 +332,13 @@ class DistributedEngine(SplitEngine):
         torch = self.comm.torch
         self._loss_sum += float(self._loss[self._current].numpy()) * weight
         for t, (_, idx, rows) in enumerate(self._sparse):
-            self._rows[t].append((torch_from_ortvalue(torch, sparse[idx]), torch_from_ortvalue(torch, sparse[rows]) * weight))
+            self._rows[t].append((torch_from_ortvalue(torch, sparse[idx]),
+                                  torch_from_ortvalue(torch, sparse[rows]) * weight))
         self._fill_tail()
 
     def _fill_tail(self) -> None:
+        """Write the tail (:mod:`revgraph.exchange`): the step's loss so far and this rank's row count per table
+        in its own slot. Raises :class:`RevgraphError` when a count is too large for float32 to hold exactly."""
         counts = [sum(int(i.shape[0]) for i, _ in parts) for parts in self._rows]
         if self._tail.dtype != self.comm.torch.float64 and max(counts, default=0) >= EXACT_COUNTS:
             raise RevgraphError(f"a step has {max(counts)} sparse gradient rows on one rank, more than the float32 "

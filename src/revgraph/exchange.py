@@ -5,10 +5,10 @@ byte buffer for one all-gather.
 Buckets (as ``torch.nn.parallel.DistributedDataParallel`` builds them): the dense gradients in reverse
 parameter order, the order in which the backward pass produces them, packed back to back into flat tensors of
 at most ``bucket_mb`` MiB each (DDP's ``bucket_cap_mb``, default 25; the first at most 1 MiB as in DDP; a
-gradient larger than the cap gets a bucket of its own) and one dtype per bucket. The last bucket may carry a **tail** of float values that are
-summed over the ranks with it, saving collectives: this rank's share of the loss, and in the slot of this
-rank the number of sparse rows of each table (zero in the other ranks' slots, so the sum holds every rank's
-counts; float32 counts are exact below 2**24).
+gradient larger than the cap gets a bucket of its own) and one dtype per bucket. The last bucket may carry a
+**tail** of float values that are summed over the ranks with it, saving collectives: this rank's share of the
+loss, and in the slot of this rank the number of sparse rows of each table (zero in the other ranks' slots, so
+the sum holds every rank's counts; float32 counts are exact below 2**24).
 
 Reduced in bfloat16 (``reduce_dtype="bf16"``, as FSDP's ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``
 and DDP's ``bf16_compress_hook``): each bucket's gradients are cast to a bfloat16 copy, all-reduced, and cast

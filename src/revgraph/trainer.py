@@ -284,7 +284,8 @@ class Trainer:
             raise InputError(f"epochs and batch size must be positive and checkpoint_every >= 0, got {epochs}, "
                              f"{batch_size} and {checkpoint_every}")
         if not isinstance(accumulate_steps, int | np.integer) or accumulate_steps < 1:
-            raise InputError(f"accumulate_steps (--accumulate-steps) must be a positive integer, got {accumulate_steps!r}")
+            raise InputError("accumulate_steps (--accumulate-steps) must be a positive integer, got "
+                             f"{accumulate_steps!r}")
         accumulate = int(accumulate_steps)
         if accumulate > 1 and self._engine.__class__.__name__ == "FusedEngine":
             raise InputError("gradient accumulation (accumulate_steps > 1) needs buffers='one' (--buffers one): the "
