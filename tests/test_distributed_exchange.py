@@ -213,3 +213,15 @@ def test_bad_exchange_arguments_of_the_api_are_one_line_errors():
     tr, data = trainer("mlp", "adam", 16, False)
     with pytest.raises(rg.InputError, match="accumulate_steps .* must be a positive integer"):
         tr.fit(data, 1, 4, progress=False, accumulate_steps=0)
+
+
+def test_checkpoint_remembers_the_accumulation(tmp_path):
+    """A checkpoint written with accumulate_steps=2 is refused at 1 (another global batch), and resumes at 2."""
+    tr, data = trainer("mlp", "adam", 40, False)
+    tr.fit(data, 1, 4, progress=False, checkpoint_dir=tmp_path, accumulate_steps=2)
+    other, _ = trainer("mlp", "adam", 40, False)
+    with pytest.raises(rg.RevgraphError, match=r"accumulate_steps 2 \(now 1\); resume with the same settings"):
+        other.fit(data, 1, 4, progress=False, checkpoint_dir=tmp_path)
+    again, _ = trainer("mlp", "adam", 40, False)
+    again.fit(data, 1, 4, progress=False, checkpoint_dir=tmp_path, accumulate_steps=2)
+    assert again.resumed and again.steps == tr.steps == 5
