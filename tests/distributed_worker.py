@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 import revgraph as rg
+import revgraph.distributed
 from revgraph import demo
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.train import make_optimizer
@@ -32,42 +33,57 @@ def embedding_model(seed: int = 0) -> Graph:
                  inits, name="embedding")
 
 
-def build(model: str, samples: int) -> tuple[Graph, dict[str, np.ndarray]]:
-    """The model and its training data (deterministic)."""
+def build(model: str, samples: int, hidden: int = 16) -> tuple[Graph, dict[str, np.ndarray]]:
+    """The model and its training data (deterministic); ``hidden``: the MLP's and the RNN's width."""
     if model == "embedding":
         rng = np.random.default_rng(1)
         ids = rng.integers(0, VOCAB, (samples, TOKENS)).astype(np.int64) % (VOCAB // 2)  # half the rows: repeats
         return embedding_model(), {"ids": ids, "labels": rng.integers(0, CLASSES, samples)}
     train, _ = demo.digits()
     data = {"x": train["x"][:samples], "labels": train["labels"][:samples]}
-    return (demo.rnn_model(hidden=16) if model == "rnn" else demo.mlp_model(hidden=16)), data
+    return (demo.rnn_model(hidden=hidden) if model == "rnn" else demo.mlp_model(hidden=hidden)), data
 
 
 OPTIMIZERS = {"adam": dict(name="adam", lr=0.01), "sgd": dict(name="sgd", lr=0.05, momentum=0.9),
               "adamw": dict(name="adamw", lr=0.01, weight_decay=0.1)}
 
 
-def trainer(model: str, optimizer: str, samples: int, distributed: bool) -> tuple[rg.Trainer, dict]:
-    g, data = build(model, samples)
+def trainer(model: str, optimizer: str, samples: int, distributed: bool, hidden: int = 16,
+            shard: str = "none") -> tuple[rg.Trainer, dict]:
+    g, data = build(model, samples, hidden)
     opt = make_optimizer(**OPTIMIZERS[optimizer])
-    return rg.Trainer(g, "cross-entropy", opt, threads=1, distributed=distributed), data
+    return rg.Trainer(g, "cross-entropy", opt, threads=1, distributed=distributed, shard=shard), data
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="mlp")
-    p.add_argument("--optimizer", default="adam")
+    p.add_argument("--optimizer", default="adam", help="one optimizer, or several separated by commas (one run "
+                   "each, written to rank<r>-<optimizer>.npz)")
     p.add_argument("--samples", type=int, default=97)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=16)
+    p.add_argument("--shard", default="none")
+    p.add_argument("--bucket-bytes", type=int, help="the largest gradient bucket (revgraph.distributed.BUCKET_BYTES)")
+    p.add_argument("--checkpoint-dir")
     p.add_argument("--out", required=True)
     p.add_argument("--skew", action="store_true", help="rank 1 trains on one sample less (a user's mistake)")
     a = p.parse_args()
+    if a.bucket_bytes:
+        rg.distributed.BUCKET_BYTES = a.bucket_bytes
     samples = a.samples - (a.skew and os.environ.get("RANK") == "1")
-    tr, data = trainer(a.model, a.optimizer, samples, True)
-    means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False)
-    np.savez(os.path.join(a.out, f"rank{tr.rank}.npz"), **tr.parameters, **tr.state,
-             losses=np.array(tr.losses), means=np.array(means), world=np.array(tr.world_size))
+    several = "," in a.optimizer
+    for optimizer in a.optimizer.split(","):
+        tr, data = trainer(a.model, optimizer, samples, True, a.hidden, a.shard)
+        means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False, checkpoint_dir=a.checkpoint_dir)
+        held = tr._engine.held()
+        name = f"rank{tr.rank}-{optimizer}.npz" if several else f"rank{tr.rank}.npz"
+        np.savez(os.path.join(a.out, name), **tr.parameters, **tr.state, losses=np.array(tr.losses),
+                 means=np.array(means), world=np.array(tr.world_size),
+                 **{f"held:{k}": np.array(v) for k, v in held.items()},
+                 units=np.array([[u.length, u.k, u.used] for u in getattr(tr._engine, "units", [])]).reshape(-1, 3),
+                 segments=np.array(len(tr._engine.plan.segments) if getattr(tr._engine, "plan", None) else 0))
     tr.comm.close()
 
 

@@ -65,7 +65,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
-                          memory=budget)
+                          memory=budget, shard=args.shard)
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
     for w in caught if main else []:
@@ -78,7 +78,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if distributed:
         console.print(f"data-parallel on {trainer.world_size} processes (torch.distributed, "
                       f"{'nccl' if trainer.device.kind == 'cuda' else 'gloo'}): global batch "
-                      f"{trainer.world_size} x {args.batch_size} = {trainer.world_size * args.batch_size}",
+                      f"{trainer.world_size} x {args.batch_size} = {trainer.world_size * args.batch_size}"
+                      + (f"; sharded: {args.shard} (ZeRO-{1 if args.shard == 'optimizer' else 2})"
+                         if args.shard != "none" else ""),
                       soft_wrap=True, markup=False)
     before = trainer.evaluate(data)
     means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=console,

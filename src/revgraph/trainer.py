@@ -30,6 +30,7 @@ from .ir import Graph
 from .onnx_io import save
 from .runtime_options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
 from .steps import BUFFERS, make_engine
+from .sharding import SHARDS
 from .train import Optimizer, TrainingGraph, training_graph
 
 Data = Mapping[str, np.ndarray] | tuple
@@ -50,7 +51,11 @@ class Trainer:
     step graph; :mod:`revgraph.steps`); the numbers are the same. ``distributed=True`` trains data-parallel with
     the other processes of a
     ``torchrun`` launch (:mod:`revgraph.distributed`; needs ``pip install "revgraph[distributed]"``): every
-    rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``memory`` is the
+    rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``shard``
+    (with ``distributed``): ``"none"`` (default), ``"optimizer"`` (ZeRO-1: each rank keeps the optimizer state
+    of its shard of the parameters) or ``"gradients"`` (ZeRO-2: and its shard of the gradients), see
+    :mod:`revgraph.sharding`; a world of one process trains unsharded. Sharded, :attr:`state` is a collective
+    (every rank reads it). ``memory`` is the
     budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
     bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
     ``trainer.spec.graph.memory_plan``. Raises
@@ -67,9 +72,14 @@ class Trainer:
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
                  threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
-                 memory=None):
+                 memory=None, shard: str = "none"):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
+        if shard not in SHARDS:
+            raise RevgraphError(f"shard must be one of {', '.join(SHARDS)}, got {shard!r}")
+        if shard != "none" and not distributed:
+            raise RevgraphError(f"shard={shard!r} (--shard {shard}) shards across data-parallel processes: train with "
+                                "distributed=True under torchrun (revgraph train --nproc N), or leave it out")
         # settings left None take the training default (memory pattern off, arena on)
         self.runtime: RuntimeOptions = (check_runtime(runtime) or RuntimeOptions()).over(TRAINING_DEFAULT)
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
@@ -85,10 +95,17 @@ class Trainer:
 
             self.comm = Collective(self.device)
             threads = threads or threads_per_process()
-        if self.comm and self.comm.world_size > 1:
+        if self.comm:  # a rank sharding alone would wait in collectives the others never start
+            self.comm.check_replicas({"shard": np.array([SHARDS.index(shard)])}, "--shard settings",
+                                     "give every rank the same --shard (shard=)")
+        if self.comm and self.comm.world_size > 1 and shard != "none":
+            from .sharding import ShardedEngine
+
+            self._engine = ShardedEngine(self.spec, threads, self.device, self.comm, self.runtime, mode=shard)
+        elif self.comm and self.comm.world_size > 1:
             self._engine = DistributedEngine(self.spec, threads, self.device, self.comm, self.runtime,
                                              one_set=buffers == "one")
-        else:  # one process (also a world of one, where there is nothing to exchange)
+        else:  # one process (also a world of one, where there is nothing to exchange or shard)
             self._engine = make_engine(self.spec, threads, self.device, self.runtime, buffers)
         if self.comm:
             self.comm.check_replicas(self.parameters, "initial parameters")
@@ -232,7 +249,8 @@ class Trainer:
         (:mod:`revgraph.checkpoints`) every ``checkpoint_every`` steps (0: at the end of each epoch) and at
         the end; and when the directory already holds a checkpoint of this run, training resumes from it
         (on every rank; only rank 0 reads the file), so a restarted run reaches the weights of an
-        uninterrupted one.
+        uninterrupted one. It resumes at any world size whose global batch (``batch_size * world_size``)
+        equals the checkpoint's, sharded or not (the data order and the steps are the same; elastic resume).
 
         ``nonfinite="stop"`` (the default) stops at the first step whose loss is NaN or infinite, and at the end
         when the last update left a parameter NaN or infinite, raising :class:`NonFiniteError` that names the
@@ -314,12 +332,17 @@ class Trainer:
                              "in the data (--allow-nonfinite, or fit(nonfinite='continue'), trains on regardless)")
 
     def _save(self, directory, run: dict, pos: _Position) -> None:
-        """Rank 0 writes a checkpoint of the current state at ``pos`` (the next batch to train)."""
+        """Rank 0 writes a checkpoint of the current state at ``pos`` (the next batch to train); a sharded
+        engine gathers the state on every rank first (:mod:`revgraph.sharding`), so the file is the same."""
+        gathers = getattr(self._engine, "gathers", False)
+        if not self.is_main and not gathers:
+            return
+        values = self._engine.read(self._engine.names)
         if not self.is_main:
             return
         meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total,
                 "epoch_means": pos.means, "losses": self.losses, "optimizer": self.spec.optimizer.kind}
-        checkpoints.save(directory, self._engine.read(self._engine.names), meta)
+        checkpoints.save(directory, values, meta)
 
     def _resume(self, directory, run: dict) -> _Position:
         """The position to start from: that of the checkpoint in ``directory`` (loaded into the engine on
@@ -338,7 +361,15 @@ class Trainer:
         if meta["names"] != names or meta.get("optimizer") != self.spec.optimizer.kind:
             raise RevgraphError(f"{where} holds the state of another model or optimizer; move it away or choose "
                                 "another checkpoint directory")
-        differ = [f"{k} {meta.get(k)!r} (now {v!r})" for k, v in run.items() if meta.get(k) != v]
+        # Elastic resume: the epoch's order and its global batches depend only on the global batch size, so any
+        # world size with the checkpoint's global batch takes the same steps (batch 16 x 2 = 32 x 1 = 8 x 4)
+        was, now = (meta.get("world_size"), meta.get("batch_size")), (run["world_size"], run["batch_size"])
+        if None in was or was[0] * was[1] != now[0] * now[1]:
+            raise RevgraphError(f"{where} was written by a run with global batch {_global(*was)} (now "
+                                f"{_global(*now)}); resume with the same global batch (--batch-size x processes), "
+                                "or move it away to start afresh")
+        differ = [f"{k} {meta.get(k)!r} (now {v!r})" for k, v in run.items()
+                  if k not in ("world_size", "batch_size") and meta.get(k) != v]
         if differ:
             raise RevgraphError(f"{where} was written by a run with {', '.join(differ)}; resume with the same "
                                 "settings, or move it away to start afresh")
@@ -405,6 +436,11 @@ class Trainer:
     def save_training_graph(self, path: str | os.PathLike) -> None:
         """Write the training-step graph (module doc of :mod:`revgraph.train`), with no initial values."""
         save(self.spec.graph, path)
+
+
+def _global(world, batch) -> str:
+    """``"2 x 16 = 32"``: processes x batch size = global batch."""
+    return f"{world} x {batch} = {world * batch}" if world and batch else f"{world} x {batch}"
 
 
 def _finite(loss: float) -> bool:
