@@ -61,7 +61,8 @@ class Unit:
     """A flat unit of dense parameters of one ``dtype``: ``names`` at element ``offsets`` with ``shapes``;
     ``length`` elements (padded to a multiple of the world size), of which the rank owns ``[lo, lo + k)``.
     ``param`` is the flat parameter tensor, ``grad`` the flat gradient (ZeRO-1; ``None`` for ZeRO-2, whose
-    gradients go through the shared bucket buffer), ``gshard`` the reduce-scattered gradient shard and
+    gradients go through the shared bucket buffer), ``gshard`` the reduce-scattered gradient shard (ZeRO-1:
+    the view ``grad[lo:lo + k]``, reduce-scattered in place as FSDP and NCCL allow) and
     ``state`` the optimizer state of the shard (one ``[k]`` tensor per slot)."""
 
     names: list[str]
@@ -194,10 +195,12 @@ class ShardedEngine(DistributedEngine):
             for n, view in u.views(u.param).items():
                 view.copy_(torch.from_numpy(np.ascontiguousarray(spec.initial[n])))
                 values[n] = ortvalue_from_dlpack(view)
-            u.gshard = torch.zeros(u.k, dtype=tdt, device=dev)
             u.state = [torch.zeros(u.k, dtype=tdt, device=dev) for _ in spec.optimizer.slots]
-            if mode == "optimizer":
+            if mode == "optimizer":  # reduce-scattered in place: the shard is the rank's slice of the unit
                 u.grad = torch.zeros(u.length, dtype=tdt, device=dev)
+                u.gshard = u.grad[u.lo:u.lo + u.k]
+            else:
+                u.gshard = torch.zeros(u.k, dtype=tdt, device=dev)
             for p, o in zip(u.names, u.offsets, strict=True):
                 self._where[p] = (j, None, o)
                 for i, s in enumerate(spec.state[p]):
@@ -292,26 +295,29 @@ class ShardedEngine(DistributedEngine):
     # ------------------------------------------------------------------------------------------ state
 
     def read(self, names) -> dict[str, np.ndarray]:
-        """Full host copies of ``names``; optimizer state of the units is all-gathered (a collective)."""
-        torch, out, full = self.comm.torch, {}, {}
+        """Full host copies of ``names``; optimizer state of the units is all-gathered (a collective: every
+        rank calls it with the same names), one unit and slot at a time, so that besides the copies returned
+        at most one unit's full state exists at once."""
+        torch, out, wanted = self.comm.torch, {}, {}
         for n in names:
             if n not in self._where:
                 out[n] = self._tensors[n].cpu().numpy().copy() if n in self._tensors else np.array(self.value(n).numpy())
                 continue
             j, slot, o = self._where[n]
+            wanted.setdefault((j, slot), []).append((n, o))
+        for (j, slot), items in sorted(wanted.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])):
             u = self.units[j]
             if slot is None:
                 flat = u.param
             else:
-                if (j, slot) not in full:
-                    full[(j, slot)] = torch.empty(u.length, dtype=u.param.dtype, device=u.param.device)
-                    with collective("an all-gather of the optimizer state"):
-                        _all_gather(self.comm.dist)(full[(j, slot)], u.state[slot])
-                flat = full[(j, slot)]
-            p = u.names[u.offsets.index(o)]
-            shape = self.spec.initial[p].shape
-            out[n] = flat[o:o + int(np.prod(shape, dtype=np.int64))].reshape(shape).cpu().numpy().copy()
-        return out
+                flat = torch.empty(u.length, dtype=u.param.dtype, device=u.param.device)
+                with collective("an all-gather of the optimizer state"):
+                    _all_gather(self.comm.dist)(flat, u.state[slot])
+            for n, o in items:
+                shape = u.shapes[u.offsets.index(o)]
+                out[n] = flat[o:o + int(np.prod(shape, dtype=np.int64))].reshape(shape).cpu().numpy().copy()
+            del flat
+        return {n: out[n] for n in names}
 
     def load(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite parameters, state and step with full host arrays; each rank keeps its shard of the state.
@@ -346,7 +352,8 @@ class ShardedEngine(DistributedEngine):
         """Bytes of the device buffers kept from step to step, counted from the tensors: ``"parameters"``
         (the units, padding included, and the sparse tables), ``"optimizer"`` (the state shards and the
         sparse tables' state), ``"state"`` (those, the step and scratch, and values kept by ``keep_previous``),
-        ``"gradients"`` (ZeRO-1: the unit gradients and the shards; ZeRO-2: the shards and the one bucket)
+        ``"gradients"`` (ZeRO-1: the unit gradients, reduce-scattered in place; ZeRO-2: the shards and the one
+        bucket)
         and ``"gradients_peak"`` (``"gradients"`` plus the most bytes of gradients finished out of their
         unit's segment alive at once, :attr:`plan`; without a cut, every gradient)."""
         spec = self.spec
@@ -355,8 +362,10 @@ class ShardedEngine(DistributedEngine):
         opt += sum(_nbytes(self._tensors[s]) for p in spec.sparse for s in spec.state[p])
         other = _nbytes(self._tensors[spec.step]) + sum(_nbytes(t) for t in self._scratch.values())
         other += sum(_nbytes(t) for _, t in self._previous or [])
-        grads = sum(_nbytes(u.gshard) for u in self.units)
-        grads += sum(_nbytes(u.grad) for u in self.units) if self.mode == "optimizer" else _nbytes(self.bucket)
+        if self.mode == "optimizer":  # (the shards are views of the unit gradients)
+            grads = sum(_nbytes(u.grad) for u in self.units)
+        else:
+            grads = sum(_nbytes(u.gshard) for u in self.units) + _nbytes(self.bucket)
         peak = grads
         if self.mode == "gradients":  # gradients alive inside a step, besides the bucket (the plan's count)
             peak += self.plan.carried_peak if self.plan else sum(u.used * u.gshard.element_size() for u in self.units)

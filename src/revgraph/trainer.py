@@ -316,8 +316,10 @@ class Trainer:
             bad = next(p for p, a in final.items() if not np.isfinite(a).all())
             self._reject_step(f"parameter {bad!r} became NaN or infinite", pos.epoch - 1, per_epoch - 1)
         self._engine.release()  # the values from before the last step are no longer needed
-        if self.comm:
-            self.comm.check_replicas({**final, **self.state}, "parameters or optimizer state")
+        if self.comm:  # (a sharded engine's state is gathered, the same on every rank: reading it would only
+            # make every rank hold the whole state, which sharding avoids)
+            state = {} if getattr(self._engine, "gathers", False) else self.state
+            self.comm.check_replicas({**final, **state}, "parameters or optimizer state")
         return list(pos.means)
 
     def _reject_step(self, what: str, epoch: int, batch: int, applied: bool = True) -> None:
