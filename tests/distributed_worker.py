@@ -67,11 +67,17 @@ def main() -> None:
     p.add_argument("--shard", default="none")
     p.add_argument("--bucket-bytes", type=int, help="the largest gradient bucket (revgraph.distributed.BUCKET_BYTES)")
     p.add_argument("--checkpoint-dir")
+    p.add_argument("--no-cut", action="store_true", help="ZeRO-2 without the cut backward (one run writes every "
+                   "gradient; the fallback for grad graphs revgraph.grad_segments cannot cut)")
     p.add_argument("--out", required=True)
     p.add_argument("--skew", action="store_true", help="rank 1 trains on one sample less (a user's mistake)")
     a = p.parse_args()
     if a.bucket_bytes:
         rg.distributed.BUCKET_BYTES = a.bucket_bytes
+    if a.no_cut:
+        import revgraph.grad_segments
+
+        revgraph.grad_segments.cut = lambda *args: None
     samples = a.samples - (a.skew and os.environ.get("RANK") == "1")
     several = "," in a.optimizer
     for optimizer in a.optimizer.split(","):

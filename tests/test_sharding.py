@@ -49,18 +49,21 @@ def _equal_to(ranks: list[dict], ref: rg.Trainer) -> None:
     np.testing.assert_allclose(ranks[0]["losses"], ref.losses, rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("model,shard,optimizers", [("mlp", "optimizer", "sgd,adam,adamw"),
-                                                    ("mlp", "gradients", "sgd,adam,adamw"),
-                                                    ("embedding", "gradients", "adam,adamw")])
-def test_sharded_training_equals_one_process(tmp_path, model, shard, optimizers):
+@pytest.mark.parametrize("model,shard,optimizers,extra", [
+    ("mlp", "optimizer", "sgd,adam,adamw", ()), ("mlp", "gradients", "sgd,adam,adamw", ()),
+    ("embedding", "gradients", "adam,adamw", ("--no-cut",)), ("rnn", "gradients", "sgd", ())])
+def test_sharded_training_equals_one_process(tmp_path, model, shard, optimizers, extra):
     """2 processes x batch 8, sharded, = 1 process x batch 16: weights, full optimizer state and losses, for SGD
-    with momentum, Adam and AdamW (the embedding table: sparse rows, replicated, beside sharded dense layers).
+    with momentum, Adam and AdamW. The embedding table (sparse rows) stays replicated beside the sharded dense
+    layer, there with the ZeRO-2 fallback of one backward run (``--no-cut``); the RNN's backward Loop finishes
+    all its gradients at once, so its units share one segment and some gradients are carried.
     Memory per rank, from the engine's buffers: optimizer state = the units' shards (1/W, padded), gradients =
     the full units, reduce-scattered in place (ZeRO-1), or the shards and one bucket (ZeRO-2)."""
-    _launch(tmp_path, model, optimizers, shard)
+    _launch(tmp_path, model, optimizers, shard, *extra)
     for opt in optimizers.split(","):
         assert opt != "sgd" or OPTIMIZERS[opt]["momentum"] > 0  # sgd here has state to shard
-        ranks = [dict(np.load(tmp_path / f"rank{r}-{opt}.npz")) for r in range(W)]
+        ranks = [dict(np.load(tmp_path / (f"rank{r}-{opt}.npz" if "," in optimizers else f"rank{r}.npz")))
+                 for r in range(W)]
         ref = _single(model, opt)
         _equal_to(ranks, ref)
         dense = [p for p in ref.spec.params if p not in ref.spec.sparse]
@@ -85,8 +88,13 @@ def test_sharded_training_equals_one_process(tmp_path, model, shard, optimizers)
         else:
             assert held["gradients"] == shards + bucket
             assert held["gradients"] <= full / W + bucket + 4 * len(units)
-            assert held["gradients_peak"] == held["gradients"]  # every gradient finished in its unit's segment
-            assert int(ranks[0]["segments"]) == len(units)  # the backward ran cut into one segment per unit
+            segments = int(ranks[0]["segments"])
+            if model == "mlp":  # the backward ran cut into one segment per unit, each unit finished in its own
+                assert segments == len(units) and held["gradients_peak"] == held["gradients"]
+            elif extra:  # no cut: one run writes every gradient, alive until its unit is reduce-scattered
+                assert segments == 0 and held["gradients_peak"] == held["gradients"] + full
+            else:  # one segment: the gradients of every unit but the first are carried to their reduce-scatter
+                assert segments == 1 and held["gradients_peak"] == held["gradients"] + full - 4 * int(units[0, 2])
 
 
 def _close_to(tr: rg.Trainer, ref: rg.Trainer) -> None:
@@ -165,3 +173,29 @@ def test_shard_without_distributed_is_refused(tmp_path):
 
     with pytest.raises(rg.RevgraphError, match="shard must be one of none, optimizer, gradients"):
         rg.Trainer(demo.mlp_model(hidden=4), shard="zero3")
+
+
+def _cuda_marks() -> list:
+    from test_devices import on_gpu
+
+    return on_gpu(torch_gpus=2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_cuda_marks())])
+def test_train_nproc_sharded_matches_one_process(tmp_path, device):
+    """`revgraph train --nproc 2 --shard gradients` (and on 2 GPUs with NCCL: every unit, shard, bucket and
+    collective on the device) writes the model of one process with twice the batch."""
+    from revgraph import demo
+
+    train, _ = demo.digits()
+    np.savez(tmp_path / "data.npz", x=train["x"][:150], y=train["labels"][:150])
+    rg.save(demo.mlp_model(hidden=15), tmp_path / "mlp.onnx")
+    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data", str(tmp_path / "data.npz"),
+              "--loss", "cross-entropy", "--epochs", "2", "--threads", "1", "--device", device]
+    _run([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
+    r = _run([*common, "--batch-size", "10", "--nproc", "2", "--shard", "gradients", "-o", str(tmp_path / "two.onnx")])
+    assert "global batch 2 x 10 = 20; sharded: gradients (ZeRO-2)" in r.stdout, r.stdout
+    one, two = rg.load(tmp_path / "one.onnx").initializers, rg.load(tmp_path / "two.onnx").initializers
+    tol = dict(rtol=2e-5, atol=2e-6) if device == "cpu" else dict(rtol=1e-3, atol=2e-5)  # (test_devices.tolerance)
+    for name, value in one.items():
+        np.testing.assert_allclose(two[name], value, err_msg=name, **tol)
