@@ -533,6 +533,7 @@ class ShardedEngine(DistributedEngine):
                 flat.mul_(scale)
                 self._synchronize()
                 _reduce_scatter(dist)(u.gshard, flat)
+            self._synchronize()  # (CUDA) the next segment writes the bucket on onnxruntime's stream
             for n in seg.free:
                 live.pop(n, None)
         loss = float(self._loss[0].numpy()) if count else 0.0
