@@ -199,3 +199,54 @@ def test_train_nproc_sharded_matches_one_process(tmp_path, device):
     tol = dict(rtol=2e-5, atol=2e-6) if device == "cpu" else dict(rtol=1e-3, atol=2e-5)  # (test_devices.tolerance)
     for name, value in one.items():
         np.testing.assert_allclose(two[name], value, err_msg=name, **tol)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A gloo process group of one process in this test process (destroyed afterwards), for engine-level tests."""
+    import torch.distributed as dist
+
+    from test_distributed import _port
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}.items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo")
+    try:
+        from revgraph.devices import Device
+        from revgraph.distributed import Collective
+
+        yield Collective(Device())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
+def test_sharded_engine_steps_reads_loads_and_undoes(world_of_one, mode):
+    """The engine itself, in a world of one (shard = everything): steps equal the unsharded SplitEngine's, a
+    keep_previous step is undone exactly, and load(read()) restores a state."""
+    from revgraph.devices import Device
+    from revgraph.sharding import ShardedEngine
+    from revgraph.steps import SplitEngine
+
+    g, data = trainer("mlp", "adam", 48, False, HIDDEN)
+    spec = g.spec
+    feeds = {spec.inputs[0]: data["x"][:16], spec.labels: data["labels"][:16]}
+    ref = SplitEngine(spec, 1, Device())
+    eng = ShardedEngine(spec, 1, Device(), world_of_one, mode=mode, bucket_bytes=BUCKET)
+    assert len(eng.units) == 2 and (eng.plan is not None) == (mode == "gradients")
+    for _ in range(3):
+        np.testing.assert_allclose(eng.step(feeds, 16, 16), ref.step(feeds, 16, 16), rtol=1e-6)
+    for name, value in ref.read(ref.names).items():
+        np.testing.assert_allclose(eng.read([name])[name], value, rtol=2e-6, atol=1e-8, err_msg=name)
+    before = eng.read(eng.names)
+    eng.step(feeds, 16, 16, keep_previous=True)
+    assert eng.can_undo and eng.steps == 4
+    eng.undo()
+    for name, value in eng.read(eng.names).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    eng.step(feeds, 16, 16)
+    eng.load(before)
+    for name, value in eng.read(eng.names).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    with pytest.raises(rg.RevgraphError, match="has shape"):
+        eng.load({spec.params[0]: np.zeros(3, np.float32)})

@@ -139,7 +139,8 @@ class Trainer:
 
     @property
     def state(self) -> dict[str, np.ndarray]:
-        """The current optimizer state (copies), by state input name (``<param>.momentum``, ``.m``, ``.v``)."""
+        """The current optimizer state (copies), by state input name (``<param>.momentum``, ``.m``, ``.v``).
+        Sharded (``shard=``), the whole state is gathered from every rank: a collective, read it on every rank."""
         return self._engine.read([s for p in self.spec.params for s in self.spec.state[p]])
 
     # ------------------------------------------------------------------------------------------ data
