@@ -278,8 +278,15 @@ class ShardedEngine(DistributedEngine):
         for u in self.units:
             views.update((spec.grads[p][0], v) for p, v in u.views(self._bucket(u)).items())
         self._direct_views = {g: ortvalue_from_dlpack(views[g]) for g in self.plan.direct}
-        self._segments = [self.session(s.graph, f"gradient graph segment {k + 1}/{len(self.plan.segments)}")
-                          for k, s in enumerate(self.plan.segments)]
+        options = self.options
+        if self.device.kind == "cpu" and _shared_cpu_arena():  # one arena for all segments, not one each
+            self.options = session_options(self.runtime, options.intra_op_num_threads)
+            self.options.add_session_config_entry("session.use_env_allocators", "1")
+        try:
+            self._segments = [self.session(s.graph, f"gradient graph segment {k + 1}/{len(self.plan.segments)}")
+                              for k, s in enumerate(self.plan.segments)]
+        finally:
+            self.options = options
 
     def _rebind(self) -> None:
         """The grad graph's binding for ZeRO-1 (one run writing the unit gradients in place)."""
@@ -538,6 +545,25 @@ class ShardedEngine(DistributedEngine):
                 live.pop(n, None)
         loss = float(self._loss[0].numpy()) if count else 0.0
         return loss, {n: live[n] for _, idx, rows in self._sparse for n in (idx, rows)} if count else {}
+
+
+_ARENA: list = []
+
+
+def _shared_cpu_arena() -> bool:
+    """Register (once per process) a CPU arena in onnxruntime's environment that sessions with
+    ``session.use_env_allocators`` share: the ZeRO-2 segments then hold one arena between them, as the whole
+    grad graph would, instead of one each. False when this onnxruntime cannot."""
+    if not _ARENA:
+        import onnxruntime as ort
+
+        try:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+            _ARENA.append(True)
+        except Exception:  # an onnxruntime without it: the segments keep their own arenas
+            _ARENA.append(False)
+    return _ARENA[0]
 
 
 def _reduce_scatter(dist):
