@@ -48,7 +48,8 @@ class Plan:
 def cut(graph: Graph, units: list[list[str]], nbytes: dict[str, int]) -> Plan | None:
     """Cut ``graph`` (a grad graph) after each unit of gradients ``units`` (lists of output names) is finished;
     ``nbytes[g]``: the size of gradient ``g`` (for :attr:`Plan.carried_peak`). Returns ``None`` when it cannot
-    be cut here: a gradient computed by no node or listed twice, or a crossing value of unknown dtype."""
+    be cut here: a gradient computed by no node or listed twice, or a crossing value of unknown dtype or a
+    sequence."""
     nodes = graph.nodes
     producer = {o: k for k, n in enumerate(nodes) for o in n.outputs if o}
     grads = [g for gs in units for g in gs]
@@ -96,7 +97,7 @@ def cut(graph: Graph, units: list[list[str]], nbytes: dict[str, int]) -> Plan | 
 
                     types = infer_types(graph)
                 vi = types.get(name)
-            if vi is None or vi.dtype is None:
+            if vi is None or vi.dtype is None or vi.kind != "tensor":  # (sequences are not bound across runs)
                 return None
             infos.append(vi)
         g = Graph(list(nodes[a:b]), infos[:len(ins)], infos[len(ins):],
