@@ -74,7 +74,7 @@ def test_sharded_training_equals_one_process(tmp_path, model, shard, optimizers,
         assert units[:, 2].sum() == sum(sizes) and (units[:, 0] % W == 0).all() and (units[:, 1] * W == units[:, 0]).all()
         assert sum(sizes) % W or any(s % W for s in sizes)  # counts not divisible by W: padding is exercised
         if model == "mlp":
-            assert len(units) == 2 and units[:, 0].max() * 4 > BUCKET  # two units; W1 alone exceeds a bucket
+            assert len(units) >= 2 and units[:, 0].max() * 4 > BUCKET  # several units; W1 alone exceeds a bucket
         bucket = 4 * int(units[:, 0].max())
         sparse_state = sum(SLOTS[opt] * ref.spec.initial[p].nbytes for p in ref.spec.sparse)
         # the arithmetic: slots x k elements per unit (k = ceil(used / W)), plus the replicated sparse tables' state
@@ -233,7 +233,7 @@ def test_sharded_engine_steps_reads_loads_and_undoes(world_of_one, mode):
     feeds = {spec.inputs[0]: data["x"][:16], spec.labels: data["labels"][:16]}
     ref = SplitEngine(spec, 1, Device())
     eng = ShardedEngine(spec, 1, Device(), world_of_one, mode=mode, bucket_bytes=BUCKET)
-    assert len(eng.units) == 2 and (eng.plan is not None) == (mode == "gradients")
+    assert len(eng.units) >= 2 and (eng.plan is not None) == (mode == "gradients")
     for _ in range(3):
         np.testing.assert_allclose(eng.step(feeds, 16, 16), ref.step(feeds, 16, 16), rtol=1e-6)
     for name, value in ref.read(ref.names).items():

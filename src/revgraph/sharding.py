@@ -6,7 +6,8 @@ parameters, the gradients and the optimizer state, and runs the whole update. He
 parameters:
 
 - the dense parameters are packed into **flat units**: consecutive parameters of one dtype, in reverse
-  parameter order as DDP buckets them, up to :data:`revgraph.distributed.BUCKET_BYTES` each, every unit a flat
+  parameter order as DDP first buckets them (ZeRO-2: in the order the backward finishes their gradients, as
+  DDP rebuilds its buckets), up to :data:`revgraph.distributed.BUCKET_BYTES` each, every unit a flat
   device tensor padded with zeros to a multiple of ``W`` elements. Each parameter is a view of its unit that
   onnxruntime reads in place (an ``OrtValue`` of the same memory, through DLPack). Rank ``r`` **owns** the
   contiguous shard ``r`` of every unit (``length / W`` elements);
@@ -88,11 +89,13 @@ class Unit:
                 for n, o, s in zip(self.names, self.offsets, self.shapes, strict=True)}
 
 
-def plan_units(spec: TrainingGraph, world: int, rank: int, bucket_bytes: int) -> list[Unit]:
-    """The flat units of ``spec``'s dense parameters (module doc): reverse parameter order, one dtype per unit,
-    at most ``bucket_bytes`` each (a larger parameter is a unit of its own), padded to a multiple of ``world``."""
+def plan_units(spec: TrainingGraph, world: int, rank: int, bucket_bytes: int,
+               order: list[str] | None = None) -> list[Unit]:
+    """The flat units of ``spec``'s dense parameters (module doc): in ``order`` (default: reverse parameter
+    order, as DDP first buckets them), one dtype per unit, at most ``bucket_bytes`` each (a larger parameter is a
+    unit of its own), padded to a multiple of ``world``."""
     groups: list[list[str]] = []
-    for p in reversed([p for p in spec.params if p not in spec.sparse]):
+    for p in order or reversed([p for p in spec.params if p not in spec.sparse]):
         a = spec.initial[p]
         last = groups[-1] if groups else None
         if last is None or spec.initial[last[0]].dtype != a.dtype or \
@@ -110,6 +113,14 @@ def plan_units(spec: TrainingGraph, world: int, rank: int, bucket_bytes: int) ->
         units.append(Unit(names, offsets, [spec.initial[p].shape for p in names], spec.initial[names[0]].dtype,
                           length, rank * k, k))
     return units
+
+
+def ready_order(grad_graph: Graph, spec: TrainingGraph) -> list[str]:
+    """The dense parameters in the order the grad graph's nodes finish their gradients (ties, e.g. the gradients
+    a ``Loop``'s backward writes together, in reverse parameter order)."""
+    producer = {o: k for k, n in enumerate(grad_graph.nodes) for o in n.outputs if o}
+    dense = list(reversed([p for p in spec.params if p not in spec.sparse]))
+    return sorted(dense, key=lambda p: producer.get(spec.grads[p][0], -1))
 
 
 def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, list[tuple[str, str]], dict]:
@@ -187,7 +198,11 @@ class ShardedEngine(DistributedEngine):
         self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), spec.graph.outputs[0].dtype))]
         self._current, self._previous = 0, None
         dev, world, rank = comm.tdevice, comm.world_size, comm.rank
-        self.units = plan_units(spec, world, rank, bucket_bytes or distributed.BUCKET_BYTES)
+        self.grad_graph, _ = split_step(spec)
+        # ZeRO-2 packs the units in the order the backward finishes the gradients (DDP rebuilds its buckets in
+        # that order after the first step), so that each segment of the cut finishes whole units
+        order = ready_order(self.grad_graph, spec) if mode == "gradients" else None
+        self.units = plan_units(spec, world, rank, bucket_bytes or distributed.BUCKET_BYTES, order)
         values, self._tensors, self._where = {}, {}, {}
         for j, u in enumerate(self.units):
             tdt = _torch_dtype(torch, spec.initial[u.names[0]])
@@ -214,7 +229,6 @@ class ShardedEngine(DistributedEngine):
         self._empty_rows = {p: torch.zeros((0, *spec.initial[p].shape[1:]), dtype=_torch_dtype(torch, spec.initial[p]),
                                            device=dev) for p in spec.sparse}
         self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
-        self.grad_graph, _ = split_step(spec)
         self._build_update()
         self.bucket, self.plan = None, None
         if mode == "gradients":
