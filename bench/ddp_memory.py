@@ -10,7 +10,7 @@ and cross-entropy on random data, batch ``--batch`` per process, in 2 processes 
 Every configuration is a fresh ``torchrun --nproc-per-node 2`` launch (this file as the worker); each rank
 reads its /proc/self/status: ``VmRSS`` after importing torch, onnxruntime and revgraph (the base: the
 libraries), ``VmRSS`` once the model, optimizer and sessions are built and ``VmHWM`` (peak) after ``--steps``
-training steps, every launch with ``MALLOC_MMAP_THRESHOLD_=131072`` (large temporaries go back to the system
+training steps (the table: the largest over the ranks, less the base), every launch with ``MALLOC_MMAP_THRESHOLD_=131072`` (large temporaries go back to the system
 when freed, instead of growing glibc's heap: see ``main``). What differs between the configurations is the training state: revgraph's engine also
 reports the bytes of its own buffers (``engine.held()``: parameters, optimizer state, gradients), which the
 table sets beside the arithmetic (P parameters of 4 bytes: unsharded Adam holds 3P of state and P of
@@ -176,7 +176,7 @@ def table(res: dict) -> str:
              f"({4 * res['params'] / 2**20:.1f} MiB fp32), batch {res['batch']} per process, 2 processes, "
              f"{res['steps']} Adam steps, buckets {res['bucket_mb']} MiB",
              f"{'configuration':<46} {'peak-base':>9} {'built-base':>10} {'optimizer':>9} {'(arith.)':>9} "
-             f"{'gradients':>9} {'(arith.)':>9}   MiB per rank (max over ranks)"]
+             f"{'gradients':>9} {'(arith.)':>9} {'in step':>9}   MiB per rank (max over ranks)"]
     for fw, shard in CONFIGS:
         ranks = res["runs"].get(f"{fw}/{shard}")
         if not ranks:
@@ -187,7 +187,8 @@ def table(res: dict) -> str:
         held = ranks[0]["held"]
         if held:
             want = expected(res["params"], 2, held["largest_unit"], shard)
-            extra = f"{mb(held['optimizer'])}  {mb(want['optimizer'])}  {mb(held['gradients'])}  {mb(want['gradients'])}"
+            extra = (f"{mb(held['optimizer'])}  {mb(want['optimizer'])}  {mb(held['gradients'])}  "
+                     f"{mb(want['gradients'])}  {mb(held.get('gradients_peak', held['gradients']))}")
         else:
             extra = f"{'':>9} {'':>9} {'':>9} {'':>9}"
         lines.append(f"{LABELS[(fw, shard)]:<46} {mb(peak)} {mb(built):>10} {extra}")
