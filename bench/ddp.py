@@ -4,6 +4,7 @@
     python bench/ddp.py --render bench/results/ddp.json     # rewrite the doc section from saved numbers
     python bench/ddp.py --profile ...                       # also timelines, hidden exchange, modelled scaling
     python bench/ddp.py --render-overlap bench/results/ddp-timeline.json   # rewrite that section
+    python bench/ddp.py --memory [--quick]                   # memory per rank, sharded (bench/ddp_memory.py)
 
 What is measured: training throughput, in samples per second of the global batch, of five models
 (bench/ddp_models.py: the demo MLP and the demo recurrent classifier with an ONNX ``Loop`` on the digits, an
@@ -164,7 +165,14 @@ def revgraph_source(commit: str | None, tmp: Path) -> tuple[dict, str]:
 
 
 def main() -> int:
+    if "--memory" in sys.argv[1:]:  # memory per rank, sharded or not, against DDP + ZeroRedundancyOptimizer
+        import ddp_memory
+
+        return ddp_memory.main([a for a in sys.argv[1:] if a != "--memory"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory", action="store_true", help="measure memory per rank instead (bench/ddp_memory.py: "
+                        "revgraph unsharded / --shard optimizer / --shard gradients against DDP + "
+                        "ZeroRedundancyOptimizer; its options follow)")
     parser.add_argument("--quick", action="store_true", help="1 turn, fewer steps, no extra rows (1-2 minutes)")
     parser.add_argument("--turns", type=int, help="rounds of launches (default 5; --quick: 1)")
     parser.add_argument("--batch", type=int, default=64, help="samples per process and step (default 64)")

@@ -2,7 +2,7 @@
 # revgraph on a CUDA GPU (--device cuda, issue 16): run the GPU-only tests and a short step-time benchmark,
 # and print them with the GPU's name; with 2 GPUs also the data-parallel exchange options on NCCL (issue 25). For a machine with an NVIDIA GPU, onnxruntime-gpu in place of onnxruntime
 # (pip install "revgraph[cuda]"; see the comment in pyproject.toml) and, for the data-parallel tests, a CUDA
-# build of torch (revgraph[distributed]). Needs no network; takes under 5 minutes.
+# build of torch (revgraph[distributed]). Needs no network; takes under 7 minutes.
 #
 #   bench/gpu_check.sh                 # GPU 0
 #   DEVICE=cuda:1 bench/gpu_check.sh   # the benchmark on another GPU (the tests use cuda:0, and two GPUs for NCCL)
@@ -52,10 +52,12 @@ except rg.RevgraphError as exc:
 print(f"onnxruntime runs on {device}")
 EOF
 
-echo "== GPU tests (pytest -m cuda tests/test_devices.py)"
+echo "== GPU tests (pytest -m cuda tests/test_devices.py tests/test_sharding.py)"
 status=0
-# -o addopts='' drops the default -m "not slow"; -rs prints why a test was skipped (e.g. one GPU: no 2-process NCCL)
-timeout 210 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py || status=$?
+# -o addopts='' drops the default -m "not slow"; -rs prints why a test was skipped (e.g. one GPU: no 2-process NCCL).
+# tests/test_sharding.py: --shard gradients on 2 GPUs (units, shards, bucket, reduce-scatter, all-gather on NCCL)
+timeout 330 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py \
+    tests/test_sharding.py || status=$?
 
 echo "== data-parallel exchange on the GPU (issue 25: --bucket-mb with overlap, --overlap off, --accumulate-steps, --reduce-dtype bf16)"
 # one table row per option and model: pytest's verdict (passed / failed / skipped with its reason)

@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 import revgraph as rg
+import revgraph.distributed
 from revgraph import demo
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.train import make_optimizer
@@ -32,15 +33,15 @@ def embedding_model(seed: int = 0) -> Graph:
                  inits, name="embedding")
 
 
-def build(model: str, samples: int) -> tuple[Graph, dict[str, np.ndarray]]:
-    """The model and its training data (deterministic)."""
+def build(model: str, samples: int, hidden: int = 16) -> tuple[Graph, dict[str, np.ndarray]]:
+    """The model and its training data (deterministic); ``hidden``: the MLP's and the RNN's width."""
     if model == "embedding":
         rng = np.random.default_rng(1)
         ids = rng.integers(0, VOCAB, (samples, TOKENS)).astype(np.int64) % (VOCAB // 2)  # half the rows: repeats
         return embedding_model(), {"ids": ids, "labels": rng.integers(0, CLASSES, samples)}
     train, _ = demo.digits()
     data = {"x": train["x"][:samples], "labels": train["labels"][:samples]}
-    return (demo.rnn_model(hidden=16) if model == "rnn" else demo.mlp_model(hidden=16)), data
+    return (demo.rnn_model(hidden=hidden) if model == "rnn" else demo.mlp_model(hidden=hidden)), data
 
 
 OPTIMIZERS = {"adam": dict(name="adam", lr=0.01), "sgd": dict(name="sgd", lr=0.05, momentum=0.9),
@@ -48,9 +49,10 @@ OPTIMIZERS = {"adam": dict(name="adam", lr=0.01), "sgd": dict(name="sgd", lr=0.0
               "adamw": dict(name="adamw", lr=0.01, weight_decay=0.1)}
 
 
-def trainer(model: str, optimizer: str, samples: int, distributed: bool, **how) -> tuple[rg.Trainer, dict]:
-    """The model's Trainer (``how``: more Trainer arguments, e.g. ``bucket_mb``) and its training data."""
-    g, data = build(model, samples)
+def trainer(model: str, optimizer: str, samples: int, distributed: bool, hidden: int = 16,
+            **how) -> tuple[rg.Trainer, dict]:
+    """The model's Trainer (``how``: more Trainer arguments, e.g. ``bucket_mb``, ``shard``) and its data."""
+    g, data = build(model, samples, hidden)
     opt = make_optimizer(**OPTIMIZERS[optimizer])
     return rg.Trainer(g, "cross-entropy", opt, threads=1, distributed=distributed, **how), data
 
@@ -58,10 +60,17 @@ def trainer(model: str, optimizer: str, samples: int, distributed: bool, **how) 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="mlp")
-    p.add_argument("--optimizer", default="adam")
+    p.add_argument("--optimizer", default="adam", help="one optimizer, or several separated by commas (one run "
+                   "each, written to rank<r>-<optimizer>.npz)")
     p.add_argument("--samples", type=int, default=97)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=16)
+    p.add_argument("--shard", default="none")
+    p.add_argument("--bucket-bytes", type=int, help="the largest gradient bucket, in bytes (--bucket-mb of that size)")
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--no-cut", action="store_true", help="ZeRO-2 without the cut backward (one run writes every "
+                   "gradient; the fallback for grad graphs revgraph.grad_segments cannot cut)")
     p.add_argument("--out", required=True)
     p.add_argument("--skew", action="store_true", help="rank 1 trains on one sample less (a user's mistake)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
@@ -69,14 +78,31 @@ def main() -> None:
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--accumulate-steps", type=int, default=1)
     a = p.parse_args()
+    if a.bucket_bytes:
+        a.bucket_mb = a.bucket_bytes / 2**20
+    if a.no_cut:
+        import revgraph.grad_segments
+
+        revgraph.grad_segments.cut = lambda *args: None
     samples = a.samples - (a.skew and os.environ.get("RANK") == "1")
-    tr, data = trainer(a.model, a.optimizer, samples, True, bucket_mb=a.bucket_mb, reduce_dtype=a.reduce_dtype,
-                       overlap=not a.no_overlap)
-    means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False, accumulate_steps=a.accumulate_steps)
-    np.savez(os.path.join(a.out, f"rank{tr.rank}.npz"), **tr.parameters, **tr.state,
-             losses=np.array(tr.losses), means=np.array(means), world=np.array(tr.world_size))
-    if a.bucket_mb < 1 and not a.no_overlap and os.environ.get("RANK") == "0":  # the test checks the cut happened
-        print(f"segments: {len(tr._engine.segments.segments) if tr._engine.segments else 0}")
+    several = "," in a.optimizer
+    for optimizer in a.optimizer.split(","):
+        how = dict(bucket_mb=a.bucket_mb, reduce_dtype=a.reduce_dtype, overlap=not a.no_overlap)
+        if a.shard != "none":
+            how["shard"] = a.shard
+        tr, data = trainer(a.model, optimizer, samples, True, a.hidden, **how)
+        means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False, checkpoint_dir=a.checkpoint_dir,
+                       accumulate_steps=a.accumulate_steps)
+        held = tr._engine.held()
+        name = f"rank{tr.rank}-{optimizer}.npz" if several else f"rank{tr.rank}.npz"
+        np.savez(os.path.join(a.out, name), **tr.parameters, **tr.state, losses=np.array(tr.losses),
+                 means=np.array(means), world=np.array(tr.world_size),
+                 **{f"held:{k}": np.array(v) for k, v in held.items()},
+                 units=np.array([[u.length, u.k, u.used] for u in getattr(tr._engine, "units", [])]).reshape(-1, 3),
+                 segments=np.array(len(tr._engine.plan.segments) if getattr(tr._engine, "plan", None) else 0))
+        if a.bucket_mb < 1 and not a.no_overlap and os.environ.get("RANK") == "0" and a.shard == "none":
+            segs = getattr(tr._engine, "segments", None)  # the test checks the cut happened
+            print(f"segments: {len(segs.segments) if segs else 0}")
     tr.comm.close()
 
 

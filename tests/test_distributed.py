@@ -210,7 +210,8 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     tr, data = trainer("mlp", "adam", 40, False)
     tr.fit(data, 1, 8, progress=False, checkpoint_dir=tmp_path)
     other, _ = trainer("mlp", "adam", 40, False)
-    with pytest.raises(rg.RevgraphError, match="batch_size 8 .now 16.; resume with the same settings"):
+    with pytest.raises(rg.RevgraphError, match=r"global batch 1 x 8 = 8 \(now 1 x 16 = 16\); resume with the same "
+                                               "global batch"):
         other.fit(data, 1, 16, progress=False, checkpoint_dir=tmp_path)
     sgd, _ = trainer("mlp", "sgd", 40, False)
     with pytest.raises(rg.RevgraphError, match="another model or optimizer"):

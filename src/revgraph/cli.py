@@ -165,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, metavar="N",
                        help="train data-parallel in N processes on this machine (starts torchrun; needs "
                             "revgraph[distributed]); the global batch is N x --batch-size")
+    train.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
+                       help="data-parallel only: each process keeps the optimizer state of its 1/N shard of the "
+                            "parameters (optimizer: ZeRO-1; gradients reduce-scattered, parameters all-gathered), "
+                            "and of the gradients too (gradients: ZeRO-2); checkpoints stay whole (default none)")
     add_runtime_arguments(train, "arena on, memory pattern off, measured best for training")
     train.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + "; a byte count sizes the batch "
                        "dimension with --batch-size")

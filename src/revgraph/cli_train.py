@@ -67,7 +67,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
-                          memory=budget, **trainer_arguments(args))
+                          memory=budget, shard=args.shard, **trainer_arguments(args))
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
     for w in caught if main else []:
@@ -82,7 +82,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                       f"{'nccl' if trainer.device.kind == 'cuda' else 'gloo'}): global batch "
                       f"{trainer.world_size} x {args.batch_size}"
                       + (f" x {args.accumulate_steps} micro-batches" if args.accumulate_steps > 1 else "")
-                      + f" = {trainer.world_size * args.batch_size * args.accumulate_steps}",
+                      + f" = {trainer.world_size * args.batch_size * args.accumulate_steps}"
+                      + (f"; sharded: {args.shard} (ZeRO-{1 if args.shard == 'optimizer' else 2})"
+                         if args.shard != "none" else ""),
                       soft_wrap=True, markup=False)
     before = trainer.evaluate(data)
     means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=console,

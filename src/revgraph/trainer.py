@@ -38,6 +38,7 @@ from .runtime_options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
 from .exchange import BUCKET_MB, REDUCE_DTYPES, bucket_bytes, check_reduce_dtype
 from .steps import BUFFERS, make_engine
 from .steptimes import StepTimes
+from .sharding import SHARDS
 from .train import Optimizer, TrainingGraph, training_graph
 
 Data = Mapping[str, np.ndarray] | tuple
@@ -58,7 +59,11 @@ class Trainer:
     step graph; :mod:`revgraph.steps`); the numbers are the same. ``distributed=True`` trains data-parallel with
     the other processes of a
     ``torchrun`` launch (:mod:`revgraph.distributed`; needs ``pip install "revgraph[distributed]"``): every
-    rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``memory`` is the
+    rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``shard``
+    (with ``distributed``): ``"none"`` (default), ``"optimizer"`` (ZeRO-1: each rank keeps the optimizer state
+    of its shard of the parameters) or ``"gradients"`` (ZeRO-2: and its shard of the gradients), see
+    :mod:`revgraph.sharding`; a world of one process trains unsharded. Sharded, :attr:`state` is a collective
+    (every rank reads it). ``memory`` is the
     budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
     bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
     ``trainer.spec.graph.memory_plan``. Data-parallel gradient exchange (:mod:`revgraph.exchange`):
@@ -83,13 +88,18 @@ class Trainer:
                  threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
                  memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
-                 profile: bool = False):
+                 profile: bool = False, shard: str = "none"):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
         check_reduce_dtype(reduce_dtype)
         if overlap not in (True, False, "auto"):
             raise InputError(f"overlap must be True, False or 'auto', got {overlap!r}")
+        if shard not in SHARDS:
+            raise RevgraphError(f"shard must be one of {', '.join(SHARDS)}, got {shard!r}")
+        if shard != "none" and not distributed:
+            raise RevgraphError(f"shard={shard!r} (--shard {shard}) shards across data-parallel processes: train with "
+                                "distributed=True under torchrun (revgraph train --nproc N), or leave it out")
         # settings left None take the training default (memory pattern off, arena on)
         self.runtime: RuntimeOptions = (check_runtime(runtime) or RuntimeOptions()).over(TRAINING_DEFAULT)
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
@@ -108,11 +118,19 @@ class Trainer:
         # auto: overlap on GPUs, where NCCL moves the bytes beside the compute; not on the CPU, where gloo's
         # thread sums and copies on the cores the next segment needs (measured slower: docs/benchmarks.md)
         overlap = self.device.kind == "cuda" if overlap == "auto" else bool(overlap)
-        if self.comm and self.comm.world_size > 1:
+        if self.comm:  # a rank sharding alone would wait in collectives the others never start
+            self.comm.check_replicas({"shard": np.array([SHARDS.index(shard)])}, "--shard settings",
+                                     "give every rank the same --shard (shard=)")
+        if self.comm and self.comm.world_size > 1 and shard != "none":
+            from .sharding import ShardedEngine
+
+            self._engine = ShardedEngine(self.spec, threads, self.device, self.comm, self.runtime, mode=shard,
+                                         bucket_bytes=cap, reduce_dtype=reduce_dtype)
+        elif self.comm and self.comm.world_size > 1:
             self._engine = DistributedEngine(self.spec, threads, self.device, self.comm, self.runtime,
                                              one_set=buffers == "one", bucket_mb=bucket_mb,
                                              reduce_dtype=reduce_dtype, overlap=overlap)
-        else:  # one process (also a world of one, where there is nothing to exchange)
+        else:  # one process (also a world of one, where there is nothing to exchange or shard)
             self._engine = make_engine(self.spec, threads, self.device, self.runtime, buffers)
         if profile:
             self._engine.times = StepTimes(timeline=profile == "timeline")
@@ -157,7 +175,8 @@ class Trainer:
 
     @property
     def state(self) -> dict[str, np.ndarray]:
-        """The current optimizer state (copies), by state input name (``<param>.momentum``, ``.m``, ``.v``)."""
+        """The current optimizer state (copies), by state input name (``<param>.momentum``, ``.m``, ``.v``).
+        Sharded (``shard=``), the whole state is gathered from every rank: a collective, read it on every rank."""
         return self._engine.read([s for p in self.spec.params for s in self.spec.state[p]])
 
     # ------------------------------------------------------------------------------------------ data
@@ -270,7 +289,8 @@ class Trainer:
         (:mod:`revgraph.checkpoints`) every ``checkpoint_every`` steps (0: at the end of each epoch) and at
         the end; and when the directory already holds a checkpoint of this run, training resumes from it
         (on every rank; only rank 0 reads the file), so a restarted run reaches the weights of an
-        uninterrupted one.
+        uninterrupted one. It resumes at any world size whose global batch (``batch_size * world_size``)
+        equals the checkpoint's, sharded or not (the data order and the steps are the same; elastic resume).
 
         ``nonfinite="stop"`` (the default) stops at the first step whose loss is NaN or infinite, and at the end
         when the last update left a parameter NaN or infinite, raising :class:`NonFiniteError` that names the
@@ -287,6 +307,9 @@ class Trainer:
             raise InputError("accumulate_steps (--accumulate-steps) must be a positive integer, got "
                              f"{accumulate_steps!r}")
         accumulate = int(accumulate_steps)
+        if accumulate > 1 and getattr(self._engine, "mode", None) in ("optimizer", "gradients"):
+            raise InputError(f"gradient accumulation (accumulate_steps > 1) is not available with --shard "
+                             f"{self._engine.mode}: train unsharded, or with a larger batch")
         if accumulate > 1 and self._engine.__class__.__name__ == "FusedEngine":
             raise InputError("gradient accumulation (accumulate_steps > 1) needs buffers='one' (--buffers one): the "
                              "fused step graph of two buffer sets updates after every batch")
@@ -350,8 +373,10 @@ class Trainer:
             bad = next(p for p, a in final.items() if not np.isfinite(a).all())
             self._reject_step(f"parameter {bad!r} became NaN or infinite", pos.epoch - 1, per_epoch - 1)
         self._engine.release()  # the values from before the last step are no longer needed
-        if self.comm:
-            self.comm.check_replicas({**final, **self.state}, "parameters or optimizer state")
+        if self.comm:  # (a sharded engine's state is gathered, the same on every rank: reading it would only
+            # make every rank hold the whole state, which sharding avoids)
+            state = {} if getattr(self._engine, "gathers", False) else self.state
+            self.comm.check_replicas({**final, **state}, "parameters or optimizer state")
         return list(pos.means)
 
     def _reject_step(self, what: str, epoch: int, batch: int, applied: bool = True) -> None:
@@ -366,12 +391,17 @@ class Trainer:
                              "in the data (--allow-nonfinite, or fit(nonfinite='continue'), trains on regardless)")
 
     def _save(self, directory, run: dict, pos: _Position) -> None:
-        """Rank 0 writes a checkpoint of the current state at ``pos`` (the next batch to train)."""
+        """Rank 0 writes a checkpoint of the current state at ``pos`` (the next batch to train); a sharded
+        engine gathers the state on every rank first (:mod:`revgraph.sharding`), so the file is the same."""
+        gathers = getattr(self._engine, "gathers", False)
+        if not self.is_main and not gathers:
+            return
+        values = self._engine.read(self._engine.names)
         if not self.is_main:
             return
         meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total,
                 "epoch_means": pos.means, "losses": self.losses, "optimizer": self.spec.optimizer.kind}
-        checkpoints.save(directory, self._engine.read(self._engine.names), meta)
+        checkpoints.save(directory, values, meta)
 
     def _resume(self, directory, run: dict) -> _Position:
         """The position to start from: that of the checkpoint in ``directory`` (loaded into the engine on
@@ -390,9 +420,16 @@ class Trainer:
         if meta["names"] != names or meta.get("optimizer") != self.spec.optimizer.kind:
             raise RevgraphError(f"{where} holds the state of another model or optimizer; move it away or choose "
                                 "another checkpoint directory")
+        # Elastic resume: the epoch's order and its global batches depend only on the global batch size, so any
+        # world size with the checkpoint's global batch takes the same steps (batch 16 x 2 = 32 x 1 = 8 x 4)
+        was, now = (meta.get("world_size"), meta.get("batch_size")), (run["world_size"], run["batch_size"])
+        if None in was or was[0] * was[1] != now[0] * now[1]:
+            raise RevgraphError(f"{where} was written by a run with global batch {_global(*was)} (now "
+                                f"{_global(*now)}); resume with the same global batch (--batch-size x processes), "
+                                "or move it away to start afresh")
         defaults = {"accumulate_steps": 1}  # (checkpoints written before the setting existed)
         differ = [f"{k} {meta.get(k, defaults.get(k))!r} (now {v!r})" for k, v in run.items()
-                  if meta.get(k, defaults.get(k)) != v]
+                  if k not in ("world_size", "batch_size") and meta.get(k, defaults.get(k)) != v]
         if differ:
             raise RevgraphError(f"{where} was written by a run with {', '.join(differ)}; resume with the same "
                                 "settings, or move it away to start afresh")
@@ -459,6 +496,11 @@ class Trainer:
     def save_training_graph(self, path: str | os.PathLike) -> None:
         """Write the training-step graph (module doc of :mod:`revgraph.train`), with no initial values."""
         save(self.spec.graph, path)
+
+
+def _global(world, batch) -> str:
+    """``"2 x 16 = 32"``: processes x batch size = global batch."""
+    return f"{world} x {batch} = {world * batch}" if world and batch else f"{world} x {batch}"
 
 
 def _finite(loss: float) -> bool:
