@@ -583,8 +583,13 @@ def _sparse_update(b: _Builder, s: _Scalars, p: str, idx: str, rows: str, state:
 
 def eval_graph(tg: TrainingGraph) -> Graph:
     """The model plus its loss with the parameters as inputs: outputs ``[loss, model output]`` (what
-    :meth:`Trainer.evaluate` runs with the current parameters)."""
+    :meth:`Trainer.evaluate` runs with the current parameters). Training-mode ``BatchNormalization`` nodes
+    normalize with their running statistics here (``torch.nn.Module.eval()``;
+    :func:`revgraph.sync_batchnorm.inference_batchnorms`)."""
+    from .sync_batchnorm import inference_batchnorms
+
     g, _ = loss_graph(tg.model, tg.loss.kind, output=tg.loss.output)
+    inference_batchnorms(g)
     params_as_inputs(g, tg.params)
     return g
 

@@ -67,7 +67,7 @@ class Trainer:
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
                  threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
-                 memory=None):
+                 memory=None, sync_batchnorm: bool = False):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         # settings left None take the training default (memory pattern off, arena on)
@@ -86,12 +86,18 @@ class Trainer:
             self.comm = Collective(self.device)
             threads = threads or threads_per_process()
         if self.comm and self.comm.world_size > 1:
-            self._engine = DistributedEngine(self.spec, threads, self.device, self.comm, self.runtime,
-                                             one_set=buffers == "one")
+            from .sync_batchnorm import engine_class
+
+            self._engine = engine_class(self.spec, DistributedEngine)(self.spec, threads, self.device, self.comm,
+                                                                      self.runtime, one_set=buffers == "one")
         else:  # one process (also a world of one, where there is nothing to exchange)
             self._engine = make_engine(self.spec, threads, self.device, self.runtime, buffers)
         if self.comm:
             self.comm.check_replicas(self.parameters, "initial parameters")
+        if self.world_size > 1 and self.is_main and not sync_batchnorm:
+            from .sync_batchnorm import warn_per_rank_statistics
+
+            warn_per_rank_statistics(self.spec.model, self.world_size)
 
     # ------------------------------------------------------------------------------------------ state
 
