@@ -20,25 +20,26 @@ CHANNELS, SIDE, HIDDEN, CLASSES = 2, 4, 6, 3
 
 
 def bn_model(seed: int = 0) -> Graph:
-    """``x`` float32 ``[N, 2, 4, 4]`` -> Conv 3x3 (3 channels) -> BatchNormalization ``bn_conv`` (training mode,
-    over N, H, W) -> Relu -> Flatten -> Gemm (6) -> BatchNormalization ``bn_fc`` (training mode, over N) -> Relu
+    """``x`` float32 ``[N, 2, 4, 4]`` -> Conv 3x3 (3 channels, no bias) -> BatchNormalization ``bn_conv`` (training mode,
+    over N, H, W) -> Relu -> Flatten -> Gemm (6, no bias) -> BatchNormalization ``bn_fc`` (training mode, over N) -> Relu
     -> Gemm -> logits ``[N, 3]``. Each BatchNormalization writes its running statistics (three outputs, as
-    ``torch.onnx.export(..., training=TrainingMode.TRAINING)`` writes them); momentum 0.9 and 0.7."""
+    ``torch.onnx.export(..., training=TrainingMode.TRAINING)`` writes them); momentum 0.9 and 0.7. No bias before a
+    normalization (as in ResNets): its gradient is zero but for rounding, which Adam would turn into steps."""
     rng = np.random.default_rng(seed)
     f = np.float32
-    inits = {"conv.w": (rng.standard_normal((3, CHANNELS, 3, 3)) / 4).astype(f), "conv.b": rng.standard_normal(3).astype(f),
+    inits = {"conv.w": (rng.standard_normal((3, CHANNELS, 3, 3)) / 4).astype(f),
              "bn_conv.scale": (1 + rng.standard_normal(3) / 4).astype(f), "bn_conv.bias": (rng.standard_normal(3) / 4).astype(f),
              "bn_conv.mean": (rng.standard_normal(3) / 4).astype(f), "bn_conv.var": (1 + rng.random(3)).astype(f),
-             "fc.w": (rng.standard_normal((3 * SIDE * SIDE, HIDDEN)) / 7).astype(f), "fc.b": np.zeros(HIDDEN, f),
+             "fc.w": (rng.standard_normal((3 * SIDE * SIDE, HIDDEN)) / 7).astype(f),
              "bn_fc.scale": (1 + rng.standard_normal(HIDDEN) / 4).astype(f), "bn_fc.bias": (rng.standard_normal(HIDDEN) / 4).astype(f),
              "bn_fc.mean": np.zeros(HIDDEN, f), "bn_fc.var": np.ones(HIDDEN, f),
              "head.w": (rng.standard_normal((HIDDEN, CLASSES)) / 3).astype(f), "head.b": np.zeros(CLASSES, f)}
-    nodes = [Node("Conv", ["x", "conv.w", "conv.b"], ["c"], {"pads": [1, 1, 1, 1]}, "conv"),
+    nodes = [Node("Conv", ["x", "conv.w"], ["c"], {"pads": [1, 1, 1, 1]}, "conv"),
              Node("BatchNormalization", ["c", "bn_conv.scale", "bn_conv.bias", "bn_conv.mean", "bn_conv.var"],
                   ["cn", "bn_conv.mean.out", "bn_conv.var.out"], {"training_mode": 1, "momentum": 0.9}, "bn_conv"),
              Node("Relu", ["cn"], ["cr"], {}, "relu1"),
              Node("Flatten", ["cr"], ["flat"], {}, "flatten"),
-             Node("Gemm", ["flat", "fc.w", "fc.b"], ["h"], {}, "fc"),
+             Node("Gemm", ["flat", "fc.w"], ["h"], {}, "fc"),
              Node("BatchNormalization", ["h", "bn_fc.scale", "bn_fc.bias", "bn_fc.mean", "bn_fc.var"],
                   ["hn", "bn_fc.mean.out", "bn_fc.var.out"], {"training_mode": 1, "momentum": 0.7, "epsilon": 1e-3}, "bn_fc"),
              Node("Relu", ["hn"], ["hr"], {}, "relu2"),

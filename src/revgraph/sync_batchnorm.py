@@ -20,10 +20,14 @@ PyTorch (:func:`inference_batchnorms`): the same in one process and in many, wha
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
-from .devices import torch_from_ortvalue
-from .distributed import DistributedEngine, collective
-from .ir import Graph
+import numpy as np
+
+from .errors import RevgraphError
+from .graph_collectives import all_reduce_node
+from .ir import Graph, Node, ValueInfo, fresh_name
+from .types import infer_types
 
 
 def training_batchnorms(graph: Graph) -> list[str]:
@@ -79,34 +83,128 @@ def running_statistics(graph: Graph, params) -> list[str]:
     return list(found)
 
 
-class RankZeroStatisticsEngine(DistributedEngine):
-    """:class:`~revgraph.distributed.DistributedEngine` for a model with training-mode ``BatchNormalization``
-    trained without ``sync_batchnorm``: each rank normalizes with its own batch statistics, and after the grad
-    graph has written each rank's running statistics into its parameter buffers (module doc), rank 0's are
-    broadcast to every rank before the update (``DistributedDataParallel(broadcast_buffers=True)`` broadcasts
-    rank 0's buffers before each forward), so the ranks stay replicas.
-    Raises :class:`RevgraphError` (one line) when the broadcast fails."""
+# ---------------------------------------------------------------------------------------------- the rewrite
 
-    def __init__(self, spec, threads, device, comm, runtime=None, one_set: bool = True):
-        super().__init__(spec, threads, device, comm, runtime, one_set)
-        self.statistics = running_statistics(spec.model, spec.params)
 
-    def _gradients(self, feeds, count, total):
-        out = super()._gradients(feeds, count, total)
-        torch = self.comm.torch
-        views = [torch_from_ortvalue(torch, self.value(p)) for p in self.statistics]
-        if views:
-            flat = torch.cat([v.reshape(-1) for v in views])  # one broadcast for all of them (one dtype: float)
-            with collective("the broadcast of rank 0's running statistics"):
-                self.comm.dist.broadcast(flat, 0)
-            at = 0
-            for v in views:
-                v.copy_(flat[at:at + v.numel()].view(v.shape))
-                at += v.numel()
+@dataclass
+class SyncedBatchNorm:
+    """What :func:`rewrite` made of one ``BatchNormalization`` node: its ``name``; the placeholders summing
+    ``[sum x, count]`` (``mean_sum``, ``channels + 1`` values) and ``sum (x - mean)^2`` (``var_sum``) over the
+    ranks; its running-statistics inputs ``running_mean`` and ``running_var`` and ``momentum`` (float32)."""
+
+    name: str
+    channels: int
+    mean_sum: str
+    var_sum: str
+    running_mean: str
+    running_var: str
+    momentum: float
+
+
+def rewrite(graph: Graph) -> tuple[Graph, list[SyncedBatchNorm]]:
+    """A copy of ``graph`` with each top-level training-mode ``BatchNormalization`` written as explicit ops
+    around two ``AllReduceSum`` placeholders (:mod:`revgraph.graph_collectives`), the statistics of
+    ``torch.nn.SyncBatchNorm`` over the global batch. With ``c`` channels (axis 1) and ``axes`` every other
+    axis, on each rank: ``t = sum_ranks [sum_axes x, n]`` (``n`` the elements per channel, a float), ``mean =
+    t[:c] / t[c]``, ``v = sum_ranks sum_axes (x - mean)^2 / t[c]`` (the population variance, as the ONNX
+    operator and onnxruntime's kernel compute it, in two passes), ``Y = (x - mean) scale (v + epsilon)^(-1/2) +
+    B``. The running statistics are not written by the graph (the engine writes ``input * momentum + batch * (1
+    - momentum)`` from the sums: :class:`revgraph.sync_batchnorm_engine.SyncBatchNormEngine`), so they must
+    not be read in it. The VJP of the placeholders all-reduces the cotangents of the sums (SyncBatchNorm's
+    backward: ``sum dY`` and ``sum dY xh`` over the global batch). Returns the graph and what each node became.
+
+    Raises :class:`RevgraphError` for a training-mode ``BatchNormalization`` in a subgraph, one whose running
+    statistics outputs are read, or one whose input rank, channel count (the scale's length) or dtype
+    (float32, float64) is not known.
+    """
+    nested = [n for g, n in graph.walk() if g is not graph and n.op_type == "BatchNormalization"
+              and int(n.attrs.get("training_mode", 0))]
+    if nested:
+        raise RevgraphError(f"BatchNormalization {nested[0].name!r} runs in training mode inside a subgraph (Loop, "
+                            "If, Scan); --sync-batchnorm synchronizes top-level ones only: train without it")
+    g = graph.copy()
+    types = infer_types(g)
+    read = {i for _, n in g.walk() for i in n.inputs} | set(g.output_names)
+    used = g.all_names() | {n.name for _, n in g.walk() if n.name}
+    out_nodes: list[Node] = []
+    synced = []
+    for node in g.nodes:
+        if not (node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx")
+                and int(node.attrs.get("training_mode", 0))):
+            out_nodes.append(node)
+            continue
+        name = node.name or node.outputs[0]
+        if any(o in read for o in node.outputs[1:] if o):
+            raise RevgraphError(f"the graph reads the running statistics BatchNormalization {name!r} writes; "
+                                "--sync-batchnorm cannot synchronize it")
+        x, scale, bias, mean_in, var_in = node.inputs[:5]
+        vi, sv = types.get(x), types.get(scale)
+        if vi is None or vi.shape is None or vi.dtype not in (np.float32, np.float64) or sv is None \
+                or sv.shape is None or len(sv.shape) != 1 or not isinstance(sv.shape[0], int):
+            raise RevgraphError(f"BatchNormalization {name!r}: --sync-batchnorm needs a float32 or float64 input of "
+                                f"known rank and a scale of static length (got {vi.describe() if vi else 'unknown'})")
+        nodes, s = _synced(node, name, x, scale, bias, len(vi.shape), sv.shape[0], vi.dtype, used)
+        out_nodes += nodes
+        g.value_info.update({v: ValueInfo(v, vi.dtype, (n,)) for v, n in
+                             ((s.mean_sum, sv.shape[0] + 1), (s.var_sum, sv.shape[0]))})
+        synced.append(SyncedBatchNorm(name, sv.shape[0], s.mean_sum, s.var_sum, mean_in, var_in,
+                                      float(np.float32(node.attrs.get("momentum", 0.9)))))
+    g.nodes = out_nodes
+    return g, synced
+
+
+@dataclass
+class _Sums:
+    mean_sum: str
+    var_sum: str
+
+
+def _synced(node: Node, name: str, x: str, scale: str, bias: str, rank: int, c: int, dt: np.dtype,
+            used: set[str]) -> tuple[list[Node], _Sums]:
+    """The nodes of one synchronized batch normalization (:func:`rewrite`), writing ``node.outputs[0]``."""
+    nodes: list[Node] = []
+
+    def op(op_type: str, inputs: list[str], **attrs) -> str:
+        out = fresh_name(f"{name}/sync/{op_type}", used)
+        nodes.append(Node(op_type, inputs, [out], attrs, out))
         return out
 
+    def const(value, dtype) -> str:
+        return op("Constant", [], value=np.asarray(value, dtype=dtype))
 
-def engine_class(spec, default: type) -> type:
-    """The data-parallel engine class for ``spec``: :class:`RankZeroStatisticsEngine` when the model has
-    running statistics among the parameters, else ``default``."""
-    return RankZeroStatisticsEngine if running_statistics(spec.model, spec.params) else default
+    axes = const([0, *range(2, rank)], np.int64)
+    channel = const([1, c, *[1] * (rank - 2)], np.int64)  # a [C] vector broadcast along axis 1
+    s1 = op("ReduceSum", [x, axes], keepdims=0)
+    # the elements per channel on this rank (0 on a rank without samples), as a float [1]
+    n = op("Cast", [op("Div", [op("Size", [x]), const(c, np.int64)])], to=1 if dt == np.float32 else 11)
+    t = op("Concat", [s1, op("Reshape", [n, const([1], np.int64)])], axis=0)
+    mean_sum = fresh_name(f"{name}/sync/mean_sum", used)
+    nodes.append(all_reduce_node(t, mean_sum, fresh_name(f"{name}/sync/AllReduceSum", used), c + 1,
+                                 batchnorm=name, statistic="mean"))
+    total = op("Slice", [mean_sum, const([c], np.int64), const([c + 1], np.int64)])
+    mean = op("Div", [op("Slice", [mean_sum, const([0], np.int64), const([c], np.int64)]), total])
+    d = op("Sub", [x, op("Reshape", [mean, channel])])
+    var_sum = fresh_name(f"{name}/sync/var_sum", used)
+    nodes.append(all_reduce_node(op("ReduceSum", [op("Mul", [d, d]), axes], keepdims=0), var_sum,
+                                 fresh_name(f"{name}/sync/AllReduceSum", used), c, batchnorm=name, statistic="var"))
+    eps = const(float(np.float32(node.attrs.get("epsilon", 1e-5))), dt)
+    inv = op("Reciprocal", [op("Sqrt", [op("Add", [op("Div", [var_sum, total]), eps])])])
+    k = op("Reshape", [op("Mul", [inv, op("CastLike", [scale, x])]), channel])  # (scale and B may be of another dtype)
+    y = op("Add", [op("Mul", [d, k]), op("Reshape", [op("CastLike", [bias, x]), channel])])
+    nodes.append(Node("Identity", [y], [node.outputs[0]], {}, fresh_name(f"{name}/sync/output", used)))
+    return nodes, _Sums(mean_sum, var_sum)
+
+
+def synchronized(model) -> tuple[Graph, Graph, list[SyncedBatchNorm]]:
+    """``(the model, the model rewritten by :func:`rewrite`, what each BatchNormalization became)`` for a
+    :class:`~revgraph.ir.Graph`, ``onnx.ModelProto`` or path (loaded and put in SSA form first); the model
+    itself twice and ``[]`` when it has no training-mode ``BatchNormalization``."""
+    from .onnx_io import load
+    from .ssa import is_ssa, to_ssa
+
+    g = model if isinstance(model, Graph) else load(model)
+    g = g if is_ssa(g) else to_ssa(g)
+    if not training_batchnorms(g):
+        return g, g, []
+    rewritten, synced = rewrite(g)
+    return g, rewritten, synced

@@ -75,8 +75,6 @@ class Trainer:
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
         self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
-        self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
-                                                  checkpoint=checkpoint, memory=memory)
         self.losses: list[float] = []  # one per step, in order (the global batch's loss when distributed)
         self.resumed: str | None = None  # set by fit when it resumed from a checkpoint: where from
         self.comm = None
@@ -85,8 +83,21 @@ class Trainer:
 
             self.comm = Collective(self.device)
             threads = threads or threads_per_process()
-        if self.comm and self.comm.world_size > 1:
-            from .sync_batchnorm import engine_class
+        synced = None
+        if sync_batchnorm and self.comm and self.comm.world_size > 1:
+            from .sync_batchnorm import synchronized
+
+            original, model, synced = synchronized(model)  # BatchNormalization around all-reduce placeholders
+        self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
+                                                  checkpoint=checkpoint, memory=memory, loss_seed=bool(synced))
+        if synced:
+            self.spec.model = original  # evaluation, prediction and export use the model as given
+            from .sync_batchnorm_engine import SyncBatchNormEngine
+
+            self._engine = SyncBatchNormEngine(self.spec, threads, self.device, self.comm, synced, self.runtime,
+                                               one_set=buffers == "one")
+        elif self.comm and self.comm.world_size > 1:
+            from .sync_batchnorm_engine import engine_class
 
             self._engine = engine_class(self.spec, DistributedEngine)(self.spec, threads, self.device, self.comm,
                                                                       self.runtime, one_set=buffers == "one")

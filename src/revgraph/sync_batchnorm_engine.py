@@ -1,0 +1,191 @@
+"""The data-parallel engines of models with training-mode ``BatchNormalization`` (:mod:`revgraph.sync_batchnorm`
+has the graph side): :class:`RankZeroStatisticsEngine` without ``sync_batchnorm``, :class:`SyncBatchNormEngine`
+with it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .devices import ortvalue_from_dlpack, torch_from_ortvalue
+from .distributed import DistributedEngine, _Bucket, _torch_dtype, collective
+from .errors import RevgraphError
+from .graph_collectives import cut, is_collective
+from .runtime import _first_line
+from .sync_batchnorm import running_statistics
+
+
+class RankZeroStatisticsEngine(DistributedEngine):
+    """:class:`~revgraph.distributed.DistributedEngine` for a model with training-mode ``BatchNormalization``
+    trained without ``sync_batchnorm``: each rank normalizes with its own batch statistics, and after the grad
+    graph has written each rank's running statistics into its parameter buffers (module doc), rank 0's are
+    broadcast to every rank before the update (``DistributedDataParallel(broadcast_buffers=True)`` broadcasts
+    rank 0's buffers before each forward), so the ranks stay replicas.
+    Raises :class:`RevgraphError` (one line) when the broadcast fails."""
+
+    def __init__(self, spec, threads, device, comm, runtime=None, one_set: bool = True):
+        super().__init__(spec, threads, device, comm, runtime, one_set)
+        self.statistics = running_statistics(spec.model, spec.params)
+
+    def _gradients(self, feeds, count, total):
+        out = super()._gradients(feeds, count, total)
+        torch = self.comm.torch
+        views = [torch_from_ortvalue(torch, self.value(p)) for p in self.statistics]
+        if views:
+            flat = torch.cat([v.reshape(-1) for v in views])  # one broadcast for all of them (one dtype: float)
+            with collective("the broadcast of rank 0's running statistics"):
+                self.comm.dist.broadcast(flat, 0)
+            at = 0
+            for v in views:
+                v.copy_(flat[at:at + v.numel()].view(v.shape))
+                at += v.numel()
+        return out
+
+
+def engine_class(spec, default: type) -> type:
+    """The data-parallel engine class for ``spec``: :class:`RankZeroStatisticsEngine` when the model has
+    running statistics among the parameters, else ``default``."""
+    return RankZeroStatisticsEngine if running_statistics(spec.model, spec.params) else default
+
+
+class SyncBatchNormEngine(DistributedEngine):
+    """The data-parallel step with ``sync_batchnorm`` (:func:`revgraph.sync_batchnorm.rewrite`): the grad graph
+    holds ``AllReduceSum`` placeholders (forward: each BatchNormalization's sums; backward: their cotangents'),
+    and runs as the segments of :func:`revgraph.graph_collectives.cut`, one onnxruntime session each, with the
+    all-reduces (``torch.distributed``, one per stage and dtype) between them.
+
+    The loss's cotangent is seeded with the rank's share ``n_r / N`` (``TrainingGraph.seed``), so every
+    cotangent entering a backward all-reduce carries its rank's weight and the gradients come out already
+    weighted: they are all-reduced without the ``n_r / N`` scaling of
+    :class:`~revgraph.distributed.DistributedEngine`. A rank without samples in the last global batch runs no
+    segment but takes part in every collective with zeros (sums over no sample). After the segments, the
+    running statistics that are parameters get ``input * momentum + batch * (1 - momentum)`` from the global
+    sums (the batch's population variance), as onnxruntime's kernel writes them in one process; the update
+    graph then runs as in :class:`~revgraph.distributed.DistributedEngine`.
+    Raises :class:`RevgraphError` (one line) when onnxruntime refuses a segment or a collective fails."""
+
+    def __init__(self, spec, threads, device, comm, synced, runtime=None, one_set: bool = True):
+        super().__init__(spec, threads, device, comm, runtime, one_set)
+        self.synced = [s for s in synced]
+        self.segments = cut(self.grad_graph)
+        self._stages = [None if s.graph is None else self.session(s.graph, f"gradient graph (stage {j + 1})")
+                        for j, s in enumerate(self.segments.stages)]
+        self._seed_dtype = next(v.dtype for v in self.grad_graph.inputs if v.name == spec.seed)
+        self._sparse_names = {n for _, idx, rows in self._sparse for n in (idx, rows)}
+
+    def session(self, graph, what: str):
+        if any(is_collective(n) for n in graph.nodes):  # the uncut grad graph: only its segments run
+            return None
+        return super().session(graph, what)
+
+    def _rebind(self) -> None:
+        """The update graph's bindings (the segments are bound at each run: their inputs change)."""
+        self._update_bindings = []
+        for k in range(2):
+            ub = self._update.io_binding()
+            for i, o in self.spec.carried():
+                ub.bind_ortvalue_input(i, self._sets[k][i])
+                ub.bind_ortvalue_output(o, self._sets[1 - k][i])
+            for g, value in self._grad_values.items():
+                ub.bind_ortvalue_input(g, value)
+            self._update_bindings.append(ub)
+
+    def _gradients(self, feeds, count: int, total: int):
+        torch, dist = self.comm.torch, self.comm.dist
+        sums = self._run_segments(feeds, count, total)
+        self._update_running_statistics(sums)
+        rows: dict[str, tuple] = {}
+        if count:
+            loss = float(self._loss[self._current].numpy())
+            for p, idx, rows_name in self._sparse:
+                rows[p] = (torch_from_ortvalue(torch, sums[idx]), torch_from_ortvalue(torch, sums[rows_name]))
+        else:  # no sample here: zero gradients (the segments did not run)
+            loss = 0.0
+            for b in self.buckets:
+                b.flat.zero_()
+            for p in self.spec.sparse:
+                rows[p] = (torch.zeros(0, dtype=torch.int64, device=self.comm.tdevice), self._empty_rows[p])
+        with collective("the gradient exchange"):
+            loss_t = self.buckets[-1].flat[-1:] if self.buckets else torch.zeros(1, dtype=torch.float64,
+                                                                                 device=self.comm.tdevice)
+            loss_t.fill_(loss * count / total)
+            # the gradients carry their rank's weight already (the seed): summed as they are
+            pending = [dist.all_reduce(b.flat, async_op=True) for b in self.buckets or [_Bucket(loss_t)]]
+            gathered = self._gather_rows(rows, 1.0)
+            for work in pending:
+                work.wait()
+        inputs = {}
+        for p, idx, rows_name in self._sparse:
+            i_all, r_all = gathered[p]
+            inputs[idx], inputs[rows_name] = ortvalue_from_dlpack(i_all), ortvalue_from_dlpack(r_all)
+        return float(loss_t.item()), inputs
+
+    def _run_segments(self, feeds, count: int, total: int) -> dict:
+        """Run the stages in order (segments only when this rank has samples) with the all-reduces between
+        them. Returns the values that crossed between stages: ``OrtValue`` segment outputs and torch tensors
+        of the collectives' sums, by name."""
+        torch, dist = self.comm.torch, self.comm.dist
+        spec, k = self.spec, self._current
+        host = {**feeds, spec.seed: np.array(count / total, dtype=self._seed_dtype)} if count else {}
+        values: dict = {}
+        for j, (stage, sess) in enumerate(zip(self.segments.stages, self._stages, strict=True)):
+            if count and sess is not None:
+                self._synchronize()  # onnxruntime's CUDA stream does not wait for torch's all-reduces
+                b = sess.io_binding()
+                for vi in stage.graph.inputs:
+                    n = vi.name
+                    if n in host:
+                        b.bind_cpu_input(n, host[n])
+                    else:
+                        b.bind_ortvalue_input(n, values[n] if n in values else self._sets[k][n])
+                for vi in stage.graph.outputs:
+                    n = vi.name
+                    if n == spec.loss.loss:
+                        b.bind_ortvalue_output(n, self._loss[k])
+                    elif n in self._grad_values:
+                        b.bind_ortvalue_output(n, self._grad_values[n])
+                    else:
+                        b.bind_output(n, self.device.ort_type, self.device.index)
+                try:
+                    sess.run_with_iobinding(b)
+                except Exception as exc:
+                    raise RevgraphError(f"the gradient step failed (stage {j + 1}): {_first_line(exc)}") from None
+                values.update(zip((vi.name for vi in stage.graph.outputs), b.get_outputs(), strict=True))
+            if stage.collectives:
+                self._all_reduce(stage.collectives, values, count)
+        return values
+
+    def _all_reduce(self, nodes, values: dict, count: int) -> None:
+        """Sum the inputs of the collectives ``nodes`` over the ranks (one all-reduce per dtype; zeros from a
+        rank without samples) and put each sum into ``values`` (a torch tensor, its OrtValue under the name)."""
+        torch, dist = self.comm.torch, self.comm.dist
+        by_dtype: dict = {}
+        for c in nodes:
+            by_dtype.setdefault(self.segments.types[c.inputs[0]].dtype, []).append(c)
+        for dt, group in by_dtype.items():
+            parts = [torch_from_ortvalue(torch, values[c.inputs[0]]).reshape(-1) if count else
+                     torch.zeros(int(c.attrs["size"]), dtype=_torch_dtype(torch, np.zeros(0, dt)),
+                                 device=self.comm.tdevice) for c in group]
+            flat = torch.cat(parts)
+            with collective("the all-reduce of the batch-normalization statistics"):
+                dist.all_reduce(flat)
+            at = 0
+            for c in group:
+                size = int(c.attrs["size"])
+                piece = flat[at:at + size].clone()
+                at += size
+                values[c.outputs[0] + "#torch"] = piece
+                values[c.outputs[0]] = ortvalue_from_dlpack(piece)
+
+    def _update_running_statistics(self, values: dict) -> None:
+        """``running = input * momentum + batch * (1 - momentum)`` in the parameter buffers of the running
+        statistics (those that are parameters), from the global sums."""
+        torch = self.comm.torch
+        params = set(self.spec.params)
+        for s in self.synced:
+            t = values[s.mean_sum + "#torch"]
+            n = t[s.channels]
+            batch = {s.running_mean: t[:s.channels] / n, s.running_var: values[s.var_sum + "#torch"] / n}
+            for name, current in batch.items():
+                if name in params:
+                    buf = torch_from_ortvalue(torch, self.value(name))
+                    buf.copy_(buf * s.momentum + current.to(buf.dtype) * (1.0 - s.momentum))
