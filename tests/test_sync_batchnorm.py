@@ -8,8 +8,12 @@ of 12 leave a last batch of 1 sample, so rank 1 has none.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
+
+import revgraph as rg
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
@@ -18,7 +22,10 @@ from test_distributed import TORCHRUN, _port, _run  # noqa: E402
 
 from pathlib import Path  # noqa: E402
 
+from revgraph.graph_collectives import cut  # noqa: E402
+from revgraph.ir import Graph, Node, ValueInfo  # noqa: E402
 from revgraph.runtime import Session  # noqa: E402
+from revgraph.sync_batchnorm import rewrite, training_batchnorms  # noqa: E402
 
 WORKER = Path(__file__).parent / "sync_batchnorm_worker.py"
 SAMPLES, BATCH, EPOCHS = 37, 6, 2
@@ -40,14 +47,45 @@ def _single(optimizer: str):
     return tr
 
 
-def test_per_rank_statistics_warn_with_the_node_names(tmp_path):
-    ranks = _torchrun(tmp_path)
-    warned = (tmp_path / "warnings0.txt").read_text()
-    assert "BatchNormalization 'bn_conv', 'bn_fc'" in warned and "--sync-batchnorm" in warned
-    assert "BatchNormalization" not in (tmp_path / "warnings1.txt").read_text()  # rank 0 only
-    ref = _single("adam").parameters
-    # what the warning is about: per-rank statistics train differently from one process
-    assert max(np.max(np.abs(ranks[0][k] - v)) for k, v in ref.items()) > 1e-3
+def test_sync_batchnorm_equals_one_process(tmp_path):
+    """2 processes x batch 6 with sync_batchnorm = 1 process x batch 12 (Adam): weights, BatchNormalization scale,
+    bias and running statistics, optimizer state and losses; the last batch of each epoch has 1 sample, so
+    rank 1 runs no segment but takes part in every all-reduce with zeros."""
+    ranks = _torchrun(tmp_path, "--sync")
+    ref = _single("adam")
+    assert len(ref.losses) == 2 * 4  # 37 samples in global batches of 12: 4 steps per epoch, the last of 1 sample
+    theirs = {**ref.parameters, **ref.state}
+    assert {"bn_conv.mean", "bn_conv.var", "bn_fc.mean", "bn_fc.var"} <= set(theirs)
+    for name, value in theirs.items():
+        np.testing.assert_allclose(ranks[0][name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+    np.testing.assert_allclose(ranks[0]["losses"], ref.losses, rtol=2e-5, atol=1e-6)
+    assert ranks[0]["eval_loss"] == pytest.approx(ref.evaluate(data(SAMPLES))["loss"], rel=2e-5)
+    assert "BatchNormalization" not in (tmp_path / "warnings0.txt").read_text()
+
+
+@pytest.mark.slow
+def test_revgraph_train_warns_without_sync_batchnorm_and_matches_one_process_with_it(tmp_path):
+    """`revgraph train --nproc 2`: without --sync-batchnorm rank 0 warns once, naming the nodes, and the result
+    differs from one process (what the warning is about); with it, the written model (running statistics
+    included) equals one process's with twice the batch (SGD with momentum)."""
+    d = data(SAMPLES)
+    np.savez(tmp_path / "data.npz", x=d["x"], labels=d["labels"])
+    rg.save(bn_model(), tmp_path / "bn.onnx")
+    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "bn.onnx"), "--data", str(tmp_path / "data.npz"),
+              "--loss", "cross-entropy", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--epochs", "2",
+              "--threads", "1"]
+    _run([*common, "--batch-size", str(2 * BATCH), "-o", str(tmp_path / "one.onnx")])
+    per_rank = _run([*common, "--batch-size", str(BATCH), "--nproc", "2", "-o", str(tmp_path / "per_rank.onnx")])
+    assert per_rank.stderr.count("warning: BatchNormalization 'bn_conv', 'bn_fc' normalize") == 1, per_rank.stderr
+    assert "--sync-batchnorm" in per_rank.stderr
+    synced = _run([*common, "--batch-size", str(BATCH), "--nproc", "2", "--sync-batchnorm",
+                   "-o", str(tmp_path / "synced.onnx")])
+    assert "BatchNormalization" not in synced.stderr, synced.stderr
+    one = rg.load(tmp_path / "one.onnx").initializers
+    two, per = rg.load(tmp_path / "synced.onnx").initializers, rg.load(tmp_path / "per_rank.onnx").initializers
+    assert max(float(np.max(np.abs(per[k] - v))) for k, v in one.items()) > 1e-3
+    for name, value in one.items():
+        np.testing.assert_allclose(two[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
 
 
 def test_evaluation_uses_the_running_statistics():
@@ -71,3 +109,53 @@ def test_evaluation_uses_the_running_statistics():
     logp = logits - logits.max(1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(1, keepdims=True))
     assert b["loss"] == pytest.approx(-logp[np.arange(SAMPLES), d["labels"]].mean(), rel=1e-5)
+
+
+def test_per_rank_statistics_warn_on_rank_0_and_keep_the_ranks_replicas(tmp_path):
+    """Without sync_batchnorm: rank 0 (only) warns, naming the nodes, and the ranks stay replicas (rank 0's
+    running statistics); they train differently from one process, which is what the warning says."""
+    ranks = _torchrun(tmp_path)
+    warned = (tmp_path / "warnings0.txt").read_text()
+    assert "BatchNormalization 'bn_conv', 'bn_fc' normalize(s) in training mode" in warned, warned
+    assert "--sync-batchnorm" in warned
+    assert "BatchNormalization" not in (tmp_path / "warnings1.txt").read_text()
+    ref = _single("adam").parameters
+    assert max(float(np.max(np.abs(ranks[0][k] - v))) for k, v in ref.items()) > 1e-3
+
+
+@pytest.mark.parametrize("shape", [(7, 3, 4, 5), (9, 4)])
+def test_rewritten_batchnorm_in_one_process_equals_pytorch(shape):
+    """The rewrite in a world of one (each all-reduce the identity), run as the segments of its gradient graph
+    one after another: the output and the gradients of X, scale and B equal PyTorch's autograd of
+    nn.BatchNorm in training mode, in float64."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    c = shape[1]
+    inits = {"s": rng.standard_normal(c), "b": rng.standard_normal(c), "rm": np.zeros(c), "rv": np.ones(c)}
+    g = Graph([Node("BatchNormalization", ["x", "s", "b", "rm", "rv"], ["y", "rm_out", "rv_out"],
+                    {"training_mode": 1, "epsilon": 1e-3}, "bn")],
+              [ValueInfo("x", np.float64, ("N", *shape[1:]))], [ValueInfo("y", np.float64, ("N", *shape[1:]))],
+              inits, name="bn")
+    rewritten, (synced,) = rewrite(g)
+    assert not training_batchnorms(rewritten) and synced.running_mean == "rm"
+    grad = rg.gradient(rewritten, "y", ["x", "s", "b"], seed="input")
+    segments = cut(grad)
+    assert len(segments.collectives) == 4  # the mean and variance sums, and their cotangents
+    x = rng.standard_normal(shape) * 2 + 1
+    dy = rng.standard_normal(shape)
+    values = {"x": x, grad.inputs[-1].name: dy}
+    for stage in segments.stages:  # the stages in order, each collective the identity
+        if stage.graph is not None:
+            values.update(Session(stage.graph).run({v.name: values[v.name] for v in stage.graph.inputs}))
+        for node in stage.collectives:
+            values[node.outputs[0]] = values[node.inputs[0]]
+    bn = (torch.nn.BatchNorm2d if len(shape) == 4 else torch.nn.BatchNorm1d)(c, eps=1e-3, dtype=torch.float64)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor(inits["s"]))
+        bn.bias.copy_(torch.tensor(inits["b"]))
+    tx = torch.tensor(x, requires_grad=True)
+    ty = bn(tx)
+    ty.backward(torch.tensor(dy))
+    for name, want in [("y", ty), ("x_grad", tx.grad), ("s_grad", bn.weight.grad), ("b_grad", bn.bias.grad)]:
+        np.testing.assert_allclose(values[name], want.detach().numpy(), rtol=1e-9, atol=1e-10, err_msg=name)

@@ -164,6 +164,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, metavar="N",
                        help="train data-parallel in N processes on this machine (starts torchrun; needs "
                             "revgraph[distributed]); the global batch is N x --batch-size")
+    train.add_argument("--sync-batchnorm", action="store_true",
+                       help="data-parallel: training-mode BatchNormalization normalizes with the statistics of the "
+                            "global batch, all-reduced inside the step as torch.nn.SyncBatchNorm does (default: each "
+                            "process over its own share, rank 0's running statistics kept; rank 0 warns)")
     add_runtime_arguments(train, "arena on, memory pattern off, measured best for training")
     train.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + "; a byte count sizes the batch "
                        "dimension with --batch-size")

@@ -65,7 +65,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
-                          memory=budget)
+                          memory=budget, sync_batchnorm=args.sync_batchnorm)
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
     for w in caught if main else []:
