@@ -159,3 +159,19 @@ def test_rewritten_batchnorm_in_one_process_equals_pytorch(shape):
     ty.backward(torch.tensor(dy))
     for name, want in [("y", ty), ("x_grad", tx.grad), ("s_grad", bn.weight.grad), ("b_grad", bn.bias.grad)]:
         np.testing.assert_allclose(values[name], want.detach().numpy(), rtol=1e-9, atol=1e-10, err_msg=name)
+
+
+def test_a_pytorch_model_exported_in_training_mode_is_found_and_rewritten(tmp_path):
+    """torch.onnx.export(..., training=TrainingMode.TRAINING) with the TorchScript exporter writes
+    BatchNormalization with training_mode=1 (three outputs): the warning's and the rewrite's input."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.BatchNorm1d(3), torch.nn.ReLU(),
+                                torch.nn.Linear(3, 2)).train()
+    torch.onnx.export(model, (torch.randn(5, 4),), tmp_path / "bn.onnx", dynamo=False, input_names=["x"],
+                      training=torch.onnx.TrainingMode.TRAINING, dynamic_axes={"x": {0: "N"}})
+    g = rg.load(tmp_path / "bn.onnx")
+    assert training_batchnorms(g) == ["/1/BatchNormalization"]
+    rewritten, (synced,) = rewrite(g)
+    assert not training_batchnorms(rewritten) and (synced.running_mean, synced.running_var) == ("1.running_mean",
+                                                                                                "1.running_var")

@@ -53,7 +53,9 @@ class Trainer:
     rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``memory`` is the
     budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
     bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
-    ``trainer.spec.graph.memory_plan``. Raises
+    ``trainer.spec.graph.memory_plan``. ``sync_batchnorm=True`` (data-parallel only): training-mode
+    ``BatchNormalization`` nodes normalize with the statistics of the global batch, all-reduced inside the step
+    (:mod:`revgraph.sync_batchnorm`; without it each rank normalizes over its share and rank 0 warns). Raises
     :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
     or a process group that cannot be joined.
 
