@@ -88,14 +88,16 @@ def running_statistics(graph: Graph, params) -> list[str]:
 
 @dataclass
 class SyncedBatchNorm:
-    """What :func:`rewrite` made of one ``BatchNormalization`` node: its ``name``; the placeholders summing
-    ``[sum x, count]`` (``mean_sum``, ``channels + 1`` values) and ``sum (x - mean)^2`` (``var_sum``) over the
-    ranks; its running-statistics inputs ``running_mean`` and ``running_var`` and ``momentum`` (float32)."""
+    """What :func:`rewrite` made of one ``BatchNormalization`` node: its ``name`` and ``channels``; ``sums``,
+    the output of the placeholder summing ``[sum d, sum d^2, n]`` (``2 channels + 1`` values, ``d = x -
+    shift``) over the ranks; ``shift``, the graph input holding the shift (the running mean's current value,
+    fed by the engine); its running-statistics inputs ``running_mean`` and ``running_var``, and ``momentum``
+    (a float32 value)."""
 
     name: str
     channels: int
-    mean_sum: str
-    var_sum: str
+    sums: str
+    shift: str
     running_mean: str
     running_var: str
     momentum: float
@@ -103,15 +105,20 @@ class SyncedBatchNorm:
 
 def rewrite(graph: Graph) -> tuple[Graph, list[SyncedBatchNorm]]:
     """A copy of ``graph`` with each top-level training-mode ``BatchNormalization`` written as explicit ops
-    around two ``AllReduceSum`` placeholders (:mod:`revgraph.graph_collectives`), the statistics of
-    ``torch.nn.SyncBatchNorm`` over the global batch. With ``c`` channels (axis 1) and ``axes`` every other
-    axis, on each rank: ``t = sum_ranks [sum_axes x, n]`` (``n`` the elements per channel, a float), ``mean =
-    t[:c] / t[c]``, ``v = sum_ranks sum_axes (x - mean)^2 / t[c]`` (the population variance, as the ONNX
-    operator and onnxruntime's kernel compute it, in two passes), ``Y = (x - mean) scale (v + epsilon)^(-1/2) +
-    B``. The running statistics are not written by the graph (the engine writes ``input * momentum + batch * (1
-    - momentum)`` from the sums: :class:`revgraph.sync_batchnorm_engine.SyncBatchNormEngine`), so they must
-    not be read in it. The VJP of the placeholders all-reduces the cotangents of the sums (SyncBatchNorm's
-    backward: ``sum dY`` and ``sum dY xh`` over the global batch). Returns the graph and what each node became.
+    around an ``AllReduceSum`` placeholder (:mod:`revgraph.graph_collectives`): the statistics over the global
+    batch, as ``torch.nn.SyncBatchNorm`` computes them. With ``c`` channels (axis 1), ``axes`` every other axis
+    and ``k`` a per-channel shift (a new graph input, ``[c]``; the engine feeds the running mean, the same on
+    every rank, so that ``sum d^2`` does not lose the variance to cancellation: the shifted-data algorithm), on
+    each rank ``d = x - k`` and ``t = sum_ranks [sum_axes d, sum_axes d^2, n]`` (``n`` the elements per channel,
+    a float); ``m = t[:c] / n'``, ``mean = k + m``, ``v = max(t[c:2c] / n' - m^2, 0)`` (``n' = t[2c]``; the
+    population variance, as the ONNX operator defines it), ``Y = (d - m) scale (v + epsilon)^(-1/2) + B``. The
+    shift is an input, not the running-mean parameter itself, so that no gradient reaches the running mean (in
+    exact arithmetic none would; in floats rounding would, and Adam would turn it into steps). The running
+    statistics are not written by the graph (the engine writes them from ``t``:
+    :class:`revgraph.sync_batchnorm_engine.SyncBatchNormEngine`), so the graph must not read them. The
+    placeholder's VJP all-reduces the cotangents of the sums (SyncBatchNorm's backward: ``sum dY`` and ``sum dY
+    xh`` over the global batch). One all-reduce forward and one backward per node. Returns the graph and what
+    each node became.
 
     Raises :class:`RevgraphError` for a training-mode ``BatchNormalization`` in a subgraph, one whose running
     statistics outputs are read, or one whose input rank, channel count (the scale's length) or dtype
@@ -143,25 +150,22 @@ def rewrite(graph: Graph) -> tuple[Graph, list[SyncedBatchNorm]]:
                 or sv.shape is None or len(sv.shape) != 1 or not isinstance(sv.shape[0], int):
             raise RevgraphError(f"BatchNormalization {name!r}: --sync-batchnorm needs a float32 or float64 input of "
                                 f"known rank and a scale of static length (got {vi.describe() if vi else 'unknown'})")
-        nodes, s = _synced(node, name, x, scale, bias, len(vi.shape), sv.shape[0], vi.dtype, used)
+        c = sv.shape[0]
+        shift = fresh_name(f"{name}/sync/shift", used)
+        g.inputs.append(ValueInfo(shift, vi.dtype, (c,)))
+        nodes, sums = _synced(node, name, x, scale, bias, shift, len(vi.shape), c, vi.dtype, used)
         out_nodes += nodes
-        g.value_info.update({v: ValueInfo(v, vi.dtype, (n,)) for v, n in
-                             ((s.mean_sum, sv.shape[0] + 1), (s.var_sum, sv.shape[0]))})
-        synced.append(SyncedBatchNorm(name, sv.shape[0], s.mean_sum, s.var_sum, mean_in, var_in,
+        g.value_info[sums] = ValueInfo(sums, vi.dtype, (2 * c + 1,))
+        synced.append(SyncedBatchNorm(name, c, sums, shift, mean_in, var_in,
                                       float(np.float32(node.attrs.get("momentum", 0.9)))))
     g.nodes = out_nodes
     return g, synced
 
 
-@dataclass
-class _Sums:
-    mean_sum: str
-    var_sum: str
-
-
-def _synced(node: Node, name: str, x: str, scale: str, bias: str, rank: int, c: int, dt: np.dtype,
-            used: set[str]) -> tuple[list[Node], _Sums]:
-    """The nodes of one synchronized batch normalization (:func:`rewrite`), writing ``node.outputs[0]``."""
+def _synced(node: Node, name: str, x: str, scale: str, bias: str, shift: str, rank: int, c: int, dt: np.dtype,
+            used: set[str]) -> tuple[list[Node], str]:
+    """The nodes of one synchronized batch normalization (:func:`rewrite`), writing ``node.outputs[0]``, and
+    the name of the all-reduced sums."""
     nodes: list[Node] = []
 
     def op(op_type: str, inputs: list[str], **attrs) -> str:
@@ -172,27 +176,28 @@ def _synced(node: Node, name: str, x: str, scale: str, bias: str, rank: int, c: 
     def const(value, dtype) -> str:
         return op("Constant", [], value=np.asarray(value, dtype=dtype))
 
+    def part(start: int, stop: int) -> str:
+        return op("Slice", [sums, const([start], np.int64), const([stop], np.int64)])
+
     axes = const([0, *range(2, rank)], np.int64)
     channel = const([1, c, *[1] * (rank - 2)], np.int64)  # a [C] vector broadcast along axis 1
-    s1 = op("ReduceSum", [x, axes], keepdims=0)
+    d = op("Sub", [x, op("Reshape", [op("CastLike", [shift, x]), channel])])
     # the elements per channel on this rank (0 on a rank without samples), as a float [1]
     n = op("Cast", [op("Div", [op("Size", [x]), const(c, np.int64)])], to=1 if dt == np.float32 else 11)
-    t = op("Concat", [s1, op("Reshape", [n, const([1], np.int64)])], axis=0)
-    mean_sum = fresh_name(f"{name}/sync/mean_sum", used)
-    nodes.append(all_reduce_node(t, mean_sum, fresh_name(f"{name}/sync/AllReduceSum", used), c + 1,
-                                 batchnorm=name, statistic="mean"))
-    total = op("Slice", [mean_sum, const([c], np.int64), const([c + 1], np.int64)])
-    mean = op("Div", [op("Slice", [mean_sum, const([0], np.int64), const([c], np.int64)]), total])
-    d = op("Sub", [x, op("Reshape", [mean, channel])])
-    var_sum = fresh_name(f"{name}/sync/var_sum", used)
-    nodes.append(all_reduce_node(op("ReduceSum", [op("Mul", [d, d]), axes], keepdims=0), var_sum,
-                                 fresh_name(f"{name}/sync/AllReduceSum", used), c, batchnorm=name, statistic="var"))
+    t = op("Concat", [op("ReduceSum", [d, axes], keepdims=0), op("ReduceSum", [op("Mul", [d, d]), axes], keepdims=0),
+                      op("Reshape", [n, const([1], np.int64)])], axis=0)
+    sums = fresh_name(f"{name}/sync/sums", used)
+    nodes.append(all_reduce_node(t, sums, fresh_name(f"{name}/sync/AllReduceSum", used), 2 * c + 1, batchnorm=name))
+    total = part(2 * c, 2 * c + 1)
+    m = op("Div", [part(0, c), total])
+    var = op("Max", [op("Sub", [op("Div", [part(c, 2 * c), total]), op("Mul", [m, m])]), const(0.0, dt)])
     eps = const(float(np.float32(node.attrs.get("epsilon", 1e-5))), dt)
-    inv = op("Reciprocal", [op("Sqrt", [op("Add", [op("Div", [var_sum, total]), eps])])])
+    inv = op("Reciprocal", [op("Sqrt", [op("Add", [var, eps])])])
     k = op("Reshape", [op("Mul", [inv, op("CastLike", [scale, x])]), channel])  # (scale and B may be of another dtype)
-    y = op("Add", [op("Mul", [d, k]), op("Reshape", [op("CastLike", [bias, x]), channel])])
+    xc = op("Sub", [d, op("Reshape", [m, channel])])
+    y = op("Add", [op("Mul", [xc, k]), op("Reshape", [op("CastLike", [bias, x]), channel])])
     nodes.append(Node("Identity", [y], [node.outputs[0]], {}, fresh_name(f"{name}/sync/output", used)))
-    return nodes, _Sums(mean_sum, var_sum)
+    return nodes, sums
 
 
 def synchronized(model) -> tuple[Graph, Graph, list[SyncedBatchNorm]]:

@@ -51,7 +51,8 @@ class SyncBatchNormEngine(DistributedEngine):
     """The data-parallel step with ``sync_batchnorm`` (:func:`revgraph.sync_batchnorm.rewrite`): the grad graph
     holds ``AllReduceSum`` placeholders (forward: each BatchNormalization's sums; backward: their cotangents'),
     and runs as the segments of :func:`revgraph.graph_collectives.cut`, one onnxruntime session each, with the
-    all-reduces (``torch.distributed``, one per stage and dtype) between them.
+    all-reduces (``torch.distributed``, one per stage and dtype) between them. Each node's shift input is bound
+    to its running mean's buffer (identical on every rank).
 
     The loss's cotangent is seeded with the rank's share ``n_r / N`` (``TrainingGraph.seed``), so every
     cotangent entering a backward all-reduce carries its rank's weight and the gradients come out already
@@ -64,13 +65,16 @@ class SyncBatchNormEngine(DistributedEngine):
     Raises :class:`RevgraphError` (one line) when onnxruntime refuses a segment or a collective fails."""
 
     def __init__(self, spec, threads, device, comm, synced, runtime=None, one_set: bool = True):
+        self.synced = list(synced)
+        self._shifts = {s.shift: s for s in synced}
         super().__init__(spec, threads, device, comm, runtime, one_set)
-        self.synced = [s for s in synced]
+        have = {v.name for v in self.grad_graph.inputs}  # the shifts are inputs the engine feeds (not the batch)
+        self.grad_graph.inputs += [v for v in spec.graph.inputs if v.name in self._shifts and v.name not in have]
         self.segments = cut(self.grad_graph)
         self._stages = [None if s.graph is None else self.session(s.graph, f"gradient graph (stage {j + 1})")
                         for j, s in enumerate(self.segments.stages)]
         self._seed_dtype = next(v.dtype for v in self.grad_graph.inputs if v.name == spec.seed)
-        self._sparse_names = {n for _, idx, rows in self._sparse for n in (idx, rows)}
+        self._fixed_shifts: dict = {}
 
     def session(self, graph, what: str):
         if any(is_collective(n) for n in graph.nodes):  # the uncut grad graph: only its segments run
@@ -135,6 +139,8 @@ class SyncBatchNormEngine(DistributedEngine):
                     n = vi.name
                     if n in host:
                         b.bind_cpu_input(n, host[n])
+                    elif n in self._shifts:
+                        b.bind_ortvalue_input(n, self._shift(self._shifts[n]))
                     else:
                         b.bind_ortvalue_input(n, values[n] if n in values else self._sets[k][n])
                 for vi in stage.graph.outputs:
@@ -178,14 +184,27 @@ class SyncBatchNormEngine(DistributedEngine):
 
     def _update_running_statistics(self, values: dict) -> None:
         """``running = input * momentum + batch * (1 - momentum)`` in the parameter buffers of the running
-        statistics (those that are parameters), from the global sums."""
+        statistics (those that are parameters), from the global sums of :func:`rewrite`: with ``m = sum d /
+        n``, the batch mean is ``shift + m`` and its population variance ``sum d^2 / n - m^2``."""
         torch = self.comm.torch
         params = set(self.spec.params)
         for s in self.synced:
-            t = values[s.mean_sum + "#torch"]
-            n = t[s.channels]
-            batch = {s.running_mean: t[:s.channels] / n, s.running_var: values[s.var_sum + "#torch"] / n}
-            for name, current in batch.items():
+            t, c = values[s.sums + "#torch"], s.channels
+            n = t[2 * c]
+            m = t[:c] / n
+            shift = torch_from_ortvalue(torch, self._shift(s))
+            batch = {s.running_mean: shift + m, s.running_var: (t[c:2 * c] / n - m * m).clamp_min(0)}
+            for name, current in batch.items():  # (both computed before either buffer changes)
                 if name in params:
                     buf = torch_from_ortvalue(torch, self.value(name))
                     buf.copy_(buf * s.momentum + current.to(buf.dtype) * (1.0 - s.momentum))
+
+    def _shift(self, s):
+        """The ``OrtValue`` fed as ``s.shift``: the running mean's current buffer (a parameter), or its
+        initializer (constant)."""
+        if s.running_mean in self.spec.params:
+            return self.value(s.running_mean)
+        if s.shift not in self._fixed_shifts:
+            self._fixed_shifts[s.shift] = self.device.ortvalue(
+                np.asarray(self.spec.model.initializers[s.running_mean], dtype=self.segments.types[s.sums].dtype))
+        return self._fixed_shifts[s.shift]

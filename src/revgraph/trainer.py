@@ -94,6 +94,7 @@ class Trainer:
                                                   checkpoint=checkpoint, memory=memory, loss_seed=bool(synced))
         if synced:
             self.spec.model = original  # evaluation, prediction and export use the model as given
+            self.spec.inputs = list(original.input_names)  # (the rewrite's shifts are fed by the engine)
             from .sync_batchnorm_engine import SyncBatchNormEngine
 
             self._engine = SyncBatchNormEngine(self.spec, threads, self.device, self.comm, synced, self.runtime,
