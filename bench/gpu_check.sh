@@ -52,10 +52,11 @@ except rg.RevgraphError as exc:
 print(f"onnxruntime runs on {device}")
 EOF
 
-echo "== GPU tests (pytest -m cuda tests/test_devices.py)"
+echo "== GPU tests (pytest -m cuda tests/test_devices.py tests/test_sync_batchnorm.py)"
 status=0
 # -o addopts='' drops the default -m "not slow"; -rs prints why a test was skipped (e.g. one GPU: no 2-process NCCL)
-timeout 210 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py || status=$?
+timeout 300 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py \
+    tests/test_sync_batchnorm.py || status=$?
 
 echo "== step time (ms per Trainer.step with Adam, after 3 warm-up steps; median of up to 2 s of steps)"
 DEVICE=$DEVICE timeout 150 "$PYTHON" - <<'EOF'

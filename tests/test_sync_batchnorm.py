@@ -18,6 +18,7 @@ import revgraph as rg
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
 from sync_batchnorm_worker import bn_model, data, trainer  # noqa: E402  (tests/ is on sys.path)
+from test_devices import on_gpu, tolerance  # noqa: E402
 from test_distributed import TORCHRUN, _port, _run  # noqa: E402
 
 from pathlib import Path  # noqa: E402
@@ -63,17 +64,22 @@ def test_sync_batchnorm_equals_one_process(tmp_path):
     assert "BatchNormalization" not in (tmp_path / "warnings0.txt").read_text()
 
 
+def _cli_command(tmp_path: Path) -> list[str]:
+    """`revgraph train` of bn_model on its data (written to tmp_path), SGD with momentum, 2 epochs."""
+    d = data(SAMPLES)
+    np.savez(tmp_path / "data.npz", x=d["x"], labels=d["labels"])
+    rg.save(bn_model(), tmp_path / "bn.onnx")
+    return [sys.executable, "-m", "revgraph", "train", str(tmp_path / "bn.onnx"), "--data", str(tmp_path / "data.npz"),
+            "--loss", "cross-entropy", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--epochs", "2",
+            "--threads", "1"]
+
+
 @pytest.mark.slow
 def test_revgraph_train_warns_without_sync_batchnorm_and_matches_one_process_with_it(tmp_path):
     """`revgraph train --nproc 2`: without --sync-batchnorm rank 0 warns once, naming the nodes, and the result
     differs from one process (what the warning is about); with it, the written model (running statistics
     included) equals one process's with twice the batch (SGD with momentum)."""
-    d = data(SAMPLES)
-    np.savez(tmp_path / "data.npz", x=d["x"], labels=d["labels"])
-    rg.save(bn_model(), tmp_path / "bn.onnx")
-    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "bn.onnx"), "--data", str(tmp_path / "data.npz"),
-              "--loss", "cross-entropy", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--epochs", "2",
-              "--threads", "1"]
+    common = _cli_command(tmp_path)
     _run([*common, "--batch-size", str(2 * BATCH), "-o", str(tmp_path / "one.onnx")])
     per_rank = _run([*common, "--batch-size", str(BATCH), "--nproc", "2", "-o", str(tmp_path / "per_rank.onnx")])
     assert per_rank.stderr.count("warning: BatchNormalization 'bn_conv', 'bn_fc' normalize") == 1, per_rank.stderr
@@ -86,6 +92,18 @@ def test_revgraph_train_warns_without_sync_batchnorm_and_matches_one_process_wit
     assert max(float(np.max(np.abs(per[k] - v))) for k, v in one.items()) > 1e-3
     for name, value in one.items():
         np.testing.assert_allclose(two[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=on_gpu(torch_gpus=2), id="nccl2")])
+def test_sync_batchnorm_on_nccl_matches_one_process(tmp_path, nproc):
+    """`revgraph train --device cuda --nproc 2 --sync-batchnorm` (NCCL; the segments' values and the sums on the
+    GPU, shared with onnxruntime through DLPack) against one process on the GPU with twice the batch."""
+    common = [*_cli_command(tmp_path), "--device", "cuda"]
+    _run([*common, "--batch-size", str(2 * BATCH), "-o", str(tmp_path / "one.onnx")])
+    _run([*common, "--batch-size", str(BATCH), "--nproc", str(nproc), "--sync-batchnorm", "-o", str(tmp_path / "two.onnx")])
+    one, two = rg.load(tmp_path / "one.onnx").initializers, rg.load(tmp_path / "two.onnx").initializers
+    for name, value in one.items():
+        np.testing.assert_allclose(two[name], value, err_msg=name, **tolerance("sgd"))
 
 
 def test_evaluation_uses_the_running_statistics():
@@ -175,3 +193,21 @@ def test_a_pytorch_model_exported_in_training_mode_is_found_and_rewritten(tmp_pa
     rewritten, (synced,) = rewrite(g)
     assert not training_batchnorms(rewritten) and (synced.running_mean, synced.running_var) == ("1.running_mean",
                                                                                                 "1.running_var")
+
+
+def test_rewrite_refuses_what_it_cannot_synchronize_in_one_line():
+    """A graph that reads the running statistics a training-mode node writes, and a node of unknown channel
+    count, are refused with one line naming the node."""
+    f = np.float32
+    inits = {"s": np.ones(3, f), "b": np.zeros(3, f), "rm": np.zeros(3, f), "rv": np.ones(3, f)}
+    reads = Graph([Node("BatchNormalization", ["x", "s", "b", "rm", "rv"], ["y", "rm_out", "rv_out"],
+                        {"training_mode": 1}, "bn"), Node("Add", ["y", "rm_out"], ["z"], {}, "add")],
+                  [ValueInfo("x", f, ("N", 3))], [ValueInfo("z", f, ("N", 3))], inits, name="reads")
+    with pytest.raises(rg.RevgraphError, match="reads the running statistics BatchNormalization 'bn' writes") as e:
+        rewrite(reads)
+    assert "\n" not in str(e.value)
+    unknown = Graph([Node("BatchNormalization", ["x", "s2", "b", "rm", "rv"], ["y"], {"training_mode": 1}, "bn")],
+                    [ValueInfo("x", f, None), ValueInfo("s2", f, None)], [ValueInfo("y", f, None)], inits, name="unk")
+    with pytest.raises(rg.RevgraphError, match="BatchNormalization 'bn': --sync-batchnorm needs") as e:
+        rewrite(unknown)
+    assert "\n" not in str(e.value)
