@@ -67,6 +67,7 @@ from .errors import RevgraphError
 from .ir import Graph, Node, ValueInfo, fresh_name
 from .onnx_io import load
 from .ssa import is_ssa, to_ssa
+from .sync_batchnorm import inference_batchnorms
 from .types import infer_types
 
 LOSSES = ("cross-entropy", "mse", "bce")
@@ -306,8 +307,8 @@ class TrainingGraph:
     n_update_nodes: int = 0
     #: the declared types of the gradients (shapes may be symbolic: the rows of a sparse gradient)
     grad_types: dict[str, ValueInfo] = field(default_factory=dict)
-    #: with ``training_graph(..., loss_seed=True)``: the scalar input that scales the loss's cotangent (the
-    #: gradients are of ``seed * loss``; data-parallel ranks feed their share ``n_r / N`` of the global batch)
+    #: ``training_graph(..., loss_seed=True)``: the scalar input scaling the loss's cotangent (gradients of
+    #: ``seed * loss``; data-parallel ranks with sync_batchnorm feed their share ``n_r / N``)
     seed: str | None = None
 
     @property
@@ -593,8 +594,6 @@ def eval_graph(tg: TrainingGraph) -> Graph:
     :meth:`Trainer.evaluate` runs with the current parameters). Training-mode ``BatchNormalization`` nodes
     normalize with their running statistics here (``torch.nn.Module.eval()``;
     :func:`revgraph.sync_batchnorm.inference_batchnorms`)."""
-    from .sync_batchnorm import inference_batchnorms
-
     g, _ = loss_graph(tg.model, tg.loss.kind, output=tg.loss.output)
     inference_batchnorms(g)
     params_as_inputs(g, tg.params)
