@@ -55,9 +55,10 @@ def data(samples: int) -> dict[str, np.ndarray]:
     return {"x": x, "labels": rng.integers(0, CLASSES, samples)}
 
 
-def trainer(optimizer: str, distributed: bool, sync: bool = False) -> rg.Trainer:
+def trainer(optimizer: str, distributed: bool, sync: bool = False, buffers: str = "one") -> rg.Trainer:
     opt = make_optimizer(optimizer, lr=0.02, momentum=0.9 if optimizer == "sgd" else None)
-    return rg.Trainer(bn_model(), "cross-entropy", opt, threads=1, distributed=distributed, sync_batchnorm=sync)
+    return rg.Trainer(bn_model(), "cross-entropy", opt, threads=1, distributed=distributed, sync_batchnorm=sync,
+                      buffers=buffers)
 
 
 def main() -> None:
@@ -67,11 +68,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=6)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--sync", action="store_true")
+    p.add_argument("--buffers", default="one")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tr = trainer(a.optimizer, True, a.sync)
+        tr = trainer(a.optimizer, True, a.sync, a.buffers)
     with open(os.path.join(a.out, f"warnings{tr.rank}.txt"), "w") as f:
         f.write("\n".join(str(w.message) for w in caught))
     means = tr.fit(data(a.samples), a.epochs, a.batch_size, seed=3, progress=False)

@@ -48,12 +48,14 @@ def _single(optimizer: str):
     return tr
 
 
-def test_sync_batchnorm_equals_one_process(tmp_path):
-    """2 processes x batch 6 with sync_batchnorm = 1 process x batch 12 (Adam): weights, BatchNormalization scale,
-    bias and running statistics, optimizer state and losses; the last batch of each epoch has 1 sample, so
-    rank 1 runs no segment but takes part in every all-reduce with zeros."""
-    ranks = _torchrun(tmp_path, "--sync")
-    ref = _single("adam")
+@pytest.mark.parametrize("optimizer,buffers", [("adam", "one"), pytest.param("adamw", "two", marks=pytest.mark.slow)])
+def test_sync_batchnorm_equals_one_process(tmp_path, optimizer, buffers):
+    """2 processes x batch 6 with sync_batchnorm = 1 process x batch 12: weights, BatchNormalization scale, bias
+    and running statistics, optimizer state and losses; the last batch of each epoch has 1 sample, so rank 1
+    runs no segment but takes part in every all-reduce with zeros. (AdamW also decays the running statistics,
+    which are parameters, in one process too; two buffer sets.)"""
+    ranks = _torchrun(tmp_path, "--sync", "--optimizer", optimizer, "--buffers", buffers)
+    ref = _single(optimizer)
     assert len(ref.losses) == 2 * 4  # 37 samples in global batches of 12: 4 steps per epoch, the last of 1 sample
     theirs = {**ref.parameters, **ref.state}
     assert {"bn_conv.mean", "bn_conv.var", "bn_fc.mean", "bn_fc.var"} <= set(theirs)
