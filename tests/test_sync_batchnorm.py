@@ -3,30 +3,29 @@
 Without ``sync_batchnorm`` each rank normalizes over its own share of the global batch: rank 0 warns, naming
 the nodes. With it the statistics are those of the global batch, and 2 gloo processes under torchrun equal one
 process on the same global batches (rtol 2e-5), the running statistics included; 37 samples in global batches
-of 12 leave a last batch of 1 sample, so rank 1 has none.
+of 12 leave a last batch of 1 sample, so rank 1 has none. In one process (a world of one) the rewrite's forward
+and gradients equal PyTorch's nn.BatchNorm; evaluation normalizes with the running statistics.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import revgraph as rg
+from revgraph.graph_collectives import cut
+from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.runtime import Session
+from revgraph.sync_batchnorm import rewrite, training_batchnorms
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
 from sync_batchnorm_worker import bn_model, data, trainer  # noqa: E402  (tests/ is on sys.path)
 from test_devices import on_gpu, tolerance  # noqa: E402
 from test_distributed import TORCHRUN, _port, _run  # noqa: E402
-
-from pathlib import Path  # noqa: E402
-
-from revgraph.graph_collectives import cut  # noqa: E402
-from revgraph.ir import Graph, Node, ValueInfo  # noqa: E402
-from revgraph.runtime import Session  # noqa: E402
-from revgraph.sync_batchnorm import rewrite, training_batchnorms  # noqa: E402
 
 WORKER = Path(__file__).parent / "sync_batchnorm_worker.py"
 SAMPLES, BATCH, EPOCHS = 37, 6, 2

@@ -77,6 +77,7 @@ class SyncBatchNormEngine(DistributedEngine):
         self._fixed_shifts: dict = {}
 
     def session(self, graph, what: str):
+        """:meth:`~revgraph.steps.Engine.session`, or ``None`` for a graph holding placeholders."""
         if any(is_collective(n) for n in graph.nodes):  # the uncut grad graph: only its segments run
             return None
         return super().session(graph, what)
@@ -94,6 +95,8 @@ class SyncBatchNormEngine(DistributedEngine):
             self._update_bindings.append(ub)
 
     def _gradients(self, feeds, count: int, total: int):
+        """The stages and their all-reduces, the running statistics, then the gradient exchange (summed as they
+        are: the seed weighted them); returns the global batch's loss and the update's sparse inputs."""
         torch, dist = self.comm.torch, self.comm.dist
         sums = self._run_segments(feeds, count, total)
         self._update_running_statistics(sums)
@@ -127,7 +130,6 @@ class SyncBatchNormEngine(DistributedEngine):
         """Run the stages in order (segments only when this rank has samples) with the all-reduces between
         them. Returns the values that crossed between stages: ``OrtValue`` segment outputs and torch tensors
         of the collectives' sums, by name."""
-        torch, dist = self.comm.torch, self.comm.dist
         spec, k = self.spec, self._current
         host = {**feeds, spec.seed: np.array(count / total, dtype=self._seed_dtype)} if count else {}
         values: dict = {}
