@@ -128,6 +128,7 @@ def test_evaluation_uses_the_running_statistics():
     logp = logits - logits.max(1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(1, keepdims=True))
     assert b["loss"] == pytest.approx(-logp[np.arange(SAMPLES), d["labels"]].mean(), rel=1e-5)
+    np.testing.assert_allclose(tr.predict(d["x"][:3]), logits[:3], rtol=1e-5, atol=1e-6)  # predict: the same
 
 
 def test_per_rank_statistics_warn_on_rank_0_and_keep_the_ranks_replicas(tmp_path):

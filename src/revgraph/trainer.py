@@ -402,12 +402,15 @@ class Trainer:
 
     def predict(self, inputs: Mapping[str, np.ndarray] | np.ndarray) -> np.ndarray:
         """The model output the loss reads, for ``inputs`` (an array for a one-input model, or arrays by
-        input name), with the current parameters. Raises :class:`RevgraphError` if onnxruntime fails."""
+        input name), with the current parameters; training-mode ``BatchNormalization`` normalizes with its
+        running statistics, as in :meth:`evaluate`. Raises :class:`RevgraphError` if onnxruntime fails."""
         from .runtime import Session
+        from .sync_batchnorm import inference_batchnorms
 
         if not isinstance(inputs, Mapping):
             inputs = {self.spec.inputs[0]: inputs}
         model = self.spec.model.copy()
+        inference_batchnorms(model)
         model.initializers.update(self.parameters)
         types = {v.name: v.dtype for v in model.inputs}
         feeds = {k: np.asarray(v).astype(types.get(k), copy=False) for k, v in inputs.items()}
