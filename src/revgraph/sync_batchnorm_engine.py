@@ -26,8 +26,8 @@ class RankZeroStatisticsEngine(DistributedEngine):
         super().__init__(spec, threads, device, comm, runtime, one_set)
         self.statistics = running_statistics(spec.model, spec.params)
 
-    def _gradients(self, feeds, count, total):
-        out = super()._gradients(feeds, count, total)
+    def _gradients(self, *args, **kwargs):
+        out = super()._gradients(*args, **kwargs)  # (whatever the phases of the exchange: then the broadcast)
         torch = self.comm.torch
         views = [torch_from_ortvalue(torch, self.value(p)) for p in self.statistics]
         if views:
