@@ -169,6 +169,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="data-parallel only: each process keeps the optimizer state of its 1/N shard of the "
                             "parameters (optimizer: ZeRO-1; gradients reduce-scattered, parameters all-gathered), "
                             "and of the gradients too (gradients: ZeRO-2); checkpoints stay whole (default none)")
+    train.add_argument("--sync-batchnorm", action="store_true",
+                       help="data-parallel: training-mode BatchNormalization normalizes with the statistics of the "
+                            "global batch, all-reduced inside the step as torch.nn.SyncBatchNorm does (default: each "
+                            "process over its own share, rank 0's running statistics kept; rank 0 warns)")
     add_runtime_arguments(train, "arena on, memory pattern off, measured best for training")
     train.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + "; a byte count sizes the batch "
                        "dimension with --batch-size")

@@ -67,7 +67,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         warnings.simplefilter("always")
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
-                          memory=budget, shard=args.shard, **trainer_arguments(args))
+                          memory=budget, shard=args.shard, sync_batchnorm=args.sync_batchnorm,
+                          **trainer_arguments(args))
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
     for w in caught if main else []:

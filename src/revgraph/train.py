@@ -67,6 +67,7 @@ from .errors import RevgraphError
 from .ir import Graph, Node, ValueInfo, fresh_name
 from .onnx_io import load
 from .ssa import is_ssa, to_ssa
+from .sync_batchnorm import inference_batchnorms
 from .types import infer_types
 
 LOSSES = ("cross-entropy", "mse", "bce")
@@ -306,6 +307,9 @@ class TrainingGraph:
     n_update_nodes: int = 0
     #: the declared types of the gradients (shapes may be symbolic: the rows of a sparse gradient)
     grad_types: dict[str, ValueInfo] = field(default_factory=dict)
+    #: ``training_graph(..., loss_seed=True)``: the scalar input scaling the loss's cotangent (gradients of
+    #: ``seed * loss``; data-parallel ranks with sync_batchnorm feed their share ``n_r / N``)
+    seed: str | None = None
 
     @property
     def labels(self) -> str:
@@ -330,7 +334,7 @@ class TrainingGraph:
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                    optimizer: Optimizer | str = "adam", *, output: str | None = None,
                    params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store",
-                   memory=None) -> TrainingGraph:
+                   memory=None, loss_seed: bool = False) -> TrainingGraph:
     """The training-step graph of ``model`` (module doc): loss, gradients, optimizer update, as ONNX nodes.
 
     ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES`; ``optimizer`` an
@@ -338,6 +342,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     reads (default: the only one); ``params`` the initializers to train (default: every float one; the
     others stay initializers); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
     :func:`revgraph.gradient` (a fraction, bytes or a ``revgraph.Budget``; the plan is ``graph.memory_plan``).
+    ``loss_seed=True`` adds the scalar input ``TrainingGraph.seed`` that multiplies the loss's cotangent.
     Raises :class:`RevgraphError` (one line) for bad names or values, and what :func:`revgraph.gradient`
     raises for a model it cannot differentiate.
     """
@@ -348,7 +353,9 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     lg, spec = loss_graph(model, loss, output=output)
     params_as_inputs(lg, names)
     lg.outputs = lg.outputs[:1]
-    gg = gradient(lg, spec.loss, names, sparse=True, checkpoint=checkpoint, memory=memory)
+    gg = gradient(lg, spec.loss, names, sparse=True, checkpoint=checkpoint, memory=memory,
+                  seed="input" if loss_seed else "ones")
+    seed = next(v.name for v in gg.inputs if v.name not in set(lg.input_names)) if loss_seed else None
     b = _Builder(gg.all_names() | {n.name for _, n in gg.walk() if n.name})
     step = b.fresh("step")
     grads = grad_outputs = gg.outputs[1:]
@@ -388,6 +395,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     gg.nodes.extend(b.nodes)
     tg.n_update_nodes = len(b.nodes)
     tg.grad_types = {o.name: o for o in grad_outputs}
+    tg.seed = seed
     # Inputs and outputs in the order of the module doc: batch, labels, parameters, state, step.
     gg.inputs.append(ValueInfo(step, np.int64, ()))
     for p in names:
@@ -401,7 +409,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
 def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     """The training step as two graphs, for data-parallel training (gradients are exchanged between them).
 
-    ``grad graph``: inputs the batch, labels and parameters; outputs ``loss`` then the gradients in the order
+    ``grad graph``: inputs the batch, labels and parameters (and ``tg.seed`` when there is one); outputs ``loss`` then the gradients in the order
     of ``tg.params`` (``tg.grads[p]``: one dense gradient, or ``indices`` and ``rows`` of a sparse table).
     ``update graph``: inputs the parameters, the optimizer state, ``step`` and those gradients; outputs the new
     parameters, the new state and ``step + 1`` (the outputs of ``tg.graph`` but the loss). Running the update
@@ -411,7 +419,7 @@ def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     grads = [g for p in tg.params for g in tg.grads[p]]
     grad_graph = tg.graph.copy()
     grad_graph.nodes = grad_graph.nodes[:cut]
-    grad_graph.inputs = [v for v in grad_graph.inputs if v.name in {*tg.inputs, tg.labels, *tg.params}]
+    grad_graph.inputs = [v for v in grad_graph.inputs if v.name in {*tg.inputs, tg.labels, *tg.params, tg.seed}]
     grad_graph.outputs = [tg.graph.outputs[0], *(tg.grad_types[g] for g in grads)]
     update = tg.graph.copy()
     update.nodes = update.nodes[cut:]
@@ -583,8 +591,11 @@ def _sparse_update(b: _Builder, s: _Scalars, p: str, idx: str, rows: str, state:
 
 def eval_graph(tg: TrainingGraph) -> Graph:
     """The model plus its loss with the parameters as inputs: outputs ``[loss, model output]`` (what
-    :meth:`Trainer.evaluate` runs with the current parameters)."""
+    :meth:`Trainer.evaluate` runs with the current parameters). Training-mode ``BatchNormalization`` nodes
+    normalize with their running statistics here (``torch.nn.Module.eval()``;
+    :func:`revgraph.sync_batchnorm.inference_batchnorms`)."""
     g, _ = loss_graph(tg.model, tg.loss.kind, output=tg.loss.output)
+    inference_batchnorms(g)
     params_as_inputs(g, tg.params)
     return g
 

@@ -73,7 +73,9 @@ class Trainer:
     bucket: no cut); ``"auto"`` (default): on CUDA, not on the CPU, where gloo's all-reduce competes with the
     backward for the same cores. ``profile=True`` times the phases of every step
     (:attr:`times`, :mod:`revgraph.steptimes`; ``"timeline"`` also records each segment and all-reduce).
-    Raises
+    ``sync_batchnorm=True`` (data-parallel only): training-mode
+    ``BatchNormalization`` nodes normalize with the statistics of the global batch, all-reduced inside the step
+    (:mod:`revgraph.sync_batchnorm`; without it each rank normalizes over its share and rank 0 warns). Raises
     :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
     or a process group that cannot be joined.
 
@@ -88,7 +90,8 @@ class Trainer:
                  threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
                  memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
-                 profile: bool = False, shard: str = "none"):
+                 profile: bool = False, shard: str = "none",
+                 sync_batchnorm: bool = False):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
@@ -105,8 +108,6 @@ class Trainer:
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
         self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
-        self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
-                                                  checkpoint=checkpoint, memory=memory)
         self.losses: list[float] = []  # one per step, in order (the global batch's loss when distributed)
         self.resumed: str | None = None  # set by fit when it resumed from a checkpoint: where from
         self.comm = None
@@ -121,15 +122,39 @@ class Trainer:
         if self.comm:  # a rank sharding alone would wait in collectives the others never start
             self.comm.check_replicas({"shard": np.array([SHARDS.index(shard)])}, "--shard settings",
                                      "give every rank the same --shard (shard=)")
-        if self.comm and self.comm.world_size > 1 and shard != "none":
-            from .sharding import ShardedEngine
+        synced = None
+        if sync_batchnorm and self.comm and self.comm.world_size > 1:
+            from .sync_batchnorm import synchronized
 
+            original, model, synced = synchronized(model)  # BatchNormalization around all-reduce placeholders
+        self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
+                                                  checkpoint=checkpoint, memory=memory, loss_seed=bool(synced))
+        exchange = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, overlap=overlap)
+        if synced:
+            if shard != "none":
+                raise InputError(f"--sync-batchnorm (sync_batchnorm=) is not available with --shard {shard}: "
+                                 "leave one of them out")
+            self.spec.model = original  # evaluation, prediction and export use the model as given
+            self.spec.inputs = list(original.input_names)  # (the rewrite's shifts are fed by the engine)
+            from .sync_batchnorm_engine import SyncBatchNormEngine
+
+            self._engine = SyncBatchNormEngine(self.spec, threads, self.device, self.comm, synced, self.runtime,
+                                               one_set=buffers == "one", **exchange)
+        elif self.comm and self.comm.world_size > 1 and shard != "none":
+            from .sharding import ShardedEngine
+            from .sync_batchnorm import running_statistics
+
+            if running_statistics(self.spec.model, self.spec.params):
+                raise InputError(f"--shard {shard} (shard=) is not available for a model with training-mode "
+                                 "BatchNormalization: train unsharded (with --sync-batchnorm)")
             self._engine = ShardedEngine(self.spec, threads, self.device, self.comm, self.runtime, mode=shard,
                                          bucket_bytes=cap, reduce_dtype=reduce_dtype)
         elif self.comm and self.comm.world_size > 1:
-            self._engine = DistributedEngine(self.spec, threads, self.device, self.comm, self.runtime,
-                                             one_set=buffers == "one", bucket_mb=bucket_mb,
-                                             reduce_dtype=reduce_dtype, overlap=overlap)
+            from .sync_batchnorm_engine import engine_class
+
+            self._engine = engine_class(self.spec, DistributedEngine)(self.spec, threads, self.device, self.comm,
+                                                                      self.runtime, one_set=buffers == "one",
+                                                                      **exchange)
         else:  # one process (also a world of one, where there is nothing to exchange or shard)
             self._engine = make_engine(self.spec, threads, self.device, self.runtime, buffers)
         if profile:
@@ -140,6 +165,10 @@ class Trainer:
             settings = np.array([cap, REDUCE_DTYPES.index(reduce_dtype), bool(overlap)], np.int64)
             self.comm.check_replicas({"exchange settings": settings}, "gradient exchange settings",
                                      "give every rank the same --bucket-mb and --reduce-dtype")
+        if self.world_size > 1 and self.is_main and not sync_batchnorm:
+            from .sync_batchnorm import warn_per_rank_statistics
+
+            warn_per_rank_statistics(self.spec.model, self.world_size)
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -310,6 +339,9 @@ class Trainer:
         if accumulate > 1 and getattr(self._engine, "mode", None) in ("optimizer", "gradients"):
             raise InputError(f"gradient accumulation (accumulate_steps > 1) is not available with --shard "
                              f"{self._engine.mode}: train unsharded, or with a larger batch")
+        if accumulate > 1 and self._engine.__class__.__name__ == "SyncBatchNormEngine":
+            raise InputError("gradient accumulation (accumulate_steps > 1) is not available with --sync-batchnorm: "
+                             "train with a larger batch")
         if accumulate > 1 and self._engine.__class__.__name__ == "FusedEngine":
             raise InputError("gradient accumulation (accumulate_steps > 1) needs buffers='one' (--buffers one): the "
                              "fused step graph of two buffer sets updates after every batch")
@@ -473,12 +505,15 @@ class Trainer:
 
     def predict(self, inputs: Mapping[str, np.ndarray] | np.ndarray) -> np.ndarray:
         """The model output the loss reads, for ``inputs`` (an array for a one-input model, or arrays by
-        input name), with the current parameters. Raises :class:`RevgraphError` if onnxruntime fails."""
+        input name), with the current parameters; training-mode ``BatchNormalization`` normalizes with its
+        running statistics, as in :meth:`evaluate`. Raises :class:`RevgraphError` if onnxruntime fails."""
         from .runtime import Session
+        from .sync_batchnorm import inference_batchnorms
 
         if not isinstance(inputs, Mapping):
             inputs = {self.spec.inputs[0]: inputs}
         model = self.spec.model.copy()
+        inference_batchnorms(model)
         model.initializers.update(self.parameters)
         types = {v.name: v.dtype for v in model.inputs}
         feeds = {k: np.asarray(v).astype(types.get(k), copy=False) for k, v in inputs.items()}

@@ -62,8 +62,13 @@ def not_differentiable(reason: str, *op_types: str) -> None:
         NOT_DIFFERENTIABLE[op] = reason
 
 
+#: Rules of operators of revgraph's private domains, by ``(domain, op_type)``: placeholders that never reach a
+#: runtime, such as the collectives of :mod:`revgraph.sync_batchnorm` (registered by that module).
+DOMAIN_RULES: dict[tuple[str, str], Rule] = {}
+
+
 def get_rule(node: Node) -> Rule | None:
-    """The rule of ``node``'s operator, or ``None`` (other domains have none)."""
+    """The rule of ``node``'s operator, or ``None`` (other domains have none but :data:`DOMAIN_RULES`)."""
     if node.domain not in ("", "ai.onnx"):
-        return None
+        return DOMAIN_RULES.get((node.domain, node.op_type))
     return RULES.get(node.op_type)
