@@ -130,8 +130,8 @@ def render(res: dict) -> list[str]:
              f"backward {i['backward_ms']:g} ms on one GPU; {res['buckets']} buckets (first "
              f"{i['first_bucket_bytes'] / 2**20:g} MiB, then {i['bucket_bytes'] / 2**20:g} MiB); ring all-reduce "
              f"2(W-1)/W x bytes / {i['bandwidth_gbit']:g} Gbit/s + 2(W-1) x {i['alpha_us']:g} us, one collective at a "
-             f"time. revgraph's cost of cutting the grad graph into segments, measured on this CPU (the Transformer's "
-             f"11 segments against its uncut grad graph): {cost}; it multiplies the whole forward+backward in the "
+             f"time. revgraph's cost of cutting the grad graph into segments, measured on this CPU (the Transformer "
+             f"with 0.05 MiB buckets, its segments against its uncut grad graph): {cost}; it multiplies the whole forward+backward in the "
              "last column (pessimistic for a GPU, where a segment boundary costs a kernel launch and a session "
              "run, not a share of the compute). Step times in ms, efficiency = one GPU's step / W GPUs' step.",
              "", "| GPUs | " + " | ".join(f"{h} | efficiency" for _, h in cols) + " |",

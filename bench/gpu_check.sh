@@ -2,7 +2,8 @@
 # revgraph on a CUDA GPU (--device cuda, issue 16): run the GPU-only tests and a short step-time benchmark,
 # and print them with the GPU's name; with 2 GPUs also the data-parallel exchange options on NCCL (issue 25). For a machine with an NVIDIA GPU, onnxruntime-gpu in place of onnxruntime
 # (pip install "revgraph[cuda]"; see the comment in pyproject.toml) and, for the data-parallel tests, a CUDA
-# build of torch (revgraph[distributed]). Needs no network; takes under 7 minutes.
+# build of torch (revgraph[distributed]). Needs no network; takes under 7 minutes (with 2 GPUs up to 20 more for
+# the data-parallel exchange options).
 #
 #   bench/gpu_check.sh                 # GPU 0
 #   DEVICE=cuda:1 bench/gpu_check.sh   # the benchmark on another GPU (the tests use cuda:0, and two GPUs for NCCL)
@@ -61,7 +62,7 @@ timeout 330 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider
 
 echo "== data-parallel exchange on the GPU (issue 25: --bucket-mb with overlap, --overlap off, --accumulate-steps, --reduce-dtype bf16)"
 # one table row per option and model: pytest's verdict (passed / failed / skipped with its reason)
-timeout 600 "$PYTHON" -m pytest -q -o addopts='' -rA -m cuda -p no:cacheprovider tests/test_devices_exchange.py 2>&1 \
+timeout 1200 "$PYTHON" -m pytest -q -o addopts='' -rA -m cuda -p no:cacheprovider tests/test_devices_exchange.py 2>&1 \
     | awk '/^(PASSED|FAILED|SKIPPED|ERROR)/ {print}' \
     | sed -E 's/^(PASSED|FAILED|ERROR) tests\/test_devices_exchange.py::test_nccl_exchange_options_match_one_process\[nproc2-([^]]*)\].*/\1  \2/' \
     | column -t -s ' ' || status=$?

@@ -211,6 +211,7 @@ class Segments:
             for name in seg.outputs:
                 if name in into:
                     binding.bind_ortvalue_output(name, into[name])
+                    live[name] = into[name]  # (a later segment may read it too)
                 else:
                     binding.bind_output(name, self.device.ort_type, self.device.index)
                     allocated.append(name)
