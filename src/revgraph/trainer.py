@@ -53,7 +53,10 @@ class Trainer:
     rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``memory`` is the
     budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
     bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
-    ``trainer.spec.graph.memory_plan``. Raises
+    ``trainer.spec.graph.memory_plan``. ``timeout`` (seconds, with ``distributed``; default
+    :data:`revgraph.launch.DEFAULT_TIMEOUT`) bounds joining the process group and every collective, so a rank
+    that stopped fails the others with one line instead of a hang; the loss, the optimizer and its
+    hyperparameters are compared across ranks here, before any step. Raises
     :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
     or a process group that cannot be joined.
 
@@ -67,7 +70,7 @@ class Trainer:
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
                  threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
-                 memory=None):
+                 memory=None, timeout: float | None = None):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         # settings left None take the training default (memory pattern off, arena on)
@@ -83,8 +86,15 @@ class Trainer:
         if distributed:
             from .distributed import Collective, DistributedEngine, threads_per_process
 
-            self.comm = Collective(self.device)
+            self.comm = Collective(self.device, timeout)
             threads = threads or threads_per_process()
+            o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights
+            self.comm.check_same({"loss": self.spec.loss.kind, "model output": self.spec.loss.output,
+                                  "optimizer": o.kind, "lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
+                                  "eps": o.eps, "weight decay": o.weight_decay, "trained parameters": self.spec.params,
+                                  "buffers": buffers},
+                                 "training settings", "give every rank the same loss, optimizer and hyperparameters "
+                                 "(--loss, --optimizer, --lr, --momentum, --weight-decay)")
         if self.comm and self.comm.world_size > 1:
             self._engine = DistributedEngine(self.spec, threads, self.device, self.comm, self.runtime,
                                              one_set=buffers == "one")
@@ -239,19 +249,55 @@ class Trainer:
         step; the trainer keeps the parameters and state from before that step (nothing of it is checkpointed).
         ``"continue"`` trains on regardless. Returns the mean loss of each epoch. Raises :class:`InputError`
         for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run.
+
+        With ``distributed``, every argument (and whether ``checkpoint_dir`` is given) and the data are compared
+        across ranks before the first step, and a rank that refuses its data makes every rank stop with one line.
+        A deterministic failure (any :class:`RevgraphError` but a failed collective) is recorded for torchrun's
+        ``--max-restarts``, and a restarted attempt stops at once with the same message
+        (:func:`revgraph.launch.recorded_failure`).
         """
-        if nonfinite not in ("stop", "continue"):
-            raise InputError(f"nonfinite must be 'stop' or 'continue', got {nonfinite!r}")
-        if epochs < 1 or batch_size < 1 or checkpoint_every < 0:
-            raise InputError(f"epochs and batch size must be positive and checkpoint_every >= 0, got {epochs}, "
-                             f"{batch_size} and {checkpoint_every}")
-        arrays = self.arrays(data)
-        n = len(arrays["labels"])
-        if n == 0:
-            raise InputError("the training data holds no samples")
-        self._check_fixed_batch(batch_size, n)
+        try:
+            return self._fit(data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
+                             checkpoint_every, nonfinite)
+        except RevgraphError as exc:
+            from .distributed import CollectiveError
+
+            if self.comm and not isinstance(exc, CollectiveError):  # deterministic: a restart would fail again
+                from .launch import record_failure
+
+                record_failure(str(exc), self.rank, checkpoint_dir)
+            raise
+
+    def _fit(self, data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
+             checkpoint_every, nonfinite) -> list[float]:
+        if self.comm:  # an earlier attempt of this torchrun run failed deterministically: fail alike, at once
+            from .launch import recorded_failure
+
+            recorded_failure(self.comm, checkpoint_dir)
+        try:
+            if nonfinite not in ("stop", "continue"):
+                raise InputError(f"nonfinite must be 'stop' or 'continue', got {nonfinite!r}")
+            if epochs < 1 or batch_size < 1 or checkpoint_every < 0:
+                raise InputError(f"epochs and batch size must be positive and checkpoint_every >= 0, got {epochs}, "
+                                 f"{batch_size} and {checkpoint_every}")
+            arrays = self.arrays(data)
+            n = len(arrays["labels"])
+            if n == 0:
+                raise InputError("the training data holds no samples")
+            self._check_fixed_batch(batch_size, n)
+            refused = None
+        except InputError as exc:
+            if not self.comm:
+                raise
+            refused = str(exc)
         rank, world = self.rank, self.world_size
         if self.comm:  # different data or arguments on some rank would deadlock or train wrongly: refuse
+            self.comm.refuse_together(refused, "its data or fit arguments")
+            self.comm.check_same({"epochs": epochs, "batch size": batch_size, "shuffle": bool(shuffle), "seed": seed,
+                                  "checkpoint interval": checkpoint_every, "nonfinite": nonfinite,
+                                  "checkpoint directory given": checkpoint_dir is not None}, "fit arguments",
+                                 "give every rank the same epochs, batch size, seed, shuffling, checkpoint interval "
+                                 "and nonfinite mode (--allow-nonfinite), and a --checkpoint-dir on every rank or none")
             args = np.array([epochs, batch_size, shuffle, seed, checkpoint_every], np.int64)
             self.comm.check_replicas({**arrays, "fit arguments": args}, "training data or fit arguments",
                                      "give every rank the same data and the same epochs, batch size, seed and "
