@@ -290,17 +290,52 @@ def test_stopped_peer_fails_the_other_within_the_timeout(tmp_path):
         _wait_for(lambda: out.has("data-parallel on 2 processes") or p.poll() is not None, 120, "training to start")
         workers = sorted(_workers(p.pid))
         assert len(workers) == 2 and p.poll() is None, out.text + err.text
-        stopped = next(w for w in workers if "RANK=1" in Path(f"/proc/{w}/environ").read_bytes().decode(errors="replace")
-                       .replace("\0", " ") + " ")
+        stopped = next(w for w in workers if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{w}/environ").read_bytes())
         os.kill(stopped, signal.SIGSTOP)
         _wait_for(lambda: err.has("revgraph: error:") or p.poll() is not None, 90, "the other rank to time out")
         os.kill(stopped, signal.SIGCONT)  # so that torchrun's SIGTERM reaches it at once (not after 30 s)
         p.wait(timeout=60)
     errors = _errors(err.text)
     assert p.returncode == 2, err.text
-    assert len(errors) == 1 and "one of them stopped or cannot be reached within the timeout (--timeout" in errors[0], \
-        err.text
+    assert errors and "one of them stopped or cannot be reached within the timeout (--timeout" in errors[0], err.text
+    # the stopped worker, continued, may report the other's exit before torchrun's SIGTERM reaches it: one line too
+    assert all("with the other training processes failed; one of them stopped" in e for e in errors), err.text
     assert not (tmp_path / "o.onnx").exists()
+
+
+class _OneRank:
+    """A stand-in for a Collective of one rank (rank 0): what :func:`revgraph.launch.recorded_failure` calls."""
+
+    rank = 0
+
+    def gather_objects(self, value) -> list:
+        return [value]
+
+
+def test_failure_record_stops_a_restart_of_the_same_run_only(tmp_path, monkeypatch):
+    """The record a failed attempt leaves in the checkpoint directory stops a restarted attempt of the same run
+    (same run id, restart count > 0) with the same message; a fresh start removes it, another run ignores it."""
+    from revgraph.launch import FAILURE_FILE, RUN_DIR_ENV, record_failure, recorded_failure
+
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    env = {"TORCHELASTIC_RUN_ID": "run-a", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "2"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    record_failure("the loss is nan at step 3 (epoch 1, batch 3); ...", 0, tmp_path)
+    record_failure("a later message", 0, tmp_path)  # the first failure is the one to repeat
+    assert (tmp_path / FAILURE_FILE).exists()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(rg.RevgraphError, match=r"^the loss is nan at step 3 \(epoch 1, batch 3\); \.\.\.$"):
+        recorded_failure(_OneRank(), tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-b")  # another run (a new launch with another id)
+    recorded_failure(_OneRank(), tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a fresh launch of run-a: the old record goes
+    recorded_failure(_OneRank(), tmp_path)
+    assert not (tmp_path / FAILURE_FILE).exists()
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # nothing to restart: nothing recorded
+    record_failure("bad data", 0, tmp_path)
+    assert not (tmp_path / FAILURE_FILE).exists()
 
 
 # ------------------------------------------------------------------------------------- the loopback trap
