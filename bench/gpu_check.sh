@@ -56,6 +56,8 @@ echo "== GPU tests (pytest -m cuda tests/test_devices.py)"
 status=0
 # -o addopts='' drops the default -m "not slow"; -rs prints why a test was skipped (e.g. one GPU: no 2-process NCCL)
 timeout 210 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py || status=$?
+echo "== GPU tests of launching and failing (pytest -m cuda tests/test_distributed_launch.py)"
+timeout 240 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_distributed_launch.py || status=$?
 
 echo "== step time (ms per Trainer.step with Adam, after 3 warm-up steps; median of up to 2 s of steps)"
 DEVICE=$DEVICE timeout 150 "$PYTHON" - <<'EOF'

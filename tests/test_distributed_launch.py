@@ -29,6 +29,7 @@ from revgraph import checkpoints, demo
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
+from test_devices import gpu_test  # noqa: E402
 from test_distributed import ENV, TORCHRUN, _children, _cmdline, _port  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -234,6 +235,24 @@ def test_taken_rendezvous_port_fails_fast_with_one_line(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (f"revgraph: error: port {port} of --rdzv-endpoint 127.0.0.1:{port} is already taken "
                                 "on this machine (another run or program listens there): choose another port")
+
+
+@gpu_test(torch_gpus=2)
+def test_nccl_ranks_with_different_lr_are_refused_and_nan_exits_2(tmp_path):
+    """The same on two GPUs (NCCL): the comparison of the settings (all_gather_object over NCCL) refuses another
+    --lr before any step, and a NaN loss exits 2 under --nproc."""
+    common = _files(tmp_path)
+    cmd = [*LAUNCHER, "--standalone", "--nproc-per-node=2", str(WRAPPER), "--on-rank", "1", "2", "--lr", "0.01", "--",
+           *common, "--epochs", "1", "--batch-size", "8", "--device", "cuda", "-o", str(tmp_path / "o.onnx")]
+    with _launched(cmd) as (p,):
+        out, err = _communicate(p, 240)
+    assert p.returncode == 2 and "rank 1 has lr 0.01, rank 0 has 0.003" in err, out + err
+    common = _files(tmp_path, nan_at=70)
+    with _launched([*REVGRAPH, *common, "--epochs", "1", "--batch-size", "8", "--device", "cuda", "--nproc", "2",
+                    "-o", str(tmp_path / "o.onnx")]) as (p,):
+        out, err = _communicate(p, 240)
+    assert p.returncode == 2 and "the loss is nan at step" in err, out + err
+    assert not (tmp_path / "o.onnx").exists()
 
 
 # ------------------------------------------------------------------------------------- signals and orphans

@@ -42,7 +42,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "before it stops with an error, e.g. when another process stopped (torch.distributed's "
                              f"init_process_group timeout; default {DEFAULT_TIMEOUT:g} s)")
     parser.add_argument("--nnodes", type=int, default=1, metavar="M",
-                        help="with --nproc: the number of machines, each running this command (default 1)")
+                        help="with --nproc: the number of machines, each running this command with "
+                             "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for cuda) set to the network interface that "
+                             "reaches the others (default 1)")
     parser.add_argument("--node-rank", type=int, metavar="R",
                         help="with --nnodes: 0 on the machine of --rdzv-endpoint (it hosts the rendezvous), 1..M-1 on "
                              "the others; torchrun numbers the processes by --local-addr, not by this")
