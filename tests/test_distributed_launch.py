@@ -40,10 +40,10 @@ LAUNCHER = [sys.executable, "-c", "import sys; from revgraph.launch import run_t
 
 
 @contextmanager
-def _launched(*cmds: list[str], cwds: list | None = None):
+def _launched(*cmds: list[str], cwds: list | None = None, env: dict = ENV):
     """Start each command in a session of its own (torchrun and its workers), and kill every process of those
     sessions on the way out (as tests/test_distributed.py does, with a working directory per command)."""
-    procs = [subprocess.Popen(c, env=ENV, cwd=(cwds or [None] * len(cmds))[i], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(c, env=env, cwd=(cwds or [None] * len(cmds))[i], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True) for i, c in enumerate(cmds)]
     try:
         yield procs
@@ -192,17 +192,22 @@ def test_nan_loss_exits_2_under_nproc_and_is_not_restarted(tmp_path):
     assert checkpoints.path_in(ckpt).exists()  # the steps before the NaN were checkpointed
 
 
-def test_raw_torchrun_reports_a_revgraph_error_as_its_exit_1(tmp_path):
-    """Under raw torchrun, a worker's exit 2 (here: bad data on every rank) becomes torchrun's exit 1 with its
-    failure summary naming exitcode 2: what the README documents for raw torchrun."""
-    common = _files(tmp_path)
-    np.savez(tmp_path / "bad.npz", x=np.zeros((10, 8, 8), np.float32), y=np.full(10, 99, np.int64))
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "revgraph", *common[:3], str(tmp_path / "bad.npz"),
-           *common[4:], "--epochs", "1", "-o", str(tmp_path / "o.onnx")]
-    with _launched(cmd) as (p,):
-        out, err = _communicate(p)
+def test_raw_torchrun_exits_1_for_a_nan_loss_and_does_not_train_again(tmp_path):
+    """Under raw torchrun (as the README runs it: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, --max-restarts, a
+    checkpoint directory), a worker's exit 2 (a NaN loss) becomes torchrun's exit 1 with its failure summary
+    naming exitcode 2; the restarted attempt finds the failure rank 0 recorded in the checkpoint directory and
+    stops at once with the same line instead of training again."""
+    common = _files(tmp_path, nan_at=70)
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "revgraph", *common,
+           "--epochs", "2", "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "ckpt"), "-o", str(tmp_path / "o.onnx")]
+    with _launched(cmd, env={**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) as (p,):
+        out, err = _communicate(p, 180)
     assert p.returncode == 1, out + err
-    assert "exitcode  : 2" in err and "revgraph: error: label 99 is not a class index" in err, err
+    errors = _errors(err)
+    assert "exitcode  : 2" in err and len(errors) == 4, err  # 2 ranks x 2 attempts
+    assert all("the loss is nan at step" in e for e in errors), err
+    assert out.count("data-parallel on 2 processes") == 1, out
+    assert not (tmp_path / "o.onnx").exists()
 
 
 @pytest.mark.parametrize("option,message", [
@@ -445,7 +450,8 @@ def _two_nodes(nets: _Namespaces, tmp_path: Path, run: str, train: list[str], *,
         for f in ("mlp.onnx", "data.npz"):
             shutil.copy(tmp_path / f, d / f)
         env = {"GLOO_SOCKET_IFNAME": nets.ifname[r]} if ifname else {}
-        if raw:
+        if raw:  # restarted workers must not meet in the failed attempt's store (pytorch/pytorch#135712)
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             launch = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                       f"{nets.addr[0]}:{port}", "--rdzv-id", run, "--rdzv-conf", f"is_host={int(r == 0)}",
                       "--local-addr", nets.addr[r], "--max-restarts", "1", "-m", "revgraph", *train]

@@ -64,12 +64,11 @@ def collective(what: str):
 
 
 def stale_store_on_restart() -> bool:
-    """True when torchrun may restart the workers with what looks like its static rendezvous (``--master-addr``,
-    run id ``none``; it always shares its TCP store with the workers): restarted gloo and NCCL groups then connect
-    to the failed attempt's addresses (pytorch/pytorch#135712). The c10d rendezvous restarts correctly."""
+    """True when torchrun may restart the workers and shares its TCP store with them, the setting in which
+    restarted gloo and NCCL groups may connect to the failed attempt's addresses (pytorch/pytorch#135712; seen
+    with torch 2.13 under ``--standalone``, and always so with the static rendezvous, which cannot opt out)."""
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    return (restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-            and os.environ.get("TORCHELASTIC_RUN_ID") == "none")
+    return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
 def threads_per_process() -> int:
@@ -135,10 +134,11 @@ class Collective:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.tdevice = torch.device(device.torch())
         if self.rank == 0 and stale_store_on_restart():
-            warnings.warn("torchrun restarts workers (--max-restarts) with what looks like its static rendezvous "
-                          "(--master-addr/--master-port), whose restarted workers connect to the failed attempt's "
-                          "addresses (pytorch/pytorch#135712): use --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
-                          "--rdzv-id NAME", stacklevel=2)
+            warnings.warn("torchrun restarts workers (--max-restarts) but shares its rendezvous store with them: "
+                          "restarted workers may read the addresses of the failed attempt and fail to connect "
+                          "(pytorch/pytorch#135712); use the c10d rendezvous (--rdzv-backend c10d) with "
+                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (revgraph train --nproc sets it)",
+                          stacklevel=2)
 
     # ------------------------------------------------------------------------------------------ small values
 

@@ -122,7 +122,8 @@ def record_failure(message: str, rank: int, checkpoint_dir=None) -> None:
         return
     for f in _failure_files(rank, checkpoint_dir):
         try:
-            if f.parent.is_dir() and not f.exists():  # the first failure is the one to repeat
+            f.parent.mkdir(exist_ok=True)  # a checkpoint directory before its first checkpoint
+            if not f.exists():  # the first failure is the one to repeat
                 tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
                 tmp.write_text(json.dumps({"run_id": run_id, "message": message}))
                 os.replace(tmp, f)
