@@ -66,6 +66,8 @@ timeout 1200 "$PYTHON" -m pytest -q -o addopts='' -rA -m cuda -p no:cacheprovide
     | awk '/^(PASSED|FAILED|SKIPPED|ERROR)/ {print}' \
     | sed -E 's/^(PASSED|FAILED|ERROR) tests\/test_devices_exchange.py::test_nccl_exchange_options_match_one_process\[nproc2-([^]]*)\].*/\1  \2/' \
     | column -t -s ' ' || status=$?
+echo "== GPU tests of launching and failing (pytest -m cuda tests/test_distributed_launch.py)"
+timeout 240 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_distributed_launch.py || status=$?
 
 echo "== step time (ms per Trainer.step with Adam, after 3 warm-up steps; median of up to 2 s of steps)"
 DEVICE=$DEVICE timeout 150 "$PYTHON" - <<'EOF'

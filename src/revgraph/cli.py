@@ -19,7 +19,7 @@ from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers
 from .cli_io import check_command_outputs, err, out, read_npz, write_npz
 from .cli_exchange import add_exchange_arguments
-from .cli_train import add_runtime_arguments, cmd_train, runtime_from_args
+from .cli_train import add_launch_arguments, add_runtime_arguments, cmd_train, runtime_from_args
 from .cli_write import (
     MEMORY_HELP,
     POLICIES,
@@ -164,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="train on when the loss becomes NaN or infinite (default: stop at that step, exit 2)")
     train.add_argument("--nproc", type=int, metavar="N",
                        help="train data-parallel in N processes on this machine (starts torchrun; needs "
-                            "revgraph[distributed]); the global batch is N x --batch-size")
+                            "revgraph[distributed]); the global batch is N x --batch-size x --nnodes")
     train.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
                        help="data-parallel only: each process keeps the optimizer state of its 1/N shard of the "
                             "parameters (optimizer: ZeRO-1; gradients reduce-scattered, parameters all-gathered), "
@@ -173,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="data-parallel: training-mode BatchNormalization normalizes with the statistics of the "
                             "global batch, all-reduced inside the step as torch.nn.SyncBatchNorm does (default: each "
                             "process over its own share, rank 0's running statistics kept; rank 0 warns)")
+    add_launch_arguments(train)
     add_runtime_arguments(train, "arena on, memory pattern off, measured best for training")
     train.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + "; a byte count sizes the batch "
                        "dimension with --batch-size")

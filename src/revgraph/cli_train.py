@@ -33,6 +33,34 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, defaults: str) -> Non
                              "build; default: default)")
 
 
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--timeout`` and the options of ``--nproc`` for several machines (passed to torchrun with its c10d
+    rendezvous; :func:`revgraph.launch.torchrun_arguments`)."""
+    from .launch import DEFAULT_TIMEOUT
+
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                        help="data-parallel: how long a process waits to join the others and in every collective "
+                             "before it stops with an error, e.g. when another process stopped (torch.distributed's "
+                             f"init_process_group timeout; default {DEFAULT_TIMEOUT:g} s)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="M",
+                        help="with --nproc: the number of machines, each running this command with "
+                             "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for cuda) set to the network interface that "
+                             "reaches the others (default 1)")
+    parser.add_argument("--node-rank", type=int, metavar="R",
+                        help="with --nnodes: 0 on the machine of --rdzv-endpoint (it hosts the rendezvous), 1..M-1 on "
+                             "the others; torchrun numbers the processes by --local-addr, not by this")
+    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                        help="with --nnodes: the address of node 0 and a free port for torchrun's c10d rendezvous")
+    parser.add_argument("--rdzv-id", default="revgraph", metavar="NAME",
+                        help="with --nnodes: the name of this run, the same on every machine (default revgraph)")
+    parser.add_argument("--local-addr", metavar="ADDR",
+                        help="with --nnodes: this machine's address as the others reach it (needed where this "
+                             "machine's name resolves to 127.0.0.1)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="with --nproc: let torchrun restart all processes up to K times after a failure; with "
+                             "--checkpoint-dir they resume from the last checkpoint (default 0)")
+
+
 def runtime_from_args(args: argparse.Namespace) -> RuntimeOptions:
     """The :class:`RuntimeOptions` of ``--arena``, ``--memory-pattern`` and ``--execution-order`` (``None``
     for each option left out)."""
@@ -42,19 +70,43 @@ def runtime_from_args(args: argparse.Namespace) -> RuntimeOptions:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import warnings
-
     from .distributed import under_torchrun
-    from .train import make_optimizer
-    from .trainer import Trainer
 
     if args.threads < 0 or args.checkpoint_every < 0:  # before any worker starts, too
         raise RevgraphError("--threads and --checkpoint-every must be >= 0")
     check_exchange_arguments(args)
+    if not args.timeout > 0:
+        raise RevgraphError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     budget = parse_budget(args.memory_budget) if args.memory_budget is not None else None  # (checked before launching)
-    if args.nproc is not None:
-        return _launch_torchrun(args)
     distributed = under_torchrun()
+    if args.nproc is not None and not distributed:  # (a worker started by --nproc gets the same arguments)
+        return _launch_torchrun(args)
+    given = [o for o, v in [("--nnodes", args.nnodes != 1), ("--node-rank", args.node_rank is not None),
+                            ("--rdzv-endpoint", args.rdzv_endpoint), ("--local-addr", args.local_addr),
+                            ("--max-restarts", args.max_restarts)] if v]
+    if given and not distributed:
+        raise RevgraphError(f"{given[0]} goes with --nproc N (under torchrun, give torchrun its own options)")
+    if not distributed:
+        return _train(args, budget, False)
+    from .distributed import CollectiveError
+    from .launch import die_with_parent, record_failure
+
+    die_with_parent()  # at once: a killed torchrun agent must leave no worker behind, even while it loads
+    try:
+        return _train(args, budget, True)
+    except RevgraphError as exc:  # deterministic (bad input, NaN loss, refused arguments): no restart may rerun it
+        if not isinstance(exc, CollectiveError):
+            record_failure(str(exc), int(os.environ.get("RANK", "0")), args.checkpoint_dir)
+        raise
+
+
+def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
+    """The training of ``revgraph train`` in this process (one of the ranks with ``distributed``)."""
+    import warnings
+
+    from .train import make_optimizer
+    from .trainer import Trainer
+
     _check_train_outputs(args)  # fail before training, not after
     data = read_npz(args.data)
     test = read_npz(args.test_data) if args.test_data is not None else None
@@ -68,16 +120,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
                           memory=budget, shard=args.shard, sync_batchnorm=args.sync_batchnorm,
-                          **trainer_arguments(args))
+                          timeout=args.timeout, **trainer_arguments(args))
+    if trainer.comm:
+        _agree(trainer, args)
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
     for w in caught if main else []:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
     if budget is not None:
         console.print(f"memory: {trainer.spec.graph.memory_plan.summary()}", soft_wrap=True, markup=False)
-    trainer.arrays(data)  # bad data fails here, in one line, before anything runs
-    if test is not None:
-        trainer.arrays(test)
+    refused = None
+    try:
+        trainer.arrays(data)  # bad data fails here, in one line, before anything runs
+        if test is not None:
+            trainer.arrays(test)
+    except RevgraphError as exc:
+        if not trainer.comm:
+            raise
+        refused = str(exc)
+    if trainer.comm:  # every rank stops, not only the one with bad data (the others would wait for it)
+        trainer.comm.refuse_together(refused, "its data")
     if distributed:
         console.print(f"data-parallel on {trainer.world_size} processes (torch.distributed, "
                       f"{'nccl' if trainer.device.kind == 'cuda' else 'gloo'}): global batch "
@@ -123,6 +185,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agree(trainer, args: argparse.Namespace) -> None:
+    """Under torchrun, before anything runs: stop at once if an earlier attempt of this run failed
+    deterministically, and refuse ranks whose command differs in what only the command line knows (the optimizer
+    and fit arguments are compared by the Trainer): which outputs and test data are given, --threads aside."""
+    from .launch import recorded_failure
+
+    recorded_failure(trainer.comm, args.checkpoint_dir)
+    given = {"--test-data given": args.test_data is not None, "--save-training-graph given":
+             args.save_training_graph is not None, "--checkpoint-dir given": args.checkpoint_dir is not None,
+             "--epochs": args.epochs, "--batch-size": args.batch_size, "--seed": args.seed,
+             "--checkpoint-every": args.checkpoint_every, "--allow-nonfinite": args.allow_nonfinite,
+             "--memory-budget": args.memory_budget}
+    trainer.comm.check_same(given, "train arguments", "run the same command on every rank (only the file paths "
+                            "may differ between machines)")
+
+
 def _check_train_outputs(args: argparse.Namespace) -> None:
     """Every file ``train`` writes (-o, --save-training-graph, the checkpoint) can be written and is none of
     its inputs (the model, --data, --test-data): checked before training, not found out after it."""
@@ -139,16 +217,16 @@ def _check_train_outputs(args: argparse.Namespace) -> None:
 
 def _launch_torchrun(args: argparse.Namespace) -> int:
     """``revgraph train --nproc N ...``: check the arguments here (bad input fails in one line, before any
-    worker starts), then run this command under ``torchrun --standalone --nproc-per-node N`` and return its
-    exit code."""
-    import subprocess
-
+    worker starts), then run this same command under torchrun (in this process, :func:`revgraph.launch.run_torchrun`:
+    ``--standalone`` on one machine, c10d rendezvous with ``--nnodes``) and return revgraph's exit code."""
     if args.nproc < 1:
         raise RevgraphError(f"--nproc must be at least 1, got {args.nproc}")
     try:
-        import torch.distributed.run
+        import torch.distributed.run  # noqa: F401
     except ImportError:
         raise RevgraphError('--nproc needs PyTorch for torchrun: pip install "revgraph[distributed]"') from None
+    from .launch import run_torchrun, torchrun_arguments
+
     _check_train_outputs(args)
     device = Device.parse(args.device)
     device.providers()  # no CUDA provider: one line here rather than a failure in every worker
@@ -161,15 +239,10 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
     for f in [args.model, args.data, args.test_data]:
         if f is not None and not Path(f).is_file():
             raise RevgraphError(f"cannot read {f!r}: no such file")
-    rest, skip = [], False
-    for a in args.argv:  # the same command without --nproc
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "revgraph", *rest]
-    # Restarted workers must not meet in the rendezvous store of the failed attempt (pytorch/pytorch#135712).
-    return subprocess.call(cmd, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    argv = torchrun_arguments(args, list(args.argv))  # the workers get this command; under torchrun, they train
+    # Restarted workers host a new store each attempt instead of reusing the agent's (pytorch/pytorch#135712)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if args.nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it, without its banner
+    sys.stdout.flush()
+    return run_torchrun(argv)

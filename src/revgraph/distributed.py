@@ -46,22 +46,32 @@ from .train import TrainingGraph
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+class CollectiveError(RevgraphError):
+    """A collective failed: another rank died, stopped (``--timeout``) or cannot be reached. Unlike other
+    :class:`RevgraphError` failures it is not deterministic, so it is not recorded against torchrun's restarts
+    (:func:`revgraph.launch.record_failure`)."""
+
+
 @contextmanager
 def collective(what: str):
-    """Turn a failed collective into a one-line :class:`RevgraphError`: it fails when another rank died or
-    cannot be reached (torchrun then stops this worker, and restarts all of them if ``--max-restarts`` allows)."""
+    """Turn a failed collective into a one-line :class:`CollectiveError`: it fails when another rank died or
+    cannot be reached, or gave no answer within the process group's timeout (torchrun then stops this worker,
+    and restarts all of them if ``--max-restarts`` allows)."""
     try:
         yield
     except RevgraphError:
         raise
     except Exception as exc:
-        raise RevgraphError(f"{what} with the other training processes failed; one of them stopped or cannot be "
-                            f"reached ({_first_line(exc)[:200]})") from None
+        text = _first_line(exc)
+        late = " within the timeout (--timeout, Trainer(timeout=))" if "timed out" in text.lower() else ""
+        raise CollectiveError(f"{what} with the other training processes failed; one of them stopped or cannot be "
+                              f"reached{late} ({text[:200]})") from None
 
 
 def stale_store_on_restart() -> bool:
     """True when torchrun may restart the workers and shares its TCP store with them, the setting in which
-    restarted gloo and NCCL groups connect to the failed attempt's addresses (pytorch/pytorch#135712)."""
+    restarted gloo and NCCL groups may connect to the failed attempt's addresses (pytorch/pytorch#135712; seen
+    with torch 2.13 under ``--standalone``, and always so with the static rendezvous, which cannot opt out)."""
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
@@ -92,29 +102,47 @@ class Collective:
 
     Joins the default ``torch.distributed`` process group, initialising it from torchrun's environment
     (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when nobody has: backend ``gloo`` for the CPU,
-    ``nccl`` for CUDA. Raises :class:`RevgraphError` (one line) without torch or outside torchrun.
+    ``nccl`` for CUDA, with ``timeout`` seconds (default :data:`revgraph.launch.DEFAULT_TIMEOUT`) for the join and
+    every collective. Before joining, the worker is set to die with its torchrun agent and the loopback-hostname
+    trap is checked (:mod:`revgraph.launch`). Raises :class:`RevgraphError` (one line) without torch, outside
+    torchrun, for that trap, and :class:`CollectiveError` when the group cannot be joined in time.
     """
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, timeout: float | None = None):
+        from datetime import timedelta
+
+        from .launch import DEFAULT_TIMEOUT, die_with_parent, network_problem
+
         torch, dist = _torch()
         self.torch, self.dist, self.device = torch, dist, device
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        if not self.timeout > 0:
+            raise RevgraphError(f"the timeout must be a positive number of seconds, got {timeout}")
         if not dist.is_initialized():
             if not under_torchrun():
                 raise RevgraphError("distributed training runs under torchrun: torchrun --nproc-per-node N -m revgraph "
                                     "train ... (or revgraph train --nproc N); RANK, WORLD_SIZE, MASTER_ADDR and "
                                     "MASTER_PORT are not set")
+            die_with_parent()  # a killed torchrun agent must not leave this worker training on
+            backend = "nccl" if device.kind == "cuda" else "gloo"
+            trap = network_problem(backend)  # before the first collective: it would fail or hang
+            if trap:
+                raise RevgraphError(trap)
             if device.kind == "cuda":
                 torch.cuda.set_device(device.index)
             try:
-                dist.init_process_group(backend="nccl" if device.kind == "cuda" else "gloo")
+                # the timeout bounds the join and every collective: a stopped peer fails the others in that time
+                dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.timeout))
             except Exception as exc:
-                raise RevgraphError(f"cannot join the process group: {_first_line(exc)}") from None
+                raise CollectiveError(f"cannot join the process group within {self.timeout:g} s (--timeout): "
+                                      f"{_first_line(exc)[:300]}") from None
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.tdevice = torch.device(device.torch())
         if self.rank == 0 and stale_store_on_restart():
             warnings.warn("torchrun restarts workers (--max-restarts) but shares its rendezvous store with them: "
                           "restarted workers may read the addresses of the failed attempt and fail to connect "
-                          "(pytorch/pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun",
+                          "(pytorch/pytorch#135712); use the c10d rendezvous (--rdzv-backend c10d) with "
+                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (revgraph train --nproc sets it)",
                           stacklevel=2)
 
     # ------------------------------------------------------------------------------------------ small values
@@ -163,6 +191,34 @@ class Collective:
         bad = [r for r, d in enumerate(every) if not self.torch.equal(d, every[0])]
         if bad:
             raise RevgraphError(f"the {what} of rank {bad[0]} differ from rank 0's; {hint}")
+
+    def gather_objects(self, value) -> list:
+        """Every rank's ``value`` (picklable), in rank order."""
+        every = [None] * self.world_size
+        with collective("an all-gather"):
+            self.dist.all_gather_object(every, value)
+        return every
+
+    def refuse_together(self, message: str | None, what: str) -> None:
+        """Raise :class:`InputError` on every rank when any rank passes a ``message`` (its one-line refusal of
+        ``what``, e.g. its data), which the other ranks would otherwise wait for in their next collective: that
+        rank raises its message, the others ``"rank r refused <what>: <message>"``."""
+        from .errors import InputError
+
+        bad = next(((r, m) for r, m in enumerate(self.gather_objects(message)) if m), None)
+        if bad:
+            raise InputError(bad[1] if bad[0] == self.rank else f"rank {bad[0]} refused {what}: {bad[1]}")
+
+    def check_same(self, values: dict, what: str, hint: str) -> None:
+        """Raise :class:`RevgraphError` (``"the <what> differ across ranks: rank r has <key> <value>, rank 0 has
+        <value>; <hint>"``, naming the first key that differs) unless ``values`` (a dict of small picklable
+        values: arguments, settings) are equal on every rank. One all-gather, before any step."""
+        every = self.gather_objects(values)
+        for r, theirs in enumerate(every):
+            for key in values:
+                if theirs.get(key) != every[0].get(key):
+                    raise RevgraphError(f"the {what} differ across ranks: rank {r} has {key} {theirs.get(key)!r}, "
+                                        f"rank 0 has {every[0].get(key)!r}; {hint}")
 
     def barrier(self) -> None:
         with collective("a barrier"):

@@ -35,7 +35,7 @@ from .errors import InputError, NonFiniteError, RevgraphError
 from .ir import Graph
 from .onnx_io import save
 from .runtime_options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
-from .exchange import BUCKET_MB, REDUCE_DTYPES, bucket_bytes, check_reduce_dtype
+from .exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype
 from .steps import BUFFERS, make_engine
 from .steptimes import StepTimes
 from .sharding import SHARDS
@@ -75,7 +75,11 @@ class Trainer:
     (:attr:`times`, :mod:`revgraph.steptimes`; ``"timeline"`` also records each segment and all-reduce).
     ``sync_batchnorm=True`` (data-parallel only): training-mode
     ``BatchNormalization`` nodes normalize with the statistics of the global batch, all-reduced inside the step
-    (:mod:`revgraph.sync_batchnorm`; without it each rank normalizes over its share and rank 0 warns). Raises
+    (:mod:`revgraph.sync_batchnorm`; without it each rank normalizes over its share and rank 0 warns).
+    ``timeout`` (seconds, with ``distributed``; default
+    :data:`revgraph.launch.DEFAULT_TIMEOUT`) bounds joining the process group and every collective, so a rank
+    that stopped fails the others with one line instead of a hang; the loss, the optimizer and its
+    hyperparameters are compared across ranks here, before any step. Raises
     :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
     or a process group that cannot be joined.
 
@@ -91,7 +95,7 @@ class Trainer:
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
                  memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
                  profile: bool = False, shard: str = "none",
-                 sync_batchnorm: bool = False):
+                 sync_batchnorm: bool = False, timeout: float | None = None):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
@@ -114,14 +118,11 @@ class Trainer:
         if distributed:
             from .distributed import Collective, DistributedEngine, threads_per_process
 
-            self.comm = Collective(self.device)
+            self.comm = Collective(self.device, timeout)
             threads = threads or threads_per_process()
         # auto: overlap on GPUs, where NCCL moves the bytes beside the compute; not on the CPU, where gloo's
         # thread sums and copies on the cores the next segment needs (measured slower: docs/benchmarks.md)
         overlap = self.device.kind == "cuda" if overlap == "auto" else bool(overlap)
-        if self.comm:  # a rank sharding alone would wait in collectives the others never start
-            self.comm.check_replicas({"shard": np.array([SHARDS.index(shard)])}, "--shard settings",
-                                     "give every rank the same --shard (shard=)")
         synced = None
         if sync_batchnorm and self.comm and self.comm.world_size > 1:
             from .sync_batchnorm import synchronized
@@ -129,6 +130,17 @@ class Trainer:
             original, model, synced = synchronized(model)  # BatchNormalization around all-reduce placeholders
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
                                                   checkpoint=checkpoint, memory=memory, loss_seed=bool(synced))
+        if self.comm:
+            o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights
+            self.comm.check_same({"loss": self.spec.loss.kind, "model output": self.spec.loss.output,
+                                  "optimizer": o.kind, "lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
+                                  "eps": o.eps, "weight decay": o.weight_decay, "trained parameters": self.spec.params,
+                                  "buffers": buffers, "shard": shard, "sync batchnorm": bool(sync_batchnorm),
+                                  # other buckets or dtypes on some rank would pair collectives of different sizes
+                                  "bucket MiB": float(bucket_mb), "reduce dtype": reduce_dtype, "overlap": overlap},
+                                 "training settings", "give every rank the same loss, optimizer, hyperparameters and "
+                                 "data-parallel options (--loss, --optimizer, --lr, --momentum, --weight-decay, "
+                                 "--buffers, --shard, --sync-batchnorm, --bucket-mb, --reduce-dtype, --overlap)")
         exchange = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, overlap=overlap)
         if synced:
             if shard != "none":
@@ -161,10 +173,6 @@ class Trainer:
             self._engine.times = StepTimes(timeline=profile == "timeline")
         if self.comm:
             self.comm.check_replicas(self.parameters, "initial parameters")
-            # other buckets or dtypes on some rank would pair collectives of different sizes: refuse
-            settings = np.array([cap, REDUCE_DTYPES.index(reduce_dtype), bool(overlap)], np.int64)
-            self.comm.check_replicas({"exchange settings": settings}, "gradient exchange settings",
-                                     "give every rank the same --bucket-mb and --reduce-dtype")
         if self.world_size > 1 and self.is_main and not sync_batchnorm:
             from .sync_batchnorm import warn_per_rank_statistics
 
@@ -326,32 +334,69 @@ class Trainer:
         step; the trainer keeps the parameters and state from before that step (nothing of it is checkpointed).
         ``"continue"`` trains on regardless. Returns the mean loss of each epoch. Raises :class:`InputError`
         for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run.
+
+        With ``distributed``, every argument (and whether ``checkpoint_dir`` is given) and the data are compared
+        across ranks before the first step, and a rank that refuses its data makes every rank stop with one line.
+        A deterministic failure (any :class:`RevgraphError` but a failed collective) is recorded for torchrun's
+        ``--max-restarts``, and a restarted attempt stops at once with the same message
+        (:func:`revgraph.launch.recorded_failure`).
         """
-        if nonfinite not in ("stop", "continue"):
-            raise InputError(f"nonfinite must be 'stop' or 'continue', got {nonfinite!r}")
-        if epochs < 1 or batch_size < 1 or checkpoint_every < 0:
-            raise InputError(f"epochs and batch size must be positive and checkpoint_every >= 0, got {epochs}, "
-                             f"{batch_size} and {checkpoint_every}")
-        if not isinstance(accumulate_steps, int | np.integer) or accumulate_steps < 1:
-            raise InputError("accumulate_steps (--accumulate-steps) must be a positive integer, got "
-                             f"{accumulate_steps!r}")
-        accumulate = int(accumulate_steps)
-        if accumulate > 1 and getattr(self._engine, "mode", None) in ("optimizer", "gradients"):
-            raise InputError(f"gradient accumulation (accumulate_steps > 1) is not available with --shard "
-                             f"{self._engine.mode}: train unsharded, or with a larger batch")
-        if accumulate > 1 and self._engine.__class__.__name__ == "SyncBatchNormEngine":
-            raise InputError("gradient accumulation (accumulate_steps > 1) is not available with --sync-batchnorm: "
-                             "train with a larger batch")
-        if accumulate > 1 and self._engine.__class__.__name__ == "FusedEngine":
-            raise InputError("gradient accumulation (accumulate_steps > 1) needs buffers='one' (--buffers one): the "
-                             "fused step graph of two buffer sets updates after every batch")
-        arrays = self.arrays(data)
-        n = len(arrays["labels"])
-        if n == 0:
-            raise InputError("the training data holds no samples")
-        self._check_fixed_batch(batch_size, n)
+        try:
+            return self._fit(data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
+                             checkpoint_every, nonfinite, accumulate_steps)
+        except RevgraphError as exc:
+            from .distributed import CollectiveError
+
+            if self.comm and not isinstance(exc, CollectiveError):  # deterministic: a restart would fail again
+                from .launch import record_failure
+
+                record_failure(str(exc), self.rank, checkpoint_dir)
+            raise
+
+    def _fit(self, data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
+             checkpoint_every, nonfinite, accumulate_steps) -> list[float]:
+        if self.comm:  # an earlier attempt of this torchrun run failed deterministically: fail alike, at once
+            from .launch import recorded_failure
+
+            recorded_failure(self.comm, checkpoint_dir)
+        try:
+            if nonfinite not in ("stop", "continue"):
+                raise InputError(f"nonfinite must be 'stop' or 'continue', got {nonfinite!r}")
+            if epochs < 1 or batch_size < 1 or checkpoint_every < 0:
+                raise InputError(f"epochs and batch size must be positive and checkpoint_every >= 0, got {epochs}, "
+                                 f"{batch_size} and {checkpoint_every}")
+            if not isinstance(accumulate_steps, int | np.integer) or accumulate_steps < 1:
+                raise InputError("accumulate_steps (--accumulate-steps) must be a positive integer, got "
+                                 f"{accumulate_steps!r}")
+            accumulate = int(accumulate_steps)
+            if accumulate > 1 and getattr(self._engine, "mode", None) in ("optimizer", "gradients"):
+                raise InputError(f"gradient accumulation (accumulate_steps > 1) is not available with --shard "
+                                 f"{self._engine.mode}: train unsharded, or with a larger batch")
+            if accumulate > 1 and self._engine.__class__.__name__ == "SyncBatchNormEngine":
+                raise InputError("gradient accumulation (accumulate_steps > 1) is not available with --sync-batchnorm: "
+                                 "train with a larger batch")
+            if accumulate > 1 and self._engine.__class__.__name__ == "FusedEngine":
+                raise InputError("gradient accumulation (accumulate_steps > 1) needs buffers='one' (--buffers one): the "
+                                 "fused step graph of two buffer sets updates after every batch")
+            arrays = self.arrays(data)
+            n = len(arrays["labels"])
+            if n == 0:
+                raise InputError("the training data holds no samples")
+            self._check_fixed_batch(batch_size, n)
+            refused = None
+        except InputError as exc:
+            if not self.comm:
+                raise
+            refused = str(exc)
         rank, world = self.rank, self.world_size
         if self.comm:  # different data or arguments on some rank would deadlock or train wrongly: refuse
+            self.comm.refuse_together(refused, "its data or fit arguments")
+            self.comm.check_same({"epochs": epochs, "batch size": batch_size, "shuffle": bool(shuffle), "seed": seed,
+                                  "checkpoint interval": checkpoint_every, "nonfinite": nonfinite,
+                                  "accumulate steps": accumulate_steps,
+                                  "checkpoint directory given": checkpoint_dir is not None}, "fit arguments",
+                                 "give every rank the same epochs, batch size, seed, shuffling, checkpoint interval "
+                                 "and nonfinite mode (--allow-nonfinite), and a --checkpoint-dir on every rank or none")
             args = np.array([epochs, batch_size, shuffle, seed, checkpoint_every, accumulate], np.int64)
             self.comm.check_replicas({**arrays, "fit arguments": args}, "training data or fit arguments",
                                      "give every rank the same data and the same epochs, batch size, seed, "
