@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from .errors import RevgraphError
-from .exchange import BUCKET_MB, REDUCE_DTYPES
+from .exchange import BUCKET_MB, REDUCE_DTYPES, refused_combination
 
 
 def add_exchange_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +36,10 @@ def check_exchange_arguments(args: argparse.Namespace) -> None:
         raise RevgraphError(f"--accumulate-steps must be at least 1, got {args.accumulate_steps}")
     if not args.bucket_mb > 0:
         raise RevgraphError(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
+    combination_problem = refused_combination(args.shard, args.sync_batchnorm, args.reduce_dtype,
+                                              args.accumulate_steps, args.buffers)
+    if combination_problem:
+        raise RevgraphError(combination_problem)
 
 
 def trainer_arguments(args: argparse.Namespace) -> dict:

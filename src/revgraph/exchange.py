@@ -144,3 +144,26 @@ def unpack_rows(torch, bufs: list, counts: list[list[int]], like: list) -> list[
             pieces[t][1].append(buf[at:at + nbytes].view(ref.dtype).view(c, *ref.shape[1:]))
             at += _padded(nbytes)
     return [(torch.cat(i).contiguous(), torch.cat(v).contiguous()) for i, v in pieces]
+
+
+def refused_combination(shard: str, sync_batchnorm: bool, reduce_dtype: str, accumulate_steps: int,
+                        buffers: str = "one") -> str | None:
+    """The one line refusing data-parallel options that do not combine, or ``None``: sharding reduce-scatters
+    in the gradients' own dtype, one micro-batch per step, and has no collectives inside the backward;
+    synchronized batch normalization runs one micro-batch per step; accumulation needs one buffer set."""
+    if shard != "none" and reduce_dtype != "fp32":
+        return f"--reduce-dtype {reduce_dtype} (reduce_dtype=) does not combine with --shard {shard}: the gradients are " \
+               "reduce-scattered in their own dtype"
+    if shard != "none" and sync_batchnorm:
+        return f"--sync-batchnorm (sync_batchnorm=) does not combine with --shard {shard}: leave one of them out"
+    if accumulate_steps > 1:
+        if shard != "none":
+            return f"--accumulate-steps {accumulate_steps} (accumulate_steps=) does not combine with --shard {shard}: " \
+                   "train unsharded, or with a larger batch"
+        if sync_batchnorm:
+            return f"--accumulate-steps {accumulate_steps} (accumulate_steps=) does not combine with --sync-batchnorm: " \
+                   "train with a larger batch"
+        if buffers == "two":
+            return f"--accumulate-steps {accumulate_steps} (accumulate_steps=) needs --buffers one (buffers='one'): " \
+                   "the fused step graph of two buffer sets updates after every batch"
+    return None

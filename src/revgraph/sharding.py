@@ -188,9 +188,8 @@ class ShardedEngine(DistributedEngine):
 
         if mode not in SHARDS[1:]:
             raise RevgraphError(f"shard must be one of {', '.join(SHARDS)}, got {mode!r}")
-        if reduce_dtype != "fp32":
-            raise InputError(f"--reduce-dtype {reduce_dtype} (reduce_dtype=) is not available with --shard {mode}: the "
-                             "gradients are reduce-scattered in their own dtype")
+        if reduce_dtype != "fp32":  # (Trainer refuses it first: revgraph.cli_exchange.refused_combination)
+            raise InputError(f"reduce_dtype={reduce_dtype!r} does not combine with sharding")
         torch = comm.torch
         self.comm, self.mode = comm, mode
         self.times = None  # per-phase timings, when profiled (revgraph.steptimes)

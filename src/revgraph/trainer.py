@@ -35,7 +35,7 @@ from .errors import InputError, NonFiniteError, RevgraphError
 from .ir import Graph
 from .onnx_io import save
 from .runtime_options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
-from .exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype
+from .exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype, refused_combination
 from .steps import BUFFERS, make_engine
 from .steptimes import StepTimes
 from .sharding import SHARDS
@@ -104,6 +104,10 @@ class Trainer:
             raise InputError(f"overlap must be True, False or 'auto', got {overlap!r}")
         if shard not in SHARDS:
             raise RevgraphError(f"shard must be one of {', '.join(SHARDS)}, got {shard!r}")
+        problem = refused_combination(shard, sync_batchnorm, reduce_dtype, 1, buffers)
+        if problem:
+            raise InputError(problem)
+        self._options = (shard, bool(sync_batchnorm), buffers)  # (fit refuses accumulation with some of them)
         if shard != "none" and not distributed:
             raise RevgraphError(f"shard={shard!r} (--shard {shard}) shards across data-parallel processes: train with "
                                 "distributed=True under torchrun (revgraph train --nproc N), or leave it out")
@@ -138,14 +142,11 @@ class Trainer:
                                   "buffers": buffers, "shard": shard, "sync batchnorm": bool(sync_batchnorm),
                                   # other buckets or dtypes on some rank would pair collectives of different sizes
                                   "bucket MiB": float(bucket_mb), "reduce dtype": reduce_dtype, "overlap": overlap},
-                                 "training settings", "give every rank the same loss, optimizer, hyperparameters and "
-                                 "data-parallel options (--loss, --optimizer, --lr, --momentum, --weight-decay, "
-                                 "--buffers, --shard, --sync-batchnorm, --bucket-mb, --reduce-dtype, --overlap)")
+                                 "training settings", "give every rank the same loss, optimizer and hyperparameters "
+                                 "(--loss, --optimizer, --lr, --momentum, --weight-decay) and the same data-parallel "
+                                 "options (--buffers, --shard, --sync-batchnorm, --bucket-mb, --reduce-dtype, --overlap)")
         exchange = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, overlap=overlap)
         if synced:
-            if shard != "none":
-                raise InputError(f"--sync-batchnorm (sync_batchnorm=) is not available with --shard {shard}: "
-                                 "leave one of them out")
             self.spec.model = original  # evaluation, prediction and export use the model as given
             self.spec.inputs = list(original.input_names)  # (the rewrite's shifts are fed by the engine)
             from .sync_batchnorm_engine import SyncBatchNormEngine
@@ -369,15 +370,9 @@ class Trainer:
                 raise InputError("accumulate_steps (--accumulate-steps) must be a positive integer, got "
                                  f"{accumulate_steps!r}")
             accumulate = int(accumulate_steps)
-            if accumulate > 1 and getattr(self._engine, "mode", None) in ("optimizer", "gradients"):
-                raise InputError(f"gradient accumulation (accumulate_steps > 1) is not available with --shard "
-                                 f"{self._engine.mode}: train unsharded, or with a larger batch")
-            if accumulate > 1 and self._engine.__class__.__name__ == "SyncBatchNormEngine":
-                raise InputError("gradient accumulation (accumulate_steps > 1) is not available with --sync-batchnorm: "
-                                 "train with a larger batch")
-            if accumulate > 1 and self._engine.__class__.__name__ == "FusedEngine":
-                raise InputError("gradient accumulation (accumulate_steps > 1) needs buffers='one' (--buffers one): the "
-                                 "fused step graph of two buffer sets updates after every batch")
+            problem = refused_combination(*self._options[:2], "fp32", accumulate, self._options[2])
+            if problem:
+                raise InputError(problem)
             arrays = self.arrays(data)
             n = len(arrays["labels"])
             if n == 0:
