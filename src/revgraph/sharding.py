@@ -315,10 +315,20 @@ class ShardedEngine(DistributedEngine):
 
     # ------------------------------------------------------------------------------------------ state
 
-    def read(self, names) -> dict[str, np.ndarray]:
+    def read(self, names, root_only: bool = False) -> dict[str, np.ndarray]:
         """Full host copies of ``names``; optimizer state of the units is all-gathered (a collective: every
         rank calls it with the same names), one unit and slot at a time, so that besides the copies returned
-        at most one unit's full state exists at once."""
+        at most one unit's full state exists at once. ``root_only``: ranks other than 0 take part in the
+        collectives but keep no copy and return ``{}`` (a checkpoint, which rank 0 writes)."""
+        if root_only and self.comm.rank != 0:
+            for (j, slot) in sorted({self._where[n][:2] for n in names if n in self._where and
+                                     self._where[n][1] is not None}):
+                u = self.units[j]
+                flat = self.comm.torch.empty(u.length, dtype=u.param.dtype, device=u.param.device)
+                with collective("an all-gather of the optimizer state"):
+                    _all_gather(self.comm.dist)(flat, u.state[slot])
+                del flat
+            return {}
         torch, out, wanted = self.comm.torch, {}, {}
         for n in names:
             if n not in self._where:
