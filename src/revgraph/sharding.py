@@ -267,14 +267,15 @@ class ShardedEngine(DistributedEngine):
         ort_in.update((n, self._sets[0][n]) for n in self._tensors)
         # a pair that may not share a buffer (inplace_pairs: the step, read twice) writes a scratch tensor,
         # copied back after the run
-        self._scratch = {i: self._in_tensors[i].clone() for i, _ in pairs if i in unsafe}
+        self._update_scratch = {i: self._in_tensors[i].clone() for i, _ in pairs if i in unsafe}
         ub = self._update.io_binding()
         for j in range(len(self.units)):
             g = self._unit_names[j][1]
             ub.bind_ortvalue_input(g, ort_in[g])
         for i, o in pairs:
             ub.bind_ortvalue_input(i, ort_in[i])
-            ub.bind_ortvalue_output(o, ortvalue_from_dlpack(self._scratch[i]) if i in self._scratch else ort_in[i])
+            scratch = self._update_scratch.get(i)
+            ub.bind_ortvalue_output(o, ortvalue_from_dlpack(scratch) if scratch is not None else ort_in[i])
         self._ub = ub
 
     def _build_segments(self) -> None:
@@ -297,8 +298,9 @@ class ShardedEngine(DistributedEngine):
             self.options = session_options(self.runtime, options.intra_op_num_threads)
             self.options.add_session_config_entry("session.use_env_allocators", "1")
         try:
-            self._segments = [self.session(s.graph, f"gradient graph segment {k + 1}/{len(self.plan.segments)}")
-                              for k, s in enumerate(self.plan.segments)]
+            n = len(self.plan.segments)
+            self._segment_sessions = [self.session(s.graph, f"gradient graph segment {k + 1}/{n}")
+                                      for k, s in enumerate(self.plan.segments)]
         finally:
             self.options = options
 
@@ -332,7 +334,8 @@ class ShardedEngine(DistributedEngine):
         torch, out, wanted = self.comm.torch, {}, {}
         for n in names:
             if n not in self._where:
-                out[n] = self._tensors[n].cpu().numpy().copy() if n in self._tensors else np.array(self.value(n).numpy())
+                out[n] = (self._tensors[n].cpu().numpy().copy() if n in self._tensors
+                          else np.array(self.value(n).numpy()))
                 continue
             j, slot, o = self._where[n]
             wanted.setdefault((j, slot), []).append((n, o))
@@ -391,7 +394,7 @@ class ShardedEngine(DistributedEngine):
         params = sum(_nbytes(u.param) for u in self.units) + sum(_nbytes(self._tensors[p]) for p in spec.sparse)
         opt = sum(_nbytes(t) for u in self.units for t in u.state)
         opt += sum(_nbytes(self._tensors[s]) for p in spec.sparse for s in spec.state[p])
-        other = _nbytes(self._tensors[spec.step]) + sum(_nbytes(t) for t in self._scratch.values())
+        other = _nbytes(self._tensors[spec.step]) + sum(_nbytes(t) for t in self._update_scratch.values())
         other += sum(_nbytes(t) for _, t in self._previous or [])
         if self.mode == "optimizer":  # (the shards are views of the unit gradients)
             grads = sum(_nbytes(u.grad) for u in self.units)
@@ -428,8 +431,13 @@ class ShardedEngine(DistributedEngine):
 
     def step(self, feeds: dict[str, np.ndarray], count: int, total: int, *,
              accept: Callable[[float], bool] | None = None, keep_previous: bool = False) -> float:
+        if isinstance(feeds, list):  # micro-batches (gradient accumulation): one of them is a plain step
+            if len(feeds) != 1:
+                raise RevgraphError("gradient accumulation (--accumulate-steps) is not available with --shard yet; "
+                                    "train unsharded, or with a larger --batch-size")
+            feeds = feeds[0][0]
         self._previous = None
-        loss, inputs = self._gradients(feeds, count, total)
+        loss, inputs = self._sharded_gradients(feeds, count, total)
         if accept is not None and not accept(loss):
             return loss
         if keep_previous:
@@ -441,7 +449,7 @@ class ShardedEngine(DistributedEngine):
             self._update.run_with_iobinding(self._ub)
         except Exception as exc:
             raise RevgraphError(f"the update step failed: {_first_line(exc)}") from None
-        for i, t in self._scratch.items():
+        for i, t in self._update_scratch.items():
             self._in_tensors[i].copy_(t)
         self._synchronize()  # onnxruntime's writes are done before the collective reads the shards
         dist = self.comm.dist
@@ -453,7 +461,7 @@ class ShardedEngine(DistributedEngine):
         self._synchronize()
         return loss
 
-    def _gradients(self, feeds: dict[str, np.ndarray], count: int, total: int) -> tuple[float, dict]:
+    def _sharded_gradients(self, feeds: dict[str, np.ndarray], count: int, total: int) -> tuple[float, dict]:
         """Backward, gradients reduce-scattered into the shards (scaled by ``count / total``), sparse rows
         all-gathered: the loss of the global batch and the update's sparse inputs."""
         torch, dist = self.comm.torch, self.comm.dist
@@ -529,7 +537,7 @@ class ShardedEngine(DistributedEngine):
         live: dict[str, object] = {}
         for k, seg in enumerate(plan.segments):
             if count:
-                b = self._segments[k].io_binding()
+                b = self._segment_sessions[k].io_binding()
                 for n in seg.inputs:
                     if n in feeds:
                         b.bind_cpu_input(n, feeds[n])
@@ -543,7 +551,7 @@ class ShardedEngine(DistributedEngine):
                     else:
                         b.bind_output(n, self.device.ort_type, self.device.index)
                 try:
-                    self._segments[k].run_with_iobinding(b)
+                    self._segment_sessions[k].run_with_iobinding(b)
                 except Exception as exc:
                     raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
                 for n, v in zip(seg.outputs, b.get_outputs(), strict=True):
