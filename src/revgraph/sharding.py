@@ -164,10 +164,6 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
     return graph, pairs, names
 
 
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
 class ShardedEngine(DistributedEngine):
     """A data-parallel step with sharded optimizer state (``mode="optimizer"``, ZeRO-1) or sharded optimizer
     state and gradients (``mode="gradients"``, ZeRO-2); module doc. ``bucket_bytes``: the largest unit (default
@@ -281,7 +277,7 @@ class ShardedEngine(DistributedEngine):
     def _build_segments(self) -> None:
         """ZeRO-2: cut the grad graph into one segment per unit (:mod:`revgraph.grad_segments`); ``plan``
         stays ``None`` when it cannot be cut."""
-        from .grad_segments import cut
+        from .grad_segments import cut, shared_cpu_arena
 
         spec = self.spec
         grads = [[spec.grads[p][0] for p in u.names] for u in self.units]
@@ -294,7 +290,7 @@ class ShardedEngine(DistributedEngine):
             views.update((spec.grads[p][0], v) for p, v in u.views(self._bucket(u)).items())
         self._direct_views = {g: ortvalue_from_dlpack(views[g]) for g in self.plan.direct}
         options = self.options
-        if self.device.kind == "cpu" and _shared_cpu_arena():  # one arena for all segments, not one each
+        if self.device.kind == "cpu" and shared_cpu_arena():  # one arena for all segments, not one each
             self.options = session_options(self.runtime, options.intra_op_num_threads)
             self.options.add_session_config_entry("session.use_env_allocators", "1")
         try:
@@ -405,9 +401,6 @@ class ShardedEngine(DistributedEngine):
             peak += self.plan.carried_peak if self.plan else sum(u.used * u.gshard.element_size() for u in self.units)
         return {"state": params + opt + other, "parameters": params, "optimizer": opt, "gradients": grads,
                 "gradients_peak": peak}
-
-    def _gradient_buffers(self) -> list:
-        return []
 
     @property
     def can_undo(self) -> bool:
@@ -579,23 +572,8 @@ class ShardedEngine(DistributedEngine):
         return loss, {n: live[n] for _, idx, rows in self._sparse for n in (idx, rows)} if count else {}
 
 
-_ARENA: list = []
-
-
-def _shared_cpu_arena() -> bool:
-    """Register (once per process) a CPU arena in onnxruntime's environment that sessions with
-    ``session.use_env_allocators`` share: the ZeRO-2 segments then hold one arena between them, as the whole
-    grad graph would, instead of one each. False when this onnxruntime cannot."""
-    if not _ARENA:
-        import onnxruntime as ort
-
-        try:
-            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
-            _ARENA.append(True)
-        except Exception:  # an onnxruntime without it: the segments keep their own arenas
-            _ARENA.append(False)
-    return _ARENA[0]
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
 
 
 def _reduce_scatter(dist):
