@@ -10,13 +10,14 @@ and cross-entropy on random data, batch ``--batch`` per process, in 2 processes 
 Every configuration is a fresh ``torchrun --nproc-per-node 2`` launch (this file as the worker); each rank
 reads its /proc/self/status: ``VmRSS`` after importing torch, onnxruntime and revgraph (the base: the
 libraries), ``VmRSS`` once the model, optimizer and sessions are built and ``VmHWM`` (peak) after ``--steps``
-training steps (the table: the largest over the ranks, less the base), every launch with ``MALLOC_MMAP_THRESHOLD_=131072`` (large temporaries go back to the system
-when freed, instead of growing glibc's heap: see ``main``). What differs between the configurations is the training state: revgraph's engine also
+training steps (the table: the largest over the ranks, less the base), every launch with
+``MALLOC_MMAP_THRESHOLD_=131072`` (large temporaries go back to the system when freed, instead of growing glibc's
+heap: see ``main``). What differs between the configurations is the training state: revgraph's engine also
 reports the bytes of its own buffers (``engine.held()``: parameters, optimizer state, gradients), which the
 table sets beside the arithmetic (P parameters of 4 bytes: unsharded Adam holds 3P of state and P of
-gradients; ZeRO-1 P + 2P/W and P (reduce-scattered in place); ZeRO-2 P + 2P/W and P/W + one bucket). The DDP bucket size and
-revgraph's largest gradient unit are both ``--bucket-mb`` (DDP's default 25; a layer larger than a bucket
-is a unit of its own).
+gradients; ZeRO-1 P + 2P/W and P (reduce-scattered in place); ZeRO-2 P + 2P/W and P/W + one bucket). The DDP
+bucket size and revgraph's largest gradient unit are both ``--bucket-mb`` (DDP's default 25; a layer larger than
+a bucket is a unit of its own).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def launch(fw: str, shard: str, args, env: dict) -> list | None:
     out.unlink()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(Path(__file__)),
            "--worker", "--framework", fw, "--shard", shard, "--width", str(args.width), "--layers", str(args.layers),
-           "--batch", str(args.batch), "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb), "--out", str(out)]
+           "--batch", str(args.batch), "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb),
+           "--out", str(out)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -71,7 +71,8 @@ def test_sharded_training_equals_one_process(tmp_path, model, shard, optimizers,
         full = 4 * sum(sizes)  # float32 bytes of the dense parameters, P
         held = {k[5:]: int(v) for k, v in ranks[0].items() if k.startswith("held:")}
         units = ranks[0]["units"]  # [length (padded), shard k, used] per unit
-        assert units[:, 2].sum() == sum(sizes) and (units[:, 0] % W == 0).all() and (units[:, 1] * W == units[:, 0]).all()
+        assert units[:, 2].sum() == sum(sizes) and (units[:, 0] % W == 0).all()
+        assert (units[:, 1] * W == units[:, 0]).all()
         assert sum(sizes) % W or any(s % W for s in sizes)  # counts not divisible by W: padding is exercised
         if model == "mlp":
             assert len(units) >= 2 and units[:, 0].max() * 4 > BUCKET  # several units; W1 alone exceeds a bucket
@@ -190,8 +191,8 @@ def test_train_nproc_sharded_matches_one_process(tmp_path, device):
     train, _ = demo.digits()
     np.savez(tmp_path / "data.npz", x=train["x"][:150], y=train["labels"][:150])
     rg.save(demo.mlp_model(hidden=15), tmp_path / "mlp.onnx")
-    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data", str(tmp_path / "data.npz"),
-              "--loss", "cross-entropy", "--epochs", "2", "--threads", "1", "--device", device]
+    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data",
+              str(tmp_path / "data.npz"), "--loss", "cross-entropy", "--epochs", "2", "--threads", "1", "--device", device]
     _run([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
     r = _run([*common, "--batch-size", "10", "--nproc", "2", "--shard", "gradients", "-o", str(tmp_path / "two.onnx")])
     assert "global batch 2 x 10 = 20; sharded: gradients (ZeRO-2)" in r.stdout, r.stdout

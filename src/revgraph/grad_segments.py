@@ -121,3 +121,22 @@ def cut(graph: Graph, units: list[list[str]], nbytes: dict[str, int]) -> Plan | 
                                                                                   last_reader.get(g, -1)))
         peak = max(peak, alive)
     return Plan(segments, direct, carried, peak)
+
+
+_ARENA: list = []
+
+
+def shared_cpu_arena() -> bool:
+    """Register (once per process) a CPU arena in onnxruntime's environment that sessions with
+    ``session.use_env_allocators`` share: the ZeRO-2 segments then hold one arena between them, as the whole
+    grad graph would, instead of one each. False when this onnxruntime cannot."""
+    if not _ARENA:
+        import onnxruntime as ort
+
+        try:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+            _ARENA.append(True)
+        except Exception:  # an onnxruntime without it: the segments keep their own arenas
+            _ARENA.append(False)
+    return _ARENA[0]

@@ -164,10 +164,6 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
     return graph, pairs, names
 
 
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
 class ShardedEngine(DistributedEngine):
     """A data-parallel step with sharded optimizer state (``mode="optimizer"``, ZeRO-1) or sharded optimizer
     state and gradients (``mode="gradients"``, ZeRO-2); module doc. ``bucket_bytes``: the largest unit (default
@@ -274,20 +270,21 @@ class ShardedEngine(DistributedEngine):
         ort_in.update((n, self._sets[0][n]) for n in self._tensors)
         # a pair that may not share a buffer (inplace_pairs: the step, read twice) writes a scratch tensor,
         # copied back after the run
-        self._scratch = {i: self._in_tensors[i].clone() for i, _ in pairs if i in unsafe}
+        self._update_scratch = {i: self._in_tensors[i].clone() for i, _ in pairs if i in unsafe}
         ub = self._update.io_binding()
         for j in range(len(self.units)):
             g = self._unit_names[j][1]
             ub.bind_ortvalue_input(g, ort_in[g])
         for i, o in pairs:
             ub.bind_ortvalue_input(i, ort_in[i])
-            ub.bind_ortvalue_output(o, ortvalue_from_dlpack(self._scratch[i]) if i in self._scratch else ort_in[i])
+            scratch = self._update_scratch.get(i)
+            ub.bind_ortvalue_output(o, ortvalue_from_dlpack(scratch) if scratch is not None else ort_in[i])
         self._ub = ub
 
     def _build_segments(self) -> None:
         """ZeRO-2: cut the grad graph into one segment per unit (:mod:`revgraph.grad_segments`); ``plan``
         stays ``None`` when it cannot be cut."""
-        from .grad_segments import cut
+        from .grad_segments import cut, shared_cpu_arena
 
         spec = self.spec
         grads = [[spec.grads[p][0] for p in u.names] for u in self.units]
@@ -300,12 +297,13 @@ class ShardedEngine(DistributedEngine):
             views.update((spec.grads[p][0], v) for p, v in u.views(self._bucket(u)).items())
         self._direct_views = {g: ortvalue_from_dlpack(views[g]) for g in self.plan.direct}
         options = self.options
-        if self.device.kind == "cpu" and _shared_cpu_arena():  # one arena for all segments, not one each
+        if self.device.kind == "cpu" and shared_cpu_arena():  # one arena for all segments, not one each
             self.options = session_options(self.runtime, options.intra_op_num_threads)
             self.options.add_session_config_entry("session.use_env_allocators", "1")
         try:
-            self._segments = [self.session(s.graph, f"gradient graph segment {k + 1}/{len(self.plan.segments)}")
-                              for k, s in enumerate(self.plan.segments)]
+            n = len(self.plan.segments)
+            self._segment_sessions = [self.session(s.graph, f"gradient graph segment {k + 1}/{n}")
+                                      for k, s in enumerate(self.plan.segments)]
         finally:
             self.options = options
 
@@ -322,14 +320,25 @@ class ShardedEngine(DistributedEngine):
 
     # ------------------------------------------------------------------------------------------ state
 
-    def read(self, names) -> dict[str, np.ndarray]:
+    def read(self, names, root_only: bool = False) -> dict[str, np.ndarray]:
         """Full host copies of ``names``; optimizer state of the units is all-gathered (a collective: every
         rank calls it with the same names), one unit and slot at a time, so that besides the copies returned
-        at most one unit's full state exists at once."""
+        at most one unit's full state exists at once. ``root_only``: ranks other than 0 take part in the
+        collectives but keep no copy and return ``{}`` (a checkpoint, which rank 0 writes)."""
+        if root_only and self.comm.rank != 0:
+            for (j, slot) in sorted({self._where[n][:2] for n in names if n in self._where and
+                                     self._where[n][1] is not None}):
+                u = self.units[j]
+                flat = self.comm.torch.empty(u.length, dtype=u.param.dtype, device=u.param.device)
+                with collective("an all-gather of the optimizer state"):
+                    _all_gather(self.comm.dist)(flat, u.state[slot])
+                del flat
+            return {}
         torch, out, wanted = self.comm.torch, {}, {}
         for n in names:
             if n not in self._where:
-                out[n] = self._tensors[n].cpu().numpy().copy() if n in self._tensors else np.array(self.value(n).numpy())
+                out[n] = (self._tensors[n].cpu().numpy().copy() if n in self._tensors
+                          else np.array(self.value(n).numpy()))
                 continue
             j, slot, o = self._where[n]
             wanted.setdefault((j, slot), []).append((n, o))
@@ -388,7 +397,7 @@ class ShardedEngine(DistributedEngine):
         params = sum(_nbytes(u.param) for u in self.units) + sum(_nbytes(self._tensors[p]) for p in spec.sparse)
         opt = sum(_nbytes(t) for u in self.units for t in u.state)
         opt += sum(_nbytes(self._tensors[s]) for p in spec.sparse for s in spec.state[p])
-        other = _nbytes(self._tensors[spec.step]) + sum(_nbytes(t) for t in self._scratch.values())
+        other = _nbytes(self._tensors[spec.step]) + sum(_nbytes(t) for t in self._update_scratch.values())
         other += sum(_nbytes(t) for _, t in self._previous or [])
         if self.mode == "optimizer":  # (the shards are views of the unit gradients)
             grads = sum(_nbytes(u.grad) for u in self.units)
@@ -399,9 +408,6 @@ class ShardedEngine(DistributedEngine):
             peak += self.plan.carried_peak if self.plan else sum(u.used * u.gshard.element_size() for u in self.units)
         return {"state": params + opt + other, "parameters": params, "optimizer": opt, "gradients": grads,
                 "gradients_peak": peak}
-
-    def _gradient_buffers(self) -> list:
-        return []
 
     @property
     def can_undo(self) -> bool:
@@ -431,7 +437,7 @@ class ShardedEngine(DistributedEngine):
         times = self.times
         if times is not None:
             times.begin()
-        loss, inputs = self._gradients(feeds, count, total)
+        loss, inputs = self._sharded_gradients(feeds, count, total)
         if accept is not None and not accept(loss):
             return loss
         start = times.now() if times is not None else 0.0
@@ -444,7 +450,7 @@ class ShardedEngine(DistributedEngine):
             self._update.run_with_iobinding(self._ub)
         except Exception as exc:
             raise RevgraphError(f"the update step failed: {_first_line(exc)}") from None
-        for i, t in self._scratch.items():
+        for i, t in self._update_scratch.items():
             self._in_tensors[i].copy_(t)
         self._synchronize()  # onnxruntime's writes are done before the collective reads the shards
         dist = self.comm.dist
@@ -458,7 +464,7 @@ class ShardedEngine(DistributedEngine):
             times.add("update", start)
         return loss
 
-    def _gradients(self, feeds: dict[str, np.ndarray], count: int, total: int) -> tuple[float, dict]:
+    def _sharded_gradients(self, feeds: dict[str, np.ndarray], count: int, total: int) -> tuple[float, dict]:
         """Backward, gradients reduce-scattered into the shards (scaled by ``count / total``), sparse rows
         all-gathered: the loss of the global batch and the update's sparse inputs."""
         dist, times = self.comm.dist, self.times
@@ -535,7 +541,7 @@ class ShardedEngine(DistributedEngine):
         live: dict[str, object] = {}
         for k, seg in enumerate(plan.segments):
             if count:
-                b = self._segments[k].io_binding()
+                b = self._segment_sessions[k].io_binding()
                 for n in seg.inputs:
                     if n in feeds:
                         b.bind_cpu_input(n, feeds[n])
@@ -549,7 +555,7 @@ class ShardedEngine(DistributedEngine):
                     else:
                         b.bind_output(n, self.device.ort_type, self.device.index)
                 try:
-                    self._segments[k].run_with_iobinding(b)
+                    self._segment_sessions[k].run_with_iobinding(b)
                 except Exception as exc:
                     raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
                 for n, v in zip(seg.outputs, b.get_outputs(), strict=True):
@@ -577,23 +583,8 @@ class ShardedEngine(DistributedEngine):
         return loss, {n: live[n] for _, idx, rows in self._sparse for n in (idx, rows)} if count else {}
 
 
-_ARENA: list = []
-
-
-def _shared_cpu_arena() -> bool:
-    """Register (once per process) a CPU arena in onnxruntime's environment that sessions with
-    ``session.use_env_allocators`` share: the ZeRO-2 segments then hold one arena between them, as the whole
-    grad graph would, instead of one each. False when this onnxruntime cannot."""
-    if not _ARENA:
-        import onnxruntime as ort
-
-        try:
-            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
-            _ARENA.append(True)
-        except Exception:  # an onnxruntime without it: the segments keep their own arenas
-            _ARENA.append(False)
-    return _ARENA[0]
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
 
 
 def _reduce_scatter(dist):

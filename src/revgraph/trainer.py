@@ -468,7 +468,8 @@ class Trainer:
         gathers = getattr(self._engine, "gathers", False)
         if not self.is_main and not gathers:
             return
-        values = self._engine.read(self._engine.names)
+        values = self._engine.read(self._engine.names, root_only=True) if gathers else \
+            self._engine.read(self._engine.names)
         if not self.is_main:
             return
         meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total,
