@@ -193,7 +193,16 @@ def test_profile_prints_phase_medians_on_rank_0(tmp_path):
     (["--bucket-mb", "0"], "--bucket-mb must be a positive number"),
     (["--reduce-dtype", "fp8"], "invalid choice"),
     (["--accumulate-steps", "2", "--buffers", "two"],
-     "gradient accumulation (accumulate_steps > 1) needs buffers='one'"),
+     "--accumulate-steps 2 (accumulate_steps=) needs --buffers one (buffers='one')"),
+    # options that do not combine: refused before any worker starts (--nproc), and in one process alike
+    (["--nproc", "2", "--shard", "optimizer", "--accumulate-steps", "2"],
+     "--accumulate-steps 2 (accumulate_steps=) does not combine with --shard optimizer"),
+    (["--nproc", "2", "--shard", "gradients", "--reduce-dtype", "bf16"],
+     "--reduce-dtype bf16 (reduce_dtype=) does not combine with --shard gradients"),
+    (["--nproc", "2", "--shard", "optimizer", "--sync-batchnorm"],
+     "--sync-batchnorm (sync_batchnorm=) does not combine with --shard optimizer"),
+    (["--nproc", "2", "--sync-batchnorm", "--accumulate-steps", "3"],
+     "--accumulate-steps 3 (accumulate_steps=) does not combine with --sync-batchnorm"),
 ])
 def test_bad_exchange_options_exit_2(tmp_path, args, message):
     rg.save(rg.demo.mlp_model(hidden=8), tmp_path / "m.onnx")
@@ -213,6 +222,14 @@ def test_bad_exchange_arguments_of_the_api_are_one_line_errors():
     tr, data = trainer("mlp", "adam", 16, False)
     with pytest.raises(rg.InputError, match="accumulate_steps .* must be a positive integer"):
         tr.fit(data, 1, 4, progress=False, accumulate_steps=0)
+    with pytest.raises(rg.InputError, match="does not combine with --shard optimizer: the gradients are reduce-scat"):
+        rg.Trainer(rg.demo.mlp_model(hidden=8), "cross-entropy", "adam", shard="optimizer", reduce_dtype="bf16")
+    two, _ = trainer("mlp", "adam", 16, False, buffers="two")
+    with pytest.raises(rg.InputError, match=r"--accumulate-steps 2 \(accumulate_steps=\) needs --buffers one"):
+        two.fit(data, 1, 4, progress=False, accumulate_steps=2)
+    synced, _ = trainer("mlp", "adam", 16, False, sync_batchnorm=True)
+    with pytest.raises(rg.InputError, match="does not combine with --sync-batchnorm"):
+        synced.fit(data, 1, 4, progress=False, accumulate_steps=2)
 
 
 def test_checkpoint_remembers_the_accumulation(tmp_path):
