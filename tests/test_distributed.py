@@ -41,11 +41,12 @@ def _port() -> int:
 
 
 @contextmanager
-def _launched(*cmds: list[str], env: dict = ENV):
-    """Start each command in a session of its own (torchrun and its workers), and kill every process of
-    those sessions on the way out, so that a failed or timed-out test leaves no worker behind."""
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for c in cmds]
+def _launched(*cmds: list[str], cwds: list | None = None, env: dict = ENV):
+    """Start each command (in ``cwds[i]``, default here) in a session of its own (torchrun and its workers),
+    and kill every process of those sessions on the way out, so that a failed or timed-out test leaves no
+    worker behind."""
+    procs = [subprocess.Popen(c, env=env, cwd=(cwds or [None] * len(cmds))[i], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for i, c in enumerate(cmds)]
     try:
         yield procs
     finally:

@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 import uuid
-from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -30,28 +29,13 @@ from revgraph import checkpoints, demo
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
 from test_devices import gpu_test  # noqa: E402
-from test_distributed import ENV, TORCHRUN, _children, _cmdline, _port  # noqa: E402
+from test_distributed import ENV, TORCHRUN, _children, _cmdline, _launched, _port  # noqa: E402
 
 HERE = Path(__file__).parent
 WRAPPER = HERE / "launch_worker.py"
 REVGRAPH = [sys.executable, "-m", "revgraph"]
 # the --nproc launcher (revgraph.launch.run_torchrun) on torchrun arguments of our own (the per-rank wrapper)
 LAUNCHER = [sys.executable, "-c", "import sys; from revgraph.launch import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"]
-
-
-@contextmanager
-def _launched(*cmds: list[str], cwds: list | None = None, env: dict = ENV):
-    """Start each command in a session of its own (torchrun and its workers), and kill every process of those
-    sessions on the way out (as tests/test_distributed.py does, with a working directory per command)."""
-    procs = [subprocess.Popen(c, env=env, cwd=(cwds or [None] * len(cmds))[i], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for i, c in enumerate(cmds)]
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            with suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def _files(tmp_path: Path, samples: int = 120, nan_at: int | None = None) -> list[str]:
