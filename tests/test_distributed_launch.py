@@ -489,3 +489,30 @@ def test_two_machines_in_network_namespaces_follow_the_readme(tmp_path):
                 assert d.returncode == (1 if raw else 2), d.stderr[-3000:]
                 errors = _errors(d.stderr)
                 assert errors and all(hint in e and "set GLOO_SOCKET_IFNAME" in e for e in errors), d.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("ip"), reason="needs iproute2's `ip netns` to make two machines")
+def test_two_machines_with_the_data_parallel_options_train_like_one_process(tmp_path):
+    """The README's multi-node recipe on two "machines" with the options of issue 25: ZeRO-2 (--shard
+    gradients), ZeRO-1, small buckets with the exchange overlapping the backward pass, and accumulated
+    micro-batches (2 machines x batch 4 x 2 micro-batches = one process with batch 16): each trains the weights
+    of one process on the same global batch (rtol 2e-5)."""
+    _files(tmp_path, samples=150)
+    train = ["train", "mlp.onnx", "--data", "data.npz", "--loss", "cross-entropy", "--lr", "0.003", "--threads", "1",
+             "--seed", "5", "--epochs", "2", "--batch-size", "4", "-o", "trained.onnx"]
+    references = {}
+    for batch in (8, 16):
+        one = [*REVGRAPH, *train[:train.index("--batch-size")], "--batch-size", str(batch), "-o", f"one{batch}.onnx"]
+        r = subprocess.run(one, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        references[batch] = rg.load(tmp_path / f"one{batch}.onnx").initializers
+    cases = {"zero2": (["--shard", "gradients"], 8), "zero1": (["--shard", "optimizer"], 8),
+             "overlap": (["--bucket-mb", "0.002", "--overlap", "on"], 8), "accumulate": (["--accumulate-steps", "2"], 16)}
+    with _Namespaces() as nets:
+        for name, (options, batch) in cases.items():
+            done = _two_nodes(nets, tmp_path, name, [*train, *options])
+            assert [d.returncode for d in done] == [0, 0], (name, [d.stderr[-3000:] for d in done])
+            trained = rg.load(tmp_path / name / "node0" / "trained.onnx").initializers
+            for p, value in references[batch].items():
+                np.testing.assert_allclose(trained[p], value, rtol=2e-5, atol=2e-6, err_msg=f"{name}: {p}")
