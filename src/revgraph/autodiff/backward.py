@@ -16,6 +16,7 @@ Subgraphs (loop bodies, branches) are differentiated by the same pass through ``
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 
 from ..errors import GraphError, InternalError
@@ -152,10 +153,16 @@ def backward(
     reach = set(wrt)
     for node in nodes:
         reach.update(o for o in node.outputs if o and differentiable(types.get(o)))
-    risky, unsafe = set(), set()
+    # the forward values that may be inf or NaN, also without strong zeros: rules mask such values by what the
+    # forward selects (a loss reads only labelled log-probabilities), which is linear in the cotangent, and
+    # forward mode transposes that VJP (issue 27: its JVP was NaN where the gradient was not)
+    risky = nonfinite_values(graph.nodes, e.values, types, inputs=graph.input_names)
+    seeds = dict.fromkeys(ys) if options.finite_seeds else ys
+    unsafe, singular = set(), set()
     if options.strong_zeros:
-        risky = nonfinite_values(graph.nodes, e.values, types, inputs=graph.input_names)
-        unsafe = nonfinite_cotangents(nodes, ys, e.values, risky, types)
+        unsafe = nonfinite_cotangents(nodes, seeds, e.values, risky, types)
+        # infinite even where every forward value is finite (Sqrt's at 0): where a zero partial stops them
+        singular = nonfinite_cotangents(nodes, seeds, e.values, frozenset(), types)
     shared = dict(risky=frozenset(risky), reach=frozenset(reach), options=options, backward=_subgraph_pass(e),
                   producers=MappingProxyType(producers))
     grad_map: dict[str, Grad] = {}
@@ -169,7 +176,8 @@ def backward(
         need = tuple(bool(i) and i in reach and differentiable(types.get(i)) for i in node.inputs)
         if not any(need) and not node.subgraphs and not any(i in reach for i in _pair_reads(node, shared["producers"])):
             continue
-        ctx = Ctx(e, node, need, not any(o in unsafe for o in node.outputs if o), **shared)
+        outs = [o for o in node.outputs if o]
+        ctx = Ctx(e, node, need, not any(o in unsafe for o in outs), any(o in singular for o in outs), **shared)
         with e.scope(f"grad/{node.name or node.op_type}"):
             in_grads, captured = _run_rule(ctx, node, out_grads, graph)
         if len(in_grads) != len(node.inputs):
@@ -257,7 +265,9 @@ def _subgraph_pass(parent: Emitter):
     def run(body: Graph, seeds: Mapping[str, str], wrt: list[str], *, types: dict[str, ValueInfo],
             options: Options) -> BodyVJP:
         sub = parent.child(types, "grad")
-        _, grads = backward(body, seeds, wrt, types=types, emitter=sub, options=options)
+        # a body's seeds are the cotangents of its outputs, which the enclosing pass may make infinite
+        inner = replace(options, finite_seeds=False) if options.finite_seeds else options
+        _, grads = backward(body, seeds, wrt, types=types, emitter=sub, options=inner)
         return BodyVJP(sub.nodes, grads)
 
     return run
