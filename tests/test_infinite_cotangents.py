@@ -158,3 +158,76 @@ def test_the_zero_partial_test_only_where_the_cotangent_may_be_infinite():
 
     assert tests("Sqrt") == ["Equal"]  # x == 0 (the same test for both operands: merged)
     assert tests("Tanh") == []
+
+
+# ------------------------------------------------------------------------------------ rows that are all -inf
+
+NEG = -math.inf
+U = np.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]])
+ROW = np.array([0.3, -1.2, 2.0])
+#: op -> (attributes, extra inputs, PyTorch function of a row batch)
+ROWWISE = {
+    "Softmax": ({"axis": -1}, [], lambda x: torch.softmax(x, -1)),
+    "LogSoftmax": ({"axis": -1}, [], lambda x: torch.log_softmax(x, -1)),
+    "ReduceLogSumExp": ({"keepdims": 1}, ["ax"], lambda x: torch.logsumexp(x, -1, keepdim=True)),
+}
+
+
+def _rowwise_graph(op: str, mask_from: str) -> Graph:
+    """``loss = sum(u * op(x + m))``: ``m`` a graph input or a constant (both may hold -inf)."""
+    attrs, extra, _ = ROWWISE[op]
+    nodes = [Node("Add", ["x", "m"], ["xm"], name="add"), Node(op, ["xm", *extra], ["y"], attrs, "op"),
+             Node("Mul", ["y", "u"], ["yu"], name="mulu"), Node("ReduceSum", ["yu"], ["loss"], {"keepdims": 0}, "sum")]
+    inits = {"u": U if op != "ReduceLogSumExp" else U[:, :1], "ax": AX}
+    inputs = [ValueInfo("x", F64, (2, 3))]
+    if mask_from == "input":
+        inputs.append(ValueInfo("m", F64, (2, 3)))
+    else:
+        inits["m"] = np.array([[0.0] * 3, [NEG] * 3])
+    return Graph(nodes, inputs, [ValueInfo("loss")], inits)
+
+
+@pytest.mark.parametrize("mask_from", ["input", "constant"])
+@pytest.mark.parametrize("op", sorted(ROWWISE))
+def test_a_fully_masked_row_gets_a_zero_gradient(op, mask_from):
+    # row 1 is all -inf (x + m with m = -inf there): its gradient is 0 (jax#6811, PyTorch's masked softmax);
+    # row 0 is PyTorch's gradient of the same function
+    g = _rowwise_graph(op, mask_from)
+    x = np.array([ROW, [0.1, 0.2, 0.3]])
+    feeds = {"x": x} | ({"m": np.array([[0.0] * 3, [NEG] * 3])} if mask_from == "input" else {})
+    got = zerokit.grads(g, ["x"], feeds)["x"]
+    assert np.array_equal(got[1], np.zeros(3))
+    xt = torch.tensor(ROW[None], requires_grad=True)
+    u = torch.tensor(g.initializers["u"][:1])
+    (ROWWISE[op][2](xt) * u).sum().backward()
+    np.testing.assert_allclose(got[0], xt.grad.numpy()[0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_softmax_cross_entropy_over_a_fully_masked_row_that_counts(reduction):
+    # row 1's scores are all -inf and its label counts (weight 1): that row's gradient is 0; row 0's is
+    # softmax - onehot, hand-derived (divided by W = 2 for the mean: both rows count)
+    g = Graph([Node("SoftmaxCrossEntropyLoss", ["s", "labels"], ["l"], {"reduction": reduction}, "sce"),
+               Node("ReduceSum", ["l"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("s", F64, (2, 3)), ValueInfo("labels", np.int64, (2,))], [ValueInfo("loss")])
+    got = zerokit.grads(g, ["s"], {"s": np.array([ROW, [NEG] * 3]), "labels": np.array([2, 0])})["s"]
+    p = np.exp(ROW - ROW.max()) / np.exp(ROW - ROW.max()).sum()
+    want = (p - [0.0, 0.0, 1.0]) / (2.0 if reduction == "mean" else 1.0)
+    np.testing.assert_allclose(got[0], want, rtol=1e-13)
+    assert np.array_equal(got[1], np.zeros(3))
+
+
+# ------------------------------------------------------------------------------------ forward = reverse
+
+
+def test_the_issue_example_a_constant_function_has_zero_jvp_gradient_and_hvp():
+    # loss = Exp(ReduceLogSumExp(c + x)) with c = [-inf, -inf] is the constant exp(-inf) = 0: its gradient,
+    # JVP and HVP are 0 (the JVP was NaN: exp(x - y) is NaN at x = y = -inf)
+    g = Graph([Node("Constant", [], ["c"], {"value": np.array([NEG, NEG])}, "c"), Node("Add", ["c", "x"], ["a"], name="add"),
+               Node("ReduceLogSumExp", ["a"], ["r"], {"keepdims": 0}, "lse"), Node("Exp", ["r"], ["loss"], name="exp")],
+              [ValueInfo("x", F64, (2,))], [ValueInfo("loss")])
+    x = np.array([0.5, -1.0])
+    assert zerokit.grads(g, ["x"], {"x": x})["x"].tolist() == [0.0, 0.0]  # and the JVP is <grad, t> = 0
+    hg = rg.hvp(g, "loss", ["x"])
+    out = zerokit.run(hg, {"x": x, **{v.name: np.array([0.3, -0.7]) for v in hg.inputs if v.name != "x"}})
+    assert len(out) > 1 and all(v.tolist() == [0.0, 0.0] for k, v in out.items() if k != "loss")  # grad, H v

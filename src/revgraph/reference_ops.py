@@ -23,6 +23,9 @@ written from the spec:
 * ``GatherElements``: ``indices`` may be smaller than ``data`` along every axis, not only ``axis`` (the output
   has the shape of ``indices``; onnx's kernel requires equal sizes outside ``axis`` and, through
   ``np.choose``, at most 64 entries along it: BERT's 512 positions failed).
+* ``ReduceLogSumExp``: a group that is all ``-inf`` gives ``log(0) = -inf`` (onnx's kernel subtracts the
+  maximum, ``-inf - -inf``, and gives NaN: a fully masked row); computed as ``m + log(sum(exp(x - m)))`` with
+  ``m`` the group's maximum where it is finite, 0 elsewhere (+inf and NaN propagate as the spec's formula).
 """
 
 from __future__ import annotations
@@ -159,4 +162,28 @@ class OneHot(OpRun):
         return (np.where(hot, on, off).astype(values.dtype),)
 
 
-FIXED_OPS = [Loop, LRN, Erf, Gelu, GatherElements, OneHot, Resize]
+class ReduceLogSumExp(OpRun):
+    op_domain = ""
+
+    def _run(self, data, axes=None, keepdims=1, noop_with_empty_axes=0):
+        """ONNX "ReduceLogSumExp" (``axes`` an input since opset 18, an attribute before): ``log(sum(exp(x)))``
+        over ``axes`` (every axis when none are given, unless ``noop_with_empty_axes``), stable and exact at
+        ``-inf`` groups (module doc)."""
+        axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+        if not axes:
+            if noop_with_empty_axes:
+                return (data,)
+            axes = list(range(data.ndim))
+        tax = tuple(a + data.ndim if a < 0 else a for a in axes)
+        if data.size == 0:
+            shape = [1 if i in tax else d for i, d in enumerate(data.shape)]
+            out = np.full(shape, -np.inf, data.dtype)
+        else:
+            top = np.max(data, axis=tax, keepdims=True)
+            shift = np.where(np.isfinite(top), top, 0).astype(data.dtype)
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                out = (np.log(np.sum(np.exp(data - shift), axis=tax, keepdims=True)) + shift).astype(data.dtype)
+        return (out if keepdims else np.squeeze(out, axis=tax),)
+
+
+FIXED_OPS = [Loop, LRN, Erf, Gelu, GatherElements, OneHot, Resize, ReduceLogSumExp]

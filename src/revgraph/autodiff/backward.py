@@ -157,12 +157,12 @@ def backward(
     # forward selects (a loss reads only labelled log-probabilities), which is linear in the cotangent, and
     # forward mode transposes that VJP (issue 27: its JVP was NaN where the gradient was not)
     risky = nonfinite_values(graph.nodes, e.values, types, inputs=graph.input_names)
-    seeds = dict.fromkeys(ys) if options.finite_seeds else ys
+    seeds = dict.fromkeys(ys) if options.tangents else ys
     unsafe, singular = set(), set()
     if options.strong_zeros:
         unsafe = nonfinite_cotangents(nodes, seeds, e.values, risky, types)
         # infinite even where every forward value is finite (Sqrt's at 0): where a zero partial stops them
-        singular = nonfinite_cotangents(nodes, seeds, e.values, frozenset(), types)
+        singular = unsafe if options.tangents else nonfinite_cotangents(nodes, seeds, e.values, frozenset(), types)
     shared = dict(risky=frozenset(risky), reach=frozenset(reach), options=options, backward=_subgraph_pass(e),
                   producers=MappingProxyType(producers))
     grad_map: dict[str, Grad] = {}
@@ -266,7 +266,7 @@ def _subgraph_pass(parent: Emitter):
             options: Options) -> BodyVJP:
         sub = parent.child(types, "grad")
         # a body's seeds are the cotangents of its outputs, which the enclosing pass may make infinite
-        inner = replace(options, finite_seeds=False) if options.finite_seeds else options
+        inner = replace(options, tangents=False) if options.tangents else options
         _, grads = backward(body, seeds, wrt, types=types, emitter=sub, options=inner)
         return BodyVJP(sub.nodes, grads)
 

@@ -46,14 +46,16 @@ class Options:
     ``strong_zeros``: keep exact zeros where a zero cotangent meets an inf or NaN partial derivative (DESIGN
     section 5). Forward mode (:mod:`..forward`) turns it off for the VJP it transposes: the guards there test
     the cotangent, so the VJP would not be linear in it, and the transposed guards would read it.
-    ``finite_seeds``: the seeds are taken as finite (forward mode's tangents, seeding the VJP of a VJP: a JVP
-    along an infinite tangent is NaN where a partial derivative is 0, as ``<grad, t>`` is), so that a cotangent
-    counts as possibly infinite only where the graph can make it so (:meth:`Ctx.times`)."""
+    ``tangents``: the pass transposes a VJP (forward mode's second pass, :mod:`..forward`): its seeds are
+    tangents, taken as finite (a JVP along an infinite tangent is NaN where a partial derivative is 0, as
+    ``<grad, t>`` is), and a zero partial derivative stops every cotangent that may be inf or NaN, not only the
+    singular ones (:meth:`Ctx.times`): a tangent meets a forward NaN that the function discards (a loss row
+    of weight 0) before the zero that discards it, where reverse mode meets the zero first."""
 
     checkpoint: CheckpointPolicy = field(default_factory=Store)
     straight_through: bool = False
     strong_zeros: bool = True
-    finite_seeds: bool = False
+    tangents: bool = False
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,7 @@ def _segment(graph: Graph, seg: list[Node], end: int, tangents: dict[str, str], 
     both = Graph([*seg, *e1.nodes], outside, initializers=graph.initializers, opsets=dict(graph.opsets))
     e2 = e.child(types, "jvp/tangent")
     _, tans = backward(both, {ct[x]: tangents[x] for x in ct}, list(us.values()), types=types, emitter=e2,
-                       options=Options(finite_seeds=True))
+                       options=Options(tangents=True))
     new = []
     for y, u in us.items():
         if tans.get(u) is not None:
