@@ -160,6 +160,20 @@ def test_the_zero_partial_test_only_where_the_cotangent_may_be_infinite():
     assert tests("Tanh") == []
 
 
+def test_a_loop_body_that_makes_its_carried_cotangent_infinite():
+    # h <- sqrt(h * h) three times from h0 = [0, -2]: loss = sum(h_3) = sum(|h0|), gradient [0, -1]. The body's
+    # seeds (the carried cotangent) are finite in the first reverse iteration and infinite after it: the body's
+    # VJP makes them so, and its Mul must stop them
+    body = Graph([Node("Mul", ["h", "h"], ["q"], name="mul"), Node("Sqrt", ["q"], ["h2"], name="sqrt"),
+                  Node("Identity", ["c"], ["c2"], name="cond")],
+                 [ValueInfo("i", np.int64, ()), ValueInfo("c", np.bool_, ()), ValueInfo("h", F64, (2,))],
+                 [ValueInfo("c2", np.bool_, ()), ValueInfo("h2", F64, (2,))])
+    g = Graph([Node("Loop", ["n", "t", "h0"], ["hT"], {"body": body}, "loop"),
+               Node("ReduceSum", ["hT"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("h0", F64, (2,))], [ValueInfo("loss")], {"n": np.array(3), "t": np.array(True)})
+    assert zerokit.grads(g, ["h0"], {"h0": np.array([0.0, -2.0])})["h0"].tolist() == [0.0, -1.0]
+
+
 # ------------------------------------------------------------------------------------ rows that are all -inf
 
 NEG = -math.inf
@@ -223,8 +237,9 @@ def test_softmax_cross_entropy_over_a_fully_masked_row_that_counts(reduction):
 def test_the_issue_example_a_constant_function_has_zero_jvp_gradient_and_hvp():
     # loss = Exp(ReduceLogSumExp(c + x)) with c = [-inf, -inf] is the constant exp(-inf) = 0: its gradient,
     # JVP and HVP are 0 (the JVP was NaN: exp(x - y) is NaN at x = y = -inf)
-    g = Graph([Node("Constant", [], ["c"], {"value": np.array([NEG, NEG])}, "c"), Node("Add", ["c", "x"], ["a"], name="add"),
-               Node("ReduceLogSumExp", ["a"], ["r"], {"keepdims": 0}, "lse"), Node("Exp", ["r"], ["loss"], name="exp")],
+    g = Graph([Node("Constant", [], ["c"], {"value": np.array([NEG, NEG])}, "c"),
+               Node("Add", ["c", "x"], ["a"], name="add"), Node("ReduceLogSumExp", ["a"], ["r"], {"keepdims": 0}, "lse"),
+               Node("Exp", ["r"], ["loss"], name="exp")],
               [ValueInfo("x", F64, (2,))], [ValueInfo("loss")])
     x = np.array([0.5, -1.0])
     assert zerokit.grads(g, ["x"], {"x": x})["x"].tolist() == [0.0, 0.0]  # and the JVP is <grad, t> = 0

@@ -162,7 +162,7 @@ def backward(
     if options.strong_zeros:
         unsafe = nonfinite_cotangents(nodes, seeds, e.values, risky, types)
         # infinite even where every forward value is finite (Sqrt's at 0): where a zero partial stops them
-        singular = unsafe if options.tangents else nonfinite_cotangents(nodes, seeds, e.values, frozenset(), types)
+        singular = unsafe if options.tangents else _singular(nodes, ys, wrt, e.values, types, options.seeds_singular)
     shared = dict(risky=frozenset(risky), reach=frozenset(reach), options=options, backward=_subgraph_pass(e),
                   producers=MappingProxyType(producers))
     grad_map: dict[str, Grad] = {}
@@ -192,6 +192,17 @@ def backward(
         if g is not None:
             grad_map[w] = g
     return e.nodes, grad_map
+
+
+def _singular(nodes: list[Node], ys: Mapping[str, str | None], wrt: list[str], values: Mapping, types: dict,
+              seeds_singular: bool) -> set[str]:
+    """The values whose cotangents may be infinite at finite forward values (:func:`nonfinite_cotangents` without
+    the forward values' risk). Seeds that are not may still become so in a loop body: a body whose VJP makes
+    the cotangent of a wrt value (a carried value) singular feeds it back as the next iteration's seed."""
+    found = nonfinite_cotangents(nodes, ys if seeds_singular else dict.fromkeys(ys), values, frozenset(), types)
+    if not seeds_singular and not found.isdisjoint(wrt):
+        found = nonfinite_cotangents(nodes, ys, values, frozenset(), types)
+    return found
 
 
 def _type_seeds(graph: Graph, ys: Mapping[str, str | None], types: dict[str, ValueInfo]) -> None:
@@ -263,10 +274,11 @@ def _subgraph_pass(parent: Emitter):
     """``ctx.backward``: the backward pass of a subgraph (a loop body, a branch), emitted apart."""
 
     def run(body: Graph, seeds: Mapping[str, str], wrt: list[str], *, types: dict[str, ValueInfo],
-            options: Options) -> BodyVJP:
+            options: Options, singular: bool = True) -> BodyVJP:
         sub = parent.child(types, "grad")
-        # a body's seeds are the cotangents of its outputs, which the enclosing pass may make infinite
-        inner = replace(options, tangents=False) if options.tangents else options
+        # the seeds are the cotangents of the body's outputs: singular where the enclosing node's (``singular``:
+        # its ``ctx.singular``) are, or where the body feeds its own back (_singular); not tangents
+        inner = replace(options, tangents=False, seeds_singular=singular)
         _, grads = backward(body, seeds, wrt, types=types, emitter=sub, options=inner)
         return BodyVJP(sub.nodes, grads)
 

@@ -56,6 +56,9 @@ class Options:
     straight_through: bool = False
     strong_zeros: bool = True
     tangents: bool = False
+    #: may the seeds be infinite at finite forward values (:attr:`Ctx.singular`)? A loop body's or branch's
+    #: seeds may not when the enclosing node's output cotangents may not (``ctx.backward(..., singular=...)``)
+    seeds_singular: bool = True
 
 
 @dataclass(frozen=True)
