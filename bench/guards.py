@@ -7,7 +7,8 @@ and 64, the lifted light ResNet-50 and DenseNet-121, the synthetic Sin/Tanh chai
 ``Where``, ``Equal`` and ``Or`` nodes the backward pass emitted (names ``grad/...``) and of all nodes.
 ``python bench/guards.py time OUT.json --other OTHER_SRC``: step times (median of alternating turns) of the
 gradient graphs built by this tree and by the revgraph source at ``OTHER_SRC`` (built in a subprocess with
-that ``PYTHONPATH``), run on onnxruntime with 1 thread; never asserted by a test (noise).
+that ``PYTHONPATH``), run on onnxruntime with 1 thread, the two in alternating order turn by turn; never
+asserted by a test (noise: time a model whose graph did not change beside, as a control).
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ def timing(out: str, other: str, keys: list[str], turns: int, iters: int) -> Non
                     for k, d in dirs.items()}
             feeds = {k: _feeds(infos[key], s) for k, s in sess.items()}
             times: dict[str, list[float]] = {k: [] for k in sess}
-            for _ in range(turns):
-                for k, s in sess.items():  # alternating: both see the same machine load
+            for turn in range(turns):
+                order = list(sess.items()) if turn % 2 else list(sess.items())[::-1]
+                for k, s in order:  # alternating, in both orders: both see the same machine load
                     s.run(None, feeds[k])
                     t0 = time.perf_counter()
                     for _ in range(iters):
