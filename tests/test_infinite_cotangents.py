@@ -246,3 +246,15 @@ def test_the_issue_example_a_constant_function_has_zero_jvp_gradient_and_hvp():
     hg = rg.hvp(g, "loss", ["x"])
     out = zerokit.run(hg, {"x": x, **{v.name: np.array([0.3, -0.7]) for v in hg.inputs if v.name != "x"}})
     assert len(out) > 1 and all(v.tolist() == [0.0, 0.0] for k, v in out.items() if k != "loss")  # grad, H v
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_zero_factor_discards_an_input_in_both_modes(bad):
+    # loss = sum(z * (x * p)) with z = 0 where x is inf or NaN: d/dp = sum(z * x) over the kept element = 1.5 * 2,
+    # d/dx = z * p; forward mode meets t_p * x = NaN before the zero z, and must give <grad, t> too
+    g = Graph([Node("Mul", ["x", "p"], ["xp"], name="mulp"), Node("Mul", ["z", "xp"], ["y"], name="mulz"),
+               Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", F64, (3,)), ValueInfo("p", F64, ()), ValueInfo("z", F64, (3,))], [ValueInfo("loss")])
+    feeds = {"x": np.array([bad, 2.0, bad]), "p": np.array(0.5), "z": np.array([0.0, 1.5, 0.0])}
+    got = zerokit.grads(g, ["x", "p"], feeds)
+    assert got["p"] == 3.0 and got["x"].tolist() == [0.0, 0.75, 0.0]
