@@ -171,6 +171,60 @@ def test_check_runs_celu_and_layer_norm_statistics():
     assert rep.ok and rep.backend == "onnxruntime", rep
 
 
+def test_check_runs_conv_and_layer_norm_with_stash_type_spelled_out():
+    """Issue 27: the dynamo exporter writes LayerNormalization's stash_type=1; the float64 copy made it 11, which
+    onnx's reference evaluator (needed for the float64 Conv) refuses. It stays 1, and the statistics are float64
+    anyway (both runtimes; the check agrees, and the gradient equals PyTorch's in float64)."""
+    rng = np.random.default_rng(3)
+    w, s, b = rng.standard_normal((2, 2, 1, 1)).astype(F32), rng.standard_normal(3).astype(F32), rng.standard_normal(3)
+    # (float32 parameters: the float64 copy promotes them exactly)
+    g = Graph([Node("Conv", ["x", "w"], ["c"], name="conv"),
+               Node("LayerNormalization", ["c", "s", "b"], ["y"], {"axis": -1, "stash_type": 1}, "ln")],
+              [ValueInfo("x", F32, (1, 2, 2, 3))], [ValueInfo("y", F32, (1, 2, 2, 3))],
+              {"w": w, "s": s, "b": b.astype(F32)})
+    assert to_float64(g).nodes[1].attrs["stash_type"] == 1
+    rep = quiet_check(g)
+    assert rep.ok and rep.backend == "reference" and set(statuses(rep).values()) == {"agree"}, rep
+    x, u = rng.standard_normal((1, 2, 2, 3)), rng.standard_normal((1, 2, 2, 3))
+    gg = rg.gradient(to_float64(g), "y", ["x"], seed="input")
+    out = rg.Session(gg, backend="reference").run({"x": x, "y_grad": u})
+    tx = torch.tensor(x, requires_grad=True)
+    c = torch.nn.functional.conv2d(tx, torch.tensor(w.astype(np.float64)))
+    scale, bias = torch.tensor(s.astype(np.float64)), torch.tensor(b.astype(F32).astype(np.float64))
+    y = torch.nn.functional.layer_norm(c, (3,), scale, bias)
+    (y * torch.tensor(u)).sum().backward()
+    np.testing.assert_allclose(out["x_grad"], tx.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("rank", [3, 4])
+def test_float64_attention_agrees_on_both_runtimes(rank):
+    """Issue 27: with the default scale of a head size whose 1/sqrt is not exact in float32 (5), onnxruntime
+    applies float32(sqrt(float32(1/sqrt(5)))) to Q and K, as the spec's function body does, and onnx's reference
+    kernel the float64 value: the forwards, and so the gradients, differed by 1e-7. revgraph's reference kernel
+    computes it as the spec does; both runtimes agree to 1e-12, and with PyTorch's float64 SDPA at that scale."""
+    rng = np.random.default_rng(5)
+    hq, d = 2, 5
+    shape = (1, 3, hq * d) if rank == 3 else (1, hq, 3, d)
+    feeds = {n: rng.standard_normal(shape) for n in "qkv"}
+    attrs = {"q_num_heads": hq, "kv_num_heads": hq} if rank == 3 else {}
+    g = Graph([Node("Attention", ["q", "k", "v"], ["y"], attrs, "att")],
+              [ValueInfo(n, np.float64, shape) for n in "qkv"], [ValueInfo("y", np.float64, shape)], opsets={"": 23})
+    gg = rg.gradient(g, "y", list("qkv"), seed="input")
+    u = rng.standard_normal(shape)
+    ort_out, ref_out = (rg.Session(gg, backend=b).run({**feeds, "y_grad": u}) for b in ("onnxruntime", "reference"))
+    for k in ort_out:
+        np.testing.assert_allclose(ref_out[k], ort_out[k], rtol=1e-12, atol=1e-14, err_msg=k)
+    root = float(np.float32(np.sqrt(np.float32(1.0) / np.sqrt(np.float32(d)))))
+    t = {n: torch.tensor(feeds[n], requires_grad=True) for n in "qkv"}
+    heads = [x.reshape(1, 3, hq, d).transpose(1, 2) if rank == 3 else x for x in t.values()]
+    y = torch.nn.functional.scaled_dot_product_attention(*heads, scale=root * root)
+    y = y.transpose(1, 2).reshape(shape) if rank == 3 else y
+    (y * torch.tensor(u)).sum().backward()
+    np.testing.assert_allclose(ort_out["y"], y.detach().numpy(), rtol=1e-12, atol=1e-14)
+    for n in "qkv":
+        np.testing.assert_allclose(ort_out[f"{n}_grad"], t[n].grad.numpy(), rtol=1e-10, atol=1e-13, err_msg=n)
+
+
 def test_float32_constants_and_bfloat16_inputs_are_promoted():
     """Float32 by construction: Constant value_float, ConstantOfShape without a value, RandomNormal without a
     dtype; bfloat16 inputs (numpy kind 'V') were left as they were. Each made a graph onnxruntime refuses."""

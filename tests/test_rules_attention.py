@@ -122,8 +122,8 @@ def rnd(rng, *shape):
 
 def qkv(rng, b=2, hq=4, hkv=2, lq=3, s=5, d=16, dv=3, rank=4):
     """Q, K, V. The head size 16 makes the default scale exact in float32 (sqrt(1/4)): onnxruntime computes it
-    in float32 as the spec's function body does, onnx's reference evaluator in float64, and the gradient
-    graph holds the forward node (the VJP reads Y), whose two runs must agree to 1e-6."""
+    in float32 as the spec's function body does, onnx's reference kernel in float64 (revgraph's corrected one
+    in float32, reference_ops.py), and the gradient graph holds the forward node (the VJP reads Y)."""
     if rank == 3:
         return {"q": rnd(rng, b, lq, hq * d), "k": rnd(rng, b, s, hkv * d), "v": rnd(rng, b, s, hkv * dv)}
     return {"q": rnd(rng, b, hq, lq, d), "k": rnd(rng, b, hkv, s, d), "v": rnd(rng, b, hkv, s, dv)}

@@ -92,7 +92,7 @@ def to_float64(graph: Graph) -> Graph:
     (``value_info``, kept so that ranks ONNX cannot infer survive), initializers, ``Constant`` and
     ``ConstantOfShape`` values, and the dtype attributes of ``Cast``, ``EyeLike``, the random operators and
     the window functions become float64; ``GroupNormalization`` computes its statistics in float64
-    (``stash_type``); unused ``Mean``/``InvStdDev`` outputs of ``LayerNormalization`` are dropped (their
+    (``stash_type``; ``LayerNormalization``'s stays, :func:`_stash_kept`); unused ``Mean``/``InvStdDev`` outputs of ``LayerNormalization`` are dropped (their
     schema type is float32 or bfloat16 only). Float8 casts are left alone: they quantize."""
     g = graph.copy()
     used = _used_names(g)
@@ -124,7 +124,7 @@ def _promote_node(node: Node, opset: int, used: set[str]) -> None:
     for key, val in list(node.attrs.items()):
         if isinstance(val, np.ndarray):
             node.attrs[key] = _promote(val)
-        elif key in _DTYPE_ATTRS and isinstance(val, int) and val in _FLOAT_TYPES:
+        elif key in _DTYPE_ATTRS and isinstance(val, int) and val in _FLOAT_TYPES and not _stash_kept(node, key):
             node.attrs[key] = 11
     if node.domain:
         return
@@ -147,6 +147,13 @@ def _promote_node(node: Node, opset: int, used: set[str]) -> None:
         while len(outs) > 1 and not outs[-1]:
             outs.pop()
         node.outputs = outs
+
+
+def _stash_kept(node: Node, key: str) -> bool:
+    """``LayerNormalization``'s ``stash_type`` stays (the dynamo exporter spells out 1): it is the statistics'
+    precision, at least the data's; onnxruntime and onnx's reference compute float64 data's statistics in
+    float64 with 1 (1e-16 from numpy on 1e4-sized rows), and the reference refuses 11 (issue 27)."""
+    return key == "stash_type" and node.op_type == "LayerNormalization" and not node.domain
 
 
 def _promote(a: np.ndarray) -> np.ndarray:

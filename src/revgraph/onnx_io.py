@@ -41,7 +41,7 @@ from .reading import (  # noqa: F401  (read_model, converter_error: API of this 
 )
 from .schema import get_schema
 from .ssa import is_ssa, to_ssa
-from .upgrade import fix_legacy_prelu, group_norm_per_channel
+from .upgrade import fix_legacy_prelu, group_norm_per_channel, type_untyped_sequences
 from .version import __version__
 
 #: Operator domains a loaded model may import besides the default one.
@@ -131,6 +131,7 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
         fix_legacy_prelu(graph)
     if not is_ssa(graph):
         graph = to_ssa(graph)
+    type_untyped_sequences(graph)  # before the proto below is typed by shape inference
     light, big = light_graph(graph)
     proto = _ssa_to_onnx(light)
     renumber = _renumbering_converts(graph, original, opset)

@@ -23,6 +23,13 @@ written from the spec:
 * ``GatherElements``: ``indices`` may be smaller than ``data`` along every axis, not only ``axis`` (the output
   has the shape of ``indices``; onnx's kernel requires equal sizes outside ``axis`` and, through
   ``np.choose``, at most 64 entries along it: BERT's 512 positions failed).
+* ``Attention`` without a ``scale``: the default ``1/sqrt(head_size)`` in float32, as the spec's function body
+  and onnxruntime compute it (onnx's kernel computes it in float64, so float64 models ran another forward on
+  each runtime, 1e-7 apart: issue 27); the factor applied to Q and K is its square root in float32, cast to
+  Q's dtype, as both do with an explicit ``scale`` (a float32 attribute).
+* ``ReduceLogSumExp``: a group that is all ``-inf`` gives ``log(0) = -inf`` (onnx's kernel subtracts the
+  maximum, ``-inf - -inf``, and gives NaN: a fully masked row); computed as ``m + log(sum(exp(x - m)))`` with
+  ``m`` the group's maximum where it is finite, 0 elsewhere (+inf and NaN propagate as the spec's formula).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import math
 import numpy as np
 from onnx import helper
 from onnx.reference.op_run import OpRun
+from onnx.reference.ops.op_attention import Attention_23 as _OnnxAttention
 from onnx.reference.ops.op_loop import Loop as _OnnxLoop
 from onnx.reference.ops.op_lrn import LRN as _OnnxLRN
 from onnx.reference.ops.op_resize import Resize as _OnnxResize
@@ -159,4 +167,40 @@ class OneHot(OpRun):
         return (np.where(hot, on, off).astype(values.dtype),)
 
 
-FIXED_OPS = [Loop, LRN, Erf, Gelu, GatherElements, OneHot, Resize]
+class Attention(_OnnxAttention):
+    op_domain = ""
+
+    def _run(self, Q, K, V, *args, scale=None, q_num_heads=None, **attrs):
+        """ONNX "Attention" (opsets 23-25) with the default scale computed as the spec's function body does
+        (module doc); everything else is onnx's kernel (its opset-23 checks)."""
+        if scale is None:
+            head = Q.shape[-1] if Q.ndim == 4 else Q.shape[-1] // int(q_num_heads)
+            scale = np.float32(1.0) / np.sqrt(np.float32(head))
+        return super()._run(Q, K, V, *args, scale=scale, q_num_heads=q_num_heads, **attrs)
+
+
+class ReduceLogSumExp(OpRun):
+    op_domain = ""
+
+    def _run(self, data, axes=None, keepdims=1, noop_with_empty_axes=0):
+        """ONNX "ReduceLogSumExp" (``axes`` an input since opset 18, an attribute before): ``log(sum(exp(x)))``
+        over ``axes`` (every axis when none are given, unless ``noop_with_empty_axes``), stable and exact at
+        ``-inf`` groups (module doc)."""
+        axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+        if not axes:
+            if noop_with_empty_axes:
+                return (data,)
+            axes = list(range(data.ndim))
+        tax = tuple(a + data.ndim if a < 0 else a for a in axes)
+        if data.size == 0:
+            shape = [1 if i in tax else d for i, d in enumerate(data.shape)]
+            out = np.full(shape, -np.inf, data.dtype)
+        else:
+            top = np.max(data, axis=tax, keepdims=True)
+            shift = np.where(np.isfinite(top), top, 0).astype(data.dtype)
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                out = (np.log(np.sum(np.exp(data - shift), axis=tax, keepdims=True)) + shift).astype(data.dtype)
+        return (out if keepdims else np.squeeze(out, axis=tax),)
+
+
+FIXED_OPS = [Loop, LRN, Erf, Gelu, GatherElements, OneHot, Resize, ReduceLogSumExp, Attention]

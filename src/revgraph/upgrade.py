@@ -1,12 +1,13 @@
 """Node rewrites for models converted to a newer opset where ``onnx.version_converter`` does not adapt the
 semantics itself: PRelu's per-channel slope before opset 7, and GroupNormalization's per-group scale and bias
-before opset 21. ``onnx_io.load`` applies them around the conversion."""
+before opset 21; and the kind of untyped subgraph values that hold sequences (:func:`type_untyped_sequences`).
+``onnx_io.load`` applies them around the conversion."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .ir import Graph, Node, fresh_name
+from .ir import Graph, Node, ValueInfo, fresh_name
 
 
 def fix_legacy_prelu(graph: Graph) -> bool:
@@ -75,3 +76,63 @@ def _repeat_per_channel(node: Node, slots: list[int], groups: int, used: set[str
         added.append(Node("Reshape", [wide, const("all", [-1])], [flat], name=flat))
         node.inputs[i] = flat
     return added
+
+
+#: operators whose output is a sequence, and the inputs of operators that are sequences (ONNX operator spec)
+_MAKES_SEQUENCE = frozenset({"SequenceEmpty", "SequenceConstruct", "SequenceInsert", "SequenceErase",
+                            "SplitToSequence"})
+_READS_SEQUENCE = {"SequenceInsert": 0, "SequenceErase": 0, "SequenceAt": 0, "SequenceLength": 0,
+                   "ConcatFromSequence": 0}
+
+
+def type_untyped_sequences(graph: Graph) -> int:
+    """Declare as sequences the subgraph inputs and outputs that are declared without a type and that hold
+    sequences: written by a sequence operator, read as one, or carried by a ``Loop`` whose initial value or
+    other end is one (torch.onnx's dynamo exporter writes ``SequenceEmpty -> Loop(SequenceInsert)`` with an
+    untyped carried sequence, issue 27). Read as tensors, they were written back as tensors of element type 0,
+    which ONNX shape inference refuses and onnxruntime cannot load. Edits ``graph``'s subgraphs in place (their
+    element type is left to shape inference); returns how many values it declared."""
+    seqs = {v.name for g in _graphs(graph) for v in [*g.inputs, *g.outputs, *g.value_info.values()]
+            if v.kind == "sequence"}
+    for g, node in graph.walk():
+        if node.domain in ("", "ai.onnx") and node.op_type in _MAKES_SEQUENCE:
+            seqs.update(o for o in node.outputs if o)
+        k = _READS_SEQUENCE.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if k is not None and len(node.inputs) > k and node.inputs[k]:
+            seqs.add(node.inputs[k])
+    changed, count = True, 0
+    while changed:  # a carried value is a sequence at all four of its places or at none
+        changed = False
+        for _, node in graph.walk():
+            if node.op_type != "Loop" or node.domain not in ("", "ai.onnx") or "body" not in node.attrs:
+                continue
+            body = node.attrs["body"]
+            for j in range(len(node.inputs) - 2):
+                places = [node.inputs[2 + j], _name(body.inputs, 2 + j), _name(body.outputs, 1 + j),
+                          node.outputs[j] if j < len(node.outputs) else ""]
+                if any(p in seqs for p in places if p) and not all(p in seqs for p in places if p):
+                    seqs.update(p for p in places if p)
+                    changed = True
+    for g in _graphs(graph):
+        if g is graph:
+            continue
+        for field in (g.inputs, g.outputs):
+            for k, v in enumerate(field):
+                if v.name in seqs and v.kind == "tensor" and v.dtype is None and v.shape is None:
+                    field[k] = ValueInfo(v.name, None, None, "sequence")
+                    count += 1
+    return count
+
+
+def _graphs(graph: Graph) -> list[Graph]:
+    out, stack = [], [graph]
+    while stack:
+        g = stack.pop()
+        out.append(g)
+        for node in g.nodes:
+            stack.extend(node.subgraphs.values())
+    return out
+
+
+def _name(values: list[ValueInfo], k: int) -> str:
+    return values[k].name if k < len(values) else ""

@@ -16,6 +16,7 @@ Subgraphs (loop bodies, branches) are differentiated by the same pass through ``
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 
 from ..errors import GraphError, InternalError
@@ -152,10 +153,16 @@ def backward(
     reach = set(wrt)
     for node in nodes:
         reach.update(o for o in node.outputs if o and differentiable(types.get(o)))
-    risky, unsafe = set(), set()
+    # the forward values that may be inf or NaN, also without strong zeros: rules mask such values by what the
+    # forward selects (a loss reads only labelled log-probabilities), which is linear in the cotangent, and
+    # forward mode transposes that VJP (issue 27: its JVP was NaN where the gradient was not)
+    risky = nonfinite_values(graph.nodes, e.values, types, inputs=graph.input_names)
+    seeds = dict.fromkeys(ys) if options.tangents else ys
+    unsafe, singular = set(), set()
     if options.strong_zeros:
-        risky = nonfinite_values(graph.nodes, e.values, types, inputs=graph.input_names)
-        unsafe = nonfinite_cotangents(nodes, ys, e.values, risky, types)
+        unsafe = nonfinite_cotangents(nodes, seeds, e.values, risky, types)
+        # infinite even where every forward value is finite (Sqrt's at 0): where a zero partial stops them
+        singular = unsafe if options.tangents else _singular(nodes, ys, wrt, e.values, types, options.seeds_singular)
     shared = dict(risky=frozenset(risky), reach=frozenset(reach), options=options, backward=_subgraph_pass(e),
                   producers=MappingProxyType(producers))
     grad_map: dict[str, Grad] = {}
@@ -169,7 +176,8 @@ def backward(
         need = tuple(bool(i) and i in reach and differentiable(types.get(i)) for i in node.inputs)
         if not any(need) and not node.subgraphs and not any(i in reach for i in _pair_reads(node, shared["producers"])):
             continue
-        ctx = Ctx(e, node, need, not any(o in unsafe for o in node.outputs if o), **shared)
+        outs = [o for o in node.outputs if o]
+        ctx = Ctx(e, node, need, not any(o in unsafe for o in outs), any(o in singular for o in outs), **shared)
         with e.scope(f"grad/{node.name or node.op_type}"):
             in_grads, captured = _run_rule(ctx, node, out_grads, graph)
         if len(in_grads) != len(node.inputs):
@@ -184,6 +192,17 @@ def backward(
         if g is not None:
             grad_map[w] = g
     return e.nodes, grad_map
+
+
+def _singular(nodes: list[Node], ys: Mapping[str, str | None], wrt: list[str], values: Mapping, types: dict,
+              seeds_singular: bool) -> set[str]:
+    """The values whose cotangents may be infinite at finite forward values (:func:`nonfinite_cotangents` without
+    the forward values' risk). Seeds that are not may still become so in a loop body: a body whose VJP makes
+    the cotangent of a wrt value (a carried value) singular feeds it back as the next iteration's seed."""
+    found = nonfinite_cotangents(nodes, ys if seeds_singular else dict.fromkeys(ys), values, frozenset(), types)
+    if not seeds_singular and not found.isdisjoint(wrt):
+        found = nonfinite_cotangents(nodes, ys, values, frozenset(), types)
+    return found
 
 
 def _type_seeds(graph: Graph, ys: Mapping[str, str | None], types: dict[str, ValueInfo]) -> None:
@@ -255,9 +274,12 @@ def _subgraph_pass(parent: Emitter):
     """``ctx.backward``: the backward pass of a subgraph (a loop body, a branch), emitted apart."""
 
     def run(body: Graph, seeds: Mapping[str, str], wrt: list[str], *, types: dict[str, ValueInfo],
-            options: Options) -> BodyVJP:
+            options: Options, singular: bool = True) -> BodyVJP:
         sub = parent.child(types, "grad")
-        _, grads = backward(body, seeds, wrt, types=types, emitter=sub, options=options)
+        # the seeds are the cotangents of the body's outputs: singular where the enclosing node's (``singular``:
+        # its ``ctx.singular``) are, or where the body feeds its own back (_singular); not tangents
+        inner = replace(options, tangents=False, seeds_singular=singular)
+        _, grads = backward(body, seeds, wrt, types=types, emitter=sub, options=inner)
         return BodyVJP(sub.nodes, grads)
 
     return run

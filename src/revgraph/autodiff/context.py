@@ -45,11 +45,20 @@ class Options:
     Off by default, as the estimator is not the derivative: without it a path through such a pair is refused.
     ``strong_zeros``: keep exact zeros where a zero cotangent meets an inf or NaN partial derivative (DESIGN
     section 5). Forward mode (:mod:`..forward`) turns it off for the VJP it transposes: the guards there test
-    the cotangent, so the VJP would not be linear in it, and the transposed guards would read it."""
+    the cotangent, so the VJP would not be linear in it, and the transposed guards would read it.
+    ``tangents``: the pass transposes a VJP (forward mode's second pass, :mod:`..forward`): its seeds are
+    tangents, taken as finite (a JVP along an infinite tangent is NaN where a partial derivative is 0, as
+    ``<grad, t>`` is), and a zero partial derivative stops every cotangent that may be inf or NaN, not only the
+    singular ones (:meth:`Ctx.times`): a tangent meets a forward NaN that the function discards (a loss row
+    of weight 0) before the zero that discards it, where reverse mode meets the zero first."""
 
     checkpoint: CheckpointPolicy = field(default_factory=Store)
     straight_through: bool = False
     strong_zeros: bool = True
+    tangents: bool = False
+    #: may the seeds be infinite at finite forward values (:attr:`Ctx.singular`)? A loop body's or branch's
+    #: seeds may not when the enclosing node's output cotangents may not (``ctx.backward(..., singular=...)``)
+    seeds_singular: bool = True
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,9 @@ class Ctx:
 
     ``e`` builds the nodes. ``need[i]``: does input i need a gradient (the backward pass reads it; rules return
     functions instead of testing it). ``finite``: are the node's output cotangents known to be finite
-    (autodiff/finite.py)? ``risky``: the forward values that may be inf or NaN. ``producers``: the node writing
+    (autodiff/finite.py)? ``singular``: may one of them be infinite even where every forward value is finite (a
+    singular derivative, ``Sqrt``'s at 0, or a non-finite seed on the way from a seed: :func:`finite.
+    nonfinite_cotangents` without the forward values' risk)? ``risky``: the forward values that may be inf or NaN. ``producers``: the node writing
     each value of the graph being differentiated. ``reach``: every value on a path from a wrt value (what a
     control-flow rule asks about captured values). ``backward``: the backward pass itself, for subgraphs.
     """
@@ -135,6 +146,7 @@ class Ctx:
     node: Node
     need: tuple[bool, ...]
     finite: bool
+    singular: bool
     risky: frozenset[str]
     producers: Mapping[str, Node]
     reach: frozenset[str]
@@ -163,19 +175,34 @@ class Ctx:
 
     # ------------------------------------------------------------------------------------------ strong zeros
 
-    def times(self, g: str, d: str, like: str | None = None, reads: Sequence[str] | None = None) -> str:
+    def times(self, g: str, d: str, like: str | None = None, reads: Sequence[str] | None = None,
+              zero: bool = True) -> str:
         """``g * d`` with strong zeros (DESIGN section 5): exactly 0 where ``g == 0``, even where ``d`` is inf or
-        NaN. ``reads``: the forward values ``d`` is computed from; when none of them may be non-finite
-        (:meth:`nonfinite`) and ``d`` cannot overflow from finite values, the plain product is equal and is
-        emitted (``Where`` costs 7-11x a ``Mul`` on onnxruntime). ``reads=None``: ``d`` may be inf for finite
-        forward values (``1 / x`` at 0), always guarded."""
+        NaN, and exactly 0 where ``d == 0``, even where ``g`` is inf (a zero partial derivative stops an infinite
+        cotangent: ``Mul(x, x)`` at 0 under ``Sqrt``, whose cotangent is inf there, as forward mode gives).
+        ``reads``: the forward values ``d`` is computed from; when none of them may be non-finite
+        (:meth:`nonfinite`) and ``d`` cannot overflow from finite values, ``g == 0`` needs no test
+        (``reads=None``: ``d`` may be inf for finite forward values, ``1 / x`` at 0, always tested). ``d == 0``
+        is tested only where the node's output cotangents may be infinite at finite forward values
+        (:attr:`singular`) and ``zero`` says ``d`` may be 0 (``False``: ``d`` is a nonzero constant's
+        reciprocal); a cotangent that is inf or NaN only because a forward value is meets that value's own
+        inf or NaN partial, where no test helps. Where neither test is needed the plain product is emitted:
+        ``Where`` costs 7-11x a ``Mul`` on onnxruntime (bench/micro.py)."""
         e = self.e
         prod = e.op("Mul", [g, d], like=like)
-        if not self.options.strong_zeros or (reads is not None and not self.nonfinite(*reads)):
+        if not self.options.strong_zeros:
             return prod
-        zero = e.scalar(0.0, g)
-        is_zero = e.op("Equal", [g, zero], shape=e.dims(g), dtype=np.dtype(bool))
-        return e.op("Where", [is_zero, zero, prod], like=like)
+        tests = []
+        if reads is None or self.nonfinite(*reads):
+            tests.append(g)
+        if zero and self.singular:
+            tests.append(d)
+        if not tests:
+            return prod
+        zero_ = e.scalar(0.0, g)
+        hits = [e.op("Equal", [v, zero_], shape=e.dims(v), dtype=np.dtype(bool)) for v in tests]
+        hit = hits[0] if len(hits) == 1 else e.op("Or", hits)
+        return e.op("Where", [hit, zero_, prod], like=like)
 
     def weigh(self, g: str, w: str, like: str | None = None) -> str:
         """``g * w`` for a finite weight ``w >= 0`` (a tie share), exactly 0 where ``w == 0`` even for an inf or

@@ -10,6 +10,11 @@ Two uses:
 - **Selections.** A selection VJP (ReLU, Dropout, Clip, Where) sends an exact 0 to the unselected side even
   for an inf or NaN cotangent: ``Where(c, g, 0)``, or ``g * Cast(c)`` where :func:`nonfinite_cotangents` proves
   the cotangent finite (the two agree for finite ``g``).
+- **Zero partials** (issue 27). The same products are exactly 0 where the partial derivative ``d`` is 0 and the
+  cotangent infinite (``Mul(x, x)`` at 0 under ``Sqrt``): tested only where :func:`nonfinite_cotangents`,
+  called without forward risk (``risky`` empty), finds that the cotangent may be infinite at finite forward
+  values, i.e. after a VJP outside :data:`BOUNDED` (a singular derivative), a loop or custom operator, or a
+  seed that is not a finite constant (``Ctx.singular``).
 
 :func:`nonfinite_values` marks a forward value as possibly non-finite ("risky") when
 

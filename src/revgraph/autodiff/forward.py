@@ -162,7 +162,9 @@ def _segment(graph: Graph, seg: list[Node], end: int, tangents: dict[str, str], 
         return seg
     reads = {i for n in hit for i in [*n.inputs, *(c for sg in n.subgraphs.values() for c in captured_names(sg))]}
     xs = [x for x in tangents if x in reads]
-    sub = Graph(list(seg), initializers=graph.initializers, opsets=dict(graph.opsets))
+    # what the segment reads from outside (graph inputs, earlier loops' outputs) may be inf or NaN: its inputs
+    outside = _outside_reads(seg, graph.initializers, types)
+    sub = Graph(list(seg), outside, initializers=graph.initializers, opsets=dict(graph.opsets))
     # 1. the VJP, linear in the cotangents u
     e1 = e.child(types, "jvp/vjp")
     us = {}
@@ -178,9 +180,10 @@ def _segment(graph: Graph, seg: list[Node], end: int, tangents: dict[str, str], 
     if not ct:
         return seg
     # 2. its transposition: the VJP of x -> <vjp(x), t_x> with respect to u
-    both = Graph([*seg, *e1.nodes], initializers=graph.initializers, opsets=dict(graph.opsets))
+    both = Graph([*seg, *e1.nodes], outside, initializers=graph.initializers, opsets=dict(graph.opsets))
     e2 = e.child(types, "jvp/tangent")
-    _, tans = backward(both, {ct[x]: tangents[x] for x in ct}, list(us.values()), types=types, emitter=e2)
+    _, tans = backward(both, {ct[x]: tangents[x] for x in ct}, list(us.values()), types=types, emitter=e2,
+                       options=Options(tangents=True))
     new = []
     for y, u in us.items():
         if tans.get(u) is not None:
@@ -198,6 +201,18 @@ def _segment(graph: Graph, seg: list[Node], end: int, tangents: dict[str, str], 
     ids = {id(n) for n in seg}
     cut = max((k + 1 for k, n in enumerate(both.nodes) if id(n) in ids), default=0)
     return [*both.nodes[:cut], *zeros.nodes, *both.nodes[cut:], *e2.nodes]
+
+
+def _outside_reads(seg: list[Node], initializers: dict, types: dict[str, ValueInfo]) -> list[ValueInfo]:
+    """The values ``seg`` reads (directly or from a subgraph) that it does not compute and that are not
+    initializers, typed: the inputs of the segment as a graph of its own."""
+    made = {o for n in seg for o in n.outputs if o}
+    names: dict[str, None] = {}
+    for n in seg:
+        for i in [*n.inputs, *(c for sg in n.subgraphs.values() for c in captured_names(sg))]:
+            if i and i not in made and i not in initializers:
+                names.setdefault(i)
+    return [types.get(i) or ValueInfo(i) for i in names]
 
 
 #: operators whose output has the shape of their first input

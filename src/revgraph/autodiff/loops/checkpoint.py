@@ -67,7 +67,8 @@ def checkpointed_loop(ctx: Ctx, node: Node, cts: list, policy: Segments) -> Patc
         "Slice", [cts[p.n_carried + i], eb.op("Unsqueeze", [start, eb.ints([0])]),
                   eb.op("Unsqueeze", [end, eb.ints([0])]), eb.ints([0])]))
     wrt = [v_start[j] for j in p.carried] + p.captured
-    body_vjp = ctx.backward(seg_graph, seeds, wrt, types=eb.types, options=replace(ctx.options, checkpoint=Store()))
+    body_vjp = ctx.backward(seg_graph, seeds, wrt, types=eb.types, options=replace(ctx.options, checkpoint=Store()),
+                            singular=ctx.singular)
     eb.nodes += seg_graph.nodes  # the segment's loop, extended by its own VJP's patch
     eb.nodes += body_vjp.nodes
     carried = {j: body_vjp.grads.get(v_start[j]) for j in p.carried}

@@ -55,7 +55,7 @@ def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     scan_cts = cts[p.n_carried :]
     seeds = body_seeds(eb, p, bb.cot, lambda s, name: None if scan_cts[s] is None else eb.op(
         "Gather", [scan_cts[s], t], axis=0, like=name))
-    body_vjp = ctx.backward(p.body, seeds, p.wrt, types=p.types, options=ctx.options)
+    body_vjp = ctx.backward(p.body, seeds, p.wrt, types=p.types, options=ctx.options, singular=ctx.singular)
     carried, captured, settled = settle(p, bb, body_vjp.grads)
     vjp_nodes = [*body_vjp.nodes, *settled]
 

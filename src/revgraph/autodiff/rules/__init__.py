@@ -20,6 +20,7 @@ from . import (  # noqa: F401
     roi,  # MaxUnpool, MaxRoiPool, RoiAlign
     rotary,  # RotaryEmbedding
     sampling,  # GridSample, AffineGrid
+    scatter,  # ScatterND, ScatterElements
     sequence,  # SequenceAt, SplitToSequence, ConcatFromSequence, ...
     shape,
     spectral,  # DFT, STFT

@@ -27,11 +27,11 @@ from ..emitter import Emitter
 from ..registry import not_differentiable, unary, vjp
 
 
-def strong(ctx: Ctx, g: str, d: str, like: str | None, reads: list[str] | None = None) -> str:
-    """``g * d`` with strong zeros: exactly 0 where ``g == 0``, even if ``d`` is inf or NaN there.
-    ``reads``: the forward values ``d`` is computed from, when ``d`` is finite for finite values (the product
-    is then plain where they are all provably finite, :meth:`Ctx.times`); ``None``: always guarded."""
-    return ctx.times(g, d, like, reads)
+def strong(ctx: Ctx, g: str, d: str, like: str | None, reads: list[str] | None = None, zero: bool = True) -> str:
+    """``g * d`` with strong zeros (:meth:`Ctx.times`): exactly 0 where ``g == 0``, even if ``d`` is inf or NaN
+    there, and where ``d == 0`` even if ``g`` is. ``reads``: the forward values ``d`` is computed from, when ``d``
+    is finite for finite values (``None``: ``d`` may be infinite anyway); ``zero=False``: ``d`` is never 0."""
+    return ctx.times(g, d, like, reads, zero)
 
 
 def integer_result(e: Emitter, node: Node) -> bool:
@@ -88,7 +88,7 @@ def div(ctx: Ctx, node: Node, cts: list) -> list:
     # 1 / b is inf where b is 0, unless b is a constant without zeros
     bv = ctx.value(b)
     safe = bv is not None and bool(np.all(np.isfinite(bv)) and np.all(bv != 0))
-    return [lambda: e.reduce_to(strong(ctx, g, e.op("Reciprocal", [b]), y, [] if safe else None), a),
+    return [lambda: e.reduce_to(strong(ctx, g, e.op("Reciprocal", [b]), y, [] if safe else None, zero=not safe), a),
             # d(a/b)/db = -y/b
             lambda: e.reduce_to(strong(ctx, g, e.op("Neg", [e.op("Div", [y, b])]), y), b)]
 

@@ -32,6 +32,7 @@ from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 from .elementwise import strong
+from .nn import drop_rows, masked_rows, zero_rows
 
 
 def _class_mask(e: Emitter, node: Node, x: str, rank: int) -> tuple[str, str]:
@@ -99,7 +100,8 @@ def _weights_grad(ctx: Ctx, node: Node, c: _Counted, logp: str, rank: int, reduc
 
 def _loss_vjp(ctx: Ctx, node: Node, cts: list, logp: Callable[[], str], log_prob_grad: str | None) -> tuple:
     """Functions emitting the cotangent of the log-probabilities and of the weights (``None``: no weights
-    input); ``logp`` emits (or names) the log-probabilities, called only for the weights' cotangent."""
+    input), and the :class:`_Counted` masks (``None`` without a loss cotangent); ``logp`` emits (or names) the
+    log-probabilities, called only for the weights' cotangent."""
     e, x = ctx.e, node.inputs[0]
     rank = e.need_rank(x, node)
     reduction = node.attrs.get("reduction", "mean")
@@ -108,7 +110,7 @@ def _loss_vjp(ctx: Ctx, node: Node, cts: list, logp: Callable[[], str], log_prob
     weights = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
     g = cts[0]
     if g is None:
-        return (lambda: log_prob_grad), None
+        return (lambda: log_prob_grad), None, None
 
     @cache
     def counted() -> _Counted:
@@ -120,8 +122,22 @@ def _loss_vjp(ctx: Ctx, node: Node, cts: list, logp: Callable[[], str], log_prob
         return out if log_prob_grad is None else e.op("Add", [out, log_prob_grad], like=x)
 
     if weights is None:
-        return glogp, None
-    return glogp, lambda: _weights_grad(ctx, node, counted(), logp(), rank, reduction, weights)
+        return glogp, None, counted
+    return glogp, lambda: _weights_grad(ctx, node, counted(), logp(), rank, reduction, weights), counted
+
+
+def _discarded(ctx: Ctx, node: Node, weighted: str | None) -> str | None:
+    """bool ``[N, 1, d...]``: the elements whose scores get a zero gradient, where the scores may be non-finite
+    (else ``None``): those whose scores are all ``-inf`` (issue 27: a fully masked row, as Softmax's), and, given
+    the ``weighted`` label mask, those that do not count (weight 0 or ignored), whose softmax the VJP reads only
+    as ``0 * softmax`` (set to 0 instead, so that forward mode, which meets the tangent times the softmax
+    first, gives 0 too where the softmax is NaN)."""
+    masked = masked_rows(ctx, node.inputs[0], 1)
+    if masked is None or weighted is None:
+        return masked
+    e = ctx.e
+    counts = e.op("ReduceSum", [weighted, e.ints([1])], keepdims=1)
+    return e.op("Or", [masked, e.op("Equal", [counts, e.scalar(0.0, counts)])])
 
 
 @vjp("NegativeLogLikelihoodLoss")
@@ -129,7 +145,7 @@ def negative_log_likelihood_loss(ctx: Ctx, node: Node, cts: list) -> list:
     """``d input = -g * w[y] * onehot(y)`` (``g`` divided by ``W`` for ``mean``); ONNX operator spec
     "NegativeLogLikelihoodLoss", PyTorch ``nll_loss_backward``."""
     x = node.inputs[0]
-    gx, gw = _loss_vjp(ctx, node, cts, lambda: x, None)
+    gx, gw, _ = _loss_vjp(ctx, node, cts, lambda: x, None)
     return [gx, None, gw][: len(node.inputs)]
 
 
@@ -146,15 +162,17 @@ def softmax_cross_entropy_loss(ctx: Ctx, node: Node, cts: list) -> list:
     def logp() -> str:
         return node.outputs[1] if has_log_prob else e.op("LogSoftmax", [x], axis=1, like=x)
 
-    glogp, gw = _loss_vjp(ctx, node, cts, logp, log_prob_grad)
+    glogp, gw, counted = _loss_vjp(ctx, node, cts, logp, log_prob_grad)
 
     def gx() -> str | None:
         grad = glogp()
         if grad is None:
             return None
         axes = e.ints([1])
-        prob = e.op("Softmax", [x], axis=1, like=x)
+        # with a log_prob cotangent every element's softmax is read: only fully masked rows are discarded then
+        off = _discarded(ctx, node, None if counted is None or log_prob_grad is not None else counted().weighted)
+        prob = zero_rows(ctx, off, e.op("Softmax", [x], axis=1, like=x), x)
         rows = e.op("ReduceSum", [grad, axes], keepdims=1)  # 0 for an element that does not count
-        return e.op("Sub", [grad, strong(ctx, rows, prob, x, [x])], like=x)
+        return drop_rows(ctx, off, e.op("Sub", [grad, strong(ctx, rows, prob, x, [x])], like=x), x)
 
     return [gx, None, gw][: len(node.inputs)]

@@ -157,10 +157,21 @@ def reduce_l1(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
 @unary("ReduceLogSumExp")
 def reduce_log_sum_exp(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * softmax(x) = dy * exp(x - y)`` (ONNX "ReduceLogSumExp"; JAX's ``logsumexp`` derivative).
-    ``x - y <= 0`` since ``y >= max x``: the max-subtracted softmax, which cannot overflow."""
+    ``x - y <= 0`` since ``y >= max x``: the max-subtracted softmax, which cannot overflow. A group that is all
+    ``-inf`` (``y = -inf``, where ``x - y`` is NaN) gets 0 (issue 27: a fully masked row, as Softmax's), tested
+    only where ``x`` may be non-finite."""
     e = ctx.e
-    p = e.op("Exp", [e.op("Sub", [x, keep(e, node, y)], like=x)], like=x)
-    return strong(ctx, keep(e, node, g), p, x, [x])
+    yk = keep(e, node, y)
+    p = e.op("Exp", [e.op("Sub", [x, yk], like=x)], like=x)
+    masked = None
+    if ctx.nonfinite(x):  # from x's maximum, not y: runtimes differ on y there (onnx's reference: NaN)
+        masked = e.op("Equal", [reduce_like(e, node, "ReduceMax", x), e.scalar(-np.inf, x)])
+    if masked is not None:
+        p = e.op("Where", [masked, e.scalar(0.0, p), p], like=x)
+    dx = strong(ctx, keep(e, node, g), p, x, [x])
+    if masked is None or ctx.finite:  # (finite: 0 x finite is 0 already)
+        return dx
+    return ctx.select(e.op("Not", [masked]), dx, like=x)
 
 
 @unary("CumSum")
