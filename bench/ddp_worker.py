@@ -77,6 +77,8 @@ def _profile(trainer, clock: Clock) -> None:
     if eng._grad is not None:  # (cut into segments: those are timed by --timeline)
         eng._grad = _Proxy(eng._grad, run_with_iobinding=clock.wrap("grad graph", eng._grad.run_with_iobinding))
     eng._update = _Proxy(eng._update, run_with_iobinding=clock.wrap("update graph", eng._update.run_with_iobinding))
+    if not hasattr(eng, "comm"):  # one process with one buffer set (the split step, no collective)
+        return
     dist = eng.comm.dist
 
     def all_reduce(*a, **k):
