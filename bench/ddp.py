@@ -155,7 +155,9 @@ def revgraph_source(commit: str | None, tmp: Path) -> tuple[dict, str]:
 
         rev = subprocess.run([*git, "describe", "--always", "--dirty"], check=False, capture_output=True,
                              text=True).stdout.strip()
-        return env, f"working tree {rev or '?'} ({Path(revgraph.__file__).parent})"
+        where = Path(revgraph.__file__).resolve().parent  # said relative to the checkout: no machine's paths
+        place = where.relative_to(ROOT) if where.is_relative_to(ROOT) else "an installed revgraph outside the checkout"
+        return env, f"working tree {rev or '?'} ({place})"
     sha = subprocess.run([*git, "rev-parse", commit], capture_output=True, text=True, check=True).stdout.strip()
     archive = subprocess.run([*git, "archive", sha, "src"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
