@@ -67,14 +67,16 @@ class Bucket:
     scratch: object = None
 
 
-def bucket_groups(like: dict[str, np.ndarray], grads: list[str], cap: int) -> list[list[str]]:
+def bucket_groups(like: dict[str, np.ndarray], grads: list[str], cap: int, *, in_order: bool = False,
+                  first: int | None = FIRST_BUCKET) -> list[list[str]]:
     """The gradient names of each bucket (module doc), in exchange order: ``grads`` (in parameter order) taken
-    in reverse, a new bucket when the dtype changes or the next gradient would pass ``cap`` bytes (the first
-    bucket: :data:`FIRST_BUCKET`, as DDP)."""
+    in reverse (``in_order``: as given), a new bucket when the dtype changes or the next gradient would pass
+    ``cap`` bytes (the first bucket: ``first``, :data:`FIRST_BUCKET` as DDP; ``None``: ``cap``). A gradient
+    larger than the cap gets a bucket of its own. The sharded engine's flat units are packed the same way."""
     groups: list[tuple[np.dtype, list[str], int]] = []
-    for g in reversed(grads):
+    for g in (grads if in_order else reversed(grads)):
         a = like[g]
-        limit = min(cap, FIRST_BUCKET) if len(groups) == 1 else cap
+        limit = min(cap, first) if first is not None and len(groups) == 1 else cap
         if not groups or groups[-1][0] != a.dtype or groups[-1][2] + a.nbytes > limit:
             groups.append((a.dtype, [], 0))
         dt, names, used = groups[-1]

@@ -46,7 +46,7 @@ import numpy as np
 from .devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
 from .distributed import Collective, DistributedEngine, collective
 from .errors import InputError, InternalError, RevgraphError
-from .exchange import BUCKET_MB, bucket_bytes as _bucket_bytes, torch_dtype
+from .exchange import BUCKET_MB, bucket_bytes as _bucket_bytes, bucket_groups, torch_dtype
 from .inplace import inplace_pairs
 from .ir import Graph, ValueInfo
 from .runtime import _first_line
@@ -94,14 +94,8 @@ def plan_units(spec: TrainingGraph, world: int, rank: int, bucket_bytes: int,
     """The flat units of ``spec``'s dense parameters (module doc): in ``order`` (default: reverse parameter
     order, as DDP first buckets them), one dtype per unit, at most ``bucket_bytes`` each (a larger parameter is a
     unit of its own), padded to a multiple of ``world``."""
-    groups: list[list[str]] = []
-    for p in order or reversed([p for p in spec.params if p not in spec.sparse]):
-        a = spec.initial[p]
-        last = groups[-1] if groups else None
-        if last is None or spec.initial[last[0]].dtype != a.dtype or \
-                sum(spec.initial[q].nbytes for q in last) + a.nbytes > bucket_bytes:
-            groups.append([])
-        groups[-1].append(p)
+    order = order or list(reversed([p for p in spec.params if p not in spec.sparse]))
+    groups = bucket_groups({p: spec.initial[p] for p in order}, order, bucket_bytes, in_order=True, first=None)
     units = []
     for names in groups:
         offsets, at = [], 0
