@@ -13,7 +13,7 @@ from test_train import OPTIMIZERS, embedding_model, mlp
 
 import revgraph as rg
 from revgraph import demo
-from revgraph import train as T
+from revgraph import optimizers, train as T
 from revgraph.cli import main
 from revgraph.errors import InternalError, RevgraphError
 from revgraph.inplace import inplace_pairs
@@ -175,7 +175,7 @@ def test_trajectories_equal_under_every_runtime_setting_and_buffer_layout(model)
 def test_one_set_equals_two_sets_bitwise_for_every_optimizer(name, monkeypatch):
     """SGD with momentum, Adam and AdamW, with small tensors updated as one group (Concat, Split) and without."""
     for limit in (0, T.GROUP_ELEMENTS):
-        monkeypatch.setattr(T, "GROUP_ELEMENTS", limit)
+        monkeypatch.setattr(optimizers, "GROUP_ELEMENTS", limit)
         for model in ("mlp", "embedding"):
             (_, l1, one), (_, l2, two) = (_train(model, OPTIMIZERS[name], buffers=b) for b in ("one", "two"))
             assert l1 == l2

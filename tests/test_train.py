@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import revgraph as rg
-from revgraph import train as T
+from revgraph import graphbuild, optimizers, train as T
 from revgraph.demo import rnn_model
 from revgraph.errors import InputError, RevgraphError
 from revgraph.ir import Graph, Node, ValueInfo
@@ -182,7 +182,7 @@ def test_more_hyperparameters_match_pytorch_over_many_steps(name):
 def test_update_writes_its_outputs_without_copies(name, monkeypatch):
     """The outputs are named by the nodes that compute them (no Identity copies), with the names of old, and
     Adam is 12 elementwise passes per tensor (plus 2 for L2 weight decay, 1 for AdamW's decay)."""
-    monkeypatch.setattr(T, "GROUP_ELEMENTS", 0)  # one update per tensor
+    monkeypatch.setattr(optimizers, "GROUP_ELEMENTS", 0)  # one update per tensor
     tg = T.training_graph(mlp(np.random.default_rng(3)), "cross-entropy", OPTIMIZERS[name])
     update = tg.graph.nodes[-tg.n_update_nodes:]
     assert not [n for n in update if n.op_type == "Identity"]
@@ -205,7 +205,7 @@ def test_grouped_small_tensors_update_as_separate_ones(name, monkeypatch):
     batches = make_batches(rng, "cross-entropy", n_batches=3, din=5, out=5)
     runs = {}
     for limit in (0, T.GROUP_ELEMENTS):
-        monkeypatch.setattr(T, "GROUP_ELEMENTS", limit)
+        monkeypatch.setattr(optimizers, "GROUP_ELEMENTS", limit)
         trainer = rg.Trainer(g, "cross-entropy", OPTIMIZERS[name])
         losses = [trainer.step(b) for b in batches * 3]
         runs[limit] = trainer, losses
@@ -222,11 +222,11 @@ def test_grouped_small_tensors_update_as_separate_ones(name, monkeypatch):
 
 def test_outputs_keep_identity_only_where_needed():
     """A value no update node computes (an input) or one already named gets an Identity; others are renamed."""
-    b = T._Builder({"p", "g"})
+    b = graphbuild.Builder({"p", "g"})
     b.prefix = "optim/p"
     s = b.op("Add", ["p", "g"])
     t = b.op("Mul", [s, s])
-    names = T._outputs(b, 0, [(s, "p.new"), ("p", "q.new"), (s, "r.new")])
+    names = graphbuild.name_outputs(b, 0, [(s, "p.new"), ("p", "q.new"), (s, "r.new")])
     assert names == ["p.new", "q.new", "r.new"]
     add, mul, keep, dup = b.nodes
     assert add.outputs == ["p.new"] and mul.inputs == ["p.new", "p.new"] and mul.outputs == [t]

@@ -18,8 +18,7 @@ from .check import NOT_CHECKED, check_gradients
 from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers
 from .cli_io import check_command_outputs, err, out, read_npz, write_npz
-from .cli_exchange import add_exchange_arguments
-from .cli_train import add_launch_arguments, add_runtime_arguments, cmd_train, runtime_from_args
+from .cli_train import add_runtime_arguments, add_train_parser, cmd_train, runtime_from_args
 from .cli_write import (
     MEMORY_HELP,
     POLICIES,
@@ -134,53 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--wrt", metavar="NAME", nargs="+", help="with --grad: values to differentiate with respect to")
     show.add_argument("--checkpoint", metavar=POLICIES, help="with --grad: loop residual policy")
 
-    train = sub.add_parser("train", help="train a model: loss, gradients and optimizer step as one ONNX graph")
-    train.add_argument("model", metavar="MODEL.onnx")
-    train.add_argument("--data", metavar="DATA.npz", required=True,
-                       help="an array per model input (by name) plus 'labels', or 'x' and 'y' for a one-input model")
-    train.add_argument("--loss", choices=("cross-entropy", "mse", "bce"), required=True)
-    train.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam", help="(default adam)")
-    train.add_argument("--lr", type=float, help="learning rate (default: 0.01 for sgd, 0.001 for adam and adamw)")
-    train.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
-    train.add_argument("--weight-decay", type=float,
-                       help="L2 penalty (sgd, adam) or decoupled decay (adamw; default 0.01, else 0)")
-    train.add_argument("--epochs", type=int, required=True, metavar="N")
-    train.add_argument("--batch-size", type=int, default=32, metavar="B", help="(default 32)")
-    train.add_argument("--seed", type=_seed, default=0, help="seed of the shuffling (default 0)")
-    train.add_argument("--model-output", metavar="NAME", help="the output the loss reads (default: the only output)")
-    train.add_argument("--test-data", metavar="TEST.npz", help="also report the loss (and accuracy) on these arrays")
-    train.add_argument("--save-training-graph", metavar="FILE.onnx", help="also write the training-step graph")
-    train.add_argument("-o", "--output", metavar="TRAINED.onnx", required=True, help="the model with trained weights")
-    train.add_argument("--device", default="cpu", metavar="cpu|cuda[:i]",
-                       help="where onnxruntime runs the step (cuda needs onnxruntime-gpu; default cpu)")
-    train.add_argument("--threads", type=int, default=0, metavar="T",
-                       help="onnxruntime intra-op threads per process (default: its own choice; under torchrun the "
-                            "machine's cores divided among the local processes)")
-    train.add_argument("--checkpoint-dir", metavar="DIR",
-                       help="save parameters, optimizer state and data position here, and resume from them")
-    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                       help="with --checkpoint-dir: save every N steps (default: at the end of each epoch)")
-    train.add_argument("--allow-nonfinite", action="store_true",
-                       help="train on when the loss becomes NaN or infinite (default: stop at that step, exit 2)")
-    train.add_argument("--nproc", type=int, metavar="N",
-                       help="train data-parallel in N processes on this machine (starts torchrun; needs "
-                            "revgraph[distributed]); the global batch is N x --batch-size x --nnodes")
-    train.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
-                       help="data-parallel only: each process keeps the optimizer state of its 1/N shard of the "
-                            "parameters (optimizer: ZeRO-1; gradients reduce-scattered, parameters all-gathered), "
-                            "and of the gradients too (gradients: ZeRO-2); checkpoints stay whole (default none)")
-    train.add_argument("--sync-batchnorm", action="store_true",
-                       help="data-parallel: training-mode BatchNormalization normalizes with the statistics of the "
-                            "global batch, all-reduced inside the step as torch.nn.SyncBatchNorm does (default: each "
-                            "process over its own share, rank 0's running statistics kept; rank 0 warns)")
-    add_launch_arguments(train)
-    add_runtime_arguments(train, "arena on, memory pattern off, measured best for training")
-    train.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + "; a byte count sizes the batch "
-                       "dimension with --batch-size")
-    train.add_argument("--buffers", choices=("one", "two"), default="one",
-                       help="parameters and optimizer state in one buffer set that the update overwrites where that "
-                            "is safe, or in two swapped sets (the fused step graph; default one)")
-    add_exchange_arguments(train)
+    add_train_parser(sub, _seed, MEMORY_HELP)
 
     demo = sub.add_parser("demo", help="train a recurrent classifier (ONNX Loop) and an MLP on scikit-learn's digits")
     demo.add_argument("-o", "--output", metavar="DIR", default="revgraph-demo",

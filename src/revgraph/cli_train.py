@@ -9,13 +9,71 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .cli_exchange import check_exchange_arguments, profile_line, trainer_arguments
+from .autodiff.memory import Budget, parse_budget
+from .cli_exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
 from .cli_io import check_command_outputs, err, out, read_npz
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
-from .autodiff.memory import Budget, parse_budget
 from .runtime_options import RuntimeOptions
+
+
+def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParser:
+    """The ``train`` subcommand's parser, its choices read from the library's registries (:data:`LOSSES`,
+    :data:`OPTIMIZERS`, :data:`SHARDS`, :data:`BUFFERS`); ``seed_type`` parses ``--seed``."""
+    from .losses import LOSSES
+    from .optimizers import OPTIMIZERS
+    from .sharding import SHARDS
+    from .steps import BUFFERS
+
+    train = sub.add_parser("train", help="train a model: loss, gradients and optimizer step as one ONNX graph")
+    train.add_argument("model", metavar="MODEL.onnx")
+    train.add_argument("--data", metavar="DATA.npz", required=True,
+                       help="an array per model input (by name) plus 'labels', or 'x' and 'y' for a one-input model")
+    train.add_argument("--loss", choices=LOSSES, required=True)
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="(default adam)")
+    train.add_argument("--lr", type=float, help="learning rate (default: 0.01 for sgd, 0.001 for adam and adamw)")
+    train.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
+    train.add_argument("--weight-decay", type=float,
+                       help="L2 penalty (sgd, adam) or decoupled decay (adamw; default 0.01, else 0)")
+    train.add_argument("--epochs", type=int, required=True, metavar="N")
+    train.add_argument("--batch-size", type=int, default=32, metavar="B", help="(default 32)")
+    train.add_argument("--seed", type=seed_type, default=0, help="seed of the shuffling (default 0)")
+    train.add_argument("--model-output", metavar="NAME", help="the output the loss reads (default: the only output)")
+    train.add_argument("--test-data", metavar="TEST.npz", help="also report the loss (and accuracy) on these arrays")
+    train.add_argument("--save-training-graph", metavar="FILE.onnx", help="also write the training-step graph")
+    train.add_argument("-o", "--output", metavar="TRAINED.onnx", required=True, help="the model with trained weights")
+    train.add_argument("--device", default="cpu", metavar="cpu|cuda[:i]",
+                       help="where onnxruntime runs the step (cuda needs onnxruntime-gpu; default cpu)")
+    train.add_argument("--threads", type=int, default=0, metavar="T",
+                       help="onnxruntime intra-op threads per process (default: its own choice; under torchrun the "
+                            "machine's cores divided among the local processes)")
+    train.add_argument("--checkpoint-dir", metavar="DIR",
+                       help="save parameters, optimizer state and data position here, and resume from them")
+    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                       help="with --checkpoint-dir: save every N steps (default: at the end of each epoch)")
+    train.add_argument("--allow-nonfinite", action="store_true",
+                       help="train on when the loss becomes NaN or infinite (default: stop at that step, exit 2)")
+    train.add_argument("--nproc", type=int, metavar="N",
+                       help="train data-parallel in N processes on this machine (starts torchrun; needs "
+                            "revgraph[distributed]); the global batch is N x --batch-size x --nnodes")
+    train.add_argument("--shard", choices=SHARDS, default="none",
+                       help="data-parallel only: each process keeps the optimizer state of its 1/N shard of the "
+                            "parameters (optimizer: ZeRO-1; gradients reduce-scattered, parameters all-gathered), "
+                            "and of the gradients too (gradients: ZeRO-2); checkpoints stay whole (default none)")
+    train.add_argument("--sync-batchnorm", action="store_true",
+                       help="data-parallel: training-mode BatchNormalization normalizes with the statistics of the "
+                            "global batch, all-reduced inside the step as torch.nn.SyncBatchNorm does (default: each "
+                            "process over its own share, rank 0's running statistics kept; rank 0 warns)")
+    add_launch_arguments(train)
+    add_runtime_arguments(train, "arena on, memory pattern off, measured best for training")
+    train.add_argument("--memory-budget", metavar="F|BYTES", help=memory_help + "; a byte count sizes the batch "
+                       "dimension with --batch-size")
+    train.add_argument("--buffers", choices=BUFFERS, default="one",
+                       help="parameters and optimizer state in one buffer set that the update overwrites where that "
+                            "is safe, or in two swapped sets (the fused step graph; default one)")
+    add_exchange_arguments(train)
+    return train
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser, defaults: str) -> None:

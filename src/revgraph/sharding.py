@@ -17,7 +17,7 @@ parameters:
   share of the global batch, so that uneven last batches stay exact) and **reduce-scattered**
   (``torch.distributed.reduce_scatter_tensor``: rank ``r`` receives the sum over ranks of shard ``r``); each
   rank runs the update graph over its shards only (the optimizer formulas of :mod:`revgraph.train`,
-  :func:`revgraph.train._update`, on flat vectors: they are elementwise, so a flat update is the per-tensor
+  :func:`revgraph.optimizers.update`, on flat vectors: they are elementwise, so a flat update is the per-tensor
   one), writing the new shard into its place in the unit; then every unit is **all-gathered**
   (``all_gather_into_tensor``, the rank's shard read in place) so that every rank holds all the new parameters;
 - ``"gradients"`` (ZeRO-2) also keeps no full gradient: the grad graph is cut into one segment per unit
@@ -46,12 +46,15 @@ import numpy as np
 from .devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
 from .distributed import Collective, DistributedEngine, collective
 from .errors import InputError, InternalError, RevgraphError
-from .exchange import BUCKET_MB, bucket_bytes as _bucket_bytes, bucket_groups, torch_dtype
+from .exchange import BUCKET_MB, bucket_groups, torch_dtype
+from .exchange import bucket_bytes as _bucket_bytes
+from .graphbuild import Builder, name_outputs
 from .inplace import inplace_pairs
 from .ir import Graph, ValueInfo
+from .optimizers import Scalars, sparse_update, update
 from .runtime import _first_line
 from .runtime_options import RuntimeOptions, session_options
-from .train import TrainingGraph, _Builder, _outputs, _Scalars, _sparse_update, _update, eval_graph, split_step
+from .train import TrainingGraph, eval_graph, split_step
 
 #: ``shard=`` of :class:`revgraph.Trainer` and ``--shard`` of ``revgraph train``.
 SHARDS = ("none", "optimizer", "gradients")
@@ -124,8 +127,8 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
     Returns ``(graph, carried pairs (input, output), names)``: unit ``j``'s inputs are ``names[j]`` =
     ``(param shard, gradient shard, [state shards])``, all float ``[k]`` of the unit's dtype; the sparse tables
     keep the names of ``spec`` (parameter, state, gradient indices and rows), the step too."""
-    b = _Builder(spec.graph.all_names())
-    scalars = _Scalars(b, spec.optimizer, spec.step)
+    b = Builder(spec.graph.all_names())
+    scalars = Scalars(b, spec.optimizer, spec.step)
     inputs, outputs, pairs, names = [], [], [], {}
     slots = spec.optimizer.slots
     for j, u in enumerate(units):
@@ -134,8 +137,8 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
         names[j] = (p, g, state)
         inputs += [ValueInfo(n, u.dtype, (u.k,)) for n in (p, g, *state)]
         b.prefix, start = f"optim/shard{j}", len(b.nodes)
-        new_p, new_s = _update(b, scalars, p, g, state, u.dtype)
-        news = _outputs(b, start, [(new_p, f"{p}.new"), *((v, f"{s}.new") for s, v in zip(state, new_s, strict=True))])
+        new_p, new_s = update(b, scalars, p, g, state, u.dtype)
+        news = name_outputs(b, start, [(new_p, f"{p}.new"), *((v, f"{s}.new") for s, v in zip(state, new_s, strict=True))])
         pairs += list(zip([p, *state], news, strict=True))
         outputs += [ValueInfo(n, u.dtype, (u.k,)) for n in news]
     for p in spec.sparse:
@@ -144,13 +147,13 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
         inputs += [ValueInfo(n, a.dtype, a.shape) for n in (p, *spec.state[p])]
         inputs += [spec.grad_types[idx], spec.grad_types[rows]]
         b.prefix, start = f"optim/{p}", len(b.nodes)
-        new_p, new_s = _sparse_update(b, scalars, p, idx, rows, spec.state[p], a.dtype)
-        news = _outputs(b, start, [(new_p, f"{p}.new"), *((v, f"{s}.new") for s, v in zip(spec.state[p], new_s,
+        new_p, new_s = sparse_update(b, scalars, p, idx, rows, spec.state[p], a.dtype)
+        news = name_outputs(b, start, [(new_p, f"{p}.new"), *((v, f"{s}.new") for s, v in zip(spec.state[p], new_s,
                                                                                          strict=True))])
         pairs += list(zip([p, *spec.state[p]], news, strict=True))
         outputs += [ValueInfo(n, a.dtype, a.shape) for n in news]
     b.prefix, start = "optim/step", len(b.nodes)
-    new_step = _outputs(b, start, [(b.op("Add", [spec.step, b.const(1, np.int64)]), f"{spec.step}.new")])[0]
+    new_step = name_outputs(b, start, [(b.op("Add", [spec.step, b.const(1, np.int64)]), f"{spec.step}.new")])[0]
     inputs.append(ValueInfo(spec.step, np.int64, ()))
     outputs.append(ValueInfo(new_step, np.int64, ()))
     pairs.append((spec.step, new_step))

@@ -18,7 +18,7 @@ linearising the index tuples. ``tests/test_determinism.py`` guards this. The pri
 kernel takes ~5 ms for 8192 x 256 rows where the racing ScatterND took ~0.3 ms (the 1-D view is ~2.5x
 faster than a [R, S] view with the indices expanded to [K, S]).
 
-Both helpers write with the small protocol shared by the autodiff :class:`Emitter` and ``train._Builder``:
+Both helpers write with the small protocol shared by the autodiff :class:`Emitter` and ``graphbuild.Builder``:
 ``b.op(op_type, inputs, **attrs)`` and ``b.const(value, dtype)``. Given an :class:`Emitter` they use the
 static shapes it knows (constants instead of ``Shape`` arithmetic) and record the output types.
 """
@@ -33,7 +33,7 @@ import numpy as np
 
 from .emitter import Emitter
 
-#: An :class:`Emitter` or ``train._Builder``: ``op(op_type, inputs, **attrs)`` and ``const(value, dtype)``.
+#: An :class:`Emitter` or ``graphbuild.Builder``: ``op(op_type, inputs, **attrs)`` and ``const(value, dtype)``.
 Builder = Any
 
 
