@@ -456,9 +456,13 @@ def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
     """The ``onnx.ModelProto`` of ``graph``, renamed into SSA form first if it writes a name twice.
 
     The IR version is the lowest that the graph's opsets allow (``onnx.helper.find_min_ir_version_for``),
-    at least 4 so that initializers need not be graph inputs.
+    at least 4 so that initializers need not be graph inputs. ``Dropout`` nodes that draw nothing are written as
+    ``Identity`` (:func:`revgraph.portable.identity_dropouts`: some runtimes refuse training-mode Dropout).
     """
     require_graph(graph, "to_onnx")
+    from .portable import identity_dropouts  # (portable imports types, which imports this module)
+
+    graph = identity_dropouts(graph)
     with gc_paused():
         return _ssa_to_onnx(graph if is_ssa(graph) else to_ssa(graph), producer)
 
