@@ -114,3 +114,17 @@ def test_training_graph_has_no_dropout_and_trains_as_torch(tmp_path):
     torch.nn.functional.mse_loss(torch.relu(torch.tensor(X) @ w), torch.tensor(target)).backward()
     opt.step()
     np.testing.assert_allclose(got[tg.new_params["W"]], w.detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_constants_only_the_dropout_read_go():
+    g = _model(0.0, True)
+    g.nodes.insert(0, Node("Constant", [], ["ratio2"], {"value": np.array(0.0, np.float32)}, "c"))
+    g.nodes[2].inputs[1] = "ratio2"  # the Dropout reads a Constant node's ratio; "training" stays read by Not
+    del g.initializers["ratio"]
+    g.nodes.append(Node("Not", ["training"], ["nt"], name="not"))
+    g.outputs.append(ValueInfo("nt", np.bool_, ()))
+    s = identity_dropouts(g)
+    assert [n.op_type for n in s.nodes] == ["MatMul", "Identity", "Relu", "ReduceSum", "Not"]
+    assert sorted(s.initializers) == ["W", "training"]
+    assert [n.op_type for n in g.nodes][:3] == ["Constant", "MatMul", "Dropout"]  # the caller's graph is kept
+    np.testing.assert_allclose(rg.Session(s).run({"x": X})["loss"], np.maximum(X @ W, 0).sum(), rtol=1e-6)

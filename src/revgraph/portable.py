@@ -16,7 +16,8 @@ runs passes: ``revgraph grad``, ``jvp``/``jacobian``..., ``revgraph train --save
   input) keeps the node;
 - it becomes ``Identity(data) -> output`` (same output name, same node name, so nothing downstream is
   renamed and subgraphs that read the output still find it); a mask output that anything reads becomes the
-  all-true mask ``ConstantOfShape(Shape(data), value=true)``.
+  all-true mask ``ConstantOfShape(Shape(data), value=true)``; its ratio and training_mode constants go when
+  nothing else reads them.
 
 The gradient is unchanged: revgraph's Dropout VJP (:mod:`revgraph.autodiff.rules.dropout`) already passes the
 cotangent through at ratio 0 and in inference mode, and uses no mask there.
@@ -74,6 +75,7 @@ def _rewrite(graph: Graph, outer: dict[str, np.ndarray], used: set[str] | None) 
     changed = False
     nodes: list[Node] = []
     read: set[str] | None = None
+    freed: set[str] = set()  # the ratio and training_mode values of the rewritten Dropouts
     for node in graph.nodes:
         for sub in node.subgraphs.values():
             sub_changed, used = _rewrite(sub, known, used)
@@ -82,6 +84,7 @@ def _rewrite(graph: Graph, outer: dict[str, np.ndarray], used: set[str] | None) 
             nodes.append(node)
             continue
         changed = True
+        freed.update(i for i in node.inputs[1:] if i)
         data, out = node.inputs[0], node.outputs[0]
         mask = node.outputs[1] if len(node.outputs) > 1 else ""
         if out:
@@ -96,6 +99,11 @@ def _rewrite(graph: Graph, outer: dict[str, np.ndarray], used: set[str] | None) 
                 nodes.append(Node("ConstantOfShape", [shape], [mask], {"value": np.ones(1, np.bool_)},
                                   fresh_name(f"{node.name}/mask", used)))
     graph.nodes = nodes
+    if freed:  # constants only the Dropouts read: onnxruntime warns about each unused initializer
+        unread = freed - _reads(graph) - set(graph.input_names)
+        for name in unread & graph.initializers.keys():
+            del graph.initializers[name]
+        graph.nodes = [n for n in nodes if not (n.op_type == "Constant" and n.outputs[0] in unread)]
     return changed, used
 
 
