@@ -17,6 +17,7 @@ by 1e-3 or more.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import http.server
 import importlib.util
@@ -51,7 +52,9 @@ class DevTools:
     def __init__(self, chromium: str, url: str, profile: Path):
         to_child, self._out = os.pipe()
         self._in, from_child = os.pipe()
-        # bash puts the two pipe ends at fds 3 and 4, where Chromium expects them (dash takes one-digit fds only)
+        # the child's ends at fds >= 10 (a pipe end at 3 or 4 would be closed or overwritten by the redirections
+        # below); bash puts them at fds 3 and 4, where Chromium expects them (dash takes one-digit fds only)
+        to_child, from_child = (self._high(fd) for fd in (to_child, from_child))
         script = f'exec "$0" "$@" 3<&{to_child} 4>&{from_child} {to_child}<&- {from_child}>&-'
         self.proc = subprocess.Popen(["bash", "-c", script, chromium, *FLAGS, f"--user-data-dir={profile}", url],
                                      pass_fds=(to_child, from_child), stdout=subprocess.DEVNULL,
@@ -61,6 +64,12 @@ class DevTools:
         self._messages: queue.Queue = queue.Queue()
         self._next = 0
         threading.Thread(target=self._read, daemon=True).start()
+
+    @staticmethod
+    def _high(fd: int) -> int:
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+        os.close(fd)
+        return high
 
     def _read(self) -> None:
         buf = b""
