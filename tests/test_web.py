@@ -104,8 +104,8 @@ class DevTools:
     def close(self) -> None:
         try:
             self.call("Browser.close", timeout=10)
-        except Exception:
-            pass
+        except (RuntimeError, OSError, queue.Empty):  # already gone or not answering: killed below
+            self.proc.kill()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -158,8 +158,11 @@ def test_browser_losses_equal_python_onnxruntime(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     tools = DevTools(chromium, f"http://127.0.0.1:{server.server_address[1]}/index.html", tmp_path / "profile")
     try:
-        targets = tools.call("Target.getTargets")["targetInfos"]
-        page = next(t for t in targets if t["type"] == "page")
+        deadline = time.monotonic() + 30
+        while not (pages := [t for t in tools.call("Target.getTargets")["targetInfos"] if t["type"] == "page"]):
+            assert time.monotonic() < deadline, "chromium opened no page in 30 s"
+            time.sleep(0.2)
+        page = pages[0]
         session = tools.call("Target.attachToTarget", {"targetId": page["targetId"], "flatten": True})["sessionId"]
         deadline = time.monotonic() + 240
         while not tools.evaluate(session, "window.trainingDone === true"):
