@@ -170,9 +170,9 @@ def _check_targets(ds: Dataset, classes: int | None) -> None:
         c = c[:, 1:] if loss.kind == "causal-lm" and c.ndim == 2 else c
         bad = c[((c < 0) | (c >= classes) if classes else c < 0) & (c != ii if ii is not None else True)]
         if bad.size:
-            what = "label" if loss.kind == "cross-entropy" else f"target token id (from {key!r})"
+            what = f"label {int(bad[0])}" if loss.kind == "cross-entropy" else f"target token id {int(bad[0])} in {key!r}"
             also = f" or the ignore index {ii}" if ii is not None else ""
-            raise InputError(f"{what} {int(bad[0])} is not a class index in [0, {classes or '?'}){also}")
+            raise InputError(f"{what} is not a class index in [0, {classes or '?'}){also}")
 
 
 def read_dir(path) -> dict[str, np.ndarray]:
