@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import revgraph as rg
 from revgraph.errors import InputError, RevgraphError
 from revgraph.ir import Graph, Node, ValueInfo
+from lossdata_models import D, T, V, lm_data, tiny_lm
 from revgraph.losses import LOSSES, loss_graph
 from revgraph.runtime import Session
 from revgraph.train import make_optimizer
@@ -135,32 +136,6 @@ def test_causal_lm_loss_graph_central_differences():
 
 # ------------------------------------------------------------------------------------------ a tiny language model
 
-V, T, D = 11, 6, 8
-
-
-def tiny_lm(dtype=np.float32, seed=0) -> Graph:
-    """ids int64 [B, 6] -> embedding [11, 8] -> one causal self-attention head with a residual -> logits
-    [B, 6, 11] (the mask and the scale are Constant nodes, so only the five matrices train)."""
-    rng = np.random.default_rng(seed)
-    inits = {"E": rng.standard_normal((V, D)), "Wq": rng.standard_normal((D, D)) / np.sqrt(D),
-             "Wk": rng.standard_normal((D, D)) / np.sqrt(D), "Wv": rng.standard_normal((D, D)) / np.sqrt(D),
-             "Wo": rng.standard_normal((D, V)) / np.sqrt(D)}
-    inits = {k: v.astype(dtype) for k, v in inits.items()}
-    mask = np.triu(np.full((T, T), -1e9), 1).astype(dtype)
-    nodes = [Node("Constant", [], ["mask"], {"value": mask}, "mask"),
-             Node("Constant", [], ["c"], {"value": np.array(1 / np.sqrt(D), dtype)}, "c"),
-             Node("Gather", ["E", "input_ids"], ["h"], {"axis": 0}, "embed"),
-             Node("MatMul", ["h", "Wq"], ["q"], {}, "q"), Node("MatMul", ["h", "Wk"], ["k"], {}, "k"),
-             Node("MatMul", ["h", "Wv"], ["v"], {}, "v"),
-             Node("Transpose", ["k"], ["kt"], {"perm": [0, 2, 1]}, "kt"),
-             Node("MatMul", ["q", "kt"], ["s"], {}, "s"), Node("Mul", ["s", "c"], ["s2"], {}, "scale"),
-             Node("Add", ["s2", "mask"], ["s3"], {}, "causal"), Node("Softmax", ["s3"], ["a"], {"axis": -1}, "softmax"),
-             Node("MatMul", ["a", "v"], ["o"], {}, "attend"), Node("Add", ["o", "h"], ["r"], {}, "residual"),
-             Node("MatMul", ["r", "Wo"], ["logits"], {}, "head")]
-    return Graph(nodes, [ValueInfo("input_ids", np.int64, ("B", T))], [ValueInfo("logits", dtype, ("B", T, V))],
-                 inits, name="tiny_lm")
-
-
 def torch_lm(params: dict, ids: torch.Tensor) -> torch.Tensor:
     h = params["E"][ids]
     s = (h @ params["Wq"]) @ (h @ params["Wk"]).transpose(1, 2) / np.sqrt(D)
@@ -176,16 +151,6 @@ def torch_sgd(g: Graph, batches, loss_fn, lr: float) -> dict:
         loss_fn(params, *batch).backward()
         opt.step()
     return {k: v.detach().numpy() for k, v in params.items()}
-
-
-def lm_data(n=8, seed=4):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, V, (n, T))
-    labels = ids.copy()
-    lengths = rng.integers(2, T + 1, n)
-    for i, m in enumerate(lengths):
-        labels[i, m:] = -100  # right padding, masked in the labels (the ids keep a pad token)
-    return ids, labels
 
 
 def test_tiny_lm_causal_lm_training_equals_pytorch():
