@@ -56,7 +56,12 @@ def loss_options(args: argparse.Namespace) -> dict:
     """The Trainer's ``loss_options`` from the arguments (the class weights read from their file)."""
     from .data import load_npy
 
-    weights = load_npy(args.class_weights, mmap=False) if args.class_weights else None
+    from .errors import InputError
+
+    try:
+        weights = load_npy(args.class_weights, mmap=False) if args.class_weights else None
+    except InputError as exc:
+        raise InputError(f"--class-weights: {exc}") from None
     return {"labels_from": args.labels_from, "ignore_index": args.ignore_index,
             "label_smoothing": args.label_smoothing, "class_weights": weights}
 

@@ -104,7 +104,8 @@ def prepare(spec, data, static: Mapping | None = None, classes: int | None = Non
         have = ", ".join(sorted(data)) or "none"
         extra = " plus 'labels'" if has_labels else " (this loss takes no labels)"
         raise InputError(f"the data lacks {', '.join(map(repr, missing))} (it has {have}); give an array per "
-                         f"model input ({', '.join(names)}){extra}, or 'x' and 'y' for a one-input model")
+                         f"model input not given as static ({', '.join(sample) or 'none'}){extra}, or 'x' and 'y' for "
+                         "a one-input model")
     arrays, dtypes = {}, {}
     for n in wanted:
         vi = types[spec.labels if n == "labels" else n]
@@ -224,7 +225,10 @@ def read_static(specs: list[str]) -> dict[str, np.ndarray]:
                                  f"{', '.join(sorted(arrays)) or 'none'})")
             out[name] = arrays[member]
         else:
-            out[name] = load_npy(file, mmap=False)
+            try:
+                out[name] = load_npy(file, mmap=False)
+            except InputError as exc:
+                raise InputError(f"--static {name}: {exc}") from None
     return out
 
 
