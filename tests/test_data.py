@@ -127,8 +127,8 @@ def test_bad_data_layouts_are_one_line_errors(tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "x.npy").write_bytes(b"not a numpy file")
     cases = [
-        (data, {**static, "adj": np.eye(3, dtype=np.float32)}, "static array 'adj' has shape [3, 3]; input 'adj' is "
-         "declared float32[4,4]"),
+        (data, {**static, "adj": np.eye(3, dtype=np.float32)}, ("static array 'adj' has shape [3, 3]; input 'adj' is "
+         "declared float32[4,4]")),
         (data, {**static, "gain": np.ones(2, np.float32)}, "static array 'gain' has shape [2]"),
         (data, {**static, "mask": np.ones(2)}, "--static mask: the model has no input 'mask'"),
         (data, {"adj": static["adj"]}, "the data lacks 'gain'"),

@@ -153,8 +153,8 @@ def test_bad_loss_and_data_options_exit_2_with_one_line_and_write_nothing(tmp_pa
         (["--data", str(tmp_path / "data.npz"), *good, "--class-weights", str(tmp_path / "missing.npy")],
          "--class-weights: cannot read '"),
         (["--data", str(tmp_path / "data.npz"), *good, "--label-smoothing", "2"], "--label-smoothing must be in"),
-        (["--data", str(tmp_path / "data.npz"), *good, "--labels-from", "x"], "--labels-from (labels_from=) does not "
-         "apply to --loss cross-entropy"),
+        (["--data", str(tmp_path / "data.npz"), *good, "--labels-from", "x"], ("--labels-from (labels_from=) does not "
+         "apply to --loss cross-entropy")),
         (good, "the data lacks 'x', 'labels' (it has none); give an array per model input not given as static (x)"),
         ([], "give the training data: --data"),
     ]
@@ -164,8 +164,8 @@ def test_bad_loss_and_data_options_exit_2_with_one_line_and_write_nothing(tmp_pa
                      *extra])
         one_line_error(code, capsys.readouterr().err, message)
         assert not out.exists()
-    for loss, message in [("output:", "needs the name"), ("hinge", "invalid choice: 'hinge' (choose from "
-                                                          "cross-entropy, mse, bce, causal-lm, output:NAME)"),
+    for loss, message in [("output:", "needs the name"), ("hinge", ("invalid choice: 'hinge' (choose from "
+                                                          "cross-entropy, mse, bce, causal-lm, output:NAME)")),
                           ("output:logits", "needs a float scalar output; 'logits' is float32[N,3]")]:
         code = main(["train", str(tmp_path / "m.onnx"), "--loss", loss, "--data", str(tmp_path / "data.npz"), *good,
                      "--epochs", "1", "-o", str(tmp_path / "out.onnx")])

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
-from distributed_worker import STATIC, trainer  # noqa: E402  (tests/ is on sys.path)
-from test_distributed import TORCHRUN, WORKER, _compare, _run  # noqa: E402
+from distributed_worker import STATIC, trainer
+from test_distributed import TORCHRUN, WORKER, _compare, _run
 
 
 @pytest.mark.parametrize("model,optimizer,shard", [("static", "adam", "none"), ("lm", "sgd", "none"),

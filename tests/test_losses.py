@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from lossdata_models import D, T, V, lm_data, tiny_lm
 
 import revgraph as rg
 from revgraph.errors import InputError, RevgraphError
 from revgraph.ir import Graph, Node, ValueInfo
-from lossdata_models import D, T, V, lm_data, tiny_lm
 from revgraph.losses import LOSSES, loss_graph
 from revgraph.runtime import Session
 from revgraph.train import make_optimizer
@@ -57,9 +57,9 @@ def close(ours, theirs, rtol=1e-10, atol=1e-12):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=name)
 
 
-OPTION_CASES = [dict(), dict(ignore_index=-100), dict(ignore_index=2), dict(label_smoothing=0.1),
-                dict(class_weights=[0.5, 2.0, 1.0, 0.25, 3.0]), dict(ignore_index=-100, label_smoothing=0.2),
-                dict(ignore_index=1, class_weights=[0.5, 2.0, 1.0, 0.25, 3.0], label_smoothing=0.3)]
+OPTION_CASES = [{}, {"ignore_index": -100}, {"ignore_index": 2}, {"label_smoothing": 0.1},
+                {"class_weights": [0.5, 2.0, 1.0, 0.25, 3.0]}, {"ignore_index": -100, "label_smoothing": 0.2},
+                {"ignore_index": 1, "class_weights": [0.5, 2.0, 1.0, 0.25, 3.0], "label_smoothing": 0.3}]
 
 
 @pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(o) or "plain")
@@ -81,8 +81,8 @@ def test_cross_entropy_options_against_torch(options):
     assert spec.settings["class_weights"] == w and spec.settings.get("ignore_index") == ii
 
 
-@pytest.mark.parametrize("options", [dict(), dict(label_smoothing=0.1), dict(class_weights=[1, 0.5, 2, 1.5]),
-                                     dict(ignore_index=3, label_smoothing=0.25, class_weights=[1, 0.5, 2, 1.5])],
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1}, {"class_weights": [1, 0.5, 2, 1.5]},
+                                     {"ignore_index": 3, "label_smoothing": 0.25, "class_weights": [1, 0.5, 2, 1.5]}],
                          ids=lambda o: ",".join(o) or "default")
 def test_causal_lm_against_torch_with_explicit_labels(options):
     """causal-lm with a labels array (Hugging Face: given unshifted, shifted inside) and -100 padding at the end
@@ -113,7 +113,7 @@ def test_no_counted_target_gives_loss_zero_and_zero_gradient():
     g = affine_logits(z.shape)
     torch_value = F.cross_entropy(torch.tensor(z[:, :-1]).reshape(-1, 3), torch.tensor(labels[:, 1:]).reshape(-1))
     assert torch.isnan(torch_value)
-    for options in [dict(), dict(label_smoothing=0.1), dict(class_weights=[1.0, 2.0, 3.0])]:
+    for options in [{}, {"label_smoothing": 0.1}, {"class_weights": [1.0, 2.0, 3.0]}]:
         (loss, *grads), _ = graph_loss(g, "causal-lm", {"z": z, "labels": labels}, labels_from="labels", **options)
         assert loss == 0.0
         for gr in grads:
@@ -186,7 +186,7 @@ def test_tiny_lm_padding_with_accumulation_is_the_mean_over_counted_tokens():
     g = tiny_lm()
     ids, labels = lm_data()
     labels[0, 1:], labels[1, 1:] = -100, -100  # the first micro-batch counts nothing
-    opts = dict(labels_from="labels", label_smoothing=0.1)
+    opts = {"labels_from": "labels", "label_smoothing": 0.1}
     tr = rg.Trainer(g, "causal-lm", make_optimizer("sgd", lr=0.5), threads=1, loss_options=opts)
     before = tr.parameters
     tr.step({"input_ids": ids[:2], "labels": labels[:2]})  # nothing counted: loss 0, zero gradient

@@ -12,9 +12,7 @@ from .errors import RevgraphError
 
 def _loss(text: str) -> str:
     """``--loss``: a name of :data:`LOSSES` or ``output:NAME`` (checked by :func:`revgraph.losses.parse_loss`)."""
-    from .losses import parse_loss
-
-    from .losses import LOSSES
+    from .losses import LOSSES, parse_loss
 
     try:
         parse_loss(text)
@@ -55,7 +53,6 @@ def add_loss_data_arguments(parser: argparse.ArgumentParser) -> None:
 def loss_options(args: argparse.Namespace) -> dict:
     """The Trainer's ``loss_options`` from the arguments (the class weights read from their file)."""
     from .data import load_npy
-
     from .errors import InputError
 
     try:

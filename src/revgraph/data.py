@@ -197,7 +197,7 @@ def load_npy(path, mmap: bool = True) -> np.ndarray:
         raise InputError(f"cannot read {str(path)!r}: no such file")
     try:
         a = np.load(p, mmap_mode="r" if mmap else None, allow_pickle=False)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (numpy raises ValueError, OSError, EOFError, ... for a bad file)
         raise InputError(f"{str(path)!r} is not a readable .npy file ({type(exc).__name__})") from None
     if not isinstance(a, np.ndarray):
         raise InputError(f"{str(path)!r} is an .npz archive; give a .npy file (or FILE.npz:member for --static)")

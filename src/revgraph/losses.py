@@ -32,7 +32,6 @@ batch of padding alone leaves the parameters to the optimizer's zero-gradient st
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 

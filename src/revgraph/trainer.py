@@ -28,7 +28,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx
 
-from . import checkpoints, data as datasets
+from . import checkpoints
+from . import data as datasets
 from .autodiff.policies import CheckpointPolicy
 from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
