@@ -44,10 +44,14 @@ def test_causal_lm_from_a_npy_directory_matches_pytorch(tmp_path, capsys):
     ids, _ = lm_data(10)
     (tmp_path / "data").mkdir()
     np.save(tmp_path / "data" / "input_ids.npy", ids)
+    test_ids, _ = lm_data(5, seed=9)
+    (tmp_path / "test").mkdir()
+    np.save(tmp_path / "test" / "input_ids.npy", test_ids)
     code = main(["train", str(tmp_path / "lm.onnx"), "--data", str(tmp_path / "data"), "--loss", "causal-lm",
                  "--optimizer", "sgd", "--lr", "0.5", "--epochs", "2", "--batch-size", "4",
-                 "-o", str(tmp_path / "out.onnx")])
-    assert code == 0, capsys.readouterr().err
+                 "--test-data", str(tmp_path / "test"), "-o", str(tmp_path / "out.onnx")])
+    out = capsys.readouterr().out
+    assert code == 0, out
     p = {k: torch.tensor(v, requires_grad=True) for k, v in tiny_lm().initializers.items()}
     opt = torch.optim.SGD(p.values(), lr=0.5)
     for rows in shuffled_batches(10, 4, 2):
@@ -58,6 +62,12 @@ def test_causal_lm_from_a_npy_directory_matches_pytorch(tmp_path, capsys):
     got = trained(tmp_path / "out.onnx")
     for k, v in p.items():
         np.testing.assert_allclose(got[k], v.detach().numpy(), rtol=2e-5, atol=1e-6, err_msg=k)
+    with torch.no_grad():  # --test-data DIR: the mean over its next-token targets, and the next-token accuracy
+        i = torch.tensor(test_ids)
+        logits = torch_lm(p, i)
+        ref = F.cross_entropy(logits[:, :-1].reshape(-1, V), i[:, 1:].reshape(-1))
+        acc = (logits[:, :-1].argmax(-1) == i[:, 1:]).double().mean()
+    assert f"test data: loss {float(ref):.4g}, accuracy {float(acc):.2%}" in out, out
 
 
 def test_static_inputs_class_weights_and_smoothing_match_pytorch(tmp_path, capsys):
