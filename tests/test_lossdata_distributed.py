@@ -12,7 +12,7 @@ from test_distributed import TORCHRUN, WORKER, _compare, _run
 
 
 @pytest.mark.parametrize("model,optimizer,shard", [("static", "adam", "none"), ("lm", "sgd", "none"),
-                                                   ("lm", "adam", "gradients")])
+                                                   pytest.param("lm", "adam", "gradients", marks=pytest.mark.slow)])
 def test_two_processes_with_static_inputs_or_padded_tokens_train_like_one(tmp_path, model, optimizer, shard):
     """``static``: every rank gets the whole static mixing matrix and gain; ``lm``: causal-lm with padded labels
     and label smoothing, where each rank's share of a global batch counts a different number of tokens (and
