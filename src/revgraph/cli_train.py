@@ -172,7 +172,8 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     g = load(args.model)
     if budget is not None:  # symbolic first dimensions of the inputs are the batch: --batch-size of them
-        dims = {vi.shape[0]: args.batch_size for vi in g.inputs if vi.shape and isinstance(vi.shape[0], str)}
+        dims = {vi.shape[0]: args.batch_size for vi in g.inputs
+                if vi.shape and isinstance(vi.shape[0], str) and vi.name not in static}  # (static: fed whole)
         budget = Budget(fraction=budget.fraction, bytes=budget.bytes, dims=dims)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
