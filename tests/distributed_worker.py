@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
+import lossdata_models
 import numpy as np
 
 import revgraph as rg
@@ -33,8 +34,22 @@ def embedding_model(seed: int = 0) -> Graph:
                  inits, name="embedding")
 
 
+#: the static inputs (fed whole to every step) of the models that have them
+STATIC = {"static": lambda: lossdata_models.static_data()[1]}
+#: the loss and its options of the models not trained with plain cross-entropy
+LOSS = {"lm": ("causal-lm", {"labels_from": "labels", "label_smoothing": 0.1})}
+
+
 def build(model: str, samples: int, hidden: int = 16) -> tuple[Graph, dict[str, np.ndarray]]:
-    """The model and its training data (deterministic); ``hidden``: the MLP's and the RNN's width."""
+    """The model and its training data (deterministic); ``hidden``: the MLP's and the RNN's width. ``static``: an
+    MLP with static inputs (:data:`STATIC`); ``lm``: a tiny causal LM whose padded labels (-100) leave the ranks
+    different numbers of counted tokens."""
+    if model == "static":
+        data, _ = lossdata_models.static_data(samples)
+        return lossdata_models.static_model(), data
+    if model == "lm":
+        ids, labels = lossdata_models.lm_data(samples)
+        return lossdata_models.tiny_lm(), {"input_ids": ids, "labels": labels}
     if model == "embedding":
         rng = np.random.default_rng(1)
         ids = rng.integers(0, VOCAB, (samples, TOKENS)).astype(np.int64) % (VOCAB // 2)  # half the rows: repeats
@@ -54,7 +69,8 @@ def trainer(model: str, optimizer: str, samples: int, distributed: bool, hidden:
     """The model's Trainer (``how``: more Trainer arguments, e.g. ``bucket_mb``, ``shard``) and its data."""
     g, data = build(model, samples, hidden)
     opt = make_optimizer(**OPTIMIZERS[optimizer])
-    return rg.Trainer(g, "cross-entropy", opt, threads=1, distributed=distributed, **how), data
+    loss, options = LOSS.get(model, ("cross-entropy", None))
+    return rg.Trainer(g, loss, opt, threads=1, distributed=distributed, loss_options=options, **how), data
 
 
 def main() -> None:
@@ -92,7 +108,7 @@ def main() -> None:
             how["shard"] = a.shard
         tr, data = trainer(a.model, optimizer, samples, True, a.hidden, **how)
         means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False, checkpoint_dir=a.checkpoint_dir,
-                       accumulate_steps=a.accumulate_steps)
+                       accumulate_steps=a.accumulate_steps, static=STATIC[a.model]() if a.model in STATIC else None)
         held = tr._engine.held()
         name = f"rank{tr.rank}-{optimizer}.npz" if several else f"rank{tr.rank}.npz"
         np.savez(os.path.join(a.out, name), **tr.parameters, **tr.state, losses=np.array(tr.losses),

@@ -121,7 +121,7 @@ def make_batches(rng, loss, n_batches=4, size=16, din=6, out=3):
 # ------------------------------------------------------------------------------------------------ parity
 
 
-@pytest.mark.parametrize("loss", T.LOSSES)
+@pytest.mark.parametrize("loss", [k for k, v in T.LOSSES.items() if v.labels == "required"])  # (one-output losses)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_trainer_matches_pytorch(name, loss):
     rng = np.random.default_rng(0)

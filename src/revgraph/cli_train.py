@@ -11,7 +11,8 @@ from rich.console import Console
 
 from .autodiff.memory import Budget, parse_budget
 from .cli_exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
-from .cli_io import check_command_outputs, err, out, read_npz
+from .cli_io import check_command_outputs, err, out
+from .cli_lossdata import input_paths, loss_options, read_data, read_static
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
@@ -21,16 +22,14 @@ from .runtime_options import RuntimeOptions
 def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParser:
     """The ``train`` subcommand's parser, its choices read from the library's registries (:data:`LOSSES`,
     :data:`OPTIMIZERS`, :data:`SHARDS`, :data:`BUFFERS`); ``seed_type`` parses ``--seed``."""
-    from .losses import LOSSES
+    from .cli_lossdata import add_loss_data_arguments
     from .optimizers import OPTIMIZERS
     from .sharding import SHARDS
     from .steps import BUFFERS
 
     train = sub.add_parser("train", help="train a model: loss, gradients and optimizer step as one ONNX graph")
     train.add_argument("model", metavar="MODEL.onnx")
-    train.add_argument("--data", metavar="DATA.npz", required=True,
-                       help="an array per model input (by name) plus 'labels', or 'x' and 'y' for a one-input model")
-    train.add_argument("--loss", choices=LOSSES, required=True)
+    add_loss_data_arguments(train)
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="(default adam)")
     train.add_argument("--lr", type=float, help="learning rate (default: 0.01 for sgd, 0.001 for adam and adamw)")
     train.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
@@ -40,7 +39,8 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
     train.add_argument("--batch-size", type=int, default=32, metavar="B", help="(default 32)")
     train.add_argument("--seed", type=seed_type, default=0, help="seed of the shuffling (default 0)")
     train.add_argument("--model-output", metavar="NAME", help="the output the loss reads (default: the only output)")
-    train.add_argument("--test-data", metavar="TEST.npz", help="also report the loss (and accuracy) on these arrays")
+    train.add_argument("--test-data", metavar="TEST.npz|DIR", help="also report the loss (and accuracy) on these "
+                       "arrays (an .npz or a directory of .npy files; --static inputs are fed to it too)")
     train.add_argument("--save-training-graph", metavar="FILE.onnx", help="also write the training-step graph")
     train.add_argument("-o", "--output", metavar="TRAINED.onnx", required=True, help="the model with trained weights")
     train.add_argument("--device", default="cpu", metavar="cpu|cuda[:i]",
@@ -166,19 +166,21 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     from .trainer import Trainer
 
     _check_train_outputs(args)  # fail before training, not after
-    data = read_npz(args.data)
-    test = read_npz(args.test_data) if args.test_data is not None else None
+    static = read_static(args)
+    data = read_data(args.data)
+    test = read_data(args.test_data, "--test-data") if args.test_data is not None else None
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     g = load(args.model)
     if budget is not None:  # symbolic first dimensions of the inputs are the batch: --batch-size of them
-        dims = {vi.shape[0]: args.batch_size for vi in g.inputs if vi.shape and isinstance(vi.shape[0], str)}
+        dims = {vi.shape[0]: args.batch_size for vi in g.inputs
+                if vi.shape and isinstance(vi.shape[0], str) and vi.name not in static}  # (static: fed whole)
         budget = Budget(fraction=budget.fraction, bytes=budget.bytes, dims=dims)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
                           memory=budget, shard=args.shard, sync_batchnorm=args.sync_batchnorm,
-                          timeout=args.timeout, **trainer_arguments(args))
+                          timeout=args.timeout, loss_options=loss_options(args), **trainer_arguments(args))
     if trainer.comm:
         _agree(trainer, args)
     main = trainer.is_main  # only rank 0 prints and writes files
@@ -189,9 +191,9 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
         console.print(f"memory: {trainer.spec.graph.memory_plan.summary()}", soft_wrap=True, markup=False)
     refused = None
     try:
-        trainer.arrays(data)  # bad data fails here, in one line, before anything runs
+        trainer.arrays(data, static)  # bad data fails here, in one line, before anything runs
         if test is not None:
-            trainer.arrays(test)
+            trainer.arrays(test, static)
     except RevgraphError as exc:
         if not trainer.comm:
             raise
@@ -207,15 +209,15 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
                       + (f"; sharded: {args.shard} (ZeRO-{1 if args.shard == 'optimizer' else 2})"
                          if args.shard != "none" else ""),
                       soft_wrap=True, markup=False)
-    before = trainer.evaluate(data)
+    before = trainer.evaluate(data, static=static)
     means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=console,
                         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                         nonfinite="continue" if args.allow_nonfinite else "stop",
-                        accumulate_steps=args.accumulate_steps)
+                        accumulate_steps=args.accumulate_steps, static=static)
     if trainer.resumed:
         console.print(f"resumed from {trainer.resumed}", soft_wrap=True, markup=False)
-    after = trainer.evaluate(data)
-    evaluated = trainer.evaluate(test) if test is not None else None
+    after = trainer.evaluate(data, static=static)
+    evaluated = trainer.evaluate(test, static=static) if test is not None else None
     if main:
         trainer.export(args.output)
         if args.save_training_graph:
@@ -269,7 +271,7 @@ def _check_train_outputs(args: argparse.Namespace) -> None:
         raise RevgraphError(f"--checkpoint-dir {ckpt!r} is not a directory")
     outputs = {"-o": args.output, "--save-training-graph": args.save_training_graph,
                "the checkpoint file": str(path_in(ckpt)) if ckpt else None}
-    check_command_outputs(args, outputs, {"--data": args.data, "--test-data": args.test_data},
+    check_command_outputs(args, outputs, input_paths(args),
                    creatable=("the checkpoint file",))
 
 
@@ -294,8 +296,8 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
         if torch.cuda.device_count() < args.nproc:
             raise RevgraphError(f"--device cuda --nproc {args.nproc} runs one process per GPU, and torch sees "
                                 f"{torch.cuda.device_count()} GPU(s) here")
-    for f in [args.model, args.data, args.test_data]:
-        if f is not None and not Path(f).is_file():
+    for f in [args.model, *input_paths(args).values()]:
+        if f is not None and not Path(f).is_file() and not Path(f).is_dir():
             raise RevgraphError(f"cannot read {f!r}: no such file")
     argv = torchrun_arguments(args, list(args.argv))  # the workers get this command; under torchrun, they train
     # Restarted workers host a new store each attempt instead of reusing the agent's (pytorch/pytorch#135712)

@@ -181,9 +181,10 @@ class Collective:
         compared through one all-gather)."""
         h = hashlib.sha256()
         for name in sorted(arrays):
-            a = np.asarray(arrays[name])
+            a = arrays[name] if isinstance(arrays[name], np.ndarray) else np.asarray(arrays[name])
             h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
-            h.update(np.ascontiguousarray(a).tobytes())
+            for i in range(0, max(len(a), 1) if a.ndim else 1, 1 << 16):  # in blocks: a memmap is never read whole
+                h.update(np.ascontiguousarray(a[i:i + (1 << 16)] if a.ndim else a).tobytes())
         mine = self.torch.tensor(list(h.digest()), dtype=self.torch.uint8, device=self.tdevice)
         every = [self.torch.empty_like(mine) for _ in range(self.world_size)]
         with collective("an all-gather"):

@@ -121,7 +121,8 @@ class TrainingGraph:
     seed: str | None = None
 
     @property
-    def labels(self) -> str:
+    def labels(self) -> str | None:
+        """The labels input, or ``None`` when the loss has none (``output:NAME``, causal-lm on its input ids)."""
         return self.loss.labels
 
     def initial_state(self) -> dict[str, np.ndarray]:
@@ -143,10 +144,11 @@ class TrainingGraph:
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                    optimizer: Optimizer | str = "adam", *, output: str | None = None,
                    params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store",
-                   memory=None, loss_seed: bool = False) -> TrainingGraph:
+                   memory=None, loss_seed: bool = False, loss_options: dict | None = None) -> TrainingGraph:
     """The training-step graph of ``model`` (module doc): loss, gradients, optimizer update, as ONNX nodes.
 
-    ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES`; ``optimizer`` an
+    ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES` (``"output:NAME"``
+    included) and ``loss_options`` its options (:func:`revgraph.losses.loss_graph`); ``optimizer`` an
     :class:`Optimizer` or a name (PyTorch's default hyperparameters); ``output`` the model output the loss
     reads (default: the only one); ``params`` the initializers to train (default: every float one; the
     others stay initializers); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
@@ -159,7 +161,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
     model = model if is_ssa(model) else to_ssa(model)
     names = trainable(model, params)
-    lg, spec = loss_graph(model, loss, output=output)
+    lg, spec = loss_graph(model, loss, output=output, **(loss_options or {}))
     params_as_inputs(lg, names)
     lg.outputs = lg.outputs[:1]
     gg = gradient(lg, spec.loss, names, sparse=True, checkpoint=checkpoint, memory=memory,
@@ -228,7 +230,7 @@ def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     grads = [g for p in tg.params for g in tg.grads[p]]
     grad_graph = tg.graph.copy()
     grad_graph.nodes = grad_graph.nodes[:cut]
-    grad_graph.inputs = [v for v in grad_graph.inputs if v.name in {*tg.inputs, tg.labels, *tg.params, tg.seed}]
+    grad_graph.inputs = [v for v in grad_graph.inputs if v.name in {*tg.inputs, tg.labels, *tg.params, tg.seed} - {None}]
     grad_graph.outputs = [tg.graph.outputs[0], *(tg.grad_types[g] for g in grads)]
     update = tg.graph.copy()
     update.nodes = update.nodes[cut:]
@@ -244,7 +246,8 @@ def eval_graph(tg: TrainingGraph) -> Graph:
     :meth:`Trainer.evaluate` runs with the current parameters). Training-mode ``BatchNormalization`` nodes
     normalize with their running statistics here (``torch.nn.Module.eval()``;
     :func:`revgraph.sync_batchnorm.inference_batchnorms`)."""
-    g, _ = loss_graph(tg.model, tg.loss.kind, output=tg.loss.output)
+    loss, options = tg.loss.rebuild()
+    g, _ = loss_graph(tg.model, loss, **options)
     inference_batchnorms(g)
     params_as_inputs(g, tg.params)
     return g

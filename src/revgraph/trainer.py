@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 
 from . import checkpoints
+from . import data as datasets
 from .autodiff.policies import CheckpointPolicy
 from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
@@ -47,8 +48,10 @@ Data = Mapping[str, np.ndarray] | tuple
 class Trainer:
     """Train ``model`` with ``loss`` and ``optimizer`` (see :mod:`revgraph.train` for the formulas).
 
-    ``model`` is a :class:`Graph`, an ``onnx.ModelProto`` or a path; ``loss`` one of ``"cross-entropy"``,
-    ``"mse"``, ``"bce"``; ``optimizer`` an :class:`revgraph.train.Optimizer` or a name (``"sgd"``,
+    ``model`` is a :class:`Graph`, an ``onnx.ModelProto`` or a path; ``loss`` one of
+    :data:`revgraph.losses.LOSSES` (``"cross-entropy"``, ``"mse"``, ``"bce"``, ``"causal-lm"``, ``"output:NAME"``)
+    and ``loss_options`` its options (``ignore_index``, ``label_smoothing``, ``class_weights``, ``labels_from``;
+    :func:`revgraph.losses.loss_graph`); ``optimizer`` an :class:`revgraph.train.Optimizer` or a name (``"sgd"``,
     ``"adam"``, ``"adamw"`` with PyTorch's defaults). ``output`` picks the model output the loss reads (default:
     the only one), ``params`` the initializers to train (default: every floating-point one). ``threads`` is
     onnxruntime's intra-op thread count (0: its default). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``
@@ -86,7 +89,9 @@ class Trainer:
     Data (for :meth:`step`, :meth:`fit`, :meth:`evaluate`): a mapping with an array per model input (by
     name) and ``"labels"``, or ``{"x": ..., "y": ...}`` / a tuple ``(x, y)`` for a model with one input.
     Arrays share their first (sample) axis. Float inputs are cast to the declared dtype; labels are int64
-    class indices for cross-entropy and floats of the output's shape for ``mse`` and ``bce``.
+    class indices for cross-entropy and floats of the output's shape for ``mse`` and ``bce``; ``output:NAME``
+    and causal-lm on the input ids take no labels. ``data`` may also be a directory of ``.npy`` files, read
+    memory-mapped; ``static=`` gives inputs fed whole to every step (:mod:`revgraph.data`).
     """
 
     def __init__(self, model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
@@ -95,7 +100,7 @@ class Trainer:
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
                  memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
                  profile: bool = False, shard: str = "none",
-                 sync_batchnorm: bool = False, timeout: float | None = None):
+                 sync_batchnorm: bool = False, timeout: float | None = None, loss_options: dict | None = None):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
@@ -133,10 +138,11 @@ class Trainer:
 
             original, model, synced = synchronized(model)  # BatchNormalization around all-reduce placeholders
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
-                                                  checkpoint=checkpoint, memory=memory, loss_seed=bool(synced))
+                                                  checkpoint=checkpoint, memory=memory, loss_seed=bool(synced),
+                                                  loss_options=loss_options)
         if self.comm:
             o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights
-            self.comm.check_same({"loss": self.spec.loss.kind, "model output": self.spec.loss.output,
+            self.comm.check_same({"loss": self.spec.loss.settings, "model output": self.spec.loss.output,
                                   "optimizer": o.kind, "lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
                                   "eps": o.eps, "weight decay": o.weight_decay, "trained parameters": self.spec.params,
                                   "buffers": buffers, "shard": shard, "sync batchnorm": bool(sync_batchnorm),
@@ -219,55 +225,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ data
 
-    def arrays(self, data: Data) -> dict[str, np.ndarray]:
-        """``data`` as ``{model input: array, labels: array}`` with checked lengths and cast dtypes.
-
-        Raises :class:`InputError` (one line) for missing arrays, different lengths, or labels that do not
-        fit the loss (non-integer class indices, out-of-range classes, wrong shapes).
-        """
-        spec = self.spec
-        names = spec.inputs
-        if isinstance(data, tuple) and len(data) == 2:
-            x, y = data
-            data = {**x, "labels": y} if isinstance(x, Mapping) else {"x": x, "y": y}
-        if not isinstance(data, Mapping):
-            raise InputError("training data must be a mapping of arrays or a tuple (x, y)")
-        data = dict(data)
-        if "labels" not in data and {"x", "y"} <= set(data) and len(names) == 1:
-            data = {names[0]: data["x"], "labels": data["y"]}
-        missing = [n for n in [*names, "labels"] if n not in data]
-        if missing:
-            have = ", ".join(sorted(data)) or "none"
-            raise InputError(f"the data lacks {', '.join(map(repr, missing))} (it has {have}); give an array per "
-                             f"model input ({', '.join(names)}) plus 'labels', or 'x' and 'y' for a one-input model")
-        types = {v.name: v for v in spec.graph.inputs}
-        out: dict[str, np.ndarray] = {}
-        for n in [*names, "labels"]:
-            vi = types[spec.labels if n == "labels" else n]
-            a = np.asarray(data[n])
-            if a.dtype.kind not in "fiub":
-                raise InputError(f"array {n!r} has dtype {a.dtype}; expected numbers")
-            if n == "labels" and vi.dtype.kind == "i":
-                if a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
-                    raise InputError("cross-entropy labels must be integer class indices; 'labels' holds fractions")
-            elif vi.dtype.kind != a.dtype.kind and not (vi.dtype.kind == "f" and a.dtype.kind in "iub"):
-                raise InputError(f"array {n!r} has dtype {a.dtype}; the model declares {vi.describe()}")
-            a = np.ascontiguousarray(a.astype(vi.dtype, copy=False))
-            if vi.shape is not None and (a.ndim != len(vi.shape) or any(
-                    isinstance(d, int) and d != s for d, s in zip(vi.shape[1:], a.shape[1:], strict=False))):
-                what = "the labels" if n == "labels" else f"input {n!r}"
-                raise InputError(f"array {n!r} has shape {list(a.shape)}; {what} must be {vi.describe()} "
-                                 "(first axis: samples)")
-            out[n] = a
-        lengths = {n: len(a) for n, a in out.items()}
-        if len(set(lengths.values())) != 1:
-            raise InputError(f"arrays differ in length: {', '.join(f'{k} {v}' for k, v in lengths.items())}")
-        if spec.loss.kind == "cross-entropy":
-            c, labels = self._classes(), out["labels"]
-            bad = labels[(labels < 0) | (labels >= c)] if c else labels[labels < 0]
-            if bad.size:
-                raise InputError(f"label {int(bad[0])} is not a class index in [0, {c or '?'})")
-        return out
+    def arrays(self, data: Data, static: Mapping[str, np.ndarray] | None = None) -> datasets.Dataset:
+        """``data`` and ``static`` checked against the training graph (:func:`revgraph.data.prepare`): a
+        :class:`revgraph.data.Dataset`. Raises :class:`InputError` (one line) for missing arrays, different
+        lengths, a static array that does not match its input, or labels that do not fit the loss."""
+        return datasets.prepare(self.spec, data, static, self._classes())
 
     @property
     def fixed_batch(self) -> int | None:
@@ -276,8 +238,8 @@ class Trainer:
         dims = [v.shape[0] for v in self.spec.model.inputs if v.shape and isinstance(v.shape[0], int)]
         return dims[0] if dims else None
 
-    def _check_fixed_batch(self, batch_size: int, n: int) -> None:
-        d, w = self.fixed_batch, self.world_size
+    def _check_fixed_batch(self, batch_size: int, n: int, d: int | None) -> None:
+        w = self.world_size
         if d is not None and (batch_size != d or n % (d * w)):
             each = f" on each of {w} processes" if w > 1 else ""
             raise InputError(f"the model's inputs have a fixed first dimension {d}: train with batch size {d}{each} "
@@ -290,19 +252,21 @@ class Trainer:
         d = vi.shape[-1] if vi is not None and vi.shape else None
         return d if isinstance(d, int) else None
 
-    def _feeds(self, arrays: dict[str, np.ndarray], rows) -> dict[str, np.ndarray]:
-        labels = self.spec.labels
-        return {labels if k == "labels" else k: np.ascontiguousarray(a[rows]) for k, a in arrays.items()}
+    def _feeds(self, ds: datasets.Dataset, rows) -> dict[str, np.ndarray]:
+        return ds.feeds(rows)
 
     # ------------------------------------------------------------------------------------------ training
 
-    def step(self, batch: Data) -> float:
+    def step(self, batch: Data, static: Mapping[str, np.ndarray] | None = None) -> float:
         """One optimizer step on ``batch`` (all of it; with ``distributed``, this rank's part of the global
         batch, which is the union of every rank's ``batch``); returns the loss of the global batch before the
         update."""
-        feeds = self._feeds(self.arrays(batch), slice(None))
-        count = len(feeds[self.spec.labels])
-        total = int(self.comm.sum([count])[0]) if self.comm else count
+        ds = self.arrays(batch, static)
+        feeds, count = ds.feeds(slice(None)), ds.weight(slice(None))
+        total = self.comm.sum([count])[0] if self.comm else count
+        if not total:  # no counted target anywhere: the loss is 0 with zero gradient, weigh by samples
+            count = ds.n
+            total = self.comm.sum([count])[0] if self.comm else count
         return self._step(feeds, count, total)
 
     def _step(self, feeds: dict[str, np.ndarray], count: int, total: int, **how) -> float:
@@ -313,7 +277,8 @@ class Trainer:
     def fit(self, data: Data, epochs: int = 1, batch_size: int = 32, *, shuffle: bool = True, seed: int = 0,
             progress: bool = True, console=None, description: str = "training",
             checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
-            nonfinite: str = "stop", accumulate_steps: int = 1) -> list[float]:
+            nonfinite: str = "stop", accumulate_steps: int = 1,
+            static: Mapping[str, np.ndarray] | None = None) -> list[float]:
         """Train for ``epochs`` passes over ``data`` in batches of ``batch_size`` per process (module doc: the
         global batch is ``batch_size * world_size``; the last batch of an epoch may be smaller).
         ``accumulate_steps`` ``K``: each optimizer step runs forward and backward on ``K`` micro-batches, sums
@@ -334,7 +299,10 @@ class Trainer:
         when the last update left a parameter NaN or infinite, raising :class:`NonFiniteError` that names the
         step; the trainer keeps the parameters and state from before that step (nothing of it is checkpointed).
         ``"continue"`` trains on regardless. Returns the mean loss of each epoch. Raises :class:`InputError`
-        for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run.
+        for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run. ``data`` may be a directory
+        of ``.npy`` files (memory-mapped); ``static`` maps inputs to arrays fed whole to every step
+        (:mod:`revgraph.data`). A loss that is a mean over counted targets (``ignore_index``, class weights) weighs
+        each micro-batch and rank by its counted targets, so a step is the mean over the global batch's.
 
         With ``distributed``, every argument (and whether ``checkpoint_dir`` is given) and the data are compared
         across ranks before the first step, and a rank that refuses its data makes every rank stop with one line.
@@ -344,7 +312,7 @@ class Trainer:
         """
         try:
             return self._fit(data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
-                             checkpoint_every, nonfinite, accumulate_steps)
+                             checkpoint_every, nonfinite, accumulate_steps, static)
         except RevgraphError as exc:
             from .distributed import CollectiveError
 
@@ -355,7 +323,7 @@ class Trainer:
             raise
 
     def _fit(self, data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
-             checkpoint_every, nonfinite, accumulate_steps) -> list[float]:
+             checkpoint_every, nonfinite, accumulate_steps, static=None) -> list[float]:
         if self.comm:  # an earlier attempt of this torchrun run failed deterministically: fail alike, at once
             from .launch import recorded_failure
 
@@ -373,11 +341,11 @@ class Trainer:
             problem = refused_combination(*self._options[:2], "fp32", accumulate, self._options[2])
             if problem:
                 raise InputError(problem)
-            arrays = self.arrays(data)
-            n = len(arrays["labels"])
+            arrays = self.arrays(data, static)
+            n = arrays.n
             if n == 0:
                 raise InputError("the training data holds no samples")
-            self._check_fixed_batch(batch_size, n)
+            self._check_fixed_batch(batch_size, n, arrays.fixed_batch())
             refused = None
         except InputError as exc:
             if not self.comm:
@@ -393,7 +361,7 @@ class Trainer:
                                  "give every rank the same epochs, batch size, seed, shuffling, checkpoint interval "
                                  "and nonfinite mode (--allow-nonfinite), and a --checkpoint-dir on every rank or none")
             args = np.array([epochs, batch_size, shuffle, seed, checkpoint_every, accumulate], np.int64)
-            self.comm.check_replicas({**arrays, "fit arguments": args}, "training data or fit arguments",
+            self.comm.check_replicas({**arrays.hashed(), "fit arguments": args}, "training data or fit arguments",
                                      "give every rank the same data and the same epochs, batch size, seed, "
                                      "accumulation and checkpoint interval")
         micro = batch_size * world  # a global micro-batch; a step takes `accumulate` of them
@@ -416,13 +384,17 @@ class Trainer:
                     # values from before it (the check of the parameters below may have to return to them)
                     last = pos.epoch == epochs - 1 and pos.batch == per_epoch - 1
                     how = dict(accept=_finite if stop else None, keep_previous=stop and last)
+                    # each share weighs by what its loss is a mean over (samples, or counted targets)
+                    total = arrays.weight(chunk)
+                    size = arrays.weight if total else len  # (nothing counted: the loss is 0, zero gradient)
+                    total = total or len(chunk)
                     if accumulate == 1:
                         rows = shard(chunk, rank, world)
-                        loss = self._step(self._feeds(arrays, rows), len(rows), len(chunk), **how)
+                        loss = self._step(self._feeds(arrays, rows), size(rows), total, **how)
                     else:  # K global micro-batches of `micro` samples, each dealt over the ranks
                         parts = [shard(chunk[j:j + micro], rank, world) for j in range(0, len(chunk), micro)]
-                        feeds = [(self._feeds(arrays, r), len(r)) for r in parts]
-                        loss = self._step(feeds, sum(len(r) for r in parts), len(chunk), **how)
+                        feeds = [(self._feeds(arrays, r), size(r)) for r in parts]
+                        loss = self._step(feeds, sum(c for _, c in feeds), total, **how)
                     stepped = True
                     if stop and not np.isfinite(loss):
                         self._reject_step(f"the loss is {loss}", pos.epoch, pos.batch, applied=False)
@@ -514,45 +486,47 @@ class Trainer:
         self.resumed = f"{where} (epoch {meta['epoch'] + 1}, step {self.steps})"
         return _Position(meta["epoch"], meta["batch"], meta["epoch_loss_sum"], list(meta["epoch_means"]))
 
-    def evaluate(self, data: Data, batch_size: int = 512) -> dict[str, float | None]:
-        """The mean loss over ``data`` with the current parameters, and the accuracy for classification:
-        ``argmax(logits) == label`` for cross-entropy, ``(logit > 0) == (label > 0.5)`` for bce, ``None``
-        for mse, and ``None`` too when any output is NaN or infinite (``nonfinite`` counts those outputs). With
+    def evaluate(self, data: Data, batch_size: int = 512,
+                 static: Mapping[str, np.ndarray] | None = None) -> dict[str, float | None]:
+        """The mean loss over ``data`` with the current parameters (over the counted targets for a loss with
+        ``ignore_index`` or class weights; the mean of the model's own loss output for ``output:NAME``), and the
+        accuracy for classification: ``argmax(logits) == label`` for cross-entropy (the next token for
+        causal-lm), ``(logit > 0) == (label > 0.5)`` for bce, ``None`` for mse and ``output:NAME``, and
+        ``None`` too when any output is NaN or infinite (``nonfinite`` counts those outputs). With
         ``distributed``, each rank evaluates its share and the sums are all-reduced. Returns
         ``{"loss": float, "accuracy": float | None, "samples": int, "nonfinite": int}``."""
-        arrays = self.arrays(data)
-        n = len(arrays["labels"])
-        batch_size = self.fixed_batch or batch_size
-        if self.fixed_batch:
-            self._check_fixed_batch(batch_size, n)
+        arrays = self.arrays(data, static)
+        n = arrays.n
+        fixed = arrays.fixed_batch()
+        batch_size = fixed or batch_size
+        if fixed:
+            self._check_fixed_batch(batch_size, n, fixed)
         mine = shard(np.arange(n), self.rank, self.world_size)
-        sums = np.zeros(4)  # loss * samples, correct answers, label elements, non-finite outputs
+        sums = np.zeros(5)  # loss * weight, weight, correct answers, answers, non-finite outputs
         for start in range(0, len(mine), batch_size):
-            feeds = self._feeds(arrays, mine[start:start + batch_size])
+            rows = mine[start:start + batch_size]
+            feeds = self._feeds(arrays, rows)
             loss, out = self._engine.evaluate(feeds)
-            labels = feeds[self.spec.labels]
-            sums[0] += float(loss) * len(labels)
-            sums[2] += labels.size
-            sums[3] += int(np.size(out) - np.isfinite(out).sum())
-            if self.spec.loss.kind == "cross-entropy":
-                sums[1] += int(np.sum(np.argmax(out, axis=-1) == labels))
-            elif self.spec.loss.kind == "bce":
-                sums[1] += int(np.sum((out > 0) == (labels > 0.5)))
+            sums += datasets.score(self.spec, feeds, loss, out, arrays.weight(rows))
         if self.comm:
             sums = self.comm.sum(sums)
         # an argmax or sign of NaN outputs is no answer: no accuracy is computed from them
-        accuracy = None if self.spec.loss.kind == "mse" or sums[3] else sums[1] / max(sums[2], 1)
-        return {"loss": sums[0] / max(n, 1), "accuracy": accuracy, "samples": n, "nonfinite": int(sums[3])}
+        accuracy = None if self.spec.loss.kind in ("mse", "output") or sums[4] else sums[2] / max(sums[3], 1)
+        return {"loss": sums[0] / sums[1] if sums[1] else 0.0, "accuracy": accuracy, "samples": n,
+                "nonfinite": int(sums[4])}
 
-    def predict(self, inputs: Mapping[str, np.ndarray] | np.ndarray) -> np.ndarray:
+    def predict(self, inputs: Mapping[str, np.ndarray] | np.ndarray,
+                static: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """The model output the loss reads, for ``inputs`` (an array for a one-input model, or arrays by
         input name), with the current parameters; training-mode ``BatchNormalization`` normalizes with its
-        running statistics, as in :meth:`evaluate`. Raises :class:`RevgraphError` if onnxruntime fails."""
+        running statistics, as in :meth:`evaluate`; ``static`` inputs are fed as given. Raises :class:`RevgraphError` if onnxruntime fails."""
         from .runtime import Session
         from .sync_batchnorm import inference_batchnorms
 
+        static = dict(static or {})
         if not isinstance(inputs, Mapping):
-            inputs = {self.spec.inputs[0]: inputs}
+            inputs = {next(n for n in self.spec.inputs if n not in static): inputs}
+        inputs = {**inputs, **static}
         model = self.spec.model.copy()
         inference_batchnorms(model)
         model.initializers.update(self.parameters)
