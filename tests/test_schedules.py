@@ -399,3 +399,45 @@ def test_cli_resume_with_another_lr_exits_2_unless_overridden(tmp_path):
         f"resuming {ck}/checkpoint.npz with lr 0.02 instead of 0.01 (overridden)"]
     r = _cli(tmp_path, "--epochs", "3", "--lr", "0.02", "--checkpoint-dir", ck, "--override", "momentum")
     assert r.returncode == 0, r.stderr  # (the checkpoint now records lr 0.02; an override that changes nothing)
+
+
+# ------------------------------------------------------------------------------ data-parallel
+
+SCHEDULED = ("--lr-schedule", "cosine", "--warmup-steps", "3", "--min-lr", "0.001", "--clip-grad-norm", "0.5")
+
+
+def _dp_reference(model: str, optimizer: str, hidden: int, **how):
+    from distributed_worker import schedule_options, trainer
+
+    tr, data = trainer(model, optimizer, 97, False, hidden, **schedule_options(**how))
+    tr.fit(data, 2, 16, seed=3, progress=False)
+    return tr
+
+
+@pytest.mark.parametrize("model,optimizers,shard", [
+    pytest.param("mlp", "sgd,adam,adamw", "none", marks=pytest.mark.slow), ("embedding", "adam,sgd0", "none"),
+    ("mlp", "sgd,adamw", "optimizer"), pytest.param("mlp", "adam,adamw", "gradients", marks=pytest.mark.slow)])
+def test_data_parallel_schedule_clipping_and_exclusions_equal_one_process(tmp_path, model, optimizers, shard):
+    """2 processes x batch 8 = 1 process x batch 16 with a cosine schedule, warmup, clipping to 0.5 and no decay
+    on biases: unsharded (gradients all-reduced, sparse rows all-gathered, then clipped in the update graph) and
+    sharded (ZeRO-1/2: the squared norms of every rank's shards all-reduced; units of 1 KiB mixing weights and
+    biases, so weight decay is masked inside a shard)."""
+    pytest.importorskip("torch.distributed.run")
+    from test_distributed import TORCHRUN, WORKER, _run
+
+    hidden = 13
+    _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--model", model, "--optimizer", optimizers,
+          "--hidden", str(hidden), "--shard", shard, "--bucket-bytes", "1024", "--out", str(tmp_path),
+          "--lr-schedule", "cosine", "--warmup-steps", "3", "--min-lr", "0.001", "--clip-grad-norm", "0.5"])
+    how = dict(kind="cosine", warmup=3, min_lr=0.001, clip=0.5)
+    for opt in optimizers.split(","):
+        ranks = [dict(np.load(tmp_path / f"rank{r}-{opt}.npz")) for r in range(2)]
+        ref = _dp_reference(model, opt, hidden, **how)
+        if ref.spec.optimizer.weight_decay:  # (AdamW here) the biases are excluded
+            assert ref.spec.no_decay == (["b1", "b2"] if model == "mlp" else ["b"])
+        unclipped = _dp_reference(model, opt, hidden, **{**how, "clip": None})
+        assert not np.allclose(unclipped.losses, ref.losses, rtol=1e-3)  # the clipping changes the run
+        for name, value in {**ref.parameters, **ref.state}.items():
+            np.testing.assert_array_equal(ranks[1][name], ranks[0][name], err_msg=name)
+            np.testing.assert_allclose(ranks[0][name], value, rtol=2e-5, atol=2e-6, err_msg=f"{opt} {name}")
+        np.testing.assert_allclose(ranks[0]["losses"], ref.losses, rtol=2e-5, atol=1e-6)
