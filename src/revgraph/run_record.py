@@ -47,6 +47,14 @@ def record(spec, total: int | None = None) -> dict:
     return json.loads(json.dumps(rec))  # as it reads back from the file (tuples as lists)
 
 
+def rank_settings(spec) -> dict:
+    """The record of ``spec`` as data-parallel ranks compare it before the first step
+    (``Collective.check_same``; the loss settings under ``"loss settings"``, beside the loss's name)."""
+    rec = record(spec)
+    rec["loss settings"] = rec.pop("loss")
+    return rec
+
+
 def differences(then: dict | None, now: dict) -> list[tuple[str, object, object]]:
     """``(name, checkpoint's value, now's value)`` for each recorded setting that differs; ``then`` ``None``
     for a checkpoint without a record (only :data:`OLD_DEFAULTS` can be compared)."""

@@ -265,3 +265,33 @@ def clipped_gradients(b: Builder, tg, max_norm: float) -> dict[str, list[str]]:
         for p in tg.params:
             out[p][-1] = scaled(b, out[p][-1], coef, tg.initial[p].dtype, cache)
     return out
+
+
+def clipped_shards(b: Builder, spec, dense_squares: str, grads: dict, dtypes: dict) -> tuple[dict, dict]:
+    """The clipping of a sharded update (:mod:`revgraph.sharding`): ``grads`` (unit -> gradient shard, of
+    ``dtypes[unit]``) and the sparse tables' rows of ``spec`` scaled by the clipping coefficient of the global
+    norm, whose dense part is the float64 scalar ``dense_squares`` (every rank's shards' squares, summed by the
+    engine's all-reduce) and whose sparse part the coalesced rows add here (replicated tables: every rank adds
+    the same). Returns ``(scaled shards, {table: [unique indices, coalesced scaled rows]})``."""
+    with b.scope("optim/clip"):
+        rows = {p: list(coalesce(b, *spec.grads[p], spec.initial[p].dtype)) for p in spec.sparse}
+        coef = clip_coefficient(b, spec.optimizer.clip_grad_norm,
+                                [dense_squares, *(squares(b, r[1]) for r in rows.values())])
+        cache: dict = {}
+        grads = {j: scaled(b, g, coef, dtypes[j], cache) for j, g in grads.items()}
+        for p in spec.sparse:
+            rows[p][1] = scaled(b, rows[p][1], coef, spec.initial[p].dtype, cache)
+    return grads, rows
+
+
+def flat_decay(unit, no_decay) -> bool | np.ndarray:
+    """Whether weight decay applies to a rank's shard ``[lo, lo + k)`` of a flat unit of parameters
+    (:class:`revgraph.sharding.Unit`: ``names`` at ``offsets`` with ``shapes``): ``True``/``False`` when it does
+    for every element in it, else a boolean mask of ``k`` elements (false on those of the ``no_decay``
+    parameters; the zero padding decays, which leaves it zero)."""
+    mask = np.ones(unit.length, bool)
+    for n, o, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):
+        if n in no_decay:
+            mask[o:o + int(np.prod(shape, dtype=np.int64))] = False
+    mine = mask[unit.lo:unit.lo + unit.k]
+    return bool(mine[0]) if mine.size and (mine == mine[0]).all() else mine

@@ -127,11 +127,12 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
     Returns ``(graph, carried pairs (input, output), names)``: unit ``j``'s inputs are ``names[j]`` =
     ``(param shard, gradient shard, [state shards])``, all float ``[k]`` of the unit's dtype; the sparse tables
     keep the names of ``spec`` (parameter, state, gradient indices and rows), the step and a schedule's total
-    too. Weight decay skips the shard elements of excluded parameters (a mask, :func:`shard_decay`). With
+    too. Weight decay skips the shard elements of excluded parameters (a mask,
+    :func:`revgraph.schedules.flat_decay`). With
     clipping, ``names["clip"]`` is the float64 scalar input of the dense gradients' squared norm summed over
     every rank's shards (the sparse tables, replicated, add theirs in the graph): the clipping of
     :mod:`revgraph.schedules` over the whole model."""
-    from .schedules import clip_coefficient, coalesce, scaled, squares
+    from .schedules import clipped_shards, flat_decay
 
     b = Builder(spec.graph.all_names())
     opt = spec.optimizer
@@ -141,23 +142,16 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
     for j, u in enumerate(units):
         p, g = b.fresh(f"shard{j}/param"), b.fresh(f"shard{j}/grad")
         names[j] = (p, g, [b.fresh(f"shard{j}/{s}") for s in slots])
-    grads = {j: names[j][1] for j in range(len(units))}
-    rows = {p: spec.grads[p] for p in spec.sparse}
+    grads, rows = {j: names[j][1] for j in range(len(units))}, {p: spec.grads[p] for p in spec.sparse}
     if opt.clip_grad_norm:
         names["clip"] = b.fresh("clip/dense_squares")
         inputs.append(ValueInfo(names["clip"], np.float64, ()))
-        with b.scope("optim/clip"):
-            rows = {p: list(coalesce(b, *spec.grads[p], spec.initial[p].dtype)) for p in spec.sparse}
-            coef = clip_coefficient(b, opt.clip_grad_norm, [names["clip"], *(squares(b, r[1]) for r in rows.values())])
-            cache: dict = {}
-            grads = {j: scaled(b, g, coef, units[j].dtype, cache) for j, g in grads.items()}
-            for p in spec.sparse:
-                rows[p][1] = scaled(b, rows[p][1], coef, spec.initial[p].dtype, cache)
+        grads, rows = clipped_shards(b, spec, names["clip"], grads, {j: u.dtype for j, u in enumerate(units)})
     for j, u in enumerate(units):
         p, g, state = names[j]
         inputs += [ValueInfo(n, u.dtype, (u.k,)) for n in (p, g, *state)]
         b.prefix, start = f"optim/shard{j}", len(b.nodes)
-        new_p, new_s = update(b, scalars, p, grads[j], state, u.dtype, decay=shard_decay(spec, u))
+        new_p, new_s = update(b, scalars, p, grads[j], state, u.dtype, decay=flat_decay(u, spec.no_decay))
         news = name_outputs(b, start, [(new_p, f"{p}.new"), *((v, f"{s}.new") for s, v in zip(state, new_s, strict=True))])
         pairs += list(zip([p, *state], news, strict=True))
         outputs += [ValueInfo(n, u.dtype, (u.k,)) for n in news]
@@ -186,18 +180,6 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
         pairs.append((spec.total, new_total))
     graph = Graph(b.nodes, inputs, outputs, name="sharded update", opsets=dict(spec.graph.opsets))
     return graph, pairs, names
-
-
-def shard_decay(spec: TrainingGraph, u: Unit) -> bool | np.ndarray:
-    """Whether weight decay applies to the rank's shard ``[lo, lo + k)`` of unit ``u``: ``True``/``False`` when
-    it does for every parameter element in it, else a boolean mask of ``k`` (false on excluded parameters'
-    elements; the zero padding decays, which leaves it zero)."""
-    mask = np.ones(u.length, bool)
-    for n, o, shape in zip(u.names, u.offsets, u.shapes, strict=True):
-        if n in spec.no_decay:
-            mask[o:o + int(np.prod(shape, dtype=np.int64))] = False
-    mine = mask[u.lo:u.lo + u.k]
-    return bool(mine[0]) if mine.size and (mine == mine[0]).all() else mine
 
 
 class ShardedEngine(DistributedEngine):

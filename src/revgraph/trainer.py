@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx
 
-from . import checkpoints
+from . import checkpoints, run_record
 from .autodiff.policies import CheckpointPolicy
 from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
@@ -39,7 +39,6 @@ from .exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype, refused_combi
 from .steps import BUFFERS, make_engine
 from .steptimes import StepTimes
 from .sharding import SHARDS
-from . import run_record
 from .optimizers import configure, make_optimizer
 from .train import Optimizer, TrainingGraph, training_graph
 
@@ -145,9 +144,10 @@ class Trainer:
                                                   checkpoint=checkpoint, memory=memory, loss_seed=bool(synced))
         if self.comm:
             o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights
-            self.comm.check_same({**run_record.record(self.spec), "loss": self.spec.loss.kind, "model output": self.spec.loss.output,
-                                  "optimizer": o.kind, "lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
-                                  "eps": o.eps, "weight decay": o.weight_decay, "trained parameters": self.spec.params,
+            self.comm.check_same({"loss": self.spec.loss.kind, "model output": self.spec.loss.output,
+                                  **run_record.rank_settings(self.spec), "optimizer": o.kind, "lr": o.lr,
+                                  "momentum": o.momentum, "betas": list(o.betas), "eps": o.eps,
+                                  "weight decay": o.weight_decay, "trained parameters": self.spec.params,
                                   "buffers": buffers, "shard": shard, "sync batchnorm": bool(sync_batchnorm),
                                   # other buckets or dtypes on some rank would pair collectives of different sizes
                                   "bucket MiB": float(bucket_mb), "reduce dtype": reduce_dtype, "overlap": overlap},
@@ -346,7 +346,9 @@ class Trainer:
         one is refused unless ``override`` names it (a list of recorded names: ``"lr"``, ``"weight_decay"``,
         ``"lr_schedule"``, ``"total_steps"``...), which trains on with the new value and says so.
         A linear or cosine schedule without ``total_steps`` decays over the steps of this call:
-        ``epochs * ceil(samples / (batch_size * world_size * accumulate_steps))``.
+        ``epochs * ceil(samples / (batch_size * world_size * accumulate_steps))``, counted by the trainer's step
+        counter from its first step (a second ``fit`` on the same trainer continues past the end, at ``min_lr``,
+        unless ``Schedule(total_steps=)`` plans for both).
 
         ``nonfinite="stop"`` (the default) stops at the first step whose loss is NaN or infinite, and at the end
         when the last update left a parameter NaN or infinite, raising :class:`NonFiniteError` that names the
