@@ -167,6 +167,7 @@ def test_graph_learning_rate_follows_the_formulas():
             got = float(sess.run(None, {"step": np.array(s), "total": np.array(30)})[0])
             want = 0.02 * (f(min(s, 30)) if kind != "constant" else f(s))
             assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (kind, s)
+            assert opt.schedule.factor(s, 30, 0.02) * 0.02 == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
 def test_no_decay_rules():

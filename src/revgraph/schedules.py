@@ -173,14 +173,6 @@ def excluded(opt: Optimizer, initial: dict[str, np.ndarray]) -> list[str]:
     return [p for p in initial if any(fnmatch.fnmatchcase(p, pattern) for pattern in rule)]
 
 
-def describe_no_decay(opt: Optimizer) -> str:
-    """The rule of ``opt.no_decay`` in words (for the checkpoint record and messages)."""
-    rule = opt.no_decay
-    if callable(rule):
-        return f"predicate {getattr(rule, '__name__', 'function')}"
-    return rule if isinstance(rule, str) else "patterns " + " ".join(rule)
-
-
 # ---------------------------------------------------------------------------------------------- graph nodes
 
 def learning_rate(b: Builder, opt: Optimizer, step: str, total: str | None) -> str:
