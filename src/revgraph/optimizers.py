@@ -18,6 +18,9 @@ Optimizers (``g`` the gradient, ``p`` the parameter, ``t = step + 1`` the 1-base
   the step, ``p <- p * (1 - lr * wd)``. (ONNX Adam's ``norm_coefficient_post`` decays after the step instead,
   which differs by a factor ``1 - lr * wd`` on the step.)
 
+With :mod:`revgraph.schedules`, ``lr`` above is this step's scheduled rate (``Optimizer.lr`` is the peak), ``g``
+is the clipped gradient, and ``wd`` is 0 for the parameters weight decay skips (``Optimizer.no_decay``).
+
 Small dense parameters (:data:`GROUP_ELEMENTS`) of one dtype and one shape but the first axis are updated as
 one concatenation, split back: the same formulas element by element, in fewer onnxruntime nodes.
 
