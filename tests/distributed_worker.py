@@ -73,6 +73,17 @@ def trainer(model: str, optimizer: str, samples: int, distributed: bool, hidden:
     return rg.Trainer(g, loss, opt, threads=1, distributed=distributed, loss_options=options, **how), data
 
 
+def schedule_options(kind: str = "constant", warmup: int = 0, min_lr: float = 0.0, clip: float | None = None,
+                     decay_all: bool = False) -> dict:
+    """Trainer keyword arguments of a schedule, clipping and weight-decay exclusions (revgraph.schedules)."""
+    from revgraph.schedules import Schedule
+
+    how: dict = {"clip_grad_norm": clip, "no_decay": "none" if decay_all else None}
+    if kind != "constant" or warmup:
+        how["schedule"] = Schedule(kind, warmup, min_lr)
+    return how
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="mlp")
@@ -93,6 +104,12 @@ def main() -> None:
     p.add_argument("--reduce-dtype", default="fp32")
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--accumulate-steps", type=int, default=1)
+    p.add_argument("--lr-schedule", default="constant", help="revgraph.schedules: the schedule (with --warmup-steps, "
+                   "--min-lr), clipping (--clip-grad-norm) and weight decay on every parameter (--decay-all)")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--min-lr", type=float, default=0.0)
+    p.add_argument("--clip-grad-norm", type=float)
+    p.add_argument("--decay-all", action="store_true")
     a = p.parse_args()
     if a.bucket_bytes:
         a.bucket_mb = a.bucket_bytes / 2**20
@@ -103,7 +120,8 @@ def main() -> None:
     samples = a.samples - (a.skew and os.environ.get("RANK") == "1")
     several = "," in a.optimizer
     for optimizer in a.optimizer.split(","):
-        how = dict(bucket_mb=a.bucket_mb, reduce_dtype=a.reduce_dtype, overlap=not a.no_overlap)
+        how = dict(bucket_mb=a.bucket_mb, reduce_dtype=a.reduce_dtype, overlap=not a.no_overlap,
+                   **schedule_options(a.lr_schedule, a.warmup_steps, a.min_lr, a.clip_grad_norm, a.decay_all))
         if a.shard != "none":
             how["shard"] = a.shard
         tr, data = trainer(a.model, optimizer, samples, True, a.hidden, **how)

@@ -19,9 +19,9 @@ from revgraph.ir import Graph, Node, ValueInfo
 F32 = np.float32
 STEPS = 20
 OPTIMIZERS = {
-    "sgd": T.sgd(lr=0.1, momentum=0.9, weight_decay=0.01),
-    "adam": T.adam(lr=0.01, weight_decay=0.01),
-    "adamw": T.adamw(lr=0.01, weight_decay=0.1),
+    "sgd": T.sgd(lr=0.1, momentum=0.9, weight_decay=0.01, no_decay="none"),
+    "adam": T.adam(lr=0.01, weight_decay=0.01, no_decay="none"),
+    "adamw": T.adamw(lr=0.01, weight_decay=0.1, no_decay="none"),
 }
 
 
@@ -155,11 +155,11 @@ def test_float64_model_matches_pytorch_to_rounding(name):
 
 MORE_OPTIMIZERS = {
     "sgd-plain": T.sgd(lr=0.1),
-    "sgd-decay-no-momentum": T.sgd(lr=0.1, weight_decay=0.05),
+    "sgd-decay-no-momentum": T.sgd(lr=0.1, weight_decay=0.05, no_decay="none"),
     "sgd-momentum": T.sgd(lr=0.05, momentum=0.5),
     "adam-no-decay-small-beta1": T.adam(lr=0.02, betas=(0.3, 0.99), eps=1e-6),  # lerp with weight > 0.5
     "adamw-no-decay": T.adamw(lr=0.02, weight_decay=0.0),
-    "adamw-decay-eps": T.adamw(lr=0.02, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.2),
+    "adamw-decay-eps": T.adamw(lr=0.02, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.2, no_decay="none"),
 }
 
 
@@ -287,7 +287,7 @@ def test_sparse_table_momentum_is_lazy():
     with the gradient rows from revgraph.gradient checked against PyTorch's sparse gradient)."""
     rng = np.random.default_rng(4)
     g = embedding_model(rng)
-    opt = T.sgd(lr=0.2, momentum=0.9, weight_decay=0.01)
+    opt = T.sgd(lr=0.2, momentum=0.9, weight_decay=0.01, no_decay="none")
     batches = [(rng.integers(0, 12, (3, 5)), rng.integers(0, 3, 3)) for _ in range(5)]
     trainer = rg.Trainer(g, "cross-entropy", opt, params=["E"])
     P = {k: torch.tensor(v, requires_grad=k == "E") for k, v in g.initializers.items() if v.dtype == F32}

@@ -55,7 +55,7 @@ def test_train_command_matches_pytorch(model_and_data, capsys, name):
     g, x, y, tmp = model_and_data
     opt = OPTIMIZERS[name]
     args = ["train", str(tmp / "model.onnx"), "--data", str(tmp / "data.npz"), "--loss", "cross-entropy",
-            "--optimizer", name, "--lr", str(opt.lr), "--weight-decay", str(opt.weight_decay),
+            "--optimizer", name, "--lr", str(opt.lr), "--weight-decay", str(opt.weight_decay), "--decay-all",
             "--epochs", "20", "--batch-size", "48", "-o", str(tmp / "trained.onnx"),
             "--save-training-graph", str(tmp / "step.onnx")]
     if opt.momentum:

@@ -13,6 +13,7 @@ from .autodiff.memory import Budget, parse_budget
 from .cli_exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
 from .cli_io import check_command_outputs, err, out
 from .cli_lossdata import input_paths, loss_options, read_data, read_static
+from .cli_schedules import add_schedule_arguments, decay_line, schedule_settings
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
@@ -73,6 +74,7 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                        help="parameters and optimizer state in one buffer set that the update overwrites where that "
                             "is safe, or in two swapped sets (the fused step graph; default one)")
     add_exchange_arguments(train)
+    add_schedule_arguments(train)
     return train
 
 
@@ -169,7 +171,8 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     static = read_static(args)
     data = read_data(args.data)
     test = read_data(args.test_data, "--test-data") if args.test_data is not None else None
-    opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                         **schedule_settings(args))
     g = load(args.model)
     if budget is not None:  # symbolic first dimensions of the inputs are the batch: --batch-size of them
         dims = {vi.shape[0]: args.batch_size for vi in g.inputs
@@ -189,6 +192,8 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
     if budget is not None:
         console.print(f"memory: {trainer.spec.graph.memory_plan.summary()}", soft_wrap=True, markup=False)
+    if decay_line(trainer):
+        console.print(decay_line(trainer), soft_wrap=True, markup=False)
     refused = None
     try:
         trainer.arrays(data, static)  # bad data fails here, in one line, before anything runs
@@ -213,7 +218,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=console,
                         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                         nonfinite="continue" if args.allow_nonfinite else "stop",
-                        accumulate_steps=args.accumulate_steps, static=static)
+                        accumulate_steps=args.accumulate_steps, static=static, override=args.override)
     if trainer.resumed:
         console.print(f"resumed from {trainer.resumed}", soft_wrap=True, markup=False)
     after = trainer.evaluate(data, static=static)

@@ -126,28 +126,43 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
 
     Returns ``(graph, carried pairs (input, output), names)``: unit ``j``'s inputs are ``names[j]`` =
     ``(param shard, gradient shard, [state shards])``, all float ``[k]`` of the unit's dtype; the sparse tables
-    keep the names of ``spec`` (parameter, state, gradient indices and rows), the step too."""
+    keep the names of ``spec`` (parameter, state, gradient indices and rows), the step and a schedule's total
+    too. Weight decay skips the shard elements of excluded parameters (a mask,
+    :func:`revgraph.schedules.flat_decay`). With
+    clipping, ``names["clip"]`` is the float64 scalar input of the dense gradients' squared norm summed over
+    every rank's shards (the sparse tables, replicated, add theirs in the graph): the clipping of
+    :mod:`revgraph.schedules` over the whole model."""
+    from .schedules import clipped_shards, flat_decay
+
     b = Builder(spec.graph.all_names())
-    scalars = Scalars(b, spec.optimizer, spec.step)
+    opt = spec.optimizer
+    scalars = Scalars(b, opt, spec.step, spec.total)
     inputs, outputs, pairs, names = [], [], [], {}
-    slots = spec.optimizer.slots
+    slots = opt.slots
     for j, u in enumerate(units):
         p, g = b.fresh(f"shard{j}/param"), b.fresh(f"shard{j}/grad")
-        state = [b.fresh(f"shard{j}/{s}") for s in slots]
-        names[j] = (p, g, state)
+        names[j] = (p, g, [b.fresh(f"shard{j}/{s}") for s in slots])
+    grads, rows = {j: names[j][1] for j in range(len(units))}, {p: spec.grads[p] for p in spec.sparse}
+    if opt.clip_grad_norm:
+        names["clip"] = b.fresh("clip/dense_squares")
+        inputs.append(ValueInfo(names["clip"], np.float64, ()))
+        grads, rows = clipped_shards(b, spec, names["clip"], grads, {j: u.dtype for j, u in enumerate(units)})
+    for j, u in enumerate(units):
+        p, g, state = names[j]
         inputs += [ValueInfo(n, u.dtype, (u.k,)) for n in (p, g, *state)]
         b.prefix, start = f"optim/shard{j}", len(b.nodes)
-        new_p, new_s = update(b, scalars, p, g, state, u.dtype)
+        new_p, new_s = update(b, scalars, p, grads[j], state, u.dtype, decay=flat_decay(u, spec.no_decay))
         news = name_outputs(b, start, [(new_p, f"{p}.new"), *((v, f"{s}.new") for s, v in zip(state, new_s, strict=True))])
         pairs += list(zip([p, *state], news, strict=True))
         outputs += [ValueInfo(n, u.dtype, (u.k,)) for n in news]
     for p in spec.sparse:
         a = spec.initial[p]
-        idx, rows = spec.grads[p]
+        idx, grad_rows = spec.grads[p]
         inputs += [ValueInfo(n, a.dtype, a.shape) for n in (p, *spec.state[p])]
-        inputs += [spec.grad_types[idx], spec.grad_types[rows]]
+        inputs += [spec.grad_types[idx], spec.grad_types[grad_rows]]
         b.prefix, start = f"optim/{p}", len(b.nodes)
-        new_p, new_s = sparse_update(b, scalars, p, idx, rows, spec.state[p], a.dtype)
+        new_p, new_s = sparse_update(b, scalars, p, *rows[p], spec.state[p], a.dtype, unique=bool(opt.clip_grad_norm),
+                                     decay=p not in spec.no_decay)
         news = name_outputs(b, start, [(new_p, f"{p}.new"), *((v, f"{s}.new") for s, v in zip(spec.state[p], new_s,
                                                                                          strict=True))])
         pairs += list(zip([p, *spec.state[p]], news, strict=True))
@@ -157,6 +172,12 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
     inputs.append(ValueInfo(spec.step, np.int64, ()))
     outputs.append(ValueInfo(new_step, np.int64, ()))
     pairs.append((spec.step, new_step))
+    if spec.total:  # the schedule's total steps, carried unchanged
+        start = len(b.nodes)
+        new_total = name_outputs(b, start, [(spec.total, f"{spec.total}.new")])[0]
+        inputs.append(ValueInfo(spec.total, np.int64, ()))
+        outputs.append(ValueInfo(new_total, np.int64, ()))
+        pairs.append((spec.total, new_total))
     graph = Graph(b.nodes, inputs, outputs, name="sharded update", opsets=dict(spec.graph.opsets))
     return graph, pairs, names
 
@@ -222,6 +243,8 @@ class ShardedEngine(DistributedEngine):
             for n, a in [(p, spec.initial[p]), *((s, np.zeros_like(spec.initial[p])) for s in spec.state[p])]:
                 self._tensors[n] = torch.from_numpy(np.array(a)).to(dev)
         self._tensors[spec.step] = torch.zeros((), dtype=torch.int64, device=dev)
+        if spec.total:  # a schedule's total steps (revgraph.schedules), set by fit
+            self._tensors[spec.total] = torch.zeros((), dtype=torch.int64, device=dev)
         values.update((n, ortvalue_from_dlpack(t)) for n, t in self._tensors.items())
         self._sets = [values, values]  # one set: every name is updated in place (or copied back)
         self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]), dtype=torch_dtype(torch, spec.initial[p].dtype),
@@ -269,6 +292,10 @@ class ShardedEngine(DistributedEngine):
         # copied back after the run
         self._update_scratch = {i: self._in_tensors[i].clone() for i, _ in pairs if i in unsafe}
         ub = self._update.io_binding()
+        self._clip_squares = None  # clipping: the dense gradients' squared norm over all ranks' shards
+        if "clip" in self._unit_names:
+            self._clip_squares = self.comm.torch.zeros((), dtype=self.comm.torch.float64, device=self.comm.tdevice)
+            ub.bind_ortvalue_input(self._unit_names["clip"], ortvalue_from_dlpack(self._clip_squares))
         for j in range(len(self.units)):
             g = self._unit_names[j][1]
             ub.bind_ortvalue_input(g, ort_in[g])
@@ -440,6 +467,12 @@ class ShardedEngine(DistributedEngine):
         start = times.now() if times is not None else 0.0
         if keep_previous:
             self._previous = self._snapshot()
+        if self._clip_squares is not None:  # every shard's squares (padding is zero), summed over the ranks
+            torch = self.comm.torch
+            self._clip_squares.copy_(sum((torch.sum(u.gshard.double() ** 2) for u in self.units),
+                                         torch.zeros((), dtype=torch.float64, device=self.comm.tdevice)))
+            with collective("the all-reduce of the gradient norm"):
+                self.comm.dist.all_reduce(self._clip_squares)
         for name, value in inputs.items():
             self._ub.bind_ortvalue_input(name, value)
         self._synchronize()

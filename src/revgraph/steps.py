@@ -391,7 +391,7 @@ class SplitEngine(Engine):
 
     def _fresh_shared(self) -> dict:
         """New buffers for the shared names (written by a step that keeps the previous values)."""
-        like = {self.spec.step: np.zeros((), np.int64)}
+        like = {self.spec.step: np.zeros((), np.int64), self.spec.total: np.zeros((), np.int64)}
         for p in self.spec.params:
             like.update({n: self.spec.initial[p] for n in [p, *self.spec.state[p]]})
         return {n: self.device.ortvalue(np.empty_like(like[n])) for n in self.shared}

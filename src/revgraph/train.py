@@ -52,10 +52,12 @@ from .optimizers import (
     update,
     update_groups,
 )
+from .schedules import SCHEDULES, Schedule, clipped_gradients, excluded
 from .ssa import is_ssa, to_ssa
 from .sync_batchnorm import inference_batchnorms
 
-__all__ = ["GROUP_ELEMENTS", "LOSSES", "OPTIMIZERS", "LossSpec", "Optimizer", "TrainingGraph", "adam", "adamw",
+__all__ = ["GROUP_ELEMENTS", "LOSSES", "OPTIMIZERS", "SCHEDULES", "LossSpec", "Optimizer", "Schedule",
+           "TrainingGraph", "adam", "adamw",
            "eval_graph", "graph_size", "loss_graph", "make_optimizer", "params_as_inputs", "resolve_output", "sgd",
            "split_step", "trainable", "training_graph"]
 
@@ -119,6 +121,12 @@ class TrainingGraph:
     #: ``training_graph(..., loss_seed=True)``: the scalar input scaling the loss's cotangent (gradients of
     #: ``seed * loss``; data-parallel ranks with sync_batchnorm feed their share ``n_r / N``)
     seed: str | None = None
+    #: the parameters weight decay is not applied to (:func:`revgraph.schedules.excluded`)
+    no_decay: list[str] = field(default_factory=list)
+    #: linear and cosine schedules: the int64 scalar input of the schedule's total steps and its output (carried
+    #: unchanged from step to step; :meth:`revgraph.Trainer.fit` sets it), else ``None``
+    total: str | None = None
+    new_total: str | None = None
 
     @property
     def labels(self) -> str | None:
@@ -131,6 +139,8 @@ class TrainingGraph:
         for p in self.params:
             feeds.update({s: np.zeros_like(self.initial[p]) for s in self.state[p]})
         feeds[self.step] = np.array(0, dtype=np.int64)
+        if self.total:
+            feeds[self.total] = np.array(self.optimizer.schedule.total_steps or 0, dtype=np.int64)
         return feeds
 
     def carried(self) -> list[tuple[str, str]]:
@@ -138,7 +148,7 @@ class TrainingGraph:
         pairs = [(p, self.new_params[p]) for p in self.params]
         for p in self.params:
             pairs += list(zip(self.state[p], self.new_state[p], strict=True))
-        return [*pairs, (self.step, self.new_step)]
+        return [*pairs, (self.step, self.new_step), *([(self.total, self.new_total)] if self.total else [])]
 
 
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
@@ -174,7 +184,10 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     tg = TrainingGraph(gg, model, opt, spec, list(model.input_names), names, {}, step, {}, {}, "",
                        initial={p: np.asarray(model.initializers[p]) for p in names})
     check_representable(opt, {p: tg.initial[p].dtype for p in names})
-    scalars = Scalars(b, opt, step)
+    tg.no_decay = excluded(opt, tg.initial) if opt.weight_decay else []
+    if opt.schedule is not None and opt.schedule.needs_total:
+        tg.total = b.fresh("total_steps")
+    scalars = Scalars(b, opt, step, tg.total)
     for p in names:
         vi = ValueInfo(p, tg.initial[p].dtype, tg.initial[p].shape)
         tg.state[p] = [b.fresh(f"{p}.{slot}") for slot in opt.slots]
@@ -185,35 +198,46 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
         else:
             tg.grads[p], grads = [grads[0].name], grads[1:]
     groups = update_groups(tg)
+    # clipping: the first update nodes, reading the gradients by name (data-parallel: the exchanged ones)
+    grads = clipped_gradients(b, tg, opt.clip_grad_norm) if opt.clip_grad_norm else tg.grads
     for p in names:
         if p in groups:
             continue
         b.prefix = f"optim/{p}"
         start = len(b.nodes)
+        decay = p not in tg.no_decay
         if p in tg.sparse:
-            new_p, new_s = sparse_update(b, scalars, p, *tg.grads[p], tg.state[p], tg.initial[p].dtype)
+            new_p, new_s = sparse_update(b, scalars, p, *grads[p], tg.state[p], tg.initial[p].dtype,
+                                         unique=bool(opt.clip_grad_norm), decay=decay)
         else:
-            new_p, new_s = update(b, scalars, p, tg.grads[p][0], tg.state[p], tg.initial[p].dtype)
+            new_p, new_s = update(b, scalars, p, grads[p][0], tg.state[p], tg.initial[p].dtype, decay=decay)
         tg.new_params[p], *tg.new_state[p] = name_outputs(b, start, [(new_p, f"{p}.new"), *(
             (v, f"{s}.new") for s, v in zip(tg.state[p], new_s, strict=True))])
     for group in dict.fromkeys(tuple(g) for g in groups.values()):
-        group_update(b, scalars, tg, list(group))
+        group_update(b, scalars, tg, list(group), grads)
     tg.new_params = {p: tg.new_params[p] for p in names}  # in parameter order, as the outputs
     tg.new_state = {p: tg.new_state[p] for p in names}
     b.prefix = "optim/step"
     start = len(b.nodes)
     tg.new_step = name_outputs(b, start, [(b.op("Add", [step, b.const(1, np.int64)]), f"{step}.new")])[0]
+    if tg.total:
+        start = len(b.nodes)
+        tg.new_total = name_outputs(b, start, [(tg.total, f"{tg.total}.new")])[0]
     gg.nodes.extend(b.nodes)
     tg.n_update_nodes = len(b.nodes)
     tg.grad_types = {o.name: o for o in grad_outputs}
     tg.seed = seed
     # Inputs and outputs in the order of the module doc: batch, labels, parameters, state, step.
     gg.inputs.append(ValueInfo(step, np.int64, ()))
+    if tg.total:
+        gg.inputs.append(ValueInfo(tg.total, np.int64, ()))
     for p in names:
         gg.outputs.append(ValueInfo(tg.new_params[p], tg.initial[p].dtype, tg.initial[p].shape))
     for p in names:
         gg.outputs.extend(ValueInfo(s, tg.initial[p].dtype, tg.initial[p].shape) for s in tg.new_state[p])
     gg.outputs.append(ValueInfo(tg.new_step, np.int64, ()))
+    if tg.total:
+        gg.outputs.append(ValueInfo(tg.new_total, np.int64, ()))
     return tg
 
 

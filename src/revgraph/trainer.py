@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx
 
-from . import checkpoints
+from . import checkpoints, run_record
 from . import data as datasets
 from .autodiff.policies import CheckpointPolicy
 from .devices import Device
@@ -40,6 +40,7 @@ from .exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype, refused_combi
 from .steps import BUFFERS, make_engine
 from .steptimes import StepTimes
 from .sharding import SHARDS
+from .optimizers import configure, make_optimizer
 from .train import Optimizer, TrainingGraph, training_graph
 
 Data = Mapping[str, np.ndarray] | tuple
@@ -82,7 +83,11 @@ class Trainer:
     ``timeout`` (seconds, with ``distributed``; default
     :data:`revgraph.launch.DEFAULT_TIMEOUT`) bounds joining the process group and every collective, so a rank
     that stopped fails the others with one line instead of a hang; the loss, the optimizer and its
-    hyperparameters are compared across ranks here, before any step. Raises
+    hyperparameters are compared across ranks here, before any step. ``schedule`` (a
+    :class:`revgraph.schedules.Schedule`), ``clip_grad_norm`` (the global-norm threshold) and ``no_decay``
+    (``"default"``: no weight decay on biases and 1-D parameters; ``"none"``; name patterns; a predicate
+    ``(name, array) -> bool``) replace those of ``optimizer`` when given (:mod:`revgraph.schedules`; the
+    excluded parameters are ``trainer.spec.no_decay``). Raises
     :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
     or a process group that cannot be joined.
 
@@ -100,7 +105,8 @@ class Trainer:
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
                  memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
                  profile: bool = False, shard: str = "none",
-                 sync_batchnorm: bool = False, timeout: float | None = None, loss_options: dict | None = None):
+                 sync_batchnorm: bool = False, timeout: float | None = None, loss_options: dict | None = None,
+                 schedule=None, clip_grad_norm: float | None = None, no_decay=None):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
@@ -137,19 +143,23 @@ class Trainer:
             from .sync_batchnorm import synchronized
 
             original, model, synced = synchronized(model)  # BatchNormalization around all-reduce placeholders
+        optimizer = configure(make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer,
+                              schedule=schedule, clip_grad_norm=clip_grad_norm, no_decay=no_decay)
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
                                                   checkpoint=checkpoint, memory=memory, loss_seed=bool(synced),
                                                   loss_options=loss_options)
         if self.comm:
             o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights
             self.comm.check_same({"loss": self.spec.loss.settings, "model output": self.spec.loss.output,
-                                  "optimizer": o.kind, "lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
-                                  "eps": o.eps, "weight decay": o.weight_decay, "trained parameters": self.spec.params,
+                                  **run_record.rank_settings(self.spec), "optimizer": o.kind, "lr": o.lr,
+                                  "momentum": o.momentum, "betas": list(o.betas), "eps": o.eps,
+                                  "weight decay": o.weight_decay, "trained parameters": self.spec.params,
                                   "buffers": buffers, "shard": shard, "sync batchnorm": bool(sync_batchnorm),
                                   # other buckets or dtypes on some rank would pair collectives of different sizes
                                   "bucket MiB": float(bucket_mb), "reduce dtype": reduce_dtype, "overlap": overlap},
                                  "training settings", "give every rank the same loss, optimizer and hyperparameters "
-                                 "(--loss, --optimizer, --lr, --momentum, --weight-decay) and the same data-parallel "
+                                 "(--loss, --optimizer, --lr, --momentum, --weight-decay, --lr-schedule, "
+                                 "--clip-grad-norm...) and the same data-parallel "
                                  "options (--buffers, --shard, --sync-batchnorm, --bucket-mb, --reduce-dtype, --overlap)")
         exchange = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, overlap=overlap)
         if synced:
@@ -261,6 +271,9 @@ class Trainer:
         """One optimizer step on ``batch`` (all of it; with ``distributed``, this rank's part of the global
         batch, which is the union of every rank's ``batch``); returns the loss of the global batch before the
         update."""
+        if self.spec.total and not int(self._engine.read([self.spec.total])[self.spec.total]):
+            raise InputError(f"the {self.spec.optimizer.schedule.kind} schedule needs its total steps: give "
+                             "Schedule(total_steps=N), or train with fit(), which counts them")
         ds = self.arrays(batch, static)
         feeds, count = ds.feeds(slice(None)), ds.weight(slice(None))
         total = self.comm.sum([count])[0] if self.comm else count
@@ -278,7 +291,7 @@ class Trainer:
             progress: bool = True, console=None, description: str = "training",
             checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
             nonfinite: str = "stop", accumulate_steps: int = 1,
-            static: Mapping[str, np.ndarray] | None = None) -> list[float]:
+            static: Mapping[str, np.ndarray] | None = None, override=()) -> list[float]:
         """Train for ``epochs`` passes over ``data`` in batches of ``batch_size`` per process (module doc: the
         global batch is ``batch_size * world_size``; the last batch of an epoch may be smaller).
         ``accumulate_steps`` ``K``: each optimizer step runs forward and backward on ``K`` micro-batches, sums
@@ -294,6 +307,13 @@ class Trainer:
         (on every rank; only rank 0 reads the file), so a restarted run reaches the weights of an
         uninterrupted one. It resumes at any world size whose global batch (``batch_size * world_size``)
         equals the checkpoint's, sharded or not (the data order and the steps are the same; elastic resume).
+        A checkpoint records every hyperparameter (:mod:`revgraph.run_record`); resuming with another value of
+        one is refused unless ``override`` names it (a list of recorded names: ``"lr"``, ``"weight_decay"``,
+        ``"lr_schedule"``, ``"total_steps"``...), which trains on with the new value and says so.
+        A linear or cosine schedule without ``total_steps`` decays over the steps of this call:
+        ``epochs * ceil(samples / (batch_size * world_size * accumulate_steps))``, counted by the trainer's step
+        counter from its first step (a second ``fit`` on the same trainer continues past the end, at ``min_lr``,
+        unless ``Schedule(total_steps=)`` plans for both).
 
         ``nonfinite="stop"`` (the default) stops at the first step whose loss is NaN or infinite, and at the end
         when the last update left a parameter NaN or infinite, raising :class:`NonFiniteError` that names the
@@ -312,7 +332,7 @@ class Trainer:
         """
         try:
             return self._fit(data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
-                             checkpoint_every, nonfinite, accumulate_steps, static)
+                             checkpoint_every, nonfinite, accumulate_steps, static, override)
         except RevgraphError as exc:
             from .distributed import CollectiveError
 
@@ -323,7 +343,7 @@ class Trainer:
             raise
 
     def _fit(self, data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
-             checkpoint_every, nonfinite, accumulate_steps, static=None) -> list[float]:
+             checkpoint_every, nonfinite, accumulate_steps, static=None, override=()) -> list[float]:
         if self.comm:  # an earlier attempt of this torchrun run failed deterministically: fail alike, at once
             from .launch import recorded_failure
 
@@ -369,7 +389,15 @@ class Trainer:
         per_epoch = -(-n // group)
         run = {"batch_size": batch_size, "world_size": world, "seed": seed, "shuffle": shuffle, "samples": n,
                "accumulate_steps": accumulate}
-        pos = self._resume(checkpoint_dir, run) if checkpoint_dir is not None else _Position()
+        schedule = self.spec.optimizer.schedule
+        total_steps = (schedule.total_steps or epochs * per_epoch) if self.spec.total else None
+        if schedule is not None and schedule.warmup_steps > (total_steps or epochs * per_epoch) and self.is_main:
+            run_record.note(console, f"warning: the warmup ({schedule.warmup_steps} steps, --warmup-steps) is longer "
+                                     f"than the run ({total_steps or epochs * per_epoch} steps): the peak learning rate is "
+                                     "never reached")
+        pos = self._resume(checkpoint_dir, run, total_steps, override, console) if checkpoint_dir is not None \
+            else _Position()
+        run_record.set_total(self, total_steps)
         bar = _Bar(progress and self.is_main, console, description, epochs * per_epoch,
                    done=min(pos.epoch * per_epoch + pos.batch, epochs * per_epoch))
         stop = nonfinite == "stop"
@@ -409,7 +437,7 @@ class Trainer:
                         pos.epoch, pos.batch, pos.total = pos.epoch + 1, 0, 0.0
                     if checkpoint_dir is not None and (
                             (self.steps % checkpoint_every == 0 if checkpoint_every else ended) or pos.epoch == epochs):
-                        self._save(checkpoint_dir, run, pos)
+                        run_record.save(self, checkpoint_dir, run, pos, total_steps)
                     if ended:
                         break
         final = self.parameters
@@ -434,56 +462,14 @@ class Trainer:
                              "parameters from before it: lower the learning rate or look for NaN or infinite values "
                              "in the data (--allow-nonfinite, or fit(nonfinite='continue'), trains on regardless)")
 
-    def _save(self, directory, run: dict, pos: _Position) -> None:
-        """Rank 0 writes a checkpoint of the current state at ``pos`` (the next batch to train); a sharded
-        engine gathers the state on every rank first (:mod:`revgraph.sharding`), so the file is the same."""
-        gathers = getattr(self._engine, "gathers", False)
-        if not self.is_main and not gathers:
-            return
-        values = self._engine.read(self._engine.names, root_only=True) if gathers else \
-            self._engine.read(self._engine.names)
-        if not self.is_main:
-            return
-        meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total,
-                "epoch_means": pos.means, "losses": self.losses, "optimizer": self.spec.optimizer.kind}
-        checkpoints.save(directory, values, meta)
-
-    def _resume(self, directory, run: dict) -> _Position:
-        """The position to start from: that of the checkpoint in ``directory`` (loaded into the engine on
-        every rank), or the start. Raises :class:`RevgraphError` for a checkpoint of another run."""
-        import json
-
-        found = checkpoints.load(directory) if self.is_main else None
-        text = json.dumps(found[1]) if found else None
-        if self.comm:
-            text = self.comm.broadcast_text(text)
-        if text is None:
+    def _resume(self, directory, run: dict, total, override, console) -> _Position:
+        """The position to start from: that of the checkpoint in ``directory`` (loaded into the engine on every
+        rank; :func:`revgraph.run_record.resume`), or the start."""
+        meta = run_record.resume(self, directory, run, total, override, console)
+        if meta is None:
             return _Position()
-        meta = json.loads(text)
-        names = self._engine.names
-        where = str(checkpoints.path_in(directory))
-        if meta["names"] != names or meta.get("optimizer") != self.spec.optimizer.kind:
-            raise RevgraphError(f"{where} holds the state of another model or optimizer; move it away or choose "
-                                "another checkpoint directory")
-        # Elastic resume: the epoch's order and its global batches depend only on the global batch size, so any
-        # world size with the checkpoint's global batch takes the same steps (batch 16 x 2 = 32 x 1 = 8 x 4)
-        was, now = (meta.get("world_size"), meta.get("batch_size")), (run["world_size"], run["batch_size"])
-        if None in was or was[0] * was[1] != now[0] * now[1]:
-            raise RevgraphError(f"{where} was written by a run with global batch {_global(*was)} (now "
-                                f"{_global(*now)}); resume with the same global batch (--batch-size x processes), "
-                                "or move it away to start afresh")
-        defaults = {"accumulate_steps": 1}  # (checkpoints written before the setting existed)
-        differ = [f"{k} {meta.get(k, defaults.get(k))!r} (now {v!r})" for k, v in run.items()
-                  if k not in ("world_size", "batch_size") and meta.get(k, defaults.get(k)) != v]
-        if differ:
-            raise RevgraphError(f"{where} was written by a run with {', '.join(differ)}; resume with the same "
-                                "settings, or move it away to start afresh")
-        arrays = found[0] if found else None
-        if self.comm:
-            arrays = self.comm.broadcast_arrays(arrays, names, self._engine.read(names))
-        self._engine.load(arrays)
         self.losses = list(meta["losses"])
-        self.resumed = f"{where} (epoch {meta['epoch'] + 1}, step {self.steps})"
+        self.resumed = f"{checkpoints.path_in(directory)} (epoch {meta['epoch'] + 1}, step {self.steps})"
         return _Position(meta["epoch"], meta["batch"], meta["epoch_loss_sum"], list(meta["epoch_means"]))
 
     def evaluate(self, data: Data, batch_size: int = 512,
@@ -546,11 +532,6 @@ class Trainer:
     def save_training_graph(self, path: str | os.PathLike) -> None:
         """Write the training-step graph (module doc of :mod:`revgraph.train`), with no initial values."""
         save(self.spec.graph, path)
-
-
-def _global(world, batch) -> str:
-    """``"2 x 16 = 32"``: processes x batch size = global batch."""
-    return f"{world} x {batch} = {world * batch}" if world and batch else f"{world} x {batch}"
 
 
 def _finite(loss: float) -> bool:

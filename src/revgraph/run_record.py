@@ -1,0 +1,163 @@
+"""What a checkpoint records about its run, and resuming from it: :func:`record`, :func:`save`, :func:`resume`.
+
+A checkpoint (:mod:`revgraph.checkpoints`) holds the parameters, the optimizer state, the step counter (and a
+schedule's total steps) and, in its metadata, the position in the data and what that position depends on
+(batch size, world size, seed, shuffling, samples, accumulation), plus ``"hyperparameters"``, the record of
+every setting that changes the numbers a step computes (:func:`record`): the optimizer kind, ``lr``,
+``momentum``, ``betas``, ``eps``, ``weight_decay`` and the parameters it skips (``no_decay``), the schedule
+(``lr_schedule``, ``warmup_steps``, ``min_lr``, ``total_steps``), ``clip_grad_norm``, the loss settings
+(``loss``: ``LossSpec.settings``), the precision and every ``revgraph.*`` entry of the model's metadata (the
+LoRA configuration ``revgraph.lora``).
+
+Resuming with a different value of a recorded setting is refused with one line naming each (the checkpoint's
+value, then now's), unless it is named in ``override`` (``fit(override=[...])``, ``--override NAME``): then the
+run trains on with the new value and says so in one line. A checkpoint written before the record existed
+resumes as before: its missing settings count as their defaults (:data:`OLD_DEFAULTS`: no schedule, no
+clipping, decay on every parameter, fp32); those it never recorded (the learning rate...) cannot be compared.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+
+from . import checkpoints
+from .errors import RevgraphError
+
+#: The recorded settings' values for checkpoints that do not record them (written before the record existed).
+OLD_DEFAULTS = {"lr_schedule": "constant", "warmup_steps": 0, "min_lr": 0.0, "total_steps": None,
+                "clip_grad_norm": None, "no_decay": [], "precision": "fp32"}
+
+
+def record(spec, total: int | None = None) -> dict:
+    """The JSON-able record of ``spec``'s hyperparameters (module doc); ``total``: the schedule's total steps of
+    this run (recorded for linear and cosine schedules only)."""
+    o, s = spec.optimizer, spec.optimizer.schedule
+    rec = {"optimizer": o.kind, "lr": o.lr, "momentum": o.momentum, "betas": list(o.betas), "eps": o.eps,
+           "weight_decay": o.weight_decay, "no_decay": list(spec.no_decay),
+           "lr_schedule": s.kind if s else "constant", "warmup_steps": s.warmup_steps if s else 0,
+           "min_lr": s.min_lr if s else 0.0, "total_steps": total if spec.total else None,
+           "clip_grad_norm": o.clip_grad_norm,
+           "loss": getattr(spec.loss, "settings", {"kind": spec.loss.kind, "output": spec.loss.output}),
+           "precision": getattr(spec, "precision", "fp32")}
+    metadata = getattr(spec.model, "metadata", None) or {}
+    rec.update((k, metadata[k]) for k in sorted(metadata) if k.startswith("revgraph."))
+    return json.loads(json.dumps(rec))  # as it reads back from the file (tuples as lists)
+
+
+def rank_settings(spec) -> dict:
+    """The record of ``spec`` as data-parallel ranks compare it before the first step
+    (``Collective.check_same``; the loss settings under ``"loss settings"``, beside the loss's name)."""
+    rec = record(spec)
+    rec["loss settings"] = rec.pop("loss")
+    return rec
+
+
+def differences(then: dict | None, now: dict) -> list[tuple[str, object, object]]:
+    """``(name, checkpoint's value, now's value)`` for each recorded setting that differs; ``then`` ``None``
+    for a checkpoint without a record (only :data:`OLD_DEFAULTS` can be compared)."""
+    keys = list(OLD_DEFAULTS) if then is None else list(dict.fromkeys([*now, *then]))
+    then = OLD_DEFAULTS if then is None else then
+    out = []
+    for k in keys:
+        a, b = then.get(k, OLD_DEFAULTS.get(k)), now.get(k, OLD_DEFAULTS.get(k))
+        if a != b:
+            out.append((k, a, b))
+    return out
+
+
+def check_overrides(override, now: dict) -> list[str]:
+    """``override`` as a list of recorded names. Raises :class:`RevgraphError` for a name the record lacks."""
+    names = [override] if isinstance(override, str) else list(override or [])
+    for n in names:
+        if n not in now and n not in OLD_DEFAULTS:
+            raise RevgraphError(f"--override {n}: not a recorded setting; the checkpoint records "
+                                f"{', '.join(now)}")
+    return names
+
+
+def save(trainer, directory, run: dict, pos, total: int | None) -> None:
+    """Rank 0 writes a checkpoint of the trainer's current state at ``pos`` (the next batch to train); a sharded
+    engine gathers the state on every rank first (:mod:`revgraph.sharding`), so the file is the same."""
+    engine = trainer._engine
+    gathers = getattr(engine, "gathers", False)
+    if not trainer.is_main and not gathers:
+        return
+    values = engine.read(engine.names, root_only=True) if gathers else engine.read(engine.names)
+    if not trainer.is_main:
+        return
+    meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total,
+            "epoch_means": pos.means, "losses": trainer.losses, "optimizer": trainer.spec.optimizer.kind,
+            "hyperparameters": record(trainer.spec, total)}
+    checkpoints.save(directory, values, meta)
+
+
+def resume(trainer, directory, run: dict, total: int | None, override=(), console=None) -> dict | None:
+    """Load the checkpoint in ``directory`` into the trainer's engine (on every rank; rank 0 reads the file) and
+    return its metadata, or ``None`` when there is none. Raises :class:`RevgraphError` (one line) for a
+    checkpoint of another model, optimizer, global batch or run, and for a recorded hyperparameter that differs
+    from now's unless ``override`` names it (module doc)."""
+    now = record(trainer.spec, total)
+    names_ok = check_overrides(override, now)
+    found = checkpoints.load(directory) if trainer.is_main else None
+    text = json.dumps(found[1]) if found else None
+    if trainer.comm:
+        text = trainer.comm.broadcast_text(text)
+    if text is None:
+        return None
+    meta = json.loads(text)
+    engine = trainer._engine
+    names = engine.names
+    where = str(checkpoints.path_in(directory))
+    if meta["names"] != names or meta.get("optimizer") != trainer.spec.optimizer.kind:
+        raise RevgraphError(f"{where} holds the state of another model or optimizer; move it away or choose "
+                            "another checkpoint directory")
+    # Elastic resume: the epoch's order and its global batches depend only on the global batch size, so any
+    # world size with the checkpoint's global batch takes the same steps (batch 16 x 2 = 32 x 1 = 8 x 4)
+    was, is_ = (meta.get("world_size"), meta.get("batch_size")), (run["world_size"], run["batch_size"])
+    if None in was or was[0] * was[1] != is_[0] * is_[1]:
+        raise RevgraphError(f"{where} was written by a run with global batch {_global(*was)} (now "
+                            f"{_global(*is_)}); resume with the same global batch (--batch-size x processes), "
+                            "or move it away to start afresh")
+    defaults = {"accumulate_steps": 1}  # (checkpoints written before the setting existed)
+    differ = [f"{k} {meta.get(k, defaults.get(k))!r} (now {v!r})" for k, v in run.items()
+              if k not in ("world_size", "batch_size") and meta.get(k, defaults.get(k)) != v]
+    if differ:
+        raise RevgraphError(f"{where} was written by a run with {', '.join(differ)}; resume with the same "
+                            "settings, or move it away to start afresh")
+    changed = differences(meta.get("hyperparameters"), now)
+    refused = [(k, a, b) for k, a, b in changed if k not in names_ok]
+    if refused:
+        said = ", ".join(f"{k} {a!r} (now {b!r})" for k, a, b in refused)
+        flags = " ".join(f"--override {k}" for k, _, _ in refused)
+        raise RevgraphError(f"{where} was written with {said}; resume with the same value, or give {flags} "
+                            f"(fit(override=[...])) to train on with the new one, or move it away to start afresh")
+    arrays = found[0] if found else None
+    if trainer.comm:
+        arrays = trainer.comm.broadcast_arrays(arrays, names, engine.read(names))
+    engine.load(arrays)
+    if changed and trainer.is_main:
+        note(console, f"resuming {where} with " + ", ".join(f"{k} {b!r} instead of {a!r}" for k, a, b in changed)
+             + " (overridden)")
+    return meta
+
+
+def note(console, text: str) -> None:
+    """Say ``text`` in one line: on ``console`` (a ``rich.console.Console``) when given, else as a warning."""
+    if console is not None:
+        console.print(text, soft_wrap=True, markup=False)
+    else:
+        warnings.warn(text, stacklevel=4)
+
+
+def set_total(trainer, total: int | None) -> None:
+    """Feed the schedule's total steps (linear and cosine) to the engine: the carried ``TrainingGraph.total``."""
+    if trainer.spec.total and total:
+        trainer._engine.load({trainer.spec.total: np.array(total, dtype=np.int64)})
+
+
+def _global(world, batch) -> str:
+    """``"2 x 16 = 32"``: processes x batch size = global batch."""
+    return f"{world} x {batch} = {world * batch}" if world and batch else f"{world} x {batch}"
