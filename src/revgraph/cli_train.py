@@ -15,6 +15,7 @@ from .cli_io import check_command_outputs, err, out, read_npz
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
+from .precision import add_precision_arguments, precision_from_args
 from .runtime_options import RuntimeOptions
 
 
@@ -73,6 +74,7 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                        help="parameters and optimizer state in one buffer set that the update overwrites where that "
                             "is safe, or in two swapped sets (the fused step graph; default one)")
     add_exchange_arguments(train)
+    add_precision_arguments(train)  # --precision and the fp16 loss scaling (revgraph.precision)
     return train
 
 
@@ -169,6 +171,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     data = read_npz(args.data)
     test = read_npz(args.test_data) if args.test_data is not None else None
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    precision = precision_from_args(args)
     g = load(args.model)
     if budget is not None:  # symbolic first dimensions of the inputs are the batch: --batch-size of them
         dims = {vi.shape[0]: args.batch_size for vi in g.inputs if vi.shape and isinstance(vi.shape[0], str)}
@@ -178,7 +181,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
                           memory=budget, shard=args.shard, sync_batchnorm=args.sync_batchnorm,
-                          timeout=args.timeout, **trainer_arguments(args))
+                          timeout=args.timeout, precision=precision, **trainer_arguments(args))
     if trainer.comm:
         _agree(trainer, args)
     main = trainer.is_main  # only rank 0 prints and writes files
