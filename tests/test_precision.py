@@ -21,6 +21,8 @@ asserts: the match distinguishes the precisions.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -317,3 +319,25 @@ def test_trainer_on_cuda_matches_torch_autocast(kind):
     theirs, _, _ = torch_train(model.initializers, torch_mlp, data, LOW[kind], scaler={} if kind == "fp16" else None)
     for p, a in trainer.parameters.items():
         np.testing.assert_allclose(a, theirs[p], rtol=0, atol=1e-4, err_msg=p)
+
+
+def test_two_processes_scale_and_skip_like_one(tmp_path):
+    """fp16 loss scaling data-parallel (2 processes x batch 4 = 1 process x batch 8): the non-finite check
+    runs in the update graph after the all-reduce, so every rank skips the same steps and carries the same
+    scale; parameters, Adam state, scale, good-step count and step counter equal one process's."""
+    from precision_worker import trainer as scaled_trainer
+    from test_distributed import ENV, TORCHRUN, _run
+
+    worker = Path(__file__).resolve().parent / "precision_worker.py"
+    _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(worker), "--out", str(tmp_path)], env=ENV)
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    for name in ranks[0]:
+        np.testing.assert_array_equal(ranks[1][name], ranks[0][name], err_msg=name)
+    one, data = scaled_trainer(False)
+    one.fit(data, 2, 8, seed=3, progress=False)
+    s = one.spec.scaling
+    carried = one._engine.read([s.scale, s.growth, one.spec.step])
+    assert float(carried[s.scale]) < 2.0 ** 127 and int(carried[one.spec.step]) < len(one.losses)  # skips happened
+    for name, value in {**one.parameters, **one.state, **carried}.items():
+        np.testing.assert_allclose(ranks[0][name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+    np.testing.assert_allclose(ranks[0]["losses"], one.losses, rtol=2e-5, atol=1e-6)

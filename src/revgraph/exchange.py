@@ -153,10 +153,11 @@ def refused_combination(shard: str, sync_batchnorm: bool, reduce_dtype: str, acc
     """The one line refusing data-parallel options that do not combine, or ``None``: sharding reduce-scatters
     in the gradients' own dtype, one micro-batch per step, and has no collectives inside the backward;
     synchronized batch normalization runs one micro-batch per step; accumulation needs one buffer set; the fp16
-    loss scale (:mod:`revgraph.precision`) is carried state that the data-parallel engines do not bind."""
-    if precision == "fp16" and world_size > 1:
-        return "--precision fp16 (precision='fp16') trains in one process: its loss scale is not carried by the " \
-               "data-parallel engines; train data-parallel with --precision bf16 or fp32"
+    loss scale (:mod:`revgraph.precision`) is carried by the unsharded engine without synchronized statistics."""
+    if precision == "fp16" and world_size > 1 and (shard != "none" or sync_batchnorm):
+        what = f"--shard {shard}" if shard != "none" else "--sync-batchnorm"
+        return f"--precision fp16 (precision='fp16') does not combine with {what}: its loss scaling is in the step " \
+               "graph, which that engine does not run; train with --precision bf16, or without " + what
     if shard != "none" and reduce_dtype != "fp32":
         return f"--reduce-dtype {reduce_dtype} (reduce_dtype=) does not combine with --shard {shard}: the gradients are " \
                "reduce-scattered in their own dtype"

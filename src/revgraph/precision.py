@@ -47,7 +47,7 @@ import onnx
 
 from .errors import InputError, RevgraphError
 from .graphbuild import Builder
-from .ir import Graph, Node, ValueInfo
+from .ir import Graph, Node, ValueInfo, is_float_dtype
 from .types import infer_types
 
 if TYPE_CHECKING:
@@ -83,14 +83,16 @@ class Precision:
         if self.kind not in PRECISIONS:
             raise InputError(f"unknown precision {self.kind!r} (--precision, precision=); choose one of "
                              f"{', '.join(PRECISIONS)}")
-        checks = [(np.isfinite(self.init_scale) and self.init_scale > 0, "--init-scale must be a positive number"),
-                  (np.isfinite(self.growth_factor) and self.growth_factor > 1, "--growth-factor must be above 1"),
-                  (0 < self.backoff_factor < 1, "--backoff-factor must be in (0, 1)"),
+        checks = [(np.isfinite(self.init_scale) and self.init_scale > 0, "init-scale", self.init_scale,
+                   "a positive number"),
+                  (np.isfinite(self.growth_factor) and self.growth_factor > 1, "growth-factor", self.growth_factor,
+                   "a number above 1"),
+                  (0 < self.backoff_factor < 1, "backoff-factor", self.backoff_factor, "in (0, 1)"),
                   (int(self.growth_interval) == self.growth_interval and self.growth_interval >= 1,
-                   "--growth-interval must be a whole number >= 1")]
-        for ok, message in checks:
+                   "growth-interval", self.growth_interval, "a whole number >= 1")]
+        for ok, name, value, need in checks:
             if not ok:
-                raise InputError(f"{message} (the fp16 loss scaling); got {self}")
+                raise InputError(f"--{name} {value:g} ({name.replace('-', '_')}=, the fp16 loss scaling) must be {need}")
 
     @property
     def low(self) -> int | None:
@@ -132,8 +134,10 @@ def autocast(model: Graph, precision: Precision | str) -> tuple[Graph, int]:
     count = 0
     for node in g.nodes:
         bias_at = LOW_PRECISION_OPS.get(node.op_type, -1) if node.domain in ("", "ai.onnx") else -1
-        floats = [i for i in node.inputs if i]
-        if bias_at == -1 or node.subgraphs or not floats or any(dtype.get(i) != _F32 for i in floats):
+        given = [i for i in node.inputs if i]  # float32 operands are cast; integer and bool ones (a mask) stay
+        known = all(dtype.get(i) is not None for i in given)
+        floats = [i for i in given if known and is_float_dtype(dtype[i])]
+        if bias_at == -1 or node.subgraphs or not floats or any(dtype[i] != _F32 for i in floats):
             b.nodes.append(node)
             continue
         bias = node.inputs[bias_at] if bias_at is not None and len(node.inputs) > bias_at else ""
@@ -144,7 +148,7 @@ def autocast(model: Graph, precision: Precision | str) -> tuple[Graph, int]:
         if bias:
             inputs = inputs[:bias_at]
         for k, v in enumerate(inputs):
-            if v:
+            if v and dtype[v] == _F32:
                 if v not in low:
                     low[v] = b.op("Cast", [v], to=prec.low)
                 inputs[k] = low[v]
@@ -293,13 +297,15 @@ def add_loss_scaling(tg: TrainingGraph, scaling: LossScale) -> None:
 # ---------------------------------------------------------------------------------------------- checks, CLI
 
 
-def check_combination(prec: Precision, device_kind: str) -> None:
-    """Refuse (:class:`InputError`, one line) a low precision on the CPU: onnxruntime's CPU provider (x86-64,
-    1.32) has no bfloat16 kernel for ``MatMul``, ``Gemm`` or ``Conv`` (it refuses the graph), and none for
-    float16 either: it runs those nodes in float32 and drops the ``Cast`` pairs around them, so the step would
-    compute in float32 without float16's rounding or overflow, a silently different result. The graphs run
-    on the CPU with ``onnx.reference`` (``revgraph.Session(graph, backend="reference")``)."""
-    if prec.kind != "fp32" and device_kind == "cpu":
+def check_combination(prec: Precision, device_kind: str, graph: Graph) -> None:
+    """Refuse (:class:`InputError`, one line) a step ``graph`` that computes in a low precision on the CPU:
+    onnxruntime's CPU provider (x86-64, 1.32) has no bfloat16 kernel for ``MatMul``, ``Gemm`` or ``Conv`` (it
+    refuses the graph), and none for float16 either: it runs those nodes in float32 and drops the ``Cast`` pairs
+    around them, so the step would compute in float32 without float16's rounding or overflow, a silently
+    different result. (A graph without a low-precision node, fp16 loss scaling alone, runs.) The graphs run on
+    the CPU with ``onnx.reference`` (``revgraph.Session(graph, backend="reference")``)."""
+    low = any(n.op_type == "Cast" and n.attrs.get("to") == prec.low for n in graph.nodes)
+    if low and device_kind == "cpu":
         raise InputError(f"--precision {prec.kind} (precision={prec.kind!r}) needs --device cuda: onnxruntime's CPU "
                          f"provider has no {'bfloat16' if prec.kind == 'bf16' else 'float16'} MatMul, Gemm or Conv "
                          "kernel (training_graph(..., precision=) still writes the step graph)")

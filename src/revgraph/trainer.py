@@ -121,7 +121,6 @@ class Trainer:
         self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
         precision = make_precision(precision)  # (mixed precision: revgraph.precision)
-        check_combination(precision, self.device.kind)
         self.losses: list[float] = []  # one per step, in order (the global batch's loss when distributed)
         self.resumed: str | None = None  # set by fit when it resumed from a checkpoint: where from
         self.comm = None
@@ -145,6 +144,7 @@ class Trainer:
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
                                                   checkpoint=checkpoint, memory=memory, loss_seed=bool(synced),
                                                   precision=precision)
+        check_combination(precision, self.device.kind, self.spec.graph)
         if self.comm:
             o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights
             self.comm.check_same({"loss": self.spec.loss.kind, "model output": self.spec.loss.output,
