@@ -12,14 +12,14 @@ import os
 import numpy as np
 
 import revgraph as rg
-import revgraph.distributed  # noqa: F401  (the data-parallel engine)
+import revgraph.distributed
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.precision import Precision
 from revgraph.train import adam
 
 CLASSES, SAMPLES = 5, 48
 #: the loss scaling of the run: 2^127 overflows float32 in the backward; growth after 2 good steps
-SCALING = dict(init_scale=2.0 ** 127, growth_interval=2)
+SCALING = {"init_scale": 2.0 ** 127, "growth_interval": 2}
 
 
 def scaled_model() -> tuple[Graph, dict[str, np.ndarray]]:

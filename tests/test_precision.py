@@ -21,12 +21,14 @@ asserts: the match distinguishes the precisions.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_devices import gpu_test  # (tests/ is on sys.path)
 
 import revgraph as rg
 from revgraph import steps
@@ -149,7 +151,6 @@ def test_mlp_matches_torch_autocast_over_20_steps(kind):
     assert max(np.abs(fp32[p] - theirs[p]).max() for p in tg.params) > 10 * ATOL[kind]
 
 
-@pytest.mark.slow
 def test_convnet_bf16_matches_torch_autocast():
     rng = np.random.default_rng(1)
     model, data = convnet(rng), batches(rng, (2, 6, 6), steps_=20, n=8)
@@ -187,12 +188,13 @@ def test_fp16_overflow_skips_steps_and_the_scale_follows_gradscaler():
     parameters."""
     rng = np.random.default_rng(3)
     model, data = mlp(rng), batches(rng, (D,))
-    opts, kind = dict(init_scale=2.0 ** 24, growth_interval=3), "fp16"
+    opts, kind = {"init_scale": 2.0 ** 24, "growth_interval": 3}, "fp16"
     tg = training_graph(model, "cross-entropy", adam(lr=1e-2), precision=Precision("fp16", **opts))
     ours, losses, scales = reference_train(tg, data)
     theirs, t_losses, t_scales = torch_train(model.initializers, torch_mlp, data, torch.float16, scaler=opts)
     assert scales == t_scales
-    assert scales[0] == 2.0 ** 23 and any(b > a for a, b in zip(scales, scales[1:]))  # skipped, then grown
+    assert scales[0] == 2.0 ** 23 and any(b > a for a, b in itertools.pairwise(scales))  # skipped, then grown
+    np.testing.assert_allclose(losses, t_losses, rtol=0, atol=5 * ATOL[kind])
     for p in tg.params:  # (larger scales: more flipped roundings than in the run above, each <= lr 2^-11)
         np.testing.assert_allclose(ours[p], theirs[p], rtol=0, atol=5 * ATOL[kind], err_msg=p)
     skipped = sum(b < a for a, b in zip([opts["init_scale"], *scales], scales))
@@ -226,6 +228,48 @@ def test_graph_keeps_fp32_master_weights_and_fp32_reductions():
     assert tg.precision == "bf16" and tg.scaling is None
 
 
+@pytest.mark.parametrize("case", ["matmul3d", "einsum", "conv_transpose"])
+def test_other_products_match_rounded_float32_products(case):
+    """The forward of the other low-precision ops equals float32 products of rounded operands, rounded once
+    (and the ConvTranspose bias added in float32): what a float32-accumulating kernel computes."""
+    rng = np.random.default_rng(10)
+    low = torch.bfloat16
+    if case == "matmul3d":
+        x, w = rng.standard_normal((2, 3, 8)).astype(F32), rng.standard_normal((8, 4)).astype(F32)
+        node, attrs = "MatMul", {}
+        expect = rounded(rounded(torch.from_numpy(x), low) @ rounded(torch.from_numpy(w), low), low)
+        inits = {"w": w}
+    elif case == "einsum":
+        x, w = rng.standard_normal((2, 3, 8)).astype(F32), rng.standard_normal((4, 8)).astype(F32)
+        node, attrs = "Einsum", {"equation": "bij,kj->bik"}
+        expect = rounded(torch.einsum("bij,kj->bik", rounded(torch.from_numpy(x), low),
+                                      rounded(torch.from_numpy(w), low)), low)
+        inits = {"w": w}
+    else:
+        x, w = rng.standard_normal((2, 3, 4, 4)).astype(F32), rng.standard_normal((3, 2, 3, 3)).astype(F32)
+        bias = rng.standard_normal(2).astype(F32)
+        node, attrs = "ConvTranspose", {"strides": [2, 2]}
+        expect = rounded(F.conv_transpose2d(rounded(torch.from_numpy(x), low), rounded(torch.from_numpy(w), low),
+                                            stride=2), low) + torch.from_numpy(bias).view(1, -1, 1, 1)
+        inits = {"w": w, "bias": bias}
+    g = Graph([Node(node, ["x", *inits], ["y"], attrs, "op")], [ValueInfo("x", F32, x.shape)],
+              [ValueInfo("y", F32, None)], inits)
+    cast, count = autocast(g, "bf16")
+    assert count == 1 and [n.op_type for n in cast.nodes].count("Cast") == 3
+    y = rg.Session(cast, backend="reference").run({"x": x})["y"]
+    np.testing.assert_allclose(y, expect.numpy(), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(y, rg.Session(g, backend="reference").run({"x": x})["y"], rtol=1e-4)  # it did round
+
+
+def test_fp16_data_parallel_refusals():
+    from revgraph.exchange import refused_combination
+
+    assert refused_combination("none", False, "fp32", 1, precision="fp16", world_size=2) is None
+    for shard, sync, what in [("optimizer", False, "--shard optimizer"), ("none", True, "--sync-batchnorm")]:
+        line = refused_combination(shard, sync, "fp32", 1, precision="fp16", world_size=2)
+        assert line.startswith("--precision fp16") and what in line
+
+
 def test_fp32_graph_unchanged_and_no_product_warns():
     rng = np.random.default_rng(5)
     model = mlp(rng)
@@ -252,7 +296,7 @@ def test_engines_carry_the_loss_scale(buffers):
     model = _scaled_linear(rng)
     data = [((rng.uniform(4, 8, (4, C)) * rng.choice([-1, 1], (4, C))).astype(F32), rng.integers(0, C, 4))
             for _ in range(8)]
-    opts = dict(init_scale=2.0 ** 127, growth_interval=2)
+    opts = {"init_scale": 2.0 ** 127, "growth_interval": 2}
     with pytest.warns(UserWarning):
         tg = training_graph(model, "cross-entropy", adam(lr=1e-2), precision=Precision("fp16", **opts))
     engine = steps.make_engine(tg, 1, Device.parse("cpu"), None, buffers)
@@ -306,7 +350,7 @@ def test_cli_precision_errors_exit_2_with_one_line(tmp_path, capsys):
     assert not (tmp_path / "o.onnx").exists()
 
 
-@pytest.mark.cuda
+@gpu_test
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_trainer_on_cuda_matches_torch_autocast(kind):
     """On the GPU the Trainer runs the low-precision step in onnxruntime's CUDA kernels (cuBLAS/cuDNN accumulate

@@ -217,7 +217,7 @@ def seed_with_scale(gg: Graph, seed: str, keep_seed: bool, prec: Precision, loss
     input). Returns the :class:`LossScale` names (its outputs are set by :func:`add_loss_scaling`)."""
     b = Builder(gg.all_names() | {n.name for _, n in gg.walk() if n.name})
     scaling = LossScale(prec, b.fresh("loss_scale"), b.fresh("loss_scale.good_steps"), dtype=np.dtype(loss_dtype))
-    at = [k for k, v in enumerate(gg.inputs) if v.name == seed][0]
+    at = next(k for k, v in enumerate(gg.inputs) if v.name == seed)
     gg.inputs.insert(at + 1, ValueInfo(scaling.scale, scaling.dtype, ()))
     if keep_seed:
         b.prefix = "loss_scale"
