@@ -25,8 +25,9 @@ SCALING = {"init_scale": 2.0 ** 127, "growth_interval": 2}
 def scaled_model() -> tuple[Graph, dict[str, np.ndarray]]:
     """``logits = x * w`` (``w`` [5]) and its data: inputs of magnitude 4 to 8, so scaled gradients overflow."""
     rng = np.random.default_rng(6)
+    w = rng.uniform(0.5, 1.5, CLASSES).astype(np.float32)
     g = Graph([Node("Mul", ["x", "w"], ["logits"], name="mul")], [ValueInfo("x", np.float32, ("N", CLASSES))],
-              [ValueInfo("logits", np.float32, ("N", CLASSES))], {"w": rng.uniform(0.5, 1.5, CLASSES).astype(np.float32)})
+              [ValueInfo("logits", np.float32, ("N", CLASSES))], {"w": w})
     x = (rng.uniform(4, 8, (SAMPLES, CLASSES)) * rng.choice([-1, 1], (SAMPLES, CLASSES))).astype(np.float32)
     return g, {"x": x, "labels": rng.integers(0, CLASSES, SAMPLES)}
 

@@ -15,11 +15,12 @@ numbers either way. Because :func:`revgraph.gradient` differentiates through the
 ``Cast`` is cast back), the backward of a low-precision product runs in the low precision too, as autocast's.
 
 Each low-precision node computes products only: a bias (``Gemm``'s ``C``, ``Conv``'s and ``ConvTranspose``'s
-``B``) is added in float32 after the cast back (``Y = float(A @ B) + C``). A kernel multiplies 16-bit values
-exactly in float32 and accumulates in float32 (cuBLAS, MLAS, and ``torch`` on the CPU), so the result is the
-product rounded once, whatever the backend; a bias added in the low precision would be rounded twice by some
-(``onnx.reference``) and its gradient summed in the low precision. A result cast back and read by another
-low-precision node is read in the low precision directly (``Cast(Cast(y, fp32), bf16) = y``).
+``B``) is added in float32 after the cast back (``Y = float(A @ B) + C``), and ``Gemm``'s ``alpha`` multiplies
+there too. A kernel multiplies 16-bit values exactly in float32 and accumulates in float32 (cuBLAS, MLAS, the
+reference evaluator), so the result is the product rounded once, whatever the backend; a bias added in the low
+precision would be rounded twice by some (``onnx.reference``) and its gradient summed in the low precision.
+(torch's CPU bfloat16 convolution backward is not correctly rounded: tests/test_precision.py.) A result cast back
+and read by another low-precision node is read in the low precision directly (``Cast(Cast(y, fp32), bf16) = y``).
 
 **Dynamic loss scaling** (``fp16`` only; float16's range ends at 65504 and its subnormals at 6e-8, so small
 gradients underflow), inside the step graph as ``torch.amp.GradScaler``: the loss's cotangent is seeded with
@@ -92,7 +93,8 @@ class Precision:
                    "growth-interval", self.growth_interval, "a whole number >= 1")]
         for ok, name, value, need in checks:
             if not ok:
-                raise InputError(f"--{name} {value:g} ({name.replace('-', '_')}=, the fp16 loss scaling) must be {need}")
+                raise InputError(f"--{name} {value:g} ({name.replace('-', '_')}=, the fp16 loss scaling) must be "
+                                 f"{need}")
 
     @property
     def low(self) -> int | None:
@@ -160,17 +162,23 @@ def autocast(model: Graph, precision: Precision | str) -> tuple[Graph, int]:
             lo = b.fresh(f"{out}.{prec.kind}")
             outputs.append(lo)
         attrs = dict(node.attrs)
+        alpha = float(attrs.pop("alpha", 1.0)) if node.op_type == "Gemm" else 1.0  # (scaled in float32 too)
         if bias and node.op_type == "Gemm":
             attrs.pop("beta", None)
         b.nodes.append(Node(node.op_type, inputs, outputs, attrs, node.name, node.domain))
         for out, lo in zip(node.outputs, outputs, strict=True):
             if out == lo:
                 continue
-            if not (bias and out == node.outputs[0]):
+            if not ((bias or alpha != 1.0) and out == node.outputs[0]):
                 b.nodes.append(Node("Cast", [lo], [out], {"to": onnx.TensorProto.FLOAT}, b.fresh(f"{b.prefix}/Cast")))
                 low[out] = lo  # read again in the low precision: the exact value, no second Cast
                 continue
             product = b.op("Cast", [lo], to=onnx.TensorProto.FLOAT)
+            if alpha != 1.0:
+                product = b.op("Mul", [product, b.const(alpha, np.float32)])
+            if not bias:
+                b.nodes.append(Node("Identity", [product], [out], name=b.fresh(f"{b.prefix}/Identity")))
+                continue
             c = bias
             if node.op_type == "Gemm":
                 beta = float(node.attrs.get("beta", 1.0))
@@ -248,11 +256,13 @@ def add_loss_scaling(tg: TrainingGraph, scaling: LossScale) -> None:
     for p in tg.params:
         g = tg.grads[p][-1]  # the dense gradient, or a sparse table's rows
         gdt = tg.grad_types[g].dtype if g in tg.grad_types and tg.grad_types[g].dtype is not None else dt
-        factor = inv if np.dtype(gdt) == dt else b.op("Cast", [inv], to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(gdt)))
+        to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(gdt))
+        factor = inv if np.dtype(gdt) == dt else b.op("Cast", [inv], to=to)
         unscaled[g] = b.op("Mul", [g, factor])
         # sum(g * 0) is NaN exactly when g holds an infinity or a NaN (and 0 for empty rows)
         total = b.op("ReduceSum", [b.op("Mul", [g, b.const(0.0, gdt)])], keepdims=0)
-        checks.append(total if np.dtype(gdt) == dt else b.op("Cast", [total], to=onnx.helper.np_dtype_to_tensor_dtype(dt)))
+        to = onnx.helper.np_dtype_to_tensor_dtype(dt)
+        checks.append(total if np.dtype(gdt) == dt else b.op("Cast", [total], to=to))
     found = b.op("IsNaN", [checks[0] if len(checks) == 1 else b.op("Sum", checks)])
     scaling.found = found
     pre = b.nodes
@@ -318,9 +328,11 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mixed precision: matrix products and convolutions in bfloat16 or float16 with float32 "
                              "master weights (torch.autocast); fp16 scales the loss dynamically (GradScaler; "
                              "default fp32)")
-    parser.add_argument("--init-scale", type=float, metavar="S", help=f"fp16: the initial loss scale (default {d.init_scale:g})")
+    parser.add_argument("--init-scale", type=float, metavar="S",
+                        help=f"fp16: the initial loss scale (default {d.init_scale:g})")
     parser.add_argument("--growth-factor", type=float, metavar="F",
-                        help=f"fp16: the scale's factor after --growth-interval good steps (default {d.growth_factor:g})")
+                        help=f"fp16: the scale's factor after --growth-interval good steps (default "
+                             f"{d.growth_factor:g})")
     parser.add_argument("--backoff-factor", type=float, metavar="F",
                         help=f"fp16: the scale's factor after a non-finite gradient (default {d.backoff_factor:g})")
     parser.add_argument("--growth-interval", type=int, metavar="N",

@@ -37,7 +37,7 @@ from .graphbuild import Builder, name_outputs
 from .ir import Graph, ValueInfo
 from .losses import LOSSES, LossSpec, loss_graph, resolve_output
 from .onnx_io import load
-from .precision import PRECISIONS, add_loss_scaling, autocast, make_precision, seed_with_scale
+from .precision import add_loss_scaling, autocast, make_precision, seed_with_scale
 from .optimizers import (
     GROUP_ELEMENTS,
     OPTIMIZERS,
@@ -56,7 +56,7 @@ from .optimizers import (
 from .ssa import is_ssa, to_ssa
 from .sync_batchnorm import inference_batchnorms
 
-__all__ = ["GROUP_ELEMENTS", "LOSSES", "OPTIMIZERS", "PRECISIONS", "LossSpec", "Optimizer", "TrainingGraph", "adam", "adamw",
+__all__ = ["GROUP_ELEMENTS", "LOSSES", "OPTIMIZERS", "LossSpec", "Optimizer", "TrainingGraph", "adam", "adamw",
            "eval_graph", "graph_size", "loss_graph", "make_optimizer", "params_as_inputs", "resolve_output", "sgd",
            "split_step", "trainable", "training_graph"]
 
@@ -250,7 +250,8 @@ def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     grads = [g for p in tg.params for g in tg.grads[p]]
     grad_graph = tg.graph.copy()
     grad_graph.nodes = grad_graph.nodes[:cut]
-    grad_graph.inputs = [v for v in grad_graph.inputs if v.name in {*tg.inputs, tg.labels, *tg.backward_reads(), tg.seed}]
+    reads = {*tg.inputs, tg.labels, *tg.backward_reads(), tg.seed}  # (backward_reads: the fp16 loss scale too)
+    grad_graph.inputs = [v for v in grad_graph.inputs if v.name in reads]
     grad_graph.outputs = [tg.graph.outputs[0], *(tg.grad_types[g] for g in grads)]
     update = tg.graph.copy()
     update.nodes = update.nodes[cut:]

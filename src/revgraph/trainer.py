@@ -75,7 +75,8 @@ class Trainer:
     backward for the same cores. ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (or a
     :class:`revgraph.precision.Precision` with the fp16 loss-scaling options): matrix products and convolutions in
     the low precision with float32 master weights, fp16 with dynamic loss scaling (:mod:`revgraph.precision`;
-    a 16-bit step needs a CUDA device; fp16 does not combine with ``shard`` or ``sync_batchnorm``). ``profile=True`` times the phases of every step
+    a 16-bit step needs a CUDA device; fp16 does not combine with ``shard`` or ``sync_batchnorm``). ``profile=True``
+    times the phases of every step
     (:attr:`times`, :mod:`revgraph.steptimes`; ``"timeline"`` also records each segment and all-reduce).
     ``sync_batchnorm=True`` (data-parallel only): training-mode
     ``BatchNormalization`` nodes normalize with the statistics of the global batch, all-reduced inside the step
