@@ -1,9 +1,11 @@
 """Mixed precision (revgraph.precision): bf16/fp16 training steps against torch.autocast (+ GradScaler for fp16).
 
-Where the steps run. onnxruntime 1.32's CPU provider (x86-64) has no bfloat16 kernel for MatMul, Gemm, Conv,
-Add, Relu, Softmax, ReduceSum, ... (it refuses the graph; it has Cast, Transpose, Concat, Identity, IsInf, IsNaN,
-LayerNormalization), and no float16 MatMul, Gemm or Conv either: it runs those nodes in float32 (its
-InsertCastTransformer) and drops the Cast pairs around them, so float16's rounding and overflow vanish. So the
+Where the steps run. onnxruntime 1.32's CPU provider (x86-64; each op tried alone in a session) has bfloat16
+kernels for Cast, Transpose, Identity, Concat, IsInf, IsNaN and LayerNormalization only: none for MatMul, Gemm,
+Conv, ConvTranspose, Einsum, Add, Mul, Sub, Div, Relu, Sigmoid, Tanh, Gelu, Erf, Sqrt, Abs, Neg, Softmax, ReduceSum,
+ReduceMax, MaxPool, Greater, Equal, Max (it refuses the graph). Its float16 kernels are those and Max; every other
+op above runs in float32 (its InsertCastTransformer), and the Cast pairs around it are dropped, even with all
+optimizations off, so float16's rounding and overflow vanish (a Cast to float16 and back returns 70000.0). So the
 low-precision steps run here on onnx's reference evaluator (``rg.Session(graph, backend="reference")``), and
 ``rg.Trainer(precision=)`` on the GPU (``@pytest.mark.cuda``, bench/gpu_check.sh); the engines' handling of the
 loss scale's carried state is tested on onnxruntime with a model that has no low-precision node.
