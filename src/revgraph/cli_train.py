@@ -135,6 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.threads < 0 or args.checkpoint_every < 0:  # before any worker starts, too
         raise RevgraphError("--threads and --checkpoint-every must be >= 0")
     check_exchange_arguments(args)
+    precision_from_args(args)  # (the fp16 loss-scaling options, checked before any worker starts)
     if not args.timeout > 0:
         raise RevgraphError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     budget = parse_budget(args.memory_budget) if args.memory_budget is not None else None  # (checked before launching)
