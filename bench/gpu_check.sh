@@ -2,7 +2,7 @@
 # revgraph on a CUDA GPU (--device cuda, issue 16): run the GPU-only tests and a short step-time benchmark,
 # and print them with the GPU's name; with 2 GPUs also the data-parallel exchange options on NCCL (issue 25). For a machine with an NVIDIA GPU, onnxruntime-gpu in place of onnxruntime
 # (pip install "revgraph[cuda]"; see the comment in pyproject.toml) and, for the data-parallel tests, a CUDA
-# build of torch (revgraph[distributed]). Needs no network; takes under 7 minutes (with 2 GPUs up to 20 more for
+# build of torch (revgraph[distributed]). Needs no network; takes under 9 minutes (with 2 GPUs up to 20 more for
 # the data-parallel exchange options).
 #
 #   bench/gpu_check.sh                 # GPU 0
@@ -53,12 +53,12 @@ except rg.RevgraphError as exc:
 print(f"onnxruntime runs on {device}")
 EOF
 
-echo "== GPU tests (pytest -m cuda tests/test_devices.py tests/test_sharding.py tests/test_sync_batchnorm.py)"
+echo "== GPU tests (pytest -m cuda tests/test_devices.py tests/test_sharding.py tests/test_sync_batchnorm.py tests/test_precision.py)"
 status=0
 # -o addopts='' drops the default -m "not slow"; -rs prints why a test was skipped (e.g. one GPU: no 2-process NCCL).
 # tests/test_sharding.py: --shard gradients on 2 GPUs (units, shards, bucket, reduce-scatter, all-gather on NCCL)
 timeout 330 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py \
-    tests/test_sharding.py tests/test_sync_batchnorm.py || status=$?
+    tests/test_sharding.py tests/test_sync_batchnorm.py tests/test_precision.py || status=$?
 
 echo "== data-parallel exchange on the GPU (issue 25: --bucket-mb with overlap, --overlap off, --accumulate-steps, --reduce-dtype bf16)"
 # one table row per option and model: pytest's verdict (passed / failed / skipped with its reason)
@@ -69,8 +69,8 @@ timeout 1200 "$PYTHON" -m pytest -q -o addopts='' -rA -m cuda -p no:cacheprovide
 echo "== GPU tests of launching and failing (pytest -m cuda tests/test_distributed_launch.py)"
 timeout 240 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_distributed_launch.py || status=$?
 
-echo "== step time (ms per Trainer.step with Adam, after 3 warm-up steps; median of up to 2 s of steps)"
-DEVICE=$DEVICE timeout 150 "$PYTHON" - <<'EOF'
+echo "== step time (ms per Trainer.step with Adam, after 3 warm-up steps; median of up to 2 s of steps; --precision rows: bf16/fp16 on the GPU)"
+DEVICE=$DEVICE timeout 240 "$PYTHON" - <<'EOF'
 import os
 import sys
 import tempfile
@@ -127,6 +127,20 @@ with tempfile.TemporaryDirectory() as tmp:
         batch = {"x": data["x"], "labels": data["labels"]}
         row(label, lambda d: rg.Trainer(info["path"], "cross-entropy", "adam", params=info["params"], device=d),
             batch)
+        # mixed precision (issue 26, --precision): the same step with bf16/fp16 products, on the GPU only (the
+        # CPU provider has no 16-bit MatMul); its first loss next to fp32's (they differ by the 8/11-bit rounding)
+        fp32_s, fp32 = timed(rg.Trainer(info["path"], "cross-entropy", "adam", params=info["params"], device=DEVICE),
+                             batch)
+        for kind in ("bf16", "fp16"):
+            try:
+                low_s, low = timed(rg.Trainer(info["path"], "cross-entropy", "adam", params=info["params"],
+                                              device=DEVICE, precision=kind), batch)
+            except rg.RevgraphError as exc:
+                print(f"{label + ', ' + kind:<44} refused: {exc}", flush=True)
+                continue
+            print(f"{label + ', --precision ' + kind:<44} {'':>10} {low_s * 1e3:10.2f} {fp32_s / low_s:8.2f}x   "
+                  f"(speed-up over fp32 on {DEVICE}; first loss {low.losses[0]:.5g}, fp32 {fp32.losses[0]:.5g})",
+                  flush=True)
 EOF
 
 exit $status

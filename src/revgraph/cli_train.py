@@ -17,6 +17,7 @@ from .cli_schedules import add_schedule_arguments, decay_line, schedule_settings
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
+from .precision import add_precision_arguments, precision_from_args
 from .runtime_options import RuntimeOptions
 
 
@@ -75,6 +76,7 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                             "is safe, or in two swapped sets (the fused step graph; default one)")
     add_exchange_arguments(train)
     add_schedule_arguments(train)
+    add_precision_arguments(train)  # --precision and the fp16 loss scaling (revgraph.precision)
     return train
 
 
@@ -135,6 +137,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.threads < 0 or args.checkpoint_every < 0:  # before any worker starts, too
         raise RevgraphError("--threads and --checkpoint-every must be >= 0")
     check_exchange_arguments(args)
+    precision_from_args(args)  # (the fp16 loss-scaling options, checked before any worker starts)
     if not args.timeout > 0:
         raise RevgraphError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     budget = parse_budget(args.memory_budget) if args.memory_budget is not None else None  # (checked before launching)
@@ -173,6 +176,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     test = read_data(args.test_data, "--test-data") if args.test_data is not None else None
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
                          **schedule_settings(args))
+    precision = precision_from_args(args)
     g = load(args.model)
     if budget is not None:  # symbolic first dimensions of the inputs are the batch: --batch-size of them
         dims = {vi.shape[0]: args.batch_size for vi in g.inputs
@@ -183,7 +187,8 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
                           memory=budget, shard=args.shard, sync_batchnorm=args.sync_batchnorm,
-                          timeout=args.timeout, loss_options=loss_options(args), **trainer_arguments(args))
+                          timeout=args.timeout, loss_options=loss_options(args), precision=precision,
+                          **trainer_arguments(args))
     if trainer.comm:
         _agree(trainer, args)
     main = trainer.is_main  # only rank 0 prints and writes files

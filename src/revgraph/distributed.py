@@ -374,7 +374,7 @@ class DistributedEngine(SplitEngine):
                 self._bucket_ready(j, weight, first, last)
 
         if self.segments is not None:
-            values = {p: self._sets[self._current][p] for p in self.spec.params}
+            values = {p: self._sets[self._current][p] for p in self.spec.backward_reads()}  # (+ fp16 loss scale)
             outs = self.segments.run(values, feeds, {**into, self.spec.loss.loss: self._loss[self._current]},
                                      lambda k, seg, fresh: ready(seg.buckets, fresh), self.times)
             sparse.update(outs)

@@ -149,10 +149,15 @@ def unpack_rows(torch, bufs: list, counts: list[list[int]], like: list) -> list[
 
 
 def refused_combination(shard: str, sync_batchnorm: bool, reduce_dtype: str, accumulate_steps: int,
-                        buffers: str = "one") -> str | None:
+                        buffers: str = "one", *, precision: str = "fp32", world_size: int = 1) -> str | None:
     """The one line refusing data-parallel options that do not combine, or ``None``: sharding reduce-scatters
     in the gradients' own dtype, one micro-batch per step, and has no collectives inside the backward;
-    synchronized batch normalization runs one micro-batch per step; accumulation needs one buffer set."""
+    synchronized batch normalization runs one micro-batch per step; accumulation needs one buffer set; the fp16
+    loss scale (:mod:`revgraph.precision`) is carried by the unsharded engine without synchronized statistics."""
+    if precision == "fp16" and world_size > 1 and (shard != "none" or sync_batchnorm):
+        what = f"--shard {shard}" if shard != "none" else "--sync-batchnorm"
+        return f"--precision fp16 (precision='fp16') does not combine with {what}: its loss scaling is in the step " \
+               "graph, which that engine does not run; train with --precision bf16, or without " + what
     if shard != "none" and reduce_dtype != "fp32":
         return f"--reduce-dtype {reduce_dtype} (reduce_dtype=) does not combine with --shard {shard}: the gradients are " \
                "reduce-scattered in their own dtype"

@@ -273,7 +273,7 @@ class SplitEngine(Engine):
     def _bind_grad(self, k: int, into: dict):
         """An IO binding of the grad graph reading buffer set ``k`` and writing the dense gradients to ``into``."""
         gb = self._grad.io_binding()
-        for p in self.spec.params:
+        for p in self.spec.backward_reads():  # the parameters (and the fp16 loss scale)
             gb.bind_ortvalue_input(p, self._sets[k][p])
         gb.bind_ortvalue_output(self.spec.loss.loss, self._loss[k])
         for g, value in into.items():
@@ -392,6 +392,8 @@ class SplitEngine(Engine):
     def _fresh_shared(self) -> dict:
         """New buffers for the shared names (written by a step that keeps the previous values)."""
         like = {self.spec.step: np.zeros((), np.int64), self.spec.total: np.zeros((), np.int64)}
+        if self.spec.scaling is not None:
+            like.update(self.spec.scaling.initial())
         for p in self.spec.params:
             like.update({n: self.spec.initial[p] for n in [p, *self.spec.state[p]]})
         return {n: self.device.ortvalue(np.empty_like(like[n])) for n in self.shared}

@@ -37,6 +37,7 @@ from .graphbuild import Builder, name_outputs
 from .ir import Graph, ValueInfo
 from .losses import LOSSES, LossSpec, loss_graph, resolve_output
 from .onnx_io import load
+from .precision import add_loss_scaling, autocast, make_precision, seed_with_scale
 from .optimizers import (
     GROUP_ELEMENTS,
     OPTIMIZERS,
@@ -127,6 +128,11 @@ class TrainingGraph:
     #: unchanged from step to step; :meth:`revgraph.Trainer.fit` sets it), else ``None``
     total: str | None = None
     new_total: str | None = None
+    #: the step's precision (:data:`revgraph.precision.PRECISIONS`): ``"fp32"``, or ``"bf16"``/``"fp16"``
+    #: products with float32 master weights (:mod:`revgraph.precision`)
+    precision: str = "fp32"
+    #: fp16: the dynamic loss scaling's names (:class:`revgraph.precision.LossScale`; carried state), or None
+    scaling: object = None
 
     @property
     def labels(self) -> str | None:
@@ -141,20 +147,30 @@ class TrainingGraph:
         feeds[self.step] = np.array(0, dtype=np.int64)
         if self.total:
             feeds[self.total] = np.array(self.optimizer.schedule.total_steps or 0, dtype=np.int64)
+        if self.scaling is not None:  # the fp16 loss scale and its count of good steps
+            feeds.update(self.scaling.initial())
         return feeds
 
     def carried(self) -> list[tuple[str, str]]:
-        """``(input, output)`` pairs that one step hands to the next: parameters, state and step."""
+        """``(input, output)`` pairs that one step hands to the next: parameters, state and step (and the fp16
+        loss scale and its count of good steps)."""
         pairs = [(p, self.new_params[p]) for p in self.params]
         for p in self.params:
             pairs += list(zip(self.state[p], self.new_state[p], strict=True))
-        return [*pairs, (self.step, self.new_step), *([(self.total, self.new_total)] if self.total else [])]
+        pairs = [*pairs, (self.step, self.new_step), *([(self.total, self.new_total)] if self.total else [])]
+        return [*pairs, *(self.scaling.pairs() if self.scaling is not None else [])]
+
+    def backward_reads(self) -> list[str]:
+        """The carried inputs the forward and backward read (the grad graph of :func:`split_step`): the
+        parameters, and the fp16 loss scale that seeds the backward."""
+        return [*self.params, *([self.scaling.scale] if self.scaling is not None else [])]
 
 
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                    optimizer: Optimizer | str = "adam", *, output: str | None = None,
                    params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store",
-                   memory=None, loss_seed: bool = False, loss_options: dict | None = None) -> TrainingGraph:
+                   memory=None, loss_seed: bool = False, loss_options: dict | None = None,
+                   precision=None) -> TrainingGraph:
     """The training-step graph of ``model`` (module doc): loss, gradients, optimizer update, as ONNX nodes.
 
     ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES` (``"output:NAME"``
@@ -164,6 +180,8 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     others stay initializers); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
     :func:`revgraph.gradient` (a fraction, bytes or a ``revgraph.Budget``; the plan is ``graph.memory_plan``).
     ``loss_seed=True`` adds the scalar input ``TrainingGraph.seed`` that multiplies the loss's cotangent.
+    ``precision``: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a :class:`revgraph.precision.Precision`
+    (mixed precision, fp16 with dynamic loss scaling: :mod:`revgraph.precision`).
     Raises :class:`RevgraphError` (one line) for bad names or values, and what :func:`revgraph.gradient`
     raises for a model it cannot differentiate.
     """
@@ -171,12 +189,15 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
     model = model if is_ssa(model) else to_ssa(model)
     names = trainable(model, params)
-    lg, spec = loss_graph(model, loss, output=output, **(loss_options or {}))
+    prec = make_precision(precision)
+    lg, spec = loss_graph(autocast(model, prec)[0], loss, output=output, **(loss_options or {}))
     params_as_inputs(lg, names)
     lg.outputs = lg.outputs[:1]
     gg = gradient(lg, spec.loss, names, sparse=True, checkpoint=checkpoint, memory=memory,
-                  seed="input" if loss_seed else "ones")
-    seed = next(v.name for v in gg.inputs if v.name not in set(lg.input_names)) if loss_seed else None
+                  seed="input" if loss_seed or prec.scaled else "ones")
+    seed = next(v.name for v in gg.inputs if v.name not in set(lg.input_names)) if loss_seed or prec.scaled else None
+    scaling = seed_with_scale(gg, seed, loss_seed, prec, lg.outputs[0].dtype) if prec.scaled else None
+    seed = seed if loss_seed else None
     b = Builder(gg.all_names() | {n.name for _, n in gg.walk() if n.name})
     step = b.fresh("step")
     grads = grad_outputs = gg.outputs[1:]
@@ -238,6 +259,9 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     gg.outputs.append(ValueInfo(tg.new_step, np.int64, ()))
     if tg.total:
         gg.outputs.append(ValueInfo(tg.new_total, np.int64, ()))
+    tg.precision = prec.kind
+    if scaling is not None:
+        add_loss_scaling(tg, scaling)
     return tg
 
 
@@ -254,7 +278,8 @@ def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     grads = [g for p in tg.params for g in tg.grads[p]]
     grad_graph = tg.graph.copy()
     grad_graph.nodes = grad_graph.nodes[:cut]
-    grad_graph.inputs = [v for v in grad_graph.inputs if v.name in {*tg.inputs, tg.labels, *tg.params, tg.seed} - {None}]
+    reads = {*tg.inputs, tg.labels, *tg.backward_reads(), tg.seed} - {None}  # (backward_reads: the fp16 loss scale too)
+    grad_graph.inputs = [v for v in grad_graph.inputs if v.name in reads]
     grad_graph.outputs = [tg.graph.outputs[0], *(tg.grad_types[g] for g in grads)]
     update = tg.graph.copy()
     update.nodes = update.nodes[cut:]

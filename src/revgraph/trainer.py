@@ -35,6 +35,7 @@ from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
 from .ir import Graph
 from .onnx_io import save
+from .precision import check_combination, make_precision
 from .runtime_options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
 from .exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype, refused_combination
 from .steps import BUFFERS, make_engine
@@ -75,7 +76,11 @@ class Trainer:
     ``"fp32"`` (default: the gradients' dtype) or ``"bf16"`` (buckets all-reduced in bfloat16), ``overlap``
     starts each bucket's all-reduce while the rest of the backward pass runs (:mod:`revgraph.overlap`; one
     bucket: no cut); ``"auto"`` (default): on CUDA, not on the CPU, where gloo's all-reduce competes with the
-    backward for the same cores. ``profile=True`` times the phases of every step
+    backward for the same cores. ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (or a
+    :class:`revgraph.precision.Precision` with the fp16 loss-scaling options): matrix products and convolutions in
+    the low precision with float32 master weights, fp16 with dynamic loss scaling (:mod:`revgraph.precision`;
+    a 16-bit step needs a CUDA device; fp16 does not combine with ``shard`` or ``sync_batchnorm``). ``profile=True``
+    times the phases of every step
     (:attr:`times`, :mod:`revgraph.steptimes`; ``"timeline"`` also records each segment and all-reduce).
     ``sync_batchnorm=True`` (data-parallel only): training-mode
     ``BatchNormalization`` nodes normalize with the statistics of the global batch, all-reduced inside the step
@@ -106,7 +111,7 @@ class Trainer:
                  memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
                  profile: bool = False, shard: str = "none",
                  sync_batchnorm: bool = False, timeout: float | None = None, loss_options: dict | None = None,
-                 schedule=None, clip_grad_norm: float | None = None, no_decay=None):
+                 schedule=None, clip_grad_norm: float | None = None, no_decay=None, precision="fp32"):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
@@ -127,6 +132,7 @@ class Trainer:
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
         self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
+        precision = make_precision(precision)  # (mixed precision: revgraph.precision)
         self.losses: list[float] = []  # one per step, in order (the global batch's loss when distributed)
         self.resumed: str | None = None  # set by fit when it resumed from a checkpoint: where from
         self.comm = None
@@ -135,6 +141,10 @@ class Trainer:
 
             self.comm = Collective(self.device, timeout)
             threads = threads or threads_per_process()
+            problem = refused_combination(shard, sync_batchnorm, reduce_dtype, 1, buffers,
+                                          precision=precision.kind, world_size=self.comm.world_size)
+            if problem:
+                raise InputError(problem)
         # auto: overlap on GPUs, where NCCL moves the bytes beside the compute; not on the CPU, where gloo's
         # thread sums and copies on the cores the next segment needs (measured slower: docs/benchmarks.md)
         overlap = self.device.kind == "cuda" if overlap == "auto" else bool(overlap)
@@ -147,7 +157,8 @@ class Trainer:
                               schedule=schedule, clip_grad_norm=clip_grad_norm, no_decay=no_decay)
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
                                                   checkpoint=checkpoint, memory=memory, loss_seed=bool(synced),
-                                                  loss_options=loss_options)
+                                                  loss_options=loss_options, precision=precision)
+        check_combination(precision, self.device.kind, self.spec.graph)
         if self.comm:
             o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights
             self.comm.check_same({"loss": self.spec.loss.settings, "model output": self.spec.loss.output,
@@ -156,7 +167,8 @@ class Trainer:
                                   "weight decay": o.weight_decay, "trained parameters": self.spec.params,
                                   "buffers": buffers, "shard": shard, "sync batchnorm": bool(sync_batchnorm),
                                   # other buckets or dtypes on some rank would pair collectives of different sizes
-                                  "bucket MiB": float(bucket_mb), "reduce dtype": reduce_dtype, "overlap": overlap},
+                                  "bucket MiB": float(bucket_mb), "reduce dtype": reduce_dtype, "overlap": overlap,
+                                  "precision": str(precision)},
                                  "training settings", "give every rank the same loss, optimizer and hyperparameters "
                                  "(--loss, --optimizer, --lr, --momentum, --weight-decay, --lr-schedule, "
                                  "--clip-grad-norm...) and the same data-parallel "

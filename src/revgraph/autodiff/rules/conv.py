@@ -355,7 +355,10 @@ def conv(ctx: Ctx, node: Node, cts: list) -> list:
     cg = channels_per_group(e, node, w, x, group) if group > 1 else 1
 
     def dw() -> str:
-        if group == 1 and out is not None and int(np.prod(geo.kernel)) <= MAX_TAPS:
+        # (not in 16-bit floats: the taps' sum over the batch would round each sample's product to 8 or 11 bits,
+        # where one Conv accumulates the whole sum in float32 and rounds once, as torch's convolution_backward)
+        low = e.dtype(x) is not None and np.dtype(e.dtype(x)).itemsize == 2
+        if group == 1 and out is not None and int(np.prod(geo.kernel)) <= MAX_TAPS and not low:
             return weight_grad_taps(e, x, g, geo, out, like=w)
         return weight_grad(e, x, g, geo, group, cg, trim=True, like=w)
 
