@@ -12,6 +12,7 @@ from rich.console import Console
 from .autodiff.memory import Budget, parse_budget
 from .cli_exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
 from .cli_io import check_command_outputs, err, out, read_npz
+from .cli_lora import add_lora_arguments, export_trained, lora_model, selection_line
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
@@ -73,6 +74,7 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                        help="parameters and optimizer state in one buffer set that the update overwrites where that "
                             "is safe, or in two swapped sets (the fused step graph; default one)")
     add_exchange_arguments(train)
+    add_lora_arguments(train)
     return train
 
 
@@ -169,7 +171,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     data = read_npz(args.data)
     test = read_npz(args.test_data) if args.test_data is not None else None
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    g = load(args.model)
+    g, selected = lora_model(args, load(args.model))  # LoRA adapters, --train/--freeze: checked before training
     if budget is not None:  # symbolic first dimensions of the inputs are the batch: --batch-size of them
         dims = {vi.shape[0]: args.batch_size for vi in g.inputs if vi.shape and isinstance(vi.shape[0], str)}
         budget = Budget(fraction=budget.fraction, bytes=budget.bytes, dims=dims)
@@ -178,13 +180,15 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
         trainer = Trainer(g, args.loss, opt, output=args.model_output, threads=args.threads, device=args.device,
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
                           memory=budget, shard=args.shard, sync_batchnorm=args.sync_batchnorm,
-                          timeout=args.timeout, **trainer_arguments(args))
+                          timeout=args.timeout, **selected, **trainer_arguments(args))
     if trainer.comm:
         _agree(trainer, args)
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
     for w in caught if main else []:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
+    if selection_line(args, trainer):
+        console.print(selection_line(args, trainer), soft_wrap=True, markup=False)
     if budget is not None:
         console.print(f"memory: {trainer.spec.graph.memory_plan.summary()}", soft_wrap=True, markup=False)
     refused = None
@@ -217,7 +221,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     after = trainer.evaluate(data)
     evaluated = trainer.evaluate(test) if test is not None else None
     if main:
-        trainer.export(args.output)
+        export_trained(trainer, args)
         if args.save_training_graph:
             trainer.save_training_graph(args.save_training_graph)
 

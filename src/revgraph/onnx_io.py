@@ -168,6 +168,7 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
         group_norm_per_channel(result)
     _name_nodes(result)
     result.source_opset = original
+    result.metadata = {p.key: p.value for p in model.metadata_props}
     result.check()
     return result
 
@@ -468,6 +469,8 @@ def _ssa_to_onnx(graph: Graph, producer: str = "revgraph") -> onnx.ModelProto:
     opset_imports = [helper.make_opsetid(d, v) for d, v in sorted(graph.opsets.items())]
     model = helper.make_model(graph_to_proto(graph), opset_imports=opset_imports, producer_name=producer)
     model.producer_version = __version__
+    if graph.metadata:
+        helper.set_model_props(model, dict(graph.metadata))
     model.ir_version = max(4, helper.find_min_ir_version_for(opset_imports, ignore_unknown=True))
     if any(not o.type.tensor_type.elem_type for o in model.graph.output if o.type.HasField("tensor_type")):
         _fill_output_types(model)

@@ -50,7 +50,9 @@ class Trainer:
     ``model`` is a :class:`Graph`, an ``onnx.ModelProto`` or a path; ``loss`` one of ``"cross-entropy"``,
     ``"mse"``, ``"bce"``; ``optimizer`` an :class:`revgraph.train.Optimizer` or a name (``"sgd"``,
     ``"adam"``, ``"adamw"`` with PyTorch's defaults). ``output`` picks the model output the loss reads (default:
-    the only one), ``params`` the initializers to train (default: every floating-point one). ``threads`` is
+    the only one), ``params`` the initializers to train (names or fnmatch globs; default: the LoRA adapters
+    of a model that has them, :mod:`revgraph.lora`, else every floating-point one) and ``freeze`` globs of
+    initializers not to train (:func:`revgraph.train.trainable`). ``threads`` is
     onnxruntime's intra-op thread count (0: its default). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``
     (:mod:`revgraph.devices`). ``runtime``: onnxruntime's memory settings (:class:`revgraph.RuntimeOptions`;
     a setting left ``None`` takes :data:`revgraph.runtime_options.TRAINING_DEFAULT`: memory pattern off, arena
@@ -95,7 +97,7 @@ class Trainer:
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
                  memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
                  profile: bool = False, shard: str = "none",
-                 sync_batchnorm: bool = False, timeout: float | None = None):
+                 sync_batchnorm: bool = False, timeout: float | None = None, freeze: Iterable[str] | None = None):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
@@ -133,7 +135,8 @@ class Trainer:
 
             original, model, synced = synchronized(model)  # BatchNormalization around all-reduce placeholders
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
-                                                  checkpoint=checkpoint, memory=memory, loss_seed=bool(synced))
+                                                  checkpoint=checkpoint, memory=memory, loss_seed=bool(synced),
+                                                  freeze=freeze)
         if self.comm:
             o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights
             self.comm.check_same({"loss": self.spec.loss.kind, "model output": self.spec.loss.output,
