@@ -77,6 +77,17 @@ def export_trained(trainer, args: argparse.Namespace) -> None:
     save(merge_adapters(model) if args.merge_adapters else model, args.output)
 
 
+def written(args: argparse.Namespace, trainer) -> str:
+    """What ``-o`` holds, for the last line of ``revgraph train``."""
+    from .lora import config
+
+    if args.merge_adapters:
+        return "trained LoRA adapters merged into the weights"
+    if config(trainer.spec.model) is not None:
+        return "trained LoRA adapters as separate nodes and initializers; revgraph lora extract writes them alone"
+    return "trained weights as initializers"
+
+
 # ------------------------------------------------------------------------------------------------ lora
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from .autodiff.memory import Budget, parse_budget
 from .cli_exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
 from .cli_io import check_command_outputs, err, out, read_npz
-from .cli_lora import add_lora_arguments, export_trained, lora_model, selection_line
+from .cli_lora import add_lora_arguments, export_trained, lora_model, selection_line, written
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
@@ -241,7 +241,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     if profile_line(trainer):
         console.print(profile_line(trainer), soft_wrap=True, markup=False)
     saved = f"; training graph: {args.save_training_graph}" if args.save_training_graph else ""
-    console.print(f"wrote {args.output} (trained weights as initializers){saved}", soft_wrap=True, markup=False)
+    console.print(f"wrote {args.output} ({written(args, trainer)}){saved}", soft_wrap=True, markup=False)
     if trainer.comm:
         trainer.comm.close()
     return 0
