@@ -381,3 +381,36 @@ def test_cli_not_2d_target_and_lora_command_errors(tmp_path, capsys, files):
         err = capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
     assert not any(p.name.startswith("o.") for p in tmp_path.iterdir())
+
+
+def test_readme_lora_walkthrough_runs_as_printed(tmp_path, monkeypatch, capsys):
+    """The README's "Fine-tuning with LoRA and frozen weights" commands, on the digits MLP as the train section
+    makes it: the printed counts and files are what the README shows, and the test accuracy is high."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from revgraph import demo
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("#### Fine-tuning with LoRA and frozen weights"):]
+    section = section[:section.index("\n#### ", 10)]
+    commands = [c for block in re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL)
+                for c in block.strip().splitlines() if c.startswith("revgraph ")]
+    shown = [ln for block in re.findall(r"```(?:text|bash)\n(.*?)```", section, flags=re.DOTALL)
+             for ln in block.splitlines() if ln.lstrip("# ").startswith(("parameters:", "wrote"))]
+    monkeypatch.chdir(tmp_path)
+    train, test = demo.digits()
+    np.savez("digits.npz", **train)
+    np.savez("digits-test.npz", **test)
+    rg.save(demo.mlp_model(), "mlp.onnx")
+    printed = ""
+    for command in commands:
+        argv = shlex.split(command)
+        assert main(argv[1:]) == 0, command
+        printed += capsys.readouterr().out
+    assert len(commands) == 4 and len(shown) == 5
+    for line in shown:
+        assert line.lstrip("# ") in printed, line
+    accuracies = [float(a) for a in re.findall(r"test data: loss \S+, accuracy ([\d.]+)%", printed)]
+    assert len(accuracies) == 2 and accuracies[1] > 95, printed

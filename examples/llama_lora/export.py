@@ -63,7 +63,7 @@ def export(model, path: str | os.PathLike, opset: int = 18, example_length: int 
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (ids,), str(path), input_names=["input_ids"], output_names=["logits"],
                           dynamic_shapes=({0: batch, 1: length},), opset_version=opset, dynamo=True, optimize=False,
-                          verbose=False)
+                          external_data=False, verbose=False)
 
 
 def token_data(samples: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
