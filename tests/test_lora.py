@@ -33,7 +33,7 @@ def mixed_model(seed: int = 0) -> rg.Graph:
     """x [N, 8] through every kind of LoRA target: MatMul of a weight, Gemm(transB=1, alpha, beta) with a bias,
     MatMul of a DequantizeLinear int8 base, Gemm(transA=1) and MatMul of a Transpose'd weight: y [N, 6]."""
     rng = np.random.default_rng(seed)
-    f = lambda *s: rng.normal(0, 0.5, s).astype(F32)  # noqa: E731
+    f = lambda *s: rng.normal(0, 0.5, s).astype(F32)
     inits = {"W1": f(8, 16), "W2": f(12, 16), "b2": f(12), "q3": rng.integers(-100, 100, (12, 6)).astype(np.int8),
              "s3": np.array(0.01, F32), "z3": np.array(3, np.int8), "W4": f(12, 6), "W5": f(6, 12)}
     nodes = [h.make_node("MatMul", ["x", "W1"], ["h1"], name="mm1"), h.make_node("Relu", ["h1"], ["r1"], name="relu"),

@@ -94,8 +94,8 @@ def check_llama(directory: Path, config: dict, rank: int, alpha: float, length: 
 
 def test_lora_on_a_tiny_exported_llama(tmp_path):
     ex = example()
-    config = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=32)
+    config = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
     ex.export(ex.logits_model(ex.llama_config(**config)), tmp_path / "llama.onnx", example_length=8)
     check_llama(tmp_path, config, rank=4, alpha=8.0, length=8)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 #: The walkthrough's model: hidden 64, 2 layers, vocabulary 256 (about 0.1 M parameters).
-DEFAULTS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128)
+DEFAULTS = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
 #: The names of LLaMA's projections, PEFT's usual LoRA targets for it (``target_modules``).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

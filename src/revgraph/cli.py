@@ -17,8 +17,8 @@ from .autodiff.api import gradient
 from .check import NOT_CHECKED, check_gradients
 from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers
-from .cli_lora import add_lora_parser, cmd_lora
 from .cli_io import check_command_outputs, err, out, read_npz, write_npz
+from .cli_lora import add_lora_parser, cmd_lora
 from .cli_train import add_runtime_arguments, add_train_parser, cmd_train, runtime_from_args
 from .cli_write import (
     MEMORY_HELP,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import RevgraphError
-from .ir import Graph, Node, NameSet, ValueInfo, fresh_name, is_float_dtype
+from .ir import Graph, NameSet, Node, ValueInfo, fresh_name, is_float_dtype
 
 #: The ``Graph.metadata`` key of the LoRA configuration (JSON).
 KEY = "revgraph.lora"
@@ -52,7 +52,8 @@ _FORMAT = 1
 @dataclass
 class _Site:
     """A ``MatMul``/``Gemm`` node and its weight: ``weight`` the initializer (float, or the quantized integers),
-    ``transposed`` when it is stored ``[out, in]``, ``shape`` the weight's ``(in, out)`` as the node applies it."""
+    ``transposed`` when it is stored ``[out, in]``, ``stored_shape`` its shape as stored, ``dtype`` the float
+    dtype the node reads it in (the dequantized one for integers)."""
 
     node: Node
     weight: str
@@ -63,6 +64,7 @@ class _Site:
 
     @property
     def dims(self) -> tuple[int, int] | None:
+        """``(in, out)`` as the node applies the weight, ``None`` when it is not 2-D."""
         if len(self.stored_shape) != 2:
             return None
         rows, cols = self.stored_shape

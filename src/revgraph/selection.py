@@ -14,7 +14,12 @@ from collections.abc import Iterable
 import numpy as np
 
 from .errors import RevgraphError
-from .ir import Graph, is_float_dtype
+from .ir import Graph
+
+
+def _floats(a) -> bool:
+    """Initializers that train: numpy kind ``"f"`` (float16/32/64), as :func:`revgraph.train.trainable` always had."""
+    return np.asarray(a).dtype.kind == "f"
 
 
 def _matches(model: Graph, pattern: object, option: str) -> list[str]:
@@ -50,7 +55,7 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
     params, freeze = _patterns(params), _patterns(freeze)
     if params is None:
         names = adapter_names(model) or [k for k, a in model.initializers.items()
-                                         if is_float_dtype(np.asarray(a).dtype)]
+                                         if _floats(a)]
         if not names:
             raise RevgraphError("the model has no floating-point initializers to train")
     else:
@@ -60,7 +65,7 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
         chosen: dict[str, None] = {}
         for p in params:
             found = _matches(model, p, "params (--train)")
-            floats = [k for k in found if is_float_dtype(np.asarray(model.initializers[k]).dtype)]
+            floats = [k for k in found if _floats(model.initializers[k])]
             if not floats:
                 k = found[0]
                 raise RevgraphError(f"parameter {k!r} is {np.asarray(model.initializers[k]).dtype}; only floats train"
@@ -81,7 +86,7 @@ def parameters(model: Graph) -> list[str]:
     (a quantized base), not the integer shapes, axes and indices a graph holds as initializers."""
     quantized = {n.inputs[0] for _, n in model.walk() if n.op_type == "DequantizeLinear" and n.inputs}
     return [k for k, a in model.initializers.items()
-            if is_float_dtype(np.asarray(a).dtype) or (k in quantized and np.asarray(a).ndim >= 2)]
+            if _floats(a) or (k in quantized and np.asarray(a).ndim >= 2)]
 
 
 def count_line(model: Graph, trained: Iterable[str]) -> str:
