@@ -414,3 +414,27 @@ def test_readme_lora_walkthrough_runs_as_printed(tmp_path, monkeypatch, capsys):
         assert line.lstrip("# ") in printed, line
     accuracies = [float(a) for a in re.findall(r"test data: loss \S+, accuracy ([\d.]+)%", printed)]
     assert len(accuracies) == 2 and accuracies[1] > 95, printed
+
+
+def test_a_shared_weight_gets_one_adapter_and_a_tied_reader_keeps_the_base_value():
+    """W is read by two MatMuls (one directly, one through a Transpose) and by a Gather (a tied embedding):
+    naming one MatMul adapts both (one adapter per weight, as one PEFT module called twice), and merging leaves
+    the Gather's W as it was (the MatMuls read a merged copy)."""
+    rng = np.random.default_rng(10)
+    inits = {"W": rng.normal(0, 0.5, (8, 8)).astype(F32), "idx": np.array([2], np.int64)}
+    nodes = [Node("MatMul", ["x", "W"], ["h"], name="mm"), Node("Transpose", ["W"], ["wt"], {"perm": [1, 0]}, name="tr"),
+             Node("MatMul", ["h", "wt"], ["h2"], name="mm_t"), Node("Gather", ["W", "idx"], ["row"], name="tied"),
+             Node("Add", ["h2", "row"], ["y"], name="add")]
+    g = rg.Graph(nodes, [ValueInfo("x", F32, ("N", 8))], [ValueInfo("y", F32, ("N", 8))], inits)
+    a = random_b(lora.add_adapters(g, 2, targets=["mm"]))
+    (ad,) = lora.config(a)["adapters"]
+    assert [s["node"] for s in ad["sites"]] == ["mm", "mm_t"]
+    x = rng.normal(0, 1, (3, 8)).astype(F32)
+    A, B = a.initializers[ad["A"]].astype(np.float64), a.initializers[ad["B"]].astype(np.float64)
+    W = inits["W"].astype(np.float64)
+    lin = lambda v, w: v @ w + 1.0 * (v @ A) @ B  # noqa: E731  (PEFT's forward, alpha = r)
+    want = lin(lin(x, W), W.T) + W[2]
+    np.testing.assert_allclose(run(a, x), want, rtol=1e-5, atol=1e-5)
+    merged = lora.merge_adapters(a)
+    assert np.array_equal(merged.initializers["W"], inits["W"]) and "W.merged" in merged.initializers
+    np.testing.assert_allclose(run(merged, x), want, rtol=1e-5, atol=1e-5)

@@ -200,7 +200,10 @@ def add_adapters(graph: Graph, rank: int, alpha: float | None = None, targets: I
         raise RevgraphError("the model already has LoRA adapters (metadata 'revgraph.lora'): train them as they are, "
                             "or merge them into the weights first (revgraph lora apply --merge, lora.merge_adapters)")
     g = graph.copy()
-    chosen = _select(g, _sites(g), targets)
+    sites = _sites(g)
+    chosen = _select(g, sites, targets)
+    weights = {s.weight for s in chosen}  # one adapter per weight: every MatMul/Gemm reading it gets it
+    chosen = [s for s in sites if s.weight in weights]
     by_weight: dict[str, list[_Site]] = {}
     for s in chosen:
         by_weight.setdefault(s.weight, []).append(s)
@@ -276,12 +279,15 @@ def _rewrite(s: _Site, a: str, b: str, scaling: float, dtype: np.dtype, used: se
 
 def merge_adapters(graph: Graph) -> Graph:
     """``graph`` with its adapters folded into the weights: ``W + (alpha / r) A B`` (in ``W``'s stored
-    orientation), the adapter nodes, initializers and configuration removed; ``graph`` is not changed.
+    orientation), the adapter nodes, initializers and configuration removed; ``graph`` is not changed. A weight
+    that other nodes read too (a ``Gather`` of a tied embedding) keeps its value for them: the adapted nodes
+    read a merged copy ``<weight>.merged`` ``[in, out]`` instead.
 
     A quantized base (``DequantizeLinear`` of integers) cannot take the sum in its integers without rounding it
-    away, so its adapted nodes read a new float initializer ``<weight>.merged`` = the dequantized weight (computed
-    by onnxruntime's own ``DequantizeLinear``) plus the update; the integer weight stays for the nodes that still
-    read it (dropped when no node does). Raises :class:`RevgraphError` for a graph without adapters."""
+    away, so its adapted nodes read a new float initializer ``<weight>.merged`` ``[in, out]`` = the dequantized
+    weight (computed by onnxruntime's own ``DequantizeLinear``) plus the update; the integer weight stays for the
+    nodes that still read it (dropped when no node does). The same copy is made for a weight the adapted nodes
+    read in both orientations (directly and through a ``Transpose``). Raises :class:`RevgraphError` for a graph without adapters."""
     found = config(graph)
     if found is None:
         raise RevgraphError("the model has no LoRA adapters (no metadata 'revgraph.lora') to merge")
@@ -300,19 +306,47 @@ def merge_adapters(graph: Graph) -> Graph:
                 n.outputs[0] = rename[n.outputs[0]]
                 sites.append(n)
         weight = adapter["weight"]
-        if not adapter["quantized"]:
-            w = np.asarray(g.initializers[weight])
-            g.initializers[weight] = (w + (delta.T if adapter["transposed"] else delta)).astype(w.dtype)
+        producer = {o: n for n in g.nodes for o in n.outputs if o}
+        # each site's orientation: is the weight stored [out, in] for it (Gemm's transB, a Transpose before it)?
+        flipped = {}
+        for n in sites:
+            via = producer.get(n.inputs[1])
+            flipped[id(n)] = bool(n.op_type == "Gemm" and n.attrs.get("transB", 0)) != bool(
+                via is not None and via.op_type == "Transpose")
+        if adapter["quantized"]:
+            w = _dequantize(g, sites[0].inputs[1])
         else:
-            merged = fresh_name(f"{weight}.merged", used)
-            dq = _dequantize(g, sites[0].inputs[1])
-            g.initializers[merged] = (dq + (delta.T if adapter["transposed"] else delta)).astype(dq.dtype)
+            w = np.asarray(g.initializers[weight])
+        if not adapter["quantized"] and len(set(flipped.values())) == 1 and not _other_readers(g, weight, sites):
+            g.initializers[weight] = (w + (delta.T if adapter["transposed"] else delta)).astype(w.dtype)
+        else:  # integers, other readers (a tied embedding) or both orientations: the sites read merged copies
+            copies: dict[bool, str] = {}
             for n in sites:
-                n.inputs[1] = merged
+                t = flipped[id(n)]
+                if t not in copies:
+                    copies[t] = fresh_name(f"{weight}.merged", used)
+                    g.initializers[copies[t]] = ((w.T if t else w) + delta).astype(w.dtype)  # [in, out]
+                n.inputs[1] = copies[t]  # read as [in, out], past any Transpose
+                if n.op_type == "Gemm":
+                    n.attrs["transB"] = 0
         del g.initializers[adapter["A"]], g.initializers[adapter["B"]]
-    _drop_dead_dequantize(g)
+    _drop_dead_weight_nodes(g)
     del g.metadata[KEY]
     return g
+
+
+def _other_readers(g: Graph, weight: str, sites: list[Node]) -> bool:
+    """Does anything but ``sites`` (directly, or through a ``Transpose`` only they read) read ``weight``?"""
+    mine = {id(n) for n in sites}
+    via = {n.inputs[1] for n in sites}
+    for _, n in g.walk():
+        if id(n) in mine:
+            continue
+        if weight in n.inputs and not (n.op_type == "Transpose" and n.outputs[0] in via):
+            return True
+        if via & set(n.inputs) - {weight}:
+            return True
+    return weight in g.output_names or bool(via & set(g.output_names))
 
 
 def _dequantize(g: Graph, value: str) -> np.ndarray:
@@ -330,10 +364,11 @@ def _dequantize(g: Graph, value: str) -> np.ndarray:
     return np.asarray(Session(small).run({}, [value])[value])
 
 
-def _drop_dead_dequantize(g: Graph) -> None:
-    """Remove ``DequantizeLinear`` nodes whose output nothing reads any more, and initializers nothing reads."""
+def _drop_dead_weight_nodes(g: Graph) -> None:
+    """Remove the ``DequantizeLinear`` and ``Transpose`` nodes whose output nothing reads any more (the merged
+    sites read a copy instead), then the initializers nothing reads."""
     read = {i for _, n in g.walk() for i in n.inputs} | set(g.output_names)
-    g.nodes = [n for n in g.nodes if not (n.op_type == "DequantizeLinear" and n.outputs[0] not in read)]
+    g.nodes = [n for n in g.nodes if not (n.op_type in ("DequantizeLinear", "Transpose") and n.outputs[0] not in read)]
     read = {i for _, n in g.walk() for i in n.inputs} | set(g.output_names)
     for k in [k for k in g.initializers if k not in read]:
         del g.initializers[k]
