@@ -438,3 +438,16 @@ def test_a_shared_weight_gets_one_adapter_and_a_tied_reader_keeps_the_base_value
     merged = lora.merge_adapters(a)
     assert np.array_equal(merged.initializers["W"], inits["W"]) and "W.merged" in merged.initializers
     np.testing.assert_allclose(run(merged, x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_cli_lora_data_parallel_equals_one_process(files, capsys):
+    """--lora under --nproc 2 (gloo) trains the adapters of one process with the same global batch."""
+    t = files
+    common = ["train", str(t / "base.onnx"), "--data", str(t / "d.npz"), "--loss", "mse", "--epochs", "2", "--lora", "4"]
+    assert main([*common, "--batch-size", "4", "--nproc", "2", "-o", str(t / "dp.onnx")]) == 0
+    assert main([*common, "--batch-size", "8", "-o", str(t / "one.onnx")]) == 0
+    dp, one = rg.load(t / "dp.onnx"), rg.load(t / "one.onnx")
+    assert lora.config(dp) == lora.config(one)
+    for k in lora.adapter_names(one):
+        np.testing.assert_allclose(dp.initializers[k], one.initializers[k], rtol=2e-5, atol=1e-7)
