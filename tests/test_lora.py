@@ -451,3 +451,52 @@ def test_cli_lora_data_parallel_equals_one_process(files, capsys):
     assert lora.config(dp) == lora.config(one)
     for k in lora.adapter_names(one):
         np.testing.assert_allclose(dp.initializers[k], one.initializers[k], rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["uint8 per-axis", "int4 blocked", "int8 Gemm transB"])
+def test_quantized_bases_against_pytorch(kind):
+    """QLoRA-style: adapters over DequantizeLinear of uint8 (per-output-column scales and zero points), int4
+    (blocked scales, opset 21) and int8 read by Gemm(transB=1); gradients of A and B and the merged model against
+    PEFT-style layers over the dequantized weight computed here."""
+    rng = np.random.default_rng(11)
+    if kind == "uint8 per-axis":
+        q = rng.integers(0, 256, (12, 6))
+        s, z = rng.uniform(0.005, 0.02, 6).astype(F32), rng.integers(100, 150, 6)
+        tensors = [h.make_tensor("q", T.UINT8, (12, 6), q.flatten().tolist()), nh.from_array(s, "s"),
+                   h.make_tensor("z", T.UINT8, (6,), z.tolist())]
+        dq = h.make_node("DequantizeLinear", ["q", "s", "z"], ["w"], axis=1, name="dq")
+        w = (q - z) * s.astype(np.float64)
+    elif kind == "int4 blocked":
+        q = rng.integers(-8, 8, (12, 6))
+        s = rng.uniform(0.01, 0.05, (2, 6)).astype(F32)  # a scale per block of 6 rows and column
+        tensors = [h.make_tensor("q", T.INT4, (12, 6), q.flatten().tolist()), nh.from_array(s, "s")]
+        dq = h.make_node("DequantizeLinear", ["q", "s"], ["w"], axis=0, block_size=6, name="dq")
+        w = q * np.repeat(s.astype(np.float64), 6, axis=0)
+    else:
+        q = rng.integers(-128, 128, (6, 12))  # [out, in], read with transB=1
+        tensors = [h.make_tensor("q", T.INT8, (6, 12), q.flatten().tolist()), nh.from_array(np.array(0.01, F32), "s")]
+        dq = h.make_node("DequantizeLinear", ["q", "s"], ["w"], name="dq")
+        w = (q * 0.01).T
+    op = h.make_node("Gemm", ["x", "w"], ["y"], transB=1, name="mm") if kind.endswith("transB") else \
+        h.make_node("MatMul", ["x", "w"], ["y"], name="mm")
+    graph = h.make_graph([dq, op], "q", [h.make_tensor_value_info("x", T.FLOAT, [5, 12])],
+                         [h.make_tensor_value_info("y", T.FLOAT, [5, 6])], tensors)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21)])
+    model.ir_version = 10
+    g = random_b(lora.add_adapters(rg.load(model), 3, alpha=6.0))
+    (ad,) = lora.config(g)["adapters"]
+    assert ad["quantized"] and ad["weight"] == "q" and (ad["in"], ad["out"]) == (12, 6)
+    x, R = rng.normal(0, 1, (5, 12)).astype(F32), rng.normal(0, 1, (5, 6)).astype(F32)
+    layer = LoraLinear(w.T, None, g.initializers[ad["A"]], g.initializers[ad["B"]], 2.0)
+    y = layer(torch.as_tensor(x, dtype=torch.float64))
+    (y * torch.as_tensor(R, dtype=torch.float64)).sum().backward()
+    lg = g.copy()
+    lg.nodes += [Node("Mul", ["y", "R"], ["yr"], name="lm"), Node("ReduceSum", ["yr"], ["loss"], {"keepdims": 0},
+                                                                  name="ls")]
+    lg.inputs.append(ValueInfo("R", F32, (5, 6)))
+    lg.outputs = [ValueInfo("loss", F32, ())]
+    got = rg.Session(rg.gradient(lg, "loss", [ad["A"], ad["B"]])).run({"x": x, "R": R})
+    np.testing.assert_allclose(got[ad["A"] + "_grad"], layer.lora_A.weight.grad.numpy().T, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got[ad["B"] + "_grad"], layer.lora_B.weight.grad.numpy().T, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(run(g, x), y.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run(lora.merge_adapters(g), x), y.detach().numpy(), rtol=1e-5, atol=1e-5)
