@@ -432,7 +432,10 @@ def test_a_shared_weight_gets_one_adapter_and_a_tied_reader_keeps_the_base_value
     x = rng.normal(0, 1, (3, 8)).astype(F32)
     A, B = a.initializers[ad["A"]].astype(np.float64), a.initializers[ad["B"]].astype(np.float64)
     W = inits["W"].astype(np.float64)
-    lin = lambda v, w: v @ w + 1.0 * (v @ A) @ B  # noqa: E731  (PEFT's forward, alpha = r)
+
+    def lin(v, w):  # PEFT's forward with alpha = r (scaling 1)
+        return v @ w + (v @ A) @ B
+
     want = lin(lin(x, W), W.T) + W[2]
     np.testing.assert_allclose(run(a, x), want, rtol=1e-5, atol=1e-5)
     merged = lora.merge_adapters(a)

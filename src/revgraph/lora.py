@@ -32,6 +32,7 @@ import fnmatch
 import json
 import math
 import os
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -460,7 +461,7 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]
         with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as z:
             names = {str(n): str(m) for m, n in z[NAMES]} if NAMES in z.files else {k: k for k in z.files}
             arrays = {n: np.asarray(z[m]) for n, m in names.items()}
-    except Exception as exc:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         raise RevgraphError(f"{str(path)!r} is not a readable .npz file of adapters ({type(exc).__name__})") from None
     if KEY not in arrays:
         raise RevgraphError(f"{str(path)!r} holds no LoRA configuration (member {KEY!r}); write it with revgraph "
