@@ -14,6 +14,7 @@ from .runtime import Session
 from .runtime_options import RuntimeOptions
 from .ssa import analyze as analyze_ssa
 from .ssa import is_ssa, to_ssa
+from . import lora  # noqa: F401  (rg.lora.add_adapters, merge_adapters, extract, apply)
 from .trainer import Trainer  # noqa: F401  (rg.Trainer: training with the graphs of revgraph.train)
 from .version import __version__ as __version__
 

@@ -18,6 +18,7 @@ from .check import NOT_CHECKED, check_gradients
 from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers
 from .cli_io import check_command_outputs, err, out, read_npz, write_npz
+from .cli_lora import add_lora_parser, cmd_lora
 from .cli_train import add_runtime_arguments, add_train_parser, cmd_train, runtime_from_args
 from .cli_write import (
     MEMORY_HELP,
@@ -134,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--checkpoint", metavar=POLICIES, help="with --grad: loop residual policy")
 
     add_train_parser(sub, _seed, MEMORY_HELP)
+    add_lora_parser(sub)
 
     demo = sub.add_parser("demo", help="train a recurrent classifier (ONNX Loop) and an MLP on scikit-learn's digits")
     demo.add_argument("-o", "--output", metavar="DIR", default="revgraph-demo",
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         commands = {"info": cmd_info, "run": cmd_run, "grad": cmd_grad, "check": cmd_check, "train": cmd_train,
-                    "demo": cmd_demo, "show": cmd_show, **FORWARD_COMMANDS}
+                    "demo": cmd_demo, "show": cmd_show, "lora": cmd_lora, **FORWARD_COMMANDS}
         return _dispatch(commands[args.command], args)
     except RevgraphError as exc:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)

@@ -14,6 +14,7 @@ from .cli_exchange import add_exchange_arguments, check_exchange_arguments, prof
 from .cli_io import check_command_outputs, err, out
 from .cli_lossdata import input_paths, loss_options, read_data, read_static
 from .cli_schedules import add_schedule_arguments, decay_line, schedule_settings
+from .cli_lora import add_lora_arguments, export_trained, lora_model, selection_line, written
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
@@ -77,6 +78,7 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
     add_exchange_arguments(train)
     add_schedule_arguments(train)
     add_precision_arguments(train)  # --precision and the fp16 loss scaling (revgraph.precision)
+    add_lora_arguments(train)
     return train
 
 
@@ -177,7 +179,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
                          **schedule_settings(args))
     precision = precision_from_args(args)
-    g = load(args.model)
+    g, selected = lora_model(args, load(args.model))  # LoRA adapters, --train/--freeze: checked before training
     if budget is not None:  # symbolic first dimensions of the inputs are the batch: --batch-size of them
         dims = {vi.shape[0]: args.batch_size for vi in g.inputs
                 if vi.shape and isinstance(vi.shape[0], str) and vi.name not in static}  # (static: fed whole)
@@ -188,13 +190,15 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
                           memory=budget, shard=args.shard, sync_batchnorm=args.sync_batchnorm,
                           timeout=args.timeout, loss_options=loss_options(args), precision=precision,
-                          **trainer_arguments(args))
+                          **selected, **trainer_arguments(args))
     if trainer.comm:
         _agree(trainer, args)
     main = trainer.is_main  # only rank 0 prints and writes files
     console = out if main else Console(quiet=True)
     for w in caught if main else []:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
+    if selection_line(args, trainer):
+        console.print(selection_line(args, trainer), soft_wrap=True, markup=False)
     if budget is not None:
         console.print(f"memory: {trainer.spec.graph.memory_plan.summary()}", soft_wrap=True, markup=False)
     if decay_line(trainer):
@@ -229,7 +233,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     after = trainer.evaluate(data, static=static)
     evaluated = trainer.evaluate(test, static=static) if test is not None else None
     if main:
-        trainer.export(args.output)
+        export_trained(trainer, args)
         if args.save_training_graph:
             trainer.save_training_graph(args.save_training_graph)
 
@@ -249,7 +253,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     if profile_line(trainer):
         console.print(profile_line(trainer), soft_wrap=True, markup=False)
     saved = f"; training graph: {args.save_training_graph}" if args.save_training_graph else ""
-    console.print(f"wrote {args.output} (trained weights as initializers){saved}", soft_wrap=True, markup=False)
+    console.print(f"wrote {args.output} ({written(args, trainer)}){saved}", soft_wrap=True, markup=False)
     if trainer.comm:
         trainer.comm.close()
     return 0

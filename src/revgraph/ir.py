@@ -160,6 +160,10 @@ class Graph:
     #: What the memory planner chose for this gradient graph (``revgraph.autodiff.memory.MemoryPlan``: saved
     #: bytes before and after, recomputed FLOPs), set by ``revgraph.gradient``; not kept by :meth:`copy`.
     memory_plan: Any = field(default=None, compare=False, repr=False)
+    #: Key-value text of the model (ONNX ``ModelProto.metadata_props``), kept by :meth:`copy` and round-tripped by
+    #: :func:`revgraph.load` / :func:`revgraph.save`; revgraph's own keys start with ``"revgraph."`` (the LoRA
+    #: configuration: ``"revgraph.lora"``, :mod:`revgraph.lora`). Meaningful on the top-level graph.
+    metadata: dict[str, str] = field(default_factory=dict)
 
     @property
     def opset(self) -> int:
@@ -281,6 +285,7 @@ def _copy_graph(g: Graph) -> Graph:
         opsets=dict(g.opsets),
         doc_string=g.doc_string,
         source_opset=g.source_opset,
+        metadata=dict(g.metadata),
     )
 
 

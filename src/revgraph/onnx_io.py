@@ -28,6 +28,7 @@ from . import limits
 from .atomic import atomic_path
 from .errors import GraphError, RevgraphError, UnsupportedModelError
 from .ir import NEWEST_OPSET, TARGET_OPSET, Graph, Node, ValueInfo, gc_paused, require_graph
+from .portable import identity_dropouts
 from .reading import (  # noqa: F401  (read_model, converter_error: API of this module)
     check_graph_proto,
     check_loop_signatures,
@@ -168,6 +169,7 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
         group_norm_per_channel(result)
     _name_nodes(result)
     result.source_opset = original
+    result.metadata = {p.key: p.value for p in model.metadata_props}
     result.check()
     return result
 
@@ -460,8 +462,6 @@ def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
     ``Identity`` (:func:`revgraph.portable.identity_dropouts`: some runtimes refuse training-mode Dropout).
     """
     require_graph(graph, "to_onnx")
-    from .portable import identity_dropouts  # (portable imports types, which imports this module)
-
     graph = identity_dropouts(graph)
     with gc_paused():
         return _ssa_to_onnx(graph if is_ssa(graph) else to_ssa(graph), producer)
@@ -472,6 +472,8 @@ def _ssa_to_onnx(graph: Graph, producer: str = "revgraph") -> onnx.ModelProto:
     opset_imports = [helper.make_opsetid(d, v) for d, v in sorted(graph.opsets.items())]
     model = helper.make_model(graph_to_proto(graph), opset_imports=opset_imports, producer_name=producer)
     model.producer_version = __version__
+    if graph.metadata:
+        helper.set_model_props(model, dict(graph.metadata))
     model.ir_version = max(4, helper.find_min_ir_version_for(opset_imports, ignore_unknown=True))
     if any(not o.type.tensor_type.elem_type for o in model.graph.output if o.type.HasField("tensor_type")):
         _fill_output_types(model)

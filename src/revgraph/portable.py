@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .constants import constant_value
 from .ir import Graph, Node, fresh_name
-from .types import constant_value
 
 
 def _constants(graph: Graph, outer: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -200,4 +200,5 @@ def _rename(graph: Graph, outer: ChainMap, used: set[str]) -> Graph:
                 value_info[new] = ValueInfo(new, vi.dtype, vi.shape, vi.kind)
         nodes.append(Node(node.op_type, ins, outs, attrs, node.name, node.domain))
     outputs = [ValueInfo(env.get(v.name, v.name), v.dtype, v.shape, v.kind) for v in graph.outputs]
-    return Graph(nodes, inputs, outputs, initializers, value_info, graph.name, dict(graph.opsets), graph.doc_string)
+    return Graph(nodes, inputs, outputs, initializers, value_info, graph.name, dict(graph.opsets), graph.doc_string,
+                 metadata=dict(graph.metadata))

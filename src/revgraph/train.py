@@ -32,7 +32,6 @@ import onnx
 
 from .autodiff.api import gradient
 from .autodiff.policies import CheckpointPolicy
-from .errors import RevgraphError
 from .graphbuild import Builder, name_outputs
 from .ir import Graph, ValueInfo
 from .losses import LOSSES, LossSpec, loss_graph, resolve_output
@@ -63,20 +62,13 @@ __all__ = ["GROUP_ELEMENTS", "LOSSES", "OPTIMIZERS", "SCHEDULES", "LossSpec", "O
            "split_step", "trainable", "training_graph"]
 
 
-def trainable(model: Graph, params: Iterable[str] | None = None) -> list[str]:
-    """The parameters: ``params``, checked, or every floating-point initializer in declaration order."""
-    if params is None:
-        names = [k for k, a in model.initializers.items() if np.asarray(a).dtype.kind == "f"]
-        if not names:
-            raise RevgraphError("the model has no floating-point initializers to train")
-        return names
-    names = list(dict.fromkeys(params))
-    for p in names:
-        if p not in model.initializers:
-            raise RevgraphError(f"{p!r} is not an initializer of the model; parameters are its initializers")
-        if np.asarray(model.initializers[p]).dtype.kind != "f":
-            raise RevgraphError(f"parameter {p!r} is {np.asarray(model.initializers[p]).dtype}; only floats train")
-    return names
+def trainable(model: Graph, params: Iterable[str] | None = None, freeze: Iterable[str] | None = None) -> list[str]:
+    """The parameters: ``params`` (names or fnmatch globs over initializer names), or by default the LoRA
+    adapters of a model that has them, else every floating-point initializer; less those ``freeze`` names, in
+    declaration order. See :func:`revgraph.selection.select` (the errors it raises)."""
+    from .selection import select
+
+    return select(model, params, freeze)
 
 
 def params_as_inputs(g: Graph, params: list[str]) -> None:
@@ -170,7 +162,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
                    optimizer: Optimizer | str = "adam", *, output: str | None = None,
                    params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store",
                    memory=None, loss_seed: bool = False, loss_options: dict | None = None,
-                   precision=None) -> TrainingGraph:
+                   precision=None, freeze: Iterable[str] | None = None) -> TrainingGraph:
     """The training-step graph of ``model`` (module doc): loss, gradients, optimizer update, as ONNX nodes.
 
     ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES` (``"output:NAME"``
@@ -188,7 +180,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     model = model if isinstance(model, Graph) else load(model)
     opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
     model = model if is_ssa(model) else to_ssa(model)
-    names = trainable(model, params)
+    names = trainable(model, params, freeze)
     prec = make_precision(precision)
     lg, spec = loss_graph(autocast(model, prec)[0], loss, output=output, **(loss_options or {}))
     params_as_inputs(lg, names)

@@ -55,7 +55,9 @@ class Trainer:
     and ``loss_options`` its options (``ignore_index``, ``label_smoothing``, ``class_weights``, ``labels_from``;
     :func:`revgraph.losses.loss_graph`); ``optimizer`` an :class:`revgraph.train.Optimizer` or a name (``"sgd"``,
     ``"adam"``, ``"adamw"`` with PyTorch's defaults). ``output`` picks the model output the loss reads (default:
-    the only one), ``params`` the initializers to train (default: every floating-point one). ``threads`` is
+    the only one), ``params`` the initializers to train (names or fnmatch globs; default: the LoRA adapters
+    of a model that has them, :mod:`revgraph.lora`, else every floating-point one) and ``freeze`` globs of
+    initializers not to train (:func:`revgraph.train.trainable`). ``threads`` is
     onnxruntime's intra-op thread count (0: its default). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``
     (:mod:`revgraph.devices`). ``runtime``: onnxruntime's memory settings (:class:`revgraph.RuntimeOptions`;
     a setting left ``None`` takes :data:`revgraph.runtime_options.TRAINING_DEFAULT`: memory pattern off, arena
@@ -111,7 +113,8 @@ class Trainer:
                  memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
                  profile: bool = False, shard: str = "none",
                  sync_batchnorm: bool = False, timeout: float | None = None, loss_options: dict | None = None,
-                 schedule=None, clip_grad_norm: float | None = None, no_decay=None, precision="fp32"):
+                 schedule=None, clip_grad_norm: float | None = None, no_decay=None, precision="fp32",
+                 freeze: Iterable[str] | None = None):
         if buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
         cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
@@ -157,7 +160,7 @@ class Trainer:
                               schedule=schedule, clip_grad_norm=clip_grad_norm, no_decay=no_decay)
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
                                                   checkpoint=checkpoint, memory=memory, loss_seed=bool(synced),
-                                                  loss_options=loss_options, precision=precision)
+                                                  loss_options=loss_options, precision=precision, freeze=freeze)
         check_combination(precision, self.device.kind, self.spec.graph)
         if self.comm:
             o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights

@@ -19,6 +19,7 @@ from onnx import helper, numpy_helper
 from . import fastshape, limits
 from .errors import UnsupportedModelError
 from .ir import Graph, Node, ValueInfo, is_float_dtype
+from .constants import constant_value, sparse_to_dense  # noqa: F401  (API of this module)
 from .onnx_io import attr_to_proto, light_graph, to_onnx, value_info_from_proto, value_info_to_proto
 from .schema import get_schema
 
@@ -98,46 +99,6 @@ def _declared(graph: Graph) -> dict[str, ValueInfo]:
     types.update((k, ValueInfo(k, a.dtype, a.shape)) for k, a in graph.initializers.items())
     types.update((vi.name, vi) for vi in graph.inputs)
     return types
-
-
-def constant_value(node: Node, dense_limit: int = 1 << 16) -> np.ndarray | None:
-    """The value of a default-domain ``Constant`` node in any of its forms (ONNX "Constant": ``value``,
-    ``value_float``, ``value_floats``, ``value_int``, ``value_ints``, ``value_string``, ``value_strings``,
-    ``sparse_value``); ``None`` for another node, or a sparse value of more than ``dense_limit`` elements
-    (made dense only when small: a file may describe a huge sparse constant)."""
-    if node.op_type != "Constant" or node.domain or not node.attrs:
-        return None
-    key, v = next(iter(node.attrs.items()))
-    if key == "value" and isinstance(v, np.ndarray):
-        return v
-    if key in ("value_float", "value_floats"):
-        return np.asarray(v, dtype=np.float32)
-    if key in ("value_int", "value_ints"):
-        return np.asarray(v, dtype=np.int64)
-    if key in ("value_string", "value_strings"):
-        return np.asarray(v, dtype=object)
-    if key == "sparse_value" and isinstance(v, onnx.AttributeProto) and v.type == onnx.AttributeProto.SPARSE_TENSOR:
-        return sparse_to_dense(v.sparse_tensor, dense_limit)
-    return None
-
-
-def sparse_to_dense(sp: onnx.SparseTensorProto, dense_limit: int) -> np.ndarray | None:
-    """The dense array of a ``SparseTensorProto`` (ONNX IR: ``indices`` are ``[NNZ]`` linear indices or
-    ``[NNZ, rank]`` coordinates into ``dims``), or ``None`` when it has more than ``dense_limit`` elements or
-    does not hold together."""
-    dims = tuple(int(d) for d in sp.dims)
-    if any(d < 0 for d in dims) or math.prod(dims) > dense_limit:
-        return None
-    try:
-        values = numpy_helper.to_array(sp.values).reshape(-1)
-        indices = numpy_helper.to_array(sp.indices).astype(np.int64)
-        dense = np.zeros(math.prod(dims), dtype=values.dtype)
-        if indices.ndim == 2:
-            indices = np.ravel_multi_index(tuple(indices.T), dims) if indices.size else indices.reshape(-1)
-        dense[indices.reshape(-1)] = values
-        return dense.reshape(dims)
-    except Exception:  # a malformed sparse tensor: its value is not known
-        return None
 
 
 def constant_values(graph: Graph, types: Mapping[str, ValueInfo] | None = None) -> dict[str, np.ndarray]:

@@ -1,0 +1,110 @@
+"""LoRA on a LLaMA exported by examples/llama_lora/export.py (transformers.LlamaConfig, torch.onnx.export dynamo):
+the adapters land on q/k/v/o/gate/up/down, and their gradients through the exported graph equal torch autograd
+on the same LLaMA with PEFT-style LoRA layers (tests/test_lora.py's LoraLinear) swapped in."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_lora import LoraLinear
+
+import revgraph as rg
+from revgraph import lora
+from revgraph.ir import Node, ValueInfo
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "llama_lora" / "export.py"
+F32 = np.float32
+
+
+def example():
+    spec = importlib.util.spec_from_file_location("llama_lora_export", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def peft_llama(ex, config: dict, adapted: rg.Graph):
+    """The LLaMA of ``config`` in float64 with the ONNX model's weights, each adapted ``nn.Linear`` replaced by a
+    PEFT-style LoRA layer holding the graph's ``A`` and ``B``."""
+    m = ex.logits_model(ex.llama_config(**config)).double()
+    state = {k: torch.as_tensor(np.asarray(adapted.initializers[k], np.float64)) for k in m.state_dict()
+             if k in adapted.initializers}
+    missing = set(dict(m.named_parameters())) - set(state)
+    assert not missing, missing  # every parameter of the PyTorch model is an initializer of the ONNX one
+    m.load_state_dict(state, strict=False)
+    c = lora.config(adapted)
+    layers = {}
+    for a in c["adapters"]:
+        path = a["weight"].removesuffix(".weight").split(".")
+        parent = m.get_submodule(".".join(path[:-1]))
+        linear = getattr(parent, path[-1])
+        layer = LoraLinear(linear.weight.detach().numpy(), None if linear.bias is None else linear.bias.detach().numpy(),
+                           adapted.initializers[a["A"]], adapted.initializers[a["B"]], c["scaling"])
+        setattr(parent, path[-1], layer)
+        layers[a["weight"]] = layer
+    return m, layers
+
+
+def check_llama(directory: Path, config: dict, rank: int, alpha: float, length: int):
+    """Adapters on the 7 projections of every layer (and lm_head too by default); their gradients for
+    loss = sum(logits * R) equal torch autograd's."""
+    ex = example()
+    g = rg.load(directory / "llama.onnx")
+    layers = config["num_hidden_layers"]
+    every = [a["weight"] for a in lora.config(lora.add_adapters(g, rank))["adapters"]]
+    want = [f"model.layers.{i}.{'self_attn' if p in ex.PROJECTIONS[:4] else 'mlp'}.{p}.weight"
+            for i in range(layers) for p in ex.PROJECTIONS]
+    assert every == [*want, "lm_head.weight"]
+    adapted = lora.add_adapters(g, rank, alpha=alpha, targets=[f"*{p}*" for p in ex.PROJECTIONS])
+    assert [a["weight"] for a in lora.config(adapted)["adapters"]] == want
+    rng = np.random.default_rng(0)
+    for a in lora.config(adapted)["adapters"]:  # B = 0 would make every gradient of A zero
+        adapted.initializers[a["B"]] = rng.normal(0, 0.2, adapted.initializers[a["B"]].shape).astype(F32)
+    ids = rng.integers(0, config["vocab_size"], (2, length)).astype(np.int64)
+    R = rng.normal(0, 1, (2, length, config["vocab_size"])).astype(F32)
+    lg = adapted.copy()
+    lg.nodes += [Node("Mul", ["logits", "R"], ["lr"], name="loss/mul"),
+                 Node("ReduceSum", ["lr"], ["loss"], {"keepdims": 0}, name="loss/sum")]
+    lg.inputs.append(ValueInfo("R", F32, R.shape))
+    lg.outputs = [ValueInfo("loss", F32, ())]
+    names = lora.adapter_names(adapted)
+    got = rg.Session(rg.gradient(lg, "loss", names)).run({"input_ids": ids, "R": R})
+    m, peft = peft_llama(ex, config, adapted)
+    logits = m(torch.as_tensor(ids))
+    loss = (logits * torch.as_tensor(R, dtype=torch.float64)).sum()
+    loss.backward()
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-4, atol=1e-3)
+    for a in lora.config(adapted)["adapters"]:
+        layer = peft[a["weight"]]
+        for key, ref in (("A", layer.lora_A.weight.grad), ("B", layer.lora_B.weight.grad)):
+            ref = ref.numpy().T
+            np.testing.assert_allclose(got[a[key] + "_grad"], ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max(),
+                                       err_msg=a[key])
+    before = rg.Session(g).run({"input_ids": ids})["logits"]  # the adapted model, B = 0, is the base model
+    np.testing.assert_allclose(rg.Session(lora.add_adapters(g, rank)).run({"input_ids": ids})["logits"], before,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_a_tiny_exported_llama(tmp_path):
+    ex = example()
+    config = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
+    ex.export(ex.logits_model(ex.llama_config(**config)), tmp_path / "llama.onnx", example_length=8)
+    check_llama(tmp_path, config, rank=4, alpha=8.0, length=8)
+
+
+@pytest.mark.slow
+def test_the_walkthrough_llama(tmp_path):
+    """examples/llama_lora/export.py as the README runs it (hidden 64, 2 layers, vocabulary 256)."""
+    subprocess.run([sys.executable, str(EXAMPLE), "-o", str(tmp_path)], check=True, timeout=900, capture_output=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    ids = np.load(tmp_path / "tokens.npz")["input_ids"]
+    assert ids.dtype == np.int64 and ids.shape == (256, 32) and 0 <= ids.min() and ids.max() < config["vocab_size"]
+    check_llama(tmp_path, config, rank=8, alpha=16.0, length=32)
