@@ -108,3 +108,55 @@ def test_the_walkthrough_llama(tmp_path):
     ids = np.load(tmp_path / "tokens.npz")["input_ids"]
     assert ids.dtype == np.int64 and ids.shape == (256, 32) and 0 <= ids.min() and ids.max() < config["vocab_size"]
     check_llama(tmp_path, config, rank=8, alpha=16.0, length=32)
+
+
+def _walkthrough_commands() -> list[str]:
+    """The bash block of README's "Fine-tuning a language model with LoRA, end to end" (after its marker)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = text.split("<!-- llm-walkthrough -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_the_readme_llm_walkthrough_runs_as_printed(tmp_path):
+    """The README's LLaMA walkthrough, command by command as printed (exit 0 each): the loss before training is
+    transformers' own causal-LM loss of the same weights (``LlamaForCausalLM(..., labels=input_ids).loss``, the
+    mean cross-entropy of every next token), the trained adapters lower it, only adapters changed, and the merged
+    model's logits equal the adapted model's."""
+    import onnxruntime as ort
+    from transformers import LlamaForCausalLM
+
+    repo = Path(__file__).resolve().parent.parent
+    printed = []
+    for line in _walkthrough_commands():
+        argv = line.split()
+        argv = [sys.executable, str(repo / argv[1]), *argv[2:]] if argv[0] == "python" else \
+            [sys.executable, "-m", "revgraph", *argv[1:]]
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (line, done.stderr[-2000:])
+        printed += done.stdout.splitlines()
+    before = next(line for line in printed if line.startswith("training data"))
+    loss_before = float(before.split("loss ")[1].split(",")[0])
+    loss_after = float(before.split("loss ")[2].split(",")[0])
+    d = tmp_path / "llama"
+    config = json.loads((d / "config.json").read_text())
+    base = rg.load(d / "llama.onnx")
+    ex = example()
+    hf = LlamaForCausalLM(ex.llama_config(**config)).double().eval()
+    hf.load_state_dict({k: torch.as_tensor(np.asarray(base.initializers[k], np.float64))
+                        for k in hf.state_dict() if k in base.initializers}, strict=False)
+    ids = torch.as_tensor(np.load(d / "tokens.npz")["input_ids"])
+    with torch.no_grad():
+        reference = float(hf(input_ids=ids, labels=ids, use_cache=False).loss)
+    assert abs(loss_before - reference) <= 5e-4 * reference, (loss_before, reference)  # (printed to 4 digits)
+    assert loss_after < 0.5 * loss_before
+    trained = rg.load(d / "llama.lora.onnx")
+    names = set(lora.adapter_names(trained))
+    for k, a in base.initializers.items():  # the base is frozen: every base tensor is unchanged
+        assert np.array_equal(np.asarray(trained.initializers[k]), np.asarray(a)), k
+    assert names and not names & set(base.initializers)
+    runs = []
+    for f in ("llama.lora.onnx", "llama.merged.onnx"):
+        s = ort.InferenceSession(str(d / f), providers=["CPUExecutionProvider"])
+        runs.append(s.run(None, {"input_ids": ids[:8].numpy()})[0])
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-4, atol=1e-4 * np.abs(runs[0]).max())
