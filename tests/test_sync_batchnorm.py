@@ -95,6 +95,19 @@ def test_revgraph_train_warns_without_sync_batchnorm_and_matches_one_process_wit
         np.testing.assert_allclose(two[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
 
 
+def test_sync_batchnorm_refuses_a_loss_that_counts_targets(tmp_path):
+    """A rank whose rows count no target (ignore_index, class weights) has weight 0 and is skipped, so its rows
+    would be missing from the synchronized statistics: `--nproc 2 --sync-batchnorm --ignore-index` stops before
+    training with one line, exit 2, nothing written."""
+    out = tmp_path / "synced.onnx"
+    r = _run([*_cli_command(tmp_path), "--batch-size", str(BATCH), "--nproc", "2", "--sync-batchnorm",
+              "--ignore-index", "0", "-o", str(out)], check=False)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert any("does not combine with a loss that counts targets" in line for line in lines), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not out.exists()
+
+
 @pytest.mark.parametrize("nproc", [pytest.param(2, marks=on_gpu(torch_gpus=2), id="nccl2")])
 def test_sync_batchnorm_on_nccl_matches_one_process(tmp_path, nproc):
     """`revgraph train --device cuda --nproc 2 --sync-batchnorm` (NCCL; the segments' values and the sums on the

@@ -291,6 +291,14 @@ def _cross_entropy(b: Builder, logits: str, targets: str, axis: int, dt, opts: d
     return b.op("Div", [num, safe])
 
 
+def weighs_by_targets(spec: LossSpec) -> bool:
+    """Is the loss a mean over counted targets (``ignore_index`` or class weights) rather than over samples?
+    Then a share of the batch may count nothing, and :func:`loss_weight` gives it weight 0."""
+    s = spec.settings
+    return spec.kind in ("cross-entropy", "causal-lm") and (s.get("ignore_index") is not None
+                                                           or s.get("class_weights") is not None)
+
+
 def loss_weight(spec: LossSpec, feeds: Mapping[str, np.ndarray], count: int) -> float:
     """What the loss of a batch (``feeds`` by graph input, ``count`` samples) is the mean over: ``count`` for a
     mean over samples, else the counted targets (not ``ignore_index``; the sum of their class weights). Weighting

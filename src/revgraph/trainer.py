@@ -33,15 +33,16 @@ from . import data as datasets
 from .autodiff.policies import CheckpointPolicy
 from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
+from .exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype, refused_combination
 from .ir import Graph
+from .losses import weighs_by_targets
 from .onnx_io import save
+from .optimizers import configure, make_optimizer
 from .precision import check_combination, make_precision
 from .runtime_options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
-from .exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype, refused_combination
+from .sharding import SHARDS
 from .steps import BUFFERS, make_engine
 from .steptimes import StepTimes
-from .sharding import SHARDS
-from .optimizers import configure, make_optimizer
 from .train import Optimizer, TrainingGraph, training_graph
 
 Data = Mapping[str, np.ndarray] | tuple
@@ -177,6 +178,11 @@ class Trainer:
                                  "--clip-grad-norm...) and the same data-parallel "
                                  "options (--buffers, --shard, --sync-batchnorm, --bucket-mb, --reduce-dtype, --overlap)")
         exchange = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, overlap=overlap)
+        if synced and weighs_by_targets(self.spec.loss):
+            # a rank whose rows count no target is skipped (weight 0), and its rows would then be missing
+            # from the global batch statistics that synchronized BatchNormalization all-reduces
+            raise InputError("--sync-batchnorm (sync_batchnorm=) does not combine with a loss that counts targets "
+                             "(ignore_index, class weights, causal-lm): train without one of them")
         if synced:
             self.spec.model = original  # evaluation, prediction and export use the model as given
             self.spec.inputs = list(original.input_names)  # (the rewrite's shifts are fed by the engine)
