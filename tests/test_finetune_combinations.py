@@ -1,0 +1,192 @@
+"""Issue 26's features together (each is tested alone in its own file): fp16 loss scaling with clipping and with
+a schedule (against torch.autocast + GradScaler on onnx's reference evaluator, the harness of
+tests/test_precision.py), causal-lm with padding + accumulation + schedule + clipping and ``output:NAME``
+data-parallel (2 processes against one on the same global batch), static inputs with a schedule resumed from a
+checkpoint, the saved training graph of a schedule run by the web example's feeds, and every new ``revgraph
+train`` option given a bad value."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_precision import ATOL, C, D, batches, mlp, reference_train, torch_mlp  # (tests/ is on sys.path)
+from test_schedules import hf_lambda
+
+import revgraph as rg
+from revgraph.precision import Precision
+from revgraph.schedules import Schedule
+from revgraph.train import adam, training_graph
+
+F32 = np.float32
+LR, CLIP = 1e-2, 0.5
+#: a scale too large for float16 (the first steps overflow and are skipped), growing after 3 good steps
+SCALER = {"init_scale": 2.0 ** 24, "growth_interval": 3}
+
+
+def torch_scaled(params, data, clip=None, lam=None, advance="good"):
+    """PyTorch's fp16 recipe with clipping (the documented order, torch.amp docs "Gradient clipping"):
+    ``scaler.scale(loss).backward(); scaler.unscale_(opt); clip_grad_norm_; scaler.step(opt); scaler.update()``.
+    ``lam``: a LambdaLR lambda, stepped after good steps only (``advance="good"``: what revgraph's graph does,
+    the rate follows the optimizer's step count) or after every iteration (``"every"``: the usual loop).
+    Returns parameters, losses, scales and the global norms (after unscaling, before clipping) of good steps."""
+    T = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    opt = torch.optim.Adam(T.values(), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam) if lam else None
+    gs = torch.amp.GradScaler("cpu", **SCALER)
+    losses, scales, norms = [], [], []
+    for x, y in data:
+        loss = F.cross_entropy(torch_mlp(T, torch.from_numpy(x), torch.float16), torch.from_numpy(y))
+        opt.zero_grad()
+        gs.scale(loss).backward()
+        gs.unscale_(opt)
+        norm = float(torch.nn.utils.clip_grad_norm_(list(T.values()), clip)) if clip else None
+        before = gs.get_scale()
+        gs.step(opt)
+        gs.update()
+        good = gs.get_scale() >= before
+        if good and norm is not None:
+            norms.append(norm)
+        if sched is not None and (good or advance == "every"):
+            with np.errstate(all="ignore"):
+                sched.step()
+        scales.append(gs.get_scale())
+        losses.append(loss.item())
+    return {k: v.detach().numpy() for k, v in T.items()}, losses, scales, norms
+
+
+def test_fp16_loss_scaling_with_clipping_matches_gradscaler_unscale_then_clip():
+    """The unscaling comes before the clipping (the norm is that of the true gradients), the skipped steps
+    (overflow) clip nothing and change nothing: 20 steps equal GradScaler + unscale_ + clip_grad_norm_."""
+    rng = np.random.default_rng(3)
+    model, data = mlp(rng), batches(rng, (D,))
+    opt = adam(lr=LR)
+    opt = type(opt)(**{**opt.__dict__, "clip_grad_norm": CLIP})
+    tg = training_graph(model, "cross-entropy", opt, precision=Precision("fp16", **SCALER))
+    ours, losses, scales = reference_train(tg, data)
+    theirs, t_losses, t_scales, norms = torch_scaled(model.initializers, data, clip=CLIP)
+    assert scales == t_scales
+    skipped = sum(b < a for a, b in zip([SCALER["init_scale"], *scales], scales, strict=False))
+    assert skipped >= 2 and int(ours[tg.step]) == len(data) - skipped
+    assert min(norms) > CLIP  # every good step was clipped: the clipping is in the comparison
+    np.testing.assert_allclose(losses, t_losses, rtol=0, atol=5 * ATOL["fp16"])
+    for p in tg.params:
+        np.testing.assert_allclose(ours[p], theirs[p], rtol=0, atol=5 * ATOL["fp16"], err_msg=p)
+    # clipping the scaled gradients (before unscaling) would clip by a norm 2^k too large: a different run
+    wrong = {k: v for k, v in torch_scaled(model.initializers, data, clip=CLIP * scales[-1])[0].items()}
+    assert max(np.abs(wrong[p] - theirs[p]).max() for p in tg.params) > 20 * ATOL["fp16"]
+
+
+def test_fp16_skipped_steps_do_not_advance_the_schedule():
+    """README (Mixed precision): a skipped step is not counted in ``step``, and the schedule reads ``step``, so
+    a skipped step does not advance the schedule either: equal to PyTorch with ``scheduler.step()`` after good
+    steps only, and not to the usual loop that steps the scheduler every iteration."""
+    rng = np.random.default_rng(4)
+    model, data = mlp(rng), batches(rng, (D,))
+    total, warmup = len(data), 4
+    opt = adam(lr=LR)
+    opt = type(opt)(**{**opt.__dict__, "clip_grad_norm": CLIP,
+                       "schedule": Schedule("cosine", warmup, 1e-3, total_steps=total)})
+    tg = training_graph(model, "cross-entropy", opt, precision=Precision("fp16", **SCALER))
+    ours, losses, scales = reference_train(tg, data)
+    lam = hf_lambda("cosine", warmup, total, 1e-3 / LR)
+    theirs, t_losses, t_scales, _ = torch_scaled(model.initializers, data, clip=CLIP, lam=lam)
+    assert scales == t_scales
+    skipped = sum(b < a for a, b in zip([SCALER["init_scale"], *scales], scales, strict=False))
+    assert skipped >= 2 and int(ours[tg.step]) == total - skipped  # the schedule stopped short of its end
+    assert int(ours[tg.total]) == total
+    np.testing.assert_allclose(losses, t_losses, rtol=0, atol=5 * ATOL["fp16"])
+    for p in tg.params:
+        np.testing.assert_allclose(ours[p], theirs[p], rtol=0, atol=5 * ATOL["fp16"], err_msg=p)
+    every = torch_scaled(model.initializers, data, clip=CLIP, lam=lam, advance="every")[0]
+    assert max(np.abs(every[p] - theirs[p]).max() for p in tg.params) > 20 * ATOL["fp16"]
+    assert math.isclose(opt.schedule.factor(total - skipped, total, LR), lam(total - skipped))
+
+
+# ------------------------------------------------------------------------------ the CLI, bad values
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A small MLP and its data, the static-input model with its data, a .npy directory of unequal lengths."""
+    import lossdata_models
+
+
+    t = tmp_path_factory.mktemp("bad")
+    rng = np.random.default_rng(0)
+    rg.save(mlp(rng), t / "m.onnx")
+    np.savez(t / "d.npz", x=rng.standard_normal((16, D)).astype(F32), labels=rng.integers(0, C, 16))
+    np.save(t / "w3.npy", np.ones(3, F32))  # class weights for 3 classes; the model has 5
+    rg.save(lossdata_models.static_model(), t / "s.onnx")
+    data, static = lossdata_models.static_data(16)
+    np.savez(t / "sd.npz", **data)
+    np.save(t / "adj.npy", np.eye(3, dtype=F32))  # declared [4, 4]
+    np.save(t / "gain.npy", static["gain"])
+    (t / "dir").mkdir()
+    np.save(t / "dir" / "x.npy", rng.standard_normal((16, D)).astype(F32))
+    np.save(t / "dir" / "labels.npy", rng.integers(0, C, 15))
+    return t
+
+
+BAD = {  # case: (extra arguments, a fragment of the one line)
+    "lr negative": (["--lr", "-0.1"], "learning rate must be positive (--lr"),
+    "lr nan": (["--lr", "nan"], "lr (--lr) is nan"),
+    "lr inf": (["--lr", "inf"], "lr (--lr) is inf"),
+    "min-lr negative": (["--lr-schedule", "cosine", "--min-lr", "-1"], "--min-lr must be a finite number >= 0"),
+    "min-lr nan": (["--lr-schedule", "cosine", "--min-lr", "nan"], "--min-lr must be a finite number >= 0, got nan"),
+    "min-lr above lr": (["--lr", "0.01", "--lr-schedule", "linear", "--min-lr", "0.1"], "--min-lr 0.1 is above"),
+    "warmup negative": (["--warmup-steps", "-1"], "--warmup-steps must be an integer >= 0"),
+    "clip 0": (["--clip-grad-norm", "0"], "--clip-grad-norm must be a finite number > 0"),
+    "clip -1": (["--clip-grad-norm", "-1"], "--clip-grad-norm must be a finite number > 0"),
+    "clip nan": (["--clip-grad-norm", "nan"], "--clip-grad-norm must be a finite number > 0, got nan"),
+    "label smoothing 1.5": (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1], got 1.5"),
+    "class weights length": (["--class-weights", "{t}/w3.npy"], "--class-weights holds 3 weights"),
+    "ignore-index with mse": (["--loss", "mse", "--ignore-index", "0"], "does not apply to --loss mse"),
+    "fp16 with --shard": (["--precision", "fp16", "--shard", "optimizer", "--nproc", "2"],
+                          "--precision fp16 (precision='fp16') does not combine with --shard optimizer"),
+    "override unknown": (["--override", "learning_rate", "--checkpoint-dir", "{t}/ck"],
+                         "--override learning_rate: not a recorded setting"),
+    "static shape": (["--model", "{t}/s.onnx", "--data", "{t}/sd.npz", "--static", "adj={t}/adj.npy", "--static",
+                      "gain={t}/gain.npy"], "static array 'adj' has shape [3, 3]; input 'adj' is declared float32[4,4]"),
+    "data dir unequal": (["--data", "{t}/dir"], "x 16, labels 15"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_cli_bad_values_exit_2_with_one_line_before_training(files, case, capsys):
+    """Every new option with a bad value: exit 2, one line on stderr naming it, nothing on stdout (no training
+    started), no file written (neither -o, nor the training graph, nor a checkpoint)."""
+    from revgraph.cli import main
+
+    extra, fragment = BAD[case]
+    extra = [a.format(t=files) for a in extra]
+    model = str(files / "m.onnx")
+    if "--model" in extra:
+        at = extra.index("--model")
+        model, extra = extra[at + 1], extra[:at] + extra[at + 2:]
+    args = {"--data": str(files / "d.npz"), "--loss": "cross-entropy"}
+    for k in list(args):
+        if k in extra:
+            del args[k]
+    argv = ["train", model, *(x for kv in args.items() for x in kv), "--epochs", "1", "--batch-size", "8",
+            "--save-training-graph", str(files / "g.onnx"), "-o", str(files / "o.onnx"), *extra]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in err, err
+    assert out == ""
+    assert not any((files / f).exists() for f in ("o.onnx", "g.onnx", "ck"))
+
+
+def test_cli_warmup_longer_than_the_run_warns_and_trains(files, capsys):
+    from revgraph.cli import main
+
+    argv = ["train", str(files / "m.onnx"), "--data", str(files / "d.npz"), "--loss", "cross-entropy", "--epochs", "1",
+            "--batch-size", "8", "--lr-schedule", "cosine", "--warmup-steps", "100", "-o", str(files / "w.onnx")]
+    assert main(argv) == 0
+    out, _ = capsys.readouterr()
+    first = out.splitlines()[0]
+    assert first.startswith("warning: the warmup (100 steps, --warmup-steps) is longer than the run (2 steps)"), out
+    assert (files / "w.onnx").exists()
