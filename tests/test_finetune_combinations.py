@@ -190,3 +190,105 @@ def test_cli_warmup_longer_than_the_run_warns_and_trains(files, capsys):
     first = out.splitlines()[0]
     assert first.startswith("warning: the warmup (100 steps, --warmup-steps) is longer than the run (2 steps)"), out
     assert (files / "w.onnx").exists()
+
+
+# ------------------------------------------------------------------------------ data-parallel, resuming
+
+COMBINED = {"kind": "cosine", "warmup": 3, "min_lr": 1e-3, "clip": 0.5}
+
+
+def _two_processes(tmp_path, model, optimizer, *extra):
+    pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
+    from pathlib import Path
+
+    from test_distributed import TORCHRUN, _run
+
+    worker = Path(__file__).resolve().parent / "combinations_worker.py"
+    _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(worker), "--model", model, "--optimizer", optimizer,
+          "--out", str(tmp_path), *extra])
+    return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+
+
+def _one_process(model, optimizer, accumulate=1, **how):
+    import combinations_worker  # noqa: F401 (registers the models)
+    from distributed_worker import schedule_options, trainer
+
+    tr, data = trainer(model, optimizer, 97, False, **schedule_options(**how))
+    tr.fit(data, 2, 16 // accumulate, seed=3, progress=False, accumulate_steps=accumulate)
+    return tr
+
+
+def _same(ranks, ref):
+    for name, value in {**ref.parameters, **ref.state}.items():
+        np.testing.assert_array_equal(ranks[1][name], ranks[0][name], err_msg=name)
+        np.testing.assert_allclose(ranks[0][name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+    np.testing.assert_allclose(ranks[0]["losses"], ref.losses, rtol=2e-5, atol=1e-6)
+
+
+def test_two_processes_causal_lm_padding_accumulation_cosine_clipping_equal_one(tmp_path):
+    """causal-lm on padded input ids (``ignore_index=0``: the ranks count different numbers of tokens) with 2
+    accumulated micro-batches, a cosine schedule with warmup and clipping: 2 processes x batch 4 x 2 = 1 process x
+    batch 16 (the last step of each epoch, 1 sample, leaves rank 1 and a micro-batch empty)."""
+    ranks = _two_processes(tmp_path, "lmpad", "adam", "--batch-size", "4", "--accumulate-steps", "2",
+                           "--lr-schedule", "cosine", "--warmup-steps", "3", "--min-lr", "0.001",
+                           "--clip-grad-norm", "0.5")
+    ref = _one_process("lmpad", "adam", **COMBINED)
+    assert ref.steps == 14 and ref.spec.loss.settings["ignore_index"] == 0
+    unclipped = _one_process("lmpad", "adam", **{**COMBINED, "clip": None})
+    assert not np.allclose(unclipped.losses, ref.losses, rtol=1e-3)  # the clipping is in the comparison
+    _same(ranks, ref)
+    accumulated = _one_process("lmpad", "adam", accumulate=4, **COMBINED)  # one process, 4 x 4 = 16 too
+    for name, value in ref.parameters.items():
+        np.testing.assert_allclose(accumulated.parameters[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_two_processes_output_loss_equal_one(tmp_path):
+    """``--loss output:loss`` (the model's own mean over its share of the batch) data-parallel, scheduled and
+    clipped: the ranks' losses weighted by their samples are the global batch's mean, also at the last step of
+    each epoch where rank 1 has no sample (its own ReduceMean over nothing is NaN)."""
+    ranks = _two_processes(tmp_path, "own", "sgd", "--lr-schedule", "linear", "--warmup-steps", "2",
+                           "--clip-grad-norm", "0.5")
+    ref = _one_process("own", "sgd", kind="linear", warmup=2, clip=0.5)
+    assert ref.spec.labels is None and ref.steps == 14
+    _same(ranks, ref)
+
+
+def test_static_inputs_with_a_schedule_resumed_mid_run_equal_the_uninterrupted_run(tmp_path):
+    """Static inputs (a mixing matrix and a scalar gain fed whole to every step) with a cosine schedule, warmup and
+    clipping: a run that dies at step 9 and resumes from its checkpoint (every 4 steps, so it repeats step 8) ends
+    bitwise equal to the uninterrupted run (the statics are not in the checkpoint: they are given again)."""
+    import lossdata_models
+
+    from revgraph import checkpoints
+
+    data, static = lossdata_models.static_data(40)
+
+    def run(**fit):
+        opt = adam(lr=0.02, weight_decay=0.01)
+        tr = rg.Trainer(lossdata_models.static_model(), "cross-entropy", opt, threads=1, clip_grad_norm=0.5,
+                        schedule=Schedule("cosine", warmup_steps=3, min_lr=1e-3))
+        return tr, dict(epochs=3, batch_size=8, seed=5, progress=False, static=static, **fit)
+
+    ref, how = run()
+    ref.fit(data, **how)
+    assert ref.steps == 15
+    crashing, how = run(checkpoint_dir=tmp_path, checkpoint_every=4)
+    real = crashing._engine.step
+
+    def step(*args, **kwargs):
+        if crashing.steps == 9:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    crashing._engine.step = step
+    with pytest.raises(KeyboardInterrupt):
+        crashing.fit(data, **how)
+    arrays, meta = checkpoints.load(tmp_path)
+    assert meta["hyperparameters"]["total_steps"] == 15
+    assert int(arrays[crashing.spec.step]) == 8 and int(arrays[crashing.spec.total]) == 15
+    assert not set(static) & set(arrays)
+    resumed, how = run(checkpoint_dir=tmp_path, checkpoint_every=4)
+    resumed.fit(data, **how)
+    assert resumed.resumed and resumed.steps == 15 and resumed.losses == ref.losses
+    for name, value in {**ref.parameters, **ref.state}.items():
+        np.testing.assert_array_equal({**resumed.parameters, **resumed.state}[name], value, err_msg=name)
