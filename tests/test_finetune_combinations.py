@@ -292,3 +292,45 @@ def test_static_inputs_with_a_schedule_resumed_mid_run_equal_the_uninterrupted_r
     assert resumed.resumed and resumed.steps == 15 and resumed.losses == ref.losses
     for name, value in {**ref.parameters, **ref.state}.items():
         np.testing.assert_array_equal({**resumed.parameters, **resumed.state}[name], value, err_msg=name)
+
+
+# ------------------------------------------------------------------------------ the saved graph of a schedule
+
+def test_web_example_feeds_a_scheduled_graph_its_total_steps(tmp_path):
+    """``--save-training-graph`` with a cosine schedule writes the extra int64 input ``total_steps``;
+    examples/web/prepare.py feeds it the page's number of steps (not 0, which ends the decay at once), and the
+    graph run on those feeds (Python onnxruntime, what the page runs) equals PyTorch's Adam + LambdaLR(cosine
+    with warmup) + clip_grad_norm_ on the same batches. (tests/test_web.py runs it in Chromium, slow.)"""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "web" / "prepare.py"
+    spec = importlib.util.spec_from_file_location("web_prepare", path)
+    web = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(web)
+    steps, warmup, lr, min_lr, clip = 12, 3, 0.003, 1e-4, 0.05
+    web.prepare(tmp_path, steps=steps, batch_size=16, lr=lr, schedule=("cosine", warmup, min_lr), clip=clip)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert ["total_steps", "total_steps.new"] in manifest["carried"]
+    state_blob, batch_blob = (tmp_path / "state.bin").read_bytes(), (tmp_path / "batches.bin").read_bytes()
+    assert int(web._view(state_blob, manifest["state"]["total_steps"])) == steps
+    ours = web.python_losses(tmp_path)
+
+    P = {k: torch.tensor(web._view(state_blob, manifest["state"][k]), requires_grad=True)
+         for k in ("W1", "b1", "W2", "b2")}
+    opt = torch.optim.Adam(P.values(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, hf_lambda("cosine", warmup, steps, min_lr / lr))
+    theirs, norms = [], []
+    for entries in manifest["batches"]:
+        x, y = (torch.from_numpy(web._view(batch_blob, entries[k])) for k in ("x", "labels"))
+        logits = torch.relu(x.flatten(1) @ P["W1"] + P["b1"]) @ P["W2"] + P["b2"]
+        loss = F.cross_entropy(logits, y)
+        opt.zero_grad()
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(P.values()), clip)))
+        opt.step()
+        sched.step()
+        theirs.append(loss.item())
+    assert sum(n > clip for n in norms) >= steps // 2  # the clipping is in the comparison
+    np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=1e-6)
