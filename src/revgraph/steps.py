@@ -340,10 +340,11 @@ class SplitEngine(Engine):
             loss += part * (n / total)
             for g, value in dense.items():
                 a = value.numpy()
-                if g in acc:
-                    acc[g] += a * a.dtype.type(w)
-                else:
-                    acc[g] = a * a.dtype.type(w)
+                with np.errstate(over="ignore", invalid="ignore"):  # (fp16: an overflow is the skip's signal)
+                    if g in acc:
+                        acc[g] += a * a.dtype.type(w)
+                    else:
+                        acc[g] = a * a.dtype.type(w)
             for _, idx, rows in self._sparse:
                 r = sparse[rows].numpy()
                 pieces[idx].append(sparse[idx].numpy())
