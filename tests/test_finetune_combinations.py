@@ -158,6 +158,54 @@ def test_fp16_gradient_accumulation_matches_gradscaler_accumulation(accumulate):
     np.testing.assert_allclose(tr.parameters["w"], w.detach().numpy(), rtol=1e-6, atol=1e-7)
 
 
+def test_fp16_scaled_run_with_a_schedule_resumed_mid_run_equals_the_uninterrupted_run(tmp_path):
+    """fp16 loss scaling (skips and scale changes) + cosine schedule + clipping, killed at step 7 and resumed from
+    its checkpoint of step 6: the loss scale, its good-step count, ``step`` and ``total_steps`` come back, so the
+    run ends bitwise equal to the uninterrupted one."""
+    import warnings
+
+    from test_precision import _scaled_linear
+
+    from revgraph import checkpoints
+
+    rng = np.random.default_rng(8)
+    data = {"x": (rng.uniform(4, 8, (40, C)) * rng.choice([-1, 1], (40, C))).astype(F32),
+            "labels": rng.integers(0, C, 40)}
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (no product to run in float16)
+            return rg.Trainer(_scaled_linear(np.random.default_rng(8)), "cross-entropy", adam(lr=LR), threads=1,
+                              precision=Precision("fp16", init_scale=2.0 ** 127, growth_interval=2),
+                              clip_grad_norm=2.0, schedule=Schedule("cosine", warmup_steps=2, min_lr=1e-3))
+
+    how = {"epochs": 3, "batch_size": 8, "seed": 1, "progress": False}
+    ref = run()
+    ref.fit(data, **how)
+    crashing = run()
+    real = crashing._engine.step
+
+    def step(*args, **kwargs):
+        if crashing.steps == 7:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    crashing._engine.step = step
+    with pytest.raises(KeyboardInterrupt):
+        crashing.fit(data, **how, checkpoint_dir=tmp_path, checkpoint_every=3)
+    arrays, meta = checkpoints.load(tmp_path)
+    s = crashing.spec.scaling
+    assert float(arrays[s.scale]) < 2.0 ** 127 and int(arrays[crashing.spec.step]) == 6  # (skips are not steps)
+    assert meta["hyperparameters"]["precision"] == "fp16"
+    resumed = run()
+    resumed.fit(data, **how, checkpoint_dir=tmp_path, checkpoint_every=3)
+    assert resumed.resumed and resumed.losses == ref.losses
+    names = [s.scale, s.growth, ref.spec.step, ref.spec.total]
+    for name, value in {**ref.parameters, **ref.state, **ref._engine.read(names)}.items():
+        got = {**resumed.parameters, **resumed.state, **resumed._engine.read(names)}[name]
+        np.testing.assert_array_equal(got, value, err_msg=name)
+
+
 # ------------------------------------------------------------------------------ the CLI, bad values
 
 @pytest.fixture(scope="module")
