@@ -45,5 +45,45 @@ def build(model: str, samples: int, hidden: int = 16):
 
 worker.build = build
 
+
+def scaled_trainer(distributed: bool):
+    """tests/precision_worker.py's fp16 run (a loss scale of 2^127 that overflows float32: skips, back-offs,
+    growth) with clipping and a cosine schedule with warmup."""
+    import warnings
+
+    import precision_worker
+
+    import revgraph as rg
+    from revgraph.precision import Precision
+    from revgraph.schedules import Schedule
+    from revgraph.train import adam
+
+    g, data = precision_worker.scaled_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (no product: "the whole step runs in float32")
+        tr = rg.Trainer(g, "cross-entropy", adam(lr=1e-2), threads=1, distributed=distributed,
+                        precision=Precision("fp16", **precision_worker.SCALING), clip_grad_norm=2.0,
+                        schedule=Schedule("cosine", warmup_steps=2, min_lr=1e-3))
+    return tr, data
+
+
+def scaled_main(out: str) -> None:
+    """2 processes x batch 2 x 2 accumulated micro-batches of :func:`scaled_trainer`, written to rank<r>.npz."""
+    import os
+
+    tr, data = scaled_trainer(True)
+    tr.fit(data, 2, 2, seed=3, progress=False, accumulate_steps=2)
+    s = tr.spec.scaling
+    carried = tr._engine.read([s.scale, s.growth, tr.spec.step])
+    np.savez(os.path.join(out, f"rank{tr.rank}.npz"), **tr.parameters, **tr.state, **carried,
+             losses=np.array(tr.losses))
+    tr.comm.close()
+
+
 if __name__ == "__main__":
-    worker.main()
+    import sys
+
+    if sys.argv[1:2] == ["--fp16"]:
+        scaled_main(sys.argv[3])
+    else:
+        worker.main()

@@ -353,6 +353,30 @@ def test_two_processes_output_loss_equal_one(tmp_path):
     _same(ranks, ref)
 
 
+def test_two_processes_fp16_accumulation_clipping_schedule_equal_one(tmp_path):
+    """fp16 loss scaling (overflowing: skips and scale changes) with 2 accumulated micro-batches, clipping and a
+    cosine schedule: 2 processes x batch 2 x 2 = 1 process x batch 8, the non-finite check and the clipping
+    after the all-reduce of the accumulated gradients; the same scale, good-step count, step and parameters."""
+    pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
+    from pathlib import Path
+
+    from combinations_worker import scaled_trainer
+    from test_distributed import ENV, TORCHRUN, _run
+
+    worker = Path(__file__).resolve().parent / "combinations_worker.py"
+    _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(worker), "--fp16", "--out", str(tmp_path)], env=ENV)
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    one, data = scaled_trainer(False)
+    one.fit(data, 2, 8, seed=3, progress=False)
+    s = one.spec.scaling
+    carried = one._engine.read([s.scale, s.growth, one.spec.step])
+    assert float(carried[s.scale]) < 2.0 ** 127 and int(carried[one.spec.step]) < 12  # skips happened
+    for name, value in {**one.parameters, **one.state, **carried}.items():
+        np.testing.assert_array_equal(ranks[1][name], ranks[0][name], err_msg=name)
+        np.testing.assert_allclose(ranks[0][name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+    np.testing.assert_allclose(ranks[0]["losses"], one.losses, rtol=2e-5, atol=1e-6)
+
+
 def test_static_inputs_with_a_schedule_resumed_mid_run_equal_the_uninterrupted_run(tmp_path):
     """Static inputs (a mixing matrix and a scalar gain fed whole to every step) with a cosine schedule, warmup and
     clipping: a run that dies at step 9 and resumes from its checkpoint (every 4 steps, so it repeats step 8) ends
