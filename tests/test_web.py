@@ -143,14 +143,21 @@ def _prepare_module(path: Path):
     return module
 
 
+#: prepare.py's options: the plain graph, and a cosine schedule with warmup and clipping (one more input,
+#: the int64 scalar total_steps, fed --steps; tests/test_finetune_combinations.py holds its losses to PyTorch's)
+SCHEDULED = ["--lr", "0.01", "--lr-schedule", "cosine", "--warmup-steps", "5", "--min-lr", "0.0001",
+             "--clip-grad-norm", "1.0"]
+
+
 @pytest.mark.slow
-def test_browser_losses_equal_python_onnxruntime(tmp_path):
+@pytest.mark.parametrize("options", [[], SCHEDULED], ids=["constant", "cosine"])
+def test_browser_losses_equal_python_onnxruntime(tmp_path, options):
     chromium, npm = _tools()
     site = tmp_path / "web"
     site.mkdir()
     _copy_example(site, npm)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, str(site / "prepare.py"), "--steps", "40"], cwd=site, env=env, check=True,
+    subprocess.run([sys.executable, str(site / "prepare.py"), "--steps", "40", *options], cwd=site, env=env, check=True,
                    timeout=600, stdout=subprocess.DEVNULL)
     want = _prepare_module(site / "prepare.py").python_losses(site / "data")
 
@@ -178,5 +185,5 @@ def test_browser_losses_equal_python_onnxruntime(tmp_path):
     assert got["error"] is None, got["error"]
     assert len(got["losses"]) == len(want) == 40
     np.testing.assert_allclose(got["losses"], want, rtol=1e-5)
-    assert got["losses"][-1] < 0.8 * got["losses"][0]  # it trains: Adam at lr 0.003 over 40 steps
+    assert got["losses"][-1] < 0.8 * got["losses"][0]  # it trains: Adam at lr 0.003 (0.01 peak, scheduled) over 40 steps
     assert f"step  40  loss {got['losses'][-1]:.6f}" in got["shown"]  # the page shows them

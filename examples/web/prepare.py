@@ -6,9 +6,13 @@ initial state and the data batches, into ``data/``.
    ``data/mlp.onnx`` and ``data/digits.npz``.
 2. ``revgraph train ... --save-training-graph data/mlp.train.onnx`` writes the training-step graph (one
    standard ONNX graph: inputs the batch, ``labels``, the parameters, the optimizer state and ``step``; outputs
-   ``loss``, the new parameters ``<p>.new``, the new state ``<s>.new`` and ``step.new``).
+   ``loss``, the new parameters ``<p>.new``, the new state ``<s>.new`` and ``step.new``). ``--lr-schedule
+   linear|cosine`` (with ``--warmup-steps``, ``--min-lr``) and ``--clip-grad-norm`` are passed on: a linear or
+   cosine schedule adds the int64 scalar input ``total_steps`` (the run's total, which the decay reads; carried
+   unchanged as ``total_steps.new``).
 3. ``data/state.bin`` holds the first step's carried inputs: the parameters as the model file holds them
-   (before training), the optimizer state zero, ``step`` 0 -- what ``TrainingGraph.initial_state()`` feeds.
+   (before training), the optimizer state zero, ``step`` 0 and ``total_steps`` = ``--steps`` (the page's run is
+   the schedule's run) -- what ``TrainingGraph.initial_state()`` feeds. Any other input is refused.
 4. ``data/batches.bin`` holds ``--steps`` batches of ``--batch-size`` images and labels, drawn in a shuffled
    order (``--seed``) without replacement, full batches only.
 5. ``data/manifest.json`` says where each array lies in the two files (name, dtype, shape, byte offset) and
@@ -49,8 +53,10 @@ def _declared(vi: onnx.ValueInfoProto) -> tuple[str, list[int]]:
     return DTYPES[t.elem_type], [d.dim_value for d in t.shape.dim]
 
 
-def prepare(out: Path, steps: int = 40, batch_size: int = 32, seed: int = 0, lr: float = 0.003) -> dict:
-    """Write ``out/`` (module doc) and return the manifest."""
+def prepare(out: Path, steps: int = 40, batch_size: int = 32, seed: int = 0, lr: float = 0.003,
+            schedule: tuple[str, int, float] = ("constant", 0, 0.0), clip: float | None = None) -> dict:
+    """Write ``out/`` (module doc) and return the manifest; ``schedule`` is ``(--lr-schedule, --warmup-steps,
+    --min-lr)``, ``clip`` ``--clip-grad-norm``."""
     import revgraph as rg
     from revgraph import demo
 
@@ -64,7 +70,8 @@ def prepare(out: Path, steps: int = 40, batch_size: int = 32, seed: int = 0, lr:
     cmd = [sys.executable, "-m", "revgraph", "train", str(out / "mlp.onnx"), "--data", str(out / "digits.npz"),
            "--loss", "cross-entropy", "--optimizer", "adam", "--lr", str(lr), "--epochs", "1",
            "--batch-size", str(batch_size), "--save-training-graph", str(out / "mlp.train.onnx"),
-           "-o", str(out / "mlp.trained.onnx")]
+           "-o", str(out / "mlp.trained.onnx"), "--lr-schedule", schedule[0], "--warmup-steps", str(schedule[1]),
+           "--min-lr", str(schedule[2]), *(["--clip-grad-norm", str(clip)] if clip else [])]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
 
     graph = onnx.load(out / "mlp.train.onnx").graph
@@ -76,14 +83,19 @@ def prepare(out: Path, steps: int = 40, batch_size: int = 32, seed: int = 0, lr:
         raise SystemExit(f"unexpected training graph outputs {outputs} (no output {missing})")
 
     state_blob, state = bytearray(), {}
+    params = {vi.name for vi in graph.input if vi.name in model.initializers}
     for vi in graph.input:
         if vi.name in batch_names:
             continue
         dtype, shape = _declared(vi)
         if vi.name in model.initializers:  # a parameter: its initial value
             value = np.asarray(model.initializers[vi.name])
-        else:  # optimizer state (zeros) and the step counter (0)
+        elif vi.name == "total_steps":  # a linear/cosine schedule's total: this run's steps (0 would end the decay)
+            value = np.array(steps, np.int64)
+        elif vi.name == "step" or vi.name.rpartition(".")[0] in params:  # the step counter, optimizer state: zero
             value = np.zeros(shape, dtype)
+        else:  # (an input this script does not know, e.g. the fp16 loss scale: zeros would silently be wrong)
+            raise SystemExit(f"training graph input {vi.name!r}: prepare.py does not know its first value")
         if list(value.shape) != shape or value.dtype.name != dtype:
             raise SystemExit(f"{vi.name!r}: {value.dtype}{list(value.shape)} does not fit the graph's {dtype}{shape}")
         _append(state_blob, state, vi.name, value)
@@ -102,7 +114,8 @@ def prepare(out: Path, steps: int = 40, batch_size: int = 32, seed: int = 0, lr:
     (out / "batches.bin").write_bytes(bytes(batch_blob))
     manifest = {"graph": "mlp.train.onnx", "loss": "loss", "state_file": "state.bin", "state": state,
                 "batch_file": "batches.bin", "batches": batches, "carried": carried, "steps": steps,
-                "batch_size": batch_size, "optimizer": "adam", "lr": lr}
+                "batch_size": batch_size, "optimizer": "adam", "lr": lr, "lr_schedule": schedule[0],
+                "warmup_steps": schedule[1], "min_lr": schedule[2], "clip_grad_norm": clip}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -139,9 +152,15 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=0.003, help="Adam's learning rate (default 0.003, the demo's)")
+    p.add_argument("--lr-schedule", default="constant", help="revgraph train's --lr-schedule (default constant); "
+                   "the schedule's total steps are --steps")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--min-lr", type=float, default=0.0)
+    p.add_argument("--clip-grad-norm", type=float)
     p.add_argument("--check", action="store_true", help="also print the losses of Python onnxruntime")
     args = p.parse_args()
-    m = prepare(Path(args.out), args.steps, args.batch_size, args.seed, args.lr)
+    m = prepare(Path(args.out), args.steps, args.batch_size, args.seed, args.lr,
+                (args.lr_schedule, args.warmup_steps, args.min_lr), args.clip_grad_norm)
     print(f"wrote {args.out}: {m['graph']}, {len(m['carried'])} carried values, {m['steps']} batches of "
           f"{m['batch_size']}")
     if args.check:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .errors import RevgraphError
 from .exchange import BUCKET_MB, REDUCE_DTYPES, refused_combination
@@ -36,8 +37,12 @@ def check_exchange_arguments(args: argparse.Namespace) -> None:
         raise RevgraphError(f"--accumulate-steps must be at least 1, got {args.accumulate_steps}")
     if not args.bucket_mb > 0:
         raise RevgraphError(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
+    # with the precision and the world size: --precision fp16 --shard ... --nproc 2 was refused only inside the
+    # workers, after torchrun started (its traceback lines around the refusal)
+    world = max(args.nproc or 1, int(os.environ.get("WORLD_SIZE", "1"))) * max(getattr(args, "nnodes", 1) or 1, 1)
     combination_problem = refused_combination(args.shard, args.sync_batchnorm, args.reduce_dtype,
-                                              args.accumulate_steps, args.buffers)
+                                              args.accumulate_steps, args.buffers,
+                                              precision=getattr(args, "precision", "fp32"), world_size=world)
     if combination_problem:
         raise RevgraphError(combination_problem)
 

@@ -89,15 +89,19 @@ class Optimizer:
         if self.kind not in OPTIMIZERS:
             raise RevgraphError(f"unknown optimizer {self.kind!r}; choose one of {', '.join(OPTIMIZERS)}")
         checks = [
-            (self.lr > 0, f"learning rate must be positive, got {self.lr}"),
+            (self.lr > 0, f"learning rate must be positive (--lr, lr=), got {self.lr}"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
             (self.kind == "sgd" or self.momentum == 0, "momentum applies to sgd only; Adam has betas"),
             (all(0 <= b < 1 for b in self.betas), f"betas must be in [0, 1), got {self.betas}"),
             (self.eps > 0, f"eps must be positive, got {self.eps}"),
             (self.weight_decay >= 0, f"weight decay must be >= 0, got {self.weight_decay}"),
         ]
-        if not np.isfinite([self.lr, self.momentum, self.eps, self.weight_decay, *self.betas]).all():
-            raise RevgraphError("optimizer hyperparameters must be finite numbers")
+        values = {"lr": self.lr, "momentum": self.momentum, "eps": self.eps, "weight_decay": self.weight_decay,
+                  "betas": self.betas}
+        bad = [k for k, v in values.items() if not np.isfinite(v).all()]
+        if bad:  # (name the option and its value: `--lr nan` once said only "hyperparameters must be finite")
+            raise RevgraphError(f"optimizer hyperparameters must be finite numbers: {bad[0]} (--{bad[0].replace('_', '-')})"
+                                f" is {values[bad[0]]}")
         for ok, message in checks:
             if not ok:
                 raise RevgraphError(message)

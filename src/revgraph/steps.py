@@ -321,22 +321,36 @@ class SplitEngine(Engine):
         acc: dict[str, np.ndarray] = {}
         pieces: dict[str, list] = {n: [] for _, idx, rows in self._sparse for n in (idx, rows)}
         loss = 0.0
+        scaling, gb = self.spec.scaling, self._grad_bindings[self._current]
+        if scaling is not None:  # the fp16 loss scale, read once (it is the update's to change)
+            scale = self._sets[self._current][scaling.scale]
+            scale_value = scale.numpy()
         for feeds, n in micro:
             if not n:
                 continue
             w = n / total
+            if scaling is not None:
+                # GradScaler's accumulation, scaler.scale(loss * w).backward(): the weight goes into the backward's
+                # seed (scale * w), not onto its result, so a micro-batch overflows (and its step is skipped) as in
+                # PyTorch; weighting after a backward seeded with the whole scale overflowed K times sooner
+                gb.bind_ortvalue_input(scaling.scale, self.device.ortvalue(
+                    np.asarray(scale_value * scale_value.dtype.type(w), dtype=scale_value.dtype)))
+                w = 1.0
             part, sparse = self._run_grad(feeds)
-            loss += part * w
+            loss += part * (n / total)
             for g, value in dense.items():
                 a = value.numpy()
-                if g in acc:
-                    acc[g] += a * a.dtype.type(w)
-                else:
-                    acc[g] = a * a.dtype.type(w)
+                with np.errstate(over="ignore", invalid="ignore"):  # (fp16: an overflow is the skip's signal)
+                    if g in acc:
+                        acc[g] += a * a.dtype.type(w)
+                    else:
+                        acc[g] = a * a.dtype.type(w)
             for _, idx, rows in self._sparse:
                 r = sparse[rows].numpy()
                 pieces[idx].append(sparse[idx].numpy())
                 pieces[rows].append(r * r.dtype.type(w))
+        if scaling is not None:
+            gb.bind_ortvalue_input(scaling.scale, scale)  # (the carried buffer again)
         for g, value in dense.items():
             value.update_inplace(np.ascontiguousarray(acc[g]))
         inputs = {n: self.device.ortvalue(np.concatenate(parts)) for n, parts in pieces.items()}
