@@ -17,6 +17,7 @@ from test_precision import ATOL, C, D, batches, mlp, reference_train, torch_mlp 
 from test_schedules import hf_lambda
 
 import revgraph as rg
+from revgraph.errors import RevgraphError
 from revgraph.precision import Precision
 from revgraph.schedules import Schedule
 from revgraph.train import adam, training_graph
@@ -205,6 +206,35 @@ def test_fp16_scaled_run_with_a_schedule_resumed_mid_run_equals_the_uninterrupte
         got = {**resumed.parameters, **resumed.state, **resumed._engine.read(names)}[name]
         np.testing.assert_array_equal(got, value, err_msg=name)
 
+
+
+def test_fp16_resumed_with_other_loss_scaling_options_is_refused_unless_overridden(tmp_path):
+    """GradScaler's growth and backoff options change every later scale: they are recorded, and resuming with
+    another one is refused in one line naming it (then and now) unless ``override`` names it."""
+    import warnings
+
+    from test_precision import _scaled_linear
+
+    rng = np.random.default_rng(8)
+    data = {"x": rng.normal(size=(16, C)).astype(F32), "labels": rng.integers(0, C, 16)}
+
+    def run(**scaling):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (no product to run in float16)
+            return rg.Trainer(_scaled_linear(np.random.default_rng(8)), "cross-entropy", adam(lr=LR), threads=1,
+                              precision=Precision("fp16", **scaling))
+
+    run(growth_interval=2).fit(data, 1, 8, progress=False, checkpoint_dir=tmp_path)
+    for name, value in (("growth_interval", 3), ("growth_factor", 4.0), ("backoff_factor", 0.25)):
+        tr = run(**{"growth_interval": 2, name: value})
+        with pytest.raises(RevgraphError) as info:
+            tr.fit(data, 2, 8, progress=False, checkpoint_dir=tmp_path)
+        text = str(info.value)
+        assert "\n" not in text and f"{name} " in text and f"(now {value!r})" in text, text
+        assert tr.steps == 0
+    tr = run(growth_interval=3)
+    tr.fit(data, 2, 8, progress=False, checkpoint_dir=tmp_path, override=["growth_interval"])
+    assert tr.resumed and tr.steps == 4
 
 # ------------------------------------------------------------------------------ the CLI, bad values
 

@@ -42,6 +42,11 @@ def record(spec, total: int | None = None) -> dict:
            "clip_grad_norm": o.clip_grad_norm,
            "loss": getattr(spec.loss, "settings", {"kind": spec.loss.kind, "output": spec.loss.output}),
            "precision": getattr(spec, "precision", "fp32")}
+    scaling = getattr(spec, "scaling", None)
+    if scaling is not None:  # fp16: GradScaler's options (the scale itself is carried state, in the arrays:
+        # its initial value does not matter once resumed)
+        p = scaling.precision
+        rec.update(growth_factor=p.growth_factor, backoff_factor=p.backoff_factor, growth_interval=p.growth_interval)
     metadata = getattr(spec.model, "metadata", None) or {}
     rec.update((k, metadata[k]) for k in sorted(metadata) if k.startswith("revgraph."))
     return json.loads(json.dumps(rec))  # as it reads back from the file (tuples as lists)
