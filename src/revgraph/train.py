@@ -168,8 +168,9 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES` (``"output:NAME"``
     included) and ``loss_options`` its options (:func:`revgraph.losses.loss_graph`); ``optimizer`` an
     :class:`Optimizer` or a name (PyTorch's default hyperparameters); ``output`` the model output the loss
-    reads (default: the only one); ``params`` the initializers to train (default: every float one; the
-    others stay initializers); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
+    reads (default: the only one); ``params`` the initializers to train, names or ``fnmatch`` globs, and
+    ``freeze`` globs of those not to train (default: every float one, or the LoRA adapters of an adapted model;
+    the others stay initializers; :func:`revgraph.selection.select`); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
     :func:`revgraph.gradient` (a fraction, bytes or a ``revgraph.Budget``; the plan is ``graph.memory_plan``).
     ``loss_seed=True`` adds the scalar input ``TrainingGraph.seed`` that multiplies the loss's cotangent.
     ``precision``: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a :class:`revgraph.precision.Precision`
