@@ -278,7 +278,7 @@ def clipped_shards(b: Builder, spec, dense_squares: str, grads: dict, dtypes: di
 
 def flat_decay(unit, no_decay) -> bool | np.ndarray:
     """Whether weight decay applies to a rank's shard ``[lo, lo + k)`` of a flat unit of parameters
-    (:class:`revgraph.sharding.Unit`: ``names`` at ``offsets`` with ``shapes``): ``True``/``False`` when it does
+    (:class:`revgraph.shard_plan.Unit`: ``names`` at ``offsets`` with ``shapes``): ``True``/``False`` when it does
     for every element in it, else a boolean mask of ``k`` elements (false on those of the ``no_decay``
     parameters; the zero padding decays, which leaves it zero)."""
     mask = np.ones(unit.length, bool)
