@@ -8,7 +8,6 @@ differentiation.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import numpy as np
