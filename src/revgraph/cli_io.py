@@ -37,6 +37,9 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
     except InputError:
         raise
     except Exception as exc:
+        if "Object arrays" in str(exc):  # an object array's items are pickles, never loaded (untrusted input)
+            raise InputError(f"{path!r} holds an array of Python objects (a pickle), which is not read; save "
+                             "numeric arrays") from None
         raise InputError(f"{path!r} is not a readable .npz file ({type(exc).__name__})") from None
 
 
