@@ -178,3 +178,25 @@ def test_resume_with_another_lora_rank_names_the_difference_and_refuses_the_over
     r = _cli(*common, "--lora", "4", "--override", "revgraph.lora", "--epochs", "2", "-o", "b.onnx", cwd=tmp_path)
     assert r.returncode == 2 and "cannot be resumed: 'W1.lora_A' has shape [64, 2]" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "b.onnx").exists()
+
+
+def _web_prepare():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "web" / "prepare.py"
+    spec = importlib.util.spec_from_file_location("web_prepare_user", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"steps": 0}, "--steps 0 and --batch-size 32 must be at least 1"),  # a page that would train nothing
+    # revgraph train's own one-line error, not a CalledProcessError traceback
+    ({"schedule": ("cosine", 0, 1.0)}, "revgraph: error: --min-lr 1 is above the peak learning rate"),
+])
+def test_web_prepare_stops_with_one_line(tmp_path, kwargs, message):
+    with pytest.raises(SystemExit) as info:
+        _web_prepare().prepare(tmp_path / "data", **kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
