@@ -200,3 +200,16 @@ def test_web_prepare_stops_with_one_line(tmp_path, kwargs, message):
     with pytest.raises(SystemExit) as info:
         _web_prepare().prepare(tmp_path / "data", **kwargs)
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("dtype, shape", [(np.int32, ("B", 6)), (np.float32, ("B", 6)), (np.int64, ("B", 6, 1))])
+def test_causal_lm_ids_of_another_dtype_or_rank_are_named(dtype, shape):
+    """An input named by --labels-from that is not int64 [B, T] reached onnxruntime's type check (its error)."""
+    from revgraph.ir import ValueInfo
+    from revgraph.losses import loss_graph
+
+    g = tiny_lm()
+    g.inputs.append(ValueInfo("ids", dtype, shape))
+    with pytest.raises(RevgraphError) as info:
+        loss_graph(g, "causal-lm", labels_from="ids")
+    assert "--labels-from ids: input 'ids' is" in _one_line(info) and "int64 token ids" in str(info.value)

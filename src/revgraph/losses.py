@@ -260,7 +260,15 @@ def _ids_input(g: Graph, labels_from: str | None, logits: ValueInfo) -> str:
     """The causal-lm targets: ``labels_from`` (a model input, or ``"labels"`` for a new labels input), else the
     only int64 input of rank 2, else ``input_ids``."""
     if labels_from is not None:
-        if labels_from in g.input_names or labels_from == "labels":
+        if labels_from == "labels":
+            return labels_from
+        if labels_from in g.input_names:
+            # the targets meet int64 constants in the loss: another dtype or rank made onnxruntime refuse the graph
+            vi = next(v for v in g.inputs if v.name == labels_from)
+            if vi.dtype != np.dtype(np.int64) or (vi.shape is not None and len(vi.shape) != 2):
+                raise RevgraphError(f"--labels-from {labels_from}: input {labels_from!r} is {vi.describe()}; causal-lm's "
+                                    "targets are int64 token ids [batch, positions] (export the ids as int64, or give "
+                                    "--labels-from labels and a labels array)")
             return labels_from
         raise RevgraphError(f"--labels-from {labels_from!r}: the model has no such input (its inputs are "
                             f"{', '.join(g.input_names)}); name its token ids input, or 'labels' for a labels array")
@@ -268,7 +276,7 @@ def _ids_input(g: Graph, labels_from: str | None, logits: ValueInfo) -> str:
     if len(ints) == 1:
         return ints[0]
     if "input_ids" in g.input_names:
-        return "input_ids"
+        return _ids_input(g, "input_ids", logits)  # checked as if named: an int32 input_ids is refused in one line
     raise RevgraphError(f"causal-lm: the model has {len(ints)} int64 inputs of rank 2 ({', '.join(ints) or 'none'}) "
                         "and none named input_ids; name the token ids with --labels-from NAME (labels_from=)")
 
