@@ -154,13 +154,23 @@ def test_data_directory_entries_of_the_wrong_kind(tmp_path, kind, message):
     assert message in _one_line(info)
 
 
-def test_object_array_in_an_npz_is_named(tmp_path):
+@pytest.mark.parametrize("kind, message", [
+    ("object", "holds an array of Python objects (a pickle), which is not read"),
+    # --data x.npy: numpy gives an ndarray, and `with np.load(...)` raised a bare TypeError
+    ("npy", "holds one array (a .npy file); pass an .npz file that maps input names to arrays, or a directory"),
+])
+def test_npz_of_the_wrong_kind_is_named(tmp_path, kind, message):
     from revgraph.cli_io import read_npz
 
-    np.savez(tmp_path / "d.npz", x=np.array([None, 1], dtype=object))
+    path = tmp_path / "d.npz"
+    if kind == "object":
+        np.savez(path, x=np.array([None, 1], dtype=object))
+    else:
+        path = tmp_path / "x.npy"
+        np.save(path, np.zeros(3))
     with pytest.raises(RevgraphError) as info:
-        read_npz(str(tmp_path / "d.npz"))
-    assert "holds an array of Python objects (a pickle), which is not read" in _one_line(info)
+        read_npz(str(path))
+    assert message in _one_line(info)
 
 
 def test_resume_with_another_lora_rank_names_the_difference_and_refuses_the_override(tmp_path):
