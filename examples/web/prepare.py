@@ -60,6 +60,8 @@ def prepare(out: Path, steps: int = 40, batch_size: int = 32, seed: int = 0, lr:
     import revgraph as rg
     from revgraph import demo
 
+    if steps < 1 or batch_size < 1:  # 0 steps would write a page that trains nothing
+        raise SystemExit(f"--steps {steps} and --batch-size {batch_size} must be at least 1")
     out.mkdir(parents=True, exist_ok=True)
     train, _ = demo.digits(seed)
     model = demo.mlp_model(seed=seed)
@@ -72,7 +74,10 @@ def prepare(out: Path, steps: int = 40, batch_size: int = 32, seed: int = 0, lr:
            "--batch-size", str(batch_size), "--save-training-graph", str(out / "mlp.train.onnx"),
            "-o", str(out / "mlp.trained.onnx"), "--lr-schedule", schedule[0], "--warmup-steps", str(schedule[1]),
            "--min-lr", str(schedule[2]), *(["--clip-grad-norm", str(clip)] if clip else [])]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
+    done = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    if done.returncode:  # revgraph's own one-line error (a bad --lr-schedule, --min-lr ...), not a traceback
+        raise SystemExit(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else
+                         f"revgraph train exited {done.returncode}")
 
     graph = onnx.load(out / "mlp.train.onnx").graph
     outputs = [o.name for o in graph.output]
@@ -152,7 +157,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=0.003, help="Adam's learning rate (default 0.003, the demo's)")
-    p.add_argument("--lr-schedule", default="constant", help="revgraph train's --lr-schedule (default constant); "
+    from revgraph.schedules import SCHEDULES
+
+    p.add_argument("--lr-schedule", default="constant", choices=list(SCHEDULES), help="revgraph train's --lr-schedule (default constant); "
                    "the schedule's total steps are --steps")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--min-lr", type=float, default=0.0)

@@ -30,13 +30,20 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
     except RevgraphError as exc:
         raise InputError(str(exc)) from None
     try:
-        with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as data:
+        with os.fdopen(fd, "rb") as f:
+            data = np.load(f, allow_pickle=False)
+            # a .npy gives an ndarray, which is no context manager: `with np.load(...)` raised a bare TypeError
             if not hasattr(data, "files"):
-                raise InputError(f"{path!r} holds one array; pass an .npz file that maps input names to arrays")
-            return {k: data[k] for k in data.files}
+                raise InputError(f"{path!r} holds one array (a .npy file); pass an .npz file that maps input names "
+                                 "to arrays, or a directory of NAME.npy files")
+            with data:
+                return {k: data[k] for k in data.files}
     except InputError:
         raise
     except Exception as exc:
+        if "Object arrays" in str(exc):  # an object array's items are pickles, never loaded (untrusted input)
+            raise InputError(f"{path!r} holds an array of Python objects (a pickle), which is not read; save "
+                             "numeric arrays") from None
         raise InputError(f"{path!r} is not a readable .npz file ({type(exc).__name__})") from None
 
 

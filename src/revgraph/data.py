@@ -84,6 +84,8 @@ def prepare(spec, data, static: Mapping | None = None, classes: int | None = Non
         data = {**x, "labels": y} if isinstance(x, Mapping) else {"x": x, "y": y}
     if not isinstance(data, Mapping):
         raise InputError("training data must be a mapping of arrays, a tuple (x, y) or a directory of .npy files")
+    if static is not None and not isinstance(static, Mapping):  # dict() of a list or a string fails obscurely
+        raise InputError(f"static= must be a mapping of arrays by input name, got {type(static).__name__}")
     data, static = dict(data), dict(static or {})
     has_labels = spec.labels is not None
     names = list(spec.inputs)
@@ -93,6 +95,13 @@ def prepare(spec, data, static: Mapping | None = None, classes: int | None = Non
             raise InputError(f"--static {k}: the model has no input {k!r} (its inputs are {', '.join(names)})")
         if k in data:
             raise InputError(f"{k!r} is given both as data and as a static input (--static); give it once")
+    loss = getattr(spec, "loss", None)
+    if getattr(loss, "kind", None) == "causal-lm" and not has_labels and "labels" in data and "labels" not in names:
+        # Hugging Face data carries 'labels' with its padding masked; reading input_ids instead would train on
+        # the padding without a word
+        raise InputError(f"the data holds 'labels', but --loss causal-lm reads its targets from the input "
+                         f"{loss.targets or 'input_ids'!r}: give --labels-from labels (labels_from=) to use them, "
+                         "or leave them out of the data")
     sample = [n for n in names if n not in static]
     if "labels" not in data and {"x", "y"} <= set(data) and len(sample) == 1:
         data = {sample[0]: data["x"], "labels": data["y"]}
@@ -113,6 +122,16 @@ def prepare(spec, data, static: Mapping | None = None, classes: int | None = Non
         # in memory: cast once; a memmap is cast batch by batch (a cast here would read it whole)
         arrays[n] = a if isinstance(a, np.memmap) else np.ascontiguousarray(a.astype(vi.dtype, copy=False))
         dtypes[n] = vi.dtype
+    # a static array whose first axis is declared with the same symbol as a per-sample array's is that sample
+    # axis: fed whole beside a batch it breaks the step (static labels [N] beside batches of x [N, ...])
+    batch_axes = {types[spec.labels if n == "labels" else n].shape[0]: n for n in wanted
+                  if types[spec.labels if n == "labels" else n].shape}
+    for n in static:
+        shape = types[spec.labels if n == "labels" else n].shape
+        if shape and isinstance(shape[0], str) and shape[0] in batch_axes:
+            raise InputError(f"--static {n}: its first axis {shape[0]!r} is the sample axis of {batch_axes[shape[0]]!r}, "
+                             f"which the data gives per sample; give {n!r} in the data instead, or every input and the "
+                             "labels as --static (full-batch training)")
     fixed = {}
     for n, a in static.items():
         vi = types[spec.labels if n == "labels" else n]
@@ -194,10 +213,17 @@ def load_npy(path, mmap: bool = True) -> np.ndarray:
     read it, or if it holds Python objects."""
     p = Path(path)
     if not p.is_file():
-        raise InputError(f"cannot read {str(path)!r}: no such file")
+        # say what it is: "no such file" for a directory or a FIFO named x.npy sends the user looking elsewhere
+        what = "is a directory" if p.is_dir() else "is not a regular file" if p.exists() else "no such file"
+        raise InputError(f"cannot read {str(path)!r}: {what}" + ("; give a .npy file" if p.exists() else ""))
     try:
         a = np.load(p, mmap_mode="r" if mmap else None, allow_pickle=False)
     except Exception as exc:  # noqa: BLE001  (numpy raises ValueError, OSError, EOFError, ... for a bad file)
+        # an object array (its items pickled) is never loaded: untrusted input; a file without numpy's magic
+        # (numpy guesses a pickle) keeps the generic message
+        if "Object arrays" in str(exc) or "Python objects" in str(exc):
+            raise InputError(f"{str(path)!r} holds an array of Python objects (dtype object, pickled), which is "
+                             "not read; save it as a numeric array") from None
         raise InputError(f"{str(path)!r} is not a readable .npy file ({type(exc).__name__})") from None
     if not isinstance(a, np.ndarray):
         raise InputError(f"{str(path)!r} is an .npz archive; give a .npy file (or FILE.npz:member for --static)")

@@ -33,7 +33,7 @@ import json
 import math
 import os
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,12 +79,20 @@ def config(graph: Graph) -> dict | None:
         return None
     try:
         found = json.loads(text)
-        if found.get("format") != _FORMAT or not isinstance(found.get("adapters"), list):
+        if not _valid(found):
             raise ValueError
     except (ValueError, AttributeError):
         raise RevgraphError(f"the model's metadata {KEY!r} is not a LoRA configuration revgraph wrote "
                             f"(format {_FORMAT}); remove it from the model's metadata_props") from None
     return found
+
+
+def _valid(found: object) -> bool:
+    """Is ``found`` a configuration of this format, down to each adapter's names? (A hand-edited or foreign
+    file would otherwise fail later with a KeyError deep inside apply.)"""
+    return (isinstance(found, dict) and found.get("format") == _FORMAT and isinstance(found.get("adapters"), list)
+            and all(isinstance(a, dict) and all(isinstance(a.get(k), str) for k in ("weight", "A", "B"))
+                    for a in found["adapters"]))
 
 
 def adapter_names(graph: Graph) -> list[str]:
@@ -392,6 +400,11 @@ def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge
     """``base`` with the adapters ``arrays`` of ``configuration`` (what :func:`extract` returns) on the same
     weights, merged into them with ``merge``. Raises :class:`RevgraphError` (one line) when ``base`` lacks a
     weight the adapters were trained on, or an adapter's shape does not fit its weight."""
+    if not _valid(configuration):
+        raise RevgraphError(f"lora.apply: the configuration is not one revgraph wrote (format {_FORMAT}, a list of "
+                            "adapters); pass what lora.extract or lora.load_adapters returns")
+    if not isinstance(arrays, Mapping):
+        raise RevgraphError(f"lora.apply: the adapters must be a mapping of arrays by name, got {type(arrays).__name__}")
     weights = [a["weight"] for a in configuration["adapters"]]
     sites = {s.weight for s in _sites(base)}
     missing = [w for w in weights if w not in sites]

@@ -32,6 +32,7 @@ batch of padding alone leaves the parameters to the optimizer's zero-gradient st
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -132,6 +133,10 @@ def check_options(kind: str, options: Mapping) -> dict:
     allowed = LOSSES["output:NAME" if kind == "output" else kind].options
     given = {k: v for k, v in options.items() if v is not None and not (k == "label_smoothing" and v == 0)}
     extra = [k for k in given if k not in allowed]
+    known = {o for v in LOSSES.values() for o in v.options}
+    if extra and extra[0] not in known:  # a typo: no loss takes it, so "it goes with" would name nothing
+        raise RevgraphError(f"unknown loss option {extra[0]!r} (loss_options=); the options are "
+                            f"{', '.join(sorted(known))}")
     if extra:
         flag = "--" + extra[0].replace("_", "-")
         raise RevgraphError(f"{flag} ({extra[0]}=) does not apply to --loss {kind}; it goes with "
@@ -140,10 +145,15 @@ def check_options(kind: str, options: Mapping) -> dict:
     if "ignore_index" in allowed:
         ii = options.get("ignore_index", DEFAULT_IGNORE[kind])
         ii = DEFAULT_IGNORE[kind] if ii is None else ii
-        if ii is not None and (isinstance(ii, bool) or not float(ii).is_integer()):
+        # isinstance first: float("x") would raise a bare ValueError (a traceback) for a string
+        if ii is not None and (isinstance(ii, bool) or not isinstance(ii, (int, float, np.integer, np.floating))
+                               or not float(ii).is_integer()):
             raise RevgraphError(f"--ignore-index must be an integer, got {ii!r}")
         out["ignore_index"] = None if ii is None else int(ii)
-        s = float(options.get("label_smoothing") or 0.0)
+        s = options.get("label_smoothing") or 0.0
+        if isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating)):
+            raise RevgraphError(f"--label-smoothing must be a number in [0, 1], got {s!r}")
+        s = float(s)
         if not 0.0 <= s <= 1.0:
             raise RevgraphError(f"--label-smoothing must be in [0, 1], got {s}")
         out["label_smoothing"] = s
@@ -151,8 +161,13 @@ def check_options(kind: str, options: Mapping) -> dict:
         if w is not None:
             w = np.asarray(w)
             if w.ndim != 1 or w.dtype.kind not in "fiu" or not np.isfinite(w).all() or (w < 0).any():
+                bad = "" if w.ndim != 1 or w.dtype.kind not in "fiu" else next(
+                    f" (weight {i} is {v})" for i, v in enumerate(w.tolist()) if not (math.isfinite(v) and v >= 0))
                 raise RevgraphError(f"--class-weights must be finite non-negative numbers of shape [classes], got "
-                                    f"{w.dtype} {list(w.shape)}")
+                                    f"{w.dtype} {list(w.shape)}{bad}")
+            if not w.any():  # every target would weigh 0: the loss is 0 and nothing trains (torch gives NaN)
+                raise RevgraphError("--class-weights are all 0: no target would count and nothing would train; "
+                                    "give at least one positive weight")
             w = [float(v) for v in w]
         out["class_weights"] = w
     if "labels_from" in allowed:
@@ -174,6 +189,10 @@ def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None 
     class weights of another length than the classes, a missing ids input.
     """
     kind, named = parse_loss(loss)
+    if kind == "output" and output is not None and output != named:
+        # output:NAME names the loss itself; a second output would be ignored without a word
+        raise RevgraphError(f"--model-output {output} (output=) does not go with --loss output:{named}, whose loss is "
+                            f"the output {named!r}: leave --model-output out")
     opts = check_options(kind, options)
     g = (model if is_ssa(model) else to_ssa(model)).copy()
     out = resolve_output(g, named if kind == "output" else output)
@@ -241,7 +260,15 @@ def _ids_input(g: Graph, labels_from: str | None, logits: ValueInfo) -> str:
     """The causal-lm targets: ``labels_from`` (a model input, or ``"labels"`` for a new labels input), else the
     only int64 input of rank 2, else ``input_ids``."""
     if labels_from is not None:
-        if labels_from in g.input_names or labels_from == "labels":
+        if labels_from == "labels":
+            return labels_from
+        if labels_from in g.input_names:
+            # the targets meet int64 constants in the loss: another dtype or rank made onnxruntime refuse the graph
+            vi = next(v for v in g.inputs if v.name == labels_from)
+            if vi.dtype != np.dtype(np.int64) or (vi.shape is not None and len(vi.shape) != 2):
+                raise RevgraphError(f"--labels-from {labels_from}: input {labels_from!r} is {vi.describe()}; causal-lm's "
+                                    "targets are int64 token ids [batch, positions] (export the ids as int64, or give "
+                                    "--labels-from labels and a labels array)")
             return labels_from
         raise RevgraphError(f"--labels-from {labels_from!r}: the model has no such input (its inputs are "
                             f"{', '.join(g.input_names)}); name its token ids input, or 'labels' for a labels array")
@@ -249,7 +276,7 @@ def _ids_input(g: Graph, labels_from: str | None, logits: ValueInfo) -> str:
     if len(ints) == 1:
         return ints[0]
     if "input_ids" in g.input_names:
-        return "input_ids"
+        return _ids_input(g, "input_ids", logits)  # checked as if named: an int32 input_ids is refused in one line
     raise RevgraphError(f"causal-lm: the model has {len(ints)} int64 inputs of rank 2 ({', '.join(ints) or 'none'}) "
                         "and none named input_ids; name the token ids with --labels-from NAME (labels_from=)")
 

@@ -135,18 +135,44 @@ def resume(trainer, directory, run: dict, total: int | None, override=(), consol
     changed = differences(meta.get("hyperparameters"), now)
     refused = [(k, a, b) for k, a, b in changed if k not in names_ok]
     if refused:
-        said = ", ".join(f"{k} {a!r} (now {b!r})" for k, a, b in refused)
+        said = ", ".join(_change(k, a, b) for k, a, b in refused)
         flags = " ".join(f"--override {k}" for k, _, _ in refused)
         raise RevgraphError(f"{where} was written with {said}; resume with the same value, or give {flags} "
                             f"(fit(override=[...])) to train on with the new one, or move it away to start afresh")
     arrays = found[0] if found else None
     if trainer.comm:
         arrays = trainer.comm.broadcast_arrays(arrays, names, engine.read(names))
-    engine.load(arrays)
+    try:
+        engine.load(arrays)
+    except RevgraphError as exc:  # an overridden setting that changes shapes (another --lora rank) lands here
+        raise RevgraphError(f"{where} cannot be resumed: {exc}; move it away to start afresh") from None
     if changed and trainer.is_main:
-        note(console, f"resuming {where} with " + ", ".join(f"{k} {b!r} instead of {a!r}" for k, a, b in changed)
+        note(console, f"resuming {where} with " + ", ".join(_change(k, a, b, "instead of") for k, a, b in changed)
              + " (overridden)")
     return meta
+
+
+def _change(k: str, a, b, how: str = "now") -> str:
+    """``"lr 0.003 (now 0.006)"``; a JSON record (``revgraph.lora``) shows only its entries that differ, as
+    ``"revgraph.lora rank 4 (now 8)"``, not the whole configuration (kilobytes of adapter sites)."""
+    def parsed(v):
+        try:
+            v = json.loads(v) if isinstance(v, str) else None
+        except ValueError:
+            return None
+        return v if isinstance(v, dict) else None
+
+    ja, jb = parsed(a), parsed(b)
+    if ja is None or jb is None:
+        return f"{k} {b!r} instead of {a!r}" if how != "now" else f"{k} {a!r} (now {b!r})"
+    parts = []
+    for x in dict.fromkeys([*ja, *jb]):
+        va, vb = ja.get(x), jb.get(x)
+        if va != vb:
+            short = len(repr(va)) + len(repr(vb)) < 120
+            parts.append((f"{x} {vb!r} instead of {va!r}" if how != "now" else f"{x} {va!r} (now {vb!r})")
+                         if short else f"other {x}")
+    return f"{k} " + ", ".join(parts)
 
 
 def note(console, text: str) -> None:

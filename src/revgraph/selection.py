@@ -9,7 +9,7 @@ exact name means that initializer even when it holds glob characters (``onnx::Ma
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -35,8 +35,13 @@ def _matches(model: Graph, pattern: object, option: str) -> list[str]:
     return found
 
 
-def _patterns(value: Iterable[str] | str | None) -> list | None:
-    return None if value is None else [value] if isinstance(value, str) else list(value)
+def _patterns(value: Iterable[str] | str | None, option: str) -> list | None:
+    if value is None or isinstance(value, str):
+        return None if value is None else [value]
+    # bytes would iterate as ints and a mapping as its keys ({"W1": False} would freeze W1): refuse both
+    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+        raise RevgraphError(f"{option} must be a name or glob pattern or a list of them, got {type(value).__name__}")
+    return list(value)
 
 
 def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iterable[str] | str | None = None,
@@ -52,7 +57,7 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
     """
     from .lora import adapter_names
 
-    params, freeze = _patterns(params), _patterns(freeze)
+    params, freeze = _patterns(params, "params (--train)"), _patterns(freeze, "freeze (--freeze)")
     if params is None:
         names = adapter_names(model) or [k for k, a in model.initializers.items()
                                          if _floats(a)]

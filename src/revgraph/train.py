@@ -24,7 +24,7 @@ and the bias correction uses the global step.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,11 +32,11 @@ import onnx
 
 from .autodiff.api import gradient
 from .autodiff.policies import CheckpointPolicy
+from .errors import RevgraphError
 from .graphbuild import Builder, name_outputs
 from .ir import Graph, ValueInfo
 from .losses import LOSSES, LossSpec, loss_graph, resolve_output
 from .onnx_io import load
-from .precision import add_loss_scaling, autocast, make_precision, seed_with_scale
 from .optimizers import (
     GROUP_ELEMENTS,
     OPTIMIZERS,
@@ -52,6 +52,7 @@ from .optimizers import (
     update,
     update_groups,
 )
+from .precision import add_loss_scaling, autocast, make_precision, seed_with_scale
 from .schedules import SCHEDULES, Schedule, clipped_gradients, excluded
 from .ssa import is_ssa, to_ssa
 from .sync_batchnorm import inference_batchnorms
@@ -183,6 +184,9 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     model = model if is_ssa(model) else to_ssa(model)
     names = trainable(model, params, freeze)
     prec = make_precision(precision)
+    if loss_options is not None and not isinstance(loss_options, Mapping):  # ** of a list: a TypeError
+        raise RevgraphError(f"loss_options must be a mapping of option names to values, got "
+                            f"{type(loss_options).__name__}")
     lg, spec = loss_graph(autocast(model, prec)[0], loss, output=output, **(loss_options or {}))
     params_as_inputs(lg, names)
     lg.outputs = lg.outputs[:1]
@@ -198,7 +202,9 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     tg = TrainingGraph(gg, model, opt, spec, list(model.input_names), names, {}, step, {}, {}, "",
                        initial={p: np.asarray(model.initializers[p]) for p in names})
     check_representable(opt, {p: tg.initial[p].dtype for p in names})
-    tg.no_decay = excluded(opt, tg.initial) if opt.weight_decay else []
+    # the patterns are checked without weight decay too: a --no-decay that matches nothing is a typo either way
+    no_decay = excluded(opt, tg.initial)
+    tg.no_decay = no_decay if opt.weight_decay else []
     if opt.schedule is not None and opt.schedule.needs_total:
         tg.total = b.fresh("total_steps")
     scalars = Scalars(b, opt, step, tg.total)
