@@ -301,3 +301,14 @@ def check_jvp(g: Graph, feeds: dict[str, np.ndarray], torch_fn, *, wrt: list[str
         expected = _torch_jvp(torch_fn, feeds, wrt, ts, torch_by_vjp)
         for y, e in zip(outputs, expected, strict=False):
             np.testing.assert_allclose(jt[y], e, rtol=rtol, atol=atol, err_msg=f"JVP vs PyTorch's, {y}")
+
+
+def one_line_error(code: int, err: str, *fragments: str) -> None:
+    """A command's bad-input failure as the contract has it: exit 2, one line ``revgraph: error: ...`` holding
+    every fragment, and no traceback."""
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("revgraph: error:"), err
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])

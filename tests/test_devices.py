@@ -22,6 +22,7 @@ except ImportError:
 import numpy as np
 import onnxruntime as ort
 import pytest
+from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 
 import revgraph as rg
 from revgraph import demo
@@ -45,14 +46,6 @@ def no_cuda_provider(monkeypatch):
     real = ort.get_available_providers()
     monkeypatch.setattr(ort, "get_available_providers", lambda: [p for p in real if p != "CUDAExecutionProvider"])
 
-
-def one_line_error(code: int, err: str, *fragments: str) -> None:
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("revgraph: error:"), err
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
 
 
 def embedding_model(seed: int = 0) -> Graph:

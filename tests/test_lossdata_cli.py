@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 import torch
 import torch.nn.functional as F
 from lossdata_models import V, lm_data, static_data, static_model, tiny_lm
@@ -19,13 +20,6 @@ from revgraph.cli import main
 def wide_terminal(monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # rich wraps at 80 columns when not on a terminal
 
-
-def one_line_error(code, err, *fragments):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("revgraph: error:"), err
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
 
 
 def trained(path) -> dict:

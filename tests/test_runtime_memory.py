@@ -9,6 +9,7 @@ import itertools
 import numpy as np
 import onnxruntime as ort
 import pytest
+from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 from test_train import OPTIMIZERS, embedding_model, mlp
 
 import revgraph as rg
@@ -28,13 +29,6 @@ F32 = np.float32
 def wide_terminal(monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # rich wraps at 80 columns when not on a terminal
 
-
-def one_line_error(code, err, *fragments):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("revgraph: error:") and "Traceback" not in err, err
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
 
 
 def _mlp_batches(n=4, seed=0):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 import torch
 from conftest import DATA_DIR
 from test_train import OPTIMIZERS, assert_params_close, mlp, torch_mlp, torch_train
@@ -40,13 +41,6 @@ def model_and_data(tmp_path):
     np.savez(tmp_path / "data.npz", x=x, labels=y)
     return g, x, y, tmp_path
 
-
-def one_line_error(code, err, *fragments):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("revgraph: error:"), err
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
