@@ -112,6 +112,8 @@ def add_lora_parser(sub) -> None:
 
 
 def cmd_lora(args: argparse.Namespace) -> int:
+    """``revgraph lora extract|apply``: write the adapters of a trained model alone, or apply them to a base model
+    (merged with ``--merge``); returns the exit code."""
     from . import lora
     from .cli_write import write_graph
     from .onnx_io import load

@@ -36,6 +36,7 @@ class Dataset:
         self.n = next(iter(lengths.values())) if lengths else 1
 
     def graph_name(self, key: str) -> str:
+        """The training graph's input fed by the data array ``key`` (``"labels"`` is the loss's labels input)."""
         return self.spec.labels if key == "labels" else key
 
     def feeds(self, rows) -> dict[str, np.ndarray]:

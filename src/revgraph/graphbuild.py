@@ -30,11 +30,13 @@ class Builder:
     scope = Emitter.scope  # ``with b.scope(prefix):`` names what is emitted inside ``<prefix>/<OpType>``
 
     def op(self, op_type: str, inputs: list[str], **attrs) -> str:
+        """Append one default-domain node ``op_type(inputs)`` with ``attrs``; returns its (fresh) output name."""
         out = self.fresh(f"{self.prefix}/{op_type}")
         self.nodes.append(Node(op_type, inputs, [out], attrs, out))
         return out
 
     def const(self, value, dtype) -> str:
+        """The name of a ``Constant`` holding ``value`` as ``dtype``; equal constants are emitted once."""
         arr = np.asarray(value, dtype=dtype)
         key = (arr.dtype.str, arr.shape, arr.tobytes())
         if key not in self._consts:

@@ -212,9 +212,11 @@ class LossScale:
     dtype: np.dtype = _F32
 
     def pairs(self) -> list[tuple[str, str]]:
+        """The carried ``(input, output)`` pairs: the scale and the good-step count."""
         return [(self.scale, self.new_scale), (self.growth, self.new_growth)]
 
     def initial(self) -> dict[str, np.ndarray]:
+        """Their first values: ``init_scale`` and 0."""
         return {self.scale: np.array(self.precision.init_scale, dtype=self.dtype),
                 self.growth: np.array(0, dtype=np.int64)}
 
