@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -41,7 +42,13 @@ from .version import __version__
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (exit 2), as every revgraph error is."""
+    """argparse with one-line usage errors (exit 2), as every revgraph error is, and without abbreviated
+    options: ``--npro 2`` is an unknown option, not ``--nproc 2`` (an abbreviation accepted today would change
+    meaning when a longer option with the same start is added, and torchrun would see it spelled out)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise _UsageError(f"{message} (see '{self.prog} --help')")
@@ -150,6 +157,22 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``revgraph`` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    for stream in (sys.stdout, sys.stderr):  # a name the terminal's encoding cannot show is escaped, not fatal
+        if stream is not None and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    try:
+        code = _main(argv)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # (here, where a closed pipe is caught, not at the interpreter's exit)
+        return code
+    except BrokenPipeError:  # the reader went away (`revgraph info m.onnx | head -1`): stop quietly, as Unix
+        # tools do (128 + SIGPIPE); stdout goes to /dev/null so that the interpreter's last flush cannot fail
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13
+
+
+def _main(argv: list[str]) -> int:
     try:
         args = _parser().parse_args(argv)
         args.argv = list(argv)
@@ -166,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("revgraph: interrupted")
         return 130
+    except BrokenPipeError:  # (not a bug: main stops quietly)
+        raise
     except Exception as exc:  # a bug of ours: say so in one line unless asked for the traceback
         if args.traceback:
             raise

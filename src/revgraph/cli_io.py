@@ -18,7 +18,9 @@ from .text import LiteralConsole
 
 # Piped output keeps whole names and numbers instead of rich's 80-column truncation. Every string printed is
 # shown literally (names from a model may hold escape sequences, newlines or Rich markup): revgraph.text.
-out = LiteralConsole(highlight=False, width=None if sys.stdout.isatty() else 200)
+# (sys.stdout is None when the command runs with its standard output closed, `revgraph info m.onnx >&-`: Rich
+# then writes nowhere.)
+out = LiteralConsole(highlight=False, width=None if sys.stdout is not None and sys.stdout.isatty() else 200)
 err = LiteralConsole(stderr=True, highlight=False)
 
 

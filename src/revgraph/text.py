@@ -53,6 +53,12 @@ class LiteralConsole(Console):
     (printed lines, table cells and titles, progress descriptions), and markup (``[red]``) and emoji codes
     (``:smile:``) in it are shown as written. ``Text`` objects (styled with :func:`cell`) pass unchanged."""
 
+    def on_broken_pipe(self) -> None:
+        """The reader of the output went away: stop writing, and let :func:`revgraph.cli.main` end the command
+        quietly with 128 + SIGPIPE (Rich's default exits 1, which reads as "a check found a disagreement")."""
+        self.quiet = True
+        raise BrokenPipeError
+
     def render_str(self, text: str, **kwargs) -> Text:  # type: ignore[override]
         kwargs.update(markup=False, emoji=False)
         return super().render_str(literal(text), **kwargs)
