@@ -231,6 +231,9 @@ def run_torchrun(argv: list[str]) -> int:
     parsed = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="revgraph-run-") as run_dir:
         os.environ[RUN_DIR_ENV], os.environ[AGENT_PID_ENV] = run_dir, str(os.getpid())
+        if parsed.log_dir is None:  # torchrun's logs (error files) go in this run's directory, removed with it:
+            # by default the agent makes a torchelastic_* directory in TMPDIR per run and leaves it there
+            parsed.log_dir = os.path.join(run_dir, "torchelastic")
         try:
             run(parsed)
             return 0

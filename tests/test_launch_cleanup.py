@@ -1,0 +1,40 @@
+"""``revgraph train --nproc N`` leaves nothing behind in TMPDIR (issue 28, part 4): torchrun's agent made a
+``torchelastic_*`` directory per run and never removed it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import revgraph as rg
+from revgraph import demo
+
+pytest.importorskip("torch.distributed.run", reason="--nproc needs torch (revgraph[distributed])")
+
+
+@pytest.mark.parametrize("case", ["trains", "refused data"])
+def test_nproc_leaves_no_directory_in_tmpdir(tmp_path, case):
+    """A run that trains and one that a rank refuses (exit 2, one revgraph line) leave TMPDIR as it was."""
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    rg.save(demo.mlp_model(), work / "mlp.onnx")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8, 8)).astype(np.float32)
+    np.savez(work / "data.npz", x=x if case == "trains" else x.reshape(16, 64), labels=rng.integers(0, 10, 16))
+    env = {**os.environ, "TMPDIR": str(tmp),
+           "PYTHONPATH": os.pathsep.join([str(Path(rg.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "revgraph", "train", "mlp.onnx", "--data", "data.npz", "--loss",
+                           "cross-entropy", "--epochs", "1", "--batch-size", "4", "--threads", "1", "--nproc", "2",
+                           "-o", "out.onnx"], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == (0 if case == "trains" else 2), done.stderr[-2000:]
+    if case != "trains":
+        assert "revgraph: error: rank 0 refused its data" in done.stderr and "Traceback" not in done.stderr
+    # (a `.ses` file some library of the environment writes there in one process too is not ours)
+    left = [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic", "revgraph"))]
+    assert not left, left
