@@ -312,3 +312,16 @@ def one_line_error(code: int, err: str, *fragments: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("revgraph: error:"), err
     for f in fragments:
         assert f in lines[0], (f, lines[0])
+
+
+def crash_after(trainer, steps: int) -> None:
+    """Make ``trainer`` die (``KeyboardInterrupt``, as a killed run) when it is about to take step ``steps + 1``:
+    a run interrupted after its checkpoints up to there, for the resume tests."""
+    real = trainer._engine.step
+
+    def step(*args, **kwargs):
+        if trainer.steps == steps:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    trainer._engine.step = step

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from harness import crash_after  # (tests/ is on sys.path)
 
 import revgraph as rg
 from revgraph import checkpoints, demo
@@ -187,14 +188,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path):
     ref, data = trainer("embedding", "adam", 97, False)
     ref_means = ref.fit(data, 3, 16, seed=3, progress=False)
     crashing, _ = trainer("embedding", "adam", 97, False)
-    real_step = crashing._engine.step
-
-    def step(*args, **kwargs):
-        if crashing.steps == 11:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    crashing._engine.step = step
+    crash_after(crashing, 11)
     with pytest.raises(KeyboardInterrupt):
         crashing.fit(data, 3, 16, seed=3, progress=False, checkpoint_dir=tmp_path, checkpoint_every=4)
     meta = checkpoints.load(tmp_path)[1]

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from harness import crash_after  # (tests/ is on sys.path)
 import torch
 import torch.nn.functional as F
 from test_precision import ATOL, C, D, batches, mlp, reference_train, torch_mlp  # (tests/ is on sys.path)
@@ -184,14 +185,7 @@ def test_fp16_scaled_run_with_a_schedule_resumed_mid_run_equals_the_uninterrupte
     ref = run()
     ref.fit(data, **how)
     crashing = run()
-    real = crashing._engine.step
-
-    def step(*args, **kwargs):
-        if crashing.steps == 7:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    crashing._engine.step = step
+    crash_after(crashing, 7)
     with pytest.raises(KeyboardInterrupt):
         crashing.fit(data, **how, checkpoint_dir=tmp_path, checkpoint_every=3)
     arrays, meta = checkpoints.load(tmp_path)
@@ -427,14 +421,7 @@ def test_static_inputs_with_a_schedule_resumed_mid_run_equal_the_uninterrupted_r
     ref.fit(data, **how)
     assert ref.steps == 15
     crashing, how = run(checkpoint_dir=tmp_path, checkpoint_every=4)
-    real = crashing._engine.step
-
-    def step(*args, **kwargs):
-        if crashing.steps == 9:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    crashing._engine.step = step
+    crash_after(crashing, 9)
     with pytest.raises(KeyboardInterrupt):
         crashing.fit(data, **how)
     arrays, meta = checkpoints.load(tmp_path)

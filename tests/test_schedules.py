@@ -12,6 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
+from harness import crash_after  # (tests/ is on sys.path)
 import torch
 import torch.nn.functional as F
 from test_train import assert_params_close, embedding_model, mlp, torch_mlp  # (tests/ is on sys.path)
@@ -232,14 +233,7 @@ def test_resume_mid_schedule_equals_the_uninterrupted_run(tmp_path):
     ref, data = _cosine_trainer()
     ref.fit(data, EPOCHS, BATCH, seed=2, progress=False)
     crashing, _ = _cosine_trainer()
-    real = crashing._engine.step
-
-    def step(*args, **kwargs):
-        if crashing.steps == 11:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    crashing._engine.step = step
+    crash_after(crashing, 11)
     with pytest.raises(KeyboardInterrupt):
         crashing.fit(data, EPOCHS, BATCH, seed=2, progress=False, checkpoint_dir=tmp_path, checkpoint_every=4)
     arrays, meta = checkpoints.load(tmp_path)
@@ -294,14 +288,7 @@ def test_resume_with_another_hyperparameter_is_refused_unless_overridden(tmp_pat
     """Each recorded setting: resuming with another value is refused in one line naming it (then and now);
     ``override=[name]`` trains on with the new value and says so in one line; the new checkpoint records it."""
     first, data = _cosine_trainer()
-    real = first._engine.step
-
-    def step(*args, **kwargs):
-        if first.steps == 7:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    first._engine.step = step  # a run of 4 epochs interrupted after its checkpoint at step 6
+    crash_after(first, 7)
     with pytest.raises(KeyboardInterrupt):
         first.fit(data, EPOCHS, BATCH, progress=False, checkpoint_dir=tmp_path, checkpoint_every=6)
     tr, _, epochs = _changed(name)
