@@ -41,7 +41,7 @@ def save(directory: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict
     text = json.dumps({**meta, "format": FORMAT, "names": names})
     target = path_in(directory)
     try:
-        with atomic_path(target, suffix=".npz") as tmp:
+        with atomic_path(target, suffix=".npz", special=False) as tmp:
             with open(tmp, "wb") as f:
                 np.savez(f, meta=np.array(text), **payload)
     except OSError as exc:

@@ -18,7 +18,8 @@ from .autodiff.api import gradient
 from .check import NOT_CHECKED, check_gradients
 from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers
-from .cli_io import check_command_outputs, err, out, read_npz, write_npz
+from .atomic import write_error
+from .cli_io import check_command_outputs, err, out, read_npz, silence_stdout, stdout, write_npz
 from .cli_lora import add_lora_parser, cmd_lora
 from .cli_train import add_runtime_arguments, add_train_parser, cmd_train, runtime_from_args
 from .cli_write import (
@@ -151,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, metavar="N", help="epochs of the recurrent classifier (default 30)")
     demo.add_argument("--hidden", type=int, metavar="H", help="hidden size of the recurrent classifier (default 128)")
     demo.add_argument("--seed", type=_seed, default=0, help="seed of the split, the weights and the shuffling")
+    demo.add_argument("--force", action="store_true", help="overwrite files in DIR that the demo did not write "
+                      "(by default the demo refuses to replace them: it writes rnn.onnx, rnn.train.onnx, mlp.onnx, "
+                      "mlp.train.onnx, loss.svg and .revgraph-demo.json)")
     return p
 
 
@@ -170,9 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 128 + 13
+    except OSError as exc:  # standard output on a full disk (> /dev/full): one line, as for any output file
+        silence_stdout()
+        err.print(f"revgraph: error: {write_error(exc, 'standard output')}", soft_wrap=True, markup=False)
+        return 2
 
 
 def _main(argv: list[str]) -> int:
+    stdout.to_stderr = False  # (set by check_command_outputs when -o is standard output)
     try:
         args = _parser().parse_args(argv)
         args.argv = list(argv)
@@ -396,7 +405,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise RevgraphError("--epochs and --hidden must be positive")
     settings = dataclasses.replace(settings, seed=args.seed, **changes)
     # The demo builds its own models (no untrusted names) and styles its table with markup.
-    results = demo.run(args.output, settings, console=Console(highlight=False, width=out.width if sys.stdout.isatty() else 200))
+    results = demo.run(args.output, settings, force=args.force, console=Console(file=stdout, highlight=False,
+                       width=out.width if sys.stdout.isatty() else 200))
     return 0 if all(results[k]["check_ok"] for k in ("rnn", "mlp")) else 1
 
 

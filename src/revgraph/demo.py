@@ -11,11 +11,17 @@ seed. Both models read ``x`` float32 ``[N, 8, 8]`` and write ``logits`` float32 
 For each: the gradient of the cross-entropy loss is checked against float64 central differences
 (:func:`revgraph.check_gradients`), the training-step graph is built (:mod:`revgraph.train`) and run by
 :class:`revgraph.trainer.Trainer` with Adam, and the test accuracy is measured. The training graphs, the
-trained models and a loss-curve SVG (written by hand, no plotting library) go to the output directory.
+trained models and a loss-curve SVG (written by hand, no plotting library) go to the output directory, with
+:data:`MANIFEST`, the size and SHA-256 of each file the demo wrote there: a rerun replaces those files, and
+refuses (before any work, unless ``force``) to replace a file of the same name that the demo did not write or
+that was changed since (the user's own ``loss.svg``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +31,12 @@ import numpy as np
 from .ir import Graph, Node, ValueInfo
 
 F32 = np.dtype(np.float32)
+
+#: The files the demo writes into its directory.
+FILES = ("rnn.train.onnx", "rnn.onnx", "mlp.train.onnx", "mlp.onnx", "loss.svg")
+#: The record of what the demo wrote there: ``{"format": ..., "files": {name: [size, sha256]}}``.
+MANIFEST = ".revgraph-demo.json"
+_FORMAT = "revgraph-demo-1"
 
 
 @dataclass(frozen=True)
@@ -203,17 +215,87 @@ def _esc(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+# ------------------------------------------------------------------------------------ the output directory
+
+
+def _fingerprint(path: Path) -> list | None:
+    """``[size, sha256]`` of a regular file (through links), ``None`` for anything else."""
+    try:
+        if not path.is_file():
+            return None
+        with open(path, "rb") as f:
+            return [os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()]
+    except OSError:
+        return None
+
+
+def _recorded(out: Path) -> dict | None:
+    """The files the manifest in ``out`` records (``{}`` without one), ``None`` for a file of that name that is
+    not the demo's manifest."""
+    manifest = out / MANIFEST
+    if not os.path.lexists(manifest):
+        return {}
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8")) if manifest.is_file() else None
+    except (OSError, ValueError):
+        return None
+    files = data.get("files") if isinstance(data, dict) and data.get("format") == _FORMAT else None
+    return files if isinstance(files, dict) else None
+
+
+def check_output_directory(out: str | Path, force: bool = False) -> dict:
+    """Refuse, before any work (:class:`revgraph.RevgraphError`, one line), an output directory the demo cannot
+    write, or (unless ``force``) one holding a file of a name the demo writes (:data:`FILES`, :data:`MANIFEST`)
+    that the demo did not write or that changed since. Returns the manifest's records to keep."""
+    from .atomic import output_target
+    from .errors import RevgraphError
+
+    out = Path(out)
+    if os.path.lexists(out) and not out.is_dir():
+        raise RevgraphError(f"demo -o {str(out)!r}: it is not a directory; give a directory (made if missing)")
+    if not out.is_dir():
+        return {}
+    recorded = _recorded(out)
+    if recorded is None and not force:
+        raise RevgraphError(f"demo -o {str(out)!r}: {str(out / MANIFEST)!r} exists and is not the demo's record; "
+                            "choose a new directory, move the file away, or pass --force")
+    recorded = recorded or {}
+    for name in (*FILES, MANIFEST):
+        path = out / name
+        if not force and name != MANIFEST and os.path.lexists(path) and recorded.get(name) != _fingerprint(path):
+            raise RevgraphError(f"demo -o {str(out)!r}: {str(path)!r} exists and the demo did not write it (or it "
+                                "changed since); choose a new directory, move the file away, or pass --force")
+        if os.path.lexists(path):
+            output_target(path)  # a directory, a socket, a dangling link of that name: refused now
+    return recorded
+
+
+def _record(out: Path, recorded: dict, name: str) -> None:
+    """Add the file ``name`` just written to the manifest (written after each file: a run that stops half-way
+    leaves the files it wrote recorded)."""
+    from .atomic import atomic_path
+
+    recorded[name] = _fingerprint(out / name)
+    text = json.dumps({"format": _FORMAT, "files": recorded}, indent=1)
+    with atomic_path(out / MANIFEST) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
+
+
 # ------------------------------------------------------------------------------------------------ run
 
 
-def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), console=None) -> dict:
+def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), console=None,
+        force: bool = False) -> dict:
     """Run the demo (module doc), printing to ``console`` (a rich Console); return what it measured:
     ``{"rnn": {...}, "mlp": {...}, "seconds": float, "svg": path}``, each model with ``accuracy``,
     ``loss``, ``train_graph`` (path), ``model`` (path), ``size`` ((nodes, in subgraphs, initializers, bytes))
-    and ``check_ok``. Raises :class:`revgraph.RevgraphError` if the output directory cannot be made."""
+    and ``check_ok``. Raises :class:`revgraph.RevgraphError` if the output directory cannot be made or holds
+    files the demo did not write (unless ``force``: :func:`check_output_directory`), or a file cannot be
+    written."""
     from rich.console import Console
     from rich.table import Table
 
+    from .atomic import atomic_path
     from .check import check_gradients
     from .errors import RevgraphError
     from .train import adam, graph_size, loss_graph
@@ -222,6 +304,7 @@ def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), 
     console = console or Console(highlight=False)
     started = time.perf_counter()
     out = Path(out_dir)
+    recorded = check_output_directory(out, force)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -266,7 +349,9 @@ def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), 
         ev = trainer.evaluate(test)
         graph_path, model_path = out / f"{key}.train.onnx", out / f"{key}.onnx"
         trainer.save_training_graph(graph_path)
+        _record(out, recorded, graph_path.name)
         trainer.export(model_path)
+        _record(out, recorded, model_path.name)
         size = graph_size(trainer.spec.graph)
         per_epoch = -(-len(train["labels"]) // settings.batch_size)
         curves[f"{key}: test {ev['accuracy']:.1%}"] = (trainer.losses, per_epoch)
@@ -278,7 +363,10 @@ def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), 
                       f"{size[2]} initializers, {size[3]:,} bytes; trained model {model_path}",
                       markup=False, soft_wrap=True)
     svg = out / "loss.svg"
-    svg.write_text(loss_svg(curves, "revgraph demo: cross-entropy on the digits training set (Adam)"))
+    text = loss_svg(curves, "revgraph demo: cross-entropy on the digits training set (Adam)")
+    with atomic_path(svg) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
+    _record(out, recorded, svg.name)
     results["svg"] = str(svg)
     results["seconds"] = time.perf_counter() - started
     console.print(f"loss curves: {svg}", markup=False, soft_wrap=True)

@@ -21,7 +21,7 @@ import onnx
 from google.protobuf.message import EncodeError
 from onnx import TensorProto, numpy_helper
 
-from .atomic import atomic_path
+from .atomic import atomic_path, output_target
 from .errors import RevgraphError
 
 #: The largest model written as one protobuf message (protobuf's 2 GiB limit); tests lower it.
@@ -121,7 +121,11 @@ def save_external(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     ``<path>.data`` (offsets aligned to 4 KiB), both files atomically; ``model`` is not changed (the copy
     written leaves out the data of its large initializers, so memory grows by one tensor at a time). Raises
     :class:`RevgraphError` for a tensor whose data is external and not loaded, or a model still too large."""
-    target = Path(path)
+    found = output_target(path)
+    if found.kind not in ("new", "file"):  # two files cannot go into one FIFO or device
+        raise RevgraphError(f"cannot write {found.path!r}: a model over protobuf's 2 GiB limit is written as two "
+                            "files (the model and its .data); give a regular file's path")
+    target = Path(found.write)  # a symbolic link's target: the model's .data goes next to the file written
     location = target.name + ".data"
     copy = _shell(model, frozenset({"graph"}))
     copy.graph.CopyFrom(_shell(model.graph, frozenset({"initializer"})))
