@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import zipfile
 
 import numpy as np
@@ -61,6 +62,13 @@ def _storable(name: str, a: np.ndarray) -> np.ndarray:
         raise RevgraphError(f"output {name!r} holds Python objects that cannot be stored without pickle") from None
 
 
+class _Stream:
+    """A file that zipfile cannot ask for its position, so that it writes without seeking."""
+
+    def __init__(self, f) -> None:
+        self.write, self.flush = f.write, f.flush
+
+
 def write_outputs(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
     """Write ``arrays`` (output name -> array) to ``path`` as ``.npz`` with the name mapping (module doc),
     atomically. Raises :class:`RevgraphError` for an output that cannot be stored without pickle."""
@@ -68,8 +76,11 @@ def write_outputs(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> Non
     members = member_names(names)
     stored = [_storable(n, arrays[n]) for n in names]
     mapping = np.array([[m, n] for m, n in zip(members, names, strict=True)], dtype=str).reshape(len(names), 2)
-    with atomic_path(path, suffix=".npz") as tmp:
-        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with atomic_path(path, suffix=".npz") as tmp, open(tmp, "wb") as f:
+        # A FIFO or a device (a character device can claim to seek, /dev/null's position stays 0) is written as
+        # a stream: zipfile then puts each member's sizes after its data instead of seeking back
+        stream = f if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else _Stream(f)
+        with zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             for member, array in [*zip(members, stored, strict=True), (NAMES, mapping)]:
                 with zf.open(member + ".npy", "w", force_zip64=True) as f:
                     np.lib.format.write_array(f, array, allow_pickle=False)
