@@ -385,7 +385,11 @@ def _cli(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "revgraph", *args], env=env, timeout=120, **kwargs)
 
 
-@pytest.mark.parametrize("command", ["grad", "run", "show", "train -o", "lora extract .npz"])
+SLOW = pytest.mark.slow  # (a subprocess each: a fast sample runs by default, the rest with -m slow)
+
+
+@pytest.mark.parametrize("command", ["grad", "run", *(pytest.param(c, marks=SLOW) for c in
+                                                      ("show", "train -o", "lora extract .npz"))])
 @pytest.mark.parametrize("via", ["/dev/stdout", "a link to /proc/self/fd/1"])
 def test_output_to_standard_output(inputs, tmp_path, command, via):
     suffix, argv = _commands(inputs)[command]
@@ -404,7 +408,7 @@ def test_output_to_standard_output(inputs, tmp_path, command, via):
         assert os.readlink(out) == "/proc/self/fd/1" and _listing(tmp_path) == {"link" + suffix}
 
 
-@pytest.mark.parametrize("command", ["grad", "run", "info"])
+@pytest.mark.parametrize("command", ["grad", "info", pytest.param("run", marks=SLOW)])
 def test_standard_output_on_a_full_device(inputs, command):
     argv = {"grad": ["grad", str(inputs / "m.onnx"), "-o", os.devnull], "info": ["info", str(inputs / "m.onnx")],
             "run": ["run", str(inputs / "m.onnx"), "--inputs", str(inputs / "in.npz")]}[command]
@@ -422,7 +426,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("command", ["grad", "run", "show", "train -o", "lora extract .onnx"])
+@pytest.mark.parametrize("command", ["grad", "run", *(pytest.param(c, marks=SLOW) for c in
+                                                      ("show", "train -o", "lora extract .onnx"))])
 def test_a_file_size_limit(inputs, tmp_path, command):
     big = tmp_path.parent / f"{tmp_path.name}-big.onnx"  # a model whose outputs pass 2 KiB
     n = 1000
