@@ -570,3 +570,31 @@ def test_rg_save_examples(tmp_path, monkeypatch):
     rg.save(_model(), null)
     assert stat.S_ISCHR(os.lstat(null).st_mode)
     assert _listing(tmp_path) == {"y" * 245, *(["null"] if ROOT else [])}
+
+
+def test_checkpoint_dir_kinds(inputs, tmp_path, capsys):
+    """--checkpoint-dir: made with its parents, its checkpoint keeps its mode when a resumed run rewrites it,
+    and a read-only or full file system is refused (read-only before training) in one line."""
+    base = ["train", str(inputs / "m.onnx"), "--data", str(inputs / "d.npz"), "--loss", "cross-entropy",
+            "--batch-size", "4", "-o", os.devnull]
+    ck = tmp_path / "a" / "b"
+    assert main([*base, "--epochs", "1", "--checkpoint-dir", str(ck)]) == 0
+    assert _listing(ck) == {"checkpoint.npz"}
+    os.chmod(ck / "checkpoint.npz", 0o600)
+    assert main([*base, "--epochs", "2", "--checkpoint-dir", str(ck)]) == 0
+    assert "resumed" in capsys.readouterr().out
+    assert stat.S_IMODE((ck / "checkpoint.npz").stat().st_mode) == 0o600 and _listing(ck) == {"checkpoint.npz"}
+    mnt = tmp_path / "mnt"
+    if not _mount_tmpfs(mnt):
+        return
+    try:
+        _fill(mnt)
+        one_line_error(main([*base, "--epochs", "1", "--checkpoint-dir", str(mnt / "ck")]), capsys.readouterr().err,
+                       "no space left on the device writing")
+        assert not os.path.exists(mnt / "ck" / "checkpoint.npz") and _listing(mnt / "ck") == set()
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, timeout=20)
+        one_line_error(main([*base, "--epochs", "1", "--checkpoint-dir", str(mnt / "new" / "ck")]),
+                       capsys.readouterr().err, "the checkpoint file", "is not writable")
+        assert "steps of" not in capsys.readouterr().out
+    finally:
+        _umount(mnt)

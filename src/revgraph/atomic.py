@@ -357,6 +357,8 @@ def check_outputs(outputs: Mapping[str, str | os.PathLike | None], inputs: Mappi
             if not os.path.isdir(parent):
                 raise RevgraphError(f"cannot write {label} {text!r}: directory {os.path.dirname(text)!r} does not "
                                     "exist")
+            if not os.access(parent, os.W_OK | os.X_OK):  # (its directory would be made there after the work)
+                raise RevgraphError(f"cannot write {label} {text!r}: directory {parent!r} is not writable")
             target = Target(text, text, "new")
         else:
             target = output_target(text, special=label not in regular, label=label)

@@ -43,8 +43,10 @@ class _StandardOutput:
         except BrokenPipeError:
             raise
         except OSError as exc:
-            silence_stdout()
-            raise RevgraphError(write_error(exc, "standard output")) from None
+            if stream is sys.stdout:
+                silence_stdout()
+            raise RevgraphError(write_error(exc, "standard output" if stream is sys.stdout else "standard error")) \
+                from None
 
     def write(self, text: str):
         return self._call("write", text)
