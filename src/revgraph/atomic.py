@@ -214,6 +214,8 @@ def output_target(path: str | os.PathLike, *, special: bool = True, label: str |
         return _classify(text, special)
     except _Refused as exc:
         raise RevgraphError(f"cannot write {where}: {exc}") from None
+    except OSError as exc:  # (a directory on the way that cannot be searched, say)
+        raise RevgraphError(f"cannot write {where}: {exc.strerror or exc}") from None
 
 
 def write_error(exc: OSError, what: str, existed: bool = False) -> str:
