@@ -85,7 +85,8 @@ def _commands(i: Path) -> dict[str, tuple[str, object]]:
         "hessian": (".onnx", lambda o: ["hessian", str(i / "s.onnx"), "-o", o]),
         "show": (".dot", lambda o: ["show", str(i / "m.onnx"), "-o", o]),
         "train -o": (".onnx", lambda o: [*train, "-o", o]),
-        "train --save-training-graph": (".onnx", lambda o: [*train, "-o", os.devnull, "--save-training-graph", o]),
+        "train --save-training-graph": (".onnx", lambda o: [*train, "-o", str(i / "trained.onnx"),
+                                                            "--save-training-graph", o]),
         "lora extract .npz": (".npz", lambda o: ["lora", "extract", str(i / "lora.onnx"), "-o", o]),
         "lora extract .onnx": (".onnx", lambda o: ["lora", "extract", str(i / "lora.onnx"), "-o", o]),
         "lora apply": (".onnx", lambda o: ["lora", "apply", str(i / "m.onnx"), str(i / "adapters.npz"), "-o", o]),
@@ -409,8 +410,8 @@ def test_output_to_standard_output(inputs, tmp_path, command, via):
 
 
 @pytest.mark.parametrize("command", ["grad", "info", pytest.param("run", marks=SLOW)])
-def test_standard_output_on_a_full_device(inputs, command):
-    argv = {"grad": ["grad", str(inputs / "m.onnx"), "-o", os.devnull], "info": ["info", str(inputs / "m.onnx")],
+def test_standard_output_on_a_full_device(inputs, tmp_path, command):
+    argv = {"grad": ["grad", str(inputs / "m.onnx"), "-o", str(tmp_path / "g.onnx")], "info": ["info", str(inputs / "m.onnx")],
             "run": ["run", str(inputs / "m.onnx"), "--inputs", str(inputs / "in.npz")]}[command]
     with open("/dev/full", "w") as full:
         p = _cli(argv, stdout=full, stderr=subprocess.PIPE, text=True)
@@ -576,7 +577,7 @@ def test_checkpoint_dir_kinds(inputs, tmp_path, capsys):
     """--checkpoint-dir: made with its parents, its checkpoint keeps its mode when a resumed run rewrites it,
     and a read-only or full file system is refused (read-only before training) in one line."""
     base = ["train", str(inputs / "m.onnx"), "--data", str(inputs / "d.npz"), "--loss", "cross-entropy",
-            "--batch-size", "4", "-o", os.devnull]
+            "--batch-size", "4", "-o", str(tmp_path / "t.onnx")]
     ck = tmp_path / "a" / "b"
     assert main([*base, "--epochs", "1", "--checkpoint-dir", str(ck)]) == 0
     assert _listing(ck) == {"checkpoint.npz"}
@@ -598,3 +599,14 @@ def test_checkpoint_dir_kinds(inputs, tmp_path, capsys):
         assert "steps of" not in capsys.readouterr().out
     finally:
         _umount(mnt)
+
+
+def test_two_outputs_may_both_go_to_dev_null(inputs, tmp_path, capsys, monkeypatch):
+    null = _char_device(tmp_path, "null", 3)  # (as root, a private /dev/null: a regression cannot replace the real one)
+    monkeypatch.setattr(os, "devnull", str(null))
+    argv = ["train", str(inputs / "m.onnx"), "--data", str(inputs / "d.npz"), "--loss", "cross-entropy",
+            "--epochs", "1", "-o", str(null), "--save-training-graph", str(null)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert stat.S_ISCHR(os.lstat(null).st_mode)
+    argv[-1] = argv[-3] = str(tmp_path / "t.onnx")  # a file twice stays refused
+    one_line_error(main(argv), capsys.readouterr().err, "name the same file")

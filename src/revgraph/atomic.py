@@ -370,6 +370,8 @@ def check_outputs(outputs: Mapping[str, str | os.PathLike | None], inputs: Mappi
             if ident is not None and ident == found:
                 raise RevgraphError(f"{label} {text!r} is the same file as {source} {str(inputs[source])!r}; writing "
                                     "it would destroy that file: choose another output path")
+        if ident is not None and ident == _identity(os.devnull):
+            continue  # (what goes to /dev/null is dropped: two outputs may both go there)
         key = ident if ident is not None else os.path.realpath(text)
         if key in seen:
             raise RevgraphError(f"{label} and {seen[key]} name the same file {text!r}; choose two paths")
