@@ -147,7 +147,9 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a recurrent classifier (ONNX Loop) and an MLP on scikit-learn's digits")
     demo.add_argument("-o", "--output", metavar="DIR", default="revgraph-demo",
-                      help="where to write the graphs and the loss curves (default ./revgraph-demo)")
+                      help="where to write the graphs and the loss curves (default ./revgraph-demo; made if "
+                      "missing; a file there of a name the demo writes that the demo did not write is not replaced "
+                      "without --force)")
     demo.add_argument("--quick", action="store_true", help="a short run (a smoke test; lower accuracy)")
     demo.add_argument("--epochs", type=int, metavar="N", help="epochs of the recurrent classifier (default 30)")
     demo.add_argument("--hidden", type=int, metavar="H", help="hidden size of the recurrent classifier (default 128)")
