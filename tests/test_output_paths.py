@@ -410,10 +410,13 @@ def test_output_to_standard_output(inputs, tmp_path, command, via):
         assert os.readlink(out) == "/proc/self/fd/1" and _listing(tmp_path) == {"link" + suffix}
 
 
-@pytest.mark.parametrize("command", ["grad", "info", pytest.param("run", marks=SLOW)])
+@pytest.mark.parametrize("command", ["grad", "info", *(pytest.param(c, marks=SLOW) for c in ("run", "train", "demo"))])
 def test_standard_output_on_a_full_device(inputs, tmp_path, command):
     argv = {"grad": ["grad", str(inputs / "m.onnx"), "-o", str(tmp_path / "g.onnx")], "info": ["info", str(inputs / "m.onnx")],
-            "run": ["run", str(inputs / "m.onnx"), "--inputs", str(inputs / "in.npz")]}[command]
+            "run": ["run", str(inputs / "m.onnx"), "--inputs", str(inputs / "in.npz")],
+            "train": ["train", str(inputs / "m.onnx"), "--data", str(inputs / "d.npz"), "--loss", "cross-entropy",
+                      "--epochs", "1", "-o", str(tmp_path / "t.onnx")],
+            "demo": ["demo", "-o", str(tmp_path / "demo"), "--quick", "--epochs", "1", "--hidden", "4"]}[command]
     with open("/dev/full", "w") as full:
         p = _cli(argv, stdout=full, stderr=subprocess.PIPE, text=True)
     one_line_error(p.returncode, p.stderr, "no space left on the device writing standard output")
