@@ -614,3 +614,24 @@ def test_two_outputs_may_both_go_to_dev_null(inputs, tmp_path, capsys, monkeypat
     assert stat.S_ISCHR(os.lstat(null).st_mode)
     argv[-1] = argv[-3] = str(tmp_path / "t.onnx")  # a file twice stays refused
     one_line_error(main(argv), capsys.readouterr().err, "name the same file")
+
+
+def test_a_large_model_through_a_link_or_into_a_device(tmp_path, monkeypatch):
+    """A model over the (lowered) protobuf limit is two files: through a symbolic link both go next to the
+    link's target (the model's data location names the file written); a FIFO or device cannot hold two files."""
+    from revgraph import external_data
+
+    monkeypatch.setattr(external_data, "PROTOBUF_LIMIT", 20_000)
+    g = Graph([Node("Mul", ["x", "w"], ["y"], name="mul")], [ValueInfo("x", np.float32, (8192,))],
+              [ValueInfo("y", np.float32, (8192,))], {"w": np.arange(8192, dtype=np.float32)})
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "m.onnx").write_bytes(b"old")
+    os.symlink("real/m.onnx", tmp_path / "link.onnx")
+    rg.save(g, tmp_path / "link.onnx")
+    assert _listing(tmp_path) == {"real", "link.onnx"} and _listing(tmp_path / "real") == {"m.onnx", "m.onnx.data"}
+    back = rg.load(tmp_path / "real" / "m.onnx")  # (through the link its data would be looked for next to the link)
+    np.testing.assert_array_equal(back.initializers["w"], g.initializers["w"])
+    null = _char_device(tmp_path, "null", 3)
+    with pytest.raises(rg.RevgraphError, match="written as two files"):
+        rg.save(g, null)
+    assert stat.S_ISCHR(os.lstat(null).st_mode)
