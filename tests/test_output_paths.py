@@ -635,3 +635,13 @@ def test_a_large_model_through_a_link_or_into_a_device(tmp_path, monkeypatch):
     with pytest.raises(rg.RevgraphError, match="written as two files"):
         rg.save(g, null)
     assert stat.S_ISCHR(os.lstat(null).st_mode)
+
+
+def test_dev_stdout_when_standard_output_is_a_file(inputs, tmp_path):
+    """``grad -o /dev/stdout > FILE``: /dev/stdout leads to a regular file, which is replaced as any file is
+    (FILE holds the whole model, the report line went to stderr)."""
+    with open(tmp_path / "g.onnx", "wb") as f:
+        p = _cli(["grad", str(inputs / "m.onnx"), "-o", "/dev/stdout"], stdout=f, stderr=subprocess.PIPE, text=True)
+    assert p.returncode == 0 and "wrote /dev/stdout" in p.stderr, p.stderr
+    _parses((tmp_path / "g.onnx").read_bytes(), ".onnx")
+    assert _listing(tmp_path) == {"g.onnx"}
