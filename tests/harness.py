@@ -19,7 +19,12 @@ For a one-node (or small) graph built with the IR, :func:`check_rule` checks rev
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
+import subprocess
 import warnings
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -325,3 +330,41 @@ def crash_after(trainer, steps: int) -> None:
         return real(*args, **kwargs)
 
     trainer._engine.step = step
+
+
+# --------------------------------------------------- output paths: full disks and device nodes (as root)
+
+
+def mount_tmpfs(d, *options: str) -> bool:
+    """Mount a 64 KiB tmpfs on ``d`` (made if missing); False without root or where mounting is not allowed."""
+    if os.geteuid() != 0:
+        return False
+    d.mkdir(exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(["size=64k", *options]), "tmpfs", str(d)],
+                          check=False, capture_output=True, timeout=20).returncode == 0
+
+
+def umount(d) -> None:
+    """Unmount what :func:`mount_tmpfs` mounted on ``d``."""
+    subprocess.run(["umount", "-l", str(d)], check=False, capture_output=True, timeout=20)
+
+
+def fill_disk(d) -> None:
+    """Fill the file system of ``d`` to the last byte."""
+    with open(d / "filler", "wb", buffering=0) as f:  # (unbuffered: nothing left to flush at close)
+        for size in (4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+
+
+def char_device(d, name: str, minor: int):
+    """A private copy of /dev/null (minor 3) or /dev/full (minor 7): a broken write would replace it, never the
+    system's. Without root (no mknod), the system's own, which only root could replace."""
+    if os.geteuid() != 0:
+        return Path("/dev/null" if minor == 3 else "/dev/full")
+    path = d / name
+    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
+    return path

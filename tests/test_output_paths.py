@@ -12,10 +12,8 @@ device is still a device and a FIFO still a FIFO, and the mode. Commands run in 
 
 from __future__ import annotations
 
-import errno
 import io
 import os
-import resource
 import socket
 import stat
 import subprocess
@@ -27,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from harness import one_line_error
+from harness import char_device, fill_disk, mount_tmpfs, one_line_error, umount
 
 import revgraph as rg
-from revgraph import atomic, demo, lora
+from revgraph import atomic, lora
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.trainer import Trainer
@@ -112,39 +110,6 @@ def _listing(d: Path) -> set[str]:
     return {p.name for p in d.iterdir()}
 
 
-def _mount_tmpfs(d: Path, *options: str) -> bool:
-    if not ROOT:
-        return False
-    d.mkdir(exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(["size=64k", *options]), "tmpfs", str(d)],
-                          capture_output=True, timeout=20).returncode == 0
-
-
-def _umount(d: Path) -> None:
-    subprocess.run(["umount", "-l", str(d)], capture_output=True, timeout=20)
-
-
-def _fill(d: Path) -> None:
-    """Fill the file system of ``d`` to the last byte."""
-    with open(d / "filler", "wb", buffering=0) as f:  # (unbuffered: nothing left to flush at close)
-        for size in (4096, 1):
-            try:
-                while True:
-                    f.write(b"\0" * size)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC
-
-
-def _char_device(d: Path, name: str, minor: int) -> Path:
-    """A private copy of /dev/null (minor 3) or /dev/full (minor 7): a broken write would replace it, never the
-    system's. Without root (no mknod), the system's own, which only root could replace."""
-    if not ROOT:
-        return Path("/dev/null" if minor == 3 else "/dev/full")
-    path = d / name
-    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
-    return path
-
-
 # ----------------------------------------------------------------------------------- the sweep, in process
 
 KINDS = ["new", "existing 0600", "symlink to a file", "dangling symlink", "character device", "fifo with a reader",
@@ -172,7 +137,7 @@ def test_every_command_and_output_kind(inputs, tmp_path, capsys, command, kind):
     elif kind == "dangling symlink":
         os.symlink("nowhere" + suffix, out)
     elif kind == "character device":
-        out = _char_device(d, "null" + suffix, 3)
+        out = char_device(d, "null" + suffix, 3)
     elif kind == "fifo with a reader":
         os.mkfifo(out)
 
@@ -191,7 +156,7 @@ def test_every_command_and_output_kind(inputs, tmp_path, capsys, command, kind):
         out = d / ("y" * (245 - len(suffix)) + suffix)
     elif kind in ("full disk", "read-only directory"):
         mounted = tmp_path / "mnt"
-        if not _mount_tmpfs(mounted):
+        if not mount_tmpfs(mounted):
             pytest.skip("needs root to mount a tmpfs (the file-size limit case runs without it)")
         d = mounted
         out = d / ("out" + suffix)
@@ -199,7 +164,7 @@ def test_every_command_and_output_kind(inputs, tmp_path, capsys, command, kind):
         if mounted is not None:
             out.write_bytes(b"old")
             if kind == "full disk":
-                _fill(d)
+                fill_disk(d)
             else:
                 subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True, timeout=20)
         before = _listing(d)
@@ -213,7 +178,7 @@ def test_every_command_and_output_kind(inputs, tmp_path, capsys, command, kind):
             assert out.read_bytes() == b"old"  # the previous file intact
     finally:
         if mounted is not None:
-            _umount(mounted)
+            umount(mounted)
     if kind in ("new", "existing 0600", "symlink to a file", "245-character name"):
         assert code == 0, captured.err
         assert listing == before | {out.name}, listing  # no temporary file left
@@ -248,26 +213,26 @@ def test_every_command_and_output_kind(inputs, tmp_path, capsys, command, kind):
 def test_a_full_disk_leaves_the_old_file(inputs, tmp_path, capsys, command):
     suffix, argv = _commands(inputs)[command]
     mnt = tmp_path / "mnt"
-    if not _mount_tmpfs(mnt):
+    if not mount_tmpfs(mnt):
         pytest.skip("needs root to mount a tmpfs (the file-size limit case runs without it)")
     try:
         out = mnt / ("out" + suffix)
         out.write_bytes(b"old")
         os.chmod(out, 0o600)
-        _fill(mnt)
+        fill_disk(mnt)
         code = main(argv(str(out)))
         one_line_error(code, capsys.readouterr().err, f"no space left on the device writing {str(out)!r}",
                        "left as it was")
         assert out.read_bytes() == b"old" and stat.S_IMODE(out.stat().st_mode) == 0o600
         assert _listing(mnt) == {out.name, "filler"}
     finally:
-        _umount(mnt)
+        umount(mnt)
 
 
 def test_a_full_character_device(inputs, tmp_path, capsys):
     for command in ("grad", "run", "show"):
         suffix, argv = _commands(inputs)[command]
-        full = _char_device(tmp_path, "full" + suffix, 7) if ROOT else Path("/dev/full")
+        full = char_device(tmp_path, "full" + suffix, 7) if ROOT else Path("/dev/full")
         if not ROOT and suffix == ".dot":
             continue  # (show needs the .dot suffix; without root no other device can be made)
         one_line_error(main(argv(str(full))), capsys.readouterr().err,
@@ -384,7 +349,7 @@ def test_the_checkpoint_must_be_a_regular_file(inputs, tmp_path, capsys):
 
 def _cli(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": SRC, "COLUMNS": "250"}
-    return subprocess.run([sys.executable, "-m", "revgraph", *args], env=env, timeout=120, **kwargs)
+    return subprocess.run([sys.executable, "-m", "revgraph", *args], check=False, env=env, timeout=120, **kwargs)
 
 
 SLOW = pytest.mark.slow  # (a subprocess each: a fast sample runs by default, the rest with -m slow)
@@ -460,66 +425,9 @@ def test_a_file_size_limit(inputs, tmp_path, command):
         args[2] = str(tmp_path.parent / f"{tmp_path.name}-lora.onnx")
     (tmp_path / ("out" + suffix)).write_bytes(b"old")
     env = {**os.environ, "PYTHONPATH": SRC, "COLUMNS": "250"}
-    p = subprocess.run([sys.executable, "-c", _LIMITED, *args], env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", _LIMITED, *args], check=False, env=env, capture_output=True, text=True, timeout=120)
     one_line_error(p.returncode, p.stderr, "file size limit exceeded writing", "left as it was")
     assert (tmp_path / ("out" + suffix)).read_bytes() == b"old" and _listing(tmp_path) == {"out" + suffix}
-
-
-# ------------------------------------------------------------------------------------------------ demo -o
-
-
-@pytest.fixture
-def tiny_demo(monkeypatch):
-    """``demo --quick`` on 40 images with 4 hidden units: seconds, not minutes."""
-    real = demo.digits
-
-    def few(seed=0):
-        train, test = real(seed)
-        return {k: v[:32] for k, v in train.items()}, {k: v[:8] for k, v in test.items()}
-    monkeypatch.setattr(demo, "digits", few)
-    monkeypatch.setattr(demo, "QUICK", demo.Settings(hidden=4, epochs=1, batch_size=16, mlp_hidden=4, mlp_epochs=1))
-
-
-def test_demo_refuses_files_it_did_not_write(tmp_path, capsys, tiny_demo):
-    d = tmp_path / "demo"
-    d.mkdir()
-    (d / "loss.svg").write_text("<svg>mine</svg>")
-    (d / "notes.txt").write_text("mine")
-    one_line_error(main(["demo", "-o", str(d), "--quick"]), capsys.readouterr().err, "loss.svg",
-                   "the demo did not write it", "--force")
-    assert _listing(d) == {"loss.svg", "notes.txt"} and (d / "loss.svg").read_text() == "<svg>mine</svg>"
-    main(["demo", "-o", str(d), "--quick", "--force"])  # (exit 1 if a check fails on so few images: not the point)
-    assert _listing(d) == {*demo.FILES, demo.MANIFEST, "notes.txt"}
-    assert (d / "loss.svg").read_text() != "<svg>mine</svg>" and (d / "notes.txt").read_text() == "mine"
-    capsys.readouterr()
-    assert main(["demo", "-o", str(d), "--quick"]) in (0, 1)  # its own files: replaced without --force
-    assert "error" not in capsys.readouterr().err
-    (d / "mlp.onnx").write_bytes(b"changed by the user")
-    one_line_error(main(["demo", "-o", str(d), "--quick"]), capsys.readouterr().err, "mlp.onnx", "changed since")
-    assert (d / "mlp.onnx").read_bytes() == b"changed by the user"
-
-
-def test_demo_refuses_a_manifest_that_is_not_its_own(tmp_path, capsys):
-    d = tmp_path / "demo"
-    d.mkdir()
-    (d / demo.MANIFEST).write_text("[1, 2]")
-    one_line_error(main(["demo", "-o", str(d), "--quick"]), capsys.readouterr().err, "is not the demo's record")
-    (tmp_path / "file").write_text("x")
-    one_line_error(main(["demo", "-o", str(tmp_path / "file"), "--quick"]), capsys.readouterr().err,
-                   "is not a directory")
-
-
-def test_demo_on_a_full_disk(tmp_path, capsys, tiny_demo):
-    mnt = tmp_path / "mnt"
-    if not _mount_tmpfs(mnt):
-        pytest.skip("needs root to mount a tmpfs")
-    try:
-        _fill(mnt)
-        one_line_error(main(["demo", "-o", str(mnt / "d"), "--quick"]), capsys.readouterr().err,
-                       "no space left on the device writing")
-        assert _listing(mnt / "d") <= {demo.MANIFEST}  # no temporary file, nothing half-written
-    finally:
-        _umount(mnt)
 
 
 # ---------------------------------------------------------------------------------------- the Python API
@@ -550,7 +458,7 @@ def test_python_api_writers(tmp_path, kind):
         if kind == "device":
             if not ROOT and suffix:
                 continue  # (the system's /dev/null has no suffix; without root no other device can be made)
-            target = _char_device(d, "null" + suffix, 3)
+            target = char_device(d, "null" + suffix, 3)
             write(target)
             assert stat.S_ISCHR(os.lstat(target).st_mode), name
             continue
@@ -571,7 +479,7 @@ def test_rg_save_examples(tmp_path, monkeypatch):
     with pytest.raises(rg.RevgraphError, match="ENAMETOOLONG"):
         rg.save(_model(), "x" * 300)
     rg.save(_model(), "y" * 245)  # the temporary name is short: the whole NAME_MAX is the user's
-    null = _char_device(tmp_path, "null", 3)
+    null = char_device(tmp_path, "null", 3)
     rg.save(_model(), null)
     assert stat.S_ISCHR(os.lstat(null).st_mode)
     assert _listing(tmp_path) == {"y" * 245, *(["null"] if ROOT else [])}
@@ -590,10 +498,10 @@ def test_checkpoint_dir_kinds(inputs, tmp_path, capsys):
     assert "resumed" in capsys.readouterr().out
     assert stat.S_IMODE((ck / "checkpoint.npz").stat().st_mode) == 0o600 and _listing(ck) == {"checkpoint.npz"}
     mnt = tmp_path / "mnt"
-    if not _mount_tmpfs(mnt):
+    if not mount_tmpfs(mnt):
         return
     try:
-        _fill(mnt)
+        fill_disk(mnt)
         one_line_error(main([*base, "--epochs", "1", "--checkpoint-dir", str(mnt / "ck")]), capsys.readouterr().err,
                        "no space left on the device writing")
         assert not os.path.exists(mnt / "ck" / "checkpoint.npz") and _listing(mnt / "ck") == set()
@@ -602,11 +510,11 @@ def test_checkpoint_dir_kinds(inputs, tmp_path, capsys):
                        capsys.readouterr().err, "the checkpoint file", "is not writable")
         assert "steps of" not in capsys.readouterr().out
     finally:
-        _umount(mnt)
+        umount(mnt)
 
 
 def test_two_outputs_may_both_go_to_dev_null(inputs, tmp_path, capsys, monkeypatch):
-    null = _char_device(tmp_path, "null", 3)  # (as root, a private /dev/null: a regression cannot replace the real one)
+    null = char_device(tmp_path, "null", 3)  # (as root, a private /dev/null: a regression cannot replace the real one)
     monkeypatch.setattr(os, "devnull", str(null))
     argv = ["train", str(inputs / "m.onnx"), "--data", str(inputs / "d.npz"), "--loss", "cross-entropy",
             "--epochs", "1", "-o", str(null), "--save-training-graph", str(null)]
@@ -631,7 +539,7 @@ def test_a_large_model_through_a_link_or_into_a_device(tmp_path, monkeypatch):
     assert _listing(tmp_path) == {"real", "link.onnx"} and _listing(tmp_path / "real") == {"m.onnx", "m.onnx.data"}
     back = rg.load(tmp_path / "real" / "m.onnx")  # (through the link its data would be looked for next to the link)
     np.testing.assert_array_equal(back.initializers["w"], g.initializers["w"])
-    null = _char_device(tmp_path, "null", 3)
+    null = char_device(tmp_path, "null", 3)
     with pytest.raises(rg.RevgraphError, match="written as two files"):
         rg.save(g, null)
     assert stat.S_ISCHR(os.lstat(null).st_mode)

@@ -13,12 +13,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .atomic import write_error
 from .autodiff.accumulate import ACCUMULATE
 from .autodiff.api import gradient
 from .check import NOT_CHECKED, check_gradients
 from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers
-from .atomic import write_error
 from .cli_io import check_command_outputs, err, out, read_npz, silence_stdout, stdout, write_npz
 from .cli_lora import add_lora_parser, cmd_lora
 from .cli_train import add_runtime_arguments, add_train_parser, cmd_train, runtime_from_args
