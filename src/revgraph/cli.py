@@ -178,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 13
     except OSError as exc:  # standard output on a full disk (> /dev/full): one line, as for any output file
         silence_stdout()
-        err.print(f"revgraph: error: {write_error(exc, 'standard output')}", soft_wrap=True, markup=False)
+        try:
+            err.print(f"revgraph: error: {write_error(exc, 'standard output')}", soft_wrap=True, markup=False)
+        except OSError:  # (stderr on a full disk too: the exit code is all that can be said)
+            pass
         return 2
 
 
