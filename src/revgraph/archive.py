@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import zipfile
+import zlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -102,7 +103,7 @@ def member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, label: str, key: s
             else:
                 raise ValueError(f".npy format version {version}")
             offset = stream.tell()
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile, NotImplementedError) as exc:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, NotImplementedError, zlib.error) as exc:
         raise InputError(f"{label}: member {key!r} is not a readable .npy array ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else 'bad header'})") from None
     if dtype.hasobject:
@@ -125,19 +126,19 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str, declared:
             raise InputError(f"{label}: member {key!r} declares shape {list(shape)}; the model declares {want} for "
                              f"it (checked before reading)")
         fixed = all(isinstance(d, int) for d in declared)
+    if offset + nbytes > info.file_size:
+        raise InputError(f"{label}: member {key!r} declares {described} ({nbytes:,} bytes) but the archive holds "
+                         f"{max(info.file_size - offset, 0):,} bytes of it; the file is truncated or forged")
     if nbytes > MAX_MEMBER_BYTES and not fixed:
         raise InputError(f"{label}: member {key!r} declares {described}, {_human(nbytes)}, over the limit of "
                          f"{_human(MAX_MEMBER_BYTES)} for an .npz member; give large data as a directory of .npy "
                          "files (memory-mapped), or smaller arrays")
-    if offset + nbytes > info.file_size:
-        raise InputError(f"{label}: member {key!r} declares {described} ({nbytes:,} bytes) but the archive holds "
-                         f"{max(info.file_size - offset, 0):,} bytes of it; the file is truncated or forged")
     try:
         with zf.open(info) as stream:
             return np.lib.format.read_array(stream, allow_pickle=False, max_header_size=_MAX_HEADER)
     except MemoryError:
         raise InputError(f"{label}: member {key!r} ({described}, {_human(nbytes)}) does not fit in memory") from None
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         raise InputError(f"{label}: member {key!r} cannot be read ({type(exc).__name__}); is the file "
                          "complete?") from None
 
