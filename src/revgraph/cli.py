@@ -375,6 +375,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 1
     if unchecked:
         checked = len(report.rows) - len(unchecked)
+        if not checked:
+            out.print(f"none of the {len(report.rows)} values could be checked numerically (see above): nothing "
+                      "disagrees", markup=False)
+            return 0
         out.print(f"{checked} of {len(report.rows)} values checked: all agree ({tolerances}); {len(unchecked)} not "
                   "checked numerically (see above)", markup=False)
         return 0
