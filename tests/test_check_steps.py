@@ -165,3 +165,11 @@ def test_a_wrong_gradient_of_an_output_that_is_its_input_is_found(tmp_path, monk
     monkeypatch.setattr(check, "gradient", corrupted(check.gradient, 1.5))
     report = rg.check_gradients(rg.load(m))
     assert report.rows[0].status == "mismatch" and not report.ok
+
+
+def test_a_computed_wrt_value_of_1e12_agrees(tmp_path):
+    """A wrt value computed by a node (``p = w * x``, about 1e12 in its first element): its step comes from its
+    value in the base run."""
+    m = big_weight_model(tmp_path / "m.onnx")
+    report = rg.check_gradients(rg.load(m), wrt=["p"], inputs={"x": np.array([1.0, 2.0, 3.0], np.float32)})
+    assert [(r.name, r.status) for r in report.rows] == [("p", "agree")]

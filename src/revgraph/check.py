@@ -314,7 +314,8 @@ def check_gradients(
     """Compare revgraph's gradients of ``loss`` with float64 central differences (see the module doc).
 
     ``inputs`` gives the graph inputs (random ones, as ``revgraph run`` makes them, when absent); ``seed``
-    seeds the inputs, the cotangent and the directions. A wrt value passes when every direction's error is
+    seeds the inputs, the cotangent and the directions; ``step`` is relative: element ``x_i`` moves by
+    ``step * max(1, |x_i|)`` along each direction. A wrt value passes when every direction's error is
     within ``atol + rtol * |central difference|``; values that cannot be checked get a row saying why
     (:class:`CheckRow`). Raises :class:`InputError` for non-finite inputs, and what :func:`revgraph.gradient`
     raises for bad names.
