@@ -358,8 +358,11 @@ def cli_under_limit(*args, address_space: int = 3 << 30, cwd=None, timeout: floa
         env = {**os.environ, "REVGRAPH_TEST_AS": str(address_space), "REVGRAPH_TEST_PEAK": peak_file}
         try:
             proc = subprocess.run([sys.executable, "-c", _LIMITED_RUNNER, *map(str, args)], capture_output=True,
-                                  text=True, errors="replace", env=env, timeout=timeout, cwd=cwd)
+                                  text=True, errors="replace", env=env, timeout=timeout, cwd=cwd, check=False)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"revgraph {args[0]} did not finish within {timeout} s") from None
-        peak_mb = int(open(peak_file).read()) // 1024 if os.path.exists(peak_file) else -1
+        peak_mb = -1  # the child died before its exit handler (a signal)
+        if os.path.exists(peak_file):
+            with open(peak_file) as f:
+                peak_mb = int(f.read()) // 1024
     return proc.returncode, peak_mb, proc.stdout, proc.stderr
