@@ -76,6 +76,18 @@ def constant_model(path, sp, where: str = "top") -> str:
         nodes = [helper.make_node("Constant", [], ["c"], name="c", sparse_value=sp),
                  helper.make_node("Identity", ["c"], ["y"], name="id")]
         g = helper.make_graph(nodes, "g", [], [out])
+    elif where == "loop":  # a Loop body returning the constant as a scan output, one iteration
+        body = helper.make_graph(
+            [helper.make_node("Constant", [], ["k"], name="body_c", sparse_value=sp),
+             helper.make_node("Identity", ["cond"], ["cond_out"], name="body_id")], "body",
+            [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+             helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+            [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+             helper.make_tensor_value_info("k", TensorProto.FLOAT, [4, 4])])
+        trip = helper.make_tensor_value_info("n", TensorProto.INT64, [])
+        go = helper.make_tensor_value_info("go", TensorProto.BOOL, [])
+        nodes = [helper.make_node("Loop", ["n", "go"], ["ys"], name="loop", body=body)]
+        g = helper.make_graph(nodes, "g", [trip, go], [helper.make_tensor_value_info("ys", TensorProto.FLOAT, [None, 4, 4])])
     else:
         def branch(name):
             return helper.make_graph([helper.make_node("Constant", [], [f"{name}_c"], name=f"{name}_c", sparse_value=sp)],
@@ -187,17 +199,18 @@ def test_sparse_constant_data_comes_from_the_models_directory(dirs, which):
     assert np.array_equal(read_outputs(cwd / "o.npz")["y"], DENSE)
 
 
+@pytest.mark.parametrize("where", ["if", "loop"])
 @pytest.mark.parametrize("which", ["values", "values and indices"])
-def test_sparse_constants_in_subgraphs_read_the_models_directory(dirs, monkeypatch, which):
-    """A sparse ``Constant`` in both branches of an ``If`` (onnxruntime cannot run one there: the loaded value
-    is compared), with the decoys in the working directory."""
+def test_sparse_constants_in_subgraphs_read_the_models_directory(dirs, monkeypatch, which, where):
+    """A sparse ``Constant`` in both branches of an ``If`` and in a ``Loop`` body (onnxruntime cannot run one
+    there: the loaded value is compared), with the decoys in the working directory."""
     model_dir, cwd = dirs
-    m = constant_model(model_dir / "m.onnx", sparse("w.bin", "i.bin" if which != "values" else None), "if")
+    m = constant_model(model_dir / "m.onnx", sparse("w.bin", "i.bin" if which != "values" else None), where)
     monkeypatch.chdir(cwd)
     g = rg.load(m)
-    branches = list(g.nodes[0].subgraphs.values())
-    assert len(branches) == 2
-    for body in branches:
+    bodies = list(g.nodes[0].subgraphs.values())
+    assert len(bodies) == (2 if where == "if" else 1)
+    for body in bodies:
         assert np.array_equal(constant_value(body.nodes[0]), DENSE)
 
 
