@@ -368,3 +368,42 @@ def char_device(d, name: str, minor: int):
     path = d / name
     os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
     return path
+#: Runs ``python -m revgraph ARGS`` under the address-space limit ``REVGRAPH_TEST_AS`` and writes its peak
+#: resident memory (``VmHWM``, this process image only) in KiB to the file ``REVGRAPH_TEST_PEAK``.
+_LIMITED_RUNNER = """
+import atexit, os, resource, runpy, sys
+limit = int(os.environ["REVGRAPH_TEST_AS"])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+def peak():
+    with open("/proc/self/status") as f:
+        kb = next(line.split()[1] for line in f if line.startswith("VmHWM"))
+    with open(os.environ["REVGRAPH_TEST_PEAK"], "w") as f:
+        f.write(kb)
+atexit.register(peak)
+sys.argv[0] = "revgraph"
+runpy.run_module("revgraph", run_name="__main__", alter_sys=True)
+"""
+
+
+def cli_under_limit(*args, address_space: int = 3 << 30, cwd=None, timeout: float = 240) -> tuple[int, int, str, str]:
+    """Run ``python -m revgraph ARGS`` in a fresh process (working directory ``cwd``) under an address-space
+    limit (``RLIMIT_AS``) of ``address_space`` bytes; return its exit code, its peak resident memory in MiB,
+    its stdout and its stderr. The child gets this process's environment (``PYTHONPATH`` included)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        peak_file = os.path.join(tmp, "peak")
+        env = {**os.environ, "REVGRAPH_TEST_AS": str(address_space), "REVGRAPH_TEST_PEAK": peak_file}
+        try:
+            proc = subprocess.run([sys.executable, "-c", _LIMITED_RUNNER, *map(str, args)], capture_output=True,
+                                  text=True, errors="replace", env=env, timeout=timeout, cwd=cwd, check=False)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"revgraph {args[0]} did not finish within {timeout} s") from None
+        peak_mb = -1  # the child died before its exit handler (a signal)
+        if os.path.exists(peak_file):
+            with open(peak_file) as f:
+                peak_mb = int(f.read()) // 1024
+    return proc.returncode, peak_mb, proc.stdout, proc.stderr

@@ -11,10 +11,16 @@ Randomness is fixed: the masks of ``Dropout`` nodes and the outputs of random op
 taken from the run that computes the gradient and replayed in the runs that take the differences, with the
 ONNX spec's formula ``x * mask / (1 - ratio)``, so both sides see the same function.
 
+Steps follow each value's scale: element ``i`` of a wrt value ``x`` moves by ``h * max(1, |x_i|) * v_i``
+(``h`` the relative step, 1e-6), so a weight of 1e12 moves by about 1e6 instead of by less than its float64
+resolution (1e-4 there), and a value of 1e-8 still moves by 1e-6.
+
 A value is *not checked* (its row says why, and it does not fail the check) when moving it changes the shape
-of the loss (``OneHot`` depth, ``Range`` limit), or when the loss is not differentiable at the inputs along a
+of the loss (``OneHot`` depth, ``Range`` limit), when the loss is not differentiable at the inputs along a
 direction tried (a kink or a jump: the one-sided differences disagree at two step sizes, e.g. ``Relu`` at 0,
-tied ``Max`` inputs), where every convention for the gradient is as good as another.
+tied ``Max`` inputs), where every convention for the gradient is as good as another, when the loss or the
+value itself is not finite there (NaN or inf: no difference to take), and when the difference left is within
+float64's rounding of the loss (a loss of 1e24 whose change under the step is below its resolution).
 """
 
 from __future__ import annotations
@@ -47,7 +53,10 @@ _ORT_FLOAT32_PRECISE = ("Shrink",)
 #: operators that draw random values at every run (Dropout's mask is handled separately)
 _RANDOM_OPS = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial")
 #: row statuses that do not fail the check: the value could not be checked numerically
-NOT_CHECKED = ("shape", "kink")
+NOT_CHECKED = ("shape", "kink", "not finite", "resolution")
+#: rounding of a computed loss, in units of float64's epsilon times the magnitude of what is summed: a
+#: disagreement below it is float64's, not the gradient's
+_ROUNDING = 32 * np.finfo(np.float64).eps
 
 
 @dataclass
@@ -55,10 +64,11 @@ class CheckRow:
     """One wrt value: the largest absolute and relative error over the directions tried.
 
     ``status`` is ``"agree"``, ``"mismatch"``, ``"not finite"`` (NaN or inf in the loss at or next to the
-    inputs), ``"gradient not finite"`` (NaN or inf in the gradient only),
-    ``"shape"`` (moving the value changes the loss's shape) or ``"kink"`` (the loss is not differentiable at
-    the inputs along a direction tried); ``note`` says why a value was not checked. ``ok`` is False only for
-    a mismatch or a value that is not finite.
+    inputs, or in the value itself: not checked), ``"gradient not finite"`` (NaN or inf in the gradient only),
+    ``"shape"`` (moving the value changes the loss's shape), ``"kink"`` (the loss is not differentiable at
+    the inputs along a direction tried) or ``"resolution"`` (the disagreement is within float64's rounding of
+    the loss); ``note`` says why a value was not checked. ``ok`` is False only for a mismatch or a gradient that
+    is not finite where the loss is.
     """
 
     name: str
@@ -249,7 +259,9 @@ def _perturbed(graph: Graph, wrt: list[str]) -> Graph:
     for w in sorted(wrt, key=lambda n: producers.get(n, -1), reverse=True):
         pos = producers.get(w, -1) + 1
         g.nodes.insert(pos, Node("Add", [w, f"{w}__delta"], [renamed[w]], name=f"check/perturb/{w}"))
-    g.outputs = [ValueInfo(v.name, v.dtype, v.shape, v.kind) for v in g.outputs]
+    # an output that is a wrt value itself (a graph whose output is its input, no node between) is the moved
+    # value: left as it is, it would not move, and every difference would be 0
+    g.outputs = [ValueInfo(renamed.get(v.name, v.name), v.dtype, v.shape, v.kind) for v in g.outputs]
     return g
 
 
@@ -302,7 +314,8 @@ def check_gradients(
     """Compare revgraph's gradients of ``loss`` with float64 central differences (see the module doc).
 
     ``inputs`` gives the graph inputs (random ones, as ``revgraph run`` makes them, when absent); ``seed``
-    seeds the inputs, the cotangent and the directions. A wrt value passes when every direction's error is
+    seeds the inputs, the cotangent and the directions; ``step`` is relative: element ``x_i`` moves by
+    ``step * max(1, |x_i|)`` along each direction. A wrt value passes when every direction's error is
     within ``atol + rtol * |central difference|``; values that cannot be checked get a row saying why
     (:class:`CheckRow`). Raises :class:`InputError` for non-finite inputs, and what :func:`revgraph.gradient`
     raises for bad names.
@@ -343,16 +356,23 @@ def check_gradients(
         _note(notes, "random values (Dropout masks, random operators) are those of the gradient's run, replayed")
 
     pg = _perturbed(_replay_randomness(g, fixed), wrt_names)
+    moved_loss = f"{loss}__perturbed" if loss in wrt_names else loss  # (the loss is a wrt value: _perturbed)
+    # the values of the wrt names that are neither fed nor initializers (computed ones) come from the base run
+    known = {**g.initializers, **feeds}
+    computed = [w for w in wrt_names if w not in known]
+    pg.outputs += [ValueInfo(w) for w in computed if w not in pg.output_names]
     psess = _session(pg, sess.backend, notes)
     base_feeds = {**feeds, **{f"{k}__fixed": v for k, v in fixed.items()},
                   **{f"{w}__delta": np.zeros_like(grads[w]) for w in wrt_names}}
-    base = psess.run(base_feeds, [loss])[loss]
+    first = psess.run(base_feeds, [moved_loss, *computed])
+    base = first[moved_loss]
+    values = {w: np.asarray(known[w] if w in known else first[w]) for w in wrt_names}
     report = GradientReport(loss, backend=sess.backend, notes=notes)
     for w in wrt_names:
         def loss_at(delta: np.ndarray, w: str = w) -> np.ndarray:
-            return psess.run({**base_feeds, f"{w}__delta": delta}, [loss])[loss]
+            return psess.run({**base_feeds, f"{w}__delta": delta}, [moved_loss])[moved_loss]
 
-        report.rows.append(_compare(w, grads[w], loss_at, u, base, rng, directions, step, rtol, atol))
+        report.rows.append(_compare(w, grads[w], loss_at, u, base, rng, directions, step, rtol, atol, values[w]))
     return report
 
 
@@ -370,14 +390,21 @@ def _float64_feeds(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _compare(w: str, grad: np.ndarray, loss_at: Callable[[np.ndarray], np.ndarray], u: np.ndarray,
              base: np.ndarray, rng: np.random.Generator, directions: int, step: float, rtol: float,
-             atol: float) -> CheckRow:
-    """The row of wrt value ``w``: ``loss_at(delta)`` is the loss with ``w`` moved by ``delta``."""
+             atol: float, value: np.ndarray | None = None) -> CheckRow:
+    """The row of wrt value ``w`` (its values ``value``, which set each element's step: module doc):
+    ``loss_at(delta)`` is the loss with ``w`` moved by ``delta``."""
     max_abs = max_rel = 0.0
-    mismatch = False
+    mismatch = unresolved = False
     if grad.size == 0:  # nothing to move, nothing to compare (the loss may even be -inf: max of an empty set)
         return CheckRow(w, 0.0, 0.0, True, "agree", "empty")
+    if value is not None and value.dtype.kind in "fc" and not np.all(np.isfinite(value)):
+        return CheckRow(w, float("nan"), float("nan"), True, "not finite",
+                        "not checked: the value holds NaN or infinite entries, which no finite step moves")
+    # per element: step * max(1, |x|), so that the step is above x's float64 resolution however large x is
+    scale = (np.maximum(1.0, np.abs(value.astype(np.float64))) if value is not None and value.shape == grad.shape
+             and value.dtype.kind in "fc" else np.ones(grad.shape))
     for _ in range(directions):
-        v = rng.standard_normal(grad.shape)
+        v = rng.standard_normal(grad.shape) * scale
         plus, minus = loss_at(step * v), loss_at(-step * v)
         if plus.shape != base.shape or minus.shape != base.shape:
             moved = plus.shape if plus.shape != base.shape else minus.shape
@@ -387,8 +414,9 @@ def _compare(w: str, grad: np.ndarray, loss_at: Callable[[np.ndarray], np.ndarra
         numeric = float(np.sum(u * (plus - minus))) / (2 * step)
         analytic = float(np.sum(grad * v))
         if not np.isfinite(numeric):  # e.g. Sqrt of a negative input, Log at 0
-            return CheckRow(w, float("nan"), float("nan"), False, "not finite",
-                            "the loss is not finite at or next to these inputs (outside an operator's domain?)")
+            return CheckRow(w, float("nan"), float("nan"), True, "not finite",
+                            "not checked: the loss is not finite at or next to these inputs (outside an operator's "
+                            "domain?)")
         if not np.isfinite(analytic):
             return CheckRow(w, float("nan"), float("nan"), False, "gradient not finite",
                             "the gradient is not finite, though the loss is finite around these inputs")
@@ -396,11 +424,21 @@ def _compare(w: str, grad: np.ndarray, loss_at: Callable[[np.ndarray], np.ndarra
         max_abs = max(max_abs, err)
         max_rel = max(max_rel, err / max(abs(numeric), 1e-300))
         if err > atol + rtol * abs(numeric):
+            # what float64 rounding of the two losses (and of the VJP's sum) can explain: no verdict below it
+            noise = (_ROUNDING * (float(np.sum(np.abs(u * plus))) + float(np.sum(np.abs(u * minus)))) / (2 * step)
+                     + _ROUNDING * float(np.sum(np.abs(grad * v))))
+            if err <= noise:
+                unresolved = True  # another direction may still show a real disagreement
+                continue
             if _on_kink(loss_at, u, base, v, step, (plus, minus), rtol, atol):
                 return CheckRow(w, max_abs, max_rel, True, "kink",
                                 "not checked: the loss is not differentiable here (its one-sided differences "
                                 "disagree at two step sizes: a kink or a jump); move the input")
             mismatch = True
+    if unresolved and not mismatch:
+        return CheckRow(w, max_abs, max_rel, True, "resolution",
+                        f"not checked: the loss's change under the step ({step:g} of each element's magnitude) is "
+                        "within float64's rounding of the loss")
     return CheckRow(w, max_abs, max_rel, not mismatch, "mismatch" if mismatch else "agree")
 
 

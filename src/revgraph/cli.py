@@ -19,7 +19,7 @@ from .autodiff.api import gradient
 from .check import NOT_CHECKED, check_gradients
 from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers
-from .cli_io import check_command_outputs, err, out, read_npz, silence_stdout, stdout, write_npz
+from .cli_io import check_command_outputs, err, out, read_feeds, silence_stdout, stdout, write_npz
 from .cli_lora import add_lora_parser, cmd_lora
 from .cli_train import add_runtime_arguments, add_train_parser, cmd_train, runtime_from_args
 from .cli_write import (
@@ -310,7 +310,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     session = Session(g, backend=args.backend, device=args.device,  # a bad device fails before the note below
                       runtime=runtime_from_args(args))
     if args.inputs is not None:  # "" is a path too, and not "no --inputs"
-        feeds = read_npz(args.inputs)
+        feeds = read_feeds(args.inputs, g)
     else:
         feeds = random_inputs(g, args.seed)
         described = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in feeds.items()) or "none needed"
@@ -352,9 +352,9 @@ def cmd_grad(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     g = load(args.model)
-    feeds = read_npz(args.inputs) if args.inputs is not None else None
     if args.lift_constants:
         g = lift_constants(g)[0]
+    feeds = read_feeds(args.inputs, g) if args.inputs is not None else None
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
@@ -389,6 +389,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 1
     if unchecked:
         checked = len(report.rows) - len(unchecked)
+        if not checked:
+            out.print(f"none of the {len(report.rows)} values could be checked numerically (see above): nothing "
+                      "disagrees", markup=False)
+            return 0
         out.print(f"{checked} of {len(report.rows)} values checked: all agree ({tolerances}); {len(unchecked)} not "
                   "checked numerically (see above)", markup=False)
         return 0

@@ -9,10 +9,10 @@ import sys
 
 import numpy as np
 
+from .archive import read_archive
 from .atomic import check_outputs, write_error
-from .errors import InputError, RevgraphError
+from .errors import RevgraphError
 from .external_data import external_data_files
-from .limits import open_regular_file
 from .npz import write_outputs
 from .text import LiteralConsole
 
@@ -76,29 +76,12 @@ out = LiteralConsole(file=stdout, highlight=False,
 err = LiteralConsole(stderr=True, highlight=False)
 
 
-def read_npz(path: str) -> dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` file by key; :class:`InputError` if it is missing, not a regular file (a FIFO
-    would block, a device would be read forever) or not an npz file."""
-    try:
-        fd = open_regular_file(path, ".npz file")
-    except RevgraphError as exc:
-        raise InputError(str(exc)) from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            data = np.load(f, allow_pickle=False)
-            # a .npy gives an ndarray, which is no context manager: `with np.load(...)` raised a bare TypeError
-            if not hasattr(data, "files"):
-                raise InputError(f"{path!r} holds one array (a .npy file); pass an .npz file that maps input names "
-                                 "to arrays, or a directory of NAME.npy files")
-            with data:
-                return {k: data[k] for k in data.files}
-    except InputError:
-        raise
-    except Exception as exc:
-        if "Object arrays" in str(exc):  # an object array's items are pickles, never loaded (untrusted input)
-            raise InputError(f"{path!r} holds an array of Python objects (a pickle), which is not read; save "
-                             "numeric arrays") from None
-        raise InputError(f"{path!r} is not a readable .npz file ({type(exc).__name__})") from None
+def read_npz(path: str, wanted=None, unknown: str | None = None) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file by key; only the members in ``wanted`` (name -> the shape the model
+    declares, see :func:`revgraph.archive.read_archive`; ``None``: all), each checked against that shape and
+    the archive limits before it is decompressed. :class:`InputError` if the file is missing, not a regular file
+    (a FIFO would block, a device would be read forever), not an npz file, or a member is refused."""
+    return read_archive(path, wanted, unknown=unknown)
 
 
 def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
@@ -135,3 +118,12 @@ def _is_stdout(identity: tuple[int, int] | None) -> bool:
     except (AttributeError, OSError, ValueError):  # (a captured stdout has no descriptor)
         return False
     return identity == (st.st_dev, st.st_ino) and identity != (null.st_dev, null.st_ino)
+
+
+def read_feeds(path: str, graph) -> dict[str, np.ndarray]:
+    """``--inputs FILE.npz`` for ``graph``: one member per graph input, each bounded by the input's declared
+    shape before it is decompressed; a member that is no input of the graph is refused without being read
+    (:func:`read_npz`)."""
+    wanted = {v.name: v.shape if v.kind == "tensor" else None for v in graph.inputs}
+    inputs = ", ".join(f"{v.name} {v.describe()}" for v in graph.inputs) or "none"
+    return read_npz(path, wanted, unknown=f"the graph has no such input (its inputs are {inputs})")

@@ -63,9 +63,10 @@ def loss_options(args: argparse.Namespace) -> dict:
             "label_smoothing": args.label_smoothing, "class_weights": weights}
 
 
-def read_data(path: str | None, option: str = "--data") -> dict:
-    """``--data`` / ``--test-data``: an .npz file read whole, or a directory of .npy files memory-mapped
-    (:func:`revgraph.data.read_dir`); ``{}`` when not given."""
+def read_data(path: str | None, option: str = "--data", graph=None) -> dict:
+    """``--data`` / ``--test-data``: an .npz file, or a directory of .npy files memory-mapped
+    (:func:`revgraph.data.read_dir`); ``{}`` when not given. Of an .npz only the members training reads are
+    decompressed (:func:`data_members` of ``graph``, the model; all without one), each bounded first."""
     from .cli_io import read_npz
     from .data import read_dir
     from .errors import InputError
@@ -77,17 +78,38 @@ def read_data(path: str | None, option: str = "--data") -> dict:
             return read_dir(path)
         except InputError as exc:
             raise InputError(str(exc).replace("--data", option, 1)) from None
-    return read_npz(path)
+    return read_npz(path, None if graph is None else data_members(graph))
 
 
-def read_static(args: argparse.Namespace) -> dict:
-    """``--static NAME=FILE ...`` as arrays; an error when neither ``--data`` nor any ``--static`` is given."""
+def data_members(graph) -> dict:
+    """The members of a ``--data`` .npz that training reads, with the shape the model declares for each: an
+    array per model input (its first axis the samples: any length), ``labels``, and ``x`` / ``y`` (a one-input
+    model's data)."""
+    def per_sample(vi):
+        return None if vi.kind != "tensor" or not vi.shape else (None, *vi.shape[1:])
+
+    wanted = {vi.name: per_sample(vi) for vi in graph.inputs}
+    wanted.setdefault("labels", None)
+    wanted.setdefault("x", per_sample(graph.inputs[0]) if len(graph.inputs) == 1 else None)
+    wanted.setdefault("y", None)
+    return wanted
+
+
+def read_static(args: argparse.Namespace, graph=None) -> dict:
+    """``--static NAME=FILE ...`` as arrays (each bounded by the shape ``graph``, the model, declares for
+    ``NAME`` before it is read); an error when neither ``--data`` nor any ``--static`` is given."""
     from .data import read_static as read
 
+    require_data(args)
+    shapes = {} if graph is None else {v.name: v.shape if v.kind == "tensor" else None for v in graph.inputs}
+    return read(args.static, shapes)
+
+
+def require_data(args: argparse.Namespace) -> None:
+    """Refuse a training run given neither ``--data`` nor any ``--static``."""
     if args.data is None and not args.static:
         raise RevgraphError("give the training data: --data DATA.npz|DIR (and --static NAME=FILE for inputs without "
                             "a sample axis)")
-    return read(args.static)
 
 
 def input_paths(args: argparse.Namespace) -> dict:

@@ -12,9 +12,9 @@ from rich.console import Console
 from .autodiff.memory import Budget, parse_budget
 from .cli_exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
 from .cli_io import check_command_outputs, err, out
-from .cli_lossdata import input_paths, loss_options, read_data, read_static
-from .cli_schedules import add_schedule_arguments, decay_line, schedule_settings
 from .cli_lora import add_lora_arguments, export_trained, lora_model, selection_line, written
+from .cli_lossdata import input_paths, loss_options, read_data, read_static, require_data
+from .cli_schedules import add_schedule_arguments, decay_line, schedule_settings
 from .devices import Device
 from .errors import RevgraphError
 from .onnx_io import load
@@ -173,13 +173,15 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     from .trainer import Trainer
 
     _check_train_outputs(args)  # fail before training, not after
-    static = read_static(args)
-    data = read_data(args.data)
-    test = read_data(args.test_data, "--test-data") if args.test_data is not None else None
+    require_data(args)  # before the model is loaded
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
                          **schedule_settings(args))
     precision = precision_from_args(args)
     g, selected = lora_model(args, load(args.model))  # LoRA adapters, --train/--freeze: checked before training
+    # the data after the model: only the members it reads are decompressed, each bounded by its declared shape
+    static = read_static(args, g)
+    data = read_data(args.data, graph=g)
+    test = read_data(args.test_data, "--test-data", g) if args.test_data is not None else None
     if budget is not None:  # symbolic first dimensions of the inputs are the batch: --batch-size of them
         dims = {vi.shape[0]: args.batch_size for vi in g.inputs
                 if vi.shape and isinstance(vi.shape[0], str) and vi.name not in static}  # (static: fed whole)
@@ -296,7 +298,7 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise RevgraphError(f"--nproc must be at least 1, got {args.nproc}")
     try:
-        import torch.distributed.run  # noqa: F401
+        import torch.distributed.run
     except ImportError:
         raise RevgraphError('--nproc needs PyTorch for torchrun: pip install "revgraph[distributed]"') from None
     from .launch import run_torchrun, torchrun_arguments

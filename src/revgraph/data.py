@@ -217,6 +217,9 @@ def load_npy(path, mmap: bool = True) -> np.ndarray:
         # say what it is: "no such file" for a directory or a FIFO named x.npy sends the user looking elsewhere
         what = "is a directory" if p.is_dir() else "is not a regular file" if p.exists() else "no such file"
         raise InputError(f"cannot read {str(path)!r}: {what}" + ("; give a .npy file" if p.exists() else ""))
+    from .archive import check_npy_file
+
+    check_npy_file(p, whole=not mmap)  # the header's declared size against the file and the limit, first
     try:
         a = np.load(p, mmap_mode="r" if mmap else None, allow_pickle=False)
     except Exception as exc:  # noqa: BLE001  (numpy raises ValueError, OSError, EOFError, ... for a bad file)
@@ -231,10 +234,11 @@ def load_npy(path, mmap: bool = True) -> np.ndarray:
     return a
 
 
-def read_static(specs: list[str]) -> dict[str, np.ndarray]:
+def read_static(specs: list[str], shapes: Mapping | None = None) -> dict[str, np.ndarray]:
     """``--static NAME=FILE`` arguments as arrays: ``FILE`` a ``.npy`` file, or ``FILE.npz:member`` (one member of
-    an ``.npz``). Raises :class:`InputError` (one line) for a malformed argument, a name given twice, or a file
-    or member that cannot be read."""
+    an ``.npz``, the only one decompressed, bounded first by ``shapes[NAME]``, the shape the model declares for
+    it, :func:`revgraph.archive.read_archive`). Raises :class:`InputError` (one line) for a malformed argument,
+    a name given twice, or a file or member that cannot be read."""
     from .cli_io import read_npz
 
     out: dict[str, np.ndarray] = {}
@@ -246,10 +250,12 @@ def read_static(specs: list[str]) -> dict[str, np.ndarray]:
             raise InputError(f"--static {name}: given twice")
         base, colon, member = file.rpartition(":")
         if colon and base.endswith(".npz"):
-            arrays = read_npz(base)
+            from .archive import member_names
+
+            arrays = read_npz(base, {member: (shapes or {}).get(name)})
             if member not in arrays:
                 raise InputError(f"--static {name}: {base!r} has no member {member!r} (it has "
-                                 f"{', '.join(sorted(arrays)) or 'none'})")
+                                 f"{', '.join(sorted(member_names(base))) or 'none'})")
             out[name] = arrays[member]
         else:
             try:

@@ -40,17 +40,23 @@ def too_large(model: onnx.ModelProto) -> bool:
         return True
 
 
-def tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
-    """Every tensor of ``model``: initializers and tensor attributes, in subgraphs too (iteratively)."""
+def tensors(model: onnx.ModelProto, sparse: bool = False) -> Iterator[TensorProto]:
+    """Every tensor of ``model``: initializers and tensor attributes, in subgraphs too (iteratively); with
+    ``sparse``, also the ``values`` and ``indices`` of sparse initializers and sparse tensor attributes."""
     stack = [model.graph]
     while stack:
         graph = stack.pop()
         yield from graph.initializer
+        for sp in graph.sparse_initializer if sparse else ():
+            yield from (sp.values, sp.indices)
         for node in graph.node:
             for attr in node.attribute:
                 if attr.HasField("t"):
                     yield attr.t
                 yield from attr.tensors
+                for sp in ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else []) + list(attr.sparse_tensors):
+                    if sparse:
+                        yield from (sp.values, sp.indices)
                 if attr.HasField("g"):
                     stack.append(attr.g)
                 stack.extend(attr.graphs)
@@ -68,7 +74,7 @@ def external_data_files(path: str | os.PathLike) -> list[Path]:
         return []
     base = Path(path).parent
     found: dict[str, Path] = {}
-    for t in tensors(model):
+    for t in tensors(model, sparse=True):
         if t.data_location == TensorProto.EXTERNAL:
             for entry in t.external_data:
                 if entry.key == "location":

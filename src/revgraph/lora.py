@@ -32,7 +32,6 @@ import fnmatch
 import json
 import math
 import os
-import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -459,7 +458,7 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]
     """The adapters and configuration that :func:`save_adapters` wrote to ``path`` (``.npz`` or ``.onnx``), or
     what :func:`extract` gives for a whole adapted model (``.onnx``). Raises :class:`RevgraphError` for a file
     that holds no LoRA configuration."""
-    from .limits import open_regular_file
+    from .archive import read_archive
     from .npz import NAMES
     from .onnx_io import load
 
@@ -469,12 +468,12 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]
     if suffix != ".npz":
         raise RevgraphError(f"cannot read adapters from {str(path)!r}: give an .npz or .onnx file written by "
                             "revgraph lora extract")
-    fd = open_regular_file(path, ".npz file")
+    # every member is read (all are adapters), each bounded before it is decompressed (revgraph.archive)
+    z = read_archive(path, what=".npz file of adapters")
     try:
-        with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as z:
-            names = {str(n): str(m) for m, n in z[NAMES]} if NAMES in z.files else {k: k for k in z.files}
-            arrays = {n: np.asarray(z[m]) for n, m in names.items()}
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        names = {str(n): str(m) for m, n in z[NAMES]} if NAMES in z else {k: k for k in z}
+        arrays = {n: np.asarray(z[m]) for n, m in names.items()}
+    except (ValueError, KeyError, TypeError) as exc:
         raise RevgraphError(f"{str(path)!r} is not a readable .npz file of adapters ({type(exc).__name__})") from None
     if KEY not in arrays:
         raise RevgraphError(f"{str(path)!r} holds no LoRA configuration (member {KEY!r}); write it with revgraph "

@@ -94,17 +94,25 @@ def _has_external_data(model: onnx.ModelProto) -> bool:
 
 
 def _tensors(graph: onnx.GraphProto) -> list[TensorProto]:
-    """Initializers and tensor attributes of ``graph`` and its subgraphs (iteratively)."""
+    """Every ``TensorProto`` of ``graph`` and its subgraphs (iteratively): initializers, tensor attributes, and
+    the ``values`` and ``indices`` of sparse initializers and sparse tensor attributes (a sparse ``Constant``'s
+    ``sparse_value``), which may keep their data in external files like any tensor."""
     found, stack = [], [graph]
     while stack:
         g = stack.pop()
         found.extend(g.initializer)
+        sparse = list(g.sparse_initializer)
         for node in g.node:
             for a in node.attribute:
                 if a.type == AttributeProto.TENSOR:
                     found.append(a.t)
                 found.extend(a.tensors)
+                if a.type == AttributeProto.SPARSE_TENSOR:
+                    sparse.append(a.sparse_tensor)
+                sparse.extend(a.sparse_tensors)
                 stack.extend([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs))
+        for sp in sparse:
+            found += [sp.values, sp.indices]
     return found
 
 
@@ -117,7 +125,10 @@ def load_external_data(model: onnx.ModelProto, base_dir: Path, label: str) -> No
     if not external:
         return
     try:
-        onnx.external_data_helper.load_external_data_for_model(model, str(base_dir))
+        # tensor by tensor: onnx's load_external_data_for_model skips sparse tensors, whose data numpy_helper
+        # would later read relative to the process's working directory
+        for t in external:
+            onnx.external_data_helper.load_external_data_for_tensor(t, str(base_dir))
     except (OSError, ValueError, onnx.checker.ValidationError) as exc:
         raise RevgraphError(f"{label}: its external data cannot be read ({_first_line(exc)}); keep the .data file "
                             "next to the model") from None

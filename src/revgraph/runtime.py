@@ -144,7 +144,7 @@ class Session:
             raise RevgraphError(f"{self.backend} failed to run the graph: {_first_line(exc)}{hint}") from None
         # np.asarray on a sequence (a list of arrays) would stack it, or fail when the arrays differ in shape.
         return {
-            name: [np.asarray(x) for x in v] if isinstance(v, list) else np.asarray(v)
+            name: [np.asarray(x) for x in v] if isinstance(v, list) else dense_output(name, v)
             for name, v in zip(names, values, strict=True)
         }
 
@@ -281,3 +281,26 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[0] if len(lines) == 1 else " ".join(lines)[:400]
+
+
+def dense_output(name: str, value) -> np.ndarray:
+    """An output of a run as a numpy array: a sparse tensor (onnxruntime's ``SparseTensor``, a sparse
+    ``Constant``'s output) is densified, zeros where it has no value, so that every caller (``run -o`` writing
+    an .npz, the checker, training) sees the tensor ONNX defines instead of a Python object; its dense form is
+    refused over :data:`revgraph.limits.MAX_MATERIALIZED_BYTES` (:class:`RevgraphError`, one line)."""
+    if not hasattr(value, "dense_shape") or not hasattr(value, "values"):
+        return np.asarray(value)
+    from .limits import check_allocation
+
+    shape = tuple(int(d) for d in value.dense_shape())
+    values = np.asarray(value.values()).reshape(-1)
+    check_allocation(f"sparse output {name!r}", shape, values.dtype, "its dense form")
+    if "COO" not in str(value.format):
+        raise RevgraphError(f"output {name!r} is a sparse tensor in {value.format} form; revgraph densifies COO "
+                            "sparse outputs only")
+    indices = np.asarray(value.get_coo_data().indices(), dtype=np.int64)
+    dense = np.zeros(math.prod(shape), dtype=values.dtype)
+    if indices.ndim == 2:  # [NNZ, rank] coordinates (ONNX allows them beside [NNZ] linear indices)
+        indices = np.ravel_multi_index(tuple(indices.T), shape) if indices.size else indices.reshape(-1)
+    dense[indices.reshape(-1)] = values
+    return dense.reshape(shape)
