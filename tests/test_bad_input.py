@@ -164,8 +164,9 @@ def test_check_with_bad_tolerance_or_a_non_finite_forward(tmp_path, capsys):
     assert main(["check", str(tmp_path / "m.onnx"), "--rtol", "-1"]) == 2
     one_line(capsys, "tolerances must be >= 0")
     np.savez(tmp_path / "neg.npz", x=np.array([-1.0, 4.0], np.float32))
-    # a NaN forward cannot be checked: "not checked" with the reason, not a disagreement (issue 28, part 5)
-    assert main(["check", str(tmp_path / "m.onnx"), "--inputs", str(tmp_path / "neg.npz")]) == 0
+    # a NaN forward cannot be checked: "not checked" with the reason, not a disagreement (issue 28, part 5);
+    # nothing else to check: exit 2
+    assert main(["check", str(tmp_path / "m.onnx"), "--inputs", str(tmp_path / "neg.npz")]) == 2
     out = capsys.readouterr().out
     assert "NaN or infinite values" in out and "x: not checked: the loss is not finite" in out
     np.savez(tmp_path / "pos.npz", x=np.array([1.0, 4.0], np.float32))

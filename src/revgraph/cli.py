@@ -33,7 +33,7 @@ from .cli_write import (
     with_warnings,
     write_graph,
 )
-from .errors import RevgraphError
+from .errors import InputError, RevgraphError
 from .ir import TARGET_OPSET, ValueInfo, is_float_dtype
 from .lift import lift_constants
 from .onnx_io import check_valid, load
@@ -389,10 +389,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 1
     if unchecked:
         checked = len(report.rows) - len(unchecked)
-        if not checked:
-            out.print(f"none of the {len(report.rows)} values could be checked numerically (see above): nothing "
-                      "disagrees", markup=False)
-            return 0
+        if not checked:  # nothing verified is no success: exit 2, as for inputs outside the model's domain
+            raise InputError(f"none of the {len(report.rows)} values could be checked numerically (see above); "
+                             "pass --inputs FILE.npz with inputs where the loss is finite and changes under a step")
         out.print(f"{checked} of {len(report.rows)} values checked: all agree ({tolerances}); {len(unchecked)} not "
                   "checked numerically (see above)", markup=False)
         return 0
