@@ -12,11 +12,11 @@ counter). A damaged archive (truncated, a flipped bit: the CRC) is refused, as i
 integers whose product is this run's global batch: elastic resume); ``seed``, ``shuffle``, ``samples``,
 ``accumulate_steps`` (equal to this run's); ``epoch`` (0 to the run's epochs) and ``batch`` (0 to the batches per
 epoch - 1; 0 at the end); ``epoch_loss_sum`` (0 at a batch 0), ``epoch_means`` (one per finished epoch),
-``losses`` (one per step of the step counter): numbers, finite unless the run allows non-finite values;
+``losses`` (one per batch trained): numbers, finite unless the run allows non-finite values;
 ``hyperparameters`` (an object of the recorded names, each of its type; differences are
 :mod:`revgraph.run_record`'s). An unknown field is refused. :func:`check_arrays` checks the values: parameters
-and optimizer state finite (unless allowed), Adam's second moments >= 0, the step counter >= the steps the
-position stands for, a schedule's total steps >= 0, the fp16 loss scale finite and > 0 and its count of good
+and optimizer state finite (unless allowed), Adam's second moments >= 0, the step counter (one step
+per loss, fewer with fp16's skipped steps), the losses (at least one per batch up to the position), a schedule's total steps >= 0, the fp16 loss scale finite and > 0 and its count of good
 steps >= 0. Every refusal is one :class:`RevgraphError` line naming the file and the field.
 """
 
@@ -144,11 +144,14 @@ def _read(z: zipfile.ZipFile, where: str, like, order, step, check) -> tuple[dic
     members = {i.filename.removesuffix(".npy"): i for i in infos}
     if "meta" not in members:
         raise _bad(where, "member 'meta'", "(the metadata) is missing")
-    arrays_n = sum(1 for k in members if k.startswith("a") and k[1:].isdigit() and str(int(k[1:])) == k[1:])
-    unknown = [k for k in members if k != "meta" and not (k.startswith("a") and k[1:].isdigit()
-                                                           and str(int(k[1:])) == k[1:] and int(k[1:]) < arrays_n)]
+    numbered = {int(k[1:]) for k in members if k[:1] == "a" and k[1:].isdigit() and str(int(k[1:])) == k[1:]}
+    unknown = [k for k in members if k != "meta" and not (k[:1] == "a" and k[1:].isdigit() and int(k[1:]) in numbered
+                                                           and str(int(k[1:])) == k[1:])]
     if unknown:
         raise _bad(where, f"member {unknown[0]!r}", "is not part of a snapshot (meta, a0, a1, ...)")
+    arrays_n = max(numbered, default=-1) + 1
+    if len(numbered) != arrays_n:
+        raise _bad(where, f"member 'a{min(set(range(arrays_n)) - numbered)}'", "is missing")
     if order is not None and arrays_n != len(order):
         raise RevgraphError(f"{where} holds the state of another model or optimizer ({arrays_n} arrays, this run "
                             f"has {len(order)}); move it away or choose another checkpoint directory")
@@ -299,15 +302,15 @@ def check_arrays(arrays: dict[str, np.ndarray], meta: dict, where: str, spec, ru
     :func:`check_meta`: finite parameters and state (when ``finite``), Adam's second moments >= 0, the step
     counter against the position and the losses, a schedule's total, the fp16 loss scale. Raises
     :class:`RevgraphError` naming the file and the array."""
-    steps = int(arrays[spec.step])
+    steps, losses = int(arrays[spec.step]), len(meta["losses"])
     group = run["batch_size"] * run["world_size"] * run.get("accumulate_steps", 1)
     done = meta["epoch"] * -(-run["samples"] // group) + meta["batch"]
-    if steps < done:
-        raise _bad(where, f"the step counter {spec.step!r}", f"is {steps}, fewer than the {done} steps to epoch "
+    if losses < done:  # (a trainer's earlier fits may add losses before this fit's)
+        raise _bad(where, "field 'losses'", f"holds {losses} losses, fewer than the {done} batches to epoch "
                    f"{meta['epoch']}, batch {meta['batch']} (fields 'epoch', 'batch')")
-    if len(meta["losses"]) != steps:
-        raise _bad(where, "field 'losses'", f"holds {len(meta['losses'])} losses for {steps} steps (the step counter "
-                   f"{spec.step!r})")
+    # one loss per batch trained; fp16 loss scaling skips the update of an overflowing batch without counting it
+    if steps < 0 or (steps > losses if spec.scaling is not None else steps != losses):
+        raise _bad(where, f"the step counter {spec.step!r}", f"is {steps} for {losses} losses (field 'losses')")
     if spec.total and int(arrays[spec.total]) < 0:
         raise _bad(where, f"the schedule's total steps {spec.total!r}", f"is {int(arrays[spec.total])}, below 0")
     if spec.scaling is not None:
