@@ -307,7 +307,17 @@ DAMAGE = {
     "epoch_loss_sum text": (_set("epoch_loss_sum", "1.5"), "field 'epoch_loss_sum' is '1.5', not a number"),
     "epoch_loss_sum NaN": (_set("epoch_loss_sum", NAN), "field 'epoch_loss_sum' is not finite"),
     "epoch_loss_sum at batch 0": (_meta(lambda m: m.update(batch=0, losses=m["losses"][:3])),
-                                  "field 'epoch_loss_sum' is"),
+                                  "the losses of the epoch's first 0 batches (field 'losses') give 0.0"),
+    "epoch_loss_sum other": (_meta(lambda m: m.update(epoch_loss_sum=m["epoch_loss_sum"] * (1 + 1e-15))),
+                             "the losses of the epoch's first 1 batches (field 'losses') give"),
+    "epoch_means other": (_meta(lambda m: m["epoch_means"].__setitem__(0, 1.0)),
+                          "field 'epoch_means' gives epoch 1 the mean 1.0; its losses (field 'losses') give 1."),
+    "a loss other": (_meta(lambda m: m["losses"].__setitem__(0, 0.5)), "field 'epoch_means' gives epoch 1 the mean"),
+    "position and means moved back an epoch": (
+        _meta(lambda m: m.update(epoch=0, epoch_means=[])), "the 0 of earlier fits (field 'earlier_losses') and the 1"),
+    "earlier_losses other": (_set("earlier_losses", 1), "field 'losses' holds 4 losses; the 1 of earlier fits"),
+    "earlier_losses negative": (_set("earlier_losses", -1), "field 'earlier_losses' is -1"),
+    "earlier_losses text": (_set("earlier_losses", "0"), "field 'earlier_losses' is '0'"),
     "epoch_loss_sum missing": (_drop("epoch_loss_sum"), "field 'epoch_loss_sum' is missing"),
     "epoch_means a number": (_set("epoch_means", 5), "field 'epoch_means' is 5, not a list of numbers"),
     "epoch_means of text": (_set("epoch_means", ["1.0"]), "field 'epoch_means'"),
@@ -318,7 +328,9 @@ DAMAGE = {
     "losses of objects": (_set("losses", [{"a": 1}] * 4), "field 'losses'"),
     "losses NaN": (_meta(lambda m: m["losses"].__setitem__(2, NAN)), "field 'losses' holds NaN or infinite"),
     "losses too few": (_meta(lambda m: m["losses"].pop()), "field 'losses' holds 3 losses, fewer than the 4"),
-    "losses too many": (_meta(lambda m: m["losses"].append(1.0)), "the step counter 'step' is 4 for 5 losses"),
+    "losses too many": (_meta(lambda m: m["losses"].insert(0, 1.0)), "field 'losses' holds 5 losses; the 0 of"),
+    "losses of an earlier fit": (_meta(lambda m: (m["losses"].insert(0, 1.0), m.pop("earlier_losses"))),
+                                 "the step counter 'step' is 4 for 5 losses"),
     "losses missing": (_drop("losses"), "field 'losses' is missing"),
     "hyperparameters a list": (_set("hyperparameters", []), "field 'hyperparameters' is [], not an object"),
     "hyperparameters unknown": (_hp("learning_rate", 0.1), "field 'hyperparameters.learning_rate' is not a recorded"),
@@ -398,6 +410,7 @@ ACCEPTED = {  # a change a snapshot may carry, and it still resumes to the unint
     "as written": lambda d: d,
     "written by 2 processes x batch 4 (elastic)": _meta(lambda m: m.update(world_size=2, batch_size=4)),
     "without accumulate_steps (older)": _drop("accumulate_steps"),
+    "without earlier_losses (older)": _drop("earlier_losses"),
     "deflated members": lambda d: _zip(list(_members(d).items()), zipfile.ZIP_DEFLATED),
 }
 
@@ -426,10 +439,11 @@ def test_nonfinite_values_resume_with_allow_nonfinite(base, tmp_path, capsys):
     save: that run resumes it (and the one that stops at NaN refuses it, above)."""
     ck = _copy(base, tmp_path)
     damaged = _array("W2", lambda a: _set_at(a, np.nan, (1, 1)))(base["bytes"])
-    checkpoints.path_in(ck).write_bytes(_meta(lambda m: m["losses"].__setitem__(2, NAN))(damaged))
+    checkpoints.path_in(ck).write_bytes(_meta(lambda m: m.update(epoch_loss_sum=NAN) or m["losses"].__setitem__(
+        3, NAN))(damaged))  # (the loss of epoch 2's first batch: the sum of that epoch so far is NaN too)
     tr = _trainer()
-    _fit(tr, ck, nonfinite="continue")
-    assert tr.resumed and tr.steps == 9 and np.isnan(tr.parameters["W2"]).any()
+    means = _fit(tr, ck, nonfinite="continue")
+    assert tr.resumed and tr.steps == 9 and np.isnan(tr.parameters["W2"]).any() and np.isnan(means[1])
     checkpoints.path_in(ck).write_bytes(damaged)
     assert main(_cli_args(tmp_path, "--allow-nonfinite")) == 0, capsys.readouterr().err
 

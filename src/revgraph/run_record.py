@@ -93,7 +93,9 @@ def save(trainer, directory, run: dict, pos, total: int | None) -> None:
     values = engine.read(engine.names, root_only=True) if gathers else engine.read(engine.names)
     if not trainer.is_main:
         return
-    meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total,
+    group = run["batch_size"] * run["world_size"] * run["accumulate_steps"]
+    earlier = len(trainer.losses) - pos.epoch * -(-run["samples"] // group) - pos.batch  # (of earlier fits)
+    meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total, "earlier_losses": earlier,
             "epoch_means": pos.means, "losses": trainer.losses, "optimizer": trainer.spec.optimizer.kind,
             "hyperparameters": record(trainer.spec, total)}
     checkpoints.save(directory, values, meta)

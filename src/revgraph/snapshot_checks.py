@@ -11,13 +11,15 @@ counter). A damaged archive (truncated, a flipped bit: the CRC) is refused, as i
 ``names`` (this run's carried names in order) and ``optimizer``; ``batch_size`` and ``world_size`` (positive
 integers whose product is this run's global batch: elastic resume); ``seed``, ``shuffle``, ``samples``,
 ``accumulate_steps`` (equal to this run's); ``epoch`` (0 to the run's epochs) and ``batch`` (0 to the batches per
-epoch - 1; 0 at the end); ``epoch_loss_sum`` (0 at a batch 0), ``epoch_means`` (one per finished epoch),
-``losses`` (one per batch trained): numbers, finite unless the run allows non-finite values;
-``hyperparameters`` (an object of the recorded names, each of its type; differences are
-:mod:`revgraph.run_record`'s). An unknown field is refused. :func:`check_arrays` checks the values: parameters
-and optimizer state finite (unless allowed), Adam's second moments >= 0, the step counter (one step
-per loss, fewer with fp16's skipped steps), the losses (at least one per batch up to the position), a schedule's total steps >= 0, the fp16 loss scale finite and > 0 and its count of good
-steps >= 0. Every refusal is one :class:`RevgraphError` line naming the file and the field.
+epoch - 1; 0 at the end); ``losses`` (one per batch trained), ``epoch_means`` (one per finished epoch) and
+``epoch_loss_sum``: numbers, finite unless the run allows non-finite values, the means and the sum those of the
+losses (recomputed, bit for bit), as many losses as ``earlier_losses`` (of a trainer's earlier fits) and the
+batches up to the position; ``hyperparameters`` (an object of the recorded names, each of its type;
+differences are :mod:`revgraph.run_record`'s). An unknown field is refused. :func:`check_arrays` checks the
+values: parameters and optimizer state finite (unless allowed), Adam's second moments >= 0, the step counter
+(one step per loss, fewer with fp16's skipped steps), a schedule's total steps >= 0, the fp16 loss scale finite
+and > 0 and its count of good steps >= 0. Every refusal is one :class:`RevgraphError` line naming the file and
+the field. Nothing else is stored: the data order is ``default_rng(seed + epoch)``'s, from the checked fields.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ HEADER_BYTES = 1 << 16
 #: the fields :func:`revgraph.run_record.save` writes (``accumulate_steps`` and ``hyperparameters`` may be
 #: missing: checkpoints written before they existed)
 FIELDS = ("format", "names", "batch_size", "world_size", "seed", "shuffle", "samples", "accumulate_steps", "epoch",
-          "batch", "epoch_loss_sum", "epoch_means", "losses", "optimizer", "hyperparameters")
-OPTIONAL = ("accumulate_steps", "hyperparameters")
+          "batch", "epoch_loss_sum", "epoch_means", "losses", "optimizer", "hyperparameters", "earlier_losses")
+OPTIONAL = ("accumulate_steps", "hyperparameters", "earlier_losses")
 _READ_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
                 RuntimeError, struct.error, zlib.error, lzma.LZMAError, UnicodeError, OverflowError, MemoryError)
 _AGAIN = "; move it away to start afresh"
@@ -247,6 +249,8 @@ def check_meta(meta: dict, where: str, run: dict, names: list[str], optimizer: s
         v = meta.get(k, 1)
         if not _is_int(v) or v < 1:
             raise _bad(where, f"field {k!r}", f"is {_short(v)}, not a positive integer")
+    if not _is_int(meta.get("earlier_losses", 0)) or meta.get("earlier_losses", 0) < 0:
+        raise _bad(where, "field 'earlier_losses'", f"is {_short(meta['earlier_losses'])}, not an integer >= 0")
     for k, ok, what in (("seed", _is_int, "an integer"), ("shuffle", lambda v: isinstance(v, bool), "true or false"),
                         ("epoch", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
                         ("batch", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
@@ -288,13 +292,41 @@ def check_meta(meta: dict, where: str, run: dict, names: list[str], optimizer: s
     if batch >= per_epoch or (epochs is not None and epoch == epochs and batch):
         raise _bad(where, "field 'batch'", f"is {batch}, not a batch of this run's epochs (0 to {per_epoch - 1}, "
                    f"0 at the end)")
-    if batch == 0 and meta["epoch_loss_sum"] != 0:
-        raise _bad(where, "field 'epoch_loss_sum'", f"is {_short(meta['epoch_loss_sum'])} at the start of an "
-                   "epoch (batch 0), where it is 0")
     if finite and not math.isfinite(meta["epoch_loss_sum"]):
         raise _bad(where, "field 'epoch_loss_sum'", "is not finite (--allow-nonfinite trains on regardless)")
     _numbers(where, "epoch_means", meta["epoch_means"], epoch, finite, "the epoch (field 'epoch') is")
     _numbers(where, "losses", meta["losses"], None, finite, "")
+    _sums_of_the_losses(meta, where, run, per_epoch, group)
+
+
+def _sums_of_the_losses(meta: dict, where: str, run: dict, per_epoch: int, group: int) -> None:
+    """The epoch means and the sum of the epoch so far are the losses' of this run's batches (its last
+    ``epoch * per_epoch + batch`` losses), each times its batch's size, added in the trainer's order: recomputed
+    here they must be equal, bit for bit (JSON keeps a float exactly)."""
+    epoch, batch, losses, n = meta["epoch"], meta["batch"], meta["losses"], run["samples"]
+    done = epoch * per_epoch + batch
+    if len(losses) < done:  # (a trainer's earlier fits may add losses before this fit's)
+        raise _bad(where, "field 'losses'", f"holds {len(losses)} losses, fewer than the {done} batches to epoch "
+                   f"{epoch}, batch {batch} (fields 'epoch', 'batch')")
+    earlier = meta.get("earlier_losses")  # (missing in snapshots written before it was recorded)
+    if earlier is not None and len(losses) != earlier + done:
+        raise _bad(where, "field 'losses'", f"holds {len(losses)} losses; the {earlier} of earlier fits (field "
+                   f"'earlier_losses') and the {done} batches to epoch {epoch}, batch {batch} make {earlier + done}")
+    mine = losses[len(losses) - done:]
+
+    def same(a, b) -> bool:
+        return a == b or (math.isnan(a) and math.isnan(b))
+
+    for e in range(epoch + 1):
+        total = 0.0
+        for b in range(per_epoch if e < epoch else batch):
+            total += mine[e * per_epoch + b] * min(group, n - b * group)
+        if e < epoch and not same(total / n, meta["epoch_means"][e]):
+            raise _bad(where, "field 'epoch_means'", f"gives epoch {e + 1} the mean {meta['epoch_means'][e]!r}; its "
+                       f"losses (field 'losses') give {total / n!r}")
+        if e == epoch and not same(total, meta["epoch_loss_sum"]):
+            raise _bad(where, "field 'epoch_loss_sum'", f"is {meta['epoch_loss_sum']!r}; the losses of the epoch's "
+                       f"first {batch} batches (field 'losses') give {total!r}")
 
 
 def check_arrays(arrays: dict[str, np.ndarray], meta: dict, where: str, spec, run: dict, finite: bool) -> None:
@@ -303,11 +335,6 @@ def check_arrays(arrays: dict[str, np.ndarray], meta: dict, where: str, spec, ru
     counter against the position and the losses, a schedule's total, the fp16 loss scale. Raises
     :class:`RevgraphError` naming the file and the array."""
     steps, losses = int(arrays[spec.step]), len(meta["losses"])
-    group = run["batch_size"] * run["world_size"] * run.get("accumulate_steps", 1)
-    done = meta["epoch"] * -(-run["samples"] // group) + meta["batch"]
-    if losses < done:  # (a trainer's earlier fits may add losses before this fit's)
-        raise _bad(where, "field 'losses'", f"holds {losses} losses, fewer than the {done} batches to epoch "
-                   f"{meta['epoch']}, batch {meta['batch']} (fields 'epoch', 'batch')")
     # one loss per batch trained; fp16 loss scaling skips the update of an overflowing batch without counting it
     if steps < 0 or (steps > losses if spec.scaling is not None else steps != losses):
         raise _bad(where, f"the step counter {spec.step!r}", f"is {steps} for {losses} losses (field 'losses')")
