@@ -513,3 +513,36 @@ def test_a_snapshot_read_to_look_at_it_is_checked_too(base, tmp_path):
     checkpoints.path_in(ck).write_bytes(base["bytes"])
     arrays, meta = checkpoints.load(ck)
     assert (meta["epoch"], meta["batch"], int(arrays["step"])) == (1, 1, 4)
+
+
+# ------------------------------------------------------------------------------------------ two processes
+
+@pytest.mark.slow
+def test_two_processes_check_the_snapshot_on_rank_0_and_refuse_together(base, tmp_path):
+    """``train --nproc 2 --shard optimizer`` (ZeRO-1) resuming the one-process snapshot (global batch 1 x 8 =
+    2 x 4: elastic). Snapshots hold whole arrays, gathered by rank 0 (no per-rank files): rank 0 reads and checks
+    the file, and both ranks refuse together, so none waits for a broadcast that never comes: a damaged field,
+    and a snapshot claiming another world size (2 x 8 = 16), end with exit 2 naming the file and the field,
+    nothing written, the snapshot untouched. The snapshot as written resumes to the uninterrupted run's weights
+    (to float rounding: the ranks' gradients are summed in another order)."""
+    pytest.importorskip("torch.distributed.run", reason="--nproc needs torch")
+    ck = _copy(base, tmp_path)
+    path = checkpoints.path_in(ck)
+    args = [sys.executable, "-m", "revgraph", *_cli_args(tmp_path, "--nproc", "2", "--shard", "optimizer")]
+    args[args.index("--batch-size") + 1] = str(BATCH // 2)
+    for damage, said in [(DAMAGE["losses 5"][0], "field 'losses' is 5, not a list of numbers"),
+                         (_set("world_size", 2), "global batch 2 x 8 = 16 (now 2 x 4 = 8)")]:
+        path.write_bytes(damage(base["bytes"]))
+        before = path.read_bytes()
+        r = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"revgraph: error: {path}: {said}" in r.stderr or f"revgraph: error: {path} was written by a run " \
+               f"with {said}" in r.stderr, r.stderr
+        assert path.read_bytes() == before and sorted(os.listdir(ck)) == ["checkpoint.npz"]
+        assert sorted(os.listdir(tmp_path)) == ["ck", "d.npz", "m.onnx"]
+    path.write_bytes(base["bytes"])
+    r = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr
+    trained = rg.load(tmp_path / "t.onnx").initializers
+    for name in ("W1", "b1", "W2", "b2"):
+        np.testing.assert_allclose(trained[name], base["ref"][name], rtol=2e-5, atol=2e-6, err_msg=name)
