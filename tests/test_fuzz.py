@@ -20,20 +20,20 @@ from pathlib import Path
 import pytest
 
 KIT = Path(__file__).resolve().parent / "fuzzkit.py"
+SNAPSHOT_KIT = KIT.parent / "snapshot_fuzzkit.py"
 CI_SAMPLE = 150
 SLOW_COUNT = 3000
 SNAPSHOT_SAMPLE = 60  # (about 0.25 s a mutant)
 SNAPSHOT_SLOW = 1500
 
 
-def _fuzz(tmp_path: Path, count: int, seed: int, start: int = 0, *extra: str) -> list[dict]:
+def _fuzz(tmp_path: Path, count: int, seed: int, start: int = 0, kit: Path = KIT) -> list[dict]:
     """Run the fuzzer in its own process (it forks a child per mutant from a process with no onnxruntime
     threads); return its failures."""
     save = Path(os.environ.get("REVGRAPH_FUZZ_SAVE", tmp_path / "repro"))
     report = tmp_path / "failures.json"
-    proc = subprocess.run([sys.executable, str(KIT), "--count", str(count), "--seed", str(seed), "--start", str(start),
-                           "--save", str(save), "--json", str(report), *extra], capture_output=True, text=True,
-                          timeout=3600)
+    proc = subprocess.run([sys.executable, str(kit), "--count", str(count), "--seed", str(seed), "--start", str(start),
+                           "--save", str(save), "--json", str(report)], capture_output=True, text=True, timeout=3600)
     assert proc.returncode in (0, 1) and report.exists(), proc.stderr[-3000:]
     return json.loads(report.read_text())
 
@@ -61,14 +61,14 @@ def test_fuzz_many(tmp_path, seed):
 
 
 def test_fuzz_snapshots_sample(tmp_path):
-    failures = _fuzz(tmp_path, SNAPSHOT_SAMPLE, 28, 0, "--snapshots")
+    failures = _fuzz(tmp_path, SNAPSHOT_SAMPLE, 28, kit=SNAPSHOT_KIT)
     assert not failures, _summary(failures)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_fuzz_snapshots_many(tmp_path, seed):
-    failures = _fuzz(tmp_path, SNAPSHOT_SLOW // 3, seed, 0, "--snapshots")
+    failures = _fuzz(tmp_path, SNAPSHOT_SLOW // 3, seed, kit=SNAPSHOT_KIT)
     assert not failures, _summary(failures)
 
 
@@ -76,7 +76,7 @@ def test_the_snapshot_judge_catches_what_it_should(tmp_path):
     """The verdicts on hand-made resumes: exit 3, two error lines, other weights, a changed snapshot."""
     sys.path.insert(0, str(KIT.parent))
     import numpy as np
-    from fuzzkit import _judge_snapshot
+    from snapshot_fuzzkit import _judge_snapshot
 
     (tmp_path / "ck").mkdir()
     for f in ("m.onnx", "d.npz"):

@@ -339,8 +339,8 @@ DAMAGE = {
     "hyperparameters lr other": (_hp("lr", 0.5), "was written with lr 0.5 (now 0.001); resume with the same value"),
     # the arrays
     "parameter of another dtype": (_array("W1", lambda a: a.astype(np.float64)),
-                                   "cannot be resumed: 'W1' has shape [6, 8] and dtype float64; this training run "
-                                   "needs shape [6, 8] and dtype float32"),
+                                   ("cannot be resumed: 'W1' has shape [6, 8] and dtype float64; this training run "
+                                    "needs shape [6, 8] and dtype float32")),
     "parameter of another shape": (_array("b2", lambda a: np.zeros(4, F32)), "'b2' has shape [4]"),
     "parameter NaN": (_array("W2", lambda a: _set_at(a, np.nan, (1, 1))), "parameter 'W2' holds NaN or infinite"),
     "optimizer state infinite": (_array("b1.m", lambda a: _set_at(a, np.inf)), "optimizer state 'b1.m' holds NaN"),
@@ -377,7 +377,7 @@ def test_damaged_snapshot_is_refused_by_the_cli(base, tmp_path, capsys, damage):
     path.write_bytes(how(base["bytes"]))
     before = path.read_bytes()
     code = main(_cli_args(tmp_path))
-    out, err = capsys.readouterr()
+    err = capsys.readouterr().err
     one_line_error(code, err, said, str(path))
     assert not (tmp_path / "t.onnx").exists() and sorted(os.listdir(ck)) == ["checkpoint.npz"]
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["ck", "d.npz", "m.onnx"]

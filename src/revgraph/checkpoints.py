@@ -21,7 +21,7 @@ from .atomic import atomic_path
 from .errors import RevgraphError
 
 FILE = "checkpoint.npz"
-FORMAT = "revgraph-checkpoint-1"
+FORMAT = snapshot_checks.FORMAT
 
 
 def path_in(directory: str | os.PathLike) -> Path:

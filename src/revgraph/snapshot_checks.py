@@ -35,6 +35,7 @@ import numpy as np
 
 from .errors import RevgraphError
 
+FORMAT = "revgraph-checkpoint-1"  # (the metadata's "format"; revgraph.checkpoints writes it)
 #: characters the metadata may hold whatever the run (names, the record, the run's settings) ...
 META_CHARS = 1 << 20
 #: ... and per step of the step counter (a loss and an epoch mean, as JSON numbers, with room to spare)
@@ -191,8 +192,6 @@ def _read(z: zipfile.ZipFile, where: str, like, order, step, check) -> tuple[dic
     meta = json.loads(text)
     if not isinstance(meta, dict):
         raise _bad(where, "the metadata", f"is a JSON {type(meta).__name__}, not an object")
-    from .checkpoints import FORMAT
-
     if meta.get("format") != FORMAT:
         raise _bad(where, "field 'format'", f"is {_short(meta.get('format'))}, not {FORMAT!r}")
     names = meta.get("names")

@@ -28,8 +28,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx
 
-from . import run_record
 from . import data as datasets
+from . import run_record
 from .autodiff.policies import CheckpointPolicy
 from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
