@@ -178,13 +178,17 @@ def _change(k: str, a, b, how: str = "now") -> str:
     def parsed(v):
         try:
             v = json.loads(v) if isinstance(v, str) else None
-        except ValueError:
+        except (ValueError, RecursionError):  # (a snapshot's text: not necessarily JSON)
             return None
         return v if isinstance(v, dict) else None
 
+    def r(v) -> str:  # (a snapshot's value may be a megabyte of text)
+        text = repr(v)
+        return text if len(text) <= 400 else text[:397] + "..."
+
     ja, jb = parsed(a), parsed(b)
     if ja is None or jb is None:
-        return f"{k} {b!r} instead of {a!r}" if how != "now" else f"{k} {a!r} (now {b!r})"
+        return f"{k} {r(b)} instead of {r(a)}" if how != "now" else f"{k} {r(a)} (now {r(b)})"
     parts = []
     for x in dict.fromkeys([*ja, *jb]):
         va, vb = ja.get(x), jb.get(x)

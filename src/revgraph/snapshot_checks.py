@@ -40,6 +40,8 @@ FORMAT = "revgraph-checkpoint-1"  # (the metadata's "format"; revgraph.checkpoin
 META_CHARS = 1 << 20
 #: ... and per step of the step counter (a loss and an epoch mean, as JSON numbers, with room to spare)
 CHARS_PER_STEP = 64
+#: how deep the metadata's JSON may nest (the record's loss settings are 3 levels down)
+MAX_DEPTH = 16
 #: bytes an array member may hold besides its data: the ``.npy`` header
 HEADER_BYTES = 1 << 16
 #: the fields :func:`revgraph.run_record.save` writes (``accumulate_steps`` and ``hyperparameters`` may be
@@ -192,6 +194,8 @@ def _read(z: zipfile.ZipFile, where: str, like, order, step, check) -> tuple[dic
     meta = json.loads(text)
     if not isinstance(meta, dict):
         raise _bad(where, "the metadata", f"is a JSON {type(meta).__name__}, not an object")
+    if _depth(meta) > MAX_DEPTH:  # (comparing or printing deeper values would recurse past Python's limit)
+        raise _bad(where, "the metadata", f"nests deeper than {MAX_DEPTH} levels, which a snapshot's never does")
     if meta.get("format") != FORMAT:
         raise _bad(where, "field 'format'", f"is {_short(meta.get('format'))}, not {FORMAT!r}")
     names = meta.get("names")
@@ -207,6 +211,17 @@ def _read(z: zipfile.ZipFile, where: str, like, order, step, check) -> tuple[dic
         check(meta)
     arrays = {n: array(k, None if like is None else like[n]) for k, n in enumerate(names)}
     return arrays, meta
+
+
+def _depth(value) -> int:
+    """How deep ``value`` (parsed JSON) nests, counted iteratively."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(v, dict | list) and d <= MAX_DEPTH:
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 # ----------------------------------------------------------------------------------------------- the fields
