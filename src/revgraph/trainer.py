@@ -340,8 +340,8 @@ class Trainer:
         when the last update left a parameter NaN or infinite, raising :class:`NonFiniteError` that names the
         step; the trainer keeps the parameters and state from before that step (nothing of it is checkpointed).
         ``"continue"`` trains on regardless. Returns the mean loss of each epoch. Raises :class:`InputError`
-        for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run, or a damaged or edited one (every field and array
-        is checked before a step: :mod:`revgraph.snapshot_checks`). ``data`` may be a directory
+        for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run or a damaged or edited one
+        (every field is checked before a step: :mod:`revgraph.snapshot_checks`). ``data`` may be a directory
         of ``.npy`` files (memory-mapped); ``static`` maps inputs to arrays fed whole to every step
         (:mod:`revgraph.data`). A loss that is a mean over counted targets (``ignore_index``, class weights) weighs
         each micro-batch and rank by its counted targets, so a step is the mean over the global batch's.
