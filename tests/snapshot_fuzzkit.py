@@ -144,7 +144,8 @@ def snapshot_seed(root: Path) -> dict:
 
 _OTHER_VALUES = "other finite values in"  # (a mutation after which exit 0 trains on from other values)
 _HOSTILE = [0, 1, -1, 2, 3, 2**31 - 1, -(2**31), 2**63 - 1, -(2**63), 10**12, 0.0, -0.0, 1.0, -1.0,
-            float("nan"), float("inf"), -float("inf"), 1e38, 1e-45, "", "x", "NaN", "revgraph-checkpoint-1", "adam", "sgd", "step", "w", "a\nb", None,
+            float("nan"), float("inf"), -float("inf"), 1e38, 1e-45, "", "x", "NaN", "revgraph-checkpoint-1", "adam",
+            "sgd", "step", "w", "a\nb", None,
             True, False, [], {}, [1.0], [0], {"a": 1}, "x" * 300]
 
 
@@ -250,7 +251,8 @@ def _npy_bytes(a) -> bytes:
     return f.getvalue()
 
 
-def _judge_snapshot(rc, err: str, out: str, workdir: Path, snapshot: bytes, seed: dict, exact: bool = True) -> list[str]:
+def _judge_snapshot(rc, err: str, out: str, workdir: Path, snapshot: bytes, seed: dict,
+                    exact: bool = True) -> list[str]:
     """A resume passes with exit 0, the uninterrupted run's weights and mean (unless not ``exact``: a mutant with
     other finite values in an array), and nothing but ``t.onnx`` written beside the snapshot; or exit 2, one
     error line, nothing written and the snapshot as it was."""

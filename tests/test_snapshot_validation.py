@@ -246,7 +246,7 @@ DAMAGE = {
     "metadata 3 M characters": (_long_meta, "declares 3145728 characters"),
     "metadata nested 200000 deep": (_nested, "nests too deeply"),
     "metadata not JSON": (_text("{'epoch': 1"), READ),
-    "metadata nested 40 deep": (_set("epoch_means", [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]),
+    "metadata nested 40 deep": (_set("epoch_means", json.loads("[" * 40 + "1" + "]" * 40)),
                                 "the metadata nests deeper than 16 levels"),
     "a lora record nested 5000 deep": (_hp("revgraph.lora", "[" * 5000 + "]" * 5000),
                                        "was written with revgraph.lora '[[[["),
