@@ -10,6 +10,8 @@ start), under a memory limit and a timeout, in an empty directory. A command pas
 exactly one line on stderr, and when it leaves no file behind but its own output on success.
 
     python tests/fuzzkit.py --count 200 --seed 1 --save /tmp/fuzz-repro
+
+Training snapshots (``train --checkpoint-dir``) are mutated by tests/snapshot_fuzzkit.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""Mutation fuzzing of ``info``, ``grad``, ``run`` and ``check`` (issue 12, section 2; tests/fuzzkit.py).
+"""Mutation fuzzing of ``info``, ``grad``, ``run`` and ``check`` (issue 12, section 2; tests/fuzzkit.py), and of
+the training snapshots ``train --checkpoint-dir`` resumes from (issue 28, part 1).
 
 Every mutant of the seed models (several operators, a Loop, an If, initializers, external data) must give exit
 0 or 2 (``check`` also 1), no traceback, one ``revgraph: error:`` line on a refusal, and no file left behind.
 CI runs a fixed sample; ``-m slow`` runs a few thousand more. Failures are saved as reproducers (the mutant
 file and its findings) under ``$REVGRAPH_FUZZ_SAVE`` when set, else in pytest's temporary directory.
+Every mutant of a real snapshot must resume with exit 0 to the uninterrupted run's weights, or exit 2 with one
+error line, nothing written and the snapshot untouched.
 """
 
 from __future__ import annotations
@@ -17,16 +20,19 @@ from pathlib import Path
 import pytest
 
 KIT = Path(__file__).resolve().parent / "fuzzkit.py"
+SNAPSHOT_KIT = KIT.parent / "snapshot_fuzzkit.py"
 CI_SAMPLE = 150
 SLOW_COUNT = 3000
+SNAPSHOT_SAMPLE = 60  # (about 0.25 s a mutant)
+SNAPSHOT_SLOW = 1500
 
 
-def _fuzz(tmp_path: Path, count: int, seed: int, start: int = 0) -> list[dict]:
+def _fuzz(tmp_path: Path, count: int, seed: int, start: int = 0, kit: Path = KIT) -> list[dict]:
     """Run the fuzzer in its own process (it forks a child per mutant from a process with no onnxruntime
     threads); return its failures."""
     save = Path(os.environ.get("REVGRAPH_FUZZ_SAVE", tmp_path / "repro"))
     report = tmp_path / "failures.json"
-    proc = subprocess.run([sys.executable, str(KIT), "--count", str(count), "--seed", str(seed), "--start", str(start),
+    proc = subprocess.run([sys.executable, str(kit), "--count", str(count), "--seed", str(seed), "--start", str(start),
                            "--save", str(save), "--json", str(report)], capture_output=True, text=True, timeout=3600)
     assert proc.returncode in (0, 1) and report.exists(), proc.stderr[-3000:]
     return json.loads(report.read_text())
@@ -52,6 +58,46 @@ def test_fuzz_sample(tmp_path):
 def test_fuzz_many(tmp_path, seed):
     failures = _fuzz(tmp_path, SLOW_COUNT // 3, seed=seed)
     assert not failures, _summary(failures)
+
+
+def test_fuzz_snapshots_sample(tmp_path):
+    failures = _fuzz(tmp_path, SNAPSHOT_SAMPLE, 28, kit=SNAPSHOT_KIT)
+    assert not failures, _summary(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_fuzz_snapshots_many(tmp_path, seed):
+    failures = _fuzz(tmp_path, SNAPSHOT_SLOW // 3, seed, kit=SNAPSHOT_KIT)
+    assert not failures, _summary(failures)
+
+
+def test_the_snapshot_judge_catches_what_it_should(tmp_path):
+    """The verdicts on hand-made resumes: exit 3, two error lines, other weights, a changed snapshot."""
+    sys.path.insert(0, str(KIT.parent))
+    import numpy as np
+    from snapshot_fuzzkit import _judge_snapshot
+
+    (tmp_path / "ck").mkdir()
+    for f in ("m.onnx", "d.npz"):
+        (tmp_path / f).write_bytes(b"")
+    (tmp_path / "ck" / "checkpoint.npz").write_bytes(b"snap")
+    seed = {"weights": {"w": np.ones(2, np.float32)}, "mean": "mean loss 1"}
+    assert _judge_snapshot(2, "revgraph: error: bad\n", "", tmp_path, b"snap", seed) == []
+    assert _judge_snapshot(3, "revgraph: internal error: KeyError\n", "", tmp_path, b"snap", seed) == ["exit 3"]
+    assert _judge_snapshot(2, "revgraph: error: a\nrevgraph: error: b\n", "", tmp_path, b"snap", seed) != []
+    assert _judge_snapshot(2, "revgraph: error: bad\n", "", tmp_path, b"other", seed) == ["the snapshot was changed"]
+    (tmp_path / "ck" / "failure.json").write_bytes(b"{}")
+    assert _judge_snapshot(2, "revgraph: error: bad\n", "", tmp_path, b"snap", seed) != []
+    (tmp_path / "ck" / "failure.json").unlink()
+    import onnx
+    from onnx import helper, numpy_helper
+
+    g = helper.make_graph([], "g", [], [], initializer=[numpy_helper.from_array(np.zeros(2, np.float32), "w")])
+    onnx.save(helper.make_model(g), str(tmp_path / "t.onnx"))
+    assert _judge_snapshot(0, "", "mean loss 1\n", tmp_path, b"snap", seed) == [
+        "exit 0 with weights other than the uninterrupted run's"]
+    assert _judge_snapshot(0, "", "mean loss 1\n", tmp_path, b"snap", seed, exact=False) == []
 
 
 def test_the_judge_catches_what_it_should(tmp_path):

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from . import snapshot_checks
 from .atomic import atomic_path
 from .errors import RevgraphError
 
 FILE = "checkpoint.npz"
-FORMAT = "revgraph-checkpoint-1"
+FORMAT = snapshot_checks.FORMAT
 
 
 def path_in(directory: str | os.PathLike) -> Path:
@@ -49,19 +50,13 @@ def save(directory: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict
     return target
 
 
-def load(directory: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict] | None:
-    """``(arrays, meta)`` of ``<directory>/checkpoint.npz``, or ``None`` when there is none. Raises
-    :class:`RevgraphError` (one line) for a file that is not a revgraph checkpoint."""
+def load(directory: str | os.PathLike, like: dict | None = None, order: list[str] | None = None,
+         step: str | None = None, check=None) -> tuple[dict[str, np.ndarray], dict] | None:
+    """``(arrays, meta)`` of ``<directory>/checkpoint.npz``, or ``None`` when there is none. ``like``, ``order``,
+    ``step``, ``check``: what this run holds (:func:`revgraph.snapshot_checks.read`: each member is checked against it
+    before it is read). Raises :class:`RevgraphError` (one line naming the file and the member or field) for a
+    file that is not a revgraph checkpoint (of this run)."""
     target = path_in(directory)
     if not target.is_file():
         return None
-    try:
-        with np.load(target, allow_pickle=False) as z:
-            meta = json.loads(str(z["meta"]))
-            if meta.get("format") != FORMAT:
-                raise ValueError("unknown format")
-            arrays = {n: np.array(z[f"a{i}"]) for i, n in enumerate(meta["names"])}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise RevgraphError(f"{str(target)!r} is not a readable revgraph checkpoint ({exc}); move it away to "
-                            "start afresh") from None
-    return arrays, meta
+    return snapshot_checks.read(target, like, order, step, check)

@@ -107,10 +107,11 @@ def _restart() -> tuple[str, int, int]:
 
 
 def _failure_files(rank: int, checkpoint_dir) -> list[Path]:
-    files = [Path(os.environ[RUN_DIR_ENV]) / FAILURE_FILE] if os.environ.get(RUN_DIR_ENV) else []
+    if os.environ.get(RUN_DIR_ENV):  # the --nproc launcher's: its workers share it (nothing left in the user's
+        return [Path(os.environ[RUN_DIR_ENV]) / FAILURE_FILE]  # checkpoint directory beside a refused snapshot)
     if checkpoint_dir is not None and rank == 0:  # the checkpoint directory may exist on rank 0's machine only
-        files.append(Path(checkpoint_dir) / FAILURE_FILE)
-    return files
+        return [Path(checkpoint_dir) / FAILURE_FILE]
+    return []
 
 
 def record_failure(message: str, rank: int, checkpoint_dir=None) -> None:
@@ -143,7 +144,9 @@ def recorded_failure(comm, checkpoint_dir=None) -> None:
     for f in _failure_files(comm.rank, checkpoint_dir):
         try:
             record = json.loads(f.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
+            continue
+        if not isinstance(record, dict):  # (a file of that name that is not ours: not a record)
             continue
         if restart and record.get("run_id") == run_id:
             found = found or str(record.get("message", "an earlier attempt of this run failed"))

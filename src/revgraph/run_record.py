@@ -23,7 +23,7 @@ import warnings
 
 import numpy as np
 
-from . import checkpoints
+from . import checkpoints, snapshot_checks
 from .errors import RevgraphError
 
 #: The recorded settings' values for checkpoints that do not record them (written before the record existed).
@@ -93,63 +93,83 @@ def save(trainer, directory, run: dict, pos, total: int | None) -> None:
     values = engine.read(engine.names, root_only=True) if gathers else engine.read(engine.names)
     if not trainer.is_main:
         return
-    meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total,
+    group = run["batch_size"] * run["world_size"] * run["accumulate_steps"]
+    earlier = len(trainer.losses) - pos.epoch * -(-run["samples"] // group) - pos.batch  # (of earlier fits)
+    meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total, "earlier_losses": earlier,
             "epoch_means": pos.means, "losses": trainer.losses, "optimizer": trainer.spec.optimizer.kind,
             "hyperparameters": record(trainer.spec, total)}
     checkpoints.save(directory, values, meta)
 
 
-def resume(trainer, directory, run: dict, total: int | None, override=(), console=None) -> dict | None:
-    """Load the checkpoint in ``directory`` into the trainer's engine (on every rank; rank 0 reads the file) and
-    return its metadata, or ``None`` when there is none. Raises :class:`RevgraphError` (one line) for a
-    checkpoint of another model, optimizer, global batch or run, and for a recorded hyperparameter that differs
-    from now's unless ``override`` names it (module doc)."""
+class Position:
+    """Where training stands: the epoch, the next batch in it, the loss sum of the epoch so far (over global
+    batches, each loss times its size) and the mean losses of the finished epochs."""
+
+    def __init__(self, epoch: int = 0, batch: int = 0, total: float = 0.0, means: list | None = None):
+        self.epoch, self.batch, self.total, self.means = epoch, batch, total, means or []
+
+
+def resume(trainer, directory, run: dict, total: int | None, override=(), console=None, *, epochs: int | None = None,
+           finite: bool = False) -> Position:
+    """Load the checkpoint in ``directory`` into the trainer's engine (on every rank; rank 0 reads the file and
+    checks every field of it, :mod:`revgraph.snapshot_checks`, before anything is loaded) and return its position
+    in the data (the start when there is none); set the trainer's ``losses`` and ``resumed``. ``epochs``: of this
+    fit; ``finite``: the run stops at non-finite values, so the snapshot may hold none. Raises
+    :class:`RevgraphError` (one line naming the file and the field, on every rank) for a damaged or edited
+    snapshot, one of another model, optimizer, global batch or run, and for a recorded hyperparameter that
+    differs from now's unless ``override`` names it (module doc)."""
     now = record(trainer.spec, total)
     names_ok = check_overrides(override, now)
-    found = checkpoints.load(directory) if trainer.is_main else None
+    engine = trainer._engine
+    names = engine.names
+    where = str(checkpoints.path_in(directory))
+    found, refused = None, None
+    if trainer.is_main:
+        try:
+            found = _checked(trainer.spec, directory, where, run, names, now, names_ok, epochs, finite)
+        except RevgraphError as exc:
+            refused = str(exc)
+    if trainer.comm:  # every rank refuses with rank 0 (the others would wait for its broadcast)
+        trainer.comm.refuse_together(refused, "the checkpoint")
+    elif refused:
+        raise RevgraphError(refused)
     text = json.dumps(found[1]) if found else None
     if trainer.comm:
         text = trainer.comm.broadcast_text(text)
     if text is None:
-        return None
+        return Position()
     meta = json.loads(text)
-    engine = trainer._engine
-    names = engine.names
-    where = str(checkpoints.path_in(directory))
-    if meta["names"] != names or meta.get("optimizer") != trainer.spec.optimizer.kind:
-        raise RevgraphError(f"{where} holds the state of another model or optimizer; move it away or choose "
-                            "another checkpoint directory")
-    # Elastic resume: the epoch's order and its global batches depend only on the global batch size, so any
-    # world size with the checkpoint's global batch takes the same steps (batch 16 x 2 = 32 x 1 = 8 x 4)
-    was, is_ = (meta.get("world_size"), meta.get("batch_size")), (run["world_size"], run["batch_size"])
-    if None in was or was[0] * was[1] != is_[0] * is_[1]:
-        raise RevgraphError(f"{where} was written by a run with global batch {_global(*was)} (now "
-                            f"{_global(*is_)}); resume with the same global batch (--batch-size x processes), "
-                            "or move it away to start afresh")
-    defaults = {"accumulate_steps": 1}  # (checkpoints written before the setting existed)
-    differ = [f"{k} {meta.get(k, defaults.get(k))!r} (now {v!r})" for k, v in run.items()
-              if k not in ("world_size", "batch_size") and meta.get(k, defaults.get(k)) != v]
-    if differ:
-        raise RevgraphError(f"{where} was written by a run with {', '.join(differ)}; resume with the same "
-                            "settings, or move it away to start afresh")
-    changed = differences(meta.get("hyperparameters"), now)
-    refused = [(k, a, b) for k, a, b in changed if k not in names_ok]
-    if refused:
-        said = ", ".join(_change(k, a, b) for k, a, b in refused)
-        flags = " ".join(f"--override {k}" for k, _, _ in refused)
-        raise RevgraphError(f"{where} was written with {said}; resume with the same value, or give {flags} "
-                            f"(fit(override=[...])) to train on with the new one, or move it away to start afresh")
     arrays = found[0] if found else None
     if trainer.comm:
         arrays = trainer.comm.broadcast_arrays(arrays, names, engine.read(names))
-    try:
-        engine.load(arrays)
-    except RevgraphError as exc:  # an overridden setting that changes shapes (another --lora rank) lands here
-        raise RevgraphError(f"{where} cannot be resumed: {exc}; move it away to start afresh") from None
+    engine.load(arrays)
+    changed = differences(meta.get("hyperparameters"), now)
     if changed and trainer.is_main:
         note(console, f"resuming {where} with " + ", ".join(_change(k, a, b, "instead of") for k, a, b in changed)
              + " (overridden)")
-    return meta
+    trainer.losses = list(meta["losses"])
+    trainer.resumed = f"{where} (epoch {meta['epoch'] + 1}, step {trainer.steps})"
+    return Position(meta["epoch"], meta["batch"], meta["epoch_loss_sum"], list(meta["epoch_means"]))
+
+
+def _checked(spec, directory, where: str, run: dict, names: list[str], now: dict, names_ok, epochs,
+             finite: bool) -> tuple[dict, dict] | None:
+    """Rank 0's reading of the snapshot, every field checked (:func:`resume`): ``(arrays, meta)`` or ``None``."""
+    def check(meta: dict) -> None:  # before the arrays are read: another run is named as such
+        snapshot_checks.check_meta(meta, where, run, names, spec.optimizer.kind, epochs, finite)
+        refused = [(k, a, b) for k, a, b in differences(meta.get("hyperparameters"), now) if k not in names_ok]
+        if refused:
+            said = ", ".join(_change(k, a, b) for k, a, b in refused)
+            flags = " ".join(f"--override {k}" for k, _, _ in refused)
+            raise RevgraphError(f"{where} was written with {said}; resume with the same value, or give {flags} "
+                                "(fit(override=[...])) to train on with the new one, or move it away to start afresh")
+
+    found = checkpoints.load(directory, snapshot_checks.expected(spec), names, spec.step, check)
+    if found is None:
+        return None
+    arrays, meta = found
+    snapshot_checks.check_arrays(arrays, meta, where, spec, run, finite)
+    return found
 
 
 def _change(k: str, a, b, how: str = "now") -> str:
@@ -158,13 +178,17 @@ def _change(k: str, a, b, how: str = "now") -> str:
     def parsed(v):
         try:
             v = json.loads(v) if isinstance(v, str) else None
-        except ValueError:
+        except (ValueError, RecursionError):  # (a snapshot's text: not necessarily JSON)
             return None
         return v if isinstance(v, dict) else None
 
+    def r(v) -> str:  # (a snapshot's value may be a megabyte of text)
+        text = repr(v)
+        return text if len(text) <= 400 else text[:397] + "..."
+
     ja, jb = parsed(a), parsed(b)
     if ja is None or jb is None:
-        return f"{k} {b!r} instead of {a!r}" if how != "now" else f"{k} {a!r} (now {b!r})"
+        return f"{k} {r(b)} instead of {r(a)}" if how != "now" else f"{k} {r(a)} (now {r(b)})"
     parts = []
     for x in dict.fromkeys([*ja, *jb]):
         va, vb = ja.get(x), jb.get(x)
@@ -187,8 +211,3 @@ def set_total(trainer, total: int | None) -> None:
     """Feed the schedule's total steps (linear and cosine) to the engine: the carried ``TrainingGraph.total``."""
     if trainer.spec.total and total:
         trainer._engine.load({trainer.spec.total: np.array(total, dtype=np.int64)})
-
-
-def _global(world, batch) -> str:
-    """``"2 x 16 = 32"``: processes x batch size = global batch."""
-    return f"{world} x {batch} = {world * batch}" if world and batch else f"{world} x {batch}"

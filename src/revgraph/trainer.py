@@ -28,8 +28,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx
 
-from . import checkpoints, run_record
 from . import data as datasets
+from . import run_record
 from .autodiff.policies import CheckpointPolicy
 from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
@@ -340,7 +340,8 @@ class Trainer:
         when the last update left a parameter NaN or infinite, raising :class:`NonFiniteError` that names the
         step; the trainer keeps the parameters and state from before that step (nothing of it is checkpointed).
         ``"continue"`` trains on regardless. Returns the mean loss of each epoch. Raises :class:`InputError`
-        for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run. ``data`` may be a directory
+        for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run or a damaged or edited one
+        (every field is checked before a step: :mod:`revgraph.snapshot_checks`). ``data`` may be a directory
         of ``.npy`` files (memory-mapped); ``static`` maps inputs to arrays fed whole to every step
         (:mod:`revgraph.data`). A loss that is a mean over counted targets (``ignore_index``, class weights) weighs
         each micro-batch and rank by its counted targets, so a step is the mean over the global batch's.
@@ -410,18 +411,17 @@ class Trainer:
         per_epoch = -(-n // group)
         run = {"batch_size": batch_size, "world_size": world, "seed": seed, "shuffle": shuffle, "samples": n,
                "accumulate_steps": accumulate}
-        schedule = self.spec.optimizer.schedule
+        schedule, stop = self.spec.optimizer.schedule, nonfinite == "stop"
         total_steps = (schedule.total_steps or epochs * per_epoch) if self.spec.total else None
         if schedule is not None and schedule.warmup_steps > (total_steps or epochs * per_epoch) and self.is_main:
             run_record.note(console, f"warning: the warmup ({schedule.warmup_steps} steps, --warmup-steps) is longer "
                                      f"than the run ({total_steps or epochs * per_epoch} steps): the peak learning rate is "
                                      "never reached")
-        pos = self._resume(checkpoint_dir, run, total_steps, override, console) if checkpoint_dir is not None \
-            else _Position()
+        pos = run_record.resume(self, checkpoint_dir, run, total_steps, override, console, epochs=epochs,
+                                finite=stop) if checkpoint_dir is not None else run_record.Position()
         run_record.set_total(self, total_steps)
         bar = _Bar(progress and self.is_main, console, description, epochs * per_epoch,
                    done=min(pos.epoch * per_epoch + pos.batch, epochs * per_epoch))
-        stop = nonfinite == "stop"
         stepped = False
         with bar:
             seen, started = 0, time.perf_counter()
@@ -482,16 +482,6 @@ class Trainer:
         raise NonFiniteError(f"{what} at step {step} (epoch {epoch + 1}, batch {batch + 1}); the trainer keeps the "
                              "parameters from before it: lower the learning rate or look for NaN or infinite values "
                              "in the data (--allow-nonfinite, or fit(nonfinite='continue'), trains on regardless)")
-
-    def _resume(self, directory, run: dict, total, override, console) -> _Position:
-        """The position to start from: that of the checkpoint in ``directory`` (loaded into the engine on every
-        rank; :func:`revgraph.run_record.resume`), or the start."""
-        meta = run_record.resume(self, directory, run, total, override, console)
-        if meta is None:
-            return _Position()
-        self.losses = list(meta["losses"])
-        self.resumed = f"{checkpoints.path_in(directory)} (epoch {meta['epoch'] + 1}, step {self.steps})"
-        return _Position(meta["epoch"], meta["batch"], meta["epoch_loss_sum"], list(meta["epoch_means"]))
 
     def evaluate(self, data: Data, batch_size: int = 512,
                  static: Mapping[str, np.ndarray] | None = None) -> dict[str, float | None]:
@@ -569,14 +559,6 @@ def shard(rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     ``torch.utils.data.DistributedSampler`` deals an epoch, batch by batch). The shares of all ranks together
     are ``rows``, each exactly once; their sizes differ by at most one."""
     return rows[rank::world_size]
-
-
-class _Position:
-    """Where training stands: the epoch, the next batch in it, the loss sum of the epoch so far (over global
-    batches, each loss times its size) and the mean losses of the finished epochs."""
-
-    def __init__(self, epoch: int = 0, batch: int = 0, total: float = 0.0, means: list | None = None):
-        self.epoch, self.batch, self.total, self.means = epoch, batch, total, means or []
 
 
 class _Bar:
