@@ -175,7 +175,7 @@ def _port_taken(host: str, port: int) -> bool:
 
 def _endpoint(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise RevgraphError(f"--rdzv-endpoint must be HOST:PORT (the address of node 0 and a free port), got {text!r}")
     return host.strip("[]"), int(port)
 

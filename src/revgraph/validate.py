@@ -1,0 +1,182 @@
+"""Arguments of the public API, checked where they enter: each check raises :class:`RevgraphError` with one line
+naming the argument, the value given and what to give instead, so that a wrong type or an out-of-range number
+is refused at the call instead of surfacing later as numpy's ``TypeError``, an ``OverflowError`` in an int64
+array, an endless loop or a silently wrong result.
+
+The same bounds serve the command line (:mod:`revgraph.cli_numbers` turns :func:`number_problem` into
+argparse's refusals). Integers are bounded by what an int64 holds (:data:`INT64_MAX`): counts, seeds and sizes
+end up in int64 arrays and ONNX attributes. ``bool`` is refused where a number is meant (``True`` is an ``int``
+to Python, and ``batch_size=True`` is a mistake, not a batch of one).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Iterable
+
+from .errors import RevgraphError
+
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+#: float32's largest finite value: a loss scale or factor above it is infinite in a float32 graph.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _label(name: str) -> str:
+    return name if name.startswith("-") else f"{name}="
+
+
+def number_problem(value, *, integer: bool, low=None, high=None, low_open: bool = False, high_open: bool = False,
+                   nonzero: bool = False) -> str | None:
+    """What is wrong with ``value`` as a number of this kind (``None``: nothing): not a number (or a ``bool``),
+    not whole where ``integer``, not finite, or outside ``[low, high]`` (an end excluded with ``low_open`` /
+    ``high_open``; ``None``: unbounded, but integers always within int64), or zero with ``nonzero``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"give {describe(integer, low, high, low_open, high_open, nonzero)}"
+    if integer and not isinstance(value, numbers.Integral):
+        return f"not a whole number; give {describe(integer, low, high, low_open, high_open, nonzero)}"
+    if not integer and not math.isfinite(value):
+        return f"not finite; give {describe(integer, low, high, low_open, high_open, nonzero)}"
+    if integer:
+        low = INT64_MIN if low is None else low
+        high = INT64_MAX if high is None else high
+    out = (low is not None and (value < low or (low_open and value == low))) or \
+        (high is not None and (value > high or (high_open and value == high))) or (nonzero and value == 0)
+    return f"give {describe(integer, low, high, low_open, high_open, nonzero)}" if out else None
+
+
+def describe(integer: bool, low=None, high=None, low_open: bool = False, high_open: bool = False,
+             nonzero: bool = False) -> str:
+    """``"a whole number from 1 to 9223372036854775807"``, ``"a finite number > 0"``, ``"a number in [0, 1)"``."""
+    kind = "a whole number" if integer else "a finite number"
+    if integer:
+        low = INT64_MIN if low is None else low
+        high = INT64_MAX if high is None else high
+    if nonzero and low is None and high is None:
+        return f"{kind} other than 0"
+    if low is not None and high is not None:
+        if integer:
+            return f"{kind} from {low + low_open:d} to {high - high_open:d}"
+        return f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{kind} {'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f"{kind} {'<' if high_open else '<='} {high:g}"
+    return kind
+
+
+def number(name: str, value, *, integer: bool, **bounds):
+    """``value`` (a Python ``int`` or ``float``) when :func:`number_problem` finds nothing; else
+    :class:`RevgraphError` naming ``name``."""
+    problem = number_problem(value, integer=integer, **bounds)
+    if problem:
+        raise RevgraphError(f"{_label(name)} {value!r}: {problem}")
+    return int(value) if integer else float(value)
+
+
+def positive_int(name: str, value) -> int:
+    """A whole number from 1 to :data:`INT64_MAX` (a numpy integer too), as ``int``."""
+    return number(name, value, integer=True, low=1)
+
+
+def non_negative_int(name: str, value) -> int:
+    """A whole number from 0 to :data:`INT64_MAX`, as ``int``."""
+    return number(name, value, integer=True, low=0)
+
+
+def finite_float(name: str, value, **bounds) -> float:
+    """A finite real number (an ``int`` too) within ``bounds`` (:func:`number_problem`), as ``float``."""
+    return number(name, value, integer=False, **bounds)
+
+
+def optional(check, name: str, value, **bounds):
+    """``None`` as it is, else ``check(name, value, **bounds)``."""
+    return None if value is None else check(name, value, **bounds)
+
+
+def flag(name: str, value) -> bool:
+    """``True`` or ``False`` (numpy's ``bool_`` too); ``1`` or ``"yes"`` is refused."""
+    if value is True or value is False or type(value).__name__ == "bool_":
+        return bool(value)
+    raise RevgraphError(f"{_label(name)} {value!r}: give True or False")
+
+
+def one_of(name: str, value, choices: Iterable):
+    """``value`` when it is one of ``choices`` (compared by type and value: ``1`` is not ``True``)."""
+    choices = tuple(choices)
+    if not any(type(value) is type(c) and value == c for c in choices):
+        raise RevgraphError(f"{_label(name)} {value!r}: choose one of {', '.join(repr(c) for c in choices)}")
+    return value
+
+
+def text(name: str, value, *, empty: bool = False) -> str:
+    """A ``str`` (not empty unless ``empty``) without a NUL character (no file, node or value can be named so)."""
+    if not isinstance(value, str):
+        raise RevgraphError(f"{_label(name)} {value!r}: give a string")
+    if not value and not empty:
+        raise RevgraphError(f"{_label(name)} '': give a non-empty string")
+    if "\x00" in value:
+        raise RevgraphError(f"{_label(name)} {value!r}: a name cannot hold a NUL character")
+    return value
+
+
+def names(name: str, value, *, empty: bool = False) -> list[str] | None:
+    """``None`` (the default set), one name, or an iterable of names (a ``str`` is one name, not its letters);
+    an empty list is refused unless ``empty``: it asks for nothing, and was a silent no-op or a crash."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [text(name, value)]
+    if isinstance(value, bytes) or not isinstance(value, Iterable):
+        raise RevgraphError(f"{_label(name)} {value!r}: give a name or a list of names")
+    items = list(value)
+    if not items and not empty:
+        raise RevgraphError(f"{_label(name)} []: give at least one name, or leave {name} out for the default")
+    for item in items:
+        text(name, item)
+    return items
+
+
+def path(name: str, value) -> str | os.PathLike:
+    """A file path: a ``str`` or ``os.PathLike`` (bytes too), not empty, without a NUL (the operating system
+    cannot open such a name, and Python says so with a ``ValueError``)."""
+    if not isinstance(value, str | bytes | os.PathLike):
+        raise RevgraphError(f"{_label(name)} {value!r}: give a file path (a str or pathlib.Path)")
+    raw = os.fspath(value)
+    if not isinstance(raw, str | bytes):
+        raise RevgraphError(f"{_label(name)} {value!r}: give a file path (a str or pathlib.Path)")
+    if len(raw) == 0:
+        raise RevgraphError(f"{_label(name)} '': give a non-empty file path")
+    if (b"\x00" if isinstance(raw, bytes) else "\x00") in raw:
+        raise RevgraphError(f"{_label(name)} {value!r}: a file path cannot hold a NUL character")
+    return value
+
+
+def instance(name: str, value, kinds: type | tuple[type, ...], what: str):
+    """``value`` when it is an instance of ``kinds``; else one line saying ``what`` to give."""
+    if not isinstance(value, kinds):
+        raise RevgraphError(f"{_label(name)} {value!r} ({type(value).__name__}): give {what}")
+    return value
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes (``None`` where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gib(n: float) -> str:
+    """``"74.5 GiB"``."""
+    return f"{n / 2**30:.1f} GiB"
+
+
+def fits_in_memory(needed: int, what: str) -> None:
+    """Refuse (one line, with both figures) a size that needs more bytes than the machine's physical memory:
+    it would end in a ``MemoryError`` or the kernel's OOM killer after minutes of swapping."""
+    have = physical_memory()
+    if have is not None and needed > have:
+        raise RevgraphError(f"{what} needs {gib(needed)}, this machine has {gib(have)}: give a smaller size")
