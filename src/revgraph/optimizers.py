@@ -88,6 +88,16 @@ class Optimizer:
             raise RevgraphError(f"schedule must be a revgraph.schedules.Schedule, got {self.schedule!r}")
         if self.kind not in OPTIMIZERS:
             raise RevgraphError(f"unknown optimizer {self.kind!r}; choose one of {', '.join(OPTIMIZERS)}")
+        from .validate import is_number
+
+        # lr="0.1" was a TypeError in the comparisons below (finiteness and ranges: checked there, with the option)
+        values = {"lr": self.lr, "momentum": self.momentum, "eps": self.eps, "weight_decay": self.weight_decay}
+        bad = [k for k, v in values.items() if not is_number(v)]
+        if bad or not isinstance(self.betas, tuple | list) or len(self.betas) != 2 or \
+                not all(is_number(b) for b in self.betas):
+            what = f"{bad[0]}={values[bad[0]]!r}: give a number" if bad else \
+                f"betas={self.betas!r}: give two numbers in [0, 1)"
+            raise RevgraphError(what)
         checks = [
             (self.lr > 0, f"learning rate must be positive (--lr, lr=), got {self.lr}"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),

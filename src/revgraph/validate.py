@@ -16,6 +16,8 @@ import numbers
 import os
 from collections.abc import Iterable
 
+import numpy as np
+
 from .errors import RevgraphError
 
 INT64_MAX = 2**63 - 1
@@ -28,12 +30,17 @@ def _label(name: str) -> str:
     return name if name.startswith("-") else f"{name}="
 
 
+def is_number(value) -> bool:
+    """A real number (numpy's too), not a ``bool``."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
 def number_problem(value, *, integer: bool, low=None, high=None, low_open: bool = False, high_open: bool = False,
                    nonzero: bool = False) -> str | None:
     """What is wrong with ``value`` as a number of this kind (``None``: nothing): not a number (or a ``bool``),
     not whole where ``integer``, not finite, or outside ``[low, high]`` (an end excluded with ``low_open`` /
     ``high_open``; ``None``: unbounded, but integers always within int64), or zero with ``nonzero``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_number(value):
         return f"give {describe(integer, low, high, low_open, high_open, nonzero)}"
     if integer and not isinstance(value, numbers.Integral):
         return f"not a whole number; give {describe(integer, low, high, low_open, high_open, nonzero)}"
@@ -180,3 +187,136 @@ def fits_in_memory(needed: int, what: str) -> None:
     have = physical_memory()
     if have is not None and needed > have:
         raise RevgraphError(f"{what} needs {gib(needed)}, this machine has {gib(have)}: give a smaller size")
+
+
+# ------------------------------------------------------------------------------------- entry points
+
+
+class ArgumentError(RevgraphError, TypeError, ValueError):
+    """A public function's argument has the wrong type or value. A :class:`RevgraphError` (one line naming the
+    function and the argument), and a ``TypeError`` / ``ValueError`` too, for code that caught Python's own."""
+
+
+def arguments(**rules):
+    """Decorate a public function so that each argument named in ``rules`` is checked by its rule
+    (``rule(name, value)`` raising :class:`RevgraphError`) before the function runs; the refusal is prefixed with
+    the function's name and raised as :class:`ArgumentError`. Arguments that do not bind (an unknown keyword, a
+    missing one) are refused the same way. The rules are kept as ``__revgraph_rules__`` (tests/test_api_arguments.py
+    checks that every parameter of every public function is covered)."""
+    import functools
+    import inspect
+
+    def wrap(fn):
+        sig = inspect.signature(fn)
+        unknown = set(rules) - set(sig.parameters)
+        if unknown:  # a rule for a parameter that is gone would silently check nothing
+            raise TypeError(f"rules for unknown parameters of {fn.__qualname__}: {sorted(unknown)}")
+        where = fn.__qualname__.removesuffix(".__init__")
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise ArgumentError(f"{where}: {exc}") from None
+            for name, rule in rules.items():
+                if name in bound.arguments:
+                    try:
+                        rule(name, bound.arguments[name])
+                    except RevgraphError as exc:
+                        raise ArgumentError(f"{where}: {exc}") from None
+            return fn(*args, **kwargs)
+
+        checked.__revgraph_rules__ = dict(rules)
+        return checked
+
+    return wrap
+
+
+def rule(check, **bounds):
+    """A rule of :func:`arguments` from a check taking ``(name, value, **bounds)``."""
+    return lambda name, value: check(name, value, **bounds)
+
+
+def nullable(check, **bounds):
+    """A rule that lets ``None`` through (the argument's default) and checks anything else."""
+    return lambda name, value: None if value is None else check(name, value, **bounds)
+
+
+def choice(*choices):
+    """A rule: one of ``choices``."""
+    return lambda name, value: one_of(name, value, choices)
+
+
+def graph(name: str, value):
+    """A :class:`revgraph.Graph` (``rg.load`` reads one from a file or an ``onnx.ModelProto``)."""
+    from .ir import Graph
+
+    return instance(name, value, Graph, "a revgraph.Graph (rg.load(path) reads one from a file)")
+
+
+def model(name: str, value):
+    """A :class:`revgraph.Graph`, an ``onnx.ModelProto`` or a path to an ``.onnx`` file."""
+    import onnx
+
+    from .ir import Graph
+
+    if isinstance(value, Graph | onnx.ModelProto):
+        return value
+    if isinstance(value, str | os.PathLike):
+        return path(name, value)
+    raise RevgraphError(f"{_label(name)} {value!r} ({type(value).__name__}): give a revgraph.Graph, an "
+                        "onnx.ModelProto or the path of an .onnx file")
+
+
+def policy(name: str, value):
+    """A checkpoint policy (:func:`revgraph.autodiff.policies.parse_policy`)."""
+    from .autodiff.policies import parse_policy
+
+    return parse_policy(value)
+
+
+def budget(name: str, value):
+    """A ``memory=`` budget (:func:`revgraph.autodiff.memory.as_budget`: ``None``, a fraction, a byte count, a
+    size text or a ``Budget``)."""
+    from .autodiff.memory import as_budget
+
+    return as_budget(value)
+
+
+def mapping(name: str, value):
+    """A ``dict``-like mapping (``Mapping``)."""
+    from collections.abc import Mapping
+
+    return instance(name, value, Mapping, "a dict")
+
+
+def optimizer(name: str, value):
+    """An optimizer name (``"adam"``) or a :class:`revgraph.train.Optimizer`."""
+    from .optimizers import Optimizer
+
+    return instance(name, value, str | Optimizer, "an optimizer name ('sgd', 'adam', 'adamw') or a "
+                    "revgraph.train.Optimizer (revgraph.train.make_optimizer builds one)")
+
+
+NAME = nullable(text)  # an optional value name (loss=, output=)
+NAMES = names  # None, a name or a non-empty list of names
+FLAG = flag
+SEED = rule(non_negative_int)  # numpy refuses negative seeds; seeds go in int64 arrays
+POSITIVE_INT = rule(positive_int)
+NON_NEGATIVE_INT = rule(non_negative_int)
+NON_NEGATIVE = rule(finite_float, low=0)
+POSITIVE = rule(finite_float, low=0, low_open=True)
+PATH = path
+GRAPH = graph
+MODEL = model
+POLICY = policy
+BUDGET = budget
+MAPPING = mapping
+OPTIMIZER = optimizer
+TEXT = text
+OPTIONAL_NAMES = lambda name, value: names(name, value, empty=True)  # noqa: E731  (freeze=, override=: may be empty)
+OPTIONAL_PATH = nullable(path)
+OPTIONAL_MAPPING = nullable(mapping)
+OPTIONAL_POSITIVE = nullable(finite_float, low=0, low_open=True)
+OPTIONAL_NON_NEGATIVE = nullable(finite_float, low=0)
