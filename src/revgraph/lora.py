@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import validate as V
 from .errors import RevgraphError
 from .ir import Graph, NameSet, Node, ValueInfo, fresh_name, is_float_dtype
 
@@ -72,6 +73,7 @@ class _Site:
         return (cols, rows) if self.transposed else (rows, cols)
 
 
+@V.arguments(graph=V.GRAPH)
 def config(graph: Graph) -> dict | None:
     """The LoRA configuration of ``graph`` (module doc), or ``None`` when it has no adapters."""
     text = graph.metadata.get(KEY)
@@ -181,6 +183,7 @@ def check_rank(rank: object, alpha: object) -> tuple[int, float]:
     return int(rank), float(alpha)
 
 
+@V.arguments(graph=V.GRAPH, rank=V.POSITIVE_INT, alpha=V.OPTIONAL_NONZERO, targets=V.NAMES, seed=V.SEED)
 def add_adapters(graph: Graph, rank: int, alpha: float | None = None, targets: Iterable[str] | str | None = None,
                  seed: int = 0) -> Graph:
     """``graph`` with LoRA adapters on the weights of its ``MatMul``/``Gemm`` nodes (module doc); ``graph`` is
@@ -286,6 +289,7 @@ def _rewrite(s: _Site, a: str, b: str, scaling: float, dtype: np.dtype, used: se
             Node("Add", [base, delta], [out], {}, name("add"))]
 
 
+@V.arguments(graph=V.GRAPH)
 def merge_adapters(graph: Graph) -> Graph:
     """``graph`` with its adapters folded into the weights: ``W + (alpha / r) A B`` (in ``W``'s stored
     orientation), the adapter nodes, initializers and configuration removed; ``graph`` is not changed. A weight
@@ -386,6 +390,7 @@ def _drop_dead_weight_nodes(g: Graph) -> None:
 # ------------------------------------------------------------------------------------------ extract and apply
 
 
+@V.arguments(graph=V.GRAPH)
 def extract(graph: Graph) -> tuple[dict[str, np.ndarray], dict]:
     """The adapters of ``graph`` alone: ``({adapter name: array}, configuration)``. Raises
     :class:`RevgraphError` for a graph without adapters."""
@@ -396,6 +401,7 @@ def extract(graph: Graph) -> tuple[dict[str, np.ndarray], dict]:
     return {n: np.asarray(graph.initializers[n]) for n in adapter_names(graph)}, found
 
 
+@V.arguments(base=V.GRAPH, arrays=V.MAPPING, configuration=V.MAPPING, merge=V.FLAG)
 def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge: bool = False) -> Graph:
     """``base`` with the adapters ``arrays`` of ``configuration`` (what :func:`extract` returns) on the same
     weights, merged into them with ``merge``. Raises :class:`RevgraphError` (one line) when ``base`` lacks a

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
+from . import validate as V
 from .errors import RevgraphError
 from .graphbuild import Builder, name_outputs
 from .ir import Node
@@ -145,6 +146,8 @@ def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
     return configure(Optimizer("adamw", lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **settings)
 
 
+@V.arguments(name=V.TEXT, lr=V.OPTIONAL_POSITIVE, momentum=V.OPTIONAL_NON_NEGATIVE,
+             weight_decay=V.OPTIONAL_NON_NEGATIVE)
 def make_optimizer(name: str, *, lr: float | None = None, momentum: float | None = None,
                    weight_decay: float | None = None, **schedule) -> Optimizer:
     """The optimizer called ``name`` with PyTorch's defaults for the arguments left ``None`` (SGD: lr 0.01,

@@ -26,8 +26,9 @@ INT64_MIN = -(2**63)
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def _label(name: str) -> str:
-    return name if name.startswith("-") else f"{name}="
+def _show(name: str, value) -> str:
+    """``batch_size=2.5`` (an argument) or ``--epochs 2.5`` (an option)."""
+    return f"{name} {value!r}" if name.startswith("-") else f"{name}={value!r}"
 
 
 def is_number(value) -> bool:
@@ -79,7 +80,7 @@ def number(name: str, value, *, integer: bool, **bounds):
     :class:`RevgraphError` naming ``name``."""
     problem = number_problem(value, integer=integer, **bounds)
     if problem:
-        raise RevgraphError(f"{_label(name)} {value!r}: {problem}")
+        raise RevgraphError(f"{_show(name, value)}: {problem}")
     return int(value) if integer else float(value)
 
 
@@ -107,25 +108,25 @@ def flag(name: str, value) -> bool:
     """``True`` or ``False`` (numpy's ``bool_`` too); ``1`` or ``"yes"`` is refused."""
     if value is True or value is False or type(value).__name__ == "bool_":
         return bool(value)
-    raise RevgraphError(f"{_label(name)} {value!r}: give True or False")
+    raise RevgraphError(f"{_show(name, value)}: give True or False")
 
 
 def one_of(name: str, value, choices: Iterable):
     """``value`` when it is one of ``choices`` (compared by type and value: ``1`` is not ``True``)."""
     choices = tuple(choices)
     if not any(type(value) is type(c) and value == c for c in choices):
-        raise RevgraphError(f"{_label(name)} {value!r}: choose one of {', '.join(repr(c) for c in choices)}")
+        raise RevgraphError(f"{_show(name, value)}: choose one of {', '.join(repr(c) for c in choices)}")
     return value
 
 
 def text(name: str, value, *, empty: bool = False) -> str:
     """A ``str`` (not empty unless ``empty``) without a NUL character (no file, node or value can be named so)."""
     if not isinstance(value, str):
-        raise RevgraphError(f"{_label(name)} {value!r}: give a string")
+        raise RevgraphError(f"{_show(name, value)}: give a string")
     if not value and not empty:
-        raise RevgraphError(f"{_label(name)} '': give a non-empty string")
+        raise RevgraphError(f"{_show(name, '')}: give a non-empty string")
     if "\x00" in value:
-        raise RevgraphError(f"{_label(name)} {value!r}: a name cannot hold a NUL character")
+        raise RevgraphError(f"{_show(name, value)}: a name cannot hold a NUL character")
     return value
 
 
@@ -137,10 +138,10 @@ def names(name: str, value, *, empty: bool = False) -> list[str] | None:
     if isinstance(value, str):
         return [text(name, value)]
     if isinstance(value, bytes) or not isinstance(value, Iterable):
-        raise RevgraphError(f"{_label(name)} {value!r}: give a name or a list of names")
+        raise RevgraphError(f"{_show(name, value)}: give a name or a list of names")
     items = list(value)
     if not items and not empty:
-        raise RevgraphError(f"{_label(name)} []: give at least one name, or leave {name} out for the default")
+        raise RevgraphError(f"{_show(name, [])}: give at least one name, or leave {name} out for the default")
     for item in items:
         text(name, item)
     return items
@@ -150,21 +151,21 @@ def path(name: str, value) -> str | os.PathLike:
     """A file path: a ``str`` or ``os.PathLike`` (bytes too), not empty, without a NUL (the operating system
     cannot open such a name, and Python says so with a ``ValueError``)."""
     if not isinstance(value, str | bytes | os.PathLike):
-        raise RevgraphError(f"{_label(name)} {value!r}: give a file path (a str or pathlib.Path)")
+        raise RevgraphError(f"{_show(name, value)}: give a file path (a str or pathlib.Path)")
     raw = os.fspath(value)
     if not isinstance(raw, str | bytes):
-        raise RevgraphError(f"{_label(name)} {value!r}: give a file path (a str or pathlib.Path)")
+        raise RevgraphError(f"{_show(name, value)}: give a file path (a str or pathlib.Path)")
     if len(raw) == 0:
-        raise RevgraphError(f"{_label(name)} '': give a non-empty file path")
+        raise RevgraphError(f"{_show(name, '')}: give a non-empty file path")
     if (b"\x00" if isinstance(raw, bytes) else "\x00") in raw:
-        raise RevgraphError(f"{_label(name)} {value!r}: a file path cannot hold a NUL character")
+        raise RevgraphError(f"{_show(name, value)}: a file path cannot hold a NUL character")
     return value
 
 
 def instance(name: str, value, kinds: type | tuple[type, ...], what: str):
     """``value`` when it is an instance of ``kinds``; else one line saying ``what`` to give."""
     if not isinstance(value, kinds):
-        raise RevgraphError(f"{_label(name)} {value!r} ({type(value).__name__}): give {what}")
+        raise RevgraphError(f"{_show(name, value)} ({type(value).__name__}): give {what}")
     return value
 
 
@@ -265,7 +266,7 @@ def model(name: str, value):
         return value
     if isinstance(value, str | os.PathLike):
         return path(name, value)
-    raise RevgraphError(f"{_label(name)} {value!r} ({type(value).__name__}): give a revgraph.Graph, an "
+    raise RevgraphError(f"{_show(name, value)} ({type(value).__name__}): give a revgraph.Graph, an "
                         "onnx.ModelProto or the path of an .onnx file")
 
 
@@ -320,3 +321,58 @@ OPTIONAL_PATH = nullable(path)
 OPTIONAL_MAPPING = nullable(mapping)
 OPTIONAL_POSITIVE = nullable(finite_float, low=0, low_open=True)
 OPTIONAL_NON_NEGATIVE = nullable(finite_float, low=0)
+OPTIONAL_NONZERO = nullable(finite_float, nonzero=True)
+MAX_THREADS = 4096  # (as --threads: more would only exhaust the machine)
+THREADS = rule(number, integer=True, low=0, high=MAX_THREADS)
+
+
+def _optional_budget(name: str, value):
+    from .autodiff.memory import Budget
+
+    return None if value is None else instance(name, value, Budget, "a revgraph.Budget or None")
+
+
+OPTIONAL_BUDGET = _optional_budget
+
+
+def _loadable(name: str, value):
+    """What :func:`revgraph.load` reads: a path, an ``onnx.ModelProto`` or the serialized bytes."""
+    import onnx
+
+    if isinstance(value, onnx.ModelProto | bytes | bytearray | memoryview):
+        return value
+    if isinstance(value, str | os.PathLike):
+        return path(name, value)
+    raise RevgraphError(f"{_show(name, value)} ({type(value).__name__}): give the path of an .onnx file, an "
+                        "onnx.ModelProto or its serialized bytes")
+
+
+def _savable(name: str, value):
+    import onnx
+
+    from .ir import Graph
+
+    return instance(name, value, Graph | onnx.ModelProto, "a revgraph.Graph or an onnx.ModelProto")
+
+
+LOADABLE = _loadable
+SAVABLE = _savable
+OPSET = nullable(number, integer=True, low=1, high=10**4)  # (the opset itself is checked against onnx's)
+
+
+def _profile(name: str, value):
+    return value if value is True or value is False or value == "timeline" and isinstance(value, str) else \
+        one_of(name, value, (True, False, "timeline"))
+
+
+#: :class:`revgraph.Trainer`'s arguments (the registries' choices, the loss and the schedule are checked by the
+#: code that owns them, each in one line).
+TRAINER_RULES = dict(model=MODEL, loss=TEXT, optimizer=OPTIMIZER, output=NAME, params=NAMES, threads=THREADS,
+                     checkpoint=POLICY, distributed=FLAG, memory=BUDGET, bucket_mb=POSITIVE, profile=_profile,
+                     sync_batchnorm=FLAG, timeout=OPTIONAL_POSITIVE, loss_options=OPTIONAL_MAPPING,
+                     clip_grad_norm=OPTIONAL_POSITIVE, freeze=OPTIONAL_NAMES)
+#: :meth:`revgraph.Trainer.fit`'s arguments.
+FIT_RULES = dict(epochs=POSITIVE_INT, batch_size=POSITIVE_INT, shuffle=FLAG, seed=SEED, progress=FLAG,
+                 description=rule(text, empty=True), checkpoint_dir=OPTIONAL_PATH, checkpoint_every=NON_NEGATIVE_INT,
+                 nonfinite=choice("stop", "continue"), accumulate_steps=POSITIVE_INT, static=OPTIONAL_MAPPING,
+                 override=OPTIONAL_NAMES)
