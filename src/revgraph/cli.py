@@ -177,7 +177,10 @@ def _main(argv: list[str]) -> int:
                     "demo": cmd_demo, "show": cmd_show, "lora": cmd_lora, **FORWARD_COMMANDS}
         return _dispatch(commands[args.command], args)
     except RevgraphError as exc:
-        err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)
+        from .launch import hand_over
+
+        if not hand_over(str(exc)):  # (a --nproc worker: its launcher prints the run's one line)
+            err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)
         return 2
     except KeyboardInterrupt:
         err.print("revgraph: interrupted")

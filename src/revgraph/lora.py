@@ -183,7 +183,7 @@ def check_rank(rank: object, alpha: object) -> tuple[int, float]:
     return int(rank), float(alpha)
 
 
-@V.arguments(graph=V.GRAPH, rank=V.POSITIVE_INT, alpha=V.OPTIONAL_NONZERO, targets=V.NAMES, seed=V.SEED)
+@V.arguments(graph=V.GRAPH, seed=V.SEED)  # (rank, alpha: check_rank; targets: _select)
 def add_adapters(graph: Graph, rank: int, alpha: float | None = None, targets: Iterable[str] | str | None = None,
                  seed: int = 0) -> Graph:
     """``graph`` with LoRA adapters on the weights of its ``MatMul``/``Gemm`` nodes (module doc); ``graph`` is
@@ -439,6 +439,7 @@ def _add_exact(base: Graph, configuration: dict, weights: list[str]) -> Graph:
     return add_adapters(base, rank, alpha, escaped, int(configuration.get("seed", 0)))
 
 
+@V.arguments(path=V.PATH, graph=V.GRAPH)
 def save_adapters(path: str | os.PathLike, graph: Graph) -> tuple[int, int]:
     """Write the adapters of ``graph`` and their configuration to ``path`` atomically: ``.npz`` (the arrays by
     name, the configuration as the string member ``revgraph.lora``; :mod:`revgraph.npz`) or ``.onnx`` (a model
@@ -461,6 +462,7 @@ def save_adapters(path: str | os.PathLike, graph: Graph) -> tuple[int, int]:
     return len(arrays), sum(a.size for a in arrays.values())
 
 
+@V.arguments(path=V.PATH)
 def load_adapters(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
     """The adapters and configuration that :func:`save_adapters` wrote to ``path`` (``.npz`` or ``.onnx``), or
     what :func:`extract` gives for a whole adapted model (``.onnx``). Raises :class:`RevgraphError` for a file

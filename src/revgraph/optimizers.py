@@ -132,6 +132,7 @@ def sgd(lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, **se
     return configure(Optimizer("sgd", lr, momentum=momentum, weight_decay=weight_decay), **settings)
 
 
+@V.arguments(betas=V.BETAS)
 def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
          weight_decay: float = 0.0, **settings) -> Optimizer:
     """``torch.optim.Adam(lr, betas, eps, weight_decay)`` (L2 penalty added to the gradient); ``settings`` as
@@ -139,6 +140,7 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
     return configure(Optimizer("adam", lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **settings)
 
 
+@V.arguments(betas=V.BETAS)
 def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
           weight_decay: float = 0.01, **settings) -> Optimizer:
     """``torch.optim.AdamW(lr, betas, eps, weight_decay)`` (decoupled weight decay; PyTorch's default 0.01);

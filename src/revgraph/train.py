@@ -74,6 +74,7 @@ def trainable(model: Graph, params: Iterable[str] | None = None, freeze: Iterabl
     return select(model, params, freeze)
 
 
+@V.arguments(g=V.GRAPH, params=V.OPTIONAL_NAMES)
 def params_as_inputs(g: Graph, params: list[str]) -> None:
     """Turn the initializers ``params`` of ``g`` into graph inputs of the same dtype and shape (in place)."""
     for p in params:
@@ -269,6 +270,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     return tg
 
 
+@V.arguments(tg=V.TRAINING_GRAPH)
 def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     """The training step as two graphs, for data-parallel training (gradients are exchanged between them).
 
@@ -294,6 +296,7 @@ def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     return grad_graph, update
 
 
+@V.arguments(tg=V.TRAINING_GRAPH)
 def eval_graph(tg: TrainingGraph) -> Graph:
     """The model plus its loss with the parameters as inputs: outputs ``[loss, model output]`` (what
     :meth:`Trainer.evaluate` runs with the current parameters). Training-mode ``BatchNormalization`` nodes
@@ -306,6 +309,7 @@ def eval_graph(tg: TrainingGraph) -> Graph:
     return g
 
 
+@V.arguments(graph=V.SAVABLE)
 def graph_size(graph: Graph | onnx.ModelProto) -> tuple[int, int, int, int]:
     """``(nodes, nodes in subgraphs, initializers, serialized bytes)`` of a graph, for reports."""
     from .onnx_io import to_onnx

@@ -528,7 +528,7 @@ class Trainer:
         return {"loss": sums[0] / sums[1] if sums[1] else 0.0, "accuracy": accuracy, "samples": n,
                 "nonfinite": int(sums[4])}
 
-    @V.arguments(static=V.OPTIONAL_MAPPING)
+    @V.arguments(inputs=V.FEEDS, static=V.OPTIONAL_MAPPING)
     def predict(self, inputs: Mapping[str, np.ndarray] | np.ndarray,
                 static: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """The model output the loss reads, for ``inputs`` (an array for a one-input model, or arrays by

@@ -137,12 +137,14 @@ def names(name: str, value, *, empty: bool = False) -> list[str] | None:
         return None
     if isinstance(value, str):
         return [text(name, value)]
-    if isinstance(value, bytes) or not isinstance(value, Iterable):
-        raise RevgraphError(f"{_show(name, value)}: give a name or a list of names")
+    if isinstance(value, bytes | dict) or not isinstance(value, Iterable):
+        raise RevgraphError(f"{name} must be a value name or a list of names, got {type(value).__name__}")
     items = list(value)
     if not items and not empty:
         raise RevgraphError(f"{_show(name, [])}: give at least one name, or leave {name} out for the default")
     for item in items:
+        if not isinstance(item, str):
+            raise RevgraphError(f"{name} holds {item!r} ({type(item).__name__}); value names are str")
         text(name, item)
     return items
 
@@ -223,7 +225,12 @@ def arguments(**rules):
             for name, rule in rules.items():
                 if name in bound.arguments:
                     try:
-                        rule(name, bound.arguments[name])
+                        if getattr(rule, "with_where", False):
+                            rule(name, bound.arguments[name], where)
+                        else:
+                            rule(name, bound.arguments[name])
+                    except _Whole as exc:
+                        raise ArgumentError(str(exc)) from None
                     except RevgraphError as exc:
                         raise ArgumentError(f"{where}: {exc}") from None
             return fn(*args, **kwargs)
@@ -249,11 +256,21 @@ def choice(*choices):
     return lambda name, value: one_of(name, value, choices)
 
 
-def graph(name: str, value):
+def graph(name: str, value, where: str = "this function"):
     """A :class:`revgraph.Graph` (``rg.load`` reads one from a file or an ``onnx.ModelProto``)."""
     from .ir import Graph
 
-    return instance(name, value, Graph, "a revgraph.Graph (rg.load(path) reads one from a file)")
+    if not isinstance(value, Graph):
+        raise _Whole(f"{where} takes a revgraph.Graph as {name}=, got {type(value).__name__} (rg.load(path) reads "
+                     "one from a file)")
+    return value
+
+
+graph.with_where = True
+
+
+class _Whole(RevgraphError):
+    """A rule's message that names the function itself (not prefixed again)."""
 
 
 def model(name: str, value):
@@ -262,7 +279,7 @@ def model(name: str, value):
 
     from .ir import Graph
 
-    if isinstance(value, Graph | onnx.ModelProto):
+    if isinstance(value, Graph | onnx.ModelProto | bytes):
         return value
     if isinstance(value, str | os.PathLike):
         return path(name, value)
@@ -300,10 +317,22 @@ def optimizer(name: str, value):
                     "revgraph.train.Optimizer (revgraph.train.make_optimizer builds one)")
 
 
-NAME = nullable(text)  # an optional value name (loss=, output=)
+def _name(name: str, value):
+    if value is not None and not isinstance(value, str):
+        raise RevgraphError(f"{name} must be a value name (a str) or None, got {type(value).__name__}")
+    return None if value is None else text(name, value)
+
+
+NAME = _name  # an optional value name (loss=, output=)
 NAMES = names  # None, a name or a non-empty list of names
 FLAG = flag
-SEED = rule(non_negative_int)  # numpy refuses negative seeds; seeds go in int64 arrays
+def _seed(name: str, value):
+    if number_problem(value, integer=True, low=0):  # numpy refuses negative seeds; seeds go in int64 arrays
+        raise RevgraphError(f"{name} must be an int >= 0 that fits in int64, got {value!r}")
+    return int(value)
+
+
+SEED = _seed
 POSITIVE_INT = rule(positive_int)
 NON_NEGATIVE_INT = rule(non_negative_int)
 NON_NEGATIVE = rule(finite_float, low=0)
@@ -323,7 +352,14 @@ OPTIONAL_POSITIVE = nullable(finite_float, low=0, low_open=True)
 OPTIONAL_NON_NEGATIVE = nullable(finite_float, low=0)
 OPTIONAL_NONZERO = nullable(finite_float, nonzero=True)
 MAX_THREADS = 4096  # (as --threads: more would only exhaust the machine)
-THREADS = rule(number, integer=True, low=0, high=MAX_THREADS)
+def _threads(name: str, value):
+    if number_problem(value, integer=True, low=0, high=MAX_THREADS):
+        raise RevgraphError(f"{name} must be a whole number from 0 (onnxruntime's default) to {MAX_THREADS}, got "
+                            f"{value!r}")
+    return int(value)
+
+
+THREADS = _threads
 
 
 def _optional_budget(name: str, value):
@@ -343,16 +379,21 @@ def _loadable(name: str, value):
         return value
     if isinstance(value, str | os.PathLike):
         return path(name, value)
-    raise RevgraphError(f"{_show(name, value)} ({type(value).__name__}): give the path of an .onnx file, an "
-                        "onnx.ModelProto or its serialized bytes")
+    raise RevgraphError(f"cannot load a model from {type(value).__name__} ({name}=): give the path of an .onnx "
+                        "file, an onnx.ModelProto or its serialized bytes")
 
 
-def _savable(name: str, value):
+def _savable(name: str, value, where: str = "this function"):
     import onnx
 
     from .ir import Graph
 
-    return instance(name, value, Graph | onnx.ModelProto, "a revgraph.Graph or an onnx.ModelProto")
+    if not isinstance(value, Graph | onnx.ModelProto):
+        raise _Whole(f"{where} takes a revgraph.Graph or an onnx.ModelProto as {name}=, got {type(value).__name__}")
+    return value
+
+
+_savable.with_where = True
 
 
 LOADABLE = _loadable
@@ -369,6 +410,7 @@ def _profile(name: str, value):
 #: code that owns them, each in one line).
 TRAINER_RULES = dict(model=MODEL, loss=TEXT, optimizer=OPTIMIZER, output=NAME, params=NAMES, threads=THREADS,
                      checkpoint=POLICY, distributed=FLAG, memory=BUDGET, bucket_mb=POSITIVE, profile=_profile,
+                     overlap=choice(True, False, "auto"),
                      sync_batchnorm=FLAG, timeout=OPTIONAL_POSITIVE, loss_options=OPTIONAL_MAPPING,
                      clip_grad_norm=OPTIONAL_POSITIVE, freeze=OPTIONAL_NAMES)
 #: :meth:`revgraph.Trainer.fit`'s arguments.
@@ -376,3 +418,30 @@ FIT_RULES = dict(epochs=POSITIVE_INT, batch_size=POSITIVE_INT, shuffle=FLAG, see
                  description=rule(text, empty=True), checkpoint_dir=OPTIONAL_PATH, checkpoint_every=NON_NEGATIVE_INT,
                  nonfinite=choice("stop", "continue"), accumulate_steps=POSITIVE_INT, static=OPTIONAL_MAPPING,
                  override=OPTIONAL_NAMES)
+
+
+def _training_graph(name: str, value):
+    from .train import TrainingGraph
+
+    return instance(name, value, TrainingGraph, "a revgraph.train.TrainingGraph (revgraph.train.training_graph "
+                    "builds one)")
+
+
+TRAINING_GRAPH = _training_graph
+
+
+def _betas(name: str, value):
+    if not (isinstance(value, tuple | list) and len(value) == 2 and all(is_number(b) for b in value)):
+        raise RevgraphError(f"{_show(name, value)}: give two numbers in [0, 1), e.g. (0.9, 0.999)")
+    return value
+
+
+def _feeds(name: str, value):
+    """A dict of arrays by input name, or one array (a model with one input)."""
+    from collections.abc import Mapping
+
+    return instance(name, value, Mapping | np.ndarray | list | tuple, "a dict of arrays by input name, or an array")
+
+
+BETAS = _betas
+FEEDS = _feeds
