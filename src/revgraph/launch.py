@@ -192,19 +192,23 @@ def hand_over(message: str) -> bool:
 
 
 def _handed_over(run_dir: str) -> str | None:
-    """The message to print for a run whose workers refused: the first deterministic failure recorded
-    (:func:`record_failure`), else the lowest rank's own line (a peer that stopped, a timeout)."""
+    """The one line to print for a run whose workers refused. The first deterministic failure recorded
+    (:func:`record_failure`) says what went wrong; a rank's line that ends with it says it better (``rank 0
+    refused its data: ...``, as the other ranks word the refusing rank's message), and is preferred. Without a
+    record (a peer that stopped, a timeout), the lowest rank's line."""
     try:
-        return str(json.loads(Path(run_dir, FAILURE_FILE).read_text())["message"])
+        recorded = str(json.loads(Path(run_dir, FAILURE_FILE).read_text())["message"])
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    found = sorted(Path(run_dir).glob("error.rank*.txt"), key=lambda f: int(f.stem.removeprefix("error.rank")))
-    for f in found:
+        recorded = None
+    lines = []
+    for f in sorted(Path(run_dir).glob("error.rank*.txt"), key=lambda f: int(f.stem.removeprefix("error.rank"))):
         try:
-            return f.read_text(encoding="utf-8").strip().splitlines()[0]
+            lines.append(f.read_text(encoding="utf-8").strip().splitlines()[0])
         except (OSError, ValueError, IndexError):
             continue
-    return None
+    if recorded is not None:
+        return max((ln for ln in lines if ln.endswith(recorded)), key=len, default=recorded)
+    return lines[0] if lines else None
 
 
 class _quiet_torchrun:

@@ -183,7 +183,7 @@ def check_rank(rank: object, alpha: object) -> tuple[int, float]:
     return int(rank), float(alpha)
 
 
-@V.arguments(graph=V.GRAPH, seed=V.SEED)  # (rank, alpha: check_rank; targets: _select)
+@V.arguments(graph=V.GRAPH, targets=V.OPTIONAL_NAMES, seed=V.SEED)  # (rank, alpha: check_rank)
 def add_adapters(graph: Graph, rank: int, alpha: float | None = None, targets: Iterable[str] | str | None = None,
                  seed: int = 0) -> Graph:
     """``graph`` with LoRA adapters on the weights of its ``MatMul``/``Gemm`` nodes (module doc); ``graph`` is

@@ -171,6 +171,16 @@ def instance(name: str, value, kinds: type | tuple[type, ...], what: str):
     return value
 
 
+def _loaded(module: str, name: str) -> tuple[type, ...]:
+    """The class ``module.name`` when that module is loaded, else no class: a value of a class whose module was
+    never imported cannot be an instance of it. (validate is imported by the modules whose classes it checks;
+    importing them back would make an import cycle.)"""
+    import sys
+
+    found = getattr(sys.modules.get(module), name, None)
+    return (found,) if isinstance(found, type) else ()
+
+
 def physical_memory() -> int | None:
     """This machine's physical memory in bytes (``None`` where the system does not say)."""
     try:
@@ -297,7 +307,7 @@ def policy(name: str, value):
 def budget(name: str, value):
     """A ``memory=`` budget (:func:`revgraph.autodiff.memory.as_budget`: ``None``, a fraction, a byte count, a
     size text or a ``Budget``)."""
-    from .autodiff.memory import as_budget
+    from .autodiff.memory.budget import as_budget
 
     return as_budget(value)
 
@@ -311,9 +321,7 @@ def mapping(name: str, value):
 
 def optimizer(name: str, value):
     """An optimizer name (``"adam"``) or a :class:`revgraph.train.Optimizer`."""
-    from .optimizers import Optimizer
-
-    return instance(name, value, str | Optimizer, "an optimizer name ('sgd', 'adam', 'adamw') or a "
+    return instance(name, value, (str, *_loaded("revgraph.optimizers", "Optimizer")), "an optimizer name ('sgd', 'adam', 'adamw') or a "
                     "revgraph.train.Optimizer (revgraph.train.make_optimizer builds one)")
 
 
@@ -363,7 +371,7 @@ THREADS = _threads
 
 
 def _optional_budget(name: str, value):
-    from .autodiff.memory import Budget
+    from .autodiff.memory.budget import Budget
 
     return None if value is None else instance(name, value, Budget, "a revgraph.Budget or None")
 
@@ -421,9 +429,7 @@ FIT_RULES = dict(epochs=POSITIVE_INT, batch_size=POSITIVE_INT, shuffle=FLAG, see
 
 
 def _training_graph(name: str, value):
-    from .train import TrainingGraph
-
-    return instance(name, value, TrainingGraph, "a revgraph.train.TrainingGraph (revgraph.train.training_graph "
+    return instance(name, value, _loaded("revgraph.train", "TrainingGraph"), "a revgraph.train.TrainingGraph (revgraph.train.training_graph "
                     "builds one)")
 
 
