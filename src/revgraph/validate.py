@@ -106,7 +106,7 @@ def optional(check, name: str, value, **bounds):
 
 def flag(name: str, value) -> bool:
     """``True`` or ``False`` (numpy's ``bool_`` too); ``1`` or ``"yes"`` is refused."""
-    if value is True or value is False or type(value).__name__ == "bool_":
+    if value is True or value is False or isinstance(value, np.bool_):
         return bool(value)
     raise RevgraphError(f"{_show(name, value)}: give True or False")
 
