@@ -25,7 +25,8 @@ from revgraph.validate import ArgumentError
 
 def _graph() -> Graph:
     """``y = sum(x @ w)``: x float32 [4, 3], w [3, 2]."""
-    return Graph(nodes=[Node("MatMul", ["x", "w"], ["h"], {}, "mm"), Node("ReduceSum", ["h"], ["y"], {"keepdims": 0}, "s")],
+    return Graph(nodes=[Node("MatMul", ["x", "w"], ["h"], {}, "mm"),
+                        Node("ReduceSum", ["h"], ["y"], {"keepdims": 0}, "s")],
                  inputs=[ValueInfo("x", np.float32, (4, 3))], outputs=[ValueInfo("y", np.float32, ())],
                  initializers={"w": np.ones((3, 2), np.float32)})
 
@@ -314,7 +315,7 @@ def test_each_public_function_refuses_an_object_of_the_wrong_kind(where):
         call = (lambda: rg.Trainer(*required)) if fn.__name__ == "__init__" else \
             (lambda: getattr(trainer(), fn.__name__)(*required))
     else:
-        call = lambda: fn(*required)  # noqa: E731
+        call = lambda: fn(*required)
     with pytest.raises(rg.RevgraphError) as caught:
         call()
     assert str(caught.value) and "\n" not in str(caught.value)

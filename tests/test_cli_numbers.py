@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 import pytest
+from harness import one_line_error
 
 import revgraph as rg
 from revgraph import cli_numbers
@@ -22,8 +23,6 @@ from revgraph.cli import _parser, main
 from revgraph.cli_numbers import Checked, Number
 from revgraph.demo import Settings, memory_needed, rnn_model
 from revgraph.validate import INT64_MAX, gib, physical_memory
-
-from harness import one_line_error
 
 I64 = INT64_MAX
 
@@ -48,7 +47,8 @@ KINDS = {
     "--accumulate-steps": POS_INT, "--warmup-steps": NONNEG_INT, "--growth-interval": POS_INT, "--lora": POS_INT,
     "--ignore-index": ANY_INT, "--opset": _int_between(7, __import__("onnx").defs.onnx_opset_version()),
     "--lr": POS, "--momentum": _float_where(lambda v: 0 <= v < 1), "--weight-decay": NONNEG, "--min-lr": NONNEG,
-    "--clip-grad-norm": POS, "--rtol": NONNEG, "--atol": NONNEG, "--label-smoothing": _float_where(lambda v: 0 <= v <= 1),
+    "--clip-grad-norm": POS, "--rtol": NONNEG, "--atol": NONNEG,
+    "--label-smoothing": _float_where(lambda v: 0 <= v <= 1),
     "--lora-alpha": _float_where(lambda v: v != 0), "--timeout": _float_where(lambda v: 0 < v <= 1e9),
     "--bucket-mb": _float_where(lambda v: 0 < v <= 2.0**43),
     "--init-scale": _float_where(lambda v: 0 < v <= 3.4028234663852886e38),

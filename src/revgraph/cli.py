@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from . import cli_numbers as N
 from .autodiff.accumulate import ACCUMULATE
 from .autodiff.api import gradient
-from . import cli_numbers as N
 from .check import NOT_CHECKED, check_gradients
 from .cli_forward import COMMANDS as FORWARD_COMMANDS
 from .cli_forward import add_parsers as add_forward_parsers

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from .errors import RevgraphError
 from . import cli_numbers as N
+from .errors import RevgraphError
 from .exchange import BUCKET_MB, REDUCE_DTYPES, refused_combination
 
 

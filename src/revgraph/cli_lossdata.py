@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .errors import RevgraphError
 from .cli_numbers import FRACTION_CLOSED, INT64, text_type
+from .errors import RevgraphError
 
 
 def _loss(text: str) -> str:

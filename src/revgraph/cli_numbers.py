@@ -57,7 +57,7 @@ class Number(Checked):
     def __init__(self, integer: bool, low=None, high=None, *, low_open: bool = False, high_open: bool = False,
                  nonzero: bool = False) -> None:
         self.integer = integer
-        self.bounds = dict(low=low, high=high, low_open=low_open, high_open=high_open, nonzero=nonzero)
+        self.bounds = {"low": low, "high": high, "low_open": low_open, "high_open": high_open, "nonzero": nonzero}
         super().__init__(self._number, describe(integer, **self.bounds))
 
     def problem(self, value) -> str | None:

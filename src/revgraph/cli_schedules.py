@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from .errors import RevgraphError
 from .cli_numbers import NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE
+from .errors import RevgraphError
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:

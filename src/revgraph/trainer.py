@@ -29,8 +29,8 @@ import numpy as np
 import onnx
 
 from . import checkpoints, run_record
-from . import validate as V
 from . import data as datasets
+from . import validate as V
 from .autodiff.policies import CheckpointPolicy
 from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError

@@ -321,7 +321,8 @@ def mapping(name: str, value):
 
 def optimizer(name: str, value):
     """An optimizer name (``"adam"``) or a :class:`revgraph.train.Optimizer`."""
-    return instance(name, value, (str, *_loaded("revgraph.optimizers", "Optimizer")), "an optimizer name ('sgd', 'adam', 'adamw') or a "
+    kinds = (str, *_loaded("revgraph.optimizers", "Optimizer"))
+    return instance(name, value, kinds, "an optimizer name ('sgd', 'adam', 'adamw') or a "
                     "revgraph.train.Optimizer (revgraph.train.make_optimizer builds one)")
 
 
@@ -353,7 +354,7 @@ BUDGET = budget
 MAPPING = mapping
 OPTIMIZER = optimizer
 TEXT = text
-OPTIONAL_NAMES = lambda name, value: names(name, value, empty=True)  # noqa: E731  (freeze=, override=: may be empty)
+OPTIONAL_NAMES = rule(names, empty=True)  # (freeze=, override=: may be empty)
 OPTIONAL_PATH = nullable(path)
 OPTIONAL_MAPPING = nullable(mapping)
 OPTIONAL_POSITIVE = nullable(finite_float, low=0, low_open=True)
@@ -429,7 +430,8 @@ FIT_RULES = dict(epochs=POSITIVE_INT, batch_size=POSITIVE_INT, shuffle=FLAG, see
 
 
 def _training_graph(name: str, value):
-    return instance(name, value, _loaded("revgraph.train", "TrainingGraph"), "a revgraph.train.TrainingGraph (revgraph.train.training_graph "
+    kinds = _loaded("revgraph.train", "TrainingGraph")
+    return instance(name, value, kinds, "a revgraph.train.TrainingGraph (revgraph.train.training_graph "
                     "builds one)")
 
 
