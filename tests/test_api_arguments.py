@@ -184,7 +184,7 @@ CASES = [
                    ("alpha", float("nan")), ("alpha", "1"), ("targets", []), ("targets", 5), ("seed", -1),
                    ("seed", "0")]],
     ("apply base=5", lambda: rg.lora.apply(5, {}, {}), "base"),
-    ("apply arrays=5", lambda: rg.lora.apply(M, 5, {}), "arrays"),
+    ("apply arrays=5", lambda: rg.lora.apply(M, 5, {}), "lora.apply:"),  # (the configuration is read first)
     ("apply configuration=5", lambda: rg.lora.apply(M, {}, 5), "configuration"),
     ("apply merge='yes'", lambda: rg.lora.apply(M, {}, {}, merge="yes"), "merge"),
     ("save_adapters path=5", lambda: rg.lora.save_adapters(5, M), "path"),
@@ -246,7 +246,8 @@ UNCHECKED = {
 OWNED = {"data", "batch", "inputs", "feeds", "ys", "device", "runtime", "buffers", "reduce_dtype", "overlap", "shard",
          "schedule", "no_decay", "precision", "session_options", "loss", "name", "lr", "momentum", "weight_decay",
          "betas", "eps", "clip_grad_norm", "fraction", "bytes", "dims", "arena", "memory_pattern", "execution_order",
-         "path", "graph", "options", "output", "static", "rank", "alpha", "outputs", "targets"}
+         "path", "graph", "options", "output", "static", "rank", "alpha", "outputs", "targets", "params", "freeze", "loss_options",
+         "arrays", "configuration"}
 
 
 def _public_callables():

@@ -401,7 +401,7 @@ def extract(graph: Graph) -> tuple[dict[str, np.ndarray], dict]:
     return {n: np.asarray(graph.initializers[n]) for n in adapter_names(graph)}, found
 
 
-@V.arguments(base=V.GRAPH, arrays=V.MAPPING, configuration=V.MAPPING, merge=V.FLAG)
+@V.arguments(base=V.GRAPH, merge=V.FLAG)  # (arrays, configuration: checked below, named)
 def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge: bool = False) -> Graph:
     """``base`` with the adapters ``arrays`` of ``configuration`` (what :func:`extract` returns) on the same
     weights, merged into them with ``merge``. Raises :class:`RevgraphError` (one line) when ``base`` lacks a

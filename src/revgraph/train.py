@@ -64,7 +64,7 @@ __all__ = ["GROUP_ELEMENTS", "LOSSES", "OPTIMIZERS", "SCHEDULES", "LossSpec", "O
            "split_step", "trainable", "training_graph"]
 
 
-@V.arguments(model=V.GRAPH, params=V.NAMES, freeze=V.OPTIONAL_NAMES)
+@V.arguments(model=V.GRAPH)  # (params, freeze: revgraph.selection)
 def trainable(model: Graph, params: Iterable[str] | None = None, freeze: Iterable[str] | None = None) -> list[str]:
     """The parameters: ``params`` (names or fnmatch globs over initializer names), or by default the LoRA
     adapters of a model that has them, else every floating-point initializer; less those ``freeze`` names, in
@@ -162,9 +162,8 @@ class TrainingGraph:
         return [*self.params, *([self.scaling.scale] if self.scaling is not None else [])]
 
 
-@V.arguments(model=V.MODEL, loss=V.TEXT, optimizer=V.OPTIMIZER, output=V.NAME, params=V.NAMES,
-             checkpoint=V.POLICY, memory=V.BUDGET, loss_seed=V.FLAG, loss_options=V.OPTIONAL_MAPPING,
-             freeze=V.OPTIONAL_NAMES)
+@V.arguments(model=V.MODEL, loss=V.TEXT, optimizer=V.OPTIMIZER, output=V.NAME, checkpoint=V.POLICY,
+             memory=V.BUDGET, loss_seed=V.FLAG)  # (params, freeze: selection; loss_options: losses)
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                    optimizer: Optimizer | str = "adam", *, output: str | None = None,
                    params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store",

@@ -498,7 +498,7 @@ class Trainer:
         self.resumed = f"{checkpoints.path_in(directory)} (epoch {meta['epoch'] + 1}, step {self.steps})"
         return _Position(meta["epoch"], meta["batch"], meta["epoch_loss_sum"], list(meta["epoch_means"]))
 
-    @V.arguments(batch_size=V.POSITIVE_INT, static=V.OPTIONAL_MAPPING)
+    @V.arguments(batch_size=V.POSITIVE_INT)  # (data, static: revgraph.data)
     def evaluate(self, data: Data, batch_size: int = 512,
                  static: Mapping[str, np.ndarray] | None = None) -> dict[str, float | None]:
         """The mean loss over ``data`` with the current parameters (over the counted targets for a loss with
@@ -528,7 +528,7 @@ class Trainer:
         return {"loss": sums[0] / sums[1] if sums[1] else 0.0, "accuracy": accuracy, "samples": n,
                 "nonfinite": int(sums[4])}
 
-    @V.arguments(inputs=V.FEEDS, static=V.OPTIONAL_MAPPING)
+    @V.arguments(inputs=V.FEEDS, static=V.STATIC)
     def predict(self, inputs: Mapping[str, np.ndarray] | np.ndarray,
                 static: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """The model output the loss reads, for ``inputs`` (an array for a one-input model, or arrays by

@@ -417,15 +417,15 @@ def _profile(name: str, value):
 
 #: :class:`revgraph.Trainer`'s arguments (the registries' choices, the loss and the schedule are checked by the
 #: code that owns them, each in one line).
-TRAINER_RULES = dict(model=MODEL, loss=TEXT, optimizer=OPTIMIZER, output=NAME, params=NAMES, threads=THREADS,
+TRAINER_RULES = dict(model=MODEL, loss=TEXT, optimizer=OPTIMIZER, output=NAME, threads=THREADS,
                      checkpoint=POLICY, distributed=FLAG, memory=BUDGET, bucket_mb=POSITIVE, profile=_profile,
                      overlap=choice(True, False, "auto"),
-                     sync_batchnorm=FLAG, timeout=OPTIONAL_POSITIVE, loss_options=OPTIONAL_MAPPING,
-                     clip_grad_norm=OPTIONAL_POSITIVE, freeze=OPTIONAL_NAMES)
+                     sync_batchnorm=FLAG, timeout=OPTIONAL_POSITIVE,
+                     clip_grad_norm=OPTIONAL_POSITIVE)  # (params, freeze: revgraph.selection, glob patterns)
 #: :meth:`revgraph.Trainer.fit`'s arguments.
 FIT_RULES = dict(epochs=POSITIVE_INT, batch_size=POSITIVE_INT, shuffle=FLAG, seed=SEED, progress=FLAG,
                  description=rule(text, empty=True), checkpoint_dir=OPTIONAL_PATH, checkpoint_every=NON_NEGATIVE_INT,
-                 nonfinite=choice("stop", "continue"), accumulate_steps=POSITIVE_INT, static=OPTIONAL_MAPPING,
+                 nonfinite=choice("stop", "continue"), accumulate_steps=POSITIVE_INT,
                  override=OPTIONAL_NAMES)
 
 
@@ -452,4 +452,16 @@ def _feeds(name: str, value):
 
 
 BETAS = _betas
+
+
+def _static(name: str, value):
+    """``static=``: ``None`` or a dict of arrays by input name (as revgraph.data words it)."""
+    from collections.abc import Mapping
+
+    if value is not None and not isinstance(value, Mapping):
+        raise _Whole(f"static= must be a mapping of arrays by input name, got {type(value).__name__}")
+    return value
+
+
+STATIC = _static
 FEEDS = _feeds
