@@ -79,3 +79,20 @@ def test_names_the_encoding_cannot_show_are_escaped(argv, model):
     out, err = (s.decode("ascii") for s in p.communicate(timeout=120))
     assert p.returncode == 0, err
     assert "\\xe9" in out and "é" not in out and "Traceback" not in err
+
+
+def test_a_backslash_and_a_newline_in_names_print_differently(tmp_path, capsys):
+    """The names ``a<newline>b`` and ``a\\nb`` (a backslash and an n) printed the same, ``a\\nb``: the terminal
+    doubles a name's own backslash (``a\\\\nb``), so that the escaping can be read back (issue 28, part 4)."""
+    newline, backslash = "a\nb", "a\\nb"
+    g = Graph(nodes=[Node("Neg", [newline], [backslash], {}, "neg")], inputs=[ValueInfo(newline, np.float32, (2,))],
+              outputs=[ValueInfo(backslash, np.float32, (2,))])
+    rg.save(g, tmp_path / "m.onnx")
+    assert main(["info", str(tmp_path / "m.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "a\\nb" in out and "a\\\\nb" in out, out
+    assert main(["grad", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "g.onnx"), "--wrt", "a\\x00b"]) == 2
+    err = capsys.readouterr().err  # (the message quotes the name with repr; the terminal doubles its backslashes)
+    from revgraph.text import literal
+
+    assert literal(repr("a\\x00b")) in err and "\x00" not in err, err

@@ -38,3 +38,30 @@ def test_nproc_leaves_no_directory_in_tmpdir(tmp_path, case):
     # (a `.ses` file some library of the environment writes there in one process too is not ours)
     left = [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic", "revgraph"))]
     assert not left, left
+
+
+@pytest.mark.parametrize("case", ["nan in the data", "refused data", "recorded failure after a restart"])
+def test_a_refusal_in_the_workers_is_one_line(tmp_path, case):
+    """A ``--nproc 2`` run refused inside the workers printed the refusal once per rank and torchrun's own W line
+    ("Sending process ... closing signal SIGTERM") and E line ("failed (exitcode: 2) local_rank: ..."): the user
+    sees exactly one line, ``revgraph: error: ...``, and exit 2 (issue 28, part 4)."""
+    rg.save(demo.mlp_model(), tmp_path / "mlp.onnx")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8, 8)).astype(np.float32)
+    if case == "refused data":
+        x = x.reshape(16, 64)
+    else:
+        x[3, 2, 1] = np.nan
+    np.savez(tmp_path / "data.npz", x=x, labels=rng.integers(0, 10, 16))
+    extra = ["--max-restarts", "1", "--checkpoint-dir", "ck"] if case.startswith("recorded") else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(rg.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    env.pop("LOGLEVEL", None)
+    done = subprocess.run([sys.executable, "-m", "revgraph", "train", "mlp.onnx", "--data", "data.npz", "--loss",
+                           "cross-entropy", "--epochs", "1", "--batch-size", "4", "--threads", "1", "--nproc", "2",
+                           "-o", "out.onnx", *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("revgraph: error: "), done.stderr
+    assert ("refused its data" if case == "refused data" else "the loss is nan at step 1") in lines[0]
+    assert not (tmp_path / "out.onnx").exists()

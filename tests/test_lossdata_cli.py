@@ -156,7 +156,8 @@ def test_bad_loss_and_data_options_exit_2_with_one_line_and_write_nothing(tmp_pa
          "--class-weights must be finite non-negative numbers of shape [classes]"),
         (["--data", str(tmp_path / "data.npz"), *good, "--class-weights", str(tmp_path / "missing.npy")],
          "--class-weights: cannot read '"),
-        (["--data", str(tmp_path / "data.npz"), *good, "--label-smoothing", "2"], "--label-smoothing must be in"),
+        (["--data", str(tmp_path / "data.npz"), *good, "--label-smoothing", "2"],
+         "argument --label-smoothing: invalid value '2'"),
         (["--data", str(tmp_path / "data.npz"), *good, "--labels-from", "x"], ("--labels-from (labels_from=) does not "
          "apply to --loss cross-entropy")),
         (good, "the data lacks 'x', 'labels' (it has none); give an array per model input not given as static (x)"),

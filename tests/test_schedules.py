@@ -375,8 +375,8 @@ def test_cli_schedule_clipping_and_exclusions(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--clip-grad-norm", "0"], "--clip-grad-norm must be a finite number > 0"),
-    (["--warmup-steps", "-2"], "--warmup-steps must be an integer >= 0"),
+    (["--clip-grad-norm", "0"], "argument --clip-grad-norm: invalid value '0': give a finite number > 0"),
+    (["--warmup-steps", "-2"], "argument --warmup-steps: invalid value '-2'"),
     (["--lr-schedule", "linear", "--lr", "0.01", "--min-lr", "0.1"], "--min-lr 0.1 is above the peak"),
     (["--min-lr", "0.001"], "--min-lr applies to the linear and cosine schedules"),
     (["--decay-all", "--no-decay", "b*"], "--decay-all and --no-decay contradict each other"),

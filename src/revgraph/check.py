@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import validate as V
 from .autodiff.api import gradient
 from .autodiff.arguments import resolve_loss, resolve_wrt
 from .autodiff.loops.lower import lower_to_loops
@@ -298,6 +299,8 @@ def _note(notes: list[str], text: str) -> None:
 # ---------------------------------------------------------------------------------------------- the check
 
 
+@V.arguments(graph=V.GRAPH, loss=V.NAME, wrt=V.NAMES, inputs=V.OPTIONAL_MAPPING, seed=V.SEED, rtol=V.NON_NEGATIVE,
+             atol=V.NON_NEGATIVE, directions=V.POSITIVE_INT, step=V.POSITIVE, backend=V.choice("onnxruntime", "reference"))
 def check_gradients(
     graph: Graph,
     loss: str | None = None,

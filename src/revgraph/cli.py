@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from . import cli_numbers as N
 from .atomic import write_error
 from .autodiff.accumulate import ACCUMULATE
 from .autodiff.api import gradient
@@ -39,6 +40,7 @@ from .lift import lift_constants
 from .onnx_io import check_valid, load
 from .runtime import BACKENDS, Session, random_inputs
 from .text import cell
+from .validate import fits_in_memory
 from .version import __version__
 
 
@@ -57,17 +59,6 @@ class _Parser(argparse.ArgumentParser):
 
 class _UsageError(Exception):
     pass
-
-
-def _seed(text: str) -> int:
-    """``--seed``: an integer >= 0 (numpy's random generators refuse negative seeds)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid seed {text!r}: give an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"invalid seed {text!r}: give an integer >= 0")
-    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                      "when that is a plain file name, else as output_<k>; the member revgraph_names maps members to "
                      "names: z = np.load(OUT); {name: z[m] for m, name in z['revgraph_names']}")
     run.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
-    run.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs (default 0)")
-    run.add_argument("--device", default="cpu", metavar="cpu|cuda[:i]",
+    run.add_argument("--seed", type=N.SEED, default=0, help="seed of the random inputs (default 0)")
+    run.add_argument("--device", default="cpu", type=N.DEVICE, metavar="cpu|cuda[:i]",
                      help="where onnxruntime runs the model (cuda needs onnxruntime-gpu; default cpu)")
     add_runtime_arguments(run, "onnxruntime's, on")
 
@@ -108,16 +99,16 @@ def _parser() -> argparse.ArgumentParser:
                       help="tables read only through Gather get <name>_grad_indices and <name>_grad_values")
     grad.add_argument("--accumulate", choices=ACCUMULATE, default="sum",
                       help="sum: one Sum per value read several times; running: pairwise Add as gradients arrive")
-    grad.add_argument("--checkpoint", default="store", metavar=POLICIES,
+    grad.add_argument("--checkpoint", default="store", type=N.CHECKPOINT, metavar=POLICIES,
                       help="loop residuals: stack them (store), recompute the body (recompute), or keep checkpoints "
                       "every K iterations or at perfect squares (sqrt: O(sqrt(T)) memory)")
-    grad.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP)
+    grad.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES", help=MEMORY_HELP)
     grad.add_argument("--lift-constants", action="store_true",
                       help="make floating Constant/ConstantOfShape values with more than one element trainable initializers")
     grad.add_argument("--straight-through", action="store_true",
                       help="differentiate QuantizeLinear -> DequantizeLinear pairs with the straight-through estimator "
                       "(quantization-aware training)")
-    grad.add_argument("--opset", type=int, metavar="N",
+    grad.add_argument("--opset", type=N.opset(), metavar="N",
                       help="write OUT.onnx at this opset (default: the model's, or %d for an older model)" % TARGET_OPSET)
 
     check = sub.add_parser("check", help="compare the gradients with float64 central differences")
@@ -125,10 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--loss", metavar="NAME")
     check.add_argument("--wrt", metavar="NAME", nargs="+")
     check.add_argument("--inputs", metavar="FILE.npz", help="input arrays by input name (default: random)")
-    check.add_argument("--seed", type=_seed, default=0, help="seed of the inputs, cotangent and directions")
+    check.add_argument("--seed", type=N.SEED, default=0, help="seed of the inputs, cotangent and directions")
     check.add_argument("--lift-constants", action="store_true", help="as for grad")
-    check.add_argument("--rtol", type=float, default=1e-4)
-    check.add_argument("--atol", type=float, default=1e-6)
+    check.add_argument("--rtol", type=N.NON_NEGATIVE, default=1e-4, metavar="R",
+                       help="relative tolerance (default 1e-4)")
+    check.add_argument("--atol", type=N.NON_NEGATIVE, default=1e-6, metavar="A",
+                       help="absolute tolerance (default 1e-6)")
 
 
     add_forward_parsers(sub)
@@ -140,9 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--grad", action="store_true", help="draw the gradient graph that 'revgraph grad' writes")
     show.add_argument("--loss", metavar="NAME", help="with --grad: the value to differentiate (default: the only output)")
     show.add_argument("--wrt", metavar="NAME", nargs="+", help="with --grad: values to differentiate with respect to")
-    show.add_argument("--checkpoint", metavar=POLICIES, help="with --grad: loop residual policy")
+    show.add_argument("--checkpoint", type=N.CHECKPOINT, metavar=POLICIES, help="with --grad: loop residual policy")
 
-    add_train_parser(sub, _seed, MEMORY_HELP)
+    add_train_parser(sub, N.SEED, MEMORY_HELP)
     add_lora_parser(sub)
 
     demo = sub.add_parser("demo", help="train a recurrent classifier (ONNX Loop) and an MLP on scikit-learn's digits")
@@ -151,9 +144,9 @@ def _parser() -> argparse.ArgumentParser:
                       "missing; a file there of a name the demo writes that the demo did not write is not replaced "
                       "without --force)")
     demo.add_argument("--quick", action="store_true", help="a short run (a smoke test; lower accuracy)")
-    demo.add_argument("--epochs", type=int, metavar="N", help="epochs of the recurrent classifier (default 30)")
-    demo.add_argument("--hidden", type=int, metavar="H", help="hidden size of the recurrent classifier (default 128)")
-    demo.add_argument("--seed", type=_seed, default=0, help="seed of the split, the weights and the shuffling")
+    demo.add_argument("--epochs", type=N.POSITIVE_INT, metavar="N", help="epochs of the recurrent classifier (default 30)")
+    demo.add_argument("--hidden", type=N.POSITIVE_INT, metavar="H", help="hidden size of the recurrent classifier (default 128)")
+    demo.add_argument("--seed", type=N.SEED, default=0, help="seed of the split, the weights and the shuffling")
     demo.add_argument("--force", action="store_true", help="overwrite files in DIR that the demo did not write "
                       "(by default the demo refuses to replace them: it writes rnn.onnx, rnn.train.onnx, mlp.onnx, "
                       "mlp.train.onnx, loss.svg and .revgraph-demo.json)")
@@ -198,7 +191,10 @@ def _main(argv: list[str]) -> int:
                     "demo": cmd_demo, "show": cmd_show, "lora": cmd_lora, **FORWARD_COMMANDS}
         return _dispatch(commands[args.command], args)
     except RevgraphError as exc:
-        err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)
+        from .launch import hand_over
+
+        if not hand_over(str(exc)):  # (a --nproc worker: its launcher prints the run's one line)
+            err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)
         return 2
     except KeyboardInterrupt:
         err.print("revgraph: interrupted")
@@ -409,9 +405,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     settings = demo.QUICK if args.quick else demo.Settings()
     changes = {k: v for k, v in (("epochs", args.epochs), ("hidden", args.hidden)) if v is not None}
-    if any(v < 1 for v in changes.values()):
-        raise RevgraphError("--epochs and --hidden must be positive")
-    settings = dataclasses.replace(settings, seed=args.seed, **changes)
+    settings = dataclasses.replace(settings, seed=args.seed, **changes)  # (positive: cli_numbers)
+    fits_in_memory(demo.memory_needed(settings), f"demo --hidden {settings.hidden}")
     # The demo builds its own models (no untrusted names) and styles its table with markup.
     results = demo.run(args.output, settings, force=args.force, console=Console(file=stdout, highlight=False,
                        width=out.width if sys.stdout.isatty() else 200))

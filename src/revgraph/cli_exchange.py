@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from . import cli_numbers as N
 from .errors import RevgraphError
 from .exchange import BUCKET_MB, REDUCE_DTYPES, refused_combination
 
 
 def add_exchange_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options to the ``train`` parser."""
-    parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB, metavar="MB",
+    parser.add_argument("--bucket-mb", type=N.BUCKET_MB, default=BUCKET_MB, metavar="MB",
                         help="data-parallel: all-reduce dense gradients in buckets of at most MB MiB, packed in "
                              f"reverse parameter order as DDP's bucket_cap_mb (default {BUCKET_MB:g})")
     parser.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
@@ -23,7 +24,7 @@ def add_exchange_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data-parallel: run the backward pass in segments, one per bucket, and all-reduce each "
                              "bucket while the next segment runs (with one bucket nothing is cut); auto (default): on "
                              "with --device cuda, off on the CPU, where gloo competes with the backward for the cores")
-    parser.add_argument("--accumulate-steps", type=int, default=1, metavar="K",
+    parser.add_argument("--accumulate-steps", type=N.POSITIVE_INT, default=1, metavar="K",
                         help="sum the gradients of K micro-batches of --batch-size (per process) before one exchange "
                              "and one update: a step equals one of batch size K x --batch-size (default 1)")
     parser.add_argument("--profile", action="store_true",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from . import cli_numbers as N
 from .autodiff.forward import jvp
 from .autodiff.policies import parse_policy
 from .autodiff.transforms import hessian, hvp, jacobian, jacobian_mode
@@ -42,7 +43,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _common(j)
     _outputs_inputs(j, "values whose tangents to compute", "values that get a tangent input",
                     "; an intermediate value's tangent replaces the one its producer gives it")
-    j.add_argument("--checkpoint", default="store", metavar=POLICIES,
+    j.add_argument("--checkpoint", default="store", type=N.CHECKPOINT, metavar=POLICIES,
                    help="accepted for uniformity with the other commands and checked, but unused: forward mode "
                    "stores no residuals (a loop's JVP carries the tangents forward with the loop), so only the "
                    "gradient inside hvp, hessian and reverse-mode jacobian uses it")
@@ -59,9 +60,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                      help="forward: one JVP per input element; reverse: one VJP per output element; auto "
                      "(default): forward when the inputs have no more elements than the outputs (static shapes), "
                      "else reverse")
-    jac.add_argument("--checkpoint", default="store", metavar=POLICIES,
+    jac.add_argument("--checkpoint", default="store", type=N.CHECKPOINT, metavar=POLICIES,
                      help=_CHECKPOINT_HELP + "; used in reverse mode only (forward mode stores no residuals)")
-    jac.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + "; reverse mode only")
+    jac.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES", help=MEMORY_HELP + "; reverse mode only")
     _opset(jac)
 
     _second_order(sub, "hessian", "write the Hessian graph: outputs <x>_hessian and cross blocks <xi>_hessian_<xj> "
@@ -73,8 +74,8 @@ def _second_order(sub: argparse._SubParsersAction, name: str, help: str) -> None
     p = sub.add_parser(name, help=help)
     _common(p)
     _loss_wrt(p)
-    p.add_argument("--checkpoint", default="store", metavar=POLICIES, help=_CHECKPOINT_HELP)
-    p.add_argument("--memory-budget", metavar="F|BYTES", help=MEMORY_HELP + " (of the gradient inside)")
+    p.add_argument("--checkpoint", default="store", type=N.CHECKPOINT, metavar=POLICIES, help=_CHECKPOINT_HELP)
+    p.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES", help=MEMORY_HELP + " (of the gradient inside)")
     _opset(p)
 
 
@@ -97,7 +98,7 @@ def _loss_wrt(p: argparse.ArgumentParser) -> None:
 
 
 def _opset(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--opset", type=int, metavar="N", help=_OPSET_HELP)
+    p.add_argument("--opset", type=N.opset(), metavar="N", help=_OPSET_HELP)
 
 
 # ------------------------------------------------------------------------------------------------ commands

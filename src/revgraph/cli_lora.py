@@ -9,6 +9,7 @@ import math
 import os
 
 from .cli_io import check_command_outputs, out
+from .cli_numbers import NONZERO, POSITIVE_INT
 from .errors import RevgraphError
 from .ir import Graph
 
@@ -20,10 +21,10 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                              "initializer, or the LoRA adapters of a model that has them)")
     parser.add_argument("--freeze", nargs="+", metavar="GLOB",
                         help="do not train the initializers these names or globs match")
-    parser.add_argument("--lora", type=int, metavar="RANK",
+    parser.add_argument("--lora", type=POSITIVE_INT, metavar="RANK",
                         help="add LoRA adapters of this rank to the MatMul/Gemm weights (2-D float initializers, or "
                              "DequantizeLinear of int8/int4 ones) and train only them")
-    parser.add_argument("--lora-alpha", type=float, metavar="A",
+    parser.add_argument("--lora-alpha", type=NONZERO, metavar="A",
                         help="with --lora: the adapters' update is scaled by A / RANK (default A = RANK: scaling 1)")
     parser.add_argument("--lora-targets", nargs="+", metavar="GLOB",
                         help="with --lora: adapt only the weights (initializer names) or nodes these globs match, "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .cli_numbers import FRACTION_CLOSED, INT64, text_type
 from .errors import RevgraphError
 
 
@@ -30,16 +31,16 @@ def add_loss_data_arguments(parser: argparse.ArgumentParser) -> None:
                         "(where the loss has labels), or 'x' and 'y' for a one-input model: an .npz file, or a "
                         "directory of NAME.npy files read memory-mapped (data larger than memory); may be left out "
                         "when every input is --static")
-    parser.add_argument("--loss", type=_loss, required=True, metavar="|".join(LOSSES),
+    parser.add_argument("--loss", type=text_type(_loss, "loss"), required=True, metavar="|".join(LOSSES),
                         help="; ".join(f"{k}: {v.help}" for k, v in LOSSES.items()))
     parser.add_argument("--labels-from", metavar="NAME",
                         help="causal-lm: the model input holding the token ids (default: the only int64 input of "
                              "rank 2, else input_ids), or 'labels' for a labels array in the data, shifted inside "
                              "(Hugging Face's convention)")
-    parser.add_argument("--ignore-index", type=int, metavar="I",
+    parser.add_argument("--ignore-index", type=INT64, metavar="I",
                         help="cross-entropy, causal-lm: targets equal to I are not counted (padding; default -100 "
                              "for causal-lm, none for cross-entropy)")
-    parser.add_argument("--label-smoothing", type=float, metavar="S",
+    parser.add_argument("--label-smoothing", type=FRACTION_CLOSED, metavar="S",
                         help="cross-entropy, causal-lm: (1-S) x nll + S x mean over classes of -log p, as torch's "
                              "label_smoothing (default 0)")
     parser.add_argument("--class-weights", metavar="FILE.npy",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from .cli_numbers import NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE
 from .errors import RevgraphError
 
 
@@ -16,11 +17,11 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
                         help="the learning rate over the run: constant, or linear or cosine decay from --lr to "
                              "--min-lr over all the run's steps (transformers' schedules; default constant)")
-    parser.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+    parser.add_argument("--warmup-steps", type=NON_NEGATIVE_INT, default=0, metavar="N",
                         help="raise the learning rate linearly from 0 to --lr over the first N steps (default 0)")
-    parser.add_argument("--min-lr", type=float, default=0.0, metavar="LR",
+    parser.add_argument("--min-lr", type=NON_NEGATIVE, default=0.0, metavar="LR",
                         help="with --lr-schedule linear|cosine: the rate the decay ends at (default 0)")
-    parser.add_argument("--clip-grad-norm", type=float, metavar="C",
+    parser.add_argument("--clip-grad-norm", type=POSITIVE, metavar="C",
                         help="scale the gradients so that their global L2 norm over all trained parameters is at "
                              "most C (torch.nn.utils.clip_grad_norm_; default: no clipping)")
     parser.add_argument("--decay-all", action="store_true",

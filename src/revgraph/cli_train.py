@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from .autodiff.memory import Budget, parse_budget
+from . import cli_numbers as N
 from .cli_exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
 from .cli_io import check_command_outputs, err, out
 from .cli_lora import add_lora_arguments, export_trained, lora_model, selection_line, written
@@ -34,30 +35,30 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
     train.add_argument("model", metavar="MODEL.onnx")
     add_loss_data_arguments(train)
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="(default adam)")
-    train.add_argument("--lr", type=float, help="learning rate (default: 0.01 for sgd, 0.001 for adam and adamw)")
-    train.add_argument("--momentum", type=float, help="sgd momentum (default 0)")
-    train.add_argument("--weight-decay", type=float,
+    train.add_argument("--lr", type=N.POSITIVE, metavar="LR", help="learning rate (default: 0.01 for sgd, 0.001 for adam and adamw)")
+    train.add_argument("--momentum", type=N.MOMENTUM, metavar="M", help="sgd momentum (default 0)")
+    train.add_argument("--weight-decay", type=N.NON_NEGATIVE, metavar="WD",
                        help="L2 penalty (sgd, adam) or decoupled decay (adamw; default 0.01, else 0)")
-    train.add_argument("--epochs", type=int, required=True, metavar="N")
-    train.add_argument("--batch-size", type=int, default=32, metavar="B", help="(default 32)")
+    train.add_argument("--epochs", type=N.POSITIVE_INT, required=True, metavar="N")
+    train.add_argument("--batch-size", type=N.POSITIVE_INT, default=32, metavar="B", help="(default 32)")
     train.add_argument("--seed", type=seed_type, default=0, help="seed of the shuffling (default 0)")
     train.add_argument("--model-output", metavar="NAME", help="the output the loss reads (default: the only output)")
     train.add_argument("--test-data", metavar="TEST.npz|DIR", help="also report the loss (and accuracy) on these "
                        "arrays (an .npz or a directory of .npy files; --static inputs are fed to it too)")
     train.add_argument("--save-training-graph", metavar="FILE.onnx", help="also write the training-step graph")
     train.add_argument("-o", "--output", metavar="TRAINED.onnx", required=True, help="the model with trained weights")
-    train.add_argument("--device", default="cpu", metavar="cpu|cuda[:i]",
+    train.add_argument("--device", default="cpu", type=N.DEVICE, metavar="cpu|cuda[:i]",
                        help="where onnxruntime runs the step (cuda needs onnxruntime-gpu; default cpu)")
-    train.add_argument("--threads", type=int, default=0, metavar="T",
+    train.add_argument("--threads", type=N.THREADS, default=0, metavar="T",
                        help="onnxruntime intra-op threads per process (default: its own choice; under torchrun the "
                             "machine's cores divided among the local processes)")
     train.add_argument("--checkpoint-dir", metavar="DIR",
                        help="save parameters, optimizer state and data position here, and resume from them")
-    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+    train.add_argument("--checkpoint-every", type=N.NON_NEGATIVE_INT, default=0, metavar="N",
                        help="with --checkpoint-dir: save every N steps (default: at the end of each epoch)")
     train.add_argument("--allow-nonfinite", action="store_true",
                        help="train on when the loss becomes NaN or infinite (default: stop at that step, exit 2)")
-    train.add_argument("--nproc", type=int, metavar="N",
+    train.add_argument("--nproc", type=N.NPROC, metavar="N",
                        help="train data-parallel in N processes on this machine (starts torchrun; needs "
                             "revgraph[distributed]); the global batch is N x --batch-size x --nnodes")
     train.add_argument("--shard", choices=SHARDS, default="none",
@@ -70,7 +71,7 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                             "process over its own share, rank 0's running statistics kept; rank 0 warns)")
     add_launch_arguments(train)
     add_runtime_arguments(train, "arena on, memory pattern off, measured best for training")
-    train.add_argument("--memory-budget", metavar="F|BYTES", help=memory_help + "; a byte count sizes the batch "
+    train.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES", help=memory_help + "; a byte count sizes the batch "
                        "dimension with --batch-size")
     train.add_argument("--buffers", choices=BUFFERS, default="one",
                        help="parameters and optimizer state in one buffer set that the update overwrites where that "
@@ -102,25 +103,25 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     rendezvous; :func:`revgraph.launch.torchrun_arguments`)."""
     from .launch import DEFAULT_TIMEOUT
 
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+    parser.add_argument("--timeout", type=N.TIMEOUT, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                         help="data-parallel: how long a process waits to join the others and in every collective "
                              "before it stops with an error, e.g. when another process stopped (torch.distributed's "
                              f"init_process_group timeout; default {DEFAULT_TIMEOUT:g} s)")
-    parser.add_argument("--nnodes", type=int, default=1, metavar="M",
+    parser.add_argument("--nnodes", type=N.NNODES, default=1, metavar="M",
                         help="with --nproc: the number of machines, each running this command with "
                              "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for cuda) set to the network interface that "
                              "reaches the others (default 1)")
-    parser.add_argument("--node-rank", type=int, metavar="R",
+    parser.add_argument("--node-rank", type=N.NODE_RANK, metavar="R",
                         help="with --nnodes: 0 on the machine of --rdzv-endpoint (it hosts the rendezvous), 1..M-1 on "
                              "the others; torchrun numbers the processes by --local-addr, not by this")
-    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+    parser.add_argument("--rdzv-endpoint", type=N.ENDPOINT, metavar="HOST:PORT",
                         help="with --nnodes: the address of node 0 and a free port for torchrun's c10d rendezvous")
     parser.add_argument("--rdzv-id", default="revgraph", metavar="NAME",
                         help="with --nnodes: the name of this run, the same on every machine (default revgraph)")
     parser.add_argument("--local-addr", metavar="ADDR",
                         help="with --nnodes: this machine's address as the others reach it (needed where this "
                              "machine's name resolves to 127.0.0.1)")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+    parser.add_argument("--max-restarts", type=N.NON_NEGATIVE_INT, default=0, metavar="K",
                         help="with --nproc: let torchrun restart all processes up to K times after a failure; with "
                              "--checkpoint-dir they resume from the last checkpoint (default 0)")
 

@@ -56,6 +56,17 @@ class Settings:
 QUICK = Settings(hidden=32, epochs=3, lr=0.01, mlp_hidden=32, mlp_epochs=2)
 
 
+def memory_needed(settings: Settings, rows: int = 8, width: int = 8, classes: int = 10) -> int:
+    """A lower bound of the bytes the demo needs at its peak, from the sizes: every weight of the two models as
+    float32 four times over while training (the parameter, its gradient and Adam's two moments), the recurrent
+    matrix ``U`` (``hidden x hidden``) dominating; ``revgraph demo`` refuses a ``--hidden`` above the machine's
+    memory with this figure instead of a ``MemoryError`` after the allocation (``--hidden 100000``: 149 GiB)."""
+    h, m, d = settings.hidden, settings.mlp_hidden, rows * width
+    rnn = width * h + h * h + h + h * classes + classes
+    mlp = d * m + m + m * classes + classes
+    return 16 * (rnn + mlp)
+
+
 def digits(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """``(train, test)``, each ``{"x": float32 [N, 8, 8] in [0, 1], "labels": int64 [N]}`` (80/20 split)."""
     try:

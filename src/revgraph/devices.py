@@ -52,7 +52,7 @@ class Device:
             return cls()
         if isinstance(spec, Device):
             return spec
-        m = re.fullmatch(r"(cpu|cuda)(?::(\d+))?", str(spec).strip())
+        m = re.fullmatch(r"(cpu|cuda)(?::([0-9]{1,9}))?", str(spec).strip())  # (an index onnxruntime's int holds)
         if m is None or (m.group(1) == "cpu" and m.group(2) is not None):
             raise RevgraphError(f"unknown device {spec!r}; use cpu, cuda or cuda:<index>")
         if m.group(1) == "cuda" and m.group(2) is None and local_rank is not None:

@@ -176,9 +176,74 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
+HANDED_OVER = "error.rank{rank}.txt"  # a worker's one-line error, for the launcher to print once
+
+
+def hand_over(message: str) -> bool:
+    """In a worker of ``revgraph train --nproc`` (our launcher's run directory in the environment, a torchrun
+    rank): write this rank's one-line error for the launcher, which prints one line for the whole run, and return
+    True (the caller then prints nothing: every rank printed the same refusal, between torchrun's own lines).
+    False elsewhere, or when the file cannot be written (the caller prints the line itself)."""
+    run_dir, rank = os.environ.get(RUN_DIR_ENV), os.environ.get("RANK")
+    if not run_dir or rank is None or os.environ.get(AGENT_PID_ENV) != str(os.getppid()):
+        return False
+    try:
+        Path(run_dir, HANDED_OVER.format(rank=int(rank))).write_text(message, encoding="utf-8")
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _handed_over(run_dir: str) -> str | None:
+    """The one line to print for a run whose workers refused. The first deterministic failure recorded
+    (:func:`record_failure`) says what went wrong; a rank's line that ends with it says it better (``rank 0
+    refused its data: ...``, as the other ranks word the refusing rank's message), and is preferred. Without a
+    record (a peer that stopped, a timeout), the lowest rank's line."""
+    try:
+        recorded = str(json.loads(Path(run_dir, FAILURE_FILE).read_text())["message"])
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = None
+    lines = []
+    for f in sorted(Path(run_dir).glob("error.rank*.txt"), key=lambda f: int(f.stem.removeprefix("error.rank"))):
+        try:
+            lines.append(f.read_text(encoding="utf-8").strip().splitlines()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    if recorded is not None:
+        return max((ln for ln in lines if ln.endswith(recorded)), key=len, default=recorded)
+    return lines[0] if lines else None
+
+
+class _quiet_torchrun:
+    """torchrun's agent logs a W line ("Sending process ... closing signal SIGTERM") and an E line ("failed
+    (exitcode: 2) local_rank: 1 ...") around a worker's refusal: its loggers (torch.distributed.*, which read the
+    level from ``LOGLEVEL`` when they are made) are set to CRITICAL while it runs, unless the user set LOGLEVEL.
+    What a failure means is said by revgraph's one line (:func:`run_torchrun`)."""
+
+    def __enter__(self):
+        import logging
+
+        self.saved = None
+        if "LOGLEVEL" in os.environ:  # the user asked for torchrun's logs
+            return self
+        os.environ["LOGLEVEL"] = "CRITICAL"  # (loggers made during the run; the workers set their own)
+        loggers = [logging.getLogger(n) for n in list(logging.Logger.manager.loggerDict)
+                   if n.startswith("torch.distributed")]
+        self.saved = [(lg, lg.level) for lg in loggers]
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            os.environ.pop("LOGLEVEL", None)
+            for lg, level in self.saved:
+                lg.setLevel(level)
+
+
 def _endpoint(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise RevgraphError(f"--rdzv-endpoint must be HOST:PORT (the address of node 0 and a free port), got {text!r}")
     return host.strip("[]"), int(port)
 
@@ -238,11 +303,23 @@ def run_torchrun(argv: list[str]) -> int:
             # by default the agent makes a torchelastic_* directory in TMPDIR per run and leaves it there
             parsed.log_dir = os.path.join(run_dir, "torchelastic")
         try:
-            run(parsed)
+            with _quiet_torchrun():
+                run(parsed)
             return 0
         except ChildFailedError as exc:
             codes = {f.exitcode for f in exc.failures.values()}
-            return 2 if 2 in codes else 3 if 3 in codes else 1
+            if 2 in codes:  # the one line of the workers' refusal, printed once here (each worker handed it over)
+                message = _handed_over(run_dir)
+                if message:
+                    from .cli_io import err
+
+                    err.print(f"revgraph: error: {message}", soft_wrap=True, markup=False)
+                return 2
+            if 3 not in codes:  # a worker killed or crashed without a message: say which (torchrun's lines are off)
+                rank, f = min(exc.failures.items())
+                print(f"revgraph: error: worker {rank} of --nproc stopped with exit code {f.exitcode} and no message "
+                      "(killed, or out of memory?)", file=sys.stderr)
+            return 3 if 3 in codes else 1
         except SignalException as exc:
             return 128 + int(exc.sigval)
         except Exception as exc:  # the rendezvous failed (a peer never came, the endpoint refused us)

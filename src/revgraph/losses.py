@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from . import validate as V
 from .errors import RevgraphError
 from .graphbuild import Builder
 from .ir import Graph, Node, ValueInfo
@@ -113,6 +114,7 @@ class LossSpec:
         return kind, {"output": output, **s}
 
 
+@V.arguments(model=V.GRAPH, output=V.NAME)
 def resolve_output(model: Graph, output: str | None) -> str:
     """The model output the loss reads: ``output`` or the only output; one-line errors otherwise."""
     names = model.output_names
@@ -175,6 +177,7 @@ def check_options(kind: str, options: Mapping) -> dict:
     return out
 
 
+@V.arguments(model=V.GRAPH, loss=V.TEXT, output=V.NAME)
 def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None = None,
                **options) -> tuple[Graph, LossSpec]:
     """A copy of ``model`` (in SSA form) with an input for the labels (when the loss has them) and a scalar loss.

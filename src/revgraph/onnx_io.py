@@ -24,6 +24,7 @@ import onnx.shape_inference
 import onnx.version_converter
 from onnx import AttributeProto, helper, numpy_helper
 
+from . import validate as V
 from . import limits
 from .atomic import atomic_path
 from .errors import GraphError, RevgraphError, UnsupportedModelError
@@ -59,6 +60,7 @@ _PASSTHROUGH_ATTRS = {
 }
 
 
+@V.arguments(model=V.LOADABLE, opset=V.OPSET, base_dir=V.OPTIONAL_PATH)
 def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int | None = None,
          base_dir: str | os.PathLike | None = None) -> Graph:
     """Load an ONNX model as a :class:`Graph` in SSA form.
@@ -454,6 +456,7 @@ def _add_value_info(field, vi: ValueInfo) -> None:
     proto.type.CopyFrom(_type_proto(vi.kind, vi.dtype, None if vi.shape is None else tuple(vi.shape)))
 
 
+@V.arguments(graph=V.GRAPH, producer=V.TEXT)
 def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
     """The ``onnx.ModelProto`` of ``graph``, renamed into SSA form first if it writes a name twice.
 
@@ -493,6 +496,7 @@ def _fill_output_types(model: onnx.ModelProto) -> None:
             out.type.CopyFrom(vi.type)
 
 
+@V.arguments(graph=V.SAVABLE)  # (the path: atomic.py's checks)
 def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write ``graph`` to ``path`` as ONNX, atomically: a crash mid-write never leaves a half-written file.
 

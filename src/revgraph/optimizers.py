@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
+from . import validate as V
 from .errors import RevgraphError
 from .graphbuild import Builder, name_outputs
 from .ir import Node
@@ -88,6 +89,16 @@ class Optimizer:
             raise RevgraphError(f"schedule must be a revgraph.schedules.Schedule, got {self.schedule!r}")
         if self.kind not in OPTIMIZERS:
             raise RevgraphError(f"unknown optimizer {self.kind!r}; choose one of {', '.join(OPTIMIZERS)}")
+        from .validate import is_number
+
+        # lr="0.1" was a TypeError in the comparisons below (finiteness and ranges: checked there, with the option)
+        values = {"lr": self.lr, "momentum": self.momentum, "eps": self.eps, "weight_decay": self.weight_decay}
+        bad = [k for k, v in values.items() if not is_number(v)]
+        if bad or not isinstance(self.betas, tuple | list) or len(self.betas) != 2 or \
+                not all(is_number(b) for b in self.betas):
+            what = f"{bad[0]}={values[bad[0]]!r}: give a number" if bad else \
+                f"betas={self.betas!r}: give two numbers in [0, 1)"
+            raise RevgraphError(what)
         checks = [
             (self.lr > 0, f"learning rate must be positive (--lr, lr=), got {self.lr}"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
@@ -121,6 +132,7 @@ def sgd(lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, **se
     return configure(Optimizer("sgd", lr, momentum=momentum, weight_decay=weight_decay), **settings)
 
 
+@V.arguments(betas=V.BETAS)
 def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
          weight_decay: float = 0.0, **settings) -> Optimizer:
     """``torch.optim.Adam(lr, betas, eps, weight_decay)`` (L2 penalty added to the gradient); ``settings`` as
@@ -128,6 +140,7 @@ def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
     return configure(Optimizer("adam", lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **settings)
 
 
+@V.arguments(betas=V.BETAS)
 def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
           weight_decay: float = 0.01, **settings) -> Optimizer:
     """``torch.optim.AdamW(lr, betas, eps, weight_decay)`` (decoupled weight decay; PyTorch's default 0.01);
@@ -135,6 +148,8 @@ def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
     return configure(Optimizer("adamw", lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **settings)
 
 
+@V.arguments(name=V.TEXT, lr=V.OPTIONAL_POSITIVE, momentum=V.OPTIONAL_NON_NEGATIVE,
+             weight_decay=V.OPTIONAL_NON_NEGATIVE)
 def make_optimizer(name: str, *, lr: float | None = None, momentum: float | None = None,
                    weight_decay: float | None = None, **schedule) -> Optimizer:
     """The optimizer called ``name`` with PyTorch's defaults for the arguments left ``None`` (SGD: lr 0.01,

@@ -325,19 +325,21 @@ def check_combination(prec: Precision, device_kind: str, graph: Graph) -> None:
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     """``--precision`` (choices :data:`PRECISIONS`) and the fp16 loss-scaling options (GradScaler's names)."""
+    from . import cli_numbers as N
+
     d = Precision()
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="mixed precision: matrix products and convolutions in bfloat16 or float16 with float32 "
                              "master weights (torch.autocast); fp16 scales the loss dynamically (GradScaler; "
                              "default fp32)")
-    parser.add_argument("--init-scale", type=float, metavar="S",
+    parser.add_argument("--init-scale", type=N.LOSS_SCALE, metavar="S",
                         help=f"fp16: the initial loss scale (default {d.init_scale:g})")
-    parser.add_argument("--growth-factor", type=float, metavar="F",
+    parser.add_argument("--growth-factor", type=N.GROWTH_FACTOR, metavar="F",
                         help=f"fp16: the scale's factor after --growth-interval good steps (default "
                              f"{d.growth_factor:g})")
-    parser.add_argument("--backoff-factor", type=float, metavar="F",
+    parser.add_argument("--backoff-factor", type=N.BACKOFF_FACTOR, metavar="F",
                         help=f"fp16: the scale's factor after a non-finite gradient (default {d.backoff_factor:g})")
-    parser.add_argument("--growth-interval", type=int, metavar="N",
+    parser.add_argument("--growth-interval", type=N.POSITIVE_INT, metavar="N",
                         help=f"fp16: good steps in a row before the scale grows (default {d.growth_interval})")
 
 

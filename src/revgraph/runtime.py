@@ -15,6 +15,7 @@ from contextlib import nullcontext
 import numpy as np
 import onnx
 
+from . import validate as V
 from . import limits
 from .devices import Device
 from .errors import InputError, RevgraphError, UnsupportedModelError
@@ -47,6 +48,7 @@ class Session:
     provider, runtime settings with the reference backend, or a graph the backend refuses.
     """
 
+    @V.arguments(graph=V.MODEL, backend=V.choice(*BACKENDS), threads=V.THREADS)
     def __init__(self, graph: Graph | onnx.ModelProto | str | os.PathLike, backend: str = "onnxruntime", *,
                  threads: int = 0, device: str | Device = "cpu", runtime: RuntimeOptions | None = None,
                  session_options=None):

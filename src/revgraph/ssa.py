@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import ChainMap, Counter
 from dataclasses import dataclass, field
 
+from . import validate as V
 from .ir import Graph, Node, ValueInfo, require_graph
 
 CAPTURED = -1  #: the input position recorded for a value read inside a node's subgraph (captured)
@@ -83,6 +84,7 @@ def captured_names(graph: Graph) -> list[str]:
     return list(out)
 
 
+@V.arguments(graph=V.GRAPH)
 def analyze(graph: Graph) -> SSAInfo:
     """Versions, producers and readers of every name of ``graph``'s own scope.
 
@@ -125,6 +127,7 @@ def analyze(graph: Graph) -> SSAInfo:
     return SSAInfo(versions, reads, writes)
 
 
+@V.arguments(graph=V.GRAPH)
 def is_ssa(graph: Graph) -> bool:
     """True when no name is written twice in ``graph`` or any subgraph, nor shadows an enclosing name."""
     require_graph(graph, "is_ssa")
@@ -148,6 +151,7 @@ def is_ssa(graph: Graph) -> bool:
     return True
 
 
+@V.arguments(graph=V.GRAPH)
 def to_ssa(graph: Graph) -> Graph:
     """A copy of ``graph`` in SSA form that computes the same outputs (see the module doc for names)."""
     require_graph(graph, "to_ssa")

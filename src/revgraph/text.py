@@ -18,7 +18,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
 
 
 def _escape(ch: str) -> str:
@@ -34,13 +34,14 @@ def _escape(ch: str) -> str:
 
 def literal(text: object) -> str:
     """``str(text)`` with every non-printable character escaped as ``repr`` would (``\\x1b``, ``\\n``,
-    ``\\u202e``; printable non-ASCII text such as ``é`` stays as it is). Backslashes are left alone, so a
-    name written with a backslash is not distinguished from an escaped one; the result is one line and holds
-    no character a terminal would interpret."""
+    ``\\u202e``; printable non-ASCII text such as ``é`` stays as it is). A backslash is doubled, as ``repr``
+    doubles it, so that the name ``a\\nb`` (written with a backslash) shows as ``a\\\\nb`` and the name with a
+    newline as ``a\\nb``: the escaping can be read back. The result is one line and holds no character a
+    terminal would interpret."""
     text = str(text)
-    if text.isprintable():  # the common case: nothing to escape
+    if text.isprintable() and "\\" not in text:  # the common case: nothing to escape
         return text
-    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+    return "".join(ch if ch.isprintable() and ch != "\\" else _escape(ch) for ch in text)
 
 
 def cell(text: object, style: str = "") -> Text:

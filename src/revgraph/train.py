@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from . import validate as V
 from .autodiff.api import gradient
 from .autodiff.policies import CheckpointPolicy
 from .errors import RevgraphError
@@ -63,6 +64,7 @@ __all__ = ["GROUP_ELEMENTS", "LOSSES", "OPTIMIZERS", "SCHEDULES", "LossSpec", "O
            "split_step", "trainable", "training_graph"]
 
 
+@V.arguments(model=V.GRAPH)  # (params, freeze: revgraph.selection)
 def trainable(model: Graph, params: Iterable[str] | None = None, freeze: Iterable[str] | None = None) -> list[str]:
     """The parameters: ``params`` (names or fnmatch globs over initializer names), or by default the LoRA
     adapters of a model that has them, else every floating-point initializer; less those ``freeze`` names, in
@@ -72,6 +74,7 @@ def trainable(model: Graph, params: Iterable[str] | None = None, freeze: Iterabl
     return select(model, params, freeze)
 
 
+@V.arguments(g=V.GRAPH, params=V.OPTIONAL_NAMES)
 def params_as_inputs(g: Graph, params: list[str]) -> None:
     """Turn the initializers ``params`` of ``g`` into graph inputs of the same dtype and shape (in place)."""
     for p in params:
@@ -159,6 +162,8 @@ class TrainingGraph:
         return [*self.params, *([self.scaling.scale] if self.scaling is not None else [])]
 
 
+@V.arguments(model=V.MODEL, loss=V.TEXT, optimizer=V.OPTIMIZER, output=V.NAME, checkpoint=V.POLICY,
+             memory=V.BUDGET, loss_seed=V.FLAG)  # (params, freeze: selection; loss_options: losses)
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                    optimizer: Optimizer | str = "adam", *, output: str | None = None,
                    params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store",
@@ -264,6 +269,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     return tg
 
 
+@V.arguments(tg=V.TRAINING_GRAPH)
 def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     """The training step as two graphs, for data-parallel training (gradients are exchanged between them).
 
@@ -289,6 +295,7 @@ def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     return grad_graph, update
 
 
+@V.arguments(tg=V.TRAINING_GRAPH)
 def eval_graph(tg: TrainingGraph) -> Graph:
     """The model plus its loss with the parameters as inputs: outputs ``[loss, model output]`` (what
     :meth:`Trainer.evaluate` runs with the current parameters). Training-mode ``BatchNormalization`` nodes
@@ -301,6 +308,7 @@ def eval_graph(tg: TrainingGraph) -> Graph:
     return g
 
 
+@V.arguments(graph=V.SAVABLE)
 def graph_size(graph: Graph | onnx.ModelProto) -> tuple[int, int, int, int]:
     """``(nodes, nodes in subgraphs, initializers, serialized bytes)`` of a graph, for reports."""
     from .onnx_io import to_onnx

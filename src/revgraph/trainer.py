@@ -30,6 +30,7 @@ import onnx
 
 from . import data as datasets
 from . import run_record
+from . import validate as V
 from .autodiff.policies import CheckpointPolicy
 from .devices import Device
 from .errors import InputError, NonFiniteError, RevgraphError
@@ -39,11 +40,13 @@ from .losses import weighs_by_targets
 from .onnx_io import save
 from .optimizers import configure, make_optimizer
 from .precision import check_combination, make_precision
+from .progress_bar import Bar
 from .runtime_options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
 from .sharding import SHARDS
 from .steps import BUFFERS, make_engine
 from .steptimes import StepTimes
 from .train import Optimizer, TrainingGraph, training_graph
+from .validate import FIT_RULES, TRAINER_RULES
 
 Data = Mapping[str, np.ndarray] | tuple
 
@@ -107,6 +110,7 @@ class Trainer:
     memory-mapped; ``static=`` gives inputs fed whole to every step (:mod:`revgraph.data`).
     """
 
+    @V.arguments(**TRAINER_RULES)
     def __init__(self, model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
                  threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
@@ -308,6 +312,7 @@ class Trainer:
         self.losses.append(loss)
         return loss
 
+    @V.arguments(**FIT_RULES)
     def fit(self, data: Data, epochs: int = 1, batch_size: int = 32, *, shuffle: bool = True, seed: int = 0,
             progress: bool = True, console=None, description: str = "training",
             checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
@@ -420,7 +425,7 @@ class Trainer:
         pos = run_record.resume(self, checkpoint_dir, run, total_steps, override, console, epochs=epochs,
                                 finite=stop) if checkpoint_dir is not None else run_record.Position()
         run_record.set_total(self, total_steps)
-        bar = _Bar(progress and self.is_main, console, description, epochs * per_epoch,
+        bar = Bar(progress and self.is_main, console, description, epochs * per_epoch,
                    done=min(pos.epoch * per_epoch + pos.batch, epochs * per_epoch))
         stepped = False
         with bar:
@@ -483,6 +488,7 @@ class Trainer:
                              "parameters from before it: lower the learning rate or look for NaN or infinite values "
                              "in the data (--allow-nonfinite, or fit(nonfinite='continue'), trains on regardless)")
 
+    @V.arguments(batch_size=V.POSITIVE_INT)  # (data, static: revgraph.data)
     def evaluate(self, data: Data, batch_size: int = 512,
                  static: Mapping[str, np.ndarray] | None = None) -> dict[str, float | None]:
         """The mean loss over ``data`` with the current parameters (over the counted targets for a loss with
@@ -512,6 +518,7 @@ class Trainer:
         return {"loss": sums[0] / sums[1] if sums[1] else 0.0, "accuracy": accuracy, "samples": n,
                 "nonfinite": int(sums[4])}
 
+    @V.arguments(inputs=V.FEEDS, static=V.STATIC)
     def predict(self, inputs: Mapping[str, np.ndarray] | np.ndarray,
                 static: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """The model output the loss reads, for ``inputs`` (an array for a one-input model, or arrays by
@@ -533,6 +540,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ output
 
+    @V.arguments(path=V.PATH)
     def export(self, path: str | os.PathLike) -> Graph:
         """Write the inference model with the current parameters as its initializers; return that graph."""
         model = self.spec.model.copy()
@@ -540,6 +548,7 @@ class Trainer:
         save(model, path)
         return model
 
+    @V.arguments(path=V.PATH)
     def save_training_graph(self, path: str | os.PathLike) -> None:
         """Write the training-step graph (module doc of :mod:`revgraph.train`), with no initial values."""
         save(self.spec.graph, path)
@@ -561,30 +570,3 @@ def shard(rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     return rows[rank::world_size]
 
 
-class _Bar:
-    """A rich progress bar over steps with the loss and throughput, or nothing when ``enabled`` is false."""
-
-    def __init__(self, enabled: bool, console, description: str, total: int, done: int = 0):
-        self.progress = None
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:,.0f} samples/s"),
-                TimeElapsedColumn(), console=console,
-            )
-            self.task = self.progress.add_task(description, total=total, completed=done, loss=float("nan"), rate=0.0)
-
-    def __enter__(self):
-        if self.progress is not None:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-    def advance(self, description: str, loss: float, rate: float) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, advance=1, description=description, loss=loss, rate=rate)

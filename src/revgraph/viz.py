@@ -32,6 +32,7 @@ from pathlib import Path
 from .atomic import atomic_path
 from .errors import RevgraphError
 from .ir import Graph, Node
+from .text import literal
 
 #: Output formats by file suffix.
 FORMATS = {".svg": "svg", ".png": "png", ".dot": "dot", ".gv": "dot"}
@@ -129,8 +130,14 @@ class _Edge:
 
 
 def _q(text: object) -> str:
-    """A DOT double-quoted string."""
-    s = str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\r", "").replace("\n", "\\n")
+    """A DOT double-quoted string. A newline is DOT's line break (labels are built with them); every other
+    character that is not printable (a NUL, ESC, a carriage return, a bidirectional override: names are untrusted)
+    is written as its visible escape, ``\\x00`` as the terminal shows it (:func:`revgraph.text.literal`), and
+    backslashes are doubled, so that graphviz reads no escape (``\\N``, ``\\l``) of its own in a name and a NUL
+    never reaches the file (dot stops reading a string at one)."""
+    s = "".join(ch if ch.isprintable() and ch not in '\\"' else
+                "\\n" if ch == "\n" else '\\"' if ch == '"' else literal(ch).replace("\\", "\\\\")
+                for ch in str(text))
     return f'"{s}"'
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, fresh_name, gc_paused, require_graph
 from ..lift import lift_constants as lift
@@ -29,6 +30,9 @@ from .simplify import simplify
 from .sparse import SparseGrad
 
 
+@V.arguments(graph=V.GRAPH, loss=V.NAME, wrt=V.NAMES, seed=V.choice("ones", "input"),
+             unconnected=V.choice("zero", "error"), sparse=V.FLAG, accumulate=V.choice("sum", "running"),
+             checkpoint=V.POLICY, lift_constants=V.FLAG, straight_through=V.FLAG, memory=V.BUDGET)
 def gradient(
     graph: Graph,
     loss: str | None = None,

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
+from .. import validate as V
 from ..errors import GraphError, InternalError
 from ..ir import Graph, Node, ValueInfo, require_graph
 from ..ssa import captured_names, is_ssa
@@ -93,6 +94,7 @@ def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, 
     return needed
 
 
+@V.arguments(graph=V.GRAPH, wrt=V.NAMES, accumulate=V.choice("sum", "running"))
 def backward(
     graph: Graph,
     ys: Mapping[str, str | None] | Iterable[str],

@@ -29,6 +29,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
+from .. import validate as V
 from ..ir import Graph, Node, ValueInfo, fresh_name, require_graph
 from ..ssa import captured_names, is_ssa, to_ssa
 from ..types import differentiable, infer_types, keep_types
@@ -45,6 +46,8 @@ from .simplify import simplify
 CONTROL_FLOW = ("Loop", "If")
 
 
+@V.arguments(graph=V.GRAPH, outputs=V.NAMES, inputs=V.NAMES, tangent_names=V.OPTIONAL_MAPPING,
+             output_names=V.OPTIONAL_MAPPING)
 def jvp(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None,
         *, tangent_names: dict[str, str] | None = None, output_names: dict[str, str] | None = None) -> Graph:
     """A graph computing ``graph``'s outputs and the Jacobian-vector product ``J t`` (forward mode).

@@ -52,6 +52,10 @@ class EveryK:
     k: int
     online = True
 
+    def __post_init__(self) -> None:  # (built directly too: Segments(EveryK(k)))
+        if isinstance(self.k, bool) or not isinstance(self.k, int | np.integer) or not 0 < self.k <= 2**62:
+            raise GraphError(f"EveryK(k={self.k!r}): give a whole number from 1 to {2**62} (2**62)")
+
     def start(self, b: Builder, s: str, trips: str) -> str:
         return b.op("Mul", [s, b.const(np.array(self.k, np.int64))], shape=(), dtype=I64)
 
@@ -99,6 +103,9 @@ class Segments:
 
 CheckpointPolicy = Store | Recompute | Segments
 
+#: The longest segment of a K policy (``parse_policy``: T + K must fit in int64).
+MAX_SEGMENT = 2**62
+
 #: The policies users name, by name (a positive integer K means ``Segments(EveryK(K))``).
 NAMED: dict[str, CheckpointPolicy] = {
     "store": Store(),
@@ -112,10 +119,14 @@ def parse_policy(policy: object) -> CheckpointPolicy:
     segment length K (an int or a digit string). Raises :class:`GraphError` (one line) otherwise."""
     if isinstance(policy, (Store, Recompute, Segments)):
         return policy
-    if isinstance(policy, str) and policy.isdigit():
+    if isinstance(policy, str) and policy.isascii() and policy.isdigit():
         policy = int(policy)
-    if isinstance(policy, int) and not isinstance(policy, bool) and policy > 0:
+    # K goes in int64 constants of the backward loop (10**20 was an OverflowError there, exit 3), and the
+    # segment count ceil(T / K) = (T + K - 1) / K must not wrap around: K <= 2**62 keeps T + K in int64 for
+    # any trip count up to 2**62 (K = 2**63 - 1 wrapped, and the gradient came out wrong without an error)
+    if isinstance(policy, int) and not isinstance(policy, bool) and 0 < policy <= MAX_SEGMENT:
         return Segments(EveryK(policy), str(policy))
     if isinstance(policy, str) and policy in NAMED:
         return NAMED[policy]
-    raise GraphError(f"unknown checkpoint policy '{policy}'; choose {', '.join(NAMED)} or a positive integer K")
+    raise GraphError(f"unknown checkpoint policy '{policy}'; choose {', '.join(NAMED)} or a whole number K "
+                     f"from 1 to {MAX_SEGMENT} (2**62)")

@@ -7,6 +7,7 @@ runtime executes it; :func:`expand_gradient_ops` replaces each such node by its 
 
 from __future__ import annotations
 
+from .. import validate as V
 from ..errors import GraphError
 from ..ir import Graph, Node
 from ..ssa import is_ssa, to_ssa
@@ -19,6 +20,7 @@ from .sparse import densify
 DOMAIN = "ai.onnx.preview.training"
 
 
+@V.arguments(graph=V.GRAPH)
 def expand_gradient_ops(graph: Graph) -> Graph:
     """A copy of ``graph`` in which every ``Gradient`` node is replaced by the nodes computing its outputs.
 

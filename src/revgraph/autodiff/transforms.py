@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, onnx_dtype, require_graph
 from ..ssa import captured_names
@@ -33,6 +34,7 @@ from .policies import CheckpointPolicy, parse_policy
 from .simplify import simplify
 
 
+@V.arguments(graph=V.GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
 def hvp(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
         checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs, the gradients ``<x>_grad`` of ``loss`` and the Hessian-vector
@@ -67,6 +69,8 @@ def _gradient(graph: Graph, loss: str | None, wrt, checkpoint, memory=None) -> t
     return gg, dict(zip(wrt_names, gg.output_names[-len(wrt_names):], strict=True))
 
 
+@V.arguments(graph=V.GRAPH, outputs=V.NAMES, inputs=V.NAMES, mode=V.choice("auto", "forward", "reverse"),
+             checkpoint=V.POLICY, memory=V.BUDGET)
 def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None, *,
              mode: str = "auto", checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs and, for each output ``y`` and input ``x``, the Jacobian
@@ -98,6 +102,7 @@ def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: I
     return _reverse_jacobian(graph, ys, xs, names, checkpoint, memory)
 
 
+@V.arguments(graph=V.GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
 def hessian(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
             checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs and the Hessian of ``loss`` (summed if not scalar): for each pair

@@ -28,6 +28,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 #: give it: sizes only matter relative to each other then, and a batch or sequence dimension scales every
 #: activation alike.
 DEFAULT_SYMBOLIC_DIM = 64
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,11 @@ class Budget:
         if self.fraction is not None:
             object.__setattr__(self, "fraction", _fraction(self.fraction))
         if self.bytes is not None:
-            if isinstance(self.bytes, bool) or not isinstance(self.bytes, int) or self.bytes < 0:
-                raise RevgraphError(f"a byte budget must be an int >= 0, got {self.bytes!r}")
+            if isinstance(self.bytes, bool) or not isinstance(self.bytes, int) or not 0 <= self.bytes <= _INT64_MAX:
+                raise RevgraphError(f"a byte budget must be an int from 0 to {_INT64_MAX} (int64), got {self.bytes!r}")
         dims = dict(self.dims or {})
         for k, v in dims.items():
-            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _INT64_MAX:
                 raise RevgraphError(f"dims maps symbolic dimension names to sizes >= 1, got {k!r}: {v!r}")
         object.__setattr__(self, "dims", dims)
 
@@ -112,7 +113,10 @@ def parse_budget(text: str) -> Budget:
         if scale is None:
             raise RevgraphError(f"unknown unit {unit!r} in the memory budget {text!r}; use one of "
                                 "B, KB, MB, GB, KiB, MiB, GiB")
-        return Budget(bytes=int(float(number) * scale))
+        size = float(number) * scale
+        if not math.isfinite(size) or size > _INT64_MAX:  # (1e400GB was an OverflowError, exit 3)
+            raise RevgraphError(f"the memory budget {text!r} is more bytes than an int64 holds")
+        return Budget(bytes=int(size))
     if re.fullmatch(r"[0-9]+", number):
         return Budget(bytes=int(number))
     return Budget(fraction=_fraction(float(number)))

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ... import validate as V
 from ...ir import REMAT_PREFIX, Graph, Node, ValueInfo, fresh_name
 from ...runtime_options import ORT_DISABLED_OPTIMIZERS
 from ...ssa import captured_names
@@ -258,6 +259,7 @@ class _Cuts:
         return recomputed, kept, sum(p.flops(k) or 0 for k in recomputed)
 
 
+@V.arguments(graph=V.GRAPH, budget=V.OPTIONAL_BUDGET)
 def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
     """Choose the residuals of the gradient graph ``graph`` (top level; written by :func:`revgraph.gradient`)
     under ``budget`` and rewrite ``graph`` in place with the recomputation (see the module doc). ``None`` is the
