@@ -41,6 +41,7 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from .tables import filled
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 INT64_MIN = int(np.iinfo(np.int64).min)
@@ -173,11 +174,9 @@ def dims_part(e: Emitter, x: str, start: int, end: int | None = None) -> list[in
 
 
 def ones(e: Emitter, shape: list[int], like: str) -> str:
-    """A constant of ones with the dtype of ``like``."""
-    dt = e.dtype(like)
-    if dt is not None:
-        return e.const(np.ones(shape, dtype=dt))
-    return e.op("CastLike", [e.const(np.ones(shape, dtype=np.float32)), like])
+    """Ones of static ``shape`` with the dtype of ``like``: a constant when small, else a ``ConstantOfShape``
+    (a kernel of a 40000 x 40000 AveragePool: :mod:`.tables`)."""
+    return filled(e, shape, 1.0, like)
 
 
 def _axes(k: int) -> list[int]:

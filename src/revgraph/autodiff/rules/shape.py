@@ -27,6 +27,7 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, vjp
+from .tables import small
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 INT64_MIN = int(np.iinfo(np.int64).min)
@@ -453,7 +454,10 @@ def _unpad_modes(e: Emitter, node: Node, g: str, x: str, pads: str, axes: str | 
     if pv is not None and av is not None and dims is not None:
         k = len(av)
         norm = [a + len(dims) if a < 0 else a for a in av]
-        if all(isinstance(dims[a], int) for a in norm):
+        # the run decomposition reads the index map of each padded axis, built here: only for short axes (a
+        # reflect Pad over 10^8 elements took a minute and 800 MB to build); longer ones scatter at run time
+        if all(isinstance(dims[a], int) for a in norm) and all(
+                small([dims[a] + max(b, 0) + max(after, 0)]) for a, b, after in zip(norm, pv[:k], pv[k:], strict=True)):
             for a, b, after in zip(norm, pv[:k], pv[k:], strict=True):
                 g = _unpad_axis(e, g, a, dims[a], b, after, mode)
             return _reshape_to(e, g, x)
