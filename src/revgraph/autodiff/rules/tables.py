@@ -17,14 +17,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...ir import onnx_dtype
-from ...limits import MAX_RULE_CONSTANT_ELEMENTS
+from ... import limits
 from ..emitter import Emitter
 
 
 def small(shape: Sequence[int]) -> bool:
     """True if a table of ``shape`` (ints) may be a constant: at most
     :data:`~revgraph.limits.MAX_RULE_CONSTANT_ELEMENTS` elements. Python integers: no overflow."""
-    return math.prod(int(d) for d in shape) <= MAX_RULE_CONSTANT_ELEMENTS
+    return math.prod(int(d) for d in shape) <= limits.MAX_RULE_CONSTANT_ELEMENTS  # (read here: tests lower it)
 
 
 def filled(e: Emitter, shape: Sequence[int], value: float, like: str | None = None, dtype=None) -> str:
