@@ -14,6 +14,7 @@ import json
 import os
 import resource
 import sys
+import time
 import tracemalloc
 
 
@@ -26,6 +27,7 @@ def main(argv: list[str]) -> int:
         for command in ("grad", "jvp"):
             out = os.path.join(out_dir, f"{os.path.basename(model)}.{command}.onnx")
             err = io.StringIO()
+            start = time.perf_counter()
             tracemalloc.start()
             try:
                 with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -42,7 +44,8 @@ def main(argv: list[str]) -> int:
             if size is not None:
                 os.remove(out)
             print(json.dumps({"model": os.path.basename(model), "command": command, "code": code,
-                              "stderr": err.getvalue(), "peak": peak, "bytes": size}), flush=True)
+                              "stderr": err.getvalue(), "peak": peak, "bytes": size,
+                              "seconds": round(time.perf_counter() - start, 2)}), flush=True)
     return 0
 
 

@@ -317,7 +317,7 @@ def _unslice(e: Emitter, node: Node, g: str) -> str:
             idx = slice_indices(dim, start, end, step)
             if len(idx) == 0:
                 return e.zeros_like(x)
-            sel = (min(idx), len(idx), abs(step), step < 0)
+            sel = (idx[-1] if step < 0 else idx[0], len(idx), abs(step), step < 0)  # (min() walks a range)
         else:
             sel = _dynamic_selection(e, dim, start, end, step)
         g = _unslice_axis(e, g, a, dim, *sel)
