@@ -19,7 +19,8 @@ from ...ir import Node, onnx_dtype
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
-from .tables import eye as _eye_of, small
+from .tables import eye as _eye_of
+from .tables import small
 
 ELLIPSIS = "..."
 

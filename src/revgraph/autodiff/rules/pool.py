@@ -244,7 +244,7 @@ def inverse_table_value(e: Emitter, dims: list[int], out: list[int], geo: Geomet
     if small([n_in, taps]):
         return e.const(inverse_table(dims, out, geo))
     n_out = int(np.prod(out))
-    i64 = lambda v: e.const(np.int64(v))  # noqa: E731
+    i64 = lambda v: e.const(np.int64(v))
     entry = valid = None
     for i in range(k):
         view = [1] * (2 * k)

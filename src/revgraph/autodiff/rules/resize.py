@@ -22,8 +22,8 @@ from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 from .conv import shape_cat
-from .tables import small
 from .roi import _F64, _I64, Dim, _as1, _dim, _i64, _range
+from .tables import small
 
 
 def _source_coords(n_in: int, n_out: int, scale: float, mode: str, roi: tuple | None = None) -> np.ndarray:

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ...ir import onnx_dtype
 from ... import limits
+from ...ir import onnx_dtype
 from ..emitter import Emitter
 
 
