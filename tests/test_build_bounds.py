@@ -37,10 +37,11 @@ ADDRESS_SPACE = 3 * 2**30
 INFLATE = 10000
 
 
-def _model(nodes, inputs, inits=(), opset=18) -> onnx.ModelProto:
-    """A model of ``nodes`` with float graph inputs ``inputs`` (name -> declared shape) and initializers."""
+def _model(nodes, inputs, inits=(), opset=18, out=None) -> onnx.ModelProto:
+    """A model of ``nodes`` with float graph inputs ``inputs`` (name -> declared shape), initializers and the
+    float output ``y`` (of shape ``out`` if given)."""
     ins = [h.make_tensor_value_info(n, T.FLOAT, s) for n, s in inputs.items()]
-    outs = [h.make_tensor_value_info("y", T.FLOAT, None)]
+    outs = [h.make_tensor_value_info("y", T.FLOAT, out)]
     graph = h.make_graph(nodes, "m", ins, outs, initializer=[numpy_helper.from_array(v, n) for n, v in inits])
     return h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
 
@@ -70,6 +71,14 @@ EXAMPLES = {
     "gathernd_batch": _one("GatherND", {"x": [30000, 30000, 4]}, [("i", np.zeros((30000, 1, 1), np.int64))], batch_dims=1),
     "maxroipool_pooled_1e5": _one("MaxRoiPool", {"x": [1, 1, 8, 8]}, [("rois", np.array([[0, 0, 0, 7, 7]], F32))], pooled_shape=[10**5, 10**5]),
     "affinegrid_1e8": _one("AffineGrid", {"theta": [1, 2, 3]}, [("size", np.array([1, 1, 10**8, 10**8], np.int64))], opset=20),
+    # rule families the sweep has no inflatable node test of
+    "gridsample_30000": _one("GridSample", {"x": [1, 1, 30000, 30000], "grid": [1, 30000, 30000, 2]}, opset=20),
+    "roialign_1e4": _one("RoiAlign", {"x": [1, 1, 30000, 30000]}, [("rois", np.array([[0, 0, 9, 9]], F32)), ("b", np.zeros(1, np.int64))],
+                         opset=16, output_height=10**4, output_width=10**4),
+    "trilu_40000": _one("Trilu", {"x": [40000, 40000]}, opset=14),
+    "mvn_1e9": _model([h.make_node("MeanVarianceNormalization", ["x"], ["y"], axes=[0, 2])], {"x": [1000, 1000, 1000]},
+                      opset=13, out=[1000, 1000, 1000]),
+    "globallppool_30000": _one("GlobalLpPool", {"x": [1, 1, 30000, 30000]}),
     "maxunpool_1e8": _one("MaxUnpool", {"x": [1, 1, 10**4, 10**4]}, [("i", np.zeros((1, 1, 1, 1), np.int64))], kernel_shape=[2, 2], strides=[2, 2]),
 }
 
