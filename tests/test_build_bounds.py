@@ -124,15 +124,15 @@ def test_examples_build_in_bounded_memory(tmp_path):
 
 
 def _inflated(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """``model`` with every static graph-input dimension above 1 multiplied by :data:`INFLATE` (1s kept, so
+    """``model`` with every static dimension above 1 of its floating graph inputs multiplied by :data:`INFLATE` (1s kept, so
     that broadcasting still holds), or ``None`` if ONNX's strict shape inference then refuses it."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     inits = {t.name for t in m.graph.initializer}
     grown = False
     for vi in m.graph.input:
-        if vi.name in inits or not vi.type.HasField("tensor_type"):
-            continue
+        if vi.name in inits or vi.type.tensor_type.elem_type not in (T.FLOAT, T.DOUBLE, T.FLOAT16):
+            continue  # (integer inputs are pads, repeats, shapes: their lengths are ranks)
         for d in vi.type.tensor_type.shape.dim:
             if d.HasField("dim_value") and d.dim_value > 1:
                 d.dim_value *= INFLATE
