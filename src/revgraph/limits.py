@@ -11,6 +11,11 @@ holds the checks that keep that promise, each refusing in one line (:class:`Revg
   2 GiB limit;
 - :func:`check_allocation`: arrays revgraph makes up itself (random inputs, lifted constants) have at most
   :data:`MAX_RANK` dimensions and :data:`MAX_MATERIALIZED_BYTES` bytes;
+- :data:`MAX_RULE_CONSTANT_ELEMENTS`: a VJP or JVP rule writes a table it can compute when the gradient is
+  built (a pooling window table, an interpolation matrix, an identity, an index grid) as a ``Constant`` only
+  up to this many elements, and computes a larger one in the graph at run time (``Range``,
+  ``ConstantOfShape``, ``EyeLike``: :mod:`revgraph.autodiff.rules.tables`), so that the build's memory and
+  the written graph follow the model's size, not the tensor sizes it declares;
 - :func:`data_propagation_is_bounded`: ONNX shape inference with data propagation represents every rank-1
   input of a data-propagating operator (``Add``, ``Mul``, ``Concat``, ...) with a static length N as N
   protobuf dimensions (about 140 bytes each), so ``Range(0, 1e12, 1)`` feeding a ``Mul`` grows the process by
@@ -37,6 +42,11 @@ MAX_MODEL_BYTES = 2**31 - 1
 MAX_RANK = 64
 #: The largest array revgraph makes up itself (random inputs of one run, one lifted constant): 2 GiB.
 MAX_MATERIALIZED_BYTES = 2**31
+#: The most elements a rule's constant whose size follows a tensor's (declared) size may have: 4096 (32 KiB of
+#: int64). Larger tables are computed in the graph at run time (:mod:`revgraph.autodiff.rules.tables`).
+#: Constants that follow the model's own data (a normalized copy of a constant index initializer) are not
+#: bounded by this: they are as large as the model already is.
+MAX_RULE_CONSTANT_ELEMENTS = 4096
 #: Operators whose ONNX data-propagation function reads the values of their inputs (onnx 1.23: the schemas
 #: with ``has_data_propagation_function``).
 DATA_PROPAGATING_OPS = frozenset(

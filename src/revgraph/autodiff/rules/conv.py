@@ -41,6 +41,7 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from .tables import filled
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 INT64_MIN = int(np.iinfo(np.int64).min)
@@ -106,9 +107,15 @@ def need_spatial(e: Emitter, node: Node, x: str, why: str) -> list[int]:
 
 def kernel_of(e: Emitter, node: Node, w: str | None, k: int) -> list[int]:
     """``kernel_shape``, or the spatial dimensions of the weight ``w``."""
-    if node.attrs.get("kernel_shape"):
-        return [int(a) for a in node.attrs["kernel_shape"]]
     dims = spatial(e, w) if w else None
+    if node.attrs.get("kernel_shape"):
+        kernel = [int(a) for a in node.attrs["kernel_shape"]]
+        if dims is not None and all(isinstance(d, int) for d in dims) and list(dims) != kernel:
+            # an invalid model (ONNX's shape inference does not compare them): refused, not built into a
+            # backward graph that shape inference then rejects
+            raise GraphError(f"{node.label()}: kernel_shape {kernel} disagrees with the spatial shape "
+                             f"{list(dims)} of the weight {w!r}; fix one of them")
+        return kernel
     if dims is None or len(dims) != k:
         raise GraphError(f"{node.label()}: the kernel shape is unknown (no kernel_shape attribute and the weight "
                          f"{w!r} has no static shape), and its VJP needs it")
@@ -173,11 +180,9 @@ def dims_part(e: Emitter, x: str, start: int, end: int | None = None) -> list[in
 
 
 def ones(e: Emitter, shape: list[int], like: str) -> str:
-    """A constant of ones with the dtype of ``like``."""
-    dt = e.dtype(like)
-    if dt is not None:
-        return e.const(np.ones(shape, dtype=dt))
-    return e.op("CastLike", [e.const(np.ones(shape, dtype=np.float32)), like])
+    """Ones of static ``shape`` with the dtype of ``like``: a constant when small, else a ``ConstantOfShape``
+    (a kernel of a 40000 x 40000 AveragePool: :mod:`.tables`)."""
+    return filled(e, shape, 1.0, like)
 
 
 def _axes(k: int) -> list[int]:

@@ -22,6 +22,7 @@ from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 from ..sparse import SparseGrad, add_rows, scatter_nd_reduce
+from .tables import small
 
 _INT64 = onnx.TensorProto.INT64
 
@@ -147,7 +148,7 @@ def _batch_coords(e: Emitter, node: Node, idx: str, b: int) -> str:
     """int64 ``c`` of shape ``idx.shape[:-1] + [b]`` with ``c[p0..p(q-2), j] = p_j``: the batch positions
     that GatherND's ``batch_dims`` leave implicit, made explicit for ScatterND (which has no batch_dims)."""
     s = e.shape(idx)
-    if s is not None:
+    if s is not None and small([*s[:-1], b]):  # else Range-based below (a table per element of idx)
         grid = np.indices(s[:-1], dtype=np.int64)[:b]
         return e.const(np.moveaxis(grid, 0, -1))
     q = e.need_rank(idx, node)
@@ -279,7 +280,7 @@ def tensor_scatter(ctx: Ctx, node: Node, cts: list) -> list:
     def dpast() -> str:
         mv, nv = e.value(m), e.value(n)
         if w is None:  # slots 0 .. n-1 are written
-            if mv is not None and nv is not None:
+            if mv is not None and nv is not None and small([int(mv)]):
                 shape = [1] * r
                 shape[axis] = int(mv)
                 kept = e.const((np.arange(int(mv)) >= int(nv)).reshape(shape))
@@ -312,6 +313,6 @@ def tensor_scatter(ctx: Ctx, node: Node, cts: list) -> list:
 def _ramp(e: Emitter, n: str) -> str:
     """int64 ``[0, 1, ..., n-1]`` for a 0-d int64 ``n`` (a constant when ``n`` is)."""
     v = e.value(n)
-    if v is not None:
+    if v is not None and small([int(v)]):
         return e.const(np.arange(int(v), dtype=np.int64))
     return e.op("Range", [e.const(np.int64(0)), n, e.const(np.int64(1))], shape=(None,), dtype=np.dtype(np.int64))

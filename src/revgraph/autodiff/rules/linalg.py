@@ -19,6 +19,8 @@ from ...ir import Node, onnx_dtype
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from .tables import eye as _eye_of
+from .tables import small
 
 ELLIPSIS = "..."
 
@@ -129,12 +131,12 @@ def _eye(e: Emitter, x: str, axis: int) -> str:
     s = e.shape(x)
     dt = e.dtype(x)
     if s is not None and dt is not None:
-        return e.const(np.eye(s[axis], dtype=dt))
+        return _eye_of(e, s[axis], x)  # a constant when small, EyeLike otherwise
     n = e.op("Gather", [e.shape_of(x), e.ints([axis])], axis=0)
     zeros = e.op("ConstantOfShape", [e.op("Concat", [n, n], axis=0)],
                  value=np.zeros(1, dtype=dt if dt is not None else np.float32))
-    eye = e.op("EyeLike", [zeros])
-    return eye if dt is not None else e.op("CastLike", [eye, x])
+    one = e.op("EyeLike", [zeros])
+    return one if dt is not None else e.op("CastLike", [one, x])
 
 
 def _fit(e: Emitter, t: str, x: str) -> str:
@@ -240,7 +242,7 @@ def _cofactors(e: Emitter, x: str, rank: int) -> str:
     dims, dt = e.dims(x), e.dtype(x)
     n = next((d for d in (dims[-1], dims[-2]) if isinstance(d, int)), None)
     i64 = np.int64
-    if n is not None:
+    if n is not None and small([n, n]):  # larger tables are computed by Range below (a [20000, 20000] Det)
         keep = e.const(np.array([[j + (j >= i) for j in range(n - 1)] for i in range(n)], dtype=i64).reshape(n, n - 1))
         signs = 1 - 2 * (np.add.outer(np.arange(n), np.arange(n)) % 2)
         sign = e.const(signs.astype(dt)) if dt is not None else e.op("CastLike", [e.const(signs.astype(np.float32)), x])

@@ -30,6 +30,7 @@ from ...ir import Node, ValueInfo
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from .tables import filled
 
 
 def _attr(node: Node, name: str, default: float) -> float:
@@ -152,7 +153,7 @@ def _fused_stats(e: Emitter, node: Node, s: Stats) -> None:
     dims = e.dims(z)
     if e.dtype(z) != np.float32 or dims is None or not all(isinstance(dims[a], int) for a in axes):
         return
-    ones = e.const(np.ones([dims[a] for a in axes], np.float32))
+    ones = filled(e, [dims[a] for a in axes], 1.0, dtype=np.float32)  # ConstantOfShape when large
     zh, _mean, inv = e.op("LayerNormalization", [z, ones], 3, axis=axes[0], epsilon=s.eps, stash_type=1)
     kept = tuple(1 if a in axes else d for a, d in enumerate(dims))
     for name, shape in ((zh, dims), (_mean, kept), (inv, kept)):
@@ -404,7 +405,7 @@ def _batch_norm_training_fused(e: Emitter, x: str, scale: str, gy: str, rank: in
     axes = e.ints([0, *range(2, rank)])
     dt, shape = e.dtype(x), tuple(e.dims(x))
     vec = {"shape": (c,), "dtype": dt}  # static types given, not inferred: this rule runs once per BN layer
-    zero, one = e.const(np.zeros(c, dt)), e.const(np.ones(c, dt))
+    zero, one = filled(e, [c], 0.0, dtype=dt), filled(e, [c], 1.0, dtype=dt)
     n = e.scalar(1.0 / float(np.prod([d for i, d in enumerate(shape) if i != 1])), x)
 
     @cache

@@ -34,6 +34,7 @@ from .conv import (
     spatial,
 )
 from .roi import _zeros
+from .tables import arange, small
 
 
 def pool_geometry(e: Emitter, node: Node, x: str) -> Geometry:
@@ -70,6 +71,46 @@ def window_table(dims: list[int], out: list[int], geo: Geometry) -> tuple[np.nda
     return table, not bool(inside.all())
 
 
+def _reads_padding(dims: list[int], out: list[int], geo: Geometry) -> bool:
+    """Whether some window of :func:`window_table` reads padding, from the extreme positions of each axis (its
+    positions ``o s + k d - pb`` run from ``-pb`` to ``(O-1) s + (K-1) d - pb``) without making the table."""
+    return any(pb > 0 or (o - 1) * s + (k - 1) * d - pb >= n
+               for n, o, k, s, d, pb in zip(dims, out, geo.kernel, geo.strides, geo.dilations, geo.pb, strict=True))
+
+
+def _axis_grid(e: Emitter, n_a: int, mul_a: int, n_b: int, mul_b: int, add: int, view: list[int]) -> str:
+    """int64 ``q[a, b] = a * mul_a + b * mul_b + add`` (``a < n_a``, ``b < n_b``), reshaped to ``view`` (1s
+    but at the two axes of ``a`` and ``b``): one axis of a run-time index table."""
+    i64 = np.int64
+    col = e.op("Unsqueeze", [e.op("Mul", [arange(e, n_a), e.const(i64(mul_a))]), e.ints([1])])
+    row = e.op("Unsqueeze", [e.op("Mul", [arange(e, n_b), e.const(i64(mul_b))]), e.ints([0])])
+    q = e.op("Add", [e.op("Add", [col, row]), e.const(i64(add))])
+    return e.op("Reshape", [q, e.ints(view)], shape=tuple(view), dtype=np.dtype(i64))
+
+
+def window_table_value(e: Emitter, dims: list[int], out: list[int], geo: Geometry) -> tuple[str, bool]:
+    """:func:`window_table` as a value: a constant when small (:mod:`.tables`), else computed at run time, one
+    :func:`_axis_grid` of positions per spatial axis (a MaxPool over a declared 30000 x 30000 input must not make
+    the build allocate its 3.6e9-entry table)."""
+    n_out, taps = int(np.prod(out)), int(np.prod(geo.kernel))
+    if small([n_out, taps]):
+        table, padded = window_table(dims, out, geo)
+        return e.const(table), padded
+    k, size = len(dims), int(np.prod(dims))
+    idx = inside = None
+    for i in range(k):
+        view = [1] * (2 * k)
+        view[i], view[k + i] = out[i], geo.kernel[i]
+        q = _axis_grid(e, out[i], geo.strides[i], geo.kernel[i], geo.dilations[i], -geo.pb[i], view)
+        term = e.op("Mul", [q, e.const(np.int64(np.prod(dims[i + 1:])))])
+        ok = e.op("And", [e.op("GreaterOrEqual", [q, e.const(np.int64(0))]), e.op("Less", [q, e.const(np.int64(dims[i]))])])
+        idx = term if idx is None else e.op("Add", [idx, term])
+        inside = ok if inside is None else e.op("And", [inside, ok])
+    table = e.op("Where", [inside, idx, e.const(np.int64(size))])
+    return e.op("Reshape", [table, e.ints([n_out, taps])], shape=(n_out, taps), dtype=np.dtype(np.int64)), \
+        _reads_padding(dims, out, geo)
+
+
 @unary("MaxPool")
 def max_pool(ctx: Ctx, node: Node, x: str, y: str, g: str | None) -> str | None:
     """ONNX "MaxPool": each window's cotangent goes to the element it took the maximum from; among tied
@@ -83,15 +124,19 @@ def max_pool(ctx: Ctx, node: Node, x: str, y: str, g: str | None) -> str | None:
     geo = pool_geometry(e, node, x)
     dims = need_spatial(e, node, x, "the MaxPool VJP (a constant window table)")
     out = geo.out(dims, _ceil(node))
-    table, padded = window_table(dims, out, geo)
-    size, taps = int(np.prod(dims)), table.shape[1]
+    table, padded = window_table_value(e, dims, out, geo)
+    size, n_out, taps = int(np.prod(dims)), int(np.prod(out)), int(np.prod(geo.kernel))
     flat = e.op("Reshape", [x, e.ints([0, 0, -1])])
     if padded:
         flat = e.op("Pad", [flat, e.ints([0, 0, 0, 0, 0, 1]), e.scalar(-np.inf, x)])
-    windows = e.op("Gather", [flat, e.const(table)], axis=2)
+    windows = e.op("Gather", [flat, table], axis=2)
     tap = e.op("ArgMax", [windows], axis=3, keepdims=0)
-    entry = e.op("Add", [tap, e.const(np.arange(table.shape[0]) * taps)])
-    source = e.op("Gather", [e.const(table.reshape(-1)), entry], axis=0)
+    if small([n_out, taps]):
+        entry = e.op("Add", [tap, e.const(np.arange(n_out) * taps)])
+        source = e.op("Gather", [e.const(e.value(table).reshape(-1)), entry], axis=0)
+    else:
+        entry = e.op("Add", [tap, e.op("Mul", [arange(e, n_out), e.const(np.int64(taps))])])
+        source = e.op("Gather", [e.op("Reshape", [table, e.ints([-1])]), entry], axis=0)
     lead = dims_part(e, x, 0, 2)
     total = _zeros(e, shape_cat(e, [lead, [size + padded]]), x)
     acc = e.op("ScatterElements", [total, source, e.op("Reshape", [g, e.ints([0, 0, -1])])], axis=2, reduction="add")
@@ -191,6 +236,31 @@ def inverse_table(dims: list[int], out: list[int], geo: Geometry) -> np.ndarray:
     return np.where(valid, entry, n_out * taps).reshape(int(np.prod(dims)), taps)
 
 
+def inverse_table_value(e: Emitter, dims: list[int], out: list[int], geo: Geometry) -> str:
+    """:func:`inverse_table` as a value: a constant when small, else computed at run time per axis (ONNX's
+    integer ``Div`` truncates where numpy's floors, but the two agree on the entries kept: multiples of the
+    stride, non-negative)."""
+    k, n_in, taps = len(dims), int(np.prod(dims)), int(np.prod(geo.kernel))
+    if small([n_in, taps]):
+        return e.const(inverse_table(dims, out, geo))
+    n_out = int(np.prod(out))
+    i64 = lambda v: e.const(np.int64(v))
+    entry = valid = None
+    for i in range(k):
+        view = [1] * (2 * k)
+        view[i], view[k + i] = dims[i], geo.kernel[i]
+        num = _axis_grid(e, dims[i], 1, geo.kernel[i], -geo.dilations[i], geo.pb[i], view)
+        o = e.op("Div", [num, i64(geo.strides[i])])
+        ok = e.op("And", [e.op("Equal", [e.op("Mod", [num, i64(geo.strides[i])]), i64(0)]),
+                          e.op("And", [e.op("GreaterOrEqual", [num, i64(0)]), e.op("Less", [o, i64(out[i])])])])
+        tap = _axis_grid(e, dims[i], 0, geo.kernel[i], int(np.prod(geo.kernel[i + 1:])), 0, view)
+        term = e.op("Add", [e.op("Mul", [o, i64(int(np.prod(out[i + 1:])) * taps)]), tap])
+        entry = term if entry is None else e.op("Add", [entry, term])
+        valid = ok if valid is None else e.op("And", [valid, ok])
+    table = e.op("Where", [valid, entry, i64(n_out * taps)])
+    return e.op("Reshape", [table, e.ints([n_in, taps])], shape=(n_in, taps), dtype=np.dtype(np.int64))
+
+
 def _lp_factor(e: Emitter, v: str, norm: str, p: int) -> str:
     """``d ||x||_p / d x_i = sign(x_i) (|x_i| / ||x||_p)^(p-1)`` for the elements ``v`` of windows whose norms are
     ``norm`` (broadcast): bounded by 1, and 0 where the norm is 0 (the subgradient 0 at 0, DESIGN.md section 5;
@@ -223,17 +293,17 @@ def lp_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     geo = pool_geometry(e, node, x)
     dims = need_spatial(e, node, x, "the LpPool VJP (constant window tables)")
     out = geo.out(dims, _ceil(node))
-    table, padded = window_table(dims, out, geo)
-    inverse = inverse_table(dims, out, geo)
+    table, padded = window_table_value(e, dims, out, geo)
+    inverse = inverse_table_value(e, dims, out, geo)
     flat = e.op("Reshape", [x, e.ints([0, 0, -1])])
     if padded:
         flat = e.op("Pad", [flat, e.ints([0, 0, 0, 0, 0, 1])])
-    windows = e.op("Gather", [flat, e.const(table)], axis=2)  # [N, C, O, K]
+    windows = e.op("Gather", [flat, table], axis=2)  # [N, C, O, K]
     norm = e.op("Reshape", [y, e.ints([0, 0, -1, 1])])
     d = _lp_factor(e, windows, norm, p)
     terms = ctx.times(e.op("Reshape", [g, e.ints([0, 0, -1, 1])]), d, reads=[x])
     lined = e.op("Pad", [e.op("Reshape", [terms, e.ints([0, 0, -1])]), e.ints([0, 0, 0, 0, 0, 1])])
-    back = e.op("ReduceSum", [e.op("Gather", [lined, e.const(inverse)], axis=2), e.ints([3])], keepdims=0)
+    back = e.op("ReduceSum", [e.op("Gather", [lined, inverse], axis=2), e.ints([3])], keepdims=0)
     return e.op("Reshape", [back, e.shape_of(x)], like=x)
 
 

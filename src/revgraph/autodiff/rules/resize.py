@@ -23,6 +23,7 @@ from ..emitter import Emitter
 from ..registry import vjp
 from .conv import shape_cat
 from .roi import _F64, _I64, Dim, _as1, _dim, _i64, _range
+from .tables import small
 
 
 def _source_coords(n_in: int, n_out: int, scale: float, mode: str, roi: tuple | None = None) -> np.ndarray:
@@ -76,6 +77,12 @@ def _aa_offsets(scale: float, mode: str) -> np.ndarray:
     / ``_cubic_coeffs_antialias``): the kernel stretched by ``1 / min(scale, 1)``."""
     start = math.floor(-(1 if mode == "linear" else 2) / min(scale, 1.0)) + 1
     return np.arange(start, 2 - start, dtype=np.float64)
+
+
+def _aa_count(scale: float, mode: str) -> int:
+    """The number of antialiasing taps, ``len(_aa_offsets(scale, mode))``, without making them (``1/scale`` of
+    them: a downscale by 1e-7 has 2e7)."""
+    return 2 - 2 * (math.floor(-(1 if mode == "linear" else 2) / min(scale, 1.0)) + 1)
 
 
 def resize_matrix(n_in: int, n_out: int, scale: float, attrs: dict, roi: tuple | None = None) -> np.ndarray:
@@ -311,7 +318,7 @@ def _resize_taps(e: Emitter, attrs: dict, ax: ResizeAxis, slope: bool = False) -
             dcoeffs = f("Mul", coeffs, 0.0)
     elif _antialiased(attrs):
         support = 1.0 if mode == "linear" else 2.0
-        if isinstance(ax.scale, str):
+        if isinstance(ax.scale, str) or not small([_aa_count(ax.scale, mode)]):
             shrink = f("Min", scale, 1.0)
             start = f("Add", e.op("Floor", [f("Div", -support, shrink)]), 1.0)
             count = e.op("Cast", [f("Sub", 2.0, f("Mul", 2.0, start))], to=_I64)
@@ -396,8 +403,10 @@ def _apply(e: Emitter, g: str, axis: int, m: str, r: int, like: str | None = Non
 
 def _interpolation_matrix(e: Emitter, attrs: dict, ax: ResizeAxis, x: str) -> str:
     """``A`` of the resized axis ``ax`` in ``x``'s dtype: a constant (:func:`resize_matrix`) when its sizes, scale
-    and roi are static, else nodes (:func:`resize_matrix_graph`)."""
-    if ax.static:
+    and roi are static and it is small (:mod:`.tables`), else nodes (:func:`resize_matrix_graph`): a 200-byte
+    model resizing by 1e7 must not make the build allocate (and the graph hold) a 2e7 x 2 matrix."""
+    taps = _aa_count(ax.scale, "cubic") if ax.static and _antialiased(attrs) and ax.scale > 0 else 4
+    if ax.static and small([ax.n_out, ax.n_in]) and small([ax.n_out, taps]):
         dt = e.dtype(x)
         a = resize_matrix(ax.n_in, ax.n_out, ax.scale, attrs, ax.roi)
         return e.const(a.astype(dt)) if dt is not None else e.op("CastLike", [e.const(a.astype(np.float32)), x])

@@ -25,6 +25,7 @@ from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import unary, vjp
 from .conv import shape_cat
+from .tables import arange, small
 
 # ------------------------------------------------------------------------------------------ small helpers
 
@@ -54,9 +55,9 @@ def _i64(e: Emitter, v: Dim) -> str:
 
 
 def _range(e: Emitter, n: Dim, dtype: type = np.int64) -> str:
-    """``[0, 1, .., n-1]`` (1-D, ``dtype``): a constant when ``n`` is static."""
+    """``[0, 1, .., n-1]`` (1-D, ``dtype``): a constant when ``n`` is static and small (:mod:`.tables`)."""
     if isinstance(n, (int, np.integer)):
-        return e.const(np.arange(int(n), dtype=dtype))
+        return arange(e, int(n), dtype)
     r = e.op("Range", [e.const(np.int64(0)), n, e.const(np.int64(1))])
     return r if dtype is np.int64 else e.op("Cast", [r], to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
 
@@ -121,7 +122,7 @@ def max_unpool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
         out = e.op("MaxUnpool", [probe, *rest], **node.attrs)
         return e.op("Cast", [e.op("Reshape", [out, e.ints([-1])])], to=_I64)
 
-    if isinstance(n, int) and n < _EXACT_F32:
+    if isinstance(n, int) and n < _EXACT_F32 and small([n]):
         src = e.op("Sub", [landed(e.const(np.arange(1, n + 1, dtype=np.float32))), e.const(np.int64(1))])
     else:
         j = _range(e, n)
@@ -159,9 +160,9 @@ def _roi_bins(e: Emitter, start: str, size: str, pooled: int, length: Dim) -> tu
     clipped to ``[0, length]``."""
     step = e.op("Div", [e.op("Cast", [size], to=_F32), e.const(np.float32(pooled))])
     step = e.op("Unsqueeze", [step, e.ints([1])])  # [R, 1]
-    ps = e.const(np.arange(pooled, dtype=np.float32))
+    ps = arange(e, pooled, np.float32)
     first = e.op("Cast", [e.op("Floor", [e.op("Mul", [ps, step])])], to=_I64)
-    end = e.op("Cast", [e.op("Ceil", [e.op("Mul", [e.const(np.arange(1, pooled + 1, dtype=np.float32)), step])])],
+    end = e.op("Cast", [e.op("Ceil", [e.op("Mul", [e.op("Add", [ps, e.const(np.float32(1))]), step])])],
                to=_I64)
     at = e.op("Unsqueeze", [start, e.ints([1])])
     zero, top = e.const(np.int64(0)), _i64(e, length)
@@ -332,7 +333,7 @@ def _align_axis(e: Emitter, lo: str, hi: str, length: Dim, pooled: int, half_pix
         per = e.op("Reshape", [e.op("Max", [grid_f, one]), e.ints([-1, 1, 1])])
     samples = _range(e, big)
     col = e.op("Unsqueeze", [step, e.ints([1, 2])])  # [R, 1, 1]
-    bins = e.op("CastLike", [e.const(np.arange(pooled, dtype=np.float64).reshape(1, -1, 1)), lo])
+    bins = e.op("CastLike", [arange(e, pooled, np.float64, shape=(1, -1, 1)), lo])
     half = e.op("Reshape", [e.op("Add", [e.op("CastLike", [samples, lo]), e.scalar(0.5, lo)]), e.ints([1, 1, -1])])
     # the kernel's order of operations: (start + p * bin) + ((i + .5) * bin) / grid
     at = e.op("Add", [e.op("Unsqueeze", [start, e.ints([1, 2])]), e.op("Mul", [bins, col])])  # [R, P, 1]

@@ -33,6 +33,7 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from .tables import small
 
 #: Keys' cubic convolution coefficient, as onnxruntime and PyTorch use it for GridSample.
 CUBIC_A = -0.75
@@ -310,10 +311,11 @@ def _base_coords(e: Emitter, size: str | int, like: str, align: bool) -> str:
     """The normalized coordinates ``[S, 1]`` of the S pixels along one axis, in ``like``'s dtype (ONNX
     "AffineGrid": ``-1 + 2 i / (S - 1)`` with ``align_corners=1`` (``-1`` for S = 1), ``-1 + (2 i + 1) / S``
     without)."""
-    if isinstance(size, int):
+    if isinstance(size, int) and small([size]):
         i = np.arange(size, dtype=np.float64)
         v = (-1 + 2 * i / (size - 1) if size > 1 else np.full(size, -1.0)) if align else -1 + (2 * i + 1) / size
         return e.const(v.reshape(size, 1).astype(e.dtype(like) or np.float32))
+    size = e.const(np.int64(size)) if isinstance(size, int) else size
     n = e.op("CastLike", [size, like])
     i = e.op("CastLike", [e.op("Range", [e.const(np.int64(0)), size, e.const(np.int64(1))]), like])
     one, two = e.scalar(1.0, like), e.scalar(2.0, like)

@@ -27,6 +27,7 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, vjp
+from .tables import small
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 INT64_MIN = int(np.iinfo(np.int64).min)
@@ -316,7 +317,7 @@ def _unslice(e: Emitter, node: Node, g: str) -> str:
             idx = slice_indices(dim, start, end, step)
             if len(idx) == 0:
                 return e.zeros_like(x)
-            sel = (min(idx), len(idx), abs(step), step < 0)
+            sel = (idx[-1] if step < 0 else idx[0], len(idx), abs(step), step < 0)  # (min() walks a range)
         else:
             sel = _dynamic_selection(e, dim, start, end, step)
         g = _unslice_axis(e, g, a, dim, *sel)
@@ -453,7 +454,10 @@ def _unpad_modes(e: Emitter, node: Node, g: str, x: str, pads: str, axes: str | 
     if pv is not None and av is not None and dims is not None:
         k = len(av)
         norm = [a + len(dims) if a < 0 else a for a in av]
-        if all(isinstance(dims[a], int) for a in norm):
+        # the run decomposition reads the index map of each padded axis, built here: only for short axes (a
+        # reflect Pad over 10^8 elements took a minute and 800 MB to build); longer ones scatter at run time
+        if all(isinstance(dims[a], int) for a in norm) and all(
+                small([dims[a] + max(b, 0) + max(after, 0)]) for a, b, after in zip(norm, pv[:k], pv[k:], strict=True)):
             for a, b, after in zip(norm, pv[:k], pv[k:], strict=True):
                 g = _unpad_axis(e, g, a, dims[a], b, after, mode)
             return _reshape_to(e, g, x)

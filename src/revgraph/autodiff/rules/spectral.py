@@ -38,6 +38,7 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from .tables import small
 
 
 def _opt(node: Node, i: int) -> str | None:
@@ -133,7 +134,7 @@ def _irfft_weights(e: Emitter, length: _Length, like: str, trailing: int) -> str
     """``c_k / L`` for the ``L//2 + 1`` bins of an IRFFT of length L (1 for bin 0 and, L even, bin L/2; 2
     otherwise), shaped ``[L//2 + 1, 1 * trailing]`` to broadcast along the transformed axis."""
     shape = [-1] + [1] * trailing
-    if length.static is not None:
+    if length.static is not None and small([length.static // 2 + 1]):
         n = length.static
         c = np.full(n // 2 + 1, 2.0)
         c[0] = 1.0
@@ -235,7 +236,7 @@ def stft(ctx: Ctx, node: Node, cts: list) -> list:
     def positions() -> str:  # int64 [F, length]: frame f reads samples f * step + t
         dims = e.dims(g)
         frames = dims[1] if dims is not None and isinstance(dims[1], int) else None
-        if frames is not None and frames * length <= 4096:
+        if frames is not None and small([frames, length]):
             pos = np.arange(frames)[:, None] * step + np.arange(length)[None, :]
             return e.const(pos.astype(np.int64))
         count = e.const(np.int64(frames)) if frames is not None else \
