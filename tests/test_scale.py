@@ -155,8 +155,13 @@ def test_check_of_a_long_chain_finishes_and_agrees(tmp_path):
 
 @pytest.mark.slow
 def test_check_of_a_200k_node_chain_finishes_and_agrees(tmp_path):
+    import resource
+
+    def limit():  # check held 6.4 GiB resident on this chain, most of it in onnxruntime's sessions
+        resource.setrlimit(resource.RLIMIT_AS, (10 << 30, 10 << 30))
+
     model = chain_model(200_000, tmp_path / "m.onnx")
     proc = subprocess.run([sys.executable, "-m", "revgraph", "check", str(model)], capture_output=True, text=True,
-                          timeout=3600, env=_env())
+                          timeout=3600, env=_env(), preexec_fn=limit)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "all 4 gradients agree" in proc.stdout
