@@ -277,7 +277,7 @@ def _session(graph: Graph, backend: str, notes: list[str]) -> Session:
                          "in float32")
             return Session(graph, backend="reference")
     try:
-        return Session(graph, backend=backend)
+        return Session(graph, backend=backend, session_options=_check_options() if backend == "onnxruntime" else None)
     except RevgraphError as exc:
         text = str(exc)
         if backend != "onnxruntime" or not ("NOT_IMPLEMENTED" in text or ("Type Error" in text and "double" in text)):
@@ -289,6 +289,21 @@ def _session(graph: Graph, backend: str, notes: list[str]) -> Session:
     what = f"a float64 {op}" if op else "the float64 graph"
     _note(notes, f"ran on the reference evaluator: onnxruntime does not run {what}")
     return Session(graph, backend="reference")
+
+
+def _check_options():
+    """Session options of the check's onnxruntime sessions: the basic graph optimisations only (constant folding,
+    redundant-node elimination), not the fusions of the default level. The check compares the rules' arithmetic
+    with finite differences in float64, which the float32-only fusions never touch; and those extended passes
+    grew faster than the graph (a 20,000-node chain's session took 10 s at the default level, 4 s at the basic
+    one), the most of ``check``'s time on long chains (docs/benchmarks.md, "Build memory")."""
+    import onnxruntime as ort
+
+    from .runtime_options import session_options
+
+    options = session_options()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return options
 
 
 def _note(notes: list[str], text: str) -> None:

@@ -71,11 +71,18 @@ def write_graph(gg: Graph, path: str, opset: int | None, what: str):
         except Exception as exc:
             raise RevgraphError(f"cannot write the {what} at opset {opset}: {converter_error(exc)}") from None
     if not too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
+        # The checker parses its own C++ copy of the model and infers every value's type: with the protobuf
+        # objects (ten times the serialized size) alive too, that was the build's peak (docs/benchmarks.md,
+        # "Build memory"). So only the serialized bytes stay alive during the check, parsed back afterwards.
+        data = model.SerializeToString()
+        del model
         try:
-            onnx.checker.check_model(model, full_check=True)
+            onnx.checker.check_model(data, full_check=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
             _refuse_inconsistent_model(exc, gg, what)
             raise
+        model = onnx.ModelProto.FromString(data)
+        del data
     save(model, path)
     return model
 
