@@ -365,18 +365,24 @@ def fuzz(count: int, seed: int, save: Path | None = None, start: int = 0) -> lis
     return failures
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def command_line(fuzz_fn, doc: str) -> None:
+    """The command line of a fuzz kit: ``--count N --seed S [--start K] [--save DIR] [--json FILE]``; runs
+    ``fuzz_fn(count, seed, save, start)``, prints the failures and exits 1 when there is one."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--count", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--save", type=Path)
     p.add_argument("--json", type=Path, help="write the failures here")
     a = p.parse_args()
-    found = fuzz(a.count, a.seed, a.save, a.start)
+    found = fuzz_fn(a.count, a.seed, a.save, a.start)
     if a.json:
         a.json.write_text(json.dumps(found, indent=1))
     for f in found:
         print(json.dumps(f)[:600])
     print(f"{len(found)} of {a.count} mutants failed")
     sys.exit(1 if found else 0)
+
+
+if __name__ == "__main__":
+    command_line(fuzz, __doc__)

@@ -16,7 +16,6 @@ hang.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from fuzzkit import MEMORY_LIMIT, TIMEOUT, mutate_bytes  # (tests/ is on sys.path)
+from fuzzkit import MEMORY_LIMIT, TIMEOUT, command_line, mutate_bytes  # (tests/ is on sys.path)
 from onnx import TensorProto, helper, numpy_helper
 
 from revgraph.cli import main  # imported once here: each forked child starts with it loaded
@@ -343,17 +342,4 @@ def fuzz_snapshots(count: int, seed: int, save: Path | None = None, start: int =
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--count", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--save", type=Path)
-    p.add_argument("--json", type=Path, help="write the failures here")
-    a = p.parse_args()
-    found = fuzz_snapshots(a.count, a.seed, a.save, a.start)
-    if a.json:
-        a.json.write_text(json.dumps(found, indent=1))
-    for f in found:
-        print(json.dumps(f)[:600])
-    print(f"{len(found)} of {a.count} mutants failed")
-    sys.exit(1 if found else 0)
+    command_line(fuzz_snapshots, __doc__)

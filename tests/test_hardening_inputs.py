@@ -10,14 +10,12 @@ section 2 catalogue of bad inputs is in tests/test_bad_input.py.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tempfile
 
 import ml_dtypes
 import numpy as np
 import onnx
 import pytest
+from harness import cli_under_limit
 from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg
@@ -31,38 +29,10 @@ ADDRESS_SPACE = 2 << 30
 PEAK_MB = 400
 
 
-#: Runs ``python -m revgraph`` under an address-space limit and writes its peak resident memory (``VmHWM``: the
-#: high-water mark of this process image only; ``ru_maxrss`` would include the pytest process it was forked
-#: from, which may hold gigabytes after other tests) to the file named by ``REVGRAPH_TEST_PEAK``.
-RUNNER = """
-import atexit, os, resource, runpy, sys
-limit = int(os.environ["REVGRAPH_TEST_AS"])
-resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-def peak():
-    with open("/proc/self/status") as f:
-        kb = next(line.split()[1] for line in f if line.startswith("VmHWM"))
-    with open(os.environ["REVGRAPH_TEST_PEAK"], "w") as f:
-        f.write(kb)
-atexit.register(peak)
-sys.argv[0] = "revgraph"
-runpy.run_module("revgraph", run_name="__main__", alter_sys=True)
-"""
-
-
 def revgraph_cli(*args, timeout: float = 180) -> tuple[int, int, str, str]:
     """Run ``python -m revgraph ARGS`` in a fresh process under an address-space limit of :data:`ADDRESS_SPACE`;
-    return its exit code, its peak resident memory in MB, its stdout and stderr."""
-    with tempfile.TemporaryDirectory() as tmp:
-        peak_file = os.path.join(tmp, "peak")
-        env = {**os.environ, "REVGRAPH_TEST_AS": str(ADDRESS_SPACE), "REVGRAPH_TEST_PEAK": peak_file}
-        try:
-            proc = subprocess.run([sys.executable, "-c", RUNNER, *map(str, args)], capture_output=True, text=True,
-                                  errors="replace", env=env, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"revgraph {args[0]} did not finish within {timeout} s") from None
-        with open(peak_file) as f:
-            peak_mb = int(f.read()) // 1024
-    return proc.returncode, peak_mb, proc.stdout, proc.stderr
+    return its exit code, its peak resident memory in MB, its stdout and stderr (harness.cli_under_limit)."""
+    return cli_under_limit(*args, address_space=ADDRESS_SPACE, timeout=timeout)
 
 
 def one_error_line(err: str, *needles: str) -> None:
