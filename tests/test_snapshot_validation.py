@@ -337,6 +337,7 @@ DAMAGE = {
                                  "the step counter 'step' is 4 for 5 losses"),
     "losses missing": (_drop("losses"), "field 'losses' is missing"),
     "hyperparameters a list": (_set("hyperparameters", []), "field 'hyperparameters' is [], not an object"),
+    "hyperparameters null": (_set("hyperparameters", None), "field 'hyperparameters' is None, not an object"),
     "hyperparameters unknown": (_hp("learning_rate", 0.1), "field 'hyperparameters.learning_rate' is not a recorded"),
     "hyperparameters lr text": (_hp("lr", "0.001"), "field 'hyperparameters.lr' is '0.001', not of its type"),
     "hyperparameters betas number": (_hp("betas", 0.9), "field 'hyperparameters.betas'"),

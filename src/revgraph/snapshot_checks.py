@@ -272,7 +272,7 @@ def check_meta(meta: dict, where: str, run: dict, names: list[str], optimizer: s
         if not ok(meta[k]):
             raise _bad(where, f"field {k!r}", f"is {_short(meta[k])}, not {what}")
     hp = meta.get("hyperparameters")
-    if hp is not None:
+    if "hyperparameters" in meta:  # (absent in snapshots older than the record; present, it must be one)
         if not isinstance(hp, dict):
             raise _bad(where, "field 'hyperparameters'", f"is {_short(hp)}, not an object")
         for k, v in hp.items():
