@@ -277,3 +277,21 @@ def test_npy_files_declaring_more_than_they_hold(tmp_path, option):
     code, peak, _, err = cli_under_limit(*_train(m, *args, "-o", tmp_path / "t.onnx"), address_space=ADDRESS_SPACE)
     one_line_error(code, err, "declares float32[268435456, 3] (3,221,225,472 bytes) but holds 12 bytes of data")
     assert 0 < peak < PEAK_MB and not (tmp_path / "t.onnx").exists()
+
+
+@pytest.mark.parametrize("option", ["--data", "--test-data"])
+def test_data_members_must_agree_on_the_samples_before_any_is_read(tmp_path, option, monkeypatch):
+    """A ``labels`` member declaring 2^20 rows beside an ``x`` of 4, under the 2 GiB member limit (a 4.7 MB
+    archive declaring 1 GiB of labels was decompressed, then cast to int64 past the memory limit: exit 3): the
+    headers disagree on the number of samples, refused before any member is decompressed."""
+    m = model(tmp_path / "m.onnx")
+    np.savez(tmp_path / "ok.npz", x=X, labels=LABELS)
+    np.savez_compressed(tmp_path / "d.npz", x=X, labels=np.zeros((1 << 20, 2), np.float32))
+    read = []
+    real = archive._read_member
+    monkeypatch.setattr(archive, "_read_member", lambda *a: read.append(a[2]) or real(*a))
+    data = ["--data", str(tmp_path / "d.npz")] if option == "--data" else \
+        ["--data", str(tmp_path / "ok.npz"), "--test-data", str(tmp_path / "d.npz")]
+    code = main(list(map(str, _train(m, *data, "-o", tmp_path / "t.onnx"))))
+    assert code == 2 and not (tmp_path / "t.onnx").exists()
+    assert read.count("labels") == (1 if option == "--test-data" else 0)  # (ok.npz's own labels only)

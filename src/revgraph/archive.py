@@ -37,7 +37,7 @@ _MAX_HEADER = 10000
 
 
 def read_archive(path: str | os.PathLike, wanted: Mapping[str, object] | None = None, *,
-                 what: str = ".npz file", unknown: str | None = None) -> dict[str, np.ndarray]:
+                 what: str = ".npz file", unknown: str | None = None, samples: bool = False) -> dict[str, np.ndarray]:
     """The arrays of the ``.npz`` file ``path`` by member name (``.npy`` stripped), checked as the module doc
     says before each is decompressed.
 
@@ -46,7 +46,10 @@ def read_archive(path: str | os.PathLike, wanted: Mapping[str, object] | None = 
     attribute such as a :class:`~revgraph.ir.ValueInfo`); members not in it are not read. ``None``: every
     member is read (each bounded by :data:`MAX_MEMBER_BYTES`). ``unknown``: when given, a member not in
     ``wanted`` is refused (without reading it) with this text after the member's name, e.g.
-    ``"the model has no such input"``. Raises :class:`InputError` (one line)."""
+    ``"the model has no such input"``. ``samples``: the members are training data, one row per sample, so
+    the headers of all the members read must agree on their first axis before any is decompressed (a member
+    declaring 2^28 labels beside 10 samples is refused, not decompressed). Raises :class:`InputError` (one
+    line)."""
     label = repr(os.fspath(path))
     try:
         fd = open_regular_file(path, what)
@@ -67,8 +70,27 @@ def read_archive(path: str | os.PathLike, wanted: Mapping[str, object] | None = 
                 if extra:
                     raise InputError(f"{label}: member(s) {', '.join(map(repr, extra))}: {unknown}")
             keys = list(members) if wanted is None else [k for k in members if k in wanted]
+            if samples:
+                _same_samples(zf, {k: members[k] for k in keys}, label)
             return {k: _read_member(zf, members[k], k, None if wanted is None else _shape_of(wanted[k]), label)
                     for k in keys}
+
+
+def _same_samples(zf: zipfile.ZipFile, members: Mapping[str, zipfile.ZipInfo], label: str) -> None:
+    """Refuse data members whose headers disagree on the number of samples (their first axis), from the headers
+    alone."""
+    rows = {}
+    for k, info in members.items():
+        shape = member_header(zf, info, label, k)[0]
+        if not shape:
+            raise InputError(f"{label}: member {k!r} is a scalar; data members hold one row per sample")
+        rows[k] = shape[0]
+    first = next(iter(rows.items()), None)
+    other = next(((k, n) for k, n in rows.items() if n != first[1]), None) if first else None
+    if other is not None:
+        (a, n), (b, m) = other, first
+        raise InputError(f"{label}: member {a!r} declares {n:,} samples but {b!r} {m:,}; every member holds one row "
+                         "per sample (checked before reading)")
 
 
 def _key(filename: str) -> str:

@@ -76,12 +76,12 @@ out = LiteralConsole(file=stdout, highlight=False,
 err = LiteralConsole(stderr=True, highlight=False)
 
 
-def read_npz(path: str, wanted=None, unknown: str | None = None) -> dict[str, np.ndarray]:
+def read_npz(path: str, wanted=None, unknown: str | None = None, samples: bool = False) -> dict[str, np.ndarray]:
     """The arrays of an ``.npz`` file by key; only the members in ``wanted`` (name -> the shape the model
     declares, see :func:`revgraph.archive.read_archive`; ``None``: all), each checked against that shape and
     the archive limits before it is decompressed. :class:`InputError` if the file is missing, not a regular file
     (a FIFO would block, a device would be read forever), not an npz file, or a member is refused."""
-    return read_archive(path, wanted, unknown=unknown)
+    return read_archive(path, wanted, unknown=unknown, samples=samples)
 
 
 def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:

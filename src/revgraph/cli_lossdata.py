@@ -79,7 +79,7 @@ def read_data(path: str | None, option: str = "--data", graph=None) -> dict:
             return read_dir(path)
         except InputError as exc:
             raise InputError(str(exc).replace("--data", option, 1)) from None
-    return read_npz(path, None if graph is None else data_members(graph))
+    return read_npz(path, None if graph is None else data_members(graph), samples=True)
 
 
 def data_members(graph) -> dict:
