@@ -4,10 +4,9 @@ warnings as lines, the checked atomic write and the summary's counts."""
 
 from __future__ import annotations
 
-import os
 
 from .autodiff.policies import NAMED as _NAMED_POLICIES
-from .atomic import atomic_path
+from .atomic import atomic_path, output_target
 from .cli_io import err
 from .errors import RevgraphError
 from .external_data import too_large
@@ -85,25 +84,17 @@ def write_graph(gg: Graph, path: str, opset: int | None, what: str):
     # objects are ten times their size), parsed back afterwards.
     data = model.SerializeToString()
     del model
-    with atomic_path(path) as tmp:
-        if not _is_temporary(tmp):
-            # a FIFO or a character device, written directly: checked from the bytes, before it is written
-            _full_check(data, gg, what)
-            with open(tmp, "wb") as f:
-                f.write(data)
-        else:
-            with open(tmp, "wb") as f:
-                f.write(data)
+    direct = output_target(path).kind in ("fifo", "device")
+    if direct:  # written directly, nothing to check before it is seen: checked from the bytes first
+        _full_check(data, gg, what)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        if not direct:
+            f.flush()
             _full_check(tmp, gg, what)
     model = onnx.ModelProto.FromString(data)
     del data
     return model
-
-
-def _is_temporary(path: str) -> bool:
-    """Is ``path`` one of :func:`revgraph.atomic.atomic_path`'s temporary files (not a FIFO or device it
-    yields to write directly)?"""
-    return os.path.basename(path).startswith(".revgraph-") and os.path.isfile(path)
 
 
 def _full_check(model, gg: Graph, what: str) -> None:
