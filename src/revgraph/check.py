@@ -292,17 +292,18 @@ def _session(graph: Graph, backend: str, notes: list[str]) -> Session:
 
 
 def _check_options():
-    """Session options of the check's onnxruntime sessions: the basic graph optimisations only (constant folding,
-    redundant-node elimination), not the fusions of the default level. The check compares the rules' arithmetic
-    with finite differences in float64, which the float32-only fusions never touch; and those extended passes
-    grew faster than the graph (a 20,000-node chain's session took 10 s at the default level, 4 s at the basic
-    one), the most of ``check``'s time on long chains (docs/benchmarks.md, "Build memory")."""
+    """Session options of the check's onnxruntime sessions: no graph optimisations (``ORT_DISABLE_ALL``). The
+    check compares the rules' arithmetic with finite differences in float64; optimisations would only fold
+    constants and fuse float32 patterns, and their passes grew faster than the graph: a 20,000-node chain's
+    session took 10 s at the default level and 4 s at the basic one, and a 200,000-node chain's did not finish
+    in 40 minutes at the basic level, while without them the sessions' time is linear in the graph
+    (docs/benchmarks.md, "Build memory")."""
     import onnxruntime as ort
 
     from .runtime_options import session_options
 
     options = session_options()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return options
 
 

@@ -4,7 +4,9 @@ warnings as lines, the checked atomic write and the summary's counts."""
 
 from __future__ import annotations
 
+
 from .autodiff.policies import NAMED as _NAMED_POLICIES
+from .atomic import atomic_path, output_target
 from .cli_io import err
 from .errors import RevgraphError
 from .external_data import too_large
@@ -70,21 +72,41 @@ def write_graph(gg: Graph, path: str, opset: int | None, what: str):
             model = onnx.version_converter.convert_version(model, opset)
         except Exception as exc:
             raise RevgraphError(f"cannot write the {what} at opset {opset}: {converter_error(exc)}") from None
-    if not too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
-        # The checker parses its own C++ copy of the model and infers every value's type: with the protobuf
-        # objects (ten times the serialized size) alive too, that was the build's peak (docs/benchmarks.md,
-        # "Build memory"). So only the serialized bytes stay alive during the check, parsed back afterwards.
-        data = model.SerializeToString()
-        del model
-        try:
-            onnx.checker.check_model(data, full_check=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-            _refuse_inconsistent_model(exc, gg, what)
-            raise
-        model = onnx.ModelProto.FromString(data)
-        del data
-    save(model, path)
+    if too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
+        save(model, path)
+        return model
+    # ONNX's check with strict shape inference parses its own C++ copy of the model and infers every value's
+    # type. Given the serialized bytes, onnx 1.23 infers on a second copy (``check_model(bytes)`` copies the
+    # parsed model before ``InferShapes``); given a file, it infers in place: half the check's memory, about
+    # 4 KB per forward node of a long chain (docs/benchmarks.md, "Build memory"). So the bytes are written to
+    # the temporary file first and the file is checked before it replaces OUT: the same full check, and a
+    # model that fails it is never written. Only the serialized bytes stay alive meanwhile (the protobuf
+    # objects are ten times their size), parsed back afterwards.
+    data = model.SerializeToString()
+    del model
+    direct = output_target(path).kind in ("fifo", "device")
+    if direct:  # written directly, nothing to check before it is seen: checked from the bytes first
+        _full_check(data, gg, what)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        if not direct:
+            f.flush()
+            _full_check(tmp, gg, what)
+    model = onnx.ModelProto.FromString(data)
+    del data
     return model
+
+
+def _full_check(model, gg: Graph, what: str) -> None:
+    """``onnx.checker.check_model(model, full_check=True)`` of the written graph (bytes or a file's path); a
+    failure at one of the model's own nodes is bad input (:func:`_refuse_inconsistent_model`), others re-raised."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        _refuse_inconsistent_model(exc, gg, what)
+        raise
 
 
 def _refuse_inconsistent_model(exc: Exception, gg: Graph, what: str) -> None:
