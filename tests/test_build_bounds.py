@@ -159,10 +159,7 @@ def _inflated(model: onnx.ModelProto) -> onnx.ModelProto | None:
 
 
 #: operators left out of the sweep, with why: a fault that is not a size bound, at every size (to fix apart)
-UNRELATED_FAULTS = {
-    "SplitToSequence": "grad of test_split_to_sequence_1 (a scalar split) exits 3 at its own tiny size too: "
-                       "ONNX shape inference refuses the rule's Shape of a sequence (hoist/seq/Shape)",
-}
+UNRELATED_FAULTS: dict[str, str] = {}
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from ..errors import GraphError, InternalError
 from ..ir import Graph, Node, ValueInfo, require_graph
 from ..ssa import captured_names, is_ssa
 from ..types import differentiable, infer_types
-from .accumulate import Accumulator, Grad, SeqGrad, sequence_types
+from .accumulate import Accumulator, Grad, SeqGrad, sequence_types, zeros_sequence
 from .arguments import (
     default_wrt,
     known_names,
@@ -149,7 +149,10 @@ def backward(
     for y, seed in ys.items():
         if seed is None:
             with e.scope(f"seed/{y}"):
-                seed = e.ones_like(y)
+                # a sequence loss is the sum of its elements' sums: its seed is a sequence of ones (an ONNX
+                # Shape of a sequence is not defined)
+                vi = types.get(y)
+                seed = zeros_sequence(e, y, 1.0) if vi is not None and vi.kind == "sequence" else e.ones_like(y)
         acc.add(y, seed)
 
     reach = set(wrt)
