@@ -24,6 +24,7 @@ from ..errors import GraphError, InternalError
 from ..ir import Graph, Node, ValueInfo, require_graph
 from ..ssa import captured_names, is_ssa
 from ..types import differentiable, infer_types
+from .node_checks import check_nodes
 from .accumulate import Accumulator, Grad, SeqGrad, sequence_types, zeros_sequence
 from .arguments import (
     default_wrt,
@@ -135,6 +136,7 @@ def backward(
     options = options or Options()
     lower_to_loops(graph, types, e.used)
     e.learn_constants(graph)
+    check_nodes(graph, types, e.values)  # inconsistent constants and shapes: one line, before any rule builds
     sequence_types(graph.nodes, types, e.values, graph.opset)
     _type_seeds(graph, ys, types)
     acc = Accumulator(e, accumulate)
