@@ -186,17 +186,17 @@ def _elem(e: Emitter, seq: str) -> ValueInfo:
     return ValueInfo("", vi.dtype if vi else None, vi.shape if vi else None)
 
 
-def zeros_sequence(e: Emitter, like: str) -> str:
-    """Zeros of the structure of the sequence ``like`` (its length, each element's shape): a loop over its
-    elements (:func:`map_sequences`) whose body is ``ConstantOfShape(Shape(x))``."""
+def zeros_sequence(e: Emitter, like: str, fill: float = 0.0) -> str:
+    """Zeros (or ``fill``) of the structure of the sequence ``like`` (its length, each element's shape): a loop
+    over its elements (:func:`map_sequences`) whose body is ``ConstantOfShape(Shape(x))``."""
     el = _elem(e, like)
     dt = el.dtype if el.dtype is not None else np.dtype(np.float32)
 
     def build(eb: Emitter, xs: list[str]) -> list[str]:
         shape = eb.op("Shape", [xs[0]], dtype=I64, shape=(None if el.shape is None else len(el.shape),))
-        return [eb.op("ConstantOfShape", [shape], value=np.zeros(1, dt), dtype=dt, shape=el.shape)]
+        return [eb.op("ConstantOfShape", [shape], value=np.full(1, fill, dt), dtype=dt, shape=el.shape)]
 
-    return map_sequences(e, [like], build, [el], "zeros")[0]
+    return map_sequences(e, [like], build, [el], "zeros" if fill == 0 else "ones")[0]
 
 
 def add_sequences(e: Emitter, parts: list[str]) -> str:

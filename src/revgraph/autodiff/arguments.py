@@ -120,6 +120,10 @@ def _floating_names(graph: Graph, names: list[str], types: dict[str, ValueInfo],
         if name not in known:
             raise RevgraphError(f"no value named {name!r} {role}{suggest(name, known)}")
         vi = types.get(name)
+        if vi is not None and vi.kind == "sequence" and vi.dtype is not None and vi.dtype.kind == "f":
+            # floating point, but not a tensor: forward mode and the gradients' outputs take tensors only
+            raise RevgraphError(f"{name!r} is {vi.describe()}, a sequence: only tensors can be named {role}; "
+                                "name a tensor read from it (SequenceAt, ConcatFromSequence) or computed into it")
         if vi is not None and vi.dtype is not None and not vi.is_float:
             raise RevgraphError(not_float.format(name=name, type=vi.describe()))
     return names

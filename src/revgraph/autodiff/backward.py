@@ -24,7 +24,8 @@ from ..errors import GraphError, InternalError
 from ..ir import Graph, Node, ValueInfo, require_graph
 from ..ssa import captured_names, is_ssa
 from ..types import differentiable, infer_types
-from .accumulate import Accumulator, Grad, SeqGrad, sequence_types
+from .node_checks import check_nodes
+from .accumulate import Accumulator, Grad, SeqGrad, sequence_types, zeros_sequence
 from .arguments import (
     default_wrt,
     known_names,
@@ -135,6 +136,7 @@ def backward(
     options = options or Options()
     lower_to_loops(graph, types, e.used)
     e.learn_constants(graph)
+    check_nodes(graph, types, e.values)  # inconsistent constants and shapes: one line, before any rule builds
     sequence_types(graph.nodes, types, e.values, graph.opset)
     _type_seeds(graph, ys, types)
     acc = Accumulator(e, accumulate)
@@ -149,7 +151,10 @@ def backward(
     for y, seed in ys.items():
         if seed is None:
             with e.scope(f"seed/{y}"):
-                seed = e.ones_like(y)
+                # a sequence loss is the sum of its elements' sums: its seed is a sequence of ones (an ONNX
+                # Shape of a sequence is not defined)
+                vi = types.get(y)
+                seed = zeros_sequence(e, y, 1.0) if vi is not None and vi.kind == "sequence" else e.ones_like(y)
         acc.add(y, seed)
 
     reach = set(wrt)

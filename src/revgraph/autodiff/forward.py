@@ -32,7 +32,8 @@ from collections.abc import Iterable
 from .. import validate as V
 from ..ir import Graph, Node, ValueInfo, fresh_name, require_graph
 from ..ssa import captured_names, is_ssa, to_ssa
-from ..types import differentiable, infer_types, keep_types
+from ..types import constant_values, differentiable, infer_types, keep_types
+from .node_checks import check_nodes
 from .accumulate import densify, zeros_like
 from .arguments import resolve_outputs, resolve_wrt, used_names
 from .backward import backward
@@ -70,6 +71,7 @@ def jvp(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterab
     used = used_names(g)
     lower_to_loops(g, None, used)
     types = infer_types(g)
+    check_nodes(g, types, constant_values(g, types))  # before the tangents' graph is built (backward checks again)
     outputs = resolve_outputs(g, outputs, types)
     inputs = resolve_wrt(g, inputs, types)
     e = Emitter(types, used, g.opset, prefix="jvp")
