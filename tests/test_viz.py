@@ -250,14 +250,15 @@ def test_names_with_quotes_and_backslashes_are_escaped():
 def test_control_characters_in_names_are_escaped_in_the_dot_file():
     """A NUL (and ESC, a carriage return, a bidirectional override) in a name was written raw into ``show``'s DOT
     file: it is written as the visible escape the terminal shows, so the file holds no control character and
-    graphviz draws ``a\\x00b``; a name's own backslash is doubled, so ``a\\nb`` and ``a<newline>b`` differ."""
+    graphviz draws ``a\\x00b``; a name's own backslash is doubled, so ``a\\nb`` and ``a<newline>b`` differ, and a
+    newline in a name is drawn as the visible ``\\n``, never as a line break of the label (DOT's ``\\n``)."""
     names = ["a\x00b", "e\x1b[2Jc\r\u202e", "n\\nb", "n\nb"]
     g = graph([n("Neg", [names[0]], names[1], name="neg\x00"), n("Neg", [names[1]], names[2]),
                n("Neg", [names[2]], names[3]), n("ReduceSum", [names[3]], "loss", keepdims=0)],
               {names[0]: (2,)}, ["loss"])
     text = viz.to_dot(g)
     assert not [c for c in text if not c.isprintable() and c != "\n"], "a control character reached the DOT file"
-    for shown in ("a\\\\x00b", "e\\\\x1b[2Jc\\\\r\\\\u202e", "n\\\\\\\\nb", "n\\nb", "neg\\\\x00"):
+    for shown in ("a\\\\x00b", "e\\\\x1b[2Jc\\\\r\\\\u202e", '"n\\\\\\\\nb"', '"n\\\\nb"', "neg\\\\x00"):
         assert shown in text, (shown, text)
     dot = viz.find_dot() if shutil.which("dot") else None
     if dot:  # graphviz reads the file (where installed: the file's text is checked above either way)

@@ -130,15 +130,14 @@ class _Edge:
 
 
 def _q(text: object) -> str:
-    """A DOT double-quoted string. A newline is DOT's line break (labels are built with them); every other
-    character that is not printable (a NUL, ESC, a carriage return, a bidirectional override: names are untrusted)
-    is written as its visible escape, ``\\x00`` as the terminal shows it (:func:`revgraph.text.literal`), and
-    backslashes are doubled, so that graphviz reads no escape (``\\N``, ``\\l``) of its own in a name and a NUL
-    never reaches the file (dot stops reading a string at one)."""
-    s = "".join(ch if ch.isprintable() and ch not in '\\"' else
-                "\\n" if ch == "\n" else '\\"' if ch == '"' else literal(ch).replace("\\", "\\\\")
-                for ch in str(text))
-    return f'"{s}"'
+    """A DOT double-quoted string. ``text`` is one line (a str) or several (a tuple of lines, joined by DOT's
+    line break). Within a line every character is drawn as the terminal shows it (:func:`revgraph.text.literal`):
+    a newline in a name is the visible ``\\n``, not a break, a NUL, ESC or bidirectional override its escape,
+    and a backslash is doubled as on the terminal; the backslashes are then escaped for DOT, so that graphviz
+    reads no escape (``\\N``, ``\\l``) of its own in a name and a NUL never reaches the file (dot stops reading
+    a string at one)."""
+    lines = text if isinstance(text, tuple) else (text,)
+    return '"' + "\\n".join(literal(line).replace("\\", "\\\\").replace('"', '\\"') for line in lines) + '"'
 
 
 def _attrs(attrs: dict[str, str]) -> str:
@@ -182,7 +181,7 @@ class _Writer:
     def value_node(self, depth: int, kind: str, name: str, extra_label: str = "") -> str:
         vid = self.fresh("v")
         attrs = dict(_VALUE_STYLES[kind])
-        label = shorten(name, self.opts.name_width) + (f"\n{extra_label}" if extra_label else "")
+        label = (shorten(name, self.opts.name_width), *((extra_label,) if extra_label else ()))  # (lines: _q)
         attrs.update(label=label, tooltip=f"{kind.replace('_', ' ')} {name}")
         self.emit(depth, f"{vid} {_attrs(attrs)}")
         return vid
@@ -250,16 +249,16 @@ class _Writer:
             attrs = dict(STYLES[kind])
             title = node.op_type if not node.domain else f"{node.domain}:{node.op_type}"
             shown = _op_label_name(node)
-            label = title + (f"\n{shorten(shown, self.opts.name_width)}" if shown else "")
+            label = (title, *((shorten(shown, self.opts.name_width),) if shown else ()))  # (lines: _q)
             folded = {i: _lookup(chain, i, ("", ""))[1] for i in dict.fromkeys(node.inputs) if i}
             folded = {i: k for i, k in folded.items() if k in _FOLDED}
             counts = Counter(folded.values())
             if counts:
-                label += "\n" + ", ".join(f"+{c} {_FOLDED[k]}{'s' if c > 1 else ''}" for k, c in sorted(counts.items()))
-            tooltip = f"{node.name or '(unnamed)'} ({title})\nin: {', '.join(i or '-' for i in node.inputs)}\n" \
-                      f"out: {', '.join(o or '-' for o in node.outputs)}"
+                label += (", ".join(f"+{c} {_FOLDED[k]}{'s' if c > 1 else ''}" for k, c in sorted(counts.items())),)
+            tooltip = (f"{node.name or '(unnamed)'} ({title})", f"in: {', '.join(i or '-' for i in node.inputs)}",
+                       f"out: {', '.join(o or '-' for o in node.outputs)}")
             if folded:
-                tooltip += f"\nnot drawn: {', '.join(folded)}"
+                tooltip += (f"not drawn: {', '.join(folded)}",)
             attrs.update(label=label, tooltip=tooltip)
             if node.op_type == "Constant" and not subs:
                 attrs.update(fontsize="8", height="0.2", margin="0.04,0.02")
