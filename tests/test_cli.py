@@ -145,10 +145,27 @@ def test_info_and_run_print_brackets_in_paths_and_names_verbatim(tmp_path, capsy
 def test_run_with_random_inputs_prints_the_note_and_a_summary(backend, capsys):
     assert main(["run", str(SEQ_MODEL), "--backend", backend, "--seed", "3"]) == 0
     captured = capsys.readouterr()
-    assert "note: no --inputs given; using random inputs (seed 3)" in captured.err
+    assert "note: no --inputs given; used random inputs (seed 3)" in captured.err
     for name, shape in (("X", "[2, 3, 4]"), ("Y", "[1, 3, 4]"), ("Z", "[3, 3, 4]")):
         assert f"{name} float32{shape}" in captured.err
     assert re.search(r"^\s*out\s.*float32.*\[1, 3, 4\]", captured.out, re.M), captured.out
+
+
+def test_run_that_fails_on_random_inputs_is_one_line(tmp_path, capsys):
+    """A run refused on the random inputs it made up printed the note naming them and then the error: two lines.
+    The refusal alone is printed, saying the inputs were random (issue 28: one line on bad input)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.ones((0, 2), np.float32), "T")  # (no row: every index out of range)
+    g = helper.make_graph([helper.make_node("Gather", ["T", "i"], ["y"], name="g")], "g",
+                          [helper.make_tensor_value_info("i", TensorProto.INT64, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])], [table])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    onnx.save(m, tmp_path / "m.onnx")
+    code = main(["run", str(tmp_path / "m.onnx"), "--seed", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "on random inputs, seed 0: give --inputs" in err, err
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "reference"])

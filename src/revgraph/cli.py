@@ -306,12 +306,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     session = Session(g, backend=args.backend, device=args.device,  # a bad device fails before the note below
                       runtime=runtime_from_args(args))
     if args.inputs is not None:  # "" is a path too, and not "no --inputs"
-        feeds = read_feeds(args.inputs, g)
+        results = session.run(read_feeds(args.inputs, g))
     else:
         feeds = random_inputs(g, args.seed)
+        try:
+            results = session.run(feeds)
+        except RevgraphError as exc:  # one line: the refusal says the inputs were made up
+            raise InputError(f"{exc} (on random inputs, seed {args.seed}: give --inputs FILE.npz)") from None
         described = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in feeds.items()) or "none needed"
-        err.print(f"note: no --inputs given; using random inputs (seed {args.seed}): {described}", soft_wrap=True, markup=False)
-    results = session.run(feeds)
+        err.print(f"note: no --inputs given; used random inputs (seed {args.seed}): {described}", soft_wrap=True,
+                  markup=False)
     if args.output:
         write_npz(args.output, _flatten_sequences(results))
         out.print(f"wrote {len(results)} output(s) to {args.output}", markup=False)
