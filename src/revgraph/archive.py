@@ -85,10 +85,8 @@ def _same_samples(zf: zipfile.ZipFile, members: Mapping[str, zipfile.ZipInfo], l
         if not shape:
             raise InputError(f"{label}: member {k!r} is a scalar; data members hold one row per sample")
         rows[k] = shape[0]
-    first = next(iter(rows.items()), None)
-    other = next(((k, n) for k, n in rows.items() if n != first[1]), None) if first else None
-    if other is not None:
-        (a, n), (b, m) = other, first
+    if len(set(rows.values())) > 1:  # (the member with the most rows named first: the likelier mistake)
+        (a, n), (b, m) = max(rows.items(), key=lambda kv: kv[1]), min(rows.items(), key=lambda kv: kv[1])
         raise InputError(f"{label}: member {a!r} declares {n:,} samples but {b!r} {m:,}; every member holds one row "
                          "per sample (checked before reading)")
 
