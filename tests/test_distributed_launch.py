@@ -151,7 +151,7 @@ def test_bad_data_on_one_rank_stops_every_rank_at_once(tmp_path):
     with _launched(cmd) as (p,):
         out, err = _communicate(p)
     assert p.returncode == 2, out + err
-    assert "revgraph: error: label 99 is not a class index in [0, 10)" in err, err
+    # (each worker hands its one line to the launcher, which prints it once, naming the rank that refused)
     assert "revgraph: error: rank 1 refused its data: label 99 is not a class index" in err, err
 
 
@@ -170,7 +170,7 @@ def test_nan_loss_exits_2_under_nproc_and_is_not_restarted(tmp_path):
     assert p.returncode == 2, out + err
     errors = _errors(err)
     assert errors and all(re.search(r"the loss is nan at step \d+ \(epoch 1, batch \d+\)", e) for e in errors), err
-    assert len(errors) == 4, err  # 2 ranks x 2 attempts: torchrun did restart, with the same message
+    assert len(errors) == 1, err  # the launcher prints the workers' refusal once (issue 28, part 4)
     assert out.count("data-parallel on 2 processes") == 1, out  # but only the first attempt trained
     assert "resumed from" not in out and not (tmp_path / "o.onnx").exists()
     assert checkpoints.path_in(ckpt).exists()  # the steps before the NaN were checkpointed
@@ -195,7 +195,7 @@ def test_raw_torchrun_exits_1_for_a_nan_loss_and_does_not_train_again(tmp_path):
 
 
 @pytest.mark.parametrize("option,message", [
-    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+    (["--timeout", "0"], "argument --timeout: invalid value '0'"),
     (["--nnodes", "2"], "--nnodes goes with --nproc N (under torchrun, give torchrun its own options)"),
     (["--nproc", "1", "--nnodes", "2"], "--nnodes 2 needs --node-rank R (0 on the machine of --rdzv-endpoint)"),
     (["--nproc", "1", "--rdzv-endpoint", "h:1"], "--rdzv-endpoint and --node-rank are for several machines"),
@@ -301,7 +301,10 @@ def test_stopped_peer_fails_the_other_within_the_timeout(tmp_path):
         stopped = next(w for w in workers if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{w}/environ").read_bytes())
         os.kill(stopped, signal.SIGSTOP)
         _wait_for(lambda: err.has("revgraph: error:") or p.poll() is not None, 90, "the other rank to time out")
-        os.kill(stopped, signal.SIGCONT)  # so that torchrun's SIGTERM reaches it at once (not after 30 s)
+        try:
+            os.kill(stopped, signal.SIGCONT)  # so that torchrun's SIGTERM reaches it at once (not after 30 s)
+        except ProcessLookupError:  # (already gone: the launcher stopped it first)
+            pass
         p.wait(timeout=60)
     errors = _errors(err.text)
     assert p.returncode == 2, err.text
