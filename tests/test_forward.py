@@ -561,7 +561,7 @@ def test_integer_outputs_are_refused_as_outputs():
 
 def test_jacobian_refuses_an_unknown_mode():
     g, _ = _multi_graph()
-    with pytest.raises(rg.RevgraphError, match="unknown mode 'sideways'"):
+    with pytest.raises(rg.RevgraphError, match="mode='sideways': choose one of 'auto', 'forward', 'reverse'"):
         rg.jacobian(g, mode="sideways")
 
 

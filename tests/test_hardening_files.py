@@ -281,14 +281,14 @@ def test_sigterm_during_grad_leaves_no_temporary_file(tmp_path):
     evil_model(tmp_path / "m.onnx")
     script = textwrap.dedent("""
         import sys, time
-        import revgraph.onnx_io as io
+        import revgraph.cli_write as cli_write, revgraph.onnx_io as io
         real_open = open
         def slow_open(path, mode="r", *a, **k):
             f = real_open(path, mode, *a, **k)
             if "w" in mode and str(path).endswith(".tmp"):
                 time.sleep(30)
             return f
-        io.open = slow_open
+        io.open = cli_write.open = slow_open  # (the command writes through cli_write, the API through onnx_io)
         from revgraph.cli import main
         sys.exit(main(sys.argv[1:]))
     """)

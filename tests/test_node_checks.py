@@ -43,6 +43,7 @@ CASES = {
     "scatterelements_updates": (_model("ScatterElements", {"x": [3, 3], "u": [1, 5]}, [("i", np.zeros((1, 2), I))]), "differ in shape"),
     "affinegrid_theta": (_model("AffineGrid", {"theta": [2, 5, 3]}, [("size", np.array([2, 1, 4, 4], I))], opset=20), "theta has shape"),
     "attention_mask": (_model("Attention", {"q": [1, 2, 4, 8], "k": [1, 2, 4, 8], "v": [1, 2, 4, 8], "m": [2, 2]}, opset=23), "attn_mask"),
+    "attention_mask_longer_than_keys": (_model("Attention", {"q": [1, 2, 4, 8], "k": [1, 2, 4, 8], "v": [1, 2, 4, 8], "m": [4, 6]}, opset=24), "attn_mask"),
     "softmaxce_labels": (_model("SoftmaxCrossEntropyLoss", {"x": [3, 5, 6], "labels": [3, 7]}), "labels have shape"),
 }
 

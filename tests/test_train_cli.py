@@ -100,7 +100,7 @@ def test_train_command_bad_input_exits_2_with_one_line(model_and_data, capsys):
         (["train", model, "--data", str(tmp / "missing.npz"), *base], "no such file"),
         (["train", model, "--data", str(tmp / "nolabels.npz"), *base], "lacks 'labels'"),
         (["train", model, "--data", str(tmp / "badlabels.npz"), *base], "not a class index"),
-        (["train", model, "--data", str(tmp / "short.npz"), *base], "differ in length"),
+        (["train", model, "--data", str(tmp / "short.npz"), *base], "member 'x' declares 48 samples but 'labels' 10"),
         (["train", model, "--data", data, *base, "--lr", "-1"], "argument --lr: invalid value '-1'"),
         (["train", model, "--data", data, *base, "--optimizer", "adam", "--momentum", "0.9"], "sgd only"),
         (["train", model, "--data", data, *base, "--batch-size", "0"], "argument --batch-size: invalid value '0'"),

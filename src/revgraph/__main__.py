@@ -3,5 +3,8 @@
 import sys
 
 from .cli import main
+from .launch import leave_worker
 
-sys.exit(main())
+code = main()
+leave_worker(code)  # (a --nproc worker's refusal: no interpreter finalization, see leave_worker)
+sys.exit(code)

@@ -194,6 +194,22 @@ def hand_over(message: str) -> bool:
         return False
 
 
+def leave_worker(code: int) -> None:
+    """End a ``--nproc`` worker that handed its refusal over (exit ``code`` 2) at once, without the interpreter's
+    finalization: after a peer timed out, gloo's threads are still joinable and their C++ destructors abort the
+    process ("terminate called without an active exception", SIGABRT), which the launcher would report as a crash
+    with no message. Anywhere else, or for another code, returns (the caller exits as usual)."""
+    run_dir, rank = os.environ.get(RUN_DIR_ENV), os.environ.get("RANK")
+    if code != 2 or not run_dir or rank is None or os.environ.get(AGENT_PID_ENV) != str(os.getppid()):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def _handed_over(run_dir: str) -> str | None:
     """The one line to print for a run whose workers refused. The first deterministic failure recorded
     (:func:`record_failure`) says what went wrong; a rank's line that ends with it says it better (``rank 0
@@ -308,7 +324,8 @@ def run_torchrun(argv: list[str]) -> int:
             return 0
         except ChildFailedError as exc:
             codes = {f.exitcode for f in exc.failures.values()}
-            if 2 in codes:  # the one line of the workers' refusal, printed once here (each worker handed it over)
+            if 2 in codes or (3 not in codes and any(Path(run_dir).glob("error.rank*.txt"))):
+                # (a rank that handed its line over and then died in a native destructor still refused)  # the one line of the workers' refusal, printed once here (each worker handed it over)
                 message = _handed_over(run_dir)
                 if message:
                     from .cli_io import err

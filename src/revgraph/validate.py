@@ -407,7 +407,20 @@ _savable.with_where = True
 
 LOADABLE = _loadable
 SAVABLE = _savable
-OPSET = nullable(number, integer=True, low=1, high=10**4)  # (the opset itself is checked against onnx's)
+
+
+def _opset(name: str, value):
+    """``None`` (the model's own) or an opset from :data:`~revgraph.ir.TARGET_OPSET` to the newest the installed
+    onnx knows."""
+    from .ir import NEWEST_OPSET, TARGET_OPSET
+
+    if value is not None and number_problem(value, integer=True, low=TARGET_OPSET, high=NEWEST_OPSET):
+        raise RevgraphError(f"{_show(name, value)}: give None (the model's own, at least {TARGET_OPSET}) or a whole "
+                            f"number from {TARGET_OPSET} to {NEWEST_OPSET} (the newest this onnx knows)")
+    return value
+
+
+OPSET = _opset
 
 
 def _profile(name: str, value):

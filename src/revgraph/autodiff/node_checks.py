@@ -193,10 +193,13 @@ def _attention(node, types, values):
         if isinstance(q[1], int) and isinstance(k[1], int) and q[1] % k[1]:
             _fail(node, f"Q has {q[1]} heads, not a multiple of K's {k[1]}")
         mask = _dims(types, node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
-        want = (q[2], k[2])  # the mask broadcasts to (q sequence, kv sequence), past keys aside
-        if mask is not None and len(mask) >= 2 and len(node.inputs) <= 4 and any(
-                isinstance(a, int) and isinstance(b, int) and a not in (1, b) for a, b in zip(mask[-2:], want, strict=True)):
-            _fail(node, f"attn_mask has shape {list(mask)}; it broadcasts to (q sequence, kv sequence) = {list(want)}")
+        # The mask broadcasts to (q sequence, kv sequence), past keys aside; a mask shorter than the keys is padded
+        # with -inf (False) on the right, as the spec's reference does, so only a longer one cannot fit.
+        known = lambda *d: all(isinstance(x, int) for x in d)  # noqa: E731
+        if mask is not None and len(mask) >= 2 and len(node.inputs) <= 4 and (
+                (known(mask[-2], q[2]) and mask[-2] not in (1, q[2])) or (known(mask[-1], k[2]) and mask[-1] > k[2])):
+            _fail(node, f"attn_mask has shape {list(mask)}; it takes (q sequence, at most kv sequence) = "
+                        f"{[q[2], k[2]]}")
     elif len(q) == 3 and not (same(q[0], k[0]) and same(k[0], v[0]) and same(k[1], v[1])):
         _fail(node, f"Q {list(q)}, K {list(k)} and V {list(v)} do not fit (batch, sequence, hidden)")
 
