@@ -244,7 +244,10 @@ _WRITER = textwrap.dedent("""
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_mid_write_removes_the_temporary_file_and_kills(tmp_path, sig):
     target = tmp_path / "out.onnx"
-    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(target)], stdout=subprocess.PIPE, text=True)
+    # (the signal's default action in the writer, whatever this process inherited: under nohup SIGHUP is ignored,
+    # which test_an_ignored_sighup_stays_ignored covers)
+    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(target)], stdout=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     assert p.stdout.readline().strip() == "writing"
     assert [f.name for f in tmp_path.iterdir() if f.name.endswith(".tmp")]  # the temporary file exists
     start = time.perf_counter()
@@ -267,12 +270,14 @@ def test_an_ignored_sighup_stays_ignored(tmp_path):
 def test_handlers_are_installed_only_while_writing(tmp_path):
     from revgraph.atomic import atomic_path
 
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}  # (SIGHUP: ignored under nohup)
+    assert before[signal.SIGTERM] == signal.SIG_DFL
     with atomic_path(tmp_path / "a") as a, atomic_path(tmp_path / "b") as b:
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+        assert signal.getsignal(signal.SIGHUP) != signal.SIG_DFL  # handled, or left ignored
         Path(a).write_text("a")
         Path(b).write_text("b")
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    assert {sig: signal.getsignal(sig) for sig in before} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
 

@@ -337,9 +337,9 @@ def cmd_grad(args: argparse.Namespace) -> int:
                        sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint,
                        lift_constants=args.lift_constants, straight_through=args.straight_through,
                        memory=args.memory_budget)
-    model = write_graph(gg, args.output, args.opset, "gradient graph")
+    written = write_graph(gg, args.output, args.opset, "gradient graph")
     added = [o for o in gg.output_names if o not in g.output_names]
-    forward, backward = count_nodes(model, g)
+    forward, backward = count_nodes(written, g)
     out.print(
         f"wrote {args.output}: {forward} forward + {backward} backward nodes; "
         f"{len(added)} gradient output(s): {some(added)}",

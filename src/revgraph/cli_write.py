@@ -60,41 +60,83 @@ def with_warnings(build, *args, **kwargs):
     return result
 
 
-def write_graph(gg: Graph, path: str, opset: int | None, what: str):
+def write_graph(gg: Graph, path: str, opset: int | None, what: str) -> list[str]:
     """Write ``gg`` to ``path`` atomically, at ``opset`` (default: its own), after ONNX's full check; returns
-    the written ``ModelProto``. Initializers no node reads are dropped (onnxruntime warns about each)."""
+    the names of the written top-level nodes (for :func:`count_nodes`). Initializers no node reads are dropped
+    (onnxruntime warns about each).
+
+    At the graph's own opset the model is serialized in pieces straight into the temporary file
+    (:mod:`revgraph.onnx_stream`): the whole ``ModelProto`` of a long gradient graph (about 1.3 KB per node)
+    never exists. A conversion to another opset, a graph output without a dtype and a model over protobuf's
+    2 GiB (its large tensors go to external data) take the whole model (:func:`_write_model`)."""
+    drop_unused_initializers(gg)  # onnxruntime would warn about each one when it loads the graph
+    if opset is None or opset == gg.opset:
+        from .onnx_stream import pieces, prepared
+
+        ready = prepared(gg)
+        if ready is not None:
+            try:
+                _write_pieces(pieces(ready), path, gg, what)
+                return [n.name for n in ready.nodes]
+            except _TooLarge:
+                pass
+    return _write_model(gg, path, opset, what)
+
+
+class _TooLarge(Exception):
+    """The pieces passed protobuf's 2 GiB: the model is written with external data instead."""
+
+
+def _write_pieces(parts, path: str, gg: Graph, what: str) -> None:
+    """Write the serialized pieces ``parts`` to ``path`` through a temporary file checked by ONNX's full check
+    before it replaces ``path``; a FIFO or device, written directly, gets bytes checked first. Raises
+    :class:`_TooLarge` (nothing written) when the pieces pass protobuf's limit."""
+    from .external_data import PROTOBUF_LIMIT
+
+    if output_target(path).kind in ("fifo", "device"):  # nothing to check once it is seen: checked from bytes
+        data = b"".join(parts)
+        if len(data) > PROTOBUF_LIMIT:
+            raise _TooLarge
+        _full_check(data, gg, what)
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            f.write(data)
+        return
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        size = 0
+        for part in parts:
+            size += len(part)
+            if size > PROTOBUF_LIMIT:
+                raise _TooLarge  # (atomic_path removes the temporary file)
+            f.write(part)
+        f.flush()
+        _full_check(tmp, gg, what)
+
+
+def _write_model(gg: Graph, path: str, opset: int | None, what: str) -> list[str]:
+    """:func:`write_graph` through the whole ``ModelProto`` (converted to ``opset``, written with external data
+    when over 2 GiB)."""
     import onnx
 
-    drop_unused_initializers(gg)  # onnxruntime would warn about each one when it loads the graph
     model = to_onnx(gg)
     if opset is not None and opset != gg.opset:
         try:
             model = onnx.version_converter.convert_version(model, opset)
         except Exception as exc:
             raise RevgraphError(f"cannot write the {what} at opset {opset}: {converter_error(exc)}") from None
+    names = [n.name for n in model.graph.node]
     if too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
         save(model, path)
-        return model
+        return names
     # ONNX's check with strict shape inference parses its own C++ copy of the model and infers every value's
     # type. Given the serialized bytes, onnx 1.23 infers on a second copy (``check_model(bytes)`` copies the
     # parsed model before ``InferShapes``); given a file, it infers in place: half the check's memory, about
     # 4 KB per forward node of a long chain (docs/benchmarks.md, "Build memory"). So the bytes are written to
     # the temporary file first and the file is checked before it replaces OUT: the same full check, and a
-    # model that fails it is never written. Only the serialized bytes stay alive meanwhile (the protobuf
-    # objects are ten times their size), parsed back afterwards.
+    # model that fails it is never written.
     data = model.SerializeToString()
     del model
-    direct = output_target(path).kind in ("fifo", "device")
-    if direct:  # written directly, nothing to check before it is seen: checked from the bytes first
-        _full_check(data, gg, what)
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
-        if not direct:
-            f.flush()
-            _full_check(tmp, gg, what)
-    model = onnx.ModelProto.FromString(data)
-    del data
-    return model
+    _write_pieces([data], path, gg, what)
+    return names
 
 
 def _full_check(model, gg: Graph, what: str) -> None:
@@ -131,14 +173,14 @@ def _refuse_inconsistent_model(exc: Exception, gg: Graph, what: str) -> None:
 
 
 
-def count_nodes(model, forward: Graph) -> tuple[int, int]:
-    """The nodes of the written top-level graph that ``forward`` had (by name: revgraph names every node on
-    load, and the backward pass gives its nodes fresh names), and the others: the backward pass, and the forward
+def count_nodes(written: list[str], forward: Graph) -> tuple[int, int]:
+    """Of the ``written`` top-level nodes (names, from :func:`write_graph`), those that ``forward`` had (by name:
+    revgraph names every node on load, and the backward pass gives its nodes fresh names), and the others: the backward pass, and the forward
     nodes it rewrote (a ``Scan`` or ``LSTM`` becomes a ``Loop``). Forward nodes no output depends on are not
     written, so neither count is ever negative."""
     names = {n.name for n in forward.nodes}
-    kept = sum(1 for n in model.graph.node if n.name in names)
-    return kept, len(model.graph.node) - kept
+    kept = sum(1 for n in written if n in names)
+    return kept, len(written) - kept
 
 
 def some(names: list[str], most: int = 6) -> str:

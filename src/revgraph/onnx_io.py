@@ -409,15 +409,28 @@ def _attr_types(op_type: str, domain: str, version: int | None) -> dict[str, int
 
 def graph_to_proto(graph: Graph, opsets: dict[str, int] | None = None) -> onnx.GraphProto:
     """Convert a :class:`Graph` to a ``GraphProto`` as it is (no SSA renaming; see :func:`to_onnx`), its
-    attributes typed at ``opsets`` (default: the graph's own; a subgraph is written at its model's).
-
-    The fields are those ``onnx.helper.make_node`` and ``make_graph`` write (a node's name and domain only when
-    set), filled in place in the graph's repeated fields: building each message apart and extending the graph
-    with it copies it again, and that was a third of the time of writing a large gradient graph."""
+    attributes typed at ``opsets`` (default: the graph's own; a subgraph is written at its model's)."""
     opsets = graph.opsets if opsets is None else opsets
     gp = onnx.GraphProto()
+    fill_nodes(gp, graph.nodes, opsets)
+    gp.name = graph.name or "graph"
+    for vi in graph.inputs:
+        _add_value_info(gp.input, vi)
+    for vi in graph.outputs:
+        _add_value_info(gp.output, vi)
+    gp.initializer.extend(numpy_helper.from_array(np.asarray(a), name=k) for k, a in graph.initializers.items())
+    fill_value_info(gp, graph.value_info.items(), set(graph.input_names) | set(graph.output_names))
+    if graph.doc_string:
+        gp.doc_string = graph.doc_string
+    return gp
+
+
+def fill_nodes(gp: onnx.GraphProto, nodes, opsets: dict[str, int]) -> None:
+    """Append ``nodes`` to ``gp.node`` with the fields ``onnx.helper.make_node`` writes (a node's name and
+    domain only when set), filled in place in the repeated field: building each message apart and extending
+    the graph with it copies it again, and that was a third of the time of writing a large gradient graph."""
     add_node = gp.node.add
-    for node in graph.nodes:
+    for node in nodes:
         proto = add_node()
         proto.op_type = node.op_type
         proto.input.extend(node.inputs)
@@ -428,22 +441,18 @@ def graph_to_proto(graph: Graph, opsets: dict[str, int] | None = None) -> onnx.G
             proto.domain = node.domain
         if node.attrs:
             proto.attribute.extend(attr_to_proto(node, k, v, opsets) for k, v in node.attrs.items())
-    gp.name = graph.name or "graph"
-    for vi in graph.inputs:
-        _add_value_info(gp.input, vi)
-    for vi in graph.outputs:
-        _add_value_info(gp.output, vi)
-    gp.initializer.extend(numpy_helper.from_array(np.asarray(a), name=k) for k, a in graph.initializers.items())
-    declared = set(graph.input_names) | set(graph.output_names)
+
+
+def fill_value_info(gp: onnx.GraphProto, items, declared: set[str]) -> None:
+    """Append a ``value_info`` entry to ``gp`` for each ``(name, ValueInfo)`` of ``items`` whose name is not in
+    ``declared`` (the graph's inputs and outputs, typed there); :func:`_add_value_info` inlined: gradient graphs
+    type every value."""
     add_value_info = gp.value_info.add
-    for k, vi in graph.value_info.items():  # (_add_value_info, inlined: gradient graphs type every value)
+    for k, vi in items:
         if k not in declared:
             proto = add_value_info()
             proto.name = vi.name
             proto.type.CopyFrom(_type_proto(vi.kind, vi.dtype, None if vi.shape is None else tuple(vi.shape)))
-    if graph.doc_string:
-        gp.doc_string = graph.doc_string
-    return gp
 
 
 def _add_value_info(field, vi: ValueInfo) -> None:

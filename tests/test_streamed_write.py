@@ -1,0 +1,139 @@
+"""Writing a graph in pieces (revgraph.onnx_stream, used by every command that writes a derived graph): the
+concatenated pieces parse to exactly the model ``revgraph.to_onnx`` builds, for every model shipped with the
+onnx wheel and for gradient graphs with loops, sequences, metadata and dropout; the commands' files equal
+``to_onnx`` of the same gradient; the cases that take the whole model (an untyped output, another opset, a
+model over protobuf's 2 GiB) still write the same model."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import DATA_DIR, model_id, shipped_models
+from onnx import TensorProto, helper, numpy_helper
+
+import revgraph as rg
+from revgraph import cli_write, external_data
+from revgraph.cli import main
+from revgraph.onnx_stream import pieces, prepared
+
+SAMPLE = shipped_models()[::7]  # (every 7th: all kinds of operator and subgraph; the full list under -m slow)
+
+
+def _joined(graph: rg.Graph, piece: int) -> onnx.ModelProto:
+    ready = prepared(graph)
+    assert ready is not None
+    return onnx.ModelProto.FromString(b"".join(pieces(ready, piece=piece)))
+
+
+def _assert_same(graph: rg.Graph) -> None:
+    expected = rg.to_onnx(graph)
+    for piece in (1, 3, 4096):  # a piece per node, a few, one for all
+        assert _joined(graph, piece) == expected
+
+
+@pytest.mark.parametrize("rel", SAMPLE, ids=model_id)
+def test_pieces_parse_to_the_whole_model(rel):
+    _assert_same(rg.load(DATA_DIR / rel))  # (every shipped model loads: tests/test_roundtrip.py)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rel", shipped_models(), ids=model_id)
+def test_pieces_parse_to_the_whole_model_every_shipped_model(rel):
+    test_pieces_parse_to_the_whole_model(rel)
+
+
+def _loop_model() -> onnx.ModelProto:
+    """h <- tanh(h @ W) for a trip count of 3, then a sequence of h and a dropout (an identity at inference)."""
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "W"], ["m"]), helper.make_node("Tanh", ["m"], ["h2"]),
+         helper.make_node("Identity", ["c"], ["c2"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("c2", TensorProto.BOOL, []), helper.make_tensor_value_info("h2", TensorProto.FLOAT, [2, 2])])
+    nodes = [helper.make_node("Loop", ["n", "", "x"], ["h"], body=body, name="loop"),
+             helper.make_node("Dropout", ["h"], ["d"], name="drop"),
+             helper.make_node("ReduceSum", ["d"], ["loss"], keepdims=0, name="sum")]
+    graph = helper.make_graph(
+        nodes, "looped", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(np.array([[0.5, -0.2], [0.3, 0.8]], np.float32), "W"),
+         numpy_helper.from_array(np.array(3, np.int64), "n")], doc_string="a loop")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    helper.set_model_props(model, {"author": "test", "revgraph.note": "kept"})
+    return model
+
+
+def test_a_gradient_with_a_loop_metadata_and_dropout_is_the_same_model():
+    g = rg.load(_loop_model())
+    gg = rg.gradient(g, "loss", ["W"])
+    assert any(n.op_type == "Loop" for n in gg.nodes) and gg.metadata
+    _assert_same(gg)
+
+
+def test_a_sequence_output_is_the_same_model():
+    g = rg.Graph(nodes=[rg.Node("SplitToSequence", ["x"], ["s"], {"axis": 0}, name="split")],
+                 inputs=[rg.ValueInfo("x", np.float32, (4, 2))],
+                 outputs=[rg.ValueInfo("s", np.float32, None, kind="sequence")], opsets={"": 21})
+    _assert_same(g)
+
+
+@pytest.mark.parametrize("command", [["grad", "--wrt", "W"], ["jvp", "--inputs", "W"]])
+def test_the_written_file_is_to_onnx_of_the_same_graph(command, tmp_path, capsys):
+    path, out = tmp_path / "m.onnx", tmp_path / "g.onnx"
+    onnx.save(_loop_model(), path)
+    assert main([command[0], str(path), *command[1:], "-o", str(out)]) == 0, capsys.readouterr().err
+    g = rg.load(path)
+    built = rg.gradient(g, "loss", ["W"]) if command[0] == "grad" else rg.jvp(g, None, ["W"])
+    written = onnx.load(out)
+    cli_write.drop_unused_initializers(built)
+    assert written == rg.to_onnx(built)
+    forward, derived = cli_write.count_nodes([n.name for n in written.graph.node], g)
+    assert f"{forward} forward + {derived} " in capsys.readouterr().out
+
+
+def test_an_untyped_output_takes_the_whole_model(tmp_path, capsys):
+    """An output without a dtype is typed from ONNX inference of the whole model (to_onnx): no pieces."""
+    model = _loop_model()
+    g = rg.gradient(rg.load(model), "loss", ["W"])
+    g.outputs[0] = rg.ValueInfo(g.outputs[0].name)
+    assert prepared(g) is None
+    out = tmp_path / "g.onnx"
+    cli_write.write_graph(g, str(out), None, "gradient graph")
+    written = onnx.load(out)
+    assert written.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert written == rg.to_onnx(g)
+
+
+def test_a_model_over_the_protobuf_limit_is_written_with_external_data(tmp_path, monkeypatch):
+    """Pieces that pass protobuf's limit (lowered here to 1 KB: W is 4 KB) leave no file behind and the whole
+    model is written with its large tensors in OUT.data, as before pieces."""
+    g = rg.Graph(nodes=[rg.Node("MatMul", ["x", "W"], ["y"], name="mm"),
+                        rg.Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, name="sum")],
+                 inputs=[rg.ValueInfo("x", np.float32, (1, 32))], outputs=[rg.ValueInfo("loss", np.float32, ())],
+                 initializers={"W": np.arange(1024, dtype=np.float32).reshape(32, 32) / 1024}, opsets={"": 21})
+    gg = rg.gradient(g, "loss", ["W"])
+    monkeypatch.setattr(external_data, "PROTOBUF_LIMIT", 1024)
+    out = tmp_path / "g.onnx"
+    names = cli_write.write_graph(gg, str(out), None, "gradient graph")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx", "g.onnx.data"]
+    assert names == [n.name for n in onnx.load(out, load_external_data=False).graph.node]
+    back = rg.load(out)
+    np.testing.assert_array_equal(back.initializers["W"], g.initializers["W"])
+
+
+def test_a_graph_onnx_refuses_is_not_written_by_pieces(tmp_path, capsys):
+    """The full check still runs on the file written in pieces before it replaces OUT: a graph whose declared
+    output type disagrees with its node is refused in one line and the old OUT is left as it was."""
+    g = rg.Graph(nodes=[rg.Node("Tanh", ["x"], ["y"], name="t"),
+                        rg.Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, name="sum")],
+                 inputs=[rg.ValueInfo("x", np.float32, (3,))], outputs=[rg.ValueInfo("loss", np.float32, ())],
+                 opsets={"": 21})
+    gg = rg.gradient(g, "loss", ["x"])
+    gg.value_info["y"] = rg.ValueInfo("y", np.float32, (5,))  # what ONNX infers is (3,)
+    out = tmp_path / "g.onnx"
+    out.write_bytes(b"old")
+    with pytest.raises(rg.RevgraphError, match="its node 't' computes"):
+        cli_write.write_graph(gg, str(out), None, "gradient graph")
+    assert out.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx"]
