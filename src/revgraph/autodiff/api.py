@@ -95,8 +95,9 @@ def gradient(
         if seed == "input":
             seed_name = fresh_name(f"{loss}_grad", used)
             vi = types.get(loss) or ValueInfo(loss)
-            g.inputs.append(ValueInfo(seed_name, vi.dtype, vi.shape))
-            types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape)
+            # a sequence loss takes a sequence of cotangents (one per element), not a tensor
+            g.inputs.append(ValueInfo(seed_name, vi.dtype, vi.shape, vi.kind))
+            types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape, vi.kind)
             ys[loss] = seed_name
         e = Emitter(types, used, g.opset)
         options = Options(checkpoint=parse_policy(checkpoint), straight_through=bool(straight_through))
