@@ -438,7 +438,7 @@ def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge
             if a[key] not in arrays:
                 raise RevgraphError(f"{adapter} is missing; the adapters hold {', '.join(map(repr, arrays)) or 'none'}: "
                                     "write them with revgraph lora extract (lora.save_adapters)")
-            value, name = check_adapter(arrays[a[key]], adapter), new[a["weight"]][key]
+            value, name = _check_adapter(arrays[a[key]], adapter), new[a["weight"]][key]
             want = g.initializers[name]
             if value.shape != want.shape:
                 raise RevgraphError(f"{adapter} has shape {list(value.shape)}; weight {a['weight']!r} of the base model "
@@ -447,7 +447,7 @@ def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge
     return merge_adapters(g) if merge else g
 
 
-def check_adapter(value: object, adapter: str) -> np.ndarray:
+def _check_adapter(value: object, adapter: str) -> np.ndarray:
     """``value`` as an array when it is a finite 2-D floating-point array (what an adapter is); raises
     :class:`RevgraphError` naming ``adapter`` and what is wrong (not an array, its dtype, rank, non-finite)."""
     if not isinstance(value, np.ndarray):
@@ -512,7 +512,7 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]
             raise RevgraphError(f"{os.fspath(path)!r}: {exc}") from None
         for a in found["adapters"]:
             for key in ("A", "B"):
-                check_adapter(arrays[a[key]], f"{os.fspath(path)!r}: initializer {a[key]!r} (the {key} adapter of "
+                _check_adapter(arrays[a[key]], f"{os.fspath(path)!r}: initializer {a[key]!r} (the {key} adapter of "
                                               f"weight {a['weight']!r})")
         return arrays, found
     if suffix != ".npz":
@@ -547,5 +547,5 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]
             member = f"{label}: member {names.get(a[key], a[key])!r} (the {key} adapter of weight {a['weight']!r})"
             if a[key] not in arrays:
                 raise RevgraphError(f"{member} is missing; {fix}")
-            check_adapter(arrays[a[key]], member)
+            _check_adapter(arrays[a[key]], member)
     return arrays, found
