@@ -10,6 +10,7 @@ by a row of the table, or by the short list of parameters that are not checked (
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import numpy as np
 import onnx
@@ -320,3 +321,85 @@ def test_each_public_function_refuses_an_object_of_the_wrong_kind(where):
     with pytest.raises(rg.RevgraphError) as caught:
         call()
     assert str(caught.value) and "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- warnings name the caller's line, not revgraph's
+
+
+def _caught(call) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [w for w in caught if issubclass(w.category, UserWarning)]
+
+
+def _unconnected() -> Graph:
+    g = _graph()
+    g.initializers["unused"] = np.ones(2, np.float32)
+    return g
+
+
+def _integer_pow() -> tuple[Graph, dict]:
+    """``y = Pow(b, p)`` with b int32 and its types: the Pow rule warns (no gradient flows through an integer)."""
+    inputs = [ValueInfo("b", np.int32, (3,)), ValueInfo("p", np.float32, (3,))]
+    g = Graph([Node("Pow", ["b", "p"], ["y"], name="pow")], inputs, [ValueInfo("y", np.int32, (3,))])
+    return g, {v.name: v for v in inputs}
+
+
+def _scatter_at_run_time() -> Graph:
+    """ScatterElements (reduction none) with indices fed at run time: its rule warns about repeats."""
+    return Graph([Node("ScatterElements", ["d", "i", "u"], ["s"], {"axis": 1}, "scatter"),
+                  Node("ReduceSum", ["s"], ["loss"], {"keepdims": 0}, "sum")],
+                 [ValueInfo("d", np.float32, (2, 4)), ValueInfo("i", np.int64, (2, 3)), ValueInfo("u", np.float32, (2, 3))],
+                 [ValueInfo("loss", np.float32, ())])
+
+
+def _noisy() -> Graph:
+    """A random draw that is never recomputed: a budget of 10 bytes cannot be met (the planner warns)."""
+    return Graph([Node("Tanh", ["x"], ["h"], name="t"), Node("RandomNormalLike", ["h"], ["n"], {"seed": 3.0}, "noise"),
+                  Node("Mul", ["h", "n"], ["m"], name="mul"), Node("ReduceSum", ["m"], ["loss"], {"keepdims": 0}, "s")],
+                 [ValueInfo("x", np.float32, (4, 8))], [ValueInfo("loss", np.float32, ())])
+
+
+def _no_product() -> Graph:
+    return Graph([Node("Mul", ["x", "w"], ["logits"], name="mul")], [ValueInfo("x", np.float32, ("N", 3))],
+                 [ValueInfo("logits", np.float32, ("N", 3))], {"w": np.ones(3, np.float32)})
+
+
+WARNING_CALLS = {  # what: (the call, a fragment of the warning); each goes through a function of V.arguments
+    "gradient, unconnected": (lambda: rg.gradient(_unconnected(), wrt=["w", "unused"]), "no path from 'unused'"),
+    "jvp, unconnected": (lambda: rg.jvp(_unconnected(), outputs=["y"], inputs=["unused"]), "their tangents are zero"),
+    "hvp, unconnected": (lambda: rg.hvp(_unconnected(), wrt=["w", "unused"]), "no path from 'unused'"),
+    "a rule (Pow of an integer)": (lambda: rg.backward(_integer_pow()[0], {"y": None}, ["p"], types=_integer_pow()[1]),
+                                   "an integer, so no gradient"),
+    "a rule (ScatterElements)": (lambda: rg.gradient(_scatter_at_run_time(), wrt=["u"]), "reduction='none'"),
+    "the memory planner": (lambda: rg.gradient(_noisy(), memory=10), "cannot be met"),
+    "Trainer, precision": (lambda: rg.Trainer(_no_product(), "cross-entropy", "sgd", precision="bf16"),
+                           "no float32 MatMul"),
+}
+
+
+@pytest.mark.parametrize("what", list(WARNING_CALLS))
+def test_a_warning_names_the_callers_file_and_line(what):
+    """Issue 28 round 3: a warning raised through a public function decorated with ``@V.arguments`` named
+    validate.py (the decorator's wrapper, a fixed stacklevel) or another revgraph file as its location. Every
+    revgraph warning (:func:`revgraph.warn.warn`) names the first frame outside revgraph: here, this file, at
+    the line of the lambda that called revgraph."""
+    call, fragment = WARNING_CALLS[what]
+    caught = [w for w in _caught(call) if fragment in str(w.message)]
+    assert caught, [str(w.message) for w in _caught(call)]
+    for w in caught:
+        assert w.filename == __file__, (w.filename, w.lineno, str(w.message))
+        assert w.lineno == call.__code__.co_firstlineno, (w.lineno, call.__code__.co_firstlineno)
+
+
+def test_no_revgraph_module_warns_past_the_helper():
+    """Every warning revgraph raises goes through revgraph.warn.warn (a bare warnings.warn would guess a
+    stacklevel that the decorators' frames make wrong)."""
+    import pathlib
+    import re
+
+    src = pathlib.Path(rg.__file__).resolve().parent
+    bare = [str(p.relative_to(src)) for p in src.rglob("*.py")
+            if p.name != "warn.py" and re.search(r"\bwarnings\.warn\(", p.read_text())]
+    assert bare == []

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -146,15 +147,61 @@ def test_a_sparse_graph_output_without_a_node_between(tmp_path):
     assert np.array_equal(read_outputs(tmp_path / "o.npz")["y"], DENSE)
 
 
-def test_a_huge_sparse_output_is_refused_not_densified(tmp_path, capsys):
-    """Two values in a [10^6, 10^6] tensor: its dense form (4 TB) is refused in one line."""
+BACKENDS = ["onnxruntime", "reference"]
+FEEDS = {"top": {}, "output": {}, "if": {"b": np.array(True)}, "loop": {"n": np.array(2), "go": np.array(True)}}
+
+
+def sparse_output_model(path, where: str, coords: bool = False) -> str:
+    """:data:`DENSE` as a sparse ``Constant``: the graph output itself (``where="output"``), through an
+    ``Identity`` (``"top"``), in both branches of an ``If`` or as a ``Loop``'s scan output (2 iterations)."""
+    vals = numpy_helper.from_array(VALUES, "v")
+    idx = np.stack(np.unravel_index(INDICES, (4, 4)), axis=1) if coords else INDICES
+    sp = helper.make_sparse_tensor(vals, numpy_helper.from_array(idx, "i"), [4, 4])
+    if where != "output":
+        return constant_model(path, sp, where)
+    g = helper.make_graph([helper.make_node("Constant", [], ["y"], name="c", sparse_value=sp)], "g", [],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])])
+    return save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), path)
+
+
+def expected_dense(where: str) -> np.ndarray:
+    return np.stack([DENSE, DENSE]) if where == "loop" else DENSE
+
+
+@pytest.mark.parametrize("coords", [False, True], ids=["linear", "coords"])
+@pytest.mark.parametrize("where", ["output", "top", "if", "loop"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_and_path_densifies_a_sparse_output(tmp_path, capsys, backend, where, coords):
+    """Issue 28 round 3: ``run --backend reference`` failed on a sparse output (onnx.reference returns its own
+    ``SparseTensor`` object) and onnxruntime failed on a sparse ``Constant`` in an ``If`` or ``Loop`` body.
+    Now ``Session.run``, ``run -o`` and ``run``'s printed table give the dense tensor on both backends."""
+    m = sparse_output_model(tmp_path / "m.onnx", where, coords)
+    want = expected_dense(where)
+    name = "ys" if where == "loop" else "y"
+    got = rg.Session(rg.load(m), backend=backend).run(FEEDS[where])[name]
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and np.array_equal(got, want)
+    inputs = []
+    if FEEDS[where]:
+        np.savez(tmp_path / "in.npz", **FEEDS[where])
+        inputs = ["--inputs", str(tmp_path / "in.npz")]
+    assert main(["run", m, "--backend", backend, *inputs, "-o", str(tmp_path / "o.npz")]) == 0
+    assert np.array_equal(read_outputs(tmp_path / "o.npz")[name], want)
+    capsys.readouterr()
+    assert main(["run", m, "--backend", backend, *inputs]) == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.split()[:1] == [name])
+    assert f"{want.min():g}" in row and f"{want.max():g}" in row and f"{want.mean():.4g}" in row, row
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_huge_sparse_output_is_refused_not_densified(tmp_path, capsys, backend):
+    """Two values in a [10^6, 10^6] tensor: its dense form (4 TB) is refused in one line, on both backends."""
     sp = helper.make_sparse_tensor(numpy_helper.from_array(VALUES[:2], "v"),
                                    numpy_helper.from_array(np.array([0, 5], np.int64), "i"), [10**6, 10**6])
     g = helper.make_graph([helper.make_node("Constant", [], ["y"], name="c", sparse_value=sp)], "g", [],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [10**6, 10**6])])
     m = save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "m.onnx")
-    code = main(["run", m, "-o", str(tmp_path / "o.npz")])  # onnxruntime densifies sparse constants itself
-    one_line_error(code, capsys.readouterr().err, "onnxruntime refuses the graph", "exceeds the 2147483648 byte limit")
+    code = main(["run", m, "--backend", backend, "-o", str(tmp_path / "o.npz")])
+    one_line_error(code, capsys.readouterr().err, "sparse output 'y' of node 'c' (Constant) would take 3.6 TiB")
     assert not (tmp_path / "o.npz").exists()
 
 
@@ -286,3 +333,77 @@ def test_an_output_may_not_be_a_sparse_tensors_data_file(dirs, capsys):
     code = main(["run", m, "-o", str(model_dir / "w.bin")])
     one_line_error(code, capsys.readouterr().err, "w.bin")
     assert (model_dir / "w.bin").read_bytes() == VALUES.tobytes()
+
+
+# --------------------------------------------------------------------------- sparse indices ONNX forbids
+
+_C = np.stack(np.unravel_index(INDICES, (4, 4)), axis=1)  # [8, 2] coordinates of INDICES
+BAD_INDICES = {  # name: (indices, what the message says)
+    "duplicate": (np.array([0, 2, 4, 4, 8, 10, 12, 14]), "has index 4 (entry 3) that repeats index 4 (entry 2)"),
+    "unsorted": (np.array([0, 2, 6, 4, 8, 10, 12, 14]), "has index 4 (entry 3) that comes after index 6 (entry 2)"),
+    "out of range": (np.array([0, 2, 4, 6, 8, 10, 12, 16]), "has index 16 (entry 7) outside its dense shape [4, 4]"),
+    "negative": (np.array([-1, 2, 4, 6, 8, 10, 12, 14]), "has index -1 (entry 0) outside its dense shape [4, 4]"),
+    "short": (np.array([0, 2, 4, 6, 8, 10, 12]), "has indices of shape [7] for 8 values"),
+    "rank 3": (INDICES.reshape(8, 1, 1), "has indices of shape [8, 1, 1] for 8 values"),
+    "int32": (INDICES.astype(np.int32), "has int32 indices; ONNX requires int64"),
+    "coords duplicate": (np.concatenate([_C[:3], _C[2:3], _C[4:]]),
+                         "has coordinate [1, 0] (entry 3) that repeats coordinate [1, 0] (entry 2)"),
+    "coords unsorted": (_C[[0, 1, 3, 2, 4, 5, 6, 7]], "has coordinate [1, 0] (entry 3) that comes after coordinate"),
+    "coords out of range": (np.concatenate([_C[:7], [[3, 4]]]), "has coordinate [3, 4] (entry 7) outside its dense"),
+    "coords negative": (np.concatenate([[[0, -1]], _C[1:]]), "has coordinate [0, -1] (entry 0) outside its dense"),
+    "coords wrong rank": (np.concatenate([_C, _C[:, :1]], axis=1), "has indices of shape [8, 3] for 8 values"),
+    "coords short": (_C[:7], "has indices of shape [7, 2] for 8 values"),
+}
+
+
+def bad_sparse(case: str) -> TensorProto:
+    idx, _ = BAD_INDICES[case]
+    dtype = idx.dtype if idx.dtype == np.int32 else np.int64
+    return helper.make_sparse_tensor(numpy_helper.from_array(VALUES, "v"),
+                                     numpy_helper.from_array(np.asarray(idx, dtype), "i"), [4, 4])
+
+
+@pytest.mark.parametrize("where", ["top", "if", "loop"])
+@pytest.mark.parametrize("case", list(BAD_INDICES))
+def test_sparse_indices_onnx_forbids_are_refused(tmp_path, capsys, case, where):
+    """Issue 28 round 3: a sparse ``Constant`` with a repeated index ran (one of the two values silently
+    lost); one with unsorted indices ran on one runtime. Every index ONNX's SparseTensorProto forbids is a
+    one-line GraphError at load naming the tensor and its node, at the top level and in subgraphs."""
+    m = constant_model(tmp_path / "m.onnx", bad_sparse(case), where)
+    fragment = BAD_INDICES[case][1]
+    nodes = {"top": ["'c'"], "if": ["'then_c'", "'else_c'"], "loop": ["'body_c'"]}[where]  # (either If branch)
+    with pytest.raises(rg.GraphError, match=re.escape(fragment)) as err:
+        rg.load(m)
+    assert any(f"sparse tensor 'v' (attribute 'sparse_value' of node {n} (Constant))" in str(err.value) for n in nodes)
+    assert "\n" not in str(err.value)
+    for args in (["run", m], ["info", m], ["grad", m, "-o", str(tmp_path / "g.onnx")]):
+        code = main(args)
+        one_line_error(code, capsys.readouterr().err, "sparse tensor 'v'", fragment)
+    assert not (tmp_path / "g.onnx").exists()
+
+
+def test_the_refusals_say_what_to_do(tmp_path):
+    for case, what in (("duplicate", "sort them and merge repeated entries"), ("out of range", "fix or drop it"),
+                       ("short", "ONNX takes indices of shape [8] (linear indices) or [8, 2] (coordinates)")):
+        with pytest.raises(rg.GraphError, match=re.escape(what)):
+            rg.load(constant_model(tmp_path / f"{case}.onnx", bad_sparse(case)))
+
+
+def test_valid_sparse_indices_stay_accepted(tmp_path):
+    """The checks refuse only what ONNX forbids: an empty sparse tensor, and both index forms, load and run."""
+    empty = helper.make_sparse_tensor(numpy_helper.from_array(np.zeros(0, np.float32), "v"),
+                                      numpy_helper.from_array(np.zeros(0, np.int64), "i"), [4, 4])
+    m = constant_model(tmp_path / "e.onnx", empty)
+    assert np.array_equal(rg.Session(rg.load(m)).run({})["y"], np.zeros((4, 4), np.float32))
+    for coords in (False, True):
+        m = sparse_output_model(tmp_path / f"{coords}.onnx", "top", coords)
+        assert np.array_equal(rg.Session(rg.load(m), backend="reference").run({})["y"], DENSE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_graph_built_in_python_is_checked_when_it_runs(tmp_path, backend):
+    """A sparse attribute put into a Graph by hand (not through load) is checked by the Session that runs it."""
+    g = rg.load(constant_model(tmp_path / "m.onnx", sparse(None)))
+    g.nodes[0].attrs["sparse_value"] = helper.make_attribute("sparse_value", bad_sparse("duplicate"))
+    with pytest.raises(rg.GraphError, match=re.escape(BAD_INDICES["duplicate"][1])):
+        rg.Session(g, backend=backend)

@@ -123,9 +123,12 @@ def test_a_model_over_the_protobuf_limit_is_written_with_external_data(tmp_path,
     np.testing.assert_array_equal(back.initializers["W"], g.initializers["W"])
 
 
-def test_a_graph_onnx_refuses_is_not_written_by_pieces(tmp_path, capsys):
+@pytest.mark.parametrize("release", [False, True])
+def test_a_graph_onnx_refuses_is_not_written_by_pieces(tmp_path, release):
     """The full check still runs on the file written in pieces before it replaces OUT: a graph whose declared
-    output type disagrees with its node is refused in one line and the old OUT is left as it was."""
+    output type disagrees with its node is refused in one line and the old OUT is left as it was; with
+    ``release`` (the commands' way: the gradient graph's nodes freed before the check) the refusal still names
+    the model's node, found in the forward graph."""
     g = rg.Graph(nodes=[rg.Node("Tanh", ["x"], ["y"], name="t"),
                         rg.Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, name="sum")],
                  inputs=[rg.ValueInfo("x", np.float32, (3,))], outputs=[rg.ValueInfo("loss", np.float32, ())],
@@ -134,6 +137,9 @@ def test_a_graph_onnx_refuses_is_not_written_by_pieces(tmp_path, capsys):
     gg.value_info["y"] = rg.ValueInfo("y", np.float32, (5,))  # what ONNX infers is (3,)
     out = tmp_path / "g.onnx"
     out.write_bytes(b"old")
-    with pytest.raises(rg.RevgraphError, match="its node 't' computes"):
-        cli_write.write_graph(gg, str(out), None, "gradient graph")
+    forward = g.copy()
+    forward.value_info["y"] = gg.value_info["y"]
+    with pytest.raises(rg.RevgraphError, match=r"its node 't' \(Tanh\) computes"):
+        cli_write.write_graph(gg, str(out), None, "gradient graph", forward, release=release)
+    assert bool(gg.nodes) != release  # (released: emptied before the check)
     assert out.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx"]

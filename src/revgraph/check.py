@@ -25,6 +25,7 @@ float64's rounding of the loss (a loss of 1e24 whose change under the step is be
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -336,8 +337,9 @@ def check_gradients(
     seeds the inputs, the cotangent and the directions; ``step`` is relative: element ``x_i`` moves by
     ``step * max(1, |x_i|)`` along each direction. A wrt value passes when every direction's error is
     within ``atol + rtol * |central difference|``; values that cannot be checked get a row saying why
-    (:class:`CheckRow`). Raises :class:`InputError` for non-finite inputs, and what :func:`revgraph.gradient`
-    raises for bad names.
+    (:class:`CheckRow`). A sequence loss is checked as its elements flattened and concatenated (one cotangent
+    per element, fed to the VJP as a sequence). Raises :class:`InputError` for non-finite inputs, and what
+    :func:`revgraph.gradient` raises for bad names.
     """
     require_graph(graph, "check_gradients")
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
@@ -367,8 +369,12 @@ def check_gradients(
     probe = _session(g, sess.backend, notes).run(feeds, [loss])[loss]
     # the cotangent in the seed's declared dtype (float32 for LayerNormalization's statistics), the same values
     # on both sides
-    u = rng.standard_normal(probe.shape).astype(seed_dtype).astype(np.float64)
-    result = sess.run({**feeds, seed_name: u.astype(seed_dtype)})
+    # a sequence loss (SequenceConstruct, SplitToSequence) is checked as the concatenation of its elements: one
+    # cotangent per element, fed to the gradient graph as a sequence
+    shapes = [np.shape(a) for a in probe] if isinstance(probe, list) else None
+    u = rng.standard_normal(_flat(probe).shape).astype(seed_dtype).astype(np.float64)
+    cotangent = u.astype(seed_dtype) if shapes is None else _split(u.astype(seed_dtype), shapes)
+    result = sess.run({**feeds, seed_name: cotangent})
     grads = dict(zip(wrt_names, (result[n] for n in grad_names), strict=True))
     fixed = {name: result[name] for name in random_values}
     if fixed:
@@ -384,15 +390,28 @@ def check_gradients(
     base_feeds = {**feeds, **{f"{k}__fixed": v for k, v in fixed.items()},
                   **{f"{w}__delta": np.zeros_like(grads[w]) for w in wrt_names}}
     first = psess.run(base_feeds, [moved_loss, *computed])
-    base = first[moved_loss]
+    base = _flat(first[moved_loss])
     values = {w: np.asarray(known[w] if w in known else first[w]) for w in wrt_names}
     report = GradientReport(loss, backend=sess.backend, notes=notes)
     for w in wrt_names:
         def loss_at(delta: np.ndarray, w: str = w) -> np.ndarray:
-            return psess.run({**base_feeds, f"{w}__delta": delta}, [moved_loss])[moved_loss]
+            return _flat(psess.run({**base_feeds, f"{w}__delta": delta}, [moved_loss])[moved_loss])
 
         report.rows.append(_compare(w, grads[w], loss_at, u, base, rng, directions, step, rtol, atol, values[w]))
     return report
+
+
+def _flat(value: np.ndarray | list[np.ndarray]) -> np.ndarray:
+    """A loss value as one array: a tensor as it is, a sequence as its elements flattened and concatenated."""
+    if not isinstance(value, list):
+        return np.asarray(value)
+    return np.concatenate([np.asarray(a, np.float64).reshape(-1) for a in value]) if value else np.zeros(0)
+
+
+def _split(flat: np.ndarray, shapes: list[tuple]) -> list[np.ndarray]:
+    """The sequence of arrays of ``shapes`` whose concatenation is ``flat`` (the inverse of :func:`_flat`)."""
+    ends = np.cumsum([math.prod(sh) for sh in shapes])[:-1] if shapes else []
+    return [part.reshape(sh) for part, sh in zip(np.split(flat, ends), shapes, strict=True)]
 
 
 def _float64_feeds(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

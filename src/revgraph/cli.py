@@ -337,7 +337,7 @@ def cmd_grad(args: argparse.Namespace) -> int:
                        sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint,
                        lift_constants=args.lift_constants, straight_through=args.straight_through,
                        memory=args.memory_budget)
-    written = write_graph(gg, args.output, args.opset, "gradient graph")
+    written = write_graph(gg, args.output, args.opset, "gradient graph", g, release=True)
     added = [o for o in gg.output_names if o not in g.output_names]
     forward, backward = count_nodes(written, g)
     out.print(

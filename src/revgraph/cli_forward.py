@@ -118,7 +118,7 @@ def _prepare(args: argparse.Namespace) -> Graph:
 def _finish(args: argparse.Namespace, g: Graph, result: Graph, what: str, nodes: str, inputs: str,
             outputs: str, note: str = "") -> int:
     """Write ``result`` and print what ``grad`` prints: node counts and the names added (with their suffixes)."""
-    written = write_graph(result, args.output, args.opset, what)
+    written = write_graph(result, args.output, args.opset, what, g, release=True)
     forward, derived = count_nodes(written, g)
     new_inputs = [i for i in result.input_names if i not in g.input_names]
     new_outputs = [o for o in result.output_names if o not in g.output_names]

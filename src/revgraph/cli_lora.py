@@ -132,8 +132,9 @@ def cmd_lora(args: argparse.Namespace) -> int:
         return 0
     check_command_outputs(args, {"-o": args.output}, {"ADAPTERS": args.adapters})
     arrays, configuration = lora.load_adapters(args.adapters)
-    g = lora.apply(load(args.model), arrays, configuration, merge=args.merge)
-    write_graph(g, args.output, None, "adapted model")
+    base = load(args.model)
+    g = lora.apply(base, arrays, configuration, merge=args.merge, source=args.adapters)
+    write_graph(g, args.output, None, "adapted model", base)
     how = "merged into the weights" if args.merge else "as separate nodes and initializers"
     out.print(f"wrote {args.output}: {len(configuration['adapters'])} adapters (rank {configuration['rank']}, alpha "
               f"{configuration['alpha']:g}) {how}", soft_wrap=True, markup=False)

@@ -4,13 +4,14 @@ warnings as lines, the checked atomic write and the summary's counts."""
 
 from __future__ import annotations
 
+import functools
 
 from .autodiff.policies import NAMED as _NAMED_POLICIES
 from .atomic import atomic_path, output_target
 from .cli_io import err
 from .errors import RevgraphError
 from .external_data import too_large
-from .ir import Graph
+from .ir import Graph, ValueInfo
 from .lift import drop_unused_initializers
 from .onnx_io import converter_error, save, to_onnx
 
@@ -60,44 +61,63 @@ def with_warnings(build, *args, **kwargs):
     return result
 
 
-def write_graph(gg: Graph, path: str, opset: int | None, what: str) -> list[str]:
+def write_graph(gg: Graph, path: str, opset: int | None, what: str, forward: Graph | None = None, *,
+                release: bool = False) -> list[str]:
     """Write ``gg`` to ``path`` atomically, at ``opset`` (default: its own), after ONNX's full check; returns
     the names of the written top-level nodes (for :func:`count_nodes`). Initializers no node reads are dropped
-    (onnxruntime warns about each).
+    (onnxruntime warns about each). ``forward``: the model ``gg`` was derived from, whose nodes a failure of the
+    check is attributed to (:func:`refuse_inconsistent_model`: exit 2 naming the model's node; a failure in
+    revgraph's own nodes is re-raised).
 
     At the graph's own opset the model is serialized in pieces straight into the temporary file
     (:mod:`revgraph.onnx_stream`): the whole ``ModelProto`` of a long gradient graph (about 1.3 KB per node)
-    never exists. A conversion to another opset, a graph output without a dtype and a model over protobuf's
-    2 GiB (its large tensors go to external data) take the whole model (:func:`_write_model`)."""
+    never exists. With ``release`` (and ``forward``), ``gg``'s nodes and ``value_info`` are emptied once the
+    file is written, before ONNX's check parses it: its C++ copy of the model then takes the memory the graph
+    held (the caller keeps ``gg``'s inputs, outputs and memory plan). A conversion to another opset, a graph
+    output without a dtype and a model over protobuf's 2 GiB (its large tensors go to external data) take the
+    whole model (:func:`_write_model`; ``release`` does nothing there)."""
+    if release and forward is None:
+        raise ValueError("write_graph(release=True) needs forward= to attribute a failed check")
+    release = release and forward is not gg  # (a command whose result is its model keeps it)
     drop_unused_initializers(gg)  # onnxruntime would warn about each one when it loads the graph
+    check = functools.partial(_full_check, gg=gg, what=what, forward=forward)
     if opset is None or opset == gg.opset:
         from .onnx_stream import pieces, prepared
 
         ready = prepared(gg)
         if ready is not None:
+            names, parts = [n.name for n in ready.nodes], pieces(ready)
+            del ready  # (the finished pieces generator drops the last reference to a rewritten copy)
             try:
-                _write_pieces(pieces(ready), path, gg, what)
-                return [n.name for n in ready.nodes]
+                _write_pieces(parts, path, check, functools.partial(_release, gg) if release else None)
+                return names
             except _TooLarge:
                 pass
-    return _write_model(gg, path, opset, what)
+    return _write_model(gg, path, opset, what, check)
+
+
+def _release(gg: Graph) -> None:
+    gg.nodes, gg.value_info = [], {}
 
 
 class _TooLarge(Exception):
     """The pieces passed protobuf's 2 GiB: the model is written with external data instead."""
 
 
-def _write_pieces(parts, path: str, gg: Graph, what: str) -> None:
-    """Write the serialized pieces ``parts`` to ``path`` through a temporary file checked by ONNX's full check
-    before it replaces ``path``; a FIFO or device, written directly, gets bytes checked first. Raises
-    :class:`_TooLarge` (nothing written) when the pieces pass protobuf's limit."""
+def _write_pieces(parts, path: str, check, written=None) -> None:
+    """Write the serialized pieces ``parts`` to ``path`` through a temporary file that ``check`` (a model's path
+    or bytes) passes before it replaces ``path``; a FIFO or device, written directly, gets bytes checked first.
+    ``written`` (if any) is called between the write and the check. Raises :class:`_TooLarge` (nothing written)
+    when the pieces pass protobuf's limit."""
     from .external_data import PROTOBUF_LIMIT
 
     if output_target(path).kind in ("fifo", "device"):  # nothing to check once it is seen: checked from bytes
         data = b"".join(parts)
         if len(data) > PROTOBUF_LIMIT:
             raise _TooLarge
-        _full_check(data, gg, what)
+        if written is not None:
+            written()
+        check(data)
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
             f.write(data)
         return
@@ -109,10 +129,12 @@ def _write_pieces(parts, path: str, gg: Graph, what: str) -> None:
                 raise _TooLarge  # (atomic_path removes the temporary file)
             f.write(part)
         f.flush()
-        _full_check(tmp, gg, what)
+        if written is not None:
+            written()
+        check(tmp)
 
 
-def _write_model(gg: Graph, path: str, opset: int | None, what: str) -> list[str]:
+def _write_model(gg: Graph, path: str, opset: int | None, what: str, check) -> list[str]:
     """:func:`write_graph` through the whole ``ModelProto`` (converted to ``opset``, written with external data
     when over 2 GiB)."""
     import onnx
@@ -135,42 +157,116 @@ def _write_model(gg: Graph, path: str, opset: int | None, what: str) -> list[str
     # model that fails it is never written.
     data = model.SerializeToString()
     del model
-    _write_pieces([data], path, gg, what)
+    _write_pieces([data], path, check)
     return names
 
 
-def _full_check(model, gg: Graph, what: str) -> None:
+def _full_check(model, gg: Graph, what: str, forward: Graph | None = None) -> None:
     """``onnx.checker.check_model(model, full_check=True)`` of the written graph (bytes or a file's path); a
-    failure at one of the model's own nodes is bad input (:func:`_refuse_inconsistent_model`), others re-raised."""
+    failure caused by one of the model's own nodes is bad input (:func:`refuse_inconsistent_model`), others
+    re-raised."""
     import onnx
 
     try:
         onnx.checker.check_model(model, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        _refuse_inconsistent_model(exc, gg, what)
+        refuse_inconsistent_model(exc, gg, what, forward)
         raise
 
 
-def _refuse_inconsistent_model(exc: Exception, gg: Graph, what: str) -> None:
-    """Raise :class:`RevgraphError` (exit 2) when ONNX's check of the written graph fails at one of the model's
-    own nodes: its declared types disagree with what its nodes compute, which ONNX's check of the model alone
-    can miss (a loop's carried shapes, which revgraph completes from the body's declarations, reach the nodes
-    after the loop). A failure at a node revgraph wrote is left to the caller (a bug: exit 3)."""
+#: Name prefixes of the nodes revgraph adds (backward, tangents, hoisted and recomputed values, adapters).
+_OURS = ("grad/", "accum/", "seed/", "remat/", "hoist/", "jvp/", "hvp/", "lora/")
+
+
+def refuse_inconsistent_model(exc: Exception, gg: Graph, what: str, forward: Graph | None = None) -> None:
+    """Raise :class:`RevgraphError` (exit 2) when ONNX's check of the written graph ``gg`` failed because of a
+    node of the model (``forward``, the graph as loaded; ``None``: the nodes of ``gg`` revgraph did not add):
+    ONNX's message names the nodes from the outermost (a ``Loop`` or ``If`` holding the failing node) to the
+    one it failed at. That innermost node is the model's own, at any depth (its declared types disagree with
+    what it computes, which ONNX's check of the model alone can miss: a loop's carried shapes, which revgraph
+    completes from the body's declarations, reach the nodes after the loop); or revgraph made it from a node of
+    the model (``grad/<node>/...``) whose declared output types disagree with what ONNX infers from its
+    declared inputs. Otherwise nothing is raised: a failure in revgraph's own nodes with consistent inputs is a
+    bug, left to the caller (exit 3)."""
     import re
 
-    text = str(exc)
-    m = re.search(r"node name: ([^)]*)\)", text)
-    node = m.group(1) if m else None
-    if node is None:
+    pattern = r"\(op_type:([^,]+), node name: ([^)]*)\)"
+    # one line per error, each naming its nodes from the outermost to the one it failed at
+    failures = []
+    for line in str(exc).strip().splitlines():
+        named = re.findall(pattern, line)
+        if named:
+            what_failed = re.sub(r"^(\[\w+\] )+(Inference error\(s\): )?", "", re.split(pattern, line)[-1].lstrip(": "))
+            failures.append((*named[-1], what_failed[:300]))
+    if not failures:
         return
-    from .autodiff.memory import is_backward_node
+    source = forward if forward is not None else gg
+    nodes = {n.name: n for _, n in source.walk() if n.name and not n.name.startswith(_OURS)}
+    for op, name, detail in failures:
+        if name in nodes:
+            raise RevgraphError(f"the {what} cannot be written: the model's declared types disagree with what its "
+                                f"node {name!r} ({op}) computes ({detail}); correct the model's output and value_info "
+                                "types") from None
+    op, name, detail = failures[0]
+    origin = _origin(name, nodes)
+    why = None if origin is None else _inconsistent(nodes[origin], source)
+    if why is not None:
+        raise RevgraphError(f"the {what} cannot be written: node {origin!r} ({nodes[origin].op_type}) of the model "
+                            f"{why}; ONNX's check fails at {name!r} ({op}), which revgraph built from it ({detail}): "
+                            "correct the model's output and value_info types") from None
 
-    ours = [n for n in gg.nodes if n.name == node]
-    if ours and not any(is_backward_node(n) or n.name.startswith("hoist/") for n in ours):
-        detail = text.strip().splitlines()[0][:300]
-        raise RevgraphError(f"the {what} cannot be written: the model's declared types disagree with what its node "
-                            f"{node!r} computes ({detail}); correct the model's output and value_info types") from None
 
+def _origin(name: str, nodes: dict) -> str | None:
+    """The model's node that revgraph's node ``name`` was built from: ``grad/<node name>/...`` (the longest
+    such name, since names may hold slashes), or ``None``."""
+    rest = name.split("/", 1)[1] if "/" in name else ""
+    found = [n for n in nodes if rest == n or rest.startswith(n + "/")]
+    return max(found, key=len) if found else None
+
+
+def _inconsistent(node, graph: Graph) -> str | None:
+    """What is wrong with ``node`` of ``graph`` (any depth) given the types the model declares: ONNX's inference
+    of the node from its inputs' declared types fails, or gives an output a rank or a static dimension other
+    than the declared one; ``None`` when it agrees or nothing can be told (an input without a declared type, a
+    node with subgraphs, which per-node inference does not see into)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from .onnx_io import attr_to_proto, value_info_from_proto, value_info_to_proto
+    from .schema import get_schema
+
+    if node.subgraphs:
+        return None
+    declared, values = {}, {}
+    for g in [graph, *(sub for _, n in graph.walk() for sub in n.subgraphs.values())]:
+        declared.update((v.name, v) for v in [*g.value_info.values(), *g.inputs, *g.outputs]
+                        if v.dtype is not None and v.kind == "tensor")
+        for k, a in g.initializers.items():
+            declared[k] = ValueInfo(k, a.dtype, a.shape)
+            values[k] = a
+    schema = get_schema(node.op_type, node.domain, {"": graph.opset})
+    if schema is None or any(i and i not in declared for i in node.inputs):
+        return None
+    proto = helper.make_node(node.op_type, node.inputs, node.outputs)
+    proto.attribute.extend(attr_to_proto(node, k, v, {"": graph.opset}) for k, v in node.attrs.items())
+    in_types = {i: value_info_to_proto(declared[i]).type for i in node.inputs if i}
+    data = {i: numpy_helper.from_array(values[i], i) for i in node.inputs if i in values and values[i].size <= 64}
+    try:
+        inferred = onnx.shape_inference.infer_node_outputs(schema, proto, in_types, data)
+    except Exception as exc:
+        return f"does not fit its inputs' declared types ({str(exc).strip().splitlines()[0][:200]})"
+    for out, tp in inferred.items():
+        want = declared.get(out)
+        try:
+            got = value_info_from_proto(helper.make_value_info(out, tp))
+        except Exception:
+            continue
+        if want is None or want.shape is None or got.shape is None:
+            continue
+        if len(want.shape) != len(got.shape) or any(isinstance(a, int) and isinstance(b, int) and a != b
+                                                    for a, b in zip(want.shape, got.shape, strict=False)):
+            return f"declares its output {out!r} as {want.describe()} but computes {got.describe()} from its inputs"
+    return None
 
 
 def count_nodes(written: list[str], forward: Graph) -> tuple[int, int]:

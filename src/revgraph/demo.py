@@ -12,7 +12,8 @@ For each: the gradient of the cross-entropy loss is checked against float64 cent
 (:func:`revgraph.check_gradients`), the training-step graph is built (:mod:`revgraph.train`) and run by
 :class:`revgraph.trainer.Trainer` with Adam, and the test accuracy is measured. The training graphs, the
 trained models and a loss-curve SVG (written by hand, no plotting library) go to the output directory, with
-:data:`MANIFEST`, the size and SHA-256 of each file the demo wrote there: a rerun replaces those files, and
+:data:`MANIFEST`, the size and SHA-256 of each file the demo wrote there (written before each file takes its
+name, so that a run stopped by a full disk leaves only recorded files): a rerun replaces those files, and
 refuses (before any work, unless ``force``) to replace a file of the same name that the demo did not write or
 that was changed since (the user's own ``loss.svg``).
 """
@@ -241,8 +242,9 @@ def _fingerprint(path: Path) -> list | None:
 
 
 def _recorded(out: Path) -> dict | None:
-    """The files the manifest in ``out`` records (``{}`` without one), ``None`` for a file of that name that is
-    not the demo's manifest."""
+    """The files the manifest in ``out`` records as the demo's (``{name: [fingerprint, ...]}``; ``{}`` without a
+    manifest), ``None`` for a file of that name that is not the demo's manifest. A name may have two fingerprints:
+    the file the demo wrote before and the one it was writing when it stopped (:func:`_write`)."""
     manifest = out / MANIFEST
     if not os.path.lexists(manifest):
         return {}
@@ -251,7 +253,11 @@ def _recorded(out: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     files = data.get("files") if isinstance(data, dict) and data.get("format") == _FORMAT else None
-    return files if isinstance(files, dict) else None
+    writing = data.get("writing", {}) if isinstance(files, dict) else None
+    if not isinstance(files, dict) or not isinstance(writing, dict):
+        return None
+    return {name: [fp for fp in (files.get(name), writing.get(name)) if fp is not None]
+            for name in {*files, *writing}}
 
 
 def check_output_directory(out: str | Path, force: bool = False) -> dict:
@@ -273,23 +279,45 @@ def check_output_directory(out: str | Path, force: bool = False) -> dict:
     recorded = recorded or {}
     for name in (*FILES, MANIFEST):
         path = out / name
-        if not force and name != MANIFEST and os.path.lexists(path) and recorded.get(name) != _fingerprint(path):
+        if not force and name != MANIFEST and os.path.lexists(path) and _fingerprint(path) not in recorded.get(name, []):
             raise RevgraphError(f"demo -o {str(out)!r}: {str(path)!r} exists and the demo did not write it (or it "
                                 "changed since); choose a new directory, move the file away, or pass --force")
         if os.path.lexists(path):
             output_target(path)  # a directory, a socket, a dangling link of that name: refused now
-    return recorded
+    # what is there now, of what the demo recorded (one fingerprint per file; a file gone is no longer its)
+    present = {name: _fingerprint(out / name) for name in recorded}
+    return {name: [fp] for name, fp in present.items() if fp is not None and fp in recorded[name]}
 
 
-def _record(out: Path, recorded: dict, name: str) -> None:
-    """Add the file ``name`` just written to the manifest (written after each file: a run that stops half-way
-    leaves the files it wrote recorded)."""
+def _save_manifest(out: Path, files: dict, writing: dict) -> None:
     from .atomic import atomic_path
 
-    recorded[name] = _fingerprint(out / name)
-    text = json.dumps({"format": _FORMAT, "files": recorded}, indent=1)
+    text = json.dumps({"format": _FORMAT, "files": files, "writing": writing}, indent=1)
     with atomic_path(out / MANIFEST) as tmp:
         Path(tmp).write_text(text, encoding="utf-8")
+
+
+def _write(out: Path, recorded: dict, name: str, write) -> None:
+    """Write the file ``out/name`` through ``write(tmp)`` (a temporary file in ``out``), recording it in the
+    manifest *before* it takes its name: the manifest lists its new fingerprint beside the one it had (under
+    ``"writing"``), the file is renamed into place, and then the manifest keeps the new one alone. Wherever a
+    full disk or a signal stops this, what the directory holds under ``name`` (the old file, the new one, or
+    none) is recorded as the demo's, and a rerun replaces it without ``--force``. ``recorded``: the demo's
+    records (:func:`_recorded`), updated in place."""
+    from .atomic import atomic_path
+    from .errors import RevgraphError
+
+    files = {k: v[0] for k, v in recorded.items() if v}  # (the demo's file under ``name`` now, if any, too)
+    with atomic_path(out / name, suffix=Path(name).suffix) as tmp:
+        try:
+            write(tmp)
+        except RevgraphError as exc:  # (a full disk: named by the file the user asked for, not the temporary)
+            raise RevgraphError(str(exc).replace(repr(str(tmp)), repr(str(out / name)))) from None
+        new = _fingerprint(Path(tmp))
+        _save_manifest(out, files, {name: new})  # before the rename: a failure here leaves the old file
+    recorded[name] = [new]
+    files[name] = new
+    _save_manifest(out, files, {})  # (a full disk here leaves "writing": the new file is still recorded)
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -306,7 +334,6 @@ def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), 
     from rich.console import Console
     from rich.table import Table
 
-    from .atomic import atomic_path
     from .check import check_gradients
     from .errors import RevgraphError
     from .train import adam, graph_size, loss_graph
@@ -359,10 +386,8 @@ def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), 
         seconds = time.perf_counter() - t0
         ev = trainer.evaluate(test)
         graph_path, model_path = out / f"{key}.train.onnx", out / f"{key}.onnx"
-        trainer.save_training_graph(graph_path)
-        _record(out, recorded, graph_path.name)
-        trainer.export(model_path)
-        _record(out, recorded, model_path.name)
+        _write(out, recorded, graph_path.name, trainer.save_training_graph)
+        _write(out, recorded, model_path.name, trainer.export)
         size = graph_size(trainer.spec.graph)
         per_epoch = -(-len(train["labels"]) // settings.batch_size)
         curves[f"{key}: test {ev['accuracy']:.1%}"] = (trainer.losses, per_epoch)
@@ -375,9 +400,7 @@ def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), 
                       markup=False, soft_wrap=True)
     svg = out / "loss.svg"
     text = loss_svg(curves, "revgraph demo: cross-entropy on the digits training set (Adam)")
-    with atomic_path(svg) as tmp:
-        Path(tmp).write_text(text, encoding="utf-8")
-    _record(out, recorded, svg.name)
+    _write(out, recorded, svg.name, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     results["svg"] = str(svg)
     results["seconds"] = time.perf_counter() - started
     console.print(f"loss curves: {svg}", markup=False, soft_wrap=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import warnings
 from contextlib import contextmanager
 
 import numpy as np
@@ -42,6 +41,7 @@ from .runtime import _first_line
 from .runtime_options import RuntimeOptions
 from .steps import SplitEngine
 from .train import TrainingGraph
+from .warn import warn
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -139,11 +139,10 @@ class Collective:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.tdevice = torch.device(device.torch())
         if self.rank == 0 and stale_store_on_restart():
-            warnings.warn("torchrun restarts workers (--max-restarts) but shares its rendezvous store with them: "
-                          "restarted workers may read the addresses of the failed attempt and fail to connect "
-                          "(pytorch/pytorch#135712); use the c10d rendezvous (--rdzv-backend c10d) with "
-                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (revgraph train --nproc sets it)",
-                          stacklevel=2)
+            warn("torchrun restarts workers (--max-restarts) but shares its rendezvous store with them: "
+                 "restarted workers may read the addresses of the failed attempt and fail to connect "
+                 "(pytorch/pytorch#135712); use the c10d rendezvous (--rdzv-backend c10d) with "
+                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (revgraph train --nproc sets it)")
 
     # ------------------------------------------------------------------------------------------ small values
 
@@ -300,7 +299,7 @@ class DistributedEngine(SplitEngine):
             try:
                 return cut(self.grad_graph, groups, inferred_types(self.grad_graph))
             except RevgraphError as exc:
-                warnings.warn(f"the gradient exchange does not overlap the backward pass: {exc}", stacklevel=3)
+                warn(f"the gradient exchange does not overlap the backward pass: {exc}")
                 return None
 
     def _scratch(self) -> dict:

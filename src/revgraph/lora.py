@@ -78,13 +78,17 @@ def config(graph: Graph) -> dict | None:
     text = graph.metadata.get(KEY)
     if text is None:
         return None
+    return _parse_config(text, f"the model's metadata {KEY!r}", "remove it from the model's metadata_props")
+
+
+def _parse_config(text: str, where: str, fix: str) -> dict:
+    """The configuration JSON ``text`` read from ``where`` (named in the error with what to do, ``fix``)."""
     try:
         found = json.loads(text)
         if not _valid(found):
             raise ValueError
-    except (ValueError, AttributeError):
-        raise RevgraphError(f"the model's metadata {KEY!r} is not a LoRA configuration revgraph wrote "
-                            f"(format {_FORMAT}); remove it from the model's metadata_props") from None
+    except (ValueError, AttributeError, TypeError, RecursionError):
+        raise RevgraphError(f"{where} is not a LoRA configuration revgraph wrote (format {_FORMAT}); {fix}") from None
     return found
 
 
@@ -397,14 +401,22 @@ def extract(graph: Graph) -> tuple[dict[str, np.ndarray], dict]:
     if found is None:
         raise RevgraphError("the model has no LoRA adapters (no metadata 'revgraph.lora'): train it with --lora "
                             "(lora.add_adapters) first")
+    missing = [(a, k) for a in found["adapters"] for k in ("A", "B") if a[k] not in graph.initializers]
+    if missing:
+        a, k = missing[0]
+        raise RevgraphError(f"the model has no initializer {a[k]!r}, the {k} adapter of weight {a['weight']!r} that its "
+                            f"metadata {KEY!r} names; export the trained model again (Trainer.export)")
     return {n: np.asarray(graph.initializers[n]) for n in adapter_names(graph)}, found
 
 
-@V.arguments(base=V.GRAPH, merge=V.FLAG)  # (arrays, configuration: checked below, named)
-def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge: bool = False) -> Graph:
+@V.arguments(base=V.GRAPH, merge=V.FLAG, source=V.OPTIONAL_PATH)  # (arrays, configuration: checked below, named)
+def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge: bool = False, *,
+          source: str | os.PathLike | None = None) -> Graph:
     """``base`` with the adapters ``arrays`` of ``configuration`` (what :func:`extract` returns) on the same
-    weights, merged into them with ``merge``. Raises :class:`RevgraphError` (one line) when ``base`` lacks a
-    weight the adapters were trained on, or an adapter's shape does not fit its weight."""
+    weights, merged into them with ``merge``. ``source``: the file the adapters came from (what
+    :func:`load_adapters` read), named in the errors. Raises :class:`RevgraphError` (one line) when ``base``
+    lacks a weight the adapters were trained on, or an adapter is missing, is not a finite floating-point
+    array, or has a shape that does not fit its weight."""
     if not _valid(configuration):
         raise RevgraphError(f"lora.apply: the configuration is not one revgraph wrote (format {_FORMAT}, a list of "
                             "adapters); pass what lora.extract or lora.load_adapters returns")
@@ -418,17 +430,38 @@ def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge
                             "trained on: apply them to the model they were trained from")
     g = _add_exact(base, configuration, weights)
     new = {a["weight"]: a for a in config(g)["adapters"]}
+    kind = "initializer" if str(source).lower().endswith(".onnx") else "member"
     for a in configuration["adapters"]:
         for key in ("A", "B"):
+            adapter = (f"adapter {a[key]!r}" if source is None else f"{os.fspath(source)!r}: {kind} {a[key]!r}") + \
+                f" (the {key} adapter of weight {a['weight']!r})"
             if a[key] not in arrays:
-                raise RevgraphError(f"the adapters lack {a[key]!r} ({key} of weight {a['weight']!r})")
-            value, name = np.asarray(arrays[a[key]]), new[a["weight"]][key]
+                raise RevgraphError(f"{adapter} is missing; the adapters hold {', '.join(map(repr, arrays)) or 'none'}: "
+                                    "write them with revgraph lora extract (lora.save_adapters)")
+            value, name = _check_adapter(arrays[a[key]], adapter), new[a["weight"]][key]
             want = g.initializers[name]
             if value.shape != want.shape:
-                raise RevgraphError(f"adapter {a[key]!r} has shape {list(value.shape)}; weight {a['weight']!r} of the "
-                                    f"base model needs {list(want.shape)}: apply it to the model it was trained from")
+                raise RevgraphError(f"{adapter} has shape {list(value.shape)}; weight {a['weight']!r} of the base model "
+                                    f"needs {list(want.shape)}: apply it to the model it was trained from")
             g.initializers[name] = value.astype(want.dtype)
     return merge_adapters(g) if merge else g
+
+
+def _check_adapter(value: object, adapter: str) -> np.ndarray:
+    """``value`` as an array when it is a finite 2-D floating-point array (what an adapter is); raises
+    :class:`RevgraphError` naming ``adapter`` and what is wrong (not an array, its dtype, rank, non-finite)."""
+    if not isinstance(value, np.ndarray):
+        raise RevgraphError(f"{adapter} is a {type(value).__name__}, not an array; an adapter is a 2-D "
+                            "floating-point array")
+    if not is_float_dtype(value.dtype):
+        raise RevgraphError(f"{adapter} has dtype {value.dtype}; an adapter is a 2-D floating-point array (float32, "
+                            "float16, bfloat16 or float64)")
+    if value.ndim != 2:
+        raise RevgraphError(f"{adapter} has shape {list(value.shape)}; an adapter is a 2-D array ([in, rank] for A, "
+                            "[rank, out] for B)")
+    if not np.isfinite(value.astype(np.float32) if value.dtype.itemsize < 4 else value).all():
+        raise RevgraphError(f"{adapter} holds NaN or infinite values; an adapter holds finite numbers")
+    return value
 
 
 def _add_exact(base: Graph, configuration: dict, weights: list[str]) -> Graph:
@@ -472,19 +505,47 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]
 
     suffix = os.path.splitext(str(path))[1].lower()
     if suffix == ".onnx":
-        return extract(load(path))
+        model = load(path)
+        try:
+            arrays, found = extract(model)
+        except RevgraphError as exc:  # named by the file it read
+            raise RevgraphError(f"{os.fspath(path)!r}: {exc}") from None
+        for a in found["adapters"]:
+            for key in ("A", "B"):
+                _check_adapter(arrays[a[key]], f"{os.fspath(path)!r}: initializer {a[key]!r} (the {key} adapter of "
+                                              f"weight {a['weight']!r})")
+        return arrays, found
     if suffix != ".npz":
         raise RevgraphError(f"cannot read adapters from {str(path)!r}: give an .npz or .onnx file written by "
                             "revgraph lora extract")
     # every member is read (all are adapters), each bounded before it is decompressed (revgraph.archive)
+    label = repr(os.fspath(path))
+    fix = "write the file with revgraph lora extract"
     z = read_archive(path, what=".npz file of adapters")
-    try:
-        names = {str(n): str(m) for m, n in z[NAMES]} if NAMES in z else {k: k for k in z}
-        arrays = {n: np.asarray(z[m]) for n, m in names.items()}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise RevgraphError(f"{str(path)!r} is not a readable .npz file of adapters ({type(exc).__name__})") from None
+    table = z.get(NAMES)
+    if table is None:
+        names = {k: k for k in z}
+    elif table.dtype.kind != "U" or table.ndim != 2 or table.shape[1:] != (2,):
+        raise RevgraphError(f"{label}: member {NAMES!r} is a {table.dtype} array of shape {list(table.shape)}, not the "
+                            f"table of (member, name) strings revgraph writes; {fix}")
+    else:
+        names = {str(n): str(m) for m, n in table}
+    lost = [(n, m) for n, m in names.items() if m not in z]
+    if lost:
+        raise RevgraphError(f"{label}: member {lost[0][1]!r} is missing (member {NAMES!r} lists it, for "
+                            f"{lost[0][0]!r}); {fix}")
+    arrays = {n: z[m] for n, m in names.items()}
     if KEY not in arrays:
-        raise RevgraphError(f"{str(path)!r} holds no LoRA configuration (member {KEY!r}); write it with revgraph "
-                            "lora extract")
-    holder = Graph(metadata={KEY: str(arrays.pop(KEY))})
-    return arrays, config(holder)
+        raise RevgraphError(f"{label}: the file holds no LoRA configuration (member {KEY!r}); {fix}")
+    text = arrays.pop(KEY)
+    if text.dtype.kind != "U" or text.ndim != 0:
+        raise RevgraphError(f"{label}: member {KEY!r} is a {text.dtype} array of shape {list(text.shape)}, not the JSON "
+                            f"text of a LoRA configuration; {fix}")
+    found = _parse_config(str(text), f"{label}: member {KEY!r}", fix)
+    for a in found["adapters"]:  # what apply checks too, named here by member
+        for key in ("A", "B"):
+            member = f"{label}: member {names.get(a[key], a[key])!r} (the {key} adapter of weight {a['weight']!r})"
+            if a[key] not in arrays:
+                raise RevgraphError(f"{member} is missing; {fix}")
+            _check_adapter(arrays[a[key]], member)
+    return arrays, found

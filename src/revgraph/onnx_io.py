@@ -27,6 +27,7 @@ from onnx import AttributeProto, helper, numpy_helper
 from . import validate as V
 from . import limits
 from .atomic import atomic_path
+from .constants import sparse_parts
 from .errors import GraphError, RevgraphError, UnsupportedModelError
 from .ir import NEWEST_OPSET, TARGET_OPSET, Graph, Node, ValueInfo, gc_paused, require_graph
 from .portable import identity_dropouts
@@ -258,13 +259,19 @@ def _read_type(t: onnx.TypeProto, name: str) -> tuple:
 
 
 def _attr_from_proto(a: AttributeProto, opsets: dict[str, int], node: onnx.NodeProto | None = None) -> Any:
+    place = f"attribute {a.name!r}" + (f" of node {node.name!r} ({node.op_type})" if node is not None else "")
+    if a.type in (AttributeProto.SPARSE_TENSOR, AttributeProto.SPARSE_TENSORS) and not a.ref_attr_name:
+        # kept as protos, but checked now: runtimes densify them with whatever indices they hold (a repeated
+        # index silently keeps one of its values, an unsorted one is accepted by one runtime only)
+        for sp in [a.sparse_tensor] if a.type == AttributeProto.SPARSE_TENSOR else a.sparse_tensors:
+            sparse_parts(sp, place)
     if a.type in _PASSTHROUGH_ATTRS or a.ref_attr_name:
         return a
     if a.type == AttributeProto.GRAPH:
         return graph_from_proto(a.g, opsets)
     if a.type == AttributeProto.GRAPHS:
         return [graph_from_proto(g, opsets) for g in a.graphs]
-    where = f"attribute {a.name!r}" + (f" of node {node.name!r} ({node.op_type})" if node is not None else "") + ":"
+    where = place + ":"
     if a.type == AttributeProto.TENSOR:
         return tensor_array(a.t, f"{where} tensor")
     if a.type == AttributeProto.TENSORS:

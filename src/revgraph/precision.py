@@ -39,7 +39,6 @@ checkpoints. bfloat16 has float32's range: no loss scaling, as PyTorch.
 from __future__ import annotations
 
 import argparse
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,6 +49,7 @@ from .errors import InputError, RevgraphError
 from .graphbuild import Builder
 from .ir import Graph, Node, ValueInfo, is_float_dtype
 from .types import infer_types
+from .warn import warn
 
 if TYPE_CHECKING:
     from .train import TrainingGraph
@@ -189,8 +189,8 @@ def autocast(model: Graph, precision: Precision | str) -> tuple[Graph, int]:
             b.nodes.append(Node("Add", [product, c], [out], name=b.fresh(f"{b.prefix}/Add")))
     g.nodes = b.nodes  # (a shared constant is emitted where it is first needed: before every reader)
     if not count:
-        warnings.warn(f"precision {prec.kind}: the model has no float32 {', '.join(LOW_PRECISION_OPS)} node; "
-                      "the whole step runs in float32", stacklevel=3)
+        warn(f"precision {prec.kind}: the model has no float32 {', '.join(LOW_PRECISION_OPS)} node; "
+             "the whole step runs in float32")
     return g, count
 
 

@@ -19,12 +19,12 @@ clipping, decay on every parameter, fp32); those it never recorded (the learning
 from __future__ import annotations
 
 import json
-import warnings
 
 import numpy as np
 
 from . import checkpoints, snapshot_checks
 from .errors import RevgraphError
+from .warn import warn
 
 #: The recorded settings' values for checkpoints that do not record them (written before the record existed).
 OLD_DEFAULTS = {"lr_schedule": "constant", "warmup_steps": 0, "min_lr": 0.0, "total_steps": None,
@@ -204,7 +204,7 @@ def note(console, text: str) -> None:
     if console is not None:
         console.print(text, soft_wrap=True, markup=False)
     else:
-        warnings.warn(text, stacklevel=4)
+        warn(text)
 
 
 def set_total(trainer, total: int | None) -> None:

@@ -17,6 +17,7 @@ import onnx
 
 from . import validate as V
 from . import limits
+from .constants import dense_constants
 from .devices import Device
 from .errors import InputError, RevgraphError, UnsupportedModelError
 from .external_data import session_source
@@ -71,6 +72,7 @@ class Session:
         self.graph = graph
         self.backend = backend
         self.model = to_onnx(graph)
+        dense_constants(self.model)  # sparse Constants made dense, alike on both backends and in subgraphs
         if backend == "onnxruntime":
             import onnxruntime as ort
 
@@ -114,7 +116,8 @@ class Session:
     def run(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run the graph on ``feeds`` (input name -> array) and return ``{output name: array}``.
 
-        A sequence input is fed, and a sequence output returned, as a list of arrays.
+        A sequence input is fed, and a sequence output returned, as a list of arrays. A sparse tensor output (a
+        sparse ``Constant``'s) is returned dense, zeros where it has no value, on both backends (:func:`dense_output`).
         Raises :class:`InputError` for a missing or unknown feed, or a feed whose dtype or rank or static
         dimensions differ from the declared input; :class:`RevgraphError` if the backend fails.
         """
@@ -290,9 +293,20 @@ def dense_output(name: str, value) -> np.ndarray:
     ``Constant``'s output) is densified, zeros where it has no value, so that every caller (``run -o`` writing
     an .npz, the checker, training) sees the tensor ONNX defines instead of a Python object; its dense form is
     refused over :data:`revgraph.limits.MAX_MATERIALIZED_BYTES` (:class:`RevgraphError`, one line)."""
+    from .limits import check_allocation
+
+    if type(value).__name__ == "SparseTensor" and isinstance(getattr(value, "values", None), np.ndarray):
+        # onnx.reference's SparseTensor (values, indices and shape as attributes): a Session hands the
+        # evaluator dense Constants (constants.dense_constants); this keeps any other path that yields one alike
+        from .constants import densify, linear_indices
+
+        shape = tuple(int(d) for d in value.shape)
+        check_allocation(f"sparse output {name!r}", shape, value.values.dtype, "its dense form")
+        values = value.values.reshape(-1)
+        return densify(values, linear_indices(value.indices, values.shape[0], shape, f"sparse output {name!r}"),
+                       shape)
     if not hasattr(value, "dense_shape") or not hasattr(value, "values"):
         return np.asarray(value)
-    from .limits import check_allocation
 
     shape = tuple(int(d) for d in value.dense_shape())
     values = np.asarray(value.values()).reshape(-1)

@@ -19,7 +19,6 @@ PyTorch (:func:`inference_batchnorms`): the same in one process and in many, wha
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +27,7 @@ from .errors import RevgraphError
 from .graph_collectives import all_reduce_node
 from .ir import Graph, Node, ValueInfo, fresh_name
 from .types import infer_types
+from .warn import warn
 
 
 def training_batchnorms(graph: Graph) -> list[str]:
@@ -65,10 +65,10 @@ def warn_per_rank_statistics(graph: Graph, world_size: int) -> None:
     if not names or world_size < 2:
         return
     shown = ", ".join(map(repr, names[:8])) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    warnings.warn(f"BatchNormalization {shown} normalize(s) in training mode: each of the {world_size} processes "
-                  "computes the batch statistics and running statistics over its own share of the global batch, so "
-                  "training differs from one process on the same global batch; pass --sync-batchnorm "
-                  "(Trainer(..., sync_batchnorm=True)) for statistics over the global batch", stacklevel=3)
+    warn(f"BatchNormalization {shown} normalize(s) in training mode: each of the {world_size} processes "
+         "computes the batch statistics and running statistics over its own share of the global batch, so "
+         "training differs from one process on the same global batch; pass --sync-batchnorm "
+         "(Trainer(..., sync_batchnorm=True)) for statistics over the global batch")
 
 
 def running_statistics(graph: Graph, params) -> list[str]:

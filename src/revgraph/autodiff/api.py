@@ -7,7 +7,6 @@ result up (:mod:`.simplify`).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -18,6 +17,7 @@ from ..ir import Graph, Node, ValueInfo, fresh_name, gc_paused, require_graph
 from ..lift import lift_constants as lift
 from ..ssa import is_ssa, to_ssa
 from ..types import infer_types, keep_types
+from ..warn import warn
 from . import sparse as sp
 from .arguments import names_argument, refuse_integer_loss, resolve_loss, resolve_wrt, used_names
 from .backward import backward
@@ -95,8 +95,9 @@ def gradient(
         if seed == "input":
             seed_name = fresh_name(f"{loss}_grad", used)
             vi = types.get(loss) or ValueInfo(loss)
-            g.inputs.append(ValueInfo(seed_name, vi.dtype, vi.shape))
-            types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape)
+            # a sequence loss takes a sequence of cotangents (one per element), not a tensor
+            g.inputs.append(ValueInfo(seed_name, vi.dtype, vi.shape, vi.kind))
+            types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape, vi.kind)
             ys[loss] = seed_name
         e = Emitter(types, used, g.opset)
         options = Options(checkpoint=parse_policy(checkpoint), straight_through=bool(straight_through))
@@ -108,7 +109,7 @@ def gradient(
                 f"no path from {', '.join(map(repr, missing))} to the loss {loss!r} (use unconnected='zero' for zero gradients)"
             )
         if missing:
-            warnings.warn(f"no path from {', '.join(map(repr, missing))} to the loss {loss!r}; their gradients are zero", stacklevel=2)
+            warn(f"no path from {', '.join(map(repr, missing))} to the loss {loss!r}; their gradients are zero")
         tail: list[Node] = []
         for w in wrt_names:
             with e.scope(f"grad/{w}"):

@@ -26,13 +26,13 @@ values are not all kept alive until the tangent pass runs.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 
 from .. import validate as V
 from ..ir import Graph, Node, ValueInfo, fresh_name, require_graph
 from ..ssa import captured_names, is_ssa, to_ssa
 from ..types import constant_values, differentiable, infer_types, keep_types
+from ..warn import warn
 from .node_checks import check_nodes
 from .accumulate import densify, zeros_like
 from .arguments import resolve_outputs, resolve_wrt, used_names
@@ -97,8 +97,7 @@ def jvp(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterab
         tail.append(Node("Identity", [t], [out], name=fresh_name(f"jvp/{y}/output", used)))
         g.outputs.append(ValueInfo(out, vi.dtype, vi.shape))
     if unconnected:
-        warnings.warn(f"no path from the inputs to {', '.join(map(repr, unconnected))}; their tangents are zero",
-                      stacklevel=2)
+        warn(f"no path from the inputs to {', '.join(map(repr, unconnected))}; their tangents are zero")
     g.nodes += e.nodes + tail
     simplify(g)
     g.nodes = schedule(g.nodes, seeds)

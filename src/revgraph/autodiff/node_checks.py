@@ -4,7 +4,8 @@ nodes through (a ``Pad`` whose ``pads`` has the wrong length when the output sha
 ``ScatterND`` whose ``updates`` do not fit its ``indices``); a rule then builds from them a graph that is huge
 (80000 pads: minutes) or that ONNX refuses. Each check knows its operator's spec (ONNX operator docs) and
 raises a one-line :class:`~revgraph.errors.GraphError` (exit 2) naming the node, the input and the value.
-Only what is known while the graph is built is checked (static ranks and dimensions, constant inputs)."""
+Only what is known while the graph is built is checked (static ranks and dimensions, constant inputs), in the
+top-level graph and in every Loop/Scan/If body (walked iteratively, with the types inferred for each body)."""
 
 from __future__ import annotations
 
@@ -215,10 +216,40 @@ CHECKS: dict[str, Callable] = {
 
 
 def check_nodes(graph: Graph, types: Mapping[str, ValueInfo], values: Mapping) -> None:
-    """Check every top-level node of ``graph`` of an operator in :data:`CHECKS` (default domain) against the
-    static types ``types`` and the constant values ``values``; raises :class:`GraphError` (one line naming the
-    node) at the first inconsistent one."""
-    for node in graph.nodes:
-        check = CHECKS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-        if check is not None and node.inputs and node.inputs[0]:
-            check(node, types, values)
+    """Check every node of ``graph`` of an operator in :data:`CHECKS` (default domain) against the static types
+    ``types`` and the constant values ``values``, the nodes of its ``Loop``/``Scan``/``If`` bodies too (walked
+    iteratively, each body with the types inferred for it from its declarations and the enclosing graph's types
+    of what it captures, and the constants it captures); raises :class:`GraphError` (one line naming the node)
+    at the first inconsistent one."""
+    stack: list[tuple[Graph, Mapping[str, ValueInfo], Mapping]] = [(graph, types, values)]
+    while stack:
+        g, t, v = stack.pop()
+        for node in g.nodes:
+            check = CHECKS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+            if check is not None and node.inputs and node.inputs[0]:
+                check(node, t, v)
+            for body in node.subgraphs.values():
+                if any(n.op_type in CHECKS for _, n in body.walk()):  # (inferring a body's types costs)
+                    stack.append(_body_scope(body, t, v, graph.opsets))
+
+
+def _body_scope(body: Graph, types: Mapping[str, ValueInfo], values: Mapping, opsets: Mapping[str, int]
+                ) -> tuple[Graph, dict, dict]:
+    """``(body, its types, its constant values)`` (``opsets``: the model's): the body's own inferred from its declarations, and the
+    types and constants of the enclosing graph's values it captures (a captured initializer is a constant in
+    the body too)."""
+    from ..ssa import captured_names
+    from ..types import constant_values, infer_types
+
+    captured = captured_names(body)
+    outer = [types.get(c) or ValueInfo(c) for c in captured]
+    probe = Graph(body.nodes, [*body.inputs, *outer], body.outputs, body.initializers, body.value_info,
+                  opsets=dict(opsets))  # (a body's own opsets are the model's)
+    try:
+        inner = infer_types(probe)
+    except Exception:  # (inference is a help here; the node checks use what is known)
+        inner = {}
+    for vi in [*outer, *body.inputs]:
+        inner.setdefault(vi.name, vi)
+    known = {c: values[c] for c in captured if c in values}
+    return body, inner, {**known, **constant_values(body, inner)}

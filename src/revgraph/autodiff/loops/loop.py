@@ -19,13 +19,12 @@ produce comes back as a :class:`ForwardPatch`, which the backward pass applies.
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
 from ...ir import Graph, Node, ValueInfo
 from ...ssa import captured_names
 from ...types import keep_types
+from ...warn import warn
 from ..context import Ctx, ForwardPatch, PatchedVJP
 from ..policies import Recompute, Segments
 from ..registry import vjp
@@ -39,9 +38,9 @@ def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     """VJP of ONNX ``Loop`` (operator spec "Loop", opset 21): see the module doc."""
     policy = ctx.options.checkpoint
     if isinstance(policy, Segments) and _carries_sequences(ctx, node):
-        warnings.warn(f"{node.label()} carries a sequence, and checkpoint={policy.name!r} keeps the loop-carried values "
-                      "at segment starts as stacked tensors, which a sequence cannot be; this loop is differentiated "
-                      "with checkpoint='recompute'", stacklevel=2)
+        warn(f"{node.label()} carries a sequence, and checkpoint={policy.name!r} keeps the loop-carried values "
+             "at segment starts as stacked tensors, which a sequence cannot be; this loop is differentiated "
+             "with checkpoint='recompute'")
         policy = Recompute()
     if isinstance(policy, Segments):
         return checkpointed_loop(ctx, node, cts, policy)

@@ -41,7 +41,6 @@ gradient stays right, the saving is lost): revgraph's onnxruntime sessions turn 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -51,6 +50,7 @@ from ... import validate as V
 from ...ir import REMAT_PREFIX, Graph, Node, ValueInfo, fresh_name
 from ...runtime_options import ORT_DISABLED_OPTIMIZERS
 from ...ssa import captured_names
+from ...warn import warn
 from .budget import DEFAULT_SYMBOLIC_DIM, Budget
 from .cost import ALIASING, cheap, flops, is_identity, recomputable
 from .mincut import INF, Network
@@ -285,8 +285,8 @@ def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
             chosen, kept, cost = _search(p, target, plan)
             plan.met = kept <= target or target == 0
             if not plan.met and target > 0:  # (a budget of 0 asks for the fewest bytes: no warning)
-                warnings.warn(f"the memory budget of {human_bytes(target)} cannot be met: recomputing everything "
-                              f"recomputable keeps {human_bytes(kept)} of residuals; the graph keeps that", stacklevel=3)
+                warn(f"the memory budget of {human_bytes(target)} cannot be met: recomputing everything "
+                     f"recomputable keeps {human_bytes(kept)} of residuals; the graph keeps that")
     plan.saved_after, plan.recomputed_flops = kept, cost
     plan.recomputed = [graph.nodes[k].name or graph.nodes[k].op_type for k in sorted(chosen)]
     if chosen:

@@ -14,7 +14,6 @@ integer base).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from functools import cache, partial
 
@@ -22,6 +21,7 @@ import numpy as np
 import onnx
 
 from ...ir import Node, is_float_dtype
+from ...warn import warn
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, unary, vjp
@@ -48,8 +48,8 @@ def integer_result(e: Emitter, node: Node) -> bool:
         return False
     floats = [i for i in node.inputs if i and (e.dtype(i) is None or is_float_dtype(e.dtype(i)))]
     if floats:
-        warnings.warn(f"{node.label()}: its output {node.outputs[0]!r} is {dt}, an integer, so no gradient flows "
-                      f"to {', '.join(map(repr, floats))} through it", stacklevel=2)
+        warn(f"{node.label()}: its output {node.outputs[0]!r} is {dt}, an integer, so no gradient flows "
+             f"to {', '.join(map(repr, floats))} through it")
     return True
 
 

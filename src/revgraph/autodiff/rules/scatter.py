@@ -24,13 +24,13 @@ write in another order.
 
 from __future__ import annotations
 
-import warnings
 from functools import cache
 
 import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node
+from ...warn import warn
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
@@ -347,7 +347,7 @@ def _landed(ctx: Ctx, node: Node, scatter: str, attrs: dict) -> str | None:
 
 
 def _warn_order(node: Node) -> None:
-    warnings.warn(f"{node.label()}: reduction='none' with indices known only at run time, which may repeat; where "
-                  "they do, the gradient follows the forward as onnxruntime and onnx's reference evaluator run it (the "
-                  "last update written to a position gets its cotangent, the ones it overwrites 0); a runtime that "
-                  "writes repeated indices in another order computes another forward", stacklevel=3)
+    warn(f"{node.label()}: reduction='none' with indices known only at run time, which may repeat; where "
+         "they do, the gradient follows the forward as onnxruntime and onnx's reference evaluator run it (the "
+         "last update written to a position gets its cotangent, the ones it overwrites 0); a runtime that "
+         "writes repeated indices in another order computes another forward")
