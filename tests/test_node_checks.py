@@ -118,8 +118,9 @@ def test_inconsistent_nodes_in_subgraphs_are_refused(case, where, command, tmp_p
     err = capsys.readouterr().err
     if "the model is not valid ONNX" in err:  # ONNX's check on load, naming the node in the body
         one_line_error(code, err, "node name: n1")
-    else:
-        one_line_error(code, err, "node 'n1'", fragment)
+    else:  # naming the body that holds it too
+        holder = "in 'body' of node 'loop' (Loop)" if where.startswith("loop") else "in 'then_branch' of node 'if' (If)"
+        one_line_error(code, err, "node 'n1'", fragment, holder)
     assert not out.exists()
 
 

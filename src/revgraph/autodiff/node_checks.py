@@ -220,17 +220,23 @@ def check_nodes(graph: Graph, types: Mapping[str, ValueInfo], values: Mapping) -
     ``types`` and the constant values ``values``, the nodes of its ``Loop``/``Scan``/``If`` bodies too (walked
     iteratively, each body with the types inferred for it from its declarations and the enclosing graph's types
     of what it captures, and the constants it captures); raises :class:`GraphError` (one line naming the node)
-    at the first inconsistent one."""
-    stack: list[tuple[Graph, Mapping[str, ValueInfo], Mapping]] = [(graph, types, values)]
+    at the first inconsistent one; a node in a body is named with the bodies that hold it ("node 'n1' (Pad) in
+    'body' of node 'loop' (Loop)")."""
+    stack: list[tuple[Graph, Mapping[str, ValueInfo], Mapping, str]] = [(graph, types, values, "")]
     while stack:
-        g, t, v = stack.pop()
+        g, t, v, where = stack.pop()
         for node in g.nodes:
             check = CHECKS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
             if check is not None and node.inputs and node.inputs[0]:
-                check(node, t, v)
-            for body in node.subgraphs.values():
+                try:
+                    check(node, t, v)
+                except GraphError as exc:
+                    if not where:
+                        raise
+                    raise GraphError(str(exc).replace(node.label(), node.label() + where, 1)) from None
+            for attr, body in node.subgraphs.items():
                 if any(n.op_type in CHECKS for _, n in body.walk()):  # (inferring a body's types costs)
-                    stack.append(_body_scope(body, t, v, graph.opsets))
+                    stack.append((*_body_scope(body, t, v, graph.opsets), f" in {attr!r} of {node.label()}{where}"))
 
 
 def _body_scope(body: Graph, types: Mapping[str, ValueInfo], values: Mapping, opsets: Mapping[str, int]
