@@ -325,7 +325,8 @@ def run_torchrun(argv: list[str]) -> int:
         except ChildFailedError as exc:
             codes = {f.exitcode for f in exc.failures.values()}
             if 2 in codes or (3 not in codes and any(Path(run_dir).glob("error.rank*.txt"))):
-                # (a rank that handed its line over and then died in a native destructor still refused)  # the one line of the workers' refusal, printed once here (each worker handed it over)
+                # the one line of the workers' refusal, printed once here (each worker handed it over); a rank that
+                # handed its line over and then died in a native destructor still refused
                 message = _handed_over(run_dir)
                 if message:
                     from .cli_io import err
