@@ -478,9 +478,15 @@ def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
     ``Identity`` (:func:`revgraph.portable.identity_dropouts`: some runtimes refuse training-mode Dropout).
     """
     require_graph(graph, "to_onnx")
-    graph = identity_dropouts(graph)
     with gc_paused():
-        return _ssa_to_onnx(graph if is_ssa(graph) else to_ssa(graph), producer)
+        return _ssa_to_onnx(as_written(graph), producer)
+
+
+def as_written(graph: Graph) -> Graph:
+    """``graph`` as :func:`to_onnx` writes it: ``Dropout`` identities rewritten, in SSA form (``graph`` itself
+    when nothing changes)."""
+    graph = identity_dropouts(graph)
+    return graph if is_ssa(graph) else to_ssa(graph)
 
 
 def _ssa_to_onnx(graph: Graph, producer: str = "revgraph") -> onnx.ModelProto:

@@ -20,9 +20,7 @@ from collections.abc import Iterator
 import onnx
 
 from .ir import Graph, require_graph
-from .onnx_io import _ssa_to_onnx, fill_nodes, fill_value_info
-from .portable import identity_dropouts
-from .ssa import is_ssa, to_ssa
+from .onnx_io import _ssa_to_onnx, as_written, fill_nodes, fill_value_info
 
 #: Nodes (or value infos) per piece: large enough that a piece's framing is negligible, small enough that its
 #: protobuf objects are a few MB.
@@ -36,8 +34,7 @@ def prepared(graph: Graph) -> Graph | None:
     require_graph(graph, "prepared")
     if any(vi.kind == "tensor" and vi.dtype is None for vi in graph.outputs):
         return None
-    graph = identity_dropouts(graph)
-    return graph if is_ssa(graph) else to_ssa(graph)
+    return as_written(graph)
 
 
 def pieces(graph: Graph, *, producer: str = "revgraph", piece: int = PIECE) -> Iterator[bytes]:
