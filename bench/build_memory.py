@@ -75,7 +75,7 @@ def worker(model: str, out: str) -> dict:
     import revgraph as rg
     from revgraph.cli_write import write_graph
     from revgraph.ir import gc_paused
-    from revgraph.onnx_io import check_valid
+    from revgraph.onnx_check import check_valid
 
     _reset_hwm()
     result = {"base_kib": _hwm_kib()}
@@ -96,7 +96,7 @@ def worker(model: str, out: str) -> dict:
                 gg = rg.gradient(g, "loss", ["W", "b", "c"])
                 result["nodes"] = len(gg.nodes)
             else:  # as `revgraph grad` writes: the gradient graph's nodes released before ONNX's check
-                write_graph(gg, out, None, "gradient graph", g, release=True)
+                write_graph(gg, out, None, "gradient graph", g)
         result[phase] = {"s": time.perf_counter() - t0, "kib": _hwm_kib()}
     return result
 

@@ -37,7 +37,8 @@ from .cli_write import (
 from .errors import InputError, RevgraphError
 from .ir import TARGET_OPSET, ValueInfo, is_float_dtype
 from .lift import lift_constants
-from .onnx_io import check_valid, load
+from .onnx_check import check_valid
+from .onnx_io import load
 from .runtime import BACKENDS, Session, random_inputs
 from .text import cell
 from .validate import fits_in_memory
@@ -337,7 +338,7 @@ def cmd_grad(args: argparse.Namespace) -> int:
                        sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint,
                        lift_constants=args.lift_constants, straight_through=args.straight_through,
                        memory=args.memory_budget)
-    written = write_graph(gg, args.output, args.opset, "gradient graph", g, release=True)
+    written = write_graph(gg, args.output, args.opset, "gradient graph", g)
     added = [o for o in gg.output_names if o not in g.output_names]
     forward, backward = count_nodes(written, g)
     out.print(

@@ -29,7 +29,8 @@ from .cli_write import (
     write_graph,
 )
 from .ir import TARGET_OPSET, Graph
-from .onnx_io import check_valid, load
+from .onnx_check import check_valid
+from .onnx_io import load
 
 _OPSET_HELP = f"write OUT.onnx at this opset (default: the model's, or {TARGET_OPSET} for an older model)"
 _CHECKPOINT_HELP = ("residual policy of the loops of the gradient (as for grad): stack the residuals (store), "
@@ -118,7 +119,7 @@ def _prepare(args: argparse.Namespace) -> Graph:
 def _finish(args: argparse.Namespace, g: Graph, result: Graph, what: str, nodes: str, inputs: str,
             outputs: str, note: str = "") -> int:
     """Write ``result`` and print what ``grad`` prints: node counts and the names added (with their suffixes)."""
-    written = write_graph(result, args.output, args.opset, what, g, release=True)
+    written = write_graph(result, args.output, args.opset, what, g)
     forward, derived = count_nodes(written, g)
     new_inputs = [i for i in result.input_names if i not in g.input_names]
     new_outputs = [o for o in result.output_names if o not in g.output_names]

@@ -4,6 +4,7 @@ warnings as lines, the checked atomic write and the summary's counts."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from .autodiff.policies import NAMED as _NAMED_POLICIES
@@ -61,8 +62,7 @@ def with_warnings(build, *args, **kwargs):
     return result
 
 
-def write_graph(gg: Graph, path: str, opset: int | None, what: str, forward: Graph | None = None, *,
-                release: bool = False) -> list[str]:
+def write_graph(gg: Graph, path: str, opset: int | None, what: str, forward: Graph | None = None) -> list[str]:
     """Write ``gg`` to ``path`` atomically, at ``opset`` (default: its own), after ONNX's full check; returns
     the names of the written top-level nodes (for :func:`count_nodes`). Initializers no node reads are dropped
     (onnxruntime warns about each). ``forward``: the model ``gg`` was derived from, whose nodes a failure of the
@@ -70,54 +70,49 @@ def write_graph(gg: Graph, path: str, opset: int | None, what: str, forward: Gra
     revgraph's own nodes is re-raised).
 
     At the graph's own opset the model is serialized in pieces straight into the temporary file
-    (:mod:`revgraph.onnx_stream`): the whole ``ModelProto`` of a long gradient graph (about 1.3 KB per node)
-    never exists. With ``release`` (and ``forward``), ``gg``'s nodes and ``value_info`` are emptied once the
-    file is written, before ONNX's check parses it: its C++ copy of the model then takes the memory the graph
-    held (the caller keeps ``gg``'s inputs, outputs and memory plan). A conversion to another opset, a graph
-    output without a dtype and a model over protobuf's 2 GiB (its large tensors go to external data) take the
-    whole model (:func:`_write_model`; ``release`` does nothing there)."""
-    if release and forward is None:
-        raise ValueError("write_graph(release=True) needs forward= to attribute a failed check")
-    release = release and forward is not gg  # (a command whose result is its model keeps it)
+    (:mod:`revgraph.onnx_stream`) and checked piece by piece on the way (:mod:`revgraph.onnx_check`): neither
+    the whole ``ModelProto`` of a long gradient graph (about 1.3 KB per node) nor ONNX's C++ copy of it (about
+    4 KB per forward node) ever exists. A conversion to another opset, a graph output without a dtype and a
+    model over protobuf's 2 GiB (its large tensors go to external data) take the whole model
+    (:func:`_write_model`)."""
     drop_unused_initializers(gg)  # onnxruntime would warn about each one when it loads the graph
-    check = functools.partial(_full_check, gg=gg, what=what, forward=forward)
+    attributed = functools.partial(_attributed, gg=gg, what=what, forward=forward)
     if opset is None or opset == gg.opset:
+        from .onnx_check import PartCheck
         from .onnx_stream import pieces, prepared
 
         ready = prepared(gg)
         if ready is not None:
-            names, parts = [n.name for n in ready.nodes], pieces(ready)
+            with attributed():
+                checker = PartCheck(ready)
+            names, parts = [n.name for n in ready.nodes], pieces(ready, check=checker)
             del ready  # (the finished pieces generator drops the last reference to a rewritten copy)
             try:
-                _write_pieces(parts, path, check, functools.partial(_release, gg) if release else None)
+                with attributed():
+                    _write_pieces(parts, path, checker.finish)
                 return names
             except _TooLarge:
                 pass
-    return _write_model(gg, path, opset, what, check)
-
-
-def _release(gg: Graph) -> None:
-    gg.nodes, gg.value_info = [], {}
+    return _write_model(gg, path, opset, what, attributed)
 
 
 class _TooLarge(Exception):
     """The pieces passed protobuf's 2 GiB: the model is written with external data instead."""
 
 
-def _write_pieces(parts, path: str, check, written=None) -> None:
-    """Write the serialized pieces ``parts`` to ``path`` through a temporary file that ``check`` (a model's path
-    or bytes) passes before it replaces ``path``; a FIFO or device, written directly, gets bytes checked first.
-    ``written`` (if any) is called between the write and the check. Raises :class:`_TooLarge` (nothing written)
-    when the pieces pass protobuf's limit."""
+def _write_pieces(parts, path: str, check=None) -> None:
+    """Write the serialized pieces ``parts`` to ``path`` through a temporary file that replaces ``path`` once
+    all are written and ``check`` (if any: given the file's path, or the bytes for a FIFO or device, which are
+    written directly) passes. Raises :class:`_TooLarge` (nothing written) when the pieces pass protobuf's
+    limit."""
     from .external_data import PROTOBUF_LIMIT
 
     if output_target(path).kind in ("fifo", "device"):  # nothing to check once it is seen: checked from bytes
         data = b"".join(parts)
         if len(data) > PROTOBUF_LIMIT:
             raise _TooLarge
-        if written is not None:
-            written()
-        check(data)
+        if check is not None:
+            check(data)
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
             f.write(data)
         return
@@ -129,12 +124,11 @@ def _write_pieces(parts, path: str, check, written=None) -> None:
                 raise _TooLarge  # (atomic_path removes the temporary file)
             f.write(part)
         f.flush()
-        if written is not None:
-            written()
-        check(tmp)
+        if check is not None:
+            check(tmp)
 
 
-def _write_model(gg: Graph, path: str, opset: int | None, what: str, check) -> list[str]:
+def _write_model(gg: Graph, path: str, opset: int | None, what: str, attributed) -> list[str]:
     """:func:`write_graph` through the whole ``ModelProto`` (converted to ``opset``, written with external data
     when over 2 GiB)."""
     import onnx
@@ -149,26 +143,23 @@ def _write_model(gg: Graph, path: str, opset: int | None, what: str, check) -> l
     if too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
         save(model, path)
         return names
-    # ONNX's check with strict shape inference parses its own C++ copy of the model and infers every value's
-    # type. Given the serialized bytes, onnx 1.23 infers on a second copy (``check_model(bytes)`` copies the
-    # parsed model before ``InferShapes``); given a file, it infers in place: half the check's memory, about
-    # 4 KB per forward node of a long chain (docs/benchmarks.md, "Build memory"). So the bytes are written to
-    # the temporary file first and the file is checked before it replaces OUT: the same full check, and a
-    # model that fails it is never written.
+    # Given the serialized bytes, onnx 1.23's check copies the parsed model before its strict shape inference;
+    # given a file, it infers in place: so the file is checked before it replaces OUT (half the memory).
     data = model.SerializeToString()
     del model
-    _write_pieces([data], path, check)
+    with attributed():
+        _write_pieces([data], path, functools.partial(onnx.checker.check_model, full_check=True))
     return names
 
 
-def _full_check(model, gg: Graph, what: str, forward: Graph | None = None) -> None:
-    """``onnx.checker.check_model(model, full_check=True)`` of the written graph (bytes or a file's path); a
-    failure caused by one of the model's own nodes is bad input (:func:`refuse_inconsistent_model`), others
-    re-raised."""
+@contextlib.contextmanager
+def _attributed(gg: Graph, what: str, forward: Graph | None = None):
+    """Around ONNX's full check of the written graph ``gg``: a failure caused by one of the model's own nodes is
+    bad input (:func:`refuse_inconsistent_model`), others re-raised."""
     import onnx
 
     try:
-        onnx.checker.check_model(model, full_check=True)
+        yield
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         refuse_inconsistent_model(exc, gg, what, forward)
         raise

@@ -64,6 +64,11 @@ def require_graph(graph: object, function: str) -> None:
                             "an onnx.ModelProto into one with revgraph.load")
 
 
+#: The shapes :class:`ValueInfo` shares (interned, up to :data:`_MAX_SHAPES` distinct ones).
+_SHAPES: dict[tuple, tuple] = {}
+_MAX_SHAPES = 1 << 16
+
+
 @dataclass(slots=True)  # (no per-instance __dict__: a graph holds a type per value, millions in a long chain)
 class ValueInfo:
     """The declared type of a value.
@@ -82,7 +87,9 @@ class ValueInfo:
         if self.dtype is not None:
             self.dtype = np.dtype(self.dtype)
         if self.shape is not None:
-            self.shape = tuple(self.shape)
+            shape = tuple(self.shape)
+            # one tuple per distinct shape: a long graph repeats a few shapes millions of times
+            self.shape = _SHAPES.setdefault(shape, shape) if len(_SHAPES) < _MAX_SHAPES else shape
 
     @property
     def is_float(self) -> bool:

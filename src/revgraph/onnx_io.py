@@ -33,12 +33,10 @@ from .ir import NEWEST_OPSET, TARGET_OPSET, Graph, Node, ValueInfo, gc_paused, r
 from .portable import identity_dropouts
 from .reading import (  # noqa: F401  (read_model, converter_error: API of this module)
     check_graph_proto,
-    check_loop_signatures,
     converter_error,
     inline_functions,
     model_proto,
     non_utf8_field,
-    onnx_error_line,
     read_model,
     tensor_array,
 )
@@ -536,25 +534,6 @@ def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
     data = model.SerializeToString()  # before the temporary file exists: a signal meanwhile leaves nothing
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
-
-
-def check_valid(graph: Graph) -> None:
-    """Raise :class:`GraphError` if ONNX's checker with strict shape inference (``full_check=True``, what
-    ``revgraph grad`` holds its output to) refuses ``graph``: MatMul operands whose static shapes do not fit, a
-    ``ConstantOfShape`` of a negative shape, a Loop body whose outputs contradict their declared types, a graph
-    input or output without a type; or if a Loop body declares its iteration number or condition other than
-    as a scalar (the backward loop counts iterations in a value of that type). Such a model is bad input; a
-    gradient graph of a valid model that fails the check is revgraph's fault."""
-    untyped = [v.name for v in [*graph.inputs, *graph.outputs] if v.dtype is None]
-    if untyped:
-        raise GraphError(f"graph input or output {untyped[0]!r} has no type; ONNX needs the types of a model's "
-                         "inputs and outputs")
-    check_loop_signatures(graph)
-    light, _ = light_graph(graph)
-    try:
-        onnx.checker.check_model(to_onnx(light), full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as exc:
-        raise GraphError(f"the model is not valid ONNX: {onnx_error_line(exc)}") from None
 
 
 def light_graph(graph: Graph) -> tuple[Graph, dict[str, np.ndarray]]:

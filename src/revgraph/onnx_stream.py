@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import onnx
 
 from .ir import Graph, require_graph
+from .onnx_check import PartCheck
 from .onnx_io import _ssa_to_onnx, as_written, fill_nodes, fill_value_info
 
 #: Nodes (or value infos) per piece: large enough that a piece's framing is negligible, small enough that its
@@ -37,17 +38,23 @@ def prepared(graph: Graph) -> Graph | None:
     return as_written(graph)
 
 
-def pieces(graph: Graph, *, producer: str = "revgraph", piece: int = PIECE) -> Iterator[bytes]:
+def pieces(graph: Graph, *, producer: str = "revgraph", piece: int = PIECE,
+           check: PartCheck | None = None) -> Iterator[bytes]:
     """The serialized ``ModelProto`` of ``graph`` (a result of :func:`prepared`) as consecutive byte strings
     whose concatenation parses to ``revgraph.to_onnx(graph, producer=producer)``: the skeleton, then ``piece``
-    nodes at a time in order, then ``piece`` value infos at a time."""
+    nodes at a time in order, then ``piece`` value infos at a time. ``check`` (a :class:`revgraph.onnx_check.
+    PartCheck` of ``graph``) is given each piece of nodes after it is yielded (its errors are raised from the
+    generator); the caller calls its ``finish``."""
     skeleton = _ssa_to_onnx(dataclasses.replace(graph, nodes=[], value_info={}, memory_plan=None), producer)
     yield skeleton.SerializeToString()
     del skeleton
     for start in range(0, len(graph.nodes), piece):
         model = onnx.ModelProto()
-        fill_nodes(model.graph, graph.nodes[start:start + piece], graph.opsets)
+        nodes = graph.nodes[start:start + piece]
+        fill_nodes(model.graph, nodes, graph.opsets)
         yield model.SerializeToString()
+        if check is not None:
+            check.piece(nodes, model)
     declared = set(graph.input_names) | set(graph.output_names)
     items = iter(graph.value_info.items())
     while chunk := list(itertools.islice(items, piece)):

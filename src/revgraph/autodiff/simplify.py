@@ -61,7 +61,9 @@ def simplify(graph: Graph) -> Graph:
                 pinned.update(captured_names(sg))
     names = _Names(graph)
     rename: dict[str, str] = {}
-    seen: dict[tuple, list[str]] = {}
+    # CSE: the first node of each key, by the key's hash (a key tuple per node was a tenth of a long build's
+    # peak); a hit is compared key to key, so a hash collision only misses a merge
+    seen: dict[int, Node] = {}
     producer: dict[str, Node] = {}
     kept: list[Node] = []
     identities: list[Node] = []  # the kept Identity nodes (they write graph outputs)
@@ -78,7 +80,7 @@ def simplify(graph: Graph) -> Graph:
             rename.update(zip(node.outputs, replaced, strict=True))
             continue
         if key is not None:
-            seen.setdefault(key, node.outputs)
+            seen.setdefault(hash(key), node)
         for o in node.outputs:
             if o:
                 producer[o] = node
@@ -94,15 +96,19 @@ def simplify(graph: Graph) -> Graph:
     return graph
 
 
-def _replacement(node: Node, key: tuple | None, seen: dict[tuple, list[str]]) -> list[str] | None:
-    """Existing values ``node`` (whose CSE key is ``key``) computes again, or ``None``."""
+def _replacement(node: Node, key: tuple | None, seen: dict[int, Node]) -> list[str] | None:
+    """Existing values ``node`` (whose CSE key is ``key``) computes again, or ``None``. ``seen``: earlier
+    nodes by the hash of their keys (never changed after they were seen)."""
     if node.op_type == "Identity" and not node.domain and node.inputs and node.inputs[0]:
         return [node.inputs[0]]
     if node.op_type == "Transpose" and not node.domain:
         perm = node.attrs.get("perm")
         if perm is not None and list(perm) == sorted(perm):
             return [node.inputs[0]]
-    return seen.get(key) if key is not None else None
+    if key is None:
+        return None
+    earlier = seen.get(hash(key))
+    return earlier.outputs if earlier is not None and _key(earlier) == key else None
 
 
 def _fold_transpose(node: Node, producer: dict[str, Node]) -> None:

@@ -40,6 +40,8 @@ gradient stays right, the saving is lost): revgraph's onnxruntime sessions turn 
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -119,10 +121,10 @@ class _Problem:
 
     def __init__(self, graph: Graph, dims: Mapping[str, int]):
         self.graph, self.dims = graph, dims
-        types: dict[str, ValueInfo] = dict(graph.value_info)
-        types.update({vi.name: vi for vi in [*graph.inputs, *graph.outputs]})
-        types.update({k: ValueInfo(k, a.dtype, a.shape) for k, a in graph.initializers.items() if k not in types})
-        self.types = types
+        # (a view, not a copy of value_info: the planner's own maps are a long build's peak)
+        self.types: Mapping[str, ValueInfo] = collections.ChainMap(
+            {vi.name: vi for vi in [*graph.inputs, *graph.outputs]}, graph.value_info,
+            {k: ValueInfo(k, a.dtype, a.shape) for k, a in graph.initializers.items()})
         self.outputs = set(graph.output_names)
         self.producer: dict[str, int] = {}
         self.forward: list[int] = []
@@ -132,7 +134,7 @@ class _Problem:
         for k, node in enumerate(graph.nodes):
             if is_backward_node(node):
                 self.backward.append(k)
-                residual.update(i for i in node.inputs if i)
+                residual.update(i for i in node.inputs if i in self.producer)  # (producers come first)
                 for sub in node.subgraphs.values():
                     self.pinned.update(captured_names(sub))
             else:
@@ -140,12 +142,16 @@ class _Problem:
                 for o in node.outputs:
                     if o:
                         self.producer.setdefault(o, k)
-        self.position = {k: j / max(1, len(self.forward)) for j, k in enumerate(self.forward)}
         self.residuals = sorted((r for r in residual | self.pinned if r in self.producer), key=self.producer.get)
         self.pinned &= set(self.residuals)
         self._bytes: dict[str, int | None] = {}
         self._flops: dict[int, int | None] = {}
         self._cheap: dict[int, bool] = {}
+
+    @functools.cached_property
+    def position(self) -> dict[int, float]:
+        """Where each forward node stands in the forward pass, from 0 to 1 (only the min-cut needs it)."""
+        return {k: j / max(1, len(self.forward)) for j, k in enumerate(self.forward)}
 
     def constant(self, v: str):
         """The value of ``v`` when it is an initializer or a ``Constant`` node's output, else ``None``."""
