@@ -39,6 +39,7 @@ from .context import BodyVJP, Ctx, Options, PatchedVJP, apply_patch
 from .emitter import Emitter
 from .finite import nonfinite_cotangents, nonfinite_values
 from .loops.lower import lower_to_loops
+from .algebra import name_of
 from .registry import NOT_DIFFERENTIABLE, get_rule
 from .sparse import SparseGrad
 
@@ -231,7 +232,7 @@ def _run_rule(ctx: Ctx, node: Node, out_grads: list, graph: Graph) -> tuple[list
         grads, captured, patch = list(result), {}, None
     if len(grads) != len(node.inputs):
         return grads, {}  # reported by the caller
-    grads = [(g() if callable(g) else g) if needed else None for needed, g in zip(ctx.need, grads, strict=True)]
+    grads = [name_of(g() if callable(g) else g) if needed else None for needed, g in zip(ctx.need, grads, strict=True)]
     if patch is not None:  # after the lazy cotangents, which may add to it
         apply_patch(graph, node, patch)  # new inputs (a counter's initial value) get no gradient
         grads += [None] * (len(node.inputs) - len(grads))

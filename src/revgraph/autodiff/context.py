@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir import Graph, Node, ValueInfo
+from .algebra import Val
 from .emitter import Emitter
 from .policies import CheckpointPolicy, Store
 from .sparse import SparseGrad
@@ -154,6 +155,14 @@ class Ctx:
     backward: Callable[..., BodyVJP]
 
     # ------------------------------------------------------------------------------------------ values
+
+    def val(self, name: str) -> Val:
+        """``name`` as a :class:`~revgraph.autodiff.algebra.Val`, to write a derivative with operators."""
+        return Val(self, name)
+
+    def vals(self, *names: str) -> list[Val]:
+        """``names`` as :class:`~revgraph.autodiff.algebra.Val` values (``None`` stays ``None``)."""
+        return [None if n is None else Val(self, n) for n in names]
 
     def value(self, name: str) -> np.ndarray | None:
         """The constant value of ``name`` (an initializer or a ``Constant`` output), or ``None``."""

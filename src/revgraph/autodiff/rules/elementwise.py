@@ -22,9 +22,11 @@ import onnx
 
 from ...ir import Node, is_float_dtype
 from ...warn import warn
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, unary, vjp
+from ._common import f32_attr, optional_input
 
 
 def strong(ctx: Ctx, g: str, d: str, like: str | None, reads: list[str] | None = None, zero: bool = True) -> str:
@@ -60,57 +62,48 @@ def identity(ctx: Ctx, node: Node, cts: list) -> list:
 
 @vjp("Neg")
 def neg(ctx: Ctx, node: Node, cts: list) -> list:
-    return [lambda: ctx.e.op("Neg", [cts[0]], like=node.inputs[0])]
+    return [lambda: -ctx.val(cts[0])]
 
 
 @vjp("Add", "Sub")
 def add_sub(ctx: Ctx, node: Node, cts: list) -> list:
-    e, (a, b), g = ctx.e, node.inputs, cts[0]
-    return [lambda: e.reduce_to(g, a),
-            lambda: e.reduce_to(g if node.op_type == "Add" else e.op("Neg", [g], like=g), b)]
+    (a, b), g = node.inputs, ctx.val(cts[0])
+    return [lambda: g.reduce_to(a), lambda: (g if node.op_type == "Add" else -g).reduce_to(b)]
 
 
 @vjp("Mul")
 def mul(ctx: Ctx, node: Node, cts: list) -> list:
-    e, (a, b), g = ctx.e, node.inputs, cts[0]
+    (a, b), g = node.inputs, ctx.val(cts[0])
 
-    def times(other: str) -> str:  # g * other; a selection when other is a mask (a selection VJP's own product)
+    def times(other: str) -> Val:  # g * other; a selection when other is a mask (a selection VJP's own product)
         mask = ctx.mask_of(other)
-        return strong(ctx, g, other, None, [other]) if mask is None else ctx.select(mask, g)
+        return g.times(other, reads=[other], like=None) if mask is None else g.select(mask, like=None)
 
-    return [lambda: e.reduce_to(times(b), a), lambda: e.reduce_to(times(a), b)]
+    return [lambda: times(b).reduce_to(a), lambda: times(a).reduce_to(b)]
 
 
 @vjp("Div")
 def div(ctx: Ctx, node: Node, cts: list) -> list:
-    e, (a, b) = ctx.e, node.inputs
-    y, g = node.outputs[0], cts[0]
+    (a, b), (y, g) = ctx.vals(*node.inputs), ctx.vals(node.outputs[0], cts[0])
     # 1 / b is inf where b is 0, unless b is a constant without zeros
-    bv = ctx.value(b)
+    bv = ctx.value(b.name)
     safe = bv is not None and bool(np.all(np.isfinite(bv)) and np.all(bv != 0))
-    return [lambda: e.reduce_to(strong(ctx, g, e.op("Reciprocal", [b]), y, [] if safe else None, zero=not safe), a),
-            # d(a/b)/db = -y/b
-            lambda: e.reduce_to(strong(ctx, g, e.op("Neg", [e.op("Div", [y, b])]), y), b)]
+    return [lambda: g.times(b.reciprocal(), [] if safe else None, zero=not safe, like=y).reduce_to(a),
+            lambda: g.times(-(y / b), like=y).reduce_to(b)]  # d(a/b)/db = -y/b
 
 
 @vjp("Pow")
 def pow_(ctx: Ctx, node: Node, cts: list) -> list:
-    e, (x, p) = ctx.e, node.inputs
-    y, g = node.outputs[0], cts[0]
-    if integer_result(e, node):
+    (x, p), (y, g) = ctx.vals(*node.inputs), ctx.vals(node.outputs[0], cts[0])
+    if integer_result(ctx.e, node):
         return [None, None]
-    zero = e.scalar(0.0, x)
 
-    def gx() -> str:  # p * x^(p-1), taken as 0 where p == 0 (x^0 is constant, also at x = 0)
-        pc = e.op("CastLike", [p, x])
-        d = e.op("Mul", [pc, e.op("Pow", [x, e.op("Sub", [pc, e.scalar(1.0, x)])])])
-        d = e.op("Where", [e.op("Equal", [pc, zero]), zero, d])
-        return e.reduce_to(strong(ctx, g, d, y), x)
+    def gx() -> Val:  # p * x^(p-1), taken as 0 where p == 0 (x^0 is constant, also at x = 0)
+        pc = p.cast_like(x)
+        return g.times(where(pc.eq(0), 0, pc * x ** (pc - 1)), like=y).reduce_to(x)
 
-    def gp() -> str:  # y * log(x), taken as 0 where x == 0 (PyTorch's convention)
-        d = e.op("Mul", [y, e.op("Log", [x])])
-        d = e.op("Where", [e.op("Equal", [x, zero]), zero, d])
-        return e.reduce_to(e.op("CastLike", [strong(ctx, g, d, y), p]), p)
+    def gp() -> Val:  # y * log(x), taken as 0 where x == 0 (PyTorch's convention)
+        return g.times(where(x.eq(0), 0, y * x.log()), like=y).cast_like(p).reduce_to(p)
 
     return [gx, gp]
 
@@ -124,48 +117,47 @@ def pow_(ctx: Ctx, node: Node, cts: list) -> list:
 @unary("Sqrt")
 def sqrt(ctx, node, x, y, g):
     """``1 / (2 sqrt(x)) = 0.5 / y``: reads the output (inf at ``x = 0``: always strong)."""
-    return strong(ctx, g, ctx.e.op("Div", [ctx.e.scalar(0.5, y), y]), x)
+    y, g = ctx.vals(y, g)
+    return g.times(0.5 / y, like=x)
 
 
 @unary("Reciprocal")
 def reciprocal(ctx, node, x, y, g):
     """``-1 / x^2 = -y^2``: reads the output (inf at ``x = 0``: always strong)."""
-    return strong(ctx, g, ctx.e.op("Neg", [ctx.e.op("Mul", [y, y])]), x)
+    y, g = ctx.vals(y, g)
+    return g.times(-(y * y), like=x)
 
 
 @unary("Exp")
 def exp(ctx, node, x, y, g):
     """``exp(x) = y``: reads the output."""
-    return strong(ctx, g, y, x, [y])  # exp(1000) = inf: a zero cotangent must still give 0
+    return ctx.val(g).times(y, [y], like=x)  # exp(1000) = inf: a zero cotangent must still give 0
 
 
 @unary("Log")
 def log(ctx, node, x, y, g):
-    return strong(ctx, g, ctx.e.op("Reciprocal", [x]), x)
+    x, g = ctx.vals(x, g)
+    return g.times(x.reciprocal(), like=x)
 
 
 @unary("Abs")
 def abs_(ctx, node, x, y, g):
-    return strong(ctx, g, ctx.e.op("Sign", [x]), x, [x])  # Sign(NaN) is NaN
+    x, g = ctx.vals(x, g)
+    return g.times(x.sign(), [x], like=x)  # Sign(NaN) is NaN
 
 
 @unary("Tanh")
 def tanh(ctx, node, x, y, g):
     """``1 - tanh(x)^2 = 1 - y^2``: reads the output (PyTorch's ``tanh_backward``)."""
-    e = ctx.e
-    return strong(ctx, g, e.op("Sub", [e.scalar(1.0, y), e.op("Mul", [y, y])]), x, [y])
+    y, g = ctx.vals(y, g)
+    return g.times(1 - y * y, [y], like=x)
 
 
 @unary("Sigmoid")
 def sigmoid(ctx, node, x, y, g):
     """``sigmoid(x) (1 - sigmoid(x)) = y (1 - y)``: reads the output (PyTorch's ``sigmoid_backward``)."""
-    e = ctx.e
-    return strong(ctx, g, e.op("Mul", [y, e.op("Sub", [e.scalar(1.0, y), y])]), x, [y])
-
-
-def positive(e: Emitter, v: str) -> str:
-    """``v > 0`` (bool; false for NaN)."""
-    return e.op("Greater", [v, e.scalar(0.0, v)])
+    y, g = ctx.vals(y, g)
+    return g.times(y * (1 - y), [y], like=x)
 
 
 @unary("Relu")
@@ -173,12 +165,8 @@ def relu(ctx, node, x, y, g):
     """``g`` where ``x > 0``, exactly 0 elsewhere (the 0 subgradient at 0). The mask is read from the output:
     ``y > 0`` is ``x > 0`` for every ``x`` (``y = x`` where ``x > 0``; ``y`` is 0, -0 or NaN elsewhere, none of
     them ``> 0``), as PyTorch's ``threshold_backward`` of the result."""
-    return ctx.select(positive(ctx.e, y), g, like=x)
-
-
-def _f32(node: Node, name: str, default: float) -> float:
-    """A float attribute as the runtimes see it (ONNX float attributes are 32-bit)."""
-    return float(np.float32(node.attrs.get(name, default)))
+    y, g = ctx.vals(y, g)
+    return g.select(y.gt(0), like=x)
 
 
 @unary("LeakyRelu")
@@ -186,10 +174,9 @@ def leaky_relu(ctx, node, x, y, g):
     """``g`` where ``x > 0``, ``alpha g`` elsewhere (``alpha`` at 0, as PyTorch). For ``alpha >= 0`` the mask is
     read from the output: ``y = alpha x <= 0`` (rounded, -0 when it underflows) where ``x <= 0``, ``y = x > 0``
     elsewhere, so ``y > 0`` is ``x > 0``; a negative ``alpha`` flips the sign of ``y`` and reads ``x``."""
-    e = ctx.e
-    alpha = _f32(node, "alpha", 0.01)
-    pos = positive(e, y if alpha >= 0 else x)
-    return e.op("Where", [pos, g, e.op("Mul", [g, e.scalar(alpha, x)])], like=x)
+    x, y, g = ctx.vals(x, y, g)
+    alpha = f32_attr(node, "alpha", 0.01)
+    return where((y if alpha >= 0 else x).gt(0), g, g * alpha, like=x)
 
 
 @unary("Elu")
@@ -198,32 +185,34 @@ def elu(ctx, node, x, y, g):
     everything is read from the output, as PyTorch's ``elu_backward`` with ``is_result``: ``y = x > 0`` where
     ``x > 0`` and ``y = alpha (exp(x) - 1) <= 0`` elsewhere (a faithfully rounded ``exp`` of ``x <= 0`` is at
     most 1), so ``y > 0`` is ``x > 0``; a negative ``alpha`` makes ``y > 0`` for ``x < 0`` and reads ``x``."""
-    e = ctx.e
-    alpha = _f32(node, "alpha", 1.0)
-    neg = strong(ctx, g, e.op("Add", [y, e.scalar(alpha, y)]), None, [y])
-    return e.op("Where", [positive(e, y if alpha >= 0 else x), g, neg], like=x)
+    x, y, g = ctx.vals(x, y, g)
+    alpha = f32_attr(node, "alpha", 1.0)
+    neg = g.times(y + alpha, [y])
+    return where((y if alpha >= 0 else x).gt(0), g, neg, like=x)
 
 
 @unary("Softplus")
 def softplus(ctx, node, x, y, g):
-    return strong(ctx, g, ctx.e.op("Sigmoid", [x]), x, [x])
+    x, g = ctx.vals(x, g)
+    return g.times(x.sigmoid(), [x], like=x)
 
 
 @unary("Erf")
 def erf(ctx, node, x, y, g):
-    e = ctx.e
-    d = e.op("Exp", [e.op("Neg", [e.op("Mul", [x, x])])])
-    return strong(ctx, g, e.op("Mul", [d, e.scalar(2.0 / math.sqrt(math.pi), x)]), x, [x])
+    x, g = ctx.vals(x, g)
+    return g.times((-(x * x)).exp() * (2.0 / math.sqrt(math.pi)), [x], like=x)
 
 
 @unary("Sin")
 def sin(ctx, node, x, y, g):
-    return strong(ctx, g, ctx.e.op("Cos", [x]), x, [x])  # cos(inf) is NaN
+    x, g = ctx.vals(x, g)
+    return g.times(x.cos(), [x], like=x)  # cos(inf) is NaN
 
 
 @unary("Cos")
 def cos(ctx, node, x, y, g):
-    return ctx.e.op("Neg", [strong(ctx, g, ctx.e.op("Sin", [x]), None, [x])], like=x)
+    x, g = ctx.vals(x, g)
+    return -g.times(x.sin(), [x])
 
 
 @vjp("Cast", "CastLike")
@@ -232,68 +221,52 @@ def cast(ctx: Ctx, node: Node, cts: list) -> list:
     dt = e.dtype(x)
     if dt is not None and not is_float_dtype(dt) or integer_result(e, node):
         return [None] * len(node.inputs)  # no gradient through an integer value (truncation is piecewise constant)
-    to = e.onnx_dtype(x)  # Cast when x's dtype is known: CastLike would read x, only for its dtype, keeping it alive
-    back = (lambda: e.op("Cast", [cts[0]], to=to, like=x)) if to is not None else (
-        lambda: e.op("CastLike", [cts[0], x], like=x))
+    g = ctx.val(cts[0])
+    # Cast when x's dtype is known: CastLike would read x, only for its dtype, keeping it alive
+    back = (lambda: g.apply("Cast", like=x, to=e.onnx_dtype(x))) if dt is not None else (lambda: g.cast_like(x))
     return [back] + [None] * (len(node.inputs) - 1)
 
 
 @vjp("Sum", "Mean")
 def sum_mean(ctx: Ctx, node: Node, cts: list) -> list:
-    e, g = ctx.e, cts[0]
+    g = ctx.val(cts[0])
     if node.op_type == "Mean":
-        g = e.op("Div", [g, e.scalar(float(len(node.inputs)), g)], like=g)
-    return [partial(e.reduce_to, g, x) for x in node.inputs]
+        g = g / len(node.inputs)
+    return [partial(g.reduce_to, x) for x in node.inputs]
 
 
-def _indicator(e: Emitter, cond: str, like: str) -> str:
-    """``cond`` (bool) as 0/1 in the dtype of ``like``."""
-    dt = e.onnx_dtype(like)
-    return e.op("Cast", [cond], to=dt) if dt is not None else e.op("CastLike", [cond, like])
-
-
-def tie_shares(ctx: Ctx, g: str, operands: list[str], y: str) -> list[Callable[[], str]]:
+def tie_shares(ctx: Ctx, g: str, operands: list[str], y: str) -> list[Callable[[], Val]]:
     """The cotangent ``g`` of ``y = Max(operands)`` (or ``Min``) shared among the operands equal to ``y``
     (ties split equally, DESIGN section 5), each exactly 0 where its operand is not the extremum (a selection).
     A NaN ``y`` matches no operand: the tie count is taken as at least 1, so every share is 0 there.
     Returns one function per operand that emits its share (the tie count is emitted once, by the first)."""
-    e = ctx.e
+    g, y = ctx.vals(g, y)
 
     @cache
-    def split() -> tuple[list[str], str]:
-        hits = [e.op("Equal", [x, y]) for x in operands]
-        count = e.op("Sum", [_indicator(e, h, y) for h in hits])
-        return hits, e.op("Div", [g, e.op("Max", [count, e.scalar(1.0, y)])])
+    def split() -> tuple[list[Val], Val]:
+        hits = [ctx.val(x).out("Equal", y) for x in operands]
+        count = hits[0].indicator(y).out("Sum", *(h.indicator(y) for h in hits[1:]))
+        return hits, g.out("Div", count.out("Max", ctx.e.scalar(1.0, y.name)))
 
-    def share(i: int) -> str:
+    def share(i: int) -> Val:
         hits, each = split()
-        return ctx.select(hits[i], each)
+        return each.select(hits[i], like=None)
 
     return [partial(share, i) for i in range(len(operands))]
 
 
 @vjp("Max", "Min")
 def max_min(ctx: Ctx, node: Node, cts: list) -> list:
-    e, y, g = ctx.e, node.outputs[0], cts[0]
     if len(node.inputs) == 1:
-        return [g]
-    shares = tie_shares(ctx, g, node.inputs, y)
-    return [lambda s=s, x=x: e.reduce_to(s(), x) for x, s in zip(node.inputs, shares, strict=True)]
+        return [cts[0]]
+    shares = tie_shares(ctx, cts[0], node.inputs, node.outputs[0])
+    return [lambda s=s, x=x: s().reduce_to(x) for x, s in zip(node.inputs, shares, strict=True)]
 
 
 @vjp("Where")
-def where(ctx: Ctx, node: Node, cts: list) -> list:
-    e, (c, a, b), g = ctx.e, node.inputs, cts[0]
-    return [None,
-            lambda: e.reduce_to(ctx.select(c, g), a),
-            lambda: e.reduce_to(ctx.select(e.op("Not", [c]), g), b)]
-
-
-def _above(e: Emitter, a: str, b: str, like: str) -> str:
-    """2 where ``a > b``, 1 where ``a == b``, 0 where ``a < b`` or either is NaN: twice the share of ``a`` in
-    ``Max(a, b)`` with ties split equally."""
-    return e.op("Add", [_indicator(e, e.op("Greater", [a, b]), like),
-                        _indicator(e, e.op("GreaterOrEqual", [a, b]), like)], like=like)
+def where_(ctx: Ctx, node: Node, cts: list) -> list:
+    (c, a, b), g = ctx.vals(*node.inputs), ctx.val(cts[0])
+    return [None, lambda: g.select(c, like=None).reduce_to(a), lambda: g.select(~c, like=None).reduce_to(b)]
 
 
 def _ordered_constants(e: Emitter, lo: str, hi: str) -> bool:
@@ -310,21 +283,19 @@ def clip(ctx: Ctx, node: Node, cts: list) -> list:
     ``dhi = g s(m, hi)``. So for ``lo < hi``: x gets ``g`` inside, half at either bound; for ``lo > hi`` every
     output is ``hi`` and ``hi`` gets all of ``g``; for ``lo == hi = c``: x < c gives half to each bound, x > c
     all to ``hi``, x == c a quarter to ``x`` and to ``lo`` and half to ``hi``. NaN inputs get 0."""
-    e, x = ctx.e, node.inputs[0]
-    lo = node.inputs[1] if len(node.inputs) > 1 and node.inputs[1] else None
-    hi = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else None
-    g = cts[0]
+    x, g = ctx.vals(node.inputs[0], cts[0])
+    lo, hi = (ctx.val(v) if v else None for v in (optional_input(node, 1), optional_input(node, 2)))
     grads: list = [None] * len(node.inputs)
     if lo is None and hi is None:
         grads[0] = g
         return grads
 
-    def twice(a: str, b: str) -> str:
-        return _above(e, a, b, x)
+    def twice(a: Val, b: Val) -> Val:  # 2 where a > b, 1 where a == b, 0 where a < b or either is NaN
+        return a.out("Greater", b).indicator(x).apply("Add", a.out("GreaterOrEqual", b).indicator(x), like=x)
 
-    def grad(k: int, w: str, scale: float) -> str:  # w: twice its share, or four times a product of two
-        share = ctx.weigh(g, e.op("Mul", [w, e.scalar(scale, x)], like=x), like=x)
-        return share if k == 0 else e.reduce_to(share, node.inputs[k])
+    def grad(k: int, w: Val, scale: float) -> Val:  # w: twice its share, or four times a product of two
+        share = g.weigh(w * scale, like=x)
+        return share if k == 0 else share.reduce_to(node.inputs[k])
 
     if hi is None:
         grads[0] = lambda: grad(0, twice(x, lo), 0.5)
@@ -336,18 +307,18 @@ def clip(ctx: Ctx, node: Node, cts: list) -> list:
         return grads
 
     @cache
-    def m() -> str:
-        return e.op("Max", [x, lo], like=x)
+    def m() -> Val:
+        return x.apply("Max", lo)
 
     @cache
-    def in_min(top: str) -> str:  # twice the share of top = Max(x, lo) in Min(top, hi)
+    def in_min(top: Val) -> Val:  # twice the share of top = Max(x, lo) in Min(top, hi)
         return twice(hi, top)
 
-    def both(top: str, a: str, b: str) -> str:
+    def both(top: Val, a: Val, b: Val) -> Val:
         w = in_min(top)
-        return e.op("Mul", [twice(a, b), w], like=x)
+        return twice(a, b).apply("Mul", w, like=x)
 
-    ordered = _ordered_constants(e, lo, hi)  # Max(x, lo) is x wherever x gets a share, then
+    ordered = _ordered_constants(ctx.e, lo.name, hi.name)  # Max(x, lo) is x wherever x gets a share, then
     grads[0] = lambda: grad(0, both(x if ordered else m(), x, lo), 0.25)
     grads[1] = lambda: grad(1, both(m(), lo, x), 0.25)
     grads[2] = lambda: grad(2, twice(m(), hi), 0.5)

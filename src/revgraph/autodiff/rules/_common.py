@@ -1,0 +1,20 @@
+"""Helpers every rule family shares, in one spelling: attributes as the runtimes read them and optional inputs.
+(The algebra rules write their formulas in is :mod:`revgraph.autodiff.algebra`; constant tables are in
+:mod:`.tables`.) No rule family imports another family's private names (tests/test_architecture.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...ir import Node
+
+
+def f32_attr(node: Node, name: str, default: float) -> float:
+    """A float attribute as the runtimes see it: ONNX float attributes are 32-bit, so the derivative must use the
+    rounded value the forward used."""
+    return float(np.float32(node.attrs.get(name, default)))
+
+
+def optional_input(node: Node, i: int) -> str | None:
+    """The name of ``node``'s input ``i``, or ``None`` when it is absent or empty (an omitted optional input)."""
+    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
