@@ -73,9 +73,9 @@ def _reset_hwm() -> None:
 def worker(model: str, out: str) -> dict:
     """The phases of ``revgraph grad`` on ``model`` in this process: seconds and peak KiB of each."""
     import revgraph as rg
-    from revgraph.cli_write import write_graph
+    from revgraph.cli.write import write_graph
     from revgraph.ir import gc_paused
-    from revgraph.onnx_check import check_valid
+    from revgraph.onnx_io.part_check import check_valid
 
     _reset_hwm()
     result = {"base_kib": _hwm_kib()}

@@ -85,7 +85,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import revgraph as rg
-    import revgraph.distributed
+    import revgraph.train.distributed.data_parallel
 
     torch.set_num_threads(1)
     base = _status("VmRSS")

@@ -76,7 +76,7 @@ def data(name: str, n: int, seed: int = 0) -> dict[str, np.ndarray]:
     if name == "embed":
         tokens = rng.integers(0, VOCAB, (n, TOKENS), dtype=np.int64)
         return {"tokens": tokens, "labels": tokens[:, 0] % CLASSES}
-    from revgraph.demo import digits
+    from revgraph.tools.demo import digits
 
     train, _ = digits(0)
     rows = rng.integers(0, len(train["labels"]), n)

@@ -112,7 +112,7 @@ def _collectives_alone(trainer, args, reps: int = 200) -> dict:
             work.wait()
     out["all-reduce alone"] = 1e3 * (time.perf_counter() - t) / reps
     if eng._sparse:  # the packed all-gather of B * 16 rows per table (and their indices)
-        from revgraph.exchange import packed_size
+        from revgraph.train.distributed.exchange import packed_size
 
         k = args.batch * ddp_models.TOKENS
         size = packed_size([k] * len(eng._empty_rows),

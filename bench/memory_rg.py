@@ -99,6 +99,7 @@ class RgTask:
                                                                 for k, v in data.items()}}
         else:
             import models
+
             from revgraph.train import loss_graph, params_as_inputs
 
             kw_grad, self.how = _options(config, rg.gradient) if budget else ({}, "")

@@ -114,7 +114,7 @@ def write_light(name: str, out_dir: str, adapted: bool = False) -> dict:
 
     import revgraph as rg
     from revgraph.ir import Node, ValueInfo
-    from revgraph.lift import lift_constants
+    from revgraph.tools.lift import lift_constants
 
     tag = "adapted" if adapted else "lifted"
     path = Path(out_dir) / f"{tag}_{name}.onnx"

@@ -205,7 +205,7 @@ def prepare_step(key: str, info: dict, threads: int = 2, mode: str = "grad") -> 
     if mode == "update":
         return _prepare_update(key, info, threads, t0)
     if mode == "adam":
-        from revgraph.trainer import Trainer
+        from revgraph.train.trainer import Trainer
 
         tr = Trainer(info["path"], "cross-entropy", "adam", params=info["params"], threads=threads)
         for p, arr in tr.spec.initial.items():  # the exported values (the same as PyTorch's state)

@@ -67,9 +67,9 @@ def _reset_peak() -> int:
 def prepare(info: dict, arena: bool, memory_pattern: bool, buffers: str, threads: int) -> dict:
     """Build the trainer of one configuration in this (fresh) process and measure its memory (module doc)."""
     import numpy as np
+    from models import load_npz
 
     import revgraph as rg
-    from models import load_npz
 
     if "llama_batch" in info:  # bench/memory.py's LLaMA: token ids and next-token labels
         from memory_common import llama_batch
@@ -348,7 +348,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.turns, args.seconds = 3, 0.15
     import onnxruntime
-
     from models import write_step_model
 
     configs = [_parse_config(c) for c in args.configs] if args.configs else CONFIGS

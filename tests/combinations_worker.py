@@ -54,9 +54,9 @@ def scaled_trainer(distributed: bool):
     import precision_worker
 
     import revgraph as rg
-    from revgraph.precision import Precision
-    from revgraph.schedules import Schedule
     from revgraph.train import adam
+    from revgraph.train.precision import Precision
+    from revgraph.train.schedules import Schedule
 
     g, data = precision_worker.scaled_model()
     with warnings.catch_warnings():

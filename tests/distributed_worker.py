@@ -12,7 +12,7 @@ import lossdata_models
 import numpy as np
 
 import revgraph as rg
-import revgraph.distributed
+import revgraph.train.distributed.data_parallel
 from revgraph import demo
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.train import make_optimizer
@@ -76,7 +76,7 @@ def trainer(model: str, optimizer: str, samples: int, distributed: bool, hidden:
 def schedule_options(kind: str = "constant", warmup: int = 0, min_lr: float = 0.0, clip: float | None = None,
                      decay_all: bool = False) -> dict:
     """Trainer keyword arguments of a schedule, clipping and weight-decay exclusions (revgraph.schedules)."""
-    from revgraph.schedules import Schedule
+    from revgraph.train.schedules import Schedule
 
     how: dict = {"clip_grad_norm": clip, "no_decay": "none" if decay_all else None}
     if kind != "constant" or warmup:
@@ -114,9 +114,9 @@ def main() -> None:
     if a.bucket_bytes:
         a.bucket_mb = a.bucket_bytes / 2**20
     if a.no_cut:
-        import revgraph.grad_segments
+        import revgraph.train.distributed.grad_segments
 
-        revgraph.grad_segments.cut = lambda *args: None
+        revgraph.train.distributed.grad_segments.cut = lambda *args: None
     samples = a.samples - (a.skew and os.environ.get("RANK") == "1")
     several = "," in a.optimizer
     for optimizer in a.optimizer.split(","):

@@ -13,9 +13,9 @@ from test_light_models import lifted
 import revgraph as rg
 from revgraph.autodiff.arguments import used_names
 from revgraph.autodiff.loops.lower import lower_to_loops
-from revgraph.check import to_float64
 from revgraph.ir import Graph, Node
-from revgraph.ssa import to_ssa
+from revgraph.ir.ssa import to_ssa
+from revgraph.tools.check import to_float64
 
 BACKENDS = ("onnxruntime", "reference")
 

@@ -32,7 +32,7 @@ import torch
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.ssa import captured_names
+from revgraph.ir.ssa import captured_names
 
 H = 1e-6
 

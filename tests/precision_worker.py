@@ -12,10 +12,10 @@ import os
 import numpy as np
 
 import revgraph as rg
-import revgraph.distributed
+import revgraph.train.distributed.data_parallel
 from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.precision import Precision
 from revgraph.train import adam
+from revgraph.train.precision import Precision
 
 CLASSES, SAMPLES = 5, 48
 #: the loss scaling of the run: 2^127 overflows float32 in the backward; growth after 2 good steps

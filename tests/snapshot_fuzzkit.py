@@ -117,7 +117,7 @@ def snapshot_seed(root: Path) -> dict:
             (d / name).write_bytes(content)
 
     def make(which: str) -> None:
-        from revgraph.trainer import Trainer
+        from revgraph.train.trainer import Trainer
 
         os.chdir(root / f"seed-{which}")
         if which == "killed":  # die before the 5th step, after the checkpoint of step 4

@@ -18,8 +18,8 @@ import pytest
 
 import revgraph as rg
 import revgraph.autodiff
-import revgraph.lora
 import revgraph.train
+import revgraph.train.lora
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.validate import ArgumentError
 

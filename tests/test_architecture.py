@@ -61,6 +61,46 @@ def test_the_package_has_no_import_cycle():
                 todo.extend(edges[m])
 
 
+def _package_imports() -> dict[str, set[tuple[str, str]]]:
+    """Imports between revgraph's layer packages: ``{package: {(module, imported module), ...}}``, where a
+    package is the first name under ``revgraph`` (``ir``, ``onnx_io``, ``autodiff``, ``runtime``, ``train``, ``cli``,
+    ``tools``, or a top-level module such as ``errors``)."""
+    files = {}
+    for f in SRC.rglob("*.py"):
+        parts = list(f.relative_to(SRC.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        files[".".join(parts[:-1] if is_pkg else parts)] = (f, is_pkg)
+    found: dict[str, set[tuple[str, str]]] = {}
+    for m, (f, pkg) in files.items():
+        for d in _imports(f, m, pkg, set(files)):
+            found.setdefault(m.split(".")[1] if "." in m else "", set()).add((m, d))
+    return found
+
+
+#: what each layer may import besides itself: the foundation modules (errors, warn, limits, validate, text,
+#: version) and the layers below it (DESIGN.md, "Layout")
+FOUNDATION = {"errors", "warn", "limits", "validate", "text", "version"}
+LAYERS_BELOW = {"ir": set(), "onnx_io": {"ir"}, "runtime": {"ir", "onnx_io"}}
+NEVER = {"runtime": {"autodiff", "train", "cli", "tools"}, "autodiff": {"train", "cli"}}
+
+
+def test_the_layers_import_only_what_is_below_them():
+    edges = _package_imports()
+    for layer, below in LAYERS_BELOW.items():
+        bad = sorted((m, d) for m, d in edges.get(layer, ()) if d.split(".")[1] not in {layer, *below, *FOUNDATION})
+        assert not bad, f"{layer} imports above itself: {bad}"
+    for layer, never in NEVER.items():
+        bad = sorted((m, d) for m, d in edges.get(layer, ()) if d.split(".")[1] in never)
+        assert not bad, f"{layer} imports {never}: {bad}"
+
+
+def test_no_module_shadows_the_standard_library():
+    import sys
+
+    names = {f.stem for f in SRC.rglob("*.py")} | {d.name for d in SRC.rglob("*") if d.is_dir()}
+    assert not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)
+
+
 def test_rules_read_no_mutable_state_and_never_test_need():
     for f in RULES_DIR.glob("*.py"):
         text = f.read_text()

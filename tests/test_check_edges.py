@@ -25,10 +25,10 @@ import revgraph as rg
 from revgraph import fastshape
 from revgraph.autodiff import registry
 from revgraph.autodiff.context import ForwardPatch, PatchedVJP
-from revgraph.check import _ORT_FLOAT32_PRECISE, to_float64
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.types import infer_types
+from revgraph.onnx_io.value_types import infer_types
+from revgraph.tools.check import _ORT_FLOAT32_PRECISE, to_float64
 
 F32 = np.float32
 
@@ -567,7 +567,7 @@ def test_check_gradients_of_a_sequence_loss(kind, tmp_path, capsys, monkeypatch)
     assert main(["check", str(tmp_path / "m.onnx")]) == 0
     assert "all 2 gradients agree" in capsys.readouterr().out
 
-    import revgraph.check as check_module
+    import revgraph.tools.check as check_module
 
     real = check_module.gradient
 

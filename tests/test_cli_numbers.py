@@ -20,8 +20,8 @@ from harness import one_line_error
 import revgraph as rg
 from revgraph import cli_numbers
 from revgraph.cli import _parser, main
-from revgraph.cli_numbers import Checked, Number
-from revgraph.demo import Settings, memory_needed, rnn_model
+from revgraph.cli.numeric import Checked, Number
+from revgraph.tools.demo import Settings, memory_needed, rnn_model
 from revgraph.validate import INT64_MAX, gib, physical_memory
 
 I64 = INT64_MAX

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from lossdata_models import gnn_data, gnn_model, static_data, static_model
 
 import revgraph as rg
-from revgraph.data import read_dir, read_static
 from revgraph.errors import InputError
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.train import make_optimizer
+from revgraph.train.data import read_dir, read_static
 
 
 def torch_params(g):

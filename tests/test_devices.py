@@ -27,8 +27,8 @@ from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 import revgraph as rg
 from revgraph import demo
 from revgraph.cli import main
-from revgraph.devices import CUDA_HINT, Device, ortvalue_from_dlpack, torch_from_ortvalue
 from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.runtime.devices import CUDA_HINT, Device, ortvalue_from_dlpack, torch_from_ortvalue
 from revgraph.train import make_optimizer
 
 F32 = np.float32

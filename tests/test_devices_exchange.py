@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_devices import _train_cli, on_gpu, tolerance, torch  # noqa: F401  (tests/ is on sys.path)
 
 OPTIONS = {"buckets-overlapped": ["--bucket-mb", "0.001"],

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import revgraph as rg
-from revgraph.exchange import bucket_groups
-from revgraph.overlap import Segments, check_cut, cut
 from revgraph.train import split_step
-from revgraph.trainer import epoch_order, shard
+from revgraph.train.distributed.exchange import bucket_groups
+from revgraph.train.distributed.overlap import Segments, check_cut, cut
+from revgraph.train.trainer import epoch_order, shard
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 

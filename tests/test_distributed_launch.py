@@ -326,7 +326,7 @@ class _OneRank:
 def test_failure_record_stops_a_restart_of_the_same_run_only(tmp_path, monkeypatch):
     """The record a failed attempt leaves in the checkpoint directory stops a restarted attempt of the same run
     (same run id, restart count > 0) with the same message; a fresh start removes it, another run ignores it."""
-    from revgraph.launch import FAILURE_FILE, RUN_DIR_ENV, record_failure, recorded_failure
+    from revgraph.train.distributed.launch import FAILURE_FILE, RUN_DIR_ENV, record_failure, recorded_failure
 
     monkeypatch.delenv(RUN_DIR_ENV, raising=False)
     env = {"TORCHELASTIC_RUN_ID": "run-a", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "2"}
@@ -356,9 +356,9 @@ def test_loopback_hostname_trap_is_refused_before_joining(monkeypatch):
     """Several machines (WORLD_SIZE > LOCAL_WORLD_SIZE) meeting at a non-loopback address while this machine's
     name resolves to 127.0.0.1 and GLOO_SOCKET_IFNAME is unset: the Collective refuses in one line before it
     joins (gloo would listen on loopback), and not in the cases where loopback is right."""
-    from revgraph.devices import Device
-    from revgraph.distributed import Collective
-    from revgraph.launch import network_problem
+    from revgraph.runtime.devices import Device
+    from revgraph.train.distributed.data_parallel import Collective
+    from revgraph.train.distributed.launch import network_problem
 
     monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "9"}

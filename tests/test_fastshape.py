@@ -15,8 +15,8 @@ import revgraph as rg
 from revgraph import fastshape
 from revgraph.autodiff.emitter import Emitter
 from revgraph.ir import Node, ValueInfo
-from revgraph.lift import lift_constants
-from revgraph.types import onnx_node_types
+from revgraph.onnx_io.value_types import onnx_node_types
+from revgraph.tools.lift import lift_constants
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 

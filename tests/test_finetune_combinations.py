@@ -11,17 +11,17 @@ import math
 
 import numpy as np
 import pytest
-from harness import crash_after  # (tests/ is on sys.path)
 import torch
 import torch.nn.functional as F
+from harness import crash_after  # (tests/ is on sys.path)
 from test_precision import ATOL, C, D, batches, mlp, reference_train, torch_mlp  # (tests/ is on sys.path)
 from test_schedules import hf_lambda
 
 import revgraph as rg
 from revgraph.errors import RevgraphError
-from revgraph.precision import Precision
-from revgraph.schedules import Schedule
 from revgraph.train import adam, training_graph
+from revgraph.train.precision import Precision
+from revgraph.train.schedules import Schedule
 
 F32 = np.float32
 LR, CLIP = 1e-2, 0.5

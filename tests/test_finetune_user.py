@@ -11,8 +11,8 @@ from lossdata_models import lm_data, tiny_lm
 
 import revgraph as rg
 from revgraph import lora
-from revgraph.demo import mlp_model
 from revgraph.errors import RevgraphError
+from revgraph.tools.demo import mlp_model
 
 F32 = np.float32
 
@@ -60,7 +60,7 @@ def test_trainer_arguments_of_the_wrong_kind_are_one_line_errors(kwargs, message
 
 def test_model_output_beside_an_output_loss_is_refused():
     """``output:NAME`` names the loss; another ``output=`` would be ignored without a word."""
-    from revgraph.losses import loss_graph
+    from revgraph.train.losses import loss_graph
 
     g = tiny_lm()
     with pytest.raises(RevgraphError) as info:
@@ -139,7 +139,7 @@ def _cli(*args, cwd):
     ("directory", "cannot read"),  # a directory named x.npy: "is a directory", not "no such file"
 ])
 def test_data_directory_entries_of_the_wrong_kind(tmp_path, kind, message):
-    from revgraph.data import read_dir
+    from revgraph.train.data import read_dir
 
     d = tmp_path / "data"
     d.mkdir()
@@ -160,7 +160,7 @@ def test_data_directory_entries_of_the_wrong_kind(tmp_path, kind, message):
     ("npy", "holds one array (a .npy file); pass an .npz file that maps input names to arrays, or a directory"),
 ])
 def test_npz_of_the_wrong_kind_is_named(tmp_path, kind, message):
-    from revgraph.cli_io import read_npz
+    from revgraph.cli.common import read_npz
 
     path = tmp_path / "d.npz"
     if kind == "object":
@@ -216,7 +216,7 @@ def test_web_prepare_stops_with_one_line(tmp_path, kwargs, message):
 def test_causal_lm_ids_of_another_dtype_or_rank_are_named(dtype, shape):
     """An input named by --labels-from that is not int64 [B, T] reached onnxruntime's type check (its error)."""
     from revgraph.ir import ValueInfo
-    from revgraph.losses import loss_graph
+    from revgraph.train.losses import loss_graph
 
     g = tiny_lm()
     g.inputs.append(ValueInfo("ids", dtype, shape))

@@ -24,9 +24,9 @@ import revgraph as rg
 from revgraph import external_data
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.lift import lift_constants
-from revgraph.npz import NAMES, member_names, read_outputs
+from revgraph.onnx_io.npz import NAMES, member_names, read_outputs
 from revgraph.text import LiteralConsole, literal
+from revgraph.tools.lift import lift_constants
 
 ESC_X = "\x1b[2J\x1b]0;pwned\x07x\r\nX"  # clear screen, set the window title, carriage return, newline
 MARKUP_Y = "[bold red]y[/]"
@@ -233,7 +233,7 @@ def test_an_output_that_is_the_models_external_data(tmp_path, capsys):
 
 _WRITER = textwrap.dedent("""
     import os, signal, sys, time
-    from revgraph.atomic import atomic_path
+    from revgraph.onnx_io.atomic import atomic_path
     with atomic_path(sys.argv[1]) as tmp:
         open(tmp, "wb").write(b"partial")
         print("writing", flush=True)
@@ -268,7 +268,7 @@ def test_an_ignored_sighup_stays_ignored(tmp_path):
 
 
 def test_handlers_are_installed_only_while_writing(tmp_path):
-    from revgraph.atomic import atomic_path
+    from revgraph.onnx_io.atomic import atomic_path
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}  # (SIGHUP: ignored under nohup)
     assert before[signal.SIGTERM] == signal.SIG_DFL
@@ -286,7 +286,7 @@ def test_sigterm_during_grad_leaves_no_temporary_file(tmp_path):
     evil_model(tmp_path / "m.onnx")
     script = textwrap.dedent("""
         import sys, time
-        import revgraph.cli_write as cli_write, revgraph.onnx_io as io
+        import revgraph.cli.write as cli_write, revgraph.onnx_io as io
         real_open = open
         def slow_open(path, mode="r", *a, **k):
             f = real_open(path, mode, *a, **k)
@@ -455,7 +455,7 @@ def test_run_writes_hostile_output_names_safely(tmp_path, capsys):
 
 
 def test_string_outputs_are_stored_without_pickle(tmp_path):
-    from revgraph.npz import write_outputs
+    from revgraph.onnx_io.npz import write_outputs
 
     write_outputs(tmp_path / "s.npz", {"s": np.array(["a", "bé"], dtype=object), "file": np.arange(3)})
     back = read_outputs(tmp_path / "s.npz")  # np.load with allow_pickle=False inside

@@ -13,8 +13,8 @@ import torch
 from conftest import DATA_DIR, random_weights
 
 import revgraph as rg
-from revgraph.check import to_float64
-from revgraph.lift import lift_constants
+from revgraph.tools.check import to_float64
+from revgraph.tools.lift import lift_constants
 
 MODELS = ["resnet50", "inception_v1", "inception_v2", "densenet121", "shufflenet", "squeezenet", "vgg19",
           "zfnet512", "bvlc_alexnet"]

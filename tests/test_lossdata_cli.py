@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 import torch
 import torch.nn.functional as F
+from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 from lossdata_models import V, lm_data, static_data, static_model, tiny_lm
 from test_losses import own_loss_model, torch_lm
 
@@ -115,7 +115,7 @@ def test_output_loss_from_the_cli(tmp_path, capsys):
 
 
 def test_help_lists_the_registry():
-    from revgraph.losses import LOSSES
+    from revgraph.train.losses import LOSSES
 
     parser_help = __import__("subprocess").run(
         [__import__("sys").executable, "-m", "revgraph", "train", "--help"], capture_output=True, text=True,

@@ -14,9 +14,9 @@ from lossdata_models import D, T, V, lm_data, tiny_lm
 import revgraph as rg
 from revgraph.errors import InputError, RevgraphError
 from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.losses import LOSSES, loss_graph
 from revgraph.runtime import Session
 from revgraph.train import make_optimizer
+from revgraph.train.losses import LOSSES, loss_graph
 
 F64 = np.float64
 

@@ -19,7 +19,15 @@ from harness import double_backward
 from loopkit import body, loop, n
 
 import revgraph as rg
-from revgraph.autodiff.memory import REMAT_PREFIX, Budget, as_budget, is_backward_node, parse_budget, residuals, saved_bytes
+from revgraph.autodiff.memory import (
+    REMAT_PREFIX,
+    Budget,
+    as_budget,
+    is_backward_node,
+    parse_budget,
+    residuals,
+    saved_bytes,
+)
 from revgraph.cli import main
 from revgraph.errors import RevgraphError
 from revgraph.ir import Graph, Node, ValueInfo
@@ -302,7 +310,7 @@ def test_onnxruntime_keeps_the_recomputation_apart(tmp_path):
     # original (12 of 16 left: the gradient right, the saving lost); rg.Session turns it off for such graphs
     import onnxruntime as ort
 
-    from revgraph.runtime_options import disabled_optimizers
+    from revgraph.runtime.options import disabled_optimizers
 
     gg = rg.gradient(_chain(4), memory=0)
     assert disabled_optimizers(gg) == ["CommonSubexpressionElimination"]

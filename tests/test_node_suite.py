@@ -39,7 +39,7 @@ import pytest
 from kit.node_cases import CASES, NAMES, feedable, prepare
 
 import revgraph as rg
-from revgraph.check import NOT_CHECKED
+from revgraph.tools.check import NOT_CHECKED
 
 SAMPLE_MODULUS = 10
 #: node tests whose gradient revgraph refuses to build or gets wrong: name -> what is missing or wrong.

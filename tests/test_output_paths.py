@@ -31,7 +31,7 @@ import revgraph as rg
 from revgraph import atomic, lora
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.trainer import Trainer
+from revgraph.train.trainer import Trainer
 
 ROOT = os.geteuid() == 0
 SRC = str(Path(rg.__file__).resolve().parents[1])

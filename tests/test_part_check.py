@@ -15,8 +15,8 @@ import pytest
 from conftest import DATA_DIR, model_id, shipped_models
 
 import revgraph as rg
-from revgraph.onnx_check import check_in_parts
 from revgraph.onnx_io import as_written
+from revgraph.onnx_io.part_check import check_in_parts
 
 SAMPLE = shipped_models()[::5]
 ERRORS = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)

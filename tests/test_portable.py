@@ -14,7 +14,7 @@ import torch
 import revgraph as rg
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.portable import identity_dropouts
+from revgraph.onnx_io.portable import identity_dropouts
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((4, 5)).astype(np.float32)

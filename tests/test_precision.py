@@ -34,12 +34,12 @@ from test_devices import gpu_test  # (tests/ is on sys.path)
 
 import revgraph as rg
 from revgraph import steps
-from revgraph.devices import Device
 from revgraph.errors import InputError
 from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.precision import LOW_PRECISION_OPS, Precision, autocast
+from revgraph.onnx_io.value_types import infer_types
+from revgraph.runtime.devices import Device
 from revgraph.train import adam, training_graph
-from revgraph.types import infer_types
+from revgraph.train.precision import LOW_PRECISION_OPS, Precision, autocast
 
 F32 = np.float32
 D, H, C, N = 12, 16, 5, 32
@@ -264,7 +264,7 @@ def test_other_products_match_rounded_float32_products(case):
 
 
 def test_fp16_data_parallel_refusals():
-    from revgraph.exchange import refused_combination
+    from revgraph.train.distributed.exchange import refused_combination
 
     assert refused_combination("none", False, "fp32", 1, precision="fp16", world_size=2) is None
     for shard, sync, what in [("optimizer", False, "--shard optimizer"), ("none", True, "--sync-batchnorm")]:

@@ -25,9 +25,8 @@ import pytest
 
 import revgraph as rg
 from revgraph import checkpoints, demo, ray_launcher
-from revgraph.ray_launcher import train_with_ray
 from revgraph.train import make_optimizer
-
+from revgraph.train.distributed.ray_launcher import train_with_ray
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from conftest import (
 
 import revgraph as rg
 from revgraph.ir import ValueInfo
-from revgraph.lift import lift_constants
+from revgraph.tools.lift import lift_constants
 
 MODELS = shipped_models()
 

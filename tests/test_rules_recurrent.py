@@ -26,7 +26,7 @@ from revgraph.autodiff.arguments import used_names
 from revgraph.autodiff.loops.recurrent import lower_recurrent
 from revgraph.errors import GraphError
 from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.types import infer_types
+from revgraph.onnx_io.value_types import infer_types
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 TORCH_ORDER = {"LSTM": [0, 2, 3, 1], "GRU": [1, 0, 2], "RNN": [0]}  # ONNX gate chunks in PyTorch's order

@@ -13,14 +13,14 @@ from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 from test_train import OPTIMIZERS, embedding_model, mlp
 
 import revgraph as rg
-from revgraph import demo
-from revgraph import optimizers, train as T
+from revgraph import demo, optimizers
+from revgraph import train as T
 from revgraph.cli import main
 from revgraph.errors import InternalError, RevgraphError
-from revgraph.inplace import inplace_pairs
 from revgraph.ir import Node
-from revgraph.runtime_options import TRAINING_DEFAULT, RuntimeOptions
-from revgraph.steps import FusedEngine, SplitEngine
+from revgraph.ir.inplace import inplace_pairs
+from revgraph.runtime.options import TRAINING_DEFAULT, RuntimeOptions
+from revgraph.train.engines import FusedEngine, SplitEngine
 
 F32 = np.float32
 

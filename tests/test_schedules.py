@@ -12,17 +12,17 @@ import warnings
 
 import numpy as np
 import pytest
-from harness import crash_after  # (tests/ is on sys.path)
 import torch
 import torch.nn.functional as F
+from harness import crash_after  # (tests/ is on sys.path)
 from test_train import assert_params_close, embedding_model, mlp, torch_mlp  # (tests/ is on sys.path)
 
 import revgraph as rg
 from revgraph import checkpoints
 from revgraph import train as T
 from revgraph.errors import InputError, RevgraphError
-from revgraph.run_record import record
-from revgraph.schedules import SCHEDULES, Schedule
+from revgraph.train.run_record import record
+from revgraph.train.schedules import SCHEDULES, Schedule
 
 F32 = np.float32
 N, BATCH, EPOCHS = 48, 8, 4  # 6 steps per epoch, 24 steps
@@ -151,10 +151,10 @@ def test_graph_learning_rate_follows_the_formulas():
     min-lr after the last step (where transformers' cosine would rise again)."""
     import onnxruntime as ort
 
-    from revgraph.graphbuild import Builder
     from revgraph.ir import Graph, ValueInfo
     from revgraph.onnx_io import to_onnx
-    from revgraph.optimizers import Scalars
+    from revgraph.train.graphbuild import Builder
+    from revgraph.train.optimizers import Scalars
 
     for kind in SCHEDULES:
         opt = T.adam(lr=0.02, schedule=Schedule(kind, 4, 0.0 if kind == "constant" else 0.002))

@@ -206,15 +206,14 @@ def test_train_nproc_sharded_matches_one_process(tmp_path, device):
 def world_of_one(monkeypatch):
     """A gloo process group of one process in this test process (destroyed afterwards), for engine-level tests."""
     import torch.distributed as dist
-
     from test_distributed import _port
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}.items():
         monkeypatch.setenv(k, v)
     dist.init_process_group("gloo")
     try:
-        from revgraph.devices import Device
-        from revgraph.distributed import Collective
+        from revgraph.runtime.devices import Device
+        from revgraph.train.distributed.data_parallel import Collective
 
         yield Collective(Device())
     finally:
@@ -225,9 +224,9 @@ def world_of_one(monkeypatch):
 def test_sharded_engine_steps_reads_loads_and_undoes(world_of_one, mode):
     """The engine itself, in a world of one (shard = everything): steps equal the unsharded SplitEngine's, a
     keep_previous step is undone exactly, and load(read()) restores a state."""
-    from revgraph.devices import Device
-    from revgraph.sharding import ShardedEngine
-    from revgraph.steps import SplitEngine
+    from revgraph.runtime.devices import Device
+    from revgraph.train.distributed.sharding import ShardedEngine
+    from revgraph.train.engines import SplitEngine
 
     g, data = trainer("mlp", "adam", 48, False, HIDDEN)
     spec = g.spec

@@ -458,9 +458,9 @@ def test_nonfinite_values_resume_with_allow_nonfinite(base, tmp_path, capsys):
 def _fp16_trainer():
     import warnings
 
-    from revgraph.precision import Precision
-    from revgraph.schedules import Schedule
     from revgraph.train import adam
+    from revgraph.train.precision import Precision
+    from revgraph.train.schedules import Schedule
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (no product to run in float16)

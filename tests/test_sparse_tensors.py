@@ -27,9 +27,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg
 from revgraph.cli import main
-from revgraph.constants import constant_value
 from revgraph.errors import InputError, RevgraphError
-from revgraph.npz import read_outputs
+from revgraph.ir.constants import constant_value
+from revgraph.onnx_io.npz import read_outputs
 from revgraph.runtime import dense_output
 
 VALUES = np.array([1.5, -2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], np.float32)

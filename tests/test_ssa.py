@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 
 import revgraph as rg
 from revgraph import Graph, Node, ValueInfo
-from revgraph.ssa import CAPTURED, analyze
+from revgraph.ir.ssa import CAPTURED, analyze
 
 BACKENDS = ("onnxruntime", "reference")
 F32 = np.float32

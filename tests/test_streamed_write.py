@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 import revgraph as rg
 from revgraph import cli_write, external_data
 from revgraph.cli import main
-from revgraph.onnx_stream import pieces, prepared
+from revgraph.onnx_io.stream import pieces, prepared
 
 SAMPLE = shipped_models()[::7]  # (every 7th: all kinds of operator and subgraph; the full list under -m slow)
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import revgraph as rg
-from revgraph.graph_collectives import cut
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.runtime import Session
-from revgraph.sync_batchnorm import rewrite, training_batchnorms
+from revgraph.train.distributed.graph_collectives import cut
+from revgraph.train.distributed.sync_batchnorm import rewrite, training_batchnorms
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 

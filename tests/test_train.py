@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import revgraph as rg
-from revgraph import graphbuild, optimizers, train as T
-from revgraph.demo import rnn_model
+from revgraph import graphbuild, optimizers
+from revgraph import train as T
 from revgraph.errors import InputError, RevgraphError
 from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.tools.demo import rnn_model
 
 F32 = np.float32
 STEPS = 20

@@ -189,7 +189,7 @@ def test_a_failure_at_revgraphs_node_built_from_an_inconsistent_node_names_that_
     """The failing node is revgraph's ('grad/mm/...'), built from the model's node 'mm' whose declared output
     type disagrees with what ONNX infers from its inputs: exit 2 naming 'mm' and what is wrong. Built from a
     consistent node, the same failure is revgraph's own (nothing raised here: the caller's exit 3)."""
-    from revgraph.cli_write import refuse_inconsistent_model
+    from revgraph.cli.write import refuse_inconsistent_model
     from revgraph.errors import RevgraphError
 
     exc = _fake("[ShapeInferenceError] Inference error(s): (op_type:Transpose, node name: grad/mm/Transpose): "

@@ -4,19 +4,22 @@ Reverse-mode automatic differentiation done ahead of time on ONNX models and on 
 revgraph's IR. See DESIGN.md for the contract and the architecture.
 """
 
+from . import _moved
 from .autodiff import SparseGrad, backward, gradient, hessian, hvp, jacobian, jvp
 from .autodiff.memory import Budget, MemoryPlan, plan_memory, saved_bytes
-from .check import GradientReport, check_gradients
 from .errors import GraphError, InputError, RevgraphError, UnsupportedModelError
 from .ir import TARGET_OPSET, Graph, Node, ValueInfo
+from .ir.ssa import analyze as analyze_ssa
+from .ir.ssa import is_ssa, to_ssa
 from .onnx_io import load, save, to_onnx
 from .runtime import Session
-from .runtime_options import RuntimeOptions
-from .ssa import analyze as analyze_ssa
-from .ssa import is_ssa, to_ssa
-from . import lora  # noqa: F401  (rg.lora.add_adapters, merge_adapters, extract, apply)
-from .trainer import Trainer  # noqa: F401  (rg.Trainer: training with the graphs of revgraph.train)
+from .runtime.options import RuntimeOptions
+from .tools.check import GradientReport, check_gradients
+from .train import lora  # noqa: F401  (rg.lora.add_adapters, merge_adapters, extract, apply)
+from .train.trainer import Trainer  # noqa: F401  (rg.Trainer: training with the graphs of revgraph.train)
 from .version import __version__ as __version__
+
+_moved.install()  # the import paths of modules that moved into the layer packages (revgraph.lora, ...)
 
 __all__ = [
     "TARGET_OPSET",

@@ -3,7 +3,7 @@
 import sys
 
 from .cli import main
-from .launch import leave_worker
+from .train.distributed.launch import leave_worker
 
 code = main()
 leave_worker(code)  # (a --nproc worker's refusal: no interpreter finalization, see leave_worker)

@@ -321,7 +321,7 @@ def mapping(name: str, value):
 
 def optimizer(name: str, value):
     """An optimizer name (``"adam"``) or a :class:`revgraph.train.Optimizer`."""
-    kinds = (str, *_loaded("revgraph.optimizers", "Optimizer"))
+    kinds = (str, *_loaded("revgraph.train.optimizers", "Optimizer"))
     return instance(name, value, kinds, "an optimizer name ('sgd', 'adam', 'adamw') or a "
                     "revgraph.train.Optimizer (revgraph.train.make_optimizer builds one)")
 

@@ -15,10 +15,10 @@ from onnx import TensorProto, numpy_helper
 
 import revgraph as rg
 from revgraph.autodiff.registry import LOWERED, RULES
-from revgraph.check import is_float_dtype
 from revgraph.errors import UnsupportedModelError
 from revgraph.ir import TARGET_OPSET
 from revgraph.runtime import onnxruntime_newest_opset
+from revgraph.tools.check import is_float_dtype
 
 #: what :func:`prepare` raises for a case that cannot be checked (pytest's skip, with the reason)
 Skip = pytest.skip.Exception

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import InternalError, RevgraphError
 from ..ir import Graph, Node, ValueInfo, onnx_dtype
-from ..types import keep_types, node_types, onnx_node_types
+from ..onnx_io.value_types import keep_types, node_types, onnx_node_types
 from . import sparse as sp
 from .emitter import Emitter
 from .sparse import SparseGrad

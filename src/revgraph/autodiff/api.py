@@ -14,9 +14,9 @@ import numpy as np
 from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, fresh_name, gc_paused, require_graph
-from ..lift import lift_constants as lift
-from ..ssa import is_ssa, to_ssa
-from ..types import infer_types, keep_types
+from ..ir.ssa import is_ssa, to_ssa
+from ..onnx_io.value_types import infer_types, keep_types
+from ..tools.lift import lift_constants as lift
 from ..warn import warn
 from . import sparse as sp
 from .arguments import names_argument, refuse_integer_loss, resolve_loss, resolve_wrt, used_names

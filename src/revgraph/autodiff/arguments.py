@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 
 from ..errors import RevgraphError
 from ..ir import Graph, NameSet, ValueInfo, is_float_dtype
-from ..types import differentiable
+from ..onnx_io.value_types import differentiable
 
 
 def used_names(graph: Graph) -> set[str]:

@@ -22,10 +22,10 @@ from types import MappingProxyType
 from .. import validate as V
 from ..errors import GraphError, InternalError
 from ..ir import Graph, Node, ValueInfo, require_graph
-from ..ssa import captured_names, is_ssa
-from ..types import differentiable, infer_types
-from .node_checks import check_nodes
+from ..ir.ssa import captured_names, is_ssa
+from ..onnx_io.value_types import differentiable, infer_types
 from .accumulate import Accumulator, Grad, SeqGrad, sequence_types, zeros_sequence
+from .algebra import name_of
 from .arguments import (
     default_wrt,
     known_names,
@@ -39,7 +39,7 @@ from .context import BodyVJP, Ctx, Options, PatchedVJP, apply_patch
 from .emitter import Emitter
 from .finite import nonfinite_cotangents, nonfinite_values
 from .loops.lower import lower_to_loops
-from .algebra import name_of
+from .node_checks import check_nodes
 from .registry import NOT_DIFFERENTIABLE, get_rule
 from .sparse import SparseGrad
 

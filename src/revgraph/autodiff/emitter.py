@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import GraphError
 from ..ir import Node, ValueInfo, fresh_name, onnx_dtype
-from ..types import constant_values, node_types
+from ..onnx_io.value_types import constant_values, node_types
 
 
 class _Scope:

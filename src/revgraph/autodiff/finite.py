@@ -48,7 +48,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from ..ir import Node, ValueInfo
-from ..ssa import captured_names
+from ..ir.ssa import captured_names
 
 #: operators that move tensors in and out of ONNX sequences without changing them (their VJPs move cotangents)
 SEQUENCE_MOVES = ("SequenceConstruct", "SequenceInsert", "SequenceErase", "SequenceAt", "SplitToSequence",

@@ -30,10 +30,9 @@ from collections.abc import Iterable
 
 from .. import validate as V
 from ..ir import Graph, Node, ValueInfo, fresh_name, require_graph
-from ..ssa import captured_names, is_ssa, to_ssa
-from ..types import constant_values, differentiable, infer_types, keep_types
+from ..ir.ssa import captured_names, is_ssa, to_ssa
+from ..onnx_io.value_types import constant_values, differentiable, infer_types, keep_types
 from ..warn import warn
-from .node_checks import check_nodes
 from .accumulate import densify, zeros_like
 from .arguments import resolve_outputs, resolve_wrt, used_names
 from .backward import backward
@@ -41,6 +40,7 @@ from .context import Options
 from .emitter import Emitter
 from .loops.lower import lower_to_loops
 from .loops.reverse import body_types
+from .node_checks import check_nodes
 from .registry import NOT_DIFFERENTIABLE
 from .simplify import simplify
 

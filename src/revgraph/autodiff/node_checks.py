@@ -244,8 +244,8 @@ def _body_scope(body: Graph, types: Mapping[str, ValueInfo], values: Mapping, op
     """``(body, its types, its constant values)`` (``opsets``: the model's): the body's own inferred from its declarations, and the
     types and constants of the enclosing graph's values it captures (a captured initializer is a constant in
     the body too)."""
-    from ..ssa import captured_names
-    from ..types import constant_values, infer_types
+    from ..ir.ssa import captured_names
+    from ..onnx_io.value_types import constant_values, infer_types
 
     captured = captured_names(body)
     outer = [types.get(c) or ValueInfo(c) for c in captured]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from .. import validate as V
 from ..errors import GraphError
 from ..ir import Graph, Node
-from ..ssa import is_ssa, to_ssa
-from ..types import infer_types
+from ..ir.ssa import is_ssa, to_ssa
+from ..onnx_io.value_types import infer_types
 from .arguments import used_names
 from .backward import backward
 from .emitter import Emitter

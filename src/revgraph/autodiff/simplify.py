@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir import Graph, Node, fresh_name
-from ..ssa import captured_names
+from ..ir.ssa import captured_names
 
 #: operators whose two identical calls give different results (sampling), or whose outputs are a fresh mask
 RANDOM = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",

@@ -23,8 +23,8 @@ import numpy as np
 from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, onnx_dtype, require_graph
-from ..ssa import captured_names
-from ..types import infer_types, keep_types
+from ..ir.ssa import captured_names
+from ..onnx_io.value_types import infer_types, keep_types
 from .api import gradient
 from .arguments import names_argument, resolve_loss, resolve_outputs, resolve_wrt, used_names
 from .emitter import Emitter

@@ -9,8 +9,8 @@ its forward branch first: the values a branch computed are not visible outside i
 from __future__ import annotations
 
 from ...ir import Graph, Node, ValueInfo
-from ...ssa import captured_names
-from ...types import differentiable, keep_types
+from ...ir.ssa import captured_names
+from ...onnx_io.value_types import differentiable, keep_types
 from ..accumulate import Accumulator, densify, zeros_like
 from ..context import Ctx, PatchedVJP
 from ..registry import vjp

@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...ir import Graph, Node, ValueInfo
-from ...ssa import captured_names
-from ...types import keep_types
+from ...ir.ssa import captured_names
+from ...onnx_io.value_types import keep_types
 from ...warn import warn
 from ..context import Ctx, ForwardPatch, PatchedVJP
 from ..policies import Recompute, Segments

@@ -7,7 +7,7 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo, fresh_name, onnx_dtype
-from ...types import infer_types
+from ...onnx_io.value_types import infer_types
 from ..registry import LOWERED
 from .recurrent import RECURRENT_OPS, lower_recurrent
 from .reverse import complete_loop_types, refine

@@ -29,7 +29,7 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node, ValueInfo
-from ...ssa import captured_names
+from ...ir.ssa import captured_names
 from ..accumulate import is_sequence
 from ..context import ForwardPatch
 from ..emitter import Emitter

@@ -18,8 +18,8 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo
-from ...ssa import captured_names
-from ...types import differentiable, infer_types, keep_types
+from ...ir.ssa import captured_names
+from ...onnx_io.value_types import differentiable, infer_types, keep_types
 from ..accumulate import (
     Accumulator,
     Grad,

@@ -50,8 +50,8 @@ import numpy as np
 
 from ... import validate as V
 from ...ir import REMAT_PREFIX, Graph, Node, ValueInfo, fresh_name
-from ...runtime_options import ORT_DISABLED_OPTIMIZERS
-from ...ssa import captured_names
+from ...ir.ssa import captured_names
+from ...runtime.options import ORT_DISABLED_OPTIMIZERS
 from ...warn import warn
 from .budget import DEFAULT_SYMBOLIC_DIM, Budget
 from .cost import ALIASING, cheap, flops, is_identity, recomputable

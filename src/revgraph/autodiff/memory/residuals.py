@@ -20,7 +20,7 @@ import numpy as np
 from ... import validate as V
 from ...errors import RevgraphError
 from ...ir import Graph, Node, ValueInfo
-from ...ssa import captured_names
+from ...ir.ssa import captured_names
 
 #: The name prefixes of nodes the backward pass emits (:mod:`..backward`, :mod:`..accumulate`, :mod:`.plan`).
 BACKWARD_PREFIXES = ("grad/", "accum/", "seed/", "remat/")

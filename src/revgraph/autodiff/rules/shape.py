@@ -22,8 +22,8 @@ import numpy as np
 import onnx
 
 from ...errors import GraphError
-from ...fastshape import slice_indices
 from ...ir import Node
+from ...ir.fastshape import slice_indices
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, vjp

@@ -1,0 +1,104 @@
+"""Operator schemas from ``onnx.defs``: does a node's signature fit its operator at the graph's opset?"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import onnx
+
+from ..errors import GraphError
+
+if TYPE_CHECKING:  # ir imports this module to check nodes
+    from . import Node
+
+
+def get_schema(op_type: str, domain: str, opsets: dict[str, int]) -> onnx.defs.OpSchema | None:
+    """The schema of ``domain::op_type`` at the version ``opsets`` imports, or ``None`` if unknown."""
+    version = opsets.get(domain, opsets.get("ai.onnx") if domain == "" else None)
+    if version is None:
+        return None
+    try:
+        return onnx.defs.get_schema(op_type, version, domain)
+    except onnx.defs.SchemaError:
+        return None
+
+
+def check_node_signature(node: Node, opsets: dict[str, int], where: str = "graph") -> None:
+    """Raise :class:`GraphError` if ``node``'s operator is unknown or its arity does not fit its schema.
+
+    Also checks the input and output counts of ``Loop``, ``Scan`` and ``If`` subgraphs against the node
+    (ONNX operator spec: ``Loop`` body has 2+N inputs and 1+N+K outputs for N loop-carried values and K scan
+    outputs; ``Scan`` body has N+M inputs and N+K outputs; ``If`` branches have no inputs and as many
+    outputs as the node).
+    """
+    domain = node.domain or ""
+    schema = get_schema(node.op_type, domain, opsets)
+    if schema is None:
+        if domain not in opsets:
+            raise GraphError(
+                f"{node.label()} in {where} uses operator domain {domain!r}, which the model does not import"
+            )
+        raise GraphError(
+            f"{node.label()} in {where}: unknown operator {node.op_type!r} in domain {domain or 'ai.onnx'!r} "
+            f"at opset {opsets[domain]}; revgraph handles the standard ONNX operators only"
+        )
+    n_in, n_out = len(node.inputs), len(node.outputs)
+    if not schema.min_input <= n_in <= schema.max_input:
+        raise GraphError(
+            f"{node.label()} in {where} has {n_in} inputs; {node.op_type} takes "
+            f"{_range(schema.min_input, schema.max_input)}"
+        )
+    if not schema.min_output <= n_out <= schema.max_output:
+        raise GraphError(
+            f"{node.label()} in {where} has {n_out} outputs; {node.op_type} gives "
+            f"{_range(schema.min_output, schema.max_output)}"
+        )
+    _check_subgraphs(node, where)
+
+
+def _range(lo: int, hi: int) -> str:
+    if lo == hi:
+        return str(lo)
+    if hi >= 2**31 - 1:
+        return f"at least {lo}"
+    return f"{lo} to {hi}"
+
+
+def _check_subgraphs(node: Node, where: str) -> None:
+    if node.domain not in ("", "ai.onnx"):
+        return
+    subs = node.subgraphs
+    n_in, n_out = len(node.inputs), len(node.outputs)
+    if node.op_type == "Loop":
+        body = _need(node, subs, "body", where)
+        if len(body.inputs) != n_in:
+            raise GraphError(
+                f"body of {node.label()} in {where} has {len(body.inputs)} inputs; it needs {n_in} "
+                f"(iteration number, condition and {n_in - 2} loop-carried values)"
+            )
+        if len(body.outputs) != n_out + 1 or n_out < n_in - 2:
+            raise GraphError(
+                f"body of {node.label()} in {where} has {len(body.outputs)} outputs; it needs "
+                f"{n_out + 1} (condition, {n_in - 2} loop-carried values, {n_out - (n_in - 2)} scan outputs)"
+            )
+    elif node.op_type == "Scan":
+        body = _need(node, subs, "body", where)
+        if len(body.inputs) != n_in or len(body.outputs) != n_out:
+            raise GraphError(
+                f"body of {node.label()} in {where} has {len(body.inputs)} inputs and {len(body.outputs)} "
+                f"outputs; it needs {n_in} and {n_out}, as the Scan node has"
+            )
+    elif node.op_type == "If":
+        for attr in ("then_branch", "else_branch"):
+            branch = _need(node, subs, attr, where)
+            if branch.inputs or len(branch.outputs) != n_out:
+                raise GraphError(
+                    f"{attr} of {node.label()} in {where} has {len(branch.inputs)} inputs and "
+                    f"{len(branch.outputs)} outputs; it needs 0 and {n_out}"
+                )
+
+
+def _need(node: Node, subs: dict, attr: str, where: str):
+    if attr not in subs:
+        raise GraphError(f"{node.label()} in {where} has no {attr!r} subgraph attribute")
+    return subs[attr]

@@ -1,0 +1,162 @@
+"""onnxruntime's memory settings, as users set them: :class:`RuntimeOptions` (``rg.RuntimeOptions``).
+
+Three settings of ``onnxruntime.SessionOptions`` decide how much memory a session keeps beyond the tensors
+themselves:
+
+- ``arena`` (``enable_cpu_mem_arena``): the CPU allocator keeps freed blocks in an arena that grows and is
+  never given back to the system during the session; off, every tensor is allocated and freed with the C
+  allocator (memory returns to the system as the step ends);
+- ``memory_pattern`` (``enable_mem_pattern``): after a run onnxruntime records the sizes of the
+  intermediate tensors and, for inputs of the same shapes, allocates them next time as one block planned
+  ahead; off, each tensor is allocated when it is computed and freed after its last reader;
+- ``execution_order`` (``execution_order``): the topological order onnxruntime runs the nodes in:
+  ``"default"``, ``"priority_based"`` or ``"memory_efficient"`` (the last exists in onnxruntime's training
+  builds only; a regular build refuses it when a session is made).
+
+``None`` leaves a setting to whoever runs the graph: ``rg.Session`` keeps onnxruntime's defaults (arena on,
+memory pattern on, the default order); ``rg.Trainer`` and ``revgraph train`` use :data:`TRAINING_DEFAULT`
+(memory pattern off, arena on), chosen by ``bench/runtime_settings.py`` (docs/benchmarks.md, "Runtime memory
+settings and buffer sets").
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+from ..errors import RevgraphError
+
+#: ``execution_order`` values and the ``onnxruntime.ExecutionOrder`` members they name.
+EXECUTION_ORDERS = {"default": "DEFAULT", "priority_based": "PRIORITY_BASED", "memory_efficient": "MEMORY_EFFICIENT"}
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """onnxruntime memory settings (module doc); ``None`` leaves a setting at onnxruntime's default.
+
+    ``arena``: ``enable_cpu_mem_arena`` (bool); ``memory_pattern``: ``enable_mem_pattern`` (bool);
+    ``execution_order``: one of ``"default"``, ``"priority_based"``, ``"memory_efficient"``. Raises
+    :class:`RevgraphError` (one line naming the argument and its choices) for any other value. Settings never
+    change results beyond float rounding: they decide where tensors live and in which order nodes run.
+    """
+
+    arena: bool | None = None
+    memory_pattern: bool | None = None
+    execution_order: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("arena", "memory_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise RevgraphError(f"RuntimeOptions {name} must be True, False or None (onnxruntime's default), "
+                                    f"got {value!r}")
+        order = self.execution_order
+        if order is not None and (not isinstance(order, str) or order not in EXECUTION_ORDERS):
+            raise RevgraphError(f"RuntimeOptions execution_order must be one of {', '.join(EXECUTION_ORDERS)} or None "
+                                f"(onnxruntime's default), got {order!r}")
+
+    def apply(self, options=None):
+        """Set the fields that are not ``None`` on ``options`` (an ``onnxruntime.SessionOptions``; a new one
+        when ``None``) and return it. Fields left at ``None`` keep ``options``' values."""
+        import onnxruntime as ort
+
+        if options is None:
+            options = ort.SessionOptions()
+        elif not isinstance(options, ort.SessionOptions):
+            raise RevgraphError(f"session_options must be an onnxruntime.SessionOptions, got {type(options).__name__}")
+        if self.arena is not None:
+            options.enable_cpu_mem_arena = self.arena
+        if self.memory_pattern is not None:
+            options.enable_mem_pattern = self.memory_pattern
+        if self.execution_order is not None:
+            options.execution_order = getattr(ort.ExecutionOrder, EXECUTION_ORDERS[self.execution_order])
+        return options
+
+    def over(self, base: RuntimeOptions | None) -> RuntimeOptions:
+        """These settings where they are not ``None``, ``base``'s elsewhere."""
+        if base is None:
+            return self
+        return replace(base, **{k: v for k, v in vars(self).items() if v is not None})
+
+    def describe(self) -> str:
+        """``"arena off, memory pattern off, execution order default"`` (settings left to onnxruntime say so)."""
+        def word(v):
+            return "onnxruntime's default" if v is None else ("on" if v else "off")
+
+        order = self.execution_order or "onnxruntime's default"
+        return f"arena {word(self.arena)}, memory pattern {word(self.memory_pattern)}, execution order {order}"
+
+
+#: What ``rg.Trainer`` and ``revgraph train`` run with unless told otherwise (docs/benchmarks.md, "Runtime memory
+#: settings and buffer sets", bench/runtime_settings.py): the memory pattern off, which about halves a step's
+#: peak over setup (the planned block holds every intermediate at once) at no cost in step time, and the arena
+#: on: off, every step's tensors are allocated and freed through the C allocator, which costs 8-30% more CPU time
+#: per step on the CNN and the Transformer and lowers no peak but the LLaMA's by a few percent.
+TRAINING_DEFAULT = RuntimeOptions(arena=True, memory_pattern=False)
+
+
+#: onnxruntime graph optimizers that would merge a node the memory planner recomputes in the backward
+#: (``remat/...``) back into its forward original: the gradient would stay right, the memory saving be lost
+ORT_DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination",)
+
+
+def disabled_optimizers(graph) -> list[str]:
+    """The ``disabled_optimizers`` argument of ``onnxruntime.InferenceSession`` for ``graph`` (a
+    :class:`revgraph.Graph`): :data:`ORT_DISABLED_OPTIMIZERS` when a node anywhere in it is a recomputation
+    (named ``remat/...``), else none (onnxruntime's optimizers as users run them)."""
+    from ..ir import REMAT_PREFIX
+
+    for _, node in graph.walk():
+        if node.name.startswith(REMAT_PREFIX):
+            return list(ORT_DISABLED_OPTIMIZERS)
+    return []
+
+
+def check_runtime(runtime: object, what: str = "runtime") -> RuntimeOptions | None:
+    """``runtime`` if it is a :class:`RuntimeOptions` or ``None``; :class:`RevgraphError` otherwise."""
+    if runtime is not None and not isinstance(runtime, RuntimeOptions):
+        raise RevgraphError(f"{what} must be a revgraph.RuntimeOptions or None, got {type(runtime).__name__}")
+    return runtime
+
+
+def session_options(runtime: RuntimeOptions | None = None, threads: int = 0):
+    """A new ``onnxruntime.SessionOptions`` for revgraph's own sessions: errors reach revgraph as exceptions
+    (log level fatal only), ``threads`` intra-op threads (0: onnxruntime's choice) and ``runtime``'s settings
+    (``None``: onnxruntime's defaults)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.intra_op_num_threads = threads
+    return check_runtime(runtime).apply(options) if runtime is not None else options
+
+
+@contextmanager
+def overriding(base, runtime: RuntimeOptions | None = None, threads: int = 0):
+    """``base`` (a user's ``onnxruntime.SessionOptions``) with ``runtime``'s settings and ``threads`` (unless 0)
+    set on it while the block runs, and its own values back afterwards: a session copies its options when it is
+    made, so the user's object keeps everything it holds (config entries, custom operator libraries) and is
+    left as it was. Raises :class:`RevgraphError` when ``base`` is not an ``onnxruntime.SessionOptions``."""
+    import onnxruntime as ort
+
+    if not isinstance(base, ort.SessionOptions):
+        raise RevgraphError(f"session_options must be an onnxruntime.SessionOptions, got {type(base).__name__}")
+    names = ["enable_cpu_mem_arena", "enable_mem_pattern", "execution_order", "intra_op_num_threads"]
+    saved = {n: getattr(base, n) for n in names}
+    try:
+        if runtime is not None:
+            check_runtime(runtime).apply(base)
+        if threads:
+            base.intra_op_num_threads = threads
+        yield base
+    finally:
+        for n, v in saved.items():
+            setattr(base, n, v)
+
+
+def refusal(message: str) -> str | None:
+    """The one-line error for onnxruntime refusing a session because of a setting here, or ``None``."""
+    if "Memory efficient topological order is not enabled" in message:
+        return ("onnxruntime refuses execution_order 'memory_efficient': this onnxruntime is not a training build "
+                "(that order exists in onnxruntime-training only); use default or priority_based")
+    return None

@@ -1,0 +1,1 @@
+"""revgraph's tools: gradient checking, lifting constants, pictures, the demo."""

@@ -1,0 +1,139 @@
+"""The plan of sharded data-parallel training (:mod:`revgraph.sharding`): the flat units the dense parameters are
+packed into (:class:`Unit`, :func:`plan_units`), the order the backward finishes their gradients
+(:func:`ready_order`), and the update graph over one rank's shards (:func:`shard_update_graph`: the optimizer
+formulas of :mod:`revgraph.optimizers` on flat vectors, with the schedule, clipping and weight-decay exclusions
+of :mod:`revgraph.schedules`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...ir import Graph, ValueInfo
+from ..graphbuild import Builder, name_outputs
+from ..graphs import TrainingGraph
+from ..optimizers import Scalars, sparse_update, update
+from .exchange import bucket_groups
+
+
+@dataclass
+class Unit:
+    """A flat unit of dense parameters of one ``dtype``: ``names`` at element ``offsets`` with ``shapes``;
+    ``length`` elements (padded to a multiple of the world size), of which the rank owns ``[lo, lo + k)``.
+    ``param`` is the flat parameter tensor, ``grad`` the flat gradient (ZeRO-1; ``None`` for ZeRO-2, whose
+    gradients go through the shared bucket buffer), ``gshard`` the reduce-scattered gradient shard (ZeRO-1:
+    the view ``grad[lo:lo + k]``, reduce-scattered in place as FSDP and NCCL allow) and
+    ``state`` the optimizer state of the shard (one ``[k]`` tensor per slot)."""
+
+    names: list[str]
+    offsets: list[int]
+    shapes: list[tuple]
+    dtype: np.dtype
+    length: int
+    lo: int
+    k: int
+    param: object = None
+    grad: object = None
+    gshard: object = None
+    state: list = field(default_factory=list)
+
+    @property
+    def used(self) -> int:
+        """Elements holding parameters (the rest of ``length`` is zero padding)."""
+        return self.offsets[-1] + int(np.prod(self.shapes[-1], dtype=np.int64))
+
+    def views(self, flat) -> dict:
+        """Each parameter's view (of its shape) into ``flat``, a tensor of at least :attr:`used` elements."""
+        return {n: flat[o:o + int(np.prod(s, dtype=np.int64))].view(s)
+                for n, o, s in zip(self.names, self.offsets, self.shapes, strict=True)}
+
+
+def plan_units(spec: TrainingGraph, world: int, rank: int, bucket_bytes: int,
+               order: list[str] | None = None) -> list[Unit]:
+    """The flat units of ``spec``'s dense parameters (module doc): in ``order`` (default: reverse parameter
+    order, as DDP first buckets them), one dtype per unit, at most ``bucket_bytes`` each (a larger parameter is a
+    unit of its own), padded to a multiple of ``world``."""
+    order = order or list(reversed([p for p in spec.params if p not in spec.sparse]))
+    groups = bucket_groups({p: spec.initial[p] for p in order}, order, bucket_bytes, in_order=True, first=None)
+    units = []
+    for names in groups:
+        offsets, at = [], 0
+        for p in names:
+            offsets.append(at)
+            at += spec.initial[p].size
+        length = -(-max(at, 1) // world) * world
+        k = length // world
+        units.append(Unit(names, offsets, [spec.initial[p].shape for p in names], spec.initial[names[0]].dtype,
+                          length, rank * k, k))
+    return units
+
+
+def ready_order(grad_graph: Graph, spec: TrainingGraph) -> list[str]:
+    """The dense parameters in the order the grad graph's nodes finish their gradients (ties, e.g. the gradients
+    a ``Loop``'s backward writes together, in reverse parameter order)."""
+    producer = {o: k for k, n in enumerate(grad_graph.nodes) for o in n.outputs if o}
+    dense = list(reversed([p for p in spec.params if p not in spec.sparse]))
+    return sorted(dense, key=lambda p: producer.get(spec.grads[p][0], -1))
+
+
+def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, list[tuple[str, str]], dict]:
+    """The update graph of a rank: the optimizer (:mod:`revgraph.train` formulas) over each unit's shard, the
+    lazy row update of each sparse table (whole, replicated) and ``step + 1``.
+
+    Returns ``(graph, carried pairs (input, output), names)``: unit ``j``'s inputs are ``names[j]`` =
+    ``(param shard, gradient shard, [state shards])``, all float ``[k]`` of the unit's dtype; the sparse tables
+    keep the names of ``spec`` (parameter, state, gradient indices and rows), the step and a schedule's total
+    too. Weight decay skips the shard elements of excluded parameters (a mask,
+    :func:`revgraph.schedules.flat_decay`). With
+    clipping, ``names["clip"]`` is the float64 scalar input of the dense gradients' squared norm summed over
+    every rank's shards (the sparse tables, replicated, add theirs in the graph): the clipping of
+    :mod:`revgraph.schedules` over the whole model."""
+    from ..schedules import clipped_shards, flat_decay
+
+    b = Builder(spec.graph.all_names())
+    opt = spec.optimizer
+    scalars = Scalars(b, opt, spec.step, spec.total)
+    inputs, outputs, pairs, names = [], [], [], {}
+    slots = opt.slots
+    for j, u in enumerate(units):
+        p, g = b.fresh(f"shard{j}/param"), b.fresh(f"shard{j}/grad")
+        names[j] = (p, g, [b.fresh(f"shard{j}/{s}") for s in slots])
+    grads, rows = {j: names[j][1] for j in range(len(units))}, {p: spec.grads[p] for p in spec.sparse}
+    if opt.clip_grad_norm:
+        names["clip"] = b.fresh("clip/dense_squares")
+        inputs.append(ValueInfo(names["clip"], np.float64, ()))
+        grads, rows = clipped_shards(b, spec, names["clip"], grads, {j: u.dtype for j, u in enumerate(units)})
+    for j, u in enumerate(units):
+        p, g, state = names[j]
+        inputs += [ValueInfo(n, u.dtype, (u.k,)) for n in (p, g, *state)]
+        b.prefix, start = f"optim/shard{j}", len(b.nodes)
+        new_p, new_s = update(b, scalars, p, grads[j], state, u.dtype, decay=flat_decay(u, spec.no_decay))
+        news = name_outputs(b, start, [(new_p, f"{p}.new"), *((v, f"{s}.new") for s, v in zip(state, new_s, strict=True))])
+        pairs += list(zip([p, *state], news, strict=True))
+        outputs += [ValueInfo(n, u.dtype, (u.k,)) for n in news]
+    for p in spec.sparse:
+        a = spec.initial[p]
+        idx, grad_rows = spec.grads[p]
+        inputs += [ValueInfo(n, a.dtype, a.shape) for n in (p, *spec.state[p])]
+        inputs += [spec.grad_types[idx], spec.grad_types[grad_rows]]
+        b.prefix, start = f"optim/{p}", len(b.nodes)
+        new_p, new_s = sparse_update(b, scalars, p, *rows[p], spec.state[p], a.dtype, unique=bool(opt.clip_grad_norm),
+                                     decay=p not in spec.no_decay)
+        news = name_outputs(b, start, [(new_p, f"{p}.new"), *((v, f"{s}.new") for s, v in zip(spec.state[p], new_s,
+                                                                                         strict=True))])
+        pairs += list(zip([p, *spec.state[p]], news, strict=True))
+        outputs += [ValueInfo(n, a.dtype, a.shape) for n in news]
+    b.prefix, start = "optim/step", len(b.nodes)
+    new_step = name_outputs(b, start, [(b.op("Add", [spec.step, b.const(1, np.int64)]), f"{spec.step}.new")])[0]
+    inputs.append(ValueInfo(spec.step, np.int64, ()))
+    outputs.append(ValueInfo(new_step, np.int64, ()))
+    pairs.append((spec.step, new_step))
+    if spec.total:  # the schedule's total steps, carried unchanged
+        start = len(b.nodes)
+        new_total = name_outputs(b, start, [(spec.total, f"{spec.total}.new")])[0]
+        inputs.append(ValueInfo(spec.total, np.int64, ()))
+        outputs.append(ValueInfo(new_total, np.int64, ()))
+        pairs.append((spec.total, new_total))
+    graph = Graph(b.nodes, inputs, outputs, name="sharded update", opsets=dict(spec.graph.opsets))
+    return graph, pairs, names

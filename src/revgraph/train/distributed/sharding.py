@@ -1,0 +1,502 @@
+"""Sharded data-parallel training: ZeRO-1 (``shard="optimizer"``) and ZeRO-2 (``shard="gradients"``).
+
+Unsharded (:class:`revgraph.distributed.DistributedEngine`), every rank of a world of ``W`` holds all of the
+parameters, the gradients and the optimizer state, and runs the whole update. Here, as in
+``torch.distributed.optim.ZeroRedundancyOptimizer``, DeepSpeed's ZeRO stages 1 and 2 and FSDP2's flat
+parameters:
+
+- the dense parameters are packed into **flat units**: consecutive parameters of one dtype, in reverse
+  parameter order as DDP first buckets them (ZeRO-2: in the order the backward finishes their gradients, as
+  DDP rebuilds its buckets), up to :data:`revgraph.exchange.BUCKET_MB` each, every unit a flat
+  device tensor padded with zeros to a multiple of ``W`` elements. Each parameter is a view of its unit that
+  onnxruntime reads in place (an ``OrtValue`` of the same memory, through DLPack). Rank ``r`` **owns** the
+  contiguous shard ``r`` of every unit (``length / W`` elements);
+- the optimizer state of a unit exists only for the rank's shard (``W`` times less: Adam's ``m`` and ``v`` of
+  ``P`` parameters take ``2P / W`` per rank instead of ``2P``);
+- a step: the grad graph writes the gradients; each unit's gradient is scaled by ``n_r / N`` (the rank's
+  share of the global batch, so that uneven last batches stay exact) and **reduce-scattered**
+  (``torch.distributed.reduce_scatter_tensor``: rank ``r`` receives the sum over ranks of shard ``r``); each
+  rank runs the update graph over its shards only (the optimizer formulas of :mod:`revgraph.train`,
+  :func:`revgraph.optimizers.update`, on flat vectors: they are elementwise, so a flat update is the per-tensor
+  one), writing the new shard into its place in the unit; then every unit is **all-gathered**
+  (``all_gather_into_tensor``, the rank's shard read in place) so that every rank holds all the new parameters;
+- ``"gradients"`` (ZeRO-2) also keeps no full gradient: the grad graph is cut into one segment per unit
+  (:mod:`revgraph.grad_segments`), each segment writes its unit's gradients into **one** bucket-sized buffer
+  that is reduce-scattered into the rank's gradient shard before the next segment runs. Gradient memory per
+  rank: the shards (``1 / W``) plus that one buffer, plus, transiently, any gradient the backward finishes in an
+  earlier unit's segment (:attr:`ShardedEngine.plan`). When the grad graph cannot be cut (no types for the
+  values crossing a cut), the whole grad graph runs at once: the full gradients then exist during the
+  backward, and only the shards and one bucket are kept between steps.
+
+Sparse embedding tables (``TrainingGraph.sparse``: gradients as rows, lazy row updates) stay replicated and
+updated on every rank as in the unsharded engine (their rows are all-gathered); the step counter too.
+
+Checkpoints and reads: :meth:`ShardedEngine.read` all-gathers the state shards (a collective: every rank calls
+it, the trainer saves on rank 0 only), so checkpoints hold full arrays in the format of unsharded runs and load
+at any world size, sharded or not; :meth:`ShardedEngine.load` takes full arrays and keeps the rank's shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ...errors import InputError, InternalError, RevgraphError
+from ...ir.inplace import inplace_pairs
+from ...runtime import _first_line
+from ...runtime.devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
+from ...runtime.options import RuntimeOptions, session_options
+from ..graphs import TrainingGraph, eval_graph, split_step
+from .data_parallel import Collective, DistributedEngine, collective
+from .exchange import BUCKET_MB, torch_dtype
+from .exchange import bucket_bytes as _bucket_bytes
+from .shard_plan import Unit, plan_units, ready_order, shard_update_graph  # noqa: F401  (API of this module)
+
+#: ``shard=`` of :class:`revgraph.Trainer` and ``--shard`` of ``revgraph train``.
+SHARDS = ("none", "optimizer", "gradients")
+
+
+class ShardedEngine(DistributedEngine):
+    """A data-parallel step with sharded optimizer state (``mode="optimizer"``, ZeRO-1) or sharded optimizer
+    state and gradients (``mode="gradients"``, ZeRO-2); module doc. ``bucket_bytes``: the largest unit (default
+    :data:`revgraph.exchange.BUCKET_MB`, DDP's 25 MiB).
+
+    Parameters, gradients and state are torch tensors on ``comm.tdevice`` (gloo on CPU, NCCL on CUDA), shared
+    with onnxruntime through DLPack. :meth:`read` and :meth:`load` see full arrays; :meth:`read` of optimizer
+    state is a collective (every rank must call it, in the same order). Raises :class:`RevgraphError` (one line)
+    when onnxruntime refuses a graph or a collective fails."""
+
+    #: reads gather from every rank: the trainer calls :meth:`read` on every rank (and writes on rank 0)
+    gathers = True
+
+    def __init__(self, spec: TrainingGraph, threads: int, device: Device, comm: Collective,
+                 runtime: RuntimeOptions | None = None, mode: str = "optimizer", bucket_bytes: int | None = None,
+                 reduce_dtype: str = "fp32"):
+        import onnxruntime as ort
+
+        if mode not in SHARDS[1:]:
+            raise RevgraphError(f"shard must be one of {', '.join(SHARDS)}, got {mode!r}")
+        if reduce_dtype != "fp32":  # (Trainer refuses it first: revgraph.cli_exchange.refused_combination)
+            raise InputError(f"reduce_dtype={reduce_dtype!r} does not combine with sharding")
+        torch = comm.torch
+        self.comm, self.mode = comm, mode
+        self.times = None  # per-phase timings, when profiled (revgraph.steptimes)
+        # (not Engine.__init__: it would allocate full optimizer state, which is what sharding avoids)
+        self.spec, self.device, self.runtime = spec, device, runtime
+        self.options = session_options(runtime, threads)
+        self._eval = self.session(eval_graph(spec), "evaluation graph")
+        self.names = [i for i, _ in spec.carried()]
+        self.shared = frozenset(self.names)
+        self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), spec.graph.outputs[0].dtype))]
+        self._current, self._previous = 0, None
+        dev, world, rank = comm.tdevice, comm.world_size, comm.rank
+        cap = bucket_bytes or _bucket_bytes(BUCKET_MB)
+        self.grad_graph, _ = split_step(spec)
+        # ZeRO-2 packs the units in the order the backward finishes the gradients (DDP rebuilds its buckets in
+        # that order after the first step), so that each segment of the cut finishes whole units
+        order = ready_order(self.grad_graph, spec) if mode == "gradients" else None
+        self.units = plan_units(spec, world, rank, cap, order)
+        values, self._tensors, self._where = {}, {}, {}
+        for j, u in enumerate(self.units):
+            tdt = torch_dtype(torch, spec.initial[u.names[0]].dtype)
+            u.param = torch.zeros(u.length, dtype=tdt, device=dev)
+            for n, view in u.views(u.param).items():
+                view.copy_(torch.from_numpy(np.ascontiguousarray(spec.initial[n])))
+                values[n] = ortvalue_from_dlpack(view)
+            u.state = [torch.zeros(u.k, dtype=tdt, device=dev) for _ in spec.optimizer.slots]
+            if mode == "optimizer":  # reduce-scattered in place: the shard is the rank's slice of the unit
+                u.grad = torch.zeros(u.length, dtype=tdt, device=dev)
+                u.gshard = u.grad[u.lo:u.lo + u.k]
+            else:
+                u.gshard = torch.zeros(u.k, dtype=tdt, device=dev)
+            for p, o in zip(u.names, u.offsets, strict=True):
+                self._where[p] = (j, None, o)
+                for i, s in enumerate(spec.state[p]):
+                    self._where[s] = (j, i, o)
+        for p in spec.sparse:  # replicated, as unsharded
+            for n, a in [(p, spec.initial[p]), *((s, np.zeros_like(spec.initial[p])) for s in spec.state[p])]:
+                self._tensors[n] = torch.from_numpy(np.array(a)).to(dev)
+        self._tensors[spec.step] = torch.zeros((), dtype=torch.int64, device=dev)
+        if spec.total:  # a schedule's total steps (revgraph.schedules), set by fit
+            self._tensors[spec.total] = torch.zeros((), dtype=torch.int64, device=dev)
+        values.update((n, ortvalue_from_dlpack(t)) for n, t in self._tensors.items())
+        self._sets = [values, values]  # one set: every name is updated in place (or copied back)
+        self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]), dtype=torch_dtype(torch, spec.initial[p].dtype),
+                                        device=dev) for p in spec.sparse]
+        # the loss and every rank's count of sparse rows, all-reduced in float64 (revgraph.exchange's tail)
+        self._tail = torch.zeros(1 + world * len(spec.sparse), dtype=torch.float64, device=dev)
+        self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
+        self._build_update()
+        self.bucket, self.plan = None, None
+        if mode == "gradients":
+            # one buffer of the largest unit's bytes, viewed as each unit's dtype in turn
+            self.bucket = torch.zeros(max([u.length * u.gshard.element_size() for u in self.units] or [0]),
+                                      dtype=torch.uint8, device=dev)
+            self._build_segments()
+        if self.plan is None:  # ZeRO-1, or a grad graph that cannot be cut: one run writes every gradient
+            self._grad = self.session(self.grad_graph, "gradient graph")
+            self._grad_values = {spec.grads[p][0]: ortvalue_from_dlpack(v) for u in self.units
+                                 for p, v in u.views(u.grad).items()} if mode == "optimizer" else {}
+            self._rebind()
+
+    def _bucket(self, u: Unit):
+        """The bucket as unit ``u``'s flat gradient (ZeRO-2)."""
+        return self.bucket[:u.length * u.gshard.element_size()].view(u.gshard.dtype)
+
+    # ------------------------------------------------------------------------------------------ building
+
+    def _build_update(self) -> None:
+        graph, pairs, self._unit_names = shard_update_graph(self.spec, self.units)
+        self._update = self.session(graph, "sharded update graph")
+        unsafe = inplace_pairs(graph, pairs)
+        ort_in: dict[str, object] = {}
+        for j, u in enumerate(self.units):
+            p, g, state = self._unit_names[j]
+            ort_in[p] = ortvalue_from_dlpack(u.param[u.lo:u.lo + u.k])
+            ort_in[g] = ortvalue_from_dlpack(u.gshard)
+            ort_in.update((s, ortvalue_from_dlpack(t)) for s, t in zip(state, u.state, strict=True))
+        self._in_tensors = {}  # torch tensor of each carried input, for values written to scratch and copied back
+        for j, u in enumerate(self.units):
+            p, _, state = self._unit_names[j]
+            self._in_tensors[p] = u.param[u.lo:u.lo + u.k]
+            self._in_tensors.update(zip(state, u.state, strict=True))
+        self._in_tensors.update(self._tensors)
+        ort_in.update((n, self._sets[0][n]) for n in self._tensors)
+        # a pair that may not share a buffer (inplace_pairs: the step, read twice) writes a scratch tensor,
+        # copied back after the run
+        self._update_scratch = {i: self._in_tensors[i].clone() for i, _ in pairs if i in unsafe}
+        ub = self._update.io_binding()
+        self._clip_squares = None  # clipping: the dense gradients' squared norm over all ranks' shards
+        if "clip" in self._unit_names:
+            self._clip_squares = self.comm.torch.zeros((), dtype=self.comm.torch.float64, device=self.comm.tdevice)
+            ub.bind_ortvalue_input(self._unit_names["clip"], ortvalue_from_dlpack(self._clip_squares))
+        for j in range(len(self.units)):
+            g = self._unit_names[j][1]
+            ub.bind_ortvalue_input(g, ort_in[g])
+        for i, o in pairs:
+            ub.bind_ortvalue_input(i, ort_in[i])
+            scratch = self._update_scratch.get(i)
+            ub.bind_ortvalue_output(o, ortvalue_from_dlpack(scratch) if scratch is not None else ort_in[i])
+        self._ub = ub
+
+    def _build_segments(self) -> None:
+        """ZeRO-2: cut the grad graph into one segment per unit (:mod:`revgraph.grad_segments`); ``plan``
+        stays ``None`` when it cannot be cut."""
+        from .grad_segments import cut, shared_cpu_arena
+
+        spec = self.spec
+        grads = [[spec.grads[p][0] for p in u.names] for u in self.units]
+        sizes = {spec.grads[p][0]: spec.initial[p].nbytes for u in self.units for p in u.names}
+        self.plan = cut(self.grad_graph, grads, sizes)
+        if self.plan is None:
+            return
+        views = {}
+        for u in self.units:
+            views.update((spec.grads[p][0], v) for p, v in u.views(self._bucket(u)).items())
+        self._direct_views = {g: ortvalue_from_dlpack(views[g]) for g in self.plan.direct}
+        options = self.options
+        if self.device.kind == "cpu" and shared_cpu_arena():  # one arena for all segments, not one each
+            self.options = session_options(self.runtime, options.intra_op_num_threads)
+            self.options.add_session_config_entry("session.use_env_allocators", "1")
+        try:
+            n = len(self.plan.segments)
+            self._segment_sessions = [self.session(s.graph, f"gradient graph segment {k + 1}/{n}")
+                                      for k, s in enumerate(self.plan.segments)]
+        finally:
+            self.options = options
+
+    def _rebind(self) -> None:
+        """The grad graph's binding for ZeRO-1 (one run writing the unit gradients in place)."""
+        spec = self.spec
+        gb = self._grad.io_binding()
+        for p in spec.params:
+            gb.bind_ortvalue_input(p, self._sets[0][p])
+        gb.bind_ortvalue_output(spec.loss.loss, self._loss[0])
+        for g, value in self._grad_values.items():
+            gb.bind_ortvalue_output(g, value)
+        self._grad_bindings = [gb]
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def read(self, names, root_only: bool = False) -> dict[str, np.ndarray]:
+        """Full host copies of ``names``; optimizer state of the units is all-gathered (a collective: every
+        rank calls it with the same names), one unit and slot at a time, so that besides the copies returned
+        at most one unit's full state exists at once. ``root_only``: ranks other than 0 take part in the
+        collectives but keep no copy and return ``{}`` (a checkpoint, which rank 0 writes)."""
+        if root_only and self.comm.rank != 0:
+            for (j, slot) in sorted({self._where[n][:2] for n in names if n in self._where and
+                                     self._where[n][1] is not None}):
+                u = self.units[j]
+                flat = self.comm.torch.empty(u.length, dtype=u.param.dtype, device=u.param.device)
+                with collective("an all-gather of the optimizer state"):
+                    _all_gather(self.comm.dist)(flat, u.state[slot])
+                del flat
+            return {}
+        torch, out, wanted = self.comm.torch, {}, {}
+        for n in names:
+            if n not in self._where:
+                out[n] = (self._tensors[n].cpu().numpy().copy() if n in self._tensors
+                          else np.array(self.value(n).numpy()))
+                continue
+            j, slot, o = self._where[n]
+            wanted.setdefault((j, slot), []).append((n, o))
+        for (j, slot), items in sorted(wanted.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])):
+            u = self.units[j]
+            if slot is None:
+                flat = u.param
+            else:
+                flat = torch.empty(u.length, dtype=u.param.dtype, device=u.param.device)
+                with collective("an all-gather of the optimizer state"):
+                    _all_gather(self.comm.dist)(flat, u.state[slot])
+            for n, o in items:
+                shape = u.shapes[u.offsets.index(o)]
+                out[n] = flat[o:o + int(np.prod(shape, dtype=np.int64))].reshape(shape).cpu().numpy().copy()
+            del flat
+        return {n: out[n] for n in names}
+
+    def load(self, values: dict[str, np.ndarray]) -> None:
+        """Overwrite parameters, state and step with full host arrays; each rank keeps its shard of the state.
+        Raises :class:`RevgraphError` for an unknown name or an array of another dtype or shape."""
+        torch = self.comm.torch
+        for name, arr in values.items():
+            a = np.asarray(arr)
+            if name not in self._where and name not in self._tensors:
+                raise RevgraphError(f"{name!r} is not a parameter, optimizer state or step of this training run")
+            like = self._tensors[name] if name in self._tensors else None
+            shape, dtype = (tuple(like.shape), like.cpu().numpy().dtype) if like is not None else (None, None)
+            if like is None:
+                j, slot, o = self._where[name]
+                u = self.units[j]
+                p = u.names[u.offsets.index(o)]
+                shape, dtype = self.spec.initial[p].shape, self.spec.initial[p].dtype
+            if tuple(a.shape) != tuple(shape) or a.dtype != dtype:
+                raise RevgraphError(f"{name!r} has shape {list(a.shape)} and dtype {a.dtype}; this training run "
+                                    f"needs shape {list(shape)} and dtype {dtype}")
+            src = torch.from_numpy(np.ascontiguousarray(a).reshape(-1))
+            if like is not None:
+                like.copy_(src.reshape(like.shape))
+                continue
+            if slot is None:
+                u.param[o:o + src.numel()].copy_(src)
+            else:  # the part of [o, o + size) inside this rank's shard [lo, lo + k)
+                lo, hi = max(o, u.lo), min(o + src.numel(), u.lo + u.k)
+                if lo < hi:
+                    u.state[slot][lo - u.lo:hi - u.lo].copy_(src[lo - o:hi - o])
+
+    def held(self) -> dict[str, int]:
+        """Bytes of the device buffers kept from step to step, counted from the tensors: ``"parameters"``
+        (the units, padding included, and the sparse tables), ``"optimizer"`` (the state shards and the
+        sparse tables' state), ``"state"`` (those, the step and scratch, and values kept by ``keep_previous``),
+        ``"gradients"`` (ZeRO-1: the unit gradients, reduce-scattered in place; ZeRO-2: the shards and the one
+        bucket)
+        and ``"gradients_peak"`` (``"gradients"`` plus the most bytes of gradients finished out of their
+        unit's segment alive at once, :attr:`plan`; without a cut, every gradient)."""
+        spec = self.spec
+        params = sum(_nbytes(u.param) for u in self.units) + sum(_nbytes(self._tensors[p]) for p in spec.sparse)
+        opt = sum(_nbytes(t) for u in self.units for t in u.state)
+        opt += sum(_nbytes(self._tensors[s]) for p in spec.sparse for s in spec.state[p])
+        other = _nbytes(self._tensors[spec.step]) + sum(_nbytes(t) for t in self._update_scratch.values())
+        other += sum(_nbytes(t) for _, t in self._previous or [])
+        if self.mode == "optimizer":  # (the shards are views of the unit gradients)
+            grads = sum(_nbytes(u.grad) for u in self.units)
+        else:
+            grads = sum(_nbytes(u.gshard) for u in self.units) + _nbytes(self.bucket)
+        peak = grads
+        if self.mode == "gradients":  # gradients alive inside a step, besides the bucket (the plan's count)
+            peak += self.plan.carried_peak if self.plan else sum(u.used * u.gshard.element_size() for u in self.units)
+        return {"state": params + opt + other, "parameters": params, "optimizer": opt, "gradients": grads,
+                "gradients_peak": peak}
+
+    @property
+    def can_undo(self) -> bool:
+        return self._previous is not None
+
+    def undo(self) -> None:
+        """Return to the values a ``keep_previous`` step kept (every rank holds the same full parameters, so
+        every rank restores consistently). Raises :class:`InternalError` when the last step kept none."""
+        if self._previous is None:
+            raise InternalError("the last sharded training step kept no previous values (step with "
+                                "keep_previous=True to undo it)")
+        for t, saved in self._previous:
+            t.copy_(saved)
+        self._previous = None
+
+    def _snapshot(self) -> list:
+        kept = [u.param for u in self.units] + [t for u in self.units for t in u.state]
+        return [(t, t.clone()) for t in kept + list(self._tensors.values())]
+
+    # ------------------------------------------------------------------------------------------ running
+
+    def step(self, feeds, count: int, total: int, *,
+             accept: Callable[[float], bool] | None = None, keep_previous: bool = False) -> float:
+        if isinstance(feeds, list):  # micro-batches (Trainer.fit refuses more than one with sharding)
+            feeds, count = feeds[0]
+        self._previous = None
+        times = self.times
+        if times is not None:
+            times.begin()
+        loss, inputs = self._sharded_gradients(feeds, count, total)
+        if accept is not None and not accept(loss):
+            return loss
+        start = times.now() if times is not None else 0.0
+        if keep_previous:
+            self._previous = self._snapshot()
+        if self._clip_squares is not None:  # every shard's squares (padding is zero), summed over the ranks
+            torch = self.comm.torch
+            self._clip_squares.copy_(sum((torch.sum(u.gshard.double() ** 2) for u in self.units),
+                                         torch.zeros((), dtype=torch.float64, device=self.comm.tdevice)))
+            with collective("the all-reduce of the gradient norm"):
+                self.comm.dist.all_reduce(self._clip_squares)
+        for name, value in inputs.items():
+            self._ub.bind_ortvalue_input(name, value)
+        self._synchronize()
+        try:
+            self._update.run_with_iobinding(self._ub)
+        except Exception as exc:
+            raise RevgraphError(f"the update step failed: {_first_line(exc)}") from None
+        for i, t in self._update_scratch.items():
+            self._in_tensors[i].copy_(t)
+        self._synchronize()  # onnxruntime's writes are done before the collective reads the shards
+        dist = self.comm.dist
+        with collective("the parameter all-gather"):
+            works = [_all_gather(dist)(u.param, u.param[u.lo:u.lo + u.k], async_op=True)
+                     for u in self.units]
+            for w in works:
+                w.wait()
+        self._synchronize()
+        if times is not None:  # the update of the rank's shards and the all-gather of the new parameters
+            times.add("update", start)
+        return loss
+
+    def _sharded_gradients(self, feeds: dict[str, np.ndarray], count: int, total: int) -> tuple[float, dict]:
+        """Backward, gradients reduce-scattered into the shards (scaled by ``count / total``), sparse rows
+        all-gathered: the loss of the global batch and the update's sparse inputs."""
+        dist, times = self.comm.dist, self.times
+        scale = count / total
+        start = times.now() if times is not None else 0.0
+        self._loss_sum, self._rows = 0.0, [[] for _ in self._sparse]
+        self._tail.zero_()
+        with collective("the gradient reduce-scatter"):
+            if self.plan is not None:
+                loss, sparse = self._run_segments(feeds, count, scale)
+            elif self.mode == "gradients":
+                loss, sparse = self._run_whole(feeds, count, scale)
+            else:
+                loss, sparse = self._run_grad(feeds) if count else (0.0, {})
+                works = []
+                for u in self.units:
+                    if not count:
+                        u.grad.zero_()
+                    u.grad.mul_(scale)
+                    works.append(_reduce_scatter(dist)(u.gshard, u.grad, async_op=True))
+                for w in works:
+                    w.wait()
+            if times is not None:
+                times.add("forward+backward", start)
+                start = times.now()
+            if count:
+                self._take(scale, sparse)  # this rank's weighted loss and rows, and the counts in the tail
+            else:
+                self._fill_tail()
+            dist.all_reduce(self._tail)
+            inputs = self._exchange_rows()
+        if times is not None:
+            times.add("exchange", start)
+        return float(self._tail[0].item()), inputs
+
+    def _run_whole(self, feeds: dict[str, np.ndarray], count: int, scale: float) -> tuple[float, dict]:
+        """ZeRO-2 when the grad graph could not be cut: one run writes every gradient (onnxruntime allocates
+        them); each unit is copied into the bucket and reduce-scattered, and its gradients are dropped."""
+        torch, dist, spec = self.comm.torch, self.comm.dist, self.spec
+        dense = [spec.grads[p][0] for u in self.units for p in u.names]
+        out: dict[str, object] = {}
+        if count:
+            b = self._grad.io_binding()
+            for name, arr in feeds.items():
+                b.bind_cpu_input(name, arr)
+            for p in spec.params:
+                b.bind_ortvalue_input(p, self._sets[0][p])
+            b.bind_ortvalue_output(spec.loss.loss, self._loss[0])
+            names = [*dense, *(n for _, idx, rows in self._sparse for n in (idx, rows))]
+            for n in names:
+                b.bind_output(n, self.device.ort_type, self.device.index)
+            try:
+                self._grad.run_with_iobinding(b)
+            except Exception as exc:
+                raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
+            out = dict(zip(names, b.get_outputs()[1:], strict=True))
+            del b
+        for u in self.units:
+            flat = self._bucket(u)
+            flat.zero_()
+            if count:
+                for p, v in u.views(flat).items():
+                    v.copy_(torch_from_ortvalue(torch, out.pop(spec.grads[p][0])))
+            flat.mul_(scale)
+            self._synchronize()
+            _reduce_scatter(dist)(u.gshard, flat)
+        return (float(self._loss[0].numpy()) if count else 0.0), out
+
+    def _run_segments(self, feeds: dict[str, np.ndarray], count: int, scale: float) -> tuple[float, dict]:
+        """ZeRO-2 with a cut: run the segments in order; after each, reduce-scatter the units it finishes
+        (:attr:`plan`) from the bucket into their shards, before the next segment writes the bucket again.
+        Values crossing a cut are ``OrtValue``s onnxruntime allocated, dropped after their last reader."""
+        torch, dist, plan, spec = self.comm.torch, self.comm.dist, self.plan, self.spec
+        live: dict[str, object] = {}
+        for k, seg in enumerate(plan.segments):
+            if count:
+                b = self._segment_sessions[k].io_binding()
+                for n in seg.inputs:
+                    if n in feeds:
+                        b.bind_cpu_input(n, feeds[n])
+                    else:
+                        b.bind_ortvalue_input(n, live[n] if n in live else self._sets[0][n])
+                for n in seg.outputs:
+                    if n in self._direct_views:
+                        b.bind_ortvalue_output(n, self._direct_views[n])
+                    elif n == spec.loss.loss:
+                        b.bind_ortvalue_output(n, self._loss[0])
+                    else:
+                        b.bind_output(n, self.device.ort_type, self.device.index)
+                try:
+                    self._segment_sessions[k].run_with_iobinding(b)
+                except Exception as exc:
+                    raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
+                for n, v in zip(seg.outputs, b.get_outputs(), strict=True):
+                    if n not in self._direct_views:
+                        live[n] = v
+                del b
+            for j in seg.reduce:
+                u = self.units[j]
+                flat = self._bucket(u)
+                if count:
+                    for p, v in u.views(flat).items():
+                        g = spec.grads[p][0]
+                        if g not in self._direct_views:  # finished apart from its unit: copied in
+                            v.copy_(torch_from_ortvalue(torch, live[g]))
+                    flat[u.used:].zero_()  # the padding (an earlier, larger unit wrote there)
+                else:
+                    flat.zero_()
+                flat.mul_(scale)
+                self._synchronize()
+                _reduce_scatter(dist)(u.gshard, flat)
+            self._synchronize()  # (CUDA) the next segment writes the bucket on onnxruntime's stream
+            for n in seg.free:
+                live.pop(n, None)
+        loss = float(self._loss[0].numpy()) if count else 0.0
+        return loss, {n: live[n] for _, idx, rows in self._sparse for n in (idx, rows)} if count else {}
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _reduce_scatter(dist):
+    """``reduce_scatter_tensor`` under its current name (torch 2.13 renamed it ``reduce_scatter_single``)."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather(dist):
+    """``all_gather_into_tensor`` under its current name (torch 2.13: ``all_gather_single``)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

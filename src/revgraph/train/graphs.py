@@ -1,0 +1,326 @@
+"""Training graphs: a loss appended to a model output and an optimizer step, as standard ONNX nodes.
+
+:func:`training_graph` turns an inference model into one graph that does a whole training step::
+
+    inputs : the batch (the model's inputs), labels, every parameter, the optimizer state of each, step
+    outputs: loss, the new parameters, the new optimizer state, step + 1
+
+It is built from :func:`loss_graph` (the model plus loss nodes) and :func:`revgraph.gradient`, with the
+optimizer's formulas appended as default-domain ONNX nodes (no ``ai.onnx.preview.training`` operators, so any
+ONNX runtime runs it). :class:`revgraph.trainer.Trainer` runs such a graph step after step.
+
+Losses are in :mod:`revgraph.losses`, optimizers and their update formulas in :mod:`revgraph.optimizers`.
+
+Sparse tables. A parameter read only through ``Gather`` (an embedding table) gets its gradient as rows
+(``revgraph.gradient(..., sparse=True)``). Its update touches the gathered rows only: the row indices are
+made unique (``Unique``; repeated rows have their gradients added), the rows of the parameter and of its
+state are gathered, the dense formula (:mod:`revgraph.optimizers`) runs on them, and ``ScatterND`` writes them back. For plain SGD
+without weight decay this is exactly the dense update (the other rows have a zero gradient). With momentum,
+Adam or weight decay it is a *lazy* update, as ``torch.optim.SparseAdam`` does: rows not in the batch keep
+their parameter and state unchanged (their momentum does not decay, weight decay does not shrink them),
+and the bias correction uses the global step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from .. import validate as V
+from ..autodiff.api import gradient
+from ..autodiff.policies import CheckpointPolicy
+from ..errors import RevgraphError
+from ..ir import Graph, ValueInfo
+from ..ir.ssa import is_ssa, to_ssa
+from ..onnx_io import load
+from .distributed.sync_batchnorm import inference_batchnorms
+from .graphbuild import Builder, name_outputs
+from .losses import LOSSES, LossSpec, loss_graph, resolve_output
+from .optimizers import (
+    GROUP_ELEMENTS,
+    OPTIMIZERS,
+    Optimizer,
+    Scalars,
+    adam,
+    adamw,
+    check_representable,
+    group_update,
+    make_optimizer,
+    sgd,
+    sparse_update,
+    update,
+    update_groups,
+)
+from .precision import add_loss_scaling, autocast, make_precision, seed_with_scale
+from .schedules import SCHEDULES, Schedule, clipped_gradients, excluded
+
+__all__ = ["GROUP_ELEMENTS", "LOSSES", "OPTIMIZERS", "SCHEDULES", "LossSpec", "Optimizer", "Schedule",
+           "TrainingGraph", "adam", "adamw",
+           "eval_graph", "graph_size", "loss_graph", "make_optimizer", "params_as_inputs", "resolve_output", "sgd",
+           "split_step", "trainable", "training_graph"]
+
+
+@V.arguments(model=V.GRAPH)  # (params, freeze: revgraph.selection)
+def trainable(model: Graph, params: Iterable[str] | None = None, freeze: Iterable[str] | None = None) -> list[str]:
+    """The parameters: ``params`` (names or fnmatch globs over initializer names), or by default the LoRA
+    adapters of a model that has them, else every floating-point initializer; less those ``freeze`` names, in
+    declaration order. See :func:`revgraph.selection.select` (the errors it raises)."""
+    from .selection import select
+
+    return select(model, params, freeze)
+
+
+@V.arguments(g=V.GRAPH, params=V.OPTIONAL_NAMES)
+def params_as_inputs(g: Graph, params: list[str]) -> None:
+    """Turn the initializers ``params`` of ``g`` into graph inputs of the same dtype and shape (in place)."""
+    for p in params:
+        arr = np.asarray(g.initializers.pop(p))
+        g.inputs.append(ValueInfo(p, arr.dtype, arr.shape))
+
+
+@dataclass
+class TrainingGraph:
+    """A training-step graph and the names of its inputs and outputs (see the module doc).
+
+    ``inputs`` are the model's inputs (the batch) and ``labels`` the targets; ``params`` the parameters
+    (graph inputs of their initial dtype and shape); ``state[p]`` the state inputs of parameter ``p`` (one
+    per :attr:`Optimizer.slots`, of ``p``'s shape); ``step`` an int64 scalar, the number of steps taken
+    before this one. Outputs: ``loss`` (float scalar), ``new_params[p]``, ``new_state[p]`` (aligned with
+    ``state[p]``) and ``new_step`` (``step + 1``). ``sparse`` lists the parameters updated row by row.
+    ``initial`` holds the initial parameter values (the model's initializers).
+    """
+
+    graph: Graph
+    model: Graph
+    optimizer: Optimizer
+    loss: LossSpec
+    inputs: list[str]
+    params: list[str]
+    state: dict[str, list[str]]
+    step: str
+    new_params: dict[str, str]
+    new_state: dict[str, list[str]]
+    new_step: str
+    sparse: list[str] = field(default_factory=list)
+    initial: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the gradient of each parameter as the backward pass writes it: ``[g]`` (dense, of the parameter's shape)
+    #: or ``[indices, rows]`` for a sparse table (int64 ``[K]``, ``[K, *shape[1:]]``)
+    grads: dict[str, list[str]] = field(default_factory=dict)
+    #: how many nodes at the end of ``graph`` are the optimizer's (they read only parameters, state, step
+    #: and gradients): :func:`split_step` cuts the graph there
+    n_update_nodes: int = 0
+    #: the declared types of the gradients (shapes may be symbolic: the rows of a sparse gradient)
+    grad_types: dict[str, ValueInfo] = field(default_factory=dict)
+    #: ``training_graph(..., loss_seed=True)``: the scalar input scaling the loss's cotangent (gradients of
+    #: ``seed * loss``; data-parallel ranks with sync_batchnorm feed their share ``n_r / N``)
+    seed: str | None = None
+    #: the parameters weight decay is not applied to (:func:`revgraph.schedules.excluded`)
+    no_decay: list[str] = field(default_factory=list)
+    #: linear and cosine schedules: the int64 scalar input of the schedule's total steps and its output (carried
+    #: unchanged from step to step; :meth:`revgraph.Trainer.fit` sets it), else ``None``
+    total: str | None = None
+    new_total: str | None = None
+    #: the step's precision (:data:`revgraph.precision.PRECISIONS`): ``"fp32"``, or ``"bf16"``/``"fp16"``
+    #: products with float32 master weights (:mod:`revgraph.precision`)
+    precision: str = "fp32"
+    #: fp16: the dynamic loss scaling's names (:class:`revgraph.precision.LossScale`; carried state), or None
+    scaling: object = None
+
+    @property
+    def labels(self) -> str | None:
+        """The labels input, or ``None`` when the loss has none (``output:NAME``, causal-lm on its input ids)."""
+        return self.loss.labels
+
+    def initial_state(self) -> dict[str, np.ndarray]:
+        """Feeds for the first step besides the batch: the initial parameters, zero state and step 0."""
+        feeds = {p: np.array(self.initial[p]) for p in self.params}
+        for p in self.params:
+            feeds.update({s: np.zeros_like(self.initial[p]) for s in self.state[p]})
+        feeds[self.step] = np.array(0, dtype=np.int64)
+        if self.total:
+            feeds[self.total] = np.array(self.optimizer.schedule.total_steps or 0, dtype=np.int64)
+        if self.scaling is not None:  # the fp16 loss scale and its count of good steps
+            feeds.update(self.scaling.initial())
+        return feeds
+
+    def carried(self) -> list[tuple[str, str]]:
+        """``(input, output)`` pairs that one step hands to the next: parameters, state and step (and the fp16
+        loss scale and its count of good steps)."""
+        pairs = [(p, self.new_params[p]) for p in self.params]
+        for p in self.params:
+            pairs += list(zip(self.state[p], self.new_state[p], strict=True))
+        pairs = [*pairs, (self.step, self.new_step), *([(self.total, self.new_total)] if self.total else [])]
+        return [*pairs, *(self.scaling.pairs() if self.scaling is not None else [])]
+
+    def backward_reads(self) -> list[str]:
+        """The carried inputs the forward and backward read (the grad graph of :func:`split_step`): the
+        parameters, and the fp16 loss scale that seeds the backward."""
+        return [*self.params, *([self.scaling.scale] if self.scaling is not None else [])]
+
+
+@V.arguments(model=V.MODEL, loss=V.TEXT, optimizer=V.OPTIMIZER, output=V.NAME, checkpoint=V.POLICY,
+             memory=V.BUDGET, loss_seed=V.FLAG)  # (params, freeze: selection; loss_options: losses)
+def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
+                   optimizer: Optimizer | str = "adam", *, output: str | None = None,
+                   params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store",
+                   memory=None, loss_seed: bool = False, loss_options: dict | None = None,
+                   precision=None, freeze: Iterable[str] | None = None) -> TrainingGraph:
+    """The training-step graph of ``model`` (module doc): loss, gradients, optimizer update, as ONNX nodes.
+
+    ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES` (``"output:NAME"``
+    included) and ``loss_options`` its options (:func:`revgraph.losses.loss_graph`); ``optimizer`` an
+    :class:`Optimizer` or a name (PyTorch's default hyperparameters); ``output`` the model output the loss
+    reads (default: the only one); ``params`` the initializers to train, names or ``fnmatch`` globs, and
+    ``freeze`` globs of those not to train (default: every float one, or the LoRA adapters of an adapted model;
+    the others stay initializers; :func:`revgraph.selection.select`); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
+    :func:`revgraph.gradient` (a fraction, bytes or a ``revgraph.Budget``; the plan is ``graph.memory_plan``).
+    ``loss_seed=True`` adds the scalar input ``TrainingGraph.seed`` that multiplies the loss's cotangent.
+    ``precision``: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a :class:`revgraph.precision.Precision`
+    (mixed precision, fp16 with dynamic loss scaling: :mod:`revgraph.precision`).
+    Raises :class:`RevgraphError` (one line) for bad names or values, and what :func:`revgraph.gradient`
+    raises for a model it cannot differentiate.
+    """
+    model = model if isinstance(model, Graph) else load(model)
+    opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+    model = model if is_ssa(model) else to_ssa(model)
+    names = trainable(model, params, freeze)
+    prec = make_precision(precision)
+    if loss_options is not None and not isinstance(loss_options, Mapping):  # ** of a list: a TypeError
+        raise RevgraphError(f"loss_options must be a mapping of option names to values, got "
+                            f"{type(loss_options).__name__}")
+    lg, spec = loss_graph(autocast(model, prec)[0], loss, output=output, **(loss_options or {}))
+    params_as_inputs(lg, names)
+    lg.outputs = lg.outputs[:1]
+    gg = gradient(lg, spec.loss, names, sparse=True, checkpoint=checkpoint, memory=memory,
+                  seed="input" if loss_seed or prec.scaled else "ones")
+    seed = next(v.name for v in gg.inputs if v.name not in set(lg.input_names)) if loss_seed or prec.scaled else None
+    scaling = seed_with_scale(gg, seed, loss_seed, prec, lg.outputs[0].dtype) if prec.scaled else None
+    seed = seed if loss_seed else None
+    b = Builder(gg.all_names() | {n.name for _, n in gg.walk() if n.name})
+    step = b.fresh("step")
+    grads = grad_outputs = gg.outputs[1:]
+    gg.outputs = gg.outputs[:1]
+    tg = TrainingGraph(gg, model, opt, spec, list(model.input_names), names, {}, step, {}, {}, "",
+                       initial={p: np.asarray(model.initializers[p]) for p in names})
+    check_representable(opt, {p: tg.initial[p].dtype for p in names})
+    # the patterns are checked without weight decay too: a --no-decay that matches nothing is a typo either way
+    no_decay = excluded(opt, tg.initial)
+    tg.no_decay = no_decay if opt.weight_decay else []
+    if opt.schedule is not None and opt.schedule.needs_total:
+        tg.total = b.fresh("total_steps")
+    scalars = Scalars(b, opt, step, tg.total)
+    for p in names:
+        vi = ValueInfo(p, tg.initial[p].dtype, tg.initial[p].shape)
+        tg.state[p] = [b.fresh(f"{p}.{slot}") for slot in opt.slots]
+        gg.inputs.extend(ValueInfo(s, vi.dtype, vi.shape) for s in tg.state[p])
+        if grads[0].dtype == np.dtype(np.int64):  # a gathered table: (indices, values) rows
+            tg.grads[p], grads = [grads[0].name, grads[1].name], grads[2:]
+            tg.sparse.append(p)
+        else:
+            tg.grads[p], grads = [grads[0].name], grads[1:]
+    groups = update_groups(tg)
+    # clipping: the first update nodes, reading the gradients by name (data-parallel: the exchanged ones)
+    grads = clipped_gradients(b, tg, opt.clip_grad_norm) if opt.clip_grad_norm else tg.grads
+    for p in names:
+        if p in groups:
+            continue
+        b.prefix = f"optim/{p}"
+        start = len(b.nodes)
+        decay = p not in tg.no_decay
+        if p in tg.sparse:
+            new_p, new_s = sparse_update(b, scalars, p, *grads[p], tg.state[p], tg.initial[p].dtype,
+                                         unique=bool(opt.clip_grad_norm), decay=decay)
+        else:
+            new_p, new_s = update(b, scalars, p, grads[p][0], tg.state[p], tg.initial[p].dtype, decay=decay)
+        tg.new_params[p], *tg.new_state[p] = name_outputs(b, start, [(new_p, f"{p}.new"), *(
+            (v, f"{s}.new") for s, v in zip(tg.state[p], new_s, strict=True))])
+    for group in dict.fromkeys(tuple(g) for g in groups.values()):
+        group_update(b, scalars, tg, list(group), grads)
+    tg.new_params = {p: tg.new_params[p] for p in names}  # in parameter order, as the outputs
+    tg.new_state = {p: tg.new_state[p] for p in names}
+    b.prefix = "optim/step"
+    start = len(b.nodes)
+    tg.new_step = name_outputs(b, start, [(b.op("Add", [step, b.const(1, np.int64)]), f"{step}.new")])[0]
+    if tg.total:
+        start = len(b.nodes)
+        tg.new_total = name_outputs(b, start, [(tg.total, f"{tg.total}.new")])[0]
+    gg.nodes.extend(b.nodes)
+    tg.n_update_nodes = len(b.nodes)
+    tg.grad_types = {o.name: o for o in grad_outputs}
+    tg.seed = seed
+    # Inputs and outputs in the order of the module doc: batch, labels, parameters, state, step.
+    gg.inputs.append(ValueInfo(step, np.int64, ()))
+    if tg.total:
+        gg.inputs.append(ValueInfo(tg.total, np.int64, ()))
+    for p in names:
+        gg.outputs.append(ValueInfo(tg.new_params[p], tg.initial[p].dtype, tg.initial[p].shape))
+    for p in names:
+        gg.outputs.extend(ValueInfo(s, tg.initial[p].dtype, tg.initial[p].shape) for s in tg.new_state[p])
+    gg.outputs.append(ValueInfo(tg.new_step, np.int64, ()))
+    if tg.total:
+        gg.outputs.append(ValueInfo(tg.new_total, np.int64, ()))
+    tg.precision = prec.kind
+    if scaling is not None:
+        add_loss_scaling(tg, scaling)
+    return tg
+
+
+@V.arguments(tg=V.TRAINING_GRAPH)
+def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
+    """The training step as two graphs, for data-parallel training (gradients are exchanged between them).
+
+    ``grad graph``: inputs the batch, labels and parameters (and ``tg.seed`` when there is one); outputs ``loss`` then the gradients in the order
+    of ``tg.params`` (``tg.grads[p]``: one dense gradient, or ``indices`` and ``rows`` of a sparse table).
+    ``update graph``: inputs the parameters, the optimizer state, ``step`` and those gradients; outputs the new
+    parameters, the new state and ``step + 1`` (the outputs of ``tg.graph`` but the loss). Running the update
+    graph on the grad graph's outputs is the fused step ``tg.graph``: the same nodes, cut in two.
+    """
+    cut = len(tg.graph.nodes) - tg.n_update_nodes
+    grads = [g for p in tg.params for g in tg.grads[p]]
+    grad_graph = tg.graph.copy()
+    grad_graph.nodes = grad_graph.nodes[:cut]
+    reads = {*tg.inputs, tg.labels, *tg.backward_reads(), tg.seed} - {None}  # (backward_reads: the fp16 loss scale too)
+    grad_graph.inputs = [v for v in grad_graph.inputs if v.name in reads]
+    grad_graph.outputs = [tg.graph.outputs[0], *(tg.grad_types[g] for g in grads)]
+    update = tg.graph.copy()
+    update.nodes = update.nodes[cut:]
+    update.initializers = {}
+    update.inputs = [v for v in update.inputs if v.name not in {*tg.inputs, tg.labels}]
+    update.inputs += [tg.grad_types[g] for g in grads]
+    update.outputs = update.outputs[1:]
+    return grad_graph, update
+
+
+@V.arguments(tg=V.TRAINING_GRAPH)
+def eval_graph(tg: TrainingGraph) -> Graph:
+    """The model plus its loss with the parameters as inputs: outputs ``[loss, model output]`` (what
+    :meth:`Trainer.evaluate` runs with the current parameters). Training-mode ``BatchNormalization`` nodes
+    normalize with their running statistics here (``torch.nn.Module.eval()``;
+    :func:`revgraph.sync_batchnorm.inference_batchnorms`)."""
+    loss, options = tg.loss.rebuild()
+    g, _ = loss_graph(tg.model, loss, **options)
+    inference_batchnorms(g)
+    params_as_inputs(g, tg.params)
+    return g
+
+
+@V.arguments(graph=V.SAVABLE)
+def graph_size(graph: Graph | onnx.ModelProto) -> tuple[int, int, int, int]:
+    """``(nodes, nodes in subgraphs, initializers, serialized bytes)`` of a graph, for reports."""
+    from ..onnx_io import to_onnx
+
+    model = graph if isinstance(graph, onnx.ModelProto) else to_onnx(graph)
+    total = top = len(model.graph.node)
+    stack = list(model.graph.node)
+    while stack:
+        node = stack.pop()
+        for a in node.attribute:
+            subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+            for sub in subs:
+                total += len(sub.node)
+                stack.extend(sub.node)
+    return total, total - top, len(model.graph.initializer), model.ByteSize()

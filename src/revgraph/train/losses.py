@@ -1,0 +1,347 @@
+"""Losses appended to a model output: :func:`loss_graph` and the registry :data:`LOSSES`.
+
+Losses (``labels`` is the graph input holding the targets; the mean is over the counted elements, as the
+PyTorch losses with ``reduction="mean"``):
+
+- ``"cross-entropy"``: logits ``[..., C]`` float, labels int64 ``[...]`` (class indices in ``[0, C)``);
+  ``-mean(log_softmax(logits)[..., label])`` (``torch.nn.functional.cross_entropy`` for ``[N, C]`` logits).
+  Options (as ``cross_entropy``'s): ``ignore_index`` (targets equal to it are not counted; default none),
+  ``label_smoothing`` ``S`` (``(1 - S) * nll + S * mean over classes of -log p``), ``class_weights`` ``w``
+  (float ``[C]``: each target's terms scaled by ``w[target]``, the sum divided by the sum of the counted
+  targets' weights; the smoothing term is ``-sum_c w_c log p_c / C``, as torch's).
+- ``"causal-lm"``: logits ``[B, T, V]`` against token ids ``[B, T]`` shifted by one: position ``t`` predicts
+  token ``t + 1`` and the last position is dropped, i.e. ``cross_entropy(logits[:, :-1].reshape(-1, V),
+  ids[:, 1:].reshape(-1), ignore_index=-100)``. The ids are a model input (``labels_from``: default the only
+  int64 input of rank 2, else ``input_ids``; no labels input then), or, with ``labels_from="labels"`` and no
+  model input of that name, an explicit ``labels`` input ``[B, T]`` (Hugging Face's convention: the labels
+  are given unshifted and shifted here). ``ignore_index`` defaults to -100; smoothing and class weights as
+  for cross-entropy.
+- ``"mse"``: output and labels of the same shape and float dtype; ``mean((output - labels)^2)``.
+- ``"bce"``: logits and labels (probabilities in [0, 1]) of the same shape and float dtype;
+  ``mean(softplus(z) - z * y)`` = ``torch.nn.functional.binary_cross_entropy_with_logits``. ``softplus(z)``
+  is written ``m + log(exp(-m) + exp(z - m))`` with ``m = max(z, 0)``: no overflow for large ``|z|``, and the
+  exact gradient ``sigmoid(z)`` also at ``z = 0`` (the derivative with respect to ``m`` vanishes, so the
+  tie convention of ``Max`` does not matter).
+- ``"output:NAME"``: the model computes its own loss: its float scalar output ``NAME`` is the loss, and the
+  data holds only the model's inputs (no labels).
+
+No counted target (every target ignored, or a zero weight sum): torch's mean is ``0 / 0 = NaN``; here the
+loss is 0 and its gradient zero (the sum is divided by ``max``-like ``where(count > 0, count, 1)``), so a
+batch of padding alone leaves the parameters to the optimizer's zero-gradient step instead of NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from .. import validate as V
+from ..errors import RevgraphError
+from ..ir import Graph, Node, ValueInfo
+from ..ir.ssa import is_ssa, to_ssa
+from ..onnx_io.value_types import infer_types
+from .graphbuild import Builder
+
+
+@dataclass(frozen=True)
+class LossKind:
+    """A registry entry: ``labels`` is ``"required"``, ``"none"`` or ``"optional"`` (whether the data holds
+    a ``labels`` array), ``options`` the loss options it takes (:func:`loss_graph`'s keywords)."""
+
+    labels: str
+    options: tuple[str, ...]
+    help: str
+
+
+_CE_OPTIONS = ("ignore_index", "label_smoothing", "class_weights")
+
+#: The losses :func:`loss_graph` builds, by name; ``"output:NAME"`` is a pattern (any output name). The CLI's
+#: ``--loss`` validates and documents from this (:func:`parse_loss`).
+LOSSES: dict[str, LossKind] = {
+    "cross-entropy": LossKind("required", _CE_OPTIONS, "logits [..., C] against int64 class labels [...]"),
+    "mse": LossKind("required", (), "mean squared error against float labels of the output's shape"),
+    "bce": LossKind("required", (), "binary cross-entropy with logits against probabilities of the output's shape"),
+    "causal-lm": LossKind("optional", ("labels_from", *_CE_OPTIONS),
+                          "logits [B, T, V] against the input ids shifted by one (position t predicts t+1)"),
+    "output:NAME": LossKind("none", (), "the model's own float scalar output NAME is the loss (no labels)"),
+}
+
+#: ``ignore_index`` when none is given: torch's -100 for causal-lm; none (every target counted) for cross-entropy
+DEFAULT_IGNORE = {"causal-lm": -100, "cross-entropy": None}
+
+
+def parse_loss(loss: str) -> tuple[str, str | None]:
+    """``(kind, NAME)``: ``("output", NAME)`` for ``"output:NAME"``, ``(loss, None)`` for a registered name.
+    Raises :class:`RevgraphError` naming the choices for anything else."""
+    if isinstance(loss, str) and loss.startswith("output:"):
+        name = loss[len("output:"):]
+        if not name:
+            raise RevgraphError("--loss output:NAME needs the name of the model output that is the loss")
+        return "output", name
+    if loss not in LOSSES or loss == "output:NAME":
+        raise RevgraphError(f"unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
+    return loss, None
+
+
+@dataclass
+class LossSpec:
+    """What :func:`loss_graph` added: the loss (a float scalar), the labels input (``None`` when the data
+    holds no labels: ``output:NAME``, ``causal-lm`` on its input ids), the model output used, the kind
+    (``"output"`` for ``output:NAME``) and ``settings`` (JSON-able: ``kind``, ``output`` and every loss option,
+    class weights as a list; what checkpoints record and :func:`loss_graph` rebuilds from)."""
+
+    loss: str
+    labels: str | None
+    output: str
+    kind: str
+    settings: dict = field(default_factory=dict)
+    #: causal-lm: the graph input holding the token ids (a model input or ``labels``)
+    targets: str | None = None
+
+    def rebuild(self) -> tuple[str, dict]:
+        """``(loss, options)`` that give this loss again with :func:`loss_graph` (``eval_graph`` uses it)."""
+        s = dict(self.settings)
+        kind = s.pop("kind", self.kind)
+        output = s.pop("output", self.output)
+        if kind == "output":
+            return f"output:{output}", {}
+        if s.get("class_weights") is not None:
+            s["class_weights"] = np.asarray(s["class_weights"])
+        return kind, {"output": output, **s}
+
+
+@V.arguments(model=V.GRAPH, output=V.NAME)
+def resolve_output(model: Graph, output: str | None) -> str:
+    """The model output the loss reads: ``output`` or the only output; one-line errors otherwise."""
+    names = model.output_names
+    if output is None:
+        if len(names) == 1:
+            return names[0]
+        raise RevgraphError(f"the model has {len(names)} outputs ({', '.join(names)}); choose one for the loss "
+                            "(--model-output NAME, or output=NAME)")
+    if output not in names:
+        raise RevgraphError(f"the model has no output {output!r}; its outputs are {', '.join(names)}")
+    return output
+
+
+def check_options(kind: str, options: Mapping) -> dict:
+    """The loss options of ``kind`` with defaults filled in and values checked (one-line errors naming the
+    option): ``label_smoothing`` in [0, 1], ``class_weights`` finite non-negative floats ``[C]``,
+    ``ignore_index`` an integer, ``labels_from`` a name."""
+    allowed = LOSSES["output:NAME" if kind == "output" else kind].options
+    given = {k: v for k, v in options.items() if v is not None and not (k == "label_smoothing" and v == 0)}
+    extra = [k for k in given if k not in allowed]
+    known = {o for v in LOSSES.values() for o in v.options}
+    if extra and extra[0] not in known:  # a typo: no loss takes it, so "it goes with" would name nothing
+        raise RevgraphError(f"unknown loss option {extra[0]!r} (loss_options=); the options are "
+                            f"{', '.join(sorted(known))}")
+    if extra:
+        flag = "--" + extra[0].replace("_", "-")
+        raise RevgraphError(f"{flag} ({extra[0]}=) does not apply to --loss {kind}; it goes with "
+                            f"{' or '.join(k for k, v in LOSSES.items() if extra[0] in v.options)}")
+    out: dict = {}
+    if "ignore_index" in allowed:
+        ii = options.get("ignore_index", DEFAULT_IGNORE[kind])
+        ii = DEFAULT_IGNORE[kind] if ii is None else ii
+        # isinstance first: float("x") would raise a bare ValueError (a traceback) for a string
+        if ii is not None and (isinstance(ii, bool) or not isinstance(ii, (int, float, np.integer, np.floating))
+                               or not float(ii).is_integer()):
+            raise RevgraphError(f"--ignore-index must be an integer, got {ii!r}")
+        out["ignore_index"] = None if ii is None else int(ii)
+        s = options.get("label_smoothing") or 0.0
+        if isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating)):
+            raise RevgraphError(f"--label-smoothing must be a number in [0, 1], got {s!r}")
+        s = float(s)
+        if not 0.0 <= s <= 1.0:
+            raise RevgraphError(f"--label-smoothing must be in [0, 1], got {s}")
+        out["label_smoothing"] = s
+        w = options.get("class_weights")
+        if w is not None:
+            w = np.asarray(w)
+            if w.ndim != 1 or w.dtype.kind not in "fiu" or not np.isfinite(w).all() or (w < 0).any():
+                bad = "" if w.ndim != 1 or w.dtype.kind not in "fiu" else next(
+                    f" (weight {i} is {v})" for i, v in enumerate(w.tolist()) if not (math.isfinite(v) and v >= 0))
+                raise RevgraphError(f"--class-weights must be finite non-negative numbers of shape [classes], got "
+                                    f"{w.dtype} {list(w.shape)}{bad}")
+            if not w.any():  # every target would weigh 0: the loss is 0 and nothing trains (torch gives NaN)
+                raise RevgraphError("--class-weights are all 0: no target would count and nothing would train; "
+                                    "give at least one positive weight")
+            w = [float(v) for v in w]
+        out["class_weights"] = w
+    if "labels_from" in allowed:
+        out["labels_from"] = options.get("labels_from")
+    return out
+
+
+@V.arguments(model=V.GRAPH, loss=V.TEXT, output=V.NAME)
+def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None = None,
+               **options) -> tuple[Graph, LossSpec]:
+    """A copy of ``model`` (in SSA form) with an input for the labels (when the loss has them) and a scalar loss.
+
+    The result's outputs are ``[loss, output]``; parameters stay initializers (so ``revgraph.check_gradients``
+    can check the loss with ``wrt`` = the parameters). ``loss``: a name of :data:`LOSSES` or ``"output:NAME"``;
+    ``options``: ``ignore_index``, ``label_smoothing``, ``class_weights`` (cross-entropy, causal-lm),
+    ``labels_from`` (causal-lm), see the module doc. Labels: int64 with the logits' shape minus the last axis
+    for ``"cross-entropy"``, the output's dtype and shape for ``"mse"`` and ``"bce"``, the ids' shape for
+    ``causal-lm`` with ``labels_from="labels"``. Raises :class:`RevgraphError` for an unknown loss, option or
+    output, an output that is not a float tensor of known rank, an ``output:NAME`` that is not a float scalar,
+    class weights of another length than the classes, a missing ids input.
+    """
+    kind, named = parse_loss(loss)
+    if kind == "output" and output is not None and output != named:
+        # output:NAME names the loss itself; a second output would be ignored without a word
+        raise RevgraphError(f"--model-output {output} (output=) does not go with --loss output:{named}, whose loss is "
+                            f"the output {named!r}: leave --model-output out")
+    opts = check_options(kind, options)
+    g = (model if is_ssa(model) else to_ssa(model)).copy()
+    out = resolve_output(g, named if kind == "output" else output)
+    types = infer_types(g)
+    vi = types.get(out) or ValueInfo(out)
+    b = Builder(g.all_names() | {n.name for _, n in g.walk() if n.name})
+    b.prefix = f"loss/{kind}"
+    settings = {"kind": kind, "output": out, **opts}
+    if kind == "output":
+        if not vi.is_float or vi.shape is None or any(d != 1 for d in vi.shape):
+            raise RevgraphError(f"--loss output:{out} needs a float scalar output; {out!r} is {vi.describe()}")
+        value = b.op("Reshape", [out, b.const([], np.int64)]) if vi.shape else out
+        return _finish(g, b, value, vi, None, LossSpec("", None, out, kind, settings))
+    if not vi.is_float:
+        raise RevgraphError(f"the loss needs a floating-point model output; {out!r} is {vi.describe()}")
+    dt = vi.dtype
+    if kind in ("cross-entropy", "causal-lm"):
+        need = 3 if kind == "causal-lm" else 2
+        if vi.shape is None or len(vi.shape) < need or (kind == "causal-lm" and len(vi.shape) != 3):
+            what = "[batch, positions, vocabulary]" if kind == "causal-lm" else "[..., classes]"
+            raise RevgraphError(f"{kind} needs logits of shape {what}; {out!r} is {vi.describe()}")
+        classes = vi.shape[-1]
+        w = opts["class_weights"]
+        if w is not None and isinstance(classes, int) and len(w) != classes:
+            raise RevgraphError(f"--class-weights holds {len(w)} weights; the logits {out!r} have {classes} classes")
+        labels = None
+        if kind == "causal-lm":
+            ids = _ids_input(g, opts["labels_from"], vi)
+            settings["labels_from"] = ids
+            if ids not in g.input_names:
+                g.inputs.append(ValueInfo(ids, np.int64, vi.shape[:2]))
+                labels = ids
+            logits = b.op("Slice", [out, b.const([0], np.int64), b.const([-1], np.int64), b.const([1], np.int64)])
+            targets = b.op("Slice", [ids, b.const([1], np.int64), b.const([2**62], np.int64),
+                                     b.const([1], np.int64)])
+        else:
+            labels = b.fresh("labels")
+            g.inputs.append(ValueInfo(labels, np.int64, vi.shape[:-1]))
+            logits, targets, ids = out, labels, labels
+        value = _cross_entropy(b, logits, targets, len(vi.shape) - 1, dt, opts)
+        return _finish(g, b, value, vi, labels, LossSpec("", labels, out, kind, settings, targets=ids))
+    labels = b.fresh("labels")
+    if kind == "mse":
+        g.inputs.append(ValueInfo(labels, dt, vi.shape))
+        d = b.op("Sub", [out, labels])
+        value = b.op("ReduceMean", [b.op("Mul", [d, d])], keepdims=0)
+    else:  # bce with logits: softplus(z) - z*y, softplus written without overflow (module doc)
+        g.inputs.append(ValueInfo(labels, dt, vi.shape))
+        m = b.op("Max", [out, b.const(0.0, dt)])
+        lse = b.op("Log", [b.op("Add", [b.op("Exp", [b.op("Neg", [m])]), b.op("Exp", [b.op("Sub", [out, m])])])])
+        value = b.op("ReduceMean", [b.op("Sub", [b.op("Add", [m, lse]), b.op("Mul", [out, labels])])], keepdims=0)
+    return _finish(g, b, value, vi, labels, LossSpec("", labels, out, kind, settings))
+
+
+def _finish(g: Graph, b: Builder, value: str, vi: ValueInfo, labels, spec: LossSpec) -> tuple[Graph, LossSpec]:
+    name = b.fresh("loss")
+    b.nodes.append(Node("Identity", [value], [name], name=b.fresh(f"loss/{spec.kind}/output")))
+    g.nodes.extend(b.nodes)
+    g.outputs = [ValueInfo(name, vi.dtype, ()), ValueInfo(vi.name, vi.dtype, vi.shape)]
+    spec.loss = name
+    return g, spec
+
+
+def _ids_input(g: Graph, labels_from: str | None, logits: ValueInfo) -> str:
+    """The causal-lm targets: ``labels_from`` (a model input, or ``"labels"`` for a new labels input), else the
+    only int64 input of rank 2, else ``input_ids``."""
+    if labels_from is not None:
+        if labels_from == "labels":
+            return labels_from
+        if labels_from in g.input_names:
+            # the targets meet int64 constants in the loss: another dtype or rank made onnxruntime refuse the graph
+            vi = next(v for v in g.inputs if v.name == labels_from)
+            if vi.dtype != np.dtype(np.int64) or (vi.shape is not None and len(vi.shape) != 2):
+                raise RevgraphError(f"--labels-from {labels_from}: input {labels_from!r} is {vi.describe()}; causal-lm's "
+                                    "targets are int64 token ids [batch, positions] (export the ids as int64, or give "
+                                    "--labels-from labels and a labels array)")
+            return labels_from
+        raise RevgraphError(f"--labels-from {labels_from!r}: the model has no such input (its inputs are "
+                            f"{', '.join(g.input_names)}); name its token ids input, or 'labels' for a labels array")
+    ints = [v.name for v in g.inputs if v.dtype == np.dtype(np.int64) and v.shape is not None and len(v.shape) == 2]
+    if len(ints) == 1:
+        return ints[0]
+    if "input_ids" in g.input_names:
+        return _ids_input(g, "input_ids", logits)  # checked as if named: an int32 input_ids is refused in one line
+    raise RevgraphError(f"causal-lm: the model has {len(ints)} int64 inputs of rank 2 ({', '.join(ints) or 'none'}) "
+                        "and none named input_ids; name the token ids with --labels-from NAME (labels_from=)")
+
+
+def _cross_entropy(b: Builder, logits: str, targets: str, axis: int, dt, opts: dict) -> str:
+    """The mean cross-entropy of ``logits`` (class axis ``axis``, the last) at ``targets`` with the options of
+    the module doc; the plain form (no option) is ``-mean(log_softmax[target])``. With options, as torch's
+    ``cross_entropy``: ``sum(m * ((1 - S) w_y nll + S/C * -sum_c w_c log p_c)) / sum(m * w_y)`` (``m``: not
+    ignored), the denominator replaced by 1 where it is 0 (module doc)."""
+    ii, smooth, w = opts["ignore_index"], opts["label_smoothing"], opts["class_weights"]
+    logp = b.op("LogSoftmax", [logits], axis=axis)
+    last = b.const([axis], np.int64)
+    if ii is None and not smooth and w is None:
+        picked = b.op("GatherElements", [logp, b.op("Unsqueeze", [targets, last])], axis=axis)
+        return b.op("Neg", [b.op("ReduceMean", [picked], keepdims=0)])
+    counted = None
+    if ii is not None:  # ignored targets pick class 0 (any valid index) and are masked out of both sums
+        mask = b.op("Not", [b.op("Equal", [targets, b.const(ii, np.int64)])])
+        targets = b.op("Where", [mask, targets, b.const(0, np.int64)])
+        counted = b.op("Cast", [mask], to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dt)))
+    nll = b.op("Neg", [b.op("Squeeze", [b.op("GatherElements", [logp, b.op("Unsqueeze", [targets, last])],
+                                             axis=axis), last])])
+    table = None
+    if w is not None:
+        table = b.const(np.asarray(w), dt)
+        wy = b.op("Gather", [table, targets], axis=0)  # each target's weight
+        nll = b.op("Mul", [nll, wy])
+    per = nll
+    if smooth:  # -sum_c w_c log p_c / C (w = 1 without class weights): torch weights it per class
+        lp = logp if table is None else b.op("Mul", [logp, table])
+        uniform = b.op("Neg", [b.op("ReduceMean", [lp, last], keepdims=0)])
+        per = b.op("Add", [b.op("Mul", [per, b.const(1.0 - smooth, dt)]), b.op("Mul", [uniform, b.const(smooth, dt)])])
+    if counted is None and table is None:  # (smoothing alone: every element counted)
+        return b.op("ReduceMean", [per], keepdims=0)
+    num = b.op("ReduceSum", [per if counted is None else b.op("Mul", [per, counted])], keepdims=0)
+    weights = wy if counted is None else (counted if table is None else b.op("Mul", [wy, counted]))
+    den = b.op("ReduceSum", [weights], keepdims=0)
+    safe = b.op("Where", [b.op("Greater", [den, b.const(0.0, dt)]), den, b.const(1.0, dt)])
+    return b.op("Div", [num, safe])
+
+
+def weighs_by_targets(spec: LossSpec) -> bool:
+    """Is the loss a mean over counted targets (``ignore_index`` or class weights) rather than over samples?
+    Then a share of the batch may count nothing, and :func:`loss_weight` gives it weight 0."""
+    s = spec.settings
+    return spec.kind in ("cross-entropy", "causal-lm") and (s.get("ignore_index") is not None
+                                                           or s.get("class_weights") is not None)
+
+
+def loss_weight(spec: LossSpec, feeds: Mapping[str, np.ndarray], count: int) -> float:
+    """What the loss of a batch (``feeds`` by graph input, ``count`` samples) is the mean over: ``count`` for a
+    mean over samples, else the counted targets (not ``ignore_index``; the sum of their class weights). Weighting
+    each micro-batch's (or rank's) loss by this over the global batch's sum makes the step the mean over the
+    global batch's counted targets, as one process computes it."""
+    s = spec.settings
+    ii, w = s.get("ignore_index"), s.get("class_weights")
+    if spec.kind not in ("cross-entropy", "causal-lm") or (ii is None and w is None):
+        return count
+    t = np.asarray(feeds[spec.targets])
+    if spec.kind == "causal-lm":
+        t = t[:, 1:]
+    keep = t != ii if ii is not None else np.ones(t.shape, bool)
+    if w is None:
+        return int(keep.sum())
+    return float(np.asarray(w, np.float64)[np.where(keep, t, 0)][keep].sum())

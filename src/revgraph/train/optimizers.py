@@ -1,0 +1,363 @@
+"""Optimizers as ONNX nodes: :class:`Optimizer`, its factories and the registry :data:`OPTIMIZERS`, and the
+update formulas appended to a training graph (:func:`update`, :func:`sparse_update`, :func:`group_update`).
+
+Optimizers (``g`` the gradient, ``p`` the parameter, ``t = step + 1`` the 1-based step number):
+
+- ``sgd`` -- ONNX ``ai.onnx.preview.training.Momentum`` in standard mode with ``alpha = momentum``,
+  ``beta = 1``, ``norm_coefficient = weight_decay``, which is ``torch.optim.SGD(momentum, dampening=0,
+  nesterov=False, weight_decay)``: ``g' = g + wd * p``; ``v' = momentum * v + g'`` (the buffer starts at zero,
+  so the first step gives ``v' = g'``, as PyTorch's first step does); ``p' = p - lr * v'``. Without momentum
+  there is no state and ``p' = p - lr * g'``.
+- ``adam`` -- ONNX ``ai.onnx.preview.training.Adam`` (``alpha = beta1``, ``beta = beta2``,
+  ``norm_coefficient = weight_decay``) with ``epsilon`` placed as ``torch.optim.Adam`` places it:
+  ``g' = g + wd * p``; ``m' = b1 m + (1 - b1) g'``; ``v' = b2 v + (1 - b2) g'^2``;
+  ``p' = p - lr / (1 - b1^t) * m' / (sqrt(v') / sqrt(1 - b2^t) + eps)``. (ONNX divides by
+  ``sqrt(v') + eps`` and scales the step by ``sqrt(1 - b2^t)``; the two differ only where ``sqrt(v')`` is
+  of the order of ``eps``.) The bias corrections are computed in float64, as PyTorch computes them in Python.
+- ``adamw`` -- ``torch.optim.AdamW``: Adam without ``g' = g + wd p``, and the decoupled decay applied before
+  the step, ``p <- p * (1 - lr * wd)``. (ONNX Adam's ``norm_coefficient_post`` decays after the step instead,
+  which differs by a factor ``1 - lr * wd`` on the step.)
+
+With :mod:`revgraph.schedules`, ``lr`` above is this step's scheduled rate (``Optimizer.lr`` is the peak), ``g``
+is the clipped gradient, and ``wd`` is 0 for the parameters weight decay skips (``Optimizer.no_decay``).
+
+Small dense parameters (:data:`GROUP_ELEMENTS`) of one dtype and one shape but the first axis are updated as
+one concatenation, split back: the same formulas element by element, in fewer onnxruntime nodes.
+
+Sparse tables. A parameter read only through ``Gather`` (an embedding table) gets its gradient as rows
+(``revgraph.gradient(..., sparse=True)``). Its update touches the gathered rows only: the row indices are
+made unique (``Unique``; repeated rows have their gradients added), the rows of the parameter and of its
+state are gathered, the dense formula above runs on them, and ``ScatterND`` writes them back. For plain SGD
+without weight decay this is exactly the dense update (the other rows have a zero gradient). With momentum,
+Adam or weight decay it is a *lazy* update, as ``torch.optim.SparseAdam`` does: rows not in the batch keep
+their parameter and state unchanged (their momentum does not decay, weight decay does not shrink them),
+and the bias correction uses the global step.
+
+Small dense parameters (:data:`GROUP_ELEMENTS`) of one dtype and one shape but the first axis are updated as
+one concatenation, split back: the same formulas element by element, in fewer onnxruntime nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx
+
+from .. import validate as V
+from ..errors import RevgraphError
+from ..ir import Node
+from .graphbuild import Builder, name_outputs
+from .schedules import Schedule, check_clip, check_no_decay, check_schedule, coalesce
+
+if TYPE_CHECKING:
+    from .graphs import TrainingGraph
+
+#: The optimizers :class:`Optimizer` knows (the CLI's ``--optimizer`` choices read this).
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """An optimizer's kind and hyperparameters (formulas in the module doc).
+
+    ``kind`` is ``"sgd"``, ``"adam"`` or ``"adamw"``; ``lr > 0`` (the peak rate when scheduled); ``momentum``
+    in [0, 1) (SGD only); ``betas`` in [0, 1) and ``eps > 0`` (Adam, AdamW); ``weight_decay >= 0``.
+    :mod:`revgraph.schedules`: ``schedule`` (a :class:`~revgraph.schedules.Schedule`, ``None``: constant),
+    ``clip_grad_norm`` (``None`` or the global-norm threshold ``> 0``) and ``no_decay`` (the parameters weight
+    decay skips: ``"default"`` biases and 1-D parameters, ``"none"``, name patterns or a predicate). Raises
+    :class:`RevgraphError` for values outside these ranges. Build one with :func:`sgd`, :func:`adam`,
+    :func:`adamw` or :func:`make_optimizer`.
+    """
+
+    kind: str
+    lr: float
+    momentum: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    schedule: Schedule | None = None
+    clip_grad_norm: float | None = None
+    no_decay: str | tuple[str, ...] | Callable = "default"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "clip_grad_norm", check_clip(self.clip_grad_norm))
+        object.__setattr__(self, "no_decay", check_no_decay(self.no_decay))
+        if self.schedule is not None and not isinstance(self.schedule, Schedule):
+            raise RevgraphError(f"schedule must be a revgraph.schedules.Schedule, got {self.schedule!r}")
+        if self.kind not in OPTIMIZERS:
+            raise RevgraphError(f"unknown optimizer {self.kind!r}; choose one of {', '.join(OPTIMIZERS)}")
+        from ..validate import is_number
+
+        # lr="0.1" was a TypeError in the comparisons below (finiteness and ranges: checked there, with the option)
+        values = {"lr": self.lr, "momentum": self.momentum, "eps": self.eps, "weight_decay": self.weight_decay}
+        bad = [k for k, v in values.items() if not is_number(v)]
+        if bad or not isinstance(self.betas, tuple | list) or len(self.betas) != 2 or \
+                not all(is_number(b) for b in self.betas):
+            what = f"{bad[0]}={values[bad[0]]!r}: give a number" if bad else \
+                f"betas={self.betas!r}: give two numbers in [0, 1)"
+            raise RevgraphError(what)
+        checks = [
+            (self.lr > 0, f"learning rate must be positive (--lr, lr=), got {self.lr}"),
+            (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
+            (self.kind == "sgd" or self.momentum == 0, "momentum applies to sgd only; Adam has betas"),
+            (all(0 <= b < 1 for b in self.betas), f"betas must be in [0, 1), got {self.betas}"),
+            (self.eps > 0, f"eps must be positive, got {self.eps}"),
+            (self.weight_decay >= 0, f"weight decay must be >= 0, got {self.weight_decay}"),
+        ]
+        values = {"lr": self.lr, "momentum": self.momentum, "eps": self.eps, "weight_decay": self.weight_decay,
+                  "betas": self.betas}
+        bad = [k for k, v in values.items() if not np.isfinite(v).all()]
+        if bad:  # (name the option and its value: `--lr nan` once said only "hyperparameters must be finite")
+            raise RevgraphError(f"optimizer hyperparameters must be finite numbers: {bad[0]} (--{bad[0].replace('_', '-')})"
+                                f" is {values[bad[0]]}")
+        for ok, message in checks:
+            if not ok:
+                raise RevgraphError(message)
+        check_schedule(self)
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """Names of the per-parameter state tensors (each of the parameter's shape, zero at the start)."""
+        if self.kind == "sgd":
+            return ("momentum",) if self.momentum else ()
+        return ("m", "v")
+
+
+def sgd(lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, **settings) -> Optimizer:
+    """``torch.optim.SGD(lr, momentum, dampening=0, weight_decay, nesterov=False)``; ``settings``: those of
+    :func:`configure` (schedule, clipping, weight-decay exclusions)."""
+    return configure(Optimizer("sgd", lr, momentum=momentum, weight_decay=weight_decay), **settings)
+
+
+@V.arguments(betas=V.BETAS)
+def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+         weight_decay: float = 0.0, **settings) -> Optimizer:
+    """``torch.optim.Adam(lr, betas, eps, weight_decay)`` (L2 penalty added to the gradient); ``settings`` as
+    :func:`sgd`'s."""
+    return configure(Optimizer("adam", lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **settings)
+
+
+@V.arguments(betas=V.BETAS)
+def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+          weight_decay: float = 0.01, **settings) -> Optimizer:
+    """``torch.optim.AdamW(lr, betas, eps, weight_decay)`` (decoupled weight decay; PyTorch's default 0.01);
+    ``settings`` as :func:`sgd`'s."""
+    return configure(Optimizer("adamw", lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **settings)
+
+
+@V.arguments(name=V.TEXT, lr=V.OPTIONAL_POSITIVE, momentum=V.OPTIONAL_NON_NEGATIVE,
+             weight_decay=V.OPTIONAL_NON_NEGATIVE)
+def make_optimizer(name: str, *, lr: float | None = None, momentum: float | None = None,
+                   weight_decay: float | None = None, **schedule) -> Optimizer:
+    """The optimizer called ``name`` with PyTorch's defaults for the arguments left ``None`` (SGD: lr 0.01,
+    the others 1e-3; AdamW weight decay 0.01). ``schedule``: the :mod:`revgraph.schedules` settings of
+    :func:`configure` (``schedule=``, ``clip_grad_norm=``, ``no_decay=``). Raises :class:`RevgraphError` for an
+    unknown name or values out of range."""
+    if name not in OPTIMIZERS:
+        raise RevgraphError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    kw = {k: v for k, v in (("lr", lr), ("weight_decay", weight_decay)) if v is not None}
+    if name == "sgd":
+        opt = sgd(momentum=momentum or 0.0, **kw)
+    elif momentum:
+        raise RevgraphError(f"--momentum applies to sgd only; {name} uses betas (0.9, 0.999)")
+    else:
+        opt = adam(**kw) if name == "adam" else adamw(**kw)
+    return configure(opt, **schedule)
+
+
+def configure(opt: Optimizer, *, schedule: Schedule | None = None, clip_grad_norm: float | None = None,
+              no_decay=None) -> Optimizer:
+    """``opt`` with the :mod:`revgraph.schedules` settings that are given (not ``None``) replaced: ``schedule``
+    (a :class:`~revgraph.schedules.Schedule`), ``clip_grad_norm``, ``no_decay`` (``"default"``, ``"none"``,
+    patterns or a predicate). Raises :class:`RevgraphError` for values out of range."""
+    from dataclasses import replace
+
+    given = {k: v for k, v in (("schedule", schedule), ("clip_grad_norm", clip_grad_norm), ("no_decay", no_decay))
+             if v is not None}
+    return replace(opt, **given) if given else opt
+
+
+def check_representable(opt: Optimizer, dtypes: dict[str, np.dtype]) -> None:
+    """Raise :class:`RevgraphError` when a hyperparameter overflows the dtype of a parameter it updates (a
+    learning rate of 1e308 is infinite in float32, and would train to NaN weights)."""
+    values = {"learning rate": opt.lr, "momentum": opt.momentum, "weight decay": opt.weight_decay, "eps": opt.eps}
+    for p, dt in dtypes.items():
+        for what, v in values.items():
+            if abs(v) > float(np.finfo(dt).max):
+                raise RevgraphError(f"the {what} {v:g} does not fit in {np.dtype(dt).name}, the dtype of parameter "
+                                    f"{p!r}; choose a value below {np.finfo(dt).max:.3g}")
+
+
+#: Dense parameters of at most this many elements are updated together, per dtype and trailing shape: one
+#: ``Concat`` per input, one flat update, one ``Split`` per output, instead of an update per tensor. Each node
+#: costs onnxruntime a fixed overhead, which dominates the passes over a small tensor; the concatenation and
+#: the split are two more copies, which dominate for a large one.
+GROUP_ELEMENTS = 4096
+
+
+def update_groups(tg: TrainingGraph) -> dict[str, list[str]]:
+    """The dense parameters updated in a group (:data:`GROUP_ELEMENTS`): each one's group, in parameter
+    order, for groups of two or more tensors of one dtype and one shape but the first axis."""
+    by_kind: dict[tuple, list[str]] = {}
+    for p in tg.params:
+        a = tg.initial[p]
+        if p not in tg.sparse and a.ndim >= 1 and 0 < a.size <= GROUP_ELEMENTS:  # (decayed or not: one formula)
+            by_kind.setdefault((a.dtype.str, a.shape[1:], p in tg.no_decay), []).append(p)
+    return {p: group for group in by_kind.values() if len(group) > 1 for p in group}
+
+
+def group_update(b: Builder, s: Scalars, tg: TrainingGraph, group: list[str],
+                 grads: dict[str, list[str]] | None = None) -> None:
+    """The dense update of the parameters ``group`` (one dtype, one shape but the first axis, all decayed or
+    none) as one update of their concatenation along axis 0, split back into each parameter's new value and
+    state. ``grads``: the gradients to use (default ``tg.grads``; the clipped ones)."""
+    grads = grads or tg.grads
+    b.prefix, start = f"optim/group/{group[0]}+{len(group) - 1}", len(b.nodes)
+    cat = lambda values: b.op("Concat", values, axis=0)
+    new_p, new_s = update(b, s, cat(group), cat([grads[p][0] for p in group]),
+                           [cat([tg.state[p][j] for p in group]) for j in range(len(s.opt.slots))],
+                           tg.initial[group[0]].dtype, decay=group[0] not in tg.no_decay)
+    sizes = b.const([tg.initial[p].shape[0] for p in group], np.int64)
+    parts = []
+    for value in (new_p, *new_s):
+        outs = [b.fresh(f"{b.prefix}/Split") for _ in group]
+        b.nodes.append(Node("Split", [value, sizes], outs, {"axis": 0}, outs[0]))
+        parts.append(outs)
+    names = name_outputs(b, start, [(part[i], f"{base}.new") for i, p in enumerate(group)
+                                for part, base in zip(parts, [p, *tg.state[p]], strict=True)])
+    for i, p in enumerate(group):
+        tg.new_params[p], *tg.new_state[p] = names[i * len(parts):(i + 1) * len(parts)]
+
+
+class Scalars:
+    """The optimizer's constants per dtype, the scheduled learning rate and Adam's bias corrections, computed
+    once per graph. ``total``: the int64 scalar of the schedule's total steps (linear and cosine schedules)."""
+
+    def __init__(self, b: Builder, opt: Optimizer, step: str, total: str | None = None):
+        self.b, self.opt, self.step, self.total = b, opt, step, total
+        self._bias: dict[np.dtype, tuple[str, str]] = {}
+        self._cast: dict[tuple, str] = {}
+        self._lr64: str | None = None
+
+    def c(self, value: float, dtype) -> str:
+        return self.b.const(value, dtype)
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the learning rate is a graph value computed from ``step`` (:mod:`revgraph.schedules`)."""
+        return self.opt.schedule is not None and self.opt.schedule.varies
+
+    def lr64(self) -> str:
+        """The learning rate of this step as a float64 scalar: the constant, or the schedule's value."""
+        if not self.scheduled:
+            return self.b.const(self.opt.lr, np.float64)
+        if self._lr64 is None:
+            from .schedules import learning_rate
+
+            self._lr64 = learning_rate(self.b, self.opt, self.step, self.total)
+        return self._lr64
+
+    def _in(self, what: str, value64, dtype) -> str:
+        """A float64 scalar ``value64()`` cast to ``dtype``, once per ``what`` and dtype."""
+        key = (what, np.dtype(dtype))
+        if key not in self._cast:
+            to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+            self._cast[key] = self.b.op("Cast", [value64()], to=to)
+        return self._cast[key]
+
+    def lr(self, dtype) -> str:
+        """The learning rate in ``dtype`` (a constant unless scheduled)."""
+        if not self.scheduled:
+            return self.c(self.opt.lr, dtype)
+        return self._in("lr", self.lr64, dtype)
+
+    def decay_factor(self, dtype) -> str:
+        """AdamW's ``1 - lr * wd`` in ``dtype``, computed in float64 as PyTorch does in Python floats."""
+        if not self.scheduled:
+            return self.c(1.0 - self.opt.lr * self.opt.weight_decay, dtype)
+        b = self.b
+        return self._in("decay", lambda: b.op("Sub", [b.const(1.0, np.float64), b.op(
+            "Mul", [self.lr64(), b.const(self.opt.weight_decay, np.float64)])]), dtype)
+
+    def bias(self, dtype) -> tuple[str, str]:
+        """``(lr * sqrt(1 - b2^t) / (1 - b1^t), eps * sqrt(1 - b2^t))`` in ``dtype``, computed in float64 from
+        ``t = step + 1`` (as PyTorch computes its bias corrections in Python floats): the step of
+        :func:`update` with both bias corrections moved onto these two scalars. ``lr`` is this step's (scheduled)
+        learning rate, as ``torch.optim.Adam`` reads ``group["lr"]`` that ``LambdaLR`` set."""
+        if dtype not in self._bias:
+            b, (b1, b2) = self.b, self.opt.betas
+            lr = self.lr64()
+            with b.scope("optim/bias_correction"):
+                f64 = np.float64
+                t = b.op("Cast", [b.op("Add", [self.step, b.const(1, np.int64)])], to=onnx.TensorProto.DOUBLE)
+                bc1 = b.op("Sub", [b.const(1.0, f64), b.op("Pow", [b.const(b1, f64), t])])
+                sqrt_bc2 = b.op("Sqrt", [b.op("Sub", [b.const(1.0, f64), b.op("Pow", [b.const(b2, f64), t])])])
+                to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+                step = b.op("Div", [b.op("Mul", [lr, sqrt_bc2]), bc1])
+                eps = b.op("Mul", [b.const(self.opt.eps, f64), sqrt_bc2])
+                self._bias[dtype] = (b.op("Cast", [step], to=to), b.op("Cast", [eps], to=to))
+        return self._bias[dtype]
+
+
+def update(b: Builder, s: Scalars, p: str, g: str, state: list[str], dt,
+           decay: bool | np.ndarray = True) -> tuple[str, list[str]]:
+    """The dense update of ``p`` (any shape) from gradient ``g``: ``(new p, new state)`` (module doc).
+
+    ``decay``: whether weight decay applies (:func:`revgraph.schedules.excluded`), or a boolean mask of ``p``'s
+    shape (elements of a flat shard that belong to decayed parameters: :mod:`revgraph.sharding`).
+    Each node is one pass over the tensor, so the formulas are arranged for few passes with the same math
+    as ``torch.optim`` (``torch/optim/adam.py``, ``_single_tensor_adam``): ``m' = b1 m + (1 - b1) g`` (PyTorch's
+    ``lerp(m, g, 1 - b1)`` to rounding; measured a little faster than ``m + (1 - b1)(g - m)``, which reads
+    one tensor more); ``v' = b2 v + ((1 - b2) g) g`` (``addcmul``); ``p' = p - a * (m' / (sqrt(v') + e))`` with the
+    scalars ``a = lr sqrt(bc2) / bc1`` and ``e = eps sqrt(bc2)`` (:meth:`Scalars.bias`), which is
+    PyTorch's ``p - lr / bc1 * m' / (sqrt(v') / sqrt(bc2) + eps)`` multiplied through by ``sqrt(bc2)``.
+    Adam: 12 nodes per tensor (14 with weight decay, 13 for AdamW); SGD with momentum: 4 (6 with decay).
+    """
+    opt = s.opt
+    mask = None if isinstance(decay, bool) else np.asarray(decay, bool)
+    wd = opt.weight_decay if (mask is None and decay) or (mask is not None and mask.any()) else 0.0
+    if mask is not None and mask.all():
+        mask = None
+    # the L2 coefficient: a scalar, or per element (zero where the mask excludes)
+    l2 = lambda: s.c(wd, dt) if mask is None else b.const(np.where(mask, wd, 0).astype(dt), dt)
+    if opt.kind == "sgd":
+        if wd:  # Momentum's norm_coefficient: the gradient of 0.5 * wd * ||p||^2 added to g
+            g = b.op("Add", [g, b.op("Mul", [l2(), p])])
+        if not opt.momentum:
+            return b.op("Sub", [p, b.op("Mul", [s.lr(dt), g])]), []
+        v = b.op("Add", [b.op("Mul", [s.c(opt.momentum, dt), state[0]]), g])
+        return b.op("Sub", [p, b.op("Mul", [s.lr(dt), v])]), [v]
+    b1, b2 = opt.betas
+    if opt.kind == "adam" and wd:
+        g = b.op("Add", [g, b.op("Mul", [l2(), p])])
+    if opt.kind == "adamw" and wd:  # decoupled decay, before the step (torch.optim.AdamW)
+        factor = s.decay_factor(dt)
+        if mask is not None:  # 1 where the mask excludes: those elements are multiplied by one, unchanged
+            factor = b.op("Where", [b.const(mask, np.bool_), factor, s.c(1.0, dt)])
+        p = b.op("Mul", [p, factor])
+    m = b.op("Add", [b.op("Mul", [s.c(b1, dt), state[0]]), b.op("Mul", [s.c(1.0 - b1, dt), g])])
+    v = b.op("Add", [b.op("Mul", [s.c(b2, dt), state[1]]), b.op("Mul", [b.op("Mul", [g, s.c(1.0 - b2, dt)]), g])])
+    step_size, eps = s.bias(dt)
+    denom = b.op("Add", [b.op("Sqrt", [v]), eps])
+    return b.op("Sub", [p, b.op("Mul", [step_size, b.op("Div", [m, denom])])]), [m, v]
+
+
+def sparse_update(b: Builder, s: Scalars, p: str, idx: str, rows: str, state: list[str],
+                  dt, *, unique: bool = False, decay: bool = True) -> tuple[str, list[str]]:
+    """The lazy row update of table ``p`` (``[R, ...]``) from gradient rows ``idx`` (int64 ``[K]``, in
+    ``[0, R)``, maybe repeated) and ``rows`` (``[K, ...]``): coalesce, gather, update, scatter back.
+    ``unique=True``: ``idx`` and ``rows`` are coalesced already (:func:`revgraph.schedules.coalesce`, as the
+    clipping does before it takes the norm). ``decay``: whether weight decay applies to ``p``."""
+    if unique:
+        g = rows
+    else:  # repeated indices add their rows into zeros of [U, ...] (add_rows: ScatterElements, race free)
+        idx, g = coalesce(b, idx, rows, dt)
+    p_rows = b.op("Gather", [p, idx], axis=0)
+    s_rows = [b.op("Gather", [v, idx], axis=0) for v in state]
+    new_p_rows, new_s_rows = update(b, s, p_rows, g, s_rows, dt, decay=decay)
+    at = b.op("Unsqueeze", [idx, b.const([1], np.int64)])  # unique indices: ScatterND without reduction is well defined
+    new_p = b.op("ScatterND", [p, at, new_p_rows])
+    return new_p, [b.op("ScatterND", [v, at, r]) for v, r in zip(state, new_s_rows, strict=True)]

@@ -1,0 +1,289 @@
+"""Learning-rate schedules, gradient clipping by the global norm and weight-decay exclusions, as nodes of the
+training-step graph (they run where the step runs: onnxruntime, a browser, another process).
+
+**Schedules** (:data:`SCHEDULES`, :class:`Schedule`; ``--lr-schedule``, ``--warmup-steps``, ``--min-lr``). The
+learning rate of the step that starts with the graph's counter ``step = s`` (0 for the first step, as
+``torch.optim.lr_scheduler.LambdaLR`` evaluates its lambda at ``last_epoch = 0`` before the first step) is
+``lr(s) = lr_peak * f(s)`` with warmup ``W``, total steps ``T`` and ``r = min_lr / lr_peak`` (the formulas of
+transformers' ``get_constant_schedule_with_warmup``, ``get_linear_schedule_with_warmup`` and
+``get_cosine_with_min_lr_schedule_with_warmup``, ``num_cycles = 0.5``):
+
+- warmup, ``s < W``: ``f = s / max(1, W)`` (linear from 0);
+- ``constant``: ``f = 1``;
+- ``linear``: ``f = r + (1 - r) * max(0, (T - s) / max(1, T - W))``;
+- ``cosine``: ``f = r + (1 - r) * 0.5 * (1 + cos(pi * min(1, (s - W) / max(1, T - W))))``.
+
+So the decay reaches ``min_lr`` at ``s = T``, after the last step (``s = T - 1``), as in transformers; past
+``T`` (steps taken after the run it was planned for) both stay at ``min_lr`` (the ``min(1, .)``: transformers'
+cosine would rise again). ``f`` is computed in float64 from ``step`` (PyTorch computes it in Python floats) and
+``lr(s)`` replaces the constant learning rate everywhere the update reads it: SGD's ``p - lr v``, Adam's step
+size ``lr sqrt(1 - b2^t) / (1 - b1^t)`` (:meth:`revgraph.optimizers.Scalars.bias`, so the bias correction
+uses the scheduled rate as ``torch.optim.Adam`` under ``LambdaLR`` does) and AdamW's decay ``1 - lr wd``.
+
+The total ``T`` (linear and cosine only): ``Schedule(total_steps=T)``, or, left ``None``, the number of steps
+:meth:`revgraph.Trainer.fit` takes (``epochs * ceil(samples / global step batch)``). It is not a constant of
+the graph (the graph is built before ``fit`` knows the data): it is the int64 scalar input
+``TrainingGraph.total`` carried from step to step unchanged, like ``step``, which ``fit`` sets before the first
+step. Both are saved in checkpoints, so a resumed run computes the same rates; the checkpoint also records
+``total_steps`` (:mod:`revgraph.run_record`), and resuming with another total (more epochs) is refused unless
+overridden.
+
+**Clipping** (``--clip-grad-norm C``): ``torch.nn.utils.clip_grad_norm_``: the global L2 norm
+``n = sqrt(sum_p ||g_p||^2)`` over every trained parameter's gradient, and every gradient scaled by
+``min(1, C / (n + 1e-6))``. A sparse table's gradient rows are coalesced first (repeated indices added, as in
+the dense gradient PyTorch sees) and its squares summed over the coalesced rows. The nodes are the first of the
+update (``TrainingGraph.n_update_nodes``) and read the gradients by their names (``tg.grads``), so
+data-parallel engines clip the exchanged gradients; the sharded engine sums its shards' squares over the ranks
+(an all-reduce) and feeds the sum to its update graph (``clip/dense_squares``).
+
+**Weight-decay exclusions** (:func:`excluded`): by default weight decay is not applied to biases and 1-D
+parameters (transformers' ``Trainer``: no decay on biases and normalization weights): a parameter is excluded
+when it has at most one dimension or its name contains ``bias`` (any case). ``Optimizer.no_decay``:
+``"default"`` (that rule), ``"none"`` (decay everything: ``--decay-all``), a tuple of ``fnmatch`` patterns
+over parameter names (``--no-decay GLOB ...``), or a predicate ``(name, array) -> bool``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx
+
+from ..errors import RevgraphError
+
+if TYPE_CHECKING:
+    from .graphbuild import Builder
+    from .optimizers import Optimizer
+
+#: The learning-rate schedules (the CLI's ``--lr-schedule`` choices read this).
+SCHEDULES = ("constant", "linear", "cosine")
+
+#: ``Optimizer.no_decay`` values besides patterns and predicates.
+NO_DECAY_RULES = ("default", "none")
+
+#: Added to the global norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does.
+CLIP_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A learning-rate schedule (module doc): ``kind`` one of :data:`SCHEDULES`, ``warmup_steps >= 0``,
+    ``min_lr >= 0`` (the rate the decay ends at; at most the peak ``Optimizer.lr``), ``total_steps`` (``None``:
+    the steps :meth:`revgraph.Trainer.fit` takes). Raises :class:`RevgraphError` for values out of range."""
+
+    kind: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    total_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULES:
+            raise RevgraphError(f"unknown learning-rate schedule {self.kind!r} (--lr-schedule); choose one of "
+                                f"{', '.join(SCHEDULES)}")
+        if not isinstance(self.warmup_steps, int | np.integer) or self.warmup_steps < 0:
+            raise RevgraphError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not (np.isfinite(self.min_lr) and self.min_lr >= 0):
+            raise RevgraphError(f"--min-lr must be a finite number >= 0, got {self.min_lr}")
+        if self.total_steps is not None and (not isinstance(self.total_steps, int | np.integer)
+                                             or self.total_steps < 1):
+            raise RevgraphError(f"total_steps must be a positive integer, got {self.total_steps!r}")
+        if self.kind == "constant" and self.min_lr:
+            raise RevgraphError("--min-lr applies to the linear and cosine schedules (--lr-schedule linear|cosine)")
+
+    @property
+    def needs_total(self) -> bool:
+        """Whether the rate depends on the total number of steps (linear and cosine decay)."""
+        return self.kind != "constant"
+
+    @property
+    def varies(self) -> bool:
+        """Whether the rate changes at all (a constant schedule without warmup is the plain learning rate)."""
+        return self.kind != "constant" or self.warmup_steps > 0
+
+    def factor(self, step: int, total: int | None, peak: float) -> float:
+        """``f(step)`` of the module doc in Python floats (what the graph computes; for messages and checks)."""
+        s, w = float(step), self.warmup_steps
+        if s < w:
+            return s / max(1, w)
+        if self.kind == "constant":
+            return 1.0
+        t, r = float(total or 0), self.min_lr / peak
+        if self.kind == "linear":
+            return r + (1 - r) * max(0.0, (t - s) / max(1.0, t - w))
+        return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - w) / max(1.0, t - w))))
+
+
+def check_schedule(opt: Optimizer) -> None:
+    """Raise :class:`RevgraphError` when the schedule does not fit the optimizer (``min_lr`` above the peak)."""
+    s = opt.schedule
+    if s is not None and s.min_lr > opt.lr:
+        raise RevgraphError(f"--min-lr {s.min_lr:g} is above the peak learning rate --lr {opt.lr:g}; the decay ends "
+                            "at min-lr: choose one below lr")
+
+
+def check_clip(value) -> float | None:
+    """``value`` as the clipping threshold (``None``: no clipping). Raises :class:`RevgraphError` unless it is a
+    finite number > 0."""
+    if value is None:
+        return None
+    try:
+        c = float(value)
+    except (TypeError, ValueError):
+        raise RevgraphError(f"--clip-grad-norm must be a number, got {value!r}") from None
+    if not (np.isfinite(c) and c > 0):
+        raise RevgraphError(f"--clip-grad-norm must be a finite number > 0, got {value!r}")
+    return c
+
+
+def check_no_decay(value) -> str | tuple[str, ...] | Callable:
+    """``value`` as ``Optimizer.no_decay`` (module doc): a rule name, a tuple of patterns or a callable."""
+    if callable(value) or value in NO_DECAY_RULES:
+        return value
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        patterns = tuple(value)
+    except TypeError:
+        raise RevgraphError(f"no_decay must be 'default', 'none', parameter name patterns or a predicate, got "
+                            f"{value!r}") from None
+    if not all(isinstance(p, str) and p for p in patterns):
+        raise RevgraphError(f"no_decay patterns must be non-empty strings, got {value!r}")
+    return patterns
+
+
+def excluded(opt: Optimizer, initial: dict[str, np.ndarray]) -> list[str]:
+    """The parameters (of ``initial``, in its order) weight decay is not applied to (module doc). Raises
+    :class:`RevgraphError` for a pattern that matches no parameter."""
+    rule = opt.no_decay
+    if rule == "none":
+        return []
+    if rule == "default":
+        return [p for p, a in initial.items() if np.ndim(a) <= 1 or "bias" in p.lower()]
+    if callable(rule):
+        return [p for p, a in initial.items() if rule(p, a)]
+    for pattern in rule:
+        if not any(fnmatch.fnmatchcase(p, pattern) for p in initial):
+            raise RevgraphError(f"the --no-decay pattern {pattern!r} matches no trained parameter; parameters: "
+                                f"{', '.join(list(initial)[:8])}{' ...' if len(initial) > 8 else ''}")
+    return [p for p in initial if any(fnmatch.fnmatchcase(p, pattern) for pattern in rule)]
+
+
+# ---------------------------------------------------------------------------------------------- graph nodes
+
+def learning_rate(b: Builder, opt: Optimizer, step: str, total: str | None) -> str:
+    """The float64 scalar ``lr(step)`` of ``opt.schedule`` (module doc) as nodes of ``b``; ``total`` is the
+    int64 scalar of the total steps (needed by linear and cosine)."""
+    sched, f64 = opt.schedule, np.float64
+    c = lambda v: b.const(v, f64)
+    with b.scope("optim/lr_schedule"):
+        s = b.op("Cast", [step], to=onnx.TensorProto.DOUBLE)
+        w = sched.warmup_steps
+        if sched.kind == "constant":
+            decay = c(1.0)
+        else:
+            t = b.op("Cast", [total], to=onnx.TensorProto.DOUBLE)
+            span = b.op("Max", [c(1.0), b.op("Sub", [t, c(float(w))])])
+            if sched.kind == "linear":
+                decay = b.op("Max", [c(0.0), b.op("Div", [b.op("Sub", [t, s]), span])])
+            else:
+                progress = b.op("Min", [c(1.0), b.op("Div", [b.op("Sub", [s, c(float(w))]), span])])
+                cos = b.op("Cos", [b.op("Mul", [c(math.pi), progress])])
+                decay = b.op("Mul", [c(0.5), b.op("Add", [c(1.0), cos])])
+            r = sched.min_lr / opt.lr
+            if r:
+                decay = b.op("Add", [c(r), b.op("Mul", [c(1.0 - r), decay])])
+        if w:
+            warm = b.op("Div", [s, c(float(max(1, w)))])
+            decay = b.op("Where", [b.op("Less", [s, c(float(w))]), warm, decay])
+        return b.op("Mul", [c(opt.lr), decay])
+
+
+def coalesce(b: Builder, idx: str, rows: str, dt) -> tuple[str, str]:
+    """Sparse gradient rows (int64 ``[K]`` indices, maybe repeated, and ``[K, ...]`` rows) as ``(unique indices
+    [U], their summed rows [U, ...])``: the rows of the dense gradient that are not zero."""
+    from ..autodiff.sparse import add_rows  # the race-free row scatter
+    from ..ir import Node
+
+    unique = b.fresh(f"{b.prefix}/Unique")
+    inverse = b.fresh(f"{unique}:inverse")
+    b.nodes.append(Node("Unique", [idx], [unique, "", inverse], {"sorted": 1}, unique))
+    row_shape = b.op("Shape", [rows], start=1)
+    zeros = b.op("ConstantOfShape", [b.op("Concat", [b.op("Shape", [unique]), row_shape], axis=0)],
+                 value=np.zeros(1, dtype=dt))
+    return unique, add_rows(b, zeros, inverse, rows)
+
+
+def squares(b: Builder, g: str) -> str:
+    """``sum(g ** 2)`` of a gradient, as a float64 scalar (each tensor's sum in its dtype, as PyTorch takes each
+    tensor's norm in its dtype)."""
+    return b.op("Cast", [b.op("ReduceSumSquare", [g], keepdims=0)], to=onnx.TensorProto.DOUBLE)
+
+
+def clip_coefficient(b: Builder, max_norm: float, parts: list[str]) -> str:
+    """``min(1, max_norm / (sqrt(sum(parts)) + 1e-6))`` (float64 scalar) from float64 scalar squared norms."""
+    f64 = np.float64
+    total = parts[0] if len(parts) == 1 else b.op("Sum", parts)
+    norm = b.op("Sqrt", [total])
+    coef = b.op("Div", [b.const(max_norm, f64), b.op("Add", [norm, b.const(CLIP_EPS, f64)])])
+    return b.op("Min", [b.const(1.0, f64), coef])
+
+
+def scaled(b: Builder, g: str, coef: str, dt, cache: dict) -> str:
+    """``g * coef`` with the float64 coefficient cast to ``g``'s dtype once per dtype (``cache``)."""
+    key = np.dtype(dt)
+    if key not in cache:
+        cache[key] = b.op("Cast", [coef], to=onnx.helper.np_dtype_to_tensor_dtype(key))
+    return b.op("Mul", [g, cache[key]])
+
+
+def clipped_gradients(b: Builder, tg, max_norm: float) -> dict[str, list[str]]:
+    """The gradients of ``tg`` scaled by the clipping coefficient of their global norm (module doc): ``{p: [g]}``
+    for a dense parameter and ``{p: [unique indices, coalesced rows]}`` for a sparse table (rows already
+    coalesced: :func:`revgraph.optimizers.sparse_update` with ``unique=True``)."""
+    out: dict[str, list[str]] = {}
+    parts = []
+    with b.scope("optim/clip"):
+        for p in tg.params:
+            dt = tg.initial[p].dtype
+            out[p] = list(coalesce(b, *tg.grads[p], dt)) if p in tg.sparse else [tg.grads[p][0]]
+            parts.append(squares(b, out[p][-1]))
+        coef = clip_coefficient(b, max_norm, parts)
+        cache: dict = {}
+        for p in tg.params:
+            out[p][-1] = scaled(b, out[p][-1], coef, tg.initial[p].dtype, cache)
+    return out
+
+
+def clipped_shards(b: Builder, spec, dense_squares: str, grads: dict, dtypes: dict) -> tuple[dict, dict]:
+    """The clipping of a sharded update (:mod:`revgraph.sharding`): ``grads`` (unit -> gradient shard, of
+    ``dtypes[unit]``) and the sparse tables' rows of ``spec`` scaled by the clipping coefficient of the global
+    norm, whose dense part is the float64 scalar ``dense_squares`` (every rank's shards' squares, summed by the
+    engine's all-reduce) and whose sparse part the coalesced rows add here (replicated tables: every rank adds
+    the same). Returns ``(scaled shards, {table: [unique indices, coalesced scaled rows]})``."""
+    with b.scope("optim/clip"):
+        rows = {p: list(coalesce(b, *spec.grads[p], spec.initial[p].dtype)) for p in spec.sparse}
+        coef = clip_coefficient(b, spec.optimizer.clip_grad_norm,
+                                [dense_squares, *(squares(b, r[1]) for r in rows.values())])
+        cache: dict = {}
+        grads = {j: scaled(b, g, coef, dtypes[j], cache) for j, g in grads.items()}
+        for p in spec.sparse:
+            rows[p][1] = scaled(b, rows[p][1], coef, spec.initial[p].dtype, cache)
+    return grads, rows
+
+
+def flat_decay(unit, no_decay) -> bool | np.ndarray:
+    """Whether weight decay applies to a rank's shard ``[lo, lo + k)`` of a flat unit of parameters
+    (:class:`revgraph.shard_plan.Unit`: ``names`` at ``offsets`` with ``shapes``): ``True``/``False`` when it does
+    for every element in it, else a boolean mask of ``k`` elements (false on those of the ``no_decay``
+    parameters; the zero padding decays, which leaves it zero)."""
+    mask = np.ones(unit.length, bool)
+    for n, o, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):
+        if n in no_decay:
+            mask[o:o + int(np.prod(shape, dtype=np.int64))] = False
+    mine = mask[unit.lo:unit.lo + unit.k]
+    return bool(mine[0]) if mine.size and (mine == mine[0]).all() else mine

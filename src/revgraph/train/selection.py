@@ -1,0 +1,107 @@
+"""Which initializers train: names or glob patterns to train (``params=``, ``--train``) and to freeze
+(``freeze=``, ``--freeze``), as onnxruntime-training's ``requires_grad`` / ``frozen_params`` lists and PyTorch's
+``requires_grad_(False)`` choose them, and the count of trainable and frozen parameters.
+
+Patterns are ``fnmatch`` globs over initializer names, matched case-sensitively; a string that is an initializer's
+exact name means that initializer even when it holds glob characters (``onnx::MatMul_12``, ``w[0]``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from ..errors import RevgraphError
+from ..ir import Graph
+
+
+def _floats(a) -> bool:
+    """Initializers that train: numpy kind ``"f"`` (float16/32/64), as :func:`revgraph.train.trainable` always had."""
+    return np.asarray(a).dtype.kind == "f"
+
+
+def _matches(model: Graph, pattern: object, option: str) -> list[str]:
+    """The initializers ``pattern`` names (its exact name, else its glob matches, in declaration order)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise RevgraphError(f"{option} {pattern!r} is not a name or glob pattern of an initializer")
+    if pattern in model.initializers:
+        return [pattern]
+    found = [k for k in model.initializers if fnmatch.fnmatchcase(k, pattern)]
+    if not found:
+        raise RevgraphError(f"{option} pattern {pattern!r} matches no initializer of the model; `revgraph info` "
+                            "lists them (patterns are fnmatch globs over initializer names)")
+    return found
+
+
+def _patterns(value: Iterable[str] | str | None, option: str) -> list | None:
+    if value is None or isinstance(value, str):
+        return None if value is None else [value]
+    # bytes would iterate as ints and a mapping as its keys ({"W1": False} would freeze W1): refuse both
+    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+        raise RevgraphError(f"{option} must be a name or glob pattern or a list of them, got {type(value).__name__}")
+    return list(value)
+
+
+def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iterable[str] | str | None = None,
+           ) -> list[str]:
+    """The initializers to train, in declaration order.
+
+    ``params``: names or glob patterns (module doc) of the initializers to train; ``None``: the LoRA adapters of
+    a model that has them (:func:`revgraph.lora.adapter_names`), else every floating-point initializer.
+    Integer initializers a glob matches are left out (they cannot train). ``freeze``: names or globs removed
+    from that set. Raises :class:`RevgraphError` (one line) for a pattern that matches no initializer (naming
+    it and the option), an integer initializer named exactly, a glob that matches only integer ones, and a
+    selection that leaves nothing to train.
+    """
+    from .lora import adapter_names
+
+    params, freeze = _patterns(params, "params (--train)"), _patterns(freeze, "freeze (--freeze)")
+    if params is None:
+        names = adapter_names(model) or [k for k, a in model.initializers.items()
+                                         if _floats(a)]
+        if not names:
+            raise RevgraphError("the model has no floating-point initializers to train")
+    else:
+        if not params:
+            raise RevgraphError("params (--train) is empty: give names or glob patterns of initializers, or None "
+                                "(leave it out) to train every float one")
+        chosen: dict[str, None] = {}
+        for p in params:
+            found = _matches(model, p, "params (--train)")
+            floats = [k for k in found if _floats(model.initializers[k])]
+            if not floats:
+                k = found[0]
+                raise RevgraphError(f"parameter {k!r} is {np.asarray(model.initializers[k]).dtype}; only floats train"
+                                    + (f" (pattern {p!r} matches no float initializer)" if k != p else ""))
+            chosen.update(dict.fromkeys(floats))
+        order = {k: i for i, k in enumerate(model.initializers)}
+        names = sorted(chosen, key=order.__getitem__)
+    for f in freeze or []:
+        frozen = set(_matches(model, f, "freeze (--freeze)"))
+        names = [k for k in names if k not in frozen]
+    if not names:
+        raise RevgraphError("params and freeze (--train, --freeze) leave no initializer to train")
+    return names
+
+
+def parameters(model: Graph) -> list[str]:
+    """What counts as a parameter: the float initializers and the integer weights of ``DequantizeLinear`` nodes
+    (a quantized base), not the integer shapes, axes and indices a graph holds as initializers."""
+    quantized = {n.inputs[0] for _, n in model.walk() if n.op_type == "DequantizeLinear" and n.inputs}
+    return [k for k, a in model.initializers.items()
+            if _floats(a) or (k in quantized and np.asarray(a).ndim >= 2)]
+
+
+def count_line(model: Graph, trained: Iterable[str]) -> str:
+    """One line: the trainable and frozen parameters (:func:`parameters`) in tensors and elements, e.g.
+    ``parameters: 2,048 trainable in 4 tensors (1.96%), 102,400 frozen in 8 tensors``."""
+    trained = list(trained)
+    mine = set(trained)
+    frozen = [k for k in parameters(model) if k not in mine]
+    t = sum(int(np.asarray(model.initializers[k]).size) for k in trained)
+    f = sum(int(np.asarray(model.initializers[k]).size) for k in frozen)
+    share = f" ({100 * t / (t + f):.3g}%)" if t + f else ""
+    return (f"parameters: {t:,} trainable in {len(trained)} tensor{'s' * (len(trained) != 1)}{share}, "
+            f"{f:,} frozen in {len(frozen)} tensor{'s' * (len(frozen) != 1)}")

@@ -1,0 +1,572 @@
+"""Train a model with its training-step graphs: :class:`Trainer` (``rg.Trainer``), in one process or many.
+
+The step itself runs in an engine (:mod:`revgraph.steps`: the fused step graph in one process;
+:mod:`revgraph.distributed`: the step cut in two around a gradient all-reduce, one process per rank under
+``torchrun``). This module holds what both share: the data checks, the order of the samples and each rank's
+share of it (:func:`shard`), the loop over epochs with its progress bar, evaluation, checkpoints and resuming.
+
+Data-parallel semantics. With ``W`` processes and ``batch_size`` ``B``, each step trains on a global batch of
+``B * W`` samples: the next ``B * W`` samples of the epoch's order (the same order on every rank, from
+``seed + epoch``), of which rank ``r`` takes every ``W``-th starting at ``r``, as
+``torch.utils.data.DistributedSampler`` deals them. The last global batch of an epoch may be smaller and split
+unevenly (a rank may even get no sample); the gradients are weighted by each rank's share, so that every step
+equals the single-process step on the same global batch, with no sample repeated or dropped.
+
+Gradient accumulation (``fit(accumulate_steps=K)``): a step takes the next ``K * B * W`` samples of the
+epoch's order, as ``K`` global micro-batches of ``B * W`` consecutive samples, each dealt over the ranks as
+above. Every micro-batch's mean gradient is weighted by its sample count over the step's count and summed, so
+the step equals one step with batch size ``K * B`` (per process) on the same order, and one process with
+batch ``K * B * W``, also for the shorter last step of an epoch (its micro-batches may be short or empty).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import onnx
+
+from .. import validate as V
+from ..autodiff.policies import CheckpointPolicy
+from ..errors import InputError, NonFiniteError, RevgraphError
+from ..ir import Graph
+from ..onnx_io import save
+from ..runtime.devices import Device
+from ..runtime.options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
+from ..validate import FIT_RULES, TRAINER_RULES
+from . import data as datasets
+from . import run_record
+from .distributed.exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype, refused_combination
+from .distributed.sharding import SHARDS
+from .engines import BUFFERS, make_engine
+from .graphs import Optimizer, TrainingGraph, training_graph
+from .losses import weighs_by_targets
+from .optimizers import configure, make_optimizer
+from .precision import check_combination, make_precision
+from .progress_bar import Bar
+from .steptimes import StepTimes
+
+Data = Mapping[str, np.ndarray] | tuple
+
+
+class Trainer:
+    """Train ``model`` with ``loss`` and ``optimizer`` (see :mod:`revgraph.train` for the formulas).
+
+    ``model`` is a :class:`Graph`, an ``onnx.ModelProto`` or a path; ``loss`` one of
+    :data:`revgraph.losses.LOSSES` (``"cross-entropy"``, ``"mse"``, ``"bce"``, ``"causal-lm"``, ``"output:NAME"``)
+    and ``loss_options`` its options (``ignore_index``, ``label_smoothing``, ``class_weights``, ``labels_from``;
+    :func:`revgraph.losses.loss_graph`); ``optimizer`` an :class:`revgraph.train.Optimizer` or a name (``"sgd"``,
+    ``"adam"``, ``"adamw"`` with PyTorch's defaults). ``output`` picks the model output the loss reads (default:
+    the only one), ``params`` the initializers to train (names or fnmatch globs; default: the LoRA adapters
+    of a model that has them, :mod:`revgraph.lora`, else every floating-point one) and ``freeze`` globs of
+    initializers not to train (:func:`revgraph.train.trainable`). ``threads`` is
+    onnxruntime's intra-op thread count (0: its default). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``
+    (:mod:`revgraph.devices`). ``runtime``: onnxruntime's memory settings (:class:`revgraph.RuntimeOptions`;
+    a setting left ``None`` takes :data:`revgraph.runtime_options.TRAINING_DEFAULT`: memory pattern off, arena
+    on). ``buffers``: ``"one"`` (default) keeps parameters and optimizer state in one buffer set that the update
+    overwrites where :mod:`revgraph.inplace` finds it safe, ``"two"`` in two sets swapped every step (the fused
+    step graph; :mod:`revgraph.steps`); the numbers are the same. ``distributed=True`` trains data-parallel with
+    the other processes of a
+    ``torchrun`` launch (:mod:`revgraph.distributed`; needs ``pip install "revgraph[distributed]"``): every
+    rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``shard``
+    (with ``distributed``): ``"none"`` (default), ``"optimizer"`` (ZeRO-1: each rank keeps the optimizer state
+    of its shard of the parameters) or ``"gradients"`` (ZeRO-2: and its shard of the gradients), see
+    :mod:`revgraph.sharding`; a world of one process trains unsharded. Sharded, :attr:`state` is a collective
+    (every rank reads it). ``memory`` is the
+    budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
+    bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
+    ``trainer.spec.graph.memory_plan``. Data-parallel gradient exchange (:mod:`revgraph.exchange`):
+    ``bucket_mb`` the all-reduce bucket size in MiB (DDP's ``bucket_cap_mb``, default 25), ``reduce_dtype``
+    ``"fp32"`` (default: the gradients' dtype) or ``"bf16"`` (buckets all-reduced in bfloat16), ``overlap``
+    starts each bucket's all-reduce while the rest of the backward pass runs (:mod:`revgraph.overlap`; one
+    bucket: no cut); ``"auto"`` (default): on CUDA, not on the CPU, where gloo's all-reduce competes with the
+    backward for the same cores. ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (or a
+    :class:`revgraph.precision.Precision` with the fp16 loss-scaling options): matrix products and convolutions in
+    the low precision with float32 master weights, fp16 with dynamic loss scaling (:mod:`revgraph.precision`;
+    a 16-bit step needs a CUDA device; fp16 does not combine with ``shard`` or ``sync_batchnorm``). ``profile=True``
+    times the phases of every step
+    (:attr:`times`, :mod:`revgraph.steptimes`; ``"timeline"`` also records each segment and all-reduce).
+    ``sync_batchnorm=True`` (data-parallel only): training-mode
+    ``BatchNormalization`` nodes normalize with the statistics of the global batch, all-reduced inside the step
+    (:mod:`revgraph.sync_batchnorm`; without it each rank normalizes over its share and rank 0 warns).
+    ``timeout`` (seconds, with ``distributed``; default
+    :data:`revgraph.launch.DEFAULT_TIMEOUT`) bounds joining the process group and every collective, so a rank
+    that stopped fails the others with one line instead of a hang; the loss, the optimizer and its
+    hyperparameters are compared across ranks here, before any step. ``schedule`` (a
+    :class:`revgraph.schedules.Schedule`), ``clip_grad_norm`` (the global-norm threshold) and ``no_decay``
+    (``"default"``: no weight decay on biases and 1-D parameters; ``"none"``; name patterns; a predicate
+    ``(name, array) -> bool``) replace those of ``optimizer`` when given (:mod:`revgraph.schedules`; the
+    excluded parameters are ``trainer.spec.no_decay``). Raises
+    :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
+    or a process group that cannot be joined.
+
+    Data (for :meth:`step`, :meth:`fit`, :meth:`evaluate`): a mapping with an array per model input (by
+    name) and ``"labels"``, or ``{"x": ..., "y": ...}`` / a tuple ``(x, y)`` for a model with one input.
+    Arrays share their first (sample) axis. Float inputs are cast to the declared dtype; labels are int64
+    class indices for cross-entropy and floats of the output's shape for ``mse`` and ``bce``; ``output:NAME``
+    and causal-lm on the input ids take no labels. ``data`` may also be a directory of ``.npy`` files, read
+    memory-mapped; ``static=`` gives inputs fed whole to every step (:mod:`revgraph.data`).
+    """
+
+    @V.arguments(**TRAINER_RULES)
+    def __init__(self, model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
+                 optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
+                 threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
+                 distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
+                 memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
+                 profile: bool = False, shard: str = "none",
+                 sync_batchnorm: bool = False, timeout: float | None = None, loss_options: dict | None = None,
+                 schedule=None, clip_grad_norm: float | None = None, no_decay=None, precision="fp32",
+                 freeze: Iterable[str] | None = None):
+        if buffers not in BUFFERS:
+            raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
+        cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
+        check_reduce_dtype(reduce_dtype)
+        if overlap not in (True, False, "auto"):
+            raise InputError(f"overlap must be True, False or 'auto', got {overlap!r}")
+        if shard not in SHARDS:
+            raise RevgraphError(f"shard must be one of {', '.join(SHARDS)}, got {shard!r}")
+        problem = refused_combination(shard, sync_batchnorm, reduce_dtype, 1, buffers)
+        if problem:
+            raise InputError(problem)
+        self._options = (shard, bool(sync_batchnorm), buffers)  # (fit refuses accumulation with some of them)
+        if shard != "none" and not distributed:
+            raise RevgraphError(f"shard={shard!r} (--shard {shard}) shards across data-parallel processes: train with "
+                                "distributed=True under torchrun (revgraph train --nproc N), or leave it out")
+        # settings left None take the training default (memory pattern off, arena on)
+        self.runtime: RuntimeOptions = (check_runtime(runtime) or RuntimeOptions()).over(TRAINING_DEFAULT)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
+        self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
+        self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
+        precision = make_precision(precision)  # (mixed precision: revgraph.precision)
+        self.losses: list[float] = []  # one per step, in order (the global batch's loss when distributed)
+        self.resumed: str | None = None  # set by fit when it resumed from a checkpoint: where from
+        self.comm = None
+        if distributed:
+            from .distributed.data_parallel import Collective, DistributedEngine, threads_per_process
+
+            self.comm = Collective(self.device, timeout)
+            threads = threads or threads_per_process()
+            problem = refused_combination(shard, sync_batchnorm, reduce_dtype, 1, buffers,
+                                          precision=precision.kind, world_size=self.comm.world_size)
+            if problem:
+                raise InputError(problem)
+        # auto: overlap on GPUs, where NCCL moves the bytes beside the compute; not on the CPU, where gloo's
+        # thread sums and copies on the cores the next segment needs (measured slower: docs/benchmarks.md)
+        overlap = self.device.kind == "cuda" if overlap == "auto" else bool(overlap)
+        synced = None
+        if sync_batchnorm and self.comm and self.comm.world_size > 1:
+            from .distributed.sync_batchnorm import synchronized
+
+            original, model, synced = synchronized(model)  # BatchNormalization around all-reduce placeholders
+        optimizer = configure(make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer,
+                              schedule=schedule, clip_grad_norm=clip_grad_norm, no_decay=no_decay)
+        self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
+                                                  checkpoint=checkpoint, memory=memory, loss_seed=bool(synced),
+                                                  loss_options=loss_options, precision=precision, freeze=freeze)
+        check_combination(precision, self.device.kind, self.spec.graph)
+        if self.comm:
+            o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights
+            self.comm.check_same({"loss": self.spec.loss.settings, "model output": self.spec.loss.output,
+                                  **run_record.rank_settings(self.spec), "optimizer": o.kind, "lr": o.lr,
+                                  "momentum": o.momentum, "betas": list(o.betas), "eps": o.eps,
+                                  "weight decay": o.weight_decay, "trained parameters": self.spec.params,
+                                  "buffers": buffers, "shard": shard, "sync batchnorm": bool(sync_batchnorm),
+                                  # other buckets or dtypes on some rank would pair collectives of different sizes
+                                  "bucket MiB": float(bucket_mb), "reduce dtype": reduce_dtype, "overlap": overlap,
+                                  "precision": str(precision)},
+                                 "training settings", "give every rank the same loss, optimizer and hyperparameters "
+                                 "(--loss, --optimizer, --lr, --momentum, --weight-decay, --lr-schedule, "
+                                 "--clip-grad-norm...) and the same data-parallel "
+                                 "options (--buffers, --shard, --sync-batchnorm, --bucket-mb, --reduce-dtype, --overlap)")
+        exchange = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, overlap=overlap)
+        if synced and weighs_by_targets(self.spec.loss):
+            # a rank whose rows count no target is skipped (weight 0), and its rows would then be missing
+            # from the global batch statistics that synchronized BatchNormalization all-reduces
+            raise InputError("--sync-batchnorm (sync_batchnorm=) does not combine with a loss that counts targets "
+                             "(ignore_index, class weights, causal-lm): train without one of them")
+        if synced:
+            self.spec.model = original  # evaluation, prediction and export use the model as given
+            self.spec.inputs = list(original.input_names)  # (the rewrite's shifts are fed by the engine)
+            from .distributed.sync_batchnorm_engine import SyncBatchNormEngine
+
+            self._engine = SyncBatchNormEngine(self.spec, threads, self.device, self.comm, synced, self.runtime,
+                                               one_set=buffers == "one", **exchange)
+        elif self.comm and self.comm.world_size > 1 and shard != "none":
+            from .distributed.sharding import ShardedEngine
+            from .distributed.sync_batchnorm import running_statistics
+
+            if running_statistics(self.spec.model, self.spec.params):
+                raise InputError(f"--shard {shard} (shard=) is not available for a model with training-mode "
+                                 "BatchNormalization: train unsharded (with --sync-batchnorm)")
+            self._engine = ShardedEngine(self.spec, threads, self.device, self.comm, self.runtime, mode=shard,
+                                         bucket_bytes=cap, reduce_dtype=reduce_dtype)
+        elif self.comm and self.comm.world_size > 1:
+            from .distributed.sync_batchnorm_engine import engine_class
+
+            self._engine = engine_class(self.spec, DistributedEngine)(self.spec, threads, self.device, self.comm,
+                                                                      self.runtime, one_set=buffers == "one",
+                                                                      **exchange)
+        else:  # one process (also a world of one, where there is nothing to exchange or shard)
+            self._engine = make_engine(self.spec, threads, self.device, self.runtime, buffers)
+        if profile:
+            self._engine.times = StepTimes(timeline=profile == "timeline")
+        if self.comm:
+            self.comm.check_replicas(self.parameters, "initial parameters")
+        if self.world_size > 1 and self.is_main and not sync_batchnorm:
+            from .distributed.sync_batchnorm import warn_per_rank_statistics
+
+            warn_per_rank_statistics(self.spec.model, self.world_size)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 without ``distributed``)."""
+        return self.comm.rank if self.comm else 0
+
+    @property
+    def world_size(self) -> int:
+        """How many processes train together (1 without ``distributed``)."""
+        return self.comm.world_size if self.comm else 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the process that prints and writes files."""
+        return self.rank == 0
+
+    @property
+    def times(self) -> StepTimes | None:
+        """The per-phase timings of every step when built with ``profile`` (:class:`revgraph.steptimes.StepTimes`)."""
+        return self._engine.times
+
+    @property
+    def steps(self) -> int:
+        """How many optimizer steps have been taken."""
+        return self._engine.steps
+
+    @property
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The current parameters (copies), by initializer name."""
+        return self._engine.read(self.spec.params)
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """The current optimizer state (copies), by state input name (``<param>.momentum``, ``.m``, ``.v``).
+        Sharded (``shard=``), the whole state is gathered from every rank: a collective, read it on every rank."""
+        return self._engine.read([s for p in self.spec.params for s in self.spec.state[p]])
+
+    # ------------------------------------------------------------------------------------------ data
+
+    def arrays(self, data: Data, static: Mapping[str, np.ndarray] | None = None) -> datasets.Dataset:
+        """``data`` and ``static`` checked against the training graph (:func:`revgraph.data.prepare`): a
+        :class:`revgraph.data.Dataset`. Raises :class:`InputError` (one line) for missing arrays, different
+        lengths, a static array that does not match its input, or labels that do not fit the loss."""
+        return datasets.prepare(self.spec, data, static, self._classes())
+
+    @property
+    def fixed_batch(self) -> int | None:
+        """The batch size the model's inputs declare as a static first dimension (models exported with a
+        fixed batch), or ``None`` when it is symbolic."""
+        dims = [v.shape[0] for v in self.spec.model.inputs if v.shape and isinstance(v.shape[0], int)]
+        return dims[0] if dims else None
+
+    def _check_fixed_batch(self, batch_size: int, n: int, d: int | None) -> None:
+        w = self.world_size
+        if d is not None and (batch_size != d or n % (d * w)):
+            each = f" on each of {w} processes" if w > 1 else ""
+            raise InputError(f"the model's inputs have a fixed first dimension {d}: train with batch size {d}{each} "
+                             f"(--batch-size {d}) on a multiple of {d * w} samples (got batch size {batch_size}, "
+                             f"{n} samples)")
+
+    def _classes(self) -> int | None:
+        """The number of classes (the logits' last dimension) when it is static."""
+        vi = next((v for v in self.spec.model.outputs if v.name == self.spec.loss.output), None)
+        d = vi.shape[-1] if vi is not None and vi.shape else None
+        return d if isinstance(d, int) else None
+
+    def _feeds(self, ds: datasets.Dataset, rows) -> dict[str, np.ndarray]:
+        return ds.feeds(rows)
+
+    # ------------------------------------------------------------------------------------------ training
+
+    def step(self, batch: Data, static: Mapping[str, np.ndarray] | None = None) -> float:
+        """One optimizer step on ``batch`` (all of it; with ``distributed``, this rank's part of the global
+        batch, which is the union of every rank's ``batch``); returns the loss of the global batch before the
+        update."""
+        if self.spec.total and not int(self._engine.read([self.spec.total])[self.spec.total]):
+            raise InputError(f"the {self.spec.optimizer.schedule.kind} schedule needs its total steps: give "
+                             "Schedule(total_steps=N), or train with fit(), which counts them")
+        ds = self.arrays(batch, static)
+        feeds, count = ds.feeds(slice(None)), ds.weight(slice(None))
+        total = self.comm.sum([count])[0] if self.comm else count
+        if not total:  # no counted target anywhere: the loss is 0 with zero gradient, weigh by samples
+            count = ds.n
+            total = self.comm.sum([count])[0] if self.comm else count
+        return self._step(feeds, count, total)
+
+    def _step(self, feeds: dict[str, np.ndarray], count: int, total: int, **how) -> float:
+        loss = self._engine.step(feeds, count, total, **how)
+        self.losses.append(loss)
+        return loss
+
+    @V.arguments(**FIT_RULES)
+    def fit(self, data: Data, epochs: int = 1, batch_size: int = 32, *, shuffle: bool = True, seed: int = 0,
+            progress: bool = True, console=None, description: str = "training",
+            checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
+            nonfinite: str = "stop", accumulate_steps: int = 1,
+            static: Mapping[str, np.ndarray] | None = None, override=()) -> list[float]:
+        """Train for ``epochs`` passes over ``data`` in batches of ``batch_size`` per process (module doc: the
+        global batch is ``batch_size * world_size``; the last batch of an epoch may be smaller).
+        ``accumulate_steps`` ``K``: each optimizer step runs forward and backward on ``K`` micro-batches, sums
+        their gradients (weighted by sample counts) and exchanges and updates once (module doc: the step equals
+        one step with ``batch_size * K``, in the same data order). ``shuffle``:
+        each epoch visits the samples in the order of ``numpy.random.default_rng(seed + epoch).permutation(n)``
+        (epochs counted from 0 per call), else in order. ``progress`` shows a rich progress bar (on rank 0)
+        with the loss and the throughput (samples/s over all ranks) on ``console`` (a ``rich.console.Console``).
+
+        ``checkpoint_dir``: rank 0 saves the parameters, optimizer state, step and data position there
+        (:mod:`revgraph.checkpoints`) every ``checkpoint_every`` steps (0: at the end of each epoch) and at
+        the end; and when the directory already holds a checkpoint of this run, training resumes from it
+        (on every rank; only rank 0 reads the file), so a restarted run reaches the weights of an
+        uninterrupted one. It resumes at any world size whose global batch (``batch_size * world_size``)
+        equals the checkpoint's, sharded or not (the data order and the steps are the same; elastic resume).
+        A checkpoint records every hyperparameter (:mod:`revgraph.run_record`); resuming with another value of
+        one is refused unless ``override`` names it (a list of recorded names: ``"lr"``, ``"weight_decay"``,
+        ``"lr_schedule"``, ``"total_steps"``...), which trains on with the new value and says so.
+        A linear or cosine schedule without ``total_steps`` decays over the steps of this call:
+        ``epochs * ceil(samples / (batch_size * world_size * accumulate_steps))``, counted by the trainer's step
+        counter from its first step (a second ``fit`` on the same trainer continues past the end, at ``min_lr``,
+        unless ``Schedule(total_steps=)`` plans for both).
+
+        ``nonfinite="stop"`` (the default) stops at the first step whose loss is NaN or infinite, and at the end
+        when the last update left a parameter NaN or infinite, raising :class:`NonFiniteError` that names the
+        step; the trainer keeps the parameters and state from before that step (nothing of it is checkpointed).
+        ``"continue"`` trains on regardless. Returns the mean loss of each epoch. Raises :class:`InputError`
+        for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run or a damaged or edited one
+        (every field is checked before a step: :mod:`revgraph.snapshot_checks`). ``data`` may be a directory
+        of ``.npy`` files (memory-mapped); ``static`` maps inputs to arrays fed whole to every step
+        (:mod:`revgraph.data`). A loss that is a mean over counted targets (``ignore_index``, class weights) weighs
+        each micro-batch and rank by its counted targets, so a step is the mean over the global batch's.
+
+        With ``distributed``, every argument (and whether ``checkpoint_dir`` is given) and the data are compared
+        across ranks before the first step, and a rank that refuses its data makes every rank stop with one line.
+        A deterministic failure (any :class:`RevgraphError` but a failed collective) is recorded for torchrun's
+        ``--max-restarts``, and a restarted attempt stops at once with the same message
+        (:func:`revgraph.launch.recorded_failure`).
+        """
+        try:
+            return self._fit(data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
+                             checkpoint_every, nonfinite, accumulate_steps, static, override)
+        except RevgraphError as exc:
+            from .distributed.data_parallel import CollectiveError
+
+            if self.comm and not isinstance(exc, CollectiveError):  # deterministic: a restart would fail again
+                from .distributed.launch import record_failure
+
+                record_failure(str(exc), self.rank, checkpoint_dir)
+            raise
+
+    def _fit(self, data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
+             checkpoint_every, nonfinite, accumulate_steps, static=None, override=()) -> list[float]:
+        if self.comm:  # an earlier attempt of this torchrun run failed deterministically: fail alike, at once
+            from .distributed.launch import recorded_failure
+
+            recorded_failure(self.comm, checkpoint_dir)
+        try:
+            if nonfinite not in ("stop", "continue"):
+                raise InputError(f"nonfinite must be 'stop' or 'continue', got {nonfinite!r}")
+            if epochs < 1 or batch_size < 1 or checkpoint_every < 0:
+                raise InputError(f"epochs and batch size must be positive and checkpoint_every >= 0, got {epochs}, "
+                                 f"{batch_size} and {checkpoint_every}")
+            if not isinstance(accumulate_steps, int | np.integer) or accumulate_steps < 1:
+                raise InputError("accumulate_steps (--accumulate-steps) must be a positive integer, got "
+                                 f"{accumulate_steps!r}")
+            accumulate = int(accumulate_steps)
+            problem = refused_combination(*self._options[:2], "fp32", accumulate, self._options[2])
+            if problem:
+                raise InputError(problem)
+            arrays = self.arrays(data, static)
+            n = arrays.n
+            if n == 0:
+                raise InputError("the training data holds no samples")
+            self._check_fixed_batch(batch_size, n, arrays.fixed_batch())
+            refused = None
+        except InputError as exc:
+            if not self.comm:
+                raise
+            refused = str(exc)
+        rank, world = self.rank, self.world_size
+        if self.comm:  # different data or arguments on some rank would deadlock or train wrongly: refuse
+            self.comm.refuse_together(refused, "its data or fit arguments")
+            self.comm.check_same({"epochs": epochs, "batch size": batch_size, "shuffle": bool(shuffle), "seed": seed,
+                                  "checkpoint interval": checkpoint_every, "nonfinite": nonfinite,
+                                  "accumulate steps": accumulate_steps,
+                                  "checkpoint directory given": checkpoint_dir is not None}, "fit arguments",
+                                 "give every rank the same epochs, batch size, seed, shuffling, checkpoint interval "
+                                 "and nonfinite mode (--allow-nonfinite), and a --checkpoint-dir on every rank or none")
+            args = np.array([epochs, batch_size, shuffle, seed, checkpoint_every, accumulate], np.int64)
+            self.comm.check_replicas({**arrays.hashed(), "fit arguments": args}, "training data or fit arguments",
+                                     "give every rank the same data and the same epochs, batch size, seed, "
+                                     "accumulation and checkpoint interval")
+        micro = batch_size * world  # a global micro-batch; a step takes `accumulate` of them
+        group = micro * accumulate
+        per_epoch = -(-n // group)
+        run = {"batch_size": batch_size, "world_size": world, "seed": seed, "shuffle": shuffle, "samples": n,
+               "accumulate_steps": accumulate}
+        schedule, stop = self.spec.optimizer.schedule, nonfinite == "stop"
+        total_steps = (schedule.total_steps or epochs * per_epoch) if self.spec.total else None
+        if schedule is not None and schedule.warmup_steps > (total_steps or epochs * per_epoch) and self.is_main:
+            run_record.note(console, f"warning: the warmup ({schedule.warmup_steps} steps, --warmup-steps) is longer "
+                                     f"than the run ({total_steps or epochs * per_epoch} steps): the peak learning rate is "
+                                     "never reached")
+        pos = run_record.resume(self, checkpoint_dir, run, total_steps, override, console, epochs=epochs,
+                                finite=stop) if checkpoint_dir is not None else run_record.Position()
+        run_record.set_total(self, total_steps)
+        bar = Bar(progress and self.is_main, console, description, epochs * per_epoch,
+                   done=min(pos.epoch * per_epoch + pos.batch, epochs * per_epoch))
+        stepped = False
+        with bar:
+            seen, started = 0, time.perf_counter()
+            while pos.epoch < epochs:
+                order = epoch_order(n, shuffle, seed + pos.epoch)
+                while pos.batch < per_epoch:
+                    chunk = order[pos.batch * group:(pos.batch + 1) * group]
+                    # with "stop", a step with a non-finite loss is not applied, and the last step keeps the
+                    # values from before it (the check of the parameters below may have to return to them)
+                    last = pos.epoch == epochs - 1 and pos.batch == per_epoch - 1
+                    how = dict(accept=_finite if stop else None, keep_previous=stop and last)
+                    # each share weighs by what its loss is a mean over (samples, or counted targets)
+                    total = arrays.weight(chunk)
+                    size = arrays.weight if total else len  # (nothing counted: the loss is 0, zero gradient)
+                    total = total or len(chunk)
+                    if accumulate == 1:
+                        rows = shard(chunk, rank, world)
+                        loss = self._step(self._feeds(arrays, rows), size(rows), total, **how)
+                    else:  # K global micro-batches of `micro` samples, each dealt over the ranks
+                        parts = [shard(chunk[j:j + micro], rank, world) for j in range(0, len(chunk), micro)]
+                        feeds = [(self._feeds(arrays, r), size(r)) for r in parts]
+                        loss = self._step(feeds, sum(c for _, c in feeds), total, **how)
+                    stepped = True
+                    if stop and not np.isfinite(loss):
+                        self._reject_step(f"the loss is {loss}", pos.epoch, pos.batch, applied=False)
+                    pos.total += loss * len(chunk)
+                    pos.batch += 1
+                    seen += len(chunk)
+                    rate = seen / max(time.perf_counter() - started, 1e-9)
+                    bar.advance(f"{description} epoch {pos.epoch + 1}/{epochs}", loss, rate)
+                    ended = pos.batch == per_epoch
+                    if ended:
+                        pos.means.append(pos.total / n)
+                        pos.epoch, pos.batch, pos.total = pos.epoch + 1, 0, 0.0
+                    if checkpoint_dir is not None and (
+                            (self.steps % checkpoint_every == 0 if checkpoint_every else ended) or pos.epoch == epochs):
+                        run_record.save(self, checkpoint_dir, run, pos, total_steps)
+                    if ended:
+                        break
+        final = self.parameters
+        if stop and stepped and not all(np.isfinite(a).all() for a in final.values()):
+            bad = next(p for p, a in final.items() if not np.isfinite(a).all())
+            self._reject_step(f"parameter {bad!r} became NaN or infinite", pos.epoch - 1, per_epoch - 1)
+        self._engine.release()  # the values from before the last step are no longer needed
+        if self.comm:  # (a sharded engine's state is gathered, the same on every rank: reading it would only
+            # make every rank hold the whole state, which sharding avoids)
+            state = {} if getattr(self._engine, "gathers", False) else self.state
+            self.comm.check_replicas({**final, **state}, "parameters or optimizer state")
+        return list(pos.means)
+
+    def _reject_step(self, what: str, epoch: int, batch: int, applied: bool = True) -> None:
+        """Undo the last step (unless it was not ``applied``) and raise :class:`NonFiniteError` naming it (every
+        rank sees the same global loss and parameters, so every rank stops at the same step)."""
+        step = self.steps + (0 if applied else 1)
+        if applied:
+            self._engine.undo()
+        self.losses.pop()
+        raise NonFiniteError(f"{what} at step {step} (epoch {epoch + 1}, batch {batch + 1}); the trainer keeps the "
+                             "parameters from before it: lower the learning rate or look for NaN or infinite values "
+                             "in the data (--allow-nonfinite, or fit(nonfinite='continue'), trains on regardless)")
+
+    @V.arguments(batch_size=V.POSITIVE_INT)  # (data, static: revgraph.data)
+    def evaluate(self, data: Data, batch_size: int = 512,
+                 static: Mapping[str, np.ndarray] | None = None) -> dict[str, float | None]:
+        """The mean loss over ``data`` with the current parameters (over the counted targets for a loss with
+        ``ignore_index`` or class weights; the mean of the model's own loss output for ``output:NAME``), and the
+        accuracy for classification: ``argmax(logits) == label`` for cross-entropy (the next token for
+        causal-lm), ``(logit > 0) == (label > 0.5)`` for bce, ``None`` for mse and ``output:NAME``, and
+        ``None`` too when any output is NaN or infinite (``nonfinite`` counts those outputs). With
+        ``distributed``, each rank evaluates its share and the sums are all-reduced. Returns
+        ``{"loss": float, "accuracy": float | None, "samples": int, "nonfinite": int}``."""
+        arrays = self.arrays(data, static)
+        n = arrays.n
+        fixed = arrays.fixed_batch()
+        batch_size = fixed or batch_size
+        if fixed:
+            self._check_fixed_batch(batch_size, n, fixed)
+        mine = shard(np.arange(n), self.rank, self.world_size)
+        sums = np.zeros(5)  # loss * weight, weight, correct answers, answers, non-finite outputs
+        for start in range(0, len(mine), batch_size):
+            rows = mine[start:start + batch_size]
+            feeds = self._feeds(arrays, rows)
+            loss, out = self._engine.evaluate(feeds)
+            sums += datasets.score(self.spec, feeds, loss, out, arrays.weight(rows))
+        if self.comm:
+            sums = self.comm.sum(sums)
+        # an argmax or sign of NaN outputs is no answer: no accuracy is computed from them
+        accuracy = None if self.spec.loss.kind in ("mse", "output") or sums[4] else sums[2] / max(sums[3], 1)
+        return {"loss": sums[0] / sums[1] if sums[1] else 0.0, "accuracy": accuracy, "samples": n,
+                "nonfinite": int(sums[4])}
+
+    @V.arguments(inputs=V.FEEDS, static=V.STATIC)
+    def predict(self, inputs: Mapping[str, np.ndarray] | np.ndarray,
+                static: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+        """The model output the loss reads, for ``inputs`` (an array for a one-input model, or arrays by
+        input name), with the current parameters; training-mode ``BatchNormalization`` normalizes with its
+        running statistics, as in :meth:`evaluate`; ``static`` inputs are fed as given. Raises :class:`RevgraphError` if onnxruntime fails."""
+        from ..runtime import Session
+        from .distributed.sync_batchnorm import inference_batchnorms
+
+        static = dict(static or {})
+        if not isinstance(inputs, Mapping):
+            inputs = {next(n for n in self.spec.inputs if n not in static): inputs}
+        inputs = {**inputs, **static}
+        model = self.spec.model.copy()
+        inference_batchnorms(model)
+        model.initializers.update(self.parameters)
+        types = {v.name: v.dtype for v in model.inputs}
+        feeds = {k: np.asarray(v).astype(types.get(k), copy=False) for k, v in inputs.items()}
+        return Session(model, device=self.device).run(feeds, [self.spec.loss.output])[self.spec.loss.output]
+
+    # ------------------------------------------------------------------------------------------ output
+
+    @V.arguments(path=V.PATH)
+    def export(self, path: str | os.PathLike) -> Graph:
+        """Write the inference model with the current parameters as its initializers; return that graph."""
+        model = self.spec.model.copy()
+        model.initializers.update(self.parameters)
+        save(model, path)
+        return model
+
+    @V.arguments(path=V.PATH)
+    def save_training_graph(self, path: str | os.PathLike) -> None:
+        """Write the training-step graph (module doc of :mod:`revgraph.train`), with no initial values."""
+        save(self.spec.graph, path)
+
+
+def _finite(loss: float) -> bool:
+    return bool(np.isfinite(loss))
+
+
+def epoch_order(n: int, shuffle: bool, seed: int) -> np.ndarray:
+    """The order in which an epoch visits ``n`` samples: ``default_rng(seed).permutation(n)``, or ``arange(n)``."""
+    return np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
+
+
+def shard(rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """Rank ``rank``'s share of ``rows``: every ``world_size``-th entry from position ``rank`` (how
+    ``torch.utils.data.DistributedSampler`` deals an epoch, batch by batch). The shares of all ranks together
+    are ``rows``, each exactly once; their sizes differ by at most one."""
+    return rows[rank::world_size]
+
+
