@@ -200,3 +200,23 @@ def test_lazy_cotangents_are_emitted_only_where_needed():
     assert set(grads) >= {"w", "y", "loss"} and "x" not in grads
     reads = {i for n in nodes for i in n.inputs}
     assert "x" in reads and "w" not in reads  # w's cotangent reads x; x's would read w
+
+
+def test_the_import_paths_of_moved_modules_still_work():
+    # README's paths (revgraph.lora, revgraph.schedules, revgraph.viz, ...) and every other module that moved into
+    # a layer package: the same module object, its own spec kept (no ImportWarning from relative imports later)
+    import importlib
+    import warnings
+
+    from revgraph._moved import MOVED
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for old, new in MOVED.items():
+            module = importlib.import_module(f"revgraph.{old}")
+            assert module is importlib.import_module(f"revgraph.{new}")
+            assert module.__spec__.name == f"revgraph.{new}" and module.__name__ == f"revgraph.{new}"
+    from revgraph.lora import add_adapters  # noqa: F401
+    from revgraph.schedules import SCHEDULES  # noqa: F401
+    from revgraph.train import adamw, loss_graph, split_step, training_graph  # noqa: F401
+    from revgraph.viz import show, to_dot  # noqa: F401

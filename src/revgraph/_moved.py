@@ -46,10 +46,15 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        return importlib.import_module("revgraph." + MOVED[spec.name.partition(".")[2]])
+        module = importlib.import_module("revgraph." + MOVED[spec.name.partition(".")[2]])
+        spec.loader_state = module.__spec__  # its own spec, given back by exec_module
+        return module
 
     def exec_module(self, module):
-        pass  # imported at its new place already
+        # imported at its new place already; the import system has set the alias's spec on it, whose parent
+        # ("revgraph") is not the module's package: give it its own spec back (relative imports in its functions
+        # compare the two)
+        module.__spec__ = module.__spec__.loader_state
 
 
 def install() -> None:
