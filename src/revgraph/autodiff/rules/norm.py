@@ -30,21 +30,8 @@ from ...ir import Node, ValueInfo
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from ._common import f32_attr, optional_input, padded
 from .tables import filled
-
-
-def _attr(node: Node, name: str, default: float) -> float:
-    """A float attribute as the runtimes see it (ONNX float attributes are 32-bit)."""
-    return float(np.float32(node.attrs.get(name, default)))
-
-
-def _opt(node: Node, i: int) -> str | None:
-    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
-
-
-def _pad(values: list, n: int) -> list:
-    """``values`` cut or padded with ``None`` to length ``n`` (optional outputs and inputs)."""
-    return (list(values) + [None] * n)[:n]
 
 
 def _work(e: Emitter, node: Node, x: str) -> str:
@@ -166,13 +153,13 @@ def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """Standardization over ``[axis, rank)`` then ``Y = zh * Scale + B`` (ONNX "LayerNormalization");
     ``Scale`` and ``B`` broadcast unidirectionally, so their gradients are summed back with ``reduce_to``.
     The optional ``Mean`` and ``InvStdDev`` outputs carry gradients to ``X`` too."""
-    e, (x, scale), bias = ctx.e, node.inputs[:2], _opt(node, 2)
-    gy, g_mean, g_inv = _pad(cts, 3)
+    e, (x, scale), bias = ctx.e, node.inputs[:2], optional_input(node, 2)
+    gy, g_mean, g_inv = padded(cts, 3)
     axes = _trailing(e, node, x)
 
     @cache
     def st() -> Stats:
-        s = Stats(e, _work(e, node, x), axes, _attr(node, "epsilon", 1e-5))
+        s = Stats(e, _work(e, node, x), axes, f32_attr(node, "epsilon", 1e-5))
         _fused_stats(e, node, s)
         return s
 
@@ -185,7 +172,7 @@ def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
         return e.reduce_to(e.op("Mul", [gy, _back(e, st().zh, x)], like=x), scale)
 
     affine = [] if gy is None else [dscale, None if bias is None else lambda: e.reduce_to(gy, bias)]
-    return _pad([dx, *affine], len(node.inputs))
+    return padded([dx, *affine], len(node.inputs))
 
 
 @vjp("RMSNormalization")
@@ -212,7 +199,7 @@ def rms_norm(ctx: Ctx, node: Node, cts: list) -> list:
     @cache
     def inv() -> str:
         ms = e.op("ReduceMean", [e.op("Mul", [z(), z()], like=z()), axes_v()], keepdims=1)
-        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [ms, e.scalar(_attr(node, "epsilon", 1e-5), z())])])])
+        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [ms, e.scalar(f32_attr(node, "epsilon", 1e-5), z())])])])
 
     @cache
     def zh() -> str:
@@ -328,12 +315,12 @@ def batch_norm(ctx: Ctx, node: Node, cts: list) -> list:
     the batch's own (population variance over every axis but 1), and ``running_mean = mean m + mu (1 - m)``,
     ``running_var = var m + sigma^2 (1 - m)`` with ``m`` the momentum carry gradients to X, input_mean and
     input_var as those formulas say. Everything is computed in X's dtype and cast back per input."""
-    e, rank, eps = ctx.e, ctx.e.need_rank(node.inputs[0], node), _attr(node, "epsilon", 1e-5)
+    e, rank, eps = ctx.e, ctx.e.need_rank(node.inputs[0], node), f32_attr(node, "epsilon", 1e-5)
     if node.attrs.get("training_mode", 0):
-        grads = _batch_norm_training(e, node, _pad(cts, 3), rank, eps)
+        grads = _batch_norm_training(e, node, padded(cts, 3), rank, eps)
     else:
         grads = [] if cts[0] is None else _batch_norm_inference(e, node, cts[0], rank, eps)
-    return _pad(grads, len(node.inputs))
+    return padded(grads, len(node.inputs))
 
 
 def _batch_norm_inference(e: Emitter, node: Node, gy: str, rank: int, eps: float) -> list:
@@ -368,7 +355,7 @@ def _batch_norm_inference(e: Emitter, node: Node, gy: str, rank: int, eps: float
 def _batch_norm_training(e: Emitter, node: Node, cts: list, rank: int, eps: float) -> list:
     """The cotangents of the five inputs for ``training_mode=1``, from those of ``Y`` and the running statistics."""
     (x, scale, bias, mean, var), (gy, g_rmean, g_rvar) = node.inputs[:5], cts
-    momentum = _attr(node, "momentum", 0.9)
+    momentum = f32_attr(node, "momentum", 0.9)
     if gy is not None and g_rmean is None and g_rvar is None:
         dims, dt = e.dims(x), e.dtype(x)
         if dims is not None and all(isinstance(v, int) and v > 0 for v in dims) and dt in (np.float32, np.float64) \
@@ -494,7 +481,7 @@ def instance_norm(ctx: Ctx, node: Node, cts: list) -> list:
 
     @cache
     def st() -> Stats:
-        return Stats(e, x, list(range(2, rank)), _attr(node, "epsilon", 1e-5))
+        return Stats(e, x, list(range(2, rank)), f32_attr(node, "epsilon", 1e-5))
 
     return [lambda: st().vjp(e.op("Mul", [gy, _per_channel(e, scale, rank)], like=x)),
             *_affine(e, node, gy, lambda: e.op("Mul", [gy, st().zh]), rank)]
@@ -512,7 +499,7 @@ def group_norm(ctx: Ctx, node: Node, cts: list) -> list:
 
     @cache
     def st() -> Stats:
-        return Stats(e, e.op("Reshape", [_work(e, node, x), e.ints(groups)]), [2], _attr(node, "epsilon", 1e-5))
+        return Stats(e, e.op("Reshape", [_work(e, node, x), e.ints(groups)]), [2], f32_attr(node, "epsilon", 1e-5))
 
     @cache
     def xshape() -> str:
