@@ -27,6 +27,7 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node, ValueInfo
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
@@ -189,30 +190,23 @@ def rms_norm(ctx: Ctx, node: Node, cts: list) -> list:
     axes = _trailing(e, node, x)
 
     @cache
-    def z() -> str:
-        return _work(e, node, x)
+    def z() -> Val:
+        return ctx.val(_work(e, node, x))
 
     @cache
-    def axes_v() -> str:
-        return e.ints(axes)
+    def inv() -> Val:  # r = (mean(X^2) + eps)^(-1/2)
+        return ((z() * z()).mean(axes) + f32_attr(node, "epsilon", 1e-5)).sqrt().reciprocal()
 
     @cache
-    def inv() -> str:
-        ms = e.op("ReduceMean", [e.op("Mul", [z(), z()], like=z()), axes_v()], keepdims=1)
-        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [ms, e.scalar(f32_attr(node, "epsilon", 1e-5), z())])])])
-
-    @cache
-    def zh() -> str:
-        return e.op("Mul", [z(), inv()], like=z())
+    def zh() -> Val:
+        return z() * inv()
 
     def dx() -> str:
-        h = _back(e, e.op("Mul", [gy, scale], like=gy), z())
-        m = e.op("ReduceMean", [e.op("Mul", [h, zh()], like=z()), axes_v()], keepdims=1)
-        d = e.op("Mul", [inv(), e.op("Sub", [h, e.op("Mul", [zh(), m], like=z())], like=z())], like=z())
-        return _back(e, d, x)
+        h = ctx.val(_back(e, e.op("Mul", [gy, scale], like=gy), z().name))
+        return _back(e, (inv() * (h - zh() * (h * zh()).mean(axes))).name, x)
 
     def dscale() -> str:
-        return e.reduce_to(e.op("Mul", [gy, _back(e, zh(), gy)], like=gy), scale)
+        return e.reduce_to(e.op("Mul", [gy, _back(e, zh().name, gy)], like=gy), scale)
 
     return [dx, dscale]
 
@@ -233,16 +227,14 @@ def lp_norm(ctx: Ctx, node: Node, cts: list) -> list:
     if rank is not None and not -rank <= axis < rank:
         raise GraphError(f"{node.label()}: axis {axis} is out of range for rank {rank}")
 
-    def dx() -> str:
-        axes = e.ints([axis])
-        n = e.op("ReduceL2" if p == 2 else "ReduceL1", [x, axes], keepdims=1)
-        zero = e.op("Equal", [n, e.scalar(0.0, x)])
-        safe = e.op("Where", [zero, e.scalar(1.0, x), n])
-        y = e.op("Div", [x, safe], like=x)  # 0 on zero vectors, as the forward
-        total = e.op("ReduceSum", [e.op("Mul", [g, y], like=x), axes], keepdims=1)
-        t = y if p == 2 else e.op("Sign", [x], like=x)
-        d = e.op("Div", [e.op("Sub", [g, e.op("Mul", [t, total], like=x)], like=x), safe], like=x)
-        return e.op("Where", [zero, e.scalar(0.0, x), d], like=x)
+    def dx() -> Val:
+        xv, gv = ctx.vals(x, g)
+        n = xv.apply("ReduceL2" if p == 2 else "ReduceL1", e.ints([axis]), like=None, keepdims=1)
+        zero = n.eq(0)
+        safe = where(zero, 1, n, like=None)
+        y = xv / safe  # 0 on zero vectors, as the forward
+        t = y if p == 2 else xv.sign()
+        return where(zero, 0, (gv - t * (gv * y).sum([axis])) / safe, like=x)
 
     return [dx]
 
@@ -265,19 +257,14 @@ def mean_variance_norm(ctx: Ctx, node: Node, cts: list) -> list:
         raise GraphError(f"{node.label()}: axes {axes} are out of range for rank {rank}")
     axes = sorted({a % rank for a in axes})
 
-    def dx() -> str:
-        av = e.ints(axes)
-        zero = e.scalar(0.0, x)
-        c = e.op("Sub", [x, e.op("ReduceMean", [x, av], keepdims=1)], like=x)
-        s = e.op("Sqrt", [e.op("ReduceMean", [e.op("Mul", [c, c], like=x), av], keepdims=1)])
-        d = e.op("Add", [s, e.scalar(MVN_EPSILON, x)])
-        flat = e.op("Equal", [s, zero])
-        safe = e.op("Where", [flat, e.scalar(1.0, x), s])
-        mgc = e.op("ReduceMean", [e.op("Mul", [g, c], like=x), av], keepdims=1)
-        k = e.op("Div", [mgc, e.op("Mul", [safe, e.op("Mul", [d, d])])])
-        k = e.op("Where", [flat, zero, k])
-        centred = e.op("Sub", [g, e.op("ReduceMean", [g, av], keepdims=1)], like=x)
-        return e.op("Sub", [e.op("Div", [centred, d], like=x), e.op("Mul", [c, k], like=x)], like=x)
+    def dx() -> Val:
+        xv, gv = ctx.vals(x, g)
+        c = xv - xv.mean(axes)
+        s = (c * c).mean(axes).sqrt()
+        d = s + MVN_EPSILON
+        flat = s.eq(0)
+        k = where(flat, 0, (gv * c).mean(axes) / (where(flat, 1, s, like=None) * (d * d)), like=None)
+        return (gv - gv.mean(axes)) / d - c * k
 
     return [dx]
 
