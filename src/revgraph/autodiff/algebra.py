@@ -281,6 +281,10 @@ class Val:
         """``ReduceMean`` over ``axes`` (as :meth:`sum`)."""
         return self._reduce("ReduceMean", axes, keepdims, **attrs)
 
+    def max(self, axes: Sequence[int] | Val | str | None = None, keepdims: int = 1, **attrs: Any) -> Val:
+        """``ReduceMax`` over ``axes`` (as :meth:`sum`)."""
+        return self._reduce("ReduceMax", axes, keepdims, **attrs)
+
     def _reduce(self, op: str, axes: Any, keepdims: int, **attrs: Any) -> Val:
         e = self.ctx.e
         ins = [self.name]

@@ -1,5 +1,5 @@
 """VJP of the attention operator of opsets 23-26 (ONNX operator spec, "Attention" 23/24/25). The rotary
-position embedding, "RotaryEmbedding" 23, is in :mod:`.rotary` (which imports :func:`_opt` from here).
+position embedding, "RotaryEmbedding" 23, is in :mod:`.rotary`.
 
 **Attention.** ``Y = P V`` with ``P = softmax(bias + cap(scale Q K^T))`` per head, ``cap(x) = c tanh(x / c)``
 when ``softcap = c > 0``. The backward pass is the standard one of FlashAttention-2 (Dao, 2023,
@@ -50,15 +50,11 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
-from .indexing import _dim
+from ._common import dim, optional_input
 
 _CANON = "bhld"  # [batch, heads, sequence, features]: the 4-D layout of the spec
 _SPLIT = "blhd"  # a 3-D input [B, L, H*D] reshaped to [B, L, H, D]
 _NEG_INF = -np.inf
-
-
-def _opt(node: Node, i: int) -> str | None:
-    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
 
 
 def _perm(src: str, dst: str) -> list[int]:
@@ -77,7 +73,7 @@ class _Attention:
         e = self.e = ctx.e
         self.node = node
         self.q, self.k, self.v = node.inputs[:3]
-        self.mask, self.past_k, self.past_v, self.nonpad = (_opt(node, i) for i in range(3, 7))
+        self.mask, self.past_k, self.past_v, self.nonpad = (optional_input(node, i) for i in range(3, 7))
         self.gy, self.gpk, self.gpv, self.gqk = (list(cts) + [None] * 4)[:4]
         self.y = node.outputs[0]
         outs = list(node.outputs) + [""] * 4
@@ -202,7 +198,7 @@ class _Attention:
 
     def _len(self, x: str, axis: int) -> str:
         """Dimension ``axis`` of ``x`` as an int64 scalar."""
-        return _dim(self.e, x, axis)
+        return dim(self.e, x, axis)
 
     @cached_property
     def q_len(self) -> str:

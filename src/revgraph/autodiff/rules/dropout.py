@@ -6,16 +6,16 @@ through.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import cache
 
 import numpy as np
 
 from ...ir import Node, ValueInfo
+from ..algebra import Val, where
 from ..context import Ctx, ForwardPatch, PatchedVJP
 from ..emitter import Emitter
 from ..registry import vjp
-from .norm import _opt, _pad
+from ._common import optional_input, padded
 
 
 def _mask(e: Emitter, node: Node, patch: ForwardPatch) -> str:
@@ -44,52 +44,42 @@ def dropout(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
     n = len(node.inputs)
     if g is None:
         return [None] * n
-    training, ratio = _opt(node, 2), _opt(node, 1)
+    training, ratio = optional_input(node, 2), optional_input(node, 1)
     mode = ctx.value(training) if training else np.asarray(False)
     if mode is not None and not bool(np.asarray(mode).reshape(-1)[0]):
-        return _pad([g], n)
+        return padded([g], n)
+    g = ctx.val(g)
+    run_time = None if mode is not None else ctx.val(training)  # training_mode known only at run time
 
     @cache
-    def scale() -> str:
+    def scale() -> Val:  # 1 / (1 - ratio); 1 where the run-time training_mode is false (the mask is all true)
         rv = ctx.value(ratio) if ratio else np.asarray(0.5)
         if rv is not None:
             r = float(np.asarray(rv).reshape(-1)[0])
-            s = e.scalar(1.0 / (1.0 - r) if r < 1.0 else 0.0, g)
+            s = ctx.val(e.scalar(1.0 / (1.0 - r) if r < 1.0 else 0.0, g.name))
         else:
-            one = e.scalar(1.0, g)
-            s = e.op("Div", [one, e.op("Sub", [one, e.op("CastLike", [ratio, g])])])
-        if mode is None:  # training_mode only known at run time: scale 1 when it is false (the mask is all true)
-            s = e.op("Where", [training, s, e.scalar(1.0, g)])
-        return s
+            s = 1 / (1 - ctx.val(ratio).cast_like(g))
+        return s if run_time is None else where(run_time, s, 1, like=None)
 
     rv = ctx.value(ratio) if ratio else np.asarray(0.5)
     if rv is not None and float(np.asarray(rv).reshape(-1)[0]) == 0.0:
         # ratio 0: the mask is all true and the scale 1 (``output = data``), so ``ddata = dy``: no mask pass and no
         # multiply (PyTorch's ``dropout`` returns its input for p = 0 too)
-        return _pad([g, _ratio_lazy(e, node, g, training if mode is None else None) if ratio else None], n)
+        one = lambda: ctx.val(e.scalar(1.0, g.name))
+        return padded([g, (lambda: _ratio_grad(ctx, node, g, one(), run_time)) if ratio else None], n)
 
     patch = ForwardPatch()
-
-    def dx() -> str:
-        return ctx.select(_mask(e, node, patch), e.op("Mul", [g, scale()], like=x), like=x)
-
-    def dratio() -> str:
-        return _ratio_grad(e, node, g, scale(), training if mode is None else None)
-
-    return PatchedVJP(_pad([dx, dratio if ratio else None], n), {}, patch)
+    return PatchedVJP(padded([lambda: (g * scale()).select(_mask(e, node, patch), like=x),
+                              (lambda: _ratio_grad(ctx, node, g, scale(), run_time)) if ratio else None], n),
+                      {}, patch)
 
 
-def _ratio_lazy(e: Emitter, node: Node, g: str, training: str | None) -> Callable[[], str]:
-    """The ratio's gradient at ratio 0 (scale 1), emitted only when asked for."""
-    return lambda: _ratio_grad(e, node, g, e.scalar(1.0, g), training)
-
-
-def _ratio_grad(e: Emitter, node: Node, g: str, scale: str, training: str | None) -> str:
+def _ratio_grad(ctx: Ctx, node: Node, g: Val, scale: Val, training: Val | None) -> Val:
     """``sum(g * output) * scale`` (``scale = 1 / (1 - ratio)``), in the ratio's dtype and shape; 0 where the
     run-time ``training`` flag is false (``output`` is ``data`` then, whatever the ratio)."""
     ratio, y = node.inputs[1], node.outputs[0]
-    total = e.op("Mul", [e.op("ReduceSum", [e.op("Mul", [g, y])], keepdims=0), scale])
+    total = (g * y).sum(keepdims=0) * scale
     if training is not None:
-        total = e.op("Where", [training, total, e.scalar(0.0, g)])
-    dr = e.op("CastLike", [total, ratio])
-    return dr if e.rank(ratio) == 0 else e.op("Reshape", [dr, e.shape_of(ratio)], like=ratio)
+        total = where(training, total, 0, like=None)
+    dr = total.cast_like(ratio)
+    return dr if ctx.e.rank(ratio) == 0 else dr.reshape(ctx.e.shape_of(ratio), like=ratio)

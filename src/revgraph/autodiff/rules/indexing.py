@@ -15,46 +15,15 @@ The transposes of GatherND go through :func:`~revgraph.autodiff.sparse.scatter_n
 from __future__ import annotations
 
 import numpy as np
-import onnx
 
 from ...ir import Node
+from ..algebra import Val
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 from ..sparse import SparseGrad, add_rows, scatter_nd_reduce
+from ._common import cat_shapes, dim, flat_indices, node_axis, nonneg, shape_part
 from .tables import small
-
-_INT64 = onnx.TensorProto.INT64
-
-
-def _axis(e: Emitter, node: Node, x: str, default: int, *, required: bool = True) -> int:
-    """The node's ``axis`` attribute as a non-negative axis of ``x`` (left negative when the rank is unknown
-    and not ``required``: the reference evaluator's GatherElements mishandles negative axes)."""
-    axis = int(node.attrs.get("axis", default))
-    if axis >= 0:
-        return axis
-    r = e.need_rank(x, node) if required else e.rank(x)
-    return axis if r is None else axis + r
-
-
-def _shape_part(e: Emitter, x: str, start: int, end: int | None = None) -> list[int] | str:
-    """``shape(x)[start:end]``: a list of ints when those dimensions are static, else a ``Shape`` value."""
-    dims = e.dims(x)
-    if dims is not None:
-        part = list(dims[start:end])
-        if all(isinstance(d, int) for d in part):
-            return part
-    attrs = {"start": start} if end is None else {"start": start, "end": end}
-    return e.op("Shape", [x], **attrs)
-
-
-def _cat_shapes(e: Emitter, parts: list[list[int] | str]) -> str:
-    """A 1-D int64 shape made of ``parts`` (int lists or 1-D int64 values); a constant when all are known."""
-    known = [p if isinstance(p, list) else e.value(p) for p in parts]
-    if all(k is not None for k in known):
-        return e.dims_const([int(d) for k in known for d in np.asarray(k).reshape(-1)])
-    names = [e.ints(p) if isinstance(p, list) else p for p in parts]
-    return names[0] if len(names) == 1 else e.op("Concat", names, axis=0)
 
 
 def _vector(e: Emitter, values: list[float], like: str) -> str:
@@ -63,39 +32,6 @@ def _vector(e: Emitter, values: list[float], like: str) -> str:
     if dt is not None:
         return e.const(np.asarray(values, dtype=dt))
     return e.op("CastLike", [e.const(np.asarray(values, dtype=np.float32)), like])
-
-
-def _nonneg(e: Emitter, idx: str, n: str) -> str:
-    """``idx`` with negative entries counted from the end (``idx + n`` where ``idx < 0``); ``n`` broadcasts
-    against ``idx`` (a scalar, or a vector along the last axis for GatherND). Folded for constants."""
-    v, nv = e.value(idx), e.value(n)
-    if v is not None and (v >= 0).all():
-        return idx
-    if v is not None and nv is not None:
-        return e.const(np.where(v < 0, v + nv, v).astype(v.dtype))
-    n = n if e.dtype(n) == e.dtype(idx) and e.dtype(n) is not None else e.op("CastLike", [n, idx])
-    zero = e.scalar(0, idx)
-    return e.op("Where", [e.op("Less", [idx, zero]), e.op("Add", [idx, n]), idx], like=idx)
-
-
-def _dim(e: Emitter, x: str, axis: int) -> str:
-    """Dimension ``axis`` of ``x`` as a 0-d int64 value (a constant when static)."""
-    dims = e.dims(x)
-    if dims is not None and isinstance(dims[axis], int):
-        return e.const(np.int64(dims[axis]))
-    return e.op("Squeeze", [e.op("Shape", [x], start=axis, end=axis + 1)], shape=(), dtype=np.int64)
-
-
-def _flat_indices(e: Emitter, idx: str, n: str) -> str:
-    """``idx`` as int64 of shape ``[K]`` with every entry in ``[0, n)``."""
-    v = e.value(idx)
-    if v is not None:
-        flat = e.const(np.asarray(v, dtype=np.int64).reshape(-1))
-    else:
-        if e.dtype(idx) != np.int64:
-            idx = e.op("Cast", [idx], to=_INT64)
-        flat = e.op("Reshape", [idx, e.ints([-1])])
-    return _nonneg(e, flat, n)
 
 
 @vjp("Gather")
@@ -109,14 +45,14 @@ def gather(ctx: Ctx, node: Node, cts: list) -> list:
 def _ungather(e: Emitter, node: Node, g: str) -> SparseGrad | str:
     """The cotangent of Gather's data (see :func:`gather`)."""
     data, idx = node.inputs
-    axis = _axis(e, node, data, 0)  # axis 0 needs no rank: the rows' shape can come from Shape(data)
-    flat = _flat_indices(e, idx, _dim(e, data, axis))
+    axis = node_axis(e, node, data, 0)  # axis 0 needs no rank: the rows' shape can come from Shape(data)
+    flat = flat_indices(e, idx, dim(e, data, axis))
     rows = g  # with 1-D indices the cotangent already has the rows' shape
     if e.rank(idx) != 1:
-        parts = [_shape_part(e, data, 0, axis), _shape_part(e, flat, 0), _shape_part(e, data, axis + 1)]
+        parts = [shape_part(e, data, 0, axis), shape_part(e, flat, 0), shape_part(e, data, axis + 1)]
         static = all(isinstance(p, list) for p in parts)
         shape = tuple(d for p in parts for d in p) if static else None
-        rows = e.op("Reshape", [g, _cat_shapes(e, parts)], shape=shape, dtype=e.dtype(g))
+        rows = e.op("Reshape", [g, cat_shapes(e, parts)], shape=shape, dtype=e.dtype(g))
     return _add_back(e, node, data, flat, rows, axis)
 
 
@@ -139,7 +75,7 @@ def gather_elements(ctx: Ctx, node: Node, cts: list) -> list:
     ``ScatterElements(zeros, idx, g, reduction="add")`` (PyTorch ``gather_backward``: ``scatter_add``);
     ScatterElements takes negative indices as GatherElements does."""
     e, (data, idx) = ctx.e, node.inputs
-    axis = _axis(e, node, data, 0, required=False)
+    axis = node_axis(e, node, data, 0, required=False)
     return [lambda: e.op("ScatterElements", [e.zeros_like(data), idx, cts[0]], axis=axis, reduction="add", like=data),
             None]
 
@@ -153,11 +89,11 @@ def _batch_coords(e: Emitter, node: Node, idx: str, b: int) -> str:
         return e.const(np.moveaxis(grid, 0, -1))
     q = e.need_rank(idx, node)
     lead = e.op("Shape", [idx], end=-1)
-    target = _cat_shapes(e, [lead, [1]])
+    target = cat_shapes(e, [lead, [1]])
     one, zero = e.const(np.int64(1)), e.const(np.int64(0))
     coords = []
     for j in range(b):
-        ramp = e.op("Range", [zero, _dim(e, idx, j), one])
+        ramp = e.op("Range", [zero, dim(e, idx, j), one])
         lined = e.op("Reshape", [ramp, e.ints([1] * j + [-1] + [1] * (q - 1 - j))])
         coords.append(e.op("Expand", [lined, target]))
     return coords[0] if b == 1 else e.op("Concat", coords, axis=-1)
@@ -172,7 +108,7 @@ def gather_nd(ctx: Ctx, node: Node, cts: list) -> list:
 
     def ddata() -> str:
         b = int(node.attrs.get("batch_dims", 0))
-        full = _nonneg(e, idx, _nd_dims(e, data, idx, b))
+        full = nonneg(e, idx, nd_dims(e, data, idx, b))
         if b:
             full = e.op("Concat", [_batch_coords(e, node, idx, b), full], axis=-1)
         return scatter_nd_reduce(e, e.zeros_like(data), full, cts[0], "add")
@@ -180,31 +116,29 @@ def gather_nd(ctx: Ctx, node: Node, cts: list) -> list:
     return [ddata, None]
 
 
-def _nd_dims(e: Emitter, data: str, idx: str, b: int) -> str:
+def nd_dims(e: Emitter, data: str, idx: str, b: int) -> str:
     """``shape(data)[b:b+m]`` as a 1-D int64 value (a constant when static), ``m = idx.shape[-1]``: the
     extents that ND indices (GatherND after ``b`` batch dimensions, ScatterND with ``b = 0``) count in."""
     m = e.dims(idx)[-1] if e.dims(idx) else None
-    dims = _shape_part(e, data, b, b + m) if isinstance(m, int) else None
+    dims = shape_part(e, data, b, b + m) if isinstance(m, int) else None
     if dims is None:  # the index depth is only known at run time: slice shape(x)[b:b+m] with it
         depth = e.op("Shape", [idx], start=-1)
         dims = e.op("Slice", [e.op("Shape", [data]), e.ints([b]), e.op("Add", [e.ints([b]), depth])])
-    return _cat_shapes(e, [dims])
+    return cat_shapes(e, [dims])
 
 
 @vjp("OneHot")
 def one_hot(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "OneHot": ``y = where(hot, on, off)`` with ``values = [off, on]``, so ``d values =
     [sum(g * (1 - hot)), sum(g * hot)]``. Indices and depth select positions and get no gradient."""
-    e, (idx, depth, values), g = ctx.e, node.inputs, cts[0]
+    e, (idx, depth, values), g = ctx.e, node.inputs, ctx.val(cts[0])
 
-    def dvalues() -> str:
+    def dvalues() -> Val:
         # The mask comes from the forward's own OneHot (same index, depth and value types, same axis), so it
         # runs wherever the forward runs; elementwise ops then keep the backward differentiable.
         hot = e.op("OneHot", [idx, depth, _vector(e, [0, 1], values)], axis=int(node.attrs.get("axis", -1)))
-        on = e.op("ReduceSum", [e.op("Mul", [g, hot])], keepdims=0)
-        off = e.op("ReduceSum", [e.op("Mul", [g, e.op("Sub", [e.scalar(1.0, g), hot])])], keepdims=0)
-        parts = [e.op("Mul", [off, _vector(e, [1, 0], values)]), e.op("Mul", [on, _vector(e, [0, 1], values)])]
-        return e.op("Add", parts, like=values)
+        on, off = (g * hot).sum(keepdims=0), (g * (1 - ctx.val(hot))).sum(keepdims=0)
+        return (off * _vector(e, [1, 0], values)).apply("Add", on * _vector(e, [0, 1], values), like=values)
 
     return [None, None, dvalues]
 
@@ -216,7 +150,7 @@ def top_k(ctx: Ctx, node: Node, cts: list) -> list:
     e, x, g = ctx.e, node.inputs[0], cts[0]
     if g is None:
         return [None, None]
-    axis = _axis(e, node, x, -1, required=False)
+    axis = node_axis(e, node, x, -1, required=False)
     return [lambda: e.op("ScatterElements", [e.zeros_like(x), node.outputs[1], g], axis=axis, reduction="add", like=x),
             None]
 
@@ -234,7 +168,7 @@ def compress(ctx: Ctx, node: Node, cts: list) -> list:
     def dx() -> SparseGrad | str:
         kept = _true_positions(e, cond)
         if node.attrs.get("axis") is not None:
-            return _add_back(e, node, x, kept, g, _axis(e, node, x, 0))
+            return _add_back(e, node, x, kept, g, node_axis(e, node, x, 0))
         flat = e.op("Reshape", [e.zeros_like(x), e.ints([-1])])
         return e.op("Reshape", [add_rows(e, flat, kept, g), e.shape_of(x)], like=x)
 
@@ -274,7 +208,7 @@ def tensor_scatter(ctx: Ctx, node: Node, cts: list) -> list:
     circular = node.attrs.get("mode", "linear") == "circular"
     r = e.need_rank(past, node)
     axis = int(node.attrs.get("axis", -2)) % r
-    m, n = _dim(e, past, axis), _dim(e, upd, axis)
+    m, n = dim(e, past, axis), dim(e, upd, axis)
     spread = [d for d in range(r) if d not in (0, axis)]  # [batch, sequence] tables -> rank r
 
     def dpast() -> str:

@@ -16,6 +16,7 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node, onnx_dtype
+from ..algebra import Val
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
@@ -25,10 +26,9 @@ from .tables import small
 ELLIPSIS = "..."
 
 
-def _swap_last(e: Emitter, v: str, rank: int) -> str:
-    """``v`` with its last two axes swapped (the batched matrix transpose)."""
-    perm = [*range(rank - 2), rank - 1, rank - 2]
-    return e.op("Transpose", [v], perm=perm)
+def _last_swapped(rank: int) -> list[int]:
+    """The permutation that swaps the last two of ``rank`` axes (the batched matrix transpose)."""
+    return [*range(rank - 2), rank - 1, rank - 2]
 
 
 @vjp("MatMul")
@@ -36,37 +36,35 @@ def matmul(ctx: Ctx, node: Node, cts: list) -> list:
     """``dA = dY @ B^T`` and ``dB = A^T @ dY``, summed over broadcast batch axes (numpy.matmul semantics,
     ONNX "MatMul"). A 1-D operand is promoted to a matrix as numpy does (``[k] -> [1, k]`` on the left,
     ``[k] -> [k, 1]`` on the right) and the promoted axis is summed away at the end."""
-    e, (a, b), g = ctx.e, node.inputs, cts[0]
-    ra, rb = e.need_rank(a, node), e.need_rank(b, node)
+    e, (a, b), g = ctx.e, ctx.vals(*node.inputs), ctx.val(cts[0])
+    ra, rb = e.need_rank(a.name, node), e.need_rank(b.name, node)
     if ra == 0 or rb == 0:
         raise GraphError(f"{node.label()}: MatMul operands must have rank >= 1")
 
     @cache
-    def g2() -> str:  # the output dropped the promoted axes: put them back so that dY is a batch of matrices
+    def g2() -> Val:  # the output dropped the promoted axes: put them back so that dY is a batch of matrices
         axes = ([-2] if ra == 1 else []) + ([-1] if rb == 1 else [])
-        return e.op("Unsqueeze", [g, e.ints(axes)]) if axes else g
+        return g.unsqueeze(axes) if axes else g
 
-    def da() -> str:
-        bt = e.op("Unsqueeze", [b, e.ints([0])]) if rb == 1 else _swap_last(e, b, rb)  # B^T as [..., m, k]
-        t = e.op("MatMul", [g2(), bt])  # [batch..., n, k]
+    def da() -> Val:
+        bt = b.unsqueeze([0]) if rb == 1 else b.transpose(_last_swapped(rb))  # B^T as [..., m, k]
+        t = g2() @ bt  # [batch..., n, k]
         if ra == 1:  # the promoted row axis (size 1) and every batch axis are summed: [k]
-            return e.op("ReduceSum", [t, e.ints(range(max(rb, 2) - 1))], keepdims=0, like=a)
-        return e.reduce_to(t, a)
+            return t.apply("ReduceSum", e.ints(range(max(rb, 2) - 1)), keepdims=0, like=a)
+        return t.reduce_to(a)
 
-    def db() -> str:
-        k, m = (e.dims(a) or (None,))[-1], (e.dims(b) or (None,))[-1]
+    def db() -> Val:
+        k, m = (a.dims or (None,))[-1], (b.dims or (None,))[-1]
         if rb == 2 and ra >= 3 and isinstance(k, int) and isinstance(m, int):
             # A batch of activations times a weight matrix: one GEMM over the flattened batch, rather than a
             # batched MatMul whose [batch..., k, m] result a ReduceSum then sums (the same sum, in one kernel).
-            flat_a = e.op("Reshape", [a, e.ints([-1, k])])
-            flat_g = e.op("Reshape", [g, e.ints([-1, m])])
-            return e.op("Gemm", [flat_a, flat_g], transA=1, like=b)
-        at = e.op("Unsqueeze", [a, e.ints([1])]) if ra == 1 else _swap_last(e, a, ra)  # A^T as [..., k, n]
-        t = e.op("MatMul", [at, g2()])  # [batch..., k, m]
+            return a.reshape([-1, k]).apply("Gemm", g.reshape([-1, m]), transA=1, like=b)
+        at = a.unsqueeze([1]) if ra == 1 else a.transpose(_last_swapped(ra))  # A^T as [..., k, n]
+        t = at @ g2()  # [batch..., k, m]
         if rb == 1:  # sum the batch axes and the promoted column axis: [k]
             rt = max(ra, 2)
-            return e.op("ReduceSum", [t, e.ints([*range(rt - 2), rt - 1])], keepdims=0, like=b)
-        return e.reduce_to(t, b)
+            return t.apply("ReduceSum", e.ints([*range(rt - 2), rt - 1]), keepdims=0, like=b)
+        return t.reduce_to(b)
 
     return [da, db]
 
@@ -96,8 +94,9 @@ def gemm(ctx: Ctx, node: Node, cts: list) -> list:
             return e.op("Gemm", [g, a], alpha=al, transA=1, transB=flag(ta), like=b)
         return e.op("Gemm", [a, g], alpha=al, transA=flag(1 - ta), like=b)
 
-    def dc() -> str:
-        return e.reduce_to(g if beta == 1.0 else e.op("Mul", [g, e.scalar(beta, g)], like=g), c)
+    def dc() -> Val:
+        gv = ctx.val(g)
+        return (gv if beta == 1.0 else gv * beta).reduce_to(c)
 
     return [da, db, None if c is None else dc][:len(node.inputs)]
 
@@ -276,12 +275,12 @@ def det(ctx: Ctx, node: Node, cts: list) -> list:
     if rank < 2 or (isinstance(dims[-1], int) and isinstance(dims[-2], int) and dims[-1] != dims[-2]):
         raise GraphError(f"{node.label()}: Det needs square matrices [*, M, M], not the shape {tuple(dims)}")
 
-    def dx() -> str:
+    def dx() -> str | Val:
         if dims[-1] == 0 or dims[-2] == 0:
             return e.zeros_like(x)
-        gm = e.op("Unsqueeze", [g, e.ints([-2, -1])])
+        gm = ctx.val(g).unsqueeze([-2, -1])
         if dims[-1] == 1 or dims[-2] == 1:  # det [[a]] = a (no 0 x 0 minors to gather)
-            return e.op("Expand", [gm, e.shape_of(x)], like=x)
-        return e.op("Mul", [gm, _cofactors(e, x, rank)], like=x)
+            return gm.apply("Expand", e.shape_of(x), like=x)
+        return gm.apply("Mul", _cofactors(e, x, rank), like=x)  # dy C
 
     return [dx]

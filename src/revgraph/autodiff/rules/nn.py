@@ -7,36 +7,32 @@ from __future__ import annotations
 import math
 
 from ...ir import Node
+from ..algebra import Val, name_of, where
 from ..context import Ctx
 from ..registry import not_differentiable, vjp
-from .elementwise import strong
 
 
-def masked_rows(ctx: Ctx, x: str, axis: int) -> str | None:
+def masked_rows(ctx: Ctx, x: Val | str, axis: int) -> Val | None:
     """bool, ``x``'s shape with ``axis`` of size 1: the rows of ``x`` along ``axis`` whose elements are all
     ``-inf`` (a fully masked row: its softmax is 0 / 0, NaN), or ``None`` where ``x`` cannot hold ``-inf`` (it is
     no value that may be non-finite, :meth:`Ctx.nonfinite`: then nothing is emitted). Such a row gets a zero
     gradient (issue 27; the convention of jax#6811 and PyTorch's masked softmax, as a fully masked Attention
     row has)."""
-    if not ctx.nonfinite(x):
+    if not ctx.nonfinite(name_of(x)):
         return None
-    e = ctx.e
-    top = e.op("ReduceMax", [x, e.ints([axis])], keepdims=1)
-    return e.op("Equal", [top, e.scalar(-math.inf, x)])
+    return ctx.val(name_of(x)).max([axis]).eq(-math.inf)
 
 
-def zero_rows(ctx: Ctx, masked: str | None, v: str, like: str) -> str:
+def zero_rows(ctx: Ctx, masked: Val | None, v: Val | str, like: Val | str) -> Val:
     """``v`` with the rows ``masked`` set to exactly 0 (a forward value: ``Where``, whatever ``v`` holds there)."""
-    if masked is None:
-        return v
-    return ctx.e.op("Where", [masked, ctx.e.scalar(0.0, v), v], like=like)
+    v = ctx.val(name_of(v))
+    return v if masked is None else where(masked, 0, v, like=like)
 
 
-def drop_rows(ctx: Ctx, masked: str | None, dx: str, like: str) -> str:
+def drop_rows(ctx: Ctx, masked: Val | None, dx: Val | str, like: Val | str) -> Val:
     """The cotangent ``dx`` with the rows ``masked`` set to 0 (a selection: exact also for inf or NaN there)."""
-    if masked is None:
-        return dx
-    return ctx.select(ctx.e.op("Not", [masked]), dx, like=like)
+    dx = ctx.val(name_of(dx))
+    return dx if masked is None else dx.select(~masked, like=like)
 
 
 def _axis(node: Node) -> int:
@@ -50,18 +46,15 @@ def softmax(ctx: Ctx, node: Node, cts: list) -> list:
     cotangent is all zero gets zeros even where ``y`` is NaN (and the same values as above otherwise). A row of
     ``x`` that is all ``-inf`` (:func:`masked_rows`) has ``y`` taken as 0 there: its gradient is 0, in forward
     mode too (the transposed VJP multiplies the tangent by that 0)."""
-    e, x, y = ctx.e, node.inputs[0], node.outputs[0]
-    g = cts[0]
-    axes = e.ints([_axis(node)])
-    masked = masked_rows(ctx, x, _axis(node))
-    if ctx.nonfinite(y) or masked is not None:
+    x, y, g = ctx.vals(node.inputs[0], node.outputs[0], cts[0])
+    axis = _axis(node)
+    masked = masked_rows(ctx, x, axis)
+    if ctx.nonfinite(y.name) or masked is not None:
         y = zero_rows(ctx, masked, y, y)
-        yg = strong(ctx, g, y, y)
-        dot = e.op("ReduceSum", [yg, axes], keepdims=1)
-        dx = e.op("Sub", [yg, strong(ctx, dot, y, y)], like=x)
+        yg = g.times(y, like=y)
+        dx = yg - yg.sum([axis]).times(y, like=y)
         return [dx if ctx.finite else drop_rows(ctx, masked, dx, x)]  # (finite: 0 x finite is 0 already)
-    dot = e.op("ReduceSum", [e.op("Mul", [g, y], like=y), axes], keepdims=1)
-    return [e.op("Mul", [y, e.op("Sub", [g, dot], like=y)], like=x)]
+    return [y * (g - (g * y).sum([axis]))]
 
 
 @vjp("LogSoftmax")
@@ -69,13 +62,12 @@ def log_softmax(ctx: Ctx, node: Node, cts: list) -> list:
     """``dx = dy - exp(y) * sum(dy, axis)`` (``exp(y)`` is the softmax); the product is strong where ``y`` may
     be NaN (a row of ``-inf`` scores), so a row whose cotangent sums to zero gets ``dy`` there. A row of ``x``
     that is all ``-inf`` (:func:`masked_rows`) gets 0: its softmax is taken as 0 and ``dy`` dropped there."""
-    e, x, y = ctx.e, node.inputs[0], node.outputs[0]
-    g = cts[0]
-    axes = e.ints([_axis(node)])
-    masked = masked_rows(ctx, x, _axis(node))
-    total = e.op("ReduceSum", [g, axes], keepdims=1)
-    p = zero_rows(ctx, masked, e.op("Exp", [y], like=y), y)
-    return [drop_rows(ctx, masked, e.op("Sub", [g, strong(ctx, total, p, y, [y])], like=x), x)]
+    x, y, g = ctx.vals(node.inputs[0], node.outputs[0], cts[0])
+    axis = _axis(node)
+    masked = masked_rows(ctx, x, axis)
+    total = g.sum([axis])
+    p = zero_rows(ctx, masked, y.exp(), y)
+    return [drop_rows(ctx, masked, g - total.times(p, reads=[y], like=y), x)]
 
 
 not_differentiable("piecewise constant: the derivative is 0 almost everywhere", "Hardmax")

@@ -27,24 +27,12 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node, ValueInfo
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from ._common import f32_attr, optional_input, padded
 from .tables import filled
-
-
-def _attr(node: Node, name: str, default: float) -> float:
-    """A float attribute as the runtimes see it (ONNX float attributes are 32-bit)."""
-    return float(np.float32(node.attrs.get(name, default)))
-
-
-def _opt(node: Node, i: int) -> str | None:
-    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
-
-
-def _pad(values: list, n: int) -> list:
-    """``values`` cut or padded with ``None`` to length ``n`` (optional outputs and inputs)."""
-    return (list(values) + [None] * n)[:n]
 
 
 def _work(e: Emitter, node: Node, x: str) -> str:
@@ -166,13 +154,13 @@ def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """Standardization over ``[axis, rank)`` then ``Y = zh * Scale + B`` (ONNX "LayerNormalization");
     ``Scale`` and ``B`` broadcast unidirectionally, so their gradients are summed back with ``reduce_to``.
     The optional ``Mean`` and ``InvStdDev`` outputs carry gradients to ``X`` too."""
-    e, (x, scale), bias = ctx.e, node.inputs[:2], _opt(node, 2)
-    gy, g_mean, g_inv = _pad(cts, 3)
+    e, (x, scale), bias = ctx.e, node.inputs[:2], optional_input(node, 2)
+    gy, g_mean, g_inv = padded(cts, 3)
     axes = _trailing(e, node, x)
 
     @cache
     def st() -> Stats:
-        s = Stats(e, _work(e, node, x), axes, _attr(node, "epsilon", 1e-5))
+        s = Stats(e, _work(e, node, x), axes, f32_attr(node, "epsilon", 1e-5))
         _fused_stats(e, node, s)
         return s
 
@@ -185,7 +173,7 @@ def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
         return e.reduce_to(e.op("Mul", [gy, _back(e, st().zh, x)], like=x), scale)
 
     affine = [] if gy is None else [dscale, None if bias is None else lambda: e.reduce_to(gy, bias)]
-    return _pad([dx, *affine], len(node.inputs))
+    return padded([dx, *affine], len(node.inputs))
 
 
 @vjp("RMSNormalization")
@@ -202,30 +190,23 @@ def rms_norm(ctx: Ctx, node: Node, cts: list) -> list:
     axes = _trailing(e, node, x)
 
     @cache
-    def z() -> str:
-        return _work(e, node, x)
+    def z() -> Val:
+        return ctx.val(_work(e, node, x))
 
     @cache
-    def axes_v() -> str:
-        return e.ints(axes)
+    def inv() -> Val:  # r = (mean(X^2) + eps)^(-1/2)
+        return ((z() * z()).mean(axes) + f32_attr(node, "epsilon", 1e-5)).sqrt().reciprocal()
 
     @cache
-    def inv() -> str:
-        ms = e.op("ReduceMean", [e.op("Mul", [z(), z()], like=z()), axes_v()], keepdims=1)
-        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [ms, e.scalar(_attr(node, "epsilon", 1e-5), z())])])])
-
-    @cache
-    def zh() -> str:
-        return e.op("Mul", [z(), inv()], like=z())
+    def zh() -> Val:
+        return z() * inv()
 
     def dx() -> str:
-        h = _back(e, e.op("Mul", [gy, scale], like=gy), z())
-        m = e.op("ReduceMean", [e.op("Mul", [h, zh()], like=z()), axes_v()], keepdims=1)
-        d = e.op("Mul", [inv(), e.op("Sub", [h, e.op("Mul", [zh(), m], like=z())], like=z())], like=z())
-        return _back(e, d, x)
+        h = ctx.val(_back(e, e.op("Mul", [gy, scale], like=gy), z().name))
+        return _back(e, (inv() * (h - zh() * (h * zh()).mean(axes))).name, x)
 
     def dscale() -> str:
-        return e.reduce_to(e.op("Mul", [gy, _back(e, zh(), gy)], like=gy), scale)
+        return e.reduce_to(e.op("Mul", [gy, _back(e, zh().name, gy)], like=gy), scale)
 
     return [dx, dscale]
 
@@ -246,16 +227,14 @@ def lp_norm(ctx: Ctx, node: Node, cts: list) -> list:
     if rank is not None and not -rank <= axis < rank:
         raise GraphError(f"{node.label()}: axis {axis} is out of range for rank {rank}")
 
-    def dx() -> str:
-        axes = e.ints([axis])
-        n = e.op("ReduceL2" if p == 2 else "ReduceL1", [x, axes], keepdims=1)
-        zero = e.op("Equal", [n, e.scalar(0.0, x)])
-        safe = e.op("Where", [zero, e.scalar(1.0, x), n])
-        y = e.op("Div", [x, safe], like=x)  # 0 on zero vectors, as the forward
-        total = e.op("ReduceSum", [e.op("Mul", [g, y], like=x), axes], keepdims=1)
-        t = y if p == 2 else e.op("Sign", [x], like=x)
-        d = e.op("Div", [e.op("Sub", [g, e.op("Mul", [t, total], like=x)], like=x), safe], like=x)
-        return e.op("Where", [zero, e.scalar(0.0, x), d], like=x)
+    def dx() -> Val:
+        xv, gv = ctx.vals(x, g)
+        n = xv.apply("ReduceL2" if p == 2 else "ReduceL1", e.ints([axis]), like=None, keepdims=1)
+        zero = n.eq(0)
+        safe = where(zero, 1, n, like=None)
+        y = xv / safe  # 0 on zero vectors, as the forward
+        t = y if p == 2 else xv.sign()
+        return where(zero, 0, (gv - t * (gv * y).sum([axis])) / safe, like=x)
 
     return [dx]
 
@@ -278,19 +257,14 @@ def mean_variance_norm(ctx: Ctx, node: Node, cts: list) -> list:
         raise GraphError(f"{node.label()}: axes {axes} are out of range for rank {rank}")
     axes = sorted({a % rank for a in axes})
 
-    def dx() -> str:
-        av = e.ints(axes)
-        zero = e.scalar(0.0, x)
-        c = e.op("Sub", [x, e.op("ReduceMean", [x, av], keepdims=1)], like=x)
-        s = e.op("Sqrt", [e.op("ReduceMean", [e.op("Mul", [c, c], like=x), av], keepdims=1)])
-        d = e.op("Add", [s, e.scalar(MVN_EPSILON, x)])
-        flat = e.op("Equal", [s, zero])
-        safe = e.op("Where", [flat, e.scalar(1.0, x), s])
-        mgc = e.op("ReduceMean", [e.op("Mul", [g, c], like=x), av], keepdims=1)
-        k = e.op("Div", [mgc, e.op("Mul", [safe, e.op("Mul", [d, d])])])
-        k = e.op("Where", [flat, zero, k])
-        centred = e.op("Sub", [g, e.op("ReduceMean", [g, av], keepdims=1)], like=x)
-        return e.op("Sub", [e.op("Div", [centred, d], like=x), e.op("Mul", [c, k], like=x)], like=x)
+    def dx() -> Val:
+        xv, gv = ctx.vals(x, g)
+        c = xv - xv.mean(axes)
+        s = (c * c).mean(axes).sqrt()
+        d = s + MVN_EPSILON
+        flat = s.eq(0)
+        k = where(flat, 0, (gv * c).mean(axes) / (where(flat, 1, s, like=None) * (d * d)), like=None)
+        return (gv - gv.mean(axes)) / d - c * k
 
     return [dx]
 
@@ -328,12 +302,12 @@ def batch_norm(ctx: Ctx, node: Node, cts: list) -> list:
     the batch's own (population variance over every axis but 1), and ``running_mean = mean m + mu (1 - m)``,
     ``running_var = var m + sigma^2 (1 - m)`` with ``m`` the momentum carry gradients to X, input_mean and
     input_var as those formulas say. Everything is computed in X's dtype and cast back per input."""
-    e, rank, eps = ctx.e, ctx.e.need_rank(node.inputs[0], node), _attr(node, "epsilon", 1e-5)
+    e, rank, eps = ctx.e, ctx.e.need_rank(node.inputs[0], node), f32_attr(node, "epsilon", 1e-5)
     if node.attrs.get("training_mode", 0):
-        grads = _batch_norm_training(e, node, _pad(cts, 3), rank, eps)
+        grads = _batch_norm_training(e, node, padded(cts, 3), rank, eps)
     else:
         grads = [] if cts[0] is None else _batch_norm_inference(e, node, cts[0], rank, eps)
-    return _pad(grads, len(node.inputs))
+    return padded(grads, len(node.inputs))
 
 
 def _batch_norm_inference(e: Emitter, node: Node, gy: str, rank: int, eps: float) -> list:
@@ -368,7 +342,7 @@ def _batch_norm_inference(e: Emitter, node: Node, gy: str, rank: int, eps: float
 def _batch_norm_training(e: Emitter, node: Node, cts: list, rank: int, eps: float) -> list:
     """The cotangents of the five inputs for ``training_mode=1``, from those of ``Y`` and the running statistics."""
     (x, scale, bias, mean, var), (gy, g_rmean, g_rvar) = node.inputs[:5], cts
-    momentum = _attr(node, "momentum", 0.9)
+    momentum = f32_attr(node, "momentum", 0.9)
     if gy is not None and g_rmean is None and g_rvar is None:
         dims, dt = e.dims(x), e.dtype(x)
         if dims is not None and all(isinstance(v, int) and v > 0 for v in dims) and dt in (np.float32, np.float64) \
@@ -494,7 +468,7 @@ def instance_norm(ctx: Ctx, node: Node, cts: list) -> list:
 
     @cache
     def st() -> Stats:
-        return Stats(e, x, list(range(2, rank)), _attr(node, "epsilon", 1e-5))
+        return Stats(e, x, list(range(2, rank)), f32_attr(node, "epsilon", 1e-5))
 
     return [lambda: st().vjp(e.op("Mul", [gy, _per_channel(e, scale, rank)], like=x)),
             *_affine(e, node, gy, lambda: e.op("Mul", [gy, st().zh]), rank)]
@@ -512,7 +486,7 @@ def group_norm(ctx: Ctx, node: Node, cts: list) -> list:
 
     @cache
     def st() -> Stats:
-        return Stats(e, e.op("Reshape", [_work(e, node, x), e.ints(groups)]), [2], _attr(node, "epsilon", 1e-5))
+        return Stats(e, e.op("Reshape", [_work(e, node, x), e.ints(groups)]), [2], f32_attr(node, "epsilon", 1e-5))
 
     @cache
     def xshape() -> str:

@@ -33,17 +33,15 @@ from onnx import helper
 
 from ...errors import GraphError
 from ...ir import Node, is_float_dtype
+from ..algebra import Val, name_of
 from ..context import Ctx, PatchedVJP
 from ..emitter import Emitter
 from ..registry import not_differentiable, vjp
+from ._common import optional_input
 
 not_differentiable(
     "integer output (rounding: derivative 0 almost everywhere); a QuantizeLinear -> DequantizeLinear pair gets the "
     "straight-through estimator with straight_through=True (the DequantizeLinear rule)", "QuantizeLinear")
-
-
-def _opt(node: Node, i: int) -> str | None:
-    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
 
 
 def pair_of(ctx: Ctx, node: Node) -> Node | None:
@@ -55,7 +53,7 @@ def pair_of(ctx: Ctx, node: Node) -> Node | None:
 def quantized_type(e: Emitter, node: Node) -> np.dtype:
     """The output type of a QuantizeLinear node: its zero point's type, else ``output_dtype``, else uint8
     (ONNX "QuantizeLinear")."""
-    zp = _opt(node, 2)
+    zp = optional_input(node, 2)
     if zp is not None and e.dtype(zp) is not None:
         return np.dtype(e.dtype(zp))
     if node.attrs.get("output_dtype"):
@@ -131,10 +129,10 @@ class Granularity:
         return e.op("ReduceSum", [split, e.ints([a + 1])], keepdims=0, like=self.scale)
 
 
-def _cast(e: Emitter, v: str, like: str) -> str:
-    if e.dtype(v) is not None and e.dtype(v) == e.dtype(like):
-        return v
-    return e.op("CastLike", [v, like], shape=e.dims(v), dtype=e.dtype(like))
+def _cast(v: Val, like: str) -> Val:
+    """``v`` in the dtype of ``like`` (itself when it has that dtype already)."""
+    e = v.ctx.e
+    return v if e.dtype(v.name) is not None and e.dtype(v.name) == e.dtype(like) else v.cast_like(like)
 
 
 @vjp("DequantizeLinear")
@@ -144,7 +142,7 @@ def dequantize(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
     input and scale (module doc). The quantized input and the zero point get no gradient."""
     e, g = ctx.e, cts[0]
     q_in, scale = node.inputs[:2]
-    zp = _opt(node, 2)
+    zp = optional_input(node, 2)
     attrs = {k: node.attrs[k] for k in ("axis", "block_size") if k in node.attrs}
 
     @cache
@@ -157,7 +155,7 @@ def dequantize(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
         return e.op("DequantizeLinear", [q_in, ones] + ([zp] if zp else []), **attrs)
 
     def dscale() -> str:
-        return gran().gather(e.op("Mul", [_cast(e, g, scale), centered()]))
+        return gran().gather((_cast(ctx.val(g), scale) * centered()).name)
 
     grads = [None, dscale if g is not None else None, None][:len(node.inputs)]
     grads += [None] * (len(node.inputs) - len(grads))
@@ -180,24 +178,23 @@ def _straight_through(ctx: Ctx, node: Node, pair: Node, g: str, dq_gran, needs: 
     """The STE gradients of the pair's QuantizeLinear inputs ``needs`` (x and/or its scale)."""
     e = ctx.e
     x, q_scale = pair.inputs[0], pair.inputs[1]
-    q_zp = _opt(pair, 2)
+    q_zp = optional_input(pair, 2)
     qg = Granularity(e, pair, x, q_scale)
     shared = qg.key() == dq_gran().key()
     s_q = qg.spread(q_scale)
-    v = e.op("Div", [_cast(e, x, q_scale), s_q])  # x / s_q, in the scale's precision
+    v = _cast(ctx.val(x), q_scale) / s_q  # x / s_q, in the scale's precision
     lo, hi, integer = quantized_range(quantized_type(e, pair))
-    level = e.op("Round", [v]) if integer else v
+    level = v.apply("Round") if integer else v
     if q_zp is not None:
-        level = e.op("Add", [level, qg.spread(e.op("CastLike", [q_zp, q_scale]))])
-    inside = e.op("And", [e.op("GreaterOrEqual", [level, e.scalar(lo, level)]),
-                          e.op("LessOrEqual", [level, e.scalar(hi, level)])])
-    gy = _cast(e, g, q_scale)
+        level = level + qg.spread(e.op("CastLike", [q_zp, q_scale]))
+    inside = level.ge(lo) & level.le(hi)
+    gy = _cast(ctx.val(g), q_scale)
     if not shared:  # the cotangent of q as if it were continuous, dy s_d, divided by s_q
-        gy = e.op("Div", [e.op("Mul", [gy, dq_gran().spread(node.inputs[1])]), s_q])
-    passed = ctx.select(inside, gy)  # exactly 0 where the value saturates
+        gy = gy * dq_gran().spread(node.inputs[1]) / s_q
+    passed = gy.select(inside, like=None)  # exactly 0 where the value saturates
     out = {}
     if x in needs:
-        out[x] = _cast(e, passed, x)
+        out[x] = name_of(_cast(passed, x))
     if q_scale in needs:  # d round(x / s) / ds = -x / s^2 under the STE: -passed * v
-        out[q_scale] = qg.gather(e.op("Neg", [e.op("Mul", [passed, v])]))
+        out[q_scale] = qg.gather((-(passed * v)).name)
     return out

@@ -3,21 +3,23 @@ since opset 18 every reduction takes its axes as an optional second input, and `
 decides what no axes mean).
 
 Strong zeros (DESIGN section 5): the products of the cotangent with forward values (``2 x``, ``sign(x)``,
-``x / |x|``, ``exp(x - y)``) are guarded where those values may be inf or NaN (:func:`strong`), the product of
+``x / |x|``, ``exp(x - y)``) are guarded where those values may be inf or NaN (:meth:`Val.times`), the product of
 the others in ``ReduceProd`` and ``CumProd`` and ``1 / sum`` in ``ReduceLogSum`` always (they overflow or are
 infinite at finite inputs); ``ReduceMax``/``ReduceMin`` select (exact 0 off the extremum, and 0 everywhere in
 a group whose extremum is NaN)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import unary
-from .elementwise import strong
 
 
 def reduced_axes(e: Emitter, node: Node) -> str | None:
@@ -61,21 +63,22 @@ def reduce_sum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def keep(e: Emitter, node: Node, v: str) -> str:
+def keep(ctx: Ctx, node: Node, v: str | Val) -> Val:
     """A reduction result ``v`` with the reduced axes re-inserted as size 1 (when ``keepdims=0``), so that
     it broadcasts against the input; a no-op reduction's result is returned as is."""
+    e, v = ctx.e, ctx.val(v) if isinstance(v, str) else v
     axes = reduced_axes(e, node)
     if is_noop(e, node) or node.attrs.get("keepdims", 1) or axes is None:
         return v
-    return e.op("Unsqueeze", [v, axes])
+    return v.apply("Unsqueeze", axes, like=None)
 
 
-def reduce_like(e: Emitter, node: Node, op_type: str, v: str) -> str:
+def reduce_like(ctx: Ctx, node: Node, op_type: str, v: Val) -> Val:
     """``op_type`` over the same axes as ``node`` (with ``keepdims=1``), applied to ``v`` of the input's
     shape: counts and partial products per reduced group, broadcastable against the input."""
-    axes = reduced_axes(e, node)
+    axes = reduced_axes(ctx.e, node)
     noop = 1 if node.attrs.get("noop_with_empty_axes", 0) else None
-    return e.op(op_type, [v] if axes is None else [v, axes], keepdims=1, noop_with_empty_axes=noop)
+    return v.apply(op_type, *([] if axes is None else [axes]), like=None, keepdims=1, noop_with_empty_axes=noop)
 
 
 # ------------------------------------------------------------------------------------------ rules
@@ -90,20 +93,19 @@ def reduce_mean(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
         count = e.scalar(float(np.prod(sx, dtype=np.int64)) / max(int(np.prod(sy, dtype=np.int64)), 1), g)
     else:  # the group size is |x| / |y| (the same with keepdims either way)
         ny = e.op("Max", [e.op("Size", [y]), e.const(np.int64(1))])
-        count = e.op("CastLike", [e.op("Div", [e.op("Size", [x]), ny]), g])
-    share = e.op("Div", [g, count], like=g)
-    return e.op("Expand", [keep(e, node, share), e.shape_of(x)], like=x)
+        count = ctx.val(e.op("Div", [e.op("Size", [x]), ny])).cast_like(g)
+    return keep(ctx, node, ctx.val(g) / count).apply("Expand", e.shape_of(x), like=x)
 
 
 @unary("ReduceMax", "ReduceMin")
 def reduce_max_min(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """The cotangent goes to the elements equal to the extremum, split equally among ties (DESIGN.md
     section 5; JAX's ``_reduce_chooser_jvp_rule`` does the same)."""
-    e = ctx.e
-    hit = e.op("Equal", [x, keep(e, node, y)])
-    count = reduce_like(e, node, "ReduceSum", e.op("CastLike", [hit, x], like=x))
-    share = e.op("Div", [keep(e, node, g), e.op("Max", [count, e.scalar(1.0, x)])])  # no hit where y is NaN
-    return ctx.select(hit, share, like=x)
+    x = ctx.val(x)
+    hit = x.eq(keep(ctx, node, y))
+    count = reduce_like(ctx, node, "ReduceSum", hit.cast_like(x))
+    share = keep(ctx, node, g) / count.apply("Max", 1)  # no hit where y is NaN
+    return share.select(hit, like=x)
 
 
 @unary("ReduceProd")
@@ -113,45 +115,36 @@ def reduce_prod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     is ``(prod S / S_i) * prod_{k in Z, k != i} x_k``; the second factor is 1 when no other element is zero,
     ``x_k`` (value 0, derivative 1) when exactly one other ``x_k`` is, and 0 otherwise. Value and first
     derivative are exact at zeros too, so second derivatives are right."""
-    e = ctx.e
-    zero, one = e.scalar(0.0, x), e.scalar(1.0, x)
-    is_zero = e.op("Equal", [x, zero])
-    safe = e.op("Where", [is_zero, one, x], like=x)
-    zeros_only = e.op("Where", [is_zero, x, zero], like=x)  # the zero elements themselves, for their derivative
-    zmask = e.op("CastLike", [is_zero, x], like=x)
-    others_safe = e.op("Div", [reduce_like(e, node, "ReduceProd", safe), safe], like=x)
-    other_zeros = e.op("Sub", [reduce_like(e, node, "ReduceSum", zmask), zmask], like=x)
-    lone_zero = e.op("Sub", [reduce_like(e, node, "ReduceSum", zeros_only), zeros_only], like=x)
-    factor = e.op("Where", [e.op("Equal", [other_zeros, one]), lone_zero, zero], like=x)
-    factor = e.op("Where", [e.op("Equal", [other_zeros, zero]), one, factor], like=x)
-    others = e.op("Mul", [others_safe, factor], like=x)
-    return strong(ctx, keep(e, node, g), others, x)  # the product of the others may overflow
+    x = ctx.val(x)
+    is_zero = x.eq(0)
+    safe = where(is_zero, 1, x)
+    zeros_only = where(is_zero, x, 0)  # the zero elements themselves, for their derivative
+    zmask = is_zero.cast_like(x)
+    others_safe = reduce_like(ctx, node, "ReduceProd", safe) / safe
+    other_zeros = reduce_like(ctx, node, "ReduceSum", zmask) - zmask
+    lone_zero = reduce_like(ctx, node, "ReduceSum", zeros_only) - zeros_only
+    factor = where(other_zeros.eq(0), 1, where(other_zeros.eq(1), lone_zero, 0))
+    return keep(ctx, node, g).times(others_safe * factor, like=x)  # the product of the others may overflow
 
 
 @unary("ReduceSumSquare")
 def reduce_sum_square(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = 2 x dy`` (ONNX "ReduceSumSquare")."""
-    e = ctx.e
-    g2 = e.op("Mul", [keep(e, node, g), e.scalar(2.0, x)])
-    return strong(ctx, g2, x, x, [x])
+    return (keep(ctx, node, g) * 2).times(x, [x], like=x)
 
 
 @unary("ReduceL2")
 def reduce_l2(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * x / ||x||`` (ONNX "ReduceL2"; PyTorch's ``norm_backward``), with the 0 subgradient where
     the norm is 0 (there every x is 0, so dividing by 1 instead gives exactly 0)."""
-    e = ctx.e
-    yk = keep(e, node, y)
-    safe = e.op("Where", [e.op("Equal", [yk, e.scalar(0.0, yk)]), e.scalar(1.0, yk), yk])
-    unit = e.op("Div", [x, safe], like=x)
-    return strong(ctx, keep(e, node, g), unit, x, [x])
+    yk = keep(ctx, node, y)
+    return keep(ctx, node, g).times(ctx.val(x) / where(yk.eq(0), 1, yk), [x], like=x)
 
 
 @unary("ReduceL1")
 def reduce_l1(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * sign(x)`` (ONNX "ReduceL1"), the 0 subgradient at 0."""
-    e = ctx.e
-    return strong(ctx, keep(e, node, g), e.op("Sign", [x], like=x), x, [x])
+    return keep(ctx, node, g).times(ctx.val(x).sign(), [x], like=x)
 
 
 @unary("ReduceLogSumExp")
@@ -160,18 +153,16 @@ def reduce_log_sum_exp(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     ``x - y <= 0`` since ``y >= max x``: the max-subtracted softmax, which cannot overflow. A group that is all
     ``-inf`` (``y = -inf``, where ``x - y`` is NaN) gets 0 (issue 27: a fully masked row, as Softmax's), tested
     only where ``x`` may be non-finite."""
-    e = ctx.e
-    yk = keep(e, node, y)
-    p = e.op("Exp", [e.op("Sub", [x, yk], like=x)], like=x)
+    x = ctx.val(x)
+    p = (x - keep(ctx, node, y)).exp()
     masked = None
-    if ctx.nonfinite(x):  # from x's maximum, not y: runtimes differ on y there (onnx's reference: NaN)
-        masked = e.op("Equal", [reduce_like(e, node, "ReduceMax", x), e.scalar(-np.inf, x)])
-    if masked is not None:
-        p = e.op("Where", [masked, e.scalar(0.0, p), p], like=x)
-    dx = strong(ctx, keep(e, node, g), p, x, [x])
+    if ctx.nonfinite(x.name):  # from x's maximum, not y: runtimes differ on y there (onnx's reference: NaN)
+        masked = reduce_like(ctx, node, "ReduceMax", x).eq(-np.inf)
+        p = where(masked, 0, p, like=x)
+    dx = keep(ctx, node, g).times(p, [x], like=x)
     if masked is None or ctx.finite:  # (finite: 0 x finite is 0 already)
         return dx
-    return ctx.select(e.op("Not", [masked]), dx, like=x)
+    return dx.select(~masked, like=x)
 
 
 @unary("CumSum")
@@ -180,7 +171,7 @@ def cumsum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     (ONNX "CumSum"; JAX's ``cumsum`` transpose rule)."""
     exclusive = 1 if node.attrs.get("exclusive", 0) else None
     reverse = None if node.attrs.get("reverse", 0) else 1
-    return ctx.e.op("CumSum", [g, node.inputs[1]], exclusive=exclusive, reverse=reverse, like=x)
+    return ctx.val(g).apply("CumSum", node.inputs[1], exclusive=exclusive, reverse=reverse, like=x)
 
 
 @unary("ReduceLogSum")
@@ -189,25 +180,14 @@ def reduce_log_sum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     with the node's axes, ``keepdims=1``: one rounding, where ``exp(-y)`` would carry the logarithm's). A no-op
     reduction (``noop_with_empty_axes=1`` and no axes) is ``log(x)``: ``dx = dy / x``. ``1 / sum`` is infinite
     where the sum is 0: always strong (a zero cotangent gives 0)."""
-    e = ctx.e
-    total = reduce_like(e, node, "ReduceSum", x)  # x itself for a no-op reduction
-    share = strong(ctx, keep(e, node, g), e.op("Reciprocal", [total], like=total), None)
-    return e.op("Expand", [share, e.shape_of(x)], like=x)
+    total = reduce_like(ctx, node, "ReduceSum", ctx.val(x))  # x itself for a no-op reduction
+    share = keep(ctx, node, g).times(total.reciprocal(), like=None)
+    return share.apply("Expand", ctx.e.shape_of(x), like=x)
 
 
 # ------------------------------------------------------------------------------------------ CumProd
 
 INT64_MAX = np.iinfo(np.int64).max
-
-
-def _guarded(e: Emitter, g: str, d: str, strong: bool = True) -> str:
-    """``g * d``, exactly 0 where ``g == 0`` whatever ``d`` (``Ctx.times`` for an emitter of a loop body);
-    the plain product when not ``strong`` (``Options.strong_zeros`` off: forward mode transposes this VJP,
-    which must then be linear in ``g``)."""
-    if not strong:
-        return e.op("Mul", [g, d], like=g)
-    zero = e.scalar(0.0, g)
-    return e.op("Where", [e.op("Equal", [g, zero]), zero, e.op("Mul", [g, d], like=g)], like=g)
 
 
 def _shift(e: Emitter, v: str, d, axis: int, rank: int, later: bool, fill: float) -> str:
@@ -228,22 +208,24 @@ def _shift(e: Emitter, v: str, d, axis: int, rank: int, later: bool, fill: float
     return e.op("Pad", [part, pads, e.scalar(fill, v)], mode="constant", like=v)
 
 
-def _scan_step(e: Emitter, a: str, b: str, d, axis: int, rank: int, later: bool, last: bool,
-               strong: bool = True) -> tuple[str, str | None]:
+def _scan_step(ctx: Ctx, a: str, b: str, d, axis: int, rank: int, later: bool, last: bool) -> tuple[str, str | None]:
     """One doubling step of the affine scan ``R[i] = b[i] + a[i] R[i + 1]`` (``later``; ``R[i - 1]`` otherwise;
     0 past the end): ``(a, b)`` holds ``R[i] = b[i] + a[i] R[i + d]``, and composing it with the element ``d``
     places on gives the same with ``2 d`` (Hillis and Steele's doubling, "Data parallel algorithms", CACM 1986;
-    Blelloch's first-order recurrences). ``b`` gathers cotangents: its products are strong (``strong``)."""
-    b2 = e.op("Add", [b, _guarded(e, _shift(e, b, d, axis, rank, later, 0.0), a, strong)], like=b)
-    a2 = None if last else e.op("Mul", [a, _shift(e, a, d, axis, rank, later, 0.0)], like=a)
-    return b2, a2
+    Blelloch's first-order recurrences). ``b`` gathers cotangents: its products are strong (a partial product
+    may overflow; the plain product without ``Options.strong_zeros``, so that forward mode, which transposes
+    this VJP, meets a map linear in ``g``). ``ctx.e`` may be a loop body's emitter."""
+    e, (av, bv) = ctx.e, ctx.vals(a, b)
+    b2 = bv + ctx.val(_shift(e, b, d, axis, rank, later, 0.0)).times(av, None, zero=False)
+    a2 = None if last else av * _shift(e, a, d, axis, rank, later, 0.0)
+    return b2.name, None if a2 is None else a2.name
 
 
-def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, n: int | None, x: str,
-                 strong: bool = True) -> str:
+def _affine_scan(ctx: Ctx, a: str, b: str, axis: int, rank: int, later: bool, n: int | None, x: str) -> str:
     """``R`` with ``R[i] = b[i] + a[i] R[next(i)]`` along ``axis`` (``next(i) = i + 1`` when ``later``, else
     ``i - 1``; ``R`` past the end is 0), by ``ceil(log2 n)`` doubling steps: unrolled for a static length ``n``,
     a ``Loop`` that doubles ``d`` while ``d < n`` otherwise. Only products and sums: exact at zeros."""
+    e = ctx.e
     if n is not None:
         steps = []
         d = 1
@@ -251,7 +233,7 @@ def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, 
             steps.append(d)
             d *= 2
         for k, d in enumerate(steps):
-            b, a = _scan_step(e, a, b, d, axis, rank, later, k == len(steps) - 1, strong)
+            b, a = _scan_step(ctx, a, b, d, axis, rank, later, k == len(steps) - 1)
         return b
     i64 = np.dtype(np.int64)
     length = e.op("Gather", [e.op("Shape", [x]), e.ints([axis])], axis=0, shape=(1,), dtype=i64)
@@ -265,7 +247,7 @@ def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, 
     for v in ins:
         eb.types[v.name] = v
     a_in, b_in, d_in = (v.name for v in ins)
-    b_out, a_out = _scan_step(eb, a_in, b_in, d_in, axis, rank, later, False, strong)
+    b_out, a_out = _scan_step(dataclasses.replace(ctx, e=eb), a_in, b_in, d_in, axis, rank, later, False)
     d_out = eb.op("Mul", [d_in, eb.ints([2])], shape=(1,), dtype=i64)
     more = eb.op("Less", [d_out, length], shape=(1,), dtype=np.dtype(bool))
     more = eb.op("Squeeze", [more, eb.ints([0])], shape=(), dtype=np.dtype(bool))
@@ -309,8 +291,8 @@ def cumprod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
         return e.zeros_like(x)
     later = not node.attrs.get("reverse", 0)  # the recurrences run against the direction of the products
     if node.attrs.get("exclusive", 0):
-        u = _affine_scan(e, x, g, axis, rank, later, n, x, ctx.options.strong_zeros)
-        return strong(ctx, _shift(e, u, 1, axis, rank, later, 0.0), y, x)
+        u = _affine_scan(ctx, x, g, axis, rank, later, n, x)
+        return ctx.val(_shift(e, u, 1, axis, rank, later, 0.0)).times(y, like=x)
     a = _shift(e, x, 1, axis, rank, later, 0.0)
-    s = _affine_scan(e, a, g, axis, rank, later, n, x, ctx.options.strong_zeros)
-    return strong(ctx, s, _shift(e, y, 1, axis, rank, not later, 1.0), x)
+    s = _affine_scan(ctx, a, g, axis, rank, later, n, x)
+    return ctx.val(s).times(_shift(e, y, 1, axis, rank, not later, 1.0), like=x)

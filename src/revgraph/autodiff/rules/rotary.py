@@ -1,5 +1,4 @@
-"""VJP of rotary position embedding (ONNX operator spec, "RotaryEmbedding" 23), moved out of :mod:`.attention`
-(which holds Attention and the small input helper this module imports).
+"""VJP of rotary position embedding (ONNX operator spec, "RotaryEmbedding" 23), moved out of :mod:`.attention`.
 
 Each pair ``(x1, x2)`` (halves, or even/odd elements when ``interleaved``) of the first ``rotary_embedding_dim``
 features is rotated: ``(c x1 - s x2, s x1 + c x2)``. A rotation's transpose is the rotation by the opposite
@@ -16,18 +15,17 @@ from functools import cache
 
 from ...errors import GraphError
 from ...ir import Node
+from ..algebra import Val
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 from ..sparse import SparseGrad
-from .attention import _opt
-from .indexing import _dim, _flat_indices
+from ._common import dim, flat_indices, optional_input
 
 
-def _input_grad(e: Emitter, node: Node, g: str, x: str, cos: str, sin: str, pos: str | None) -> str:
+def _input_grad(node: Node, g: Val, x: str, cos: str, sin: Val, pos: str | None) -> Val:
     """``dX``: ``dY`` rotated back, the same operator with the sine negated."""
-    ins = [g, cos, e.op("Neg", [sin], like=sin)] + ([pos] if pos else [])
-    return e.op("RotaryEmbedding", ins, like=x, **node.attrs)
+    return g.apply("RotaryEmbedding", cos, -sin, *([pos] if pos else []), like=x, **node.attrs)
 
 
 def _heads(e: Emitter, node: Node, x: str, g: str) -> tuple[str, str, int, int | None]:
@@ -73,24 +71,23 @@ def _pairs(e: Emitter, node: Node, x: str, g: str) -> tuple[str, str, str, str, 
     return (*_halves(e, xs, r, interleaved), *_halves(e, gs, r, interleaved), axis, r // 2)
 
 
-def _dcos(e: Emitter, x1: str, x2: str, g1: str, g2: str) -> str:
+def _dcos(x1: Val, x2: Val, g1: Val, g2: Val) -> Val:
     """The cotangent of ``cos`` per head: ``g1 x1 + g2 x2``."""
-    return e.op("Add", [e.op("Mul", [g1, x1]), e.op("Mul", [g2, x2])])
+    return g1 * x1 + g2 * x2
 
 
-def _dsin(e: Emitter, x1: str, x2: str, g1: str, g2: str) -> str:
+def _dsin(x1: Val, x2: Val, g1: Val, g2: Val) -> Val:
     """The cotangent of ``sin`` per head: ``g2 x1 - g1 x2``."""
-    return e.op("Sub", [e.op("Mul", [g2, x1]), e.op("Mul", [g1, x2])])
+    return g2 * x1 - g1 * x2
 
 
-def _cache_grad(e: Emitter, d: str, axis: int, half: int, table: str, pos: str | None) -> SparseGrad | str:
+def _cache_grad(e: Emitter, d: Val, axis: int, half: int, table: str, pos: str | None) -> SparseGrad | Val:
     """The per-head cotangent ``d`` of a cache summed over the heads, then reduced to the cache's shape, or,
     with ``position_ids``, its rows added back at those positions (a sparse gradient)."""
-    d = e.op("ReduceSum", [d, e.ints([axis])], keepdims=0)  # [B, L, R/2]
+    d = d.sum([axis], keepdims=0)  # [B, L, R/2]
     if pos is None:
-        return e.reduce_to(d, table)
-    rows = e.op("Reshape", [d, e.ints([-1, half])])
-    return SparseGrad(_flat_indices(e, pos, _dim(e, table, 0)), rows, table)
+        return d.reduce_to(table)
+    return SparseGrad(flat_indices(e, pos, dim(e, table, 0)), d.reshape([-1, half]).name, table)
 
 
 @vjp("RotaryEmbedding")
@@ -100,16 +97,16 @@ def rotary_embedding(ctx: Ctx, node: Node, cts: list) -> list:
     added back at ``position_ids`` when given (see the module docstring)."""
     e, g = ctx.e, cts[0]
     x, cos, sin = node.inputs[:3]
-    pos = _opt(node, 3)
+    pos = optional_input(node, 3)
 
     @cache
     def pairs() -> tuple[str, str, str, str, int, int]:
         return _pairs(e, node, x, g)
 
-    def dcache(term: Callable[..., str], table: str) -> SparseGrad | str:
-        x1, x2, g1, g2, axis, half = pairs()
-        return _cache_grad(e, term(e, x1, x2, g1, g2), axis, half, table, pos)
+    def dcache(term: Callable[..., Val], table: str) -> SparseGrad | Val:
+        *halves, axis, half = pairs()
+        return _cache_grad(e, term(*ctx.vals(*halves)), axis, half, table, pos)
 
-    out = [lambda: _input_grad(e, node, g, x, cos, sin, pos), lambda: dcache(_dcos, cos), lambda: dcache(_dsin, sin),
-           None]
+    out = [lambda: _input_grad(node, ctx.val(g), x, cos, ctx.val(sin), pos), lambda: dcache(_dcos, cos),
+           lambda: dcache(_dsin, sin), None]
     return out[: len(node.inputs)]

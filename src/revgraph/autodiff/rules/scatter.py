@@ -31,12 +31,14 @@ import numpy as np
 from ...errors import GraphError
 from ...ir import Node
 from ...warn import warn
+from ..algebra import Val
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 from ..segments import others_product
 from ..sparse import scatter_nd_reduce
-from .indexing import _INT64, _axis, _cat_shapes, _dim, _nd_dims, _nonneg, _shape_part
+from ._common import INT64, cat_shapes, dim, node_axis, nonneg, shape_part
+from .indexing import nd_dims
 
 
 def _scatter_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs: dict) -> list:
@@ -51,37 +53,37 @@ def _scatter_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs:
       :func:`~revgraph.autodiff.segments.others_product`).
     - ``max``/``min``: :func:`_extremum_vjp`.
     """
-    e, (data, idx, upd) = ctx.e, node.inputs
+    e, (data, idx, upd), gv = ctx.e, node.inputs, ctx.val(g)
     reduction = node.attrs.get("reduction", "none")
     if reduction in ("max", "min"):
         return _extremum_vjp(ctx, node, g, scatter, gather, attrs)
     if reduction == "none":  # (the written positions are zeroed whatever the order of the writes)
-        ddata = lambda: e.op(scatter, [g, idx, e.zeros_like(upd)], like=data, **attrs)
+        ddata = lambda: gv.apply(scatter, idx, e.zeros_like(upd), like=data, **attrs)
     elif reduction == "add":
         ddata = g
-    else:
-        ddata = lambda: e.op("Mul", [g, _product_at(e, node, scatter, attrs)], like=data)
+    else:  # dx[p] = g[p] prod_k u_k
+        ddata = lambda: gv.apply("Mul", _product_at(e, node, scatter, attrs), like=data)
 
-    def dupdates() -> str:
-        if reduction == "mul":
-            read = _read(e, node, e.op("Mul", [g, data], like=data), gather, attrs)
-            return e.op("Mul", [read, _others_at(e, node, scatter)], like=upd)
-        read = _read(e, node, g, gather, attrs)
+    def dupdates() -> Val:
+        if reduction == "mul":  # du_k = g[p] x[p] prod_{j != k} u_j
+            read = _read(e, node, gv.apply("Mul", data, like=data), gather, attrs)
+            return read.apply("Mul", _others_at(e, node, scatter), like=upd)
+        read = _read(e, node, gv, gather, attrs)
         landed = _landed(ctx, node, scatter, attrs) if reduction == "none" else None
-        return read if landed is None else ctx.select(landed, read, like=upd)
+        return read if landed is None else read.select(landed, like=upd)
 
     return [ddata, None, dupdates]
 
 
-def _read(e: Emitter, node: Node, v: str, gather: str, attrs: dict) -> str:
+def _read(e: Emitter, node: Node, v: Val, gather: str, attrs: dict) -> Val:
     """``v`` (data-shaped) read at the positions the scatter writes, in the updates' shape."""
     idx, upd = node.inputs[1], node.inputs[2]
-    src = _fit_to_indices(e, node, v, idx, attrs["axis"]) if "axis" in attrs else v
-    if gather == "GatherElements" and e.rank(src) == 1:
+    src = v.ctx.val(_fit_to_indices(e, node, v.name, idx, attrs["axis"])) if "axis" in attrs else v
+    if gather == "GatherElements" and src.rank == 1:
         # The same read; the reference evaluator's GatherElements (numpy.choose) takes at most 64 entries
         # along the axis, and the race-free scatters of autodiff/sparse.py are 1-D.
-        return e.op("Gather", [src, idx], axis=0, like=upd)
-    return e.op(gather, [src, idx], like=upd, **attrs)
+        return src.apply("Gather", idx, axis=0, like=upd)
+    return src.apply(gather, idx, like=upd, **attrs)
 
 
 def _extremum_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs: dict) -> list:
@@ -89,35 +91,26 @@ def _extremum_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs
     equally (DESIGN.md section 5; PyTorch's ``scatter_reduce`` amax/amin backward does the same): ``g[p]``
     goes in equal shares to ``x[p]`` if it equals ``y[p]`` and to every ``u_k`` that equals it. The shares
     count the attaining elements with a race-free scatter-add of ones; the rest is elementwise."""
-    e, (data, _, upd), y = ctx.e, node.inputs, node.outputs[0]
+    e, (data, _, upd), y = ctx.e, ctx.vals(*node.inputs), ctx.val(node.outputs[0])
 
     @cache
-    def shares() -> tuple[str, str, str]:
+    def shares() -> tuple[Val, Val, Val]:
         """``(hit_x, hit_u, share)``: where the data and the updates attain ``y``, and ``g`` per attaining element."""
-        hit_x = e.op("Equal", [data, y])
-        hit_u = e.op("Equal", [upd, _read(e, node, y, gather, attrs)])
-        count = e.op("Add", [_indicator(e, hit_x, data),
-                             _scatter_add(e, node, scatter, _indicator(e, hit_u, upd), attrs)], like=data)
-        share = e.op("Div", [g, count], like=data)  # count >= 1 where hit_x, and at every position read where hit_u
+        hit_x, hit_u = data.eq(y), upd.eq(_read(e, node, y, gather, attrs))
+        count = hit_x.indicator(data).apply(
+            "Add", _scatter_add(e, node, scatter, hit_u.indicator(upd).name, attrs), like=data)
+        share = ctx.val(g).apply("Div", count, like=data)  # count >= 1 where hit_x, at every position read where hit_u
         return hit_x, hit_u, share
 
-    def ddata() -> str:
+    def ddata() -> Val:
         hit_x, _, share = shares()
-        return ctx.select(hit_x, share, like=data)
+        return share.select(hit_x, like=data)
 
-    def dupdates() -> str:
+    def dupdates() -> Val:
         _, hit_u, share = shares()
-        return ctx.select(hit_u, _read(e, node, share, gather, attrs), like=upd)
+        return _read(e, node, share, gather, attrs).select(hit_u, like=upd)
 
     return [ddata, None, dupdates]
-
-
-def _indicator(e: Emitter, mask: str, like: str) -> str:
-    """The bool ``mask`` as 0/1 in the dtype of ``like``."""
-    dt = e.onnx_dtype(like)
-    if dt is not None:
-        return e.op("Cast", [mask], to=dt)
-    return e.op("CastLike", [mask, like])
 
 
 def _scatter_add(e: Emitter, node: Node, scatter: str, vals: str, attrs: dict) -> str:
@@ -127,7 +120,7 @@ def _scatter_add(e: Emitter, node: Node, scatter: str, vals: str, attrs: dict) -
     data, idx, _ = node.inputs
     if scatter == "ScatterElements":
         return e.op(scatter, [e.zeros_like(data), idx, vals], reduction="add", like=data, **attrs)
-    return scatter_nd_reduce(e, e.zeros_like(data), _nonneg(e, idx, _nd_dims(e, data, idx, 0)), vals, "add")
+    return scatter_nd_reduce(e, e.zeros_like(data), nonneg(e, idx, nd_dims(e, data, idx, 0)), vals, "add")
 
 
 def _product_at(e: Emitter, node: Node, scatter: str, attrs: dict) -> str:
@@ -145,9 +138,9 @@ def _product_at(e: Emitter, node: Node, scatter: str, attrs: dict) -> str:
         return e.op(scatter, [e.ones_like(data), idx, upd], reduction="mul", like=data, **attrs)
     depth = _depth(e, idx)
     if depth is None:
-        return scatter_nd_reduce(e, e.ones_like(data), _nonneg(e, idx, _nd_dims(e, data, idx, 0)), upd, "mul")
+        return scatter_nd_reduce(e, e.ones_like(data), nonneg(e, idx, nd_dims(e, data, idx, 0)), upd, "mul")
     rows = _nd_rows(e, node, depth)
-    count, width = _shape_part(e, rows, 0), _row_width(e, data, depth)
+    count, width = shape_part(e, rows, 0), _row_width(e, data, depth)
     if isinstance(count, list) and isinstance(width, list) and count[0] * width[0] == 0:
         return e.ones_like(data)  # nothing written (onnxruntime rejects some empty scatters)
     if isinstance(width, list):
@@ -157,11 +150,11 @@ def _product_at(e: Emitter, node: Node, scatter: str, attrs: dict) -> str:
         out = e.op("ScatterElements", [flat, _row_elements(e, rows, width[0]), vals], axis=0, reduction="mul")
         return e.op("Reshape", [out, e.shape_of(data)], like=data)
     dt = e.dtype(data)
-    ones = e.op("ConstantOfShape", [_cat_shapes(e, [_positions(e, data, depth), width])],
+    ones = e.op("ConstantOfShape", [cat_shapes(e, [_positions(e, data, depth), width])],
                 value=np.ones(1, dtype=dt if dt is not None else np.float32))
     ones = ones if dt is not None else e.op("CastLike", [ones, data])
-    spread = e.op("Expand", [e.op("Unsqueeze", [rows, e.ints([1])]), _cat_shapes(e, [count, width])])
-    vals = e.op("Reshape", [upd, _cat_shapes(e, [count, width])])
+    spread = e.op("Expand", [e.op("Unsqueeze", [rows, e.ints([1])]), cat_shapes(e, [count, width])])
+    vals = e.op("Reshape", [upd, cat_shapes(e, [count, width])])
     out = e.op("ScatterElements", [ones, spread, vals], axis=0, reduction="mul")
     return e.op("Reshape", [out, e.shape_of(data)], like=data)
 
@@ -178,7 +171,7 @@ def _row_elements(e: Emitter, rows: str, width: int) -> str:
 
 def _row_width(e: Emitter, x: str, start: int) -> list[int] | str:
     """``[prod(x.shape[start:])]``: a one-int list when static, else a 1-D int64 value of length 1."""
-    part = _shape_part(e, x, start)
+    part = shape_part(e, x, start)
     if isinstance(part, list):
         return [int(np.prod(part, dtype=np.int64))]
     return e.op("ReduceProd", [part], keepdims=1)
@@ -192,7 +185,7 @@ def _depth(e: Emitter, idx: str) -> int | None:
 
 def _positions(e: Emitter, data: str, depth: int) -> list[int] | str:
     """``[prod(data.shape[:depth])]``: the number of positions index tuples of ``depth`` entries address."""
-    head = _shape_part(e, data, 0, depth)
+    head = shape_part(e, data, 0, depth)
     if isinstance(head, list):
         return [int(np.prod(head, dtype=np.int64))]
     return e.op("ReduceProd", [head], keepdims=1)
@@ -203,10 +196,10 @@ def _nd_rows(e: Emitter, node: Node, depth: int) -> str:
     the end) as row numbers of the [prod(data.shape[:depth]), ...] view of the data, row-major (Horner's rule
     over the dimensions; a constant for constant indices and static dimensions)."""
     data, idx, _ = node.inputs
-    full = _nonneg(e, idx, _nd_dims(e, data, idx, 0))
+    full = nonneg(e, idx, nd_dims(e, data, idx, 0))
     if e.dtype(full) != np.int64:
-        full = e.op("Cast", [full], to=_INT64)
-    dims = [_dim(e, data, j) for j in range(depth)]
+        full = e.op("Cast", [full], to=INT64)
+    dims = [dim(e, data, j) for j in range(depth)]
     fv, dv = e.value(full), [e.value(d) for d in dims]
     if fv is not None and all(d is not None for d in dv):
         rows = np.zeros(fv.shape[:-1], dtype=np.int64)
@@ -226,9 +219,9 @@ def _others_at(e: Emitter, node: Node, scatter: str) -> str:
     :func:`_nd_rows`. The number of updates along the grouped axis must be static (the scans' length)."""
     data, idx, upd = node.inputs
     if scatter == "ScatterElements":
-        axis = _axis(e, node, data, 0)
+        axis = node_axis(e, node, data, 0)
         n = _static_dim(e, node, idx, axis)
-        keys = _nonneg(e, idx, _dim(e, data, axis))
+        keys = nonneg(e, idx, dim(e, data, axis))
         return others_product(e, upd, keys, axis, n)
     dims = e.dims(idx)
     lead = list(dims[:-1]) if dims is not None else None
@@ -241,7 +234,7 @@ def _others_at(e: Emitter, node: Node, scatter: str) -> str:
     rv = e.value(rows)
     keys = e.const(rv.reshape(count, 1)) if rv is not None else e.op("Reshape", [rows, e.ints([count, 1])],
                                                                         shape=(count, 1), dtype=np.int64)
-    vals = e.op("Reshape", [upd, _cat_shapes(e, [[count], _row_width(e, upd, len(lead))])])
+    vals = e.op("Reshape", [upd, cat_shapes(e, [[count], _row_width(e, upd, len(lead))])])
     others = others_product(e, vals, keys, 0, count)
     return e.op("Reshape", [others, e.shape_of(upd)], like=upd)
 
@@ -265,10 +258,10 @@ def _fit_to_indices(e: Emitter, node: Node, g: str, idx: str, axis: int) -> str:
     r = e.need_rank(g, node)
     axis = axis % r
     sg, si = e.shape(g), e.shape(idx)
-    if sg is not None and si is not None:
-        if all(a == b for d, (a, b) in enumerate(zip(sg, si, strict=True)) if d != axis):
-            return g
-    ends = _cat_shapes(e, [_shape_part(e, idx, 0, axis), [np.iinfo(np.int64).max], _shape_part(e, idx, axis + 1)])
+    if sg is not None and si is not None and all(
+            a == b for d, (a, b) in enumerate(zip(sg, si, strict=True)) if d != axis):
+        return g
+    ends = cat_shapes(e, [shape_part(e, idx, 0, axis), [np.iinfo(np.int64).max], shape_part(e, idx, axis + 1)])
     return e.op("Slice", [g, e.ints([0] * r), ends])
 
 
@@ -285,7 +278,7 @@ def scatter_elements(ctx: Ctx, node: Node, cts: list) -> list:
     ``axis`` (PyTorch ``scatter``/``scatter_add``/``scatter_reduce``: ``src`` gets ``grad.gather(dim, index)``
     times the reduction's local derivative)."""
     return _scatter_vjp(ctx, node, cts[0], "ScatterElements", "GatherElements",
-                        {"axis": _axis(ctx.e, node, node.inputs[0], 0, required=False)})
+                        {"axis": node_axis(ctx.e, node, node.inputs[0], 0, required=False)})
 
 
 # ---------------------------------------------------------------------------------------------- overwrites
@@ -307,8 +300,8 @@ def _landed(ctx: Ctx, node: Node, scatter: str, attrs: dict) -> str | None:
     not repeat). A constant for constant indices and dimensions; else computed in the graph, with a warning."""
     e, (data, idx, upd) = ctx.e, node.inputs
     if scatter == "ScatterElements":
-        axis = _axis(e, node, data, 0)
-        keys = _nonneg(e, idx, _dim(e, data, axis))
+        axis = node_axis(e, node, data, 0)
+        keys = nonneg(e, idx, dim(e, data, axis))
         kv = e.value(keys)
         if kv is not None:
             grid = np.indices(kv.shape).reshape(kv.ndim, -1)
@@ -339,10 +332,10 @@ def _landed(ctx: Ctx, node: Node, scatter: str, attrs: dict) -> str | None:
         return e.const(keep.reshape(tuple(lead_shape) + (1,) * trail))
     _warn_order(node)
     ids = e.op("Range", [e.const(np.int64(0)), e.op("Size", [rows]), e.const(np.int64(1))])
-    top = e.op("ConstantOfShape", [_cat_shapes(e, [_positions(e, data, depth)])], value=np.array([-1], np.int64))
+    top = e.op("ConstantOfShape", [cat_shapes(e, [_positions(e, data, depth)])], value=np.array([-1], np.int64))
     top = e.op("ScatterElements", [top, rows, ids], axis=0, reduction="max")
     hit = e.op("Equal", [e.op("Gather", [top, rows], axis=0), ids])
-    shape = _cat_shapes(e, [_shape_part(e, idx, 0, lead), [1] * trail])
+    shape = cat_shapes(e, [shape_part(e, idx, 0, lead), [1] * trail])
     return e.op("Reshape", [hit, shape])
 
 

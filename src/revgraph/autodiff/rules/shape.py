@@ -19,7 +19,6 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
-import onnx
 
 from ...errors import GraphError
 from ...ir import Node
@@ -27,11 +26,11 @@ from ...ir.fastshape import slice_indices
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, vjp
+from ._common import INT64, optional_input, static_dim
 from .tables import small
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 INT64_MIN = int(np.iinfo(np.int64).min)
-INT64 = onnx.TensorProto.INT64
 
 # An "int or name": a Python int when the value is known while the graph is built, else the name of a 1-D
 # int64 value of length 1. The helpers below fold ints and emit ops only for unknown values.
@@ -46,10 +45,6 @@ def _arith(e: Emitter, op: str, a: Dyn, b: Dyn) -> Dyn:
     if isinstance(a, int) and isinstance(b, int):
         return {"Add": a + b, "Sub": a - b, "Mul": a * b, "Max": max(a, b)}[op]
     return e.op(op, [_t(e, a), _t(e, b)])
-
-
-def _input(node: Node, i: int) -> str | None:
-    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
 
 
 def _const_ints(e: Emitter, name: str | None) -> list[int] | None:
@@ -69,11 +64,12 @@ def _norm_axis(e: Emitter, axis: int, value: str) -> int:
     return axis + r if axis < 0 and r is not None else axis
 
 
-def _dim(e: Emitter, x: str, axis: int) -> Dyn:
-    """The size of ``x`` along ``axis`` (which may be negative): an int when static."""
-    dims = e.dims(x)
-    if dims is not None and -len(dims) <= axis < len(dims) and isinstance(dims[axis], int):
-        return dims[axis]
+def _extent(e: Emitter, x: str, axis: int) -> Dyn:
+    """The size of ``x`` along ``axis`` (which may be negative) as an int-or-name: :func:`._common.static_dim`
+    when static, else a ``Shape`` slice of length 1 (where :func:`._common.dim` gives a 0-d value)."""
+    n = static_dim(e, x, axis)
+    if n is not None:
+        return n
     attrs = {"start": axis} if axis == -1 else {"start": axis, "end": axis + 1}
     return e.op("Shape", [x], shape=(1,), dtype=np.int64, **attrs)
 
@@ -169,7 +165,7 @@ def concat(ctx: Ctx, node: Node, cts: list) -> list:
     @cache
     def offset(i: int) -> Dyn:
         """Where input ``i`` starts along ``axis``: the sum of the sizes of the inputs before it."""
-        return 0 if i == 0 else _arith(e, "Add", offset(i - 1), _dim(e, node.inputs[i - 1], axis))
+        return 0 if i == 0 else _arith(e, "Add", offset(i - 1), _extent(e, node.inputs[i - 1], axis))
 
     def piece(i: int, x: str) -> str:
         start, end = offset(i), offset(i + 1)
@@ -312,7 +308,7 @@ def _unslice(e: Emitter, node: Node, g: str) -> str:
     x = node.inputs[0]
     for a, start, end, step in _slice_params(e, node, x):
         a = _norm_axis(e, a, x)
-        dim = _dim(e, x, a)
+        dim = _extent(e, x, a)
         if all(isinstance(v, int) for v in (dim, start, end, step)):
             idx = slice_indices(dim, start, end, step)
             if len(idx) == 0:
@@ -328,7 +324,7 @@ def _slice_params(e: Emitter, node: Node, x: str) -> list[tuple]:
     """``(axis, start, end, step)`` of each sliced axis, int-or-name: constants where known, one-element
     slices of the parameter inputs otherwise, and every axis of ``x`` (:func:`_masked_params`) when the sliced
     axes are only known at run time."""
-    starts, ends, axes, steps = node.inputs[1], node.inputs[2], _input(node, 3), _input(node, 4)
+    starts, ends, axes, steps = node.inputs[1], node.inputs[2], optional_input(node, 3), optional_input(node, 4)
     sv, ev, av, tv = (_const_ints(e, v) for v in (starts, ends, axes, steps))
     k = len(sv) if sv is not None else (e.shape(starts) or [None])[0]
     if av is None and axes is None and k is not None:
@@ -427,7 +423,7 @@ def pad(ctx: Ctx, node: Node, cts: list) -> list:
     one ``x`` element, so ``x`` gets the sum of the cotangents of its copies (JAX's ``_pad_transpose``;
     PyTorch's ``reflection_pad*_backward``, ``replication_pad*_backward``)."""
     e, x, pads, g = ctx.e, node.inputs[0], node.inputs[1], cts[0]
-    cv, axes = _input(node, 2), _input(node, 3)
+    cv, axes = optional_input(node, 2), optional_input(node, 3)
     mode = node.attrs.get("mode", "constant")
     mode = mode.decode() if isinstance(mode, bytes) else mode
 
