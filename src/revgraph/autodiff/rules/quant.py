@@ -39,7 +39,7 @@ from ..registry import not_differentiable, vjp
 
 not_differentiable(
     "integer output (rounding: derivative 0 almost everywhere); a QuantizeLinear -> DequantizeLinear pair gets the "
-    "straight-through estimator with straight_through=True (the DequantizeLinear rule)", "QuantizeLinear")
+    "straight-through estimator with straight_through=True (the DequantizeLinear rule)", "QuantizeLinear", bounded=False, finite=False)
 
 
 def _opt(node: Node, i: int) -> str | None:
@@ -137,7 +137,7 @@ def _cast(e: Emitter, v: str, like: str) -> str:
     return e.op("CastLike", [v, like], shape=e.dims(v), dtype=e.dtype(like))
 
 
-@vjp("DequantizeLinear")
+@vjp("DequantizeLinear", bounded=False, finite=False)
 def dequantize(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
     """ONNX "DequantizeLinear": the scale's exact gradient ``sum(dy (q - z))`` per covered block, and with
     ``straight_through`` the STE of a QuantizeLinear -> DequantizeLinear pair to the QuantizeLinear's float

@@ -52,7 +52,7 @@ def is_noop(e: Emitter, node: Node) -> bool:
     return value is not None and value.size == 0 and bool(node.attrs.get("noop_with_empty_axes", 0))
 
 
-@unary("ReduceSum")
+@unary("ReduceSum", bounded=True, finite=True, reads=())
 def reduce_sum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy`` broadcast back (ONNX "ReduceSum")."""
     return g if is_noop(ctx.e, node) else expand_back(ctx.e, node, g)
@@ -81,7 +81,7 @@ def reduce_like(e: Emitter, node: Node, op_type: str, v: str) -> str:
 # ------------------------------------------------------------------------------------------ rules
 
 
-@unary("ReduceMean")
+@unary("ReduceMean", bounded=True, finite=True, reads=())
 def reduce_mean(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy / n`` broadcast back, ``n`` the number of elements per group (ONNX "ReduceMean")."""
     e = ctx.e
@@ -95,7 +95,7 @@ def reduce_mean(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return e.op("Expand", [keep(e, node, share), e.shape_of(x)], like=x)
 
 
-@unary("ReduceMax", "ReduceMin")
+@unary("ReduceMax", "ReduceMin", bounded=True, finite=True, reads=())
 def reduce_max_min(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """The cotangent goes to the elements equal to the extremum, split equally among ties (DESIGN.md
     section 5; JAX's ``_reduce_chooser_jvp_rule`` does the same)."""
@@ -106,7 +106,7 @@ def reduce_max_min(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return ctx.select(hit, share, like=x)
 
 
-@unary("ReduceProd")
+@unary("ReduceProd", bounded=False, finite=False)
 def reduce_prod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx_i = dy * prod_{j != i} x_j`` (ONNX "ReduceProd"; PyTorch's ``prod_backward``), computed without
     dividing by zero: with ``S = where(x == 0, 1, x)`` and ``Z`` the zero elements, the product of the others
@@ -128,7 +128,7 @@ def reduce_prod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return strong(ctx, keep(e, node, g), others, x)  # the product of the others may overflow
 
 
-@unary("ReduceSumSquare")
+@unary("ReduceSumSquare", bounded=True, finite=True, reads="all")
 def reduce_sum_square(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = 2 x dy`` (ONNX "ReduceSumSquare")."""
     e = ctx.e
@@ -136,7 +136,7 @@ def reduce_sum_square(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return strong(ctx, g2, x, x, [x])
 
 
-@unary("ReduceL2")
+@unary("ReduceL2", bounded=False, finite=False)
 def reduce_l2(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * x / ||x||`` (ONNX "ReduceL2"; PyTorch's ``norm_backward``), with the 0 subgradient where
     the norm is 0 (there every x is 0, so dividing by 1 instead gives exactly 0)."""
@@ -147,14 +147,14 @@ def reduce_l2(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return strong(ctx, keep(e, node, g), unit, x, [x])
 
 
-@unary("ReduceL1")
+@unary("ReduceL1", bounded=True, finite=True, reads="all")
 def reduce_l1(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * sign(x)`` (ONNX "ReduceL1"), the 0 subgradient at 0."""
     e = ctx.e
     return strong(ctx, keep(e, node, g), e.op("Sign", [x], like=x), x, [x])
 
 
-@unary("ReduceLogSumExp")
+@unary("ReduceLogSumExp", bounded=True, finite=True, reads="all")
 def reduce_log_sum_exp(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * softmax(x) = dy * exp(x - y)`` (ONNX "ReduceLogSumExp"; JAX's ``logsumexp`` derivative).
     ``x - y <= 0`` since ``y >= max x``: the max-subtracted softmax, which cannot overflow. A group that is all
@@ -174,7 +174,7 @@ def reduce_log_sum_exp(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return ctx.select(e.op("Not", [masked]), dx, like=x)
 
 
-@unary("CumSum")
+@unary("CumSum", bounded=True, finite=True, reads=())
 def cumsum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """The transpose of a prefix sum is the suffix sum in the other direction, with the same exclusivity
     (ONNX "CumSum"; JAX's ``cumsum`` transpose rule)."""
@@ -183,7 +183,7 @@ def cumsum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return ctx.e.op("CumSum", [g, node.inputs[1]], exclusive=exclusive, reverse=reverse, like=x)
 
 
-@unary("ReduceLogSum")
+@unary("ReduceLogSum", bounded=False, finite=False)
 def reduce_log_sum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``y = log(sum(x))``, so ``dx = dy / sum(x)`` broadcast back (ONNX "ReduceLogSum"; the sum is recomputed
     with the node's axes, ``keepdims=1``: one rounding, where ``exp(-y)`` would carry the logarithm's). A no-op
@@ -279,7 +279,7 @@ def _affine_scan(e: Emitter, a: str, b: str, axis: int, rank: int, later: bool, 
     return r
 
 
-@unary("CumProd")
+@unary("CumProd", bounded=False, finite=False)
 def cumprod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "CumProd" (opset 26), without dividing by ``x`` (exact at any number of zeros). For the forward
     direction, with ``E[i] = prod_{k<i} x_k`` (the exclusive products, from ``y``):

@@ -93,7 +93,7 @@ def _cache_grad(e: Emitter, d: str, axis: int, half: int, table: str, pos: str |
     return SparseGrad(_flat_indices(e, pos, _dim(e, table, 0)), rows, table)
 
 
-@vjp("RotaryEmbedding")
+@vjp("RotaryEmbedding", bounded=False, finite=False)
 def rotary_embedding(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "RotaryEmbedding" (opset 23): ``dX`` is the inverse rotation of ``dY`` (the same operator with the
     sine negated); the caches get ``sum_heads(g1 x1 + g2 x2)`` (cos) and ``sum_heads(g2 x1 - g1 x2)`` (sin),
