@@ -127,26 +127,25 @@ def ops_with(**facts) -> frozenset[str]:
     return frozenset(op for op, f in FACTS.items() if all(getattr(f, k) == v for k, v in facts.items()))
 
 
-def _record(op_types: tuple[str, ...], facts: dict) -> None:
+def _stated(op_types: tuple[str, ...], facts: dict) -> Facts:
     unknown = set(facts) - set(FACT_NAMES)
     if unknown:
         raise TypeError(f"unknown operator facts {sorted(unknown)} for {op_types}; known: {FACT_NAMES}")
-    stated = Facts(**facts)
-    for op in op_types:
-        FACTS[op] = stated
+    return Facts(**facts)
 
 
 def vjp(*op_types: str, **facts) -> Callable[[Rule], Rule]:
     """Register ``rule`` as the VJP of the default-domain operators ``op_types``, with their :class:`Facts`
     as keywords (``bounded``, ``finite``, ``reads`` or ``product`` required: :data:`REQUIRED`);
     ``ValueError`` if one has a rule already."""
+    stated = _stated(op_types, facts)
 
     def register(rule: Rule) -> Rule:
         for op in op_types:
             if op in RULES:
                 raise ValueError(f"duplicate VJP rule for {op}")
             RULES[op] = rule
-        _record(op_types, facts)
+            FACTS[op] = stated
         return rule
 
     return register
@@ -163,7 +162,8 @@ def unary(*op_types: str, **facts) -> Callable:
             return [lambda: fn(ctx, node, x, y, g), *[None] * (len(node.inputs) - 1)]
 
         rule.__doc__ = fn.__doc__
-        rule.__name__ = fn.__name__
+        rule.__name__, rule.__qualname__, rule.__module__ = fn.__name__, fn.__qualname__, fn.__module__
+        rule.__wrapped__ = fn  # (functools' convention: the function the rule calls)
         vjp(*op_types, **facts)(rule)
         return fn
 
@@ -174,9 +174,10 @@ def not_differentiable(reason: str, *op_types: str, **facts) -> None:
     """Declare ``op_types`` as carrying no gradient, with the reason (shown in docs/op_coverage.md) and their
     :class:`Facts` (``bounded`` and ``finite`` required; ``reads`` is ``()``: no gradient is sent, so nothing
     is multiplied; ``shape_only`` for Shape and Size)."""
+    stated = _stated(op_types, {"reads": (), **facts})
     for op in op_types:
         NOT_DIFFERENTIABLE[op] = reason
-    _record(op_types, {"reads": (), **facts})
+        FACTS[op] = stated
 
 
 #: Rules of operators of revgraph's private domains, by ``(domain, op_type)``: placeholders that never reach a
