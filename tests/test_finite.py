@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import revgraph as rg
+from revgraph.autodiff import registry
 from revgraph.autodiff.finite import nonfinite_cotangents
 from revgraph.ir import Graph, Node, ValueInfo
 
@@ -33,6 +34,21 @@ SELECTIONS = {  # op -> (extra nodes before it, attributes, torch function)
     "Relu": ([], {}, torch.relu),
     "Clip": ([Node("Constant", [], ["lo"], {"value": np.array(0.0)}, "lo")], {}, lambda x: torch.clamp(x, min=0.0)),
 }
+
+
+def test_the_examples_have_the_registered_facts_the_tests_take():
+    # these tests pick operators for their facts (autodiff/finite.py reads them from the registrations,
+    # registry.FACTS): selections read nothing, Sqrt and Log are singular or overflow, Tanh is bounded and finite,
+    # MatMul and LayerNormalization mix, Softmax sanitizes, Gather moves, Cast casts
+    facts = registry.FACTS
+    assert all(facts[op].bounded and facts[op].reads == () for op in [*SELECTIONS, "Where"])
+    assert not facts["Sqrt"].bounded and not facts["Log"].finite and not facts["Div"].finite
+    assert facts["Div"].finite_if_static == (1,) and facts["Shape"].shape_only
+    assert facts["Tanh"].bounded and facts["Tanh"].finite and facts["Tanh"].reads == registry.ALL
+    assert facts["MatMul"].mixing and facts["MatMul"].product and facts["LayerNormalization"].mixing
+    assert facts["Mul"].product and not facts["Mul"].mixing
+    assert facts["Softmax"].sanitizing and facts["Gather"].moves and not facts["Add"].moves
+    assert facts["Cast"].casts and facts["Dropout"].reads == (1,)
 
 
 @pytest.mark.parametrize("op", SELECTIONS)

@@ -4,7 +4,7 @@ A rule writes its derivative with Python's operators and methods named after the
 emits one node through the rule's :class:`~revgraph.autodiff.emitter.Emitter` (no more nodes than the same
 rule written with ``e.op`` calls)::
 
-    @unary("Tanh")
+    @unary("Tanh", bounded=True, finite=True, reads="all")
     def tanh(ctx, node, x, y, g):
         y, g = ctx.vals(y, g)
         return g.times(1 - y * y, reads=[y])          # Sub(1, Mul(y, y)), then the strong-zero product

@@ -2,7 +2,7 @@
 
 A rule is a pure function of its context (DESIGN.md section 3)::
 
-    @vjp("Mul")
+    @vjp("Mul", bounded=True, finite=True, product=True)
     def mul(ctx: Ctx, node: Node, cts: list[str | None]) -> list[Cotangent]
 
 ``cts`` holds the cotangent of each output (``None``: that output gets no gradient; treat it as zero). The

@@ -13,17 +13,17 @@ Two uses:
 - **Zero partials** (issue 27). The same products are exactly 0 where the partial derivative ``d`` is 0 and the
   cotangent infinite (``Mul(x, x)`` at 0 under ``Sqrt``): tested only where :func:`nonfinite_cotangents`,
   called without forward risk (``risky`` empty), finds that the cotangent may be infinite at finite forward
-  values, i.e. after a VJP outside :data:`BOUNDED` (a singular derivative), a loop or custom operator, or a
+  values, i.e. after a VJP not registered ``bounded`` (a singular derivative), a loop or custom operator, or a
   seed that is not a finite constant (``Ctx.singular``).
 
 :func:`nonfinite_values` marks a forward value as possibly non-finite ("risky") when
 
-1. it is computed by an operator that can make inf or NaN out of finite values (anything outside
-   :data:`FINITE`: ``Log``, ``Exp``, ``Sqrt``, ``Div`` by a variable, a loop, a custom operator), or from a
-   constant holding inf or NaN, or from such a value through any operator (``Softmax`` excepted: an additive
-   ``-inf`` mask leaves it finite); or
+1. it is computed by an operator that can make inf or NaN out of finite values (anything not registered
+   ``finite``: ``Log``, ``Exp``, ``Sqrt``, ``Div`` by a variable, a loop, a custom operator), or from a
+   constant holding inf or NaN, or from such a value through any operator (``sanitizing`` ones excepted:
+   ``Softmax``, which an additive ``-inf`` mask leaves finite); or
 2. it is a declared input of the graph being differentiated (for a loop body: its carried values), or computed
-   from one through operators other than the contractions and normalizations in :data:`MIXING`, where the
+   from one through operators other than the contractions and normalizations (``mixing``), where the
    input is not broadcast. Inputs may hold inf or NaN (``-inf`` attention masks, NaN padding). Past a
    contraction such an element is no longer tracked: it makes the contraction's other operand's gradient NaN
    anyway (``x^T g`` with a NaN row of ``x``), in PyTorch and JAX as here; a broadcast operand (a bias or a
@@ -34,11 +34,16 @@ Two uses:
 Initializers and ``Constant`` outputs are judged by their values; values a loop or branch body reads from the
 enclosing graph are taken as finite there (the body is differentiated on its own).
 
+What each operator is (``bounded``, ``finite``, ``reads``, ``product``, ``mixing``, ``sanitizing``, ``moves``,
+``casts``, ``finite_if_static``, ``shape_only``) is stated where it is registered, as keywords of its
+``@vjp``/``@unary``/``not_differentiable`` (:class:`.registry.Facts` says what each means here); this module
+names no operator.
+
 :func:`nonfinite_cotangents`: the cotangent of an input is finite when the node's output cotangents are, its
-VJP is in :data:`BOUNDED` (maps finite cotangents to finite ones when the forward values it multiplies by are
-finite), none of those values (:func:`_reads`, per input) is risky, and the node is not a ``Cast`` whose VJP
-narrows the cotangent (float32 to float16 overflows). A contraction's VJP multiplying by a value that is risky
-only through an input does not count (case 2's limit).
+VJP is ``bounded`` (maps finite cotangents to finite ones when the forward values it multiplies by are
+finite), none of those values (``reads``, per input) is risky, and the node is not a cast whose VJP narrows
+the cotangent (``casts``: float32 to float16 overflows). A contraction's VJP multiplying by a value that is
+risky only through an input does not count (case 2's limit).
 """
 
 from __future__ import annotations
@@ -49,53 +54,13 @@ import numpy as np
 
 from ..ir import Node, ValueInfo
 from ..ir.ssa import captured_names
+from .registry import FACTS, UNKNOWN, Facts
 
-#: operators that move tensors in and out of ONNX sequences without changing them (their VJPs move cotangents)
-SEQUENCE_MOVES = ("SequenceConstruct", "SequenceInsert", "SequenceErase", "SequenceAt", "SplitToSequence",
-                  "ConcatFromSequence")
 
-#: VJPs that map a finite cotangent to a finite one when the forward values they read are finite
-BOUNDED = frozenset({
-    # elementwise arithmetic and activations
-    "Identity", "Add", "Sub", "Mul", "Neg", "Abs", "Max", "Min", "Sum", "Mean", "Where", "Clip", "Cast", "CastLike",
-    "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Softplus",
-    "Softsign", "Mish", "Erf", "Gelu", "Exp", "Sin", "Cos", "Sinh", "Cosh", "Atan", "ThresholdedRelu", "Shrink",
-    "Floor", "Ceil", "Round", "Sign",
-    # linear algebra, convolution, pooling, normalisation (eps > 0), losses
-    "MatMul", "Gemm", "Einsum", "Conv", "ConvTranspose", "MaxPool", "AveragePool", "GlobalAveragePool",
-    "GlobalMaxPool", "BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization",
-    "Softmax", "LogSoftmax", "Dropout", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
-    # reductions and data movement
-    "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceLogSumExp", "ReduceSumSquare", "ReduceL1",
-    "CumSum", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Concat", "Split", "Slice",
-    "Gather", "GatherElements", "GatherND", "ScatterND", "ScatterElements", "Pad", "Tile", "Resize",
-    "DepthToSpace", "SpaceToDepth",
-    # sequences: elements moved in and out unchanged
-    *SEQUENCE_MOVES,
-})
-
-#: forward operators whose outputs are finite when their inputs are (``Softmax`` even when some inputs are
-#: -inf, as an additive attention mask makes them; ``Exp``, ``Sinh`` and ``Cosh`` overflow and are not here)
-FINITE = (BOUNDED - {"Exp", "Sinh", "Cosh", "Softplus"}) | {"Shape", "Size", "Constant", "ConstantOfShape", "Range",
-                                                            "OneHot", "NonZero", "ArgMax", "ArgMin", "TopK",
-                                                            "SequenceEmpty", "SequenceLength"}
-_SANITIZING = frozenset({"Softmax"})
-
-#: contractions and normalizations: a non-finite graph input is not tracked past them (module doc, case 2)
-MIXING = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "BatchNormalization",
-                    "LayerNormalization", "InstanceNormalization", "GroupNormalization"})
-
-#: VJPs that multiply the cotangent by no forward value (they select, move or sum it; masks come from
-#: comparisons, which are false for NaN, and tie counts are at least 1)
-_READS_NOTHING = frozenset({
-    "Identity", "Add", "Sub", "Neg", "Sum", "Mean", "Where", "Clip", "Max", "Min", "Relu", "LeakyRelu",
-    "HardSigmoid", "HardSwish", "ThresholdedRelu", "Shrink", "Cast", "CastLike", "Floor", "Ceil", "Round", "Sign",
-    "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Concat", "Split", "Slice", "Pad", "Tile",
-    "Gather", "GatherElements", "GatherND", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "CumSum",
-    "DepthToSpace", "SpaceToDepth", "GlobalAveragePool", "AveragePool", *SEQUENCE_MOVES,
-})
-#: two-operand products: the VJP of operand i multiplies by operand 1 - i (a bias, input 2, by nothing)
-_PRODUCTS = frozenset({"Mul", "MatMul", "Gemm", "Conv", "ConvTranspose"})
+def _facts(node: Node) -> Facts:
+    """The facts of ``node``'s operator as its registration states them (looked up on each call, so that a test
+    may patch :data:`.registry.FACTS`); an operator of another domain, or one nobody registered, claims nothing."""
+    return UNKNOWN if node.domain else FACTS.get(node.op_type, UNKNOWN)
 
 
 class Risky(set):
@@ -123,20 +88,22 @@ def nonfinite_values(nodes: list[Node], values: Mapping[str, np.ndarray], types:
         outs = [o for o in node.outputs if o]
         ins = [i for i in node.inputs if i]
         subs = node.subgraphs
-        if node.op_type in ("Shape", "Size") or all(i in static for i in ins) and not subs:
+        facts = _facts(node)
+        if facts.shape_only or all(i in static for i in ins) and not subs:
             static.update(outs)
         if any(_is_discrete(types.get(o)) for o in outs) and not subs:
             continue  # integer and boolean results are finite
-        if node.op_type in _SANITIZING and not node.domain:
+        if facts.sanitizing:
             continue
         reads = ins + [i for sg in subs.values() for i in captured_names(sg)] if subs else ins
         opaque = bool(subs or node.domain)  # loops, branches and custom operators: not analysed
-        unbounded = (node.op_type not in FINITE and not _static_division(node, static)
+        unbounded = (not facts.finite and not _finite_if_static(node, facts, static)
                      and not all(i in static for i in ins))
         if opaque or unbounded or any(i in computed for i in reads):
             computed.update(outs)
-        elif node.op_type not in MIXING:
-            via_input.update(o for o in outs if any(i in via_input and not _repeats(node, i, o, types) for i in reads))
+        elif not facts.mixing:
+            via_input.update(o for o in outs if any(i in via_input and not _repeats(node, facts, i, o, types)
+                                                    for i in reads))
     risky = Risky(computed | via_input)
     risky.from_inputs = frozenset(via_input - computed)
     if memo is not None:
@@ -144,18 +111,12 @@ def nonfinite_values(nodes: list[Node], values: Mapping[str, np.ndarray], types:
     return risky
 
 
-#: operators that move or select elements without repeating them (their output ranks may differ)
-_MOVES = frozenset({"Identity", "Cast", "CastLike", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice",
-                    "Split", "Concat", "Pad", "Gather", "GatherElements", "GatherND", "ScatterND", "ScatterElements",
-                    "DepthToSpace", "SpaceToDepth", "Dropout", *SEQUENCE_MOVES})
-
-
-def _repeats(node: Node, i: str, o: str, types: Mapping[str, ValueInfo]) -> bool:
+def _repeats(node: Node, facts: Facts, i: str, o: str, types: Mapping[str, ValueInfo]) -> bool:
     """Is input ``i`` broadcast (repeated along an axis) into output ``o``: a bias or a scale added to or
     multiplied with every row? Then a non-finite element of ``i`` reaches a whole slice of ``o``, and the loss
     unless all of it is discarded, and an input's elements are not followed there (module doc, case 2).
-    ``False`` when a shape is unknown."""
-    if node.op_type in _MOVES:
+    ``False`` when a shape is unknown or the operator only moves elements (``moves``)."""
+    if facts.moves:
         return False
     si, so = (getattr(types.get(n), "shape", None) for n in (i, o))
     if si is None or so is None:
@@ -163,24 +124,14 @@ def _repeats(node: Node, i: str, o: str, types: Mapping[str, ValueInfo]) -> bool
     return len(si) < len(so) or any(a == 1 and b != 1 for a, b in zip(reversed(si), reversed(so)))
 
 
-def _static_division(node: Node, static: set[str]) -> bool:
+def _finite_if_static(node: Node, facts: Facts, static: set[str]) -> bool:
     # x / d with d computed from shapes or constants (an attention scale): finite, sizes being positive
-    return node.op_type == "Div" and len(node.inputs) == 2 and node.inputs[1] in static
+    return bool(facts.finite_if_static) and all(k < len(node.inputs) and node.inputs[k] in static
+                                                for k in facts.finite_if_static)
 
 
 def _is_discrete(vi: ValueInfo | None) -> bool:
     return vi is not None and vi.dtype is not None and vi.dtype.kind in "biu"
-
-
-def _reads(node: Node, i: int) -> list[str]:
-    """The forward values the VJP of input ``i`` multiplies the cotangent by (all of them when not listed)."""
-    if node.op_type in _READS_NOTHING:
-        return []
-    if node.op_type == "Dropout":  # the scale 1 / (1 - ratio)
-        return node.inputs[1:2]
-    if node.op_type in _PRODUCTS:
-        return [node.inputs[1 - i]] if i < 2 else []
-    return [v for v in [*node.inputs, *node.outputs] if v]
 
 
 def nonfinite_cotangents(nodes: list[Node], ys: Mapping[str, str | None], values: Mapping[str, np.ndarray],
@@ -198,23 +149,22 @@ def nonfinite_cotangents(nodes: list[Node], ys: Mapping[str, str | None], values
     from_inputs = getattr(risky, "from_inputs", frozenset())
     unsafe = {y for y, seed in ys.items() if not finite_seed(seed)}
     for node in reversed(nodes):
-        if (node.op_type not in BOUNDED or node.domain or _narrowing(node, types)
+        facts = _facts(node)
+        if (not facts.bounded or facts.casts and _narrowing(node, types)
                 or any(o in unsafe for o in node.outputs if o)):
             unsafe.update(i for i in node.inputs if i)
             for sg in node.subgraphs.values():
                 unsafe.update(captured_names(sg))
             continue
-        ignored = from_inputs if node.op_type in MIXING else frozenset()
+        ignored = from_inputs if facts.mixing else frozenset()
         for k, name in enumerate(node.inputs):
-            if name and any(v in risky and v not in ignored for v in _reads(node, k)):
+            if name and any(v in risky and v not in ignored for v in facts.reads_of(node, k)):
                 unsafe.add(name)
     return unsafe
 
 
 def _narrowing(node: Node, types: Mapping[str, ValueInfo]) -> bool:
-    """A Cast whose VJP casts the cotangent to a smaller float type (or whose types are unknown)."""
-    if node.op_type not in ("Cast", "CastLike"):
-        return False
+    """Does the VJP of a cast (``casts``) cast the cotangent to a smaller float type (or are the types unknown)?"""
     a, b = types.get(node.inputs[0]), types.get(node.outputs[0])
     if a is None or b is None or a.dtype is None or b.dtype is None:
         return True

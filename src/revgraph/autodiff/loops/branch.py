@@ -17,7 +17,7 @@ from ..registry import vjp
 from .reverse import body_types
 
 
-@vjp("If")
+@vjp("If", bounded=False, finite=False)
 def if_(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     """VJP of ONNX ``If``: see the module doc."""
     e = ctx.e

@@ -33,7 +33,7 @@ from .residuals import declare_outputs, emit_plan, plan_residuals, static_trips
 from .reverse import I64, body_seeds, close_loop, count_trips, open_body, settle, take_apart
 
 
-@vjp("Loop")
+@vjp("Loop", bounded=False, finite=False)
 def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     """VJP of ONNX ``Loop`` (operator spec "Loop", opset 21): see the module doc."""
     policy = ctx.options.checkpoint

@@ -33,7 +33,7 @@ def _over(ctx: Ctx, g: Val, denom: Val, x: Val) -> Val:
 # ---------------------------------------------------------------------------------------------- activations
 
 
-@unary("Gelu")
+@unary("Gelu", bounded=True, finite=True, reads="all")
 def gelu(ctx, node, x, y, g):
     """Exact: ``Phi(x) + x phi(x)``; ``approximate="tanh"``: with ``t = tanh(k (x + c x^3))``,
     ``(1 + t) / 2 + x (1 - t^2) k (1 + 3 c x^2) / 2`` (PyTorch's ``gelu_backward``)."""
@@ -58,7 +58,7 @@ def _swish_parts(node: Node, x: Val) -> tuple[Val, Val]:
     return x * s, s * (1 + ax * (1 - s))
 
 
-@unary("Swish")
+@unary("Swish", bounded=False, finite=False)
 def swish(ctx, node, x, y, g):
     """``y = x sigmoid(alpha x)`` (ONNX "Swish", opset 24): with ``s = sigmoid(alpha x)``,
     ``dy/dx = s + alpha x s (1 - s) = s (1 + alpha x (1 - s))`` (PyTorch's ``silu_backward`` for alpha = 1)."""
@@ -66,7 +66,7 @@ def swish(ctx, node, x, y, g):
     return g.times(_swish_parts(node, x)[1], [x])
 
 
-@vjp("SwiGLU")
+@vjp("SwiGLU", bounded=False, finite=False)
 def swiglu(ctx: Ctx, node: Node, cts: list) -> list:
     """``Y = Swish_alpha(A) * B`` (ONNX "SwiGLU", opset 28; same shapes, no broadcasting): ``dA = dY B
     swish'(A)``, ``dB = dY swish(A)`` (the product rule over :func:`swish`)."""
@@ -75,7 +75,7 @@ def swiglu(ctx: Ctx, node: Node, cts: list) -> list:
             lambda: g.times(_swish_parts(node, a)[0], [a], like=b)]
 
 
-@unary("HardSigmoid")
+@unary("HardSigmoid", bounded=True, finite=True, reads=())
 def hard_sigmoid(ctx, node, x, y, g):
     """``alpha`` where ``0 < alpha x + beta < 1``, else 0 (also at both kinks). The mask is read from the output
     ``y = max(0, min(1, alpha x + beta))``: ``0 < y < 1`` exactly where the forward's ``alpha x + beta`` was
@@ -84,7 +84,7 @@ def hard_sigmoid(ctx, node, x, y, g):
     return (g * f32_attr(node, "alpha", 0.2)).select(y.gt(0) & y.lt(1), like=x)
 
 
-@unary("HardSwish")
+@unary("HardSwish", bounded=True, finite=True, reads=())
 def hard_swish(ctx, node, x, y, g):
     """``h(x) + x h'(x)`` with ``h`` = HardSigmoid(alpha = 1/6 as float32, beta = 1/2) and its 0-at-kinks
     slope: ``2 alpha x + 1/2`` where ``0 < alpha x + beta < 1``, 0 below and 1 above (PyTorch takes the inner
@@ -96,7 +96,7 @@ def hard_swish(ctx, node, x, y, g):
     return g.times(where(t.gt(0) & t.lt(1), x * (2 * alpha) + 0.5, outer), [])  # 0 or 1 outside: always finite
 
 
-@vjp("PRelu")
+@vjp("PRelu", bounded=True, finite=True, reads="all")
 def prelu(ctx: Ctx, node: Node, cts: list) -> list:
     """``dx = dy`` where ``x > 0`` else ``slope dy``; ``dslope = dy x`` where ``x <= 0``, summed over the axes
     the slope was broadcast along (PyTorch's ``_prelu_kernel_backward``; slope's piece at 0)."""
@@ -106,7 +106,7 @@ def prelu(ctx: Ctx, node: Node, cts: list) -> list:
             lambda: where(pos, 0.0, g.times(x, [x], like=None), like=x).reduce_to(slope)]
 
 
-@unary("Selu")
+@unary("Selu", bounded=True, finite=True, reads="all")
 def selu(ctx, node, x, y, g):
     """``gamma`` for ``x > 0``, ``gamma alpha exp(x) = y + gamma alpha`` otherwise (ONNX "Selu"). For
     ``gamma >= 1`` and ``alpha >= 0`` (the defaults) only the output is read: ``y = gamma x >= x > 0`` where
@@ -120,7 +120,7 @@ def selu(ctx, node, x, y, g):
     return g.times(where(mask, gamma, y + alpha * gamma, like=x), [y])
 
 
-@unary("Celu")
+@unary("Celu", bounded=True, finite=True, reads="all")
 def celu(ctx, node, x, y, g):
     """1 for ``x > 0``, ``exp(x / alpha) = y / alpha + 1`` otherwise (ONNX "Celu"); written with ``y`` so that
     no ``exp`` of a large positive ``x`` can overflow. For ``alpha > 0`` (the default 1) only the output is
@@ -132,7 +132,7 @@ def celu(ctx, node, x, y, g):
     return g.times(where((y if alpha > 0.0 else x).gt(0), 1.0, y / alpha + 1, like=x), [y])
 
 
-@unary("Mish")
+@unary("Mish", bounded=True, finite=True, reads="all")
 def mish(ctx, node, x, y, g):
     """``t + x sigmoid(x) (1 - t^2)`` with ``t = tanh(softplus(x))`` (PyTorch's ``mish_backward``)."""
     x, g = ctx.vals(x, g)
@@ -140,7 +140,7 @@ def mish(ctx, node, x, y, g):
     return g.times(t + x * x.sigmoid() * (1 - t * t), [x])
 
 
-@unary("Softsign")
+@unary("Softsign", bounded=True, finite=True, reads="all")
 def softsign(ctx, node, x, y, g):
     """``1 / (1 + |x|)^2``."""
     x, g = ctx.vals(x, g)
@@ -148,7 +148,7 @@ def softsign(ctx, node, x, y, g):
     return _over(ctx, g, a * a, x)
 
 
-@unary("ThresholdedRelu")
+@unary("ThresholdedRelu", bounded=True, finite=True, reads=())
 def thresholded_relu(ctx, node, x, y, g):
     """1 where ``x > alpha``, else 0 (also at ``x = alpha``, PyTorch's ``threshold_backward``). For ``alpha >= 0``
     (the default 1) the mask is read from the output: ``y = x > alpha`` there and ``y = 0`` elsewhere, which
@@ -158,7 +158,7 @@ def thresholded_relu(ctx, node, x, y, g):
     return g.select((y if alpha >= 0.0 else x).gt(alpha), like=x)
 
 
-@unary("Shrink")
+@unary("Shrink", bounded=True, finite=True, reads=())
 def shrink(ctx, node, x, y, g):
     """1 where ``|x| > lambd``, else 0 (also at ``|x| = lambd``, PyTorch's ``softshrink_backward``)."""
     x, g = ctx.vals(x, g)
@@ -169,21 +169,21 @@ def shrink(ctx, node, x, y, g):
 # ---------------------------------------------------------------------------------------------- trigonometric
 
 
-@unary("Sinh")
+@unary("Sinh", bounded=True, finite=False, reads="all")
 def sinh(ctx, node, x, y, g):
     """``cosh(x)`` (strong zeros: it overflows to inf for large ``|x|``)."""
     x, g = ctx.vals(x, g)
     return g.times(x.apply("Cosh"))
 
 
-@unary("Cosh")
+@unary("Cosh", bounded=True, finite=False, reads="all")
 def cosh(ctx, node, x, y, g):
     """``sinh(x)``."""
     x, g = ctx.vals(x, g)
     return g.times(x.apply("Sinh"))
 
 
-@unary("Tan")
+@unary("Tan", bounded=False, finite=False)
 def tan(ctx, node, x, y, g):
     """``1 + tan(x)^2`` (overflows near the poles in float16: ``y`` is never taken as finite)."""
     y, g = ctx.vals(y, g)
@@ -195,49 +195,49 @@ def _inv_sqrt_one_minus_sq(x: Val) -> Val:
     return ((1 - x) * (1 + x)).sqrt().reciprocal()
 
 
-@unary("Asin")
+@unary("Asin", bounded=False, finite=False)
 def asin(ctx, node, x, y, g):
     """``1 / sqrt(1 - x^2)``."""
     x, g = ctx.vals(x, g)
     return g.times(_inv_sqrt_one_minus_sq(x))
 
 
-@unary("Acos")
+@unary("Acos", bounded=False, finite=False)
 def acos(ctx, node, x, y, g):
     """``-1 / sqrt(1 - x^2)``."""
     x, g = ctx.vals(x, g)
     return g.times(-_inv_sqrt_one_minus_sq(x))
 
 
-@unary("Atan")
+@unary("Atan", bounded=True, finite=True, reads="all")
 def atan(ctx, node, x, y, g):
     """``1 / (1 + x^2)``."""
     x, g = ctx.vals(x, g)
     return _over(ctx, g, 1 + x * x, x)
 
 
-@unary("Asinh")
+@unary("Asinh", bounded=False, finite=False)
 def asinh(ctx, node, x, y, g):
     """``1 / sqrt(x^2 + 1)``."""
     x, g = ctx.vals(x, g)
     return _over(ctx, g, (x * x + 1).sqrt(), x)
 
 
-@unary("Acosh")
+@unary("Acosh", bounded=False, finite=False)
 def acosh(ctx, node, x, y, g):
     """``1 / sqrt((x - 1)(x + 1))``: inf at ``x = 1``."""
     x, g = ctx.vals(x, g)
     return g.times(((x - 1) * (x + 1)).sqrt().reciprocal())
 
 
-@unary("Atanh")
+@unary("Atanh", bounded=False, finite=False)
 def atanh(ctx, node, x, y, g):
     """``1 / ((1 - x)(1 + x))``: inf at ``|x| = 1``."""
     x, g = ctx.vals(x, g)
     return g.times(((1 - x) * (1 + x)).reciprocal())
 
 
-@vjp("Mod")
+@vjp("Mod", bounded=False, finite=False)
 def mod(ctx: Ctx, node: Node, cts: list) -> list:
     """``y = a - n b`` with ``n`` the truncated (``fmod=1``) or floored (``fmod=0``) quotient, piecewise
     constant: ``da = dy``, ``db = -n dy`` (PyTorch's ``fmod``/``remainder`` derivatives). ``n`` is recovered as

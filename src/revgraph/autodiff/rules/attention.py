@@ -509,7 +509,7 @@ class _Attention:
         return e.reduce_to(g, m)
 
 
-@vjp("Attention")
+@vjp("Attention", bounded=False, finite=False)
 def attention(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Attention" (opsets 23-25); see the module docstring for the math, the masks and the zeros."""
     a = _Attention(ctx, node, cts)

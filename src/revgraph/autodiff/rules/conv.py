@@ -345,7 +345,7 @@ def _optional(node: Node, i: int) -> str | None:
 # ------------------------------------------------------------------------------------------ rules
 
 
-@vjp("Conv")
+@vjp("Conv", bounded=True, finite=True, product=True, mixing=True)
 def conv(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Conv" (groups, strides, dilations, pads/auto_pad, any spatial rank, optional bias): input
     gradient by the transposed convolution, weight gradient by a convolution of the input with the output
@@ -394,7 +394,7 @@ def transpose_pads(e: Emitter, node: Node, x: str, geo_kernel: list[int], stride
     return explicit_pads(node, auto, k)
 
 
-@vjp("ConvTranspose")
+@vjp("ConvTranspose", bounded=True, finite=True, product=True, mixing=True)
 def conv_transpose(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "ConvTranspose" is the adjoint of a Conv with the same weight and geometry, written into an
     output of ``s*(D-1) + output_padding + span`` positions cut by the pads (PyTorch ``convolution_backward``

@@ -30,7 +30,7 @@ from .sampling import _product  # the product of factors, shared with GridSample
 # ------------------------------------------------------------------------------------------ Col2Im
 
 
-@vjp("Col2Im")
+@vjp("Col2Im", bounded=False, finite=False)
 def col2im(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Col2Im" (PyTorch ``fold``) adds each column entry ``x[n, c*K + k, l]`` into the image at
     ``l*s + k*d - pb`` (dropped in the padding). Its transpose reads those positions back, im2col (PyTorch
@@ -345,7 +345,7 @@ class _DeformTerms:
         return _mask_grad(self.e, self.mask, self.dcols, self.values)
 
 
-@vjp("DeformConv")
+@vjp("DeformConv", bounded=False, finite=False)
 def deform_conv(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "DeformConv" (Dai et al. 2017, arXiv:1703.06211; the mask of v2, arXiv:1811.11168): for output
     position ``o`` and kernel tap ``k`` each input channel of offset group ``q`` is sampled bilinearly (zero

@@ -29,7 +29,7 @@ def _mask(e: Emitter, node: Node, patch: ForwardPatch) -> str:
     return patch.outputs[1]
 
 
-@vjp("Dropout")
+@vjp("Dropout", bounded=True, finite=True, reads=(1,), moves=True)
 def dropout(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
     """``output = data * mask / (1 - ratio)`` in training mode, ``data`` otherwise (ONNX "Dropout", opset 13),
     so ``ddata = dy / (1 - ratio)`` where the forward's mask is true and exactly 0 elsewhere.

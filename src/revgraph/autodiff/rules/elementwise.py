@@ -55,23 +55,23 @@ def integer_result(e: Emitter, node: Node) -> bool:
     return True
 
 
-@vjp("Identity")
+@vjp("Identity", bounded=True, finite=True, reads=(), moves=True)
 def identity(ctx: Ctx, node: Node, cts: list) -> list:
     return [cts[0]]
 
 
-@vjp("Neg")
+@vjp("Neg", bounded=True, finite=True, reads=())
 def neg(ctx: Ctx, node: Node, cts: list) -> list:
     return [lambda: -ctx.val(cts[0])]
 
 
-@vjp("Add", "Sub")
+@vjp("Add", "Sub", bounded=True, finite=True, reads=())
 def add_sub(ctx: Ctx, node: Node, cts: list) -> list:
     (a, b), g = node.inputs, ctx.val(cts[0])
     return [lambda: g.reduce_to(a), lambda: (g if node.op_type == "Add" else -g).reduce_to(b)]
 
 
-@vjp("Mul")
+@vjp("Mul", bounded=True, finite=True, product=True)
 def mul(ctx: Ctx, node: Node, cts: list) -> list:
     (a, b), g = node.inputs, ctx.val(cts[0])
 
@@ -82,7 +82,7 @@ def mul(ctx: Ctx, node: Node, cts: list) -> list:
     return [lambda: times(b).reduce_to(a), lambda: times(a).reduce_to(b)]
 
 
-@vjp("Div")
+@vjp("Div", bounded=False, finite=False, finite_if_static=(1,))
 def div(ctx: Ctx, node: Node, cts: list) -> list:
     (a, b), (y, g) = ctx.vals(*node.inputs), ctx.vals(node.outputs[0], cts[0])
     # 1 / b is inf where b is 0, unless b is a constant without zeros
@@ -92,7 +92,7 @@ def div(ctx: Ctx, node: Node, cts: list) -> list:
             lambda: g.times(-(y / b), like=y).reduce_to(b)]  # d(a/b)/db = -y/b
 
 
-@vjp("Pow")
+@vjp("Pow", bounded=False, finite=False)
 def pow_(ctx: Ctx, node: Node, cts: list) -> list:
     (x, p), (y, g) = ctx.vals(*node.inputs), ctx.vals(node.outputs[0], cts[0])
     if integer_result(ctx.e, node):
@@ -114,53 +114,53 @@ def pow_(ctx: Ctx, node: Node, cts: list) -> list:
 # says why reading ``y`` is exact, also at 0, at +-inf and at NaN.
 
 
-@unary("Sqrt")
+@unary("Sqrt", bounded=False, finite=False)
 def sqrt(ctx, node, x, y, g):
     """``1 / (2 sqrt(x)) = 0.5 / y``: reads the output (inf at ``x = 0``: always strong)."""
     y, g = ctx.vals(y, g)
     return g.times(0.5 / y, like=x)
 
 
-@unary("Reciprocal")
+@unary("Reciprocal", bounded=False, finite=False)
 def reciprocal(ctx, node, x, y, g):
     """``-1 / x^2 = -y^2``: reads the output (inf at ``x = 0``: always strong)."""
     y, g = ctx.vals(y, g)
     return g.times(-(y * y), like=x)
 
 
-@unary("Exp")
+@unary("Exp", bounded=True, finite=False, reads="all")
 def exp(ctx, node, x, y, g):
     """``exp(x) = y``: reads the output."""
     return ctx.val(g).times(y, [y], like=x)  # exp(1000) = inf: a zero cotangent must still give 0
 
 
-@unary("Log")
+@unary("Log", bounded=False, finite=False)
 def log(ctx, node, x, y, g):
     x, g = ctx.vals(x, g)
     return g.times(x.reciprocal(), like=x)
 
 
-@unary("Abs")
+@unary("Abs", bounded=True, finite=True, reads="all")
 def abs_(ctx, node, x, y, g):
     x, g = ctx.vals(x, g)
     return g.times(x.sign(), [x], like=x)  # Sign(NaN) is NaN
 
 
-@unary("Tanh")
+@unary("Tanh", bounded=True, finite=True, reads="all")
 def tanh(ctx, node, x, y, g):
     """``1 - tanh(x)^2 = 1 - y^2``: reads the output (PyTorch's ``tanh_backward``)."""
     y, g = ctx.vals(y, g)
     return g.times(1 - y * y, [y], like=x)
 
 
-@unary("Sigmoid")
+@unary("Sigmoid", bounded=True, finite=True, reads="all")
 def sigmoid(ctx, node, x, y, g):
     """``sigmoid(x) (1 - sigmoid(x)) = y (1 - y)``: reads the output (PyTorch's ``sigmoid_backward``)."""
     y, g = ctx.vals(y, g)
     return g.times(y * (1 - y), [y], like=x)
 
 
-@unary("Relu")
+@unary("Relu", bounded=True, finite=True, reads=())
 def relu(ctx, node, x, y, g):
     """``g`` where ``x > 0``, exactly 0 elsewhere (the 0 subgradient at 0). The mask is read from the output:
     ``y > 0`` is ``x > 0`` for every ``x`` (``y = x`` where ``x > 0``; ``y`` is 0, -0 or NaN elsewhere, none of
@@ -169,7 +169,7 @@ def relu(ctx, node, x, y, g):
     return g.select(y.gt(0), like=x)
 
 
-@unary("LeakyRelu")
+@unary("LeakyRelu", bounded=True, finite=True, reads=())
 def leaky_relu(ctx, node, x, y, g):
     """``g`` where ``x > 0``, ``alpha g`` elsewhere (``alpha`` at 0, as PyTorch). For ``alpha >= 0`` the mask is
     read from the output: ``y = alpha x <= 0`` (rounded, -0 when it underflows) where ``x <= 0``, ``y = x > 0``
@@ -179,7 +179,7 @@ def leaky_relu(ctx, node, x, y, g):
     return where((y if alpha >= 0 else x).gt(0), g, g * alpha, like=x)
 
 
-@unary("Elu")
+@unary("Elu", bounded=True, finite=True, reads="all")
 def elu(ctx, node, x, y, g):
     """1 where ``x > 0``, ``alpha exp(x) = y + alpha`` elsewhere (``alpha`` at 0, as PyTorch). For ``alpha >= 0``
     everything is read from the output, as PyTorch's ``elu_backward`` with ``is_result``: ``y = x > 0`` where
@@ -191,31 +191,31 @@ def elu(ctx, node, x, y, g):
     return where((y if alpha >= 0 else x).gt(0), g, neg, like=x)
 
 
-@unary("Softplus")
+@unary("Softplus", bounded=True, finite=False, reads="all")
 def softplus(ctx, node, x, y, g):
     x, g = ctx.vals(x, g)
     return g.times(x.sigmoid(), [x], like=x)
 
 
-@unary("Erf")
+@unary("Erf", bounded=True, finite=True, reads="all")
 def erf(ctx, node, x, y, g):
     x, g = ctx.vals(x, g)
     return g.times((-(x * x)).exp() * (2.0 / math.sqrt(math.pi)), [x], like=x)
 
 
-@unary("Sin")
+@unary("Sin", bounded=True, finite=True, reads="all")
 def sin(ctx, node, x, y, g):
     x, g = ctx.vals(x, g)
     return g.times(x.cos(), [x], like=x)  # cos(inf) is NaN
 
 
-@unary("Cos")
+@unary("Cos", bounded=True, finite=True, reads="all")
 def cos(ctx, node, x, y, g):
     x, g = ctx.vals(x, g)
     return -g.times(x.sin(), [x])
 
 
-@vjp("Cast", "CastLike")
+@vjp("Cast", "CastLike", bounded=True, finite=True, reads=(), moves=True, casts=True)
 def cast(ctx: Ctx, node: Node, cts: list) -> list:
     e, x = ctx.e, node.inputs[0]
     dt = e.dtype(x)
@@ -227,7 +227,7 @@ def cast(ctx: Ctx, node: Node, cts: list) -> list:
     return [back] + [None] * (len(node.inputs) - 1)
 
 
-@vjp("Sum", "Mean")
+@vjp("Sum", "Mean", bounded=True, finite=True, reads=())
 def sum_mean(ctx: Ctx, node: Node, cts: list) -> list:
     g = ctx.val(cts[0])
     if node.op_type == "Mean":
@@ -255,7 +255,7 @@ def tie_shares(ctx: Ctx, g: str, operands: list[str], y: str) -> list[Callable[[
     return [partial(share, i) for i in range(len(operands))]
 
 
-@vjp("Max", "Min")
+@vjp("Max", "Min", bounded=True, finite=True, reads=())
 def max_min(ctx: Ctx, node: Node, cts: list) -> list:
     if len(node.inputs) == 1:
         return [cts[0]]
@@ -263,7 +263,7 @@ def max_min(ctx: Ctx, node: Node, cts: list) -> list:
     return [lambda s=s, x=x: s().reduce_to(x) for x, s in zip(node.inputs, shares, strict=True)]
 
 
-@vjp("Where")
+@vjp("Where", bounded=True, finite=True, reads=())
 def where_(ctx: Ctx, node: Node, cts: list) -> list:
     (c, a, b), g = ctx.vals(*node.inputs), ctx.val(cts[0])
     return [None, lambda: g.select(c, like=None).reduce_to(a), lambda: g.select(~c, like=None).reduce_to(b)]
@@ -275,7 +275,7 @@ def _ordered_constants(e: Emitter, lo: str, hi: str) -> bool:
     return a is not None and b is not None and bool(np.all(np.asarray(a) < np.asarray(b)))
 
 
-@vjp("Clip")
+@vjp("Clip", bounded=True, finite=True, reads=())
 def clip(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX defines ``Clip(x, lo, hi) = Min(Max(x, lo), hi)``; its VJP is that composition's, with the ties of
     ``Max`` and ``Min`` split equally (DESIGN section 5). With ``m = Max(x, lo)`` and ``s(a, b)`` the share of
@@ -327,10 +327,10 @@ def clip(ctx: Ctx, node: Node, cts: list) -> list:
 
 not_differentiable(
     "piecewise constant: the derivative is 0 almost everywhere",
-    "Floor", "Ceil", "Round", "Sign",
+    "Floor", "Ceil", "Round", "Sign", bounded=True, finite=True,
 )
 not_differentiable(
     "boolean or integer result",
     "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Not", "IsNaN", "IsInf",
-    "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot",
+    "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", bounded=False, finite=False,
 )

@@ -34,7 +34,7 @@ def _vector(e: Emitter, values: list[float], like: str) -> str:
     return e.op("CastLike", [e.const(np.asarray(values, dtype=np.float32)), like])
 
 
-@vjp("Gather")
+@vjp("Gather", bounded=True, finite=True, reads=(), moves=True)
 def gather(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Gather": ``y[i0..i(a-1), j.., k..] = x[i0.., idx[j..], k..]``. The transpose adds ``g`` into
     zeros at the gathered positions (PyTorch ``index_select_backward``: ``index_add``). Axis 0 gives a
@@ -69,7 +69,7 @@ def _add_back(e: Emitter, node: Node, data: str, flat: str, rows: str, axis: int
     return e.op("ScatterElements", [e.zeros_like(data), spread, rows], axis=axis, reduction="add", like=data)
 
 
-@vjp("GatherElements")
+@vjp("GatherElements", bounded=True, finite=True, reads=(), moves=True)
 def gather_elements(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "GatherElements": ``y[i][j] = x[idx[i][j]][j]`` (axis 0). The transpose is
     ``ScatterElements(zeros, idx, g, reduction="add")`` (PyTorch ``gather_backward``: ``scatter_add``);
@@ -99,7 +99,7 @@ def _batch_coords(e: Emitter, node: Node, idx: str, b: int) -> str:
     return coords[0] if b == 1 else e.op("Concat", coords, axis=-1)
 
 
-@vjp("GatherND")
+@vjp("GatherND", bounded=True, finite=True, reads=(), moves=True)
 def gather_nd(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "GatherND": ``y[p..] = x[batch(p), idx[p..]]``. The transpose has the semantics of
     ``ScatterND(zeros, idx', g, reduction="add")``, where ``idx'`` holds the batch positions explicitly and
@@ -127,7 +127,7 @@ def nd_dims(e: Emitter, data: str, idx: str, b: int) -> str:
     return cat_shapes(e, [dims])
 
 
-@vjp("OneHot")
+@vjp("OneHot", bounded=False, finite=True)
 def one_hot(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "OneHot": ``y = where(hot, on, off)`` with ``values = [off, on]``, so ``d values =
     [sum(g * (1 - hot)), sum(g * hot)]``. Indices and depth select positions and get no gradient."""
@@ -143,7 +143,7 @@ def one_hot(ctx: Ctx, node: Node, cts: list) -> list:
     return [None, None, dvalues]
 
 
-@vjp("TopK")
+@vjp("TopK", bounded=False, finite=True)
 def top_k(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "TopK": the values output reads ``x`` at the returned indices along ``axis``, so ``g`` goes back
     there (PyTorch ``value_selecting_reduction_backward``); the indices output carries no gradient."""
@@ -155,7 +155,7 @@ def top_k(ctx: Ctx, node: Node, cts: list) -> list:
             None]
 
 
-@vjp("Compress")
+@vjp("Compress", bounded=False, finite=False)
 def compress(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Compress" (numpy.compress): ``y = Gather(x, k, axis)`` with ``k`` the positions where
     ``condition`` is true (a condition shorter than the axis drops the rest), of the flattened ``x`` when
@@ -183,7 +183,7 @@ def _true_positions(e: Emitter, cond: str) -> str:
     return e.op("Reshape", [e.op("NonZero", [cond]), e.ints([-1])], shape=(None,), dtype=np.dtype(np.int64))
 
 
-@vjp("ReverseSequence")
+@vjp("ReverseSequence", bounded=False, finite=False)
 def reverse_sequence(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "ReverseSequence": on every batch slice, a permutation of the time axis that reverses the first
     ``sequence_lens[b]`` entries and keeps the rest, an involution, so its own transpose (as TensorFlow's
@@ -193,7 +193,7 @@ def reverse_sequence(ctx: Ctx, node: Node, cts: list) -> list:
     return [lambda: e.op("ReverseSequence", [g, lens], like=x, **attrs), None]
 
 
-@vjp("TensorScatter")
+@vjp("TensorScatter", bounded=False, finite=False)
 def tensor_scatter(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "TensorScatter" (opset 24, the KV-cache update): ``present = past_cache`` with
     ``update[..., s, ...]`` written at ``past_cache[..., p(b, s), ...]`` along ``axis``, ``p(b, s) =

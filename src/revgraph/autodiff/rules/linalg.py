@@ -31,7 +31,7 @@ def _last_swapped(rank: int) -> list[int]:
     return [*range(rank - 2), rank - 1, rank - 2]
 
 
-@vjp("MatMul")
+@vjp("MatMul", bounded=True, finite=True, product=True, mixing=True)
 def matmul(ctx: Ctx, node: Node, cts: list) -> list:
     """``dA = dY @ B^T`` and ``dB = A^T @ dY``, summed over broadcast batch axes (numpy.matmul semantics,
     ONNX "MatMul"). A 1-D operand is promoted to a matrix as numpy does (``[k] -> [1, k]`` on the left,
@@ -69,7 +69,7 @@ def matmul(ctx: Ctx, node: Node, cts: list) -> list:
     return [da, db]
 
 
-@vjp("Gemm")
+@vjp("Gemm", bounded=True, finite=True, product=True, mixing=True)
 def gemm(ctx: Ctx, node: Node, cts: list) -> list:
     """``Y = alpha * op(A) @ op(B) + beta * C`` (ONNX "Gemm"): ``d op(A) = alpha * dY @ op(B)^T``,
     ``d op(B) = alpha * op(A)^T @ dY``, ``dC = beta * dY`` summed to C's (unidirectionally broadcast)
@@ -166,7 +166,7 @@ def _layout(tokens: list[str], lead: int, k: int) -> list[int]:
     return perm
 
 
-@vjp("Einsum")
+@vjp("Einsum", bounded=True, finite=True, reads="all", mixing=True)
 def einsum(ctx: Ctx, node: Node, cts: list) -> list:
     """The cotangent of operand i is an Einsum of the output cotangent with the other operands whose
     output subscripts are operand i's (PyTorch ``einsum_backward``, the tensor-contraction form of
@@ -261,7 +261,7 @@ def _cofactors(e: Emitter, x: str, rank: int) -> str:
     return e.op("Mul", [e.op("Det", [minors]), sign], like=x)
 
 
-@vjp("Det")
+@vjp("Det", bounded=False, finite=False)
 def det(ctx: Ctx, node: Node, cts: list) -> list:
     """``d det(X) / dX = adj(X)^T``, the cofactor matrix (Jacobi's formula; ONNX "Det"), so ``dX = dy C``.
     Written with cofactors, not ``det(X) X^-T`` (PyTorch's ``linalg_det_backward`` for invertible inputs;

@@ -130,7 +130,7 @@ def _discarded(ctx: Ctx, node: Node, weighted: Val | None) -> Val | None:
     return masked | weighted.sum([1]).eq(0)
 
 
-@vjp("NegativeLogLikelihoodLoss")
+@vjp("NegativeLogLikelihoodLoss", bounded=True, finite=True, reads="all")
 def negative_log_likelihood_loss(ctx: Ctx, node: Node, cts: list) -> list:
     """``d input = -g * w[y] * onehot(y)`` (``g`` divided by ``W`` for ``mean``); ONNX operator spec
     "NegativeLogLikelihoodLoss", PyTorch ``nll_loss_backward``."""
@@ -138,7 +138,7 @@ def negative_log_likelihood_loss(ctx: Ctx, node: Node, cts: list) -> list:
     return [gx, None, gw][: len(node.inputs)]
 
 
-@vjp("SoftmaxCrossEntropyLoss")
+@vjp("SoftmaxCrossEntropyLoss", bounded=True, finite=True, reads="all")
 def softmax_cross_entropy_loss(ctx: Ctx, node: Node, cts: list) -> list:
     """The NegativeLogLikelihoodLoss cotangent of ``log_prob`` (plus the cotangent of the optional
     ``log_prob`` output), pulled back through ``LogSoftmax(scores, axis=1)``:

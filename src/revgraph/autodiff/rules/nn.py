@@ -39,7 +39,7 @@ def _axis(node: Node) -> int:
     return int(node.attrs.get("axis", -1))
 
 
-@vjp("Softmax")
+@vjp("Softmax", bounded=True, finite=True, reads="all", sanitizing=True)
 def softmax(ctx: Ctx, node: Node, cts: list) -> list:
     """``dx = y * (dy - sum(dy * y, axis))`` (the Jacobian ``diag(y) - y y^T`` applied to ``dy``). Strong zeros
     where ``y`` may be non-finite: ``dx = y dy - y sum(y dy)`` with both products strong, so a row whose
@@ -57,7 +57,7 @@ def softmax(ctx: Ctx, node: Node, cts: list) -> list:
     return [y * (g - (g * y).sum([axis]))]
 
 
-@vjp("LogSoftmax")
+@vjp("LogSoftmax", bounded=True, finite=True, reads="all")
 def log_softmax(ctx: Ctx, node: Node, cts: list) -> list:
     """``dx = dy - exp(y) * sum(dy, axis)`` (``exp(y)`` is the softmax); the product is strong where ``y`` may
     be NaN (a row of ``-inf`` scores), so a row whose cotangent sums to zero gets ``dy`` there. A row of ``x``
@@ -70,18 +70,20 @@ def log_softmax(ctx: Ctx, node: Node, cts: list) -> list:
     return [drop_rows(ctx, masked, g - total.times(p, reads=[y], like=y), x)]
 
 
-not_differentiable("piecewise constant: the derivative is 0 almost everywhere", "Hardmax")
-not_differentiable("integer result", "ArgMax", "ArgMin")
+not_differentiable("piecewise constant: the derivative is 0 almost everywhere", "Hardmax", bounded=False,
+                   finite=False)
+not_differentiable("integer result", "ArgMax", "ArgMin", bounded=False, finite=True)
 not_differentiable("random: the sample does not depend on the input's values (only on its shape and dtype) or has no "
                    "inputs; a Bernoulli or Multinomial draw is discrete", "RandomNormal", "RandomNormalLike",
-                   "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial")
+                   "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial", bounded=False, finite=False)
 not_differentiable("its only inputs are integers (a window length, bin counts)", "BlackmanWindow", "HammingWindow",
-                   "HannWindow", "MelWeightMatrix")
+                   "HannWindow", "MelWeightMatrix", bounded=False, finite=False)
 not_differentiable("integer (quantized) arithmetic: no floating-point input carries a gradient", "ConvInteger",
-                   "MatMulInteger", "QLinearConv", "QLinearMatMul", "DynamicQuantizeLinear")
-not_differentiable("integer result (selected box indices)", "NonMaxSuppression")
-not_differentiable("boolean result", "OptionalHasElement")
+                   "MatMulInteger", "QLinearConv", "QLinearMatMul", "DynamicQuantizeLinear", bounded=False,
+                   finite=False)
+not_differentiable("integer result (selected box indices)", "NonMaxSuppression", bounded=False, finite=False)
+not_differentiable("boolean result", "OptionalHasElement", bounded=False, finite=False)
 not_differentiable("strings or encoded bytes, not floating point", "ImageDecoder", "RegexFullMatch", "StringConcat",
-                   "StringNormalizer", "StringSplit", "TfIdfVectorizer")
+                   "StringNormalizer", "StringSplit", "TfIdfVectorizer", bounded=False, finite=False)
 not_differentiable("the bits are reinterpreted as another type: the output's values are no differentiable function of "
-                   "the input's", "BitCast")
+                   "the input's", "BitCast", bounded=False, finite=False)

@@ -149,7 +149,7 @@ def _fused_stats(e: Emitter, node: Node, s: Stats) -> None:
     s.__dict__.update(zh=zh, inv=inv)  # the cached properties, set ahead
 
 
-@vjp("LayerNormalization")
+@vjp("LayerNormalization", bounded=True, finite=True, reads="all", mixing=True)
 def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """Standardization over ``[axis, rank)`` then ``Y = zh * Scale + B`` (ONNX "LayerNormalization");
     ``Scale`` and ``B`` broadcast unidirectionally, so their gradients are summed back with ``reduce_to``.
@@ -176,7 +176,7 @@ def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
     return padded([dx, *affine], len(node.inputs))
 
 
-@vjp("RMSNormalization")
+@vjp("RMSNormalization", bounded=False, finite=False)
 def rms_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """``Y = X r Scale`` with ``r = (mean(X^2) + eps)^(-1/2)`` over ``[axis, rank)`` (ONNX "RMSNormalization",
     opset 23; Zhang and Sennrich, https://arxiv.org/abs/1910.07467; PyTorch's ``_fused_rms_norm_backward``).
@@ -211,7 +211,7 @@ def rms_norm(ctx: Ctx, node: Node, cts: list) -> list:
     return [dx, dscale]
 
 
-@vjp("LpNormalization")
+@vjp("LpNormalization", bounded=False, finite=False)
 def lp_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """``y = x / n`` with ``n = ||x||_p`` along ``axis``, ``p`` 1 or 2, and ``y = 0`` where ``n = 0`` (ONNX
     "LpNormalization", opset 22). ``dn/dx = t`` with ``t = y`` for ``p = 2`` and ``sign(x)`` for ``p = 1``
@@ -243,7 +243,7 @@ def lp_norm(ctx: Ctx, node: Node, cts: list) -> list:
 MVN_EPSILON = float(np.float32(1e-9))
 
 
-@vjp("MeanVarianceNormalization")
+@vjp("MeanVarianceNormalization", bounded=False, finite=False)
 def mean_variance_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """``y = c / d`` over ``axes`` (default ``[0, 2, 3]``), ``c = x - mean(x)``, ``d = s + 1e-9``,
     ``s = sqrt(mean(c^2))`` (ONNX "MeanVarianceNormalization", opset 13: the epsilon and the population
@@ -294,7 +294,7 @@ def _affine(e: Emitter, node: Node, gy: str, gy_xh: Callable[[], str], rank: int
     return [lambda: _total(e, gy_xh(), rank, scale), lambda: _total(e, gy, rank, bias)]
 
 
-@vjp("BatchNormalization")
+@vjp("BatchNormalization", bounded=True, finite=True, reads="all", mixing=True)
 def batch_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "BatchNormalization" (opset 15). Inference (``training_mode=0``):
     ``Y = (X - mean) inv scale + B`` with ``inv = (var + eps)^(-1/2)``, so ``dX = dY scale inv``,
@@ -457,7 +457,7 @@ def _batch_norm_training_y(e: Emitter, x: str, scale: str, bias: str, gy: str, r
     return [dx, lambda: flat(e.op("Mul", [s2(), inv()]), scale), lambda: flat(s1(), bias)]
 
 
-@vjp("InstanceNormalization")
+@vjp("InstanceNormalization", bounded=True, finite=True, reads="all", mixing=True)
 def instance_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """Standardization over the spatial axes ``[2, rank)`` per sample and channel, then ``* scale + B`` with
     ``[C]`` vectors (ONNX "InstanceNormalization")."""
@@ -474,7 +474,7 @@ def instance_norm(ctx: Ctx, node: Node, cts: list) -> list:
             *_affine(e, node, gy, lambda: e.op("Mul", [gy, st().zh]), rank)]
 
 
-@vjp("GroupNormalization")
+@vjp("GroupNormalization", bounded=True, finite=True, reads="all", mixing=True)
 def group_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """X ``[N, C, ...]`` viewed as ``[N, G, C/G * ...]`` is standardized over its last axis, viewed back, then
     ``* scale + bias`` with ``[C]`` vectors (ONNX "GroupNormalization", opset 21)."""

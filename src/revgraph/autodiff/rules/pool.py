@@ -111,7 +111,7 @@ def window_table_value(e: Emitter, dims: list[int], out: list[int], geo: Geometr
         _reads_padding(dims, out, geo)
 
 
-@unary("MaxPool")
+@unary("MaxPool", bounded=True, finite=True, reads="all")
 def max_pool(ctx: Ctx, node: Node, x: str, y: str, g: str | None) -> str | None:
     """ONNX "MaxPool": each window's cotangent goes to the element it took the maximum from; among tied
     elements, the first in the window's row-major order (PyTorch ``max_pool*_with_indices_backward`` routes to
@@ -168,7 +168,7 @@ def _window_weights(e: Emitter, node: Node, x: str, geo: Geometry, out: list[int
     return e.op("Where", [e.op("Greater", [count, zero]), weight, zero]), kernel
 
 
-@unary("AveragePool")
+@unary("AveragePool", bounded=True, finite=True, reads=())
 def average_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "AveragePool": ``y[o] = sum_{taps inside} x / div(o)``, so ``dx`` is the transposed convolution
     (a ones kernel, batch and channels flattened) of ``dy / div`` (PyTorch ``avg_pool*_backward``). The
@@ -187,7 +187,7 @@ def average_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return e.op("Reshape", [back, e.shape_of(x)], like=x)
 
 
-@unary("GlobalAveragePool")
+@unary("GlobalAveragePool", bounded=True, finite=True, reads=())
 def global_average_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "GlobalAveragePool": ``dx = dy / (number of spatial elements)``, broadcast back."""
     e = ctx.e
@@ -199,7 +199,7 @@ def global_average_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return e.op("Expand", [e.op("Div", [g, n]), e.shape_of(x)], like=x)
 
 
-@unary("GlobalMaxPool")
+@unary("GlobalMaxPool", bounded=True, finite=True, reads="all")
 def global_max_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "GlobalMaxPool": the cotangent goes to the spatial maxima, split equally among ties (DESIGN.md
     section 5, as ``ReduceMax``)."""
@@ -281,7 +281,7 @@ def _lp_p(node: Node) -> int:
     return p
 
 
-@unary("LpPool")
+@unary("LpPool", bounded=False, finite=False)
 def lp_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "LpPool": ``y_o = (sum_{taps inside} |x|^p)^(1/p)`` (padding reads 0), so ``dx_i = sum_{(o, k) reading
     i} dy_o sign(x_i) (|x_i| / y_o)^(p-1)`` (PyTorch differentiates its composite ``lp_pool`` the same way). The
@@ -307,7 +307,7 @@ def lp_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return e.op("Reshape", [back, e.shape_of(x)], like=x)
 
 
-@unary("GlobalLpPool")
+@unary("GlobalLpPool", bounded=False, finite=False)
 def global_lp_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "GlobalLpPool": ``y = ||x||_p`` over the spatial axes, ``dx = dy sign(x) (|x| / y)^(p-1)`` (0 where
     ``y`` is 0)."""
@@ -325,7 +325,7 @@ def _channel_window_sum(e: Emitter, v: str, before: int, after: int, size: int) 
     return e.op("Reshape", [summed, e.shape_of(v)], like=v)
 
 
-@unary("LRN")
+@unary("LRN", bounded=False, finite=False)
 def lrn(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "LRN": ``y = x * S^-beta`` with ``S = bias + alpha/size * sum_{window(c)} x^2``, the window
     ``[c - floor((size-1)/2), c + ceil((size-1)/2)]``. Then ``dx = dy * S^-beta - (2 alpha beta / size) * x *
@@ -348,7 +348,7 @@ def lrn(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
 # ------------------------------------------------------------------------------------------ depth and space
 
 
-@unary("SpaceToDepth")
+@unary("SpaceToDepth", bounded=True, finite=True, reads=(), moves=True)
 def space_to_depth(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "SpaceToDepth" is the inverse permutation of DepthToSpace in the same ``mode`` (DCR, or CRD since
     opset 28), so its VJP is that op."""
@@ -356,7 +356,7 @@ def space_to_depth(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return ctx.e.op("DepthToSpace", [g], blocksize=int(node.attrs["blocksize"]), mode=mode, like=x)
 
 
-@unary("DepthToSpace")
+@unary("DepthToSpace", bounded=True, finite=True, reads=(), moves=True)
 def depth_to_space(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "DepthToSpace": a permutation. DCR mode is undone by SpaceToDepth; CRD mode reads channel
     ``c*b*b + i*b + j`` where DCR reads ``(i*b + j)*C' + c``, so its VJP is SpaceToDepth followed by that

@@ -41,7 +41,7 @@ from ._common import optional_input
 
 not_differentiable(
     "integer output (rounding: derivative 0 almost everywhere); a QuantizeLinear -> DequantizeLinear pair gets the "
-    "straight-through estimator with straight_through=True (the DequantizeLinear rule)", "QuantizeLinear")
+    "straight-through estimator with straight_through=True (the DequantizeLinear rule)", "QuantizeLinear", bounded=False, finite=False)
 
 
 def pair_of(ctx: Ctx, node: Node) -> Node | None:
@@ -135,7 +135,7 @@ def _cast(v: Val, like: str) -> Val:
     return v if e.dtype(v.name) is not None and e.dtype(v.name) == e.dtype(like) else v.cast_like(like)
 
 
-@vjp("DequantizeLinear")
+@vjp("DequantizeLinear", bounded=False, finite=False)
 def dequantize(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
     """ONNX "DequantizeLinear": the scale's exact gradient ``sum(dy (q - z))`` per covered block, and with
     ``straight_through`` the STE of a QuantizeLinear -> DequantizeLinear pair to the QuantizeLinear's float

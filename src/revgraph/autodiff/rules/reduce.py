@@ -54,7 +54,7 @@ def is_noop(e: Emitter, node: Node) -> bool:
     return value is not None and value.size == 0 and bool(node.attrs.get("noop_with_empty_axes", 0))
 
 
-@unary("ReduceSum")
+@unary("ReduceSum", bounded=True, finite=True, reads=())
 def reduce_sum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy`` broadcast back (ONNX "ReduceSum")."""
     return g if is_noop(ctx.e, node) else expand_back(ctx.e, node, g)
@@ -84,7 +84,7 @@ def reduce_like(ctx: Ctx, node: Node, op_type: str, v: Val) -> Val:
 # ------------------------------------------------------------------------------------------ rules
 
 
-@unary("ReduceMean")
+@unary("ReduceMean", bounded=True, finite=True, reads=())
 def reduce_mean(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy / n`` broadcast back, ``n`` the number of elements per group (ONNX "ReduceMean")."""
     e = ctx.e
@@ -97,7 +97,7 @@ def reduce_mean(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return keep(ctx, node, ctx.val(g) / count).apply("Expand", e.shape_of(x), like=x)
 
 
-@unary("ReduceMax", "ReduceMin")
+@unary("ReduceMax", "ReduceMin", bounded=True, finite=True, reads=())
 def reduce_max_min(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """The cotangent goes to the elements equal to the extremum, split equally among ties (DESIGN.md
     section 5; JAX's ``_reduce_chooser_jvp_rule`` does the same)."""
@@ -108,7 +108,7 @@ def reduce_max_min(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return share.select(hit, like=x)
 
 
-@unary("ReduceProd")
+@unary("ReduceProd", bounded=False, finite=False)
 def reduce_prod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx_i = dy * prod_{j != i} x_j`` (ONNX "ReduceProd"; PyTorch's ``prod_backward``), computed without
     dividing by zero: with ``S = where(x == 0, 1, x)`` and ``Z`` the zero elements, the product of the others
@@ -127,13 +127,13 @@ def reduce_prod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return keep(ctx, node, g).times(others_safe * factor, like=x)  # the product of the others may overflow
 
 
-@unary("ReduceSumSquare")
+@unary("ReduceSumSquare", bounded=True, finite=True, reads="all")
 def reduce_sum_square(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = 2 x dy`` (ONNX "ReduceSumSquare")."""
     return (keep(ctx, node, g) * 2).times(x, [x], like=x)
 
 
-@unary("ReduceL2")
+@unary("ReduceL2", bounded=False, finite=False)
 def reduce_l2(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * x / ||x||`` (ONNX "ReduceL2"; PyTorch's ``norm_backward``), with the 0 subgradient where
     the norm is 0 (there every x is 0, so dividing by 1 instead gives exactly 0)."""
@@ -141,13 +141,13 @@ def reduce_l2(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return keep(ctx, node, g).times(ctx.val(x) / where(yk.eq(0), 1, yk), [x], like=x)
 
 
-@unary("ReduceL1")
+@unary("ReduceL1", bounded=True, finite=True, reads="all")
 def reduce_l1(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * sign(x)`` (ONNX "ReduceL1"), the 0 subgradient at 0."""
     return keep(ctx, node, g).times(ctx.val(x).sign(), [x], like=x)
 
 
-@unary("ReduceLogSumExp")
+@unary("ReduceLogSumExp", bounded=True, finite=True, reads="all")
 def reduce_log_sum_exp(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy * softmax(x) = dy * exp(x - y)`` (ONNX "ReduceLogSumExp"; JAX's ``logsumexp`` derivative).
     ``x - y <= 0`` since ``y >= max x``: the max-subtracted softmax, which cannot overflow. A group that is all
@@ -165,7 +165,7 @@ def reduce_log_sum_exp(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return dx.select(~masked, like=x)
 
 
-@unary("CumSum")
+@unary("CumSum", bounded=True, finite=True, reads=())
 def cumsum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """The transpose of a prefix sum is the suffix sum in the other direction, with the same exclusivity
     (ONNX "CumSum"; JAX's ``cumsum`` transpose rule)."""
@@ -174,7 +174,7 @@ def cumsum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     return ctx.val(g).apply("CumSum", node.inputs[1], exclusive=exclusive, reverse=reverse, like=x)
 
 
-@unary("ReduceLogSum")
+@unary("ReduceLogSum", bounded=False, finite=False)
 def reduce_log_sum(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``y = log(sum(x))``, so ``dx = dy / sum(x)`` broadcast back (ONNX "ReduceLogSum"; the sum is recomputed
     with the node's axes, ``keepdims=1``: one rounding, where ``exp(-y)`` would carry the logarithm's). A no-op
@@ -261,7 +261,7 @@ def _affine_scan(ctx: Ctx, a: str, b: str, axis: int, rank: int, later: bool, n:
     return r
 
 
-@unary("CumProd")
+@unary("CumProd", bounded=False, finite=False)
 def cumprod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "CumProd" (opset 26), without dividing by ``x`` (exact at any number of zeros). For the forward
     direction, with ``E[i] = prod_{k<i} x_k`` (the exclusive products, from ``y``):

@@ -459,7 +459,7 @@ def _crop_grads(e: Emitter, ax: ResizeAxis, per_out: str) -> tuple[str, str]:
     return start, end
 
 
-@vjp("Resize")
+@vjp("Resize", bounded=True, finite=True, reads="all")
 def resize(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Resize" in nearest, linear and cubic modes (with or without antialias, every coordinate
     transformation) is separable and linear in ``x``: ``y = x x_a A_a`` over the resized axes, with

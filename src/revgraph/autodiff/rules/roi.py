@@ -101,7 +101,7 @@ _EXACT_F32 = 1 << 24
 _LOW = 1 << 12
 
 
-@unary("MaxUnpool")
+@unary("MaxUnpool", bounded=False, finite=False)
 def max_unpool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "MaxUnpool": ``y`` is zeros with each ``x_j`` written at the place index ``I_j`` names, so ``dx_j``
     is ``dy`` at that place (PyTorch ``max_unpool`` backward: a gather of ``dy`` at the indices). Which place
@@ -257,7 +257,7 @@ def _tap_positions(e: Emitter, win: _RoiWindows, tap: str, b: str, c: Dim, h: Di
     return e.op("Add", [e.op("Mul", [e.op("Add", [e.op("Mul", [plane, _i64(e, h)]), hsel]), _i64(e, w)]), wsel])
 
 
-@unary("MaxRoiPool")
+@unary("MaxRoiPool", bounded=False, finite=False)
 def max_roi_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "MaxRoiPool" (Fast R-CNN's RoI pooling; onnxruntime's ``RoiPool``): roi ``[b, x1, y1, x2, y2]``
     scaled by ``spatial_scale`` and rounded, split into ``pooled_shape`` bins ``[floor(p h / P), ceil((p+1) h /
@@ -481,7 +481,7 @@ def _align_roi_grads(e: Emitter, seen: str, other: str, axes: list[int], a: Alig
     return total[0], total[1]
 
 
-@vjp("RoiAlign")
+@vjp("RoiAlign", bounded=False, finite=False)
 def roi_align(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "RoiAlign" (Mask R-CNN; onnxruntime's kernel and the ONNX reference agree): each output averages
     (``mode="avg"``) the bilinear interpolations ``sum_k w_k x_k`` of ``x`` at a grid of samples in its bin, or

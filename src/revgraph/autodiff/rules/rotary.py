@@ -90,7 +90,7 @@ def _cache_grad(e: Emitter, d: Val, axis: int, half: int, table: str, pos: str |
     return SparseGrad(flat_indices(e, pos, dim(e, table, 0)), d.reshape([-1, half]).name, table)
 
 
-@vjp("RotaryEmbedding")
+@vjp("RotaryEmbedding", bounded=False, finite=False)
 def rotary_embedding(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "RotaryEmbedding" (opset 23): ``dX`` is the inverse rotation of ``dY`` (the same operator with the
     sine negated); the caches get ``sum_heads(g1 x1 + g2 x2)`` (cos) and ``sum_heads(g2 x1 - g1 x2)`` (sin),

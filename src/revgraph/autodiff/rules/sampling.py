@@ -237,7 +237,7 @@ def _mode(node: Node) -> tuple[str, str, bool]:
     return _MODES[mode], padding, bool(node.attrs.get("align_corners", 0))
 
 
-@vjp("GridSample")
+@vjp("GridSample", bounded=False, finite=False)
 def grid_sample(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "GridSample": ``dX`` scatters ``W * dY`` to the taps (race free), ``dgrid`` sums ``dY X dW/dp``
     over channels and taps (module doc; PyTorch ``grid_sampler_2d_backward``). Opset 16's mode names
@@ -327,7 +327,7 @@ def _base_coords(e: Emitter, size: str | int, like: str, align: bool) -> str:
     return e.op("Unsqueeze", [v, e.ints([1])])
 
 
-@vjp("AffineGrid")
+@vjp("AffineGrid", bounded=False, finite=False)
 def affine_grid(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "AffineGrid" (opset 20): ``grid[n, s, :] = theta[n] @ [base(s), 1]`` is linear in ``theta``
     (``[N, r, r + 1]``, r = 2 or 3 spatial axes), so ``dtheta[n] = sum_s dgrid[n, s, :] [base(s), 1]^T``

@@ -265,14 +265,14 @@ def _fit_to_indices(e: Emitter, node: Node, g: str, idx: str, axis: int) -> str:
     return e.op("Slice", [g, e.ints([0] * r), ends])
 
 
-@vjp("ScatterND")
+@vjp("ScatterND", bounded=True, finite=True, reads="all", moves=True)
 def scatter_nd(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "ScatterND" (every reduction, :func:`_scatter_vjp`): transpose of GatherND on the updates, masking
     or pass-through on the data (PyTorch ``index_put``: ``values`` gets ``grad[indices]``)."""
     return _scatter_vjp(ctx, node, cts[0], "ScatterND", "GatherND", {})
 
 
-@vjp("ScatterElements")
+@vjp("ScatterElements", bounded=True, finite=True, reads="all", moves=True)
 def scatter_elements(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "ScatterElements" (every reduction, :func:`_scatter_vjp`): as ScatterND with GatherElements along
     ``axis`` (PyTorch ``scatter``/``scatter_add``/``scatter_reduce``: ``src`` gets ``grad.gather(dim, index)``

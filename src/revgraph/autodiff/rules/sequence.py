@@ -137,7 +137,7 @@ def _dense(ctx: Ctx, g: str | SeqGrad, zeros: Callable[[Emitter], str] | None = 
 # ------------------------------------------------------------------------------------------ reads
 
 
-@vjp("SequenceAt")
+@vjp("SequenceAt", bounded=True, finite=True, reads=(), moves=True)
 def sequence_at(ctx: Ctx, node: Node, cts: list) -> list:
     """``S`` gets the read ``(position, g)``: its cotangent is ``g`` at the position and zeros elsewhere, added
     to the other readers' (PyTorch's ``unbind`` / ``select`` backward, one element at a time)."""
@@ -145,7 +145,7 @@ def sequence_at(ctx: Ctx, node: Node, cts: list) -> list:
     return [lambda: SeqGrad(seq, ((pos, cts[0]),), zeros=structural_zeros(ctx, seq)), None]
 
 
-@vjp("SplitToSequence")
+@vjp("SplitToSequence", bounded=True, finite=True, reads=(), moves=True)
 def split_to_sequence(ctx: Ctx, node: Node, cts: list) -> list:
     """``x`` gets the element cotangents concatenated along ``axis`` (PyTorch's ``split_backward``): a
     ``Concat`` of the reads (summed per position, unsqueezed for ``keepdims=0``) and zeros for the unread
@@ -189,7 +189,7 @@ def split_to_sequence(ctx: Ctx, node: Node, cts: list) -> list:
     return [dx, *[None] * (len(node.inputs) - 1)]
 
 
-@vjp("ConcatFromSequence")
+@vjp("ConcatFromSequence", bounded=True, finite=True, reads=(), moves=True)
 def concat_from_sequence(ctx: Ctx, node: Node, cts: list) -> list:
     """``S`` gets the cotangent split back into its elements along ``axis`` (PyTorch's ``cat`` and ``stack``
     backward): ``SplitToSequence(g, keepdims=0)`` for ``new_axis=1``; for ``new_axis=0`` chunks of the
@@ -224,7 +224,7 @@ def _sizes(e: Emitter, seq: str, axis: int) -> str:
 # ------------------------------------------------------------------------------------------ construction
 
 
-@vjp("SequenceConstruct")
+@vjp("SequenceConstruct", bounded=True, finite=True, reads=(), moves=True)
 def sequence_construct(ctx: Ctx, node: Node, cts: list) -> list:
     """``x_i`` gets element i of the cotangent: the reads at i (summed) when their positions are known while
     the graph is built, else ``SequenceAt(dense cotangent, i)``."""
@@ -248,7 +248,7 @@ def sequence_construct(ctx: Ctx, node: Node, cts: list) -> list:
     return [lambda i=i, x=x: dx(i, x) for i, x in enumerate(node.inputs)]
 
 
-@vjp("SequenceInsert")
+@vjp("SequenceInsert", bounded=True, finite=True, reads=(), moves=True)
 def sequence_insert(ctx: Ctx, node: Node, cts: list) -> list:
     """``t`` gets element p of the cotangent and ``S`` the cotangent without it (``SequenceErase``); p is the
     insert position (the back when omitted; a negative p counts from the back of ``S``, so it is element
@@ -313,7 +313,7 @@ def sequence_insert(ctx: Ctx, node: Node, cts: list) -> list:
     return [dseq, dt, *[None] * (len(node.inputs) - 2)]
 
 
-@vjp("SequenceErase")
+@vjp("SequenceErase", bounded=True, finite=True, reads=(), moves=True)
 def sequence_erase(ctx: Ctx, node: Node, cts: list) -> list:
     """``S`` gets the cotangent with zeros of the erased element's shape inserted where it was (the back when
     the position is omitted). Reads at known positions pass through as reads, shifted past the erased one."""
@@ -378,5 +378,5 @@ def _same_read(ctx: Ctx, seq: str, pos: str | None) -> str | None:
     return None
 
 
-not_differentiable("integer result", "SequenceLength")
-not_differentiable("no inputs: a constant (the empty sequence)", "SequenceEmpty")
+not_differentiable("integer result", "SequenceLength", bounded=False, finite=True)
+not_differentiable("no inputs: a constant (the empty sequence)", "SequenceEmpty", bounded=False, finite=True)

@@ -112,14 +112,14 @@ def _pad_axis(e: Emitter, g: str, axis: int, before: Dyn, after: Dyn, like: str 
 # ------------------------------------------------------------------------------------------ reshapes
 
 
-@vjp("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+@vjp("Reshape", "Flatten", "Squeeze", "Unsqueeze", bounded=True, finite=True, reads=(), moves=True)
 def reshape(ctx: Ctx, node: Node, cts: list) -> list:
     """The cotangent reshaped back to ``Shape(x)``: the elements keep their row-major order (ONNX Reshape,
     Flatten, Squeeze, Unsqueeze; JAX's ``_reshape_transpose_rule``)."""
     return [lambda: _reshape_to(ctx.e, cts[0], node.inputs[0]), *[None] * (len(node.inputs) - 1)]
 
 
-@vjp("Transpose")
+@vjp("Transpose", bounded=True, finite=True, reads=(), moves=True)
 def transpose(ctx: Ctx, node: Node, cts: list) -> list:
     """Transpose by the inverse permutation; the default perm reverses the axes and is its own inverse
     (JAX's ``_transpose_transpose_rule``)."""
@@ -134,14 +134,14 @@ def transpose(ctx: Ctx, node: Node, cts: list) -> list:
     return [e.op("Transpose", [g], perm=inverse, like=x)]
 
 
-@vjp("Expand")
+@vjp("Expand", bounded=True, finite=True, reads=())
 def expand(ctx: Ctx, node: Node, cts: list) -> list:
     """Expand broadcasts ``x`` (onnx/docs/Broadcasting.md); the adjoint sums the cotangent over the broadcast
     axes (PyTorch's ``expand`` backward, ``sum_to_size``)."""
     return [lambda: ctx.e.reduce_to(cts[0], node.inputs[0]), None]
 
 
-@vjp("Trilu")
+@vjp("Trilu", bounded=False, finite=False)
 def trilu(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Trilu" keeps the upper (``upper=1``) or lower triangle of the last two axes, from diagonal ``k``: a
     fixed mask, so the VJP keeps the same triangle of the cotangent (PyTorch's ``triu``/``tril`` backward).
@@ -154,7 +154,7 @@ def trilu(ctx: Ctx, node: Node, cts: list) -> list:
 # ------------------------------------------------------------------------------------------ concat / split
 
 
-@vjp("Concat")
+@vjp("Concat", bounded=True, finite=True, reads=(), moves=True)
 def concat(ctx: Ctx, node: Node, cts: list) -> list:
     """Input i gets the slice of the cotangent at its offset along ``axis`` (the sizes of the inputs
     before it), with static offsets when the sizes are known and ``Shape``-based ones otherwise (JAX's
@@ -174,7 +174,7 @@ def concat(ctx: Ctx, node: Node, cts: list) -> list:
     return [lambda i=i, x=x: piece(i, x) for i, x in enumerate(node.inputs)]
 
 
-@vjp("Split")
+@vjp("Split", bounded=True, finite=True, reads=(), moves=True)
 def split(ctx: Ctx, node: Node, cts: list) -> list:
     """The cotangents of the pieces concatenated along ``axis``; pieces without one contribute zeros
     (PyTorch's ``split_backward``)."""
@@ -190,7 +190,7 @@ def split(ctx: Ctx, node: Node, cts: list) -> list:
 # ------------------------------------------------------------------------------------------ tile
 
 
-@vjp("Tile")
+@vjp("Tile", bounded=True, finite=True, reads=())
 def tile(ctx: Ctx, node: Node, cts: list) -> list:
     """``y`` viewed as ``[r0, d0, r1, d1, ...]`` holds ``r0 * r1 * ...`` copies of ``x``; the adjoint sums
     the cotangent, viewed the same way, over the repeat axes (PyTorch's ``repeat_backward``)."""
@@ -295,7 +295,7 @@ def _masked_params(e: Emitter, node: Node, x: str, starts: str, ends: str, axes:
     return out
 
 
-@vjp("Slice")
+@vjp("Slice", bounded=True, finite=True, reads=(), moves=True)
 def slice_(ctx: Ctx, node: Node, cts: list) -> list:
     """The cotangent scattered into zeros of ``x``'s shape at the selected positions, axis by axis
     (JAX's ``_slice_transpose_rule``: a pad with interior padding ``step - 1``). Works from constants when
@@ -416,7 +416,7 @@ def _unpad_scatter(e: Emitter, g: str, x: str, pads: str, axes: str | None, mode
     return e.op("Reshape", [summed, e.shape_of(x)], like=x)
 
 
-@vjp("Pad")
+@vjp("Pad", bounded=True, finite=True, reads=(), moves=True)
 def pad(ctx: Ctx, node: Node, cts: list) -> list:
     """Constant mode: the cotangent of ``x`` is the cotangent without the border, and ``constant_value``
     gets the sum of the cotangent over the border. Reflect/edge/wrap: each output element is a copy of
@@ -460,7 +460,7 @@ def _unpad_modes(e: Emitter, node: Node, g: str, x: str, pads: str, axes: str | 
     return _unpad_scatter(e, g, x, pads, axes, mode)
 
 
-@vjp("CenterCropPad")
+@vjp("CenterCropPad", bounded=False, finite=False)
 def center_crop_pad(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "CenterCropPad" (opset 18) crops each of ``axes`` (default all) to ``shape`` around its center
     (start ``(dim - n) // 2``) or pads it with zeros (``(n - dim) // 2`` before, the rest after). Both are
@@ -488,7 +488,7 @@ def center_crop_pad(ctx: Ctx, node: Node, cts: list) -> list:
     return [dx, None]
 
 
-@vjp("Range")
+@vjp("Range", bounded=False, finite=True)
 def range_(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Range": ``y[i] = start + i * delta`` for ``i < n = max(ceil((limit - start) / delta), 0)``, so
     ``dstart = sum(g)`` and ``ddelta = sum(i * g)``. ``n`` moves only in steps (a piecewise-constant function
@@ -515,8 +515,10 @@ def _to_scalar_like(e: Emitter, total: str, x: str) -> str:
     return total if e.rank(x) == 0 else e.op("Reshape", [total, e.shape_of(x)], like=x)
 
 
-not_differentiable(
-    "integer result, or a result fixed by the inputs' shapes rather than their values",
-    "Shape", "Size", "ConstantOfShape", "NonZero", "EyeLike",
-)
-not_differentiable("no inputs: a constant", "Constant")
+not_differentiable("integer result, or a result fixed by the inputs' shapes rather than their values",
+                   "Shape", "Size", bounded=False, finite=True, shape_only=True)
+not_differentiable("integer result, or a result fixed by the inputs' shapes rather than their values",
+                   "ConstantOfShape", "NonZero", bounded=False, finite=True)
+not_differentiable("integer result, or a result fixed by the inputs' shapes rather than their values",
+                   "EyeLike", bounded=False, finite=False)
+not_differentiable("no inputs: a constant", "Constant", bounded=False, finite=True)

@@ -162,7 +162,7 @@ def _dft_attrs(ctx: Ctx, node: Node, x: str) -> tuple[int, int, int, int]:
     return rank, a, int(node.attrs.get("inverse", 0)), int(node.attrs.get("onesided", 0))
 
 
-@vjp("DFT")
+@vjp("DFT", bounded=False, finite=False)
 def dft(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "DFT": the adjoint transforms of the module doc, then the gradient cut or padded back to the input's
     length along the axis (the adjoint of ``dft_length``'s padding or truncation). ``dft_length`` may be
@@ -204,7 +204,7 @@ def dft(ctx: Ctx, node: Node, cts: list) -> list:
 # ------------------------------------------------------------------------------------------------------ STFT
 
 
-@vjp("STFT")
+@vjp("STFT", bounded=False, finite=False)
 def stft(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "STFT": with ``z[b, f, t] = signal[b, f * step + t] * window[t]`` and ``Y[b, f] = DFT(z[b, f])``
     (one-sided by default), ``dz = F^H dY`` per frame (the DFT VJP), ``dsignal`` overlap-adds ``window * dz``
