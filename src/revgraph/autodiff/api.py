@@ -45,7 +45,7 @@ def gradient(
     checkpoint: str | int | CheckpointPolicy = "store",
     lift_constants: bool = False,
     straight_through: bool = False,
-    memory: float | int | Budget | str | None = None,
+    memory: float | int | Budget | str | None = None,  # noqa: PYI041 (an int is a byte count, a float a fraction)
 ) -> Graph:
     """A graph computing ``graph``'s outputs and the gradient of ``loss`` with respect to each ``wrt`` value.
 
@@ -100,8 +100,9 @@ def gradient(
             types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape, vi.kind)
             ys[loss] = seed_name
         e = Emitter(types, used, g.opset)
-        options = Options(checkpoint=parse_policy(checkpoint), straight_through=bool(straight_through))
-        _, grad_map = backward(g, ys, wrt_names, accumulate=accumulate, types=types, emitter=e, options=options)
+        options = Options(checkpoint=parse_policy(checkpoint), straight_through=bool(straight_through),
+                          accumulate=accumulate)
+        _, grad_map = backward(g, ys, wrt_names, types=types, emitter=e, options=options)
 
         missing = [w for w in wrt_names if w not in grad_map]
         if missing and unconnected == "error":

@@ -53,7 +53,7 @@ def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     t = eb.op("Sub", [eb.op("Sub", [trips, eb.const(np.array(1, np.int64))]), bb.k.name], shape=(), dtype=I64)
     scan_cts = cts[p.n_carried :]
     seeds = body_seeds(eb, p, bb.cot, lambda s, name: None if scan_cts[s] is None else eb.op(
-        "Gather", [scan_cts[s], t], axis=0, like=name))
+        "Gather", [scan_cts[s], t], axis=0, like=name), ctx.options.accumulate)
     body_vjp = ctx.backward(p.body, seeds, p.wrt, types=p.types, options=ctx.options, singular=ctx.singular)
     carried, captured, settled = settle(p, bb, body_vjp.grads)
     vjp_nodes = [*body_vjp.nodes, *settled]
