@@ -16,3 +16,19 @@ def test_op_coverage_is_up_to_date():
     assert (DOCS / "op_coverage.md").read_text() == text, "run: python docs/gen_op_coverage.py"
     for op in ("Add", "MatMul", "Gather", "Loop", "If", "Scan"):
         assert f"| {op} | VJP rule |" in text
+
+
+def test_train_synopsis_lists_the_registries():
+    """README's ``revgraph train`` synopsis and DESIGN.md's list the optimizers and losses of the registries the
+    CLI reads (:data:`revgraph.optimizers.OPTIMIZERS`, :data:`revgraph.losses.LOSSES`)."""
+    import re
+
+    from revgraph.losses import LOSSES
+    from revgraph.optimizers import OPTIMIZERS
+
+    readme = (DOCS.parent / "README.md").read_text()
+    synopsis = next(line for line in readme.splitlines() if line.startswith("### `revgraph train "))
+    assert re.search(r"--optimizer ([\w|-]+)", synopsis).group(1) == "|".join(OPTIMIZERS)
+    assert re.search(r"--loss ([\w|:-]+)", synopsis).group(1) == "|".join(LOSSES)
+    design = (DOCS / "DESIGN.md").read_text()
+    assert re.search(r"revgraph train .*--optimizer ([\w|-]+)", design).group(1) == "|".join(OPTIMIZERS)
