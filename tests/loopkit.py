@@ -12,7 +12,7 @@ import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
 
 F64 = np.dtype(np.float64)
-POLICIES = ("store", "recompute", "sqrt", 2)
+POLICIES = ("store", "recompute", "products", "sqrt", 2)
 
 
 def n(op, ins, outs, name=None, **attrs):

@@ -32,3 +32,11 @@ def test_train_synopsis_lists_the_registries():
     assert re.search(r"--loss ([\w|:-]+)", synopsis).group(1) == "|".join(LOSSES)
     design = (DOCS / "DESIGN.md").read_text()
     assert re.search(r"revgraph train .*--optimizer ([\w|-]+)", design).group(1) == "|".join(OPTIMIZERS)
+
+
+def test_grad_synopsis_lists_the_checkpoint_policies():
+    """README's and DESIGN.md's ``--checkpoint`` lists are the CLI's (:data:`revgraph.autodiff.policies.NAMED`)."""
+    from revgraph.cli_write import POLICIES
+
+    for doc in (DOCS.parent / "README.md", DOCS / "DESIGN.md"):
+        assert f"[--checkpoint {POLICIES}]" in doc.read_text(), doc.name

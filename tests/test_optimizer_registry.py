@@ -11,7 +11,8 @@ import torch
 from test_train import mlp, torch_mlp
 
 import revgraph as rg
-from revgraph import optimizers, train as T
+from revgraph import optimizers
+from revgraph import train as T
 from revgraph.cli import _parser
 from revgraph.errors import RevgraphError
 

@@ -57,7 +57,7 @@ def gradient(
     ``Gather`` gets ``<name>_grad_indices`` (int64 [K]) and ``<name>_grad_values`` ([K, ...]) instead.
     A wrt value with no path to the loss gets zeros and a ``UserWarning`` (``unconnected="zero"``) or raises
     (``unconnected="error"``). ``accumulate`` is ``"sum"`` or ``"running"`` (see :class:`Accumulator`).
-    ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"sqrt"`` or a segment
+    ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"products"``, ``"sqrt"`` or a segment
     length K, or a :data:`~.policies.CheckpointPolicy` (see :mod:`.policies`). ``lift_constants=True`` first turns floating-point ``Constant`` and
     ``ConstantOfShape`` values with more than one element into initializers (:func:`revgraph.lift.lift_constants`),
     so that they are differentiated by default. ``straight_through=True`` differentiates each

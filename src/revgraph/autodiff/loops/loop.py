@@ -9,11 +9,13 @@ JAX's ``_transpose_scan_jaxpr`` is the same construction for ``scan``).
 * Carried cotangents and loop-invariant accumulators are the backward loop's carried values
   (:mod:`.reverse`).
 
-Residual policies (:mod:`..policies`): :class:`Store` stacks, as extra scan outputs of the forward loop, the
-body values that the body's VJP reads, each distinct value once (:mod:`.residuals`: a carried value's input is
-the previous iteration's output, a row of an outer input is read again, the user's own scan outputs are reused);
-:class:`Recompute` stacks only the loop-carried inputs and recomputes the rest of the body inside the backward
-loop; :class:`Segments` checkpoints segments (:mod:`.checkpoint`). What the forward loop must additionally
+Residual policies (:mod:`..policies`) say per body node whether its outputs are saved (``policy.saves(node)``,
+asked by :mod:`.residuals`): :class:`Store` stacks, as extra scan outputs of the forward loop, the body values
+that the body's VJP reads, each distinct value once (a carried value's input is the previous iteration's
+output, a row of an outer input is read again, the user's own scan outputs are reused); :class:`Recompute`
+stacks only the loop-carried inputs and recomputes the rest of the body inside the backward loop;
+:class:`SaveProducts` stacks the products' outputs and recomputes the rest; :class:`Segments` checkpoints
+segments (:mod:`.checkpoint`). What the forward loop must additionally
 produce comes back as a :class:`ForwardPatch`, which the backward pass applies.
 """
 
