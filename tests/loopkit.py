@@ -12,7 +12,7 @@ import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
 
 F64 = np.dtype(np.float64)
-POLICIES = ("store", "recompute", "sqrt", 2)
+POLICIES = ("store", "recompute", "products", "sqrt", 2)
 
 
 def n(op, ins, outs, name=None, **attrs):
@@ -51,9 +51,9 @@ def graph(nodes, inputs, outputs, inits=None):
     return Graph(nodes, [ValueInfo(k, F64, s) for k, s in inputs.items()], [ValueInfo(o, F64, ()) for o in outputs], inits)
 
 
-def grads(g, feeds, wrt, loss=None, policy="store", backends=("onnxruntime", "reference")):
+def grads(g, feeds, wrt, loss=None, policy="store", backends=("onnxruntime", "reference"), accumulate="sum"):
     """revgraph's gradients of ``loss`` under each backend (which must agree); checks the gradient graph."""
-    gg = rg.gradient(g, loss=loss, wrt=wrt, checkpoint=policy)
+    gg = rg.gradient(g, loss=loss, wrt=wrt, checkpoint=policy, accumulate=accumulate)
     onnx.checker.check_model(rg.to_onnx(gg), full_check=True)
     names = gg.output_names[len(g.outputs):]
     results = []

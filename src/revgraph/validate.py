@@ -321,8 +321,12 @@ def mapping(name: str, value):
 
 def optimizer(name: str, value):
     """An optimizer name (``"adam"``) or a :class:`revgraph.train.Optimizer`."""
+    import sys
+
+    # the registry's names (read, not imported: revgraph.train.optimizers imports this module)
+    names = getattr(sys.modules.get("revgraph.train.optimizers"), "OPTIMIZERS", ("sgd", "adam", "adamw"))
     kinds = (str, *_loaded("revgraph.train.optimizers", "Optimizer"))
-    return instance(name, value, kinds, "an optimizer name ('sgd', 'adam', 'adamw') or a "
+    return instance(name, value, kinds, f"an optimizer name ({', '.join(map(repr, names))}) or a "
                     "revgraph.train.Optimizer (revgraph.train.make_optimizer builds one)")
 
 
@@ -430,16 +434,16 @@ def _profile(name: str, value):
 
 #: :class:`revgraph.Trainer`'s arguments (the registries' choices, the loss and the schedule are checked by the
 #: code that owns them, each in one line).
-TRAINER_RULES = dict(model=MODEL, loss=TEXT, optimizer=OPTIMIZER, output=NAME, threads=THREADS,
-                     checkpoint=POLICY, distributed=FLAG, memory=BUDGET, bucket_mb=POSITIVE, profile=_profile,
-                     overlap=choice(True, False, "auto"),
-                     sync_batchnorm=FLAG, timeout=OPTIONAL_POSITIVE,
-                     clip_grad_norm=OPTIONAL_POSITIVE)  # (params, freeze: revgraph.selection, glob patterns)
+TRAINER_RULES = {"model": MODEL, "loss": TEXT, "optimizer": OPTIMIZER, "output": NAME, "threads": THREADS,
+                 "checkpoint": POLICY, "distributed": FLAG, "memory": BUDGET, "bucket_mb": POSITIVE, "profile": _profile,
+                 "overlap": choice(True, False, "auto"),
+                 "sync_batchnorm": FLAG, "timeout": OPTIONAL_POSITIVE,
+                 "clip_grad_norm": OPTIONAL_POSITIVE}  # (params, freeze: revgraph.selection, glob patterns)
 #: :meth:`revgraph.Trainer.fit`'s arguments.
-FIT_RULES = dict(epochs=POSITIVE_INT, batch_size=POSITIVE_INT, shuffle=FLAG, seed=SEED, progress=FLAG,
-                 description=rule(text, empty=True), checkpoint_dir=OPTIONAL_PATH, checkpoint_every=NON_NEGATIVE_INT,
-                 nonfinite=choice("stop", "continue"), accumulate_steps=POSITIVE_INT,
-                 override=OPTIONAL_NAMES)
+FIT_RULES = {"epochs": POSITIVE_INT, "batch_size": POSITIVE_INT, "shuffle": FLAG, "seed": SEED, "progress": FLAG,
+             "description": rule(text, empty=True), "checkpoint_dir": OPTIONAL_PATH, "checkpoint_every": NON_NEGATIVE_INT,
+             "nonfinite": choice("stop", "continue"), "accumulate_steps": POSITIVE_INT,
+             "override": OPTIONAL_NAMES}
 
 
 def _training_graph(name: str, value):

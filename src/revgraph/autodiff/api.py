@@ -45,7 +45,7 @@ def gradient(
     checkpoint: str | int | CheckpointPolicy = "store",
     lift_constants: bool = False,
     straight_through: bool = False,
-    memory: float | int | Budget | str | None = None,
+    memory: float | int | Budget | str | None = None,  # noqa: PYI041 (an int is a byte count, a float a fraction)
 ) -> Graph:
     """A graph computing ``graph``'s outputs and the gradient of ``loss`` with respect to each ``wrt`` value.
 
@@ -57,7 +57,7 @@ def gradient(
     ``Gather`` gets ``<name>_grad_indices`` (int64 [K]) and ``<name>_grad_values`` ([K, ...]) instead.
     A wrt value with no path to the loss gets zeros and a ``UserWarning`` (``unconnected="zero"``) or raises
     (``unconnected="error"``). ``accumulate`` is ``"sum"`` or ``"running"`` (see :class:`Accumulator`).
-    ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"sqrt"`` or a segment
+    ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"products"``, ``"sqrt"`` or a segment
     length K, or a :data:`~.policies.CheckpointPolicy` (see :mod:`.policies`). ``lift_constants=True`` first turns floating-point ``Constant`` and
     ``ConstantOfShape`` values with more than one element into initializers (:func:`revgraph.lift.lift_constants`),
     so that they are differentiated by default. ``straight_through=True`` differentiates each
@@ -100,8 +100,9 @@ def gradient(
             types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape, vi.kind)
             ys[loss] = seed_name
         e = Emitter(types, used, g.opset)
-        options = Options(checkpoint=parse_policy(checkpoint), straight_through=bool(straight_through))
-        _, grad_map = backward(g, ys, wrt_names, accumulate=accumulate, types=types, emitter=e, options=options)
+        options = Options(checkpoint=parse_policy(checkpoint), straight_through=bool(straight_through),
+                          accumulate=accumulate)
+        _, grad_map = backward(g, ys, wrt_names, types=types, emitter=e, options=options)
 
         missing = [w for w in wrt_names if w not in grad_map]
         if missing and unconnected == "error":

@@ -96,13 +96,13 @@ def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, 
     return needed
 
 
-@V.arguments(graph=V.GRAPH, wrt=V.NAMES, accumulate=V.choice("sum", "running"))
+@V.arguments(graph=V.GRAPH, wrt=V.NAMES, accumulate=V.nullable(V.one_of, choices=("sum", "running")))
 def backward(
     graph: Graph,
     ys: Mapping[str, str | None] | Iterable[str],
     wrt: Iterable[str] | None = None,
     *,
-    accumulate: str = "sum",
+    accumulate: str | None = None,
     types: dict[str, ValueInfo] | None = None,
     emitter: Emitter | None = None,
     options: Options | None = None,
@@ -113,7 +113,8 @@ def backward(
     non-scalar y is differentiated as the sum of its elements), or the name of a value holding the cotangent.
     ``wrt`` lists the values gradients are wanted for (default: every floating-point input and initializer);
     only nodes on a path from them to ``ys`` are differentiated. ``options``: what rules read (the loops'
-    checkpoint policy). Returns the emitted backward nodes and ``grad_map``: every value that received a
+    checkpoint policy, the accumulation). ``accumulate``: ``"sum"`` or ``"running"`` (:class:`Accumulator`),
+    taking the place of ``options.accumulate`` (``None``: the options', ``"sum"`` by default). Returns the emitted backward nodes and ``grad_map``: every value that received a
     gradient mapped to it (a value name, a :class:`SparseGrad` for a table read only through ``Gather``, or a
     :class:`~.accumulate.SeqGrad` for a sequence read through ``SequenceAt``).
     A loop on the path is extended in place (its trip counter and stacked residuals, :class:`ForwardPatch`).
@@ -135,12 +136,14 @@ def backward(
     wrt = default_wrt(graph, types) if wrt is None else names_argument(wrt, "wrt")
     e = emitter or Emitter(types, used_names(graph), graph.opset)
     options = options or Options()
+    if accumulate is not None and accumulate != options.accumulate:
+        options = replace(options, accumulate=accumulate)
     lower_to_loops(graph, types, e.used)
     e.learn_constants(graph)
     check_nodes(graph, types, e.values)  # inconsistent constants and shapes: one line, before any rule builds
     sequence_types(graph.nodes, types, e.values, graph.opset)
     _type_seeds(graph, ys, types)
-    acc = Accumulator(e, accumulate)
+    acc = Accumulator(e, options.accumulate)
     producers = {o: n for n in graph.nodes for o in n.outputs if o}
     nodes = prune(graph, ys, wrt, types, producers)
 
@@ -171,8 +174,8 @@ def backward(
         unsafe = nonfinite_cotangents(nodes, seeds, e.values, risky, types)
         # infinite even where every forward value is finite (Sqrt's at 0): where a zero partial stops them
         singular = unsafe if options.tangents else _singular(nodes, ys, wrt, e.values, types, options.seeds_singular)
-    shared = dict(risky=frozenset(risky), reach=frozenset(reach), options=options, backward=_subgraph_pass(e),
-                  producers=MappingProxyType(producers))
+    shared = {"risky": frozenset(risky), "reach": frozenset(reach), "options": options,
+              "backward": _subgraph_pass(e), "producers": MappingProxyType(producers)}
     grad_map: dict[str, Grad] = {}
     for node in reversed(nodes):
         out_grads = [acc.rule_total(o) if o else None for o in node.outputs]

@@ -51,9 +51,13 @@ class Options:
     tangents, taken as finite (a JVP along an infinite tangent is NaN where a partial derivative is 0, as
     ``<grad, t>`` is), and a zero partial derivative stops every cotangent that may be inf or NaN, not only the
     singular ones (:meth:`Ctx.times`): a tangent meets a forward NaN that the function discards (a loss row
-    of weight 0) before the zero that discards it, where reverse mode meets the zero first."""
+    of weight 0) before the zero that discards it, where reverse mode meets the zero first.
+    ``accumulate``: how the contributions to one value's gradient are added up (:class:`~.accumulate.
+    Accumulator`): ``"sum"``, one ``Sum`` once all have arrived, or ``"running"``, each added at once with
+    ``Add``; the whole pass uses it, loop bodies and branches too."""
 
     checkpoint: CheckpointPolicy = field(default_factory=Store)
+    accumulate: str = "sum"
     straight_through: bool = False
     strong_zeros: bool = True
     tangents: bool = False

@@ -1,15 +1,26 @@
 """Residual policies of loop VJPs (``checkpoint=``): what the forward ``Loop`` keeps for its backward loop.
 
-* :class:`Store` stacks, per iteration, exactly the body values the body's VJP reads (fastest, O(T) memory).
-* :class:`Recompute` stacks only the loop-carried values and recomputes the rest of the body backwards.
+A policy answers one question per node of a loop body, :meth:`Policy.saves`: does the forward loop keep (stack)
+this node's outputs for the backward loop, or does the backward loop recompute them? The residual planner
+(loops/residuals.py) asks it for each body node whose output the body's VJP needs, and recomputes what is not
+saved from what is (body inputs, the loop-carried values, are always available: stacked if needed).
+
+* :class:`Store` saves every node: it stacks, per iteration, exactly the body values the body's VJP reads
+  (fastest, O(T) memory).
+* :class:`Recompute` saves none: it stacks only the loop-carried values and recomputes the rest of the body
+  backwards.
+* :class:`SaveProducts` (``products``) saves the outputs of products (``MatMul``, ``Gemm``, ``Conv``, ...:
+  :data:`PRODUCTS`), the FLOP-heavy nodes, and recomputes everything else, elementwise activations included
+  (JAX's ``checkpoint_policies.dots_saveable``). A selective policy is one class with a :meth:`saves`.
 * :class:`Segments` keeps the loop-carried values at segment starts only (checkpoints) and recomputes one segment
   at a time (Griewank and Walther, "Algorithm 799: revolve"; Chen et al. 2016, "Training deep nets with
-  sublinear memory cost"). Where segments start is its :class:`Boundary`: every K iterations
-  (:class:`EveryK`), or at the perfect squares (:class:`Squares`, the ``sqrt`` policy: about sqrt(T)
-  checkpoints and segments of at most about 2 sqrt(T) iterations).
+  sublinear memory cost"); inside a segment it is :class:`Store`. Where segments start is its
+  :class:`Boundary`: every K iterations (:class:`EveryK`), or at the perfect squares (:class:`Squares`, the
+  ``sqrt`` policy: about sqrt(T) checkpoints and segments of at most about 2 sqrt(T) iterations).
 
 A policy is parsed once, at the API boundary (:func:`parse_policy`), from the names users write: ``store``,
-``recompute``, ``sqrt`` or a positive integer K. Adding a policy is adding a class here and its name to
+``recompute``, ``products``, ``sqrt`` or a positive integer K; an object with ``saves`` and ``name`` is a
+policy as it is (``checkpoint=MyPolicy()``). Adding a policy is adding a class here and its name to
 :data:`NAMED` (a new segment layout is a :class:`Boundary`: two functions written as graph nodes).
 """
 
@@ -22,6 +33,7 @@ import numpy as np
 import onnx
 
 from ..errors import GraphError
+from ..ir import Node
 
 I64 = np.dtype(np.int64)
 
@@ -78,18 +90,53 @@ class Squares:
         return b.op("Cast", [b.op("Ceil", [real])], to=onnx.TensorProto.INT64, shape=(), dtype=I64)
 
 
+class Policy(Protocol):
+    """A residual policy: ``name`` (how messages name it) and :meth:`saves`."""
+
+    name: str
+
+    def saves(self, node: Node) -> bool:
+        """Does the forward loop keep (stack per iteration) the outputs of body node ``node`` that the backward
+        loop reads, rather than the backward loop recomputing them? (Values that cannot be stacked, of a shape
+        that changes between iterations or sequences, are recomputed whatever the answer.)"""
+
+
 @dataclass(frozen=True)
 class Store:
-    """Stack the residuals the body's VJP reads."""
+    """Stack the residuals the body's VJP reads: every node saved."""
 
     name = "store"
+
+    def saves(self, node: Node) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
 class Recompute:
-    """Stack the loop-carried values only; recompute the body in the backward loop."""
+    """Stack the loop-carried values only; recompute the body in the backward loop: no node saved."""
 
     name = "recompute"
+
+    def saves(self, node: Node) -> bool:
+        return False
+
+
+#: the products :class:`SaveProducts` saves: contractions and convolutions, whose FLOPs grow faster than their
+#: outputs' bytes (recomputing one costs far more than the copy of stacking it)
+PRODUCTS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "MatMulInteger", "QLinearMatMul",
+                      "QLinearConv", "ConvInteger"})
+
+
+@dataclass(frozen=True)
+class SaveProducts:
+    """Save the outputs of products (:data:`PRODUCTS`) and recompute the rest of the body from them and the
+    loop-carried values (JAX's ``checkpoint_policies.dots_saveable``): the backward loop repeats only cheap
+    elementwise work, and the forward loop stacks fewer residuals than :class:`Store`."""
+
+    name = "products"
+
+    def saves(self, node: Node) -> bool:
+        return node.op_type in PRODUCTS and node.domain in ("", "ai.onnx")
 
 
 @dataclass(frozen=True)
@@ -100,8 +147,11 @@ class Segments:
     boundary: Boundary
     name: str = "segments"
 
+    def saves(self, node: Node) -> bool:  # inside a segment (the backward loop differentiates it with Store)
+        return True
 
-CheckpointPolicy = Store | Recompute | Segments
+
+CheckpointPolicy = Store | Recompute | SaveProducts | Segments | Policy
 
 #: The longest segment of a K policy (``parse_policy``: T + K must fit in int64).
 MAX_SEGMENT = 2**62
@@ -110,14 +160,16 @@ MAX_SEGMENT = 2**62
 NAMED: dict[str, CheckpointPolicy] = {
     "store": Store(),
     "recompute": Recompute(),
+    "products": SaveProducts(),
     "sqrt": Segments(Squares(), "sqrt"),
 }
 
 
 def parse_policy(policy: object) -> CheckpointPolicy:
-    """The policy ``policy`` names: a :data:`CheckpointPolicy` as it is, a name of :data:`NAMED`, or a positive
-    segment length K (an int or a digit string). Raises :class:`GraphError` (one line) otherwise."""
-    if isinstance(policy, (Store, Recompute, Segments)):
+    """The policy ``policy`` names: a :data:`CheckpointPolicy` as it is (any object with a callable ``saves``
+    and a ``name``: :class:`Policy`), a name of :data:`NAMED`, or a positive segment length K (an int or a
+    digit string). Raises :class:`GraphError` (one line) otherwise."""
+    if callable(getattr(policy, "saves", None)) and isinstance(getattr(policy, "name", None), str):
         return policy
     if isinstance(policy, str) and policy.isascii() and policy.isdigit():
         policy = int(policy)

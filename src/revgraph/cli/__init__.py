@@ -101,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     grad.add_argument("--accumulate", choices=ACCUMULATE, default="sum",
                       help="sum: one Sum per value read several times; running: pairwise Add as gradients arrive")
     grad.add_argument("--checkpoint", default="store", type=N.CHECKPOINT, metavar=POLICIES,
-                      help="loop residuals: stack them (store), recompute the body (recompute), or keep checkpoints "
+                      help="loop residuals: stack them (store), recompute the body (recompute), stack only the products' "
+                      "outputs and recompute the rest (products), or keep checkpoints "
                       "every K iterations or at perfect squares (sqrt: O(sqrt(T)) memory)")
     grad.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES", help=MEMORY_HELP)
     grad.add_argument("--lift-constants", action="store_true",
@@ -110,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="differentiate QuantizeLinear -> DequantizeLinear pairs with the straight-through estimator "
                       "(quantization-aware training)")
     grad.add_argument("--opset", type=N.opset(), metavar="N",
-                      help="write OUT.onnx at this opset (default: the model's, or %d for an older model)" % TARGET_OPSET)
+                      help=f"write OUT.onnx at this opset (default: the model's, or {TARGET_OPSET} for an older model)")
 
     check = sub.add_parser("check", help="compare the gradients with float64 central differences")
     check.add_argument("model", metavar="MODEL.onnx")

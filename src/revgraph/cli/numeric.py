@@ -148,7 +148,7 @@ def _endpoint(text: str) -> str:
     return text
 
 
-#: ``--checkpoint store|recompute|sqrt|K``: K a whole number from 1 to int64's largest.
+#: ``--checkpoint store|recompute|products|sqrt|K``: K a whole number from 1 to int64's largest.
 CHECKPOINT = Checked(_policy, "checkpoint policy")
 #: ``--memory-budget F|BYTES``: a fraction in [0, 1] or a byte count that an int64 holds.
 MEMORY_BUDGET = Checked(_budget, "memory budget")

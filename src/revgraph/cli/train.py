@@ -23,22 +23,45 @@ from .lossdata import input_paths, loss_options, read_data, read_static, require
 from .schedules import add_schedule_arguments, decay_line, schedule_settings
 
 
+def optimizer_defaults(field: str) -> str:
+    """``"0.01 for sgd, 0.001 for adam and adamw"``: each default of ``field`` of the registered optimizers
+    (:data:`revgraph.optimizers.OPTIMIZERS`), with the optimizers that share it."""
+    from ..train.optimizers import OPTIMIZERS, listed
+
+    by_value: dict[float, list[str]] = {}
+    for name, method in OPTIMIZERS.items():
+        by_value.setdefault(method.defaults[field], []).append(name)
+    return ", ".join(f"{v:g} for {listed(names)}" for v, names in by_value.items())
+
+
+def weight_decay_help() -> str:
+    """``--weight-decay``'s help: how each registered optimizer applies it, and the defaults that are not 0."""
+    from ..train.optimizers import OPTIMIZERS
+
+    by_kind: dict[str, list[str]] = {}
+    for name, method in OPTIMIZERS.items():
+        by_kind.setdefault(method.decay, []).append(name)
+    nonzero = [f"{m.defaults['weight_decay']:g}" for m in OPTIMIZERS.values() if m.defaults["weight_decay"]]
+    parts = [f"{kind} ({', '.join(names)}" for kind, names in by_kind.items()]
+    tail = f"; default {', '.join(nonzero)}, else 0)" if nonzero else "; default 0)"
+    return " or ".join(p + ")" for p in parts[:-1]) + (" or " if len(parts) > 1 else "") + parts[-1] + tail
+
+
 def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParser:
     """The ``train`` subcommand's parser, its choices read from the library's registries (:data:`LOSSES`,
     :data:`OPTIMIZERS`, :data:`SHARDS`, :data:`BUFFERS`); ``seed_type`` parses ``--seed``."""
     from ..train.distributed.sharding import SHARDS
     from ..train.engines import BUFFERS
-    from ..train.optimizers import OPTIMIZERS
+    from ..train.optimizers import OPTIMIZERS, takers
     from .lossdata import add_loss_data_arguments
 
     train = sub.add_parser("train", help="train a model: loss, gradients and optimizer step as one ONNX graph")
     train.add_argument("model", metavar="MODEL.onnx")
     add_loss_data_arguments(train)
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="(default adam)")
-    train.add_argument("--lr", type=N.POSITIVE, metavar="LR", help="learning rate (default: 0.01 for sgd, 0.001 for adam and adamw)")
-    train.add_argument("--momentum", type=N.MOMENTUM, metavar="M", help="sgd momentum (default 0)")
-    train.add_argument("--weight-decay", type=N.NON_NEGATIVE, metavar="WD",
-                       help="L2 penalty (sgd, adam) or decoupled decay (adamw; default 0.01, else 0)")
+    train.add_argument("--lr", type=N.POSITIVE, metavar="LR", help=f"learning rate (default: {optimizer_defaults('lr')})")
+    train.add_argument("--momentum", type=N.MOMENTUM, metavar="M", help=f"{'/'.join(takers('momentum'))} momentum (default 0)")
+    train.add_argument("--weight-decay", type=N.NON_NEGATIVE, metavar="WD", help=weight_decay_help())
     train.add_argument("--epochs", type=N.POSITIVE_INT, required=True, metavar="N")
     train.add_argument("--batch-size", type=N.POSITIVE_INT, default=32, metavar="B", help="(default 32)")
     train.add_argument("--seed", type=seed_type, default=0, help="seed of the shuffling (default 0)")

@@ -1,6 +1,14 @@
 """Optimizers as ONNX nodes: :class:`Optimizer`, its factories and the registry :data:`OPTIMIZERS`, and the
 update formulas appended to a training graph (:func:`update`, :func:`sparse_update`, :func:`group_update`).
 
+Each optimizer is a :class:`Method` subclass registered by name (:func:`register`): its state tensors
+(:meth:`Method.slots`), the hyperparameters it reads, PyTorch's defaults for :func:`make_optimizer`, and its
+update written as graph nodes (:meth:`Method.update`, given a :class:`Step`: the builder, the dtype, this
+step's learning rate, the weight decay that applies). :class:`Optimizer` holds the hyperparameters and names
+its method by ``kind``. The CLI's ``--optimizer`` choices and help, snapshot checks and the argument checks
+read the registry, so adding an optimizer is one class here (and its line in README.md, which a test holds
+to the registry).
+
 Optimizers (``g`` the gradient, ``p`` the parameter, ``t = step + 1`` the 1-based step number):
 
 - ``sgd`` -- ONNX ``ai.onnx.preview.training.Momentum`` in standard mode with ``alpha = momentum``,
@@ -41,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import onnx
@@ -55,15 +63,169 @@ from .schedules import Schedule, check_clip, check_no_decay, check_schedule, coa
 if TYPE_CHECKING:
     from .graphs import TrainingGraph
 
-#: The optimizers :class:`Optimizer` knows (the CLI's ``--optimizer`` choices read this).
-OPTIMIZERS = ("sgd", "adam", "adamw")
+class Step:
+    """What an optimizer's update formula gets besides the parameter, its gradient and its state: the builder
+    ``b``, the graph's shared scalars ``s`` (:class:`Scalars`: this step's learning rate, Adam's bias
+    corrections), the dtype ``dt`` of the tensor, and the weight decay that applies to it: ``wd`` (0 where
+    :func:`revgraph.schedules.excluded` skips the tensor) and ``mask`` (``None``, or a boolean mask of the
+    tensor's shape: the elements of a flat shard that belong to decayed parameters, :mod:`revgraph.sharding`)."""
+
+    def __init__(self, b: Builder, s: Scalars, dt, decay: bool | np.ndarray = True):
+        self.b, self.s, self.dt = b, s, dt
+        mask = None if isinstance(decay, bool) else np.asarray(decay, bool)
+        self.wd = s.opt.weight_decay if (mask is None and decay) or (mask is not None and mask.any()) else 0.0
+        self.mask = None if mask is not None and mask.all() else mask
+
+    @property
+    def opt(self) -> Optimizer:
+        """The optimizer's hyperparameters."""
+        return self.s.opt
+
+    def c(self, value: float) -> str:
+        """The constant ``value`` in the tensor's dtype."""
+        return self.s.c(value, self.dt)
+
+    def lr(self) -> str:
+        """This step's learning rate in the tensor's dtype (a constant unless scheduled)."""
+        return self.s.lr(self.dt)
+
+    def l2(self, g: str, p: str) -> str:
+        """``g + wd * p``: the gradient of the L2 penalty ``0.5 * wd * ||p||^2`` added (ONNX ``Momentum``'s and
+        ``Adam``'s ``norm_coefficient``); ``g`` where no decay applies."""
+        if not self.wd:
+            return g
+        b = self.b
+        coefficient = self.c(self.wd) if self.mask is None else b.const(np.where(self.mask, self.wd, 0).astype(self.dt), self.dt)
+        return b.op("Add", [g, b.op("Mul", [coefficient, p])])
+
+    def decoupled(self, p: str) -> str:
+        """``p * (1 - lr * wd)``: decoupled weight decay (``torch.optim.AdamW``), 1 where the mask excludes;
+        ``p`` where no decay applies."""
+        if not self.wd:
+            return p
+        b, factor = self.b, self.s.decay_factor(self.dt)
+        if self.mask is not None:  # 1 where the mask excludes: those elements are multiplied by one, unchanged
+            factor = b.op("Where", [b.const(self.mask, np.bool_), factor, self.c(1.0)])
+        return b.op("Mul", [p, factor])
+
+
+class Method:
+    """An optimizer algorithm, registered in :data:`OPTIMIZERS` under :attr:`name` (:func:`register`).
+
+    ``hyperparameters``: the :class:`Optimizer` fields it reads besides ``lr`` and ``weight_decay`` (a
+    ``momentum`` given to a method that does not read it is refused). ``defaults``: :func:`make_optimizer`'s
+    values for ``lr`` and ``weight_decay`` (PyTorch's). ``decay``: how it applies ``weight_decay``, ``"L2
+    penalty"`` or ``"decoupled decay"`` (the CLI's help says so). ``nonnegative``: the state slots that stay
+    >= 0, with what each is (a snapshot holding a negative one is refused, :mod:`revgraph.snapshot_checks`).
+    """
+
+    name: ClassVar[str]
+    hyperparameters: ClassVar[tuple[str, ...]] = ()
+    defaults: ClassVar[dict[str, float]] = {"lr": 1e-3, "weight_decay": 0.0}
+    decay: ClassVar[str] = "L2 penalty"
+    nonnegative: ClassVar[dict[str, str]] = {}
+
+    def slots(self, opt: Optimizer) -> tuple[str, ...]:
+        """Names of the per-parameter state tensors (each of the parameter's shape, zero at the start)."""
+        return ()
+
+    def checks(self, opt: Optimizer) -> list[tuple[bool, str]]:
+        """``(ok, message)`` checks of ``opt``'s values that this method adds to :class:`Optimizer`'s."""
+        return []
+
+    def update(self, step: Step, p: str, g: str, state: list[str]) -> tuple[str, list[str]]:
+        """The nodes of one update of parameter ``p`` from gradient ``g`` and ``state`` (one name per slot):
+        ``(new p, [new state])``, emitted with ``step.b``."""
+        raise NotImplementedError
+
+
+#: The optimizers :class:`Optimizer` knows, by name: each one's :class:`Method` (the CLI's ``--optimizer``
+#: choices, the snapshot checks and the argument checks read this).
+OPTIMIZERS: dict[str, Method] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Register the :class:`Method` subclass ``cls`` under ``cls.name`` (a class decorator)."""
+    OPTIMIZERS[cls.name] = cls()
+    return cls
+
+
+def listed(names: list[str]) -> str:
+    """``"a, b and c"``: ``names`` as a sentence lists them (for messages and help texts)."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def takers(field: str) -> list[str]:
+    """The registered optimizers that read the hyperparameter ``field`` (``"momentum"``)."""
+    return [k for k, m in OPTIMIZERS.items() if field in m.hyperparameters]
+
+
+@register
+class SGD(Method):
+    """``sgd`` (module doc): ``v' = momentum * v + g'``, ``p' = p - lr * v'``; no state without momentum."""
+
+    name = "sgd"
+    hyperparameters = ("momentum",)
+    defaults: ClassVar[dict[str, float]] = {"lr": 0.01, "weight_decay": 0.0}
+
+    def slots(self, opt: Optimizer) -> tuple[str, ...]:
+        return ("momentum",) if opt.momentum else ()
+
+    def update(self, step: Step, p: str, g: str, state: list[str]) -> tuple[str, list[str]]:
+        b = step.b
+        g = step.l2(g, p)
+        if not step.opt.momentum:
+            return b.op("Sub", [p, b.op("Mul", [step.lr(), g])]), []
+        v = b.op("Add", [b.op("Mul", [step.c(step.opt.momentum), state[0]]), g])
+        return b.op("Sub", [p, b.op("Mul", [step.lr(), v])]), [v]
+
+
+@register
+class Adam(Method):
+    """``adam`` (module doc): first and second moments ``m``, ``v``; bias-corrected step."""
+
+    name = "adam"
+    hyperparameters = ("betas", "eps")
+    nonnegative: ClassVar[dict[str, str]] = {"v": "Adam's second moment"}
+
+    def slots(self, opt: Optimizer) -> tuple[str, ...]:
+        return ("m", "v")
+
+    def checks(self, opt: Optimizer) -> list[tuple[bool, str]]:
+        return [(opt.momentum == 0, f"momentum applies to {listed(takers('momentum'))} only; Adam has betas")]
+
+    def decayed(self, step: Step, p: str, g: str) -> tuple[str, str]:
+        """``(p, g)`` with weight decay applied: Adam's L2 penalty on the gradient."""
+        return p, step.l2(g, p)
+
+    def update(self, step: Step, p: str, g: str, state: list[str]) -> tuple[str, list[str]]:
+        """The formulas of :func:`update`'s doc: 12 nodes per tensor (14 with weight decay, 13 for AdamW)."""
+        b, (b1, b2) = step.b, step.opt.betas
+        p, g = self.decayed(step, p, g)
+        m = b.op("Add", [b.op("Mul", [step.c(b1), state[0]]), b.op("Mul", [step.c(1.0 - b1), g])])
+        v = b.op("Add", [b.op("Mul", [step.c(b2), state[1]]), b.op("Mul", [b.op("Mul", [g, step.c(1.0 - b2)]), g])])
+        step_size, eps = step.s.bias(step.dt)
+        denom = b.op("Add", [b.op("Sqrt", [v]), eps])
+        return b.op("Sub", [p, b.op("Mul", [step_size, b.op("Div", [m, denom])])]), [m, v]
+
+
+@register
+class AdamW(Adam):
+    """``adamw`` (module doc): Adam with decoupled weight decay, applied before the step."""
+
+    name = "adamw"
+    defaults: ClassVar[dict[str, float]] = {"lr": 1e-3, "weight_decay": 0.01}
+    decay = "decoupled decay"
+
+    def decayed(self, step: Step, p: str, g: str) -> tuple[str, str]:
+        return step.decoupled(p), g
 
 
 @dataclass(frozen=True)
 class Optimizer:
     """An optimizer's kind and hyperparameters (formulas in the module doc).
 
-    ``kind`` is ``"sgd"``, ``"adam"`` or ``"adamw"``; ``lr > 0`` (the peak rate when scheduled); ``momentum``
+    ``kind`` names its :class:`Method` in :data:`OPTIMIZERS` (``"sgd"``, ``"adam"``, ``"adamw"``); ``lr > 0`` (the peak rate when scheduled); ``momentum``
     in [0, 1) (SGD only); ``betas`` in [0, 1) and ``eps > 0`` (Adam, AdamW); ``weight_decay >= 0``.
     :mod:`revgraph.schedules`: ``schedule`` (a :class:`~revgraph.schedules.Schedule`, ``None``: constant),
     ``clip_grad_norm`` (``None`` or the global-norm threshold ``> 0``) and ``no_decay`` (the parameters weight
@@ -87,7 +249,7 @@ class Optimizer:
         object.__setattr__(self, "no_decay", check_no_decay(self.no_decay))
         if self.schedule is not None and not isinstance(self.schedule, Schedule):
             raise RevgraphError(f"schedule must be a revgraph.schedules.Schedule, got {self.schedule!r}")
-        if self.kind not in OPTIMIZERS:
+        if not isinstance(self.kind, str) or self.kind not in OPTIMIZERS:
             raise RevgraphError(f"unknown optimizer {self.kind!r}; choose one of {', '.join(OPTIMIZERS)}")
         from ..validate import is_number
 
@@ -102,7 +264,7 @@ class Optimizer:
         checks = [
             (self.lr > 0, f"learning rate must be positive (--lr, lr=), got {self.lr}"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
-            (self.kind == "sgd" or self.momentum == 0, "momentum applies to sgd only; Adam has betas"),
+            *self.method.checks(self),
             (all(0 <= b < 1 for b in self.betas), f"betas must be in [0, 1), got {self.betas}"),
             (self.eps > 0, f"eps must be positive, got {self.eps}"),
             (self.weight_decay >= 0, f"weight decay must be >= 0, got {self.weight_decay}"),
@@ -119,11 +281,14 @@ class Optimizer:
         check_schedule(self)
 
     @property
+    def method(self) -> Method:
+        """The algorithm ``kind`` names (:data:`OPTIMIZERS`)."""
+        return OPTIMIZERS[self.kind]
+
+    @property
     def slots(self) -> tuple[str, ...]:
         """Names of the per-parameter state tensors (each of the parameter's shape, zero at the start)."""
-        if self.kind == "sgd":
-            return ("momentum",) if self.momentum else ()
-        return ("m", "v")
+        return self.method.slots(self)
 
 
 def sgd(lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, **settings) -> Optimizer:
@@ -158,13 +323,13 @@ def make_optimizer(name: str, *, lr: float | None = None, momentum: float | None
     unknown name or values out of range."""
     if name not in OPTIMIZERS:
         raise RevgraphError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
-    kw = {k: v for k, v in (("lr", lr), ("weight_decay", weight_decay)) if v is not None}
-    if name == "sgd":
-        opt = sgd(momentum=momentum or 0.0, **kw)
-    elif momentum:
-        raise RevgraphError(f"--momentum applies to sgd only; {name} uses betas (0.9, 0.999)")
-    else:
-        opt = adam(**kw) if name == "adam" else adamw(**kw)
+    method = OPTIMIZERS[name]
+    if momentum and "momentum" not in method.hyperparameters:
+        uses = f"uses betas {Optimizer.betas}" if "betas" in method.hyperparameters else "takes no momentum"
+        raise RevgraphError(f"--momentum applies to {listed(takers('momentum'))} only; {name} {uses}")
+    given = {k: v for k, v in (("lr", lr), ("weight_decay", weight_decay)) if v is not None}
+    extra = {"momentum": momentum or 0.0} if "momentum" in method.hyperparameters else {}
+    opt = Optimizer(name, **{**method.defaults, **given, **extra})
     return configure(opt, **schedule)
 
 
@@ -316,33 +481,7 @@ def update(b: Builder, s: Scalars, p: str, g: str, state: list[str], dt,
     PyTorch's ``p - lr / bc1 * m' / (sqrt(v') / sqrt(bc2) + eps)`` multiplied through by ``sqrt(bc2)``.
     Adam: 12 nodes per tensor (14 with weight decay, 13 for AdamW); SGD with momentum: 4 (6 with decay).
     """
-    opt = s.opt
-    mask = None if isinstance(decay, bool) else np.asarray(decay, bool)
-    wd = opt.weight_decay if (mask is None and decay) or (mask is not None and mask.any()) else 0.0
-    if mask is not None and mask.all():
-        mask = None
-    # the L2 coefficient: a scalar, or per element (zero where the mask excludes)
-    l2 = lambda: s.c(wd, dt) if mask is None else b.const(np.where(mask, wd, 0).astype(dt), dt)
-    if opt.kind == "sgd":
-        if wd:  # Momentum's norm_coefficient: the gradient of 0.5 * wd * ||p||^2 added to g
-            g = b.op("Add", [g, b.op("Mul", [l2(), p])])
-        if not opt.momentum:
-            return b.op("Sub", [p, b.op("Mul", [s.lr(dt), g])]), []
-        v = b.op("Add", [b.op("Mul", [s.c(opt.momentum, dt), state[0]]), g])
-        return b.op("Sub", [p, b.op("Mul", [s.lr(dt), v])]), [v]
-    b1, b2 = opt.betas
-    if opt.kind == "adam" and wd:
-        g = b.op("Add", [g, b.op("Mul", [l2(), p])])
-    if opt.kind == "adamw" and wd:  # decoupled decay, before the step (torch.optim.AdamW)
-        factor = s.decay_factor(dt)
-        if mask is not None:  # 1 where the mask excludes: those elements are multiplied by one, unchanged
-            factor = b.op("Where", [b.const(mask, np.bool_), factor, s.c(1.0, dt)])
-        p = b.op("Mul", [p, factor])
-    m = b.op("Add", [b.op("Mul", [s.c(b1, dt), state[0]]), b.op("Mul", [s.c(1.0 - b1, dt), g])])
-    v = b.op("Add", [b.op("Mul", [s.c(b2, dt), state[1]]), b.op("Mul", [b.op("Mul", [g, s.c(1.0 - b2, dt)]), g])])
-    step_size, eps = s.bias(dt)
-    denom = b.op("Add", [b.op("Sqrt", [v]), eps])
-    return b.op("Sub", [p, b.op("Mul", [step_size, b.op("Div", [m, denom])])]), [m, v]
+    return s.opt.method.update(Step(b, s, dt, decay), p, g, state)
 
 
 def sparse_update(b: Builder, s: Scalars, p: str, idx: str, rows: str, state: list[str],

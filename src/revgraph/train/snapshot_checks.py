@@ -360,7 +360,8 @@ def check_arrays(arrays: dict[str, np.ndarray], meta: dict, where: str, spec, ru
             raise _bad(where, f"the fp16 loss scale {spec.scaling.scale!r}", f"is {scale}, not a finite number > 0")
         if good < 0:
             raise _bad(where, f"the count of good steps {spec.scaling.growth!r}", f"is {good}, below 0")
-    second = spec.optimizer.kind in ("adam", "adamw")
+    # the slots the optimizer keeps >= 0 (Adam's second moment), by position in each parameter's state
+    slots, nonnegative = spec.optimizer.slots, spec.optimizer.method.nonnegative
     for p in spec.params:
         for k, name in enumerate([p, *spec.state[p]]):
             a = arrays[name]
@@ -368,8 +369,9 @@ def check_arrays(arrays: dict[str, np.ndarray], meta: dict, where: str, spec, ru
             if finite and a.dtype.kind in "fc" and not np.isfinite(a).all():
                 raise _bad(where, f"{what} {name!r}", "holds NaN or infinite values (a run that stops at them "
                            "never saves them; --allow-nonfinite trains on regardless)")
-            if second and k == 2 and a.dtype.kind == "f" and (a < 0).any():
-                raise _bad(where, f"optimizer state {name!r}", "(Adam's second moment) holds negative values")
+            slot = slots[k - 1] if 0 < k <= len(slots) else None
+            if slot in nonnegative and a.dtype.kind == "f" and (a < 0).any():
+                raise _bad(where, f"optimizer state {name!r}", f"({nonnegative[slot]}) holds negative values")
 
 
 def _global(world, batch) -> str:

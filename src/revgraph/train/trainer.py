@@ -57,8 +57,8 @@ class Trainer:
     ``model`` is a :class:`Graph`, an ``onnx.ModelProto`` or a path; ``loss`` one of
     :data:`revgraph.losses.LOSSES` (``"cross-entropy"``, ``"mse"``, ``"bce"``, ``"causal-lm"``, ``"output:NAME"``)
     and ``loss_options`` its options (``ignore_index``, ``label_smoothing``, ``class_weights``, ``labels_from``;
-    :func:`revgraph.losses.loss_graph`); ``optimizer`` an :class:`revgraph.train.Optimizer` or a name (``"sgd"``,
-    ``"adam"``, ``"adamw"`` with PyTorch's defaults). ``output`` picks the model output the loss reads (default:
+    :func:`revgraph.losses.loss_graph`); ``optimizer`` an :class:`revgraph.train.Optimizer` or a name of
+    :data:`revgraph.train.OPTIMIZERS` (``"sgd"``, ``"adam"``, ``"adamw"``, with PyTorch's defaults). ``output`` picks the model output the loss reads (default:
     the only one), ``params`` the initializers to train (names or fnmatch globs; default: the LoRA adapters
     of a model that has them, :mod:`revgraph.lora`, else every floating-point one) and ``freeze`` globs of
     initializers not to train (:func:`revgraph.train.trainable`). ``threads`` is
@@ -181,7 +181,7 @@ class Trainer:
                                  "(--loss, --optimizer, --lr, --momentum, --weight-decay, --lr-schedule, "
                                  "--clip-grad-norm...) and the same data-parallel "
                                  "options (--buffers, --shard, --sync-batchnorm, --bucket-mb, --reduce-dtype, --overlap)")
-        exchange = dict(bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, overlap=overlap)
+        exchange = {"bucket_mb": bucket_mb, "reduce_dtype": reduce_dtype, "overlap": overlap}
         if synced and weighs_by_targets(self.spec.loss):
             # a rank whose rows count no target is skipped (weight 0), and its rows would then be missing
             # from the global batch statistics that synchronized BatchNormalization all-reduces
@@ -437,7 +437,7 @@ class Trainer:
                     # with "stop", a step with a non-finite loss is not applied, and the last step keeps the
                     # values from before it (the check of the parameters below may have to return to them)
                     last = pos.epoch == epochs - 1 and pos.batch == per_epoch - 1
-                    how = dict(accept=_finite if stop else None, keep_previous=stop and last)
+                    how = {"accept": _finite if stop else None, "keep_previous": stop and last}
                     # each share weighs by what its loss is a mean over (samples, or counted targets)
                     total = arrays.weight(chunk)
                     size = arrays.weight if total else len  # (nothing counted: the loss is 0, zero gradient)

@@ -43,7 +43,7 @@ def _branch_vjp(ctx: Ctx, node: Node, key: str, branch: Graph, captured: list[st
     fwd = branch.copy()
     types = body_types(fwd, ctx.e.types)
     eb = ctx.e.child(types, f"grad/{node.name}/{key}")
-    seeds = Accumulator(eb)  # a value the branch outputs twice gets the sum of both cotangents
+    seeds = Accumulator(eb, ctx.options.accumulate)  # a value the branch outputs twice gets the sum of both cotangents
     for out, g in zip(fwd.output_names, cts, strict=True):
         if g is not None and differentiable(types.get(out)):
             seeds.add(out, g)

@@ -65,7 +65,7 @@ def checkpointed_loop(ctx: Ctx, node: Node, cts: list, policy: Segments) -> Patc
     seg_graph, parts = _segment_graph(eb, p, template, start, end, v_start)
     seeds = body_seeds(eb, parts, bb.cot, lambda i, name: None if cts[p.n_carried + i] is None else eb.op(
         "Slice", [cts[p.n_carried + i], eb.op("Unsqueeze", [start, eb.ints([0])]),
-                  eb.op("Unsqueeze", [end, eb.ints([0])]), eb.ints([0])]))
+                  eb.op("Unsqueeze", [end, eb.ints([0])]), eb.ints([0])]), ctx.options.accumulate)
     wrt = [v_start[j] for j in p.carried] + p.captured
     body_vjp = ctx.backward(seg_graph, seeds, wrt, types=eb.types, options=replace(ctx.options, checkpoint=Store()),
                             singular=ctx.singular)

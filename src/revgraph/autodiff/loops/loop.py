@@ -9,11 +9,13 @@ JAX's ``_transpose_scan_jaxpr`` is the same construction for ``scan``).
 * Carried cotangents and loop-invariant accumulators are the backward loop's carried values
   (:mod:`.reverse`).
 
-Residual policies (:mod:`..policies`): :class:`Store` stacks, as extra scan outputs of the forward loop, the
-body values that the body's VJP reads, each distinct value once (:mod:`.residuals`: a carried value's input is
-the previous iteration's output, a row of an outer input is read again, the user's own scan outputs are reused);
-:class:`Recompute` stacks only the loop-carried inputs and recomputes the rest of the body inside the backward
-loop; :class:`Segments` checkpoints segments (:mod:`.checkpoint`). What the forward loop must additionally
+Residual policies (:mod:`..policies`) say per body node whether its outputs are saved (``policy.saves(node)``,
+asked by :mod:`.residuals`): :class:`Store` stacks, as extra scan outputs of the forward loop, the body values
+that the body's VJP reads, each distinct value once (a carried value's input is the previous iteration's
+output, a row of an outer input is read again, the user's own scan outputs are reused); :class:`Recompute`
+stacks only the loop-carried inputs and recomputes the rest of the body inside the backward loop;
+:class:`SaveProducts` stacks the products' outputs and recomputes the rest; :class:`Segments` checkpoints
+segments (:mod:`.checkpoint`). What the forward loop must additionally
 produce comes back as a :class:`ForwardPatch`, which the backward pass applies.
 """
 
@@ -53,7 +55,7 @@ def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     t = eb.op("Sub", [eb.op("Sub", [trips, eb.const(np.array(1, np.int64))]), bb.k.name], shape=(), dtype=I64)
     scan_cts = cts[p.n_carried :]
     seeds = body_seeds(eb, p, bb.cot, lambda s, name: None if scan_cts[s] is None else eb.op(
-        "Gather", [scan_cts[s], t], axis=0, like=name))
+        "Gather", [scan_cts[s], t], axis=0, like=name), ctx.options.accumulate)
     body_vjp = ctx.backward(p.body, seeds, p.wrt, types=p.types, options=ctx.options, singular=ctx.singular)
     carried, captured, settled = settle(p, bb, body_vjp.grads)
     vjp_nodes = [*body_vjp.nodes, *settled]

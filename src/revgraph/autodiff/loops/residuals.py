@@ -33,7 +33,7 @@ from ...ir.ssa import captured_names
 from ..accumulate import is_sequence
 from ..context import ForwardPatch
 from ..emitter import Emitter
-from ..policies import CheckpointPolicy, Store
+from ..policies import CheckpointPolicy
 from .reverse import BOOL, I64, LoopParts
 
 #: copies of their first input: keeping the input instead keeps the same bytes
@@ -75,20 +75,21 @@ def plan_residuals(p: LoopParts, needed: list[str], policy: CheckpointPolicy,
                    outer: dict[str, ValueInfo] | None = None) -> Plan:
     """The :class:`Plan` that makes every body value in ``needed`` available in the backward body of ``p``.
 
-    :class:`Store` keeps needed values (each distinct value once, see the module doc); other policies keep
-    only body inputs and recompute the rest. Either way values whose shape may change from one iteration to
+    A needed value is kept (each distinct value once, see the module doc) when ``policy.saves`` its producer
+    (:class:`~..policies.Store`: every node), else recomputed from what is kept and the body inputs
+    (:class:`~..policies.Recompute`: no node, only body inputs kept). Either way values whose shape may change from one iteration to
     the next (scan outputs of inner loops, whose length is the inner trip count, and values with dimensions
     that shape inference could not name) are recomputed from what can be stacked, constants are recomputed,
     and a sequence is never stacked (a scan output is a tensor): it is recomputed, and a tensor read out of a
     sequence is stacked under both policies (when its shape is fixed), so that no sequence has to be kept per
     iteration. A loop-carried sequence that must be kept is a :class:`GraphError`. ``outer``: the types of
     the enclosing graph's values (a carried value is shifted only when its initial value has its type)."""
-    return _Planner(p, isinstance(policy, Store), outer or {}).plan(needed)
+    return _Planner(p, policy, outer or {}).plan(needed)
 
 
 class _Planner:
-    def __init__(self, p: LoopParts, store: bool, outer: dict[str, ValueInfo]):
-        self.p, self.store, self.body, self.types, self.outer = p, store, p.body, p.types, outer
+    def __init__(self, p: LoopParts, policy: CheckpointPolicy, outer: dict[str, ValueInfo]):
+        self.p, self.policy, self.body, self.types, self.outer = p, policy, p.body, p.types, outer
         self.producer = {o: nd for nd in self.body.nodes for o in nd.outputs if o}
         self.inputs = set(self.body.input_names)
         self.scope = self.inputs | set(self.producer)
@@ -112,7 +113,7 @@ class _Planner:
 
     def plan(self, needed: list[str]) -> Plan:
         self._resolve(list(needed))
-        if self.store:
+        if any(self.policy.saves(nd) for nd in self.body.nodes):  # (none saved: nothing cheap to drop)
             self._drop_cheap()
         plan = Plan()
         self._shift_carried(plan)
@@ -156,11 +157,12 @@ class _Planner:
                     self.carried_in.setdefault(v)
                 continue  # captured from the enclosing graph: visible in the backward body as it is
             from_sequence = any(is_sequence(types, i) for i in nd.inputs if i)
-            if self.store and v in self.free:
+            saves = self.policy.saves(nd)
+            if saves and v in self.free:
                 self._recompute(nd, want)
-            elif self.store and self._is_view_of_kept(nd):
+            elif saves and self._is_view_of_kept(nd):
                 self._recompute(nd, want)  # keep the copied value instead: the same bytes, and maybe shared
-            elif self._stackable(v) and (self.store or from_sequence):
+            elif self._stackable(v) and (saves or from_sequence):
                 self.kept.setdefault(v)
             else:
                 self._recompute(nd, want)
@@ -298,9 +300,8 @@ def static_trips(e: Emitter, p: LoopParts) -> int | None:
         nd = producer.get(c)
         if nd is not None and nd.op_type == "Identity":
             c = nd.inputs[0]
-        elif nd is not None and nd.op_type == "Constant" and _is_true(nd.attrs.get("value")):
-            break
-        elif c in body.initializers and _is_true(body.initializers[c]):
+        elif (nd is not None and nd.op_type == "Constant" and _is_true(nd.attrs.get("value"))
+              or c in body.initializers and _is_true(body.initializers[c])):
             break
         else:
             return None

@@ -215,11 +215,12 @@ def open_body(ctx: Ctx, p: LoopParts) -> BackwardBody:
                         {c: slot(f"{base}/acc_{c}", ctx.e.types.get(c)) for c in p.captured})
 
 
-def body_seeds(eb: Emitter, p: LoopParts, cot: dict[int, ValueInfo], scan_seed: Callable[[int, str], str | None]
-               ) -> dict[str, str]:
+def body_seeds(eb: Emitter, p: LoopParts, cot: dict[int, ValueInfo], scan_seed: Callable[[int, str], str | None],
+               mode: str = "sum") -> dict[str, str]:
     """The cotangent seeds of the body outputs: the carried cotangents, and ``scan_seed(s, name)`` for scan
-    output s; a body output listed twice gets the sum of its seeds (through the :class:`Accumulator`)."""
-    acc = Accumulator(eb)
+    output s; a body output listed twice gets the sum of its seeds (through the :class:`Accumulator`, adding
+    up as ``mode``, the options' ``accumulate``)."""
+    acc = Accumulator(eb, mode)
     for j in p.carried:
         acc.add(p.v_out[j], cot[j].name)
     for s, name in enumerate(p.scan_out):
@@ -276,7 +277,7 @@ def close_loop(ctx: Ctx, p: LoopParts, bb: BackwardBody, count: str, cts: list, 
         outs.append(ValueInfo(eb.op("Identity", [g]), *_type(p.types, p.v_in[j])))
     rows = {c: g for c in p.captured if (g := _fixed_rows(eb, captured.get(c))) is not None}
     summed = [c for c in p.captured if c not in rows]
-    acc = Accumulator(eb)
+    acc = Accumulator(eb, ctx.options.accumulate)
     for c in summed:
         if not isinstance(captured.get(c), Total):
             acc.add(c, bb.acc[c].name)
