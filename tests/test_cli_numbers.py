@@ -151,7 +151,8 @@ def test_numeric_options_refuse_or_accept_at_parse_time(words, option, text, cap
         assert getattr(ns, parser._option_string_actions[option].dest) == value
     else:
         code = main(argv)
-        one_line_error(code, capsys.readouterr().err, f"argument {option}", repr(text))
+        named = "/".join(parser._option_string_actions[option].option_strings)  # argparse names every spelling
+        one_line_error(code, capsys.readouterr().err, f"argument {named}", repr(text))
         assert not list(tmp_path.iterdir())
 
 

@@ -442,6 +442,7 @@ TRAINER_RULES = {"model": MODEL, "loss": TEXT, "optimizer": OPTIMIZER, "output":
 #: :meth:`revgraph.Trainer.fit`'s arguments.
 FIT_RULES = {"epochs": POSITIVE_INT, "batch_size": POSITIVE_INT, "shuffle": FLAG, "seed": SEED, "progress": FLAG,
              "description": rule(text, empty=True), "checkpoint_dir": OPTIONAL_PATH, "checkpoint_every": NON_NEGATIVE_INT,
+             "snapshot_dir": OPTIONAL_PATH, "snapshot_every": rule(lambda n, v: v if v is None else NON_NEGATIVE_INT(n, v)),
              "nonfinite": choice("stop", "continue"), "accumulate_steps": POSITIVE_INT,
              "override": OPTIONAL_NAMES}
 

@@ -317,7 +317,8 @@ class Trainer:
             progress: bool = True, console=None, description: str = "training",
             checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
             nonfinite: str = "stop", accumulate_steps: int = 1,
-            static: Mapping[str, np.ndarray] | None = None, override=()) -> list[float]:
+            static: Mapping[str, np.ndarray] | None = None, override=(),
+            snapshot_dir: str | os.PathLike | None = None, snapshot_every: int | None = None) -> list[float]:
         """Train for ``epochs`` passes over ``data`` in batches of ``batch_size`` per process (module doc: the
         global batch is ``batch_size * world_size``; the last batch of an epoch may be smaller).
         ``accumulate_steps`` ``K``: each optimizer step runs forward and backward on ``K`` micro-batches, sums
@@ -327,7 +328,8 @@ class Trainer:
         (epochs counted from 0 per call), else in order. ``progress`` shows a rich progress bar (on rank 0)
         with the loss and the throughput (samples/s over all ranks) on ``console`` (a ``rich.console.Console``).
 
-        ``checkpoint_dir``: rank 0 saves the parameters, optimizer state, step and data position there
+        ``snapshot_dir`` (also spelt ``checkpoint_dir``, its name before the loop policy and the training snapshot
+        got one word each) and ``snapshot_every`` (``checkpoint_every``): rank 0 saves the parameters, optimizer state, step and data position there
         (:mod:`revgraph.checkpoints`) every ``checkpoint_every`` steps (0: at the end of each epoch) and at
         the end; and when the directory already holds a checkpoint of this run, training resumes from it
         (on every rank; only rank 0 reads the file), so a restarted run reaches the weights of an
@@ -357,6 +359,11 @@ class Trainer:
         ``--max-restarts``, and a restarted attempt stops at once with the same message
         (:func:`revgraph.launch.recorded_failure`).
         """
+        if snapshot_dir is not None or snapshot_every is not None:
+            if checkpoint_dir is not None or checkpoint_every:
+                raise InputError("give snapshot_dir/snapshot_every or their old names checkpoint_dir/checkpoint_every, "
+                                 "not both")
+            checkpoint_dir, checkpoint_every = snapshot_dir, snapshot_every or 0
         try:
             return self._fit(data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
                              checkpoint_every, nonfinite, accumulate_steps, static, override)
