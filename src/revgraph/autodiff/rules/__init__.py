@@ -11,7 +11,6 @@ from . import (  # noqa: F401
     indexing,
     linalg,
     loss,
-    nn,
     norm,
     pool,
     quant,  # QuantizeLinear -> DequantizeLinear with the straight-through estimator
@@ -23,5 +22,6 @@ from . import (  # noqa: F401
     scatter,  # ScatterND, ScatterElements
     sequence,  # SequenceAt, SplitToSequence, ConcatFromSequence, ...
     shape,
+    softmax,
     spectral,  # DFT, STFT
 )

@@ -32,7 +32,7 @@ from ..algebra import Val, name_of, where
 from ..context import Ctx
 from ..registry import vjp
 from ._common import optional_input
-from .nn import drop_rows, masked_rows, zero_rows
+from .softmax import drop_rows, masked_rows, zero_rows
 
 
 def _class_mask(ctx: Ctx, node: Node, x: Val, rank: int) -> tuple[Val, Val]:

@@ -35,7 +35,7 @@ from ..algebra import Val
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
-from ..segments import others_product
+from ..group_products import others_product
 from ..sparse import scatter_nd_reduce
 from ._common import INT64, cat_shapes, dim, node_axis, nonneg, shape_part
 from .indexing import nd_dims
@@ -50,7 +50,7 @@ def _scatter_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs:
     - ``add``: ``g`` passes to the data unchanged; the updates read ``g``.
     - ``mul``: ``y[p] = x[p] prod_k u_k``, so ``dx[p] = g[p] prod_k u_k`` and ``du_k = g[p] x[p] prod_{j != k}
       u_j`` (duplicates included; the product of the others without dividing by ``u_k``, so exact at zeros:
-      :func:`~revgraph.autodiff.segments.others_product`).
+      :func:`~revgraph.autodiff.group_products.others_product`).
     - ``max``/``min``: :func:`_extremum_vjp`.
     """
     e, (data, idx, upd), gv = ctx.e, node.inputs, ctx.val(g)
@@ -214,7 +214,7 @@ def _nd_rows(e: Emitter, node: Node, depth: int) -> str:
 
 def _others_at(e: Emitter, node: Node, scatter: str) -> str:
     """For each update of a ``mul`` scatter, the product of the other updates written to the same position
-    (updates-shaped; :func:`~revgraph.autodiff.segments.others_product`). ScatterElements: grouped along
+    (updates-shaped; :func:`~revgraph.autodiff.group_products.others_product`). ScatterElements: grouped along
     ``axis`` by the (non-negative) index, line by line. ScatterND: the updates as [K, S] rows grouped by
     :func:`_nd_rows`. The number of updates along the grouped axis must be static (the scans' length)."""
     data, idx, upd = node.inputs
