@@ -43,6 +43,30 @@ def name_of(v: Any) -> Any:
     return v.name if isinstance(v, Val) else v
 
 
+def _binary_pair(op: str):
+    """``(method, reflected method)`` of :class:`Val` emitting the binary operator ``op`` (reflected: the other
+    operand first, a Python scalar as in ``1 - y``)."""
+
+    def method(self: Val, other: Operand) -> Val:
+        return self._binary(op, other)
+
+    def reflected(self: Val, other: Operand) -> Val:
+        return self._binary(op, other, reverse=True)
+
+    method.__doc__ = reflected.__doc__ = f"``{op}`` (one node; a scalar takes this value's dtype)."
+    return method, reflected
+
+
+def _pointwise(op: str):
+    """The :class:`Val` method emitting the one-input operator ``op``, whose output has the input's type."""
+
+    def method(self: Val) -> Val:
+        return self.apply(op)
+
+    method.__doc__ = f"``{op}(self)`` (one node)."
+    return method
+
+
 class Val:
     """A value of the backward graph under construction: a value name and the rule context that emits nodes
     reading it. Arithmetic operators and the methods below each emit one ONNX node (module doc); comparisons are
@@ -128,33 +152,13 @@ class Val:
                                   **attrs))
 
     # ------------------------------------------------------------------------------------------ arithmetic
+    # (each operator emits its ONNX node; the reflected forms put a Python scalar first, as in ``1 - y``)
 
-    def __add__(self, other: Operand) -> Val:
-        return self._binary("Add", other)
-
-    def __radd__(self, other: Operand) -> Val:
-        return self._binary("Add", other, reverse=True)
-
-    def __sub__(self, other: Operand) -> Val:
-        return self._binary("Sub", other)
-
-    def __rsub__(self, other: Operand) -> Val:
-        return self._binary("Sub", other, reverse=True)
-
-    def __mul__(self, other: Operand) -> Val:
-        return self._binary("Mul", other)
-
-    def __rmul__(self, other: Operand) -> Val:
-        return self._binary("Mul", other, reverse=True)
-
-    def __truediv__(self, other: Operand) -> Val:
-        return self._binary("Div", other)
-
-    def __rtruediv__(self, other: Operand) -> Val:
-        return self._binary("Div", other, reverse=True)
-
-    def __pow__(self, other: Operand) -> Val:
-        return self._binary("Pow", other)
+    __add__, __radd__ = _binary_pair("Add")
+    __sub__, __rsub__ = _binary_pair("Sub")
+    __mul__, __rmul__ = _binary_pair("Mul")
+    __truediv__, __rtruediv__ = _binary_pair("Div")
+    __pow__ = _binary_pair("Pow")[0]
 
     def __neg__(self) -> Val:
         return self.apply("Neg")
@@ -163,39 +167,19 @@ class Val:
         return self.apply("MatMul", other, like=None)
 
     # ------------------------------------------------------------------------------------------ pointwise
+    # (one-input operators whose output has the input's type)
 
-    def exp(self) -> Val:
-        return self.apply("Exp")
-
-    def log(self) -> Val:
-        return self.apply("Log")
-
-    def sqrt(self) -> Val:
-        return self.apply("Sqrt")
-
-    def reciprocal(self) -> Val:
-        return self.apply("Reciprocal")
-
-    def abs(self) -> Val:
-        return self.apply("Abs")
-
-    def sign(self) -> Val:
-        return self.apply("Sign")
-
-    def tanh(self) -> Val:
-        return self.apply("Tanh")
-
-    def sigmoid(self) -> Val:
-        return self.apply("Sigmoid")
-
-    def erf(self) -> Val:
-        return self.apply("Erf")
-
-    def sin(self) -> Val:
-        return self.apply("Sin")
-
-    def cos(self) -> Val:
-        return self.apply("Cos")
+    exp = _pointwise("Exp")
+    log = _pointwise("Log")
+    sqrt = _pointwise("Sqrt")
+    reciprocal = _pointwise("Reciprocal")
+    abs = _pointwise("Abs")
+    sign = _pointwise("Sign")
+    tanh = _pointwise("Tanh")
+    sigmoid = _pointwise("Sigmoid")
+    erf = _pointwise("Erf")
+    sin = _pointwise("Sin")
+    cos = _pointwise("Cos")
 
     def cast(self, dtype: Any) -> Val:
         """``Cast`` to the numpy ``dtype`` (or an ONNX ``TensorProto`` type number)."""
