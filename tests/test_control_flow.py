@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loopkit import F64, POLICIES, assert_close, body, const, grads, graph, loop, n, torch_grads
+from kit.loops import F64, POLICIES, assert_close, body, const, grads, graph, loop, n, torch_grads
 
 from revgraph.ir import Graph, Node, ValueInfo
 

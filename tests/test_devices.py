@@ -22,7 +22,7 @@ except ImportError:
 import numpy as np
 import onnxruntime as ort
 import pytest
-from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
+from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 
 import revgraph as rg
 from revgraph import demo

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import crash_after  # (tests/ is on sys.path)
+from kit.harness import crash_after  # (tests/ is on sys.path)
 
 import revgraph as rg
 from revgraph import checkpoints, demo

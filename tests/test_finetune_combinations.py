@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import crash_after  # (tests/ is on sys.path)
+from kit.harness import crash_after  # (tests/ is on sys.path)
 from test_precision import ATOL, C, D, batches, mlp, reference_train, torch_mlp  # (tests/ is on sys.path)
 from test_schedules import hf_lambda
 
@@ -235,7 +235,7 @@ def test_fp16_resumed_with_other_loss_scaling_options_is_refused_unless_overridd
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """A small MLP and its data, the static-input model with its data, a .npy directory of unequal lengths."""
-    import lossdata_models
+    from kit import lossdata_models
 
 
     t = tmp_path_factory.mktemp("bad")
@@ -405,7 +405,7 @@ def test_static_inputs_with_a_schedule_resumed_mid_run_equal_the_uninterrupted_r
     """Static inputs (a mixing matrix and a scalar gain fed whole to every step) with a cosine schedule, warmup and
     clipping: a run that dies at step 9 and resumes from its checkpoint (every 4 steps, so it repeats step 8) ends
     bitwise equal to the uninterrupted run (the statics are not in the checkpoint: they are given again)."""
-    import lossdata_models
+    from kit import lossdata_models
 
     from revgraph import checkpoints
 

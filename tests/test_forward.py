@@ -25,7 +25,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from forwardkit import (
+from kit.forward import (
     assert_hessians,
     assert_jacobians,
     assert_loop_jvp_stores_nothing,
@@ -41,7 +41,7 @@ from forwardkit import (
     torch_hvp,
     torch_jvp,
 )
-from loopkit import F64, POLICIES, body, const, graph, loop, n, three_nested_loops
+from kit.loops import F64, POLICIES, body, const, graph, loop, n, three_nested_loops
 from test_control_flow import _scan_graph, branch, if_node
 from test_light_models import MODELS as LIGHT_MODELS
 from test_loops import _taylor_cond_nodes, _taylor_sin_body

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 import pytest
-from harness import cli_under_limit
+from kit.harness import cli_under_limit
 from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg

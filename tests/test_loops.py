@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from loopkit import POLICIES, assert_close, body, const, grads, graph, loop, n, three_nested_loops, torch_grads
+from kit.loops import POLICIES, assert_close, body, const, grads, graph, loop, n, three_nested_loops, torch_grads
 
 import revgraph as rg
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from lossdata_models import D, T, V, lm_data, tiny_lm
+from kit.lossdata_models import D, T, V, lm_data, tiny_lm
 
 import revgraph as rg
 from revgraph.errors import InputError, RevgraphError

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import _ort, check_rule, double_backward, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
+from kit.harness import check_rule, double_backward, one_node_graph, ort_runner, with_loss
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
@@ -33,7 +33,7 @@ def torch_check(g: Graph, feeds: dict, torch_fn, *, wrt: list[str], outputs: lis
     For ops whose ONNX forward cannot be differentiated numerically in float64 (float32-rounded kernels or
     float32-only types), so the harness's central differences do not apply."""
     rng = np.random.default_rng(seed)
-    fwd = _ort(g)(feeds)
+    fwd = ort_runner(g)(feeds)
     lg, outputs = with_loss(g, fwd, outputs)
     us = {f"{y}_u": rng.standard_normal(np.shape(fwd[y])).astype(fwd[y].dtype) for y in outputs}
     vs = {f"{w}_v": rng.standard_normal(feeds[w].shape).astype(feeds[w].dtype) for w in wrt}

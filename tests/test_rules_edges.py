@@ -16,9 +16,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from harness import check_rule, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.harness import check_rule, one_node_graph, with_loss
 from test_rules_indexing import squared, with_repeat, wrap
 
 import revgraph as rg

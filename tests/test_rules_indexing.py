@@ -12,9 +12,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from harness import check_rule, one_node_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.harness import check_rule, one_node_graph
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo

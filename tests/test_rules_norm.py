@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import check_rule, double_backward, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.harness import check_rule, double_backward, one_node_graph, with_loss
 from test_rules_activations import torch_check
 
 import revgraph as rg

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import crash_after  # (tests/ is on sys.path)
+from kit.harness import crash_after  # (tests/ is on sys.path)
 from test_train import assert_params_close, embedding_model, mlp, torch_mlp  # (tests/ is on sys.path)
 
 import revgraph as rg

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import crash_after, one_line_error  # (tests/ is on sys.path)
+from kit.harness import crash_after, one_line_error  # (tests/ is on sys.path)
 from test_train import mlp
 
 import revgraph as rg
