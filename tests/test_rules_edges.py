@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kit.harness import check_rule, one_node_graph, with_loss
-from test_rules_indexing import squared, with_repeat, wrap
+from kit.rules import squared, with_repeat, wrap
 
 import revgraph as rg
 from revgraph.autodiff import segments

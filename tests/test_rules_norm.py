@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kit.harness import check_rule, double_backward, one_node_graph, with_loss
-from test_rules_activations import torch_check
+from kit.rules import torch_check
 
 import revgraph as rg
 from revgraph.autodiff.simplify import simplify

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
-from test_train import OPTIMIZERS, embedding_model, mlp
+from kit.training import OPTIMIZERS, embedding_model, mlp
 
 import revgraph as rg
 from revgraph import demo, optimizers

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kit.harness import crash_after, one_line_error  # (tests/ is on sys.path)
-from test_train import mlp
+from kit.training import mlp
 
 import revgraph as rg
 from revgraph import checkpoints
