@@ -231,7 +231,7 @@ def test_scatter_elements_mul_data():
                torch_jvp_by_vjp="torch.func.jvp of scatter_reduce(reduce='prod') returns zeros (torch 2.13)")
 
 
-# Reductions mul, max and min, with respect to the data and the updates: tests/test_rules_edges.py.
+# Reductions mul, max and min, with respect to the data and the updates: tests/test_rules_range_scatter_dropout.py.
 
 
 # ---------------------------------------------------------------------------------------------- OneHot, TopK
