@@ -6,8 +6,8 @@ no labels). The other models and every option are distributed_worker's."""
 from __future__ import annotations
 
 import distributed_worker as worker
-import lossdata_models
 import numpy as np
+from kit import lossdata_models
 
 from revgraph.ir import Graph, Node, ValueInfo
 

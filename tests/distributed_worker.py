@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
-import lossdata_models
 import numpy as np
+from kit import lossdata_models
 
 import revgraph as rg
 import revgraph.train.distributed.data_parallel

@@ -101,6 +101,28 @@ def test_no_module_shadows_the_standard_library():
     assert not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)
 
 
+TESTS = Path(__file__).resolve().parent
+
+
+def test_test_modules_share_helpers_only_through_kit():
+    """No module of tests/ (test modules, tests/kit, the workers) imports from a test module: what several need is
+    in tests/kit, by feature; and none imports a private (underscore) name of kit."""
+    bad = []
+    for path in sorted([*TESTS.glob("*.py"), *(TESTS / "kit").glob("*.py")]):
+        where = path.relative_to(TESTS)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                bad += [f"{where}: import {a.name}" for a in node.names if a.name.split(".")[0].startswith("test_")]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                top = node.module.split(".")[0]
+                if top.startswith("test_"):
+                    bad.append(f"{where}: from {node.module} import {', '.join(a.name for a in node.names)}")
+                elif top == "kit":
+                    bad += [f"{where}: from {node.module} import {a.name}"
+                            for a in node.names if a.name.startswith("_")]
+    assert not bad, "\n".join(bad)
+
+
 def test_rules_read_no_mutable_state_and_never_test_need():
     for f in RULES_DIR.glob("*.py"):
         text = f.read_text()

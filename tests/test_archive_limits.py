@@ -20,7 +20,7 @@ import zlib
 import numpy as np
 import onnx
 import pytest
-from harness import cli_under_limit, one_line_error
+from kit.harness import cli_under_limit, one_line_error
 from onnx import TensorProto, helper, numpy_helper
 
 from revgraph import archive

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import onnx
 import pytest
-from loopkit import body, graph, loop, n
+from kit.loops import body, graph, loop, n
 from onnx import TensorProto, helper
 
 import revgraph as rg

@@ -180,7 +180,7 @@ def test_unconnected_output_gets_a_zero_tangent_and_a_warning_line(tmp_path, cap
 
 
 def test_loop_hvp_with_sqrt_checkpoints_and_loop_jvp(tmp_path, capsys):
-    from loopkit import body, graph, loop, n
+    from kit.loops import body, graph, loop, n
 
     b = body([n("Mul", ["s_in", "x"], "s_out"), n("Sin", ["s_out"], "y")], [("s_in", "s_out")], scan=["y"],
              types={"s_in": (3,), "s_out": (3,)})

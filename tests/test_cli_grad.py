@@ -151,7 +151,7 @@ def test_check_inputs_file(tmp_path, capsys):
 
 
 def test_grad_checkpoint_policies_agree(tmp_path, capsys):
-    from loopkit import body, graph, loop, n
+    from kit.loops import body, graph, loop, n
 
     b = body([n("Mul", ["s_in", "x"], "s_out"), n("Sin", ["s_out"], "y")], [("s_in", "s_out")], scan=["y"],
              types={"s_in": (3,), "s_out": (3,)})

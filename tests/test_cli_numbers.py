@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 import pytest
-from harness import one_line_error
+from kit.harness import one_line_error
 
 import revgraph as rg
 from revgraph import cli_numbers

@@ -9,17 +9,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loopkit import F64, POLICIES, assert_close, body, const, grads, graph, loop, n, torch_grads
-
-from revgraph.ir import Graph, Node, ValueInfo
-
-
-def branch(nodes, outputs, name):
-    return Graph(nodes, [], [ValueInfo(o, F64, None) for o in outputs], name=name)
-
-
-def if_node(cond, then, other, outputs, name="if"):
-    return n("If", [cond], list(outputs), name, then_branch=then, else_branch=other)
+from kit.loops import (
+    POLICIES,
+    assert_close,
+    body,
+    branch,
+    const,
+    grads,
+    graph,
+    if_node,
+    loop,
+    n,
+    scan_graph,
+    torch_grads,
+)
 
 
 @pytest.mark.parametrize("x", [-1.0, 0.0, 4.0])
@@ -86,30 +89,12 @@ def test_loops_inside_if_branches(policy):
         assert_close(grads(g, feeds, ["x", "s0"], policy=policy), torch_grads(unrolled, feeds, ["x", "s0"]))
 
 
-def _scan_graph(in_dir, out_dir, in_axis, out_axis, shape_x):
-    # h_t = tanh(h_{t-1} * w + x_t); y_t = h_t * 2, stacked
-    sb = Graph(
-        [n("Mul", ["h_in", "w"], "hw"), n("Add", ["hw", "xt"], "pre"), n("Tanh", ["pre"], "h_out"), const("two", 2.0),
-         n("Mul", ["h_out", "two"], "y_t")],
-        [ValueInfo("h_in", F64, (3,)), ValueInfo("xt", F64, (3,))],
-        [ValueInfo("h_out", F64, (3,)), ValueInfo("y_t", F64, (3,))],
-    )
-    scan = Node("Scan", ["h0", "x"], ["h", "Y"], {"body": sb, "num_scan_inputs": 1, "scan_input_directions": [in_dir],
-                "scan_output_directions": [out_dir], "scan_input_axes": [in_axis], "scan_output_axes": [out_axis]}, "scan")
-    nodes = [scan, n("Mul", ["Y", "u"], "uy"), n("ReduceSum", ["uy"], "ys", keepdims=0), n("ReduceSum", ["h"], "hs", keepdims=0),
-             n("Add", ["ys", "hs"], "loss")]
-    t = shape_x[in_axis]
-    u_shape = (t, 3) if out_axis == 0 else (3, t)
-    u = np.linspace(-1, 1, 3 * t).reshape(u_shape)
-    return graph(nodes, {"h0": (3,), "x": shape_x, "w": (3,)}, ["loss"], {"u": u}), u
-
-
 @settings(max_examples=6, deadline=None)
 @given(in_dir=st.integers(0, 1), out_dir=st.integers(0, 1), in_axis=st.integers(0, 1), out_axis=st.sampled_from([0, 1, -1]),
        t=st.integers(1, 4), policy=st.sampled_from(POLICIES))
 def test_scan_every_direction_and_axis(in_dir, out_dir, in_axis, out_axis, t, policy):
     shape_x = (t, 3) if in_axis == 0 else (3, t)
-    g, u = _scan_graph(in_dir, out_dir, in_axis, out_axis, shape_x)
+    g, u = scan_graph(in_dir, out_dir, in_axis, out_axis, shape_x)
     rng = np.random.default_rng(t)
     feeds = {"h0": rng.standard_normal(3), "x": rng.standard_normal(shape_x), "w": rng.standard_normal(3)}
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from lossdata_models import gnn_data, gnn_model, static_data, static_model
+from kit.lossdata_models import gnn_data, gnn_model, static_data, static_model
 
 import revgraph as rg
 from revgraph.errors import InputError

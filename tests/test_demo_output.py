@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from harness import fill_disk, mount_tmpfs, one_line_error, umount
+from kit.harness import fill_disk, mount_tmpfs, one_line_error, umount
 
 from revgraph import demo
 from revgraph.cli import main

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_devices import _train_cli, on_gpu, tolerance, torch  # noqa: F401  (tests/ is on sys.path)
+from kit.devices import on_gpu, tolerance, torch, train_cli  # noqa: F401
 
 OPTIONS = {"buckets-overlapped": ["--bucket-mb", "0.001"],
            "buckets-not-overlapped": ["--bucket-mb", "0.001", "--overlap", "off"],
@@ -24,9 +24,9 @@ def test_nccl_exchange_options_match_one_process(tmp_path, name, what, nproc):
     assert torch.distributed.is_nccl_available(), "a CUDA torch without NCCL"
     option = OPTIONS[what]
     accumulate = 2 if "--accumulate-steps" in option else 1
-    ref = _train_cli(tmp_path, name, "single.onnx", "--device", "cuda", "--batch-size", "16")
-    got = _train_cli(tmp_path, name, "ddp.onnx", "--device", "cuda", "--nproc", str(nproc),
-                     "--batch-size", str(16 // nproc // accumulate), *option)
+    ref = train_cli(tmp_path, name, "single.onnx", "--device", "cuda", "--batch-size", "16")
+    got = train_cli(tmp_path, name, "ddp.onnx", "--device", "cuda", "--nproc", str(nproc),
+                    "--batch-size", str(16 // nproc // accumulate), *option)
     # bf16: each exchanged gradient keeps 8 significant bits; Adam (lr 1e-3) turns a gradient's relative error
     # into at most about one lr per step where the ranks' shares nearly cancel: 14 steps here
     tol = dict(rtol=0.0, atol=14 * 1e-3) if what == "bf16-reduce" else tolerance("adam")

@@ -11,16 +11,26 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import crash_after  # (tests/ is on sys.path)
+from kit.distributed import (
+    ENV,
+    TORCHRUN,
+    WORKER,
+    child_pids,
+    cmdline,
+    compare_ranks,
+    free_port,
+    launched,
+    run_command,
+    train_single,
+)
+from kit.harness import crash_after  # (tests/ is on sys.path)
 
 import revgraph as rg
 from revgraph import checkpoints, demo
@@ -29,61 +39,6 @@ pytest.importorskip("torch.distributed.run", reason="distributed training needs 
 
 from distributed_worker import trainer  # noqa: E402  (tests/ is on sys.path)
 
-HERE = Path(__file__).parent
-WORKER = HERE / "distributed_worker.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def _launched(*cmds: list[str], cwds: list | None = None, env: dict = ENV):
-    """Start each command (in ``cwds[i]``, default here) in a session of its own (torchrun and its workers),
-    and kill every process of those sessions on the way out, so that a failed or timed-out test leaves no
-    worker behind."""
-    procs = [subprocess.Popen(c, env=env, cwd=(cwds or [None] * len(cmds))[i], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for i, c in enumerate(cmds)]
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            with suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-def _run(cmd: list[str], timeout: int = 240, check: bool = True, env: dict = ENV) -> subprocess.CompletedProcess:
-    with _launched(cmd, env=env) as (p,):
-        out, err = p.communicate(timeout=timeout)
-    r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
-    assert not check or r.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-3000:]}\n{err[-3000:]}"
-    return r
-
-
-def _single(model: str, optimizer: str, samples: int, batch: int, epochs: int) -> rg.Trainer:
-    tr, data = trainer(model, optimizer, samples, False)
-    tr.fit(data, epochs, batch, seed=3, progress=False)
-    return tr
-
-
-def _compare(out: Path, ref: rg.Trainer, world: int = 2) -> None:
-    ranks = [dict(np.load(out / f"rank{r}.npz")) for r in range(world)]
-    assert all(int(r["world"]) == world for r in ranks)
-    for name in ranks[0]:  # every rank holds exactly the same parameters, state and losses
-        for other in ranks[1:]:
-            np.testing.assert_array_equal(other[name], ranks[0][name], err_msg=name)
-    theirs = {**ref.parameters, **ref.state}
-    assert set(theirs) <= set(ranks[0])
-    for name, value in theirs.items():
-        np.testing.assert_allclose(ranks[0][name], value, rtol=2e-5, atol=2e-6, err_msg=name)
-    np.testing.assert_allclose(ranks[0]["losses"], ref.losses, rtol=2e-5, atol=1e-6)
-    assert len(ref.losses) == 2 * 7  # 97 samples in global batches of 16: 7 steps per epoch
-
 
 @pytest.mark.parametrize("model,optimizer", [("mlp", "adam"), ("rnn", "sgd"), ("embedding", "adam"),
                                              ("embedding", "adamw")])
@@ -91,16 +46,16 @@ def test_two_processes_train_like_one(tmp_path, model, optimizer):
     """2 processes x batch 8 = 1 process x batch 16: the demo MLP, the recurrent classifier (an ONNX Loop) with
     SGD momentum, and an embedding table whose gradient is exchanged as sparse rows (all-gathered, never
     densified; Adam and AdamW update the gathered rows lazily)."""
-    _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--model", model, "--optimizer", optimizer,
-          "--out", str(tmp_path)])
-    _compare(tmp_path, _single(model, optimizer, 97, 16, 2))
+    run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--model", model, "--optimizer", optimizer,
+                 "--out", str(tmp_path)])
+    compare_ranks(tmp_path, train_single(model, optimizer, 97, 16, 2))
 
 
 def test_ranks_with_different_data_are_refused(tmp_path):
     """A rank given other data (here one sample less) would deadlock or train wrongly: every rank stops with
     one line naming the rank, before the first step."""
-    r = _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--skew", "--out", str(tmp_path)],
-             check=False)
+    r = run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--skew", "--out", str(tmp_path)],
+                    check=False)
     assert r.returncode != 0
     assert "the training data or fit arguments of rank 1 differ from rank 0's; give every rank the same data" in r.stderr
     assert not list(tmp_path.glob("rank*.npz"))
@@ -109,25 +64,13 @@ def test_ranks_with_different_data_are_refused(tmp_path):
 def test_two_nodes_rendezvous_on_localhost(tmp_path):
     """Two "machines": two torchrun invocations with --nnodes 2 and node ranks 0 and 1, one process each,
     meeting at 127.0.0.1."""
-    port = _port()
+    port = free_port()
     cmds = [[*TORCHRUN, "--nnodes=2", f"--node-rank={r}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
              f"--master-port={port}", str(WORKER), "--model", "mlp", "--out", str(tmp_path)] for r in range(2)]
-    with _launched(*cmds) as procs:
+    with launched(*cmds) as procs:
         outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    _compare(tmp_path, _single("mlp", "adam", 97, 16, 2))
-
-
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(c) for c in f.read().split()]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+    compare_ranks(tmp_path, train_single("mlp", "adam", 97, 16, 2))
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds torchrun's workers through Linux /proc")
@@ -140,16 +83,16 @@ def test_killed_worker_is_restarted_and_reaches_the_same_weights(tmp_path):
     rg.save(demo.mlp_model(hidden=16), tmp_path / "mlp.onnx")
     common = ["train", str(tmp_path / "mlp.onnx"), "--data", str(tmp_path / "data.npz"), "--loss", "cross-entropy",
               "--optimizer", "adam", "--lr", "0.003", "--epochs", "12", "--seed", "5", "--threads", "1"]
-    _run([sys.executable, "-m", "revgraph", *common, "--batch-size", "8", "-o", str(tmp_path / "one.onnx")])
+    run_command([sys.executable, "-m", "revgraph", *common, "--batch-size", "8", "-o", str(tmp_path / "one.onnx")])
     ckpt = tmp_path / "ckpt"
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "revgraph", *common,
            "--batch-size", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20", "-o", str(tmp_path / "two.onnx")]
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # restarts need it (pytorch/pytorch#135712)
-    with _launched(cmd, env=env) as (proc,):
+    with launched(cmd, env=env) as (proc,):
         deadline = time.time() + 120
         while not checkpoints.path_in(ckpt).exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
-        workers = [c for c in _children(proc.pid) if "revgraph" in _cmdline(c)]
+        workers = [c for c in child_pids(proc.pid) if "revgraph" in cmdline(c)]
         assert workers and proc.poll() is None, "the run ended before a worker could be killed"
         os.kill(workers[-1], signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
@@ -171,8 +114,8 @@ def test_revgraph_train_nproc_matches_one_process(tmp_path):
     rg.save(demo.mlp_model(hidden=16), tmp_path / "mlp.onnx")
     common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data", str(tmp_path / "data.npz"),
               "--loss", "cross-entropy", "--epochs", "2", "--threads", "1"]
-    _run([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
-    r = _run([*common, "--batch-size", "10", "--nproc", "2", "-o", str(tmp_path / "two.onnx")])
+    run_command([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
+    r = run_command([*common, "--batch-size", "10", "--nproc", "2", "-o", str(tmp_path / "two.onnx")])
     assert r.stdout.count("wrote ") == 1 and "global batch 2 x 10 = 20" in r.stdout, r.stdout
     one, two = rg.load(tmp_path / "one.onnx").initializers, rg.load(tmp_path / "two.onnx").initializers
     for name, value in one.items():

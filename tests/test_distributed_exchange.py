@@ -24,11 +24,11 @@ from revgraph.train.trainer import epoch_order, shard
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
 from distributed_worker import trainer  # noqa: E402  (tests/ is on sys.path)
-from test_distributed import ENV, TORCHRUN, WORKER, _compare, _run, _single  # noqa: E402
+from kit.distributed import ENV, TORCHRUN, WORKER, compare_ranks, run_command, train_single  # noqa: E402
 
 
 def _torchrun(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), *args, "--out", str(tmp_path)])
+    return run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), *args, "--out", str(tmp_path)])
 
 
 # ---------------------------------------------------------------------------------------- the segment cut
@@ -99,7 +99,7 @@ def test_small_buckets_overlapped_train_like_one_process(tmp_path, model, optimi
     embedding's sparse rows, packed into one all-gather with their counts riding in the last bucket)."""
     r = _torchrun(tmp_path, "--model", model, "--optimizer", optimizer, "--bucket-mb", str(SMALL[model] / 2**20))
     assert int(r.stdout.split("segments: ")[1].split()[0]) >= 2, r.stdout  # the grad graph was cut
-    _compare(tmp_path, _single(model, optimizer, 97, 16, 2))
+    compare_ranks(tmp_path, train_single(model, optimizer, 97, 16, 2))
 
 
 @pytest.mark.parametrize("model,extra", [("mlp", []), ("embedding", ["--bucket-mb", str(SMALL["embedding"] / 2**20)])])
@@ -108,13 +108,13 @@ def test_accumulated_micro_batches_in_two_processes_equal_one_large_batch(tmp_pa
     uneven last step (97 = 6 x 16 + 1) has one micro-batch of 1 sample (rank 1 has none) and an empty one.
     The embedding run also cuts the grad graph, so later micro-batches go through the scratch buckets."""
     _torchrun(tmp_path, "--model", model, "--batch-size", "4", "--accumulate-steps", "2", *extra)
-    _compare(tmp_path, _single(model, "adam", 97, 16, 2))
+    compare_ranks(tmp_path, train_single(model, "adam", 97, 16, 2))
 
 
 @pytest.mark.parametrize("model", ["mlp", "embedding"])
 def test_accumulated_micro_batches_in_one_process_equal_one_large_batch(model):
     """One process: batch 4 x 4 accumulated micro-batches = batch 16 (same order, same uneven last batch)."""
-    ref = _single(model, "adam", 97, 16, 2)
+    ref = train_single(model, "adam", 97, 16, 2)
     acc, data = trainer(model, "adam", 97, False)
     means = acc.fit(data, 2, 4, seed=3, progress=False, accumulate_steps=4)
     assert acc.steps == ref.steps == 14 and len(means) == 2
@@ -178,9 +178,9 @@ def test_profile_prints_phase_medians_on_rank_0(tmp_path):
     rg.save(demo.mlp_model(hidden=16), tmp_path / "mlp.onnx")
     common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data",
               str(tmp_path / "data.npz"), "--loss", "cross-entropy", "--epochs", "1", "--threads", "1"]
-    _run([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
-    r = _run([*common, "--batch-size", "5", "--nproc", "2", "--accumulate-steps", "2", "--bucket-mb", "0.001",
-              "--profile", "-o", str(tmp_path / "two.onnx")])
+    run_command([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
+    r = run_command([*common, "--batch-size", "5", "--nproc", "2", "--accumulate-steps", "2", "--bucket-mb", "0.001",
+                     "--profile", "-o", str(tmp_path / "two.onnx")])
     assert r.stdout.count("profile (rank 0): forward+backward ") == 1, r.stdout
     assert "global batch 2 x 5 x 2 micro-batches = 20" in r.stdout, r.stdout
     one, two = rg.load(tmp_path / "one.onnx").initializers, rg.load(tmp_path / "two.onnx").initializers

@@ -4,7 +4,7 @@ failure, signals, orphans, a taken port, ``--timeout``; and (slow) two machines 
 README's multi-node recipe, compared with one process and recovering from a killed worker.
 
 Every run has 2 gloo processes with one thread each and a small MLP; subprocesses run in sessions of their own
-and are killed on the way out (``_launched``)."""
+and are killed on the way out (``launched``)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from revgraph import checkpoints, demo
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
-from test_devices import gpu_test  # noqa: E402
-from test_distributed import ENV, TORCHRUN, _children, _cmdline, _launched, _port  # noqa: E402
+from kit.devices import gpu_test  # noqa: E402
+from kit.distributed import ENV, TORCHRUN, child_pids, cmdline, free_port, launched  # noqa: E402
 
 HERE = Path(__file__).parent
 WRAPPER = HERE / "launch_worker.py"
@@ -75,7 +75,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 def _workers(pid: int) -> list[int]:
     """The revgraph workers that are children of ``pid`` (a torchrun agent)."""
     try:
-        return [c for c in _children(pid) if "revgraph" in _cmdline(c) or "launch_worker" in _cmdline(c)]
+        return [c for c in child_pids(pid) if "revgraph" in cmdline(c) or "launch_worker" in cmdline(c)]
     except OSError:
         return []
 
@@ -117,7 +117,7 @@ def test_ranks_with_different_arguments_are_refused_before_any_step(tmp_path, ex
     cmd = [*LAUNCHER, "--standalone", "--nproc-per-node=2", str(WRAPPER), "--on-rank", "1", str(len(extra)), *extra,
            "--", *common, "--epochs", "2", "--batch-size", "8", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
            "-o", str(tmp_path / "out.onnx")]
-    with _launched(cmd) as (p,):
+    with launched(cmd) as (p,):
         out, err = _communicate(p)
     assert p.returncode == 2, out + err
     errors = _errors(err)
@@ -133,7 +133,7 @@ def test_test_data_on_rank_0_only_is_refused_before_training(tmp_path):
     shutil.copy(tmp_path / "data.npz", tmp_path / "test.npz")
     cmd = [*LAUNCHER, "--standalone", "--nproc-per-node=2", str(WRAPPER), "--on-rank", "0", "2", "--test-data",
            str(tmp_path / "test.npz"), "--", *common, "--epochs", "1", "--batch-size", "8", "-o", str(tmp_path / "o.onnx")]
-    with _launched(cmd) as (p,):
+    with launched(cmd) as (p,):
         out, err = _communicate(p)
     assert p.returncode == 2, out + err
     assert "rank 1 has --test-data given False, rank 0 has True" in err, err
@@ -148,7 +148,7 @@ def test_bad_data_on_one_rank_stops_every_rank_at_once(tmp_path):
     cmd = [*LAUNCHER, "--standalone", "--nproc-per-node=2", str(WRAPPER), "--on-rank", "1", "2", "--data",
            str(tmp_path / "bad.npz"), "--", *common, "--epochs", "1", "--batch-size", "8", "--timeout", "600",
            "-o", str(tmp_path / "o.onnx")]
-    with _launched(cmd) as (p,):
+    with launched(cmd) as (p,):
         out, err = _communicate(p)
     assert p.returncode == 2, out + err
     # (each worker hands its one line to the launcher, which prints it once, naming the rank that refused)
@@ -165,7 +165,7 @@ def test_nan_loss_exits_2_under_nproc_and_is_not_restarted(tmp_path):
     ckpt = tmp_path / "ckpt"
     cmd = [*REVGRAPH, *common, "--epochs", "2", "--batch-size", "8", "--nproc", "2", "--max-restarts", "1",
            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "-o", str(tmp_path / "o.onnx")]
-    with _launched(cmd) as (p,):
+    with launched(cmd) as (p,):
         out, err = _communicate(p, 180)
     assert p.returncode == 2, out + err
     errors = _errors(err)
@@ -184,7 +184,7 @@ def test_raw_torchrun_exits_1_for_a_nan_loss_and_does_not_train_again(tmp_path):
     common = _files(tmp_path, nan_at=70)
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "revgraph", *common,
            "--epochs", "2", "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "ckpt"), "-o", str(tmp_path / "o.onnx")]
-    with _launched(cmd, env={**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) as (p,):
+    with launched(cmd, env={**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) as (p,):
         out, err = _communicate(p, 180)
     assert p.returncode == 1, out + err
     errors = _errors(err)
@@ -233,12 +233,12 @@ def test_nccl_ranks_with_different_lr_are_refused_and_nan_exits_2(tmp_path):
     common = _files(tmp_path)
     cmd = [*LAUNCHER, "--standalone", "--nproc-per-node=2", str(WRAPPER), "--on-rank", "1", "2", "--lr", "0.01", "--",
            *common, "--epochs", "1", "--batch-size", "8", "--device", "cuda", "-o", str(tmp_path / "o.onnx")]
-    with _launched(cmd) as (p,):
+    with launched(cmd) as (p,):
         out, err = _communicate(p, 240)
     assert p.returncode == 2 and "rank 1 has lr 0.01, rank 0 has 0.003" in err, out + err
     common = _files(tmp_path, nan_at=70)
-    with _launched([*REVGRAPH, *common, "--epochs", "1", "--batch-size", "8", "--device", "cuda", "--nproc", "2",
-                    "-o", str(tmp_path / "o.onnx")]) as (p,):
+    with launched([*REVGRAPH, *common, "--epochs", "1", "--batch-size", "8", "--device", "cuda", "--nproc", "2",
+                   "-o", str(tmp_path / "o.onnx")]) as (p,):
         out, err = _communicate(p, 240)
     assert p.returncode == 2 and "the loss is nan at step" in err, out + err
     assert not (tmp_path / "o.onnx").exists()
@@ -255,7 +255,7 @@ def test_signal_to_nproc_stops_the_workers_and_writes_nothing(tmp_path, sig):
     and no output written."""
     common = _files(tmp_path, samples=1000)
     cmd = [*REVGRAPH, *common, "--epochs", "200", "--batch-size", "4", "--nproc", "2", "-o", str(tmp_path / "o.onnx")]
-    with _launched(cmd) as (p,):
+    with launched(cmd) as (p,):
         lines = _Lines(p.stdout)
         _wait_for(lambda: lines.has("data-parallel on 2 processes") or p.poll() is not None, 120, "training to start")
         workers = _workers(p.pid)
@@ -275,7 +275,7 @@ def test_killed_torchrun_agent_leaves_no_orphan(tmp_path):
     common = _files(tmp_path, samples=1000)
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "revgraph", *common, "--epochs", "200",
            "--batch-size", "4", "-o", str(tmp_path / "o.onnx")]
-    with _launched(cmd) as (p,):
+    with launched(cmd) as (p,):
         lines = _Lines(p.stdout)
         _wait_for(lambda: lines.has("data-parallel on 2 processes") or p.poll() is not None, 120, "training to start")
         workers = _workers(p.pid)
@@ -293,7 +293,7 @@ def test_stopped_peer_fails_the_other_within_the_timeout(tmp_path):
     common = _files(tmp_path, samples=1000)
     cmd = [*REVGRAPH, *common, "--epochs", "200", "--batch-size", "4", "--nproc", "2", "--timeout", "4",
            "-o", str(tmp_path / "o.onnx")]
-    with _launched(cmd) as (p,):
+    with launched(cmd) as (p,):
         out, err = _Lines(p.stdout), _Lines(p.stderr)
         _wait_for(lambda: out.has("data-parallel on 2 processes") or p.poll() is not None, 120, "training to start")
         workers = sorted(_workers(p.pid))
@@ -429,7 +429,7 @@ def _two_nodes(nets: _Namespaces, tmp_path: Path, run: str, train: list[str], *,
     the model and data: `revgraph train ... --nproc 1 --nnodes 2 --node-rank R --rdzv-endpoint NODE0:PORT
     --local-addr ADDR` with GLOO_SOCKET_IFNAME set (or the raw torchrun recipe with ``raw``). With
     ``kill_after_checkpoint``, node 1's worker is killed (SIGKILL) after node 0 wrote the first checkpoint."""
-    port = _port()
+    port = free_port()
     dirs = [tmp_path / run / f"node{r}" for r in range(2)]
     cmds = []
     for r, d in enumerate(dirs):
@@ -446,7 +446,7 @@ def _two_nodes(nets: _Namespaces, tmp_path: Path, run: str, train: list[str], *,
             launch = [*REVGRAPH, *train, "--nproc", "1", "--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint",
                       f"{nets.addr[0]}:{port}", "--local-addr", nets.addr[r], "--max-restarts", "1"]
         cmds.append(nets.command(r, launch, env))
-    with _launched(*cmds, cwds=dirs) as procs:
+    with launched(*cmds, cwds=dirs) as procs:
         if kill_after_checkpoint:
             ckpt = checkpoints.path_in(dirs[0] / "ckpt")
             _wait_for(lambda: ckpt.exists() or any(p.poll() is not None for p in procs), 180, "the first checkpoint")

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import crash_after  # (tests/ is on sys.path)
-from test_precision import ATOL, C, D, batches, mlp, reference_train, torch_mlp  # (tests/ is on sys.path)
-from test_schedules import hf_lambda
+from kit.harness import crash_after  # (tests/ is on sys.path)
+from kit.precision import ATOL, C, D, batches, mlp, reference_train, torch_mlp
+from kit.schedules import hf_lambda
 
 import revgraph as rg
 from revgraph.errors import RevgraphError
@@ -117,7 +117,7 @@ def test_fp16_gradient_accumulation_matches_gradscaler_accumulation(accumulate):
     (it was seeded with the whole scale and weighted after, which skipped more steps and ended elsewhere)."""
     import warnings
 
-    from test_precision import _scaled_linear
+    from kit.precision import scaled_linear
 
     rng = np.random.default_rng(6)
     x = (rng.uniform(4, 8, (32, C)) * rng.choice([-1, 1], (32, C))).astype(F32)
@@ -125,14 +125,14 @@ def test_fp16_gradient_accumulation_matches_gradscaler_accumulation(accumulate):
     opts = {"init_scale": 2.0 ** 127, "growth_interval": 2}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (no product to run in float16)
-        tr = rg.Trainer(_scaled_linear(np.random.default_rng(6)), "cross-entropy", adam(lr=LR), threads=1,
+        tr = rg.Trainer(scaled_linear(np.random.default_rng(6)), "cross-entropy", adam(lr=LR), threads=1,
                         precision=Precision("fp16", **opts), clip_grad_norm=2.0,
                         schedule=Schedule("cosine", warmup_steps=1, min_lr=1e-3))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # (an overflow in the sums is expected, not a warning)
         tr.fit({"x": x, "labels": y}, 2, 8 // accumulate, shuffle=False, progress=False,
                accumulate_steps=accumulate)
-    w = torch.tensor(_scaled_linear(np.random.default_rng(6)).initializers["w"], requires_grad=True)
+    w = torch.tensor(scaled_linear(np.random.default_rng(6)).initializers["w"], requires_grad=True)
     opt = torch.optim.Adam([w], lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, hf_lambda("cosine", 1, 8, 1e-3 / LR))
     gs = torch.amp.GradScaler("cpu", **opts)
@@ -166,7 +166,7 @@ def test_fp16_scaled_run_with_a_schedule_resumed_mid_run_equals_the_uninterrupte
     run ends bitwise equal to the uninterrupted one."""
     import warnings
 
-    from test_precision import _scaled_linear
+    from kit.precision import scaled_linear
 
     from revgraph import checkpoints
 
@@ -177,7 +177,7 @@ def test_fp16_scaled_run_with_a_schedule_resumed_mid_run_equals_the_uninterrupte
     def run():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (no product to run in float16)
-            return rg.Trainer(_scaled_linear(np.random.default_rng(8)), "cross-entropy", adam(lr=LR), threads=1,
+            return rg.Trainer(scaled_linear(np.random.default_rng(8)), "cross-entropy", adam(lr=LR), threads=1,
                               precision=Precision("fp16", init_scale=2.0 ** 127, growth_interval=2),
                               clip_grad_norm=2.0, schedule=Schedule("cosine", warmup_steps=2, min_lr=1e-3))
 
@@ -207,7 +207,7 @@ def test_fp16_resumed_with_other_loss_scaling_options_is_refused_unless_overridd
     another one is refused in one line naming it (then and now) unless ``override`` names it."""
     import warnings
 
-    from test_precision import _scaled_linear
+    from kit.precision import scaled_linear
 
     rng = np.random.default_rng(8)
     data = {"x": rng.normal(size=(16, C)).astype(F32), "labels": rng.integers(0, C, 16)}
@@ -215,7 +215,7 @@ def test_fp16_resumed_with_other_loss_scaling_options_is_refused_unless_overridd
     def run(**scaling):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (no product to run in float16)
-            return rg.Trainer(_scaled_linear(np.random.default_rng(8)), "cross-entropy", adam(lr=LR), threads=1,
+            return rg.Trainer(scaled_linear(np.random.default_rng(8)), "cross-entropy", adam(lr=LR), threads=1,
                               precision=Precision("fp16", **scaling))
 
     run(growth_interval=2).fit(data, 1, 8, progress=False, checkpoint_dir=tmp_path)
@@ -235,7 +235,7 @@ def test_fp16_resumed_with_other_loss_scaling_options_is_refused_unless_overridd
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """A small MLP and its data, the static-input model with its data, a .npy directory of unequal lengths."""
-    import lossdata_models
+    from kit import lossdata_models
 
 
     t = tmp_path_factory.mktemp("bad")
@@ -325,11 +325,11 @@ def _two_processes(tmp_path, model, optimizer, *extra):
     pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
     from pathlib import Path
 
-    from test_distributed import TORCHRUN, _run
+    from kit.distributed import TORCHRUN, run_command
 
     worker = Path(__file__).resolve().parent / "combinations_worker.py"
-    _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(worker), "--model", model, "--optimizer", optimizer,
-          "--out", str(tmp_path), *extra])
+    run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(worker), "--model", model, "--optimizer",
+                 optimizer, "--out", str(tmp_path), *extra])
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
 
 
@@ -385,10 +385,11 @@ def test_two_processes_fp16_accumulation_clipping_schedule_equal_one(tmp_path):
     from pathlib import Path
 
     from combinations_worker import scaled_trainer
-    from test_distributed import ENV, TORCHRUN, _run
+    from kit.distributed import ENV, TORCHRUN, run_command
 
     worker = Path(__file__).resolve().parent / "combinations_worker.py"
-    _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(worker), "--fp16", "--out", str(tmp_path)], env=ENV)
+    run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(worker), "--fp16", "--out", str(tmp_path)],
+                env=ENV)
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
     one, data = scaled_trainer(False)
     one.fit(data, 2, 8, seed=3, progress=False)
@@ -405,7 +406,7 @@ def test_static_inputs_with_a_schedule_resumed_mid_run_equal_the_uninterrupted_r
     """Static inputs (a mixing matrix and a scalar gain fed whole to every step) with a cosine schedule, warmup and
     clipping: a run that dies at step 9 and resumes from its checkpoint (every 4 steps, so it repeats step 8) ends
     bitwise equal to the uninterrupted run (the statics are not in the checkpoint: they are given again)."""
-    import lossdata_models
+    from kit import lossdata_models
 
     from revgraph import checkpoints
 

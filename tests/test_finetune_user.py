@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from lossdata_models import lm_data, tiny_lm
+from kit.lossdata_models import lm_data, tiny_lm
 
 import revgraph as rg
 from revgraph import lora

@@ -25,7 +25,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from forwardkit import (
+from kit.forward import (
     assert_hessians,
     assert_jacobians,
     assert_loop_jvp_stores_nothing,
@@ -41,10 +41,22 @@ from forwardkit import (
     torch_hvp,
     torch_jvp,
 )
-from loopkit import F64, POLICIES, body, const, graph, loop, n, three_nested_loops
-from test_control_flow import _scan_graph, branch, if_node
-from test_light_models import MODELS as LIGHT_MODELS
-from test_loops import _taylor_cond_nodes, _taylor_sin_body
+from kit.light_models import MODELS as LIGHT_MODELS
+from kit.loops import (
+    F64,
+    POLICIES,
+    body,
+    branch,
+    const,
+    graph,
+    if_node,
+    loop,
+    n,
+    scan_graph,
+    taylor_cond_nodes,
+    taylor_sin_body,
+    three_nested_loops,
+)
 
 import revgraph as rg
 from revgraph.ir import Graph, ValueInfo
@@ -103,7 +115,7 @@ def test_product_s_times_x(steps, wrt):
 @pytest.mark.parametrize("x", [0.0, 0.4, 2.5])
 def test_while_loop_with_data_dependent_trip_count(x):
     # Taylor series of sin until the term is below 1e-12: zero trips at x = 0, about 8 at 0.4, 20 at 2.5
-    nodes = [*_taylor_cond_nodes(), loop(_taylor_sin_body(), "", ["x", "x"], ["t", "sin"], cond="go"),
+    nodes = [*taylor_cond_nodes(), loop(taylor_sin_body(), "", ["x", "x"], ["t", "sin"], cond="go"),
              n("Identity", ["sin"], "loss")]
     g = graph(nodes, {"x": ()}, ["loss"], {"eps0": np.array(1e-12)})
     tx = np.array(0.75)
@@ -117,9 +129,9 @@ def test_while_loop_with_data_dependent_trip_count(x):
 
 def test_while_loop_nested_in_an_outer_loop():
     # s <- s + sin(x0 * s) three times, sin being the data-dependent while loop
-    inner = _taylor_sin_body()
+    inner = taylor_sin_body()
     outer = body(
-        [n("Mul", ["x0", "s_in"], "x"), *_taylor_cond_nodes(),
+        [n("Mul", ["x0", "s_in"], "x"), *taylor_cond_nodes(),
          loop(inner, "", ["x", "x"], ["t", "sin"], "inner", cond="go"), n("Add", ["s_in", "sin"], "s_out")],
         [("s_in", "s_out")], iter_name="j", cond_name="c_outer",
     )
@@ -214,7 +226,7 @@ def test_loop_made_from_a_scan_node(in_dir, out_dir, in_axis, out_axis):
     # h_t = tanh(h_{t-1} * w + x_t), y_t = 2 h_t stacked (ONNX Scan, lowered to a Loop before the JVP)
     t = 3
     shape_x = (t, 3) if in_axis == 0 else (3, t)
-    g, u = _scan_graph(in_dir, out_dir, in_axis, out_axis, shape_x)
+    g, u = scan_graph(in_dir, out_dir, in_axis, out_axis, shape_x)
     g.outputs += [ValueInfo("h", F64, (3,)), ValueInfo("Y", F64, (t, 3) if out_axis == 0 else (3, t))]
     feeds = {"h0": RNG.standard_normal(3), "x": RNG.standard_normal(shape_x), "w": RNG.standard_normal(3)}
     tangents = {k: RNG.standard_normal(v.shape) for k, v in feeds.items()}
@@ -414,7 +426,7 @@ def test_hvp_through_a_checkpointed_loop(policy):
 
 
 def _taylor_graph():
-    nodes = [*_taylor_cond_nodes(), loop(_taylor_sin_body(), "", ["x", "x"], ["t", "sin"], cond="go"),
+    nodes = [*taylor_cond_nodes(), loop(taylor_sin_body(), "", ["x", "x"], ["t", "sin"], cond="go"),
              n("Identity", ["sin"], "loss")]
     return graph(nodes, {"x": ()}, ["loss"], {"eps0": np.array(1e-12)})
 

@@ -1,4 +1,4 @@
-"""Mutation fuzzing of ``info``, ``grad``, ``run`` and ``check`` (issue 12, section 2; tests/fuzzkit.py), and of
+"""Mutation fuzzing of ``info``, ``grad``, ``run`` and ``check`` (issue 12, section 2; tests/kit/fuzz.py), and of
 the training snapshots ``train --checkpoint-dir`` resumes from (issue 28, part 1).
 
 Every mutant of the seed models (several operators, a Loop, an If, initializers, external data) must give exit
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-KIT = Path(__file__).resolve().parent / "fuzzkit.py"
-SNAPSHOT_KIT = KIT.parent / "snapshot_fuzzkit.py"
+KIT = Path(__file__).resolve().parent / "kit" / "fuzz.py"
+SNAPSHOT_KIT = KIT.parent / "snapshot_fuzz.py"
 CI_SAMPLE = 150
 SLOW_COUNT = 3000
 SNAPSHOT_SAMPLE = 60  # (about 0.25 s a mutant)
@@ -74,42 +74,40 @@ def test_fuzz_snapshots_many(tmp_path, seed):
 
 def test_the_snapshot_judge_catches_what_it_should(tmp_path):
     """The verdicts on hand-made resumes: exit 3, two error lines, other weights, a changed snapshot."""
-    sys.path.insert(0, str(KIT.parent))
     import numpy as np
-    from snapshot_fuzzkit import _judge_snapshot
+    from kit.snapshot_fuzz import judge_snapshot
 
     (tmp_path / "ck").mkdir()
     for f in ("m.onnx", "d.npz"):
         (tmp_path / f).write_bytes(b"")
     (tmp_path / "ck" / "checkpoint.npz").write_bytes(b"snap")
     seed = {"weights": {"w": np.ones(2, np.float32)}, "mean": "mean loss 1"}
-    assert _judge_snapshot(2, "revgraph: error: bad\n", "", tmp_path, b"snap", seed) == []
-    assert _judge_snapshot(3, "revgraph: internal error: KeyError\n", "", tmp_path, b"snap", seed) == ["exit 3"]
-    assert _judge_snapshot(2, "revgraph: error: a\nrevgraph: error: b\n", "", tmp_path, b"snap", seed) != []
-    assert _judge_snapshot(2, "revgraph: error: bad\n", "", tmp_path, b"other", seed) == ["the snapshot was changed"]
+    assert judge_snapshot(2, "revgraph: error: bad\n", "", tmp_path, b"snap", seed) == []
+    assert judge_snapshot(3, "revgraph: internal error: KeyError\n", "", tmp_path, b"snap", seed) == ["exit 3"]
+    assert judge_snapshot(2, "revgraph: error: a\nrevgraph: error: b\n", "", tmp_path, b"snap", seed) != []
+    assert judge_snapshot(2, "revgraph: error: bad\n", "", tmp_path, b"other", seed) == ["the snapshot was changed"]
     (tmp_path / "ck" / "failure.json").write_bytes(b"{}")
-    assert _judge_snapshot(2, "revgraph: error: bad\n", "", tmp_path, b"snap", seed) != []
+    assert judge_snapshot(2, "revgraph: error: bad\n", "", tmp_path, b"snap", seed) != []
     (tmp_path / "ck" / "failure.json").unlink()
     import onnx
     from onnx import helper, numpy_helper
 
     g = helper.make_graph([], "g", [], [], initializer=[numpy_helper.from_array(np.zeros(2, np.float32), "w")])
     onnx.save(helper.make_model(g), str(tmp_path / "t.onnx"))
-    assert _judge_snapshot(0, "", "mean loss 1\n", tmp_path, b"snap", seed) == [
+    assert judge_snapshot(0, "", "mean loss 1\n", tmp_path, b"snap", seed) == [
         "exit 0 with weights other than the uninterrupted run's"]
-    assert _judge_snapshot(0, "", "mean loss 1\n", tmp_path, b"snap", seed, exact=False) == []
+    assert judge_snapshot(0, "", "mean loss 1\n", tmp_path, b"snap", seed, exact=False) == []
 
 
 def test_the_judge_catches_what_it_should(tmp_path):
     """The fuzzer's verdicts on hand-made outcomes: a crash, a second error line, a file left behind."""
-    sys.path.insert(0, str(KIT.parent))
-    from fuzzkit import _judge
+    from kit.fuzz import judge
 
-    assert _judge("grad", 0, "warning: no path\n", ["g.onnx"]) == []
-    assert _judge("info", 2, "note: x\nrevgraph: error: bad\n", []) == []
-    assert _judge("check", 1, "", []) == []
-    assert _judge("grad", 3, "revgraph: internal error: KeyError\n", []) == ["exit 3"]
-    assert _judge("run", 2, "revgraph: error: a\nrevgraph: error: b\n", []) != []
-    assert _judge("run", 2, "Traceback (most recent call last):\nrevgraph: error: b\n", []) != []
-    assert _judge("grad", 2, "revgraph: error: bad\n", [".g.onnx.abc.tmp"]) != []
-    assert _judge("run", 0, "", ["out.npz", "stray"]) != []
+    assert judge("grad", 0, "warning: no path\n", ["g.onnx"]) == []
+    assert judge("info", 2, "note: x\nrevgraph: error: bad\n", []) == []
+    assert judge("check", 1, "", []) == []
+    assert judge("grad", 3, "revgraph: internal error: KeyError\n", []) == ["exit 3"]
+    assert judge("run", 2, "revgraph: error: a\nrevgraph: error: b\n", []) != []
+    assert judge("run", 2, "Traceback (most recent call last):\nrevgraph: error: b\n", []) != []
+    assert judge("grad", 2, "revgraph: error: bad\n", [".g.onnx.abc.tmp"]) != []
+    assert judge("run", 0, "", ["out.npz", "stray"]) != []

@@ -6,7 +6,7 @@ derivative that is exactly 0 (``Mul(x, x)`` at x = 0, ``d * d`` of a deviation f
 product must be 0, not NaN: the 0 subgradient of a norm at 0 and of the standard deviation of a constant input,
 which ``ReduceL2`` and forward mode give. Every spelling of a norm and of a standard deviation is swept; the
 rows whose function is differentiable are checked against PyTorch (float64), the singular rows against the
-hand-derived 0. Each gradient is also checked against forward mode (:func:`zerokit.grads`: the JVP along random
+hand-derived 0. Each gradient is also checked against forward mode (:func:`kit.zeros.grads`: the JVP along random
 tangents equals ``<grad, t>``)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 import torch
-import zerokit
+from kit import zeros
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
@@ -37,10 +37,10 @@ def test_the_issue_example_sqrt_of_x_times_x_at_zero():
     g = Graph([Node("Mul", ["x", "x"], ["s"], name="mul"), Node("Sqrt", ["s"], ["r"], name="sqrt"),
                Node("ReduceSum", ["r"], ["loss"], {"keepdims": 0}, "sum")], [ValueInfo("x", F64, (2,))],
               [ValueInfo("loss")])
-    grads = zerokit.grads(g, ["x"], {"x": np.zeros(2)})
+    grads = zeros.grads(g, ["x"], {"x": np.zeros(2)})
     assert grads["x"].tolist() == [0.0, 0.0]
     # and away from 0 it is sign(x)
-    assert zerokit.grads(g, ["x"], {"x": np.array([-2.0, 3.0])})["x"].tolist() == [-1.0, 1.0]
+    assert zeros.grads(g, ["x"], {"x": np.array([-2.0, 3.0])})["x"].tolist() == [-1.0, 1.0]
 
 
 def _n(name: str, op: str, ins: list[str], **attrs) -> Node:
@@ -112,7 +112,7 @@ def _check(nodes: list[Node], fn, x: np.ndarray, singular: int) -> None:
     """Row ``singular`` of ``x`` is where the function is not differentiable (a norm at 0, a constant row): its
     gradient is the hand-derived 0; the other row's is PyTorch's."""
     g = _graph(nodes, "n", CONSTS)
-    got = zerokit.grads(g, ["x"], {"x": x})["x"]
+    got = zeros.grads(g, ["x"], {"x": x})["x"]
     assert np.array_equal(got[singular], np.zeros(3)), got
     xt = torch.tensor(x[1 - singular : 2 - singular], requires_grad=True)
     (fn(xt) * torch.tensor([[0.5, -1.5][1 - singular]], dtype=torch.float64)).sum().backward()
@@ -142,7 +142,7 @@ def test_a_z_score_of_a_constant_row():
                Node("ReduceSum", ["zw"], ["loss"], {"keepdims": 0}, "sum")],
               [ValueInfo("x", F64, (1, 3))], [ValueInfo("loss")],
               {"ax": AX, "eps": np.array(0.5), "w": np.array([[1.0, 2.0, 6.0]])})
-    got = zerokit.grads(g, ["x"], {"x": np.full((1, 3), 7.0)})["x"]
+    got = zeros.grads(g, ["x"], {"x": np.full((1, 3), 7.0)})["x"]
     np.testing.assert_allclose(got, [[-4.0, -2.0, 6.0]], rtol=1e-14)
 
 
@@ -171,7 +171,7 @@ def test_a_loop_body_that_makes_its_carried_cotangent_infinite():
     g = Graph([Node("Loop", ["n", "t", "h0"], ["hT"], {"body": body}, "loop"),
                Node("ReduceSum", ["hT"], ["loss"], {"keepdims": 0}, "sum")],
               [ValueInfo("h0", F64, (2,))], [ValueInfo("loss")], {"n": np.array(3), "t": np.array(True)})
-    assert zerokit.grads(g, ["h0"], {"h0": np.array([0.0, -2.0])})["h0"].tolist() == [0.0, -1.0]
+    assert zeros.grads(g, ["h0"], {"h0": np.array([0.0, -2.0])})["h0"].tolist() == [0.0, -1.0]
 
 
 # ------------------------------------------------------------------------------------ rows that are all -inf
@@ -209,7 +209,7 @@ def test_a_fully_masked_row_gets_a_zero_gradient(op, mask_from):
     g = _rowwise_graph(op, mask_from)
     x = np.array([ROW, [0.1, 0.2, 0.3]])
     feeds = {"x": x} | ({"m": np.array([[0.0] * 3, [NEG] * 3])} if mask_from == "input" else {})
-    got = zerokit.grads(g, ["x"], feeds)["x"]
+    got = zeros.grads(g, ["x"], feeds)["x"]
     assert np.array_equal(got[1], np.zeros(3))
     xt = torch.tensor(ROW[None], requires_grad=True)
     u = torch.tensor(g.initializers["u"][:1])
@@ -224,7 +224,7 @@ def test_softmax_cross_entropy_over_a_fully_masked_row_that_counts(reduction):
     g = Graph([Node("SoftmaxCrossEntropyLoss", ["s", "labels"], ["l"], {"reduction": reduction}, "sce"),
                Node("ReduceSum", ["l"], ["loss"], {"keepdims": 0}, "sum")],
               [ValueInfo("s", F64, (2, 3)), ValueInfo("labels", np.int64, (2,))], [ValueInfo("loss")])
-    got = zerokit.grads(g, ["s"], {"s": np.array([ROW, [NEG] * 3]), "labels": np.array([2, 0])})["s"]
+    got = zeros.grads(g, ["s"], {"s": np.array([ROW, [NEG] * 3]), "labels": np.array([2, 0])})["s"]
     p = np.exp(ROW - ROW.max()) / np.exp(ROW - ROW.max()).sum()
     want = (p - [0.0, 0.0, 1.0]) / (2.0 if reduction == "mean" else 1.0)
     np.testing.assert_allclose(got[0], want, rtol=1e-13)
@@ -242,9 +242,9 @@ def test_the_issue_example_a_constant_function_has_zero_jvp_gradient_and_hvp():
                Node("Exp", ["r"], ["loss"], name="exp")],
               [ValueInfo("x", F64, (2,))], [ValueInfo("loss")])
     x = np.array([0.5, -1.0])
-    assert zerokit.grads(g, ["x"], {"x": x})["x"].tolist() == [0.0, 0.0]  # and the JVP is <grad, t> = 0
+    assert zeros.grads(g, ["x"], {"x": x})["x"].tolist() == [0.0, 0.0]  # and the JVP is <grad, t> = 0
     hg = rg.hvp(g, "loss", ["x"])
-    out = zerokit.run(hg, {"x": x, **{v.name: np.array([0.3, -0.7]) for v in hg.inputs if v.name != "x"}})
+    out = zeros.run(hg, {"x": x, **{v.name: np.array([0.3, -0.7]) for v in hg.inputs if v.name != "x"}})
     assert len(out) > 1 and all(v.tolist() == [0.0, 0.0] for k, v in out.items() if k != "loss")  # grad, H v
 
 
@@ -256,5 +256,5 @@ def test_a_zero_factor_discards_an_input_in_both_modes(bad):
                Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, "sum")],
               [ValueInfo("x", F64, (3,)), ValueInfo("p", F64, ()), ValueInfo("z", F64, (3,))], [ValueInfo("loss")])
     feeds = {"x": np.array([bad, 2.0, bad]), "p": np.array(0.5), "z": np.array([0.0, 1.5, 0.0])}
-    got = zerokit.grads(g, ["x", "p"], feeds)
+    got = zeros.grads(g, ["x", "p"], feeds)
     assert got["p"] == 3.0 and got["x"].tolist() == [0.0, 0.75, 0.0]

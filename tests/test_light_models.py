@@ -10,19 +10,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import DATA_DIR, random_weights
+from kit.light_models import MODELS, lifted
 
 import revgraph as rg
 from revgraph.tools.check import to_float64
-from revgraph.tools.lift import lift_constants
-
-MODELS = ["resnet50", "inception_v1", "inception_v2", "densenet121", "shufflenet", "squeezenet", "vgg19",
-          "zfnet512", "bvlc_alexnet"]
-
-
-def lifted(name: str) -> tuple[rg.Graph, list[str]]:
-    g, names = lift_constants(rg.load(DATA_DIR / "light" / f"light_{name}.onnx"))
-    return random_weights(g, 0), names
 
 
 @pytest.mark.parametrize("name", MODELS)

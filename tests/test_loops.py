@@ -8,7 +8,20 @@ import math
 import numpy as np
 import pytest
 import torch
-from loopkit import POLICIES, assert_close, body, const, grads, graph, loop, n, three_nested_loops, torch_grads
+from kit.loops import (
+    POLICIES,
+    assert_close,
+    body,
+    const,
+    grads,
+    graph,
+    loop,
+    n,
+    taylor_cond_nodes,
+    taylor_sin_body,
+    three_nested_loops,
+    torch_grads,
+)
 
 import revgraph as rg
 
@@ -137,39 +150,10 @@ def test_scan_output_with_cotangent_per_iteration(policy):
     assert_close(grads(g, feeds, ["s0", "w"], policy=policy), torch_grads(unrolled, feeds, ["s0", "w"]))
 
 
-def _taylor_sin_body():
-    # term_{k+1} = -term_k * x^2 / ((2k+2)(2k+3)); stops once |term| < 1e-12
-    return body(
-        [
-            n("Mul", ["x", "x"], "x2"),
-            n("Mul", ["term_in", "x2"], "tx2"),
-            n("Neg", ["tx2"], "ntx2"),
-            const("two", 2, np.int64),
-            const("three", 3, np.int64),
-            n("Mul", ["i", "two"], "i2"),
-            n("Add", ["i2", "two"], "d1"),
-            n("Add", ["i2", "three"], "d2"),
-            n("Mul", ["d1", "d2"], "den_i"),
-            n("Cast", ["den_i"], "den", to=11),
-            n("Div", ["ntx2", "den"], "term_out"),
-            n("Add", ["sum_in", "term_out"], "sum_out"),
-            n("Abs", ["term_out"], "aterm"),
-            const("eps", 1e-12),
-            n("GreaterOrEqual", ["aterm", "eps"], "cond_next"),
-        ],
-        [("term_in", "term_out"), ("sum_in", "sum_out")],
-        cond_out="cond_next",
-    )
-
-
-def _taylor_cond_nodes(prefix=""):
-    return [n("Abs", ["x"], f"{prefix}ax"), n("GreaterOrEqual", [f"{prefix}ax", "eps0"], f"{prefix}go")]
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("x", [0.0, 0.4, 2.5])
 def test_taylor_sin_stops_when_term_is_small(policy, x):
-    nodes = [*_taylor_cond_nodes(), loop(_taylor_sin_body(), "", ["x", "x"], ["t", "sin"], cond="go"),
+    nodes = [*taylor_cond_nodes(), loop(taylor_sin_body(), "", ["x", "x"], ["t", "sin"], cond="go"),
              n("Identity", ["sin"], "loss")]
     g = graph(nodes, {"x": ()}, ["loss"], {"eps0": np.array(1e-12)})
     ours = grads(g, {"x": np.array(x)}, ["x"], policy=policy)  # x = 0: zero trips
@@ -181,9 +165,9 @@ def test_taylor_sin_stops_when_term_is_small(policy, x):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_taylor_sin_nested_in_an_outer_loop(policy):
     # s <- s + sin(x * s): the while loop (data-dependent trip count) inside a fixed 3-step loop
-    inner = _taylor_sin_body()
+    inner = taylor_sin_body()
     outer = body(
-        [n("Mul", ["x0", "s_in"], "x"), *_taylor_cond_nodes(), loop(inner, "", ["x", "x"], ["t", "sin"], "inner", cond="go"),
+        [n("Mul", ["x0", "s_in"], "x"), *taylor_cond_nodes(), loop(inner, "", ["x", "x"], ["t", "sin"], "inner", cond="go"),
          n("Add", ["s_in", "sin"], "s_out")],
         [("s_in", "s_out")], iter_name="j", cond_name="c_outer",
     )

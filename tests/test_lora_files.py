@@ -11,9 +11,9 @@ import json
 import numpy as np
 import onnx
 import pytest
-from harness import one_line_error
+from kit.harness import one_line_error
+from kit.lora import ALPHA, RANK, mixed_model, run
 from onnx import numpy_helper as nh
-from test_lora import ALPHA, RANK, mixed_model, run
 
 import revgraph as rg
 from revgraph import lora

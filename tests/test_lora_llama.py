@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_lora import LoraLinear
+from kit.lora import LoraLinear
 
 import revgraph as rg
 from revgraph import lora

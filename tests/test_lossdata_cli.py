@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
-from lossdata_models import V, lm_data, static_data, static_model, tiny_lm
-from test_losses import own_loss_model, torch_lm
+from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
+from kit.lossdata_models import V, lm_data, static_data, static_model, tiny_lm
+from kit.losses import own_loss_model, torch_lm
 
 import revgraph as rg
 from revgraph.cli import main

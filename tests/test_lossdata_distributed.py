@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
 from distributed_worker import STATIC, trainer
-from test_distributed import TORCHRUN, WORKER, _compare, _run
+from kit.distributed import TORCHRUN, WORKER, compare_ranks, run_command
 
 
 @pytest.mark.parametrize("model,optimizer,shard", [("static", "adam", "none"), ("lm", "sgd", "none"),
@@ -19,8 +19,8 @@ def test_two_processes_with_static_inputs_or_padded_tokens_train_like_one(tmp_pa
     rank 1 gets no sample in the last batch): the gradients are weighted by counted tokens, so the step equals
     one process's mean over the global batch's tokens; also sharded (ZeRO-2), where the labels-free grad graph is
     cut into segments."""
-    _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--model", model, "--optimizer", optimizer,
-          "--shard", shard, "--out", str(tmp_path)])
+    run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--model", model, "--optimizer",
+                 optimizer, "--shard", shard, "--out", str(tmp_path)])
     tr, data = trainer(model, optimizer, 97, False)
     tr.fit(data, 2, 16, seed=3, progress=False, static=STATIC[model]() if model in STATIC else None)
-    _compare(tmp_path, tr)
+    compare_ranks(tmp_path, tr)

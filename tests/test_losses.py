@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from lossdata_models import D, T, V, lm_data, tiny_lm
+from kit.lossdata_models import V, lm_data, tiny_lm
+from kit.losses import own_loss_model, torch_lm
 
 import revgraph as rg
 from revgraph.errors import InputError, RevgraphError
@@ -136,12 +137,6 @@ def test_causal_lm_loss_graph_central_differences():
 
 # ------------------------------------------------------------------------------------------ a tiny language model
 
-def torch_lm(params: dict, ids: torch.Tensor) -> torch.Tensor:
-    h = params["E"][ids]
-    s = (h @ params["Wq"]) @ (h @ params["Wk"]).transpose(1, 2) / np.sqrt(D)
-    s = s + torch.triu(torch.full((T, T), -1e9, dtype=h.dtype), 1)
-    return (torch.softmax(s, -1) @ (h @ params["Wv"]) + h) @ params["Wo"]
-
 
 def torch_sgd(g: Graph, batches, loss_fn, lr: float) -> dict:
     params = {k: torch.tensor(v, requires_grad=True) for k, v in g.initializers.items()}
@@ -206,15 +201,6 @@ def test_tiny_lm_padding_with_accumulation_is_the_mean_over_counted_tokens():
 
 
 # ------------------------------------------------------------------------------------------ output:NAME
-
-def own_loss_model() -> Graph:
-    """x [N, 3], t [N] -> pred = x @ w -> its own loss: mean((pred - t)^2) as the output 'loss' (and 'pred')."""
-    inits = {"w": np.array([[0.5], [-1.0], [0.25]], np.float32), "shape": np.array([-1], np.int64)}
-    nodes = [Node("MatMul", ["x", "w"], ["p2"], {}, "mm"), Node("Reshape", ["p2", "shape"], ["pred"], {}, "flat"),
-             Node("Sub", ["pred", "t"], ["d"], {}, "sub"), Node("Mul", ["d", "d"], ["sq"], {}, "sq"),
-             Node("ReduceMean", ["sq"], ["loss"], {"keepdims": 0}, "mean")]
-    return Graph(nodes, [ValueInfo("x", np.float32, ("N", 3)), ValueInfo("t", np.float32, ("N",))],
-                 [ValueInfo("pred", np.float32, ("N",)), ValueInfo("loss", np.float32, ())], inits, name="own")
 
 
 def test_output_loss_trains_as_pytorch_without_labels():

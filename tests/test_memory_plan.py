@@ -15,8 +15,8 @@ import onnx
 import pytest
 import torch
 from conftest import DATA_DIR
-from harness import double_backward
-from loopkit import body, loop, n
+from kit.harness import double_backward
+from kit.loops import body, loop, n
 
 import revgraph as rg
 from revgraph.autodiff.memory import (
@@ -211,7 +211,7 @@ def test_light_models_keep_their_gradients_under_every_budget(name):
 @pytest.mark.parametrize(("name", "exporter", "opset", "memory"), [("bert", "dynamo", 23, 0.0),
                                                                      ("llama", "dynamo", 23, 0.5)])
 def test_exported_models_match_torch_autograd_under_a_budget(name, exporter, opset, memory):
-    zoo = pytest.importorskip("zoo")
+    zoo = pytest.importorskip("kit.zoo")
     assert zoo.compare(zoo.BY_NAME[name], exporter, opset, memory=memory)
 
 

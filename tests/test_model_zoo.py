@@ -1,4 +1,4 @@
-"""Architectures exported from PyTorch (tests/zoo.py) differentiated by revgraph match torch.autograd
+"""Architectures exported from PyTorch (tests/kit/zoo.py) differentiated by revgraph match torch.autograd
 (issue 15, section 6). A sample runs in CI; every model with every exporter and opset, and the sweep over
 transformers architectures (``zoo.SWEEP``), are under ``-m slow``."""
 
@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("transformers")  # in the test extra; importorskip only for a bare checkout
-import zoo  # noqa: E402
-import zoo_forward  # noqa: E402
+from kit import (
+    zoo,  # noqa: E402
+    zoo_forward,  # noqa: E402
+)
 
 #: (model, exporter, opset): the dynamo exporter at 18 and at 23 (ONNX Attention, RMSNormalization), the
 #: legacy TorchScript exporter at 17

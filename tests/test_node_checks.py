@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from harness import one_line_error
+from kit.harness import one_line_error
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from harness import char_device, fill_disk, mount_tmpfs, one_line_error, umount
+from kit.harness import char_device, fill_disk, mount_tmpfs, one_line_error, umount
 
 import revgraph as rg
 from revgraph import atomic, lora

@@ -80,9 +80,9 @@ def _gradient() -> rg.Graph:
 
 def test_gradient_graphs_pass_in_parts():
     _assert_agree(_gradient(), expect_failure=False)
-    from test_streamed_write import _loop_model  # a Loop whose body reads outer values across pieces
+    from kit.loops import onnx_loop_model  # a Loop whose body reads outer values across pieces
 
-    loop = rg.load(_loop_model())
+    loop = rg.load(onnx_loop_model())
     _assert_agree(loop, expect_failure=False)
     _assert_agree(rg.gradient(loop, "loss", ["W"]), expect_failure=False)
 

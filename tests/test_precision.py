@@ -30,7 +30,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_devices import gpu_test  # (tests/ is on sys.path)
+from kit.devices import gpu_test
+from kit.precision import ATOL, F32, C, D, batches, mlp, reference_train, scaled_linear, torch_mlp
 
 import revgraph as rg
 from revgraph import steps
@@ -41,31 +42,7 @@ from revgraph.runtime.devices import Device
 from revgraph.train import adam, training_graph
 from revgraph.train.precision import LOW_PRECISION_OPS, Precision, autocast
 
-F32 = np.float32
-D, H, C, N = 12, 16, 5, 32
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: parameters after 20 Adam steps with lr 1e-2: one flipped 16-bit rounding (module doc)
-ATOL = {"bf16": 4e-5, "fp16": 1e-5}
-
-
-def mlp(rng) -> Graph:
-    """Gemm (bias) -> LayerNormalization -> Tanh -> MatMul -> Add: products, a normalization, an elementwise op."""
-    P = {"W1": rng.uniform(-.3, .3, (H, D)).astype(F32), "b1": rng.uniform(-.3, .3, (H,)).astype(F32),
-         "g": (1 + .1 * rng.standard_normal(H)).astype(F32), "beta": (.1 * rng.standard_normal(H)).astype(F32),
-         "W2": rng.uniform(-.3, .3, (H, C)).astype(F32), "b2": rng.uniform(-.3, .3, (C,)).astype(F32)}
-    nodes = [Node("Gemm", ["x", "W1", "b1"], ["z1"], {"transB": 1}, "gemm"),
-             Node("LayerNormalization", ["z1", "g", "beta"], ["n1"], {"axis": -1}, "ln"),
-             Node("Tanh", ["n1"], ["h"], name="tanh"),
-             Node("MatMul", ["h", "W2"], ["a2"], name="mm"), Node("Add", ["a2", "b2"], ["logits"], name="add")]
-    return Graph(nodes, [ValueInfo("x", F32, ("N", D))], [ValueInfo("logits", F32, ("N", C))], P)
-
-
-def torch_mlp(T, x, low):
-    """The autocast forward with revgraph.precision's casts written out (module doc)."""
-    with torch.autocast("cpu", dtype=low):
-        z1 = F.linear(x, T["W1"]).float() + T["b1"]
-        h = torch.tanh(F.layer_norm(z1, (H,), T["g"], T["beta"], eps=1e-5))
-        return (h @ T["W2"]).float() + T["b2"]
 
 
 def convnet(rng) -> Graph:
@@ -95,10 +72,6 @@ def torch_convnet(T, x, low):
     return rounded(F.linear(rounded(f, low), rounded(T["W"], low)), low) + T["b"]
 
 
-def batches(rng, shape, steps_=20, n=N):
-    return [(rng.standard_normal((n, *shape)).astype(F32), rng.integers(0, C, n)) for _ in range(steps_)]
-
-
 def torch_train(params, forward, data, low, lr=1e-2, scaler=None):
     """Adam steps of ``forward`` under autocast; with ``scaler`` (GradScaler keyword arguments) the fp16 recipe:
     ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``. Returns parameters, losses, scales."""
@@ -119,21 +92,6 @@ def torch_train(params, forward, data, low, lr=1e-2, scaler=None):
             scales.append(gs.get_scale())
         losses.append(loss.item())
     return {k: v.detach().numpy() for k, v in T.items()}, losses, scales
-
-
-def reference_train(tg, data):
-    """The step graph run step after step on onnx's reference evaluator, its carried outputs fed back."""
-    sess = rg.Session(tg.graph, backend="reference")
-    feeds = tg.initial_state()
-    names = [o.name for o in tg.graph.outputs]
-    losses, scales = [], []
-    for x, y in data:
-        out = sess.run({**feeds, tg.inputs[0]: x, tg.labels: y}, names)
-        losses.append(float(out[names[0]]))
-        feeds.update({i: out[o] for i, o in tg.carried()})
-        if tg.scaling is not None:
-            scales.append(float(feeds[tg.scaling.scale]))
-    return feeds, losses, scales
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
@@ -282,20 +240,13 @@ def test_fp32_graph_unchanged_and_no_product_warns():
         training_graph(elementwise, "cross-entropy", "sgd", precision="bf16")
 
 
-def _scaled_linear(rng):
-    """A model with no product: fp16 precision is then loss scaling alone, computed in float32 (the same on
-    onnxruntime's CPU and the reference evaluator)."""
-    return Graph([Node("Mul", ["x", "w"], ["logits"], name="mul")], [ValueInfo("x", F32, ("N", C))],
-                 [ValueInfo("logits", F32, ("N", C))], {"w": rng.uniform(0.5, 1.5, C).astype(F32)})
-
-
 @pytest.mark.parametrize("buffers", ["one", "two"])
 def test_engines_carry_the_loss_scale(buffers):
     """The one-process engines (split with one buffer set written in place, fused with two) bind the loss scale
     into the backward, skip on an overflow and carry the scale: the same steps as the reference evaluator
     and as GradScaler on the float32 model. A scale of 2^127 overflows float32 itself."""
     rng = np.random.default_rng(6)
-    model = _scaled_linear(rng)
+    model = scaled_linear(rng)
     data = [((rng.uniform(4, 8, (4, C)) * rng.choice([-1, 1], (4, C))).astype(F32), rng.integers(0, C, 4))
             for _ in range(8)]
     opts = {"init_scale": 2.0 ** 127, "growth_interval": 2}
@@ -371,11 +322,11 @@ def test_two_processes_scale_and_skip_like_one(tmp_path):
     """fp16 loss scaling data-parallel (2 processes x batch 4 = 1 process x batch 8): the non-finite check
     runs in the update graph after the all-reduce, so every rank skips the same steps and carries the same
     scale; parameters, Adam state, scale, good-step count and step counter equal one process's."""
+    from kit.distributed import ENV, TORCHRUN, run_command
     from precision_worker import trainer as scaled_trainer
-    from test_distributed import ENV, TORCHRUN, _run
 
     worker = Path(__file__).resolve().parent / "precision_worker.py"
-    _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(worker), "--out", str(tmp_path)], env=ENV)
+    run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(worker), "--out", str(tmp_path)], env=ENV)
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
     for name in ranks[0]:
         np.testing.assert_array_equal(ranks[1][name], ranks[0][name], err_msg=name)

@@ -6,7 +6,7 @@ an index grid) as a constant only when small; larger ones are computed by nodes.
 table constant (no constant over 8 elements, the length of a rank-4 pads vector) while the default build does,
 (2) that both builds give the same gradient (onnxruntime, float64; the constant path is what the rule tests
 check), and (3) the run-time path against float64 central differences (and PyTorch where it has the op),
-second order and the JVP (tests/harness.py ``check_rule``).
+second order and the JVP (tests/kit/harness.py ``check_rule``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import check_rule, one_node_graph, with_loss
+from kit.harness import check_rule, one_node_graph, with_loss
 
 import revgraph as rg
 from revgraph import limits

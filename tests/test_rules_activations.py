@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import _ort, check_rule, double_backward, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
+from kit.harness import check_rule, one_node_graph
+from kit.rules import torch_check
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
@@ -24,40 +25,6 @@ SETTINGS = settings(max_examples=6, deadline=None)
 SHAPES = st.lists(st.integers(1, 4), max_size=3).map(tuple)
 SEEDS = st.integers(0, 2**16)
 SELU_ALPHA, SELU_GAMMA = 1.67326319217681884765625, 1.05070102214813232421875  # ONNX defaults (float32)
-
-
-def torch_check(g: Graph, feeds: dict, torch_fn, *, wrt: list[str], outputs: list[str] | None = None,
-                backends=("onnxruntime", "reference"), rtol: float = 1e-6, atol: float = 1e-8, seed: int = 0) -> None:
-    """revgraph's gradient of ``sum(u * y)`` and its Hessian-vector product against PyTorch autograd in float64.
-
-    For ops whose ONNX forward cannot be differentiated numerically in float64 (float32-rounded kernels or
-    float32-only types), so the harness's central differences do not apply."""
-    rng = np.random.default_rng(seed)
-    fwd = _ort(g)(feeds)
-    lg, outputs = with_loss(g, fwd, outputs)
-    us = {f"{y}_u": rng.standard_normal(np.shape(fwd[y])).astype(fwd[y].dtype) for y in outputs}
-    vs = {f"{w}_v": rng.standard_normal(feeds[w].shape).astype(feeds[w].dtype) for w in wrt}
-    gg = rg.gradient(lg, loss="loss", wrt=wrt)
-    hvp = double_backward(gg, wrt, feeds)
-
-    tin = {k: torch.tensor(v, dtype=torch.float64, requires_grad=k in wrt) if v.dtype.kind == "f" else torch.tensor(v)
-           for k, v in feeds.items()}
-    tout = torch_fn(**tin)
-    tout = tout if isinstance(tout, (tuple, list)) else [tout]
-    total = sum((t * torch.tensor(us[f"{y}_u"], dtype=torch.float64)).sum()
-                for y, t in zip(outputs, tout, strict=False))
-    tg = torch.autograd.grad(total, [tin[w] for w in wrt], create_graph=True)
-    s = sum((t * torch.tensor(vs[f"{w}_v"], dtype=torch.float64)).sum() for w, t in zip(wrt, tg, strict=True))
-    th = torch.autograd.grad(s, [tin[w] for w in wrt], allow_unused=True) if s.requires_grad else [None] * len(wrt)
-    for backend in backends:
-        got = rg.Session(gg, backend=backend).run({**feeds, **us})
-        hgot = rg.Session(hvp, backend=backend).run({**feeds, **us, **vs})
-        for k, w in enumerate(wrt):
-            np.testing.assert_allclose(got[f"{w}_grad"], tg[k].detach().numpy(), rtol=rtol, atol=atol,
-                                       err_msg=f"{backend}: gradient of {w} vs torch")
-            expected = np.zeros(feeds[w].shape) if th[k] is None else th[k].numpy()
-            np.testing.assert_allclose(hgot[hvp.output_names[len(hvp.output_names) - len(wrt) + k]], expected,
-                                       rtol=rtol * 10, atol=atol * 10, err_msg=f"{backend}: Hessian-vector product {w}")
 
 
 def _attr(value: float) -> float:

@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from harness import check_rule, double_backward, one_node_graph, with_loss
+from kit.harness import check_rule, double_backward, one_node_graph, with_loss
 
 import revgraph as rg
 from revgraph.ir import Graph, ValueInfo

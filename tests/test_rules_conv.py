@@ -1,4 +1,4 @@
-"""VJP rules of Conv, ConvTranspose, Col2Im and DeformConv, checked three ways by tests/harness.py (central
+"""VJP rules of Conv, ConvTranspose, Col2Im and DeformConv, checked three ways by tests/kit/harness.py (central
 differences, PyTorch autograd with the same parameters, second order) over drawn geometries, plus explicit
 cases: depthwise and grouped convolutions, odd sizes with stride 2, dilation, asymmetric pads, auto_pad,
 output_padding and output_shape, unknown dimensions, and the float32 graphs under onnxruntime. Col2Im is
@@ -17,9 +17,9 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import check_rule, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.harness import check_rule, one_node_graph, with_loss
 
 import revgraph as rg
 from revgraph.errors import GraphError

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import check_rule, one_node_graph
+from kit.harness import check_rule, one_node_graph
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import check_rule, with_loss
+from kit.harness import check_rule, with_loss
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import check_rule, one_node_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
+from kit.harness import check_rule, one_node_graph
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo

@@ -12,36 +12,16 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from harness import check_rule, one_node_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.harness import check_rule, one_node_graph
+from kit.rules import squared, with_repeat, wrap
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
 
 SETTINGS = settings(max_examples=8, deadline=None)
 seeds = st.integers(0, 2**31 - 1)
-
-
-def squared(g: Graph) -> Graph:
-    """``g`` with its first output squared, so that the gradient depends on the input (a real second order)."""
-    g = g.copy()
-    g.nodes.append(Node("Mul", ["y0", "y0"], ["sq"], name="square"))
-    g.outputs = [ValueInfo("sq")]
-    return g
-
-
-def with_repeat(idx: np.ndarray, n) -> np.ndarray:
-    """``idx`` whose last entry along axis 0 names the same position as its first, through the other sign:
-    a repeated index, and a negative index aliasing a non-negative one (``n``: the sizes indexed)."""
-    idx = np.array(idx, copy=True)
-    if idx.ndim and idx.shape[0] > 1:
-        idx[-1] = np.where(idx[0] >= 0, idx[0] - n, idx[0] + n)
-    return idx
-
-
-def wrap(idx: np.ndarray, n) -> np.ndarray:
-    return np.where(idx < 0, idx + n, idx)
 
 
 # ---------------------------------------------------------------------------------------------- Gather
@@ -251,7 +231,7 @@ def test_scatter_elements_mul_data():
                torch_jvp_by_vjp="torch.func.jvp of scatter_reduce(reduce='prod') returns zeros (torch 2.13)")
 
 
-# Reductions mul, max and min, with respect to the data and the updates: tests/test_rules_edges.py.
+# Reductions mul, max and min, with respect to the data and the updates: tests/test_rules_range_scatter_dropout.py.
 
 
 # ---------------------------------------------------------------------------------------------- OneHot, TopK

@@ -1,4 +1,4 @@
-"""VJP rules of MatMul, Gemm, Einsum and Det, checked three ways by tests/harness.py (central differences,
+"""VJP rules of MatMul, Gemm, Einsum and Det, checked three ways by tests/kit/harness.py (central differences,
 PyTorch autograd, second order); Det also at singular matrices."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from harness import check_rule, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
+from kit.harness import check_rule, one_node_graph, with_loss
 
 import revgraph as rg
 from revgraph.errors import GraphError

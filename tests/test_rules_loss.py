@@ -1,4 +1,4 @@
-"""VJP rules of SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss, checked three ways by tests/harness.py
+"""VJP rules of SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss, checked three ways by tests/kit/harness.py
 (central differences, PyTorch autograd of torch.nn.functional.cross_entropy / nll_loss with the same options,
 second order). The gradient of the class weights (which PyTorch does not differentiate) is checked against
 the loss written out with torch ops."""
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import check_rule, one_node_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.harness import check_rule, one_node_graph
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo

@@ -1,4 +1,4 @@
-"""VJP rules of Softmax and LogSoftmax, checked three ways by tests/harness.py (central differences,
+"""VJP rules of Softmax and LogSoftmax, checked three ways by tests/kit/harness.py (central differences,
 PyTorch autograd, second order); Hardmax, ArgMax and ArgMin carry no gradient."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import check_rule, one_node_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.harness import check_rule, one_node_graph
 
 import revgraph as rg
 from revgraph.autodiff.registry import NOT_DIFFERENTIABLE

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import check_rule, double_backward, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_rules_activations import torch_check
+from kit.harness import check_rule, double_backward, one_node_graph, with_loss
+from kit.rules import torch_check
 
 import revgraph as rg
 from revgraph.autodiff.simplify import simplify

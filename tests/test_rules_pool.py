@@ -1,6 +1,6 @@
 """VJP rules of the pooling and resampling operators (MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool,
 LpPool, GlobalLpPool, MaxUnpool, MaxRoiPool, RoiAlign, LRN, DepthToSpace, SpaceToDepth, Resize), checked three
-ways by tests/harness.py (central differences, PyTorch autograd with the same parameters, second order) over
+ways by tests/kit/harness.py (central differences, PyTorch autograd with the same parameters, second order) over
 drawn attributes, plus explicit cases: ties (MaxPool and MaxRoiPool route to the first maximum as PyTorch does,
 GlobalMaxPool splits equally, RoiAlign's max mode to the first corner in the kernel's order), zero windows of
 the Lp pools, count_include_pad both ways, ceil_mode, auto_pad, dilations, float32 graphs under onnxruntime,
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import _ort, check_rule, double_backward, one_node_graph, with_loss
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from kit.harness import check_rule, double_backward, one_node_graph, ort_runner, with_loss
 
 import revgraph as rg
 from revgraph.autodiff.rules.resize import resize_matrix
@@ -48,7 +48,7 @@ def grads_both_backends(g, feeds, u, wrt):
     onnxruntime has no kernel) and from the reference evaluator."""
     lg, _ = with_loss(g, {"y0": u})
     gg = rg.gradient(lg, loss="loss", wrt=wrt)
-    runs = [_ort(gg)({**feeds, "y0_u": u}), rg.Session(gg, backend="reference").run({**feeds, "y0_u": u})]
+    runs = [ort_runner(gg)({**feeds, "y0_u": u}), rg.Session(gg, backend="reference").run({**feeds, "y0_u": u})]
     return [{w: r[f"{w}_grad"] for w in wrt} for r in runs]
 
 

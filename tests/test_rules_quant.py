@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from harness import _ort, with_loss
+from kit.harness import ort_runner, with_loss
 
 import revgraph as rg
 from revgraph.errors import GraphError
@@ -42,11 +42,11 @@ def qdq_graph(x: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, attrs: di
 
 def grads_of(g: Graph, feeds: dict, wrt: list[str], seed: int = 0, **kwargs) -> tuple[dict, np.ndarray]:
     """The gradients of ``sum(y0 * u)`` (onnxruntime) and ``u``."""
-    fwd = _ort(g)(feeds)
+    fwd = ort_runner(g)(feeds)
     lg, _ = with_loss(g, fwd)
     u = np.random.default_rng(seed).standard_normal(fwd["y0"].shape).astype(fwd["y0"].dtype)
     gg = rg.gradient(lg, loss="loss", wrt=wrt, **kwargs)
-    out = _ort(gg)({**feeds, "y0_u": u})
+    out = ort_runner(gg)({**feeds, "y0_u": u})
     return {w: out[f"{w}_grad"] for w in wrt}, u
 
 
@@ -186,7 +186,7 @@ def test_refused_without_the_option():
     rng = np.random.default_rng(7)
     x = rng.standard_normal((2, 3)).astype(np.float32)
     g = qdq_graph(x, np.array(0.1, dtype=np.float32), np.array(0, dtype=np.int8), learn_scale=False)
-    lg, _ = with_loss(g, _ort(g)({"x": x}))
+    lg, _ = with_loss(g, ort_runner(g)({"x": x}))
     with pytest.raises(GraphError, match=r"'dequant'.*'quant'.*straight_through=True.*--straight-through"):
         rg.gradient(lg, loss="loss", wrt=["x"])
 

@@ -2,7 +2,7 @@
 
 Forward: the lowered graph computes what onnxruntime's own LSTM/GRU/RNN kernels compute (float32, the only
 dtype they support), and what the reference evaluator's kernels compute in float64 (default options: the
-reference ignores clip, activations and input_forget). Gradients, three ways (tests/harness.py): central
+reference ignores clip, activations and input_forget). Gradients, three ways (tests/kit/harness.py): central
 differences, PyTorch autograd, second order. PyTorch's torch.nn.LSTM/GRU/RNN take the same weights with
 their gates reordered (ONNX LSTM iofc vs PyTorch ifgo, ONNX GRU zrh vs PyTorch rzn; PyTorch's GRU is
 linear_before_reset=1); options PyTorch's modules lack (peepholes, clip, input_forget, other activations,
@@ -16,9 +16,9 @@ import onnx
 import pytest
 import torch
 from conftest import assert_same_values
-from harness import check_rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.harness import check_rule
 from torch.func import functional_call
 
 import revgraph as rg

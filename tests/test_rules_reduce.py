@@ -1,4 +1,4 @@
-"""VJP rules of the reductions, CumSum and CumProd, checked three ways by tests/harness.py (central
+"""VJP rules of the reductions, CumSum and CumProd, checked three ways by tests/kit/harness.py (central
 differences, PyTorch autograd, second order), plus the conventions of DESIGN.md section 5: ties split equally,
 the 0 subgradient of a zero norm, products with zeros (ReduceProd, CumProd), strong zeros."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from harness import check_rule, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.harness import check_rule, one_node_graph, with_loss
 
 import revgraph as rg
 from revgraph.ir import Node, ValueInfo

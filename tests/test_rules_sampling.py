@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from harness import _ort, check_rule, one_node_graph, with_loss
+from kit.harness import check_rule, one_node_graph, ort_runner, with_loss
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
@@ -37,15 +37,15 @@ def ort_check(g: Graph, feeds: dict, torch_fn, wrt: list[str], seed: int = 0) ->
     """The gradients of ``sum(y * u)`` run by onnxruntime against PyTorch autograd and against central differences
     of the forward graph (onnxruntime); returns them."""
     rng = np.random.default_rng(seed)
-    fwd = _ort(g)(feeds)
+    fwd = ort_runner(g)(feeds)
     lg, outs = with_loss(g, fwd)
     us = {f"{y}_u": rng.standard_normal(fwd[y].shape) for y in outs}
-    got = _ort(rg.gradient(lg, loss="loss", wrt=wrt))({**feeds, **us})
+    got = ort_runner(rg.gradient(lg, loss="loss", wrt=wrt))({**feeds, **us})
     tin = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in feeds.items()}
     out = torch_fn(**tin)
     np.testing.assert_allclose(out.detach().numpy(), fwd[outs[0]], rtol=1e-6, atol=1e-9, err_msg="forward vs torch")
     (out * torch.tensor(us[f"{outs[0]}_u"])).sum().backward()
-    run = _ort(lg)
+    run = ort_runner(lg)
     for w in wrt:
         np.testing.assert_allclose(got[f"{w}_grad"], tin[w].grad.numpy(), rtol=1e-6, atol=1e-9, err_msg=f"torch, {w}")
         v, h = rng.standard_normal(feeds[w].shape), 1e-6
@@ -66,12 +66,12 @@ def test_grid_sample_2d(mode, padding, align):
     g = grid_graph(feeds["X"], feeds["G"], mode, padding, align)
     if mode == "nearest":  # piecewise constant in the grid: zeros (checked below), not differences across jumps
         check_rule(g, feeds, sample_fn(mode, padding, align), wrt=["X"])
-        lg, _ = with_loss(g, _ort(g)(feeds))
+        lg, _ = with_loss(g, ort_runner(g)(feeds))
         u = {"y0_u": rng.standard_normal((2, 3, 3, 2))}
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # connected: zeros without an "unconnected" warning
             gg = rg.gradient(lg, loss="loss", wrt=["G"])
-        np.testing.assert_array_equal(_ort(gg)({**feeds, **u})["G_grad"], 0.0)
+        np.testing.assert_array_equal(ort_runner(gg)({**feeds, **u})["G_grad"], 0.0)
     else:
         check_rule(g, feeds, sample_fn(mode, padding, align))
 
@@ -146,10 +146,10 @@ def test_grid_sample_opset_16_names():
 
 def compare_float32(g: Graph, feeds: dict, torch_fn) -> None:
     """float32 gradients from onnxruntime against PyTorch's in float64."""
-    fwd = _ort(g)(feeds)
+    fwd = ort_runner(g)(feeds)
     lg, _ = with_loss(g, fwd)
     u = np.random.default_rng(0).standard_normal(fwd["y0"].shape).astype(np.float32)
-    got = _ort(rg.gradient(lg, loss="loss", wrt=list(feeds)))({**feeds, "y0_u": u})
+    got = ort_runner(rg.gradient(lg, loss="loss", wrt=list(feeds)))({**feeds, "y0_u": u})
     tin = {k: torch.tensor(v.astype(np.float64), requires_grad=True) for k, v in feeds.items()}
     (torch_fn(**tin) * torch.tensor(u.astype(np.float64))).sum().backward()
     for k in feeds:
@@ -174,11 +174,11 @@ def test_grid_sample_strong_zeros_outside(mode):
     grid = rng.uniform(-0.9, 0.9, (1, 2, 2, 2))
     grid[0, 1, 1] = [3.0, -2.5]  # far outside: every tap is outside
     g = grid_graph(x, grid, mode, "zeros", 0)
-    lg, _ = with_loss(g, _ort(g)({"X": x, "G": grid}))
+    lg, _ = with_loss(g, ort_runner(g)({"X": x, "G": grid}))
     u = rng.standard_normal((1, 2, 2, 2))
     u[:, :, 1, 1] = np.inf
     wrt = ["X"] if mode == "nearest" else ["X", "G"]
-    got = _ort(rg.gradient(lg, loss="loss", wrt=wrt))({"X": x, "G": grid, "y0_u": u})
+    got = ort_runner(rg.gradient(lg, loss="loss", wrt=wrt))({"X": x, "G": grid, "y0_u": u})
     tin = {"X": torch.tensor(x, requires_grad=True), "G": torch.tensor(grid, requires_grad=True)}
     (sample_fn(mode, "zeros", 0)(tin["X"], tin["G"]) * torch.tensor(u)).sum().backward()
     for w in wrt:
@@ -194,8 +194,8 @@ def test_grid_sample_repeated_taps_accumulate():
     x = np.arange(12, dtype=np.float64).reshape(1, 1, 3, 4)
     grid = np.full((1, 8, 8, 2), 0.1)
     g = grid_graph(x, grid, "linear", "zeros", 1)
-    lg, _ = with_loss(g, _ort(g)({"X": x, "G": grid}))
-    got = _ort(rg.gradient(lg, loss="loss", wrt=["X"]))({"X": x, "G": grid, "y0_u": np.ones((1, 1, 8, 8))})["X_grad"]
+    lg, _ = with_loss(g, ort_runner(g)({"X": x, "G": grid}))
+    got = ort_runner(rg.gradient(lg, loss="loss", wrt=["X"]))({"X": x, "G": grid, "y0_u": np.ones((1, 1, 8, 8))})["X_grad"]
     tx = torch.tensor(x, requires_grad=True)
     F.grid_sample(tx, torch.tensor(grid), align_corners=True).sum().backward()
     np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-12)
@@ -228,7 +228,7 @@ def test_affine_grid_unit_axis_align_corners():
     g = one_node_graph("AffineGrid", {"theta": theta, "size": np.array([1, 1, 1, 3])}, {"align_corners": 1})
     lg, _ = with_loss(g, {"y0": np.zeros((1, 1, 3, 2))})
     u = np.random.default_rng(12).standard_normal((1, 1, 3, 2))
-    got = _ort(rg.gradient(lg, loss="loss", wrt=["theta"]))({"theta": theta, "y0_u": u})["theta_grad"]
+    got = ort_runner(rg.gradient(lg, loss="loss", wrt=["theta"]))({"theta": theta, "y0_u": u})["theta_grad"]
     base = np.stack([np.linspace(-1, 1, 3), -np.ones(3), np.ones(3)], axis=1)  # [W, 3]: x, y = -1, 1
     np.testing.assert_allclose(got[0], u[0, 0].T @ base, rtol=1e-12)
 

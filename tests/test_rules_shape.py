@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import _ort, check_rule, double_backward, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import mutually_broadcastable_shapes
+from kit.harness import check_rule, double_backward, one_node_graph, ort_runner, with_loss
 
 import revgraph as rg
 from revgraph.errors import GraphError
@@ -470,7 +470,7 @@ def ort_only_check(g: Graph, feeds: dict, torch_fn, wrt: list[str], seed: int = 
     """The harness checks, for graphs that onnx.reference cannot run (negative pads: np.pad rejects them):
     onnxruntime only, against PyTorch first and second derivatives and central differences."""
     rng = np.random.default_rng(seed)
-    fwd = _ort(g)(feeds)
+    fwd = ort_runner(g)(feeds)
     lg, outputs = with_loss(g, fwd)
     us = {f"{y}_u": rng.standard_normal(fwd[y].shape) for y in outputs}
     tin = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in feeds.items()}
@@ -480,19 +480,19 @@ def ort_only_check(g: Graph, feeds: dict, torch_fn, wrt: list[str], seed: int = 
     tgrads = torch.autograd.grad(total, [tin[w] for w in wrt], create_graph=True)
 
     gg = rg.gradient(lg, loss="loss", wrt=wrt)
-    got = _ort(gg)({**feeds, **us})
+    got = ort_runner(gg)({**feeds, **us})
     for w, t in zip(wrt, tgrads, strict=True):
         np.testing.assert_allclose(got[f"{w}_grad"], t.detach().numpy(), rtol=1e-10, atol=1e-12, err_msg=w)
     v = {w: rng.standard_normal(feeds[w].shape) for w in wrt}
     h = 1e-6
-    run_loss = _ort(lg)
+    run_loss = ort_runner(lg)
     plus = run_loss({**feeds, **us, **{w: feeds[w] + h * v[w] for w in wrt}})["loss"]
     minus = run_loss({**feeds, **us, **{w: feeds[w] - h * v[w] for w in wrt}})["loss"]
     analytic = sum(float(np.sum(got[f"{w}_grad"] * v[w])) for w in wrt)
     np.testing.assert_allclose(analytic, (plus - minus) / (2 * h), rtol=1e-6, atol=1e-8)
 
     hvp = double_backward(gg, wrt, feeds)
-    second = _ort(hvp)({**feeds, **us, **{f"{w}_v": v[w] for w in wrt}})
+    second = ort_runner(hvp)({**feeds, **us, **{f"{w}_v": v[w] for w in wrt}})
     s = sum((t * torch.tensor(v[w])).sum() for w, t in zip(wrt, tgrads, strict=True))
     expected = torch.autograd.grad(s, [tin[w] for w in wrt], allow_unused=True)
     for w, t in zip(wrt, expected, strict=True):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import _ort, check_rule, with_loss
+from kit.harness import check_rule, ort_runner, with_loss
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
@@ -59,7 +59,7 @@ def torch_check(g: Graph, x: np.ndarray, fn, seed: int = 0) -> None:
     y = fn(torch.tensor(x)).numpy()
     lg, _ = with_loss(g, {"y0": y})
     u = rng.standard_normal(y.shape)
-    got = _ort(rg.gradient(lg, loss="loss", wrt=["x"]))({"x": x, "y0_u": u})["x_grad"]
+    got = ort_runner(rg.gradient(lg, loss="loss", wrt=["x"]))({"x": x, "y0_u": u})["x_grad"]
     tx = torch.tensor(x, requires_grad=True)
     (fn(tx) * torch.tensor(u)).sum().backward()
     np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-6, atol=1e-9)
@@ -121,7 +121,7 @@ def test_dft_computed_length(inverse, onesided, last):
             y = fn(torch.tensor(x)).numpy()
             lg, _ = with_loss(g, {"y0": y})
             u = rng.standard_normal(y.shape)
-            got = _ort(rg.gradient(lg, loss="loss", wrt=["x"]))({"x": x, "ref": ref, "y0_u": u})["x_grad"]
+            got = ort_runner(rg.gradient(lg, loss="loss", wrt=["x"]))({"x": x, "ref": ref, "y0_u": u})["x_grad"]
             tx = torch.tensor(x, requires_grad=True)
             (fn(tx) * torch.tensor(u)).sum().backward()
             np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-6, atol=1e-9)
@@ -134,11 +134,11 @@ def test_dft_float32_opset_23():
     rng = np.random.default_rng(23)
     x = rng.standard_normal((3, 8, 1)).astype(np.float32)
     g = dft_graph(x, 0, 1, None, 1, opset=23)
-    lg, _ = with_loss(g, _ort(g)({"x": x}))
+    lg, _ = with_loss(g, ort_runner(g)({"x": x}))
     u = rng.standard_normal((3, 5, 2)).astype(np.float32)
     gg = rg.gradient(lg, loss="loss", wrt=["x"])
     assert all(n.op_type != "DFT" or len(n.inputs) == 3 for n in gg.nodes)
-    got = _ort(gg)({"x": x, "y0_u": u})["x_grad"]
+    got = ort_runner(gg)({"x": x, "y0_u": u})["x_grad"]
     tx = torch.tensor(x.astype(np.float64), requires_grad=True)
     (torch.view_as_real(torch.fft.rfft(tx[..., 0], dim=1)) * torch.tensor(u.astype(np.float64))).sum().backward()
     assert got.dtype == np.float32

@@ -9,8 +9,8 @@ import itertools
 import numpy as np
 import onnxruntime as ort
 import pytest
-from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
-from test_train import OPTIMIZERS, embedding_model, mlp
+from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
+from kit.training import OPTIMIZERS, embedding_model, mlp
 
 import revgraph as rg
 from revgraph import demo, optimizers

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import check_rule, one_node_graph
+from kit.harness import check_rule, one_node_graph
 
 import revgraph as rg
 from revgraph.autodiff.memory import residuals, saved_bytes

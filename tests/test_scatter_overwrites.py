@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 import pytest
-import zerokit
+from kit import zeros
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
@@ -35,7 +35,7 @@ def _scatter_graph(op: str, data_shape, idx: np.ndarray, upd_shape, attrs: dict,
 def _grads(g: Graph, feeds: dict) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the run-time indices' warning: tested on its own
-        return zerokit.grads(g, ["data", "u"], feeds)
+        return zeros.grads(g, ["data", "u"], feeds)
 
 
 @pytest.mark.parametrize("idx_input", [False, True])

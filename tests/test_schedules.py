@@ -5,7 +5,6 @@ mid-schedule; the checkpoint's record of every hyperparameter (revgraph.run_reco
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 import warnings
@@ -14,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import crash_after  # (tests/ is on sys.path)
-from test_train import assert_params_close, embedding_model, mlp, torch_mlp  # (tests/ is on sys.path)
+from kit.harness import crash_after  # (tests/ is on sys.path)
+from kit.schedules import hf_lambda
+from kit.training import assert_params_close, embedding_model, mlp, torch_mlp
 
 import revgraph as rg
 from revgraph import checkpoints
@@ -33,22 +33,6 @@ OPTIMIZERS = {"sgd": dict(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.01),
 
 
 # ------------------------------------------------------------------------------ transformers' formulas
-
-def hf_lambda(kind: str, warmup: int, total: int, min_lr_rate: float = 0.0):
-    """transformers.optimization's lr lambdas: get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
-    and get_cosine_with_min_lr_schedule_with_warmup (num_cycles 0.5); the linear one with the same min-lr rule."""
-    def f(step: int) -> float:
-        if step < warmup:
-            return float(step) / float(max(1, warmup))
-        if kind == "constant":
-            return 1.0
-        if kind == "linear":
-            factor = max(0.0, float(total - step) / float(max(1, total - warmup)))
-        else:
-            progress = float(step - warmup) / float(max(1, total - warmup))
-            factor = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
-        return max(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
-    return f
 
 
 def torch_run(params0, forward, hp, batches, kind, warmup, min_lr, clip, no_decay):
@@ -427,12 +411,13 @@ def test_data_parallel_schedule_clipping_and_exclusions_equal_one_process(tmp_pa
     sharded (ZeRO-1/2: the squared norms of every rank's shards all-reduced; units of 1 KiB mixing weights and
     biases, so weight decay is masked inside a shard)."""
     pytest.importorskip("torch.distributed.run")
-    from test_distributed import TORCHRUN, WORKER, _run
+    from kit.distributed import TORCHRUN, WORKER, run_command
 
     hidden = 13
-    _run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--model", model, "--optimizer", optimizers,
-          "--hidden", str(hidden), "--shard", shard, "--bucket-bytes", "1024", "--out", str(tmp_path),
-          "--lr-schedule", "cosine", "--warmup-steps", "3", "--min-lr", "0.001", "--clip-grad-norm", "0.5"])
+    run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--model", model, "--optimizer",
+                 optimizers, "--hidden", str(hidden), "--shard", shard, "--bucket-bytes", "1024",
+                 "--out", str(tmp_path), "--lr-schedule", "cosine", "--warmup-steps", "3", "--min-lr", "0.001",
+                 "--clip-grad-norm", "0.5"])
     how = dict(kind="cosine", warmup=3, min_lr=0.001, clip=0.5)
     for opt in optimizers.split(","):
         ranks = [dict(np.load(tmp_path / f"rank{r}-{opt}.npz")) for r in range(2)]

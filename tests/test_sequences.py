@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from harness import check_rule
+from kit.harness import check_rule
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo

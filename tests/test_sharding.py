@@ -24,7 +24,7 @@ from revgraph import checkpoints
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
 from distributed_worker import OPTIMIZERS, trainer  # noqa: E402  (tests/ is on sys.path)
-from test_distributed import ENV, TORCHRUN, WORKER, _run  # noqa: E402
+from kit.distributed import ENV, TORCHRUN, WORKER, run_command  # noqa: E402
 
 HIDDEN, BUCKET, W = 13, 1024, 2
 SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # sgd with momentum 0.9: one buffer; Adam and AdamW: m and v
@@ -37,8 +37,9 @@ def _single(model: str, optimizer: str, epochs: int = 2, samples: int = 97) -> r
 
 
 def _launch(out, model: str, optimizers: str, shard: str, *extra: str) -> None:
-    _run([*TORCHRUN, "--standalone", f"--nproc-per-node={W}", str(WORKER), "--model", model, "--optimizer", optimizers,
-          "--hidden", str(HIDDEN), "--shard", shard, "--bucket-bytes", str(BUCKET), "--out", str(out), *extra])
+    run_command([*TORCHRUN, "--standalone", f"--nproc-per-node={W}", str(WORKER), "--model", model, "--optimizer",
+                 optimizers, "--hidden", str(HIDDEN), "--shard", shard, "--bucket-bytes", str(BUCKET),
+                 "--out", str(out), *extra])
 
 
 def _equal_to(ranks: list[dict], ref: rg.Trainer) -> None:
@@ -108,8 +109,8 @@ def test_elastic_resume_two_processes_to_one(tmp_path):
     """A checkpoint of 2 processes x batch 8 (after one epoch) resumes in 1 process x batch 16 and ends equal to
     an uninterrupted one-process run with the global batch 16."""
     ckpt = tmp_path / "ckpt"
-    _run([*TORCHRUN, "--standalone", f"--nproc-per-node={W}", str(WORKER), "--model", "mlp", "--hidden", str(HIDDEN),
-          "--epochs", "1", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path)])
+    run_command([*TORCHRUN, "--standalone", f"--nproc-per-node={W}", str(WORKER), "--model", "mlp", "--hidden",
+                 str(HIDDEN), "--epochs", "1", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path)])
     meta = checkpoints.load(ckpt)[1]
     assert (meta["world_size"], meta["batch_size"], meta["epoch"], meta["batch"]) == (2, 8, 1, 0)
     one, data = trainer("mlp", "adam", 97, False, HIDDEN)
@@ -177,7 +178,7 @@ def test_shard_without_distributed_is_refused(tmp_path):
 
 
 def _cuda_marks() -> list:
-    from test_devices import on_gpu
+    from kit.devices import on_gpu
 
     return on_gpu(torch_gpus=2)
 
@@ -193,11 +194,12 @@ def test_train_nproc_sharded_matches_one_process(tmp_path, device):
     rg.save(demo.mlp_model(hidden=15), tmp_path / "mlp.onnx")
     common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data",
               str(tmp_path / "data.npz"), "--loss", "cross-entropy", "--epochs", "2", "--threads", "1", "--device", device]
-    _run([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
-    r = _run([*common, "--batch-size", "10", "--nproc", "2", "--shard", "gradients", "-o", str(tmp_path / "two.onnx")])
+    run_command([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
+    r = run_command([*common, "--batch-size", "10", "--nproc", "2", "--shard", "gradients", "-o",
+                     str(tmp_path / "two.onnx")])
     assert "global batch 2 x 10 = 20; sharded: gradients (ZeRO-2)" in r.stdout, r.stdout
     one, two = rg.load(tmp_path / "one.onnx").initializers, rg.load(tmp_path / "two.onnx").initializers
-    tol = dict(rtol=2e-5, atol=2e-6) if device == "cpu" else dict(rtol=1e-3, atol=2e-5)  # (test_devices.tolerance)
+    tol = dict(rtol=2e-5, atol=2e-6) if device == "cpu" else dict(rtol=1e-3, atol=2e-5)  # (kit.devices.tolerance)
     for name, value in one.items():
         np.testing.assert_allclose(two[name], value, err_msg=name, **tol)
 
@@ -206,9 +208,9 @@ def test_train_nproc_sharded_matches_one_process(tmp_path, device):
 def world_of_one(monkeypatch):
     """A gloo process group of one process in this test process (destroyed afterwards), for engine-level tests."""
     import torch.distributed as dist
-    from test_distributed import _port
+    from kit.distributed import free_port
 
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}.items():
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(k, v)
     dist.init_process_group("gloo")
     try:

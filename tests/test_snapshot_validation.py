@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import crash_after, one_line_error  # (tests/ is on sys.path)
-from test_train import mlp
+from kit.harness import crash_after, one_line_error  # (tests/ is on sys.path)
+from kit.training import mlp
 
 import revgraph as rg
 from revgraph import checkpoints

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from harness import one_line_error
+from kit.harness import one_line_error
 from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg

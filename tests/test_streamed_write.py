@@ -10,7 +10,8 @@ import numpy as np
 import onnx
 import pytest
 from conftest import DATA_DIR, model_id, shipped_models
-from onnx import TensorProto, helper, numpy_helper
+from kit.loops import onnx_loop_model
+from onnx import TensorProto
 
 import revgraph as rg
 from revgraph import cli_write, external_data
@@ -43,30 +44,8 @@ def test_pieces_parse_to_the_whole_model_every_shipped_model(rel):
     test_pieces_parse_to_the_whole_model(rel)
 
 
-def _loop_model() -> onnx.ModelProto:
-    """h <- tanh(h @ W) for a trip count of 3, then a sequence of h and a dropout (an identity at inference)."""
-    body = helper.make_graph(
-        [helper.make_node("MatMul", ["h", "W"], ["m"]), helper.make_node("Tanh", ["m"], ["h2"]),
-         helper.make_node("Identity", ["c"], ["c2"])],
-        "body",
-        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 2])],
-        [helper.make_tensor_value_info("c2", TensorProto.BOOL, []), helper.make_tensor_value_info("h2", TensorProto.FLOAT, [2, 2])])
-    nodes = [helper.make_node("Loop", ["n", "", "x"], ["h"], body=body, name="loop"),
-             helper.make_node("Dropout", ["h"], ["d"], name="drop"),
-             helper.make_node("ReduceSum", ["d"], ["loss"], keepdims=0, name="sum")]
-    graph = helper.make_graph(
-        nodes, "looped", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
-        [numpy_helper.from_array(np.array([[0.5, -0.2], [0.3, 0.8]], np.float32), "W"),
-         numpy_helper.from_array(np.array(3, np.int64), "n")], doc_string="a loop")
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    helper.set_model_props(model, {"author": "test", "revgraph.note": "kept"})
-    return model
-
-
 def test_a_gradient_with_a_loop_metadata_and_dropout_is_the_same_model():
-    g = rg.load(_loop_model())
+    g = rg.load(onnx_loop_model())
     gg = rg.gradient(g, "loss", ["W"])
     assert any(n.op_type == "Loop" for n in gg.nodes) and gg.metadata
     _assert_same(gg)
@@ -82,7 +61,7 @@ def test_a_sequence_output_is_the_same_model():
 @pytest.mark.parametrize("command", [["grad", "--wrt", "W"], ["jvp", "--inputs", "W"]])
 def test_the_written_file_is_to_onnx_of_the_same_graph(command, tmp_path, capsys):
     path, out = tmp_path / "m.onnx", tmp_path / "g.onnx"
-    onnx.save(_loop_model(), path)
+    onnx.save(onnx_loop_model(), path)
     assert main([command[0], str(path), *command[1:], "-o", str(out)]) == 0, capsys.readouterr().err
     g = rg.load(path)
     built = rg.gradient(g, "loss", ["W"]) if command[0] == "grad" else rg.jvp(g, None, ["W"])
@@ -95,7 +74,7 @@ def test_the_written_file_is_to_onnx_of_the_same_graph(command, tmp_path, capsys
 
 def test_an_untyped_output_takes_the_whole_model(tmp_path, capsys):
     """An output without a dtype is typed from ONNX inference of the whole model (to_onnx): no pieces."""
-    model = _loop_model()
+    model = onnx_loop_model()
     g = rg.gradient(rg.load(model), "loss", ["W"])
     g.outputs[0] = rg.ValueInfo(g.outputs[0].name)
     assert prepared(g) is None

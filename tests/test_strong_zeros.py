@@ -17,9 +17,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import zerokit
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from kit import zeros
 
 import revgraph as rg
 from revgraph.autodiff import registry
@@ -32,7 +32,7 @@ INF, NAN = math.inf, math.nan
 
 
 def _grads(g: Graph, wrt: list[str] | None, feeds: dict, rtol: float = 1e-9) -> dict[str, np.ndarray]:
-    return zerokit.grads(g, wrt, feeds, rtol=rtol)  # and forward mode along random tangents agrees (issue 27)
+    return zeros.grads(g, wrt, feeds, rtol=rtol)  # and forward mode along random tangents agrees (issue 27)
 
 
 def _const(name: str, value) -> Node:

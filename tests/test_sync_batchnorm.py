@@ -23,18 +23,18 @@ from revgraph.train.distributed.sync_batchnorm import rewrite, training_batchnor
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
+from kit.devices import on_gpu, tolerance  # noqa: E402
+from kit.distributed import TORCHRUN, free_port, run_command  # noqa: E402
 from sync_batchnorm_worker import bn_model, data, trainer  # noqa: E402  (tests/ is on sys.path)
-from test_devices import on_gpu, tolerance  # noqa: E402
-from test_distributed import TORCHRUN, _port, _run  # noqa: E402
 
 WORKER = Path(__file__).parent / "sync_batchnorm_worker.py"
 SAMPLES, BATCH, EPOCHS = 37, 6, 2
 
 
 def _torchrun(out: Path, *extra: str) -> list[dict]:
-    _run([*TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-          str(_port()), str(WORKER), "--out", str(out), "--samples", str(SAMPLES), "--batch-size", str(BATCH),
-          "--epochs", str(EPOCHS), *extra])
+    run_command([*TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                 str(free_port()), str(WORKER), "--out", str(out), "--samples", str(SAMPLES),
+                 "--batch-size", str(BATCH), "--epochs", str(EPOCHS), *extra])
     ranks = [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
     for name in ranks[0]:  # the ranks are replicas
         np.testing.assert_array_equal(ranks[1][name], ranks[0][name], err_msg=name)
@@ -81,12 +81,12 @@ def test_revgraph_train_warns_without_sync_batchnorm_and_matches_one_process_wit
     differs from one process (what the warning is about); with it, the written model (running statistics
     included) equals one process's with twice the batch (SGD with momentum)."""
     common = _cli_command(tmp_path)
-    _run([*common, "--batch-size", str(2 * BATCH), "-o", str(tmp_path / "one.onnx")])
-    per_rank = _run([*common, "--batch-size", str(BATCH), "--nproc", "2", "-o", str(tmp_path / "per_rank.onnx")])
+    run_command([*common, "--batch-size", str(2 * BATCH), "-o", str(tmp_path / "one.onnx")])
+    per_rank = run_command([*common, "--batch-size", str(BATCH), "--nproc", "2", "-o", str(tmp_path / "per_rank.onnx")])
     assert per_rank.stderr.count("warning: BatchNormalization 'bn_conv', 'bn_fc' normalize") == 1, per_rank.stderr
     assert "--sync-batchnorm" in per_rank.stderr
-    synced = _run([*common, "--batch-size", str(BATCH), "--nproc", "2", "--sync-batchnorm",
-                   "-o", str(tmp_path / "synced.onnx")])
+    synced = run_command([*common, "--batch-size", str(BATCH), "--nproc", "2", "--sync-batchnorm",
+                          "-o", str(tmp_path / "synced.onnx")])
     assert "BatchNormalization" not in synced.stderr, synced.stderr
     one = rg.load(tmp_path / "one.onnx").initializers
     two, per = rg.load(tmp_path / "synced.onnx").initializers, rg.load(tmp_path / "per_rank.onnx").initializers
@@ -100,8 +100,8 @@ def test_sync_batchnorm_refuses_a_loss_that_counts_targets(tmp_path):
     would be missing from the synchronized statistics: `--nproc 2 --sync-batchnorm --ignore-index` stops before
     training with one line, exit 2, nothing written."""
     out = tmp_path / "synced.onnx"
-    r = _run([*_cli_command(tmp_path), "--batch-size", str(BATCH), "--nproc", "2", "--sync-batchnorm",
-              "--ignore-index", "0", "-o", str(out)], check=False)
+    r = run_command([*_cli_command(tmp_path), "--batch-size", str(BATCH), "--nproc", "2", "--sync-batchnorm",
+                     "--ignore-index", "0", "-o", str(out)], check=False)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2, r.stderr[-2000:]
     assert any("does not combine with a loss that counts targets" in line for line in lines), r.stderr[-2000:]
@@ -113,8 +113,9 @@ def test_sync_batchnorm_on_nccl_matches_one_process(tmp_path, nproc):
     """`revgraph train --device cuda --nproc 2 --sync-batchnorm` (NCCL; the segments' values and the sums on the
     GPU, shared with onnxruntime through DLPack) against one process on the GPU with twice the batch."""
     common = [*_cli_command(tmp_path), "--device", "cuda"]
-    _run([*common, "--batch-size", str(2 * BATCH), "-o", str(tmp_path / "one.onnx")])
-    _run([*common, "--batch-size", str(BATCH), "--nproc", str(nproc), "--sync-batchnorm", "-o", str(tmp_path / "two.onnx")])
+    run_command([*common, "--batch-size", str(2 * BATCH), "-o", str(tmp_path / "one.onnx")])
+    run_command([*common, "--batch-size", str(BATCH), "--nproc", str(nproc), "--sync-batchnorm", "-o",
+                 str(tmp_path / "two.onnx")])
     one, two = rg.load(tmp_path / "one.onnx").initializers, rg.load(tmp_path / "two.onnx").initializers
     for name, value in one.items():
         np.testing.assert_allclose(two[name], value, err_msg=name, **tolerance("sgd"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import zerokit
+from kit import zeros
 
 from revgraph.ir import Graph, Node, ValueInfo
 
@@ -21,7 +21,7 @@ def _grad(nodes: list[Node], out: str, inputs: dict[str, tuple], feeds: dict, in
     tail = ([Node("Mul", [out, "w"], ["ow"], name="mulw"), Node("ReduceSum", ["ow"], ["loss"], {"keepdims": 0}, "sum")]
             if "w" in inits else [Node("ReduceSum", [out], ["loss"], {"keepdims": 0}, "sum")])
     g = Graph(nodes + tail, [ValueInfo(k, *v) for k, v in inputs.items()], [ValueInfo("loss")], inits)
-    return zerokit.grads(g, wrt or [k for k, v in inputs.items() if v[0] == F64], feeds)
+    return zeros.grads(g, wrt or [k for k, v in inputs.items() if v[0] == F64], feeds)
 
 
 def test_max_and_min_split_ties():

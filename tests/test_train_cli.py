@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import DATA_DIR
-from harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
-from test_train import OPTIMIZERS, assert_params_close, mlp, torch_mlp, torch_train
+from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
+from kit.training import OPTIMIZERS, assert_params_close, mlp, torch_mlp, torch_train
 
 import revgraph as rg
 from revgraph import demo

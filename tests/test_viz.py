@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import DATA_DIR
-from loopkit import F64, body, const, graph, loop, n
+from kit.loops import F64, body, const, graph, loop, n
 
 import revgraph as rg
 from revgraph import viz

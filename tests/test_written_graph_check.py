@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnx.checker
 import pytest
-from harness import one_line_error
+from kit.harness import one_line_error
 from onnx import TensorProto, helper, numpy_helper
 
 from revgraph.cli import main

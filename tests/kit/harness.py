@@ -51,7 +51,7 @@ def one_node_graph(op_type: str, inputs: dict[str, np.ndarray], attrs: dict | No
     return g
 
 
-def _ort(model_graph: Graph):
+def ort_runner(model_graph: Graph):
     """Run with onnxruntime; where it has no float64 kernel for an op (Erf, Conv, ...), with the reference
     evaluator instead (both are checked against each other on the gradient graph when both can run it)."""
     opts = ort.SessionOptions()
@@ -117,13 +117,13 @@ def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: li
     (``torch.autograd.functional.jvp``) instead of its forward-mode AD."""
     rng = np.random.default_rng(seed)
     feeds = {k: np.asarray(v) for k, v in feeds.items()}
-    run_fwd = _ort(g)
+    run_fwd = ort_runner(g)
     fwd = run_fwd(feeds)
     lg, outputs = with_loss(g, fwd, outputs)
     us = {f"{y}_u": rng.standard_normal(np.shape(fwd[y])).astype(fwd[y].dtype) for y in outputs}
     wrt = wrt or [v.name for v in g.inputs if feeds[v.name].dtype.kind == "f"]
     gg = rg.gradient(lg, loss="loss", wrt=wrt)
-    run_grad = _ort(gg)
+    run_grad = ort_runner(gg)
     grads_ort = run_grad({**feeds, **us})
     ref = rg.Session(gg, backend="reference").run({**feeds, **us})
     grads = {w: grads_ort[f"{w}_grad"] for w in wrt}
@@ -132,7 +132,7 @@ def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: li
         np.testing.assert_allclose(ref[f"{w}_grad"], grads[w], rtol=1e-6, atol=1e-9, err_msg=f"ORT vs reference, {w}")
 
     # 1. central differences along random directions
-    run_loss = _ort(lg)
+    run_loss = ort_runner(lg)
     if fd_with_torch:
         def run_loss(f):
             outs = torch_fn(**{k: torch.tensor(f[k]) for k in feeds})
@@ -163,7 +163,7 @@ def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: li
     if second_order:
         vs = {f"{w}_v": rng.standard_normal(feeds[w].shape) for w in wrt}
         hvp = double_backward(gg, wrt, feeds)  # a linear function has a zero Hessian: no path, zeros
-        got = _ort(hvp)({**feeds, **us, **vs})
+        got = ort_runner(hvp)({**feeds, **us, **vs})
         got = dict(zip(wrt, (got[n] for n in hvp.output_names[-len(wrt):]), strict=True))
         v = {w: vs[f"{w}_v"] for w in wrt}
         plus = run_grad({**feeds, **us, **{w: feeds[w] + H * v[w] for w in wrt}})
@@ -272,7 +272,7 @@ def check_jvp(g: Graph, feeds: dict[str, np.ndarray], torch_fn, *, wrt: list[str
     y_names = jg.output_names[len(jg.output_names) - len(outputs):]
     ts = {w: rng.standard_normal(feeds[w].shape).astype(feeds[w].dtype) for w in wrt}
     jfeeds = {**feeds, **{n: ts[w] for n, w in zip(t_names, wrt, strict=True)}}
-    got = _ort(jg)(jfeeds)
+    got = ort_runner(jg)(jfeeds)
     ref = rg.Session(jg, backend="reference").run(jfeeds)
     jt = {y: got[n] for y, n in zip(outputs, y_names, strict=True)}
     for y, n in zip(outputs, y_names, strict=True):

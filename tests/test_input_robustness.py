@@ -1,5 +1,5 @@
-"""Issue 12, sections 1, 3, 6 and 8: model-local functions, memory and resource bombs, the Python API's errors,
-bfloat16 models and integer losses.
+"""Inputs revgraph takes, or refuses in one line: model-local functions, memory and resource bombs, the Python
+API's errors, bfloat16 models and integer losses (issue 12, sections 1, 3, 6 and 8).
 
 The command-line tests of sections 1 and 3 run ``python -m revgraph`` in a fresh process: another import must not
 mask a missing one (``onnx.inliner``), and the memory a command takes is measured for that process alone (its
@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 import pytest
-from harness import cli_under_limit
+from kit.harness import cli_under_limit
 from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg

@@ -1,4 +1,4 @@
-"""Forward mode on the exported architectures of tests/zoo.py: revgraph's JVP against ``torch.func.jvp``.
+"""Forward mode on the exported architectures of tests/kit/zoo.py: revgraph's JVP against ``torch.func.jvp``.
 
 The JVP graph takes a random tangent for every parameter matched to the module and for every floating-point
 graph input (an image, audio features); ``torch.func.jvp`` differentiates ``functional_call(module, params,
@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from zoo import Case, Float64, _match, export, run
 
 import revgraph as rg
+from kit.zoo import Case, Float64, export, match_parameters, run
 
 
 def compare_jvp(case: Case, exporter: str, opset: int, rtol: float = 1e-6) -> float:
@@ -25,7 +25,7 @@ def compare_jvp(case: Case, exporter: str, opset: int, rtol: float = 1e-6) -> fl
     g = rg.load(data)
     out = g.output_names[0]
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    matched = _match(g, params)
+    matched = match_parameters(g, params)
     float_inputs = [(k, vi.name) for k, vi in enumerate(g.inputs) if inputs[k].is_floating_point()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

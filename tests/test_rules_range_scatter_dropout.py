@@ -1,5 +1,6 @@
-"""Gradients at the edges (issue 13, section 2): ``Range`` in ``start`` and ``delta``; ``ScatterND`` and
-``ScatterElements`` with ``reduction`` mul, max and min; the ``ratio`` input of ``Dropout`` in training mode.
+"""Gradients at the edges of three ops: ``Range`` in ``start`` and ``delta``; ``ScatterND`` and
+``ScatterElements`` with ``reduction`` mul, max and min; the ``ratio`` input of ``Dropout`` in training mode
+(issue 13, section 2).
 
 Each example of the issue is a test with its hand-derived value. The sweeps check every reduction of both
 scatters, with repeated indices, against float64 central differences, PyTorch's ``scatter_reduce`` (whose
@@ -16,10 +17,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from harness import check_rule, one_node_graph, with_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_rules_indexing import squared, with_repeat, wrap
+from kit.harness import check_rule, one_node_graph, with_loss
+from kit.rules import squared, with_repeat, wrap
 
 import revgraph as rg
 from revgraph.autodiff import segments

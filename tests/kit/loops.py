@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 import torch
+from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
@@ -102,3 +103,84 @@ def three_nested_loops() -> tuple[Graph, dict[str, np.ndarray], Callable]:
         return s
 
     return g, feeds, unrolled
+
+
+def branch(nodes, outputs, name):
+    """An If branch: a graph of ``nodes`` without inputs whose ``outputs`` are float64."""
+    return Graph(nodes, [], [ValueInfo(o, F64, None) for o in outputs], name=name)
+
+
+def if_node(cond, then, other, outputs, name="if"):
+    """An If node on ``cond`` with the branches ``then`` and ``other``."""
+    return n("If", [cond], list(outputs), name, then_branch=then, else_branch=other)
+
+
+def scan_graph(in_dir, out_dir, in_axis, out_axis, shape_x):
+    """A Scan RNN with these directions and axes, h_t = tanh(h_{t-1} * w + x_t), y_t = 2 h_t stacked, and the loss
+    sum(u * Y) + sum(h); the graph and the cotangent ``u``."""
+    sb = Graph(
+        [n("Mul", ["h_in", "w"], "hw"), n("Add", ["hw", "xt"], "pre"), n("Tanh", ["pre"], "h_out"), const("two", 2.0),
+         n("Mul", ["h_out", "two"], "y_t")],
+        [ValueInfo("h_in", F64, (3,)), ValueInfo("xt", F64, (3,))],
+        [ValueInfo("h_out", F64, (3,)), ValueInfo("y_t", F64, (3,))],
+    )
+    scan = Node("Scan", ["h0", "x"], ["h", "Y"], {"body": sb, "num_scan_inputs": 1, "scan_input_directions": [in_dir],
+                "scan_output_directions": [out_dir], "scan_input_axes": [in_axis], "scan_output_axes": [out_axis]}, "scan")
+    nodes = [scan, n("Mul", ["Y", "u"], "uy"), n("ReduceSum", ["uy"], "ys", keepdims=0), n("ReduceSum", ["h"], "hs", keepdims=0),
+             n("Add", ["ys", "hs"], "loss")]
+    t = shape_x[in_axis]
+    u_shape = (t, 3) if out_axis == 0 else (3, t)
+    u = np.linspace(-1, 1, 3 * t).reshape(u_shape)
+    return graph(nodes, {"h0": (3,), "x": shape_x, "w": (3,)}, ["loss"], {"u": u}), u
+
+
+def taylor_sin_body():
+    """A Loop body summing sin's Taylor series, term_{k+1} = -term_k * x^2 / ((2k+2)(2k+3)), until |term| < 1e-12."""
+    return body(
+        [
+            n("Mul", ["x", "x"], "x2"),
+            n("Mul", ["term_in", "x2"], "tx2"),
+            n("Neg", ["tx2"], "ntx2"),
+            const("two", 2, np.int64),
+            const("three", 3, np.int64),
+            n("Mul", ["i", "two"], "i2"),
+            n("Add", ["i2", "two"], "d1"),
+            n("Add", ["i2", "three"], "d2"),
+            n("Mul", ["d1", "d2"], "den_i"),
+            n("Cast", ["den_i"], "den", to=11),
+            n("Div", ["ntx2", "den"], "term_out"),
+            n("Add", ["sum_in", "term_out"], "sum_out"),
+            n("Abs", ["term_out"], "aterm"),
+            const("eps", 1e-12),
+            n("GreaterOrEqual", ["aterm", "eps"], "cond_next"),
+        ],
+        [("term_in", "term_out"), ("sum_in", "sum_out")],
+        cond_out="cond_next",
+    )
+
+
+def taylor_cond_nodes(prefix=""):
+    """The nodes of the Taylor loop's first condition, |x| >= eps0 (names prefixed with ``prefix``)."""
+    return [n("Abs", ["x"], f"{prefix}ax"), n("GreaterOrEqual", [f"{prefix}ax", "eps0"], f"{prefix}go")]
+
+
+def onnx_loop_model() -> onnx.ModelProto:
+    """h <- tanh(h @ W) for a trip count of 3, then a sequence of h and a dropout (an identity at inference)."""
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "W"], ["m"]), helper.make_node("Tanh", ["m"], ["h2"]),
+         helper.make_node("Identity", ["c"], ["c2"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("c2", TensorProto.BOOL, []), helper.make_tensor_value_info("h2", TensorProto.FLOAT, [2, 2])])
+    nodes = [helper.make_node("Loop", ["n", "", "x"], ["h"], body=body, name="loop"),
+             helper.make_node("Dropout", ["h"], ["d"], name="drop"),
+             helper.make_node("ReduceSum", ["d"], ["loss"], keepdims=0, name="sum")]
+    graph = helper.make_graph(
+        nodes, "looped", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(np.array([[0.5, -0.2], [0.3, 0.8]], np.float32), "W"),
+         numpy_helper.from_array(np.array(3, np.int64), "n")], doc_string="a loop")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    helper.set_model_props(model, {"author": "test", "revgraph.note": "kept"})
+    return model

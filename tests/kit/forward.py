@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import torch
-from test_light_models import lifted
 
 import revgraph as rg
+from kit.light_models import lifted
 from revgraph.autodiff.arguments import used_names
 from revgraph.autodiff.loops.lower import lower_to_loops
 from revgraph.ir import Graph, Node

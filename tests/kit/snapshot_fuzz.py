@@ -2,7 +2,7 @@
 also runnable by hand; issue 28, part 1).
 
 A real snapshot of ``train --checkpoint-dir ck`` (a run killed before its 5th step: epoch 1, batch 1) is mutated:
-bytes flipped, cut, duplicated or inserted (tests/fuzzkit.py's ``mutate_bytes``); 1-3 values of its JSON metadata
+bytes flipped, cut, duplicated or inserted (tests/kit/fuzz.py's ``mutate_bytes``); 1-3 values of its JSON metadata
 set to hostile values (an edge integer, NaN, a string, null, a list, an object, another field's value, a value
 nudged), deleted, duplicated, or a field added; an array member given NaN, another dtype or shape, objects,
 dropped or renamed. ``train`` resuming from each mutant, in a child forked from this process (revgraph loaded, no
@@ -11,7 +11,7 @@ uninterrupted run (other weights only after other finite values were put in an a
 them), or exit 2 with one error line, no output written and the snapshot untouched: never 3, a traceback or a
 hang.
 
-    python tests/snapshot_fuzzkit.py --count 300 --seed 1 --save /tmp/snapshot-repro
+    python tests/kit/snapshot_fuzz.py --count 300 --seed 1 --save /tmp/snapshot-repro
 """
 
 from __future__ import annotations
@@ -30,10 +30,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from fuzzkit import MEMORY_LIMIT, TIMEOUT, command_line, mutate_bytes  # (tests/ is on sys.path)
 from onnx import TensorProto, helper, numpy_helper
 
 from revgraph.cli import main  # imported once here: each forked child starts with it loaded
+
+if __package__ in (None, ""):  # run as a script (python tests/kit/snapshot_fuzz.py): kit's parent, tests/, on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kit.fuzz import MEMORY_LIMIT, TIMEOUT, command_line, mutate_bytes
 
 SNAPSHOT_TRAIN = ["train", "m.onnx", "--data", "d.npz", "--loss", "cross-entropy", "--epochs", "3", "--batch-size",
                   "8", "--threads", "1", "--checkpoint-every", "2", "--checkpoint-dir", "ck", "-o", "t.onnx"]
@@ -250,7 +253,7 @@ def _npy_bytes(a) -> bytes:
     return f.getvalue()
 
 
-def _judge_snapshot(rc, err: str, out: str, workdir: Path, snapshot: bytes, seed: dict,
+def judge_snapshot(rc, err: str, out: str, workdir: Path, snapshot: bytes, seed: dict,
                     exact: bool = True) -> list[str]:
     """A resume passes with exit 0, the uninterrupted run's weights and mean (unless not ``exact``: a mutant with
     other finite values in an array), and nothing but ``t.onnx`` written beside the snapshot; or exit 2, one
@@ -301,7 +304,7 @@ def run_snapshot_mutant(snapshot: bytes, seed: dict, root: Path, exact: bool = T
         os.chdir(workdir)
         rc = _quiet_main(SNAPSHOT_TRAIN, err_path, out_path)
         err, out = err_path.read_text(errors="replace"), out_path.read_text(errors="replace")
-        problems = _judge_snapshot(rc, err, out, workdir, snapshot, seed, exact)
+        problems = judge_snapshot(rc, err, out, workdir, snapshot, seed, exact)
         result.write_text(json.dumps({"train": {"rc": rc, "stderr": err[-2000:], "problems": problems}}
                                      if problems else {}))
 

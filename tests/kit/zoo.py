@@ -431,7 +431,7 @@ def compare(case: Case, exporter: str, opset: int, rtol: float = 1e-6, memory=No
     g = rg.load(data)
     out = g.output_names[0]
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    matched = _match(g, params)
+    matched = match_parameters(g, params)
     gg = rg.gradient(g, loss=out, wrt=sorted(matched), seed="input", memory=memory)
     feeds = {vi.name: t.numpy() for vi, t in zip(g.inputs, inputs, strict=True)}
     with Float64():
@@ -472,7 +472,7 @@ def run(g: rg.Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return rg.Session(g, backend="reference").run(feeds)
 
 
-def _match(g: rg.Graph, params: dict[str, torch.nn.Parameter]) -> dict[str, str]:
+def match_parameters(g: rg.Graph, params: dict[str, torch.nn.Parameter]) -> dict[str, str]:
     """ONNX initializer -> torch parameter: by name (the exporter may prefix it), else by equal value."""
     matched = {}
     by_value = {}

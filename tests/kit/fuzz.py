@@ -9,9 +9,9 @@ start), under a memory limit and a timeout, in an empty directory. A command pas
 (``check`` also 1: gradients that disagree are a verdict, not a crash), with no traceback, on a refusal
 exactly one line on stderr, and when it leaves no file behind but its own output on success.
 
-    python tests/fuzzkit.py --count 200 --seed 1 --save /tmp/fuzz-repro
+    python tests/kit/fuzz.py --count 200 --seed 1 --save /tmp/fuzz-repro
 
-Training snapshots (``train --checkpoint-dir``) are mutated by tests/snapshot_fuzzkit.py.
+Training snapshots (``train --checkpoint-dir``) are mutated by tests/kit/snapshot_fuzz.py.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def _child(workdir: Path, result_path: Path) -> None:
         err = err_path.read_text(errors="replace")
         err_path.unlink()
         left = sorted(set(os.listdir(".")) - before)
-        problems = _judge(cmd, rc, err, left)
+        problems = judge(cmd, rc, err, left)
         if problems:
             findings[cmd] = {"rc": rc, "stderr": err[-2000:], "left": left, "problems": problems}
         for f in left:  # each command starts from the same directory
@@ -282,7 +282,8 @@ def _child(workdir: Path, result_path: Path) -> None:
     result_path.write_text(json.dumps(findings))
 
 
-def _judge(cmd: str, rc, err: str, left: list[str]) -> list[str]:
+def judge(cmd: str, rc, err: str, left: list[str]) -> list[str]:
+    """The problems of one command's outcome (exit code, stderr, files left in its directory); none: it passed."""
     problems = []
     allowed = (0, 1, 2) if cmd == "check" else (0, 2)
     if rc not in allowed:

@@ -1,5 +1,5 @@
-"""`revgraph check` without false alarms (issue 13, section 3): where revgraph's gradient is right (PyTorch in
-float64 agrees), the check must agree too; values it cannot check are said so, never a crash.
+"""`revgraph check` without false alarms: where revgraph's gradient is right (PyTorch in float64 agrees), the
+check must agree too; values it cannot check are said so, never a crash (issue 13, section 3).
 
 The kinds: float64 kernels that are float32-precise (onnx.reference's Erf and Gelu, onnxruntime's Shrink and
 GroupNormalization statistics) and reference kernels off the spec (GatherElements, OneHot, Resize

@@ -1,6 +1,6 @@
-"""Issue 12, sections 4 and 5: names from a model are printed literally, and revgraph never destroys the
-user's files (outputs that are inputs, late output checks, SIGTERM/SIGHUP, external data, npz member names,
-unused initializers)."""
+"""Output safety: names from a model are printed literally, and revgraph never destroys the user's files
+(outputs that are inputs, late output checks, SIGTERM/SIGHUP, external data, npz member names, unused
+initializers). These are issue 12, sections 4 and 5."""
 
 from __future__ import annotations
 
