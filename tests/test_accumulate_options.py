@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from loopkit import F64, assert_close, body, const, grads, graph, loop, n, torch_grads
+from kit.loops import F64, assert_close, body, const, grads, graph, loop, n, torch_grads
 
 import revgraph as rg
 from revgraph.autodiff.context import Options

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_train import mlp, torch_mlp
+from kit.training import mlp, torch_mlp
 
 import revgraph as rg
 from revgraph import optimizers

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from loopkit import assert_close, body, grads, graph, loop, n, torch_grads
+from kit.loops import assert_close, body, grads, graph, loop, n, torch_grads
 
 import revgraph as rg
 from revgraph.autodiff.policies import NAMED, PRODUCTS, Recompute, SaveProducts, Store, parse_policy

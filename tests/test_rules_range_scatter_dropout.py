@@ -23,7 +23,7 @@ from kit.harness import check_rule, one_node_graph, with_loss
 from kit.rules import squared, with_repeat, wrap
 
 import revgraph as rg
-from revgraph.autodiff import segments
+from revgraph.autodiff import group_products
 from revgraph.ir import Graph, Node, ValueInfo
 
 SETTINGS = settings(max_examples=5, deadline=None)
@@ -171,8 +171,8 @@ def test_scatter_reduction_hand_derived(op, backend, dtype, case):
 
 @pytest.mark.parametrize("op", ["ScatterND", "ScatterElements"])
 def test_scatter_mul_large_constant_indices_sort_at_run_time(op, monkeypatch):
-    """Constant indices beyond segments.FOLD_LIMIT are sorted by the graph (TopK), not when it is built."""
-    monkeypatch.setattr(segments, "FOLD_LIMIT", 1)
+    """Constant indices beyond group_products.FOLD_LIMIT are sorted by the graph (TopK), not when it is built."""
+    monkeypatch.setattr(group_products, "FOLD_LIMIT", 1)
     for reduction, idx, upd, dx, du in [h for h in HAND if h[0] == "mul"]:
         idx = np.array(idx, np.int64)
         g = scatter_loss(op, D5, idx[:, None] if op == "ScatterND" else idx, np.array(upd), reduction, C5)

@@ -52,3 +52,12 @@ __all__ = [
     "to_onnx",
     "to_ssa",
 ]
+
+
+def __getattr__(name: str):
+    """``revgraph.lift``, ``revgraph.viz``, ... as attributes too (the modules that moved: :mod:`._moved`)."""
+    if name in _moved.MOVED:
+        import importlib
+
+        return importlib.import_module(f"revgraph.{name}")
+    raise AttributeError(f"module 'revgraph' has no attribute {name!r}")

@@ -43,10 +43,10 @@ from __future__ import annotations
 from functools import cached_property
 
 import numpy as np
-import onnx
 
 from ...errors import GraphError
 from ...ir import Node
+from ..algebra import Val, name_of, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
@@ -61,9 +61,15 @@ def _perm(src: str, dst: str) -> list[int]:
     return [src.index(c) for c in dst]
 
 
-def _tr(e: Emitter, x: str, src: str, dst: str) -> str:
+def _tr(e: Emitter, x: Val | str, src: str, dst: str) -> str:
     """``x`` (axes named by ``src``) with its axes in the order ``dst``."""
+    x = name_of(x)
     return x if src == dst else e.op("Transpose", [x], perm=_perm(src, dst))
+
+
+def _t(x: Val) -> Val:
+    """``x^T`` of a batch of matrices ``[B, H, M, N]``."""
+    return x.transpose([0, 1, 3, 2])
 
 
 class _Attention:
@@ -71,6 +77,7 @@ class _Attention:
 
     def __init__(self, ctx: Ctx, node: Node, cts: list):
         e = self.e = ctx.e
+        self.val = ctx.val
         self.node = node
         self.q, self.k, self.v = node.inputs[:3]
         self.mask, self.past_k, self.past_v, self.nonpad = (optional_input(node, i) for i in range(3, 7))
@@ -110,7 +117,7 @@ class _Attention:
             x = e.op("Reshape", [x, e.ints([0, 0, h, -1])])
         return _tr(e, x, self.layout, dst)
 
-    def unheads(self, g: str, src: str, like: str) -> str:
+    def unheads(self, g: Val | str, src: str, like: str) -> str:
         """The cotangent ``g`` (4-D, axes ``src``) in the layout of the input ``like``."""
         e = self.e
         g = _tr(e, g, src, self.layout)
@@ -122,16 +129,17 @@ class _Attention:
         """A 1-element int64 value: ``n`` or, when unknown, dimension 1 of the 4-D input ``x``."""
         return self.e.ints([n]) if n is not None else self.e.op("Shape", [x], start=1, end=2)
 
-    def group(self, x: str) -> str:
+    def group(self, x: Val | str) -> str:
         """``[B, Hq, L, F]`` as ``[B, Hkv, G*L, F]`` (query head ``h`` = ``kv * G + g``): a reshape."""
         return self._heads(x, self.hkv, self.k)
 
-    def ungroup(self, x: str) -> str:
+    def ungroup(self, x: Val | str) -> str:
         """The inverse of :meth:`group`."""
         return self._heads(x, self.hq, self.q)
 
-    def _heads(self, x: str, n: int | None, ref: str) -> str:
+    def _heads(self, x: Val | str, n: int | None, ref: str) -> str:
         """``x`` reshaped to ``n`` heads (dimension 1 of ``ref`` when unknown), the rest folded into axis 2."""
+        x = name_of(x)
         if not self.grouped:
             return x
         e = self.e
@@ -143,8 +151,8 @@ class _Attention:
     def zero(self) -> str:
         return self.e.const(np.zeros((), dtype=self.dt))
 
-    def _cast(self, x: str, to: int | None) -> str:
-        return x if to is None else self.e.op("Cast", [x], to=to)
+    def _cast(self, x: Val, to: int | None) -> Val:
+        return x if to is None else x.cast(to)
 
     # ------------------------------------------------------------------------------------------ operands
 
@@ -245,45 +253,42 @@ class _Attention:
     def allowed(self) -> str | None:
         """The bool conditions of the bias (causal frontier, windows, ``nonpad_kv_seqlen`` padding, a bool mask),
         combined; ``None`` when there are none."""
-        e = self.e
         conds = []
         if self.mask is not None and self.mask_is_bool:
-            conds.append(self.mask_full)
+            conds.append(self.val(self.mask_full))
         windows = self.left >= 0 or self.right >= 0
         if self.causal or windows:
-            rows = self._arange(self.q_len, [-1, 1])
-            cols = self._arange(self.kv_len, [1, -1])
+            rows = self.val(self._arange(self.q_len, [-1, 1]))
+            cols = self.val(self._arange(self.kv_len, [1, -1]))
             if self.past_k is None and self.nonpad is not None:  # per batch: offset = nonpad - L, [B, 1, 1, 1]
-                off = e.op("Sub", [e.op("Cast", [self.nonpad], to=onnx.TensorProto.INT64), self.q_len])
-                off = e.op("Reshape", [off, e.ints([-1, 1, 1, 1])])
+                off = (self.val(self.nonpad).cast(np.int64) - self.q_len).reshape([-1, 1, 1, 1])
             else:
                 off = self.past_len
-            pos = e.op("Add", [rows, off])  # the query's absolute position
+            pos = rows + off  # the query's absolute position
             if self.causal:
-                conds.append(e.op("LessOrEqual", [cols, pos]))
+                conds.append(cols.le(pos))
             if self.left >= 0:
-                conds.append(e.op("LessOrEqual", [e.op("Sub", [pos, cols]), e.const(np.int64(self.left))]))
+                conds.append((pos - cols).le(self.left))
             if self.right >= 0:
-                conds.append(e.op("LessOrEqual", [e.op("Sub", [cols, pos]), e.const(np.int64(self.right))]))
+                conds.append((cols - pos).le(self.right))
         if self.nonpad is not None:
-            n = e.op("Reshape", [e.op("Cast", [self.nonpad], to=onnx.TensorProto.INT64), e.ints([-1, 1, 1, 1])])
-            conds.append(e.op("Less", [self._arange(self.kv_len, [1, -1]), n]))
+            n = self.val(self.nonpad).cast(np.int64).reshape([-1, 1, 1, 1])
+            conds.append(self.val(self._arange(self.kv_len, [1, -1])).lt(n))
         if not conds:
             return None
         out = conds[0]
         for c in conds[1:]:
-            out = e.op("And", [out, c])
-        return out
+            out = out & c
+        return out.name
 
     @cached_property
     def bias(self) -> str | None:
         """The additive bias (``-inf`` where not allowed), at its own broadcast shape; ``None`` when zero."""
-        e = self.e
         fm = None if self.mask is None or self.mask_is_bool else self.mask_full
         if self.allowed is None:
             return fm
-        base = fm if fm is not None else self.zero
-        return e.op("Where", [self.allowed, base, e.const(np.asarray(_NEG_INF, dtype=self.dt))])
+        base = self.val(fm if fm is not None else self.zero)
+        return where(self.val(self.allowed), base, self.e.const(np.asarray(_NEG_INF, dtype=self.dt)), like=None).name
 
     @cached_property
     def may_mask_rows(self) -> bool:
@@ -315,17 +320,14 @@ class _Attention:
     @cached_property
     def keep(self) -> str:
         """bool ``[..., L, 1]``: the query rows with some visible key (the spec's fully-masked-row guard)."""
-        e = self.e
-        top = e.op("ReduceMax", [self.bias, e.ints([-1])], keepdims=1)
-        return e.op("Not", [e.op("Equal", [top, e.scalar(_NEG_INF, self.bias)])])
+        return (~self.val(self.bias).max([-1]).eq(_NEG_INF)).name
 
     @cached_property
     def safe_bias(self) -> str | None:
         """The bias with fully masked rows set to 0, so that the recomputed softmax stays finite there."""
         if self.bias is None or not self.may_mask_rows:
             return self.bias
-        e = self.e
-        return e.op("Where", [self.keep, self.bias, self.zero])
+        return where(self.val(self.keep), self.val(self.bias), self.zero, like=None).name
 
     # ------------------------------------------------------------------------------------------ forward
 
@@ -372,117 +374,99 @@ class _Attention:
             got = self.capped
             if self.safe_bias is not None:
                 got = self.group(e.op("Add", [self.ungroup(got), self.safe_bias]))
-        return e.op("Softmax", [self._cast(got, self.sp)], axis=-1)
+        return self._cast(self.val(got), self.sp).apply("Softmax", like=None, axis=-1).name
 
     @cached_property
     def p(self) -> str:
         """``P`` grouped, in Q's dtype."""
-        return self._cast(self.p_sp, None if self.sp is None else self.t1)
+        return self._cast(self.val(self.p_sp), None if self.sp is None else self.t1).name
 
     # ------------------------------------------------------------------------------------------ backward
 
     @cached_property
-    def do(self) -> str | None:
+    def do(self) -> Val | None:
         """``dY`` as ``[B, Hq, L, Dv]`` with fully masked rows zeroed, or ``None``."""
         if self.gy is None:
             return None
-        e = self.e
-        g = self.heads(self.gy, self.hq)
-        if self.may_mask_rows:
-            g = e.op("Where", [self.keep, g, self.zero])
-        return g
+        return self._kept(self.val(self.heads(self.gy, self.hq)))
+
+    def _kept(self, g: Val) -> Val:
+        """``g`` with the fully masked query rows set to 0 (they are constant zeros in the forward)."""
+        return where(self.val(self.keep), g, self.zero, like=None) if self.may_mask_rows else g
 
     @cached_property
-    def delta(self) -> str | None:
+    def delta(self) -> Val | None:
         """``rowsum(dO * O)`` as ``[B, Hkv, G*L, 1]`` (computed in the layout of Y)."""
         if self.gy is None:
             return None
-        e = self.e
-        prod = e.op("Mul", [self.gy, self.y])
+        prod = self.val(self.gy) * self.y
         if self.rank == 3:
-            prod = e.op("Reshape", [prod, e.ints([0, 0, self.hq, -1])])
-        s = e.op("ReduceSum", [prod, e.ints([-1])], keepdims=1)
-        s = _tr(e, s, self.layout, _CANON)
-        if self.may_mask_rows:
-            s = e.op("Where", [self.keep, s, self.zero])
-        return self.group(s)
+            prod = prod.reshape([0, 0, self.hq, -1])
+        return self.val(self.group(self._kept(self.val(_tr(self.e, prod.sum([-1]), self.layout, _CANON)))))
 
     @cached_property
-    def gqk_kept(self) -> str:
+    def gqk_kept(self) -> Val:
         """The cotangent of the mode-3 output with fully masked rows (constant zeros there) dropped."""
-        e, g = self.e, self.gqk
-        if self.may_mask_rows:
-            g = e.op("Where", [self.keep, g, self.zero])
-        return g
+        return self._kept(self.val(self.gqk))
 
     @cached_property
-    def ds(self) -> str | None:
+    def ds(self) -> Val | None:
         """The cotangent of the softmax input, grouped, in Q's dtype: ``P * (dP - delta)`` plus the mode-2
         output's cotangent (``None``: zero)."""
-        e = self.e
         dp, delta = [], []
         if self.gy is not None:
-            dp.append(e.op("MatMul", [self.group(self.do), e.op("Transpose", [self.vt], perm=[0, 1, 3, 2])]))
+            dp.append(self.val(self.group(self.do)) @ _t(self.val(self.vt)))
             delta.append(self.delta)
         if self.gqk is not None and self.mode == 3:
-            g = self.group(self.gqk_kept)
+            g = self.val(self.group(self.gqk_kept))
             dp.append(g)
-            delta.append(e.op("ReduceSum", [e.op("Mul", [self.p, g]), e.ints([-1])], keepdims=1))
+            delta.append((self.val(self.p) * g).sum([-1]))
         parts = []
         if dp:
-            dp_ = dp[0] if len(dp) == 1 else e.op("Add", dp)
-            dl = delta[0] if len(delta) == 1 else e.op("Add", delta)
-            diff = self._cast(e.op("Sub", [dp_, dl]), self.sp)
-            parts.append(self._cast(e.op("Mul", [self.p_sp, diff]), None if self.sp is None else self.t1))
+            diff = self._cast(self._sum(dp, "Add") - self._sum(delta, "Add"), self.sp)
+            parts.append(self._cast(self.val(self.p_sp) * diff, None if self.sp is None else self.t1))
         if self.gqk is not None and self.mode == 2:
-            parts.append(self.group(self.gqk))
+            parts.append(self.val(self.group(self.gqk)))
         return self._sum(parts)
 
-    def _sum(self, parts: list[str]) -> str | None:
+    def _sum(self, parts: list[Val | None], op: str = "Sum") -> Val | None:
+        """The sum of the cotangents ``parts`` that are not ``None`` (``None``: zero)."""
+        parts = [p for p in parts if p is not None]
         if not parts:
             return None
-        return parts[0] if len(parts) == 1 else self.e.op("Sum", parts)
+        return parts[0] if len(parts) == 1 else parts[0].apply(op, *parts[1:], like=None)
+
+    def _gqk(self, mode: int) -> Val | None:
+        """The cotangent of the fourth output, grouped, when it exposes stage ``mode``."""
+        return self.val(self.group(self.gqk)) if self.gqk is not None and self.mode == mode else None
 
     @cached_property
-    def draw(self) -> str | None:
+    def draw(self) -> Val | None:
         """The cotangent of ``scale Q K^T``, grouped (``None``: zero)."""
-        e = self.e
-        dcap = self._sum([g for g in (self.ds, self.group(self.gqk) if self.gqk is not None and self.mode == 1
-                                      else None) if g is not None])
+        dcap = self._sum([self.ds, self._gqk(1)])
         if self.cap != 0.0 and dcap is not None:
-            t = self.tanh
-            dcap = e.op("Mul", [dcap, e.op("Sub", [e.scalar(1.0, t), e.op("Mul", [t, t])])])
-        if self.gqk is not None and self.mode == 0:
-            dcap = self._sum([g for g in (dcap, self.group(self.gqk)) if g is not None])
-        return dcap
+            t = self.val(self.tanh)
+            dcap = dcap * (1 - t * t)
+        return self._sum([dcap, self._gqk(0)])
 
     def dq(self) -> str:
-        e = self.e
         if self.draw is None:
-            return e.zeros_like(self.q)
-        g = e.op("Mul", [e.op("MatMul", [self.draw, self.kt]), self.scale])
-        return self.unheads(self.ungroup(g), _CANON, self.q)
+            return self.e.zeros_like(self.q)
+        return self.unheads(self.ungroup(self.draw @ self.kt * self.scale), _CANON, self.q)
 
     @cached_property
     def dkt(self) -> str:
         """The cotangent of ``present_key`` ``[B, Hkv, S, D]``: ``dS'^T (scale Q)`` plus ``present_key``'s own."""
-        e = self.e
-        parts = [] if self.draw is None else [e.op("MatMul", [e.op("Transpose", [self.draw], perm=[0, 1, 3, 2]),
-                                                              self.qs])]
-        if self.gpk is not None:
-            parts.append(self.gpk)
-        return self._sum(parts) or e.zeros_like(self.kt)
+        ds_q = None if self.draw is None else _t(self.draw) @ self.qs
+        got = self._sum([ds_q, None if self.gpk is None else self.val(self.gpk)])
+        return got.name if got is not None else self.e.zeros_like(self.kt)
 
     @cached_property
     def dvt(self) -> str:
         """The cotangent of ``present_value`` ``[B, Hkv, S, Dv]``: ``P^T dO`` plus ``present_value``'s own."""
-        e = self.e
-        parts = []
-        if self.gy is not None:
-            parts.append(e.op("MatMul", [e.op("Transpose", [self.p], perm=[0, 1, 3, 2]), self.group(self.do)]))
-        if self.gpv is not None:
-            parts.append(self.gpv)
-        return self._sum(parts) or e.zeros_like(self.vt)
+        p_do = None if self.gy is None else _t(self.val(self.p)) @ self.group(self.do)
+        got = self._sum([p_do, None if self.gpv is None else self.val(self.gpv)])
+        return got.name if got is not None else self.e.zeros_like(self.vt)
 
     def _new(self, g: str, past: str | None, like: str) -> str:
         """The part of a ``[B, Hkv, S, F]`` cotangent for the new keys or values, in ``like``'s layout."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node, ValueInfo
-from ..algebra import Val, where
+from ..algebra import Val, name_of, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
@@ -35,13 +35,13 @@ from ._common import f32_attr, optional_input, padded
 from .tables import filled
 
 
-def _work(e: Emitter, node: Node, x: str) -> str:
+def _work(ctx: Ctx, node: Node, x: str) -> Val:
     """``x`` in the precision of the statistics: float32 for a float16/bfloat16 ``x`` when ``stash_type`` is 1
     (FLOAT, the default), ``x`` itself otherwise (a float64 ``x`` keeps float64: that is the exact derivative)."""
-    dt = e.dtype(x)
-    if node.attrs.get("stash_type", 1) == 1 and dt is not None and dt.itemsize < 4:
-        return e.op("Cast", [x], to=1)
-    return x
+    z = ctx.val(x)
+    if node.attrs.get("stash_type", 1) == 1 and z.dtype is not None and z.dtype.itemsize < 4:
+        return z.cast(np.float32)
+    return z
 
 
 def _count(e: Emitter, z: str, axes: list[int]) -> str:
@@ -58,65 +58,59 @@ class Stats:
     """The standardization of ``z`` over ``axes`` (keepdims shapes); each statistic is emitted once, when a
     cotangent first reads it."""
 
-    def __init__(self, e: Emitter, z: str, axes: list[int], eps: float):
-        self.e, self.z, self.axis_list, self.eps = e, z, axes, eps
+    def __init__(self, z: Val, axes: list[int], eps: float):
+        self.z, self.axis_list, self.eps = z, axes, eps
 
     @cached_property
     def axes(self) -> str:
-        return self.e.ints(self.axis_list)
+        return self.z.ctx.e.ints(self.axis_list)
 
     @cached_property
-    def d(self) -> str:
+    def d(self) -> Val:
         """``z - mu``."""
-        e, z = self.e, self.z
-        mu = e.op("ReduceMean", [z, self.axes], keepdims=1)
-        return e.op("Sub", [z, mu], like=z)
+        return self.z - self.z.mean(self.axes)
 
     @cached_property
-    def inv(self) -> str:
+    def inv(self) -> Val:
         """``(var + eps)^(-1/2)``."""
-        e, z = self.e, self.z
-        var = e.op("ReduceMean", [e.op("Mul", [self.d, self.d], like=z), self.axes], keepdims=1)
-        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(self.eps, z)])])])
+        return ((self.d * self.d).mean(self.axes) + self.eps).sqrt().reciprocal()
 
     @cached_property
-    def zh(self) -> str:
-        return self.e.op("Mul", [self.d, self.inv], like=self.z)
+    def zh(self) -> Val:
+        return self.d * self.inv
 
-    def vjp(self, gzh: str | None, g_mean: str | None = None, g_var: str | None = None,
-            g_inv: str | None = None) -> str:
+    def vjp(self, gzh: Val | None, g_mean: Val | None = None, g_var: Val | None = None,
+            g_inv: Val | None = None) -> Val:
         """``dz`` from the cotangents of ``zh`` and of the statistics (keepdims shapes; ``None`` is zero):
         ``inv (gzh - mean(gzh) - zh mean(gzh zh))`` (PyTorch's ``batch_norm_backward``, training branch), plus
         ``g_mean / n`` and ``(g_var - inv^3 g_inv / 2) 2 (z - mu) / n`` (``dvar/dz = 2 (z - mu) / n``,
         ``dinv/dvar = -inv^3 / 2``)."""
-        e, z = self.e, self.z
+        z = self.z
+        e = z.ctx.e
         parts = []
         if gzh is not None:
-            m1 = e.op("ReduceMean", [gzh, self.axes], keepdims=1)
-            m2 = e.op("ReduceMean", [e.op("Mul", [gzh, self.zh], like=z), self.axes], keepdims=1)
-            centred = e.op("Sub", [e.op("Sub", [gzh, m1], like=z), e.op("Mul", [self.zh, m2], like=z)], like=z)
-            parts.append(e.op("Mul", [self.inv, centred], like=z))
-        n = _count(e, z, self.axis_list) if (g_mean or g_var or g_inv) else None
+            m1 = gzh.mean(self.axes)
+            m2 = (gzh * self.zh).mean(self.axes)
+            parts.append(self.inv * (gzh - m1 - self.zh * m2))
+        n = _count(e, z.name, self.axis_list) if (g_mean or g_var or g_inv) else None
         if g_mean is not None:
-            parts.append(e.op("Expand", [e.op("Div", [g_mean, n]), e.shape_of(z)], like=z))
+            parts.append((g_mean / n).apply("Expand", e.shape_of(z.name), like=z))
         if g_inv is not None:
-            inv3 = e.op("Mul", [e.op("Mul", [self.inv, self.inv]), self.inv])
-            from_inv = e.op("Mul", [e.op("Mul", [g_inv, inv3]), e.scalar(-0.5, z)])
-            g_var = from_inv if g_var is None else e.op("Add", [g_var, from_inv])
+            from_inv = g_inv * (self.inv * self.inv * self.inv) * -0.5
+            g_var = from_inv if g_var is None else g_var + from_inv
         if g_var is not None:
-            coef = e.op("Div", [e.op("Mul", [g_var, e.scalar(2.0, z)]), n])
-            parts.append(e.op("Mul", [coef, self.d], like=z))
+            parts.append(g_var * 2.0 / n * self.d)
         if not parts:
-            return e.zeros_like(z)
-        return parts[0] if len(parts) == 1 else e.op("Sum", parts, like=z)
+            return z.ctx.val(e.zeros_like(z.name))
+        return parts[0] if len(parts) == 1 else parts[0].apply("Sum", *parts[1:], like=z)
 
 
-def _back(e: Emitter, g: str | None, x: str) -> str | None:
+def _back(g: Val | None, x: Val | str) -> Val | None:
     """``g`` in ``x``'s dtype (the statistics may be computed in another precision, the forward's statistics
     outputs may be float32, and BatchNormalization's inputs may have three float types); ``None`` stays."""
-    if g is None or (e.dtype(g) is not None and e.dtype(g) == e.dtype(x)):
+    if g is None or (g.dtype is not None and g.dtype == g.ctx.e.dtype(name_of(x))):
         return g
-    return e.op("CastLike", [g, x], shape=e.dims(g), dtype=e.dtype(x))
+    return g.cast_like(x)
 
 
 # ---------------------------------------------------------------------------------------------- LayerNorm, RMSNorm
@@ -137,7 +131,7 @@ def _fused_stats(e: Emitter, node: Node, s: Stats) -> None:
     ``LayerNormalization(z, ones)`` with its ``InvStdDev`` output (one pass over ``z``, the forward's own kernel)
     instead of the five passes of ``ReduceMean``, ``Sub``, ``Mul``, ``ReduceMean``, ``Mul``; the node is
     differentiable again (its rule reads the ``InvStdDev`` cotangent)."""
-    z, axes = s.z, s.axis_list
+    z, axes = s.z.name, s.axis_list
     dims = e.dims(z)
     if e.dtype(z) != np.float32 or dims is None or not all(isinstance(dims[a], int) for a in axes):
         return
@@ -146,7 +140,7 @@ def _fused_stats(e: Emitter, node: Node, s: Stats) -> None:
     kept = tuple(1 if a in axes else d for a, d in enumerate(dims))
     for name, shape in ((zh, dims), (_mean, kept), (inv, kept)):
         e.types[name] = ValueInfo(name, np.dtype(np.float32), shape)
-    s.__dict__.update(zh=zh, inv=inv)  # the cached properties, set ahead
+    s.__dict__.update(zh=s.z.ctx.val(zh), inv=s.z.ctx.val(inv))  # the cached properties, set ahead
 
 
 @vjp("LayerNormalization", bounded=True, finite=True, reads="all", mixing=True)
@@ -155,24 +149,24 @@ def layer_norm(ctx: Ctx, node: Node, cts: list) -> list:
     ``Scale`` and ``B`` broadcast unidirectionally, so their gradients are summed back with ``reduce_to``.
     The optional ``Mean`` and ``InvStdDev`` outputs carry gradients to ``X`` too."""
     e, (x, scale), bias = ctx.e, node.inputs[:2], optional_input(node, 2)
-    gy, g_mean, g_inv = padded(cts, 3)
+    gy, g_mean, g_inv = ctx.vals(*padded(cts, 3))
     axes = _trailing(e, node, x)
 
     @cache
     def st() -> Stats:
-        s = Stats(e, _work(e, node, x), axes, f32_attr(node, "epsilon", 1e-5))
+        s = Stats(_work(ctx, node, x), axes, f32_attr(node, "epsilon", 1e-5))
         _fused_stats(e, node, s)
         return s
 
-    def dx() -> str:
+    def dx() -> Val:
         z = st().z
-        gzh = None if gy is None else _back(e, e.op("Mul", [gy, scale], like=x), z)
-        return _back(e, st().vjp(gzh, _back(e, g_mean, z), g_inv=_back(e, g_inv, z)), x)
+        gzh = None if gy is None else _back(gy.apply("Mul", scale, like=x), z)
+        return _back(st().vjp(gzh, _back(g_mean, z), g_inv=_back(g_inv, z)), x)
 
-    def dscale() -> str:
-        return e.reduce_to(e.op("Mul", [gy, _back(e, st().zh, x)], like=x), scale)
+    def dscale() -> Val:
+        return gy.apply("Mul", _back(st().zh, x), like=x).reduce_to(scale)
 
-    affine = [] if gy is None else [dscale, None if bias is None else lambda: e.reduce_to(gy, bias)]
+    affine = [] if gy is None else [dscale, None if bias is None else lambda: gy.reduce_to(bias)]
     return padded([dx, *affine], len(node.inputs))
 
 
@@ -191,7 +185,7 @@ def rms_norm(ctx: Ctx, node: Node, cts: list) -> list:
 
     @cache
     def z() -> Val:
-        return ctx.val(_work(e, node, x))
+        return _work(ctx, node, x)
 
     @cache
     def inv() -> Val:  # r = (mean(X^2) + eps)^(-1/2)
@@ -201,12 +195,12 @@ def rms_norm(ctx: Ctx, node: Node, cts: list) -> list:
     def zh() -> Val:
         return z() * inv()
 
-    def dx() -> str:
-        h = ctx.val(_back(e, e.op("Mul", [gy, scale], like=gy), z().name))
-        return _back(e, (inv() * (h - zh() * (h * zh()).mean(axes))).name, x)
+    def dx() -> Val:
+        h = _back(ctx.val(gy) * scale, z())
+        return _back(inv() * (h - zh() * (h * zh()).mean(axes)), x)
 
-    def dscale() -> str:
-        return e.reduce_to(e.op("Mul", [gy, _back(e, zh().name, gy)], like=gy), scale)
+    def dscale() -> Val:
+        return (ctx.val(gy) * _back(zh(), gy)).reduce_to(scale)
 
     return [dx, dscale]
 
@@ -272,26 +266,26 @@ def mean_variance_norm(ctx: Ctx, node: Node, cts: list) -> list:
 # ---------------------------------------------------------------------------------------------- per channel
 
 
-def _per_channel(e: Emitter, v: str, rank: int) -> str:
+def _per_channel(v: Val, rank: int) -> Val:
     """A ``[C]`` vector as ``[1, C, 1, ..., 1]``, to broadcast along axis 1 of a rank-``rank`` tensor."""
-    return e.op("Unsqueeze", [v, e.ints([0, *range(2, rank)])])
+    return v.unsqueeze([0, *range(2, rank)])
 
 
-def _chan(e: Emitter, v: str, x: str, rank: int) -> str:
+def _chan(v: Val, x: Val | str, rank: int) -> Val:
     """A ``[C]`` vector in ``x``'s dtype, shaped to broadcast along axis 1 of ``x``."""
-    return _per_channel(e, _back(e, v, x), rank)
+    return _per_channel(_back(v, x), rank)
 
 
-def _total(e: Emitter, v: str, rank: int, like: str) -> str:
+def _total(v: Val, rank: int, like: Val | str) -> Val:
     """``v`` summed over every axis but the channel's (axis 1), in ``like``'s dtype."""
-    return _back(e, e.op("ReduceSum", [v, e.ints([0, *range(2, rank)])], keepdims=0), like)
+    return _back(v.sum([0, *range(2, rank)], keepdims=0), like)
 
 
-def _affine(e: Emitter, node: Node, gy: str, gy_xh: Callable[[], str], rank: int) -> list:
+def _affine(node: Node, gy: Val, gy_xh: Callable[[], Val], rank: int) -> list:
     """The cotangents of ``scale`` and ``B`` (both ``[C]``, inputs 1 and 2) of ``Y = xh * scale + B``, as
     functions (``gy_xh()`` emits ``dY * xh``)."""
     scale, bias = node.inputs[1:3]
-    return [lambda: _total(e, gy_xh(), rank, scale), lambda: _total(e, gy, rank, bias)]
+    return [lambda: _total(gy_xh(), rank, scale), lambda: _total(gy, rank, bias)]
 
 
 @vjp("BatchNormalization", bounded=True, finite=True, reads="all", mixing=True)
@@ -302,72 +296,70 @@ def batch_norm(ctx: Ctx, node: Node, cts: list) -> list:
     the batch's own (population variance over every axis but 1), and ``running_mean = mean m + mu (1 - m)``,
     ``running_var = var m + sigma^2 (1 - m)`` with ``m`` the momentum carry gradients to X, input_mean and
     input_var as those formulas say. Everything is computed in X's dtype and cast back per input."""
-    e, rank, eps = ctx.e, ctx.e.need_rank(node.inputs[0], node), f32_attr(node, "epsilon", 1e-5)
+    rank, eps = ctx.e.need_rank(node.inputs[0], node), f32_attr(node, "epsilon", 1e-5)
     if node.attrs.get("training_mode", 0):
-        grads = _batch_norm_training(e, node, padded(cts, 3), rank, eps)
+        grads = _batch_norm_training(ctx, node, ctx.vals(*padded(cts, 3)), rank, eps)
     else:
-        grads = [] if cts[0] is None else _batch_norm_inference(e, node, cts[0], rank, eps)
+        grads = [] if cts[0] is None else _batch_norm_inference(ctx, node, ctx.val(cts[0]), rank, eps)
     return padded(grads, len(node.inputs))
 
 
-def _batch_norm_inference(e: Emitter, node: Node, gy: str, rank: int, eps: float) -> list:
+def _batch_norm_inference(ctx: Ctx, node: Node, gy: Val, rank: int, eps: float) -> list:
     """The cotangents of the five inputs for ``training_mode=0`` (the given ``mean`` and ``var``)."""
-    x, scale, bias, mean, var = node.inputs[:5]
+    x, scale, bias, mean, var = ctx.vals(*node.inputs[:5])
 
     @cache
-    def inv() -> str:
-        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [_chan(e, var, x, rank), e.scalar(eps, x)])])])
+    def inv() -> Val:
+        return (_chan(var, x, rank) + eps).sqrt().reciprocal()
 
     @cache
-    def scale_inv() -> str:
-        return e.op("Mul", [_chan(e, scale, x, rank), inv()])
+    def scale_inv() -> Val:
+        return _chan(scale, x, rank) * inv()
 
     @cache
-    def dx() -> str:
-        return e.op("Mul", [gy, scale_inv()], like=x)
+    def dx() -> Val:
+        return gy.apply("Mul", scale_inv(), like=x)
 
     @cache
-    def gxh() -> str:  # dY xh
-        xh = e.op("Mul", [e.op("Sub", [x, _chan(e, mean, x, rank)], like=x), inv()], like=x)
-        return e.op("Mul", [gy, xh], like=x)
+    def gxh() -> Val:  # dY xh
+        return gy.apply("Mul", (x - _chan(mean, x, rank)) * inv(), like=x)
 
-    def dvar() -> str:
-        half = e.op("Mul", [e.op("Mul", [scale_inv(), inv()]), e.scalar(-0.5, x)])
-        return _total(e, e.op("Mul", [gxh(), half], like=x), rank, var)
+    def dvar() -> Val:
+        return _total(gxh() * (scale_inv() * inv() * -0.5), rank, var)
 
-    return [dx, lambda: _total(e, gxh(), rank, scale), lambda: _total(e, gy, rank, bias),
-            lambda: _total(e, e.op("Neg", [dx()], like=x), rank, mean), dvar]
+    return [dx, lambda: _total(gxh(), rank, scale), lambda: _total(gy, rank, bias),
+            lambda: _total(dx().apply("Neg", like=x), rank, mean), dvar]
 
 
-def _batch_norm_training(e: Emitter, node: Node, cts: list, rank: int, eps: float) -> list:
+def _batch_norm_training(ctx: Ctx, node: Node, cts: list, rank: int, eps: float) -> list:
     """The cotangents of the five inputs for ``training_mode=1``, from those of ``Y`` and the running statistics."""
-    (x, scale, bias, mean, var), (gy, g_rmean, g_rvar) = node.inputs[:5], cts
+    e, (x, scale, bias, mean, var), (gy, g_rmean, g_rvar) = ctx.e, node.inputs[:5], cts
     momentum = f32_attr(node, "momentum", 0.9)
     if gy is not None and g_rmean is None and g_rvar is None:
         dims, dt = e.dims(x), e.dtype(x)
         if dims is not None and all(isinstance(v, int) and v > 0 for v in dims) and dt in (np.float32, np.float64) \
                 and e.dtype(scale) == dt and e.dtype(bias) == dt:
-            return [*_batch_norm_training_fused(e, x, scale, gy, rank, eps, dims[1]), None, None]
-        return [*_batch_norm_training_y(e, x, scale, bias, gy, rank, eps), None, None]
+            return [*_batch_norm_training_fused(ctx, x, scale, gy, rank, eps, dims[1]), None, None]
+        return [*_batch_norm_training_y(ctx, x, scale, bias, gy, rank, eps), None, None]
 
     @cache
     def st() -> Stats:
-        return Stats(e, x, [0, *range(2, rank)], eps)
+        return Stats(ctx.val(x), [0, *range(2, rank)], eps)
 
-    def dx() -> str:
+    def dx() -> Val:
         def stat(g):  # a running statistic's cotangent, as the batch statistic's: times (1 - momentum)
-            return None if g is None else e.op("Mul", [_chan(e, g, x, rank), e.scalar(1.0 - momentum, x)])
-        gzh = None if gy is None else e.op("Mul", [gy, _chan(e, scale, x, rank)], like=x)
+            return None if g is None else _chan(g, x, rank) * (1.0 - momentum)
+        gzh = None if gy is None else gy.apply("Mul", _chan(ctx.val(scale), x, rank), like=x)
         return st().vjp(gzh, stat(g_rmean), stat(g_rvar))
 
-    def running(g: str | None, like: str):  # the input statistic's share of the running one: times momentum
-        return None if g is None else lambda: e.op("Mul", [g, e.scalar(momentum, g)], like=like)
+    def running(g: Val | None, like: str):  # the input statistic's share of the running one: times momentum
+        return None if g is None else lambda: g.apply("Mul", momentum, like=like)
 
-    affine = [None, None] if gy is None else _affine(e, node, gy, lambda: e.op("Mul", [gy, st().zh], like=x), rank)
+    affine = [None, None] if gy is None else _affine(node, gy, lambda: gy.apply("Mul", st().zh, like=x), rank)
     return [dx, *affine, running(g_rmean, mean), running(g_rvar, var)]
 
 
-def _batch_norm_training_fused(e: Emitter, x: str, scale: str, gy: str, rank: int, eps: float, c: int) -> list:
+def _batch_norm_training_fused(ctx: Ctx, x: str, scale: str, gy: Val, rank: int, eps: float, c: int) -> list:
     """:func:`_batch_norm_training_y` with onnxruntime's fused batch-norm kernels doing most per-element work
     (float32/float64, static shapes, ``c`` channels). A training-mode ``BatchNormalization`` of X with scale 1,
     bias 0 and momentum 0 gives ``xh`` and, as its running variance, the batch's population variance itself
@@ -376,6 +368,7 @@ def _batch_norm_training_fused(e: Emitter, x: str, scale: str, gy: str, rank: in
     ``dX = (dY - (xh s2 / n + s1 / n)) inv scale``, where ``xh s2 / n + s1 / n`` is an inference-mode
     ``BatchNormalization`` of ``xh`` with mean 0, variance 1 and epsilon 0 (exactly that affine map). 7 passes
     over X-sized tensors, 2 of them fused kernels (bench/micro.py ``batch_norm_backward``)."""
+    e = ctx.e
     axes = e.ints([0, *range(2, rank)])
     dt, shape = e.dtype(x), tuple(e.dims(x))
     vec = {"shape": (c,), "dtype": dt}  # static types given, not inferred: this rule runs once per BN layer
@@ -383,7 +376,7 @@ def _batch_norm_training_fused(e: Emitter, x: str, scale: str, gy: str, rank: in
     n = e.scalar(1.0 / float(np.prod([d for i, d in enumerate(shape) if i != 1])), x)
 
     @cache
-    def stats() -> tuple[str, str]:  # xh and the batch variance
+    def stats() -> tuple[Val, Val]:  # xh and the batch variance
         # The input statistics are multiplied by momentum 0, but onnxruntime writes the running statistics
         # into their buffers in place: they must be finite temporaries of this run that nothing else reads (a
         # shared constant would be overwritten for every later reader and run), here 0/1 flags of one [C]
@@ -396,29 +389,27 @@ def _batch_norm_training_fused(e: Emitter, x: str, scale: str, gy: str, rank: in
         xh, _, var = e.op("BatchNormalization", [x, one, zero, *flags], 3, training_mode=1, momentum=0.0,
                           epsilon=eps, shape=shape, dtype=dt)
         e.types[var] = ValueInfo(var, dt, (c,))
-        return xh, var
+        return ctx.val(xh), ctx.val(var)
 
     @cache
-    def s1() -> str:
-        return e.op("ReduceSum", [gy, axes], keepdims=0, **vec)
+    def s1() -> Val:
+        return gy.out("ReduceSum", axes, keepdims=0, **vec)
 
     @cache
-    def s2() -> str:
-        return e.op("ReduceSum", [e.op("Mul", [gy, stats()[0]], like=x), axes], keepdims=0, **vec)
+    def s2() -> Val:
+        return gy.apply("Mul", stats()[0], like=x).out("ReduceSum", axes, keepdims=0, **vec)
 
-    def dx() -> str:
+    def dx() -> Val:
         xh, var = stats()
-        inv = e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, x)], **vec)], **vec)], **vec)
-        fit = e.op("BatchNormalization", [xh, e.op("Mul", [s2(), n], **vec), e.op("Mul", [s1(), n], **vec), zero, one],
-                   epsilon=0.0, like=x)  # xh * s2 / n + s1 / n
-        k = e.op("Unsqueeze", [e.op("Mul", [inv, scale], **vec), e.ints([0, *range(2, rank)])],
-                 shape=(1, c) + (1,) * (rank - 2), dtype=dt)
-        return e.op("Mul", [e.op("Sub", [gy, fit], like=x), k], like=x)
+        inv = (var + eps).sqrt().reciprocal()  # [C]: the types of var
+        fit = xh.apply("BatchNormalization", s2() * n, s1() * n, zero, one, epsilon=0.0, like=x)  # xh s2/n + s1/n
+        k = inv.out("Mul", scale, **vec).out("Unsqueeze", e.ints([0, *range(2, rank)]), shape=(1, c) + (1,) * (rank - 2), dtype=dt)
+        return gy.apply("Sub", fit, like=x).apply("Mul", k, like=x)
 
     return [dx, s2, s1]
 
 
-def _batch_norm_training_y(e: Emitter, x: str, scale: str, bias: str, gy: str, rank: int, eps: float) -> list:
+def _batch_norm_training_y(ctx: Ctx, x: str, scale: str, bias: str, gy: Val, rank: int, eps: float) -> list:
     """The cotangents of X, scale and B when only ``Y`` has one (a training step): PyTorch's
     ``batch_norm_backward`` (aten/src/ATen/native/Normalization.cpp, training branch) in closed form over the
     centred input ``d = X - mean`` with ``inv = (mean(d^2) + eps)^(-1/2)``, the per-channel sums
@@ -426,59 +417,59 @@ def _batch_norm_training_y(e: Emitter, x: str, scale: str, bias: str, gy: str, r
     ``dB = s1``, ``dscale = s2 inv``, ``dX = (dY - s1 / n - d s2 inv^2 / n) inv scale``.
     Each sum is taken once and shared by dX and the affine cotangents, and ``xh = d inv`` is never
     materialized: 11 passes over X-sized tensors where the Stats-based form (:meth:`Stats.vjp`) takes 14."""
+    e, xv = ctx.e, ctx.val(x)
     axes = e.ints([0, *range(2, rank)])
     n = _count(e, x, [0, *range(2, rank)])
 
     @cache
-    def d() -> str:
-        return e.op("Sub", [x, e.op("ReduceMean", [x, axes], keepdims=1)], like=x)
+    def d() -> Val:
+        return xv - xv.mean(axes)
 
     @cache
-    def inv() -> str:  # not ReduceSumSquare(d): onnxruntime runs it 3-4x slower than ReduceMean(d * d)
-        var = e.op("ReduceMean", [e.op("Mul", [d(), d()], like=x), axes], keepdims=1)
-        return e.op("Reciprocal", [e.op("Sqrt", [e.op("Add", [var, e.scalar(eps, x)])])])
+    def inv() -> Val:  # not ReduceSumSquare(d): onnxruntime runs it 3-4x slower than ReduceMean(d * d)
+        return ((d() * d()).mean(axes) + eps).sqrt().reciprocal()
 
     @cache
-    def s1() -> str:
-        return e.op("ReduceSum", [gy, axes], keepdims=1)
+    def s1() -> Val:
+        return gy.sum(axes)
 
     @cache
-    def s2() -> str:
-        return e.op("ReduceSum", [e.op("Mul", [gy, d()], like=x), axes], keepdims=1)
+    def s2() -> Val:
+        return gy.apply("Mul", d(), like=x).sum(axes)
 
-    def dx() -> str:
-        c = e.op("Div", [e.op("Mul", [s2(), e.op("Mul", [inv(), inv()])]), n])
-        m1 = e.op("Div", [s1(), n])
-        centred = e.op("Sub", [gy, e.op("Add", [e.op("Mul", [d(), c], like=x), m1], like=x)], like=x)
-        return e.op("Mul", [centred, e.op("Mul", [inv(), _chan(e, scale, x, rank)])], like=x)
+    def dx() -> Val:
+        c, m1 = s2() * (inv() * inv()) / n, s1() / n
+        centred = gy.apply("Sub", d() * c + m1, like=x)
+        return centred.apply("Mul", inv() * _chan(ctx.val(scale), x, rank), like=x)
 
-    def flat(v: str, like: str) -> str:  # a keepdims per-channel value as [C] in like's dtype
-        return _back(e, e.op("Reshape", [v, e.ints([-1])]), like)
-    return [dx, lambda: flat(e.op("Mul", [s2(), inv()]), scale), lambda: flat(s1(), bias)]
+    def flat(v: Val, like: str) -> Val:  # a keepdims per-channel value as [C] in like's dtype
+        return _back(v.reshape([-1]), like)
+
+    return [dx, lambda: flat(s2() * inv(), scale), lambda: flat(s1(), bias)]
 
 
 @vjp("InstanceNormalization", bounded=True, finite=True, reads="all", mixing=True)
 def instance_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """Standardization over the spatial axes ``[2, rank)`` per sample and channel, then ``* scale + B`` with
     ``[C]`` vectors (ONNX "InstanceNormalization")."""
-    e, (x, scale), gy = ctx.e, node.inputs[:2], cts[0]
-    rank = e.need_rank(x, node)
+    e, (x, scale), gy = ctx.e, ctx.vals(*node.inputs[:2]), ctx.val(cts[0])
+    rank = e.need_rank(x.name, node)
     if rank < 3:
         raise GraphError(f"{node.label()}: InstanceNormalization needs an input of rank >= 3, not {rank}")
 
     @cache
     def st() -> Stats:
-        return Stats(e, x, list(range(2, rank)), f32_attr(node, "epsilon", 1e-5))
+        return Stats(x, list(range(2, rank)), f32_attr(node, "epsilon", 1e-5))
 
-    return [lambda: st().vjp(e.op("Mul", [gy, _per_channel(e, scale, rank)], like=x)),
-            *_affine(e, node, gy, lambda: e.op("Mul", [gy, st().zh]), rank)]
+    return [lambda: st().vjp(gy.apply("Mul", _per_channel(scale, rank), like=x)),
+            *_affine(node, gy, lambda: gy * st().zh, rank)]
 
 
 @vjp("GroupNormalization", bounded=True, finite=True, reads="all", mixing=True)
 def group_norm(ctx: Ctx, node: Node, cts: list) -> list:
     """X ``[N, C, ...]`` viewed as ``[N, G, C/G * ...]`` is standardized over its last axis, viewed back, then
     ``* scale + bias`` with ``[C]`` vectors (ONNX "GroupNormalization", opset 21)."""
-    e, (x, scale), gy = ctx.e, node.inputs[:2], cts[0]
+    e, (x, scale), gy = ctx.e, node.inputs[:2], ctx.val(cts[0])
     rank = e.need_rank(x, node)
     if "num_groups" not in node.attrs:
         raise GraphError(f"{node.label()}: GroupNormalization needs the num_groups attribute")
@@ -486,18 +477,18 @@ def group_norm(ctx: Ctx, node: Node, cts: list) -> list:
 
     @cache
     def st() -> Stats:
-        return Stats(e, e.op("Reshape", [_work(e, node, x), e.ints(groups)]), [2], f32_attr(node, "epsilon", 1e-5))
+        return Stats(_work(ctx, node, x).reshape(groups), [2], f32_attr(node, "epsilon", 1e-5))
 
     @cache
     def xshape() -> str:
         return e.shape_of(x)
 
-    def dx() -> str:
-        gxh = e.op("Mul", [gy, _per_channel(e, scale, rank)], like=x)
-        gz = st().vjp(_back(e, e.op("Reshape", [gxh, e.ints(groups)]), st().z))
-        return e.op("Reshape", [_back(e, gz, x), xshape()], like=x)
+    def dx() -> Val:
+        gxh = gy.apply("Mul", _per_channel(ctx.val(scale), rank), like=x)
+        gz = st().vjp(_back(gxh.reshape(groups), st().z))
+        return _back(gz, x).reshape(xshape(), like=x)
 
-    def gy_xh() -> str:
-        return e.op("Mul", [gy, e.op("Reshape", [_back(e, st().zh, x), xshape()], like=x)])
+    def gy_xh() -> Val:
+        return gy * _back(st().zh, x).reshape(xshape(), like=x)
 
-    return [dx, *_affine(e, node, gy, gy_xh, rank)]
+    return [dx, *_affine(node, gy, gy_xh, rank)]

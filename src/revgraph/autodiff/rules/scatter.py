@@ -34,8 +34,8 @@ from ...warn import warn
 from ..algebra import Val
 from ..context import Ctx
 from ..emitter import Emitter
-from ..registry import vjp
 from ..group_products import others_product
+from ..registry import vjp
 from ..sparse import scatter_nd_reduce
 from ._common import INT64, cat_shapes, dim, node_axis, nonneg, shape_part
 from .indexing import nd_dims

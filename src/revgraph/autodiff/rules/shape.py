@@ -23,6 +23,7 @@ import numpy as np
 from ...errors import GraphError
 from ...ir import Node
 from ...ir.fastshape import slice_indices
+from ..algebra import Val
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, vjp
@@ -123,15 +124,15 @@ def reshape(ctx: Ctx, node: Node, cts: list) -> list:
 def transpose(ctx: Ctx, node: Node, cts: list) -> list:
     """Transpose by the inverse permutation; the default perm reverses the axes and is its own inverse
     (JAX's ``_transpose_transpose_rule``)."""
-    e, x, g = ctx.e, node.inputs[0], cts[0]
+    x, g = node.inputs[0], ctx.val(cts[0])
     perm = node.attrs.get("perm")
     if perm is None:
-        return [e.op("Transpose", [g], like=x)]
+        return [g.apply("Transpose", like=x)]
     perm = [int(p) + len(perm) if int(p) < 0 else int(p) for p in perm]
     inverse = [0] * len(perm)
     for i, p in enumerate(perm):
         inverse[p] = i
-    return [e.op("Transpose", [g], perm=inverse, like=x)]
+    return [g.apply("Transpose", like=x, perm=inverse)]
 
 
 @vjp("Expand", bounded=True, finite=True, reads=())
@@ -146,8 +147,8 @@ def trilu(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Trilu" keeps the upper (``upper=1``) or lower triangle of the last two axes, from diagonal ``k``: a
     fixed mask, so the VJP keeps the same triangle of the cotangent (PyTorch's ``triu``/``tril`` backward).
     The discarded entries are written as zeros, exact also for an inf or NaN cotangent; ``k`` gets none."""
-    e, x = ctx.e, node.inputs[0]
-    return [lambda: e.op("Trilu", [cts[0], *node.inputs[1:]], upper=node.attrs.get("upper"), like=x),
+    x = node.inputs[0]
+    return [lambda: ctx.val(cts[0]).apply("Trilu", *node.inputs[1:], like=x, upper=node.attrs.get("upper")),
             *[None] * (len(node.inputs) - 1)]
 
 
@@ -432,11 +433,10 @@ def pad(ctx: Ctx, node: Node, cts: list) -> list:
             return _unpad_constant(e, g, x, pads, axes)
         return _unpad_modes(e, node, g, x, pads, axes, mode)
 
-    def dvalue() -> str:
-        inside = e.op("Pad", [e.ones_like(x), pads, "", *([axes] if axes else [])])
-        border = e.op("Sub", [e.scalar(1.0, g), inside])
-        total = e.op("ReduceSum", [e.op("Mul", [g, border])], keepdims=0)
-        return total if e.rank(cv) == 0 else e.op("Reshape", [total, e.shape_of(cv)], like=cv)
+    def dvalue() -> Val:  # the sum of g over the border, where Pad of ones is 0
+        inside = ctx.val(e.op("Pad", [e.ones_like(x), pads, "", *([axes] if axes else [])]))
+        total = (ctx.val(g) * (1 - inside)).sum(keepdims=0)
+        return total if e.rank(cv) == 0 else total.reshape(e.shape_of(cv), like=cv)
 
     grads: list = [dx, *[None] * (len(node.inputs) - 1)]
     if cv is not None and mode == "constant":
@@ -494,25 +494,26 @@ def range_(ctx: Ctx, node: Node, cts: list) -> list:
     ``dstart = sum(g)`` and ``ddelta = sum(i * g)``. ``n`` moves only in steps (a piecewise-constant function
     of all three inputs), so ``limit`` gets no gradient and the others none through ``n``. Integer ranges
     never get here (integer values carry no gradient)."""
-    e, (start, _, delta), g = ctx.e, node.inputs, cts[0]
-    return [lambda: _to_scalar_like(e, e.op("ReduceSum", [g], keepdims=0), start),
+    (start, _, delta), g = node.inputs, ctx.val(cts[0])
+    return [lambda: _to_scalar_like(g.sum(keepdims=0), start),
             None,
-            lambda: _to_scalar_like(e, e.op("ReduceSum", [e.op("Mul", [g, _ramp(e, g)])], keepdims=0), delta)]
+            lambda: _to_scalar_like((g * _ramp(g)).sum(keepdims=0), delta)]
 
 
-def _ramp(e: Emitter, g: str) -> str:
+def _ramp(g: Val) -> Val:
     """``[0, 1, ..., n - 1]`` for the 1-D ``g`` of length ``n``, in ``g``'s dtype: an integer ``Range`` (exact
     counts; ONNX shape inference rarely knows a Range's length, so no constant is folded here)."""
-    dt = e.dtype(g)
-    ramp = e.op("Range", [e.const(np.int64(0)), e.op("Size", [g]), e.const(np.int64(1))])
-    return e.op("Cast", [ramp], to=e.onnx_dtype(g)) if dt is not None else e.op("CastLike", [ramp, g])
+    e = g.ctx.e
+    ramp = g.ctx.val(e.op("Range", [e.const(np.int64(0)), e.op("Size", [g.name]), e.const(np.int64(1))]))
+    return ramp.cast(g.dtype) if g.dtype is not None else ramp.apply("CastLike", g, like=None)
 
 
-def _to_scalar_like(e: Emitter, total: str, x: str) -> str:
+def _to_scalar_like(total: Val, x: str) -> Val:
     """The 0-d ``total`` with the dtype of the scalar input ``x``, reshaped like ``x`` if it is not 0-d."""
-    if e.dtype(x) is None or e.dtype(x) != e.dtype(total):
-        total = e.op("CastLike", [total, x])
-    return total if e.rank(x) == 0 else e.op("Reshape", [total, e.shape_of(x)], like=x)
+    e = total.ctx.e
+    if e.dtype(x) is None or e.dtype(x) != total.dtype:
+        total = total.apply("CastLike", x, like=None)
+    return total if e.rank(x) == 0 else total.reshape(e.shape_of(x), like=x)
 
 
 not_differentiable("integer result, or a result fixed by the inputs' shapes rather than their values",
