@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-DECORATORS = ("vjp", "unary", "_unary")
+DECORATORS = ("vjp", "unary", "_unary", "slope")
 
 
 def rule_lengths(root: Path) -> dict[str, int]:

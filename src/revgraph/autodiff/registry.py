@@ -170,6 +170,30 @@ def unary(*op_types: str, **facts) -> Callable:
     return register
 
 
+def slope(op_type: str, *, of: str | None, **facts) -> Callable:
+    """Register the VJP ``dx = g * d`` of a one-input pointwise operator from its derivative alone, written as
+    ``fn(x, y) -> d`` over :class:`~revgraph.autodiff.algebra.Val` values (``x`` the input, ``y`` the output):
+    a line of a table of derivatives (JAX's ``ad.defjvp(sin_p, lambda g, x: mul(g, cos(x)))``). The product is
+    the strong-zero one (:meth:`Val.times`); ``of`` names the forward value ``d`` is computed from, ``"x"`` or
+    ``"y"``, when ``d`` is finite wherever that value is, or ``None`` when ``d`` may be inf at finite values (``1 /
+    x`` at 0: always tested). ``facts``: as for :func:`vjp`."""
+    if of not in ("x", "y", None):
+        raise ValueError(f"slope({op_type!r}): of must be 'x', 'y' or None, got {of!r}")
+
+    def register(fn: Callable) -> Callable:
+        def rule(ctx: Ctx, node: Node, x: str, y: str, g: str):
+            xv, yv = ctx.vals(x, y)
+            reads = None if of is None else [x if of == "x" else y]
+            return ctx.val(g).times(fn(xv, yv), reads, like=x)
+
+        rule.__doc__ = fn.__doc__
+        rule.__name__, rule.__qualname__, rule.__module__ = fn.__name__, fn.__qualname__, fn.__module__
+        unary(op_type, **facts)(rule)
+        return fn
+
+    return register
+
+
 def not_differentiable(reason: str, *op_types: str, **facts) -> None:
     """Declare ``op_types`` as carrying no gradient, with the reason (shown in docs/op_coverage.md) and their
     :class:`Facts` (``bounded`` and ``finite`` required; ``reads`` is ``()``: no gradient is sent, so nothing

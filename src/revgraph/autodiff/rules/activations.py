@@ -18,7 +18,7 @@ import math
 from ...ir import Node
 from ..algebra import Val, where
 from ..context import Ctx
-from ..registry import unary, vjp
+from ..registry import slope, unary, vjp
 from ._common import f32_attr
 
 
@@ -169,25 +169,22 @@ def shrink(ctx, node, x, y, g):
 # ---------------------------------------------------------------------------------------------- trigonometric
 
 
-@unary("Sinh", bounded=True, finite=False, reads="all")
-def sinh(ctx, node, x, y, g):
+@slope("Sinh", of=None, bounded=True, finite=False, reads="all")
+def sinh(x, y):
     """``cosh(x)`` (strong zeros: it overflows to inf for large ``|x|``)."""
-    x, g = ctx.vals(x, g)
-    return g.times(x.apply("Cosh"))
+    return x.apply("Cosh")
 
 
-@unary("Cosh", bounded=True, finite=False, reads="all")
-def cosh(ctx, node, x, y, g):
+@slope("Cosh", of=None, bounded=True, finite=False, reads="all")
+def cosh(x, y):
     """``sinh(x)``."""
-    x, g = ctx.vals(x, g)
-    return g.times(x.apply("Sinh"))
+    return x.apply("Sinh")
 
 
-@unary("Tan", bounded=False, finite=False)
-def tan(ctx, node, x, y, g):
+@slope("Tan", of="y", bounded=False, finite=False)
+def tan(x, y):
     """``1 + tan(x)^2`` (overflows near the poles in float16: ``y`` is never taken as finite)."""
-    y, g = ctx.vals(y, g)
-    return g.times(1 + y * y, [y], like=x)
+    return 1 + y * y
 
 
 def _inv_sqrt_one_minus_sq(x: Val) -> Val:
@@ -195,18 +192,16 @@ def _inv_sqrt_one_minus_sq(x: Val) -> Val:
     return ((1 - x) * (1 + x)).sqrt().reciprocal()
 
 
-@unary("Asin", bounded=False, finite=False)
-def asin(ctx, node, x, y, g):
+@slope("Asin", of=None, bounded=False, finite=False)
+def asin(x, y):
     """``1 / sqrt(1 - x^2)``."""
-    x, g = ctx.vals(x, g)
-    return g.times(_inv_sqrt_one_minus_sq(x))
+    return _inv_sqrt_one_minus_sq(x)
 
 
-@unary("Acos", bounded=False, finite=False)
-def acos(ctx, node, x, y, g):
+@slope("Acos", of=None, bounded=False, finite=False)
+def acos(x, y):
     """``-1 / sqrt(1 - x^2)``."""
-    x, g = ctx.vals(x, g)
-    return g.times(-_inv_sqrt_one_minus_sq(x))
+    return -_inv_sqrt_one_minus_sq(x)
 
 
 @unary("Atan", bounded=True, finite=True, reads="all")
@@ -223,18 +218,16 @@ def asinh(ctx, node, x, y, g):
     return _over(ctx, g, (x * x + 1).sqrt(), x)
 
 
-@unary("Acosh", bounded=False, finite=False)
-def acosh(ctx, node, x, y, g):
+@slope("Acosh", of=None, bounded=False, finite=False)
+def acosh(x, y):
     """``1 / sqrt((x - 1)(x + 1))``: inf at ``x = 1``."""
-    x, g = ctx.vals(x, g)
-    return g.times(((x - 1) * (x + 1)).sqrt().reciprocal())
+    return ((x - 1) * (x + 1)).sqrt().reciprocal()
 
 
-@unary("Atanh", bounded=False, finite=False)
-def atanh(ctx, node, x, y, g):
+@slope("Atanh", of=None, bounded=False, finite=False)
+def atanh(x, y):
     """``1 / ((1 - x)(1 + x))``: inf at ``|x| = 1``."""
-    x, g = ctx.vals(x, g)
-    return g.times(((1 - x) * (1 + x)).reciprocal())
+    return ((1 - x) * (1 + x)).reciprocal()
 
 
 @vjp("Mod", bounded=False, finite=False)

@@ -25,7 +25,7 @@ from ...warn import warn
 from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
-from ..registry import not_differentiable, unary, vjp
+from ..registry import not_differentiable, slope, unary, vjp
 from ._common import f32_attr, optional_input
 
 
@@ -114,50 +114,44 @@ def pow_(ctx: Ctx, node: Node, cts: list) -> list:
 # says why reading ``y`` is exact, also at 0, at +-inf and at NaN.
 
 
-@unary("Sqrt", bounded=False, finite=False)
-def sqrt(ctx, node, x, y, g):
+@slope("Sqrt", of=None, bounded=False, finite=False)
+def sqrt(x, y):
     """``1 / (2 sqrt(x)) = 0.5 / y``: reads the output (inf at ``x = 0``: always strong)."""
-    y, g = ctx.vals(y, g)
-    return g.times(0.5 / y, like=x)
+    return 0.5 / y
 
 
-@unary("Reciprocal", bounded=False, finite=False)
-def reciprocal(ctx, node, x, y, g):
+@slope("Reciprocal", of=None, bounded=False, finite=False)
+def reciprocal(x, y):
     """``-1 / x^2 = -y^2``: reads the output (inf at ``x = 0``: always strong)."""
-    y, g = ctx.vals(y, g)
-    return g.times(-(y * y), like=x)
+    return -(y * y)
 
 
-@unary("Exp", bounded=True, finite=False, reads="all")
-def exp(ctx, node, x, y, g):
+@slope("Exp", of="y", bounded=True, finite=False, reads="all")
+def exp(x, y):
     """``exp(x) = y``: reads the output."""
-    return ctx.val(g).times(y, [y], like=x)  # exp(1000) = inf: a zero cotangent must still give 0
+    return y
 
 
-@unary("Log", bounded=False, finite=False)
-def log(ctx, node, x, y, g):
-    x, g = ctx.vals(x, g)
-    return g.times(x.reciprocal(), like=x)
+@slope("Log", of=None, bounded=False, finite=False)
+def log(x, y):
+    return x.reciprocal()
 
 
-@unary("Abs", bounded=True, finite=True, reads="all")
-def abs_(ctx, node, x, y, g):
-    x, g = ctx.vals(x, g)
-    return g.times(x.sign(), [x], like=x)  # Sign(NaN) is NaN
+@slope("Abs", of="x", bounded=True, finite=True, reads="all")
+def abs_(x, y):
+    return x.sign()  # Sign(NaN) is NaN
 
 
-@unary("Tanh", bounded=True, finite=True, reads="all")
-def tanh(ctx, node, x, y, g):
+@slope("Tanh", of="y", bounded=True, finite=True, reads="all")
+def tanh(x, y):
     """``1 - tanh(x)^2 = 1 - y^2``: reads the output (PyTorch's ``tanh_backward``)."""
-    y, g = ctx.vals(y, g)
-    return g.times(1 - y * y, [y], like=x)
+    return 1 - y * y
 
 
-@unary("Sigmoid", bounded=True, finite=True, reads="all")
-def sigmoid(ctx, node, x, y, g):
+@slope("Sigmoid", of="y", bounded=True, finite=True, reads="all")
+def sigmoid(x, y):
     """``sigmoid(x) (1 - sigmoid(x)) = y (1 - y)``: reads the output (PyTorch's ``sigmoid_backward``)."""
-    y, g = ctx.vals(y, g)
-    return g.times(y * (1 - y), [y], like=x)
+    return y * (1 - y)
 
 
 @unary("Relu", bounded=True, finite=True, reads=())
@@ -191,22 +185,19 @@ def elu(ctx, node, x, y, g):
     return where((y if alpha >= 0 else x).gt(0), g, neg, like=x)
 
 
-@unary("Softplus", bounded=True, finite=False, reads="all")
-def softplus(ctx, node, x, y, g):
-    x, g = ctx.vals(x, g)
-    return g.times(x.sigmoid(), [x], like=x)
+@slope("Softplus", of="x", bounded=True, finite=False, reads="all")
+def softplus(x, y):
+    return x.sigmoid()
 
 
-@unary("Erf", bounded=True, finite=True, reads="all")
-def erf(ctx, node, x, y, g):
-    x, g = ctx.vals(x, g)
-    return g.times((-(x * x)).exp() * (2.0 / math.sqrt(math.pi)), [x], like=x)
+@slope("Erf", of="x", bounded=True, finite=True, reads="all")
+def erf(x, y):
+    return (-(x * x)).exp() * (2.0 / math.sqrt(math.pi))
 
 
-@unary("Sin", bounded=True, finite=True, reads="all")
-def sin(ctx, node, x, y, g):
-    x, g = ctx.vals(x, g)
-    return g.times(x.cos(), [x], like=x)  # cos(inf) is NaN
+@slope("Sin", of="x", bounded=True, finite=True, reads="all")
+def sin(x, y):
+    return x.cos()  # cos(inf) is NaN
 
 
 @unary("Cos", bounded=True, finite=True, reads="all")
