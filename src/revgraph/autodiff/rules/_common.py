@@ -4,9 +4,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ...ir import Node
+
+if TYPE_CHECKING:
+    from ..algebra import Val
 
 
 def f32_attr(node: Node, name: str, default: float) -> float:
@@ -18,3 +24,15 @@ def f32_attr(node: Node, name: str, default: float) -> float:
 def optional_input(node: Node, i: int) -> str | None:
     """The name of ``node``'s input ``i``, or ``None`` when it is absent or empty (an omitted optional input)."""
     return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
+
+
+# ---- geometry and grids (portB)
+
+
+def product(factors: Sequence[Val]) -> Val:
+    """The product of ``factors`` (at least one), left to right: one ``Mul`` per factor after the first, as
+    multilinear interpolation weights multiply their per-axis weights (GridSample, DeformConv)."""
+    out = factors[0]
+    for f in factors[1:]:
+        out = out * f
+    return out

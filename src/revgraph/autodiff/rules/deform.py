@@ -25,7 +25,6 @@ from ..emitter import Emitter
 from ..registry import vjp
 from ..sparse import add_rows
 from .conv import Geometry, _optional, bias_grad, dims_part, ints_attr, kernel_of, shape_cat
-from .sampling import _product  # the product of factors, shared with GridSample's multilinear weights
 
 # ------------------------------------------------------------------------------------------ Col2Im
 
@@ -206,6 +205,13 @@ def _sampling(e: Emitter, x: str, off: str, sz: _Deform) -> tuple[str, str, list
     slope = [e.op("Reshape", [_product(e, [sl, *weights[:j], *weights[j + 1:]]), flat])
              for j, sl in enumerate(slopes)]
     return rows, weight, slope
+
+
+def _product(e: Emitter, vs: list[str]) -> str:
+    out = vs[0]
+    for v in vs[1:]:
+        out = e.op("Mul", [out, v])
+    return out
 
 
 def _samples(e: Emitter, x: str, rows: str, sz: _Deform) -> str:
