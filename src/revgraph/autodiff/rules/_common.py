@@ -13,6 +13,7 @@ from ...ir import Node
 
 if TYPE_CHECKING:
     from ..algebra import Val
+    from ..emitter import Emitter
 
 
 def f32_attr(node: Node, name: str, default: float) -> float:
@@ -36,3 +37,12 @@ def product(factors: Sequence[Val]) -> Val:
     for f in factors[1:]:
         out = out * f
     return out
+
+
+def zeros_of_shape(e: Emitter, shape: str, like: str) -> str:
+    """Zeros of the shape held by the int64 value ``shape``, in ``like``'s dtype (``CastLike`` when that dtype is
+    unknown: a float32 zero would mistype a float64 gradient); the tables scatters add into."""
+    dt = e.dtype(like)
+    if dt is not None:
+        return e.op("ConstantOfShape", [shape], value=np.zeros(1, dtype=dt))
+    return e.op("CastLike", [e.op("ConstantOfShape", [shape], value=np.zeros(1, dtype=np.float32)), like])

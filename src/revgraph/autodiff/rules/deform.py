@@ -25,7 +25,7 @@ from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 from ..sparse import add_rows
-from ._common import optional_input, product
+from ._common import optional_input, product, zeros_of_shape
 from .conv import Geometry, bias_grad, dims_part, ints_attr, kernel_of, shape_cat
 
 # ------------------------------------------------------------------------------------------ Col2Im
@@ -233,9 +233,7 @@ def _zero_table(e: Emitter, x: str, sz: _Deform) -> str:
     else:
         batch = e.op("Shape", [x], start=0, end=1)
         shape = e.op("Concat", [e.op("Mul", [batch, e.ints([sz.og * sz.pixels])]), e.ints([sz.cog])], axis=0)
-    dt = e.dtype(x)
-    zeros = e.op("ConstantOfShape", [shape], value=np.zeros(1, dtype=dt if dt is not None else np.float32))
-    return zeros if dt is not None else e.op("CastLike", [zeros, x])
+    return zeros_of_shape(e, shape, x)
 
 
 def _input_grad(x: Val, rows: Val, weights: Val, dv: Val, sz: _Deform) -> Val:
