@@ -12,54 +12,21 @@ on flat views, never a reducing ``ScatterND`` (sparse.py: race-free).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
-import onnx
 
 from ...errors import GraphError
 from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import unary, vjp
+from ._common import F32, F64, I64, Dim, as1, dim_of, dims_product, i64, int_range, numel, zeros_of_shape
 from .conv import shape_cat
 from .tables import arange, small
 
 # ------------------------------------------------------------------------------------------ small helpers
-
-_F32, _F64, _I64 = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.INT64
-Dim = int | str  # a static size, or the name of a 0-d int64 value
-
-
-def _zeros(e: Emitter, shape: str, like: str) -> str:
-    dt = e.dtype(like)
-    if dt is not None:
-        return e.op("ConstantOfShape", [shape], value=np.zeros(1, dtype=dt))
-    z = e.op("ConstantOfShape", [shape], value=np.zeros(1, dtype=np.float32))
-    return e.op("CastLike", [z, like])
-
-
-def _dim(e: Emitter, x: str, axis: int) -> Dim:
-    """``shape(x)[axis]``: an int when static, else a 0-d int64 value."""
-    d = e.dims(x)
-    if d is not None and isinstance(d[axis], int):
-        return d[axis]
-    return e.op("Reshape", [e.op("Shape", [x], start=axis, end=axis + 1), e.ints([])])
-
-
-def _i64(e: Emitter, v: Dim) -> str:
-    """``v`` as a 0-d int64 value."""
-    return e.const(np.asarray(v, np.int64)) if isinstance(v, (int, np.integer)) else v
-
-
-def _range(e: Emitter, n: Dim, dtype: type = np.int64) -> str:
-    """``[0, 1, .., n-1]`` (1-D, ``dtype``): a constant when ``n`` is static and small (:mod:`.tables`)."""
-    if isinstance(n, (int, np.integer)):
-        return arange(e, int(n), dtype)
-    r = e.op("Range", [e.const(np.int64(0)), n, e.const(np.int64(1))])
-    return r if dtype is np.int64 else e.op("Cast", [r], to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
 
 
 def _scatter_add(e: Emitter, size: Dim, positions: str, values: str, like: str) -> str:
@@ -67,31 +34,10 @@ def _scatter_add(e: Emitter, size: Dim, positions: str, values: str, like: str) 
     (int64, the shape of ``values``; repeats add up): ``ScatterElements(reduction="add")`` on the flat views,
     which onnxruntime runs sequentially (race-free, sparse.py)."""
     length = e.ints([size]) if isinstance(size, int) else e.op("Unsqueeze", [size, e.ints([0])])
-    flat = _zeros(e, length, like)
+    flat = zeros_of_shape(e, length, like)
     out = e.op("ScatterElements", [flat, e.op("Reshape", [positions, e.ints([-1])]),
                                    e.op("Reshape", [values, e.ints([-1])])], axis=0, reduction="add")
     return e.op("Reshape", [out, e.shape_of(like)], like=like)
-
-
-def _times(e: Emitter, *dims: Dim) -> Dim:
-    """The product of sizes (ints or 0-d int64 values): an int when all are static."""
-    if all(isinstance(d, int) for d in dims):
-        return math.prod(dims)
-    out = _i64(e, dims[0])
-    for d in dims[1:]:
-        out = e.op("Mul", [out, _i64(e, d)])
-    return out
-
-
-def _as1(e: Emitter, v: Dim) -> list[int] | str:
-    """``[v]``: an int list when static, else a 1-D int64 value (for :func:`shape_cat`; explicit sizes instead
-    of ``-1``, which onnxruntime refuses next to a copied 0: no rois)."""
-    return [v] if isinstance(v, int) else e.op("Unsqueeze", [v, e.ints([0])])
-
-
-def _numel(e: Emitter, x: str) -> Dim:
-    s = e.shape(x)
-    return int(np.prod(s)) if s is not None else e.op("Size", [x])
 
 
 # ------------------------------------------------------------------------------------------ MaxUnpool
@@ -113,30 +59,30 @@ def max_unpool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     landed there (``ScatterElements``; places nothing landed on go to a dropped extra slot)."""
     e = ctx.e
     rest = node.inputs[1:]
-    n = _numel(e, x)
+    n = numel(e, x)
     shape = e.shape_of(x)
 
     def landed(code: str) -> str:
         """The code written at each place of the unpooled output (0 where nothing was), as int64 [Y]."""
         probe = e.op("Reshape", [code, shape])
         out = e.op("MaxUnpool", [probe, *rest], **node.attrs)
-        return e.op("Cast", [e.op("Reshape", [out, e.ints([-1])])], to=_I64)
+        return e.op("Cast", [e.op("Reshape", [out, e.ints([-1])])], to=I64)
 
     if isinstance(n, int) and n < _EXACT_F32 and small([n]):
         src = e.op("Sub", [landed(e.const(np.arange(1, n + 1, dtype=np.float32))), e.const(np.int64(1))])
     else:
-        j = _range(e, n)
-        hi = landed(e.op("Cast", [e.op("Div", [j, e.const(np.int64(_LOW))])], to=_F32))
+        j = int_range(e, n)
+        hi = landed(e.op("Cast", [e.op("Div", [j, e.const(np.int64(_LOW))])], to=F32))
         lo = landed(e.op("Cast", [e.op("Add", [e.op("Mod", [j, e.const(np.int64(_LOW))]),
-                                                 e.const(np.int64(1))])], to=_F32))
+                                                 e.const(np.int64(1))])], to=F32))
         src = e.op("Where", [e.op("Equal", [lo, e.const(np.int64(0))]), e.const(np.int64(-1)),
                              e.op("Add", [e.op("Mul", [hi, e.const(np.int64(_LOW))]),
                                           e.op("Sub", [lo, e.const(np.int64(1))])])])
-    src = e.op("Where", [e.op("Less", [src, e.const(np.int64(0))]), _i64(e, n), src])  # nothing: the extra slot
+    src = e.op("Where", [e.op("Less", [src, e.const(np.int64(0))]), i64(e, n), src])  # nothing: the extra slot
     room = n + 1 if isinstance(n, int) else e.op("Add", [n, e.const(np.int64(1))])
-    acc = e.op("ScatterElements", [_zeros(e, shape_cat(e, [_as1(e, room)]), x), src,
+    acc = e.op("ScatterElements", [zeros_of_shape(e, shape_cat(e, [as1(e, room)]), x), src,
                                    e.op("Reshape", [g, e.ints([-1])])], axis=0, reduction="add")
-    acc = e.op("Slice", [acc, e.ints([0]), shape_cat(e, [_as1(e, n)]), e.ints([0])])
+    acc = e.op("Slice", [acc, e.ints([0]), shape_cat(e, [as1(e, n)]), e.ints([0])])
     return e.op("Reshape", [acc, shape], like=x)
 
 
@@ -146,26 +92,26 @@ def max_unpool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
 def _round_half_away(e: Emitter, v: str) -> str:
     """C's ``round`` (halves away from zero, as onnxruntime's MaxRoiPool rounds), computed in float64 so that
     ``v + 0.5`` is exact; int64."""
-    d = e.op("Cast", [v], to=_F64)
+    d = e.op("Cast", [v], to=F64)
     half = e.const(np.float64(0.5))
     up = e.op("Floor", [e.op("Add", [d, half])])
     down = e.op("Ceil", [e.op("Sub", [d, half])])
     pos = e.op("GreaterOrEqual", [d, e.const(np.float64(0.0))])
-    return e.op("Cast", [e.op("Where", [pos, up, down])], to=_I64)
+    return e.op("Cast", [e.op("Where", [pos, up, down])], to=I64)
 
 
 def _roi_bins(e: Emitter, start: str, size: str, pooled: int, length: Dim) -> tuple[str, str]:
     """MaxRoiPool's bins along one axis: ``[R, P]`` int64 first (inclusive) and end (exclusive) positions,
     ``floor(p * size / P)`` and ``ceil((p + 1) * size / P)`` (float32, as onnxruntime) past ``start``,
     clipped to ``[0, length]``."""
-    step = e.op("Div", [e.op("Cast", [size], to=_F32), e.const(np.float32(pooled))])
+    step = e.op("Div", [e.op("Cast", [size], to=F32), e.const(np.float32(pooled))])
     step = e.op("Unsqueeze", [step, e.ints([1])])  # [R, 1]
     ps = arange(e, pooled, np.float32)
-    first = e.op("Cast", [e.op("Floor", [e.op("Mul", [ps, step])])], to=_I64)
+    first = e.op("Cast", [e.op("Floor", [e.op("Mul", [ps, step])])], to=I64)
     end = e.op("Cast", [e.op("Ceil", [e.op("Mul", [e.op("Add", [ps, e.const(np.float32(1))]), step])])],
-               to=_I64)
+               to=I64)
     at = e.op("Unsqueeze", [start, e.ints([1])])
-    zero, top = e.const(np.int64(0)), _i64(e, length)
+    zero, top = e.const(np.int64(0)), i64(e, length)
     return (e.op("Clip", [e.op("Add", [first, at]), zero, top]), e.op("Clip", [e.op("Add", [end, at]), zero, top]))
 
 
@@ -173,9 +119,9 @@ def _roi_boxes(e: Emitter, rois: str, scale: float) -> tuple[str, str]:
     """The batch index of each roi ``[b, x1, y1, x2, y2]`` (int64 [R]) and its box ``x1, y1, x2, y2`` scaled by
     ``spatial_scale`` (in float32) and rounded as onnxruntime rounds (:func:`_round_half_away`; int64 [R, 4])."""
     b = e.op("Cast", [e.op("Reshape", [e.op("Slice", [rois, e.ints([0]), e.ints([1]), e.ints([1])]),
-                                       e.ints([-1])])], to=_I64)
+                                       e.ints([-1])])], to=I64)
     corners = _round_half_away(e, e.op("Mul", [e.op("Cast", [e.op("Slice", [rois, e.ints([1]), e.ints([5]),
-                                                                            e.ints([1])])], to=_F32),
+                                                                            e.ints([1])])], to=F32),
                                                e.const(np.float32(scale))]))
     return b, corners
 
@@ -219,17 +165,17 @@ def _roi_windows(e: Emitter, b: str, hs: str, he: str, ws: str, we: str, h: Dim,
         return e.op("Max", [e.op("ReduceMax", [e.op("Sub", [end, first])], keepdims=0), one])
 
     bh, bw = span(hs, he), span(ws, we)
-    hm1, wm1 = (e.op("Sub", [_i64(e, v), one]) for v in (h, w))
+    hm1, wm1 = (e.op("Sub", [i64(e, v), one]) for v in (h, w))
 
     def lines(first: str, end: str, size: str, last: str) -> tuple[str, str]:
-        at = e.op("Add", [e.op("Unsqueeze", [first, e.ints([2])]), _range(e, size)])  # [R, P, B]
+        at = e.op("Add", [e.op("Unsqueeze", [first, e.ints([2])]), int_range(e, size)])  # [R, P, B]
         return e.op("Min", [at, last]), e.op("Less", [at, e.op("Unsqueeze", [end, e.ints([2])])])
 
     rows, row_ok = lines(hs, he, bh, hm1)
     cols, col_ok = lines(ws, we, bw, wm1)
     # flat [N*H*W] positions of the window elements: [R, PH, BH, PW, BW]
-    base = e.op("Mul", [e.op("Reshape", [b, e.ints([-1, 1, 1, 1, 1])]), _i64(e, h)])
-    pix = e.op("Add", [e.op("Mul", [e.op("Add", [base, e.op("Unsqueeze", [rows, e.ints([3, 4])])]), _i64(e, w)]),
+    base = e.op("Mul", [e.op("Reshape", [b, e.ints([-1, 1, 1, 1, 1])]), i64(e, h)])
+    pix = e.op("Add", [e.op("Mul", [e.op("Add", [base, e.op("Unsqueeze", [rows, e.ints([3, 4])])]), i64(e, w)]),
                        e.op("Unsqueeze", [cols, e.ints([1, 2])])])
     ok = e.op("And", [e.op("Unsqueeze", [row_ok, e.ints([3, 4])]), e.op("Unsqueeze", [col_ok, e.ints([1, 2])])])
     return _RoiWindows(hs, ws, bh, bw, hm1, wm1, pix, ok)
@@ -238,11 +184,11 @@ def _roi_windows(e: Emitter, b: str, hs: str, he: str, ws: str, we: str, h: Dim,
 def _bin_argmax(e: Emitter, x: str, c: Dim, win: _RoiWindows) -> str:
     """The window tap of each bin's maximum, the first in the bin's row-major order (int64 [R, C, PH, PW]): the
     windows gathered from ``x`` viewed as ``[N*H*W, C]``, positions outside the bin reading ``-inf``."""
-    pixels = e.op("Reshape", [e.op("Transpose", [x], perm=[0, 2, 3, 1]), shape_cat(e, [[-1], _as1(e, c)])])
+    pixels = e.op("Reshape", [e.op("Transpose", [x], perm=[0, 2, 3, 1]), shape_cat(e, [[-1], as1(e, c)])])
     vals = e.op("Gather", [pixels, win.pix], axis=0)  # [R, PH, BH, PW, BW, C]
     vals = e.op("Where", [e.op("Unsqueeze", [win.ok, e.ints([5])]), vals, e.scalar(-np.inf, x)])
     vals = e.op("Reshape", [e.op("Transpose", [vals], perm=[0, 5, 1, 3, 2, 4]),
-                            shape_cat(e, [[0, 0, 0, 0], _as1(e, _times(e, win.bh, win.bw))])])
+                            shape_cat(e, [[0, 0, 0, 0], as1(e, dims_product(e, win.bh, win.bw))])])
     return e.op("ArgMax", [vals], axis=4, keepdims=0)
 
 
@@ -252,9 +198,9 @@ def _tap_positions(e: Emitter, win: _RoiWindows, tap: str, b: str, c: Dim, h: Di
                         win.last_row])
     wsel = e.op("Min", [e.op("Add", [e.op("Unsqueeze", [win.ws, e.ints([1, 2])]), e.op("Mod", [tap, win.bw])]),
                         win.last_col])
-    plane = e.op("Add", [e.op("Mul", [e.op("Reshape", [b, e.ints([-1, 1, 1, 1])]), _i64(e, c)]),
-                         e.op("Reshape", [_range(e, c), e.ints([1, -1, 1, 1])])])
-    return e.op("Add", [e.op("Mul", [e.op("Add", [e.op("Mul", [plane, _i64(e, h)]), hsel]), _i64(e, w)]), wsel])
+    plane = e.op("Add", [e.op("Mul", [e.op("Reshape", [b, e.ints([-1, 1, 1, 1])]), i64(e, c)]),
+                         e.op("Reshape", [int_range(e, c), e.ints([1, -1, 1, 1])])])
+    return e.op("Add", [e.op("Mul", [e.op("Add", [e.op("Mul", [plane, i64(e, h)]), hsel]), i64(e, w)]), wsel])
 
 
 @unary("MaxRoiPool")
@@ -271,7 +217,7 @@ def max_roi_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     e.need_rank(x, node)
     ph, pw = (int(v) for v in node.attrs["pooled_shape"])
     scale = float(np.float32(node.attrs.get("spatial_scale", 1.0)))
-    c, h, w = (_dim(e, x, a) for a in range(1, 4))
+    c, h, w = (dim_of(e, x, a) for a in range(1, 4))
     b, corners = _roi_boxes(e, node.inputs[1], scale)
     hs, he, ws, we = _box_bins(e, corners, ph, pw, h, w)
     win = _roi_windows(e, b, hs, he, ws, we, h, w)
@@ -279,7 +225,7 @@ def max_roi_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     pos = _tap_positions(e, win, tap, b, c, h, w)
     full = e.op("And", [e.op("Unsqueeze", [e.op("Greater", [he, hs]), e.ints([1, 3])]),
                         e.op("Unsqueeze", [e.op("Greater", [we, ws]), e.ints([1, 2])])])  # [R, 1, PH, PW]
-    return _scatter_add(e, _numel(e, x), pos, ctx.select(full, g), x)
+    return _scatter_add(e, numel(e, x), pos, ctx.select(full, g), x)
 
 
 # ------------------------------------------------------------------------------------------ RoiAlign
@@ -328,10 +274,10 @@ def _align_axis(e: Emitter, lo: str, hi: str, length: Dim, pooled: int, half_pix
         per = grid_f
     else:
         grid_f = e.op("Ceil", [e.op("Div", [size, pooled_f])])
-        grid = e.op("Cast", [e.op("Max", [grid_f, e.scalar(-1.0, lo)])], to=_I64)  # [R]; <= 0: no samples
+        grid = e.op("Cast", [e.op("Max", [grid_f, e.scalar(-1.0, lo)])], to=I64)  # [R]; <= 0: no samples
         big = e.op("Max", [e.op("ReduceMax", [grid], keepdims=0), e.const(np.int64(1))])
         per = e.op("Reshape", [e.op("Max", [grid_f, one]), e.ints([-1, 1, 1])])
-    samples = _range(e, big)
+    samples = int_range(e, big)
     col = e.op("Unsqueeze", [step, e.ints([1, 2])])  # [R, 1, 1]
     bins = e.op("CastLike", [arange(e, pooled, np.float64, shape=(1, -1, 1)), lo])
     half = e.op("Reshape", [e.op("Add", [e.op("CastLike", [samples, lo]), e.scalar(0.5, lo)]), e.ints([1, 1, -1])])
@@ -343,7 +289,7 @@ def _align_axis(e: Emitter, lo: str, hi: str, length: Dim, pooled: int, half_pix
     moving = e.op("Mul", [k, sc]) if free is None else e.op("Mul", [e.op("Mul", [k, sc]),
                                                                    e.op("Unsqueeze", [free, e.ints([1, 2])])])
     dlo, dhi = e.op("Sub", [sc, moving]), moving
-    length_f = e.op("CastLike", [_i64(e, length), lo])
+    length_f = e.op("CastLike", [i64(e, length), lo])
     last = e.op("Sub", [length_f, one])
     inside = e.op("Not", [e.op("Or", [e.op("Less", [coord, e.scalar(-1.0, lo)]), e.op("Greater", [coord, length_f])])])
     exists = e.op("Less", [e.op("Reshape", [samples, e.ints([1, 1, -1])]),
@@ -359,7 +305,7 @@ def _align_axis(e: Emitter, lo: str, hi: str, length: Dim, pooled: int, half_pix
     moves = e.op("CastLike", [e.op("And", [counted, e.op("And", [e.op("Greater", [coord, e.scalar(0.0, lo)]),
                                                                    e.op("Not", [clamp])])]), lo])
 
-    lined = shape_cat(e, [[0, pooled], _as1(e, _times(e, big, 2))])
+    lined = shape_cat(e, [[0, pooled], as1(e, dims_product(e, big, 2))])
 
     def pair(a: str, b: str) -> str:
         both = e.op("Concat", [e.op("Unsqueeze", [a, e.ints([3])]), e.op("Unsqueeze", [b, e.ints([3])])], axis=3)
@@ -367,19 +313,19 @@ def _align_axis(e: Emitter, lo: str, hi: str, length: Dim, pooled: int, half_pix
 
     weights = pair(e.op("Mul", [e.op("Sub", [one, frac]), keep]), e.op("Mul", [frac, keep]))
     slope = pair(e.op("Neg", [moves]), moves)
-    zero, top = e.const(np.int64(0)), e.op("Sub", [_i64(e, length), e.const(np.int64(1))])
-    taps = e.op("Clip", [e.op("Cast", [pair(low, high)], to=_I64), zero, top])  # NaN coordinates stay in range
+    zero, top = e.const(np.int64(0)), e.op("Sub", [i64(e, length), e.const(np.int64(1))])
+    taps = e.op("Clip", [e.op("Cast", [pair(low, high)], to=I64), zero, top])  # NaN coordinates stay in range
     return AlignAxis(taps, weights, slope, dlo, dhi, grid, big)
 
 
 def _sample_mask(e: Emitter, gy: str, gx: str, big_y: Dim, big_x: Dim) -> str:
     """``[R|1, 1, 1, 1, GY*GX*4]`` bool: the samples (and their 4 corners) that roi ``r``'s grid has, in the
     kernel's order (sample row, sample column, corner)."""
-    ey = e.op("Less", [e.op("Unsqueeze", [_range(e, big_y), e.ints([0])]), e.op("Reshape", [gy, e.ints([-1, 1])])])
-    ex = e.op("Less", [e.op("Unsqueeze", [_range(e, big_x), e.ints([0])]), e.op("Reshape", [gx, e.ints([-1, 1])])])
+    ey = e.op("Less", [e.op("Unsqueeze", [int_range(e, big_y), e.ints([0])]), e.op("Reshape", [gy, e.ints([-1, 1])])])
+    ex = e.op("Less", [e.op("Unsqueeze", [int_range(e, big_x), e.ints([0])]), e.op("Reshape", [gx, e.ints([-1, 1])])])
     both = e.op("And", [e.op("Unsqueeze", [ey, e.ints([2, 3])]), e.op("Unsqueeze", [ex, e.ints([1, 3])])])
     return e.op("Reshape", [e.op("Expand", [both, e.ints([1, 1, 1, 4])]),
-                            shape_cat(e, [[0, 1, 1, 1], _as1(e, _times(e, big_y, big_x, 4))])])
+                            shape_cat(e, [[0, 1, 1, 1], as1(e, dims_product(e, big_y, big_x, 4))])])
 
 
 @dataclass(frozen=True)
@@ -421,7 +367,7 @@ class _AlignGrid:
 def _align_grid(e: Emitter, node: Node, spec: _AlignSpec) -> _AlignGrid:
     x, rois, batch = node.inputs
     e.need_rank(x, node)
-    c, h, w = (_dim(e, x, a) for a in range(1, 4))
+    c, h, w = (dim_of(e, x, a) for a in range(1, 4))
 
     def coord(i: int) -> str:
         return e.op("Gather", [rois, e.const(np.int64(i))], axis=1)  # [R]
@@ -429,10 +375,10 @@ def _align_grid(e: Emitter, node: Node, spec: _AlignSpec) -> _AlignGrid:
     ay = _align_axis(e, coord(1), coord(3), h, spec.oh, spec.half_pixel, spec.sampling, spec.scale)
     ax = _align_axis(e, coord(0), coord(2), w, spec.ow, spec.half_pixel, spec.sampling, spec.scale)
     # [R, C, PH, PW, 2GY, 2GX]: the flat position in x of every sample corner of every output
-    b = e.op("Reshape", [e.op("Cast", [batch], to=_I64), e.ints([-1, 1, 1, 1, 1, 1])])
-    plane = e.op("Add", [e.op("Mul", [b, _i64(e, c)]), e.op("Reshape", [_range(e, c), e.ints([1, -1, 1, 1, 1, 1])])])
-    rows = e.op("Add", [e.op("Mul", [plane, _i64(e, h)]), e.op("Unsqueeze", [ay.taps, e.ints([1, 3, 5])])])
-    pos = e.op("Add", [e.op("Mul", [rows, _i64(e, w)]), e.op("Unsqueeze", [ax.taps, e.ints([1, 2, 4])])])
+    b = e.op("Reshape", [e.op("Cast", [batch], to=I64), e.ints([-1, 1, 1, 1, 1, 1])])
+    plane = e.op("Add", [e.op("Mul", [b, i64(e, c)]), e.op("Reshape", [int_range(e, c), e.ints([1, -1, 1, 1, 1, 1])])])
+    rows = e.op("Add", [e.op("Mul", [plane, i64(e, h)]), e.op("Unsqueeze", [ay.taps, e.ints([1, 3, 5])])])
+    pos = e.op("Add", [e.op("Mul", [rows, i64(e, w)]), e.op("Unsqueeze", [ax.taps, e.ints([1, 2, 4])])])
     wy = e.op("CastLike", [e.op("Unsqueeze", [ay.weights, e.ints([1, 3, 5])]), x])  # [R, 1, PH, 1, 2GY, 1]
     wx = e.op("CastLike", [e.op("Unsqueeze", [ax.weights, e.ints([1, 2, 4])]), x])  # [R, 1, 1, PW, 1, 2GX]
     return _AlignGrid(ay, ax, pos, wy, wx)
@@ -442,9 +388,9 @@ def _in_kernel_order(e: Emitter, v: str, grid: _AlignGrid) -> str:
     """``[R, C|1, PH, PW, 2GY, 2GX]`` -> ``[R, C|1, PH, PW, GY*GX*4]`` in the kernel's order. The leading
     dimensions are recorded: a broadcast (C or 1) must stay visible to the VJPs of gradients of gradients."""
     ay, ax = grid.ay, grid.ax
-    split = e.op("Reshape", [v, shape_cat(e, [[0, 0, 0, 0], _as1(e, ay.big), [2], _as1(e, ax.big), [2]])])
+    split = e.op("Reshape", [v, shape_cat(e, [[0, 0, 0, 0], as1(e, ay.big), [2], as1(e, ax.big), [2]])])
     lead = tuple(e.dims(v)[:4]) if e.rank(v) == 6 else (None,) * 4
-    flat = shape_cat(e, [[0, 0, 0, 0], _as1(e, _times(e, ay.big, ax.big, 4))])
+    flat = shape_cat(e, [[0, 0, 0, 0], as1(e, dims_product(e, ay.big, ax.big, 4))])
     return e.op("Reshape", [e.op("Transpose", [split], perm=[0, 1, 2, 3, 4, 6, 5, 7]), flat],
                 shape=(*lead, None), dtype=e.dtype(v))
 
@@ -452,9 +398,9 @@ def _in_kernel_order(e: Emitter, v: str, grid: _AlignGrid) -> str:
 def _from_kernel_order(e: Emitter, v: str, grid: _AlignGrid) -> str:
     """The inverse of :func:`_in_kernel_order`: ``[R, C, PH, PW, GY*GX*4]`` -> ``[R, C, PH, PW, 2GY, 2GX]``."""
     ay, ax = grid.ay, grid.ax
-    split = e.op("Reshape", [v, shape_cat(e, [[0, 0, 0, 0], _as1(e, ay.big), _as1(e, ax.big), [2, 2]])])
+    split = e.op("Reshape", [v, shape_cat(e, [[0, 0, 0, 0], as1(e, ay.big), as1(e, ax.big), [2, 2]])])
     back = e.op("Transpose", [split], perm=[0, 1, 2, 3, 4, 6, 5, 7])
-    sides = [_as1(e, _times(e, ay.big, 2)), _as1(e, _times(e, ax.big, 2))]
+    sides = [as1(e, dims_product(e, ay.big, 2)), as1(e, dims_product(e, ax.big, 2))]
     return e.op("Reshape", [back, shape_cat(e, [[0, 0, 0, 0], *sides])])
 
 
@@ -474,7 +420,7 @@ def _align_roi_grads(e: Emitter, seen: str, other: str, axes: list[int], a: Alig
     coordinates' derivatives ``a.dlo`` and ``a.dhi``."""
     per_tap = e.op("ReduceSum", [e.op("Mul", [seen, other]), e.ints(axes)], keepdims=0)  # [R, P, 2G]
     taps = e.op("Reshape", [e.op("Mul", [per_tap, e.op("CastLike", [a.slope, x])]),
-                            shape_cat(e, [[0, pooled], _as1(e, a.big), [2]])])
+                            shape_cat(e, [[0, pooled], as1(e, a.big), [2]])])
     per_coord = e.op("ReduceSum", [taps, e.ints([3])], keepdims=0)
     per_coord = e.op("CastLike", [per_coord, rois])  # [R, P, G]
     total = [e.op("ReduceSum", [e.op("Mul", [per_coord, d]), e.ints([1, 2])], keepdims=0) for d in (a.dlo, a.dhi)]
@@ -529,7 +475,7 @@ def roi_align(ctx: Ctx, node: Node, cts: list) -> list:
         if spec.mode == "avg":
             return _avg_spread(e, g, grid(), x)
         n = e.op("Reshape", [e.op("Shape", [ordered_pos()], start=4), e.ints([])])
-        hot = e.op("Equal", [e.op("Reshape", [_range(e, n), e.ints([1, 1, 1, 1, -1])]), winner()])
+        hot = e.op("Equal", [e.op("Reshape", [int_range(e, n), e.ints([1, 1, 1, 1, -1])]), winner()])
         picked = ctx.select(hot, e.op("Unsqueeze", [g, e.ints([4])]))  # [R, C, PH, PW, GY*GX*4]
         return _from_kernel_order(e, picked, grid())
 
@@ -537,12 +483,12 @@ def roi_align(ctx: Ctx, node: Node, cts: list) -> list:
         geo = grid()
         weight = e.op("Mul", [geo.wy, geo.wx])  # [R, 1, PH, PW, 2GY, 2GX]
         if spec.mode == "avg":
-            return _scatter_add(e, _numel(e, x), geo.pos, ctx.weigh(spread(), weight), x)
+            return _scatter_add(e, numel(e, x), geo.pos, ctx.weigh(spread(), weight), x)
         tap = winner()
         sel_pos = e.op("GatherElements", [ordered_pos(), tap], axis=4)
         full = e.op("Expand", [_in_kernel_order(e, weight, geo), e.op("Shape", [ordered_pos()])])
         sel_w = e.op("GatherElements", [full, tap], axis=4)
-        return _scatter_add(e, _numel(e, x), sel_pos, ctx.weigh(e.op("Unsqueeze", [g, e.ints([4])]), sel_w), x)
+        return _scatter_add(e, numel(e, x), sel_pos, ctx.weigh(e.op("Unsqueeze", [g, e.ints([4])]), sel_w), x)
 
     def drois() -> str:
         geo = grid()
