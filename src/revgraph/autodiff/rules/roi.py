@@ -19,10 +19,11 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import unary, vjp
-from ._common import F32, F64, I64, Dim, as1, dim_of, dims_product, i64, int_range, numel, zeros_of_shape
+from ._common import Dim, as1, dim_of, dims_product, i64, int_range, numel, zeros_of_shape
 from .conv import shape_cat
 from .tables import arange, small
 
@@ -62,81 +63,63 @@ def max_unpool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     n = numel(e, x)
     shape = e.shape_of(x)
 
-    def landed(code: str) -> str:
+    def landed(code: Val) -> Val:
         """The code written at each place of the unpooled output (0 where nothing was), as int64 [Y]."""
-        probe = e.op("Reshape", [code, shape])
-        out = e.op("MaxUnpool", [probe, *rest], **node.attrs)
-        return e.op("Cast", [e.op("Reshape", [out, e.ints([-1])])], to=I64)
+        return code.reshape(shape).apply("MaxUnpool", *rest, like=None, **node.attrs).reshape([-1]).cast(np.int64)
 
-    if isinstance(n, int) and n < _EXACT_F32 and small([n]):
-        src = e.op("Sub", [landed(e.const(np.arange(1, n + 1, dtype=np.float32))), e.const(np.int64(1))])
-    else:
-        j = int_range(e, n)
-        hi = landed(e.op("Cast", [e.op("Div", [j, e.const(np.int64(_LOW))])], to=F32))
-        lo = landed(e.op("Cast", [e.op("Add", [e.op("Mod", [j, e.const(np.int64(_LOW))]),
-                                                 e.const(np.int64(1))])], to=F32))
-        src = e.op("Where", [e.op("Equal", [lo, e.const(np.int64(0))]), e.const(np.int64(-1)),
-                             e.op("Add", [e.op("Mul", [hi, e.const(np.int64(_LOW))]),
-                                          e.op("Sub", [lo, e.const(np.int64(1))])])])
-    src = e.op("Where", [e.op("Less", [src, e.const(np.int64(0))]), i64(e, n), src])  # nothing: the extra slot
-    room = n + 1 if isinstance(n, int) else e.op("Add", [n, e.const(np.int64(1))])
-    acc = e.op("ScatterElements", [zeros_of_shape(e, shape_cat(e, [as1(e, room)]), x), src,
-                                   e.op("Reshape", [g, e.ints([-1])])], axis=0, reduction="add")
-    acc = e.op("Slice", [acc, e.ints([0]), shape_cat(e, [as1(e, n)]), e.ints([0])])
-    return e.op("Reshape", [acc, shape], like=x)
+    if isinstance(n, int) and n < _EXACT_F32 and small([n]):  # element j is coded j + 1
+        src = landed(ctx.val(e.const(np.arange(1, n + 1, dtype=np.float32)))) - 1
+    else:  # element j is coded (j // 4096, j % 4096 + 1)
+        j = ctx.val(int_range(e, n))
+        hi, lo = landed((j / _LOW).cast(np.float32)), landed((j.apply("Mod", _LOW) + 1).cast(np.float32))
+        src = where(lo.eq(0), -1, hi * _LOW + (lo - 1))
+    src = where(src.lt(0), i64(e, n), src)  # nothing landed: the extra slot
+    room = n + 1 if isinstance(n, int) else (ctx.val(n) + 1).name
+    acc = ctx.val(zeros_of_shape(e, shape_cat(e, [as1(e, room)]), x)).apply(
+        "ScatterElements", src, ctx.val(g).reshape([-1]), like=None, axis=0, reduction="add")
+    acc = acc.apply("Slice", e.ints([0]), shape_cat(e, [as1(e, n)]), e.ints([0]), like=None)
+    return acc.reshape(shape, like=x)
 
 
 # ------------------------------------------------------------------------------------------ MaxRoiPool
 
 
-def _round_half_away(e: Emitter, v: str) -> str:
+def _round_half_away(v: Val) -> Val:
     """C's ``round`` (halves away from zero, as onnxruntime's MaxRoiPool rounds), computed in float64 so that
     ``v + 0.5`` is exact; int64."""
-    d = e.op("Cast", [v], to=F64)
-    half = e.const(np.float64(0.5))
-    up = e.op("Floor", [e.op("Add", [d, half])])
-    down = e.op("Ceil", [e.op("Sub", [d, half])])
-    pos = e.op("GreaterOrEqual", [d, e.const(np.float64(0.0))])
-    return e.op("Cast", [e.op("Where", [pos, up, down])], to=I64)
+    d = v.cast(np.float64)
+    return where(d.ge(0.0), (d + 0.5).apply("Floor"), (d - 0.5).apply("Ceil"), like=None).cast(np.int64)
 
 
-def _roi_bins(e: Emitter, start: str, size: str, pooled: int, length: Dim) -> tuple[str, str]:
+def _roi_bins(start: Val, size: Val, pooled: int, length: Dim) -> tuple[Val, Val]:
     """MaxRoiPool's bins along one axis: ``[R, P]`` int64 first (inclusive) and end (exclusive) positions,
     ``floor(p * size / P)`` and ``ceil((p + 1) * size / P)`` (float32, as onnxruntime) past ``start``,
     clipped to ``[0, length]``."""
-    step = e.op("Div", [e.op("Cast", [size], to=F32), e.const(np.float32(pooled))])
-    step = e.op("Unsqueeze", [step, e.ints([1])])  # [R, 1]
-    ps = arange(e, pooled, np.float32)
-    first = e.op("Cast", [e.op("Floor", [e.op("Mul", [ps, step])])], to=I64)
-    end = e.op("Cast", [e.op("Ceil", [e.op("Mul", [e.op("Add", [ps, e.const(np.float32(1))]), step])])],
-               to=I64)
-    at = e.op("Unsqueeze", [start, e.ints([1])])
-    zero, top = e.const(np.int64(0)), i64(e, length)
-    return (e.op("Clip", [e.op("Add", [first, at]), zero, top]), e.op("Clip", [e.op("Add", [end, at]), zero, top]))
+    e = start.ctx.e
+    step = (size.cast(np.float32) / float(pooled)).unsqueeze([1])  # [R, 1]
+    ps = start.ctx.val(arange(e, pooled, np.float32))
+    first = (ps * step).apply("Floor").cast(np.int64)
+    end = ((ps + 1.0) * step).apply("Ceil").cast(np.int64)
+    at, top = start.unsqueeze([1]), i64(e, length)
+    return (first + at).apply("Clip", 0, top), (end + at).apply("Clip", 0, top)
 
 
-def _roi_boxes(e: Emitter, rois: str, scale: float) -> tuple[str, str]:
+def _roi_boxes(rois: Val, scale: float) -> tuple[Val, Val]:
     """The batch index of each roi ``[b, x1, y1, x2, y2]`` (int64 [R]) and its box ``x1, y1, x2, y2`` scaled by
     ``spatial_scale`` (in float32) and rounded as onnxruntime rounds (:func:`_round_half_away`; int64 [R, 4])."""
-    b = e.op("Cast", [e.op("Reshape", [e.op("Slice", [rois, e.ints([0]), e.ints([1]), e.ints([1])]),
-                                       e.ints([-1])])], to=I64)
-    corners = _round_half_away(e, e.op("Mul", [e.op("Cast", [e.op("Slice", [rois, e.ints([1]), e.ints([5]),
-                                                                            e.ints([1])])], to=F32),
-                                               e.const(np.float32(scale))]))
-    return b, corners
+    e = rois.ctx.e
+    b = rois.apply("Slice", e.ints([0]), e.ints([1]), e.ints([1]), like=None).reshape([-1]).cast(np.int64)
+    box = rois.apply("Slice", e.ints([1]), e.ints([5]), e.ints([1]), like=None).cast(np.float32)
+    return b, _round_half_away(box * scale)
 
 
-def _box_bins(e: Emitter, corners: str, ph: int, pw: int, h: Dim, w: Dim) -> tuple[str, str, str, str]:
+def _box_bins(corners: Val, ph: int, pw: int, h: Dim, w: Dim) -> tuple[Val, Val, Val, Val]:
     """The bins of the roi boxes ``corners`` (:func:`_roi_boxes`, a box at least one element high and wide):
     first and end rows ``[R, PH]``, first and end columns ``[R, PW]`` (:func:`_roi_bins`)."""
-
-    def col(i: int) -> str:
-        return e.op("Gather", [corners, e.const(np.int64(i))], axis=1)  # [R]
-
-    one = e.const(np.int64(1))
-    sw, sh, ew, eh = col(0), col(1), col(2), col(3)
-    hs, he = _roi_bins(e, sh, e.op("Max", [e.op("Add", [e.op("Sub", [eh, sh]), one]), one]), ph, h)
-    ws, we = _roi_bins(e, sw, e.op("Max", [e.op("Add", [e.op("Sub", [ew, sw]), one]), one]), pw, w)
+    sw, sh, ew, eh = (corners.apply("Gather", corners.ctx.e.const(np.int64(i)), like=None, axis=1)  # [R]
+                      for i in range(4))
+    hs, he = _roi_bins(sh, (eh - sh + 1).apply("Max", 1), ph, h)
+    ws, we = _roi_bins(sw, (ew - sw + 1).apply("Max", 1), pw, w)
     return hs, he, ws, we
 
 
@@ -218,14 +201,13 @@ def max_roi_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     ph, pw = (int(v) for v in node.attrs["pooled_shape"])
     scale = float(np.float32(node.attrs.get("spatial_scale", 1.0)))
     c, h, w = (dim_of(e, x, a) for a in range(1, 4))
-    b, corners = _roi_boxes(e, node.inputs[1], scale)
-    hs, he, ws, we = _box_bins(e, corners, ph, pw, h, w)
-    win = _roi_windows(e, b, hs, he, ws, we, h, w)
+    b, corners = _roi_boxes(ctx.val(node.inputs[1]), scale)
+    hs, he, ws, we = _box_bins(corners, ph, pw, h, w)
+    win = _roi_windows(e, b.name, hs.name, he.name, ws.name, we.name, h, w)
     tap = _bin_argmax(e, x, c, win)  # [R, C, PH, PW]: the first maximum in the bin
-    pos = _tap_positions(e, win, tap, b, c, h, w)
-    full = e.op("And", [e.op("Unsqueeze", [e.op("Greater", [he, hs]), e.ints([1, 3])]),
-                        e.op("Unsqueeze", [e.op("Greater", [we, ws]), e.ints([1, 2])])])  # [R, 1, PH, PW]
-    return _scatter_add(e, numel(e, x), pos, ctx.select(full, g), x)
+    pos = _tap_positions(e, win, tap, b.name, c, h, w)
+    full = he.gt(hs).unsqueeze([1, 3]) & we.gt(ws).unsqueeze([1, 2])  # [R, 1, PH, PW]: the bins not empty
+    return _scatter_add(e, numel(e, x), pos, ctx.val(g).select(full, like=None).name, x)
 
 
 # ------------------------------------------------------------------------------------------ RoiAlign
@@ -240,81 +222,71 @@ class AlignAxis:
     clamped or the sample counts 0); ``dlo``, ``dhi`` [R, P, G], the derivatives of the coordinate with respect
     to the roi's first and last coordinate; ``grid`` [R] (or 0-d) int64 samples per bin; ``big`` the largest."""
 
-    taps: str
-    weights: str
-    slope: str
-    dlo: str
-    dhi: str
-    grid: str
+    taps: Val
+    weights: Val
+    slope: Val
+    dlo: Val
+    dhi: Val
+    grid: Val
     big: Dim
 
 
-def _align_axis(e: Emitter, lo: str, hi: str, length: Dim, pooled: int, half_pixel: bool, sampling: int,
+def _align_axis(ctx: Ctx, lo: Val, hi: Val, length: Dim, pooled: int, half_pixel: bool, sampling: int,
                 scale: float) -> AlignAxis:
     """RoiAlign's sampling along one axis, as onnxruntime's and the ONNX reference's ``pre_calc_for_bilinear_
     interpolate`` compute it: the coordinate ``start + p * bin + (i + .5) * bin / grid`` (``start = lo * scale -
     offset``, ``bin = size / P``, ``size = (hi - lo) * scale``, at least 1 without half_pixel); a sample outside
     ``[-1, length]`` counts 0; others are clamped to ``[0, length - 1]`` and interpolated between ``floor`` and
     ``floor + 1``. ``grid`` is ``sampling_ratio``, or ``ceil(size / P)`` per roi when that is 0."""
-    sc = e.scalar(scale, lo)
-    one = e.scalar(1.0, lo)
-    off = e.scalar(0.5 if half_pixel else 0.0, lo)
-    start = e.op("Sub", [e.op("Mul", [lo, sc]), off])
-    size = e.op("Sub", [e.op("Sub", [e.op("Mul", [hi, sc]), off]), start])
+    e = ctx.e
+    off = 0.5 if half_pixel else 0.0
+    start = lo * scale - off
+    size = hi * scale - off - start
     free = None  # where the size is not clamped to 1 (it moves with the roi)
     if not half_pixel:
-        free = e.op("CastLike", [e.op("Greater", [size, one]), lo])
-        size = e.op("Max", [size, one])
-    pooled_f = e.scalar(float(pooled), lo)
-    step = e.op("Div", [size, pooled_f])  # [R]
+        free = size.gt(1.0).cast_like(lo)
+        size = size.apply("Max", 1.0)
+    step = size / float(pooled)  # [R]
     if sampling > 0:
-        grid_f = e.scalar(float(sampling), lo)
-        grid: str = e.const(np.int64(sampling))
-        big: Dim = sampling
-        per = grid_f
+        grid, big, per = ctx.val(e.const(np.int64(sampling))), sampling, float(sampling)
     else:
-        grid_f = e.op("Ceil", [e.op("Div", [size, pooled_f])])
-        grid = e.op("Cast", [e.op("Max", [grid_f, e.scalar(-1.0, lo)])], to=I64)  # [R]; <= 0: no samples
-        big = e.op("Max", [e.op("ReduceMax", [grid], keepdims=0), e.const(np.int64(1))])
-        per = e.op("Reshape", [e.op("Max", [grid_f, one]), e.ints([-1, 1, 1])])
-    samples = int_range(e, big)
-    col = e.op("Unsqueeze", [step, e.ints([1, 2])])  # [R, 1, 1]
-    bins = e.op("CastLike", [arange(e, pooled, np.float64, shape=(1, -1, 1)), lo])
-    half = e.op("Reshape", [e.op("Add", [e.op("CastLike", [samples, lo]), e.scalar(0.5, lo)]), e.ints([1, 1, -1])])
+        grid_f = (size / float(pooled)).apply("Ceil")
+        grid = grid_f.apply("Max", -1.0).cast(np.int64)  # [R]; <= 0: no samples
+        big = grid.apply("ReduceMax", like=None, keepdims=0).apply("Max", 1).name
+        per = grid_f.apply("Max", 1.0).reshape([-1, 1, 1])
+    samples = ctx.val(int_range(e, big))
+    col = step.unsqueeze([1, 2])  # [R, 1, 1]
+    bins = ctx.val(arange(e, pooled, np.float64, shape=(1, -1, 1))).cast_like(lo)
+    half = (samples.cast_like(lo) + 0.5).reshape([1, 1, -1])
     # the kernel's order of operations: (start + p * bin) + ((i + .5) * bin) / grid
-    at = e.op("Add", [e.op("Unsqueeze", [start, e.ints([1, 2])]), e.op("Mul", [bins, col])])  # [R, P, 1]
-    coord = e.op("Add", [at, e.op("Div", [e.op("Mul", [half, col]), per])])  # [R, P, G]
+    coord = (start.unsqueeze([1, 2]) + bins * col) + half * col / per  # [R, P, G]
     # d coord / d lo and d hi: coord = start + k * size with k = (p + (i + .5) / grid) / P
-    k = e.op("Div", [e.op("Add", [bins, e.op("Div", [half, per])]), pooled_f])
-    moving = e.op("Mul", [k, sc]) if free is None else e.op("Mul", [e.op("Mul", [k, sc]),
-                                                                   e.op("Unsqueeze", [free, e.ints([1, 2])])])
-    dlo, dhi = e.op("Sub", [sc, moving]), moving
-    length_f = e.op("CastLike", [i64(e, length), lo])
-    last = e.op("Sub", [length_f, one])
-    inside = e.op("Not", [e.op("Or", [e.op("Less", [coord, e.scalar(-1.0, lo)]), e.op("Greater", [coord, length_f])])])
-    exists = e.op("Less", [e.op("Reshape", [samples, e.ints([1, 1, -1])]),
-                           e.op("Reshape", [grid, e.ints([-1, 1, 1])]) if sampling <= 0 else grid])
-    c = e.op("Max", [coord, e.scalar(0.0, lo)])
-    low = e.op("Floor", [c])
-    clamp = e.op("GreaterOrEqual", [low, last])
-    low = e.op("Where", [clamp, last, low])
-    high = e.op("Where", [clamp, last, e.op("Add", [low, one])])
-    frac = e.op("Where", [clamp, e.scalar(0.0, lo), e.op("Sub", [c, low])])
-    counted = e.op("And", [inside, exists])
-    keep = e.op("CastLike", [counted, lo])
-    moves = e.op("CastLike", [e.op("And", [counted, e.op("And", [e.op("Greater", [coord, e.scalar(0.0, lo)]),
-                                                                   e.op("Not", [clamp])])]), lo])
+    k = (bins + half / per) / float(pooled)
+    moving = k * scale if free is None else k * scale * free.unsqueeze([1, 2])
+    dlo, dhi = scale - moving, moving
+    length_f = ctx.val(i64(e, length)).cast_like(lo)
+    last = length_f - 1.0
+    inside = ~(coord.lt(-1.0) | coord.gt(length_f))
+    exists = samples.reshape([1, 1, -1]).lt(grid.reshape([-1, 1, 1]) if sampling <= 0 else grid)
+    c = coord.apply("Max", 0.0)
+    low = c.apply("Floor")
+    clamp = low.ge(last)
+    low = where(clamp, last, low, like=None)
+    high = where(clamp, last, low + 1.0, like=None)
+    frac = where(clamp, 0.0, c - low, like=None)
+    counted = inside & exists
+    keep = counted.cast_like(lo)
+    moves = (counted & (coord.gt(0.0) & ~clamp)).cast_like(lo)
 
     lined = shape_cat(e, [[0, pooled], as1(e, dims_product(e, big, 2))])
 
-    def pair(a: str, b: str) -> str:
-        both = e.op("Concat", [e.op("Unsqueeze", [a, e.ints([3])]), e.op("Unsqueeze", [b, e.ints([3])])], axis=3)
-        return e.op("Reshape", [both, lined])  # [R, P, G, 2] -> [R, P, 2G]
+    def pair(a: Val, b: Val) -> Val:  # [R, P, G, 2] -> [R, P, 2G]
+        return ctx.val(e.op("Concat", [a.unsqueeze([3]).name, b.unsqueeze([3]).name], axis=3)).reshape(lined)
 
-    weights = pair(e.op("Mul", [e.op("Sub", [one, frac]), keep]), e.op("Mul", [frac, keep]))
-    slope = pair(e.op("Neg", [moves]), moves)
-    zero, top = e.const(np.int64(0)), e.op("Sub", [i64(e, length), e.const(np.int64(1))])
-    taps = e.op("Clip", [e.op("Cast", [pair(low, high)], to=I64), zero, top])  # NaN coordinates stay in range
+    weights = pair((1.0 - frac) * keep, frac * keep)
+    slope = pair(-moves, moves)
+    top = ctx.val(i64(e, length)) - e.const(np.int64(1))
+    taps = pair(low, high).cast(np.int64).apply("Clip", e.const(np.int64(0)), top)  # NaN coordinates stay in range
     return AlignAxis(taps, weights, slope, dlo, dhi, grid, big)
 
 
@@ -359,72 +331,69 @@ class _AlignGrid:
 
     ay: AlignAxis
     ax: AlignAxis
-    pos: str
-    wy: str
-    wx: str
+    pos: Val
+    wy: Val
+    wx: Val
 
 
-def _align_grid(e: Emitter, node: Node, spec: _AlignSpec) -> _AlignGrid:
-    x, rois, batch = node.inputs
-    e.need_rank(x, node)
-    c, h, w = (dim_of(e, x, a) for a in range(1, 4))
+def _align_grid(ctx: Ctx, node: Node, spec: _AlignSpec) -> _AlignGrid:
+    e = ctx.e
+    x, rois, batch = ctx.vals(*node.inputs)
+    e.need_rank(x.name, node)
+    c, h, w = (dim_of(e, x.name, a) for a in range(1, 4))
 
-    def coord(i: int) -> str:
-        return e.op("Gather", [rois, e.const(np.int64(i))], axis=1)  # [R]
+    def coord(i: int) -> Val:
+        return rois.apply("Gather", e.const(np.int64(i)), like=None, axis=1)  # [R]
 
-    ay = _align_axis(e, coord(1), coord(3), h, spec.oh, spec.half_pixel, spec.sampling, spec.scale)
-    ax = _align_axis(e, coord(0), coord(2), w, spec.ow, spec.half_pixel, spec.sampling, spec.scale)
+    ay = _align_axis(ctx, coord(1), coord(3), h, spec.oh, spec.half_pixel, spec.sampling, spec.scale)
+    ax = _align_axis(ctx, coord(0), coord(2), w, spec.ow, spec.half_pixel, spec.sampling, spec.scale)
     # [R, C, PH, PW, 2GY, 2GX]: the flat position in x of every sample corner of every output
-    b = e.op("Reshape", [e.op("Cast", [batch], to=I64), e.ints([-1, 1, 1, 1, 1, 1])])
-    plane = e.op("Add", [e.op("Mul", [b, i64(e, c)]), e.op("Reshape", [int_range(e, c), e.ints([1, -1, 1, 1, 1, 1])])])
-    rows = e.op("Add", [e.op("Mul", [plane, i64(e, h)]), e.op("Unsqueeze", [ay.taps, e.ints([1, 3, 5])])])
-    pos = e.op("Add", [e.op("Mul", [rows, i64(e, w)]), e.op("Unsqueeze", [ax.taps, e.ints([1, 2, 4])])])
-    wy = e.op("CastLike", [e.op("Unsqueeze", [ay.weights, e.ints([1, 3, 5])]), x])  # [R, 1, PH, 1, 2GY, 1]
-    wx = e.op("CastLike", [e.op("Unsqueeze", [ax.weights, e.ints([1, 2, 4])]), x])  # [R, 1, 1, PW, 1, 2GX]
+    b = batch.cast(np.int64).reshape([-1, 1, 1, 1, 1, 1])
+    plane = b * i64(e, c) + ctx.val(int_range(e, c)).reshape([1, -1, 1, 1, 1, 1])
+    pos = (plane * i64(e, h) + ay.taps.unsqueeze([1, 3, 5])) * i64(e, w) + ax.taps.unsqueeze([1, 2, 4])
+    wy = ay.weights.unsqueeze([1, 3, 5]).cast_like(x)  # [R, 1, PH, 1, 2GY, 1]
+    wx = ax.weights.unsqueeze([1, 2, 4]).cast_like(x)  # [R, 1, 1, PW, 1, 2GX]
     return _AlignGrid(ay, ax, pos, wy, wx)
 
 
-def _in_kernel_order(e: Emitter, v: str, grid: _AlignGrid) -> str:
+def _in_kernel_order(v: Val, grid: _AlignGrid) -> Val:
     """``[R, C|1, PH, PW, 2GY, 2GX]`` -> ``[R, C|1, PH, PW, GY*GX*4]`` in the kernel's order. The leading
     dimensions are recorded: a broadcast (C or 1) must stay visible to the VJPs of gradients of gradients."""
-    ay, ax = grid.ay, grid.ax
+    ctx, ay, ax, v = v.ctx, grid.ay, grid.ax, v.name
+    e = ctx.e
     split = e.op("Reshape", [v, shape_cat(e, [[0, 0, 0, 0], as1(e, ay.big), [2], as1(e, ax.big), [2]])])
     lead = tuple(e.dims(v)[:4]) if e.rank(v) == 6 else (None,) * 4
     flat = shape_cat(e, [[0, 0, 0, 0], as1(e, dims_product(e, ay.big, ax.big, 4))])
-    return e.op("Reshape", [e.op("Transpose", [split], perm=[0, 1, 2, 3, 4, 6, 5, 7]), flat],
-                shape=(*lead, None), dtype=e.dtype(v))
+    return ctx.val(e.op("Reshape", [e.op("Transpose", [split], perm=[0, 1, 2, 3, 4, 6, 5, 7]), flat],
+                        shape=(*lead, None), dtype=e.dtype(v)))
 
 
-def _from_kernel_order(e: Emitter, v: str, grid: _AlignGrid) -> str:
+def _from_kernel_order(v: Val, grid: _AlignGrid) -> Val:
     """The inverse of :func:`_in_kernel_order`: ``[R, C, PH, PW, GY*GX*4]`` -> ``[R, C, PH, PW, 2GY, 2GX]``."""
-    ay, ax = grid.ay, grid.ax
-    split = e.op("Reshape", [v, shape_cat(e, [[0, 0, 0, 0], as1(e, ay.big), as1(e, ax.big), [2, 2]])])
-    back = e.op("Transpose", [split], perm=[0, 1, 2, 3, 4, 6, 5, 7])
+    e, ay, ax = v.ctx.e, grid.ay, grid.ax
+    split = v.reshape(shape_cat(e, [[0, 0, 0, 0], as1(e, ay.big), as1(e, ax.big), [2, 2]]))
     sides = [as1(e, dims_product(e, ay.big, 2)), as1(e, dims_product(e, ax.big, 2))]
-    return e.op("Reshape", [back, shape_cat(e, [[0, 0, 0, 0], *sides])])
+    return split.transpose([0, 1, 2, 3, 4, 6, 5, 7]).reshape(shape_cat(e, [[0, 0, 0, 0], *sides]))
 
 
-def _avg_spread(e: Emitter, g: str, grid: _AlignGrid, x: str) -> str:
+def _avg_spread(g: Val, grid: _AlignGrid, x: str) -> Val:
     """Avg mode: the cotangent each sample corner receives before its weight, ``dy / count`` ([R, C, PH, PW, 1,
     1]; ``count`` the roi's samples per bin, at least 1)."""
-    count = e.op("Max", [e.op("Mul", [grid.ay.grid, grid.ax.grid]), e.const(np.int64(1))])
-    count = e.op("Reshape", [e.op("CastLike", [count, x]), e.ints([-1, 1, 1, 1])])
-    return e.op("Unsqueeze", [e.op("Div", [g, count]), e.ints([4, 5])])
+    count = (grid.ay.grid * grid.ax.grid).apply("Max", 1).cast_like(x).reshape([-1, 1, 1, 1])
+    return (g / count).unsqueeze([4, 5])
 
 
-def _align_roi_grads(e: Emitter, seen: str, other: str, axes: list[int], a: AlignAxis, pooled: int, x: str,
-                     rois: str) -> tuple[str, str]:
+def _align_roi_grads(seen: Val, other: Val, axes: list[int], a: AlignAxis, pooled: int, x: str,
+                     rois: str) -> tuple[Val, Val]:
     """The gradients ([R]) of the roi's first and last coordinate along axis ``a``: ``seen`` (the cotangent times
     ``x`` at every sample corner, [R, C, PH, PW, 2GY, 2GX]) times the ``other`` axis' weights, summed over
     ``axes`` onto this axis' taps, times the weights' slopes, summed per sample coordinate, through the
     coordinates' derivatives ``a.dlo`` and ``a.dhi``."""
-    per_tap = e.op("ReduceSum", [e.op("Mul", [seen, other]), e.ints(axes)], keepdims=0)  # [R, P, 2G]
-    taps = e.op("Reshape", [e.op("Mul", [per_tap, e.op("CastLike", [a.slope, x])]),
-                            shape_cat(e, [[0, pooled], as1(e, a.big), [2]])])
-    per_coord = e.op("ReduceSum", [taps, e.ints([3])], keepdims=0)
-    per_coord = e.op("CastLike", [per_coord, rois])  # [R, P, G]
-    total = [e.op("ReduceSum", [e.op("Mul", [per_coord, d]), e.ints([1, 2])], keepdims=0) for d in (a.dlo, a.dhi)]
-    return total[0], total[1]
+    e = seen.ctx.e
+    per_tap = (seen * other).sum(axes, keepdims=0)  # [R, P, 2G]
+    taps = (per_tap * a.slope.cast_like(x)).reshape(shape_cat(e, [[0, pooled], as1(e, a.big), [2]]))
+    per_coord = taps.sum([3], keepdims=0).cast_like(rois)  # [R, P, G]
+    return (per_coord * a.dlo).sum([1, 2], keepdims=0), (per_coord * a.dhi).sum([1, 2], keepdims=0)
 
 
 @vjp("RoiAlign")
@@ -442,59 +411,58 @@ def roi_align(ctx: Ctx, node: Node, cts: list) -> list:
     channels (torchvision gives the boxes no gradient). The grid size (``sampling_ratio=0``), the clamping
     and which samples count are piecewise constant in the rois; the batch indices are integers. Positions and
     weights are computed at run time from the rois."""
-    e, g = ctx.e, cts[0]
+    e, g = ctx.e, ctx.val(cts[0])
     x, rois, _ = node.inputs
     spec = _align_spec(node)
 
     @cache
     def grid() -> _AlignGrid:
-        return _align_grid(e, node, spec)
+        return _align_grid(ctx, node, spec)
 
     @cache
-    def ordered_pos() -> str:
-        return _in_kernel_order(e, grid().pos, grid())
+    def ordered_pos() -> Val:
+        return _in_kernel_order(grid().pos, grid())
 
     @cache
-    def corners() -> str:
+    def corners() -> Val:
         """``x`` at every sample corner, [R, C, PH, PW, 2GY, 2GX]."""
-        return e.op("Gather", [e.op("Reshape", [x, e.ints([-1])]), grid().pos], axis=0)
+        return ctx.val(x).reshape([-1]).apply("Gather", grid().pos, like=None, axis=0)
 
     @cache
-    def winner() -> str:
+    def winner() -> Val:
         """Max mode: the winning corner of each output in the kernel's order, int64 [R, C, PH, PW, 1]."""
         geo = grid()
-        mask = _sample_mask(e, geo.ay.grid, geo.ax.grid, geo.ay.big, geo.ax.big)
-        weighted = e.op("Mul", [corners(), e.op("Mul", [geo.wy, geo.wx])])
-        scores = e.op("Where", [mask, _in_kernel_order(e, weighted, geo), e.scalar(-np.inf, x)])
-        return e.op("ArgMax", [scores], axis=4, keepdims=1)
+        mask = ctx.val(_sample_mask(e, geo.ay.grid.name, geo.ax.grid.name, geo.ay.big, geo.ax.big))
+        scores = where(mask, _in_kernel_order(corners() * (geo.wy * geo.wx), geo), -np.inf, like=None)
+        return scores.apply("ArgMax", like=None, axis=4, keepdims=1)
 
     @cache
-    def spread() -> str:
+    def spread() -> Val:
         """The cotangent each sample corner receives before its weight: ``dy / count`` (avg, [R, C, PH, PW, 1,
         1]) or ``dy`` at the winning corner and 0 elsewhere (max, [R, C, PH, PW, 2GY, 2GX])."""
         if spec.mode == "avg":
-            return _avg_spread(e, g, grid(), x)
-        n = e.op("Reshape", [e.op("Shape", [ordered_pos()], start=4), e.ints([])])
-        hot = e.op("Equal", [e.op("Reshape", [int_range(e, n), e.ints([1, 1, 1, 1, -1])]), winner()])
-        picked = ctx.select(hot, e.op("Unsqueeze", [g, e.ints([4])]))  # [R, C, PH, PW, GY*GX*4]
-        return _from_kernel_order(e, picked, grid())
+            return _avg_spread(g, grid(), x)
+        n = e.op("Reshape", [e.op("Shape", [ordered_pos().name], start=4), e.ints([])])
+        hot = ctx.val(int_range(e, n)).reshape([1, 1, 1, 1, -1]).eq(winner())
+        picked = g.unsqueeze([4]).select(hot, like=None)  # [R, C, PH, PW, GY*GX*4]
+        return _from_kernel_order(picked, grid())
 
-    def dx() -> str:
+    def dx() -> str:  # the cotangents spread back with the bilinear weights
         geo = grid()
-        weight = e.op("Mul", [geo.wy, geo.wx])  # [R, 1, PH, PW, 2GY, 2GX]
+        weight = geo.wy * geo.wx  # [R, 1, PH, PW, 2GY, 2GX]
         if spec.mode == "avg":
-            return _scatter_add(e, numel(e, x), geo.pos, ctx.weigh(spread(), weight), x)
+            return _scatter_add(e, numel(e, x), geo.pos.name, spread().weigh(weight, like=None).name, x)
         tap = winner()
-        sel_pos = e.op("GatherElements", [ordered_pos(), tap], axis=4)
-        full = e.op("Expand", [_in_kernel_order(e, weight, geo), e.op("Shape", [ordered_pos()])])
-        sel_w = e.op("GatherElements", [full, tap], axis=4)
-        return _scatter_add(e, numel(e, x), sel_pos, ctx.weigh(e.op("Unsqueeze", [g, e.ints([4])]), sel_w), x)
+        sel_pos = ordered_pos().apply("GatherElements", tap, like=None, axis=4)
+        full = _in_kernel_order(weight, geo).expand(e.op("Shape", [ordered_pos().name]))
+        sel_w = full.apply("GatherElements", tap, like=None, axis=4)
+        return _scatter_add(e, numel(e, x), sel_pos.name, g.unsqueeze([4]).weigh(sel_w, like=None).name, x)
 
     def drois() -> str:
         geo = grid()
-        seen = ctx.times(spread(), corners(), reads=[x])  # [R, C, PH, PW, 2GY, 2GX]
-        y1, y2 = _align_roi_grads(e, seen, geo.wx, [1, 3, 5], geo.ay, spec.oh, x, rois)
-        x1, x2 = _align_roi_grads(e, seen, geo.wy, [1, 2, 4], geo.ax, spec.ow, x, rois)
-        return e.op("Concat", [e.op("Unsqueeze", [v, e.ints([1])]) for v in (x1, y1, x2, y2)], axis=1, like=rois)
+        seen = spread().times(corners(), reads=[x], like=None)  # [R, C, PH, PW, 2GY, 2GX]
+        y1, y2 = _align_roi_grads(seen, geo.wx, [1, 3, 5], geo.ay, spec.oh, x, rois)
+        x1, x2 = _align_roi_grads(seen, geo.wy, [1, 2, 4], geo.ax, spec.ow, x, rois)
+        return e.op("Concat", [v.unsqueeze([1]).name for v in (x1, y1, x2, y2)], axis=1, like=rois)
 
     return [dx, drois, None]
