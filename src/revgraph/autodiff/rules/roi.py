@@ -130,60 +130,57 @@ class _RoiWindows:
     ``W - 1`` (0-d int64); ``pix`` the flat ``[N*H*W]`` position of every window element (clamped into the
     image) and ``ok`` whether it lies inside its bin ([R, PH, BH, PW, BW], int64 and bool)."""
 
-    hs: str
-    ws: str
-    bh: str
-    bw: str
-    last_row: str
-    last_col: str
-    pix: str
-    ok: str
+    hs: Val
+    ws: Val
+    bh: Val
+    bw: Val
+    last_row: Val
+    last_col: Val
+    pix: Val
+    ok: Val
 
 
-def _roi_windows(e: Emitter, b: str, hs: str, he: str, ws: str, we: str, h: Dim, w: Dim) -> _RoiWindows:
+def _roi_windows(b: Val, hs: Val, he: Val, ws: Val, we: Val, h: Dim, w: Dim) -> _RoiWindows:
     """The windows (:class:`_RoiWindows`) of the bins ``[hs, he) x [ws, we)`` in image ``b`` of each roi."""
-    one = e.const(np.int64(1))
+    ctx, e = b.ctx, b.ctx.e
 
-    def span(first: str, end: str) -> str:
-        return e.op("Max", [e.op("ReduceMax", [e.op("Sub", [end, first])], keepdims=0), one])
+    def span(first: Val, end: Val) -> Val:  # the largest bin, at least 1
+        return (end - first).apply("ReduceMax", like=None, keepdims=0).apply("Max", 1)
 
     bh, bw = span(hs, he), span(ws, we)
-    hm1, wm1 = (e.op("Sub", [i64(e, v), one]) for v in (h, w))
+    hm1, wm1 = (ctx.val(i64(e, v)) - 1 for v in (h, w))
 
-    def lines(first: str, end: str, size: str, last: str) -> tuple[str, str]:
-        at = e.op("Add", [e.op("Unsqueeze", [first, e.ints([2])]), int_range(e, size)])  # [R, P, B]
-        return e.op("Min", [at, last]), e.op("Less", [at, e.op("Unsqueeze", [end, e.ints([2])])])
+    def lines(first: Val, end: Val, size: Val, last: Val) -> tuple[Val, Val]:
+        at = first.unsqueeze([2]) + int_range(e, size.name)  # [R, P, B]
+        return at.apply("Min", last), at.lt(end.unsqueeze([2]))
 
     rows, row_ok = lines(hs, he, bh, hm1)
     cols, col_ok = lines(ws, we, bw, wm1)
     # flat [N*H*W] positions of the window elements: [R, PH, BH, PW, BW]
-    base = e.op("Mul", [e.op("Reshape", [b, e.ints([-1, 1, 1, 1, 1])]), i64(e, h)])
-    pix = e.op("Add", [e.op("Mul", [e.op("Add", [base, e.op("Unsqueeze", [rows, e.ints([3, 4])])]), i64(e, w)]),
-                       e.op("Unsqueeze", [cols, e.ints([1, 2])])])
-    ok = e.op("And", [e.op("Unsqueeze", [row_ok, e.ints([3, 4])]), e.op("Unsqueeze", [col_ok, e.ints([1, 2])])])
+    pix = (b.reshape([-1, 1, 1, 1, 1]) * i64(e, h) + rows.unsqueeze([3, 4])) * i64(e, w) + cols.unsqueeze([1, 2])
+    ok = row_ok.unsqueeze([3, 4]) & col_ok.unsqueeze([1, 2])
     return _RoiWindows(hs, ws, bh, bw, hm1, wm1, pix, ok)
 
 
-def _bin_argmax(e: Emitter, x: str, c: Dim, win: _RoiWindows) -> str:
+def _bin_argmax(x: Val, c: Dim, win: _RoiWindows) -> Val:
     """The window tap of each bin's maximum, the first in the bin's row-major order (int64 [R, C, PH, PW]): the
     windows gathered from ``x`` viewed as ``[N*H*W, C]``, positions outside the bin reading ``-inf``."""
-    pixels = e.op("Reshape", [e.op("Transpose", [x], perm=[0, 2, 3, 1]), shape_cat(e, [[-1], as1(e, c)])])
-    vals = e.op("Gather", [pixels, win.pix], axis=0)  # [R, PH, BH, PW, BW, C]
-    vals = e.op("Where", [e.op("Unsqueeze", [win.ok, e.ints([5])]), vals, e.scalar(-np.inf, x)])
-    vals = e.op("Reshape", [e.op("Transpose", [vals], perm=[0, 5, 1, 3, 2, 4]),
-                            shape_cat(e, [[0, 0, 0, 0], as1(e, dims_product(e, win.bh, win.bw))])])
-    return e.op("ArgMax", [vals], axis=4, keepdims=0)
+    e = x.ctx.e
+    pixels = x.transpose([0, 2, 3, 1]).reshape(shape_cat(e, [[-1], as1(e, c)]))
+    vals = pixels.apply("Gather", win.pix, like=None, axis=0)  # [R, PH, BH, PW, BW, C]
+    vals = where(win.ok.unsqueeze([5]), vals, -np.inf, like=None)
+    taps = as1(e, dims_product(e, win.bh.name, win.bw.name))
+    vals = vals.transpose([0, 5, 1, 3, 2, 4]).reshape(shape_cat(e, [[0, 0, 0, 0], taps]))
+    return vals.apply("ArgMax", like=None, axis=4, keepdims=0)
 
 
-def _tap_positions(e: Emitter, win: _RoiWindows, tap: str, b: str, c: Dim, h: Dim, w: Dim) -> str:
+def _tap_positions(win: _RoiWindows, tap: Val, b: Val, c: Dim, h: Dim, w: Dim) -> Val:
     """The flat position in ``x`` (int64 [R, C, PH, PW]) of the element each bin reads at window tap ``tap``."""
-    hsel = e.op("Min", [e.op("Add", [e.op("Unsqueeze", [win.hs, e.ints([1, 3])]), e.op("Div", [tap, win.bw])]),
-                        win.last_row])
-    wsel = e.op("Min", [e.op("Add", [e.op("Unsqueeze", [win.ws, e.ints([1, 2])]), e.op("Mod", [tap, win.bw])]),
-                        win.last_col])
-    plane = e.op("Add", [e.op("Mul", [e.op("Reshape", [b, e.ints([-1, 1, 1, 1])]), i64(e, c)]),
-                         e.op("Reshape", [int_range(e, c), e.ints([1, -1, 1, 1])])])
-    return e.op("Add", [e.op("Mul", [e.op("Add", [e.op("Mul", [plane, i64(e, h)]), hsel]), i64(e, w)]), wsel])
+    ctx, e = b.ctx, b.ctx.e
+    hsel = (win.hs.unsqueeze([1, 3]) + tap / win.bw).apply("Min", win.last_row)
+    wsel = (win.ws.unsqueeze([1, 2]) + tap.apply("Mod", win.bw)).apply("Min", win.last_col)
+    plane = b.reshape([-1, 1, 1, 1]) * i64(e, c) + ctx.val(int_range(e, c)).reshape([1, -1, 1, 1])
+    return (plane * i64(e, h) + hsel) * i64(e, w) + wsel
 
 
 @unary("MaxRoiPool")
@@ -203,11 +200,11 @@ def max_roi_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     c, h, w = (dim_of(e, x, a) for a in range(1, 4))
     b, corners = _roi_boxes(ctx.val(node.inputs[1]), scale)
     hs, he, ws, we = _box_bins(corners, ph, pw, h, w)
-    win = _roi_windows(e, b.name, hs.name, he.name, ws.name, we.name, h, w)
-    tap = _bin_argmax(e, x, c, win)  # [R, C, PH, PW]: the first maximum in the bin
-    pos = _tap_positions(e, win, tap, b.name, c, h, w)
+    win = _roi_windows(b, hs, he, ws, we, h, w)
+    tap = _bin_argmax(ctx.val(x), c, win)  # [R, C, PH, PW]: the first maximum in the bin
+    pos = _tap_positions(win, tap, b, c, h, w)
     full = he.gt(hs).unsqueeze([1, 3]) & we.gt(ws).unsqueeze([1, 2])  # [R, 1, PH, PW]: the bins not empty
-    return _scatter_add(e, numel(e, x), pos, ctx.val(g).select(full, like=None).name, x)
+    return _scatter_add(e, numel(e, x), pos.name, ctx.val(g).select(full, like=None).name, x)
 
 
 # ------------------------------------------------------------------------------------------ RoiAlign
