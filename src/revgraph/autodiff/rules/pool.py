@@ -23,7 +23,7 @@ from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import unary
-from ._common import zeros_of_shape
+from ._common import EmitterContext, zeros_of_shape
 from .conv import (
     Geometry,
     dims_part,
@@ -79,14 +79,13 @@ def _reads_padding(dims: list[int], out: list[int], geo: Geometry) -> bool:
                for n, o, k, s, d, pb in zip(dims, out, geo.kernel, geo.strides, geo.dilations, geo.pb, strict=True))
 
 
-def _axis_grid(e: Emitter, n_a: int, mul_a: int, n_b: int, mul_b: int, add: int, view: list[int]) -> str:
+def _axis_grid(e: Emitter, n_a: int, mul_a: int, n_b: int, mul_b: int, add: int, view: list[int]) -> Val:
     """int64 ``q[a, b] = a * mul_a + b * mul_b + add`` (``a < n_a``, ``b < n_b``), reshaped to ``view`` (1s
     but at the two axes of ``a`` and ``b``): one axis of a run-time index table."""
-    i64 = np.int64
-    col = e.op("Unsqueeze", [e.op("Mul", [arange(e, n_a), e.const(i64(mul_a))]), e.ints([1])])
-    row = e.op("Unsqueeze", [e.op("Mul", [arange(e, n_b), e.const(i64(mul_b))]), e.ints([0])])
-    q = e.op("Add", [e.op("Add", [col, row]), e.const(i64(add))])
-    return e.op("Reshape", [q, e.ints(view)], shape=tuple(view), dtype=np.dtype(i64))
+    b = EmitterContext(e)
+    a_, b_ = b.val(arange(e, n_a)), b.val(arange(e, n_b))
+    q = (a_ * mul_a).unsqueeze([1]) + (b_ * mul_b).unsqueeze([0]) + add
+    return b.val(e.op("Reshape", [q.name, e.ints(view)], shape=tuple(view), dtype=np.dtype(np.int64)))
 
 
 def window_table_value(e: Emitter, dims: list[int], out: list[int], geo: Geometry) -> tuple[str, bool]:
@@ -99,16 +98,16 @@ def window_table_value(e: Emitter, dims: list[int], out: list[int], geo: Geometr
         return e.const(table), padded
     k, size = len(dims), int(np.prod(dims))
     idx = inside = None
-    for i in range(k):
+    for i in range(k):  # position q = o s + k d - pb along axis i, read when 0 <= q < D
         view = [1] * (2 * k)
         view[i], view[k + i] = out[i], geo.kernel[i]
         q = _axis_grid(e, out[i], geo.strides[i], geo.kernel[i], geo.dilations[i], -geo.pb[i], view)
-        term = e.op("Mul", [q, e.const(np.int64(np.prod(dims[i + 1:])))])
-        ok = e.op("And", [e.op("GreaterOrEqual", [q, e.const(np.int64(0))]), e.op("Less", [q, e.const(np.int64(dims[i]))])])
-        idx = term if idx is None else e.op("Add", [idx, term])
-        inside = ok if inside is None else e.op("And", [inside, ok])
-    table = e.op("Where", [inside, idx, e.const(np.int64(size))])
-    return e.op("Reshape", [table, e.ints([n_out, taps])], shape=(n_out, taps), dtype=np.dtype(np.int64)), \
+        term = q * int(np.prod(dims[i + 1:]))
+        ok = q.ge(0) & q.lt(dims[i])
+        idx = term if idx is None else idx + term
+        inside = ok if inside is None else inside & ok
+    table = where(inside, idx, size, like=None)
+    return e.op("Reshape", [table.name, e.ints([n_out, taps])], shape=(n_out, taps), dtype=np.dtype(np.int64)), \
         _reads_padding(dims, out, geo)
 
 
@@ -242,21 +241,19 @@ def inverse_table_value(e: Emitter, dims: list[int], out: list[int], geo: Geomet
     if small([n_in, taps]):
         return e.const(inverse_table(dims, out, geo))
     n_out = int(np.prod(out))
-    i64 = lambda v: e.const(np.int64(v))
     entry = valid = None
-    for i in range(k):
+    for i in range(k):  # input i + pb - k d = o s: read by window o at tap k when s divides it and o < O
         view = [1] * (2 * k)
         view[i], view[k + i] = dims[i], geo.kernel[i]
         num = _axis_grid(e, dims[i], 1, geo.kernel[i], -geo.dilations[i], geo.pb[i], view)
-        o = e.op("Div", [num, i64(geo.strides[i])])
-        ok = e.op("And", [e.op("Equal", [e.op("Mod", [num, i64(geo.strides[i])]), i64(0)]),
-                          e.op("And", [e.op("GreaterOrEqual", [num, i64(0)]), e.op("Less", [o, i64(out[i])])])])
+        o = num / geo.strides[i]
+        ok = num.apply("Mod", geo.strides[i]).eq(0) & (num.ge(0) & o.lt(out[i]))
         tap = _axis_grid(e, dims[i], 0, geo.kernel[i], int(np.prod(geo.kernel[i + 1:])), 0, view)
-        term = e.op("Add", [e.op("Mul", [o, i64(int(np.prod(out[i + 1:])) * taps)]), tap])
-        entry = term if entry is None else e.op("Add", [entry, term])
-        valid = ok if valid is None else e.op("And", [valid, ok])
-    table = e.op("Where", [valid, entry, i64(n_out * taps)])
-    return e.op("Reshape", [table, e.ints([n_in, taps])], shape=(n_in, taps), dtype=np.dtype(np.int64))
+        term = o * (int(np.prod(out[i + 1:])) * taps) + tap
+        entry = term if entry is None else entry + term
+        valid = ok if valid is None else valid & ok
+    table = where(valid, entry, n_out * taps, like=None)
+    return e.op("Reshape", [table.name, e.ints([n_in, taps])], shape=(n_in, taps), dtype=np.dtype(np.int64))
 
 
 def _lp_factor(v: Val, norm: Val, p: int) -> Val:
