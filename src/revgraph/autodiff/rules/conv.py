@@ -41,6 +41,7 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from ._common import optional_input, shape_part
 from .tables import filled
 
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -169,14 +170,7 @@ def shape_cat(e: Emitter, parts: list) -> str:
     return names[0] if len(names) == 1 else e.op("Concat", names, axis=0)
 
 
-def dims_part(e: Emitter, x: str, start: int, end: int | None = None) -> list[int] | str:
-    """``shape(x)[start:end]``: ints when static, else a ``Shape`` value."""
-    d = e.dims(x)
-    if d is not None:
-        part = list(d[start:end])
-        if all(isinstance(v, int) for v in part):
-            return part
-    return e.op("Shape", [x], start=start) if end is None else e.op("Shape", [x], start=start, end=end)
+dims_part = shape_part  # (``shape(x)[start:end]``; the name the geometry rules use)
 
 
 def ones(e: Emitter, shape: list[int], like: str) -> str:
@@ -334,12 +328,8 @@ def weight_grad_taps(e: Emitter, x: str, g: str, geo: Geometry, out: list[int], 
 
 
 def bias_grad(e: Emitter, g: str, k: int, b: str) -> str:
-    """``db = sum of dy over every axis but 1``."""
+    """``db = sum of dy over every axis but 1`` (the channels)."""
     return e.op("ReduceSum", [g, e.ints([0, *_axes(k)])], keepdims=0, like=b)
-
-
-def _optional(node: Node, i: int) -> str | None:
-    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
 
 
 # ------------------------------------------------------------------------------------------ rules
@@ -351,7 +341,7 @@ def conv(ctx: Ctx, node: Node, cts: list) -> list:
     gradient by the transposed convolution, weight gradient by a convolution of the input with the output
     gradient, bias gradient by a sum (module docstring)."""
     e, g = ctx.e, cts[0]
-    x, w, b = node.inputs[0], node.inputs[1], _optional(node, 2)
+    x, w, b = node.inputs[0], node.inputs[1], optional_input(node, 2)
     k = e.need_rank(x, node) - 2
     group = int(node.attrs.get("group", 1))
     geo = conv_geometry(e, node, x, w, k)
@@ -402,7 +392,7 @@ def conv_transpose(ctx: Ctx, node: Node, cts: list) -> list:
     construction of :func:`weight_grad` with ``dy`` as the input and ``x`` as the output gradient. The
     ``output_padding`` positions beyond the full extent hold no data: their gradient rows are dropped."""
     e, g = ctx.e, cts[0]
-    x, w, b = node.inputs[0], node.inputs[1], _optional(node, 2)
+    x, w, b = node.inputs[0], node.inputs[1], optional_input(node, 2)
     k = e.need_rank(x, node) - 2
     group = int(node.attrs.get("group", 1))
     kernel = kernel_of(e, node, w, k)

@@ -20,12 +20,13 @@ import onnx
 
 from ...errors import GraphError
 from ...ir import Node
+from ..algebra import Val
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 from ..sparse import add_rows
-from .conv import Geometry, _optional, bias_grad, dims_part, ints_attr, kernel_of, shape_cat
-from .sampling import _product  # the product of factors, shared with GridSample's multilinear weights
+from ._common import optional_input, product, zeros_of_shape
+from .conv import Geometry, bias_grad, dims_part, ints_attr, kernel_of, shape_cat
 
 # ------------------------------------------------------------------------------------------ Col2Im
 
@@ -39,15 +40,15 @@ def col2im(ctx: Ctx, node: Node, cts: list) -> list:
     strides, dilations and pads give ``[N*C, K, *blocks]``, which is ``x``'s ``[N, C*K, L]``. The kernel is a
     constant when ``block_shape`` is; otherwise it is built in the graph (``EyeLike``), and the gradient
     graph cannot be differentiated again (the Conv VJP needs a static kernel size)."""
-    e, (x, _, block), g = ctx.e, node.inputs, cts[0]
+    e, (x, _, block), g = ctx.e, node.inputs, ctx.val(cts[0])
 
-    def dx() -> str:
-        k = e.need_rank(g, node) - 2
-        planes = e.op("Reshape", [g, shape_cat(e, [[-1, 1], dims_part(e, g, 2)])])
+    def dx() -> Val:
+        k = e.need_rank(g.name, node) - 2
+        planes = g.reshape(shape_cat(e, [[-1, 1], dims_part(e, g.name, 2)]))
         attrs = {"strides": ints_attr(node, "strides", [1] * k), "dilations": ints_attr(node, "dilations", [1] * k),
                  "pads": ints_attr(node, "pads", [0] * (2 * k))}
-        cols = e.op("Conv", [planes, _identity_kernel(e, block, x)], **attrs)
-        return e.op("Reshape", [cols, e.shape_of(x)], like=x)
+        cols = planes.apply("Conv", _identity_kernel(e, block, x), like=None, **attrs)
+        return cols.reshape(e.shape_of(x), like=x)
 
     return [dx, None, None]
 
@@ -152,93 +153,77 @@ def _batch_rows(e: Emitter, x: str, sz: _Deform) -> str:
     return e.op("Reshape", [ramp, e.ints([-1, 1, 1])])
 
 
-def _axis_neighbours(e: Emitter, x: str, sz: _Deform, part: str, base: np.ndarray, j: int,
-                     sign: str) -> tuple[str, str, str]:
+def _axis_neighbours(ctx: Ctx, x: str, sz: _Deform, part: Val, base: np.ndarray, j: int,
+                     sign: Val) -> tuple[Val, Val, Val]:
     """Spatial axis ``j`` of every sample, its two neighbours stacked on a corner axis of their own
     (``[1.., 2, ..1, N * offset_group, K, L]``): their linear weights (``1 - frac`` and ``frac``, 0 outside
     the input), the derivatives of the weights with respect to ``p_j`` (``sign``: -1 and +1, 0 outside), and
     their clipped positions times the row stride of axis ``j``. ``part`` is the axis' offsets and ``base`` the
     undeformed positions ``o*s - pb + k*d`` (``[K, L]``)."""
-    k = len(sz.dims)
-    p = e.op("Add", [e.op("Reshape", [part, e.ints([-1, sz.taps, sz.length])]), _fconst(e, base, x)])
-    fl = e.op("Floor", [p])
-    frac = e.op("Unsqueeze", [e.op("Sub", [p, fl]), e.ints([0])])
-    near = e.op("Add", [e.op("Unsqueeze", [e.op("Cast", [fl], to=onnx.TensorProto.INT64), e.ints([0])]),
-                        e.const(np.array([0, 1], dtype=np.int64).reshape(2, 1, 1, 1))])
-    top = e.const(np.int64(sz.dims[j] - 1))
-    inside = e.op("CastLike", [e.op("And", [e.op("GreaterOrEqual", [near, e.const(np.int64(0))]),
-                                            e.op("LessOrEqual", [near, top])]), x])
-    # low neighbour 1 - frac, high neighbour frac; 0 outside the input
-    lin = e.op("Add", [_fconst(e, np.array([1.0, 0.0]).reshape(2, 1, 1, 1), x), e.op("Mul", [sign, frac])])
-    axes = e.ints([i for i in range(k) if i != j])
-    place = (lambda v: e.op("Unsqueeze", [v, axes])) if k > 1 else (lambda v: v)
-    weight = place(e.op("Mul", [lin, inside]))
-    slope = place(e.op("Mul", [sign, inside]))
-    clipped = e.op("Max", [e.op("Min", [near, top]), e.const(np.int64(0))])
+    e, k = ctx.e, len(sz.dims)
+    p = part.reshape([-1, sz.taps, sz.length]) + _fconst(e, base, x)
+    fl = p.apply("Floor", like=None)
+    frac = (p - fl).unsqueeze([0])
+    near = fl.cast(np.int64).unsqueeze([0]) + np.array([0, 1], dtype=np.int64).reshape(2, 1, 1, 1)
+    top = sz.dims[j] - 1
+    inside = (near.ge(0) & near.le(top)).cast_like(x)
+    lin = ctx.val(_fconst(e, np.array([1.0, 0.0]).reshape(2, 1, 1, 1), x)) + sign * frac  # 1 - frac, frac
+    axes = [i for i in range(k) if i != j]
+    place = (lambda v: v.unsqueeze(axes)) if k > 1 else (lambda v: v)
+    clipped = near.apply("Min", top).apply("Max", 0)
     stride = int(np.prod(sz.dims[j + 1:]))
-    if stride != 1:
-        clipped = e.op("Mul", [clipped, e.const(np.int64(stride))])
-    return weight, slope, place(clipped)
+    return place(lin * inside), place(sign * inside), place(clipped if stride == 1 else clipped * stride)
 
 
-def _sampling(e: Emitter, x: str, off: str, sz: _Deform) -> tuple[str, str, list[str]]:
+def _sampling(ctx: Ctx, x: str, off: str, sz: _Deform) -> tuple[Val, Val, list[Val]]:
     """``(rows, weights, slopes)``: for every corner (axis 0, ``2^k``, the first spatial axis slowest) and
     sample ``r`` (axis 1: ``R = N * offset_group * K * L`` in that order): the input row it reads (int64),
     its multilinear weight (0 outside the input), and per spatial axis ``j`` the derivative of that weight
     with respect to ``p_j``. The corners are the broadcast products of the axes' neighbours
     (:func:`_axis_neighbours`)."""
-    k = len(sz.dims)
+    e, k = ctx.e, len(sz.dims)
     split = e.op("Reshape", [off, e.ints([-1, k, sz.length])])
     parts = e.op("Split", [split, e.ints([1] * k)], n_out=k, axis=1) if k > 1 else [split]
     grid = np.indices(sz.kernel + sz.out).reshape(2 * k, sz.taps, sz.length)
-    sign = _fconst(e, np.array([-1.0, 1.0]).reshape(2, 1, 1, 1), x)  # d weight / d frac of the low, high neighbour
-    pos = _batch_rows(e, x, sz)
+    sign = ctx.val(_fconst(e, np.array([-1.0, 1.0]).reshape(2, 1, 1, 1), x))  # d weight / d frac: low, high
+    pos = ctx.val(_batch_rows(e, x, sz))
     weights, slopes = [], []
     for j in range(k):
         base = grid[k + j] * sz.strides[j] - sz.pb[j] + grid[j] * sz.dilations[j]
-        weight, slope, at = _axis_neighbours(e, x, sz, parts[j], base, j, sign)
+        weight, slope, at = _axis_neighbours(ctx, x, sz, ctx.val(parts[j]), base, j, sign)
         weights.append(weight)
         slopes.append(slope)
-        pos = e.op("Add", [pos, at])
-    flat = e.ints([2**k, -1])
-    rows = e.op("Reshape", [pos, flat])
-    weight = e.op("Reshape", [_product(e, weights), flat])
-    slope = [e.op("Reshape", [_product(e, [sl, *weights[:j], *weights[j + 1:]]), flat])
-             for j, sl in enumerate(slopes)]
-    return rows, weight, slope
+        pos = pos + at
+    flat = [2**k, -1]
+    return pos.reshape(flat), product(weights).reshape(flat), \
+        [product([sl, *weights[:j], *weights[j + 1:]]).reshape(flat) for j, sl in enumerate(slopes)]
 
 
-def _samples(e: Emitter, x: str, rows: str, sz: _Deform) -> str:
+def _samples(x: Val, rows: Val, sz: _Deform) -> Val:
     """``[2^k, R, C/og]``: the input at every corner of every sample (a Gather of rows)."""
-    grouped = e.op("Reshape", [x, e.ints([-1, sz.og, sz.cog, sz.pixels])])
-    table = e.op("Reshape", [e.op("Transpose", [grouped], perm=[0, 1, 3, 2]), e.ints([-1, sz.cog])])
-    got = e.op("Gather", [table, e.op("Reshape", [rows, e.ints([-1])])], axis=0)
-    return e.op("Reshape", [got, e.ints([2 ** len(sz.dims), -1, sz.cog])])
+    table = x.reshape([-1, sz.og, sz.cog, sz.pixels]).transpose([0, 1, 3, 2]).reshape([-1, sz.cog])
+    return table.apply("Gather", rows.reshape([-1]), like=None, axis=0).reshape([2 ** len(sz.dims), -1, sz.cog])
 
 
-def _values(e: Emitter, samples: str, weights: str) -> str:
+def _values(samples: Val, weights: Val) -> Val:
     """``[R, C/og]``: the bilinear samples ``v``, the corners' values times their weights, summed."""
-    return e.op("ReduceSum", [e.op("Mul", [samples, e.op("Unsqueeze", [weights, e.ints([2])])]), e.ints([0])],
-                keepdims=0)
+    return (samples * weights.unsqueeze([2])).sum([0], keepdims=0)
 
 
-def _cols(e: Emitter, v: str, sz: _Deform) -> str:
+def _cols(v: Val, sz: _Deform) -> Val:
     """``[N, group, C/group * K, L]``: the masked samples ``v`` laid out for the contraction."""
-    lay = e.op("Transpose", [e.op("Reshape", [v, e.ints([-1, sz.og, sz.taps, sz.length, sz.cog])])],
-               perm=[0, 1, 4, 2, 3])
-    return e.op("Reshape", [lay, e.ints([-1, sz.group, sz.cg * sz.taps, sz.length])])
+    lay = v.reshape([-1, sz.og, sz.taps, sz.length, sz.cog]).transpose([0, 1, 4, 2, 3])
+    return lay.reshape([-1, sz.group, sz.cg * sz.taps, sz.length])
 
 
 # ------------------------------------------------------------------------------------------ DeformConv: cotangents
 
 
-def _dcols(e: Emitter, w: str, grad_out: str, sz: _Deform) -> str:
+def _dcols(w: Val, grad_out: Val, sz: _Deform) -> Val:
     """``[R, C/og]``: the cotangent of the masked samples, ``w^T g`` in the samples' layout."""
-    wt = e.op("Transpose", [e.op("Reshape", [w, e.ints([sz.group, sz.mg, sz.cg * sz.taps])])], perm=[0, 2, 1])
-    d = e.op("MatMul", [wt, grad_out])
-    lay = e.op("Transpose", [e.op("Reshape", [d, e.ints([-1, sz.og, sz.cog, sz.taps, sz.length])])],
-               perm=[0, 1, 3, 4, 2])
-    return e.op("Reshape", [lay, e.ints([-1, sz.cog])])
+    d = w.reshape([sz.group, sz.mg, sz.cg * sz.taps]).transpose([0, 2, 1]) @ grad_out
+    lay = d.reshape([-1, sz.og, sz.cog, sz.taps, sz.length]).transpose([0, 1, 3, 4, 2])
+    return lay.reshape([-1, sz.cog])
 
 
 def _zero_table(e: Emitter, x: str, sz: _Deform) -> str:
@@ -248,43 +233,39 @@ def _zero_table(e: Emitter, x: str, sz: _Deform) -> str:
     else:
         batch = e.op("Shape", [x], start=0, end=1)
         shape = e.op("Concat", [e.op("Mul", [batch, e.ints([sz.og * sz.pixels])]), e.ints([sz.cog])], axis=0)
-    dt = e.dtype(x)
-    zeros = e.op("ConstantOfShape", [shape], value=np.zeros(1, dtype=dt if dt is not None else np.float32))
-    return zeros if dt is not None else e.op("CastLike", [zeros, x])
+    return zeros_of_shape(e, shape, x)
 
 
-def _input_grad(e: Emitter, x: str, rows: str, weights: str, dv: str, sz: _Deform) -> str:
+def _input_grad(x: Val, rows: Val, weights: Val, dv: Val, sz: _Deform) -> Val:
     """``dx``: ``dv`` times each corner's weight, added at the corner's row
     (:func:`~revgraph.autodiff.sparse.add_rows`)."""
-    contrib = e.op("Mul", [e.op("Unsqueeze", [weights, e.ints([2])]), e.op("Unsqueeze", [dv, e.ints([0])])])
-    table = add_rows(e, _zero_table(e, x, sz), e.op("Reshape", [rows, e.ints([-1])]),
-                     e.op("Reshape", [contrib, e.ints([-1, sz.cog])]))
-    lay = e.op("Transpose", [e.op("Reshape", [table, e.ints([-1, sz.og, sz.pixels, sz.cog])])], perm=[0, 1, 3, 2])
-    return e.op("Reshape", [lay, e.shape_of(x)], like=x)
+    e = x.ctx.e
+    contrib = weights.unsqueeze([2]) * dv.unsqueeze([0])
+    table = x.ctx.val(add_rows(e, _zero_table(e, x.name, sz), rows.reshape([-1]).name,
+                               contrib.reshape([-1, sz.cog]).name))
+    lay = table.reshape([-1, sz.og, sz.pixels, sz.cog]).transpose([0, 1, 3, 2])
+    return lay.reshape(e.shape_of(x.name), like=x)
 
 
-def _weight_grad(e: Emitter, w: str, cols: str, grad_out: str) -> str:
+def _weight_grad(w: Val, cols: Val, grad_out: Val) -> Val:
     """``dw[m, c, k] = sum_{n, o} g[n, m, o] cols[n, c, k, o]``: a batched MatMul summed over the batch."""
-    gt = e.op("Transpose", [grad_out], perm=[0, 1, 3, 2])
-    per_batch = e.op("MatMul", [cols, gt])  # [N, group, C/group * K, M/group]
-    total = e.op("ReduceSum", [per_batch, e.ints([0])], keepdims=0)
-    return e.op("Reshape", [e.op("Transpose", [total], perm=[0, 2, 1]), e.shape_of(w)], like=w)
+    per_batch = cols @ grad_out.transpose([0, 1, 3, 2])  # [N, group, C/group * K, M/group]
+    return per_batch.sum([0], keepdims=0).transpose([0, 2, 1]).reshape(w.ctx.e.shape_of(w.name), like=w)
 
 
-def _offset_grad(e: Emitter, off: str, samples: str, slopes: list[str], dv: str, length: int) -> str:
+def _offset_grad(off: Val, samples: Val, slopes: list[Val], dv: Val, length: int) -> Val:
     """``doffset`` along axis ``j``: per corner and sample, the sum over the group's channels of ``dv`` times
     the corner's value, times the derivative of the corner's weight along ``j``, summed over the corners."""
-    s = e.op("ReduceSum", [e.op("Mul", [samples, e.op("Unsqueeze", [dv, e.ints([0])])]), e.ints([2])], keepdims=0)
-    per_axis = [e.op("Reshape", [e.op("ReduceSum", [e.op("Mul", [s, sl]), e.ints([0])], keepdims=0),
-                                 e.ints([-1, 1, length])]) for sl in slopes]
-    d = per_axis[0] if len(slopes) == 1 else e.op("Concat", per_axis, axis=1)
-    return e.op("Reshape", [d, e.shape_of(off)], like=off)
+    e = off.ctx.e
+    s = (samples * dv.unsqueeze([0])).sum([2], keepdims=0)
+    per_axis = [(s * sl).sum([0], keepdims=0).reshape([-1, 1, length]) for sl in slopes]
+    d = per_axis[0] if len(slopes) == 1 else off.ctx.val(e.op("Concat", [v.name for v in per_axis], axis=1))
+    return d.reshape(e.shape_of(off.name), like=off)
 
 
-def _mask_grad(e: Emitter, mask: str, dcols: str, values: str) -> str:
+def _mask_grad(mask: Val, dcols: Val, values: Val) -> Val:
     """``dmask = sum_{c in q} dcols * v``."""
-    d = e.op("ReduceSum", [e.op("Mul", [dcols, values]), e.ints([1])], keepdims=0)
-    return e.op("Reshape", [d, e.shape_of(mask)], like=mask)
+    return (dcols * values).sum([1], keepdims=0).reshape(mask.ctx.e.shape_of(mask.name), like=mask)
 
 
 # ------------------------------------------------------------------------------------------ DeformConv: the rule
@@ -293,56 +274,56 @@ def _mask_grad(e: Emitter, mask: str, dcols: str, values: str) -> str:
 class _DeformTerms:
     """The intermediates of one DeformConv's backward pass, each emitted once, when first read."""
 
-    def __init__(self, e: Emitter, node: Node, g: str):
-        self.e, self.g = e, g
-        self.x, self.w, self.off = node.inputs[:3]
-        self.mask = _optional(node, 4)
-        self.sz = _deform_sizes(e, node, self.x, self.w)
+    def __init__(self, ctx: Ctx, node: Node, g: str):
+        self.ctx, self.g = ctx, ctx.val(g)
+        self.x, self.w, self.off = ctx.vals(*node.inputs[:3])
+        mask = optional_input(node, 4)
+        self.mask = None if mask is None else ctx.val(mask)
+        self.sz = _deform_sizes(ctx.e, node, self.x.name, self.w.name)
 
     @cached_property
-    def sampling(self) -> tuple[str, str, list[str]]:
-        return _sampling(self.e, self.x, self.off, self.sz)
+    def sampling(self) -> tuple[Val, Val, list[Val]]:
+        return _sampling(self.ctx, self.x.name, self.off.name, self.sz)
 
     @cached_property
-    def samples(self) -> str:
-        return _samples(self.e, self.x, self.sampling[0], self.sz)
+    def samples(self) -> Val:
+        return _samples(self.x, self.sampling[0], self.sz)
 
     @cached_property
-    def values(self) -> str:
-        return _values(self.e, self.samples, self.sampling[1])
+    def values(self) -> Val:
+        return _values(self.samples, self.sampling[1])
 
     @cached_property
-    def mask_rows(self) -> str | None:
+    def mask_rows(self) -> Val | None:
         """The mask as ``[R, 1]``, or ``None``."""
-        e, mask = self.e, self.mask
-        return e.op("Unsqueeze", [e.op("Reshape", [mask, e.ints([-1])]), e.ints([1])]) if mask else None
+        return None if self.mask is None else self.mask.reshape([-1]).unsqueeze([1])
 
     @cached_property
-    def grad_out(self) -> str:
-        return self.e.op("Reshape", [self.g, self.e.ints([-1, self.sz.group, self.sz.mg, self.sz.length])])
+    def grad_out(self) -> Val:
+        return self.g.reshape([-1, self.sz.group, self.sz.mg, self.sz.length])
 
     @cached_property
-    def dcols(self) -> str:
-        return _dcols(self.e, self.w, self.grad_out, self.sz)
+    def dcols(self) -> Val:
+        return _dcols(self.w, self.grad_out, self.sz)
 
     @cached_property
-    def dvalues(self) -> str:
+    def dvalues(self) -> Val:
         """``dv = dcols * mask``."""
-        return self.dcols if self.mask is None else self.e.op("Mul", [self.dcols, self.mask_rows])
+        return self.dcols if self.mask is None else self.dcols * self.mask_rows
 
-    def dx(self) -> str:
+    def dx(self) -> Val:
         rows, weights, _ = self.sampling
-        return _input_grad(self.e, self.x, rows, weights, self.dvalues, self.sz)
+        return _input_grad(self.x, rows, weights, self.dvalues, self.sz)
 
-    def dw(self) -> str:
-        v = self.values if self.mask is None else self.e.op("Mul", [self.values, self.mask_rows])
-        return _weight_grad(self.e, self.w, _cols(self.e, v, self.sz), self.grad_out)
+    def dw(self) -> Val:
+        v = self.values if self.mask is None else self.values * self.mask_rows
+        return _weight_grad(self.w, _cols(v, self.sz), self.grad_out)
 
-    def doffset(self) -> str:
-        return _offset_grad(self.e, self.off, self.samples, self.sampling[2], self.dvalues, self.sz.length)
+    def doffset(self) -> Val:
+        return _offset_grad(self.off, self.samples, self.sampling[2], self.dvalues, self.sz.length)
 
-    def dmask(self) -> str:
-        return _mask_grad(self.e, self.mask, self.dcols, self.values)
+    def dmask(self) -> Val:
+        return _mask_grad(self.mask, self.dcols, self.values)
 
 
 @vjp("DeformConv", bounded=False, finite=False)
@@ -366,8 +347,8 @@ def deform_conv(ctx: Ctx, node: Node, cts: list) -> list:
     The samples are recomputed in the backward graph with one ``Gather`` of rows over all ``2^k`` corners.
     Any spatial rank (multilinear sampling); needs static channel and spatial sizes (the batch may vary)."""
     e, g = ctx.e, cts[0]
-    b = _optional(node, 3)
-    t = _DeformTerms(e, node, g)
+    b = optional_input(node, 3)
+    t = _DeformTerms(ctx, node, g)
     k = len(t.sz.dims)
     grads = [t.dx, t.dw, t.doffset, (lambda: bias_grad(e, g, k, b)) if b else None, t.dmask if t.mask else None]
     return grads[:len(node.inputs)]

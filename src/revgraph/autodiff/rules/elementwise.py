@@ -5,7 +5,7 @@ Conventions (DESIGN.md section 5): broadcasting is undone with :meth:`Emitter.re
 take the 0 subgradient at 0; ties of ``Max``/``Min`` split the cotangent equally, and ``Clip`` is their
 composition ``Min(Max(x, min), max)``; strong zeros: where a rule multiplies the cotangent by a value that can
 be infinite or NaN (a derivative such as ``1 / x`` at 0, or a forward value that may be non-finite:
-``exp(1000)``, an infinite graph input), :func:`strong` makes a zero cotangent give an exact zero (0 x inf = 0);
+``exp(1000)``, an infinite graph input), :meth:`Val.times <revgraph.autodiff.algebra.Val.times>` makes a zero cotangent give an exact zero (0 x inf = 0);
 selections (``Relu``, ``Where``, ``Clip``, ``Max``/``Min``) send an exact 0 to the unselected side.
 Integer results carry no gradient, also where an input is a float (``Cast`` to an integer, ``Pow`` of an
 integer base).
@@ -27,13 +27,6 @@ from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, slope, unary, vjp
 from ._common import f32_attr, optional_input
-
-
-def strong(ctx: Ctx, g: str, d: str, like: str | None, reads: list[str] | None = None, zero: bool = True) -> str:
-    """``g * d`` with strong zeros (:meth:`Ctx.times`): exactly 0 where ``g == 0``, even if ``d`` is inf or NaN
-    there, and where ``d == 0`` even if ``g`` is. ``reads``: the forward values ``d`` is computed from, when ``d``
-    is finite for finite values (``None``: ``d`` may be infinite anyway); ``zero=False``: ``d`` is never 0."""
-    return ctx.times(g, d, like, reads, zero)
 
 
 def integer_result(e: Emitter, node: Node) -> bool:

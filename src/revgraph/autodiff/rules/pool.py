@@ -19,9 +19,11 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import unary
+from ._common import EmitterContext, zeros_of_shape
 from .conv import (
     Geometry,
     dims_part,
@@ -33,7 +35,6 @@ from .conv import (
     shape_cat,
     spatial,
 )
-from .roi import _zeros
 from .tables import arange, small
 
 
@@ -78,14 +79,13 @@ def _reads_padding(dims: list[int], out: list[int], geo: Geometry) -> bool:
                for n, o, k, s, d, pb in zip(dims, out, geo.kernel, geo.strides, geo.dilations, geo.pb, strict=True))
 
 
-def _axis_grid(e: Emitter, n_a: int, mul_a: int, n_b: int, mul_b: int, add: int, view: list[int]) -> str:
+def _axis_grid(e: Emitter, n_a: int, mul_a: int, n_b: int, mul_b: int, add: int, view: list[int]) -> Val:
     """int64 ``q[a, b] = a * mul_a + b * mul_b + add`` (``a < n_a``, ``b < n_b``), reshaped to ``view`` (1s
     but at the two axes of ``a`` and ``b``): one axis of a run-time index table."""
-    i64 = np.int64
-    col = e.op("Unsqueeze", [e.op("Mul", [arange(e, n_a), e.const(i64(mul_a))]), e.ints([1])])
-    row = e.op("Unsqueeze", [e.op("Mul", [arange(e, n_b), e.const(i64(mul_b))]), e.ints([0])])
-    q = e.op("Add", [e.op("Add", [col, row]), e.const(i64(add))])
-    return e.op("Reshape", [q, e.ints(view)], shape=tuple(view), dtype=np.dtype(i64))
+    b = EmitterContext(e)
+    a_, b_ = b.val(arange(e, n_a)), b.val(arange(e, n_b))
+    q = (a_ * mul_a).unsqueeze([1]) + (b_ * mul_b).unsqueeze([0]) + add
+    return b.val(e.op("Reshape", [q.name, e.ints(view)], shape=tuple(view), dtype=np.dtype(np.int64)))
 
 
 def window_table_value(e: Emitter, dims: list[int], out: list[int], geo: Geometry) -> tuple[str, bool]:
@@ -98,16 +98,16 @@ def window_table_value(e: Emitter, dims: list[int], out: list[int], geo: Geometr
         return e.const(table), padded
     k, size = len(dims), int(np.prod(dims))
     idx = inside = None
-    for i in range(k):
+    for i in range(k):  # position q = o s + k d - pb along axis i, read when 0 <= q < D
         view = [1] * (2 * k)
         view[i], view[k + i] = out[i], geo.kernel[i]
         q = _axis_grid(e, out[i], geo.strides[i], geo.kernel[i], geo.dilations[i], -geo.pb[i], view)
-        term = e.op("Mul", [q, e.const(np.int64(np.prod(dims[i + 1:])))])
-        ok = e.op("And", [e.op("GreaterOrEqual", [q, e.const(np.int64(0))]), e.op("Less", [q, e.const(np.int64(dims[i]))])])
-        idx = term if idx is None else e.op("Add", [idx, term])
-        inside = ok if inside is None else e.op("And", [inside, ok])
-    table = e.op("Where", [inside, idx, e.const(np.int64(size))])
-    return e.op("Reshape", [table, e.ints([n_out, taps])], shape=(n_out, taps), dtype=np.dtype(np.int64)), \
+        term = q * int(np.prod(dims[i + 1:]))
+        ok = q.ge(0) & q.lt(dims[i])
+        idx = term if idx is None else idx + term
+        inside = ok if inside is None else inside & ok
+    table = where(inside, idx, size, like=None)
+    return e.op("Reshape", [table.name, e.ints([n_out, taps])], shape=(n_out, taps), dtype=np.dtype(np.int64)), \
         _reads_padding(dims, out, geo)
 
 
@@ -120,37 +120,35 @@ def max_pool(ctx: Ctx, node: Node, x: str, y: str, g: str | None) -> str | None:
     cotangents of overlapping windows. The ``Indices`` output carries no gradient."""
     if g is None:
         return None
-    e = ctx.e
+    e, g = ctx.e, ctx.val(g)
     geo = pool_geometry(e, node, x)
     dims = need_spatial(e, node, x, "the MaxPool VJP (a constant window table)")
     out = geo.out(dims, _ceil(node))
     table, padded = window_table_value(e, dims, out, geo)
     size, n_out, taps = int(np.prod(dims)), int(np.prod(out)), int(np.prod(geo.kernel))
-    flat = e.op("Reshape", [x, e.ints([0, 0, -1])])
+    flat = ctx.val(x).reshape([0, 0, -1])
     if padded:
-        flat = e.op("Pad", [flat, e.ints([0, 0, 0, 0, 0, 1]), e.scalar(-np.inf, x)])
-    windows = e.op("Gather", [flat, table], axis=2)
-    tap = e.op("ArgMax", [windows], axis=3, keepdims=0)
-    if small([n_out, taps]):
-        entry = e.op("Add", [tap, e.const(np.arange(n_out) * taps)])
-        source = e.op("Gather", [e.const(e.value(table).reshape(-1)), entry], axis=0)
+        flat = flat.apply("Pad", e.ints([0, 0, 0, 0, 0, 1]), e.scalar(-np.inf, x), like=None)
+    tap = flat.apply("Gather", table, like=None, axis=2).apply("ArgMax", like=None, axis=3, keepdims=0)
+    if small([n_out, taps]):  # the window's tap -> its input element
+        source = ctx.val(e.const(e.value(table).reshape(-1))).apply("Gather", tap + np.arange(n_out) * taps,
+                                                                     like=None, axis=0)
     else:
-        entry = e.op("Add", [tap, e.op("Mul", [arange(e, n_out), e.const(np.int64(taps))])])
-        source = e.op("Gather", [e.op("Reshape", [table, e.ints([-1])]), entry], axis=0)
-    lead = dims_part(e, x, 0, 2)
-    total = _zeros(e, shape_cat(e, [lead, [size + padded]]), x)
-    acc = e.op("ScatterElements", [total, source, e.op("Reshape", [g, e.ints([0, 0, -1])])], axis=2, reduction="add")
+        entry = tap + ctx.val(arange(e, n_out)) * taps
+        source = ctx.val(table).reshape([-1]).apply("Gather", entry, like=None, axis=0)
+    total = ctx.val(zeros_of_shape(e, shape_cat(e, [dims_part(e, x, 0, 2), [size + padded]]), x))
+    acc = total.apply("ScatterElements", source, g.reshape([0, 0, -1]), like=None, axis=2, reduction="add")
     if padded:
-        acc = e.op("Slice", [acc, e.ints([0]), e.ints([size]), e.ints([2])])
-    return e.op("Reshape", [acc, e.shape_of(x)], like=x)
+        acc = acc.apply("Slice", e.ints([0]), e.ints([size]), e.ints([2]), like=None)
+    return acc.reshape(e.shape_of(x), like=x)
 
 
-def _window_weights(e: Emitter, node: Node, x: str, geo: Geometry, out: list[int] | None,
-                    ceil: bool) -> tuple[str, str]:
+def _window_weights(ctx: Ctx, node: Node, x: str, geo: Geometry, out: list[int] | None,
+                    ceil: bool) -> tuple[Val, str]:
     """The weight ``1 / div(o)`` of each AveragePool window ``o``, as ``AveragePool(ones)[o] / count(o)``
     (``count``: the number of input elements in window ``o``, a Conv of ones with a ones kernel; 0 for a
     window of padding only), and that ones kernel."""
-    k = len(geo.kernel)
+    e, k = ctx.e, len(geo.kernel)
     one = e.op("ConstantOfShape", [shape_cat(e, [[1, 1], dims_part(e, x, 2)])],
                value=np.ones(1, dtype=e.dtype(x) or np.float32))
     if e.dtype(x) is None:
@@ -163,9 +161,9 @@ def _window_weights(e: Emitter, node: Node, x: str, geo: Geometry, out: list[int
     if ceil:
         ends = e.ints(out) if out is not None else e.op("Shape", [avg], start=2)
         count = e.op("Slice", [count, e.ints([0] * k), ends, e.ints(list(range(2, k + 2)))])
+    avg, count = ctx.vals(avg, count)
     zero = e.scalar(0.0, x)
-    weight = e.op("Div", [avg, e.op("Max", [count, e.scalar(1.0, x)])])
-    return e.op("Where", [e.op("Greater", [count, zero]), weight, zero]), kernel
+    return where(count.gt(zero), avg / count.apply("Max", e.scalar(1.0, x), like=None), zero, like=None), kernel
 
 
 @unary("AveragePool", bounded=True, finite=True, reads=())
@@ -180,34 +178,33 @@ def average_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     ceil = _ceil(node)
     dims = spatial(e, x)
     out = geo.out(dims, ceil) if dims is not None else None
-    weight, kernel = _window_weights(e, node, x, geo, out, ceil)
-    scaled = e.op("Mul", [g, weight])
-    flat = e.op("Reshape", [scaled, shape_cat(e, [[-1, 1], out if out is not None else e.op("Shape", [g], start=2)])])
-    back = input_grad(e, node, flat, kernel, x, geo, 1, out)
+    weight, kernel = _window_weights(ctx, node, x, geo, out, ceil)
+    scaled = ctx.val(g) * weight  # dy / div
+    flat = scaled.reshape(shape_cat(e, [[-1, 1], out if out is not None else e.op("Shape", [g], start=2)]))
+    back = input_grad(e, node, flat.name, kernel, x, geo, 1, out)
     return e.op("Reshape", [back, e.shape_of(x)], like=x)
 
 
 @unary("GlobalAveragePool", bounded=True, finite=True, reads=())
 def global_average_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "GlobalAveragePool": ``dx = dy / (number of spatial elements)``, broadcast back."""
-    e = ctx.e
+    e, g = ctx.e, ctx.val(g)
     dims = spatial(e, x)
     if dims is not None:
         n = e.scalar(float(np.prod(dims)), x)
     else:
-        n = e.op("CastLike", [e.op("Div", [e.op("Size", [x]), e.op("Size", [y])]), g])
-    return e.op("Expand", [e.op("Div", [g, n]), e.shape_of(x)], like=x)
+        n = (ctx.val(e.op("Size", [x])) / e.op("Size", [y])).cast_like(g)
+    return (g / n).apply("Expand", e.shape_of(x), like=x)
 
 
 @unary("GlobalMaxPool", bounded=True, finite=True, reads="all")
 def global_max_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "GlobalMaxPool": the cotangent goes to the spatial maxima, split equally among ties (DESIGN.md
     section 5, as ``ReduceMax``)."""
-    e = ctx.e
-    r = e.need_rank(x, node)
-    mask = e.op("CastLike", [e.op("Equal", [x, y]), x], like=x)
-    count = e.op("ReduceSum", [mask, e.ints(list(range(2, r)))], keepdims=1)
-    return ctx.weigh(e.op("Div", [g, count]), mask, like=x)  # 0 off the maxima, also for an inf or NaN g
+    r = ctx.e.need_rank(x, node)
+    x, y, g = ctx.vals(x, y, g)
+    mask = x.eq(y).apply("CastLike", x, like=x)
+    return (g / mask.sum(list(range(2, r)))).weigh(mask, like=x)  # 0 off the maxima, also for an inf or NaN g
 
 
 # ------------------------------------------------------------------------------------------ Lp pools
@@ -244,34 +241,29 @@ def inverse_table_value(e: Emitter, dims: list[int], out: list[int], geo: Geomet
     if small([n_in, taps]):
         return e.const(inverse_table(dims, out, geo))
     n_out = int(np.prod(out))
-    i64 = lambda v: e.const(np.int64(v))
     entry = valid = None
-    for i in range(k):
+    for i in range(k):  # input i + pb - k d = o s: read by window o at tap k when s divides it and o < O
         view = [1] * (2 * k)
         view[i], view[k + i] = dims[i], geo.kernel[i]
         num = _axis_grid(e, dims[i], 1, geo.kernel[i], -geo.dilations[i], geo.pb[i], view)
-        o = e.op("Div", [num, i64(geo.strides[i])])
-        ok = e.op("And", [e.op("Equal", [e.op("Mod", [num, i64(geo.strides[i])]), i64(0)]),
-                          e.op("And", [e.op("GreaterOrEqual", [num, i64(0)]), e.op("Less", [o, i64(out[i])])])])
+        o = num / geo.strides[i]
+        ok = num.apply("Mod", geo.strides[i]).eq(0) & (num.ge(0) & o.lt(out[i]))
         tap = _axis_grid(e, dims[i], 0, geo.kernel[i], int(np.prod(geo.kernel[i + 1:])), 0, view)
-        term = e.op("Add", [e.op("Mul", [o, i64(int(np.prod(out[i + 1:])) * taps)]), tap])
-        entry = term if entry is None else e.op("Add", [entry, term])
-        valid = ok if valid is None else e.op("And", [valid, ok])
-    table = e.op("Where", [valid, entry, i64(n_out * taps)])
-    return e.op("Reshape", [table, e.ints([n_in, taps])], shape=(n_in, taps), dtype=np.dtype(np.int64))
+        term = o * (int(np.prod(out[i + 1:])) * taps) + tap
+        entry = term if entry is None else entry + term
+        valid = ok if valid is None else valid & ok
+    table = where(valid, entry, n_out * taps, like=None)
+    return e.op("Reshape", [table.name, e.ints([n_in, taps])], shape=(n_in, taps), dtype=np.dtype(np.int64))
 
 
-def _lp_factor(e: Emitter, v: str, norm: str, p: int) -> str:
+def _lp_factor(v: Val, norm: Val, p: int) -> Val:
     """``d ||x||_p / d x_i = sign(x_i) (|x_i| / ||x||_p)^(p-1)`` for the elements ``v`` of windows whose norms are
     ``norm`` (broadcast): bounded by 1, and 0 where the norm is 0 (the subgradient 0 at 0, DESIGN.md section 5;
     for p = 1, ``sign(0) = 0``)."""
     if p == 1:
-        return e.op("Sign", [v])
-    safe = e.op("Where", [e.op("Equal", [norm, e.scalar(0.0, norm)]), e.scalar(1.0, norm), norm])
-    if p == 2:
-        return e.op("Div", [v, safe])
-    ratio = e.op("Div", [e.op("Abs", [v]), safe])
-    return e.op("Mul", [e.op("Sign", [v]), e.op("Pow", [ratio, e.scalar(float(p - 1), v)])])
+        return v.sign()
+    safe = where(norm.eq(0), 1.0, norm, like=None)
+    return v / safe if p == 2 else v.sign() * (v.abs() / safe) ** float(p - 1)
 
 
 def _lp_p(node: Node) -> int:
@@ -295,34 +287,35 @@ def lp_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     out = geo.out(dims, _ceil(node))
     table, padded = window_table_value(e, dims, out, geo)
     inverse = inverse_table_value(e, dims, out, geo)
-    flat = e.op("Reshape", [x, e.ints([0, 0, -1])])
+    x, y, g = ctx.vals(x, y, g)
+    flat = x.reshape([0, 0, -1])
     if padded:
-        flat = e.op("Pad", [flat, e.ints([0, 0, 0, 0, 0, 1])])
-    windows = e.op("Gather", [flat, table], axis=2)  # [N, C, O, K]
-    norm = e.op("Reshape", [y, e.ints([0, 0, -1, 1])])
-    d = _lp_factor(e, windows, norm, p)
-    terms = ctx.times(e.op("Reshape", [g, e.ints([0, 0, -1, 1])]), d, reads=[x])
-    lined = e.op("Pad", [e.op("Reshape", [terms, e.ints([0, 0, -1])]), e.ints([0, 0, 0, 0, 0, 1])])
-    back = e.op("ReduceSum", [e.op("Gather", [lined, inverse], axis=2), e.ints([3])], keepdims=0)
-    return e.op("Reshape", [back, e.shape_of(x)], like=x)
+        flat = flat.apply("Pad", e.ints([0, 0, 0, 0, 0, 1]), like=None)
+    windows = flat.apply("Gather", table, like=None, axis=2)  # [N, C, O, K]
+    terms = g.reshape([0, 0, -1, 1]).times(_lp_factor(windows, y.reshape([0, 0, -1, 1]), p), reads=[x], like=None)
+    lined = terms.reshape([0, 0, -1]).apply("Pad", e.ints([0, 0, 0, 0, 0, 1]), like=None)
+    back = lined.apply("Gather", inverse, like=None, axis=2).sum([3], keepdims=0)  # the adjoint of the gather
+    return back.reshape(e.shape_of(x.name), like=x)
 
 
 @unary("GlobalLpPool", bounded=False, finite=False)
 def global_lp_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "GlobalLpPool": ``y = ||x||_p`` over the spatial axes, ``dx = dy sign(x) (|x| / y)^(p-1)`` (0 where
     ``y`` is 0)."""
-    return ctx.times(g, _lp_factor(ctx.e, x, y, _lp_p(node)), like=x, reads=[x])
+    x, y, g = ctx.vals(x, y, g)
+    return g.times(_lp_factor(x, y, _lp_p(node)), like=x, reads=[x])
 
 
 # ------------------------------------------------------------------------------------------ LRN
 
 
-def _channel_window_sum(e: Emitter, v: str, before: int, after: int, size: int) -> str:
+def _channel_window_sum(v: Val, before: int, after: int, size: int) -> Val:
     """``s[n, c, ...] = sum_{c - before <= i <= c + after} v[n, i, ...]`` (zero outside the channels): a Conv
     over the channel axis with a ones kernel, on ``v`` viewed as ``(N, 1, C, prod spatial)``."""
-    lined = e.op("Unsqueeze", [e.op("Reshape", [v, e.ints([0, 0, -1])]), e.ints([1])])
-    summed = e.op("Conv", [lined, ones(e, [1, 1, size, 1], v)], pads=[before, 0, after, 0])
-    return e.op("Reshape", [summed, e.shape_of(v)], like=v)
+    e = v.ctx.e
+    lined = v.reshape([0, 0, -1]).unsqueeze([1])
+    summed = lined.apply("Conv", ones(e, [1, 1, size, 1], v.name), like=None, pads=[before, 0, after, 0])
+    return summed.reshape(e.shape_of(v.name), like=v)
 
 
 @unary("LRN", bounded=False, finite=False)
@@ -330,19 +323,15 @@ def lrn(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """ONNX "LRN": ``y = x * S^-beta`` with ``S = bias + alpha/size * sum_{window(c)} x^2``, the window
     ``[c - floor((size-1)/2), c + ceil((size-1)/2)]``. Then ``dx = dy * S^-beta - (2 alpha beta / size) * x *
     sum_{c: j in window(c)} dy_c x_c S_c^(-beta-1)``; the second sum runs over the mirrored window."""
-    e = ctx.e
+    x, g = ctx.vals(x, g)
     size = int(node.attrs["size"])
     alpha, beta = float(node.attrs.get("alpha", 1e-4)), float(node.attrs.get("beta", 0.75))
     bias = float(node.attrs.get("bias", 1.0))
     lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
-    sq = _channel_window_sum(e, e.op("Mul", [x, x], like=x), lo, hi, size)
-    s = e.op("Add", [e.scalar(bias, x), e.op("Mul", [sq, e.scalar(alpha / size, x)])], like=x)
-    p = e.op("Pow", [s, e.scalar(-beta, x)], like=x)
-    direct = e.op("Mul", [g, p], like=x)
-    inner = e.op("Mul", [e.op("Mul", [g, x], like=x), e.op("Div", [p, s], like=x)], like=x)
-    back = _channel_window_sum(e, inner, hi, lo, size)
-    cross = e.op("Mul", [x, e.op("Mul", [back, e.scalar(2.0 * alpha * beta / size, x)], like=x)], like=x)
-    return e.op("Sub", [direct, cross], like=x)
+    s = bias + _channel_window_sum(x * x, lo, hi, size) * (alpha / size)
+    p = s ** -beta
+    back = _channel_window_sum(g * x * (p / s), hi, lo, size)  # over the mirrored window
+    return g * p - x * (back * (2.0 * alpha * beta / size))
 
 
 # ------------------------------------------------------------------------------------------ depth and space

@@ -18,11 +18,12 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from ._common import F64, Dim, EmitterContext, as1, dim_of, i64, int_range
 from .conv import shape_cat
-from .roi import _F64, _I64, Dim, _as1, _dim, _i64, _range
 from .tables import small
 
 
@@ -166,7 +167,7 @@ def _entry(e: Emitter, values: str, known: np.ndarray | None, i: int) -> float |
     """Entry ``i`` of the 1-D ``values``: a float when constant, else a 0-d float64 value."""
     if known is not None:
         return float(np.asarray(known).reshape(-1)[i])
-    return e.op("Cast", [e.op("Gather", [values, e.const(np.int64(i))], axis=0)], to=_F64)
+    return e.op("Cast", [e.op("Gather", [values, e.const(np.int64(i))], axis=0)], to=F64)
 
 
 def _resize_axes(e: Emitter, node: Node, x: str, y: str, g: str) -> list[ResizeAxis]:
@@ -190,15 +191,15 @@ def _resize_axes(e: Emitter, node: Node, x: str, y: str, g: str) -> list[ResizeA
     def static(d: tuple | None, a: int) -> int | None:
         return d[a] if d is not None and len(d) == r and isinstance(d[a], int) else None
 
-    n_in = [static(xd, a) if static(xd, a) is not None else _dim(e, x, a) for a in axes]
+    n_in = [static(xd, a) if static(xd, a) is not None else dim_of(e, x, a) for a in axes]
     n_out = [next((v for v in (static(yd, a), static(gd, a)) if v is not None), None) for a in axes]
-    n_out = [v if v is not None else _dim(e, g, a) for v, a in zip(n_out, axes, strict=True)]
+    n_out = [v if v is not None else dim_of(e, g, a) for v, a in zip(n_out, axes, strict=True)]
     if use_scales:
         known = e.value(scales_in)
         scales = [_entry(e, scales_in, known, i) for i in range(len(axes))]
     elif (node.attrs.get("keep_aspect_ratio_policy", "stretch") or "stretch") == "stretch":
         scales = [o / n if isinstance(o, int) and isinstance(n, int) else
-                  e.op("Div", [e.op("Cast", [_i64(e, o)], to=_F64), e.op("Cast", [_i64(e, n)], to=_F64)])
+                  e.op("Div", [e.op("Cast", [i64(e, o)], to=F64), e.op("Cast", [i64(e, n)], to=F64)])
                   for o, n in zip(n_out, n_in, strict=True)]
     else:
         smaller = node.attrs["keep_aspect_ratio_policy"] == "not_larger"
@@ -207,8 +208,8 @@ def _resize_axes(e: Emitter, node: Node, x: str, y: str, g: str) -> list[ResizeA
             ratios = [float(s) / n for s, n in zip(np.asarray(known).reshape(-1), n_in, strict=True)]
             common: float | str = min(ratios) if smaller else max(ratios)
         else:
-            lengths = e.op("Concat", [e.op("Unsqueeze", [_i64(e, n), e.ints([0])]) for n in n_in], axis=0)
-            ratios = e.op("Div", [e.op("Cast", [sizes_in], to=_F64), e.op("Cast", [lengths], to=_F64)])
+            lengths = e.op("Concat", [e.op("Unsqueeze", [i64(e, n), e.ints([0])]) for n in n_in], axis=0)
+            ratios = e.op("Div", [e.op("Cast", [sizes_in], to=F64), e.op("Cast", [lengths], to=F64)])
             common = e.op("ReduceMin" if smaller else "ReduceMax", [ratios], keepdims=0)
         scales = [common] * len(axes)
     rois: list[tuple | None] = [None] * len(axes)
@@ -220,29 +221,16 @@ def _resize_axes(e: Emitter, node: Node, x: str, y: str, g: str) -> list[ResizeA
     return [ResizeAxis(*t) for t in zip(axes, n_in, n_out, scales, rois, strict=True)]
 
 
-class _Doubles:
-    """float64 arithmetic on numbers and 0-d float64 values for the run-time interpolation matrices."""
-
-    def __init__(self, e: Emitter):
-        self.e = e
-
-    def v(self, a: float | str) -> str:
-        return self.e.const(np.float64(a)) if isinstance(a, (int, float, np.floating, np.integer)) else a
-
-    def __call__(self, op: str, *args: float | str) -> str:
-        return self.e.op(op, [self.v(a) for a in args])
-
-
 @dataclass(frozen=True)
 class _Taps:
     """The interpolation along one axis as nodes (float64): ``src`` [n_out] the source coordinates, ``index``
     [n_out, n] int64 the (clamped) taps, ``coeffs`` [n_out, n] their weights, ``slope`` [n_out, n] the weights'
     derivatives with respect to the source coordinate (only when asked for), ``n_in`` the input size."""
 
-    src: str
-    index: str
-    coeffs: str
-    slope: str | None
+    src: Val
+    index: Val
+    coeffs: Val
+    slope: Val | None
     n_in: Dim
 
 
@@ -250,130 +238,122 @@ def _resize_taps(e: Emitter, attrs: dict, ax: ResizeAxis, slope: bool = False) -
     """The taps and weights of :func:`resize_matrix` as nodes (sizes, scales or roi may be values computed at
     run time), and with ``slope`` their derivatives with respect to the source coordinate: ``d/dr`` of the
     mode's weights at fraction ``r``, through the antialiasing and exclude_outside normalisations (0 for
-    nearest, whose weights are piecewise constant)."""
-    f = _Doubles(e)
+    nearest, whose weights are piecewise constant). Computed in float64: the numbers in the formulas are
+    float64 constants (the algebra's scalars take the value's dtype)."""
+    b = EmitterContext(e)
+    num = lambda v: b.val(v) if isinstance(v, str) else float(v)
     mode = attrs.get("mode", "nearest") or "nearest"
     ctm = attrs.get("coordinate_transformation_mode", "half_pixel") or "half_pixel"
-    n_in, n_out = _i64(e, ax.n_in), _i64(e, ax.n_out)
-    fin, fout = (e.op("Cast", [n], to=_F64) for n in (n_in, n_out))
-    scale = f.v(ax.scale)
-    o = _range(e, ax.n_out, np.float64)
-    several = (e.const(np.bool_(ax.n_out > 1)) if isinstance(ax.n_out, int)
-               else e.op("Greater", [n_out, e.const(np.int64(1))]))
-    zero = f.v(0.0)
+    n_in, n_out = b.val(i64(e, ax.n_in)), b.val(i64(e, ax.n_out))
+    fin, fout = n_in.cast(np.float64), n_out.cast(np.float64)
+    scale = num(ax.scale)
+    o = b.val(int_range(e, ax.n_out, np.float64))
+    several = b.val(e.const(np.bool_(ax.n_out > 1))) if isinstance(ax.n_out, int) else n_out.gt(1)
 
-    def half_pixel() -> str:
-        return f("Sub", f("Div", f("Add", o, 0.5), scale), 0.5)
+    def half_pixel() -> Val:
+        return (o + 0.5) / scale - 0.5
 
     if ctm == "half_pixel":
         src = half_pixel()
     elif ctm == "pytorch_half_pixel":
-        src = e.op("Where", [several, half_pixel(), zero])
+        src = where(several, half_pixel(), 0.0)
     elif ctm == "half_pixel_symmetric":
-        offset = f("Mul", f("Div", fin, 2.0), f("Sub", 1.0, f("Div", fout, f("Mul", scale, fin))))
-        src = f("Add", offset, half_pixel())
+        src = fin / 2.0 * (1.0 - fout / (scale * fin)) + half_pixel()
     elif ctm == "align_corners":
-        src = e.op("Where", [several, f("Div", f("Mul", o, f("Sub", fin, 1.0)), f("Max", f("Sub", fout, 1.0), 1.0)),
-                             zero])
+        src = where(several, o * (fin - 1.0) / (fout - 1.0).apply("Max", 1.0), 0.0)
     elif ctm == "asymmetric":
-        src = f("Div", o, scale)
+        src = o / scale
     elif ctm == "tf_crop_and_resize":
-        start, end = ax.roi
-        span = f("Sub", fin, 1.0)
-        many = f("Add", f("Mul", start, span),
-                 f("Div", f("Mul", f("Mul", o, f("Sub", end, start)), span), f("Max", f("Sub", fout, 1.0), 1.0)))
-        one = f("Mul", f("Mul", 0.5, f("Add", start, end)), span)
-        src = e.op("Where", [several, many, e.op("Expand", [one, e.op("Shape", [o])])])
+        start, end = (num(v) for v in ax.roi)
+        span = fin - 1.0
+        many = start * span + o * (end - start) * span / (fout - 1.0).apply("Max", 1.0)
+        one = 0.5 * (start + end) * span
+        src = where(several, many, one.expand(e.op("Shape", [o.name])))
     else:
         raise GraphError(f"no VJP for Resize with coordinate_transformation_mode={ctm!r}")
-    base = e.op("Floor", [src])
-    frac = f("Sub", src, base)
-    exact = e.op("Equal", [frac, zero])
-    base = e.op("Where", [exact, f("Sub", base, 1.0), base])
-    r = e.op("Unsqueeze", [e.op("Where", [exact, f.v(1.0), frac]), e.ints([1])])  # [n_out, 1]
+    base = src.apply("Floor")
+    frac = src - base
+    exact = frac.eq(0.0)
+    base = where(exact, base - 1.0, base)
+    r = where(exact, 1.0, frac).unsqueeze([1])  # [n_out, 1]
     a = float(attrs.get("cubic_coeff_a", -0.75))
 
-    def keys(t: str) -> str:  # t >= 0
-        near = f("Add", f("Mul", f("Mul", f("Sub", f("Mul", a + 2, t), a + 3), t), t), 1.0)
-        far = f("Sub", f("Mul", f("Add", f("Mul", f("Sub", f("Mul", a, t), 5 * a), t), 8 * a), t), 4 * a)
-        return e.op("Where", [f("LessOrEqual", t, 1.0), near, e.op("Where", [f("Less", t, 2.0), far, zero])])
+    def keys(t: Val) -> Val:  # Keys' cubic kernel, t >= 0
+        near = (((a + 2) * t - (a + 3)) * t) * t + 1.0
+        far = (((a * t - 5 * a) * t) + 8 * a) * t - 4 * a
+        return where(t.le(1.0), near, where(t.lt(2.0), far, 0.0))
 
-    def keys_slope(t: str) -> str:  # d keys / d t, t >= 0
-        near = f("Mul", f("Sub", f("Mul", 3 * (a + 2), t), 2 * (a + 3)), t)
-        far = f("Add", f("Mul", f("Sub", f("Mul", 3 * a, t), 10 * a), t), 8 * a)
-        return e.op("Where", [f("LessOrEqual", t, 1.0), near, e.op("Where", [f("Less", t, 2.0), far, zero])])
+    def keys_slope(t: Val) -> Val:  # d keys / d t, t >= 0
+        near = (3 * (a + 2) * t - 2 * (a + 3)) * t
+        far = (3 * a * t - 10 * a) * t + 8 * a
+        return where(t.le(1.0), near, where(t.lt(2.0), far, 0.0))
 
     dcoeffs = None
     if mode == "nearest":
         how = attrs.get("nearest_mode", "round_prefer_floor") or "round_prefer_floor"
         if how in ("floor", "ceil"):
-            up = e.op("Unsqueeze", [exact, e.ints([1])]) if how == "floor" else f("Less", r, 2.0)
+            up = exact.unsqueeze([1]) if how == "floor" else r.lt(2.0)
         else:
-            up = e.op("Or", [f("Greater" if how == "round_prefer_floor" else "GreaterOrEqual", r, 0.5),
-                             e.op("Unsqueeze", [exact, e.ints([1])])])
-        coeffs = e.op("Cast", [e.op("Equal", [e.op("Cast", [up], to=_I64), e.const(np.array([[0, 1]], np.int64))])],
-                      to=_F64)
-        offsets = e.const(np.array([0.0, 1.0]))
+            up = (r.gt(0.5) if how == "round_prefer_floor" else r.ge(0.5)) | exact.unsqueeze([1])
+        coeffs = up.cast(np.int64).eq(np.array([[0, 1]], np.int64)).cast(np.float64)
+        offsets = b.val(e.const(np.array([0.0, 1.0])))
         if slope:
-            dcoeffs = f("Mul", coeffs, 0.0)
+            dcoeffs = coeffs * 0.0
     elif _antialiased(attrs):
         support = 1.0 if mode == "linear" else 2.0
         if isinstance(ax.scale, str) or not small([_aa_count(ax.scale, mode)]):
-            shrink = f("Min", scale, 1.0)
-            start = f("Add", e.op("Floor", [f("Div", -support, shrink)]), 1.0)
-            count = e.op("Cast", [f("Sub", 2.0, f("Mul", 2.0, start))], to=_I64)
-            offsets = f("Add", start, e.op("Cast", [_range(e, count)], to=_F64))
+            shrink = scale.apply("Min", 1.0) if isinstance(scale, Val) else b.val(e.const(np.float64(scale))).apply(
+                "Min", 1.0)
+            start = (-support / shrink).apply("Floor") + 1.0
+            count = (2.0 - 2.0 * start).cast(np.int64)
+            offsets = start + b.val(int_range(e, count.name)).cast(np.float64)
         else:
-            shrink = f.v(min(ax.scale, 1.0))
-            offsets = e.const(_aa_offsets(ax.scale, mode))
-        args = f("Mul", f("Sub", e.op("Unsqueeze", [offsets, e.ints([0])]), r), shrink)
-        t = e.op("Abs", [args])
-        raw = f("Max", f("Sub", 1.0, t), 0.0) if mode == "linear" else keys(t)
-        total = e.op("ReduceSum", [raw, e.ints([1])], keepdims=1)
-        coeffs = f("Div", raw, total)
+            shrink = b.val(e.const(np.float64(min(ax.scale, 1.0))))
+            offsets = b.val(e.const(_aa_offsets(ax.scale, mode)))
+        args = (offsets.unsqueeze([0]) - r) * shrink
+        t = args.abs()
+        raw = (1.0 - t).apply("Max", 0.0) if mode == "linear" else keys(t)
+        total = raw.sum([1])
+        coeffs = raw / total
         if slope:  # d raw / d r = f'(|args|) sign(args) (-shrink); then the quotient rule
-            fslope = e.op("Cast", [f("Less", t, 1.0)], to=_F64) if mode == "linear" else keys_slope(t)
-            fslope = f("Neg", fslope) if mode == "linear" else fslope
-            draw = f("Mul", f("Mul", fslope, e.op("Sign", [args])), f("Neg", shrink))
-            dtotal = e.op("ReduceSum", [draw, e.ints([1])], keepdims=1)
-            dcoeffs = f("Div", f("Sub", draw, f("Mul", coeffs, dtotal)), total)
+            fslope = -t.lt(1.0).cast(np.float64) if mode == "linear" else keys_slope(t)
+            draw = fslope * args.sign() * -shrink
+            dcoeffs = (draw - coeffs * draw.sum([1])) / total
     elif mode == "linear":
-        offsets, coeffs = e.const(np.array([0.0, 1.0])), e.op("Concat", [f("Sub", 1.0, r), r], axis=1)
+        offsets = b.val(e.const(np.array([0.0, 1.0])))
+        coeffs = b.val(e.op("Concat", [(1.0 - r).name, r.name], axis=1))
         if slope:
-            dcoeffs = e.op("Expand", [e.const(np.array([[-1.0, 1.0]])), e.op("Shape", [coeffs])])
+            dcoeffs = b.val(e.const(np.array([[-1.0, 1.0]]))).expand(e.op("Shape", [coeffs.name]))
     else:
-        offsets = e.const(np.array([-1.0, 0.0, 1.0, 2.0]))
-        diff = f("Sub", e.op("Unsqueeze", [offsets, e.ints([0])]), r)
-        coeffs = keys(e.op("Abs", [diff]))
+        offsets = b.val(e.const(np.array([-1.0, 0.0, 1.0, 2.0])))
+        diff = offsets.unsqueeze([0]) - r
+        coeffs = keys(diff.abs())
         if slope:
-            dcoeffs = f("Mul", keys_slope(e.op("Abs", [diff])), f("Neg", e.op("Sign", [diff])))
-    taps = e.op("Add", [e.op("Unsqueeze", [base, e.ints([1])]), e.op("Unsqueeze", [offsets, e.ints([0])])])
-    last = f("Sub", fin, 1.0)
+            dcoeffs = keys_slope(diff.abs()) * -diff.sign()
+    taps = base.unsqueeze([1]) + offsets.unsqueeze([0])
+    last = fin - 1.0
     if attrs.get("exclude_outside", 0):
-        inside = e.op("Cast", [e.op("Not", [e.op("Or", [f("Less", taps, 0.0), e.op("Greater", [taps, last])])])],
-                      to=_F64)
-        kept = f("Mul", coeffs, inside)
-        total = e.op("ReduceSum", [kept, e.ints([1])], keepdims=1)
-        total = e.op("Where", [f("Equal", total, 0.0), f.v(1.0), total])
-        coeffs = f("Div", kept, total)
+        inside = (~(taps.lt(0.0) | taps.gt(last))).cast(np.float64)
+        kept = coeffs * inside
+        total = kept.sum([1])
+        total = where(total.eq(0.0), 1.0, total)
+        coeffs = kept / total
         if dcoeffs is not None:
-            dkept = f("Mul", dcoeffs, inside)
-            dcoeffs = f("Div", f("Sub", dkept, f("Mul", coeffs, e.op("ReduceSum", [dkept, e.ints([1])], keepdims=1))),
-                        total)
+            dkept = dcoeffs * inside
+            dcoeffs = (dkept - coeffs * dkept.sum([1])) / total
     if ctm == "tf_crop_and_resize":
-        away = e.op("Unsqueeze", [e.op("Or", [f("Less", src, 0.0), e.op("Greater", [src, last])]), e.ints([1])])
-        coeffs = e.op("Where", [away, zero, coeffs])
+        away = (src.lt(0.0) | src.gt(last)).unsqueeze([1])
+        coeffs = where(away, 0.0, coeffs)
         if dcoeffs is not None:
-            dcoeffs = e.op("Where", [away, zero, dcoeffs])
-    index = e.op("Clip", [e.op("Cast", [taps], to=_I64), e.const(np.int64(0)),
-                          e.op("Sub", [n_in, e.const(np.int64(1))])])
+            dcoeffs = where(away, 0.0, dcoeffs)
+    index = taps.cast(np.int64).apply("Clip", e.const(np.int64(0)), n_in - 1)
     return _Taps(src, index, coeffs, dcoeffs, ax.n_in)
 
 
-def _taps_matrix(e: Emitter, taps: _Taps, weights: str) -> str:
+def _taps_matrix(taps: _Taps, weights: Val) -> Val:
     """``M[o, i] = sum_t weights[o, t] [index(o, t) == i]`` (float64 [n_out, n_in]): a one-hot product."""
-    hot = e.op("Cast", [e.op("Equal", [e.op("Unsqueeze", [taps.index, e.ints([2])]), _range(e, taps.n_in)])], to=_F64)
-    return e.op("ReduceSum", [e.op("Mul", [hot, e.op("Unsqueeze", [weights, e.ints([2])])]), e.ints([1])], keepdims=0)
+    hot = taps.index.unsqueeze([2]).eq(int_range(weights.ctx.e, taps.n_in)).cast(np.float64)
+    return (hot * weights.unsqueeze([2])).sum([1], keepdims=0)
 
 
 def resize_matrix_graph(e: Emitter, attrs: dict, ax: ResizeAxis, like: str) -> str:
@@ -381,7 +361,7 @@ def resize_matrix_graph(e: Emitter, attrs: dict, ax: ResizeAxis, like: str) -> s
     of each output (``Range``), its taps and weights, and ``A[o, i] = sum_t w[o, t] [tap(o, t) == i]`` (a
     one-hot product, ``n_out x taps x n_in``), computed in float64 and cast to ``like``'s dtype."""
     taps = _resize_taps(e, attrs, ax)
-    return e.op("CastLike", [_taps_matrix(e, taps, taps.coeffs), like])
+    return _taps_matrix(taps, taps.coeffs).cast_like(like).name
 
 
 def _move_last(e: Emitter, v: str, axis: int, r: int) -> str:
@@ -436,26 +416,26 @@ def _source_grad(e: Emitter, attrs: dict, ax: ResizeAxis, back: str, x: str, r: 
     """``dL/dsrc_o`` (float64 [n_out]) along the resized axis ``ax``: ``dL/dA`` (the contraction of ``back``, the
     cotangent mapped back through the other axes, with ``x``) times ``dA/dsrc`` (the derivatives of the mode's
     weights), summed over the input positions."""
-    rows = e.op("Reshape", [_move_last(e, back, ax.axis, r), shape_cat(e, [[-1], _as1(e, ax.n_out)])])
-    cols = e.op("Reshape", [_move_last(e, x, ax.axis, r), shape_cat(e, [[-1], _as1(e, ax.n_in)])])
-    grad_a = e.op("Cast", [e.op("MatMul", [e.op("Transpose", [rows], perm=[1, 0]), cols])], to=_F64)
+    rows = e.op("Reshape", [_move_last(e, back, ax.axis, r), shape_cat(e, [[-1], as1(e, ax.n_out)])])
+    cols = e.op("Reshape", [_move_last(e, x, ax.axis, r), shape_cat(e, [[-1], as1(e, ax.n_in)])])
+    grad_a = EmitterContext(e).val(e.op("Cast", [e.op("MatMul", [e.op("Transpose", [rows], perm=[1, 0]), cols])],
+                                         to=F64))
     taps = _resize_taps(e, attrs, ax, slope=True)
-    return e.op("ReduceSum", [e.op("Mul", [grad_a, _taps_matrix(e, taps, taps.slope)]), e.ints([1])], keepdims=0)
+    return (grad_a * _taps_matrix(taps, taps.slope)).sum([1], keepdims=0).name
 
 
 def _crop_grads(e: Emitter, ax: ResizeAxis, per_out: str) -> tuple[str, str]:
     """The gradients (float64 [1]) of the roi's start and end along ``ax`` from ``per_out``, ``dL/dsrc_o``:
     tf_crop_and_resize's ``src_o = start (n - 1) + o (end - start) (n - 1) / (n_out - 1)``, or ``(start + end)
     (n - 1) / 2`` for a single output."""
-    f = _Doubles(e)
-    n_in, n_out = (e.op("Cast", [_i64(e, n)], to=_F64) for n in (ax.n_in, ax.n_out))
-    span = f("Sub", n_in, 1.0)
-    o = _range(e, ax.n_out, np.float64)
-    several = e.op("Greater", [_i64(e, ax.n_out), e.const(np.int64(1))])
-    at_end = e.op("Where", [several, f("Div", o, f("Max", f("Sub", n_out, 1.0), 1.0)), f.v(0.5)])
-    at_start = e.op("Where", [several, f("Sub", 1.0, at_end), f.v(0.5)])
-    start, end = (e.op("ReduceSum", [f("Mul", per_out, f("Mul", share, span))], keepdims=1)
-                  for share in (at_start, at_end))
+    b = EmitterContext(e)
+    n_in, n_out = (b.val(i64(e, n)).cast(np.float64) for n in (ax.n_in, ax.n_out))
+    span = n_in - 1.0
+    o = b.val(int_range(e, ax.n_out, np.float64))
+    several = b.val(i64(e, ax.n_out)).gt(1)
+    at_end = where(several, o / (n_out - 1.0).apply("Max", 1.0), 0.5)  # d src_o / d end, over n - 1
+    at_start = where(several, 1.0 - at_end, 0.5)
+    start, end = ((b.val(per_out) * (share * span)).sum().name for share in (at_start, at_end))
     return start, end
 
 

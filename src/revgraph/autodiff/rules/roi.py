@@ -12,54 +12,22 @@ on flat views, never a reducing ``ScatterND`` (sparse.py: race-free).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
-import onnx
 
 from ...errors import GraphError
 from ...ir import Node
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import unary, vjp
+from ._common import Dim, as1, dim_of, dims_product, i64, int_range, numel, zeros_of_shape
 from .conv import shape_cat
 from .tables import arange, small
 
 # ------------------------------------------------------------------------------------------ small helpers
-
-_F32, _F64, _I64 = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.INT64
-Dim = int | str  # a static size, or the name of a 0-d int64 value
-
-
-def _zeros(e: Emitter, shape: str, like: str) -> str:
-    dt = e.dtype(like)
-    if dt is not None:
-        return e.op("ConstantOfShape", [shape], value=np.zeros(1, dtype=dt))
-    z = e.op("ConstantOfShape", [shape], value=np.zeros(1, dtype=np.float32))
-    return e.op("CastLike", [z, like])
-
-
-def _dim(e: Emitter, x: str, axis: int) -> Dim:
-    """``shape(x)[axis]``: an int when static, else a 0-d int64 value."""
-    d = e.dims(x)
-    if d is not None and isinstance(d[axis], int):
-        return d[axis]
-    return e.op("Reshape", [e.op("Shape", [x], start=axis, end=axis + 1), e.ints([])])
-
-
-def _i64(e: Emitter, v: Dim) -> str:
-    """``v`` as a 0-d int64 value."""
-    return e.const(np.asarray(v, np.int64)) if isinstance(v, (int, np.integer)) else v
-
-
-def _range(e: Emitter, n: Dim, dtype: type = np.int64) -> str:
-    """``[0, 1, .., n-1]`` (1-D, ``dtype``): a constant when ``n`` is static and small (:mod:`.tables`)."""
-    if isinstance(n, (int, np.integer)):
-        return arange(e, int(n), dtype)
-    r = e.op("Range", [e.const(np.int64(0)), n, e.const(np.int64(1))])
-    return r if dtype is np.int64 else e.op("Cast", [r], to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
 
 
 def _scatter_add(e: Emitter, size: Dim, positions: str, values: str, like: str) -> str:
@@ -67,31 +35,10 @@ def _scatter_add(e: Emitter, size: Dim, positions: str, values: str, like: str) 
     (int64, the shape of ``values``; repeats add up): ``ScatterElements(reduction="add")`` on the flat views,
     which onnxruntime runs sequentially (race-free, sparse.py)."""
     length = e.ints([size]) if isinstance(size, int) else e.op("Unsqueeze", [size, e.ints([0])])
-    flat = _zeros(e, length, like)
+    flat = zeros_of_shape(e, length, like)
     out = e.op("ScatterElements", [flat, e.op("Reshape", [positions, e.ints([-1])]),
                                    e.op("Reshape", [values, e.ints([-1])])], axis=0, reduction="add")
     return e.op("Reshape", [out, e.shape_of(like)], like=like)
-
-
-def _times(e: Emitter, *dims: Dim) -> Dim:
-    """The product of sizes (ints or 0-d int64 values): an int when all are static."""
-    if all(isinstance(d, int) for d in dims):
-        return math.prod(dims)
-    out = _i64(e, dims[0])
-    for d in dims[1:]:
-        out = e.op("Mul", [out, _i64(e, d)])
-    return out
-
-
-def _as1(e: Emitter, v: Dim) -> list[int] | str:
-    """``[v]``: an int list when static, else a 1-D int64 value (for :func:`shape_cat`; explicit sizes instead
-    of ``-1``, which onnxruntime refuses next to a copied 0: no rois)."""
-    return [v] if isinstance(v, int) else e.op("Unsqueeze", [v, e.ints([0])])
-
-
-def _numel(e: Emitter, x: str) -> Dim:
-    s = e.shape(x)
-    return int(np.prod(s)) if s is not None else e.op("Size", [x])
 
 
 # ------------------------------------------------------------------------------------------ MaxUnpool
@@ -113,84 +60,66 @@ def max_unpool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     landed there (``ScatterElements``; places nothing landed on go to a dropped extra slot)."""
     e = ctx.e
     rest = node.inputs[1:]
-    n = _numel(e, x)
+    n = numel(e, x)
     shape = e.shape_of(x)
 
-    def landed(code: str) -> str:
+    def landed(code: Val) -> Val:
         """The code written at each place of the unpooled output (0 where nothing was), as int64 [Y]."""
-        probe = e.op("Reshape", [code, shape])
-        out = e.op("MaxUnpool", [probe, *rest], **node.attrs)
-        return e.op("Cast", [e.op("Reshape", [out, e.ints([-1])])], to=_I64)
+        return code.reshape(shape).apply("MaxUnpool", *rest, like=None, **node.attrs).reshape([-1]).cast(np.int64)
 
-    if isinstance(n, int) and n < _EXACT_F32 and small([n]):
-        src = e.op("Sub", [landed(e.const(np.arange(1, n + 1, dtype=np.float32))), e.const(np.int64(1))])
-    else:
-        j = _range(e, n)
-        hi = landed(e.op("Cast", [e.op("Div", [j, e.const(np.int64(_LOW))])], to=_F32))
-        lo = landed(e.op("Cast", [e.op("Add", [e.op("Mod", [j, e.const(np.int64(_LOW))]),
-                                                 e.const(np.int64(1))])], to=_F32))
-        src = e.op("Where", [e.op("Equal", [lo, e.const(np.int64(0))]), e.const(np.int64(-1)),
-                             e.op("Add", [e.op("Mul", [hi, e.const(np.int64(_LOW))]),
-                                          e.op("Sub", [lo, e.const(np.int64(1))])])])
-    src = e.op("Where", [e.op("Less", [src, e.const(np.int64(0))]), _i64(e, n), src])  # nothing: the extra slot
-    room = n + 1 if isinstance(n, int) else e.op("Add", [n, e.const(np.int64(1))])
-    acc = e.op("ScatterElements", [_zeros(e, shape_cat(e, [_as1(e, room)]), x), src,
-                                   e.op("Reshape", [g, e.ints([-1])])], axis=0, reduction="add")
-    acc = e.op("Slice", [acc, e.ints([0]), shape_cat(e, [_as1(e, n)]), e.ints([0])])
-    return e.op("Reshape", [acc, shape], like=x)
+    if isinstance(n, int) and n < _EXACT_F32 and small([n]):  # element j is coded j + 1
+        src = landed(ctx.val(e.const(np.arange(1, n + 1, dtype=np.float32)))) - 1
+    else:  # element j is coded (j // 4096, j % 4096 + 1)
+        j = ctx.val(int_range(e, n))
+        hi, lo = landed((j / _LOW).cast(np.float32)), landed((j.apply("Mod", _LOW) + 1).cast(np.float32))
+        src = where(lo.eq(0), -1, hi * _LOW + (lo - 1))
+    src = where(src.lt(0), i64(e, n), src)  # nothing landed: the extra slot
+    room = n + 1 if isinstance(n, int) else (ctx.val(n) + 1).name
+    acc = ctx.val(zeros_of_shape(e, shape_cat(e, [as1(e, room)]), x)).apply(
+        "ScatterElements", src, ctx.val(g).reshape([-1]), like=None, axis=0, reduction="add")
+    acc = acc.apply("Slice", e.ints([0]), shape_cat(e, [as1(e, n)]), e.ints([0]), like=None)
+    return acc.reshape(shape, like=x)
 
 
 # ------------------------------------------------------------------------------------------ MaxRoiPool
 
 
-def _round_half_away(e: Emitter, v: str) -> str:
+def _round_half_away(v: Val) -> Val:
     """C's ``round`` (halves away from zero, as onnxruntime's MaxRoiPool rounds), computed in float64 so that
     ``v + 0.5`` is exact; int64."""
-    d = e.op("Cast", [v], to=_F64)
-    half = e.const(np.float64(0.5))
-    up = e.op("Floor", [e.op("Add", [d, half])])
-    down = e.op("Ceil", [e.op("Sub", [d, half])])
-    pos = e.op("GreaterOrEqual", [d, e.const(np.float64(0.0))])
-    return e.op("Cast", [e.op("Where", [pos, up, down])], to=_I64)
+    d = v.cast(np.float64)
+    return where(d.ge(0.0), (d + 0.5).apply("Floor"), (d - 0.5).apply("Ceil"), like=None).cast(np.int64)
 
 
-def _roi_bins(e: Emitter, start: str, size: str, pooled: int, length: Dim) -> tuple[str, str]:
+def _roi_bins(start: Val, size: Val, pooled: int, length: Dim) -> tuple[Val, Val]:
     """MaxRoiPool's bins along one axis: ``[R, P]`` int64 first (inclusive) and end (exclusive) positions,
     ``floor(p * size / P)`` and ``ceil((p + 1) * size / P)`` (float32, as onnxruntime) past ``start``,
     clipped to ``[0, length]``."""
-    step = e.op("Div", [e.op("Cast", [size], to=_F32), e.const(np.float32(pooled))])
-    step = e.op("Unsqueeze", [step, e.ints([1])])  # [R, 1]
-    ps = arange(e, pooled, np.float32)
-    first = e.op("Cast", [e.op("Floor", [e.op("Mul", [ps, step])])], to=_I64)
-    end = e.op("Cast", [e.op("Ceil", [e.op("Mul", [e.op("Add", [ps, e.const(np.float32(1))]), step])])],
-               to=_I64)
-    at = e.op("Unsqueeze", [start, e.ints([1])])
-    zero, top = e.const(np.int64(0)), _i64(e, length)
-    return (e.op("Clip", [e.op("Add", [first, at]), zero, top]), e.op("Clip", [e.op("Add", [end, at]), zero, top]))
+    e = start.ctx.e
+    step = (size.cast(np.float32) / float(pooled)).unsqueeze([1])  # [R, 1]
+    ps = start.ctx.val(arange(e, pooled, np.float32))
+    first = (ps * step).apply("Floor").cast(np.int64)
+    end = ((ps + 1.0) * step).apply("Ceil").cast(np.int64)
+    at, top = start.unsqueeze([1]), i64(e, length)
+    return (first + at).apply("Clip", 0, top), (end + at).apply("Clip", 0, top)
 
 
-def _roi_boxes(e: Emitter, rois: str, scale: float) -> tuple[str, str]:
+def _roi_boxes(rois: Val, scale: float) -> tuple[Val, Val]:
     """The batch index of each roi ``[b, x1, y1, x2, y2]`` (int64 [R]) and its box ``x1, y1, x2, y2`` scaled by
     ``spatial_scale`` (in float32) and rounded as onnxruntime rounds (:func:`_round_half_away`; int64 [R, 4])."""
-    b = e.op("Cast", [e.op("Reshape", [e.op("Slice", [rois, e.ints([0]), e.ints([1]), e.ints([1])]),
-                                       e.ints([-1])])], to=_I64)
-    corners = _round_half_away(e, e.op("Mul", [e.op("Cast", [e.op("Slice", [rois, e.ints([1]), e.ints([5]),
-                                                                            e.ints([1])])], to=_F32),
-                                               e.const(np.float32(scale))]))
-    return b, corners
+    e = rois.ctx.e
+    b = rois.apply("Slice", e.ints([0]), e.ints([1]), e.ints([1]), like=None).reshape([-1]).cast(np.int64)
+    box = rois.apply("Slice", e.ints([1]), e.ints([5]), e.ints([1]), like=None).cast(np.float32)
+    return b, _round_half_away(box * scale)
 
 
-def _box_bins(e: Emitter, corners: str, ph: int, pw: int, h: Dim, w: Dim) -> tuple[str, str, str, str]:
+def _box_bins(corners: Val, ph: int, pw: int, h: Dim, w: Dim) -> tuple[Val, Val, Val, Val]:
     """The bins of the roi boxes ``corners`` (:func:`_roi_boxes`, a box at least one element high and wide):
     first and end rows ``[R, PH]``, first and end columns ``[R, PW]`` (:func:`_roi_bins`)."""
-
-    def col(i: int) -> str:
-        return e.op("Gather", [corners, e.const(np.int64(i))], axis=1)  # [R]
-
-    one = e.const(np.int64(1))
-    sw, sh, ew, eh = col(0), col(1), col(2), col(3)
-    hs, he = _roi_bins(e, sh, e.op("Max", [e.op("Add", [e.op("Sub", [eh, sh]), one]), one]), ph, h)
-    ws, we = _roi_bins(e, sw, e.op("Max", [e.op("Add", [e.op("Sub", [ew, sw]), one]), one]), pw, w)
+    sw, sh, ew, eh = (corners.apply("Gather", corners.ctx.e.const(np.int64(i)), like=None, axis=1)  # [R]
+                      for i in range(4))
+    hs, he = _roi_bins(sh, (eh - sh + 1).apply("Max", 1), ph, h)
+    ws, we = _roi_bins(sw, (ew - sw + 1).apply("Max", 1), pw, w)
     return hs, he, ws, we
 
 
@@ -201,60 +130,57 @@ class _RoiWindows:
     ``W - 1`` (0-d int64); ``pix`` the flat ``[N*H*W]`` position of every window element (clamped into the
     image) and ``ok`` whether it lies inside its bin ([R, PH, BH, PW, BW], int64 and bool)."""
 
-    hs: str
-    ws: str
-    bh: str
-    bw: str
-    last_row: str
-    last_col: str
-    pix: str
-    ok: str
+    hs: Val
+    ws: Val
+    bh: Val
+    bw: Val
+    last_row: Val
+    last_col: Val
+    pix: Val
+    ok: Val
 
 
-def _roi_windows(e: Emitter, b: str, hs: str, he: str, ws: str, we: str, h: Dim, w: Dim) -> _RoiWindows:
+def _roi_windows(b: Val, hs: Val, he: Val, ws: Val, we: Val, h: Dim, w: Dim) -> _RoiWindows:
     """The windows (:class:`_RoiWindows`) of the bins ``[hs, he) x [ws, we)`` in image ``b`` of each roi."""
-    one = e.const(np.int64(1))
+    ctx, e = b.ctx, b.ctx.e
 
-    def span(first: str, end: str) -> str:
-        return e.op("Max", [e.op("ReduceMax", [e.op("Sub", [end, first])], keepdims=0), one])
+    def span(first: Val, end: Val) -> Val:  # the largest bin, at least 1
+        return (end - first).apply("ReduceMax", like=None, keepdims=0).apply("Max", 1)
 
     bh, bw = span(hs, he), span(ws, we)
-    hm1, wm1 = (e.op("Sub", [_i64(e, v), one]) for v in (h, w))
+    hm1, wm1 = (ctx.val(i64(e, v)) - 1 for v in (h, w))
 
-    def lines(first: str, end: str, size: str, last: str) -> tuple[str, str]:
-        at = e.op("Add", [e.op("Unsqueeze", [first, e.ints([2])]), _range(e, size)])  # [R, P, B]
-        return e.op("Min", [at, last]), e.op("Less", [at, e.op("Unsqueeze", [end, e.ints([2])])])
+    def lines(first: Val, end: Val, size: Val, last: Val) -> tuple[Val, Val]:
+        at = first.unsqueeze([2]) + int_range(e, size.name)  # [R, P, B]
+        return at.apply("Min", last), at.lt(end.unsqueeze([2]))
 
     rows, row_ok = lines(hs, he, bh, hm1)
     cols, col_ok = lines(ws, we, bw, wm1)
     # flat [N*H*W] positions of the window elements: [R, PH, BH, PW, BW]
-    base = e.op("Mul", [e.op("Reshape", [b, e.ints([-1, 1, 1, 1, 1])]), _i64(e, h)])
-    pix = e.op("Add", [e.op("Mul", [e.op("Add", [base, e.op("Unsqueeze", [rows, e.ints([3, 4])])]), _i64(e, w)]),
-                       e.op("Unsqueeze", [cols, e.ints([1, 2])])])
-    ok = e.op("And", [e.op("Unsqueeze", [row_ok, e.ints([3, 4])]), e.op("Unsqueeze", [col_ok, e.ints([1, 2])])])
+    pix = (b.reshape([-1, 1, 1, 1, 1]) * i64(e, h) + rows.unsqueeze([3, 4])) * i64(e, w) + cols.unsqueeze([1, 2])
+    ok = row_ok.unsqueeze([3, 4]) & col_ok.unsqueeze([1, 2])
     return _RoiWindows(hs, ws, bh, bw, hm1, wm1, pix, ok)
 
 
-def _bin_argmax(e: Emitter, x: str, c: Dim, win: _RoiWindows) -> str:
+def _bin_argmax(x: Val, c: Dim, win: _RoiWindows) -> Val:
     """The window tap of each bin's maximum, the first in the bin's row-major order (int64 [R, C, PH, PW]): the
     windows gathered from ``x`` viewed as ``[N*H*W, C]``, positions outside the bin reading ``-inf``."""
-    pixels = e.op("Reshape", [e.op("Transpose", [x], perm=[0, 2, 3, 1]), shape_cat(e, [[-1], _as1(e, c)])])
-    vals = e.op("Gather", [pixels, win.pix], axis=0)  # [R, PH, BH, PW, BW, C]
-    vals = e.op("Where", [e.op("Unsqueeze", [win.ok, e.ints([5])]), vals, e.scalar(-np.inf, x)])
-    vals = e.op("Reshape", [e.op("Transpose", [vals], perm=[0, 5, 1, 3, 2, 4]),
-                            shape_cat(e, [[0, 0, 0, 0], _as1(e, _times(e, win.bh, win.bw))])])
-    return e.op("ArgMax", [vals], axis=4, keepdims=0)
+    e = x.ctx.e
+    pixels = x.transpose([0, 2, 3, 1]).reshape(shape_cat(e, [[-1], as1(e, c)]))
+    vals = pixels.apply("Gather", win.pix, like=None, axis=0)  # [R, PH, BH, PW, BW, C]
+    vals = where(win.ok.unsqueeze([5]), vals, -np.inf, like=None)
+    taps = as1(e, dims_product(e, win.bh.name, win.bw.name))
+    vals = vals.transpose([0, 5, 1, 3, 2, 4]).reshape(shape_cat(e, [[0, 0, 0, 0], taps]))
+    return vals.apply("ArgMax", like=None, axis=4, keepdims=0)
 
 
-def _tap_positions(e: Emitter, win: _RoiWindows, tap: str, b: str, c: Dim, h: Dim, w: Dim) -> str:
+def _tap_positions(win: _RoiWindows, tap: Val, b: Val, c: Dim, h: Dim, w: Dim) -> Val:
     """The flat position in ``x`` (int64 [R, C, PH, PW]) of the element each bin reads at window tap ``tap``."""
-    hsel = e.op("Min", [e.op("Add", [e.op("Unsqueeze", [win.hs, e.ints([1, 3])]), e.op("Div", [tap, win.bw])]),
-                        win.last_row])
-    wsel = e.op("Min", [e.op("Add", [e.op("Unsqueeze", [win.ws, e.ints([1, 2])]), e.op("Mod", [tap, win.bw])]),
-                        win.last_col])
-    plane = e.op("Add", [e.op("Mul", [e.op("Reshape", [b, e.ints([-1, 1, 1, 1])]), _i64(e, c)]),
-                         e.op("Reshape", [_range(e, c), e.ints([1, -1, 1, 1])])])
-    return e.op("Add", [e.op("Mul", [e.op("Add", [e.op("Mul", [plane, _i64(e, h)]), hsel]), _i64(e, w)]), wsel])
+    ctx, e = b.ctx, b.ctx.e
+    hsel = (win.hs.unsqueeze([1, 3]) + tap / win.bw).apply("Min", win.last_row)
+    wsel = (win.ws.unsqueeze([1, 2]) + tap.apply("Mod", win.bw)).apply("Min", win.last_col)
+    plane = b.reshape([-1, 1, 1, 1]) * i64(e, c) + ctx.val(int_range(e, c)).reshape([1, -1, 1, 1])
+    return (plane * i64(e, h) + hsel) * i64(e, w) + wsel
 
 
 @unary("MaxRoiPool", bounded=False, finite=False)
@@ -271,15 +197,14 @@ def max_roi_pool(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     e.need_rank(x, node)
     ph, pw = (int(v) for v in node.attrs["pooled_shape"])
     scale = float(np.float32(node.attrs.get("spatial_scale", 1.0)))
-    c, h, w = (_dim(e, x, a) for a in range(1, 4))
-    b, corners = _roi_boxes(e, node.inputs[1], scale)
-    hs, he, ws, we = _box_bins(e, corners, ph, pw, h, w)
-    win = _roi_windows(e, b, hs, he, ws, we, h, w)
-    tap = _bin_argmax(e, x, c, win)  # [R, C, PH, PW]: the first maximum in the bin
-    pos = _tap_positions(e, win, tap, b, c, h, w)
-    full = e.op("And", [e.op("Unsqueeze", [e.op("Greater", [he, hs]), e.ints([1, 3])]),
-                        e.op("Unsqueeze", [e.op("Greater", [we, ws]), e.ints([1, 2])])])  # [R, 1, PH, PW]
-    return _scatter_add(e, _numel(e, x), pos, ctx.select(full, g), x)
+    c, h, w = (dim_of(e, x, a) for a in range(1, 4))
+    b, corners = _roi_boxes(ctx.val(node.inputs[1]), scale)
+    hs, he, ws, we = _box_bins(corners, ph, pw, h, w)
+    win = _roi_windows(b, hs, he, ws, we, h, w)
+    tap = _bin_argmax(ctx.val(x), c, win)  # [R, C, PH, PW]: the first maximum in the bin
+    pos = _tap_positions(win, tap, b, c, h, w)
+    full = he.gt(hs).unsqueeze([1, 3]) & we.gt(ws).unsqueeze([1, 2])  # [R, 1, PH, PW]: the bins not empty
+    return _scatter_add(e, numel(e, x), pos.name, ctx.val(g).select(full, like=None).name, x)
 
 
 # ------------------------------------------------------------------------------------------ RoiAlign
@@ -294,92 +219,82 @@ class AlignAxis:
     clamped or the sample counts 0); ``dlo``, ``dhi`` [R, P, G], the derivatives of the coordinate with respect
     to the roi's first and last coordinate; ``grid`` [R] (or 0-d) int64 samples per bin; ``big`` the largest."""
 
-    taps: str
-    weights: str
-    slope: str
-    dlo: str
-    dhi: str
-    grid: str
+    taps: Val
+    weights: Val
+    slope: Val
+    dlo: Val
+    dhi: Val
+    grid: Val
     big: Dim
 
 
-def _align_axis(e: Emitter, lo: str, hi: str, length: Dim, pooled: int, half_pixel: bool, sampling: int,
+def _align_axis(ctx: Ctx, lo: Val, hi: Val, length: Dim, pooled: int, half_pixel: bool, sampling: int,
                 scale: float) -> AlignAxis:
     """RoiAlign's sampling along one axis, as onnxruntime's and the ONNX reference's ``pre_calc_for_bilinear_
     interpolate`` compute it: the coordinate ``start + p * bin + (i + .5) * bin / grid`` (``start = lo * scale -
     offset``, ``bin = size / P``, ``size = (hi - lo) * scale``, at least 1 without half_pixel); a sample outside
     ``[-1, length]`` counts 0; others are clamped to ``[0, length - 1]`` and interpolated between ``floor`` and
     ``floor + 1``. ``grid`` is ``sampling_ratio``, or ``ceil(size / P)`` per roi when that is 0."""
-    sc = e.scalar(scale, lo)
-    one = e.scalar(1.0, lo)
-    off = e.scalar(0.5 if half_pixel else 0.0, lo)
-    start = e.op("Sub", [e.op("Mul", [lo, sc]), off])
-    size = e.op("Sub", [e.op("Sub", [e.op("Mul", [hi, sc]), off]), start])
+    e = ctx.e
+    off = 0.5 if half_pixel else 0.0
+    start = lo * scale - off
+    size = hi * scale - off - start
     free = None  # where the size is not clamped to 1 (it moves with the roi)
     if not half_pixel:
-        free = e.op("CastLike", [e.op("Greater", [size, one]), lo])
-        size = e.op("Max", [size, one])
-    pooled_f = e.scalar(float(pooled), lo)
-    step = e.op("Div", [size, pooled_f])  # [R]
+        free = size.gt(1.0).cast_like(lo)
+        size = size.apply("Max", 1.0)
+    step = size / float(pooled)  # [R]
     if sampling > 0:
-        grid_f = e.scalar(float(sampling), lo)
-        grid: str = e.const(np.int64(sampling))
-        big: Dim = sampling
-        per = grid_f
+        grid, big, per = ctx.val(e.const(np.int64(sampling))), sampling, float(sampling)
     else:
-        grid_f = e.op("Ceil", [e.op("Div", [size, pooled_f])])
-        grid = e.op("Cast", [e.op("Max", [grid_f, e.scalar(-1.0, lo)])], to=_I64)  # [R]; <= 0: no samples
-        big = e.op("Max", [e.op("ReduceMax", [grid], keepdims=0), e.const(np.int64(1))])
-        per = e.op("Reshape", [e.op("Max", [grid_f, one]), e.ints([-1, 1, 1])])
-    samples = _range(e, big)
-    col = e.op("Unsqueeze", [step, e.ints([1, 2])])  # [R, 1, 1]
-    bins = e.op("CastLike", [arange(e, pooled, np.float64, shape=(1, -1, 1)), lo])
-    half = e.op("Reshape", [e.op("Add", [e.op("CastLike", [samples, lo]), e.scalar(0.5, lo)]), e.ints([1, 1, -1])])
+        grid_f = (size / float(pooled)).apply("Ceil")
+        grid = grid_f.apply("Max", -1.0).cast(np.int64)  # [R]; <= 0: no samples
+        big = grid.apply("ReduceMax", like=None, keepdims=0).apply("Max", 1).name
+        per = grid_f.apply("Max", 1.0).reshape([-1, 1, 1])
+    samples = ctx.val(int_range(e, big))
+    col = step.unsqueeze([1, 2])  # [R, 1, 1]
+    bins = ctx.val(arange(e, pooled, np.float64, shape=(1, -1, 1))).cast_like(lo)
+    half = (samples.cast_like(lo) + 0.5).reshape([1, 1, -1])
     # the kernel's order of operations: (start + p * bin) + ((i + .5) * bin) / grid
-    at = e.op("Add", [e.op("Unsqueeze", [start, e.ints([1, 2])]), e.op("Mul", [bins, col])])  # [R, P, 1]
-    coord = e.op("Add", [at, e.op("Div", [e.op("Mul", [half, col]), per])])  # [R, P, G]
+    coord = (start.unsqueeze([1, 2]) + bins * col) + half * col / per  # [R, P, G]
     # d coord / d lo and d hi: coord = start + k * size with k = (p + (i + .5) / grid) / P
-    k = e.op("Div", [e.op("Add", [bins, e.op("Div", [half, per])]), pooled_f])
-    moving = e.op("Mul", [k, sc]) if free is None else e.op("Mul", [e.op("Mul", [k, sc]),
-                                                                   e.op("Unsqueeze", [free, e.ints([1, 2])])])
-    dlo, dhi = e.op("Sub", [sc, moving]), moving
-    length_f = e.op("CastLike", [_i64(e, length), lo])
-    last = e.op("Sub", [length_f, one])
-    inside = e.op("Not", [e.op("Or", [e.op("Less", [coord, e.scalar(-1.0, lo)]), e.op("Greater", [coord, length_f])])])
-    exists = e.op("Less", [e.op("Reshape", [samples, e.ints([1, 1, -1])]),
-                           e.op("Reshape", [grid, e.ints([-1, 1, 1])]) if sampling <= 0 else grid])
-    c = e.op("Max", [coord, e.scalar(0.0, lo)])
-    low = e.op("Floor", [c])
-    clamp = e.op("GreaterOrEqual", [low, last])
-    low = e.op("Where", [clamp, last, low])
-    high = e.op("Where", [clamp, last, e.op("Add", [low, one])])
-    frac = e.op("Where", [clamp, e.scalar(0.0, lo), e.op("Sub", [c, low])])
-    counted = e.op("And", [inside, exists])
-    keep = e.op("CastLike", [counted, lo])
-    moves = e.op("CastLike", [e.op("And", [counted, e.op("And", [e.op("Greater", [coord, e.scalar(0.0, lo)]),
-                                                                   e.op("Not", [clamp])])]), lo])
+    k = (bins + half / per) / float(pooled)
+    moving = k * scale if free is None else k * scale * free.unsqueeze([1, 2])
+    dlo, dhi = scale - moving, moving
+    length_f = ctx.val(i64(e, length)).cast_like(lo)
+    last = length_f - 1.0
+    inside = ~(coord.lt(-1.0) | coord.gt(length_f))
+    exists = samples.reshape([1, 1, -1]).lt(grid.reshape([-1, 1, 1]) if sampling <= 0 else grid)
+    c = coord.apply("Max", 0.0)
+    low = c.apply("Floor")
+    clamp = low.ge(last)
+    low = where(clamp, last, low, like=None)
+    high = where(clamp, last, low + 1.0, like=None)
+    frac = where(clamp, 0.0, c - low, like=None)
+    counted = inside & exists
+    keep = counted.cast_like(lo)
+    moves = (counted & (coord.gt(0.0) & ~clamp)).cast_like(lo)
 
-    lined = shape_cat(e, [[0, pooled], _as1(e, _times(e, big, 2))])
+    lined = shape_cat(e, [[0, pooled], as1(e, dims_product(e, big, 2))])
 
-    def pair(a: str, b: str) -> str:
-        both = e.op("Concat", [e.op("Unsqueeze", [a, e.ints([3])]), e.op("Unsqueeze", [b, e.ints([3])])], axis=3)
-        return e.op("Reshape", [both, lined])  # [R, P, G, 2] -> [R, P, 2G]
+    def pair(a: Val, b: Val) -> Val:  # [R, P, G, 2] -> [R, P, 2G]
+        return ctx.val(e.op("Concat", [a.unsqueeze([3]).name, b.unsqueeze([3]).name], axis=3)).reshape(lined)
 
-    weights = pair(e.op("Mul", [e.op("Sub", [one, frac]), keep]), e.op("Mul", [frac, keep]))
-    slope = pair(e.op("Neg", [moves]), moves)
-    zero, top = e.const(np.int64(0)), e.op("Sub", [_i64(e, length), e.const(np.int64(1))])
-    taps = e.op("Clip", [e.op("Cast", [pair(low, high)], to=_I64), zero, top])  # NaN coordinates stay in range
+    weights = pair((1.0 - frac) * keep, frac * keep)
+    slope = pair(-moves, moves)
+    top = ctx.val(i64(e, length)) - e.const(np.int64(1))
+    taps = pair(low, high).cast(np.int64).apply("Clip", e.const(np.int64(0)), top)  # NaN coordinates stay in range
     return AlignAxis(taps, weights, slope, dlo, dhi, grid, big)
 
 
 def _sample_mask(e: Emitter, gy: str, gx: str, big_y: Dim, big_x: Dim) -> str:
     """``[R|1, 1, 1, 1, GY*GX*4]`` bool: the samples (and their 4 corners) that roi ``r``'s grid has, in the
     kernel's order (sample row, sample column, corner)."""
-    ey = e.op("Less", [e.op("Unsqueeze", [_range(e, big_y), e.ints([0])]), e.op("Reshape", [gy, e.ints([-1, 1])])])
-    ex = e.op("Less", [e.op("Unsqueeze", [_range(e, big_x), e.ints([0])]), e.op("Reshape", [gx, e.ints([-1, 1])])])
+    ey = e.op("Less", [e.op("Unsqueeze", [int_range(e, big_y), e.ints([0])]), e.op("Reshape", [gy, e.ints([-1, 1])])])
+    ex = e.op("Less", [e.op("Unsqueeze", [int_range(e, big_x), e.ints([0])]), e.op("Reshape", [gx, e.ints([-1, 1])])])
     both = e.op("And", [e.op("Unsqueeze", [ey, e.ints([2, 3])]), e.op("Unsqueeze", [ex, e.ints([1, 3])])])
     return e.op("Reshape", [e.op("Expand", [both, e.ints([1, 1, 1, 4])]),
-                            shape_cat(e, [[0, 1, 1, 1], _as1(e, _times(e, big_y, big_x, 4))])])
+                            shape_cat(e, [[0, 1, 1, 1], as1(e, dims_product(e, big_y, big_x, 4))])])
 
 
 @dataclass(frozen=True)
@@ -413,72 +328,69 @@ class _AlignGrid:
 
     ay: AlignAxis
     ax: AlignAxis
-    pos: str
-    wy: str
-    wx: str
+    pos: Val
+    wy: Val
+    wx: Val
 
 
-def _align_grid(e: Emitter, node: Node, spec: _AlignSpec) -> _AlignGrid:
-    x, rois, batch = node.inputs
-    e.need_rank(x, node)
-    c, h, w = (_dim(e, x, a) for a in range(1, 4))
+def _align_grid(ctx: Ctx, node: Node, spec: _AlignSpec) -> _AlignGrid:
+    e = ctx.e
+    x, rois, batch = ctx.vals(*node.inputs)
+    e.need_rank(x.name, node)
+    c, h, w = (dim_of(e, x.name, a) for a in range(1, 4))
 
-    def coord(i: int) -> str:
-        return e.op("Gather", [rois, e.const(np.int64(i))], axis=1)  # [R]
+    def coord(i: int) -> Val:
+        return rois.apply("Gather", e.const(np.int64(i)), like=None, axis=1)  # [R]
 
-    ay = _align_axis(e, coord(1), coord(3), h, spec.oh, spec.half_pixel, spec.sampling, spec.scale)
-    ax = _align_axis(e, coord(0), coord(2), w, spec.ow, spec.half_pixel, spec.sampling, spec.scale)
+    ay = _align_axis(ctx, coord(1), coord(3), h, spec.oh, spec.half_pixel, spec.sampling, spec.scale)
+    ax = _align_axis(ctx, coord(0), coord(2), w, spec.ow, spec.half_pixel, spec.sampling, spec.scale)
     # [R, C, PH, PW, 2GY, 2GX]: the flat position in x of every sample corner of every output
-    b = e.op("Reshape", [e.op("Cast", [batch], to=_I64), e.ints([-1, 1, 1, 1, 1, 1])])
-    plane = e.op("Add", [e.op("Mul", [b, _i64(e, c)]), e.op("Reshape", [_range(e, c), e.ints([1, -1, 1, 1, 1, 1])])])
-    rows = e.op("Add", [e.op("Mul", [plane, _i64(e, h)]), e.op("Unsqueeze", [ay.taps, e.ints([1, 3, 5])])])
-    pos = e.op("Add", [e.op("Mul", [rows, _i64(e, w)]), e.op("Unsqueeze", [ax.taps, e.ints([1, 2, 4])])])
-    wy = e.op("CastLike", [e.op("Unsqueeze", [ay.weights, e.ints([1, 3, 5])]), x])  # [R, 1, PH, 1, 2GY, 1]
-    wx = e.op("CastLike", [e.op("Unsqueeze", [ax.weights, e.ints([1, 2, 4])]), x])  # [R, 1, 1, PW, 1, 2GX]
+    b = batch.cast(np.int64).reshape([-1, 1, 1, 1, 1, 1])
+    plane = b * i64(e, c) + ctx.val(int_range(e, c)).reshape([1, -1, 1, 1, 1, 1])
+    pos = (plane * i64(e, h) + ay.taps.unsqueeze([1, 3, 5])) * i64(e, w) + ax.taps.unsqueeze([1, 2, 4])
+    wy = ay.weights.unsqueeze([1, 3, 5]).cast_like(x)  # [R, 1, PH, 1, 2GY, 1]
+    wx = ax.weights.unsqueeze([1, 2, 4]).cast_like(x)  # [R, 1, 1, PW, 1, 2GX]
     return _AlignGrid(ay, ax, pos, wy, wx)
 
 
-def _in_kernel_order(e: Emitter, v: str, grid: _AlignGrid) -> str:
+def _in_kernel_order(v: Val, grid: _AlignGrid) -> Val:
     """``[R, C|1, PH, PW, 2GY, 2GX]`` -> ``[R, C|1, PH, PW, GY*GX*4]`` in the kernel's order. The leading
     dimensions are recorded: a broadcast (C or 1) must stay visible to the VJPs of gradients of gradients."""
-    ay, ax = grid.ay, grid.ax
-    split = e.op("Reshape", [v, shape_cat(e, [[0, 0, 0, 0], _as1(e, ay.big), [2], _as1(e, ax.big), [2]])])
+    ctx, ay, ax, v = v.ctx, grid.ay, grid.ax, v.name
+    e = ctx.e
+    split = e.op("Reshape", [v, shape_cat(e, [[0, 0, 0, 0], as1(e, ay.big), [2], as1(e, ax.big), [2]])])
     lead = tuple(e.dims(v)[:4]) if e.rank(v) == 6 else (None,) * 4
-    flat = shape_cat(e, [[0, 0, 0, 0], _as1(e, _times(e, ay.big, ax.big, 4))])
-    return e.op("Reshape", [e.op("Transpose", [split], perm=[0, 1, 2, 3, 4, 6, 5, 7]), flat],
-                shape=(*lead, None), dtype=e.dtype(v))
+    flat = shape_cat(e, [[0, 0, 0, 0], as1(e, dims_product(e, ay.big, ax.big, 4))])
+    return ctx.val(e.op("Reshape", [e.op("Transpose", [split], perm=[0, 1, 2, 3, 4, 6, 5, 7]), flat],
+                        shape=(*lead, None), dtype=e.dtype(v)))
 
 
-def _from_kernel_order(e: Emitter, v: str, grid: _AlignGrid) -> str:
+def _from_kernel_order(v: Val, grid: _AlignGrid) -> Val:
     """The inverse of :func:`_in_kernel_order`: ``[R, C, PH, PW, GY*GX*4]`` -> ``[R, C, PH, PW, 2GY, 2GX]``."""
-    ay, ax = grid.ay, grid.ax
-    split = e.op("Reshape", [v, shape_cat(e, [[0, 0, 0, 0], _as1(e, ay.big), _as1(e, ax.big), [2, 2]])])
-    back = e.op("Transpose", [split], perm=[0, 1, 2, 3, 4, 6, 5, 7])
-    sides = [_as1(e, _times(e, ay.big, 2)), _as1(e, _times(e, ax.big, 2))]
-    return e.op("Reshape", [back, shape_cat(e, [[0, 0, 0, 0], *sides])])
+    e, ay, ax = v.ctx.e, grid.ay, grid.ax
+    split = v.reshape(shape_cat(e, [[0, 0, 0, 0], as1(e, ay.big), as1(e, ax.big), [2, 2]]))
+    sides = [as1(e, dims_product(e, ay.big, 2)), as1(e, dims_product(e, ax.big, 2))]
+    return split.transpose([0, 1, 2, 3, 4, 6, 5, 7]).reshape(shape_cat(e, [[0, 0, 0, 0], *sides]))
 
 
-def _avg_spread(e: Emitter, g: str, grid: _AlignGrid, x: str) -> str:
+def _avg_spread(g: Val, grid: _AlignGrid, x: str) -> Val:
     """Avg mode: the cotangent each sample corner receives before its weight, ``dy / count`` ([R, C, PH, PW, 1,
     1]; ``count`` the roi's samples per bin, at least 1)."""
-    count = e.op("Max", [e.op("Mul", [grid.ay.grid, grid.ax.grid]), e.const(np.int64(1))])
-    count = e.op("Reshape", [e.op("CastLike", [count, x]), e.ints([-1, 1, 1, 1])])
-    return e.op("Unsqueeze", [e.op("Div", [g, count]), e.ints([4, 5])])
+    count = (grid.ay.grid * grid.ax.grid).apply("Max", 1).cast_like(x).reshape([-1, 1, 1, 1])
+    return (g / count).unsqueeze([4, 5])
 
 
-def _align_roi_grads(e: Emitter, seen: str, other: str, axes: list[int], a: AlignAxis, pooled: int, x: str,
-                     rois: str) -> tuple[str, str]:
+def _align_roi_grads(seen: Val, other: Val, axes: list[int], a: AlignAxis, pooled: int, x: str,
+                     rois: str) -> tuple[Val, Val]:
     """The gradients ([R]) of the roi's first and last coordinate along axis ``a``: ``seen`` (the cotangent times
     ``x`` at every sample corner, [R, C, PH, PW, 2GY, 2GX]) times the ``other`` axis' weights, summed over
     ``axes`` onto this axis' taps, times the weights' slopes, summed per sample coordinate, through the
     coordinates' derivatives ``a.dlo`` and ``a.dhi``."""
-    per_tap = e.op("ReduceSum", [e.op("Mul", [seen, other]), e.ints(axes)], keepdims=0)  # [R, P, 2G]
-    taps = e.op("Reshape", [e.op("Mul", [per_tap, e.op("CastLike", [a.slope, x])]),
-                            shape_cat(e, [[0, pooled], _as1(e, a.big), [2]])])
-    per_coord = e.op("ReduceSum", [taps, e.ints([3])], keepdims=0)
-    per_coord = e.op("CastLike", [per_coord, rois])  # [R, P, G]
-    total = [e.op("ReduceSum", [e.op("Mul", [per_coord, d]), e.ints([1, 2])], keepdims=0) for d in (a.dlo, a.dhi)]
-    return total[0], total[1]
+    e = seen.ctx.e
+    per_tap = (seen * other).sum(axes, keepdims=0)  # [R, P, 2G]
+    taps = (per_tap * a.slope.cast_like(x)).reshape(shape_cat(e, [[0, pooled], as1(e, a.big), [2]]))
+    per_coord = taps.sum([3], keepdims=0).cast_like(rois)  # [R, P, G]
+    return (per_coord * a.dlo).sum([1, 2], keepdims=0), (per_coord * a.dhi).sum([1, 2], keepdims=0)
 
 
 @vjp("RoiAlign", bounded=False, finite=False)
@@ -496,59 +408,58 @@ def roi_align(ctx: Ctx, node: Node, cts: list) -> list:
     channels (torchvision gives the boxes no gradient). The grid size (``sampling_ratio=0``), the clamping
     and which samples count are piecewise constant in the rois; the batch indices are integers. Positions and
     weights are computed at run time from the rois."""
-    e, g = ctx.e, cts[0]
+    e, g = ctx.e, ctx.val(cts[0])
     x, rois, _ = node.inputs
     spec = _align_spec(node)
 
     @cache
     def grid() -> _AlignGrid:
-        return _align_grid(e, node, spec)
+        return _align_grid(ctx, node, spec)
 
     @cache
-    def ordered_pos() -> str:
-        return _in_kernel_order(e, grid().pos, grid())
+    def ordered_pos() -> Val:
+        return _in_kernel_order(grid().pos, grid())
 
     @cache
-    def corners() -> str:
+    def corners() -> Val:
         """``x`` at every sample corner, [R, C, PH, PW, 2GY, 2GX]."""
-        return e.op("Gather", [e.op("Reshape", [x, e.ints([-1])]), grid().pos], axis=0)
+        return ctx.val(x).reshape([-1]).apply("Gather", grid().pos, like=None, axis=0)
 
     @cache
-    def winner() -> str:
+    def winner() -> Val:
         """Max mode: the winning corner of each output in the kernel's order, int64 [R, C, PH, PW, 1]."""
         geo = grid()
-        mask = _sample_mask(e, geo.ay.grid, geo.ax.grid, geo.ay.big, geo.ax.big)
-        weighted = e.op("Mul", [corners(), e.op("Mul", [geo.wy, geo.wx])])
-        scores = e.op("Where", [mask, _in_kernel_order(e, weighted, geo), e.scalar(-np.inf, x)])
-        return e.op("ArgMax", [scores], axis=4, keepdims=1)
+        mask = ctx.val(_sample_mask(e, geo.ay.grid.name, geo.ax.grid.name, geo.ay.big, geo.ax.big))
+        scores = where(mask, _in_kernel_order(corners() * (geo.wy * geo.wx), geo), -np.inf, like=None)
+        return scores.apply("ArgMax", like=None, axis=4, keepdims=1)
 
     @cache
-    def spread() -> str:
+    def spread() -> Val:
         """The cotangent each sample corner receives before its weight: ``dy / count`` (avg, [R, C, PH, PW, 1,
         1]) or ``dy`` at the winning corner and 0 elsewhere (max, [R, C, PH, PW, 2GY, 2GX])."""
         if spec.mode == "avg":
-            return _avg_spread(e, g, grid(), x)
-        n = e.op("Reshape", [e.op("Shape", [ordered_pos()], start=4), e.ints([])])
-        hot = e.op("Equal", [e.op("Reshape", [_range(e, n), e.ints([1, 1, 1, 1, -1])]), winner()])
-        picked = ctx.select(hot, e.op("Unsqueeze", [g, e.ints([4])]))  # [R, C, PH, PW, GY*GX*4]
-        return _from_kernel_order(e, picked, grid())
+            return _avg_spread(g, grid(), x)
+        n = e.op("Reshape", [e.op("Shape", [ordered_pos().name], start=4), e.ints([])])
+        hot = ctx.val(int_range(e, n)).reshape([1, 1, 1, 1, -1]).eq(winner())
+        picked = g.unsqueeze([4]).select(hot, like=None)  # [R, C, PH, PW, GY*GX*4]
+        return _from_kernel_order(picked, grid())
 
-    def dx() -> str:
+    def dx() -> str:  # the cotangents spread back with the bilinear weights
         geo = grid()
-        weight = e.op("Mul", [geo.wy, geo.wx])  # [R, 1, PH, PW, 2GY, 2GX]
+        weight = geo.wy * geo.wx  # [R, 1, PH, PW, 2GY, 2GX]
         if spec.mode == "avg":
-            return _scatter_add(e, _numel(e, x), geo.pos, ctx.weigh(spread(), weight), x)
+            return _scatter_add(e, numel(e, x), geo.pos.name, spread().weigh(weight, like=None).name, x)
         tap = winner()
-        sel_pos = e.op("GatherElements", [ordered_pos(), tap], axis=4)
-        full = e.op("Expand", [_in_kernel_order(e, weight, geo), e.op("Shape", [ordered_pos()])])
-        sel_w = e.op("GatherElements", [full, tap], axis=4)
-        return _scatter_add(e, _numel(e, x), sel_pos, ctx.weigh(e.op("Unsqueeze", [g, e.ints([4])]), sel_w), x)
+        sel_pos = ordered_pos().apply("GatherElements", tap, like=None, axis=4)
+        full = _in_kernel_order(weight, geo).expand(e.op("Shape", [ordered_pos().name]))
+        sel_w = full.apply("GatherElements", tap, like=None, axis=4)
+        return _scatter_add(e, numel(e, x), sel_pos.name, g.unsqueeze([4]).weigh(sel_w, like=None).name, x)
 
     def drois() -> str:
         geo = grid()
-        seen = ctx.times(spread(), corners(), reads=[x])  # [R, C, PH, PW, 2GY, 2GX]
-        y1, y2 = _align_roi_grads(e, seen, geo.wx, [1, 3, 5], geo.ay, spec.oh, x, rois)
-        x1, x2 = _align_roi_grads(e, seen, geo.wy, [1, 2, 4], geo.ax, spec.ow, x, rois)
-        return e.op("Concat", [e.op("Unsqueeze", [v, e.ints([1])]) for v in (x1, y1, x2, y2)], axis=1, like=rois)
+        seen = spread().times(corners(), reads=[x], like=None)  # [R, C, PH, PW, 2GY, 2GX]
+        y1, y2 = _align_roi_grads(seen, geo.wx, [1, 3, 5], geo.ay, spec.oh, x, rois)
+        x1, x2 = _align_roi_grads(seen, geo.wy, [1, 2, 4], geo.ax, spec.ow, x, rois)
+        return e.op("Concat", [v.unsqueeze([1]).name for v in (x1, y1, x2, y2)], axis=1, like=rois)
 
     return [dx, drois, None]

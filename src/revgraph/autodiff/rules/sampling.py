@@ -30,9 +30,10 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node
+from ..algebra import Val, where
 from ..context import Ctx
-from ..emitter import Emitter
 from ..registry import vjp
+from ._common import product
 from .tables import small
 
 #: Keys' cubic convolution coefficient, as onnxruntime and PyTorch use it for GridSample.
@@ -56,40 +57,39 @@ _KERNELS = {
 _MODES = {"bilinear": "linear", "bicubic": "cubic", "linear": "linear", "cubic": "cubic", "nearest": "nearest"}
 
 
-def _cast_like(e: Emitter, v: str, ref: str) -> str:
+def _cast_like(v: Val, ref: str) -> Val:
     """``v`` in ``ref``'s dtype (GridSample's X and grid may have different float types)."""
-    if e.dtype(v) is not None and e.dtype(v) == e.dtype(ref):
+    if v.dtype is not None and v.dtype == v.ctx.e.dtype(ref):
         return v
-    return e.op("CastLike", [v, ref], shape=e.dims(v), dtype=e.dtype(ref))
+    return v.cast_like(ref)
 
 
 class _Axis:
     """One spatial axis of X: its size as an int (static) and as values (int64 and float scalars)."""
 
-    def __init__(self, e: Emitter, x: str, axis: int, like: str):
+    def __init__(self, ctx: Ctx, x: str, axis: int, like: str):
+        e = ctx.e
         dims = e.dims(x)
         d = dims[axis] if dims is not None else None
-        self.e, self.like = e, like
+        self.ctx, self.like = ctx, like
         self.static = d if isinstance(d, int) else None
         if self.static is not None:
-            self.size = e.const(np.int64(self.static))
+            self.size = ctx.val(e.const(np.int64(self.static)))
         else:
-            self.size = e.op("Squeeze", [e.op("Shape", [x], start=axis, end=axis + 1)], shape=(), dtype=np.dtype(np.int64))
+            self.size = ctx.val(e.op("Squeeze", [e.op("Shape", [x], start=axis, end=axis + 1)], shape=(),
+                                     dtype=np.dtype(np.int64)))
 
-    def num(self, scale: float, shift: float) -> str:
+    def num(self, scale: float, shift: float) -> Val:
         """``scale * D + shift`` as a scalar of the grid's dtype."""
-        e = self.e
         if self.static is not None:
-            return e.scalar(scale * self.static + shift, self.like)
-        v = e.op("CastLike", [self.size, self.like])
-        return e.op("Add", [e.op("Mul", [v, e.scalar(scale, self.like)]), e.scalar(shift, self.like)])
+            return self.ctx.val(self.ctx.e.scalar(scale * self.static + shift, self.like))
+        return self.size.cast_like(self.like) * scale + shift
 
-    def ints(self, scale: int, shift: int) -> str:
+    def ints(self, scale: int, shift: int) -> Val:
         """``scale * D + shift`` as an int64 scalar."""
-        e = self.e
         if self.static is not None:
-            return e.const(np.int64(scale * self.static + shift))
-        return e.op("Add", [e.op("Mul", [self.size, e.const(np.int64(scale))]), e.const(np.int64(shift))])
+            return self.ctx.val(self.ctx.e.const(np.int64(scale * self.static + shift)))
+        return self.size * scale + shift
 
 
 class _Taps:
@@ -102,129 +102,102 @@ class _Taps:
     Together: ``index`` int64 ``[N, 1, Q * T]`` into the flattened spatial axes, ``weight`` ``[N, Q, k, .., k]``,
     ``valid`` (zeros padding only) bool ``[N, 1, Q * T]``: the taps inside the input."""
 
-    def __init__(self, e: Emitter, node: Node, x: str, grid: str, r: int, mode: str, padding: str, align: bool):
+    def __init__(self, ctx: Ctx, node: Node, x: str, grid: str, r: int, mode: str, padding: str, align: bool):
+        e = ctx.e
         kernel = _KERNELS[mode]
         self.k = len(kernel["taps"])
         self.r, self.T = r, self.k ** r
-        flat = e.op("Reshape", [grid, e.ints([0, -1, r])])  # [N, Q, r]
+        flat = ctx.val(grid).reshape([0, -1, r])  # [N, Q, r]
         self.w, self.dw, self.dp, self.a = [], [], [], []
         index = valid = None
-        stride: str | int = 1
+        stride: Val | int = 1
         for i in reversed(range(r)):  # the last axis has stride 1; grid[..., 0] is the last axis' coordinate
-            ax = _Axis(e, x, 2 + i, grid)
-            gi = e.op("Gather", [flat, e.const(np.int64(r - 1 - i))], axis=2)  # [N, Q]
+            ax = _Axis(ctx, x, 2 + i, grid)
+            gi = flat.apply("Gather", e.const(np.int64(r - 1 - i)), like=None, axis=2)  # [N, Q]
             a = ax.num(0.5, -0.5) if align else ax.num(0.5, 0.0)
-            u = e.op("Add", [e.op("Mul", [gi, a]), ax.num(0.5, -0.5)], like=gi)
-            p, dp = _transform(e, u, ax, padding, align) if mode != "cubic" else (u, None)
-            base = e.op("Round" if mode == "nearest" else "Floor", [p], like=p)
+            u = gi * a + ax.num(0.5, -0.5)  # the pixel coordinate: u = a n + b
+            p, dp = _transform(u, ax, padding, align) if mode != "cubic" else (u, None)
+            base = p.apply("Round" if mode == "nearest" else "Floor")
             spread = [2 + j for j in range(r) if j != i]
-            taps = e.op("Add", [e.op("Unsqueeze", [base, e.ints([2])]), e.const(np.asarray(kernel["taps"], e.dtype(grid) or np.float32))])
-            t = e.op("Cast", [taps], to=7)  # int64 [N, Q, k]
-            idx, ok = _tap_index(e, t, ax, padding, align)
-            if mode == "nearest":
-                w = dw = None
-            else:
-                s = e.op("Unsqueeze", [e.op("Sub", [p, base], like=p), e.ints([2])])
-                w, dw = _kernel(e, kernel, s, grid)
+            taps = base.unsqueeze([2]) + np.asarray(kernel["taps"], e.dtype(grid) or np.float32)
+            idx, ok = _tap_index(taps.cast(np.int64), ax, padding, align)  # int64 [N, Q, k]
+            w, dw = (None, None) if mode == "nearest" else _kernel(kernel, (p - base).unsqueeze([2]), grid)
             if ok is not None:
-                mask = e.op("Cast", [ok], to=e.onnx_dtype(grid) or 1)
-                w = mask if w is None else e.op("Mul", [w, mask])
-                dw = None if dw is None else e.op("Mul", [dw, mask])
-            self.w.insert(0, None if w is None else e.op("Unsqueeze", [w, e.ints(spread)]) if spread else w)
-            self.dw.insert(0, None if dw is None else e.op("Unsqueeze", [dw, e.ints(spread)]) if spread else dw)
+                mask = ok.indicator(grid)
+                w = mask if w is None else w * mask
+                dw = None if dw is None else dw * mask
+            self.w.insert(0, None if w is None else w.unsqueeze(spread) if spread else w)
+            self.dw.insert(0, None if dw is None else dw.unsqueeze(spread) if spread else dw)
             self.dp.insert(0, dp)
             self.a.insert(0, a)
-            idx = e.op("Unsqueeze", [idx, e.ints(spread)]) if spread else idx
+            idx = idx.unsqueeze(spread) if spread else idx
             if ok is not None:
-                ok = e.op("Unsqueeze", [ok, e.ints(spread)]) if spread else ok
-                valid = ok if valid is None else e.op("And", [valid, ok])
-            scaled = idx if isinstance(stride, int) and stride == 1 else e.op("Mul", [idx, _int(e, stride)])
-            index = scaled if index is None else e.op("Add", [index, scaled])
-            if isinstance(stride, int) and ax.static is not None:
-                stride *= ax.static
-            else:
-                stride = e.op("Mul", [_int(e, stride), ax.size])
-        flat_shape = e.ints([0, 1, -1])
-        self.index = e.op("Reshape", [index, flat_shape])
-        self.valid = None if valid is None else e.op("Reshape", [valid, flat_shape])
+                ok = ok.unsqueeze(spread) if spread else ok
+                valid = ok if valid is None else valid & ok
+            scaled = idx if isinstance(stride, int) and stride == 1 else idx * stride
+            index = scaled if index is None else index + scaled
+            stride = stride * ax.static if isinstance(stride, int) and ax.static is not None else stride * ax.size
+        self.index = index.reshape([0, 1, -1])
+        self.valid = None if valid is None else valid.reshape([0, 1, -1])
         ws = [w for w in self.w if w is not None]
-        self.weight = _product(e, ws) if ws else None
+        self.weight = product(ws) if ws else None
 
-    def others(self, i: int) -> list[str]:
+    def others(self, i: int) -> list[Val]:
         """The weights of every axis but ``i`` (nearest: none)."""
         return [w for j, w in enumerate(self.w) if j != i and w is not None]
 
 
-def _int(e: Emitter, v: int | str) -> str:
-    return e.const(np.int64(v)) if isinstance(v, int) else v
-
-
-def _product(e: Emitter, vs: list[str]) -> str:
-    out = vs[0]
-    for v in vs[1:]:
-        out = e.op("Mul", [out, v])
-    return out
-
-
-def _transform(e: Emitter, u: str, ax: _Axis, padding: str, align: bool) -> tuple[str, str | None]:
+def _transform(u: Val, ax: _Axis, padding: str, align: bool) -> tuple[Val, Val | None]:
     """The coordinate of linear and nearest modes after the padding's transform, and the transform's derivative
     (``None``: 1). Outside ``[lo, hi]``, border clamps to ``[0, D-1]`` (derivative 0) and reflection reflects at
     lo and hi until inside (derivative +-1)."""
     if padding == "zeros":
         return u, None
     lo, hi = (ax.num(0.0, 0.0), ax.num(1.0, -1.0)) if align else (ax.num(0.0, -0.5), ax.num(1.0, -0.5))
-    outside = e.op("Or", [e.op("Less", [u, lo]), e.op("Greater", [u, hi])])
+    outside = u.lt(lo) | u.gt(hi)
     if padding == "border":
-        clamped = e.op("Clip", [u, ax.num(0.0, 0.0), ax.num(1.0, -1.0)], like=u)
-        p = clamped if align else e.op("Where", [outside, clamped, u], like=u)
-        return p, e.op("Not", [outside])  # a selection: the derivative is 1 inside, 0 outside
+        clamped = u.apply("Clip", ax.num(0.0, 0.0), ax.num(1.0, -1.0))
+        p = clamped if align else where(outside, clamped, u)
+        return p, ~outside  # a selection: the derivative is 1 inside, 0 outside
     if align and ax.static == 1:  # no room to reflect in: PyTorch and onnxruntime read the one pixel
-        return e.zeros_like(u), e.op("Less", [u, u])
+        return u.ctx.val(u.ctx.e.zeros_like(u.name)), u.lt(u)
     span = ax.num(1.0, -1.0) if align else ax.num(1.0, 0.0)
-    t = e.op("Sub", [u, lo], like=u)
-    m = e.op("Mod", [e.op("Abs", [t], like=u), e.op("Add", [span, span])], fmod=1, like=u)
-    off = e.op("Sub", [m, span], like=u)
-    reflected = e.op("Sub", [e.op("Add", [lo, span]), e.op("Abs", [off], like=u)], like=u)
-    p = e.op("Where", [outside, reflected, u], like=u)
-    sign = e.op("Neg", [e.op("Mul", [e.op("Sign", [t]), e.op("Sign", [off])])], like=u)
-    return p, e.op("Where", [outside, sign, e.scalar(1.0, u)], like=u)
+    t = u - lo
+    off = (t.abs().apply("Mod", span + span, fmod=1)) - span
+    p = where(outside, (lo + span) - off.abs(), u)  # reflected at lo and hi
+    return p, where(outside, -(t.sign() * off.sign()), 1.0)
 
 
-def _tap_index(e: Emitter, t: str, ax: _Axis, padding: str, align: bool) -> tuple[str, str | None]:
+def _tap_index(t: Val, ax: _Axis, padding: str, align: bool) -> tuple[Val, Val | None]:
     """The index each integer tap position ``t`` (int64) reads, and for zeros padding whether it is inside
     (bool; the others read 0). Border clamps; reflection reflects at the border pixels (``align_corners=1``:
     ``-1 -> 1``) or at their outer edges (``-1 -> 0``), periodically."""
-    zero = e.const(np.int64(0))
     last = ax.ints(1, -1)
     if padding == "zeros":
-        ok = e.op("And", [e.op("GreaterOrEqual", [t, zero]), e.op("LessOrEqual", [t, last])])
-        return e.op("Clip", [t, zero, last], like=t), ok
+        return t.apply("Clip", 0, last), t.ge(0) & t.le(last)
     if padding == "border":
-        return e.op("Clip", [t, zero, last], like=t), None
-    period = e.op("Max", [ax.ints(2, -2), e.const(np.int64(1))]) if align else ax.ints(2, 0)
-    m = e.op("Mod", [t, period], like=t)  # integer Mod takes the divisor's sign: in [0, period)
-    mirror = e.op("Sub", [period if align else e.op("Sub", [period, e.const(np.int64(1))]), m], like=t)
-    return e.op("Min", [m, mirror], like=t), None
+        return t.apply("Clip", 0, last), None
+    period = ax.ints(2, -2).apply("Max", 1) if align else ax.ints(2, 0)
+    m = t.apply("Mod", period)  # integer Mod takes the divisor's sign: in [0, period)
+    return m.apply("Min", (period if align else period - 1) - m), None
 
 
-def _kernel(e: Emitter, kernel: dict, s: str, like: str) -> tuple[str, str]:
+def _kernel(kernel: dict, s: Val, like: str) -> tuple[Val, Val]:
     """The weights ``w`` of the taps of one axis (``[N, Q, k]``) at fraction ``s`` (``[N, Q, 1]``) and their
     derivatives ``dw/ds`` (``[N, Q, k]``, or ``[1, 1, k]`` when constant)."""
-    dt = e.dtype(like) or np.float32
+    dt = s.ctx.e.dtype(like) or np.float32
 
-    def c(v, shape=None):
-        return e.const(np.asarray(v, dtype=dt).reshape(shape or -1))
+    def c(v, shape=None) -> np.ndarray:
+        return np.asarray(v, dtype=dt).reshape(shape or -1)
 
     k = len(kernel["taps"])
-    t = e.op("Add", [e.op("Mul", [s, c(kernel["sign"])]), c(kernel["offset"])])  # distances from the point
+    t = s * c(kernel["sign"]) + c(kernel["offset"])  # distances from the point
     a3, a2, a1, a0 = kernel["poly"]
     if not any(a3) and not any(a2):  # linear: w = T, dw/ds = sign
-        return t, c(kernel["sign"], (1, 1, k))
-    w = e.op("Add", [e.op("Mul", [e.op("Add", [e.op("Mul", [e.op("Add", [e.op("Mul", [t, c(a3)]), c(a2)]), t]),
-                                                c(a1)]), t]), c(a0)])
-    slope = e.op("Add", [e.op("Mul", [e.op("Add", [e.op("Mul", [t, c(np.multiply(3, a3))]), c(np.multiply(2, a2))]),
-                                      t]), c(a1)])
-    return w, e.op("Mul", [slope, c(kernel["sign"])])
+        return t, s.ctx.val(s.ctx.e.const(c(kernel["sign"], (1, 1, k))))
+    w = ((t * c(a3) + c(a2)) * t + c(a1)) * t + c(a0)
+    slope = (t * c(np.multiply(3, a3)) + c(np.multiply(2, a2))) * t + c(a1)  # dw/dT
+    return w, slope * c(kernel["sign"])
 
 
 def _mode(node: Node) -> tuple[str, str, bool]:
@@ -242,7 +215,7 @@ def grid_sample(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "GridSample": ``dX`` scatters ``W * dY`` to the taps (race free), ``dgrid`` sums ``dY X dW/dp``
     over channels and taps (module doc; PyTorch ``grid_sampler_2d_backward``). Opset 16's mode names
     (bilinear, bicubic) are the same modes. Shapes may be dynamic except the rank of X."""
-    e, (x, grid), g = ctx.e, node.inputs[:2], cts[0]
+    e, (x, grid), g = ctx.e, node.inputs[:2], ctx.val(cts[0])
     mode, padding, align = _mode(node)
     r = e.need_rank(x, node) - 2
     if r < 1:
@@ -250,56 +223,50 @@ def grid_sample(ctx: Ctx, node: Node, cts: list) -> list:
 
     @cache
     def taps() -> _Taps:
-        return _Taps(e, node, x, grid, r, mode, padding, align)
+        return _Taps(ctx, node, x, grid, r, mode, padding, align)
 
     @cache
-    def gq() -> str:
-        return e.op("Reshape", [g, e.ints([0, 0, -1, 1])])  # [N, C, Q, 1]
+    def gq() -> Val:
+        return g.reshape([0, 0, -1, 1])  # [N, C, Q, 1]
 
     @cache
-    def spread_index() -> str:  # int64 [N, C, Q * T]: the flat tap indices, the same for every channel
+    def spread_index() -> Val:  # int64 [N, C, Q * T]: the flat tap indices, the same for every channel
         index = taps().index
-        target = e.op("Concat", [e.op("Shape", [g], end=2), e.op("Shape", [index], start=2)], axis=0)
-        return e.op("Expand", [index, target])
+        return index.expand(e.op("Concat", [e.op("Shape", [g.name], end=2), e.op("Shape", [index.name], start=2)],
+                                 axis=0))
 
-    def dx() -> str:
+    def dx() -> Val:  # scatter_add(idx, W dY)
         tp = taps()
         if tp.weight is None:  # nearest with border or reflection padding: every tap has weight 1
-            upd = e.op("Reshape", [gq(), e.ints([0, 0, -1])])
+            upd = gq().reshape([0, 0, -1])
         else:
-            w = _cast_like(e, e.op("Reshape", [tp.weight, e.ints([0, 1, -1, tp.T])]), g)  # [N, 1, Q, T]
-            upd = e.op("Reshape", [e.op("Mul", [gq(), w]), e.ints([0, 0, -1])])
+            upd = (gq() * _cast_like(tp.weight.reshape([0, 1, -1, tp.T]), g.name)).reshape([0, 0, -1])
         if tp.valid is not None and not ctx.finite:  # an inf or NaN cotangent never reaches a tap outside X
-            upd = e.op("Where", [tp.valid, upd, e.scalar(0.0, upd)])
-        table = e.op("Reshape", [e.zeros_like(x), e.ints([0, 0, -1])])
-        out = e.op("ScatterElements", [table, spread_index(), upd], axis=2, reduction="add")
-        return e.op("Reshape", [out, e.shape_of(x)], like=x)
+            upd = upd.select(tp.valid, like=None)
+        table = ctx.val(e.zeros_like(x)).reshape([0, 0, -1])
+        out = table.apply("ScatterElements", spread_index(), upd, like=None, axis=2, reduction="add")
+        return out.reshape(e.shape_of(x), like=x)
 
-    def dgrid() -> str:
+    def dgrid() -> Val | str:  # dgrid_i = a_i p_i' sum_t sum_c dY X[idx_t] dW_t/dp_i
         if mode == "nearest":  # piecewise constant in the grid
             return e.zeros_like(grid)
         tp = taps()
-        xg = e.op("GatherElements", [e.op("Reshape", [x, e.ints([0, 0, -1])]), spread_index()], axis=2)
-        h = e.op("ReduceSum", [e.op("Mul", [e.op("Reshape", [xg, e.ints([0, 0, -1, tp.T])]), gq()]), e.ints([1])],
-                 keepdims=0)  # [N, Q, T]
+        xg = ctx.val(x).reshape([0, 0, -1]).apply("GatherElements", spread_index(), like=None, axis=2)
+        h = (xg.reshape([0, 0, -1, tp.T]) * gq()).sum([1], keepdims=0)  # [N, Q, T]
         if tp.valid is not None and (not ctx.finite or ctx.nonfinite(x)):
             # a tap outside X reads 0, not the clamped pixel: an inf or NaN there (in X or in the cotangent of
             # a point outside) gives no contribution, as in PyTorch
-            h = e.op("Where", [e.op("Reshape", [tp.valid, e.ints([0, -1, tp.T])]), h, e.scalar(0.0, h)])
-        h = _cast_like(e, e.op("Reshape", [h, e.ints([0, 0, *[tp.k] * r])]), grid)
-        axes = e.ints(list(range(2, 2 + r)))
+            h = where(tp.valid.reshape([0, -1, tp.T]), h, 0.0, like=None)
+        h = _cast_like(h.reshape([0, 0, *[tp.k] * r]), grid)
         cols = []
         for i in range(r):
-            term = _product(e, [h, tp.dw[i], *tp.others(i)])
-            d = e.op("ReduceSum", [term, axes], keepdims=0)  # dL/dp_i, [N, Q]
-            if tp.dp[i] is not None:
-                if e.dtype(tp.dp[i]) is not None and e.dtype(tp.dp[i]).kind == "b":
-                    d = e.op("Where", [tp.dp[i], d, e.scalar(0.0, d)])
-                else:
-                    d = e.op("Mul", [d, tp.dp[i]])
-            cols.insert(0, e.op("Unsqueeze", [e.op("Mul", [d, tp.a[i]]), e.ints([2])]))
-        out = cols[0] if r == 1 else e.op("Concat", cols, axis=2)
-        return e.op("Reshape", [out, e.shape_of(grid)], like=grid)
+            d = product([h, tp.dw[i], *tp.others(i)]).sum(list(range(2, 2 + r)), keepdims=0)  # dL/dp_i, [N, Q]
+            dp = tp.dp[i]
+            if dp is not None:
+                d = where(dp, d, 0.0, like=None) if dp.dtype is not None and dp.dtype.kind == "b" else d * dp
+            cols.insert(0, (d * tp.a[i]).unsqueeze([2]))
+        out = cols[0] if r == 1 else ctx.val(e.op("Concat", [c.name for c in cols], axis=2))
+        return out.reshape(e.shape_of(grid), like=grid)
 
     return [dx, dgrid]
 
@@ -307,24 +274,20 @@ def grid_sample(ctx: Ctx, node: Node, cts: list) -> list:
 # ------------------------------------------------------------------------------------------ AffineGrid
 
 
-def _base_coords(e: Emitter, size: str | int, like: str, align: bool) -> str:
+def _base_coords(ctx: Ctx, size: Val | int, like: Val, align: bool) -> Val:
     """The normalized coordinates ``[S, 1]`` of the S pixels along one axis, in ``like``'s dtype (ONNX
     "AffineGrid": ``-1 + 2 i / (S - 1)`` with ``align_corners=1`` (``-1`` for S = 1), ``-1 + (2 i + 1) / S``
     without)."""
+    e = ctx.e
     if isinstance(size, int) and small([size]):
         i = np.arange(size, dtype=np.float64)
         v = (-1 + 2 * i / (size - 1) if size > 1 else np.full(size, -1.0)) if align else -1 + (2 * i + 1) / size
-        return e.const(v.reshape(size, 1).astype(e.dtype(like) or np.float32))
-    size = e.const(np.int64(size)) if isinstance(size, int) else size
-    n = e.op("CastLike", [size, like])
-    i = e.op("CastLike", [e.op("Range", [e.const(np.int64(0)), size, e.const(np.int64(1))]), like])
-    one, two = e.scalar(1.0, like), e.scalar(2.0, like)
-    if align:
-        step = e.op("Div", [two, e.op("Max", [e.op("Sub", [n, one]), one])])
-        v = e.op("Sub", [e.op("Mul", [i, step]), one])
-    else:
-        v = e.op("Sub", [e.op("Div", [e.op("Add", [e.op("Mul", [i, two]), one]), n]), one])
-    return e.op("Unsqueeze", [v, e.ints([1])])
+        return ctx.val(e.const(v.reshape(size, 1).astype(like.dtype or np.float32)))
+    size = ctx.val(e.const(np.int64(size))) if isinstance(size, int) else size
+    n = size.cast_like(like)
+    i = ctx.val(e.op("Range", [e.const(np.int64(0)), size.name, e.const(np.int64(1))])).cast_like(like)
+    v = i * (2.0 / (n - 1.0).apply("Max", 1.0)) - 1.0 if align else (i * 2.0 + 1.0) / n - 1.0
+    return v.unsqueeze([1])
 
 
 @vjp("AffineGrid", bounded=False, finite=False)
@@ -335,25 +298,22 @@ def affine_grid(ctx: Ctx, node: Node, cts: list) -> list:
     coordinate of spatial axis r - 1 - j) is the cotangent summed over the other spatial axes times that axis'
     coordinates, and the last column the cotangent summed over all of them; no base grid is materialised.
     ``size`` is an integer input and gets no gradient."""
-    e, theta, g = ctx.e, node.inputs[0], cts[0]
+    e, theta, g = ctx.e, node.inputs[0], ctx.val(cts[0])
     align = bool(node.attrs.get("align_corners", 0))
 
     def dtheta() -> str:
-        rank = e.need_rank(g, node, "the AffineGrid VJP")
-        r = rank - 2
-        dims = e.dims(g)
+        r = e.need_rank(g.name, node, "the AffineGrid VJP") - 2
+        dims = g.dims
         spatial = list(range(1, 1 + r))
         cols = []
         for j in range(r):
             axis = 1 + (r - 1 - j)  # the spatial axis whose coordinate is grid[..., j]
             others = [a for a in spatial if a != axis]
-            gs = e.op("ReduceSum", [g, e.ints(others)], keepdims=0) if others else g  # [N, S, r]
-            size = dims[axis] if dims is not None and isinstance(dims[axis], int) else \
-                e.op("Squeeze", [e.op("Shape", [g], start=axis, end=axis + 1)], shape=(), dtype=np.dtype(np.int64))
-            coords = _base_coords(e, size, g, align)  # [S, 1]
-            cols.append(e.op("MatMul", [e.op("Transpose", [gs], perm=[0, 2, 1]), coords]))  # [N, r, 1]
-        cols.append(e.op("ReduceSum", [g, e.ints(spatial)], keepdims=0))
-        cols[-1] = e.op("Unsqueeze", [cols[-1], e.ints([2])])
-        return e.op("Concat", cols, axis=2, like=theta)
+            gs = g.sum(others, keepdims=0) if others else g  # [N, S, r]
+            size = dims[axis] if dims is not None and isinstance(dims[axis], int) else ctx.val(
+                e.op("Squeeze", [e.op("Shape", [g.name], start=axis, end=axis + 1)], shape=(), dtype=np.dtype(np.int64)))
+            cols.append(gs.transpose([0, 2, 1]) @ _base_coords(ctx, size, g, align))  # [N, r, 1]
+        cols.append(g.sum(spatial, keepdims=0).unsqueeze([2]))
+        return e.op("Concat", [c.name for c in cols], axis=2, like=theta)
 
     return [dtheta, None]

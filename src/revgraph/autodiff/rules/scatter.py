@@ -37,7 +37,7 @@ from ..emitter import Emitter
 from ..group_products import others_product
 from ..registry import vjp
 from ..sparse import scatter_nd_reduce
-from ._common import INT64, cat_shapes, dim, node_axis, nonneg, shape_part
+from ._common import I64, cat_shapes, dim, node_axis, nonneg, shape_part
 from .indexing import nd_dims
 
 
@@ -198,7 +198,7 @@ def _nd_rows(e: Emitter, node: Node, depth: int) -> str:
     data, idx, _ = node.inputs
     full = nonneg(e, idx, nd_dims(e, data, idx, 0))
     if e.dtype(full) != np.int64:
-        full = e.op("Cast", [full], to=INT64)
+        full = e.op("Cast", [full], to=I64)
     dims = [dim(e, data, j) for j in range(depth)]
     fv, dv = e.value(full), [e.value(d) for d in dims]
     if fv is not None and all(d is not None for d in dv):

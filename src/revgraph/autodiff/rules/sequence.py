@@ -33,17 +33,22 @@ import numpy as np
 
 from ...ir import Node, ValueInfo, onnx_dtype
 from ..accumulate import I64, SeqGrad, densify_sequence, map_sequences, seq_op, static_position
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, vjp
-
-
-def _input(node: Node, i: int) -> str | None:
-    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
+from ._common import optional_input
 
 
 def _i64(e: Emitter, value: int) -> str:
     return e.const(np.array(value, np.int64))
+
+
+def _from_back(ctx: Ctx, p64: str, n: str | Val) -> str:
+    """The int64 scalar position ``p64`` with a negative one counted from the back of a length ``n``:
+    ``p + n`` where ``p < 0``."""
+    p = ctx.val(p64)
+    return where(p.lt(0), p + n, p).name
 
 
 def _sum(e: Emitter, gs: list[str]) -> str | None:
@@ -81,7 +86,7 @@ def static_length(ctx: Ctx, seq: str) -> int | None:
 
 def _split_sizes(e: Emitter, node: Node) -> list[int] | None:
     """The sizes of ``SplitToSequence``'s pieces along its axis, when known while the graph is built."""
-    x, split = node.inputs[0], _input(node, 1)
+    x, split = node.inputs[0], optional_input(node, 1)
     dims = e.dims(x)
     axis = int(node.attrs.get("axis", 0))
     dim = dims[axis] if dims is not None and -len(dims) <= axis < len(dims) else None
@@ -151,7 +156,7 @@ def split_to_sequence(ctx: Ctx, node: Node, cts: list) -> list:
     ``Concat`` of the reads (summed per position, unsqueezed for ``keepdims=0``) and zeros for the unread
     pieces when every read position and piece size is known while the graph is built, else
     ``ConcatFromSequence`` of the dense cotangent (zeros: ``SplitToSequence`` of zeros)."""
-    e, x, split = ctx.e, node.inputs[0], _input(node, 1)
+    e, x, split = ctx.e, node.inputs[0], optional_input(node, 1)
     squeeze = split is None and int(node.attrs.get("keepdims", 1)) == 0
     rank = e.rank(x)
     axis = int(node.attrs.get("axis", 0))
@@ -254,7 +259,7 @@ def sequence_insert(ctx: Ctx, node: Node, cts: list) -> list:
     insert position (the back when omitted; a negative p counts from the back of ``S``, so it is element
     ``p + len(S)`` of the result). Reads at known positions pass through as reads (module doc)."""
     e, g = ctx.e, cts[0]
-    seq, t, pos = node.inputs[0], node.inputs[1], _input(node, 2)
+    seq, t, pos = node.inputs[0], node.inputs[1], optional_input(node, 2)
 
     def plan() -> tuple | None:
         """(cotangent of t, reads of S) when the reads' and the insert's positions are known."""
@@ -286,9 +291,7 @@ def sequence_insert(ctx: Ctx, node: Node, cts: list) -> list:
         if p is not None and p >= 0:
             return _i64(e, p)
         p64 = pos if e.dtype(pos) == I64 else e.op("Cast", [pos], to=onnx_dtype(I64), dtype=I64, shape=())
-        n_in = e.op("Sub", [e.op("SequenceLength", [dense], dtype=I64, shape=()), _i64(e, 1)], dtype=I64, shape=())
-        neg = e.op("Less", [p64, _i64(e, 0)], dtype=np.dtype(bool), shape=())
-        return e.op("Where", [neg, e.op("Add", [p64, n_in], dtype=I64, shape=()), p64], dtype=I64, shape=())
+        return _from_back(ctx, p64, ctx.val(e.op("SequenceLength", [dense], dtype=I64, shape=())) - 1)
 
     dense_cache: list[tuple[str, str]] = []
 
@@ -318,16 +321,16 @@ def sequence_erase(ctx: Ctx, node: Node, cts: list) -> list:
     """``S`` gets the cotangent with zeros of the erased element's shape inserted where it was (the back when
     the position is omitted). Reads at known positions pass through as reads, shifted past the erased one."""
     e, g = ctx.e, cts[0]
-    seq, pos = node.inputs[0], _input(node, 1)
+    seq, pos = node.inputs[0], optional_input(node, 1)
 
     def dseq() -> SeqGrad | str | None:
         n_in = static_length(ctx, seq)
         p = -1 if pos is None else static_position(e, pos)
         if isinstance(g, SeqGrad) and g.base is None and p is not None and (p >= 0 or n_in is not None):
-            where = p + n_in if p < 0 else p
+            erased = p + n_in if p < 0 else p
             reads = _static_reads(e, g, None if n_in is None else n_in - 1)
             if reads is not None:
-                moved = tuple((_i64(e, q if q < where else q + 1), gr) for q, grs in reads.items() for gr in grs)
+                moved = tuple((_i64(e, q if q < erased else q + 1), gr) for q, grs in reads.items() for gr in grs)
                 return SeqGrad(seq, moved, zeros=structural_zeros(ctx, seq)) if moved else None
         dense = _dense(ctx, g)
         zero = _erased_zeros(ctx, seq, pos)
@@ -341,9 +344,7 @@ def sequence_erase(ctx: Ctx, node: Node, cts: list) -> list:
                                                  e.op("Cast", [pos], to=onnx_dtype(I64), dtype=I64, shape=()))
         padded = seq_op(e, "SequenceInsert", [dense, zero], seq)
         if p is None or p < 0:
-            n = e.op("SequenceLength", [padded], dtype=I64, shape=())
-            neg = e.op("Less", [p64, _i64(e, 0)], dtype=np.dtype(bool), shape=())
-            p64 = e.op("Where", [neg, e.op("Add", [p64, n], dtype=I64, shape=()), p64], dtype=I64, shape=())
+            p64 = _from_back(ctx, p64, e.op("SequenceLength", [padded], dtype=I64, shape=()))
         return seq_op(e, "SequenceErase", [seq_op(e, "SequenceInsert", [padded, zero, p64], seq)], seq)
 
     return [dseq, *[None] * (len(node.inputs) - 1)]

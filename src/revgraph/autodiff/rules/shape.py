@@ -27,7 +27,7 @@ from ..algebra import Val
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, vjp
-from ._common import INT64, optional_input, static_dim
+from ._common import I64, optional_input, static_dim
 from .tables import small
 
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -56,7 +56,7 @@ def _const_ints(e: Emitter, name: str | None) -> list[int] | None:
 def _as_int64(e: Emitter, name: str) -> str:
     """Slice indices may be int32; the backward mixes them with int64 constants."""
     dt = e.dtype(name)
-    return name if dt == np.int64 else e.op("Cast", [name], to=INT64)
+    return name if dt == np.int64 else e.op("Cast", [name], to=I64)
 
 
 def _norm_axis(e: Emitter, axis: int, value: str) -> int:
@@ -286,7 +286,7 @@ def _masked_params(e: Emitter, node: Node, x: str, starts: str, ends: str, axes:
     out = []
     for i in range(r):
         hit = e.op("Equal", [axes, e.ints([i])])
-        found = e.op("Greater", [e.op("ReduceSum", [e.op("Cast", [hit], to=INT64)], keepdims=1), zero])
+        found = e.op("Greater", [e.op("ReduceSum", [e.op("Cast", [hit], to=I64)], keepdims=1), zero])
 
         def pick(v, default, hit=hit, found=found):
             chosen = e.op("ReduceSum", [e.op("Where", [hit, v, zero])], keepdims=1)

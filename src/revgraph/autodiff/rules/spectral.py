@@ -35,19 +35,17 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
+from ._common import optional_input
 from .tables import small
-
-
-def _opt(node: Node, i: int) -> str | None:
-    return node.inputs[i] if len(node.inputs) > i and node.inputs[i] else None
 
 
 def _int_input(e: Emitter, node: Node, i: int, what: str) -> int | None:
     """The constant integer scalar input ``i``; ``None`` when absent; :class:`GraphError` when not constant."""
-    name = _opt(node, i)
+    name = optional_input(node, i)
     if name is None:
         return None
     v = e.value(name)
@@ -76,14 +74,20 @@ def emit_dft(e: Emitter, z: str, axis: int, length: int | str | None = None, inv
     return e.op("DFT", [z, n] if n else [z], axis=axis, **attrs)
 
 
-def _conj(e: Emitter, z: str) -> str:
-    """The complex conjugate of ``z`` (``[..., 2]``)."""
-    return e.op("Mul", [z, e.const(np.asarray([1.0, -1.0], dtype=e.dtype(z) or np.float32))], like=z)
+def _conj(z: Val) -> Val:
+    """The complex conjugate of ``z`` (``[..., 2]``): ``z * [1, -1]``."""
+    return z.apply("Mul", np.asarray([1.0, -1.0], dtype=z.dtype or np.float32))
 
 
-def _real(e: Emitter, z: str) -> str:
+def _real(z: Val) -> Val:
     """The real parts of ``z`` (``[..., 2]``) as ``[..., 1]``."""
-    return e.op("Slice", [z, e.ints([0]), e.ints([1]), e.ints([-1])])
+    e = z.ctx.e
+    return z.apply("Slice", e.ints([0]), e.ints([1]), e.ints([-1]), like=None)
+
+
+def _dft(z: Val, axis: int, length: int | str | None = None, inverse: int = 0, onesided: int = 0) -> Val:
+    """:func:`emit_dft` of a value."""
+    return z.ctx.val(emit_dft(z.ctx.e, z.name, axis, length, inverse, onesided))
 
 
 class _Length:
@@ -116,21 +120,22 @@ def _axis_length(e: Emitter, x: str, axis: int) -> _Length:
     return _Length(e, None, e.op("Shape", [x], start=axis, end=axis + 1, shape=(1,), dtype=np.dtype(np.int64)))
 
 
-def _fit(e: Emitter, z: str, axis: int, have: _Length, want: _Length) -> str:
+def _fit(e: Emitter, z: Val, axis: int, have: _Length, want: _Length) -> Val:
     """``z`` (length ``have`` along ``axis``) truncated or zero-padded at the end to length ``want``: the adjoint
     of padding or truncating a signal from ``want`` samples to ``have``."""
+    ax = e.ints([axis])
     if have.static is not None and want.static is not None:
         if have.static == want.static:
             return z
         if want.static < have.static:
-            return e.op("Slice", [z, e.ints([0]), e.ints([want.static]), e.ints([axis])])
-        return e.op("Pad", [z, e.ints([0, want.static - have.static]), "", e.ints([axis])])
-    cut = e.op("Slice", [z, e.ints([0]), want.value, e.ints([axis])])
-    extra = e.op("Max", [e.op("Sub", [want.value, have.value]), e.ints([0])])
-    return e.op("Pad", [cut, e.op("Concat", [e.ints([0]), extra], axis=0), "", e.ints([axis])])
+            return z.apply("Slice", e.ints([0]), e.ints([want.static]), ax, like=None)
+        return z.apply("Pad", e.ints([0, want.static - have.static]), "", ax, like=None)
+    cut = z.apply("Slice", e.ints([0]), want.value, ax, like=None)
+    extra = (z.ctx.val(want.value) - have.value).apply("Max", e.ints([0]))
+    return cut.apply("Pad", e.op("Concat", [e.ints([0]), extra.name], axis=0), "", ax, like=None)
 
 
-def _irfft_weights(e: Emitter, length: _Length, like: str, trailing: int) -> str:
+def _irfft_weights(e: Emitter, length: _Length, like: Val, trailing: int) -> Val:
     """``c_k / L`` for the ``L//2 + 1`` bins of an IRFFT of length L (1 for bin 0 and, L even, bin L/2; 2
     otherwise), shaped ``[L//2 + 1, 1 * trailing]`` to broadcast along the transformed axis."""
     shape = [-1] + [1] * trailing
@@ -140,13 +145,12 @@ def _irfft_weights(e: Emitter, length: _Length, like: str, trailing: int) -> str
         c[0] = 1.0
         if n % 2 == 0:
             c[-1] = 1.0
-        return e.const((c / n).astype(e.dtype(like) or np.float32).reshape(shape))
-    n = e.op("Squeeze", [length.value, e.ints([0])])
-    bins = e.op("Add", [e.op("Div", [n, e.const(np.int64(2))]), e.const(np.int64(1))])
-    k = e.op("Range", [e.const(np.int64(0)), bins, e.const(np.int64(1))])
-    edge = e.op("Or", [e.op("Equal", [k, e.const(np.int64(0))]), e.op("Equal", [e.op("Mul", [k, e.const(np.int64(2))]), n])])
-    c = e.op("Where", [edge, e.scalar(1.0, like), e.scalar(2.0, like)])
-    return e.op("Reshape", [e.op("Div", [c, length.scalar(like)]), e.ints(shape)])
+        return like.ctx.val(e.const((c / n).astype(like.dtype or np.float32).reshape(shape)))
+    ctx = like.ctx
+    n = ctx.val(length.value).squeeze([0])
+    k = ctx.val(e.op("Range", [e.const(np.int64(0)), (n / 2 + 1).name, e.const(np.int64(1))]))  # the bins
+    c = where(k.eq(0) | (k * 2).eq(n), ctx.val(e.scalar(1.0, like.name)), 2.0, like=None)
+    return (c / length.scalar(like.name)).reshape(shape)
 
 
 def _dft_attrs(ctx: Ctx, node: Node, x: str) -> tuple[int, int, int, int]:
@@ -167,36 +171,37 @@ def dft(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "DFT": the adjoint transforms of the module doc, then the gradient cut or padded back to the input's
     length along the axis (the adjoint of ``dft_length``'s padding or truncation). ``dft_length`` may be
     computed in the graph; ``axis`` must be constant. The integer inputs get no gradient."""
-    e, x, g = ctx.e, node.inputs[0], cts[0]
+    e, x, g = ctx.e, node.inputs[0], ctx.val(cts[0])
     rank, a, inverse, onesided = _dft_attrs(ctx, node, x)
     last = _complex_dim(e, node, x)
 
-    def dx() -> str:
-        n = _axis_length(e, x, a)
-        dft_len = _opt(node, 1)
+    def length_of(n: _Length) -> _Length:  # L: dft_length, else the input's length (IRFFT: 2 (n - 1))
+        dft_len = optional_input(node, 1)
         if dft_len is None:
-            if inverse and onesided:
-                length = _Length(e, 2 * (n.static - 1)) if n.static is not None else \
-                    _Length(e, None, e.op("Mul", [e.op("Sub", [n.value, e.ints([1])]), e.ints([2])]))
-            else:
-                length = n
-        elif e.value(dft_len) is not None:
-            length = _Length(e, int(np.asarray(e.value(dft_len)).reshape(-1)[0]))
-        else:
-            length = _Length(e, None, e.op("Reshape", [e.op("Cast", [dft_len], to=7), e.ints([1])]))
+            if not (inverse and onesided):
+                return n
+            if n.static is not None:
+                return _Length(e, 2 * (n.static - 1))
+            return _Length(e, None, ((ctx.val(n.value) - e.ints([1])) * e.ints([2])).name)
+        if e.value(dft_len) is not None:
+            return _Length(e, int(np.asarray(e.value(dft_len)).reshape(-1)[0]))
+        return _Length(e, None, ctx.val(dft_len).cast(np.int64).reshape([1]).name)
+
+    def dx() -> Val:
+        n = _axis_length(e, x, a)
+        length = length_of(n)
         size = length.static if length.static is not None else e.op("Squeeze", [length.value, e.ints([0])])
+        real = (lambda z: z) if last == 2 else _real
         if not inverse:  # F^H dy = conj(F conj(dy)); one-sided: dy zero-extended to L bins by dft_length
-            z = emit_dft(e, _conj(e, g), a, size if onesided else None)
-            z = _conj(e, z) if last == 2 else _real(e, z)
-            return _fit(e, z, a, length, n)
+            z = _dft(_conj(g), a, size if onesided else None)
+            return _fit(e, _conj(z) if last == 2 else _real(z), a, length, n)
         if not onesided:  # (1/L) F dy
-            z = e.op("Mul", [emit_dft(e, g, a), e.op("Reciprocal", [length.scalar(g)])])
-            return _fit(e, z if last == 2 else _real(e, z), a, length, n)
+            return _fit(e, real(_dft(g, a) * ctx.val(length.scalar(g.name)).reciprocal()), a, length, n)
         # IRFFT: (c_k / L) rfft(dy), L//2 + 1 bins
-        z = e.op("Mul", [emit_dft(e, g, a, None, onesided=1), _irfft_weights(e, length, g, rank - 1 - a)])
+        z = _dft(g, a, None, onesided=1) * _irfft_weights(e, length, g, rank - 1 - a)
         bins = _Length(e, length.static // 2 + 1) if length.static is not None else \
-            _Length(e, None, e.op("Add", [e.op("Div", [length.value, e.ints([2])]), e.ints([1])]))
-        return _fit(e, z if last == 2 else _real(e, z), a, bins, n)
+            _Length(e, None, (ctx.val(length.value) / e.ints([2]) + e.ints([1])).name)
+        return _fit(e, real(z), a, bins, n)
 
     return [dx, *[None] * (len(node.inputs) - 1)]
 
@@ -210,8 +215,8 @@ def stft(ctx: Ctx, node: Node, cts: list) -> list:
     (one-sided by default), ``dz = F^H dY`` per frame (the DFT VJP), ``dsignal`` overlap-adds ``window * dz``
     (ScatterElements, race free) and ``dwindow[t] = sum_{b, f} Re(frames * dz)``. ``frame_step`` and the frame
     length (``frame_length``, or the window's static length, or the signal's) must be known while building."""
-    e, signal, g = ctx.e, node.inputs[0], cts[0]
-    window = _opt(node, 2)
+    e, signal, g = ctx.e, node.inputs[0], ctx.val(cts[0])
+    window = optional_input(node, 2)
     rank = e.need_rank(signal, node)
     if rank != 3:
         raise GraphError(f"{node.label()}: STFT needs a signal of rank 3, got rank {rank}")
@@ -228,33 +233,31 @@ def stft(ctx: Ctx, node: Node, cts: list) -> list:
     onesided = int(node.attrs.get("onesided", 1))
 
     @cache
-    def dz() -> str:  # [B, F, length, last]: the cotangent of the windowed frames
-        z = emit_dft(e, _conj(e, g), 2, length if onesided else None)
-        return _conj(e, z) if last == 2 else _real(e, z)
+    def dz() -> Val:  # [B, F, length, last]: the cotangent of the windowed frames
+        z = _dft(_conj(g), 2, length if onesided else None)
+        return _conj(z) if last == 2 else _real(z)
 
     @cache
     def positions() -> str:  # int64 [F, length]: frame f reads samples f * step + t
-        dims = e.dims(g)
+        dims = g.dims
         frames = dims[1] if dims is not None and isinstance(dims[1], int) else None
         if frames is not None and small([frames, length]):
             pos = np.arange(frames)[:, None] * step + np.arange(length)[None, :]
             return e.const(pos.astype(np.int64))
         count = e.const(np.int64(frames)) if frames is not None else \
-            e.op("Squeeze", [e.op("Shape", [g], start=1, end=2), e.ints([0])])
+            e.op("Squeeze", [e.op("Shape", [g.name], start=1, end=2), e.ints([0])])
         starts = e.op("Mul", [e.op("Range", [e.const(np.int64(0)), count, e.const(np.int64(1))]), e.const(np.int64(step))])
         ramp = e.op("Range", [e.const(np.int64(0)), e.const(np.int64(length)), e.const(np.int64(1))])
         return e.op("Add", [e.op("Unsqueeze", [starts, e.ints([1])]), e.op("Unsqueeze", [ramp, e.ints([0])])])
 
     def dsignal() -> str:
-        upd = dz()
-        if window is not None:
-            upd = e.op("Mul", [upd, e.op("Reshape", [window, e.ints([-1, 1])])])
-        upd = e.op("Reshape", [upd, e.ints([0, -1, last])])  # [B, F * length, last]
+        upd = dz() if window is None else dz() * ctx.val(window).reshape([-1, 1])
+        upd = upd.reshape([0, -1, last]).name  # [B, F * length, last]
         index = e.op("Expand", [e.op("Reshape", [positions(), e.ints([1, -1, 1])]), e.op("Shape", [upd])])
         return e.op("ScatterElements", [e.zeros_like(signal), index, upd], axis=1, reduction="add", like=signal)
 
-    def dwindow() -> str:
-        frames = e.op("Gather", [signal, positions()], axis=1)  # [B, F, length, last]
-        return e.op("ReduceSum", [e.op("Mul", [frames, dz()]), e.ints([0, 1, 3])], keepdims=0, like=window)
+    def dwindow() -> Val:
+        frames = ctx.val(e.op("Gather", [signal, positions()], axis=1))  # [B, F, length, last]
+        return (frames * dz()).sum([0, 1, 3], keepdims=0)
 
     return [dsignal, None, None if window is None else dwindow, *[None] * (len(node.inputs) - 3)][:len(node.inputs)]
