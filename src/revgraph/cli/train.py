@@ -76,13 +76,16 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                        help="onnxruntime intra-op threads per process (default: its own choice; under torchrun the "
                             "machine's cores divided among the local processes)")
     # a training snapshot; "checkpoint" alone is the loop residual policy (grad --checkpoint). The old spellings
-    # --checkpoint-dir and --checkpoint-every stay accepted.
-    train.add_argument("--snapshot-dir", "--checkpoint-dir", dest="checkpoint_dir", metavar="DIR",
+    # --checkpoint-dir and --checkpoint-every stay accepted, as options of their own (not in --help), so that a
+    # refusal names the spelling the user wrote
+    train.add_argument("--snapshot-dir", dest="checkpoint_dir", metavar="DIR",
                        help="save a training snapshot here (parameters, optimizer state, data position), and "
                             "resume from it")
-    train.add_argument("--snapshot-every", "--checkpoint-every", dest="checkpoint_every", type=N.NON_NEGATIVE_INT,
-                       default=0, metavar="N",
+    train.add_argument("--checkpoint-dir", dest="checkpoint_dir", metavar="DIR", help=argparse.SUPPRESS)
+    train.add_argument("--snapshot-every", dest="checkpoint_every", type=N.NON_NEGATIVE_INT, default=0, metavar="N",
                        help="with --snapshot-dir: save every N steps (default: at the end of each epoch)")
+    train.add_argument("--checkpoint-every", dest="checkpoint_every", type=N.NON_NEGATIVE_INT, default=0,
+                       metavar="N", help=argparse.SUPPRESS)
     train.add_argument("--allow-nonfinite", action="store_true",
                        help="train on when the loss becomes NaN or infinite (default: stop at that step, exit 2)")
     train.add_argument("--nproc", type=N.NPROC, metavar="N",
