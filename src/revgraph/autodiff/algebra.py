@@ -4,10 +4,17 @@ A rule writes its derivative with Python's operators and methods named after the
 emits one node through the rule's :class:`~revgraph.autodiff.emitter.Emitter` (no more nodes than the same
 rule written with ``e.op`` calls)::
 
-    @unary("Tanh", bounded=True, finite=True, reads="all")
-    def tanh(ctx, node, x, y, g):
-        y, g = ctx.vals(y, g)
-        return g.times(1 - y * y, reads=[y])          # Sub(1, Mul(y, y)), then the strong-zero product
+    @unary("Softsign", bounded=True, finite=True, reads="all")
+    def softsign(ctx, node, x, y, g):
+        x, g = ctx.vals(x, g)
+        a = x.abs() + 1                                # Abs, then Add of a constant in x's dtype
+        return g.times((a * a).reciprocal(), reads=[x])  # the strong-zero product (Mul, or Where over it)
+
+A pointwise VJP ``g * d`` needs only its derivative (:func:`~revgraph.autodiff.registry.slope`)::
+
+    @slope("Tanh", of="y", bounded=True, finite=True, reads="all")
+    def tanh(x, y):
+        return 1 - y * y
 
 * Python numbers become scalar constants of the other operand's dtype (shared, as :meth:`Emitter.scalar`
   makes them); a ``str`` operand is a value name; a numpy array a constant of its own dtype.
