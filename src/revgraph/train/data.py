@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
-from .losses import loss_weight
+from .losses import loss_kind, loss_weight
 
 #: rows read at a time when a check runs over a whole (possibly memory-mapped) array
 CHUNK_ROWS = 1 << 16
@@ -52,7 +52,7 @@ class Dataset:
         targets (``ignore_index``, class weights); only the targets are gathered."""
         count = len(np.arange(self.n)[rows])
         spec = self.spec.loss
-        if not count or spec.kind not in ("cross-entropy", "causal-lm"):
+        if not count or not loss_kind(spec.kind).classes:
             return count
         key = "labels" if spec.targets == self.spec.labels else spec.targets
         targets = self.arrays[key][rows] if key in self.arrays else self.static[spec.targets]
@@ -182,16 +182,17 @@ def _chunks(a):
 def _check_targets(ds: Dataset, classes: int | None) -> None:
     """Class indices (cross-entropy) and token ids (causal-lm) in ``[0, classes)`` or equal to ``ignore_index``."""
     loss = ds.spec.loss
-    if loss.kind not in ("cross-entropy", "causal-lm"):
+    kind = loss_kind(loss.kind)
+    if not kind.classes:
         return
     key = "labels" if loss.targets == ds.spec.labels else loss.targets
     targets = ds.arrays.get(key, ds.static.get(loss.targets))
     ii = loss.settings.get("ignore_index")
     for c in _chunks(targets):
-        c = c[:, 1:] if loss.kind == "causal-lm" and c.ndim == 2 else c
+        c = c[:, 1:] if kind.shifted and c.ndim == 2 else c
         bad = c[((c < 0) | (c >= classes) if classes else c < 0) & (c != ii if ii is not None else True)]
         if bad.size:
-            what = f"label {int(bad[0])}" if loss.kind == "cross-entropy" else f"target token id {int(bad[0])} in {key!r}"
+            what = f"target token id {int(bad[0])} in {key!r}" if kind.shifted else f"label {int(bad[0])}"
             also = f" or the ignore index {ii}" if ii is not None else ""
             raise InputError(f"{what} is not a class index in [0, {classes or '?'}){also}")
 
@@ -269,17 +270,10 @@ def score(spec, feeds: dict, loss, out, count: float) -> np.ndarray:
     """One evaluation batch's sums: ``[loss * weight, weight, correct answers, answers, non-finite outputs]``
     (accuracy: argmax against the label for cross-entropy, the next token for causal-lm, over counted targets;
     the sign against ``label > 0.5`` for bce; none for mse and ``output:NAME``)."""
-    kind = spec.loss.kind
+    kind = loss_kind(spec.loss.kind)
     sums = np.array([float(loss) * count, count, 0.0, 0.0, np.size(out) - np.isfinite(out).sum()])
-    if kind in ("cross-entropy", "causal-lm"):
-        t = feeds[spec.loss.targets]
-        guess = np.argmax(out, axis=-1)
-        if kind == "causal-lm":
-            t, guess = t[:, 1:], guess[:, :-1]
-        ii = spec.loss.settings.get("ignore_index")
-        keep = t != ii if ii is not None else np.ones(t.shape, bool)
-        sums[2:4] = [np.sum((guess == t) & keep), keep.sum()]
-    elif kind == "bce":
-        labels = feeds[spec.labels]
-        sums[2:4] = [np.sum((out > 0) == (labels > 0.5)), labels.size]
+    if kind.accuracy is not None:
+        targets = feeds.get(spec.loss.targets) if spec.loss.targets else None
+        labels = feeds.get(spec.labels) if spec.labels else None
+        sums[2:4] = kind.accuracy(out, targets, labels, spec.loss.settings.get("ignore_index"))
     return sums

@@ -33,7 +33,7 @@ batch of padding alone leaves the parameters to the optimizer's zero-gradient st
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,27 +48,138 @@ from .graphbuild import Builder
 
 
 @dataclass(frozen=True)
+class Build:
+    """What a loss's ``build`` is given: the graph (a copy in SSA form, whose inputs it may extend with labels),
+    the node builder ``b``, the model output ``out`` and its type ``vi`` (a float tensor), the checked options
+    and the settings being recorded (``build`` may add to them)."""
+
+    g: Graph
+    b: Builder
+    out: str
+    vi: ValueInfo
+    opts: dict
+    settings: dict
+
+
+@dataclass(frozen=True)
 class LossKind:
-    """A registry entry: ``labels`` is ``"required"``, ``"none"`` or ``"optional"`` (whether the data holds
-    a ``labels`` array), ``options`` the loss options it takes (:func:`loss_graph`'s keywords)."""
+    """A registry entry, with its behaviour. ``labels`` is ``"required"``, ``"none"`` or ``"optional"`` (whether
+    the data holds a ``labels`` array), ``options`` the loss options it takes (:func:`loss_graph`'s keywords).
+    ``build(Build) -> (loss value, labels input or None, targets input or None)`` emits the loss nodes.
+    ``classes``: the targets are class indices (their range is checked against the data, ``ignore_index`` and
+    class weights make the loss a mean over counted targets: :func:`loss_weight`); ``shifted``: the targets
+    are the token ids one position on (causal-lm). ``accuracy(out, targets, labels, ignore) -> (correct,
+    answers)`` scores an evaluation batch (``None``: the loss has no accuracy). A new loss is one entry here."""
 
     labels: str
     options: tuple[str, ...]
     help: str
+    build: Callable[[Build], tuple[str, str | None, str | None]]
+    classes: bool = False
+    shifted: bool = False
+    accuracy: Callable | None = None
+
+
+def _labels_like(x: Build) -> str:
+    labels = x.b.fresh("labels")
+    x.g.inputs.append(ValueInfo(labels, x.vi.dtype, x.vi.shape))
+    return labels
+
+
+def _mse(x: Build) -> tuple[str, str | None, str | None]:
+    """``mean((output - labels)^2)``."""
+    b, labels = x.b, _labels_like(x)
+    d = b.op("Sub", [x.out, labels])
+    return b.op("ReduceMean", [b.op("Mul", [d, d])], keepdims=0), labels, None
+
+
+def _bce(x: Build) -> tuple[str, str | None, str | None]:
+    """Binary cross-entropy with logits: ``softplus(z) - z y``, softplus written without overflow (module doc)."""
+    b, labels, z = x.b, _labels_like(x), x.out
+    m = b.op("Max", [z, b.const(0.0, x.vi.dtype)])
+    lse = b.op("Log", [b.op("Add", [b.op("Exp", [b.op("Neg", [m])]), b.op("Exp", [b.op("Sub", [z, m])])])])
+    return b.op("ReduceMean", [b.op("Sub", [b.op("Add", [m, lse]), b.op("Mul", [z, labels])])], keepdims=0), labels, None
+
+
+def _class_logits(x: Build, kind: str, need: int, exact: bool, what: str) -> None:
+    vi, w = x.vi, x.opts["class_weights"]
+    if vi.shape is None or len(vi.shape) < need or (exact and len(vi.shape) != need):
+        raise RevgraphError(f"{kind} needs logits of shape {what}; {x.out!r} is {vi.describe()}")
+    classes = vi.shape[-1]
+    if w is not None and isinstance(classes, int) and len(w) != classes:
+        raise RevgraphError(f"--class-weights holds {len(w)} weights; the logits {x.out!r} have {classes} classes")
+
+
+def _cross_entropy_loss(x: Build) -> tuple[str, str | None, str | None]:
+    """Logits ``[..., C]`` against int64 class labels ``[...]`` (:func:`_cross_entropy`)."""
+    _class_logits(x, "cross-entropy", 2, False, "[..., classes]")
+    labels = x.b.fresh("labels")
+    x.g.inputs.append(ValueInfo(labels, np.int64, x.vi.shape[:-1]))
+    return _cross_entropy(x.b, x.out, labels, len(x.vi.shape) - 1, x.vi.dtype, x.opts), labels, labels
+
+
+def _causal_lm(x: Build) -> tuple[str, str | None, str | None]:
+    """Logits ``[B, T, V]`` against the ids shifted by one: position ``t`` predicts token ``t + 1``."""
+    _class_logits(x, "causal-lm", 3, True, "[batch, positions, vocabulary]")
+    b, labels = x.b, None
+    ids = _ids_input(x.g, x.opts["labels_from"], x.vi)
+    x.settings["labels_from"] = ids
+    if ids not in x.g.input_names:
+        x.g.inputs.append(ValueInfo(ids, np.int64, x.vi.shape[:2]))
+        labels = ids
+    i64 = lambda v: b.const([v], np.int64)
+    logits = b.op("Slice", [x.out, i64(0), i64(-1), i64(1)])
+    targets = b.op("Slice", [ids, i64(1), i64(2**62), i64(1)])
+    return _cross_entropy(b, logits, targets, len(x.vi.shape) - 1, x.vi.dtype, x.opts), labels, ids
+
+
+def _own_output(x: Build) -> tuple[str, str | None, str | None]:
+    """The model's float scalar output is the loss."""
+    vi = x.vi
+    if vi.shape is None or any(d != 1 for d in vi.shape):
+        raise RevgraphError(f"--loss output:{x.out} needs a float scalar output; {x.out!r} is {vi.describe()}")
+    return (x.b.op("Reshape", [x.out, x.b.const([], np.int64)]) if vi.shape else x.out), None, None
+
+
+def _class_accuracy(out: np.ndarray, targets: np.ndarray, labels, ignore, shifted: bool) -> tuple[float, float]:
+    """Argmax against the target class (the next token when ``shifted``), over the counted targets."""
+    t, guess = targets, np.argmax(out, axis=-1)
+    if shifted:
+        t, guess = t[:, 1:], guess[:, :-1]
+    keep = t != ignore if ignore is not None else np.ones(t.shape, bool)
+    return np.sum((guess == t) & keep), keep.sum()
+
+
+def _bce_accuracy(out: np.ndarray, targets, labels: np.ndarray, ignore) -> tuple[float, float]:
+    """The sign of the logit against ``label > 0.5``."""
+    return np.sum((out > 0) == (labels > 0.5)), labels.size
 
 
 _CE_OPTIONS = ("ignore_index", "label_smoothing", "class_weights")
 
 #: The losses :func:`loss_graph` builds, by name; ``"output:NAME"`` is a pattern (any output name). The CLI's
-#: ``--loss`` validates and documents from this (:func:`parse_loss`).
+#: ``--loss`` validates and documents from this (:func:`parse_loss`); the data checks, the evaluation's accuracy
+#: and the loss weights of micro-batches and ranks read each entry's behaviour.
 LOSSES: dict[str, LossKind] = {
-    "cross-entropy": LossKind("required", _CE_OPTIONS, "logits [..., C] against int64 class labels [...]"),
-    "mse": LossKind("required", (), "mean squared error against float labels of the output's shape"),
-    "bce": LossKind("required", (), "binary cross-entropy with logits against probabilities of the output's shape"),
+    "cross-entropy": LossKind("required", _CE_OPTIONS, "logits [..., C] against int64 class labels [...]",
+                              _cross_entropy_loss, classes=True,
+                              accuracy=lambda o, t, lab, ii: _class_accuracy(o, t, lab, ii, False)),
+    "mse": LossKind("required", (), "mean squared error against float labels of the output's shape", _mse),
+    "bce": LossKind("required", (), "binary cross-entropy with logits against probabilities of the output's shape",
+                    _bce, accuracy=_bce_accuracy),
     "causal-lm": LossKind("optional", ("labels_from", *_CE_OPTIONS),
-                          "logits [B, T, V] against the input ids shifted by one (position t predicts t+1)"),
-    "output:NAME": LossKind("none", (), "the model's own float scalar output NAME is the loss (no labels)"),
+                          "logits [B, T, V] against the input ids shifted by one (position t predicts t+1)",
+                          _causal_lm, classes=True, shifted=True,
+                          accuracy=lambda o, t, lab, ii: _class_accuracy(o, t, lab, ii, True)),
+    "output:NAME": LossKind("none", (), "the model's own float scalar output NAME is the loss (no labels)",
+                            _own_output),
 }
+
+
+def loss_kind(kind: str) -> LossKind:
+    """The registry entry of a :class:`LossSpec`'s ``kind`` (``"output"`` is the ``output:NAME`` pattern)."""
+    return LOSSES["output:NAME" if kind == "output" else kind]
+
 
 #: ``ignore_index`` when none is given: torch's -100 for causal-lm; none (every target counted) for cross-entropy
 DEFAULT_IGNORE = {"causal-lm": -100, "cross-entropy": None}
@@ -204,50 +315,12 @@ def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None 
     b = Builder(g.all_names() | {n.name for _, n in g.walk() if n.name})
     b.prefix = f"loss/{kind}"
     settings = {"kind": kind, "output": out, **opts}
-    if kind == "output":
-        if not vi.is_float or vi.shape is None or any(d != 1 for d in vi.shape):
-            raise RevgraphError(f"--loss output:{out} needs a float scalar output; {out!r} is {vi.describe()}")
-        value = b.op("Reshape", [out, b.const([], np.int64)]) if vi.shape else out
-        return _finish(g, b, value, vi, None, LossSpec("", None, out, kind, settings))
     if not vi.is_float:
-        raise RevgraphError(f"the loss needs a floating-point model output; {out!r} is {vi.describe()}")
-    dt = vi.dtype
-    if kind in ("cross-entropy", "causal-lm"):
-        need = 3 if kind == "causal-lm" else 2
-        if vi.shape is None or len(vi.shape) < need or (kind == "causal-lm" and len(vi.shape) != 3):
-            what = "[batch, positions, vocabulary]" if kind == "causal-lm" else "[..., classes]"
-            raise RevgraphError(f"{kind} needs logits of shape {what}; {out!r} is {vi.describe()}")
-        classes = vi.shape[-1]
-        w = opts["class_weights"]
-        if w is not None and isinstance(classes, int) and len(w) != classes:
-            raise RevgraphError(f"--class-weights holds {len(w)} weights; the logits {out!r} have {classes} classes")
-        labels = None
-        if kind == "causal-lm":
-            ids = _ids_input(g, opts["labels_from"], vi)
-            settings["labels_from"] = ids
-            if ids not in g.input_names:
-                g.inputs.append(ValueInfo(ids, np.int64, vi.shape[:2]))
-                labels = ids
-            logits = b.op("Slice", [out, b.const([0], np.int64), b.const([-1], np.int64), b.const([1], np.int64)])
-            targets = b.op("Slice", [ids, b.const([1], np.int64), b.const([2**62], np.int64),
-                                     b.const([1], np.int64)])
-        else:
-            labels = b.fresh("labels")
-            g.inputs.append(ValueInfo(labels, np.int64, vi.shape[:-1]))
-            logits, targets, ids = out, labels, labels
-        value = _cross_entropy(b, logits, targets, len(vi.shape) - 1, dt, opts)
-        return _finish(g, b, value, vi, labels, LossSpec("", labels, out, kind, settings, targets=ids))
-    labels = b.fresh("labels")
-    if kind == "mse":
-        g.inputs.append(ValueInfo(labels, dt, vi.shape))
-        d = b.op("Sub", [out, labels])
-        value = b.op("ReduceMean", [b.op("Mul", [d, d])], keepdims=0)
-    else:  # bce with logits: softplus(z) - z*y, softplus written without overflow (module doc)
-        g.inputs.append(ValueInfo(labels, dt, vi.shape))
-        m = b.op("Max", [out, b.const(0.0, dt)])
-        lse = b.op("Log", [b.op("Add", [b.op("Exp", [b.op("Neg", [m])]), b.op("Exp", [b.op("Sub", [out, m])])])])
-        value = b.op("ReduceMean", [b.op("Sub", [b.op("Add", [m, lse]), b.op("Mul", [out, labels])])], keepdims=0)
-    return _finish(g, b, value, vi, labels, LossSpec("", labels, out, kind, settings))
+        what = f"--loss output:{out} needs a float scalar output" if kind == "output" else \
+            "the loss needs a floating-point model output"
+        raise RevgraphError(f"{what}; {out!r} is {vi.describe()}")
+    value, labels, targets = loss_kind(kind).build(Build(g, b, out, vi, opts, settings))
+    return _finish(g, b, value, vi, labels, LossSpec("", labels, out, kind, settings, targets=targets))
 
 
 def _finish(g: Graph, b: Builder, value: str, vi: ValueInfo, labels, spec: LossSpec) -> tuple[Graph, LossSpec]:
@@ -325,7 +398,7 @@ def weighs_by_targets(spec: LossSpec) -> bool:
     """Is the loss a mean over counted targets (``ignore_index`` or class weights) rather than over samples?
     Then a share of the batch may count nothing, and :func:`loss_weight` gives it weight 0."""
     s = spec.settings
-    return spec.kind in ("cross-entropy", "causal-lm") and (s.get("ignore_index") is not None
+    return loss_kind(spec.kind).classes and (s.get("ignore_index") is not None
                                                            or s.get("class_weights") is not None)
 
 
@@ -336,10 +409,10 @@ def loss_weight(spec: LossSpec, feeds: Mapping[str, np.ndarray], count: int) -> 
     global batch's counted targets, as one process computes it."""
     s = spec.settings
     ii, w = s.get("ignore_index"), s.get("class_weights")
-    if spec.kind not in ("cross-entropy", "causal-lm") or (ii is None and w is None):
+    if not loss_kind(spec.kind).classes or (ii is None and w is None):
         return count
     t = np.asarray(feeds[spec.targets])
-    if spec.kind == "causal-lm":
+    if loss_kind(spec.kind).shifted:
         t = t[:, 1:]
     keep = t != ii if ii is not None else np.ones(t.shape, bool)
     if w is None:

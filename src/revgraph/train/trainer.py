@@ -42,7 +42,7 @@ from .distributed.exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype, r
 from .distributed.sharding import SHARDS
 from .engines import BUFFERS, make_engine
 from .graphs import Optimizer, TrainingGraph, training_graph
-from .losses import weighs_by_targets
+from .losses import loss_kind, weighs_by_targets
 from .optimizers import configure, make_optimizer
 from .precision import check_combination, make_precision
 from .progress_bar import Bar
@@ -521,7 +521,8 @@ class Trainer:
         if self.comm:
             sums = self.comm.sum(sums)
         # an argmax or sign of NaN outputs is no answer: no accuracy is computed from them
-        accuracy = None if self.spec.loss.kind in ("mse", "output") or sums[4] else sums[2] / max(sums[3], 1)
+        no_accuracy = loss_kind(self.spec.loss.kind).accuracy is None
+        accuracy = None if no_accuracy or sums[4] else sums[2] / max(sums[3], 1)
         return {"loss": sums[0] / sums[1] if sums[1] else 0.0, "accuracy": accuracy, "samples": n,
                 "nonfinite": int(sums[4])}
 
