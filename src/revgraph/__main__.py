@@ -6,5 +6,5 @@ from .cli import main
 from .train.distributed.launch import leave_worker
 
 code = main()
-leave_worker(code)  # (a --nproc worker's refusal: no interpreter finalization, see leave_worker)
+leave_worker(code)  # (a torchrun or --nproc worker's refusal: no interpreter finalization, see leave_worker)
 sys.exit(code)

@@ -195,12 +195,16 @@ def hand_over(message: str) -> bool:
 
 
 def leave_worker(code: int) -> None:
-    """End a ``--nproc`` worker that handed its refusal over (exit ``code`` 2) at once, without the interpreter's
-    finalization: after a peer timed out, gloo's threads are still joinable and their C++ destructors abort the
-    process ("terminate called without an active exception", SIGABRT), which the launcher would report as a crash
-    with no message. Anywhere else, or for another code, returns (the caller exits as usual)."""
+    """End a worker that refused (exit ``code`` 2) at once, without the interpreter's finalization: after a peer
+    timed out or stopped, gloo's threads are still joinable and their C++ destructors abort the process
+    ("terminate called without an active exception", SIGABRT), which torchrun would report as a crash (exit
+    code -6) instead of the refusal. A worker of ``--nproc`` (which handed its refusal over) or of raw torchrun
+    (``TORCHELASTIC_RUN_ID`` and ``RANK`` set: its line is printed already). Anywhere else, or for another code,
+    returns (the caller exits as usual)."""
     run_dir, rank = os.environ.get(RUN_DIR_ENV), os.environ.get("RANK")
-    if code != 2 or not run_dir or rank is None or os.environ.get(AGENT_PID_ENV) != str(os.getppid()):
+    nproc = run_dir and rank is not None and os.environ.get(AGENT_PID_ENV) == str(os.getppid())
+    torchrun = rank is not None and os.environ.get("TORCHELASTIC_RUN_ID") is not None
+    if code != 2 or not (nproc or torchrun):
         return
     for stream in (sys.stdout, sys.stderr):
         try:
