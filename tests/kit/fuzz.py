@@ -302,6 +302,35 @@ def judge(cmd: str, rc, err: str, left: list[str]) -> list[str]:
     return problems
 
 
+def forked(fn, timeout: float = TIMEOUT, memory_limit: int | None = None) -> str | None:
+    """Run ``fn()`` in a forked child (under an address-space limit of ``memory_limit`` bytes when given);
+    ``None`` when it exited 0, else what happened (``timeout after N s``, ``child died (signal N)``, ``child
+    died (exit N)``). The fuzzers of models and of snapshots share it."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 0
+        try:
+            if memory_limit is not None:
+                resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+            fn()
+        except BaseException:
+            code = 1
+        os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return f"timeout after {timeout:.0f} s"
+        time.sleep(0.01)
+    if os.WIFSIGNALED(status):
+        return f"child died (signal {os.WTERMSIG(status)})"
+    return None if os.WEXITSTATUS(status) == 0 else f"child died (exit {os.WEXITSTATUS(status)})"
+
+
 def run_mutant(data: bytes, extra: dict[str, bytes], root: Path) -> dict:
     """Fork a child that runs every command on the model ``data`` (with the files ``extra`` next to it)
     in a new directory under ``root``; its findings (``{}`` when all passed)."""
@@ -310,28 +339,13 @@ def run_mutant(data: bytes, extra: dict[str, bytes], root: Path) -> dict:
     for name, content in extra.items():
         (workdir / name).write_bytes(content)
     result = workdir.parent / f"{workdir.name}.json"
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 0
-        try:
-            _child(workdir, result)
-        except BaseException:
-            code = 1
-        os._exit(code)
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            shutil.rmtree(workdir, ignore_errors=True)
-            return {"all": {"problems": [f"timeout after {TIMEOUT:.0f} s"]}}
-        time.sleep(0.01)
+    died = forked(lambda: _child(workdir, result))
+    if died is not None and died.startswith("timeout"):
+        shutil.rmtree(workdir, ignore_errors=True)
+        return {"all": {"problems": [died]}}
     try:
         findings = json.loads(result.read_text()) if result.exists() else {
-            "all": {"problems": [f"child died ({'signal %d' % os.WTERMSIG(status) if os.WIFSIGNALED(status) else 'exit %d' % os.WEXITSTATUS(status)})"]}}
+            "all": {"problems": [died or "child died (exit 0)"]}}
     finally:
         result.unlink(missing_ok=True)
         shutil.rmtree(workdir, ignore_errors=True)

@@ -19,12 +19,9 @@ from __future__ import annotations
 import io
 import json
 import os
-import resource
 import shutil
-import signal
 import sys
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 
@@ -36,7 +33,7 @@ from revgraph.cli import main  # imported once here: each forked child starts wi
 
 if __package__ in (None, ""):  # run as a script (python tests/kit/snapshot_fuzz.py): kit's parent, tests/, on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kit.fuzz import MEMORY_LIMIT, TIMEOUT, command_line, mutate_bytes
+from kit.fuzz import MEMORY_LIMIT, TIMEOUT, command_line, forked, mutate_bytes
 
 SNAPSHOT_TRAIN = ["train", "m.onnx", "--data", "d.npz", "--loss", "cross-entropy", "--epochs", "3", "--batch-size",
                   "8", "--threads", "1", "--checkpoint-every", "2", "--checkpoint-dir", "ck", "-o", "t.onnx"]
@@ -59,29 +56,8 @@ def _snapshot_files() -> dict[str, bytes]:
 
 
 def _forked(fn, timeout: float = TIMEOUT) -> str | None:
-    """Run ``fn()`` in a forked child (under the memory limit); ``None`` when it exited 0, else what happened."""
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-            fn()
-        except BaseException:
-            code = 1
-        os._exit(code)
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return f"timeout after {timeout:.0f} s"
-        time.sleep(0.01)
-    if os.WIFSIGNALED(status):
-        return f"child died (signal {os.WTERMSIG(status)})"
-    return None if os.WEXITSTATUS(status) == 0 else f"child died (exit {os.WEXITSTATUS(status)})"
+    """Run ``fn()`` in a forked child under the memory limit (:func:`kit.fuzz.forked`)."""
+    return forked(fn, timeout, MEMORY_LIMIT)
 
 
 def _quiet_main(argv: list[str], err_path: Path, out_path: Path):
