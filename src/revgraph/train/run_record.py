@@ -24,8 +24,7 @@ import numpy as np
 
 from ..errors import RevgraphError
 from ..warn import warn
-from . import snapshot_checks
-from . import snapshots as checkpoints
+from . import snapshot_checks, snapshots
 
 #: The recorded settings' values for checkpoints that do not record them (written before the record existed).
 OLD_DEFAULTS = {"lr_schedule": "constant", "warmup_steps": 0, "min_lr": 0.0, "total_steps": None,
@@ -99,7 +98,7 @@ def save(trainer, directory, run: dict, pos, total: int | None) -> None:
     meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total, "earlier_losses": earlier,
             "epoch_means": pos.means, "losses": trainer.losses, "optimizer": trainer.spec.optimizer.kind,
             "hyperparameters": record(trainer.spec, total)}
-    checkpoints.save(directory, values, meta)
+    snapshots.save(directory, values, meta)
 
 
 class Position:
@@ -123,7 +122,7 @@ def resume(trainer, directory, run: dict, total: int | None, override=(), consol
     names_ok = check_overrides(override, now)
     engine = trainer._engine
     names = engine.names
-    where = str(checkpoints.path_in(directory))
+    where = str(snapshots.path_in(directory))
     found, refused = None, None
     if trainer.is_main:
         try:
@@ -165,7 +164,7 @@ def _checked(spec, directory, where: str, run: dict, names: list[str], now: dict
             raise RevgraphError(f"{where} was written with {said}; resume with the same value, or give {flags} "
                                 "(fit(override=[...])) to train on with the new one, or move it away to start afresh")
 
-    found = checkpoints.load(directory, snapshot_checks.expected(spec), names, spec.step, check)
+    found = snapshots.load(directory, snapshot_checks.expected(spec), names, spec.step, check)
     if found is None:
         return None
     arrays, meta = found
