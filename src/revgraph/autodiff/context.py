@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir import Graph, Node, ValueInfo
+from . import strong
 from .algebra import Val
 from .emitter import Emitter
 from .policies import CheckpointPolicy, Store
@@ -200,22 +201,16 @@ class Ctx:
         (:attr:`singular`) and ``zero`` says ``d`` may be 0 (``False``: ``d`` is a nonzero constant's
         reciprocal); a cotangent that is inf or NaN only because a forward value is meets that value's own
         inf or NaN partial, where no test helps. Where neither test is needed the plain product is emitted:
-        ``Where`` costs 7-11x a ``Mul`` on onnxruntime (bench/micro.py)."""
-        e = self.e
-        prod = e.op("Mul", [g, d], like=like)
+        ``Where`` costs 7-11x a ``Mul`` on onnxruntime (bench/micro.py). The result is the strong product
+        primitive (:mod:`.strong`): differentiated again, it gives strong products of the right terms."""
         if not self.options.strong_zeros:
-            return prod
+            return self.e.op("Mul", [g, d], like=like)
         tests = []
         if reads is None or self.nonfinite(*reads):
             tests.append(g)
         if zero and self.singular:
             tests.append(d)
-        if not tests:
-            return prod
-        zero_ = e.scalar(0.0, g)
-        hits = [e.op("Equal", [v, zero_], shape=e.dims(v), dtype=np.dtype(bool)) for v in tests]
-        hit = hits[0] if len(hits) == 1 else e.op("Or", hits)
-        return e.op("Where", [hit, zero_, prod], like=like)
+        return strong.lower(self.e, g, d, tests, like)
 
     def weigh(self, g: str, w: str, like: str | None = None) -> str:
         """``g * w`` for a finite weight ``w >= 0`` (a tie share), exactly 0 where ``w == 0`` even for an inf or

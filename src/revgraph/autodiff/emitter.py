@@ -76,18 +76,20 @@ class Emitter:
         return fresh_name(base, self.used)
 
     def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, *, like: str | None = None,
-           shape: tuple | None = None, dtype: Any = None, **attrs: Any) -> Any:
+           shape: tuple | None = None, dtype: Any = None, tag: str | None = None, **attrs: Any) -> Any:
         """Emit ``op_type(inputs, **attrs)``; return its output name (a list if ``n_out > 1``).
 
         ``like`` (a value name) records that the output has that value's type; ``shape``/``dtype`` record
-        a type explicitly, so later rules see static shapes of backward values too.
+        a type explicitly, so later rules see static shapes of backward values too. ``tag`` names the node
+        ``<prefix>/<tag>`` instead of ``<prefix>/<OpType>`` (what a later pass recognizes it by: the strong
+        product's ``Where``, :mod:`.strong`).
         """
         if op_type == "Pad" and len(inputs) > 3 and inputs[3]:
             inputs = self._pad_all_axes(list(inputs))
             inputs = inputs if inputs[2] else inputs[:2]
         if op_type == "Reshape" and len(inputs) > 1 and inputs[1] in self._dims and "allowzero" not in attrs:
             attrs["allowzero"] = 1  # an empty dimension, not "copy" (Gather's rows of an empty index tensor)
-        base = fresh_name(f"{self.prefix}/{op_type}", self.used)
+        base = fresh_name(f"{self.prefix}/{tag or op_type}", self.used)
         outs = [base] if n_out == 1 else [fresh_name(f"{base}:{i}", self.used) for i in range(n_out)]
         if attrs:  # (a fresh dict of this call's keywords otherwise: the node may keep it)
             attrs = {k: v for k, v in attrs.items() if v is not None}

@@ -22,6 +22,7 @@ import onnx
 
 from ...ir import Node, is_float_dtype
 from ...warn import warn
+from .. import strong
 from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
@@ -249,7 +250,12 @@ def max_min(ctx: Ctx, node: Node, cts: list) -> list:
 
 @vjp("Where", bounded=True, finite=True, reads=())
 def where_(ctx: Ctx, node: Node, cts: list) -> list:
+    """A selection: each branch gets the cotangent where it is selected, an exact 0 elsewhere. The ``Where`` of
+    a lowered strong product (:mod:`..strong`, what ``Val.times`` emits) is the primitive instead: its ``Mul``
+    gets the whole cotangent, so that the ``Mul`` rule gives the product rule's strong products."""
     (c, a, b), g = ctx.vals(*node.inputs), ctx.val(cts[0])
+    if strong.operands(node, ctx.producers, ctx.value) is not None:
+        return [None, None, lambda: g.reduce_to(b)]
     return [None, lambda: g.select(c, like=None).reduce_to(a), lambda: g.select(~c, like=None).reduce_to(b)]
 
 
