@@ -15,7 +15,7 @@ which tests the operator facts cannot rule out, and emits the plain ``Mul`` wher
 alone is a selection: its own VJP would send ``s_bar`` to the ``Mul`` only where ``test`` is false, dropping
 ``strong(s_bar, g)`` at ``d == 0`` (``H[0, 0] = 0`` for ``sum(sqrt(x*x + 1))`` at 0, where it is 1) and the whole
 second derivative at ``g == 0`` (at a minimum, where the gradient is 0). So the ``Where`` is tagged (its node
-name is ``<scope>/StrongZero``, kept in ONNX files) and :func:`operands` recognizes the tagged form; the
+name is ``<scope>/StrongZero``, kept in ONNX files) and :func:`is_lowered` recognizes the tagged form; the
 ``Where`` rule then passes ``s_bar`` to the ``Mul`` unmasked, and the ``Mul`` rule, whose two cotangents are
 ``Ctx.times`` products, gives the strong products above. Forward mode transposes that VJP, so the JVP follows.
 One lowering and one recognizer serve reverse mode, forward mode and the loop rules (bodies are differentiated
@@ -54,40 +54,44 @@ def lower(e: Emitter, g: str, d: str, tests: Sequence[str], like: str | None = N
     return e.op("Where", [hit, zero, prod], like=like, tag=TAG)
 
 
-def operands(node: Node, producers: Mapping[str, Node], value: Callable[[str], np.ndarray | None]) -> tuple[str, str] | None:
-    """``(g, d)`` when ``node`` is the ``Where`` of a lowered strong product (:func:`lower`: tagged, its second
-    input a constant 0, its third a ``Mul(g, d)``, its condition ``Equal(v, 0)`` for ``v`` among ``g`` and ``d``,
-    or an ``Or`` of such tests), else ``None``. ``producers`` maps a value to the node writing it, ``value`` a
-    name to its constant value (``None`` when not constant)."""
+def is_lowered(node: Node, producers: Mapping[str, Node], value: Callable[[str], np.ndarray | None]) -> bool:
+    """Is ``node`` the ``Where`` of a lowered strong product (:func:`lower`)? It must be tagged, and what can be
+    seen of it must match: its second input a constant 0, its third a ``Mul(g, d)``, its condition ``Equal(v,
+    0)`` for ``v`` among ``g`` and ``d``, or an ``Or`` of such tests. ``producers`` maps a value to the node
+    writing it and ``value`` a name to its constant value (``None`` when not known). A value written outside
+    the graph being differentiated is not seen (a loop body capturing the zero or the test, a segment of forward
+    mode reading an earlier one): the tag is trusted there, as the rule needs nothing of the structure."""
     if node.op_type != "Where" or node.domain not in ("", "ai.onnx") or not _TAGGED.search(node.name or ""):
-        return None
+        return False
     if len(node.inputs) != 3:
-        return None
+        return False
     cond, zero, prod = node.inputs
-    if not _is_zero(value(zero)):
-        return None
+    z = value(zero)
+    if z is not None and not _is_zero(z):
+        return False
     mul = producers.get(prod)
-    if mul is None or mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx"):
-        return None
-    g, d = mul.inputs
+    if mul is None:
+        return True
+    if mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx"):
+        return False
     tested = _tested(cond, producers, value)
-    if not tested or not tested <= {g, d}:
-        return None
-    return g, d
+    return tested is None or tested <= set(mul.inputs)
 
 
 def _tested(cond: str, producers: Mapping[str, Node], value: Callable[[str], np.ndarray | None]) -> set[str] | None:
-    """The values ``cond`` compares with 0 (``Equal(v, 0)``, or an ``Or`` of two such), or ``None`` for any
-    other condition."""
+    """The values ``cond`` compares with 0 (``Equal(v, 0)``, or an ``Or`` of such tests); ``None`` where that
+    cannot be seen (written outside); ``{cond}`` (matching nothing) for any other condition."""
     node = producers.get(cond)
-    if node is None or node.domain not in ("", "ai.onnx"):
+    if node is None:
         return None
-    if node.op_type == "Or":
+    if node.domain in ("", "ai.onnx") and node.op_type == "Or":
         parts = [_tested(c, producers, value) for c in node.inputs]
         return None if any(p is None for p in parts) else set().union(*parts)
-    if node.op_type == "Equal" and len(node.inputs) == 2 and _is_zero(value(node.inputs[1])):
-        return {node.inputs[0]}
-    return None
+    if node.domain in ("", "ai.onnx") and node.op_type == "Equal" and len(node.inputs) == 2:
+        z = value(node.inputs[1])
+        if z is None or _is_zero(z):
+            return {node.inputs[0]}
+    return {cond}
 
 
 def _is_zero(v: np.ndarray | None) -> bool:

@@ -254,7 +254,7 @@ def where_(ctx: Ctx, node: Node, cts: list) -> list:
     a lowered strong product (:mod:`..strong`, what ``Val.times`` emits) is the primitive instead: its ``Mul``
     gets the whole cotangent, so that the ``Mul`` rule gives the product rule's strong products."""
     (c, a, b), g = ctx.vals(*node.inputs), ctx.val(cts[0])
-    if strong.operands(node, ctx.producers, ctx.value) is not None:
+    if strong.is_lowered(node, ctx.producers, ctx.value):
         return [None, None, lambda: g.reduce_to(b)]
     return [None, lambda: g.select(c, like=None).reduce_to(a), lambda: g.select(~c, like=None).reduce_to(b)]
 
