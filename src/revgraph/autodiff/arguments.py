@@ -16,7 +16,7 @@ from ..onnx_io.value_types import differentiable
 
 def used_names(graph: Graph) -> set[str]:
     """Every value and node name of ``graph`` and its subgraphs (fresh names must avoid them all)."""
-    return NameSet(graph.all_names() | {n.name for _, n in graph.walk() if n.name})
+    return NameSet(graph.names_in_use())
 
 
 def known_names(graph: Graph) -> set[str]:

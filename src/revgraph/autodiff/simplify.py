@@ -180,7 +180,7 @@ class _Names:
 
     def fresh(self, base: str) -> str:
         if self.used is None:
-            self.used = self.graph.all_names() | {n.name for _, n in self.graph.walk() if n.name}
+            self.used = self.graph.names_in_use()
         return fresh_name(base, self.used)
 
 

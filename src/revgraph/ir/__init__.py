@@ -218,6 +218,13 @@ class Graph:
         names.discard("")
         return names
 
+    def names_in_use(self) -> set[str]:
+        """Every value name and every node name used anywhere, subgraphs included: what a pass that adds nodes
+        gives :func:`fresh_name`, so that neither a value nor a node it adds clashes with one already there (a
+        gradient graph differentiated again holds the first level's ``remat/...`` nodes; onnxruntime refuses two
+        nodes of one name)."""
+        return self.all_names() | {n.name for _, n in self.walk() if n.name}
+
     def check(self) -> None:
         """Check that the graph is well formed; raise :class:`GraphError` naming the first problem.
 

@@ -93,7 +93,7 @@ def _rewrite(graph: Graph, outer: dict[str, np.ndarray], used: set[str] | None) 
             read = _reads(graph) if read is None else read
             if mask in read:  # the all-true mask of data's shape
                 if used is None:
-                    used = graph.all_names()
+                    used = graph.names_in_use()
                 shape = fresh_name(f"{node.name or 'Dropout'}/shape", used)
                 nodes.append(Node("Shape", [data], [shape], name=fresh_name(f"{node.name}/mask_shape", used)))
                 nodes.append(Node("ConstantOfShape", [shape], [mask], {"value": np.ones(1, np.bool_)},

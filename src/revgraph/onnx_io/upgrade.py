@@ -35,7 +35,7 @@ def group_norm_per_channel(graph: Graph) -> None:
     (``onnx/version_converter/adapters/group_normalization_20_21.h``), which onnx 1.23's converter does not
     apply (onnxruntime then refuses the graph). In the graph rather than in the data, so a trainable per-group
     parameter keeps its shape and gets the sum over its channels as gradient."""
-    used = graph.all_names() | {n.name for _, n in graph.walk() if n.name}
+    used = graph.names_in_use()
     for g, node in list(graph.walk()):
         if node.op_type != "GroupNormalization" or node.domain not in ("", "ai.onnx"):
             continue

@@ -184,7 +184,7 @@ def _promote_vi(v: ValueInfo) -> ValueInfo:
 def _record_randomness(g: Graph, types: Mapping[str, ValueInfo]) -> list[str]:
     """Make the random values of ``g``'s top-level graph its outputs (in place): every ``Dropout``'s mask
     (added to the node when it has none) and the outputs of random operators. Returns their names."""
-    used = g.all_names()
+    used = g.names_in_use()
     recorded = []
     for node in g.nodes:
         if node.domain:
@@ -206,7 +206,7 @@ def _replay_randomness(g: Graph, values: Mapping[str, np.ndarray]) -> Graph:
     random operators become ``Identity`` of them, and each ``Dropout`` the ONNX spec's formula (Dropout-13:
     ``x * mask / (1 - ratio)`` in training mode, ``x`` otherwise) on its fixed mask."""
     g = g.copy()
-    used = g.all_names()
+    used = g.names_in_use()
     fed = {name: f"{name}__fixed" for name in values}
     g.inputs += [ValueInfo(fed[k], v.dtype, v.shape) for k, v in values.items()]
     nodes: list[Node] = []
@@ -355,7 +355,7 @@ def check_gradients(
                             f"step {step}, directions {directions})")
     g = expand_domains(graph if is_ssa(graph) else to_ssa(graph)).copy()
     # onnxruntime has no float64 LSTM/GRU/RNN kernels: check them in their (equivalent) Loop form
-    lower_to_loops(g, None, g.all_names() | {n.name for _, n in g.walk()})
+    lower_to_loops(g, None, g.names_in_use())
     g = to_float64(g)
     types = infer_types(g)
     loss = resolve_loss(g, loss)

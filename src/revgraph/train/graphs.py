@@ -200,7 +200,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     seed = next(v.name for v in gg.inputs if v.name not in set(lg.input_names)) if loss_seed or prec.scaled else None
     scaling = seed_with_scale(gg, seed, loss_seed, prec, lg.outputs[0].dtype) if prec.scaled else None
     seed = seed if loss_seed else None
-    b = Builder(gg.all_names() | {n.name for _, n in gg.walk() if n.name})
+    b = Builder(gg.names_in_use())
     step = b.fresh("step")
     grads = grad_outputs = gg.outputs[1:]
     gg.outputs = gg.outputs[:1]

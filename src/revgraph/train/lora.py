@@ -234,7 +234,7 @@ def add_adapters(graph: Graph, rank: int, alpha: float | None = None, targets: I
         if group[0].dtype is None or not is_float_dtype(group[0].dtype):
             raise RevgraphError(f"the dequantized type of weight {weight!r} is unknown ({group[0].node.label()}); "
                                 "declare the DequantizeLinear scale's type")
-    used = NameSet(g.all_names() | {n.name for _, n in g.walk() if n.name})
+    used = NameSet(g.names_in_use())
     rng = np.random.default_rng(seed)
     scaling = alpha / rank
     adapters = []
@@ -309,7 +309,7 @@ def merge_adapters(graph: Graph) -> Graph:
         raise RevgraphError("the model has no LoRA adapters (no metadata 'revgraph.lora') to merge")
     g = graph.copy()
     scaling = float(found["scaling"])
-    used = NameSet(g.all_names() | {n.name for _, n in g.walk() if n.name})
+    used = NameSet(g.names_in_use())
     for adapter in found["adapters"]:
         a, b = (np.asarray(g.initializers[adapter[k]]) for k in ("A", "B"))
         delta = (scaling * (a.astype(np.float64) @ b.astype(np.float64)))

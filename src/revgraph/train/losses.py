@@ -312,7 +312,7 @@ def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None 
     out = resolve_output(g, named if kind == "output" else output)
     types = infer_types(g)
     vi = types.get(out) or ValueInfo(out)
-    b = Builder(g.all_names() | {n.name for _, n in g.walk() if n.name})
+    b = Builder(g.names_in_use())
     b.prefix = f"loss/{kind}"
     settings = {"kind": kind, "output": out, **opts}
     if not vi.is_float:

@@ -128,7 +128,7 @@ def autocast(model: Graph, precision: Precision | str) -> tuple[Graph, int]:
     types = infer_types(g)
     dtype = {k: np.asarray(a).dtype for k, a in g.initializers.items()}
     dtype.update((k, vi.dtype) for k, vi in types.items() if vi.dtype is not None)
-    b = Builder(g.all_names() | {n.name for _, n in g.walk() if n.name})
+    b = Builder(g.names_in_use())
     b.prefix = f"autocast/{prec.kind}"
     low: dict[str, str] = {}  # float32 value -> its low-precision copy (one Cast per value, or the original)
     rank = {k: len(vi.shape) for k, vi in types.items() if vi.shape is not None}
@@ -225,7 +225,7 @@ def seed_with_scale(gg: Graph, seed: str, keep_seed: bool, prec: Precision, loss
     """Make the loss cotangent of ``gg`` (the gradient graph, seeded by its input ``seed``) ``scale`` times
     the seed: the carried input ``scale`` replaces ``seed`` (``keep_seed``: ``seed * scale``, the seed stays an
     input). Returns the :class:`LossScale` names (its outputs are set by :func:`add_loss_scaling`)."""
-    b = Builder(gg.all_names() | {n.name for _, n in gg.walk() if n.name})
+    b = Builder(gg.names_in_use())
     scaling = LossScale(prec, b.fresh("loss_scale"), b.fresh("loss_scale.good_steps"), dtype=np.dtype(loss_dtype))
     at = next(k for k, v in enumerate(gg.inputs) if v.name == seed)
     gg.inputs.insert(at + 1, ValueInfo(scaling.scale, scaling.dtype, ()))
@@ -249,7 +249,7 @@ def add_loss_scaling(tg: TrainingGraph, scaling: LossScale) -> None:
     gg, prec = tg.graph, scaling.precision
     cut = len(gg.nodes) - tg.n_update_nodes
     head, update = gg.nodes[:cut], gg.nodes[cut:]
-    b = Builder(gg.all_names() | {n.name for _, n in gg.walk() if n.name})
+    b = Builder(gg.names_in_use())
     b.prefix = "loss_scale/unscale"
     dt = scaling.dtype
     inv = b.op("Reciprocal", [scaling.scale])

@@ -382,7 +382,7 @@ def _type_shape_node(graph: Graph, node: Node) -> None:
 
 def _rewrite(graph: Graph, p: _Problem, chosen: list[int]) -> None:
     """Insert copies of the ``chosen`` forward nodes before their first backward reader; rename the reads."""
-    used = graph.all_names()
+    used = graph.names_in_use()
     rename: dict[str, str] = {}
     copies: dict[int, Node] = {}
     for k in chosen:  # forward order: a copy's recomputed inputs are renamed already

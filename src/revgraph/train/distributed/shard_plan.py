@@ -91,7 +91,7 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
     :mod:`revgraph.schedules` over the whole model."""
     from ..schedules import clipped_shards, flat_decay
 
-    b = Builder(spec.graph.all_names())
+    b = Builder(spec.graph.names_in_use())
     opt = spec.optimizer
     scalars = Scalars(b, opt, spec.step, spec.total)
     inputs, outputs, pairs, names = [], [], [], {}

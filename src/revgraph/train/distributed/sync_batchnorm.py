@@ -132,7 +132,7 @@ def rewrite(graph: Graph) -> tuple[Graph, list[SyncedBatchNorm]]:
     g = graph.copy()
     types = infer_types(g)
     read = {i for _, n in g.walk() for i in n.inputs} | set(g.output_names)
-    used = g.all_names() | {n.name for _, n in g.walk() if n.name}
+    used = g.names_in_use()
     out_nodes: list[Node] = []
     synced = []
     for node in g.nodes:
