@@ -15,6 +15,7 @@ import math
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -474,6 +475,32 @@ def test_cast_to_an_integer_gives_no_gradient(op):
     with pytest.warns(UserWarning, match=r"is int64, an integer, so no gradient flows to 'x'"):
         grads = _integer_node_gradients(node, inputs, feeds)
     assert "x" not in grads
+
+
+@pytest.mark.parametrize("to", [onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.BOOL])
+def test_a_cast_to_an_integer_inside_the_path_warns(to):
+    # issue 39: x*x -> Cast(int) -> Cast(float) -> + x: the integer path carries no gradient, and prune cut it
+    # before any rule could say so; the warning names the node, the gradient is the other path's (1)
+    g = Graph([Node("Mul", ["x", "x"], ["m"], name="sq"), Node("Cast", ["m"], ["i"], {"to": to}, "to_int"),
+               Node("Cast", ["i"], ["f"], {"to": onnx.TensorProto.DOUBLE}, "to_float"),
+               Node("Add", ["f", "x"], ["y"], name="add"), _sum("y")], [ValueInfo("x", F64, (3,))], [ValueInfo("loss")])
+    with pytest.warns(UserWarning, match=r"node 'to_int' \(Cast\): its output 'i' is (int32|int64|bool), an "
+                                         r"integer, so no gradient flows to 'm' through it"):
+        gg = rg.gradient(g, "loss", wrt=["x"])
+    assert rg.Session(gg).run({"x": np.array([1.5, 2.0, 3.0])})["x_grad"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_no_integer_warning_for_comparisons_or_casts_off_the_path():
+    # a mask made by a comparison is meant to carry no gradient, and a Cast whose result never reaches the loss
+    # is no cut: neither warns
+    g = Graph([Node("Greater", ["x", "zero"], ["c"], name="gt"), Node("Cast", ["c"], ["cf"], {"to": 11}, "mask"),
+               Node("Cast", ["x"], ["unused"], {"to": onnx.TensorProto.INT64}, "dead"),
+               Node("Mul", ["x", "cf"], ["y"], name="relu"), _sum("y")], [ValueInfo("x", F64, (3,))],
+              [ValueInfo("loss"), ValueInfo("unused")], {"zero": np.array(0.0)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gg = rg.gradient(g, "loss", wrt=["x"])
+    assert rg.Session(gg).run({"x": np.array([-1.0, 2.0, 3.0])})["x_grad"].tolist() == [0.0, 1.0, 1.0]
 
 
 # ------------------------------------------------------------------------------------ random graphs

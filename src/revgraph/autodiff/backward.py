@@ -24,6 +24,7 @@ from ..errors import GraphError, InternalError
 from ..ir import Graph, Node, ValueInfo, require_graph
 from ..ir.ssa import captured_names, is_ssa
 from ..onnx_io.value_types import differentiable, infer_types
+from ..warn import warn
 from .accumulate import Accumulator, Grad, SeqGrad, sequence_types, zeros_sequence
 from .algebra import name_of
 from .arguments import (
@@ -96,6 +97,43 @@ def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, 
     return needed
 
 
+#: operators whose integer result, from a float input, is a cut the user may not expect (DESIGN section 5):
+#: comparisons and other operators declared not differentiable make their bool and integer results on purpose
+_CASTS = frozenset({"Cast", "CastLike", "Pow"})
+
+
+def warn_integer_cuts(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: Mapping[str, ValueInfo]) -> None:
+    """Warn, naming the node, where a path from a ``wrt`` value to a ``ys`` value passes a ``Cast``/``CastLike``
+    to an integer type (or a ``Pow`` with an integer result) from a floating-point value: the gradient along
+    that path is 0, as through any integer value, and :func:`prune` cuts it, so no rule sees the node and says
+    so (DESIGN section 5: "zeros, with a warning naming the node"). Top-level nodes only; one pass forward,
+    one backward only when such a node reads a reached value."""
+    reach = set(wrt)
+    cuts = []
+    for node in graph.nodes:
+        if node.op_type in NOT_DIFFERENTIABLE and node.domain in ("", "ai.onnx") or reach.isdisjoint(node.inputs):
+            continue
+        outs = [o for o in node.outputs if o]
+        if node.op_type in _CASTS and not node.domain and outs and _is_integer(types.get(outs[0])):
+            cuts.append(node)
+        reach.update(o for o in outs if differentiable(types.get(o)))
+    if not cuts:
+        return
+    wanted = {y for y in ys if y}
+    for node in reversed(graph.nodes):
+        if not wanted.isdisjoint(node.outputs):
+            wanted.update(i for i in [*node.inputs, *_captures(node)] if i)
+    for node in cuts:
+        if node.outputs[0] in wanted:
+            floats = [i for i in node.inputs if i in reach]
+            warn(f"{node.label()}: its output {node.outputs[0]!r} is {types[node.outputs[0]].dtype}, an integer, so "
+                 f"no gradient flows to {', '.join(map(repr, floats))} through it")
+
+
+def _is_integer(vi: ValueInfo | None) -> bool:
+    return vi is not None and vi.kind == "tensor" and vi.dtype is not None and vi.dtype.kind in "iub"
+
+
 @V.arguments(graph=V.GRAPH, wrt=V.NAMES, accumulate=V.nullable(V.one_of, choices=("sum", "running")))
 def backward(
     graph: Graph,
@@ -146,6 +184,7 @@ def backward(
     acc = Accumulator(e, options.accumulate)
     producers = {o: n for n in graph.nodes for o in n.outputs if o}
     nodes = prune(graph, ys, wrt, types, producers)
+    warn_integer_cuts(graph, ys, wrt, types)
 
     missing = [n for n in nodes if get_rule(n) is None]
     if missing:
