@@ -3,6 +3,9 @@ PyTorch on the unrolled computation, under every residual policy and both runtim
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -23,6 +26,10 @@ from kit.loops import (
     scan_graph,
     torch_grads,
 )
+
+import revgraph as rg
+from revgraph.errors import RevgraphError
+from revgraph.ir import Graph, Node, ValueInfo
 
 
 @pytest.mark.parametrize("x", [-1.0, 0.0, 4.0])
@@ -154,3 +161,60 @@ def test_a_loop_carrying_an_untyped_sequence(opset, tmp_path):
     src = tmp_path / "bag.onnx"
     onnx.save(model, str(src))
     assert main(["grad", str(src), "-o", str(tmp_path / "bag_grad.onnx")]) == 0
+
+
+# ------------------------------------------------------------------------------------------ nesting depth
+
+
+def _nested_ifs(levels: int) -> Graph:
+    """``levels`` Ifs, each in the previous one's then-branch: with c true the loss is sum(sin^(levels+1)(x)),
+    each level computing one Sin before its If; with c false at the top, sum(2 x)."""
+    F64_ = np.float64
+
+    def level(k: int) -> Graph:
+        if k > levels:
+            return Graph([Node("Sin", [f"v{k - 1}"], [f"o{k}"], name=f"leaf{k}")], [], [ValueInfo(f"o{k}", F64_, (2,))],
+                         name=f"leaf{k}")
+        other = Graph([Node("Mul", [f"v{k - 1}", "two"], [f"e{k}"], name=f"mul{k}")], [],
+                      [ValueInfo(f"e{k}", F64_, (2,))], name=f"else{k}")
+        return Graph([Node("Sin", [f"v{k - 1}"], [f"v{k}"], name=f"sin{k}"),
+                      Node("If", ["c"], [f"o{k}"], {"then_branch": level(k + 1), "else_branch": other}, name=f"if{k}")],
+                     [], [ValueInfo(f"o{k}", F64_, (2,))], name=f"then{k}")
+
+    top = level(1)
+    top.nodes[0].inputs = ["x"]  # v0 is x
+    top.nodes[1].attrs["else_branch"].nodes[0].inputs[0] = "x"
+    return Graph([*top.nodes, Node("ReduceSum", ["o1"], ["loss"], {"keepdims": 0}, "sum")],
+                 [ValueInfo("x", F64_, (2,)), ValueInfo("c", np.bool_, ())], [ValueInfo("loss")],
+                 {"two": np.array(2.0)})
+
+
+def test_ifs_nested_to_the_limit_differentiate_and_one_level_more_is_refused(tmp_path):
+    # issue 39: If nested 31 deep (the most an ONNX file holds, limits.MAX_SUBGRAPH_NESTING): grad, hvp and jvp
+    # work and equal PyTorch; jacobian and hessian add a Loop around it, one level too many: exit 2, one line
+    # (they exited 3 with protobuf's "Unable to parse proto")
+    from kit.harness import one_line_error
+
+    from revgraph.cli import main
+    from revgraph.limits import MAX_SUBGRAPH_NESTING
+
+    g = _nested_ifs(MAX_SUBGRAPH_NESTING)
+    path = tmp_path / "deep.onnx"
+    rg.save(g, path)
+    x = np.array([0.3, -1.2])
+    xt = torch.tensor(x, requires_grad=True)
+    y = xt
+    for _ in range(MAX_SUBGRAPH_NESTING + 1):
+        y = torch.sin(y)
+    (want,) = torch.autograd.grad(y.sum(), xt)
+    got = rg.Session(rg.gradient(rg.load(path), "loss", wrt=["x"])).run({"x": x, "c": np.array(True)})["x_grad"]
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12)
+    for cmd in ("grad", "hvp", "jvp"):
+        assert main([cmd, str(path), "-o", str(tmp_path / f"{cmd}.onnx")]) == 0
+    for cmd in ("jacobian", "hessian"):
+        proc = subprocess.run([sys.executable, "-m", "revgraph", cmd, str(path), "-o", str(tmp_path / f"{cmd}.onnx")],
+                              capture_output=True, text=True, timeout=300)
+        one_line_error(proc.returncode, proc.stderr, "nests subgraphs 32 deep", "'basis/Loop'")
+        assert not (tmp_path / f"{cmd}.onnx").exists()
+    with pytest.raises(RevgraphError, match="nests subgraphs 32 deep"):
+        rg.save(_nested_ifs(MAX_SUBGRAPH_NESTING + 1), tmp_path / "deeper.onnx")

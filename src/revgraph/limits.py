@@ -57,6 +57,11 @@ READS_VALUES = DATA_PROPAGATING_OPS - {"Shape", "Size"}
 #: at most this many elements (about 140 bytes of protobuf each: 150 MB at most). Shape computations, what
 #: data propagation is for, read vectors of a few elements.
 MAX_PROPAGATED_ELEMENTS = 2**20
+#: The deepest nesting of subgraphs (Loop, Scan and If bodies in bodies) a model may have: protobuf parses
+#: messages at most 100 levels deep (upb's and the C++ runtime's default), and each subgraph costs three (node,
+#: attribute, graph) plus up to five for the value types inside it; onnx.load, onnx's shape inference and
+#: onnxruntime all refuse a model nested 32 deep (issue 39: the Jacobian of a model nested 31 deep adds a Loop).
+MAX_SUBGRAPH_NESTING = 31
 
 
 def read_regular_file(path: str | os.PathLike, what: str, *, max_bytes: int | None = None) -> bytes:
@@ -122,6 +127,29 @@ def _file_kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a file"
+
+
+def check_nesting(graph, what: str = "the graph") -> None:
+    """Raise :class:`RevgraphError` (one line, naming the innermost chain of nodes) when ``graph`` (a
+    :class:`revgraph.ir.Graph`) nests subgraphs deeper than :data:`MAX_SUBGRAPH_NESTING`: such a model can be
+    built in memory but not written as ONNX that anything can read back. An iterative walk."""
+    deepest: tuple[int, list[str]] = (0, [])
+    stack = [(graph, 0, [])]
+    while stack:
+        g, depth, path = stack.pop()
+        for node in g.nodes:
+            for sub in node.subgraphs.values():
+                chain = [*path, node.name or node.op_type]
+                if depth + 1 > deepest[0]:
+                    deepest = (depth + 1, chain)
+                stack.append((sub, depth + 1, chain))
+    depth, chain = deepest
+    if depth > MAX_SUBGRAPH_NESTING:
+        shown = " > ".join(repr(n) for n in (chain if len(chain) <= 4 else [*chain[:2], "...", *chain[-2:]]))
+        raise RevgraphError(f"{what} nests subgraphs {depth} deep ({shown}), more than the {MAX_SUBGRAPH_NESTING} "
+                            "levels an ONNX file can hold (protobuf reads messages at most 100 levels deep); "
+                            "flatten nested If or Loop nodes (jacobian and hessian wrap the model in one more Loop; "
+                            "hvp and jvp add no level)")
 
 
 def check_allocation(label: str, shape: tuple[int, ...], dtype: np.dtype, what: str) -> None:

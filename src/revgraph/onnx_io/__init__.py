@@ -488,7 +488,8 @@ def as_written(graph: Graph) -> Graph:
 
 
 def _ssa_to_onnx(graph: Graph, producer: str = "revgraph") -> onnx.ModelProto:
-    """:func:`to_onnx` of a graph in SSA form."""
+    """:func:`to_onnx` of a graph in SSA form (refused, one line, where protobuf could not read it back)."""
+    limits.check_nesting(graph)
     opset_imports = [helper.make_opsetid(d, v) for d, v in sorted(graph.opsets.items())]
     model = helper.make_model(graph_to_proto(graph), opset_imports=opset_imports, producer_name=producer)
     model.producer_version = __version__

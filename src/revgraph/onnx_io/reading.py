@@ -28,7 +28,7 @@ from onnx import AttributeProto, TensorProto, helper, numpy_helper
 from ..errors import GraphError, RevgraphError
 from ..ir import Graph
 from ..ir.schema import get_schema
-from ..limits import MAX_MODEL_BYTES, check_regular_file, read_regular_file
+from ..limits import MAX_MODEL_BYTES, MAX_SUBGRAPH_NESTING, check_regular_file, read_regular_file
 
 #: Attributes that hold axes of a tensor (ONNX's checks take them as 32-bit integers).
 _AXIS_ATTRS = frozenset({"axis", "axes", "perm", "batch_axis", "time_axis"})
@@ -54,7 +54,8 @@ def parse_model(data: bytes, label: str) -> onnx.ModelProto:
         model.ParseFromString(data)
     except Exception as exc:  # protobuf's DecodeError and friends
         raise RevgraphError(f"{label} is not a readable ONNX model (protobuf parse failed: {type(exc).__name__}); "
-                            "is the file complete?") from None
+                            "is the file complete, and its subgraphs nested at most "
+                            f"{MAX_SUBGRAPH_NESTING} deep?") from None
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise RevgraphError(f"{label} holds no ONNX graph; is it an ONNX model file?")
     return model

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import onnx
 
+from .. import limits
 from ..ir import Graph, require_graph
 from . import _ssa_to_onnx, as_written, fill_nodes, fill_value_info
 from .part_check import PartCheck
@@ -33,6 +34,7 @@ def prepared(graph: Graph) -> Graph | None:
     ``None`` when it cannot be written in pieces: a graph output without a dtype, which ``to_onnx`` types from
     ONNX shape inference of the whole model. Raises what ``to_onnx`` raises."""
     require_graph(graph, "prepared")
+    limits.check_nesting(graph)  # (pieces() writes the nodes apart from the skeleton, which holds none)
     if any(vi.kind == "tensor" and vi.dtype is None for vi in graph.outputs):
         return None
     return as_written(graph)
