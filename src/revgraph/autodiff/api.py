@@ -19,7 +19,7 @@ from ..onnx_io.value_types import infer_types, keep_types
 from ..tools.lift import lift_constants as lift
 from ..warn import warn
 from . import sparse as sp
-from .arguments import names_argument, refuse_integer_loss, resolve_loss, resolve_wrt, used_names
+from .arguments import names_argument, refuse_integer_loss, resolve_loss, resolve_wrt, suggest, used_names
 from .backward import backward
 from .context import Grad, Options
 from .emitter import Emitter
@@ -32,7 +32,8 @@ from .sparse import SparseGrad
 
 @V.arguments(graph=V.GRAPH, loss=V.NAME, wrt=V.NAMES, seed=V.choice("ones", "input"),
              unconnected=V.choice("zero", "error"), sparse=V.FLAG, accumulate=V.choice("sum", "running"),
-             checkpoint=V.POLICY, lift_constants=V.FLAG, straight_through=V.FLAG, memory=V.BUDGET)
+             checkpoint=V.POLICY, lift_constants=V.FLAG, straight_through=V.FLAG, memory=V.BUDGET,
+             finite_inputs=V.NAMES)
 def gradient(
     graph: Graph,
     loss: str | None = None,
@@ -46,6 +47,7 @@ def gradient(
     lift_constants: bool = False,
     straight_through: bool = False,
     memory: float | int | Budget | str | None = None,  # noqa: PYI041 (an int is a byte count, a float a fraction)
+    finite_inputs: Iterable[str] | str = (),
 ) -> Graph:
     """A graph computing ``graph``'s outputs and the gradient of ``loss`` with respect to each ``wrt`` value.
 
@@ -68,6 +70,9 @@ def gradient(
     where that keeps fewer bytes; a float in [0, 1] keeps at most that fraction of the default's bytes, an int
     at most that many bytes, or a :class:`~.memory.Budget` (which may size symbolic dimensions), recomputing
     forward nodes inside the backward graph at the least FLOPs found. The plan is ``result.memory_plan``.
+    ``finite_inputs``: graph inputs the caller guarantees finite (no inf or NaN element), so that the
+    strong-zero analysis (DESIGN section 5) need not follow them: a :class:`revgraph.Trainer`'s parameters,
+    which it never steps with once one is non-finite. Other inputs may hold inf or NaN (masks, padding).
 
     Raises :class:`RevgraphError` (one line) for an unknown, ambiguous or non-floating name, and
     :class:`GraphError` for operators without a VJP rule on the path.
@@ -100,8 +105,13 @@ def gradient(
             types[seed_name] = ValueInfo(seed_name, vi.dtype, vi.shape, vi.kind)
             ys[loss] = seed_name
         e = Emitter(types, used, g.opset)
+        finite = names_argument(finite_inputs, "finite_inputs")
+        unknown = [n for n in finite if n not in g.input_names]
+        if unknown:
+            raise RevgraphError(f"finite_inputs names {', '.join(map(repr, unknown))}, not an input of the graph"
+                                f"{suggest(unknown[0], set(g.input_names))}")
         options = Options(checkpoint=parse_policy(checkpoint), straight_through=bool(straight_through),
-                          accumulate=accumulate)
+                          accumulate=accumulate, finite_inputs=frozenset(finite))
         _, grad_map = backward(g, ys, wrt_names, types=types, emitter=e, options=options)
 
         missing = [w for w in wrt_names if w not in grad_map]

@@ -41,6 +41,7 @@ from .emitter import Emitter
 from .finite import nonfinite_cotangents, nonfinite_values
 from .loops.lower import lower_to_loops
 from .node_checks import check_nodes
+from .ranges import refined_nodes
 from .registry import NOT_DIFFERENTIABLE, get_rule
 from .sparse import SparseGrad
 
@@ -206,14 +207,17 @@ def backward(
     # the forward values that may be inf or NaN, also without strong zeros: rules mask such values by what the
     # forward selects (a loss reads only labelled log-probabilities), which is linear in the cotangent, and
     # forward mode transposes that VJP (issue 27: its JVP was NaN where the gradient was not)
-    risky = nonfinite_values(graph.nodes, e.values, types, inputs=graph.input_names)
+    refined = refined_nodes(graph.nodes, e.values)  # Sqrt, Div, Pow, ... kept away from their singular points
+    inputs = [i for i in graph.input_names if i not in options.finite_inputs]
+    risky = nonfinite_values(graph.nodes, e.values, types, inputs=inputs, refined=refined)
     seeds = dict.fromkeys(ys) if options.tangents else ys
     unsafe, singular = set(), set()
     if options.strong_zeros:
-        unsafe = nonfinite_cotangents(nodes, seeds, e.values, risky, types)
+        unsafe = nonfinite_cotangents(nodes, seeds, e.values, risky, types, refined)
         # infinite even where every forward value is finite (Sqrt's at 0): where a zero partial stops them
-        singular = unsafe if options.tangents else _singular(nodes, ys, wrt, e.values, types, options.seeds_singular)
-    shared = {"risky": frozenset(risky), "reach": frozenset(reach), "options": options,
+        singular = unsafe if options.tangents else _singular(nodes, ys, wrt, e.values, types, options.seeds_singular,
+                                                             refined)
+    shared = {"risky": frozenset(risky), "reach": frozenset(reach), "options": options, "refined": refined,
               "backward": _subgraph_pass(e), "producers": MappingProxyType(producers)}
     grad_map: dict[str, Grad] = {}
     for node in reversed(nodes):
@@ -245,13 +249,14 @@ def backward(
 
 
 def _singular(nodes: list[Node], ys: Mapping[str, str | None], wrt: list[str], values: Mapping, types: dict,
-              seeds_singular: bool) -> set[str]:
+              seeds_singular: bool, refined: frozenset[int]) -> set[str]:
     """The values whose cotangents may be infinite at finite forward values (:func:`nonfinite_cotangents` without
     the forward values' risk). Seeds that are not may still become so in a loop body: a body whose VJP makes
     the cotangent of a wrt value (a carried value) singular feeds it back as the next iteration's seed."""
-    found = nonfinite_cotangents(nodes, ys if seeds_singular else dict.fromkeys(ys), values, frozenset(), types)
+    found = nonfinite_cotangents(nodes, ys if seeds_singular else dict.fromkeys(ys), values, frozenset(), types,
+                                 refined)
     if not seeds_singular and not found.isdisjoint(wrt):
-        found = nonfinite_cotangents(nodes, ys, values, frozenset(), types)
+        found = nonfinite_cotangents(nodes, ys, values, frozenset(), types, refined)
     return found
 
 
@@ -328,7 +333,7 @@ def _subgraph_pass(parent: Emitter):
         sub = parent.child(types, "grad")
         # the seeds are the cotangents of the body's outputs: singular where the enclosing node's (``singular``:
         # its ``ctx.singular``) are, or where the body feeds its own back (_singular); not tangents
-        inner = replace(options, tangents=False, seeds_singular=singular)
+        inner = replace(options, tangents=False, seeds_singular=singular, finite_inputs=frozenset())
         _, grads = backward(body, seeds, wrt, types=types, emitter=sub, options=inner)
         return BodyVJP(sub.nodes, grads)
 

@@ -62,6 +62,9 @@ class Options:
     straight_through: bool = False
     strong_zeros: bool = True
     tangents: bool = False
+    #: graph inputs known to hold no inf or NaN (a Trainer's parameters): not followed as possibly non-finite
+    #: by :func:`.finite.nonfinite_values` (top-level graph only: a body's inputs are its carried values)
+    finite_inputs: frozenset[str] = frozenset()
     #: may the seeds be infinite at finite forward values (:attr:`Ctx.singular`)? A loop body's or branch's
     #: seeds may not when the enclosing node's output cotangents may not (``ctx.backward(..., singular=...)``)
     seeds_singular: bool = True
@@ -146,6 +149,8 @@ class Ctx:
     nonfinite_cotangents` without the forward values' risk)? ``risky``: the forward values that may be inf or NaN. ``producers``: the node writing
     each value of the graph being differentiated. ``reach``: every value on a path from a wrt value (what a
     control-flow rule asks about captured values). ``backward``: the backward pass itself, for subgraphs.
+    ``refined``: the nodes whose operands' signs keep them finite and bounded (:mod:`.ranges`): a rule's
+    ``times(..., reads=None)`` then reads the node's own values instead of always testing ``g == 0``.
     """
 
     e: Emitter
@@ -158,6 +163,8 @@ class Ctx:
     reach: frozenset[str]
     options: Options
     backward: Callable[..., BodyVJP]
+    #: the ids of the forward nodes proven finite and bounded by their operands' signs (:mod:`.ranges`)
+    refined: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------------------------------------ values
 
@@ -205,6 +212,8 @@ class Ctx:
         primitive (:mod:`.strong`): differentiated again, it gives strong products of the right terms."""
         if not self.options.strong_zeros:
             return self.e.op("Mul", [g, d], like=like)
+        if reads is None and id(self.node) in self.refined:  # d is finite wherever the node's values are
+            reads = [v for v in [*self.node.inputs, *self.node.outputs] if v]
         tests = []
         if reads is None or self.nonfinite(*reads):
             tests.append(g)

@@ -71,13 +71,14 @@ class Risky(set):
 
 
 def nonfinite_values(nodes: list[Node], values: Mapping[str, np.ndarray], types: Mapping[str, ValueInfo],
-                     inputs: Iterable[str] | None = None) -> Risky:
+                     inputs: Iterable[str] | None = None, refined: frozenset[int] = frozenset()) -> Risky:
     """The forward values of ``nodes`` (in order) that may be inf or NaN (module doc). ``values`` holds the
     values known when the graph is built (initializers, ``Constant`` outputs); ``inputs`` the declared inputs of
     the graph, which may hold inf or NaN (default: ``values.inputs`` when the mapping has that attribute, as
-    the :class:`Emitter`'s table does, else none)."""
+    the :class:`Emitter`'s table does, else none); ``refined`` the ids of nodes proven ``finite`` and ``bounded``
+    by their operands' signs although their operator is not registered so (:func:`.ranges.refined_nodes`)."""
     memo = getattr(values, "memo", None)  # the Emitter's table keeps the last answer (backward and rules ask)
-    key = (id(nodes), len(nodes), None if inputs is None else tuple(inputs))
+    key = (id(nodes), len(nodes), None if inputs is None else tuple(inputs), refined)
     if memo is not None and memo.get("key") == key:
         return memo["risky"]
     inputs = getattr(values, "inputs", ()) if inputs is None else inputs
@@ -98,7 +99,7 @@ def nonfinite_values(nodes: list[Node], values: Mapping[str, np.ndarray], types:
         reads = ins + [i for sg in subs.values() for i in captured_names(sg)] if subs else ins
         opaque = bool(subs or node.domain)  # loops, branches and custom operators: not analysed
         unbounded = (not facts.finite and not _finite_if_static(node, facts, static)
-                     and not all(i in static for i in ins))
+                     and not all(i in static for i in ins) and id(node) not in refined)
         if opaque or unbounded or any(i in computed for i in reads):
             computed.update(outs)
         elif not facts.mixing:
@@ -135,12 +136,14 @@ def _is_discrete(vi: ValueInfo | None) -> bool:
 
 
 def nonfinite_cotangents(nodes: list[Node], ys: Mapping[str, str | None], values: Mapping[str, np.ndarray],
-                         risky: set[str] = frozenset(), types: Mapping[str, ValueInfo] | None = None) -> set[str]:
+                         risky: set[str] = frozenset(), types: Mapping[str, ValueInfo] | None = None,
+                         refined: frozenset[int] = frozenset()) -> set[str]:
     """The values among ``nodes``' inputs and outputs whose cotangent may be inf or NaN. ``nodes`` are in
     forward order; ``ys`` maps each differentiated value to its seed (``None`` for ones); a seed whose value
     is known when the graph is built (``values``: initializers, ``Constant`` outputs) counts as finite when
     all its elements are. ``risky`` are the forward values that may be non-finite (:func:`nonfinite_values`),
-    ``types`` the value types (to find narrowing casts)."""
+    ``types`` the value types (to find narrowing casts), ``refined`` the nodes proven bounded by their operands'
+    signs (:func:`.ranges.refined_nodes`)."""
 
     def finite_seed(seed: str | None) -> bool:
         return seed is None or (seed in values and bool(np.all(np.isfinite(values[seed]))))
@@ -150,7 +153,7 @@ def nonfinite_cotangents(nodes: list[Node], ys: Mapping[str, str | None], values
     unsafe = {y for y, seed in ys.items() if not finite_seed(seed)}
     for node in reversed(nodes):
         facts = _facts(node)
-        if (not facts.bounded or facts.casts and _narrowing(node, types)
+        if (not facts.bounded and id(node) not in refined or facts.casts and _narrowing(node, types)
                 or any(o in unsafe for o in node.outputs if o)):
             unsafe.update(i for i in node.inputs if i)
             for sg in node.subgraphs.values():

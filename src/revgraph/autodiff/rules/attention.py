@@ -493,7 +493,7 @@ class _Attention:
         return e.reduce_to(g, m)
 
 
-@vjp("Attention", bounded=False, finite=False)
+@vjp("Attention", bounded=True, finite=True, reads="all", mixing=True)
 def attention(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Attention" (opsets 23-25); see the module docstring for the math, the masks and the zeros."""
     a = _Attention(ctx, node, cts)

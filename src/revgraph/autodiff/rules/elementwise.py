@@ -93,6 +93,11 @@ def pow_(ctx: Ctx, node: Node, cts: list) -> list:
         return [None, None]
 
     def gx() -> Val:  # p * x^(p-1), taken as 0 where p == 0 (x^0 is constant, also at x = 0)
+        pv, dt = ctx.value(p.name), ctx.e.dtype(x.name)
+        if pv is not None and dt is not None and np.asarray(pv).size == 1 and float(np.asarray(pv)) != 0:
+            k = float(np.asarray(pv))  # a constant exponent (RMSNorm's 2): no test, and x itself for p = 2
+            d = x * k if k == 2 else x ** np.asarray(k - 1, dt) * k
+            return g.times(d, like=y).reduce_to(x)
         pc = p.cast_like(x)
         return g.times(where(pc.eq(0), 0, pc * x ** (pc - 1)), like=y).reduce_to(x)
 
