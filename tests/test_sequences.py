@@ -383,6 +383,60 @@ def test_carried_sequence_rebuilt_each_iteration_is_refused():
         rg.gradient(g, wrt=["w"])
 
 
+def _reads_everything_written(variant: str, initial: str) -> Graph:
+    """tensorflow#13983's pattern: each iteration appends h to the carried sequence S, then reads all of S back,
+    ``ConcatFromSequence`` (``variant="concat"``: h' = tanh(w * sum of S's elements)) or ``SequenceLength`` and
+    ``SequenceAt`` over every position in an inner Loop (``"at"``: h' = tanh(w * sum of their squares)); S
+    starts empty or as ``[w]`` (``initial``); 4 iterations, loss = sum(h)."""
+    if variant == "concat":
+        reads = [nd("ConcatFromSequence", ["s_out"], "all", axis=0, new_axis=1),
+                 nd("ReduceSum", ["all", "ax0"], "tot", keepdims=0)]
+    else:
+        inner = Graph([nd("SequenceAt", ["s_out", "j"], "item"), nd("Mul", ["item", "item"], "sq"),
+                       nd("Add", ["acc_in", "sq"], "acc_out"), nd("Identity", ["c_in"], "c_out")],
+                      [ValueInfo("j", np.int64, ()), ValueInfo("c_in", np.bool_, ()), ValueInfo("acc_in", F64, (2,))],
+                      [ValueInfo("c_out", np.bool_, ()), ValueInfo("acc_out", F64, (2,))])
+        reads = [nd("SequenceLength", ["s_out"], "n"), nd("Loop", ["n", "", "zeros"], ["tot"], "inner", body=inner)]
+    body = Graph([nd("SequenceInsert", ["s_in", "h_in"], "s_out"), *reads, nd("Mul", ["tot", "w"], "m"),
+                  nd("Tanh", ["m"], "h_out"), nd("Identity", ["cond_in"], "cond_out")],
+                 [ValueInfo("i", np.int64, ()), ValueInfo("cond_in", np.bool_, ()), ValueInfo("h_in", F64, (2,)),
+                  ValueInfo("s_in", F64, (2,), "sequence")],
+                 [ValueInfo("cond_out", np.bool_, ()), ValueInfo("h_out", F64, (2,)),
+                  ValueInfo("s_out", F64, (2,), "sequence")])
+    first = nd("SequenceEmpty", [], "s0", dtype=onnx.TensorProto.DOUBLE) if initial == "empty" else \
+        nd("SequenceConstruct", ["w"], "s0")
+    return graph([first, nd("Loop", ["T", "", "x", "s0"], ["hT", "sT"], "loop", body=body),
+                  nd("ReduceSum", ["hT"], "loss", keepdims=0)],
+                 {"x": np.zeros(2), "w": np.zeros(2)}, ["loss"],
+                 {"T": i64(4), "ax0": i64([0]), "zeros": np.zeros(2)})
+
+
+@pytest.mark.parametrize("policy", ["store", "recompute", "sqrt"])
+@pytest.mark.parametrize("initial", ["empty", "construct"])
+@pytest.mark.parametrize("variant", ["concat", "at"])
+def test_a_body_reading_back_its_whole_carried_sequence(variant, initial, policy):
+    # issue 39: reverse mode refused these (the backward body needs the sequence of every iteration); the
+    # sequence is rebuilt from the stack of what was appended, and the gradients equal the unrolled loop's
+    g = _reads_everything_written(variant, initial)
+    x, w = np.array([0.3, -0.2]), np.array([0.5, 0.7])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sqrt: a loop carrying a sequence is differentiated with recompute
+        gg = rg.gradient(g, "loss", wrt=["x", "w"], checkpoint=policy)
+    got = rg.Session(gg).run({"x": x, "w": w})
+    tx, tw = (torch.tensor(v, requires_grad=True) for v in (x, w))
+    seq, h = ([] if initial == "empty" else [tw]), tx
+    for _ in range(4):
+        seq.append(h)
+        h = torch.tanh(tw * (torch.stack(seq).sum(0) if variant == "concat" else sum(e * e for e in seq)))
+    h.sum().backward()
+    np.testing.assert_allclose(got["x_grad"], tx.grad.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(got["w_grad"], tw.grad.numpy(), rtol=1e-12)
+    if policy == "store":  # forward mode agrees (it carried (value, tangent) pairs already)
+        t = {"x_tangent": np.array([1.0, -0.5]), "w_tangent": np.array([0.25, 2.0])}
+        jv = rg.Session(rg.jvp(g, outputs=["loss"], inputs=["x", "w"])).run({"x": x, "w": w, **t})["loss_tangent"]
+        np.testing.assert_allclose(jv, got["x_grad"] @ t["x_tangent"] + got["w_grad"] @ t["w_tangent"], rtol=1e-12)
+
+
 def test_growing_elements_read_from_a_carried_sequence_are_refused():
     # each new element doubles the last one's length: a value read from the carried sequence has no fixed shape,
     # so neither it nor the sequence can be kept per iteration

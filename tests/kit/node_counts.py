@@ -4,7 +4,9 @@ make the backward graphs of the bench models and of every operator's node tests 
 ``python -m kit.node_counts`` (from ``tests/``) writes ``tests/data/gradient_node_counts.json`` from the rules
 as they are; :mod:`test_gradient_node_counts` compares each count against it (equal or smaller passes). Write
 the file again only when a change makes a graph smaller on purpose, or adds an operator, and say so in the
-commit.
+commit. Besides the node counts (``bench/<model>``, ``node/<test>``) it holds the guard nodes (``Equal``,
+``Or``, ``Where``, ``IsInf``, ``IsNaN`` the backward pass emitted, issue 39) of each bench model
+(``guards/bench/<model>``) and of all node tests together (``guards/node``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ import revgraph as rg
 COUNTS = Path(__file__).resolve().parent.parent / "data" / "gradient_node_counts.json"
 #: the bench's step models (bench/models.py) at a small batch, differentiated with respect to their parameters
 BENCH_MODELS = ("mlp", "cnn", "transformer", "rnn")
+
+
+GUARDS = ("Equal", "Or", "Where", "IsInf", "IsNaN")
+
+
+def guard_count(graph: rg.Graph) -> int:
+    """The guard nodes among ``graph``'s backward nodes (named ``grad/...``), subgraphs included."""
+    return sum(1 for _, n in graph.walk() if n.op_type in GUARDS and n.name.startswith("grad/"))
 
 
 def node_count(graph: rg.Graph) -> int:
@@ -50,6 +60,7 @@ def bench_counts(out_dir: str) -> dict[str, int]:
             warnings.simplefilter("ignore")
             gg = rg.gradient(g, out, [p for p in info["params"] if p in g.initializers])
         counts[f"bench/{name}"] = node_count(gg)
+        counts[f"guards/bench/{name}"] = guard_count(gg)
     return counts
 
 
@@ -58,7 +69,7 @@ def case_counts() -> dict[str, int]:
     losses and wrt values as :func:`kit.node_cases.prepare` makes them; cases it skips are left out)."""
     from kit.node_cases import CASES, Skip, prepare
 
-    counts = {}
+    counts = {"guards/node": 0}
     for name in CASES:
         try:
             prep = prepare(CASES[name])
@@ -71,6 +82,7 @@ def case_counts() -> dict[str, int]:
             except rg.RevgraphError:
                 continue
         counts[f"node/{name}"] = node_count(gg)
+        counts["guards/node"] += guard_count(gg)
     return counts
 
 

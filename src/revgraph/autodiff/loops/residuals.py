@@ -18,7 +18,13 @@ backward iteration for forward iteration t gets it, keeping every distinct value
   only ``h_out`` is stacked and ``h_in`` at iteration t is row t - 1 of that stack, or the initial value at
   t = 0; when the body scans ``h_in`` out, ``h_out`` at t is row t + 1 of it, or the loop's final value at
   t = T - 1. The trip count T is the forward loop's (early exit included), so this holds however the loop
-  stopped; a loop of zero iterations runs no backward iteration.
+  stopped; a loop of zero iterations runs no backward iteration;
+* **rebuilt** (:attr:`Plan.rebuilt`): a loop-carried sequence that the body only appends to
+  (``S_out = SequenceInsert(S_in, x)``, no position) is at iteration t its initial value followed by ``x`` of
+  iterations 0 .. t - 1. A sequence cannot be stacked, but ``x`` can: the backward body rebuilds ``S_in`` from
+  the rows ``0 .. t - 1`` of ``x``'s stack with an inner ``Loop`` of ``SequenceInsert`` (tensorflow#13983's
+  pattern: a body that reads back everything it wrote, ``ConcatFromSequence`` or ``SequenceAt`` over every
+  position; O(t) inserts per backward iteration, as the forward's own reads are O(t)).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import GraphError
-from ...ir import Node, ValueInfo
+from ...ir import Graph, Node, ValueInfo
 from ...ir.ssa import captured_names
 from ..accumulate import is_sequence
 from ..context import ForwardPatch
@@ -69,6 +75,8 @@ class Plan:
     read: list[str] = field(default_factory=list)  # body values read back at row t of their stack
     shifted: list[Shift] = field(default_factory=list)
     rerun: list[Node] = field(default_factory=list)  # body nodes recomputed, in body order
+    #: carried sequence -> (the appended body value, stacked; the sequence's initial value, an enclosing one)
+    rebuilt: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def plan_residuals(p: LoopParts, needed: list[str], policy: CheckpointPolicy,
@@ -98,6 +106,7 @@ class _Planner:
         self.carried_in: dict[str, None] = {}  # body inputs needed (loop-carried values)
         self.rerun: set[int] = set()
         self.seen: set[str] = set()
+        self.rebuilt: dict[str, tuple[str, str]] = {}
 
     def _free_values(self) -> set[str]:
         """Body values that depend only on the iteration number, the condition (true in every iteration that
@@ -130,6 +139,12 @@ class _Planner:
                     plan.reused[s.source] = user[s.source]
                 else:
                     plan.stacked.append(s.source)
+        for x, _ in self.rebuilt.values():  # the appended values' whole stacks (rows 0 .. t - 1)
+            if x not in user and x not in plan.stacked:
+                plan.stacked.append(x)
+            elif x in user:
+                plan.reused[x] = user[x]
+        plan.rebuilt = dict(self.rebuilt)
         plan.rerun = [nd for nd in self.body.nodes if id(nd) in self.rerun]
         return plan
 
@@ -147,11 +162,14 @@ class _Planner:
             nd = self.producer.get(v)
             vi = types.get(v)
             if nd is None:
+                if v in self.inputs and vi is not None and vi.kind == "sequence" and self._rebuild(v):
+                    continue
                 if v in self.inputs and vi is not None and vi.kind == "sequence":
                     raise GraphError(
                         f"the backward pass of a loop body needs the loop-carried sequence {v!r} of every iteration, "
-                        "and a sequence cannot be stacked per iteration; revgraph supports loop-carried sequences "
-                        "whose elements are only appended, erased and read (the cotangent then needs no copy of them)"
+                        "and a sequence cannot be stacked per iteration; revgraph rebuilds a carried sequence that "
+                        "the body only appends to (SequenceInsert without a position) from its appended tensors, "
+                        "and needs no copy of one whose elements are only appended, erased and read"
                     )
                 if v in self.inputs and v not in (p.iter_in, p.cond_in):  # those two are bound in the backward body
                     self.carried_in.setdefault(v)
@@ -166,6 +184,21 @@ class _Planner:
                 self.kept.setdefault(v)
             else:
                 self._recompute(nd, want)
+
+    def _rebuild(self, v: str) -> bool:
+        """Plan carried sequence ``v`` as rebuilt (module doc) when the body only appends a stackable tensor to it
+        and its initial value is an enclosing value the backward body can read."""
+        p = self.p
+        j = p.v_in.index(v) if v in p.v_in else -1
+        if j < 0:
+            return False
+        nd = self.producer.get(self._canonical(p.v_out[j]))
+        init = p.node.inputs[2 + j] if 2 + j < len(p.node.inputs) else ""
+        if (nd is None or nd.op_type != "SequenceInsert" or nd.domain or nd.inputs[0] != v
+                or len(nd.inputs) > 2 and nd.inputs[2] or not self._outer(init) or not self._stackable(nd.inputs[1])):
+            return False
+        self.rebuilt[v] = (nd.inputs[1], init)
+        return True
 
     def _recompute(self, nd: Node, want: list[str]) -> None:
         if id(nd) not in self.rerun:
@@ -363,7 +396,31 @@ def emit_plan(e: Emitter, eb: Emitter, p: LoopParts, plan: Plan, t: str, trips: 
             neighbour = eb.op("Gather", [stacks[s.source], row], axis=0, dtype=vi.dtype, shape=vi.shape)
             eb.nodes.append(Node("Where", [edge, s.boundary, neighbour], [s.value], name=eb.fresh(
                 f"grad/{name}/shift/{s.value}")))
+    for seq, (x, init) in plan.rebuilt.items():
+        _rebuild_sequence(eb, p, seq, stacks[x], init, t)
     eb.nodes += [nd.copy() for nd in plan.rerun]
+
+
+def _rebuild_sequence(eb: Emitter, p: LoopParts, seq: str, stack: str, init: str, t: str) -> None:
+    """Emit, in the backward body ``eb``, the carried sequence ``seq`` at forward iteration ``t``: ``init``
+    with rows ``0 .. t - 1`` of ``stack`` appended, by a ``Loop`` of ``t`` iterations (module doc, "rebuilt")."""
+    name = p.node.name
+    with eb.scope(f"grad/{name}/rebuild/{seq}"):
+        inner = eb.child(eb.types, f"grad/{name}/rebuild/{seq}")
+        k, cond = inner.fresh(f"{inner.prefix}/k"), inner.fresh(f"{inner.prefix}/cond")
+        s_in = inner.fresh(f"{inner.prefix}/in")
+        vi = p.types[seq]
+        inner.types[s_in] = ValueInfo(s_in, vi.dtype, vi.shape, "sequence")
+        row = inner.op("Gather", [stack, k], axis=0)
+        s_out = inner.op("SequenceInsert", [s_in, row])
+        inner.types[s_out] = ValueInfo(s_out, vi.dtype, vi.shape, "sequence")
+        keep = inner.op("Identity", [cond], shape=(), dtype=BOOL)
+        body = Graph(inner.nodes, [ValueInfo(k, I64, ()), ValueInfo(cond, BOOL, ()), ValueInfo(s_in, vi.dtype,
+                                                                                               vi.shape, "sequence")],
+                     [ValueInfo(keep, BOOL, ()), ValueInfo(s_out, vi.dtype, vi.shape, "sequence")],
+                     name=inner.fresh(f"{inner.prefix}/body").replace("/", "_"))
+    eb.nodes.append(Node("Loop", [t, "", init], [seq], {"body": body}, eb.fresh(f"grad/{name}/rebuild/{seq}")))
+    eb.types[seq] = ValueInfo(seq, vi.dtype, vi.shape, "sequence")
 
 
 def stack_residual(e: Emitter, p: LoopParts, r: str, patch: ForwardPatch, rows: int | None) -> str:
