@@ -48,6 +48,16 @@ def _standardize(x, axis: int, eps: float):
     return (x - m) / torch.sqrt(((x - m) ** 2).mean(axis, keepdim=True) + eps)
 
 
+def _prod(x):
+    # the product along the first axis as a chain of multiplications: torch.prod's own backward special-cases
+    # zeros and its third derivative at two zeros is wrong (torch 2.13: d3/dx0 dx2 dx1 of x0 x1 x2 at [0, 0, 3]
+    # is 0, where it is 1, and not symmetric)
+    out = x[0]
+    for row in x[1:]:
+        out = out * row
+    return out
+
+
 # name -> (nodes, inputs, constants, opset, torch function of the inputs in order)
 CASES = {
     # the two examples: a zero partial derivative (d == 0) behind Sqrt, and ReduceProd at a zero
@@ -55,9 +65,15 @@ CASES = {
                               _sum("s")], {"x": [0.0, 1.0, 2.0]}, {"one": 1.0}, 21,
                              lambda x: torch.sqrt(x * x + 1).sum()),
     "reduce_prod_one_zero": ([("Mul", ["x", "x"], "xx", {}), ("ReduceProd", ["xx"], "loss", {"keepdims": 0})],
-                             {"x": [0.0, 2.0, 3.0]}, {}, 21, lambda x: torch.prod(x * x)),
+                             {"x": [0.0, 2.0, 3.0]}, {}, 21, lambda x: _prod(x * x)),
     "reduce_prod_two_zeros": ([("ReduceProd", ["x"], "loss", {"keepdims": 0})], {"x": [0.0, 0.0, 3.0]}, {}, 21,
-                              lambda x: torch.prod(x)),
+                              lambda x: _prod(x)),
+    # over axes 0 and 2 of [2, 2, 3], keepdims=0: group 0 holds three zeros, group 1 one
+    "reduce_prod_axes_three_zeros": ([("ReduceProd", ["x", "axes"], "p", {"keepdims": 0}), ("Mul", ["p", "w"], "pw", {}),
+                                      _sum("pw")],
+                                     {"x": [[[0.0, 2.0, 0.5], [1.0, 3.0, 2.0]], [[0.0, 1.5, 1.0], [0.0, -1.0, 0.5]]]},
+                                     {"axes": np.array([0, 2], np.int64), "w": [1.0, -2.0]}, 21,
+                                     lambda x: (_prod(x.permute(1, 0, 2).reshape(2, 6).T) * T([1.0, -2.0])).sum()),
     # a zero cotangent: a stationary point (the gradient is 0 there, its derivative is not)
     "sqrt_at_a_minimum": ([("Sqrt", ["x"], "s", {}), ("Sub", ["s", "one"], "d", {}), ("Mul", ["d", "d"], "dd", {}),
                            _sum("dd")], {"x": [1.0, 4.0]}, {"one": 1.0}, 21,
@@ -181,7 +197,7 @@ def test_hvp_at_exact_zeros(name):
         np.testing.assert_allclose(out[f"{a}_hvp"], expected, rtol=1e-7, atol=1e-10, err_msg=a)
 
 
-THIRD = ["sqrt_at_zero_partial", "reduce_prod_one_zero", "log_at_a_minimum", "reciprocal_at_zero_partial",
+THIRD = ["sqrt_at_zero_partial", "reduce_prod_one_zero", "reduce_prod_two_zeros", "reduce_prod_axes_three_zeros", "log_at_a_minimum", "reciprocal_at_zero_partial",
          "cumprod", "softmax_zero_weights"]
 
 

@@ -111,20 +111,59 @@ def reduce_max_min(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
 @unary("ReduceProd", bounded=False, finite=False)
 def reduce_prod(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx_i = dy * prod_{j != i} x_j`` (ONNX "ReduceProd"; PyTorch's ``prod_backward``), computed without
-    dividing by zero: with ``S = where(x == 0, 1, x)`` and ``Z`` the zero elements, the product of the others
-    is ``(prod S / S_i) * prod_{k in Z, k != i} x_k``; the second factor is 1 when no other element is zero,
-    ``x_k`` (value 0, derivative 1) when exactly one other ``x_k`` is, and 0 otherwise. Value and first
-    derivative are exact at zeros too, so second derivatives are right."""
-    x = ctx.val(x)
-    is_zero = x.eq(0)
-    safe = where(is_zero, 1, x)
-    zeros_only = where(is_zero, x, 0)  # the zero elements themselves, for their derivative
-    zmask = is_zero.cast_like(x)
-    others_safe = reduce_like(ctx, node, "ReduceProd", safe) / safe
-    other_zeros = reduce_like(ctx, node, "ReduceSum", zmask) - zmask
-    lone_zero = reduce_like(ctx, node, "ReduceSum", zeros_only) - zeros_only
-    factor = where(other_zeros.eq(0), 1, where(other_zeros.eq(1), lone_zero, 0))
-    return keep(ctx, node, g).times(others_safe * factor, like=x)  # the product of the others may overflow
+    dividing by zero. When the reduced axes and their sizes are known while the graph is built, the product of
+    the others is the product of the exclusive prefix and suffix products along the reduced elements
+    (:func:`_others`: products only, a polynomial in ``x``, so every derivative is exact at any number of zeros,
+    issue 39). Otherwise, with ``S = where(x == 0, 1, x)`` and ``Z`` the zero elements, it is ``(prod S / S_i) *
+    prod_{k in Z, k != i} x_k``; the second factor is 1 when no other element is zero, ``x_k`` (value 0,
+    derivative 1) when exactly one other ``x_k`` is, and 0 otherwise: value and first derivative exact at any
+    number of zeros, higher ones with at most one."""
+    xv = ctx.val(x)
+    others = _others(ctx, node, xv)
+    if others is None:
+        is_zero = xv.eq(0)
+        safe = where(is_zero, 1, xv)
+        zeros_only = where(is_zero, xv, 0)  # the zero elements themselves, for their derivative
+        zmask = is_zero.cast_like(xv)
+        others_safe = reduce_like(ctx, node, "ReduceProd", safe) / safe
+        other_zeros = reduce_like(ctx, node, "ReduceSum", zmask) - zmask
+        lone_zero = reduce_like(ctx, node, "ReduceSum", zeros_only) - zeros_only
+        others = others_safe * where(other_zeros.eq(0), 1, where(other_zeros.eq(1), lone_zero, 0))
+    return keep(ctx, node, g).times(others, like=x)  # the product of the others may overflow
+
+
+def _others(ctx: Ctx, node: Node, x: Val) -> Val | None:
+    """``prod_{j != i} x_j`` over each reduced group, as ``prefix_i * suffix_i`` (the exclusive products before
+    and after element i in the group's row-major order), by ``ceil(log2 n)`` doubling steps each (Hillis and
+    Steele's scan, as :func:`_affine_scan`); the reduced axes are moved last and flattened into one. ``None``
+    when the axes or the input's shape are not known while the graph is built."""
+    e = ctx.e
+    shape, axes = e.shape(x.name), reduced_axes(e, node)
+    av = None if axes is None else e.value(axes)
+    if shape is None or axes is not None and av is None or is_noop(e, node):
+        return None
+    r = len(shape)
+    red = sorted({int(a) % r for a in np.asarray(av).reshape(-1)}) if av is not None else list(range(r))
+    kept = [a for a in range(r) if a not in red]
+    perm = kept + red
+    n = int(np.prod([shape[a] for a in red], dtype=np.int64))
+    if r == 0 or n == 0:
+        return None
+    flat = (*[shape[a] for a in kept], n)
+    v = x if perm == list(range(r)) else x.transpose(perm)
+    v = v.reshape(list(flat))
+    axis, rank = len(flat) - 1, len(flat)
+
+    def scan(later: bool) -> Val:  # exclusive products from the front (later=False) or the back
+        acc = ctx.val(_shift(e, v.name, 1, axis, rank, later, 1.0))
+        d = 1
+        while d < n:
+            acc = acc * ctx.val(_shift(e, acc.name, d, axis, rank, later, 1.0))
+            d *= 2
+        return acc
+
+    others = (scan(False) * scan(True)).reshape([shape[a] for a in perm])
+    return others if perm == list(range(r)) else others.transpose([perm.index(a) for a in range(r)])
 
 
 @unary("ReduceSumSquare", bounded=True, finite=True, reads="all")
