@@ -23,7 +23,7 @@ import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo
 
 F64 = np.float64
-T = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+T = lambda v: torch.tensor(v, dtype=torch.float64)
 
 
 def _graph(nodes: list[tuple], inputs: dict[str, np.ndarray], consts: dict | None = None, opset: int = 21) -> Graph:
@@ -192,7 +192,7 @@ def test_hvp_at_exact_zeros(name):
     rng = np.random.default_rng(39)
     tangents = {x: rng.standard_normal(v.shape) for x, v in feeds.items()}
     out = zeros.run(rg.hvp(g, "loss", list(feeds)), {**feeds, **{f"{x}_tangent": t for x, t in tangents.items()}})
-    for a, va in feeds.items():
+    for a in feeds:
         expected = sum(np.tensordot(want[a, b], tangents[b], axes=tangents[b].ndim) for b in feeds)
         np.testing.assert_allclose(out[f"{a}_hvp"], expected, rtol=1e-7, atol=1e-10, err_msg=a)
 

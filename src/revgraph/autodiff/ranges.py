@@ -39,10 +39,11 @@ from ..ir import Node
 
 POSITIVE, NONNEG = 2, 1  # the sign lattice: positive implies nonneg; 0 claims nothing
 
-#: operators that only move, repeat or select elements of their first input: its sign passes through
+#: operators that only move, repeat or select elements of their first input, or take a mean or an extremum of
+#: them: its sign passes through
 _MOVES = frozenset({"Identity", "Reshape", "Expand", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Slice",
-                    "Gather", "GatherElements", "GatherND", "Tile", "Cast", "CastLike", "ReduceMax", "ReduceMin",
-                    "ReduceMean", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"})
+                    "Gather", "GatherElements", "GatherND", "Tile", "ReduceMax", "ReduceMin", "ReduceMean",
+                    "MaxPool", "GlobalAveragePool", "GlobalMaxPool"})
 #: operators whose results are >= 0 whatever their inputs (NaN aside)
 _NONNEG = frozenset({"Abs", "Relu", "Exp", "Sigmoid", "Softmax", "ReduceSumSquare", "ReduceL1", "ReduceL2",
                      "Softplus", "HardSigmoid"})
@@ -66,18 +67,18 @@ def _add(node: Node, s: list[int], value) -> int:
 
 
 def _mul(node: Node, s: list[int], value) -> int:
-    if len(node.inputs) == 2 and node.inputs[0] == node.inputs[1]:  # x * x
-        return max(NONNEG, min(s))
-    return min(s) if all(s) else 0
+    # never positive: a product of two small positive values may underflow to 0
+    if len(node.inputs) == 2 and node.inputs[0] == node.inputs[1] or all(s):  # x * x, or nonneg factors
+        return NONNEG
+    return 0
 
 
 def _pow(node: Node, s: list[int], value) -> int:
     p = value(node.inputs[1]) if len(node.inputs) > 1 else None
     if p is None or np.asarray(p).size == 0 or not np.all(np.isfinite(p)):
         return 0
-    if s[0] == POSITIVE:  # x >= c > 0: x^p >= c^p > 0 for p > 0; only > 0 for p <= 0 (x may grow)
-        return POSITIVE if np.all(np.asarray(p) > 0) else NONNEG
-    if _even_integer(p) or s[0] == NONNEG and np.all(np.asarray(p) >= 0):
+    # never positive: c^p may underflow to 0
+    if s[0] == POSITIVE or _even_integer(p) or s[0] == NONNEG and np.all(np.asarray(p) >= 0):
         return NONNEG
     return 0
 
@@ -102,13 +103,17 @@ def _moves(node: Node, s: list[int], value) -> int:
     return s[0]
 
 
+def _cast(node: Node, s: list[int], value) -> int:
+    return min(s[0], NONNEG)  # a narrower type may round a small positive value to 0
+
+
 def _reduce_sum(node: Node, s: list[int], value) -> int:
     return NONNEG if s[0] else 0  # an empty sum is 0: never positive
 
 
 _SIGN_RULES: dict[str, Callable[[Node, list[int], Callable], int]] = {
     "Add": _add, "Sum": _add, "Mul": _mul, "Pow": _pow, "Sqrt": _sqrt, "Div": _div, "Reciprocal": _reciprocal,
-    "Max": _max, "ReduceSum": _reduce_sum, **dict.fromkeys(_MOVES, _moves),
+    "Max": _max, "ReduceSum": _reduce_sum, "Cast": _cast, "CastLike": _cast, **dict.fromkeys(_MOVES, _moves),
 }
 
 
