@@ -339,6 +339,37 @@ def test_an_output_whose_external_data_would_be_an_input(inputs, tmp_path, capsy
     assert data.read_bytes() == before and _listing(tmp_path) == {"t.onnx.data", "a.onnx.data"}
 
 
+@pytest.mark.parametrize("how", ["name", "dotdot", "hard link", "symlink", "test data", "static", "weights"])
+@pytest.mark.parametrize("flag", ["-o", "--save-training-graph"])
+def test_no_output_replaces_a_file_train_reads(inputs, tmp_path, capsys, monkeypatch, flag, how):
+    # issue 40: train --data DIR -o DIR/x.npy exited 0 after replacing the training data with the trained model;
+    # every file train reads (each .npy of a data directory, --test-data's, --static, --class-weights) is
+    # compared with every output, by device and inode (links, "..") as by name
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    for d in ("data", "test"):
+        (tmp_path / d).mkdir()
+        np.save(tmp_path / d / "x.npy", rng.standard_normal((8, 2)).astype(np.float32))
+        np.save(tmp_path / d / "labels.npy", rng.integers(0, 3, 8))
+    np.save(tmp_path / "w.npy", np.ones(3, np.float32))
+    target = {"name": "data/x.npy", "dotdot": "test/../data/labels.npy", "hard link": "hard.onnx",
+              "symlink": "sym.onnx", "test data": "test/x.npy", "static": "w.npy", "weights": "w.npy"}[how]
+    if how == "hard link":
+        os.link(tmp_path / "data" / "labels.npy", tmp_path / "hard.onnx")
+    if how == "symlink":
+        os.symlink(tmp_path / "data" / "x.npy", tmp_path / "sym.onnx")
+    extra = {"test data": ["--test-data", "test"], "static": ["--static", "unused=w.npy"],
+             "weights": ["--class-weights", "w.npy"]}.get(how, [])
+    argv = ["train", str(inputs / "m.onnx"), "--data", "data", "--loss", "cross-entropy", "--epochs", "1", *extra,
+            *(["-o", target] if flag == "-o" else ["-o", "trained.onnx", flag, target])]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*.npy")}
+    code = main(argv)
+    one_line_error(code, capsys.readouterr().err, f"{flag} {target!r} is the same file as",
+                   "writing it would destroy that file")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*.npy")} == before
+    assert not (tmp_path / "trained.onnx").exists()
+
+
 def test_the_checkpoint_must_be_a_regular_file(inputs, tmp_path, capsys):
     ck = tmp_path / "ck"
     ck.mkdir()
