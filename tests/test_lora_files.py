@@ -124,7 +124,7 @@ ONNX_CASES = {
     "int64": (lambda a: a.astype(np.int64), f"initializer {A!r} (the A adapter of weight 'W1') has dtype int64"),
     "wrong shape": (lambda a: a[:, :2], "has shape [8, 2]; weight 'W1' of the base model needs [8, 4]"),
     "nan": (lambda a: np.full_like(a, np.nan), "holds NaN or infinite values"),
-    "missing": (None, f"the model has no initializer {A!r}, the A adapter of weight 'W1'"),
+    "missing": (None, f"initializer {A!r} (the A adapter of weight 'W1') is missing"),
 }
 
 
@@ -159,7 +159,7 @@ def test_a_bad_configuration_in_onnx_metadata_names_the_file(adapters, tmp_path,
     bad = tmp_path / "bad.onnx"
     onnx.save(model, bad)
     code = main(["lora", "apply", str(d / "base.onnx"), str(bad), "-o", str(tmp_path / "o.onnx")])
-    one_line_error(code, capsys.readouterr().err, f"{str(bad)!r}: the model's metadata 'revgraph.lora' is not a LoRA")
+    one_line_error(code, capsys.readouterr().err, f"{str(bad)!r}: metadata 'revgraph.lora' is not a LoRA configuration")
 
 
 @pytest.mark.parametrize("suffix", [".npz", ".onnx"])

@@ -40,6 +40,8 @@ import numpy as np
 from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, NameSet, Node, ValueInfo, fresh_name, is_float_dtype
+from .lora_config import FORMAT as _FORMAT
+from .lora_config import check_against, check_sites, check_structure
 
 #: The ``Graph.metadata`` key of the LoRA configuration (JSON).
 KEY = "revgraph.lora"
@@ -47,7 +49,6 @@ KEY = "revgraph.lora"
 QUANTIZED = ("int8", "uint8", "int4", "uint4")
 #: The file formats of :func:`save_adapters` / :func:`load_adapters`, by suffix.
 ADAPTER_FORMATS = (".npz", ".onnx")
-_FORMAT = 1
 
 
 @dataclass
@@ -74,30 +75,34 @@ class _Site:
 
 @V.arguments(graph=V.GRAPH)
 def config(graph: Graph) -> dict | None:
-    """The LoRA configuration of ``graph`` (module doc), or ``None`` when it has no adapters."""
+    """The LoRA configuration of ``graph`` (module doc), or ``None`` when it has no adapters. Raises
+    :class:`RevgraphError` (one line) for one that is not what revgraph writes or does not fit ``graph``
+    (:mod:`.lora_config`: every field, every name it gives)."""
     text = graph.metadata.get(KEY)
     if text is None:
         return None
-    return _parse_config(text, f"the model's metadata {KEY!r}", "remove it from the model's metadata_props")
-
-
-def _parse_config(text: str, where: str, fix: str) -> dict:
-    """The configuration JSON ``text`` read from ``where`` (named in the error with what to do, ``fix``)."""
-    try:
-        found = json.loads(text)
-        if not _valid(found):
-            raise ValueError
-    except (ValueError, AttributeError, TypeError, RecursionError):
-        raise RevgraphError(f"{where} is not a LoRA configuration revgraph wrote (format {_FORMAT}); {fix}") from None
+    where, fix = f"the model's metadata {KEY!r}", "remove it from the model's metadata_props"
+    found = _parse_config(text, where, fix)
+    check_against(graph, found, _failure(where, fix))
+    check_sites(graph, found, {s.node.name: s for s in _sites(graph)}, _failure(where, fix))
     return found
 
 
-def _valid(found: object) -> bool:
-    """Is ``found`` a configuration of this format, down to each adapter's names? (A hand-edited or foreign
-    file would otherwise fail later with a KeyError deep inside apply.)"""
-    return (isinstance(found, dict) and found.get("format") == _FORMAT and isinstance(found.get("adapters"), list)
-            and all(isinstance(a, dict) and all(isinstance(a.get(k), str) for k in ("weight", "A", "B"))
-                    for a in found["adapters"]))
+def _failure(where: str, fix: str):
+    def fail(what: str) -> RevgraphError:
+        return RevgraphError(f"{where} is not a LoRA configuration revgraph wrote (format {_FORMAT}): {what}; {fix}")
+
+    return fail
+
+
+def _parse_config(text: str, where: str, fix: str) -> dict:
+    """The configuration JSON ``text`` read from ``where`` (named in the error with what to do, ``fix``), checked
+    field by field (:func:`.lora_config.check_structure`)."""
+    try:
+        found = json.loads(text)
+    except (ValueError, RecursionError):
+        raise _failure(where, fix)("it is not JSON") from None
+    return check_structure(found, _failure(where, fix))
 
 
 def adapter_names(graph: Graph) -> list[str]:
@@ -417,9 +422,8 @@ def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge
     :func:`load_adapters` read), named in the errors. Raises :class:`RevgraphError` (one line) when ``base``
     lacks a weight the adapters were trained on, or an adapter is missing, is not a finite floating-point
     array, or has a shape that does not fit its weight."""
-    if not _valid(configuration):
-        raise RevgraphError(f"lora.apply: the configuration is not one revgraph wrote (format {_FORMAT}, a list of "
-                            "adapters); pass what lora.extract or lora.load_adapters returns")
+    check_structure(configuration, _failure("lora.apply: the configuration",
+                                            "pass what lora.extract or lora.load_adapters returns"))
     if not isinstance(arrays, Mapping):
         raise RevgraphError(f"lora.apply: the adapters must be a mapping of arrays by name, got {type(arrays).__name__}")
     weights = [a["weight"] for a in configuration["adapters"]]
@@ -468,7 +472,7 @@ def _add_exact(base: Graph, configuration: dict, weights: list[str]) -> Graph:
     """:func:`add_adapters` on exactly the weights ``weights`` (no glob: names may hold ``[`` or ``*``)."""
     rank, alpha = check_rank(configuration.get("rank"), configuration.get("alpha"))
     escaped = ["".join(f"[{c}]" if c in "*?[" else c for c in w) for w in weights]
-    return add_adapters(base, rank, alpha, escaped, int(configuration.get("seed", 0)))
+    return add_adapters(base, rank, alpha, escaped, configuration.get("seed", 0))
 
 
 @V.arguments(path=V.PATH, graph=V.GRAPH)
@@ -506,14 +510,25 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]
     suffix = os.path.splitext(str(path))[1].lower()
     if suffix == ".onnx":
         model = load(path)
-        try:
-            arrays, found = extract(model)
-        except RevgraphError as exc:  # named by the file it read
-            raise RevgraphError(f"{os.fspath(path)!r}: {exc}") from None
+        label = repr(os.fspath(path))
+        if model.nodes:  # a whole adapted model: its configuration is checked against it
+            try:
+                arrays, found = extract(model)
+            except RevgraphError as exc:  # named by the file it read
+                raise RevgraphError(f"{label}: {exc}") from None
+        else:  # what save_adapters writes: the adapters alone, as initializers
+            text = model.metadata.get(KEY)
+            if text is None:
+                raise RevgraphError(f"{label}: the model holds no LoRA configuration (metadata {KEY!r}); write the "
+                                    "file with revgraph lora extract")
+            found = _parse_config(text, f"{label}: metadata {KEY!r}", "write the file with revgraph lora extract")
+            arrays = {n: np.asarray(a) for n, a in model.initializers.items()}
         for a in found["adapters"]:
             for key in ("A", "B"):
-                _check_adapter(arrays[a[key]], f"{os.fspath(path)!r}: initializer {a[key]!r} (the {key} adapter of "
-                                              f"weight {a['weight']!r})")
+                name = f"{label}: initializer {a[key]!r} (the {key} adapter of weight {a['weight']!r})"
+                if a[key] not in arrays:
+                    raise RevgraphError(f"{name} is missing; write the file with revgraph lora extract")
+                _check_adapter(arrays[a[key]], name)
         return arrays, found
     if suffix != ".npz":
         raise RevgraphError(f"cannot read adapters from {str(path)!r}: give an .npz or .onnx file written by "
