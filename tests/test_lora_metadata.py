@@ -147,3 +147,28 @@ def test_every_field_mutated_is_refused_or_harmless(adapted):
                 (("adapters", 0, "sites", 0, "added", 2), "deleted")}
     odd = [(p, w) for p, w in accepted if p[0] not in ("seed", "targets") and (p, w) not in harmless]
     assert not odd, odd
+
+
+@pytest.mark.parametrize("seed", ["abc", [1], -1, 1.5, True])
+@pytest.mark.parametrize("suffix", [".npz", ".onnx"])
+def test_an_adapter_file_with_a_bad_seed_is_refused(adapted, tmp_path, capsys, suffix, seed):
+    # issue 40, item 3: lora apply exited 3 on a seed of "abc" or [1] (an unguarded int())
+    import onnx
+
+    path = tmp_path / f"ad{suffix}"
+    lora.save_adapters(path, adapted)
+    found = json.loads(adapted.metadata[KEY]) | {"seed": seed}
+    if suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            members = {k: z[k] for k in z.files}
+        key = next(k for k, v in members.items() if v.dtype.kind == "U" and v.ndim == 0)
+        members[key] = np.array(json.dumps(found))
+        np.savez(path, **members)
+    else:
+        model = onnx.load(path)
+        next(p for p in model.metadata_props if p.key == KEY).value = json.dumps(found)
+        onnx.save(model, path)
+    rg.save(mixed_model(), tmp_path / "base.onnx")
+    code = main(["lora", "apply", str(tmp_path / "base.onnx"), str(path), "-o", str(tmp_path / "out.onnx")])
+    one_line_error(code, capsys.readouterr().err, f"its seed {seed!r} is not an integer >= 0")
+    assert not (tmp_path / "out.onnx").exists()
