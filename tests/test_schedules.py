@@ -365,7 +365,7 @@ def test_cli_schedule_clipping_and_exclusions(tmp_path):
     (["--min-lr", "0.001"], "--min-lr applies to the linear and cosine schedules"),
     (["--decay-all", "--no-decay", "b*"], "--decay-all and --no-decay contradict each other"),
     (["--weight-decay", "0.1", "--no-decay", "gamma"], "the --no-decay pattern 'gamma' matches no trained parameter"),
-    (["--override", "lr"], "--override goes with --checkpoint-dir"),
+    (["--override", "lr"], "--override goes with --snapshot-dir"),
 ])
 def test_cli_bad_settings_exit_2(tmp_path, args, message):
     r = _cli(tmp_path, "--epochs", "1", *args)

@@ -216,3 +216,39 @@ def test_train_command_on_a_model_with_a_fixed_batch(tmp_path, capsys):
     trained = rg.load(tmp_path / "o.onnx")
     pred = np.concatenate([rg.Session(trained).run({"0": x[k:k + 4]})["3"] for k in range(0, 64, 4)])
     np.testing.assert_allclose(pred, y, atol=1e-3)
+
+
+COMBINATIONS = [  # issue 40, item 4: options that would do nothing, each refused in one line before any work
+    (["--snapshot-every", "1"], "--snapshot-every has no effect without --snapshot-dir DIR"),
+    (["--checkpoint-every=2"], "--checkpoint-every has no effect without --snapshot-dir DIR"),
+    (["--snapshot-dir", "A", "--checkpoint-dir", "B"], "--snapshot-dir and --checkpoint-dir are the same option"),
+    (["--snapshot-dir", "A", "--snapshot-every", "2", "--checkpoint-every", "3"],
+     "--snapshot-every and --checkpoint-every are the same option"),
+    (["--sync-batchnorm"], "--sync-batchnorm has no effect without --nproc N"),
+    (["--bucket-mb", "4"], "--bucket-mb has no effect without --nproc N"),
+    (["--reduce-dtype", "bf16"], "--reduce-dtype has no effect without --nproc N"),
+    (["--overlap", "on"], "--overlap has no effect without --nproc N"),
+    (["--timeout", "30"], "--timeout has no effect without --nproc N"),
+    (["--no-decay", "b*"], "--no-decay has no effect with a weight decay of 0 (adam's default)"),
+    (["--optimizer", "sgd", "--decay-all"], "--decay-all has no effect with a weight decay of 0 (sgd's default)"),
+    (["--override", "lr"], "--override goes with --snapshot-dir"),
+]
+
+
+@pytest.mark.parametrize(("extra", "fragment"), COMBINATIONS)
+def test_an_option_without_effect_is_refused(model_and_data, capsys, monkeypatch, extra, fragment):
+    _, _, _, tmp = model_and_data
+    monkeypatch.chdir(tmp)
+    argv = ["train", "model.onnx", "--data", "data.npz", "--loss", "cross-entropy", "--epochs", "1", "-o", "o.onnx",
+            *extra]
+    one_line_error(main(argv), capsys.readouterr().err, fragment)
+    assert sorted(p.name for p in tmp.iterdir()) == ["data.npz", "model.onnx"]  # nothing trained or written
+
+
+def test_the_options_with_what_they_need_are_accepted(model_and_data, capsys, monkeypatch):
+    _, _, _, tmp = model_and_data
+    monkeypatch.chdir(tmp)
+    argv = ["train", "model.onnx", "--data", "data.npz", "--loss", "cross-entropy", "--epochs", "1", "-o", "o.onnx",
+            "--snapshot-dir", "snap", "--snapshot-every", "1", "--optimizer", "adamw", "--no-decay", "b*"]
+    assert main(argv) == 0
+    assert (tmp / "o.onnx").exists() and any((tmp / "snap").iterdir())

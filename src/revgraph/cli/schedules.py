@@ -40,7 +40,7 @@ def schedule_settings(args: argparse.Namespace) -> dict:
     from ..train.schedules import Schedule
 
     if args.override and args.checkpoint_dir is None:
-        raise RevgraphError("--override goes with --checkpoint-dir: it lets a run resume with another setting")
+        raise RevgraphError("--override goes with --snapshot-dir: it lets a run resume with another setting")
     if args.decay_all and args.no_decay:
         raise RevgraphError("--decay-all and --no-decay contradict each other; give one")
     out: dict = {}

@@ -16,6 +16,7 @@ from ..runtime.devices import Device
 from ..runtime.options import RuntimeOptions
 from ..train.precision import add_precision_arguments, precision_from_args
 from . import numeric as N
+from .combinations import check_decay_options, check_train_combinations
 from .common import check_command_outputs, err, out
 from .exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
 from .lora import add_lora_arguments, export_trained, lora_model, selection_line, written
@@ -175,6 +176,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise RevgraphError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     budget = parse_budget(args.memory_budget) if args.memory_budget is not None else None  # (checked before launching)
     distributed = under_torchrun()
+    check_train_combinations(args, distributed)  # options that would do nothing: before any worker starts
     if args.nproc is not None and not distributed:  # (a worker started by --nproc gets the same arguments)
         return _launch_torchrun(args)
     given = [o for o, v in [("--nnodes", args.nnodes != 1), ("--node-rank", args.node_rank is not None),
@@ -207,6 +209,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     require_data(args)  # before the model is loaded
     opt = make_optimizer(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
                          **schedule_settings(args))
+    check_decay_options(args, opt.weight_decay)
     precision = precision_from_args(args)
     g, selected = lora_model(args, load(args.model))  # LoRA adapters, --train/--freeze: checked before training
     # the data after the model: only the members it reads are decompressed, each bounded by its declared shape
