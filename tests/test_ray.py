@@ -130,6 +130,14 @@ def test_error_in_a_worker_is_one_line(cluster, tmp_path):
     (dict(num_workers=2, max_failures=-2), "max_failures must be at least -1, got -2"),
     (dict(num_workers=2, loss="hinge"), "unknown loss .hinge."),
     (dict(num_workers=2, optimizer="lbfgs"), "unknown optimizer 'lbfgs'"),
+    # issue 40, item 5: types and values that started a cluster and failed inside a worker, or a TypeError
+    (dict(num_workers="2"), "num_workers must be an integer >= 1, got '2'"),
+    (dict(num_workers=2, epochs=1.5), "epochs must be an integer >= 1, got 1.5"),
+    (dict(num_workers=2, batch_size=float("nan")), "batch_size must be an integer >= 1, got nan"),
+    (dict(num_workers=True), "num_workers must be an integer >= 1, got True"),
+    (dict(num_workers=2, seed=-1), "seed must be at least 0, got -1"),
+    (dict(num_workers=2, shuffle="yes"), "shuffle must be True or False, got 'yes'"),
+    (dict(num_workers=2, checkpoint_every=3), "checkpoint_every has no effect without checkpoint_dir"),
 ])
 def test_bad_arguments_fail_before_ray_is_touched(monkeypatch, kwargs, message):
     """These fail on the caller's side, in one line, before Ray is imported (so also without Ray)."""
@@ -156,6 +164,22 @@ def test_more_than_a_local_cluster_has_is_refused(monkeypatch, kwargs, message):
     not_connected = types.SimpleNamespace(is_initialized=lambda: False)
     with pytest.raises(rg.RevgraphError, match=re.escape(message)):
         ray_launcher._check_local_resources(not_connected, **{"cpus_per_worker": 1, "use_gpu": False, **kwargs})
+
+
+def test_a_local_cluster_is_started_for_the_call_and_leaves_nothing(tmp_path, monkeypatch):
+    # issue 40, item 5: after a failed call Ray stayed initialized, so a later call skipped the resource check and
+    # waited forever; and Ray left ~/ray_results and its session folder behind. Now the cluster revgraph starts
+    # is shut down after the call, its session files and the default storage in temporary directories
+    calls, seen = [], {}
+    fake = types.SimpleNamespace(is_initialized=lambda: False, shutdown=lambda: calls.append("shutdown"),
+                                 init=lambda **kw: calls.append(("init", kw)))
+    with ray_launcher._local_cluster(fake, None) as storage:
+        seen["storage"], seen["temp"] = Path(storage), Path(calls[0][1]["_temp_dir"])
+        assert seen["storage"].is_dir() and seen["temp"].is_dir()
+    assert calls[-1] == "shutdown" and not seen["storage"].exists() and not seen["temp"].exists()
+    connected = types.SimpleNamespace(is_initialized=lambda: True)  # the caller's own cluster: used as it is
+    with ray_launcher._local_cluster(connected, str(tmp_path)) as storage:
+        assert storage == str(tmp_path)
 
 
 def test_without_ray_one_line_error(monkeypatch):

@@ -262,6 +262,8 @@ def check_options(kind: str, options: Mapping) -> dict:
         if ii is not None and (isinstance(ii, bool) or not isinstance(ii, (int, float, np.integer, np.floating))
                                or not float(ii).is_integer()):
             raise RevgraphError(f"--ignore-index must be an integer, got {ii!r}")
+        if ii is not None and not -2**63 <= int(ii) < 2**63:  # the labels are int64 (an OverflowError later)
+            raise RevgraphError(f"--ignore-index must fit in int64, got {ii!r}")
         out["ignore_index"] = None if ii is None else int(ii)
         s = options.get("label_smoothing") or 0.0
         if isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating)):

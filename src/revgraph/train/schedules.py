@@ -85,11 +85,16 @@ class Schedule:
         if self.kind not in SCHEDULES:
             raise RevgraphError(f"unknown learning-rate schedule {self.kind!r} (--lr-schedule); choose one of "
                                 f"{', '.join(SCHEDULES)}")
-        if not isinstance(self.warmup_steps, int | np.integer) or self.warmup_steps < 0:
+        if not isinstance(self.kind, str):
+            raise RevgraphError(f"the learning-rate schedule must be a name (str), got {type(self.kind).__name__}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int | np.integer) \
+                or self.warmup_steps < 0:
             raise RevgraphError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
-        if not (np.isfinite(self.min_lr) and self.min_lr >= 0):
-            raise RevgraphError(f"--min-lr must be a finite number >= 0, got {self.min_lr}")
-        if self.total_steps is not None and (not isinstance(self.total_steps, int | np.integer)
+        if isinstance(self.min_lr, bool) or not isinstance(self.min_lr, int | float | np.integer | np.floating) \
+                or not (np.isfinite(self.min_lr) and self.min_lr >= 0):
+            raise RevgraphError(f"--min-lr must be a finite number >= 0, got {self.min_lr!r}")
+        if self.total_steps is not None and (isinstance(self.total_steps, bool)
+                                             or not isinstance(self.total_steps, int | np.integer)
                                              or self.total_steps < 1):
             raise RevgraphError(f"total_steps must be a positive integer, got {self.total_steps!r}")
         if self.kind == "constant" and self.min_lr:

@@ -364,6 +364,9 @@ class Trainer:
                 raise InputError("give snapshot_dir/snapshot_every or their old names checkpoint_dir/checkpoint_every, "
                                  "not both")
             checkpoint_dir, checkpoint_every = snapshot_dir, snapshot_every or 0
+        if checkpoint_every and checkpoint_dir is None:  # (issue 40: it was accepted and saved nothing)
+            raise InputError("snapshot_every has no effect without snapshot_dir: give the directory, or leave "
+                             "snapshot_every out")
         try:
             return self._fit(data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
                              checkpoint_every, nonfinite, accumulate_steps, static, override)

@@ -10,6 +10,7 @@ machine). Ray and torch are imported only when :func:`train_with_ray` runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -123,18 +124,60 @@ def train_with_ray(model: Graph | onnx.ModelProto | str | os.PathLike, data: Dat
     Raises :class:`RevgraphError` (one line) without Ray, for bad arguments or a model revgraph cannot train
     (before any worker starts), and for a failed run (a worker's own error message).
     """
-    least = {"num_workers": (num_workers, 1), "cpus_per_worker": (cpus_per_worker, 1), "epochs": (epochs, 1),
-             "batch_size": (batch_size, 1), "checkpoint_every": (checkpoint_every, 0),
-             "max_failures": (max_failures, -1)}  # Ray's -1: restart without limit
-    for name, (value, low) in least.items():
-        if value < low:
-            raise RevgraphError(f"{name} must be at least {low}, got {value}")
+    _check_arguments(num_workers=num_workers, cpus_per_worker=cpus_per_worker, epochs=epochs, batch_size=batch_size,
+                     checkpoint_every=checkpoint_every, max_failures=max_failures, seed=seed, shuffle=shuffle,
+                     use_gpu=use_gpu, checkpoint_dir=checkpoint_dir)
     proto = model if isinstance(model, onnx.ModelProto) else (
         to_onnx(model) if isinstance(model, Graph) else read_model(model))
     params = None if params is None else list(params)
     trained = training_graph(proto, loss, optimizer, output=output, params=params).params  # fails here, once
     ray = _imports()
     _check_local_resources(ray, num_workers, cpus_per_worker, use_gpu)
+    with _local_cluster(ray, storage_path) as storage:
+        return _run(ray, proto, data, trained, num_workers, loss, optimizer, epochs, batch_size, seed, shuffle,
+                    output, params, cpus_per_worker, use_gpu, checkpoint_dir, checkpoint_every, max_failures,
+                    storage, save_to)
+
+
+def _check_arguments(**given) -> None:
+    """:func:`train_with_ray`'s numbers and flags, checked on the caller's side before Ray starts (issue 40: an
+    ``epochs=1.5`` or ``batch_size=nan`` started a cluster and was refused minutes later inside a worker)."""
+    least = {"num_workers": 1, "cpus_per_worker": 1, "epochs": 1, "batch_size": 1, "checkpoint_every": 0,
+             "max_failures": -1, "seed": 0}  # Ray's max_failures=-1: restart without limit
+    for name, low in least.items():
+        value = given[name]
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise RevgraphError(f"{name} must be an integer >= {low}, got {value!r}")
+        if value < low:
+            raise RevgraphError(f"{name} must be at least {low}, got {value}")
+    for name in ("shuffle", "use_gpu"):
+        if not isinstance(given[name], bool):
+            raise RevgraphError(f"{name} must be True or False, got {given[name]!r}")
+    if given["checkpoint_every"] and given["checkpoint_dir"] is None:
+        raise RevgraphError("checkpoint_every has no effect without checkpoint_dir: give the directory, or leave "
+                            "checkpoint_every out")
+
+
+@contextlib.contextmanager
+def _local_cluster(ray, storage_path: str | None):
+    """Where no Ray cluster is connected, a local one started for this call alone, its session files in a
+    temporary directory, shut down and removed afterwards (a later call checks the machine's size again instead
+    of meeting a cluster left behind); ``storage_path`` defaults to a temporary directory too, not
+    ``~/ray_results``. Yields the storage path to use. A cluster the caller connected to is used as it is."""
+    with contextlib.ExitStack() as stack:
+        if not ray.is_initialized():
+            temp = stack.enter_context(tempfile.TemporaryDirectory(prefix="revgraph-ray-"))
+            ray.init(include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+            stack.callback(ray.shutdown)
+            if storage_path is None:
+                storage_path = stack.enter_context(tempfile.TemporaryDirectory(prefix="revgraph-ray-results-"))
+        yield storage_path
+
+
+def _run(ray, proto, data, trained, num_workers, loss, optimizer, epochs, batch_size, seed, shuffle, output, params,
+         cpus_per_worker, use_gpu, checkpoint_dir, checkpoint_every, max_failures, storage_path,
+         save_to) -> RayTraining:
+    """The Ray Train run of :func:`train_with_ray`, its arguments checked."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
