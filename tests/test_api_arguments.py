@@ -80,7 +80,9 @@ CASES = [
     ("jvp wrt=", lambda: rg.jvp(G, wrt=["x"]), "wrt"),
     *[(f"gradient {k}={v!r}", (lambda k=k, v=v: rg.gradient(G, **{k: v})), k) for k, v in [
         ("seed", "x"), ("seed", 1), ("unconnected", "warn"), ("sparse", "x"), ("sparse", 1), ("accumulate", "max"),
-        ("lift_constants", None), ("straight_through", "yes"), ("memory", float("nan"))]],
+        ("lift_constants", None), ("straight_through", "yes"), ("memory", float("nan")), ("finite_inputs", 5),
+        ("finite_inputs", [3])]],
+    ("gradient finite_inputs names no input", lambda: rg.gradient(G, finite_inputs=["w_typo"]), "finite_inputs"),
     ("backward graph=5", lambda: rg.backward(5, ["y"]), "graph"),
     ("backward wrt=[]", lambda: rg.backward(G, ["y"], []), "wrt"),
     ("backward accumulate=1", lambda: rg.backward(G, ["y"], accumulate=1), "accumulate"),
@@ -198,6 +200,13 @@ CASES = [
     ("RuntimeOptions arena=5", lambda: rg.RuntimeOptions(arena=5), "arena"),
     ("RuntimeOptions memory_pattern='on'", lambda: rg.RuntimeOptions(memory_pattern="on"), "memory"),
     ("RuntimeOptions execution_order=5", lambda: rg.RuntimeOptions(execution_order=5), "execution"),
+    # issue 40, item 5
+    *[(f"Schedule {k}={v!r}", (lambda k=k, v=v: revgraph.train.Schedule(**{k: v})), f) for k, v, f in [
+        ("min_lr", "0", "min-lr"), ("min_lr", None, "min-lr"), ("warmup_steps", True, "warmup-steps"),
+        ("total_steps", True, "total_steps"), ("total_steps", 2.5, "total_steps")]],
+    ("Trainer loss_options ignore_index=2**70",
+     lambda: rg.Trainer(M, "cross-entropy", loss_options={"ignore_index": 2**70}), "ignore-index"),
+    ("fit snapshot_every without a directory", lambda: fit(snapshot_every=2), "snapshot_dir"),
 ]
 
 
