@@ -252,3 +252,18 @@ def test_the_options_with_what_they_need_are_accepted(model_and_data, capsys, mo
             "--snapshot-dir", "snap", "--snapshot-every", "1", "--optimizer", "adamw", "--no-decay", "b*"]
     assert main(argv) == 0
     assert (tmp / "o.onnx").exists() and any((tmp / "snap").iterdir())
+
+
+def test_ignored_data_files_and_boolean_labels_get_a_note(model_and_data, capsys, monkeypatch):
+    # issue 40, item 7: an extra .npy in a data directory was ignored, and boolean labels read as classes 0 and
+    # 1, without a word; each is one note line now (training goes on)
+    _, x, y, tmp = model_and_data
+    monkeypatch.chdir(tmp)
+    (tmp / "d").mkdir()
+    np.save(tmp / "d" / "x.npy", x)
+    np.save(tmp / "d" / "labels.npy", y % 2 == 1)
+    np.save(tmp / "d" / "weights.npy", np.ones(len(y)))
+    assert main(["train", "model.onnx", "--data", "d", "--loss", "cross-entropy", "--epochs", "1", "-o", "o.onnx"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --data d: ignored weights.npy: no model input nor labels of that name" in err
+    assert "note: --data d: the labels are booleans, read as the classes 0 (False) and 1 (True)" in err

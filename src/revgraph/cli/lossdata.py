@@ -8,6 +8,8 @@ import argparse
 import os
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import RevgraphError
 from .numeric import FRACTION_CLOSED, INT64, text_type
 
@@ -77,10 +79,30 @@ def read_data(path: str | None, option: str = "--data", graph=None) -> dict:
         return {}
     if Path(path).is_dir():
         try:
-            return read_dir(path)
+            arrays = read_dir(path)
         except InputError as exc:
             raise InputError(str(exc).replace("--data", option, 1)) from None
-    return read_npz(path, None if graph is None else data_members(graph), samples=True)
+        extra = [f"{k}.npy" for k in arrays if graph is not None and k not in data_members(graph)]
+        if extra:  # (issue 40: they were ignored without a word)
+            _note(f"{option} {path}: ignored {', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''}: no model "
+                  "input nor labels of that name")
+            arrays = {k: v for k, v in arrays.items() if f"{k}.npy" not in extra}
+    else:
+        arrays = read_npz(path, None if graph is None else data_members(graph), samples=True)
+    labels = arrays.get("labels")
+    if labels is not None and labels.dtype == np.bool_:
+        _note(f"{option} {path}: the labels are booleans, read as the classes 0 (False) and 1 (True)")
+    return arrays
+
+
+def _note(text: str) -> None:
+    """One ``note:`` line on stderr (what the run does with something the user may not expect), from the first
+    process only where torchrun started several (each reads the same data)."""
+    from .common import err
+
+    if os.environ.get("RANK", "0") != "0":
+        return
+    err.print(f"note: {text}", soft_wrap=True, markup=False, highlight=False)
 
 
 def data_members(graph) -> dict:
