@@ -266,6 +266,8 @@ def test_signal_to_nproc_stops_the_workers_and_writes_nothing(tmp_path, sig):
     assert p.returncode == 128 + sig, err
     assert all(_gone(w) for w in workers)
     assert not (tmp_path / "o.onnx").exists()
+    # issue 40, item 7: SIGINT printed "revgraph: interrupted" once per worker; the launcher says it once
+    assert err.count("revgraph: interrupted") == (1 if sig == signal.SIGINT else 0), err
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds torchrun's workers through Linux /proc")

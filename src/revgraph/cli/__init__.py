@@ -199,7 +199,10 @@ def _main(argv: list[str]) -> int:
             err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)
         return 2
     except KeyboardInterrupt:
-        err.print("revgraph: interrupted")
+        from ..train.distributed.launch import launched_worker
+
+        if not launched_worker():  # (a --nproc worker: its launcher says it once for the run)
+            err.print("revgraph: interrupted")
         return 130
     except BrokenPipeError:  # (not a bug: main stops quietly)
         raise

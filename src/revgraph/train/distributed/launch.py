@@ -179,16 +179,23 @@ def _port_taken(host: str, port: int) -> bool:
 HANDED_OVER = "error.rank{rank}.txt"  # a worker's one-line error, for the launcher to print once
 
 
+def launched_worker() -> bool:
+    """Is this process a worker that ``revgraph train --nproc`` started (our launcher's run directory in the
+    environment, the launcher its parent, a torchrun rank)? The launcher speaks for the run (one line)."""
+    return bool(os.environ.get(RUN_DIR_ENV)) and os.environ.get("RANK") is not None and \
+        os.environ.get(AGENT_PID_ENV) == str(os.getppid())
+
+
 def hand_over(message: str) -> bool:
     """In a worker of ``revgraph train --nproc`` (our launcher's run directory in the environment, a torchrun
     rank): write this rank's one-line error for the launcher, which prints one line for the whole run, and return
     True (the caller then prints nothing: every rank printed the same refusal, between torchrun's own lines).
     False elsewhere, or when the file cannot be written (the caller prints the line itself)."""
-    run_dir, rank = os.environ.get(RUN_DIR_ENV), os.environ.get("RANK")
-    if not run_dir or rank is None or os.environ.get(AGENT_PID_ENV) != str(os.getppid()):
+    if not launched_worker():
         return False
     try:
-        Path(run_dir, HANDED_OVER.format(rank=int(rank))).write_text(message, encoding="utf-8")
+        Path(os.environ[RUN_DIR_ENV], HANDED_OVER.format(rank=int(os.environ["RANK"]))).write_text(message,
+                                                                                                   encoding="utf-8")
         return True
     except (OSError, ValueError):
         return False
@@ -342,7 +349,9 @@ def run_torchrun(argv: list[str]) -> int:
                 print(f"revgraph: error: worker {rank} of --nproc stopped with exit code {f.exitcode} and no message "
                       "(killed, or out of memory?)", file=sys.stderr)
             return 3 if 3 in codes else 1
-        except SignalException as exc:
+        except SignalException as exc:  # torchrun stopped the workers (they say nothing: launched_worker)
+            if int(exc.sigval) == signal.SIGINT:
+                print("revgraph: interrupted", file=sys.stderr)
             return 128 + int(exc.sigval)
         except Exception as exc:  # the rendezvous failed (a peer never came, the endpoint refused us)
             from ...runtime import _first_line
