@@ -521,3 +521,18 @@ def test_two_machines_with_the_data_parallel_options_train_like_one_process(tmp_
             trained = rg.load(tmp_path / name / "node0" / "trained.onnx").initializers
             for p, value in references[batch].items():
                 np.testing.assert_allclose(trained[p], value, rtol=2e-5, atol=2e-6, err_msg=f"{name}: {p}")
+
+
+def test_the_worker_named_is_the_one_that_stopped_the_run():
+    # issue 40, item 7: a worker killed just after training ended was reported as "worker 0 stopped with exit code
+    # -15", the rank torchrun terminated after it, not the one killed
+    from types import SimpleNamespace as F
+
+    from revgraph.train.distributed.launch import _first_failure
+
+    killed_second = {0: F(exitcode=-15, timestamp=20), 1: F(exitcode=-9, timestamp=10)}
+    assert _first_failure(killed_second)[0] == 1
+    two_crashes = {0: F(exitcode=1, timestamp=30), 1: F(exitcode=-11, timestamp=25), 2: F(exitcode=-15, timestamp=1)}
+    assert _first_failure(two_crashes)[0] == 1
+    all_terminated = {3: F(exitcode=-15, timestamp=7), 2: F(exitcode=-15, timestamp=7)}
+    assert _first_failure(all_terminated)[0] == 2

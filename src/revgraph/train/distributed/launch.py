@@ -313,6 +313,13 @@ def torchrun_arguments(args, rest: list[str]) -> list[str]:
             "-m", "revgraph", "--", *rest]
 
 
+def _first_failure(failures: dict) -> tuple:
+    """The ``(rank, failure)`` that stopped the run: not one torchrun itself terminated (SIGTERM) after it, the
+    earliest of the others (issue 40: the lowest rank was named, one torchrun had stopped with exit code -15)."""
+    return min(failures.items(), key=lambda kv: (kv[1].exitcode == -signal.SIGTERM,
+                                                 getattr(kv[1], "timestamp", 0), kv[0]))
+
+
 def run_torchrun(argv: list[str]) -> int:
     """Run torchrun (``torch.distributed.run``'s parser and ``run``) in this process with ``argv`` and return
     revgraph's exit code: 0 when every worker succeeded; 2 when a worker stopped with revgraph's one-line error
@@ -345,7 +352,7 @@ def run_torchrun(argv: list[str]) -> int:
                     err.print(f"revgraph: error: {message}", soft_wrap=True, markup=False)
                 return 2
             if 3 not in codes:  # a worker killed or crashed without a message: say which (torchrun's lines are off)
-                rank, f = min(exc.failures.items())
+                rank, f = _first_failure(exc.failures)
                 print(f"revgraph: error: worker {rank} of --nproc stopped with exit code {f.exitcode} and no message "
                       "(killed, or out of memory?)", file=sys.stderr)
             return 3 if 3 in codes else 1
