@@ -339,3 +339,21 @@ def test_run_a_model_with_a_sequence_output(tmp_path, capsys):
     with np.load(tmp_path / "o.npz") as got:
         np.testing.assert_array_equal(got["parts[0]"], x[:1])
         np.testing.assert_array_equal(got["parts[1]"], x[1:])
+
+
+def test_check_refuses_a_model_over_its_size_bound(tmp_path, capsys, monkeypatch):
+    # issue 40, item 6: a 200,000-node check took over 300 CPU s; check takes at most limits.MAX_CHECK_NODES
+    # (100,000: 80 CPU s) and refuses more in one line (the bound lowered here, the model small)
+    from kit.harness import one_line_error
+
+    import revgraph as rg
+    from revgraph import limits
+    from revgraph.ir import Graph, Node, ValueInfo
+
+    g = Graph([Node("Sin", ["x"], ["s"], name="sin"), Node("ReduceSum", ["s"], ["y"], {"keepdims": 0}, "r")],
+              [ValueInfo("x", np.float64, (3,))], [ValueInfo("y")])
+    rg.save(g, tmp_path / "m.onnx")
+    monkeypatch.setattr(limits, "MAX_CHECK_NODES", 1)
+    one_line_error(main(["check", str(tmp_path / "m.onnx")]), capsys.readouterr().err, "has 2 nodes; check takes at most 1")
+    monkeypatch.setattr(limits, "MAX_CHECK_NODES", 2)
+    assert main(["check", str(tmp_path / "m.onnx")]) == 0

@@ -57,6 +57,10 @@ READS_VALUES = DATA_PROPAGATING_OPS - {"Shape", "Size"}
 #: at most this many elements (about 140 bytes of protobuf each: 150 MB at most). Shape computations, what
 #: data propagation is for, read vectors of a few elements.
 MAX_PROPAGATED_ELEMENTS = 2**20
+#: The most nodes (subgraphs included) ``revgraph check`` takes: it builds the gradient graph and runs it and the
+#: forward graph on onnxruntime in float64, whose session creation grows about as n^1.2; a 100,000-node chain
+#: takes 80 CPU s (issue 40: 200,000 nodes took over 300 s). ``revgraph.check_gradients`` has no such bound.
+MAX_CHECK_NODES = 100_000
 #: The deepest nesting of subgraphs (Loop, Scan and If bodies in bodies) a model may have: protobuf parses
 #: messages at most 100 levels deep (upb's and the C++ runtime's default), and each subgraph costs three (node,
 #: attribute, graph) plus up to five for the value types inside it; onnx.load, onnx's shape inference and

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .. import limits
 from ..autodiff.accumulate import ACCUMULATE
 from ..autodiff.api import gradient
 from ..errors import InputError, RevgraphError
@@ -357,6 +358,11 @@ def cmd_grad(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     g = load(args.model)
+    nodes = sum(1 for _ in g.walk())
+    if nodes > limits.MAX_CHECK_NODES:
+        raise RevgraphError(f"{args.model!r} has {nodes:,} nodes; check takes at most {limits.MAX_CHECK_NODES:,} (about "
+                            "80 CPU seconds at that size: onnxruntime's float64 sessions grow faster than the graph); "
+                            "check a part of the model, or call revgraph.check_gradients, which has no bound")
     if args.lift_constants:
         g = lift_constants(g)[0]
     feeds = read_feeds(args.inputs, g) if args.inputs is not None else None
