@@ -357,3 +357,30 @@ def test_check_refuses_a_model_over_its_size_bound(tmp_path, capsys, monkeypatch
     one_line_error(main(["check", str(tmp_path / "m.onnx")]), capsys.readouterr().err, "has 2 nodes; check takes at most 1")
     monkeypatch.setattr(limits, "MAX_CHECK_NODES", 2)
     assert main(["check", str(tmp_path / "m.onnx")]) == 0
+
+
+def test_ctrl_c_while_revgraph_loads_is_one_line(monkeypatch, capsys):
+    # issue 40, item 6: the console script imported revgraph.cli (numpy, onnx, onnxruntime: seconds) before any
+    # handler of revgraph's was installed, so a Ctrl-C then printed a traceback. Its entry point now catches the
+    # interrupt around that import: here an import of revgraph.cli that is interrupted
+    import importlib.abc
+
+    import revgraph_entry
+
+    class Interrupt(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "revgraph.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "revgraph.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupt(), *sys.meta_path])
+    assert revgraph_entry.main() == 130
+    assert capsys.readouterr().err == "revgraph: interrupted\n"
+
+
+def test_the_console_script_runs_the_entry_point():
+    script = next(Path(d) / "revgraph" for d in SCRIPT_DIRS if (Path(d) / "revgraph").exists())
+    assert "revgraph_entry" in script.read_text(errors="replace"), script
+    proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("revgraph "), proc.stderr
