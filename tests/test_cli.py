@@ -384,3 +384,12 @@ def test_the_console_script_runs_the_entry_point():
     assert "revgraph_entry" in script.read_text(errors="replace"), script
     proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0 and proc.stdout.startswith("revgraph "), proc.stderr
+
+
+def test_run_refuses_a_seed_with_inputs(tmp_path, capsys):
+    # issue 40, item 4 (its siblings): --seed seeds random inputs, so with --inputs it would do nothing
+    from kit.harness import one_line_error
+
+    np.savez(tmp_path / "in.npz", X=np.zeros((2, 3, 4), np.float32))  # (refused before it is read)
+    code = main(["run", str(SEQ_MODEL), "--inputs", str(tmp_path / "in.npz"), "--seed", "3"])
+    one_line_error(code, capsys.readouterr().err, "--seed seeds the random inputs: it has no effect with --inputs")

@@ -307,6 +307,10 @@ def _flatten_sequences(arrays: dict) -> dict[str, np.ndarray]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .combinations import given
+
+    if args.inputs is not None and given(args, "--seed"):  # (issue 40: an option with no effect is refused)
+        raise RevgraphError("--seed seeds the random inputs: it has no effect with --inputs; leave one out")
     g = load(args.model)
     check_command_outputs(args, {"-o": args.output}, {"--inputs": args.inputs})
     session = Session(g, backend=args.backend, device=args.device,  # a bad device fails before the note below
