@@ -98,9 +98,13 @@ def test_jvp_against_torch_func_jvp(model, tmp_path, capsys):
     _close(res["loss"], loss, "loss")
     _close(res["loss_tangent"], t_loss, "loss_tangent")
     _close(res["y_tangent"], t_y, "y_tangent")
-    # one output and one input; --checkpoint is accepted (and unused), --opset writes another opset
-    assert main(["jvp", str(model), "-o", str(out), "--outputs", "y", "--inputs", "x", "--checkpoint", "sqrt",
-                 "--opset", "18"]) == 0
+    # --checkpoint would do nothing in forward mode: refused (issue 40); and in forward-mode jacobian
+    assert main(["jvp", str(model), "-o", str(out), "--checkpoint", "sqrt"]) == 2
+    assert "--checkpoint has no effect on jvp" in capsys.readouterr().err
+    assert main(["jacobian", str(model), "-o", str(out), "--mode", "forward", "--memory-budget", "0.5"]) == 2
+    assert "--memory-budget has no effect in forward mode, which builds no gradient" in capsys.readouterr().err
+    # one output and one input; --opset writes another opset
+    assert main(["jvp", str(model), "-o", str(out), "--outputs", "y", "--inputs", "x", "--opset", "18"]) == 0
     assert "1 tangent input(s): x_tangent; 1 tangent output(s): y_tangent" in capsys.readouterr().out
     assert [o.version for o in onnx.load(str(out)).opset_import if o.domain == ""] == [18]
     res = _run(out, {"x": X, "x_tangent": tx})
@@ -135,7 +139,9 @@ def test_jacobian_modes_against_torch_autograd_functional_jacobian(model, tmp_pa
         _close(res["y_jacobian_x"], jac[0], f"{mode} y_jacobian_x")
         _close(res["y_jacobian_W"], jac[1], f"{mode} y_jacobian_W")
     out = tmp_path / "jacobian_x.onnx"  # 2 input elements <= 3 + 1 output elements: forward
-    assert main(["jacobian", str(model), "-o", str(out), "--inputs", "x", "--checkpoint", "recompute"]) == 0
+    assert main(["jacobian", str(model), "-o", str(out), "--inputs", "x", "--checkpoint", "recompute"]) == 2
+    assert "--checkpoint has no effect in forward mode (chosen by --mode auto)" in capsys.readouterr().err
+    assert main(["jacobian", str(model), "-o", str(out), "--inputs", "x"]) == 0
     assert "(forward mode, chosen by --mode auto); 2 Jacobian output(s): loss_jacobian_x, y_jacobian_x" \
         in capsys.readouterr().out
     res = _run(out, {"x": X})

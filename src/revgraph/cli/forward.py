@@ -15,10 +15,12 @@ import argparse
 from ..autodiff.forward import jvp
 from ..autodiff.policies import parse_policy
 from ..autodiff.transforms import hessian, hvp, jacobian, jacobian_mode
+from ..errors import RevgraphError
 from ..ir import TARGET_OPSET, Graph
 from ..onnx_io import load
 from ..onnx_io.part_check import check_valid
 from . import numeric as N
+from .combinations import given
 from .common import check_command_outputs, out
 from .write import (
     MEMORY_HELP,
@@ -45,9 +47,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _outputs_inputs(j, "values whose tangents to compute", "values that get a tangent input",
                     "; an intermediate value's tangent replaces the one its producer gives it")
     j.add_argument("--checkpoint", default="store", type=N.CHECKPOINT, metavar=POLICIES,
-                   help="accepted for uniformity with the other commands and checked, but unused: forward mode "
-                   "stores no residuals (a loop's JVP carries the tangents forward with the loop), so only the "
-                   "gradient inside hvp, hessian and reverse-mode jacobian uses it")
+                   help="refused: forward mode stores no residuals (a loop's JVP carries the tangents forward with "
+                   "the loop), so only the gradient inside hvp, hessian and reverse-mode jacobian uses it")
     _opset(j)
 
     _second_order(sub, "hvp", "write the Hessian-vector product graph: inputs <x>_tangent, outputs <x>_grad and "
@@ -133,6 +134,9 @@ def _finish(args: argparse.Namespace, g: Graph, result: Graph, what: str, nodes:
 
 
 def cmd_jvp(args: argparse.Namespace) -> int:
+    if given(args, "--checkpoint"):  # (issue 40: an option with no effect is refused)
+        raise RevgraphError("--checkpoint has no effect on jvp: forward mode stores no residuals (the loop policy "
+                            "applies to the gradient inside hvp, hessian and reverse-mode jacobian); leave it out")
     g = _prepare(args)
     result = with_warnings(jvp, g, args.outputs, args.inputs)  # forward mode has no checkpoint policy
     return _finish(args, g, result, "JVP graph", "tangent", "tangent", "tangent")
@@ -149,6 +153,11 @@ def cmd_jacobian(args: argparse.Namespace) -> int:
     mode = args.mode
     if mode == "auto":  # decided here, by rg.jacobian's rule, so that the summary can say which mode it took
         mode = jacobian_mode(g, args.outputs, args.inputs)
+    unused = [o for o in ("--checkpoint", "--memory-budget") if given(args, o)]
+    if mode == "forward" and unused:  # (issue 40: an option with no effect is refused)
+        chosen = " (chosen by --mode auto)" if args.mode == "auto" else ""
+        raise RevgraphError(f"{unused[0]} has no effect in forward mode{chosen}, which builds no gradient: give "
+                            f"--mode reverse, or leave {unused[0]} out")
     result = with_warnings(jacobian, g, args.outputs, args.inputs, mode=mode, checkpoint=args.checkpoint,
                            memory=args.memory_budget)
     note = f" ({mode} mode{', chosen by --mode auto' if args.mode == 'auto' else ''})"
