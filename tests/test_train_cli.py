@@ -267,3 +267,42 @@ def test_ignored_data_files_and_boolean_labels_get_a_note(model_and_data, capsys
     err = capsys.readouterr().err
     assert "note: --data d: ignored weights.npy: no model input nor labels of that name" in err
     assert "note: --data d: the labels are booleans, read as the classes 0 (False) and 1 (True)" in err
+
+
+def _pow_model() -> rg.Graph:
+    """Issue 38's reproduction: y = Pow(Mul(x, w), two) with ``two`` a float initializer of shape [] (as the
+    dynamo export keeps RMSNorm's exponent), loss = mean(y)."""
+    from revgraph.ir import Graph, Node, ValueInfo
+
+    return Graph([Node("Mul", ["x", "w"], ["m"], name="mul"), Node("Pow", ["m", "two"], ["p"], name="pow"),
+                  Node("ReduceMean", ["p"], ["y"], {"keepdims": 0}, "mean")],
+                 [ValueInfo("x", F32, ("N", 4))], [ValueInfo("y", F32, ())],
+                 {"w": np.array([0.5, -1.0, 2.0, 0.25], F32), "two": np.array(2.0, F32), "eps": np.ones(1, F32)})
+
+
+def test_one_element_constants_do_not_train_by_default():
+    # issue 38, item 2: the exponent trained too and its gradient x^p ln x is NaN for negative x: the loss was NaN
+    # at step 2. The default set leaves 0-d and one-element initializers out (named, they train)
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(F32)
+    tr = rg.Trainer(_pow_model(), "output:y", "adam")
+    assert list(tr.parameters) == ["w"]
+    losses = [tr.step({"x": x}) for _ in range(5)]
+    wt = torch.tensor(_pow_model().initializers["w"], requires_grad=True)
+    opt = torch.optim.Adam([wt], lr=1e-3)
+    for k in range(5):
+        opt.zero_grad()
+        loss = ((torch.tensor(x) * wt) ** 2).mean()
+        loss.backward()
+        opt.step()
+        np.testing.assert_allclose(losses[k], loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(tr.parameters["w"], wt.detach().numpy(), rtol=1e-5)
+    assert list(rg.Trainer(_pow_model(), "output:y", "adam", params=["w", "two"]).parameters) == ["w", "two"]
+
+
+def test_train_says_what_it_trains_and_what_it_left_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rg.save(_pow_model(), "m.onnx")
+    np.savez("d.npz", x=np.ones((8, 4), F32))
+    assert main(["train", "m.onnx", "--data", "d.npz", "--loss", "output:y", "--epochs", "1", "-o", "o.onnx"]) == 0
+    assert ("parameters: 4 trainable in 1 tensor (66.7%), 2 frozen in 2 tensors; left out by default, one-element "
+            "constants (--train NAME trains one): two, eps") in capsys.readouterr().out

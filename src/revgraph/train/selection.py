@@ -22,6 +22,19 @@ def _floats(a) -> bool:
     return np.asarray(a).dtype.kind == "f"
 
 
+def _by_default(a) -> bool:
+    """Whether a float initializer trains when nothing is named: not a 0-d or one-element one. Exporters keep
+    the constants of a model's formulas as such initializers (RMSNorm's exponent ``2.0``, an ``eps``, a scale):
+    training them changes the model's math (issue 38: the exponent's gradient ``x^p ln x`` is NaN for negative
+    ``x``, and the loss was NaN at step 2). Name one with ``params=`` / ``--train`` to train it (a PReLU slope)."""
+    return _floats(a) and np.asarray(a).size > 1
+
+
+def left_out(model: Graph) -> list[str]:
+    """The float initializers the default trainable set leaves out (:func:`_by_default`), in declaration order."""
+    return [k for k, a in model.initializers.items() if _floats(a) and not _by_default(a)]
+
+
 def _matches(model: Graph, pattern: object, option: str) -> list[str]:
     """The initializers ``pattern`` names (its exact name, else its glob matches, in declaration order)."""
     if not isinstance(pattern, str) or not pattern:
@@ -49,7 +62,8 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
     """The initializers to train, in declaration order.
 
     ``params``: names or glob patterns (module doc) of the initializers to train; ``None``: the LoRA adapters of
-    a model that has them (:func:`revgraph.lora.adapter_names`), else every floating-point initializer.
+    a model that has them (:func:`revgraph.lora.adapter_names`), else every floating-point initializer with
+    more than one element (a 0-d or one-element one is a constant of the model's formulas: :func:`left_out`).
     Integer initializers a glob matches are left out (they cannot train). ``freeze``: names or globs removed
     from that set. Raises :class:`RevgraphError` (one line) for a pattern that matches no initializer (naming
     it and the option), an integer initializer named exactly, a glob that matches only integer ones, and a
@@ -59,10 +73,12 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
 
     params, freeze = _patterns(params, "params (--train)"), _patterns(freeze, "freeze (--freeze)")
     if params is None:
-        names = adapter_names(model) or [k for k, a in model.initializers.items()
-                                         if _floats(a)]
+        names = adapter_names(model) or [k for k, a in model.initializers.items() if _by_default(a)]
         if not names:
-            raise RevgraphError("the model has no floating-point initializers to train")
+            scalars = left_out(model)
+            raise RevgraphError("the model has no floating-point initializers to train" + (
+                f" but one-element ones ({', '.join(map(repr, scalars[:4]))}), which train only when named: "
+                "params= (--train)" if scalars else ""))
     else:
         if not params:
             raise RevgraphError("params (--train) is empty: give names or glob patterns of initializers, or None "
