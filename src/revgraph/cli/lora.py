@@ -58,15 +58,18 @@ def lora_model(args: argparse.Namespace, model: Graph) -> tuple[Graph, dict]:
     return model, {"params": args.train, "freeze": args.freeze}
 
 
-def selection_line(args: argparse.Namespace, trainer) -> str:
-    """The count of trainable and frozen parameters, always (issue 38: a default run did not say what it
-    trained), and, where the default set left float initializers out, which and why (truncated)."""
+def selection_line(args: argparse.Namespace, trainer) -> str | None:
+    """The count of trainable and frozen parameters, when the command chose them (``--train``, ``--freeze``,
+    ``--lora``, or a model with adapters) or the default set left float initializers out (issue 38: which, and
+    why, truncated)."""
     from ..train.lora import config
     from ..train.selection import count_line, left_out
 
-    line = count_line(trainer.spec.model, trainer.spec.params)
     chosen = args.train or args.freeze or args.lora is not None or config(trainer.spec.model) is not None
     skipped = [] if chosen else [k for k in left_out(trainer.spec.model) if k not in set(trainer.spec.params)]
+    if not chosen and not skipped:
+        return None
+    line = count_line(trainer.spec.model, trainer.spec.params)
     if skipped:
         shown = ", ".join(skipped[:5]) + (f", ... ({len(skipped)} in all)" if len(skipped) > 5 else "")
         line += f"; left out by default, one-element constants (--train NAME trains one): {shown}"

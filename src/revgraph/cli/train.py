@@ -233,7 +233,9 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     console = out if main else Console(quiet=True)
     for w in caught if main else []:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
-    console.print(selection_line(args, trainer), soft_wrap=True, markup=False)
+    selected = selection_line(args, trainer)
+    if selected:
+        console.print(selected, soft_wrap=True, markup=False)
     if budget is not None:
         console.print(f"memory: {trainer.spec.graph.memory_plan.summary()}", soft_wrap=True, markup=False)
     if decay_line(trainer):
