@@ -28,11 +28,12 @@ def lower_to_loops(graph: Graph, types: dict[str, ValueInfo] | None, used: set[s
     the new values (rules need static ranks), and the shapes of loops' carried outputs that ONNX's inference
     leaves out (:func:`.reverse.complete_loop_types`; also when nothing is rewritten). Returns True if the graph
     changed."""
+    inlined = constants_in_bodies(graph, used)
     if types is not None:
         _complete_loop_types(graph, types)
     ops = {n.op_type for _, n in graph.walk() if n.domain in ("", "ai.onnx")}
     if "Scan" not in ops and not ops & set(RECURRENT_OPS) and "SequenceMap" not in ops:
-        return False
+        return inlined
     types = infer_types(graph) if types is None else types
     changed = False
     if "SequenceMap" in ops:
@@ -47,6 +48,25 @@ def lower_to_loops(graph: Graph, types: dict[str, ValueInfo] | None, used: set[s
             types.setdefault(name, vi)
         _complete_loop_types(graph, types)
     return changed
+
+
+def constants_in_bodies(graph: Graph, used: set[str]) -> bool:
+    """Turn, in place, the initializers of every subgraph (a Loop, Scan or If body: valid ONNX, and what tf2onnx
+    and jax2onnx write) into ``Constant`` nodes at the start of that body, under the same value names. The
+    backward loop is a graph of its own: it could not read the forward body's initializers, and referred to
+    them from outside the body (issue 41: onnxruntime refused the gradient graph, ``grad`` exited 3); a
+    ``Constant`` node is recomputed in the backward body as every constant is. Returns True if one moved."""
+    moved = False
+    for _, node in list(graph.walk()):
+        for body in node.subgraphs.values():
+            if not body.initializers:
+                continue
+            consts = [Node("Constant", [], [k], {"value": np.asarray(v)}, fresh_name(f"{k}/constant", used))
+                      for k, v in body.initializers.items()]
+            body.nodes[:0] = consts
+            body.initializers = {}
+            moved = True
+    return moved
 
 
 def _complete_loop_types(graph: Graph, types: dict[str, ValueInfo]) -> None:
