@@ -306,3 +306,31 @@ def test_train_says_what_it_trains_and_what_it_left_out(tmp_path, capsys, monkey
     assert main(["train", "m.onnx", "--data", "d.npz", "--loss", "output:y", "--epochs", "1", "-o", "o.onnx"]) == 0
     assert ("parameters: 4 trainable in 1 tensor (66.7%), 2 frozen in 2 tensors; left out by default, one-element "
             "constants (--train NAME trains one): two, eps") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt", ".pth", ".npz", ".NPY", ".json"])
+def test_a_model_is_never_written_under_another_formats_name(model_and_data, capsys, monkeypatch, suffix):
+    # issue 38, item 7: Trainer.export("x.safetensors") wrote ONNX under that name without a word; the CLI
+    # refuses such an -o before training, the API before writing
+    g, _, _, tmp = model_and_data
+    monkeypatch.chdir(tmp)
+    tr = rg.Trainer(g, "cross-entropy", "sgd")
+    with pytest.raises(rg.RevgraphError, match="names .*, but this writes an ONNX model: give a name ending in .onnx"):
+        tr.export(f"m{suffix}")
+    for flag in ("-o", "--save-training-graph"):
+        argv = ["train", "model.onnx", "--data", "data.npz", "--loss", "cross-entropy", "--epochs", "1",
+                *(["-o", f"m{suffix}"] if flag == "-o" else ["-o", "t.onnx", flag, f"g{suffix}"])]
+        one_line_error(main(argv), capsys.readouterr().err, f"{flag} ", "but it gets an ONNX model")
+    one_line_error(main(["grad", "model.onnx", "-o", f"g{suffix}"]), capsys.readouterr().err, "but it gets an ONNX")
+    assert sorted(p.name for p in tmp.iterdir()) == ["data.npz", "model.onnx"]
+
+
+def test_fit_takes_an_npz_path_and_a_torch_module_gets_one_line(model_and_data):
+    # issue 38, item 7: fit("train.npz") was refused with a message naming the CLI flag; an nn.Module printed
+    # itself over several lines
+    g, x, y, tmp = model_and_data
+    a, b = rg.Trainer(g, "cross-entropy", "sgd"), rg.Trainer(g, "cross-entropy", "sgd")
+    assert a.fit(str(tmp / "data.npz"), 1, 16, progress=False) == b.fit({"x": x, "labels": y}, 1, 16, progress=False)
+    with pytest.raises(rg.RevgraphError) as info:
+        rg.Trainer(torch.nn.Sequential(torch.nn.Linear(6, 3)), "cross-entropy", "sgd")
+    assert "\n" not in str(info.value) and "is a PyTorch module (Sequential); export it to ONNX first" in str(info.value)

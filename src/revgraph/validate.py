@@ -271,8 +271,9 @@ def graph(name: str, value, where: str = "this function"):
     from .ir import Graph
 
     if not isinstance(value, Graph):
-        raise _Whole(f"{where} takes a revgraph.Graph as {name}=, got {type(value).__name__} (rg.load(path) reads "
-                     "one from a file)")
+        hint = ("export it to ONNX first (torch.onnx.export, the README's recipe), then rg.load the file"
+                if _is_torch_module(value) else "rg.load(path) reads one from a file")
+        raise _Whole(f"{where} takes a revgraph.Graph as {name}=, got {type(value).__name__} ({hint})")
     return value
 
 
@@ -293,8 +294,20 @@ def model(name: str, value):
         return value
     if isinstance(value, str | os.PathLike):
         return path(name, value)
+    if _is_torch_module(value):  # (issue 38: the message printed the module, several lines)
+        raise RevgraphError(f"{name}= is a PyTorch module ({type(value).__name__}); export it to ONNX first, "
+                            "torch.onnx.export(module, args, 'model.onnx', dynamo=True, optimize=False, "
+                            "opset_version=23) (the README's recipe), and give the file")
     raise RevgraphError(f"{_show(name, value)} ({type(value).__name__}): give a revgraph.Graph, an "
                         "onnx.ModelProto or the path of an .onnx file")
+
+
+def _is_torch_module(value) -> bool:
+    """An ``torch.nn.Module`` (looked up without importing torch: it is loaded already where one exists)."""
+    import sys
+
+    nn = getattr(sys.modules.get("torch"), "nn", None)
+    return nn is not None and isinstance(value, nn.Module)
 
 
 def policy(name: str, value):

@@ -340,7 +340,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_grad(args: argparse.Namespace) -> int:
     check_memory_budget(args.memory_budget)
     g = load(args.model)
-    check_command_outputs(args, {"-o": args.output})
+    check_command_outputs(args, {"-o": args.output}, models=("-o",))
     check_valid(g)  # a model ONNX's checker refuses is bad input, not a failure of the gradient graph's check
     check_opset(args.opset)
     gg = with_warnings(gradient, g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,

@@ -91,11 +91,13 @@ def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
 
 
 def check_command_outputs(args: argparse.Namespace, outputs: dict, inputs: dict | None = None,
-                          creatable: tuple[str, ...] = (), regular: tuple[str, ...] = ()) -> None:
+                          creatable: tuple[str, ...] = (), regular: tuple[str, ...] = (),
+                          models: tuple[str, ...] = ()) -> None:
     """Refuse, before any work, output paths that cannot be written or would destroy a file: one of the
     command's input files (the model, its external data, ``inputs``), the same file twice, the directory of
     another output, and the ``OUT.data`` a large model would write next to each output being an input or an
-    output (:func:`revgraph.atomic.check_outputs`). When an output is standard output itself
+    output (:func:`revgraph.atomic.check_outputs`), and ``models`` (labels) named as another format than ONNX
+    (``.safetensors``, ``.pt``, ...). When an output is standard output itself
     (``-o /dev/stdout``), the command's report lines go to stderr."""
     inputs = {"the model": args.model, **(inputs or {})}
     given = [p for p in outputs.values() if p]
@@ -105,6 +107,14 @@ def check_command_outputs(args: argparse.Namespace, outputs: dict, inputs: dict 
         for f in external_data_files(args.model):
             inputs[f"the model's external data file {f.name!r}"] = f
     targets = check_outputs(outputs, inputs, creatable=creatable, regular=regular, companions=companions)
+    from ..onnx_io import OTHER_FORMATS
+
+    for label in models:  # an ONNX model under another format's name: refused before the work, not after it
+        path = outputs.get(label)
+        other = OTHER_FORMATS.get(os.path.splitext(str(path))[1].lower()) if path else None
+        if other:
+            raise RevgraphError(f"{label} {str(path)!r} names {other}, but it gets an ONNX model: give a name ending "
+                                "in .onnx")
     stdout.to_stderr = any(_is_stdout(t.identity) for t in targets.values())
 
 

@@ -109,7 +109,7 @@ def _opset(p: argparse.ArgumentParser) -> None:
 def _prepare(args: argparse.Namespace) -> Graph:
     """The model, after the checks ``grad`` makes before any work (output path, validity, opset, policy)."""
     g = load(args.model)
-    check_command_outputs(args, {"-o": args.output})
+    check_command_outputs(args, {"-o": args.output}, models=("-o",))
     check_valid(g)  # a model ONNX's checker refuses is bad input, not a failure of the derived graph's check
     check_opset(args.opset)
     parse_policy(args.checkpoint)  # a bad policy is refused even where no gradient reads it

@@ -138,7 +138,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
         out.print(f"wrote {args.output}: {len(c['adapters'])} adapters ({tensors} tensors, {elements:,} elements; "
                   f"rank {c['rank']}, alpha {c['alpha']:g})", soft_wrap=True, markup=False)
         return 0
-    check_command_outputs(args, {"-o": args.output}, {"ADAPTERS": args.adapters})
+    check_command_outputs(args, {"-o": args.output}, {"ADAPTERS": args.adapters}, models=("-o",))
     arrays, configuration = lora.load_adapters(args.adapters)
     base = load(args.model)
     g = lora.apply(base, arrays, configuration, merge=args.merge, source=args.adapters)

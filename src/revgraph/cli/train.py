@@ -322,7 +322,8 @@ def _check_train_outputs(args: argparse.Namespace) -> None:
         raise RevgraphError(f"--checkpoint-dir {ckpt!r} is not a directory")
     outputs = {"-o": args.output, "--save-training-graph": args.save_training_graph,
                "the checkpoint file": str(path_in(ckpt)) if ckpt else None}
-    check_command_outputs(args, outputs, input_paths(args), creatable=("the checkpoint file",),
+    check_command_outputs(args, outputs, input_paths(args), models=("-o", "--save-training-graph"),
+                          creatable=("the checkpoint file",),
                           regular=("the checkpoint file",))
 
 

@@ -514,18 +514,29 @@ def _fill_output_types(model: onnx.ModelProto) -> None:
             out.type.CopyFrom(vi.type)
 
 
+#: file name suffixes of other formats than ONNX: :func:`save` refuses to write a model under one
+OTHER_FORMATS = {".safetensors": "a safetensors file", ".pt": "a PyTorch file", ".pth": "a PyTorch file",
+                 ".ckpt": "a checkpoint", ".npz": "a NumPy archive", ".npy": "a NumPy array", ".h5": "an HDF5 file",
+                 ".keras": "a Keras file", ".pkl": "a pickle", ".json": "a JSON file"}
+
+
 @V.arguments(graph=V.SAVABLE)  # (the path: atomic.py's checks)
 def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write ``graph`` to ``path`` as ONNX, atomically: a crash mid-write never leaves a half-written file.
 
     Models over protobuf's 2 GiB limit are written with their large tensors as external data in a new
     ``<path>.data`` next to the model (:func:`revgraph.external_data.save_external`); a ``ModelProto`` passed
-    in is not changed.
+    in is not changed. Raises :class:`RevgraphError` for a path named as another format (:data:`OTHER_FORMATS`:
+    ``.safetensors``, ``.pt``, ``.npz``, ...), where a user expects that format.
     """
     from . import external_data
 
     if not isinstance(path, (str, os.PathLike)):
         raise RevgraphError(f"save writes to a path (str or os.PathLike), got {type(path).__name__}")
+    other = OTHER_FORMATS.get(os.path.splitext(os.fsdecode(os.fspath(path)))[1].lower())
+    if other:  # (issue 38: Trainer.export("x.safetensors") wrote ONNX under that name without a word)
+        raise RevgraphError(f"{os.fspath(path)!r} names {other}, but this writes an ONNX model: give a name ending "
+                            "in .onnx")
     if not isinstance(graph, onnx.ModelProto):
         require_graph(graph, "save")
     model = graph if isinstance(graph, onnx.ModelProto) else to_onnx(graph)

@@ -78,13 +78,15 @@ def prepare(spec, data, static: Mapping | None = None, classes: int | None = Non
     Raises :class:`InputError` (one line) for missing arrays, different lengths, an unknown static name, a
     static array that does not match its input's declared shape, or labels that do not fit the loss
     (non-integer class indices, out-of-range classes, wrong shapes)."""
-    if isinstance(data, (str, os.PathLike)):
-        data = read_dir(data)
+    if isinstance(data, (str, os.PathLike)):  # a directory of .npy files, or an .npz (issue 38: it was refused)
+        data = read_dir(data) if os.path.isdir(data) or not os.fspath(data).lower().endswith(".npz") else \
+            _read_npz(spec, data)
     if isinstance(data, tuple) and len(data) == 2:
         x, y = data
         data = {**x, "labels": y} if isinstance(x, Mapping) else {"x": x, "y": y}
     if not isinstance(data, Mapping):
-        raise InputError("training data must be a mapping of arrays, a tuple (x, y) or a directory of .npy files")
+        raise InputError("training data must be a mapping of arrays, a tuple (x, y), an .npz file or a directory of "
+                         ".npy files")
     if static is not None and not isinstance(static, Mapping):  # dict() of a list or a string fails obscurely
         raise InputError(f"static= must be a mapping of arrays by input name, got {type(static).__name__}")
     data, static = dict(data), dict(static or {})
@@ -195,6 +197,16 @@ def _check_targets(ds: Dataset, classes: int | None) -> None:
             what = f"target token id {int(bad[0])} in {key!r}" if kind.shifted else f"label {int(bad[0])}"
             also = f" or the ignore index {ii}" if ii is not None else ""
             raise InputError(f"{what} is not a class index in [0, {classes or '?'}){also}")
+
+
+def _read_npz(spec, path) -> dict[str, np.ndarray]:
+    """The members of the ``.npz`` ``path`` that training reads (each model input, ``labels``, ``x``, ``y``),
+    each bounded before it is decompressed (:func:`revgraph.onnx_io.archive.read_archive`), as ``revgraph train
+    --data`` reads them."""
+    from ..onnx_io.archive import read_archive
+
+    wanted = dict.fromkeys([*spec.inputs, "labels", "x", "y"])
+    return read_archive(path, wanted, samples=True)
 
 
 def read_dir(path) -> dict[str, np.ndarray]:
