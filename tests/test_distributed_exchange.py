@@ -237,8 +237,30 @@ def test_checkpoint_remembers_the_accumulation(tmp_path):
     tr, data = trainer("mlp", "adam", 40, False)
     tr.fit(data, 1, 4, progress=False, checkpoint_dir=tmp_path, accumulate_steps=2)
     other, _ = trainer("mlp", "adam", 40, False)
-    with pytest.raises(rg.RevgraphError, match=r"accumulate_steps 2 \(now 1\); resume with the same settings"):
+    with pytest.raises(rg.RevgraphError, match=r"global batch 1 x 4 x 2 = 8 \(now 1 x 4 = 4\); resume with the same"):
         other.fit(data, 1, 4, progress=False, checkpoint_dir=tmp_path)
     again, _ = trainer("mlp", "adam", 40, False)
     again.fit(data, 1, 4, progress=False, checkpoint_dir=tmp_path, accumulate_steps=2)
     assert again.resumed and again.steps == tr.steps == 5
+
+
+def test_a_snapshot_resumes_at_another_split_of_the_global_batch(tmp_path):
+    # issue 38, item 7: a snapshot at batch 8 was refused by a run of --batch-size 4 --accumulate-steps 2 (and the
+    # other way round), although accumulating equals the bigger batch; the global batch is what must agree
+    from kit.harness import crash_after
+
+    ref, data = trainer("mlp", "adam", 40, False)
+    ref.fit(data, 2, 8, progress=False)
+    for first, then in (((8, 1), (4, 2)), ((4, 2), (8, 1))):
+        d = tmp_path / f"{first[0]}x{first[1]}"
+        crashing, _ = trainer("mlp", "adam", 40, False)
+        crash_after(crashing, 3)
+        with pytest.raises(KeyboardInterrupt):
+            crashing.fit(data, 2, first[0], progress=False, checkpoint_dir=d, checkpoint_every=1,
+                         accumulate_steps=first[1])
+        resumed, _ = trainer("mlp", "adam", 40, False)
+        resumed.fit(data, 2, then[0], progress=False, checkpoint_dir=d, accumulate_steps=then[1])
+        assert resumed.resumed and resumed.steps == ref.steps == 10
+        np.testing.assert_allclose(resumed.losses, ref.losses, rtol=1e-5)
+        for k, v in ref.parameters.items():
+            np.testing.assert_allclose(resumed.parameters[k], v, rtol=1e-5, atol=1e-7, err_msg=k)

@@ -289,7 +289,7 @@ DAMAGE = {
     "samples missing": (_drop("samples"), "field 'samples' is missing"),
     "accumulate_steps 0": (_set("accumulate_steps", 0), "field 'accumulate_steps' is 0"),
     "accumulate_steps text": (_set("accumulate_steps", "1"), "field 'accumulate_steps' is '1'"),
-    "accumulate_steps other": (_set("accumulate_steps", 2), "accumulate_steps 2 (now 1)"),
+    "accumulate_steps other": (_set("accumulate_steps", 2), "global batch 1 x 8 x 2 = 16 (now 1 x 8 = 8)"),
     "epoch -3": (_set("epoch", -3), "field 'epoch' is -3, not an integer >= 0"),
     "epoch text": (_set("epoch", "1"), "field 'epoch' is '1'"),
     "epoch float": (_set("epoch", 1.0), "field 'epoch' is 1.0"),

@@ -8,9 +8,9 @@ metadata's text is bounded (:data:`META_CHARS` characters, plus :data:`CHARS_PER
 counter). A damaged archive (truncated, a flipped bit: the CRC) is refused, as is trailing data in a member.
 
 :func:`check_meta` checks the metadata's fields, each for its type and range, then against this run: ``format``,
-``names`` (this run's carried names in order) and ``optimizer``; ``batch_size`` and ``world_size`` (positive
-integers whose product is this run's global batch: elastic resume); ``seed``, ``shuffle``, ``samples``,
-``accumulate_steps`` (equal to this run's); ``epoch`` (0 to the run's epochs) and ``batch`` (0 to the batches per
+``names`` (this run's carried names in order) and ``optimizer``; ``batch_size``, ``world_size`` and
+``accumulate_steps`` (positive integers whose product is this run's global batch: elastic resume, also at another
+accumulation); ``seed``, ``shuffle``, ``samples`` (equal to this run's); ``epoch`` (0 to the run's epochs) and ``batch`` (0 to the batches per
 epoch - 1; 0 at the end); ``losses`` (one per batch trained), ``epoch_means`` (one per finished epoch) and
 ``epoch_loss_sum``: numbers, finite unless the run allows non-finite values, the means and the sum those of the
 losses (recomputed, bit for bit), as many losses as ``earlier_losses`` (of a trainer's earlier fits) and the
@@ -285,14 +285,16 @@ def check_meta(meta: dict, where: str, run: dict, names: list[str], optimizer: s
     if meta["names"] != names or meta["optimizer"] != optimizer:
         raise RevgraphError(f"{where} holds the state of another model or optimizer; move it away or choose "
                             "another checkpoint directory")
-    was, is_ = (meta["world_size"], meta["batch_size"]), (run["world_size"], run["batch_size"])
-    if was[0] * was[1] != is_[0] * is_[1]:
+    # the global batch (processes x batch size x accumulated micro-batches) is what a step trains on: a run may
+    # resume at another split of it (issue 38: --accumulate-steps 2 --batch-size 4 of a snapshot at batch 8)
+    was = (meta["world_size"], meta["batch_size"], meta.get("accumulate_steps", 1))
+    is_ = (run["world_size"], run["batch_size"], run.get("accumulate_steps", 1))
+    if math.prod(was) != math.prod(is_):
         raise RevgraphError(f"{where} was written by a run with global batch {_global(*was)} (now "
-                            f"{_global(*is_)}); resume with the same global batch (--batch-size x processes), "
-                            "or move it away to start afresh")
-    defaults = {"accumulate_steps": 1}  # (checkpoints written before the setting existed)
-    differ = [f"{k} {meta.get(k, defaults.get(k))!r} (now {v!r})" for k, v in run.items()
-              if k not in ("world_size", "batch_size") and meta.get(k, defaults.get(k)) != v]
+                            f"{_global(*is_)}); resume with the same global batch (--batch-size x processes x "
+                            "--accumulate-steps), or move it away to start afresh")
+    differ = [f"{k} {meta.get(k)!r} (now {v!r})" for k, v in run.items()
+              if k not in ("world_size", "batch_size", "accumulate_steps") and meta.get(k) != v]
     if differ:
         raise RevgraphError(f"{where} was written by a run with {', '.join(differ)}; resume with the same "
                             "settings, or move it away to start afresh")
@@ -374,6 +376,9 @@ def check_arrays(arrays: dict[str, np.ndarray], meta: dict, where: str, spec, ru
                 raise _bad(where, f"optimizer state {name!r}", f"({nonnegative[slot]}) holds negative values")
 
 
-def _global(world, batch) -> str:
-    """``"2 x 16 = 32"``: processes x batch size = global batch."""
-    return f"{world} x {batch} = {world * batch}" if world and batch else f"{world} x {batch}"
+def _global(world, batch, accumulate=1) -> str:
+    """``"2 x 16 = 32"``: processes x batch size (x accumulated micro-batches, where more than one) = global
+    batch."""
+    parts = [world, batch, *([accumulate] if accumulate != 1 else [])]
+    text = " x ".join(map(str, parts))
+    return f"{text} = {math.prod(parts)}" if all(isinstance(p, int) and p > 0 for p in parts) else text
