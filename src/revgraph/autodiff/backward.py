@@ -72,11 +72,18 @@ def _pair_reads(node: Node, writers: Mapping[str, Node]) -> list[str]:
     return [i for i in q.inputs if i]
 
 
+#: operators whose integer result, from a float input, is a cut the user may not expect (DESIGN section 5):
+#: comparisons and other operators declared not differentiable make their bool and integer results on purpose
+_CASTS = frozenset({"Cast", "CastLike", "Pow"})
+
+
 def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, ValueInfo],
-          writers: Mapping[str, Node] | None = None) -> list[Node]:
+          writers: Mapping[str, Node] | None = None, casts: list[Node] | None = None) -> list[Node]:
     """The nodes on a path from a ``wrt`` value to a ``ys`` value through floating-point values (tensors, and
     sequences of them: :func:`~.accumulate.differentiable`), in order. Integer and boolean values, and
-    operators declared not differentiable, cut paths. ``writers``: the node writing each value, if known."""
+    operators declared not differentiable, cut paths. ``writers``: the node writing each value, if known.
+    ``casts``: where given, receives the reached nodes that cut a path by casting to an integer
+    (:func:`warn_integer_cuts`)."""
     reach = {w for w in wrt}
     reached_nodes = []
     if writers is None:
@@ -87,6 +94,9 @@ def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, 
         if not reach.isdisjoint(node.inputs) or not reach.isdisjoint(_other_reads(node, writers)):
             reached_nodes.append(node)
             reach.update(o for o in node.outputs if o and differentiable(types.get(o)))
+            if casts is not None and node.op_type in _CASTS and not node.domain and node.outputs \
+                    and _is_integer(types.get(node.outputs[0])):
+                casts.append(node)
     wanted = set(ys)
     wanted.discard("")
     needed = []
@@ -98,26 +108,12 @@ def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, 
     return needed
 
 
-#: operators whose integer result, from a float input, is a cut the user may not expect (DESIGN section 5):
-#: comparisons and other operators declared not differentiable make their bool and integer results on purpose
-_CASTS = frozenset({"Cast", "CastLike", "Pow"})
-
-
-def warn_integer_cuts(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: Mapping[str, ValueInfo]) -> None:
+def warn_integer_cuts(graph: Graph, ys: Iterable[str], cuts: list[Node], types: Mapping[str, ValueInfo]) -> None:
     """Warn, naming the node, where a path from a ``wrt`` value to a ``ys`` value passes a ``Cast``/``CastLike``
     to an integer type (or a ``Pow`` with an integer result) from a floating-point value: the gradient along
     that path is 0, as through any integer value, and :func:`prune` cuts it, so no rule sees the node and says
-    so (DESIGN section 5: "zeros, with a warning naming the node"). Top-level nodes only; one pass forward,
-    one backward only when such a node reads a reached value."""
-    reach = set(wrt)
-    cuts = []
-    for node in graph.nodes:
-        if node.op_type in NOT_DIFFERENTIABLE and node.domain in ("", "ai.onnx") or reach.isdisjoint(node.inputs):
-            continue
-        outs = [o for o in node.outputs if o]
-        if node.op_type in _CASTS and not node.domain and outs and _is_integer(types.get(outs[0])):
-            cuts.append(node)
-        reach.update(o for o in outs if differentiable(types.get(o)))
+    so (DESIGN section 5: "zeros, with a warning naming the node"). ``cuts``: such nodes that a wrt value
+    reaches (what :func:`prune` collects); one backward pass over the graph only when there is one."""
     if not cuts:
         return
     wanted = {y for y in ys if y}
@@ -126,7 +122,7 @@ def warn_integer_cuts(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types
             wanted.update(i for i in [*node.inputs, *_captures(node)] if i)
     for node in cuts:
         if node.outputs[0] in wanted:
-            floats = [i for i in node.inputs if i in reach]
+            floats = [i for i in node.inputs if i and differentiable(types.get(i))]
             warn(f"{node.label()}: its output {node.outputs[0]!r} is {types[node.outputs[0]].dtype}, an integer, so "
                  f"no gradient flows to {', '.join(map(repr, floats))} through it")
 
@@ -184,8 +180,9 @@ def backward(
     _type_seeds(graph, ys, types)
     acc = Accumulator(e, options.accumulate)
     producers = {o: n for n in graph.nodes for o in n.outputs if o}
-    nodes = prune(graph, ys, wrt, types, producers)
-    warn_integer_cuts(graph, ys, wrt, types)
+    casts: list[Node] = []
+    nodes = prune(graph, ys, wrt, types, producers, casts)
+    warn_integer_cuts(graph, ys, casts, types)
 
     missing = [n for n in nodes if get_rule(n) is None]
     if missing:
