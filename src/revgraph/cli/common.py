@@ -107,14 +107,11 @@ def check_command_outputs(args: argparse.Namespace, outputs: dict, inputs: dict 
         for f in external_data_files(args.model):
             inputs[f"the model's external data file {f.name!r}"] = f
     targets = check_outputs(outputs, inputs, creatable=creatable, regular=regular, companions=companions)
-    from ..onnx_io import OTHER_FORMATS
+    from ..onnx_io import refuse_other_format
 
     for label in models:  # an ONNX model under another format's name: refused before the work, not after it
-        path = outputs.get(label)
-        other = OTHER_FORMATS.get(os.path.splitext(str(path))[1].lower()) if path else None
-        if other:
-            raise RevgraphError(f"{label} {str(path)!r} names {other}, but it gets an ONNX model: give a name ending "
-                                "in .onnx")
+        if outputs.get(label):
+            refuse_other_format(outputs[label], label)
     stdout.to_stderr = any(_is_stdout(t.identity) for t in targets.values())
 
 

@@ -140,13 +140,13 @@ def input_paths(args: argparse.Namespace) -> dict:
     """The files the loss and data options read (none may be an output; each must exist before a launch): a
     data directory, and each ``.npy`` file in it (issue 40: ``-o DIR/x.npy`` replaced the training data, as the
     output was compared with the directory only)."""
+    from ..train.data import npy_files
+
     files = {"--data": args.data, "--test-data": args.test_data, "--class-weights": args.class_weights}
     for label in ("--data", "--test-data"):
         folder = files[label]
         if folder is not None and os.path.isdir(folder):
-            for f in sorted(Path(folder).iterdir()):
-                if f.suffix == ".npy":  # what train.data.read_dir reads
-                    files[f"the {label} file {f.name!r}"] = str(f)
+            files.update({f"the {label} file {f.name!r}": str(f) for f in npy_files(folder)})
     for s in args.static:
         name, _, file = s.partition("=")
         base, colon, _member = file.rpartition(":")

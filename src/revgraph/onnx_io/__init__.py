@@ -520,6 +520,17 @@ OTHER_FORMATS = {".safetensors": "a safetensors file", ".pt": "a PyTorch file", 
                  ".keras": "a Keras file", ".pkl": "a pickle", ".json": "a JSON file"}
 
 
+def refuse_other_format(path: str | os.PathLike, label: str | None = None) -> None:
+    """Raise :class:`RevgraphError` (one line) when ``path`` names another format than ONNX
+    (:data:`OTHER_FORMATS`), where a user expects that format (issue 38: ``Trainer.export("x.safetensors")``
+    wrote ONNX under that name); ``label``: the option that gave the path (``-o``), named in the message."""
+    text = os.fsdecode(os.fspath(path))
+    other = OTHER_FORMATS.get(os.path.splitext(text)[1].lower())
+    if other:
+        said = f"{label} {text!r} names {other}, but it gets" if label else f"{text!r} names {other}, but this writes"
+        raise RevgraphError(f"{said} an ONNX model: give a name ending in .onnx")
+
+
 @V.arguments(graph=V.SAVABLE)  # (the path: atomic.py's checks)
 def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write ``graph`` to ``path`` as ONNX, atomically: a crash mid-write never leaves a half-written file.
@@ -533,10 +544,7 @@ def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
 
     if not isinstance(path, (str, os.PathLike)):
         raise RevgraphError(f"save writes to a path (str or os.PathLike), got {type(path).__name__}")
-    other = OTHER_FORMATS.get(os.path.splitext(os.fsdecode(os.fspath(path)))[1].lower())
-    if other:  # (issue 38: Trainer.export("x.safetensors") wrote ONNX under that name without a word)
-        raise RevgraphError(f"{os.fspath(path)!r} names {other}, but this writes an ONNX model: give a name ending "
-                            "in .onnx")
+    refuse_other_format(path)
     if not isinstance(graph, onnx.ModelProto):
         require_graph(graph, "save")
     model = graph if isinstance(graph, onnx.ModelProto) else to_onnx(graph)

@@ -209,6 +209,11 @@ def _read_npz(spec, path) -> dict[str, np.ndarray]:
     return read_archive(path, wanted, samples=True)
 
 
+def npy_files(directory) -> list[Path]:
+    """The ``.npy`` files of ``directory`` that :func:`read_dir` reads, sorted (other files are not looked at)."""
+    return sorted(f for f in Path(directory).iterdir() if f.suffix == ".npy")
+
+
 def read_dir(path) -> dict[str, np.ndarray]:
     """A directory of ``.npy`` files as ``{stem: memmap}`` (``np.load(mmap_mode="r")``; nothing is read yet).
     Raises :class:`InputError` for a path that is not a directory, a directory without ``.npy`` files, or a
@@ -216,7 +221,7 @@ def read_dir(path) -> dict[str, np.ndarray]:
     d = Path(path)
     if not d.is_dir():
         raise InputError(f"--data {str(path)!r} is not a directory of .npy files")
-    files = sorted(f for f in d.iterdir() if f.suffix == ".npy")
+    files = npy_files(d)
     if not files:
         raise InputError(f"--data {str(path)!r} holds no .npy files; give one per model input (plus labels.npy)")
     return {f.stem: load_npy(f) for f in files}
