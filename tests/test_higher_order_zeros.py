@@ -249,3 +249,17 @@ def test_a_tagged_where_of_another_structure_stays_a_selection():
     g.nodes[2].name = "grad/n/StrongZero"
     got = zeros.run(rg.gradient(g, "loss", wrt=["x"]), {"x": np.array([-1.0, 2.0])})["x_grad"]
     np.testing.assert_allclose(got, [-2.0, 0.0], rtol=1e-14)
+
+
+def test_the_issues_examples_with_their_hand_derived_values():
+    # issue 39 as filed: d2/dx2 sqrt(x^2 + 1) = (x^2 + 1)^(-3/2), so H = diag(1, 2^(-3/2), 5^(-3/2)) at [0, 1, 2]
+    # (H[0, 0] was 0); prod(x^2) at [0, 2, 3]: H[0, 0] = 2 * 4 * 9 = 72 and every other entry carries a factor
+    # x_0 = 0 (the whole matrix was 0). HVPs along ones, on both runtimes
+    want = {"sqrt_at_zero_partial": np.diag([1.0, 2 ** -1.5, 5 ** -1.5]),
+            "reduce_prod_one_zero": np.array([[72.0, 0, 0], [0, 0, 0], [0, 0, 0]])}
+    for name, h in want.items():
+        g, feeds, _ = _case(name)
+        out = zeros.run(rg.hessian(g, "loss", ["x"]), feeds)
+        np.testing.assert_allclose(out["x_hessian"], h, rtol=1e-12, atol=1e-12, err_msg=name)
+        hv = zeros.run(rg.hvp(g, "loss", ["x"]), {**feeds, "x_tangent": np.ones(3)})
+        np.testing.assert_allclose(hv["x_hvp"], h.sum(1), rtol=1e-12, atol=1e-12, err_msg=name)
