@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..ir import Graph, Node, ValueInfo
+from .svg_curve import COLORS, Line, chart
 
 F32 = np.dtype(np.float32)
 
@@ -160,71 +161,16 @@ def loss_svg(curves: dict[str, tuple[list[float], int]], title: str = "training 
     """An SVG line chart of per-step losses: ``curves`` maps a label to ``(losses, steps per epoch)``.
 
     Each curve is drawn against epochs (step / steps per epoch), so models with different batch counts
-    share the x axis; the y axis is linear from 0 to the largest loss. Written by hand: no plotting library.
+    share the x axis, thin per step and thick as each epoch's mean; the y axis is linear from 0 to the largest
+    loss. Written by hand, no plotting library: :func:`revgraph.tools.svg_curve.chart`.
     """
-    w, h, left, right, top, bottom = 720, 420, 64, 150, 40, 48
-    pw, ph = w - left - right, h - top - bottom
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
-    xmax = max((len(v) / max(per, 1) for v, per in curves.values()), default=1.0) or 1.0
-    ymax = max((max(v) for v, _ in curves.values() if v), default=1.0)
-    ymax = _nice(ymax)
-
-    def px(epoch: float) -> float:
-        return left + pw * epoch / xmax
-
-    def py(loss: float) -> float:
-        return top + ph * (1 - min(loss, ymax) / ymax)
-
-    out = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-            'font-family="sans-serif" font-size="12">'),
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{left + pw / 2}" y="22" text-anchor="middle" font-size="15">{_esc(title)}</text>']
-    for i in range(6):  # horizontal grid lines and y labels
-        v = ymax * i / 5
-        out.append(f'<line x1="{left}" y1="{py(v):.1f}" x2="{left + pw}" y2="{py(v):.1f}" stroke="#ddd"/>')
-        out.append(f'<text x="{left - 6}" y="{py(v) + 4:.1f}" text-anchor="end">{v:.2g}</text>')
-    for e in _ticks(xmax):
-        out.append(f'<line x1="{px(e):.1f}" y1="{top + ph}" x2="{px(e):.1f}" y2="{top + ph + 5}" stroke="#333"/>')
-        out.append(f'<text x="{px(e):.1f}" y="{top + ph + 18}" text-anchor="middle">{e:g}</text>')
-    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#333"/>')
-    out.append(f'<text x="{left + pw / 2}" y="{h - 10}" text-anchor="middle">epoch</text>')
-    out.append(f'<text x="16" y="{top + ph / 2}" text-anchor="middle" transform="rotate(-90 16 {top + ph / 2})">'
-               'cross-entropy loss</text>')
+    lines = []
     for k, (label, (losses, per)) in enumerate(curves.items()):
-        color = colors[k % len(colors)]
-        stride = max(1, len(losses) // 1500)  # keep the file small: at most ~1500 points a curve
-        pts = " ".join(f"{px((i + 1) / per):.1f},{py(v):.1f}" for i, v in enumerate(losses) if i % stride == 0)
-        out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="1" opacity="0.35"/>')
+        color, per = COLORS[k % len(COLORS)], max(per, 1)
         means = [float(np.mean(losses[j:j + per])) for j in range(0, len(losses), per)]
-        mpts = " ".join(f"{px(j + 1):.1f},{py(v):.1f}" for j, v in enumerate(means))
-        out.append(f'<polyline points="{mpts}" fill="none" stroke="{color}" stroke-width="2.5"/>')
-        ly = top + 16 + 20 * k
-        out.append(f'<line x1="{left + pw + 12}" y1="{ly}" x2="{left + pw + 36}" y2="{ly}" stroke="{color}" '
-                   'stroke-width="2.5"/>')
-        out.append(f'<text x="{left + pw + 42}" y="{ly + 4}">{_esc(label)}</text>')
-    out.append(f'<text x="{left + pw + 12}" y="{top + 16 + 20 * len(curves) + 10}" fill="#666" font-size="10">'
-               'thin: per step</text>')
-    out.append(f'<text x="{left + pw + 12}" y="{top + 16 + 20 * len(curves) + 24}" fill="#666" font-size="10">'
-               'thick: epoch mean</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
-def _nice(v: float) -> float:
-    """The smallest of 1, 2, 2.5, 5 times a power of ten that is >= v."""
-    if not np.isfinite(v) or v <= 0:
-        return 1.0
-    p = 10 ** np.floor(np.log10(v))
-    return float(next(m * p for m in (1, 2, 2.5, 5, 10) if m * p >= v))
-
-
-def _ticks(xmax: float) -> list[float]:
-    step = _nice(xmax / 8)
-    return [i * step for i in range(int(xmax / step) + 1)]
-
-
-def _esc(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        lines.append(Line([((i + 1) / per, v) for i, v in enumerate(losses)], color, width=1, opacity=0.35))
+        lines.append(Line([(j + 1, v) for j, v in enumerate(means)], color, label=label))
+    return chart(lines, title, "epoch", "cross-entropy loss", notes=("thin: per step", "thick: epoch mean"))
 
 
 # ------------------------------------------------------------------------------------ the output directory
