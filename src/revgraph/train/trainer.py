@@ -560,6 +560,18 @@ class Trainer:
         return model
 
     @V.arguments(path=V.PATH)
+    def save_state_dict(self, path: str | os.PathLike) -> tuple[int, int]:
+        """Write the current parameters as the PyTorch state dict of the module the model was exported from, a
+        ``.safetensors`` file that ``module.load_state_dict(safetensors.torch.load_file(path))`` loads (names,
+        buffers, LoRA adapters merged: :mod:`revgraph.train.hf_io`); returns ``(tensors, elements)``. Raises
+        :class:`RevgraphError` for another suffix and a path that cannot be written."""
+        from .hf_io import save_state_dict
+
+        model = self.spec.model.copy()
+        model.initializers.update(self.parameters)
+        return save_state_dict(path, model)
+
+    @V.arguments(path=V.PATH)
     def save_training_graph(self, path: str | os.PathLike) -> None:
         """Write the training-step graph (module doc of :mod:`revgraph.train`), with no initial values."""
         save(self.spec.graph, path)
