@@ -453,7 +453,9 @@ TRAINER_RULES = {"model": MODEL, "loss": TEXT, "optimizer": OPTIMIZER, "output":
                  "sync_batchnorm": FLAG, "timeout": OPTIONAL_POSITIVE,
                  "clip_grad_norm": OPTIONAL_POSITIVE}  # (params, freeze: revgraph.selection, glob patterns)
 #: :meth:`revgraph.Trainer.fit`'s arguments.
-FIT_RULES = {"epochs": POSITIVE_INT, "batch_size": POSITIVE_INT, "shuffle": FLAG, "seed": SEED, "progress": FLAG,
+_OPTIONAL_POSITIVE_INT = rule(lambda n, v: v if v is None else POSITIVE_INT(n, v))
+FIT_RULES = {"epochs": _OPTIONAL_POSITIVE_INT, "max_steps": _OPTIONAL_POSITIVE_INT, "eval_every": _OPTIONAL_POSITIVE_INT,
+             "eval_batch_size": _OPTIONAL_POSITIVE_INT, "batch_size": POSITIVE_INT, "shuffle": FLAG, "seed": SEED, "progress": FLAG,
              "description": rule(text, empty=True), "checkpoint_dir": OPTIONAL_PATH, "checkpoint_every": NON_NEGATIVE_INT,
              "snapshot_dir": OPTIONAL_PATH, "snapshot_every": rule(lambda n, v: v if v is None else NON_NEGATIVE_INT(n, v)),
              "nonfinite": choice("stop", "continue"), "accumulate_steps": POSITIVE_INT,

@@ -33,16 +33,19 @@ Small dense parameters (:data:`GROUP_ELEMENTS`) of one dtype and one shape but t
 one concatenation, split back: the same formulas element by element, in fewer onnxruntime nodes.
 
 Sparse tables. A parameter read only through ``Gather`` (an embedding table) gets its gradient as rows
-(``revgraph.gradient(..., sparse=True)``). Its update touches the gathered rows only: the row indices are
-made unique (``Unique``; repeated rows have their gradients added), the rows of the parameter and of its
-state are gathered, the dense formula above runs on them, and ``ScatterND`` writes them back. For plain SGD
-without weight decay this is exactly the dense update (the other rows have a zero gradient). With momentum,
-Adam or weight decay it is a *lazy* update, as ``torch.optim.SparseAdam`` does: rows not in the batch keep
-their parameter and state unchanged (their momentum does not decay, weight decay does not shrink them),
-and the bias correction uses the global step.
+(``revgraph.gradient(..., sparse=True)``); the row indices are made unique (``Unique``; repeated rows have their
+gradients added). ``Optimizer.embedding_update`` says how the table is updated from them (:func:`sparse_update`):
 
-Small dense parameters (:data:`GROUP_ELEMENTS`) of one dtype and one shape but the first axis are updated as
-one concatenation, split back: the same formulas element by element, in fewer onnxruntime nodes.
+- ``"dense"`` (default): exactly ``torch.optim.SGD/Adam/AdamW`` on the dense gradient, whose rows outside the
+  batch are zero, without building that ``[R, ...]`` gradient: the formula above runs once over the whole table
+  with the zero-gradient terms left out (``m' = b1 m``, ``v' = b2 v``, ``v' = momentum * v``, weight decay, and
+  the parameter step that the decayed moments still take), once on the gathered rows with their gradient, and
+  ``ScatterND`` writes those rows over the first result. Plain SGD without weight decay leaves the other rows
+  unchanged, so it is the row update alone.
+- ``"lazy"``: the row update alone, ``torch.optim.SparseAdam``'s semantics: rows not in the batch keep their
+  parameter and state unchanged (their moments do not decay, weight decay does not shrink them), and the bias
+  correction uses the global step. Cheaper for a large table (no pass over it), but not torch's dense update
+  with momentum, Adam or weight decay.
 """
 
 from __future__ import annotations
@@ -89,14 +92,16 @@ class Step:
         """This step's learning rate in the tensor's dtype (a constant unless scheduled)."""
         return self.s.lr(self.dt)
 
-    def l2(self, g: str, p: str) -> str:
+    def l2(self, g: str | None, p: str) -> str | None:
         """``g + wd * p``: the gradient of the L2 penalty ``0.5 * wd * ||p||^2`` added (ONNX ``Momentum``'s and
-        ``Adam``'s ``norm_coefficient``); ``g`` where no decay applies."""
+        ``Adam``'s ``norm_coefficient``); ``g`` where no decay applies. ``g=None`` is a zero gradient:
+        ``wd * p``, or ``None`` without decay."""
         if not self.wd:
             return g
         b = self.b
         coefficient = self.c(self.wd) if self.mask is None else b.const(np.where(self.mask, self.wd, 0).astype(self.dt), self.dt)
-        return b.op("Add", [g, b.op("Mul", [coefficient, p])])
+        decay = b.op("Mul", [coefficient, p])
+        return decay if g is None else b.op("Add", [g, decay])
 
     def decoupled(self, p: str) -> str:
         """``p * (1 - lr * wd)``: decoupled weight decay (``torch.optim.AdamW``), 1 where the mask excludes;
@@ -133,9 +138,11 @@ class Method:
         """``(ok, message)`` checks of ``opt``'s values that this method adds to :class:`Optimizer`'s."""
         return []
 
-    def update(self, step: Step, p: str, g: str, state: list[str]) -> tuple[str, list[str]]:
+    def update(self, step: Step, p: str, g: str | None, state: list[str]) -> tuple[str, list[str]]:
         """The nodes of one update of parameter ``p`` from gradient ``g`` and ``state`` (one name per slot):
-        ``(new p, [new state])``, emitted with ``step.b``."""
+        ``(new p, [new state])``, emitted with ``step.b``. ``g=None`` is a zero gradient, whose terms are left
+        out (the rows of a table outside the batch, :func:`sparse_update`); a value it leaves unchanged is
+        returned as the same name."""
         raise NotImplementedError
 
 
@@ -171,12 +178,13 @@ class SGD(Method):
     def slots(self, opt: Optimizer) -> tuple[str, ...]:
         return ("momentum",) if opt.momentum else ()
 
-    def update(self, step: Step, p: str, g: str, state: list[str]) -> tuple[str, list[str]]:
+    def update(self, step: Step, p: str, g: str | None, state: list[str]) -> tuple[str, list[str]]:
         b = step.b
         g = step.l2(g, p)
         if not step.opt.momentum:
-            return b.op("Sub", [p, b.op("Mul", [step.lr(), g])]), []
-        v = b.op("Add", [b.op("Mul", [step.c(step.opt.momentum), state[0]]), g])
+            return (p if g is None else b.op("Sub", [p, b.op("Mul", [step.lr(), g])])), []
+        v = b.op("Mul", [step.c(step.opt.momentum), state[0]])
+        v = v if g is None else b.op("Add", [v, g])
         return b.op("Sub", [p, b.op("Mul", [step.lr(), v])]), [v]
 
 
@@ -194,16 +202,19 @@ class Adam(Method):
     def checks(self, opt: Optimizer) -> list[tuple[bool, str]]:
         return [(opt.momentum == 0, f"momentum applies to {listed(takers('momentum'))} only; Adam has betas")]
 
-    def decayed(self, step: Step, p: str, g: str) -> tuple[str, str]:
+    def decayed(self, step: Step, p: str, g: str | None) -> tuple[str, str | None]:
         """``(p, g)`` with weight decay applied: Adam's L2 penalty on the gradient."""
         return p, step.l2(g, p)
 
-    def update(self, step: Step, p: str, g: str, state: list[str]) -> tuple[str, list[str]]:
-        """The formulas of :func:`update`'s doc: 12 nodes per tensor (14 with weight decay, 13 for AdamW)."""
+    def update(self, step: Step, p: str, g: str | None, state: list[str]) -> tuple[str, list[str]]:
+        """The formulas of :func:`update`'s doc: 12 nodes per tensor (14 with weight decay, 13 for AdamW);
+        with ``g=None`` (a zero gradient, no L2 term) ``m' = b1 m`` and ``v' = b2 v``: 7 nodes."""
         b, (b1, b2) = step.b, step.opt.betas
         p, g = self.decayed(step, p, g)
-        m = b.op("Add", [b.op("Mul", [step.c(b1), state[0]]), b.op("Mul", [step.c(1.0 - b1), g])])
-        v = b.op("Add", [b.op("Mul", [step.c(b2), state[1]]), b.op("Mul", [b.op("Mul", [g, step.c(1.0 - b2)]), g])])
+        m = b.op("Mul", [step.c(b1), state[0]])
+        m = m if g is None else b.op("Add", [m, b.op("Mul", [step.c(1.0 - b1), g])])
+        v = b.op("Mul", [step.c(b2), state[1]])
+        v = v if g is None else b.op("Add", [v, b.op("Mul", [b.op("Mul", [g, step.c(1.0 - b2)]), g])])
         step_size, eps = step.s.bias(step.dt)
         denom = b.op("Add", [b.op("Sqrt", [v]), eps])
         return b.op("Sub", [p, b.op("Mul", [step_size, b.op("Div", [m, denom])])]), [m, v]
@@ -217,8 +228,13 @@ class AdamW(Adam):
     defaults: ClassVar[dict[str, float]] = {"lr": 1e-3, "weight_decay": 0.01}
     decay = "decoupled decay"
 
-    def decayed(self, step: Step, p: str, g: str) -> tuple[str, str]:
+    def decayed(self, step: Step, p: str, g: str | None) -> tuple[str, str | None]:
         return step.decoupled(p), g
+
+
+#: ``Optimizer.embedding_update``'s values (module doc): torch's dense update of a gathered table, or the
+#: lazy update of the batch's rows (``torch.optim.SparseAdam``).
+EMBEDDING_UPDATES = ("dense", "lazy")
 
 
 @dataclass(frozen=True)
@@ -229,8 +245,10 @@ class Optimizer:
     in [0, 1) (SGD only); ``betas`` in [0, 1) and ``eps > 0`` (Adam, AdamW); ``weight_decay >= 0``.
     :mod:`revgraph.schedules`: ``schedule`` (a :class:`~revgraph.schedules.Schedule`, ``None``: constant),
     ``clip_grad_norm`` (``None`` or the global-norm threshold ``> 0``) and ``no_decay`` (the parameters weight
-    decay skips: ``"default"`` biases and 1-D parameters, ``"none"``, name patterns or a predicate). Raises
-    :class:`RevgraphError` for values outside these ranges. Build one with :func:`sgd`, :func:`adam`,
+    decay skips: ``"default"`` biases and 1-D parameters, ``"none"``, name patterns or a predicate).
+    ``embedding_update``: how a table read only through ``Gather`` is updated from its gradient rows (module
+    doc, :data:`EMBEDDING_UPDATES`): ``"dense"``, torch's dense update, or ``"lazy"``, the batch's rows only
+    (``torch.optim.SparseAdam``). Raises :class:`RevgraphError` for values outside these ranges. Build one with :func:`sgd`, :func:`adam`,
     :func:`adamw` or :func:`make_optimizer`.
     """
 
@@ -243,8 +261,12 @@ class Optimizer:
     schedule: Schedule | None = None
     clip_grad_norm: float | None = None
     no_decay: str | tuple[str, ...] | Callable = "default"
+    embedding_update: str = "dense"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.embedding_update, str) or self.embedding_update not in EMBEDDING_UPDATES:
+            raise RevgraphError(f"embedding update (--embedding-update, embedding_update=) must be "
+                                f"{' or '.join(EMBEDDING_UPDATES)}, got {self.embedding_update!r}")
         object.__setattr__(self, "clip_grad_norm", check_clip(self.clip_grad_norm))
         object.__setattr__(self, "no_decay", check_no_decay(self.no_decay))
         if self.schedule is not None and not isinstance(self.schedule, Schedule):
@@ -290,10 +312,51 @@ class Optimizer:
         """Names of the per-parameter state tensors (each of the parameter's shape, zero at the start)."""
         return self.method.slots(self)
 
+    def settings(self) -> dict:
+        """Every setting of this optimizer that changes the numbers a step computes, JSON-able (tuples as lists),
+        under the names a snapshot records them (:func:`revgraph.run_record.record`): ``"optimizer"`` (the kind),
+        each hyperparameter field, and the schedule's ``lr_schedule``, ``warmup_steps`` and ``min_lr``. The one
+        description of the optimizer that the snapshot record, the snapshot checks (:func:`setting_types`) and the
+        data-parallel ranks' comparison read, so a new field is recorded, checked and compared with no list to
+        update. (``no_decay`` is recorded as the parameters it resolves to, by the training graph.)"""
+        import dataclasses
+
+        out: dict = {"optimizer": self.kind}
+        for f in dataclasses.fields(self):
+            if f.name not in _NOT_SETTINGS:
+                value = getattr(self, f.name)
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        s = self.schedule
+        out.update(lr_schedule=s.kind if s else "constant", warmup_steps=s.warmup_steps if s else 0,
+                   min_lr=s.min_lr if s else 0.0)
+        return out
+
+
+#: Optimizer fields that are not recorded as themselves (the kind is "optimizer"; the schedule is recorded by its
+#: fields; no_decay by the parameters it names, which may come from a predicate)
+_NOT_SETTINGS = ("kind", "schedule", "no_decay")
+
+
+def setting_types() -> dict[str, tuple[type, ...]]:
+    """The JSON types of :meth:`Optimizer.settings`' entries, read from the fields' defaults (a snapshot's record
+    is checked against them: :mod:`revgraph.snapshot_checks`)."""
+    import dataclasses
+
+    number, optional = (int, float), (int, float, type(None))
+    types: dict[str, tuple[type, ...]] = {"optimizer": (str,), "lr_schedule": (str,), "warmup_steps": (int,),
+                                          "min_lr": number}
+    for f in dataclasses.fields(Optimizer):
+        if f.name in _NOT_SETTINGS:
+            continue
+        default = f.default
+        types[f.name] = (list,) if isinstance(default, tuple) else (str,) if isinstance(default, str) else \
+            (bool,) if isinstance(default, bool) else optional if default is None else number
+    return types
+
 
 def sgd(lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, **settings) -> Optimizer:
     """``torch.optim.SGD(lr, momentum, dampening=0, weight_decay, nesterov=False)``; ``settings``: those of
-    :func:`configure` (schedule, clipping, weight-decay exclusions)."""
+    :func:`configure` (schedule, clipping, weight-decay exclusions, embedding update)."""
     return configure(Optimizer("sgd", lr, momentum=momentum, weight_decay=weight_decay), **settings)
 
 
@@ -318,8 +381,8 @@ def adamw(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
 def make_optimizer(name: str, *, lr: float | None = None, momentum: float | None = None,
                    weight_decay: float | None = None, **schedule) -> Optimizer:
     """The optimizer called ``name`` with PyTorch's defaults for the arguments left ``None`` (SGD: lr 0.01,
-    the others 1e-3; AdamW weight decay 0.01). ``schedule``: the :mod:`revgraph.schedules` settings of
-    :func:`configure` (``schedule=``, ``clip_grad_norm=``, ``no_decay=``). Raises :class:`RevgraphError` for an
+    the others 1e-3; AdamW weight decay 0.01). ``schedule``: the settings of :func:`configure`
+    (``schedule=``, ``clip_grad_norm=``, ``no_decay=``, ``embedding_update=``). Raises :class:`RevgraphError` for an
     unknown name or values out of range."""
     if name not in OPTIMIZERS:
         raise RevgraphError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
@@ -334,14 +397,15 @@ def make_optimizer(name: str, *, lr: float | None = None, momentum: float | None
 
 
 def configure(opt: Optimizer, *, schedule: Schedule | None = None, clip_grad_norm: float | None = None,
-              no_decay=None) -> Optimizer:
-    """``opt`` with the :mod:`revgraph.schedules` settings that are given (not ``None``) replaced: ``schedule``
-    (a :class:`~revgraph.schedules.Schedule`), ``clip_grad_norm``, ``no_decay`` (``"default"``, ``"none"``,
-    patterns or a predicate). Raises :class:`RevgraphError` for values out of range."""
+              no_decay=None, embedding_update: str | None = None) -> Optimizer:
+    """``opt`` with the settings that are given (not ``None``) replaced: the :mod:`revgraph.schedules` ones,
+    ``schedule`` (a :class:`~revgraph.schedules.Schedule`), ``clip_grad_norm``, ``no_decay`` (``"default"``,
+    ``"none"``, patterns or a predicate), and ``embedding_update`` (``"dense"`` or ``"lazy"``,
+    :data:`EMBEDDING_UPDATES`). Raises :class:`RevgraphError` for values out of range."""
     from dataclasses import replace
 
-    given = {k: v for k, v in (("schedule", schedule), ("clip_grad_norm", clip_grad_norm), ("no_decay", no_decay))
-             if v is not None}
+    given = {k: v for k, v in (("schedule", schedule), ("clip_grad_norm", clip_grad_norm), ("no_decay", no_decay),
+                               ("embedding_update", embedding_update)) if v is not None}
     return replace(opt, **given) if given else opt
 
 
@@ -467,9 +531,10 @@ class Scalars:
         return self._bias[dtype]
 
 
-def update(b: Builder, s: Scalars, p: str, g: str, state: list[str], dt,
+def update(b: Builder, s: Scalars, p: str, g: str | None, state: list[str], dt,
            decay: bool | np.ndarray = True) -> tuple[str, list[str]]:
-    """The dense update of ``p`` (any shape) from gradient ``g``: ``(new p, new state)`` (module doc).
+    """The dense update of ``p`` (any shape) from gradient ``g``: ``(new p, new state)`` (module doc);
+    ``g=None``: a zero gradient, its terms left out (:meth:`Method.update`).
 
     ``decay``: whether weight decay applies (:func:`revgraph.schedules.excluded`), or a boolean mask of ``p``'s
     shape (elements of a flat shard that belong to decayed parameters: :mod:`revgraph.sharding`).
@@ -486,10 +551,13 @@ def update(b: Builder, s: Scalars, p: str, g: str, state: list[str], dt,
 
 def sparse_update(b: Builder, s: Scalars, p: str, idx: str, rows: str, state: list[str],
                   dt, *, unique: bool = False, decay: bool = True) -> tuple[str, list[str]]:
-    """The lazy row update of table ``p`` (``[R, ...]``) from gradient rows ``idx`` (int64 ``[K]``, in
-    ``[0, R)``, maybe repeated) and ``rows`` (``[K, ...]``): coalesce, gather, update, scatter back.
-    ``unique=True``: ``idx`` and ``rows`` are coalesced already (:func:`revgraph.schedules.coalesce`, as the
-    clipping does before it takes the norm). ``decay``: whether weight decay applies to ``p``."""
+    """The update of table ``p`` (``[R, ...]``) from gradient rows ``idx`` (int64 ``[K]``, in ``[0, R)``, maybe
+    repeated) and ``rows`` (``[K, ...]``), as ``s.opt.embedding_update`` says (module doc): coalesce, gather the
+    rows of ``p`` and its state, update them, and ``ScatterND`` them over ``p`` and its state (``"lazy"``) or
+    over the update of the whole table with a zero gradient (``"dense"``: equal to :func:`update` on the dense
+    gradient, ``torch.optim``'s update, without that ``[R, ...]`` gradient). ``unique=True``: ``idx`` and
+    ``rows`` are coalesced already (:func:`revgraph.schedules.coalesce`, as the clipping does before it takes
+    the norm). ``decay``: whether weight decay applies to ``p``. Returns ``(new p, [new state])``."""
     if unique:
         g = rows
     else:  # repeated indices add their rows into zeros of [U, ...] (add_rows: ScatterElements, race free)
@@ -497,6 +565,9 @@ def sparse_update(b: Builder, s: Scalars, p: str, idx: str, rows: str, state: li
     p_rows = b.op("Gather", [p, idx], axis=0)
     s_rows = [b.op("Gather", [v, idx], axis=0) for v in state]
     new_p_rows, new_s_rows = update(b, s, p_rows, g, s_rows, dt, decay=decay)
+    # the rows outside the batch: unchanged (lazy), or the dense formula's step with their zero gradient, which
+    # is also "unchanged" for plain SGD without decay (update returns p and the state themselves then)
+    base_p, base_s = (p, state) if s.opt.embedding_update == "lazy" else update(b, s, p, None, state, dt, decay=decay)
     at = b.op("Unsqueeze", [idx, b.const([1], np.int64)])  # unique indices: ScatterND without reduction is well defined
-    new_p = b.op("ScatterND", [p, at, new_p_rows])
-    return new_p, [b.op("ScatterND", [v, at, r]) for v, r in zip(state, new_s_rows, strict=True)]
+    new_p = b.op("ScatterND", [base_p, at, new_p_rows])
+    return new_p, [b.op("ScatterND", [v, at, r]) for v, r in zip(base_s, new_s_rows, strict=True)]

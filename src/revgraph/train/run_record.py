@@ -28,20 +28,17 @@ from . import snapshot_checks, snapshots
 
 #: The recorded settings' values for checkpoints that do not record them (written before the record existed).
 OLD_DEFAULTS = {"lr_schedule": "constant", "warmup_steps": 0, "min_lr": 0.0, "total_steps": None,
-                "clip_grad_norm": None, "no_decay": [], "precision": "fp32"}
+                "clip_grad_norm": None, "no_decay": [], "precision": "fp32", "embedding_update": "lazy"}
 
 
 def record(spec, total: int | None = None) -> dict:
     """The JSON-able record of ``spec``'s hyperparameters (module doc); ``total``: the schedule's total steps of
     this run (recorded for linear and cosine schedules only)."""
-    o, s = spec.optimizer, spec.optimizer.schedule
-    rec = {"optimizer": o.kind, "lr": o.lr, "momentum": o.momentum, "betas": list(o.betas), "eps": o.eps,
-           "weight_decay": o.weight_decay, "no_decay": list(spec.no_decay),
-           "lr_schedule": s.kind if s else "constant", "warmup_steps": s.warmup_steps if s else 0,
-           "min_lr": s.min_lr if s else 0.0, "total_steps": total if spec.total else None,
-           "clip_grad_norm": o.clip_grad_norm,
+    rec = {**spec.optimizer.settings(), "no_decay": list(spec.no_decay), "total_steps": total if spec.total else None,
            "loss": getattr(spec.loss, "settings", {"kind": spec.loss.kind, "output": spec.loss.output}),
            "precision": getattr(spec, "precision", "fp32")}
+    if not getattr(spec, "sparse", None):  # (only a table updated from gradient rows has a choice of update)
+        rec.pop("embedding_update", None)
     scaling = getattr(spec, "scaling", None)
     if scaling is not None:  # fp16: GradScaler's options (the scale itself is carried state, in the arrays:
         # its initial value does not matter once resumed)
@@ -107,6 +104,10 @@ class Position:
 
     def __init__(self, epoch: int = 0, batch: int = 0, total: float = 0.0, means: list | None = None):
         self.epoch, self.batch, self.total, self.means = epoch, batch, total, means or []
+
+    def done(self, per_epoch: int) -> int:
+        """The steps of the run before this position (``per_epoch`` steps an epoch)."""
+        return self.epoch * per_epoch + self.batch
 
 
 def resume(trainer, directory, run: dict, total: int | None, override=(), console=None, *, epochs: int | None = None,

@@ -34,6 +34,7 @@ import zlib
 import numpy as np
 
 from ..errors import RevgraphError
+from .optimizers import setting_types
 
 FORMAT = "revgraph-checkpoint-1"  # (the metadata's "format"; revgraph.checkpoints writes it)
 #: characters the metadata may hold whatever the run (names, the record, the run's settings) ...
@@ -238,10 +239,8 @@ def _numbers(where: str, field: str, v, n: int | None, finite: bool, what: str) 
 
 
 #: the types of the recorded hyperparameters (revgraph.run_record.record), by name
-_NUM, _OPT = (int, float), (int, float, type(None))
-RECORD_TYPES = {"optimizer": (str,), "lr": _NUM, "momentum": _NUM, "betas": (list,), "eps": _NUM,
-                "weight_decay": _NUM, "no_decay": (list,), "lr_schedule": (str,), "warmup_steps": (int,),
-                "min_lr": _NUM, "total_steps": (int, type(None)), "clip_grad_norm": _OPT, "loss": (dict, str),
+_NUM = (int, float)
+RECORD_TYPES = {**setting_types(), "no_decay": (list,), "total_steps": (int, type(None)), "loss": (dict, str),
                 "precision": (str,), "growth_factor": _NUM, "backoff_factor": _NUM, "growth_interval": _NUM}
 
 

@@ -22,7 +22,6 @@ batch ``K * B * W``, also for the shorter last step of an epoch (its micro-batch
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -37,10 +36,10 @@ from ..runtime.devices import Device
 from ..runtime.options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
 from ..validate import FIT_RULES, TRAINER_RULES
 from . import data as datasets
-from . import run_record
-from .distributed.exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype, refused_combination
-from .distributed.sharding import SHARDS
-from .engines import BUFFERS, make_engine
+from . import fit_loop, run_record
+from .distributed.exchange import BUCKET_MB
+from .engine_choice import EngineSettings, create_engine
+from .fit_loop import epoch_order, shard  # noqa: F401 (their home was here)
 from .graphs import Optimizer, TrainingGraph, training_graph
 from .losses import loss_kind, weighs_by_targets
 from .optimizers import configure, make_optimizer
@@ -120,42 +119,24 @@ class Trainer:
                  sync_batchnorm: bool = False, timeout: float | None = None, loss_options: dict | None = None,
                  schedule=None, clip_grad_norm: float | None = None, no_decay=None, precision="fp32",
                  freeze: Iterable[str] | None = None):
-        if buffers not in BUFFERS:
-            raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
-        cap = bucket_bytes(bucket_mb)  # (checked in one process too, where there is nothing to exchange)
-        check_reduce_dtype(reduce_dtype)
-        if overlap not in (True, False, "auto"):
-            raise InputError(f"overlap must be True, False or 'auto', got {overlap!r}")
-        if shard not in SHARDS:
-            raise RevgraphError(f"shard must be one of {', '.join(SHARDS)}, got {shard!r}")
-        problem = refused_combination(shard, sync_batchnorm, reduce_dtype, 1, buffers)
-        if problem:
-            raise InputError(problem)
-        self._options = (shard, bool(sync_batchnorm), buffers)  # (fit refuses accumulation with some of them)
-        if shard != "none" and not distributed:
-            raise RevgraphError(f"shard={shard!r} (--shard {shard}) shards across data-parallel processes: train with "
-                                "distributed=True under torchrun (revgraph train --nproc N), or leave it out")
+        settings = EngineSettings(buffers, bucket_mb, reduce_dtype, overlap, shard, sync_batchnorm, distributed)
+        self._settings = settings  # (fit refuses accumulation with some of them)
         # settings left None take the training default (memory pattern off, arena on)
         self.runtime: RuntimeOptions = (check_runtime(runtime) or RuntimeOptions()).over(TRAINING_DEFAULT)
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
         self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
         precision = make_precision(precision)  # (mixed precision: revgraph.precision)
-        self.losses: list[float] = []  # one per step, in order (the global batch's loss when distributed)
+        self.losses: list[float] = []  # one per step of this trainer, in order (the global batch's when distributed)
         self.resumed: str | None = None  # set by fit when it resumed from a checkpoint: where from
         self.comm = None
         if distributed:
-            from .distributed.data_parallel import Collective, DistributedEngine, threads_per_process
+            from .distributed.data_parallel import Collective, threads_per_process
 
             self.comm = Collective(self.device, timeout)
             threads = threads or threads_per_process()
-            problem = refused_combination(shard, sync_batchnorm, reduce_dtype, 1, buffers,
-                                          precision=precision.kind, world_size=self.comm.world_size)
-            if problem:
-                raise InputError(problem)
-        # auto: overlap on GPUs, where NCCL moves the bytes beside the compute; not on the CPU, where gloo's
-        # thread sums and copies on the cores the next segment needs (measured slower: docs/benchmarks.md)
-        overlap = self.device.kind == "cuda" if overlap == "auto" else bool(overlap)
+            settings.refuse(precision=precision.kind, world_size=self.comm.world_size)
+        settings.resolve_overlap(self.device.kind)
         synced = None
         if sync_batchnorm and self.comm and self.comm.world_size > 1:
             from .distributed.sync_batchnorm import synchronized
@@ -167,21 +148,14 @@ class Trainer:
                                                   checkpoint=checkpoint, memory=memory, loss_seed=bool(synced),
                                                   loss_options=loss_options, precision=precision, freeze=freeze)
         check_combination(precision, self.device.kind, self.spec.graph)
-        if self.comm:
-            o = self.spec.optimizer  # before anything runs: a rank with another --lr would train other weights
+        if self.comm:  # before anything runs: a rank with another --lr would train other weights
             self.comm.check_same({"loss": self.spec.loss.settings, "model output": self.spec.loss.output,
-                                  **run_record.rank_settings(self.spec), "optimizer": o.kind, "lr": o.lr,
-                                  "momentum": o.momentum, "betas": list(o.betas), "eps": o.eps,
-                                  "weight decay": o.weight_decay, "trained parameters": self.spec.params,
-                                  "buffers": buffers, "shard": shard, "sync batchnorm": bool(sync_batchnorm),
-                                  # other buckets or dtypes on some rank would pair collectives of different sizes
-                                  "bucket MiB": float(bucket_mb), "reduce dtype": reduce_dtype, "overlap": overlap,
-                                  "precision": str(precision)},
+                                  **run_record.rank_settings(self.spec), "trained parameters": self.spec.params,
+                                  **settings.agreement()},
                                  "training settings", "give every rank the same loss, optimizer and hyperparameters "
                                  "(--loss, --optimizer, --lr, --momentum, --weight-decay, --lr-schedule, "
                                  "--clip-grad-norm...) and the same data-parallel "
                                  "options (--buffers, --shard, --sync-batchnorm, --bucket-mb, --reduce-dtype, --overlap)")
-        exchange = {"bucket_mb": bucket_mb, "reduce_dtype": reduce_dtype, "overlap": overlap}
         if synced and weighs_by_targets(self.spec.loss):
             # a rank whose rows count no target is skipped (weight 0), and its rows would then be missing
             # from the global batch statistics that synchronized BatchNormalization all-reduces
@@ -190,27 +164,7 @@ class Trainer:
         if synced:
             self.spec.model = original  # evaluation, prediction and export use the model as given
             self.spec.inputs = list(original.input_names)  # (the rewrite's shifts are fed by the engine)
-            from .distributed.sync_batchnorm_engine import SyncBatchNormEngine
-
-            self._engine = SyncBatchNormEngine(self.spec, threads, self.device, self.comm, synced, self.runtime,
-                                               one_set=buffers == "one", **exchange)
-        elif self.comm and self.comm.world_size > 1 and shard != "none":
-            from .distributed.sharding import ShardedEngine
-            from .distributed.sync_batchnorm import running_statistics
-
-            if running_statistics(self.spec.model, self.spec.params):
-                raise InputError(f"--shard {shard} (shard=) is not available for a model with training-mode "
-                                 "BatchNormalization: train unsharded (with --sync-batchnorm)")
-            self._engine = ShardedEngine(self.spec, threads, self.device, self.comm, self.runtime, mode=shard,
-                                         bucket_bytes=cap, reduce_dtype=reduce_dtype)
-        elif self.comm and self.comm.world_size > 1:
-            from .distributed.sync_batchnorm_engine import engine_class
-
-            self._engine = engine_class(self.spec, DistributedEngine)(self.spec, threads, self.device, self.comm,
-                                                                      self.runtime, one_set=buffers == "one",
-                                                                      **exchange)
-        else:  # one process (also a world of one, where there is nothing to exchange or shard)
-            self._engine = make_engine(self.spec, threads, self.device, self.runtime, buffers)
+        self._engine = create_engine(self.spec, settings, threads, self.device, self.runtime, self.comm, synced)
         if profile:
             self._engine.times = StepTimes(timeline=profile == "timeline")
         if self.comm:
@@ -313,14 +267,22 @@ class Trainer:
         return loss
 
     @V.arguments(**FIT_RULES)
-    def fit(self, data: Data, epochs: int = 1, batch_size: int = 32, *, shuffle: bool = True, seed: int = 0,
-            progress: bool = True, console=None, description: str = "training",
+    def fit(self, data: Data, epochs: int | None = None, batch_size: int = 32, *, shuffle: bool = True,
+            seed: int = 0, progress: bool = True, console=None, description: str = "training",
             checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
             nonfinite: str = "stop", accumulate_steps: int = 1,
             static: Mapping[str, np.ndarray] | None = None, override=(),
-            snapshot_dir: str | os.PathLike | None = None, snapshot_every: int | None = None) -> list[float]:
-        """Train for ``epochs`` passes over ``data`` in batches of ``batch_size`` per process (module doc: the
-        global batch is ``batch_size * world_size``; the last batch of an epoch may be smaller).
+            snapshot_dir: str | os.PathLike | None = None, snapshot_every: int | None = None,
+            max_steps: int | None = None, eval_data: Data | None = None, eval_every: int | None = None,
+            eval_batch_size: int | None = None, callbacks: Iterable = ()) -> list[float]:
+        """Train for ``epochs`` passes over ``data`` (default 1), or for ``max_steps`` optimizer steps (as many
+        epochs as they need, the last cut short; not both), in batches of ``batch_size`` per process (module
+        doc: the global batch is ``batch_size * world_size``; the last batch of an epoch may be smaller).
+        ``eval_data`` (the same forms as ``data``) is evaluated every ``eval_every`` steps and at the end, in
+        batches of ``eval_batch_size`` (default ``batch_size``): :meth:`evaluate`. ``callbacks``: callables that
+        rank 0 calls after every step with the step's record, a dict of ``step``, ``epoch``, ``loss``, ``lr``,
+        ``grad_norm``, ``samples_per_s``, ``samples`` and, after an evaluation, ``eval_loss`` and
+        ``eval_accuracy`` (:mod:`revgraph.train.fit_loop`; writers: :mod:`revgraph.train.runlog`).
         ``accumulate_steps`` ``K``: each optimizer step runs forward and backward on ``K`` micro-batches, sums
         their gradients (weighted by sample counts) and exchanges and updates once (module doc: the step equals
         one step with ``batch_size * K``, in the same data order). ``shuffle``:
@@ -346,9 +308,10 @@ class Trainer:
         ``nonfinite="stop"`` (the default) stops at the first step whose loss is NaN or infinite, and at the end
         when the last update left a parameter NaN or infinite, raising :class:`NonFiniteError` that names the
         step; the trainer keeps the parameters and state from before that step (nothing of it is checkpointed).
-        ``"continue"`` trains on regardless. Returns the mean loss of each epoch. Raises :class:`InputError`
+        ``"continue"`` trains on regardless. Raises :class:`InputError`
         for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run or a damaged or edited one
-        (every field is checked before a step: :mod:`revgraph.snapshot_checks`). ``data`` may be a directory
+        (every field is checked before a step: :mod:`revgraph.snapshot_checks`). Returns the mean loss of each
+        epoch (a last epoch cut short by ``max_steps``: of its batches trained). ``data`` may be a directory
         of ``.npy`` files (memory-mapped); ``static`` maps inputs to arrays fed whole to every step
         (:mod:`revgraph.data`). A loss that is a mean over counted targets (``ignore_index``, class weights) weighs
         each micro-batch and rank by its counted targets, so a step is the mean over the global batch's.
@@ -369,7 +332,9 @@ class Trainer:
                              "snapshot_every out")
         try:
             return self._fit(data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
-                             checkpoint_every, nonfinite, accumulate_steps, static, override)
+                             checkpoint_every, nonfinite, accumulate_steps, static, override,
+                             {"max_steps": max_steps, "eval_data": eval_data, "eval_every": eval_every,
+                              "eval_batch_size": eval_batch_size, "callbacks": list(callbacks or ())})
         except RevgraphError as exc:
             from .distributed.data_parallel import CollectiveError
 
@@ -380,7 +345,8 @@ class Trainer:
             raise
 
     def _fit(self, data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
-             checkpoint_every, nonfinite, accumulate_steps, static=None, override=()) -> list[float]:
+             checkpoint_every, nonfinite, accumulate_steps, static=None, override=(), more=None) -> list[float]:
+        more = more or {}
         if self.comm:  # an earlier attempt of this torchrun run failed deterministically: fail alike, at once
             from .distributed.launch import recorded_failure
 
@@ -388,103 +354,65 @@ class Trainer:
         try:
             if nonfinite not in ("stop", "continue"):
                 raise InputError(f"nonfinite must be 'stop' or 'continue', got {nonfinite!r}")
-            if epochs < 1 or batch_size < 1 or checkpoint_every < 0:
-                raise InputError(f"epochs and batch size must be positive and checkpoint_every >= 0, got {epochs}, "
-                                 f"{batch_size} and {checkpoint_every}")
+            epochs, max_steps = fit_loop.check_length(epochs, more.get("max_steps"), more.get("eval_every"),
+                                                      more.get("eval_batch_size"), more.get("eval_data"))
+            if batch_size < 1 or checkpoint_every < 0:
+                raise InputError(f"batch size must be positive and checkpoint_every >= 0, got {batch_size} and "
+                                 f"{checkpoint_every}")
             if not isinstance(accumulate_steps, int | np.integer) or accumulate_steps < 1:
                 raise InputError("accumulate_steps (--accumulate-steps) must be a positive integer, got "
                                  f"{accumulate_steps!r}")
-            accumulate = int(accumulate_steps)
-            problem = refused_combination(*self._options[:2], "fp32", accumulate, self._options[2])
-            if problem:
-                raise InputError(problem)
+            callbacks = more.get("callbacks", [])
+            if not all(callable(c) for c in callbacks):
+                raise InputError("callbacks must be callables taking the step's record (a dict), got "
+                                 f"{next(c for c in callbacks if not callable(c))!r}")
+            self._settings.refuse(int(accumulate_steps))
             arrays = self.arrays(data, static)
-            n = arrays.n
-            if n == 0:
+            if arrays.n == 0:
                 raise InputError("the training data holds no samples")
-            self._check_fixed_batch(batch_size, n, arrays.fixed_batch())
+            self._check_fixed_batch(batch_size, arrays.n, arrays.fixed_batch())
+            plan = fit_loop.FitPlan(arrays.n, epochs, batch_size, self.world_size, int(accumulate_steps),
+                                    bool(shuffle), seed, max_steps, more.get("eval_every") or 0,
+                                    more.get("eval_batch_size"))
+            eval_data = more.get("eval_data")
+            if eval_data is not None:
+                self.arrays(eval_data, static)  # bad evaluation data fails before the first step, not after it
             refused = None
         except InputError as exc:
             if not self.comm:
                 raise
-            refused = str(exc)
-        rank, world = self.rank, self.world_size
+            refused, plan, arrays, eval_data, callbacks = str(exc), None, None, None, []
         if self.comm:  # different data or arguments on some rank would deadlock or train wrongly: refuse
             self.comm.refuse_together(refused, "its data or fit arguments")
-            self.comm.check_same({"epochs": epochs, "batch size": batch_size, "shuffle": bool(shuffle), "seed": seed,
-                                  "checkpoint interval": checkpoint_every, "nonfinite": nonfinite,
-                                  "accumulate steps": accumulate_steps,
-                                  "checkpoint directory given": checkpoint_dir is not None}, "fit arguments",
-                                 "give every rank the same epochs, batch size, seed, shuffling, checkpoint interval "
-                                 "and nonfinite mode (--allow-nonfinite), and a --checkpoint-dir on every rank or none")
-            args = np.array([epochs, batch_size, shuffle, seed, checkpoint_every, accumulate], np.int64)
-            self.comm.check_replicas({**arrays.hashed(), "fit arguments": args}, "training data or fit arguments",
-                                     "give every rank the same data and the same epochs, batch size, seed, "
-                                     "accumulation and checkpoint interval")
-        micro = batch_size * world  # a global micro-batch; a step takes `accumulate` of them
-        group = micro * accumulate
-        per_epoch = -(-n // group)
-        run = {"batch_size": batch_size, "world_size": world, "seed": seed, "shuffle": shuffle, "samples": n,
-               "accumulate_steps": accumulate}
+            fit_loop.agree(self, plan, arrays, checkpoint_dir, checkpoint_every, nonfinite)
         schedule, stop = self.spec.optimizer.schedule, nonfinite == "stop"
-        total_steps = (schedule.total_steps or epochs * per_epoch) if self.spec.total else None
-        if schedule is not None and schedule.warmup_steps > (total_steps or epochs * per_epoch) and self.is_main:
+        total_steps = (schedule.total_steps or plan.steps) if self.spec.total else None
+        if schedule is not None and schedule.warmup_steps > (total_steps or plan.steps) and self.is_main:
             run_record.note(console, f"warning: the warmup ({schedule.warmup_steps} steps, --warmup-steps) is longer "
-                                     f"than the run ({total_steps or epochs * per_epoch} steps): the peak learning rate is "
+                                     f"than the run ({total_steps or plan.steps} steps): the peak learning rate is "
                                      "never reached")
-        pos = run_record.resume(self, checkpoint_dir, run, total_steps, override, console, epochs=epochs,
+        pos = run_record.resume(self, checkpoint_dir, plan.run, total_steps, override, console, epochs=plan.epochs,
                                 finite=stop) if checkpoint_dir is not None else run_record.Position()
         run_record.set_total(self, total_steps)
-        bar = Bar(progress and self.is_main, console, description, epochs * per_epoch,
-                   done=min(pos.epoch * per_epoch + pos.batch, epochs * per_epoch))
-        stepped = False
-        with bar:
-            seen, started = 0, time.perf_counter()
-            while pos.epoch < epochs:
-                order = epoch_order(n, shuffle, seed + pos.epoch)
-                while pos.batch < per_epoch:
-                    chunk = order[pos.batch * group:(pos.batch + 1) * group]
-                    # with "stop", a step with a non-finite loss is not applied, and the last step keeps the
-                    # values from before it (the check of the parameters below may have to return to them)
-                    last = pos.epoch == epochs - 1 and pos.batch == per_epoch - 1
-                    how = {"accept": _finite if stop else None, "keep_previous": stop and last}
-                    # each share weighs by what its loss is a mean over (samples, or counted targets)
-                    total = arrays.weight(chunk)
-                    size = arrays.weight if total else len  # (nothing counted: the loss is 0, zero gradient)
-                    total = total or len(chunk)
-                    if accumulate == 1:
-                        rows = shard(chunk, rank, world)
-                        loss = self._step(self._feeds(arrays, rows), size(rows), total, **how)
-                    else:  # K global micro-batches of `micro` samples, each dealt over the ranks
-                        parts = [shard(chunk[j:j + micro], rank, world) for j in range(0, len(chunk), micro)]
-                        feeds = [(self._feeds(arrays, r), size(r)) for r in parts]
-                        loss = self._step(feeds, sum(c for _, c in feeds), total, **how)
-                    stepped = True
-                    if stop and not np.isfinite(loss):
-                        self._reject_step(f"the loss is {loss}", pos.epoch, pos.batch, applied=False)
-                    pos.total += loss * len(chunk)
-                    pos.batch += 1
-                    seen += len(chunk)
-                    rate = seen / max(time.perf_counter() - started, 1e-9)
-                    bar.advance(f"{description} epoch {pos.epoch + 1}/{epochs}", loss, rate)
-                    ended = pos.batch == per_epoch
-                    if ended:
-                        pos.means.append(pos.total / n)
-                        pos.epoch, pos.batch, pos.total = pos.epoch + 1, 0, 0.0
-                    if checkpoint_dir is not None and (
-                            (self.steps % checkpoint_every == 0 if checkpoint_every else ended) or pos.epoch == epochs):
-                        run_record.save(self, checkpoint_dir, run, pos, total_steps)
-                    if ended:
-                        break
+        bar = Bar(progress and self.is_main, console, description, plan.steps,
+                  done=min(pos.done(plan.per_epoch), plan.steps))
+        evaluation = fit_loop.Evaluation(self, eval_data, static, plan.eval_every, plan.eval_batch_size)
+        stepped = fit_loop.train(self, plan, arrays, pos, stop=stop, total_steps=total_steps,
+                                 checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, bar=bar,
+                                 description=description, evaluation=evaluation, callbacks=callbacks)
         final = self.parameters
         if stop and stepped and not all(np.isfinite(a).all() for a in final.values()):
             bad = next(p for p, a in final.items() if not np.isfinite(a).all())
-            self._reject_step(f"parameter {bad!r} became NaN or infinite", pos.epoch - 1, per_epoch - 1)
+            done = pos.done(plan.per_epoch) - 1
+            self._reject_step(f"parameter {bad!r} became NaN or infinite", done // plan.per_epoch,
+                              done % plan.per_epoch)
         self._engine.release()  # the values from before the last step are no longer needed
         if self.comm:  # (a sharded engine's state is gathered, the same on every rank: reading it would only
             # make every rank hold the whole state, which sharding avoids)
             state = {} if getattr(self._engine, "gathers", False) else self.state
             self.comm.check_replicas({**final, **state}, "parameters or optimizer state")
+        if pos.batch:  # a last epoch cut short by max_steps: the mean over its batches
+            return [*pos.means, pos.total / min(pos.batch * plan.group, plan.n)]
         return list(pos.means)
 
     def _reject_step(self, what: str, epoch: int, batch: int, applied: bool = True) -> None:
@@ -575,21 +503,3 @@ class Trainer:
     def save_training_graph(self, path: str | os.PathLike) -> None:
         """Write the training-step graph (module doc of :mod:`revgraph.train`), with no initial values."""
         save(self.spec.graph, path)
-
-
-def _finite(loss: float) -> bool:
-    return bool(np.isfinite(loss))
-
-
-def epoch_order(n: int, shuffle: bool, seed: int) -> np.ndarray:
-    """The order in which an epoch visits ``n`` samples: ``default_rng(seed).permutation(n)``, or ``arange(n)``."""
-    return np.random.default_rng(seed).permutation(n) if shuffle else np.arange(n)
-
-
-def shard(rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    """Rank ``rank``'s share of ``rows``: every ``world_size``-th entry from position ``rank`` (how
-    ``torch.utils.data.DistributedSampler`` deals an epoch, batch by batch). The shares of all ranks together
-    are ``rows``, each exactly once; their sizes differ by at most one."""
-    return rows[rank::world_size]
-
-
