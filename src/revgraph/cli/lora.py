@@ -1,6 +1,6 @@
 """The command line of LoRA and frozen weights: ``revgraph train --lora R [--lora-alpha A] [--lora-targets GLOB ...]
 [--merge-adapters] [--train GLOB ...] [--freeze GLOB ...]`` (hooks called by :mod:`revgraph.cli_train`) and
-``revgraph lora extract|apply`` (:mod:`revgraph.lora`)."""
+``revgraph lora extract|apply`` (:mod:`revgraph.lora`; PEFT directories: :mod:`.hf`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 from ..errors import RevgraphError
 from ..ir import Graph
 from .common import check_command_outputs, out
+from .hf import add_peft_arguments, apply_peft, extract_peft, is_peft
 from .numeric import NONZERO, POSITIVE_INT
 
 
@@ -110,12 +111,14 @@ def add_lora_parser(sub) -> None:
     extract = actions.add_parser("extract", help="write the adapters of a model trained with --lora alone, with "
                                  "their configuration")
     extract.add_argument("model", metavar="TRAINED.onnx")
-    extract.add_argument("-o", "--output", required=True, metavar="ADAPTERS" + "|".join(ADAPTER_FORMATS),
-                         help="an .npz file (arrays by name + the configuration) or a small .onnx file")
+    extract.add_argument("-o", "--output", required=True, metavar="ADAPTERS" + "|".join(ADAPTER_FORMATS) + "|DIR",
+                         help="an .npz file (arrays by name + the configuration), a small .onnx file, or with "
+                              "--format peft a PEFT adapter directory")
+    add_peft_arguments(extract)
     apply = actions.add_parser("apply", help="add adapters to the base model they were trained on")
     apply.add_argument("model", metavar="BASE.onnx")
-    apply.add_argument("adapters", metavar="ADAPTERS", help="written by revgraph lora extract (.npz or .onnx), or a "
-                       "model trained with --lora")
+    apply.add_argument("adapters", metavar="ADAPTERS", help="written by revgraph lora extract (.npz or .onnx), a "
+                       "model trained with --lora, or a PEFT adapter directory (save_pretrained)")
     apply.add_argument("-o", "--output", required=True, metavar="OUT.onnx")
     apply.add_argument("--merge", action="store_true", help="fold the adapters into the weights")
 
@@ -128,6 +131,8 @@ def cmd_lora(args: argparse.Namespace) -> int:
     from .write import write_graph
 
     if args.lora_command == "extract":
+        if is_peft(args):
+            return extract_peft(args)
         suffix = os.path.splitext(args.output)[1].lower()
         if suffix not in lora.ADAPTER_FORMATS:
             raise RevgraphError(f"-o {args.output!r}: give a file name ending in {' or '.join(lora.ADAPTER_FORMATS)}")
@@ -138,6 +143,8 @@ def cmd_lora(args: argparse.Namespace) -> int:
         out.print(f"wrote {args.output}: {len(c['adapters'])} adapters ({tensors} tensors, {elements:,} elements; "
                   f"rank {c['rank']}, alpha {c['alpha']:g})", soft_wrap=True, markup=False)
         return 0
+    if os.path.isdir(args.adapters):
+        return apply_peft(args)
     check_command_outputs(args, {"-o": args.output}, {"ADAPTERS": args.adapters}, models=("-o",))
     arrays, configuration = lora.load_adapters(args.adapters)
     base = load(args.model)

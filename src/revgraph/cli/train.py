@@ -19,6 +19,7 @@ from . import numeric as N
 from .combinations import check_decay_options, check_train_combinations
 from .common import check_command_outputs, err, out
 from .exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
+from .hf import add_safetensors_arguments, check_safetensors_output, write_safetensors_output
 from .lora import add_lora_arguments, export_trained, lora_model, selection_line, written
 from .lossdata import input_paths, loss_options, read_data, read_static, require_data
 from .schedules import add_schedule_arguments, decay_line, schedule_settings
@@ -111,6 +112,7 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
     add_schedule_arguments(train)
     add_precision_arguments(train)  # --precision and the fp16 loss scaling (revgraph.precision)
     add_lora_arguments(train)
+    add_safetensors_arguments(train)  # --save-safetensors: the PyTorch state dict (revgraph.train.hf_io)
     return train
 
 
@@ -271,6 +273,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     evaluated = trainer.evaluate(test, static=static) if test is not None else None
     if main:
         export_trained(trainer, args)
+        write_safetensors_output(trainer, args)
         if args.save_training_graph:
             trainer.save_training_graph(args.save_training_graph)
 
@@ -320,7 +323,9 @@ def _check_train_outputs(args: argparse.Namespace) -> None:
     ckpt = args.checkpoint_dir
     if ckpt is not None and (not ckpt or (os.path.exists(ckpt) and not os.path.isdir(ckpt))):
         raise RevgraphError(f"--checkpoint-dir {ckpt!r} is not a directory")
+    check_safetensors_output(args)
     outputs = {"-o": args.output, "--save-training-graph": args.save_training_graph,
+               "--save-safetensors": args.save_safetensors,
                "the checkpoint file": str(path_in(ckpt)) if ckpt else None}
     check_command_outputs(args, outputs, input_paths(args), models=("-o", "--save-training-graph"),
                           creatable=("the checkpoint file",),
