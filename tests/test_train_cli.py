@@ -78,14 +78,17 @@ def test_train_command_with_named_inputs_and_test_data(tmp_path, capsys):
     np.savez(tmp_path / "t.npz", features=x[:10], labels=y[:10])
     code = main(["train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--loss", "mse",
                  "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.5", "--epochs", "30", "--batch-size", "8",
-                 "--test-data", str(tmp_path / "t.npz"), "-o", str(tmp_path / "out.onnx")])
+                 "--test-data", str(tmp_path / "t.npz"), "--eval-data", str(tmp_path / "d.npz"),
+                 "-o", str(tmp_path / "out.onnx")])
     assert code == 0
     text = capsys.readouterr().out
-    before, after = map(float, re.search(r"loss (\S+) before, loss (\S+) after", text).groups())
-    assert after < 0.5 * before
+    untrained = rg.Session(rg.load(tmp_path / "m.onnx")).run({"features": x.astype(F32)})["y"]
     trained = rg.load(tmp_path / "out.onnx")
-    pred = rg.Session(trained).run({"features": x[:10].astype(F32)})["y"]
-    test_loss = float(np.mean((pred - y[:10]) ** 2))
+    pred = rg.Session(trained).run({"features": x.astype(F32)})["y"]
+    after = float(re.search(r"eval data: loss (\S+)", text).group(1))
+    assert after == pytest.approx(float(np.mean((pred - y) ** 2)), rel=1e-3)  # the whole training set, trained
+    assert after < 0.5 * float(np.mean((untrained - y) ** 2))
+    test_loss = float(np.mean((pred[:10] - y[:10]) ** 2))
     assert f"test data: loss {test_loss:.4g}" in text
 
 

@@ -142,8 +142,9 @@ def input_paths(args: argparse.Namespace) -> dict:
     output was compared with the directory only)."""
     from ..train.data import npy_files
 
-    files = {"--data": args.data, "--test-data": args.test_data, "--class-weights": args.class_weights}
-    for label in ("--data", "--test-data"):
+    files = {"--data": args.data, "--test-data": args.test_data, "--eval-data": getattr(args, "eval_data", None),
+             "--class-weights": args.class_weights}
+    for label in ("--data", "--test-data", "--eval-data"):
         folder = files[label]
         if folder is not None and os.path.isdir(folder):
             files.update({f"the {label} file {f.name!r}": str(f) for f in npy_files(folder)})

@@ -19,10 +19,12 @@ from . import numeric as N
 from .combinations import check_decay_options, check_train_combinations
 from .common import check_command_outputs, err, out
 from .exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
+from .fit_options import add_fit_arguments, check_fit_arguments, eval_batch, eval_printer, fit_arguments
 from .hf import add_safetensors_arguments, check_safetensors_output, write_safetensors_output
 from .lora import add_lora_arguments, export_trained, lora_model, selection_line, written
 from .lossdata import input_paths, loss_options, read_data, read_static, require_data
-from .schedules import add_schedule_arguments, decay_line, schedule_settings
+from .runlog import RUNLOG_FILES, add_runlog_arguments, check_runlog_arguments, run_logs, runlog_outputs
+from .schedules import add_embedding_update_argument, add_schedule_arguments, decay_line, schedule_settings
 
 
 def optimizer_defaults(field: str) -> str:
@@ -64,7 +66,7 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
     train.add_argument("--lr", type=N.POSITIVE, metavar="LR", help=f"learning rate (default: {optimizer_defaults('lr')})")
     train.add_argument("--momentum", type=N.MOMENTUM, metavar="M", help=f"{'/'.join(takers('momentum'))} momentum (default 0)")
     train.add_argument("--weight-decay", type=N.NON_NEGATIVE, metavar="WD", help=weight_decay_help())
-    train.add_argument("--epochs", type=N.POSITIVE_INT, required=True, metavar="N")
+    add_fit_arguments(train)  # --epochs or --max-steps, --no-shuffle, --eval-data/--eval-every/--eval-batch-size
     train.add_argument("--batch-size", type=N.POSITIVE_INT, default=32, metavar="B", help="(default 32)")
     train.add_argument("--seed", type=seed_type, default=0, help="seed of the shuffling (default 0)")
     train.add_argument("--model-output", metavar="NAME", help="the output the loss reads (default: the only output)")
@@ -110,9 +112,11 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                             "is safe, or in two swapped sets (the fused step graph; default one)")
     add_exchange_arguments(train)
     add_schedule_arguments(train)
+    add_embedding_update_argument(train)  # how Gather'ed tables are updated (revgraph.optimizers)
     add_precision_arguments(train)  # --precision and the fp16 loss scaling (revgraph.precision)
     add_lora_arguments(train)
     add_safetensors_arguments(train)  # --save-safetensors: the PyTorch state dict (revgraph.train.hf_io)
+    add_runlog_arguments(train)  # --log, --tensorboard, --loss-curve: the per-step records (revgraph.train.runlog)
     return train
 
 
@@ -173,6 +177,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.threads < 0 or args.checkpoint_every < 0:  # before any worker starts, too
         raise RevgraphError("--threads and --checkpoint-every must be >= 0")
     check_exchange_arguments(args)
+    check_fit_arguments(args)
     precision_from_args(args)  # (the fp16 loss-scaling options, checked before any worker starts)
     if not args.timeout > 0:
         raise RevgraphError(f"--timeout must be a positive number of seconds, got {args.timeout}")
@@ -218,6 +223,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     static = read_static(args, g)
     data = read_data(args.data, graph=g)
     test = read_data(args.test_data, "--test-data", g) if args.test_data is not None else None
+    evaluated_data = read_data(args.eval_data, "--eval-data", g) if args.eval_data is not None else None
     if budget is not None:  # symbolic first dimensions of the inputs are the batch: --batch-size of them
         dims = {vi.shape[0]: args.batch_size for vi in g.inputs
                 if vi.shape and isinstance(vi.shape[0], str) and vi.name not in static}  # (static: fed whole)
@@ -245,8 +251,9 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     refused = None
     try:
         trainer.arrays(data, static)  # bad data fails here, in one line, before anything runs
-        if test is not None:
-            trainer.arrays(test, static)
+        for arrays in (test, evaluated_data):
+            if arrays is not None:
+                trainer.arrays(arrays, static)
     except RevgraphError as exc:
         if not trainer.comm:
             raise
@@ -262,15 +269,21 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
                       + (f"; sharded: {args.shard} (ZeRO-{1 if args.shard == 'optimizer' else 2})"
                          if args.shard != "none" else ""),
                       soft_wrap=True, markup=False)
-    before = trainer.evaluate(data, static=static)
-    means = trainer.fit(data, args.epochs, args.batch_size, seed=args.seed, console=console,
-                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                        nonfinite="continue" if args.allow_nonfinite else "stop",
-                        accumulate_steps=args.accumulate_steps, static=static, override=args.override)
+    last_eval: list[dict] = []  # the evaluations fit ran (rank 0: callbacks run there)
+    callbacks = [eval_printer(console), lambda r: last_eval.append(r) if "eval_loss" in r else None]
+    steps_before = trainer.steps
+    with run_logs(args, trainer) as logs:  # --log, --tensorboard, --loss-curve (rank 0), closed on errors too
+        means = trainer.fit(data, batch_size=args.batch_size, seed=args.seed, console=console,
+                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                            nonfinite="continue" if args.allow_nonfinite else "stop",
+                            accumulate_steps=args.accumulate_steps, static=static, override=args.override,
+                            callbacks=callbacks + logs, **fit_arguments(args, evaluated_data))
     if trainer.resumed:
         console.print(f"resumed from {trainer.resumed}", soft_wrap=True, markup=False)
-    after = trainer.evaluate(data, static=static)
-    evaluated = trainer.evaluate(test, static=static) if test is not None else None
+    final = None
+    if evaluated_data is not None and trainer.steps == steps_before:  # (a finished run resumed: fit ran no step)
+        final = trainer.evaluate(evaluated_data, eval_batch(args), static=static)
+    tested = trainer.evaluate(test, eval_batch(args), static=static) if test is not None else None
     if main:
         export_trained(trainer, args)
         write_safetensors_output(trainer, args)
@@ -284,12 +297,14 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
 
     batch = f"batch size {args.batch_size}" + (f" x {trainer.world_size} processes" if distributed else "") + (
         f" x {args.accumulate_steps} accumulated micro-batches" if args.accumulate_steps > 1 else "")
-    console.print(f"{trainer.steps} steps of {args.optimizer} ({args.epochs} epochs, {batch}); "
-                  f"last epoch's mean loss {means[-1]:.4g}", soft_wrap=True, markup=False)
-    console.print(f"training data ({before['samples']} samples): {score(before)} before, {score(after)} after",
-                  soft_wrap=True, markup=False)
-    if evaluated is not None:
-        console.print(f"test data: {score(evaluated)}", soft_wrap=True, markup=False)
+    console.print(f"{trainer.steps} steps of {args.optimizer} ({len(means)} epochs, {batch}); "
+                  f"last epoch's mean loss {means[-1]:.4g}" if means else
+                  f"{trainer.steps} steps of {args.optimizer} ({batch})", soft_wrap=True, markup=False)
+    if main and (final or last_eval):
+        ev = final or {"loss": last_eval[-1]["eval_loss"], "accuracy": last_eval[-1]["eval_accuracy"], "nonfinite": 0}
+        console.print(f"eval data: {score(ev)}", soft_wrap=True, markup=False)
+    if tested is not None:
+        console.print(f"test data: {score(tested)}", soft_wrap=True, markup=False)
     if profile_line(trainer):
         console.print(profile_line(trainer), soft_wrap=True, markup=False)
     saved = f"; training graph: {args.save_training_graph}" if args.save_training_graph else ""
@@ -308,6 +323,8 @@ def _agree(trainer, args: argparse.Namespace) -> None:
     recorded_failure(trainer.comm, args.checkpoint_dir)
     given = {"--test-data given": args.test_data is not None, "--save-training-graph given":
              args.save_training_graph is not None, "--checkpoint-dir given": args.checkpoint_dir is not None,
+             "--eval-data given": args.eval_data is not None, "--eval-every": args.eval_every,
+             "--eval-batch-size": args.eval_batch_size, "--max-steps": args.max_steps, "--no-shuffle": args.no_shuffle,
              "--epochs": args.epochs, "--batch-size": args.batch_size, "--seed": args.seed,
              "--checkpoint-every": args.checkpoint_every, "--allow-nonfinite": args.allow_nonfinite,
              "--memory-budget": args.memory_budget}
@@ -326,10 +343,11 @@ def _check_train_outputs(args: argparse.Namespace) -> None:
     check_safetensors_output(args)
     outputs = {"-o": args.output, "--save-training-graph": args.save_training_graph,
                "--save-safetensors": args.save_safetensors,
-               "the checkpoint file": str(path_in(ckpt)) if ckpt else None}
+               "the checkpoint file": str(path_in(ckpt)) if ckpt else None, **runlog_outputs(args)}
+    check_runlog_arguments(args, input_paths(args), outputs)
     check_command_outputs(args, outputs, input_paths(args), models=("-o", "--save-training-graph"),
                           creatable=("the checkpoint file",),
-                          regular=("the checkpoint file",))
+                          regular=("the checkpoint file", *RUNLOG_FILES))
 
 
 def _launch_torchrun(args: argparse.Namespace) -> int:

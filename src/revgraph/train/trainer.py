@@ -427,14 +427,15 @@ class Trainer:
                              "in the data (--allow-nonfinite, or fit(nonfinite='continue'), trains on regardless)")
 
     @V.arguments(batch_size=V.POSITIVE_INT)  # (data, static: revgraph.data)
-    def evaluate(self, data: Data, batch_size: int = 512,
+    def evaluate(self, data: Data, batch_size: int = 32,
                  static: Mapping[str, np.ndarray] | None = None) -> dict[str, float | None]:
         """The mean loss over ``data`` with the current parameters (over the counted targets for a loss with
         ``ignore_index`` or class weights; the mean of the model's own loss output for ``output:NAME``), and the
         accuracy for classification: ``argmax(logits) == label`` for cross-entropy (the next token for
         causal-lm), ``(logit > 0) == (label > 0.5)`` for bce, ``None`` for mse and ``output:NAME``, and
         ``None`` too when any output is NaN or infinite (``nonfinite`` counts those outputs). With
-        ``distributed``, each rank evaluates its share and the sums are all-reduced. Returns
+        ``distributed``, each rank evaluates its share and the sums are all-reduced. ``batch_size`` samples per
+        run (per rank), as :meth:`fit`'s default: a larger batch holds more logits at once. Returns
         ``{"loss": float, "accuracy": float | None, "samples": int, "nonfinite": int}``."""
         arrays = self.arrays(data, static)
         n = arrays.n
