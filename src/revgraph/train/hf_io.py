@@ -3,14 +3,13 @@
 reading of an untrusted safetensors file (:func:`read_safetensors`, for PEFT adapters: :mod:`.peft_io`).
 
 Names. A model exported by ``rg.export_torch`` records in its metadata (ONNX ``metadata_props``) which
-initializer holds each torch parameter (``revgraph.torch_parameters``: JSON ``{parameter name: initializer}``,
-tied parameters naming one initializer) and each buffer (``revgraph.torch_buffers``). The state dict then holds
-every parameter under its own name (tied ones each, so that ``load_state_dict(strict=True)`` finds them all) and
-the persistent buffers (those ``nn.Module.state_dict`` holds; a non-persistent one, such as a rotary
-``inv_freq``, is not in a state dict). Without that record the state dict holds every initializer under its own
-name: ``torch.onnx.export(dynamo=True)`` names them after the parameters and buffers, so
-``load_state_dict(strict=False)`` loads them (strict loading then refuses the non-persistent buffers and any
-constant the exporter made an initializer, which only the record tells apart).
+initializer holds each key of the module's ``state_dict()`` (``revgraph.torch_state_dict``: the parameters, tied
+ones under each of their names, and the persistent buffers; :mod:`revgraph.onnx_io.torch_names`): the state dict
+holds exactly those keys, so that ``load_state_dict(strict=True)`` finds them all. A file of the dynamo exporter
+loaded by revgraph keeps the exporter's kinds of its initializers: the state dict holds its parameters and
+buffers under their own names (a non-persistent buffer, such as a rotary ``inv_freq``, which ``state_dict()``
+leaves out, among them: load with ``strict=False``). Without any record it holds every initializer under its own
+name (``torch.onnx.export(dynamo=True)`` names them after the parameters and buffers).
 
 LoRA. A model with adapters (:mod:`.lora`) gives the merged weights: each adapted weight holds
 ``W + (alpha / r) A B`` in its stored orientation, as PEFT's ``merge_and_unload`` computes it, and the adapters
@@ -31,9 +30,13 @@ from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph
 
-#: The metadata keys of ``rg.export_torch``: the torch parameters' and buffers' initializers (module doc).
+#: The metadata keys of ``rg.export_torch`` (:mod:`revgraph.onnx_io.torch_names`): the initializers of the torch
+#: module's parameters, buffers and state dict (module doc).
 TORCH_PARAMETERS = "revgraph.torch_parameters"
 TORCH_BUFFERS = "revgraph.torch_buffers"
+STATE_DICT = "revgraph.torch_state_dict"
+#: the dynamo exporter's kinds of the initializers (``{initializer: "parameter" | "buffer"}``), kept by load
+EXPORTER_KINDS = "revgraph.exporter_kinds"
 SUFFIX = ".safetensors"
 #: safetensors' element types and numpy's (bfloat16 and the float8 types through ml_dtypes, as onnx reads them)
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -42,21 +45,28 @@ _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
 
 
 def torch_names(graph: Graph) -> dict[str, str] | None:
-    """``{state-dict name: initializer name}`` from the metadata ``rg.export_torch`` writes (module doc): every
-    parameter and every persistent buffer; ``None`` when the model has no such record. The record is untrusted
-    (a model file may carry any metadata): raises :class:`RevgraphError` (one line, naming the key) when it is
-    not JSON of that form or names an initializer the model does not have."""
-    if TORCH_PARAMETERS not in graph.metadata:
-        return None
-    names = dict(_read_names(graph, TORCH_PARAMETERS, persistent_only=False))
-    if TORCH_BUFFERS in graph.metadata:
-        names.update(_read_names(graph, TORCH_BUFFERS, persistent_only=True))
-    return names
+    """``{state-dict name: initializer name}`` from the model's record of its torch module (module doc):
+    ``revgraph.torch_state_dict`` where ``rg.export_torch`` wrote it (every ``module.state_dict()`` key: the
+    parameters, tied ones under each name, and the persistent buffers), else ``revgraph.torch_parameters`` and
+    ``revgraph.torch_buffers`` together, else the dynamo exporter's kinds as :func:`revgraph.load` keeps them
+    (``revgraph.exporter_kinds``: its parameters and buffers under their own names); ``None`` without a record.
+    The record is untrusted (a model file may carry any metadata): raises :class:`RevgraphError` (one line,
+    naming the key) when it is not a JSON object of names or names an initializer the model does not have."""
+    md = graph.metadata
+    if STATE_DICT in md:
+        return _read_names(graph, STATE_DICT)
+    if TORCH_PARAMETERS in md:
+        return {**_read_names(graph, TORCH_PARAMETERS),
+                **(_read_names(graph, TORCH_BUFFERS) if TORCH_BUFFERS in md else {})}
+    if EXPORTER_KINDS in md:
+        kinds = _read_names(graph, EXPORTER_KINDS, values=False)
+        return {k: k for k, kind in kinds.items() if kind in ("parameter", "buffer")}
+    return None
 
 
-def _read_names(graph: Graph, key: str, persistent_only: bool) -> dict[str, str]:
-    """The ``{torch name: initializer}`` of the metadata ``key``; for buffers, the persistent ones only. A buffer
-    is ``{name: initializer}`` or ``{name: {"initializer": str, "persistent": bool}}``."""
+def _read_names(graph: Graph, key: str, values: bool = True) -> dict[str, str]:
+    """The JSON object of strings under the metadata ``key``, each value (``values``; else each key) an
+    initializer of ``graph``."""
     def fail(what: str) -> RevgraphError:
         return RevgraphError(f"the model's metadata {key!r} {what}; export the model again with rg.export_torch, or "
                              "remove the key from its metadata_props")
@@ -66,19 +76,14 @@ def _read_names(graph: Graph, key: str, persistent_only: bool) -> dict[str, str]
     except (ValueError, RecursionError):
         raise fail("is not JSON") from None
     if not isinstance(found, dict):
-        raise fail(f"is a JSON {type(found).__name__}, not an object of torch names")
-    names = {}
+        raise fail(f"is a JSON {type(found).__name__}, not an object of names")
     for name, value in found.items():
-        persistent = True
-        if isinstance(value, dict) and persistent_only:
-            value, persistent = value.get("initializer"), value.get("persistent", True)
-        if not name or not isinstance(value, str) or not isinstance(persistent, bool):
-            raise fail(f"gives {name!r} the value {value!r}, not an initializer name")
-        if value not in graph.initializers:
-            raise fail(f"names initializer {value!r} (for {name!r}), which the model does not have")
-        if persistent:
-            names[name] = value
-    return names
+        if not name or not isinstance(value, str) or not value:
+            raise fail(f"gives {name!r} the value {value!r}, not a name")
+        init = value if values else name
+        if init not in graph.initializers:
+            raise fail(f"names initializer {init!r}, which the model does not have")
+    return found
 
 
 @V.arguments(graph=V.GRAPH)
