@@ -270,7 +270,7 @@ def summary_writer_class():
     try:
         from tensorboardX import SummaryWriter
     except ImportError:
-        raise RevgraphError(f"TensorBoard logs need tensorboardX: {TENSORBOARD_HINT}") from None
+        raise RevgraphError(f"TensorBoard logs (--tensorboard) need tensorboardX: {TENSORBOARD_HINT}") from None
     return SummaryWriter
 
 
