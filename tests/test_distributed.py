@@ -45,7 +45,7 @@ from distributed_worker import trainer  # noqa: E402  (tests/ is on sys.path)
 def test_two_processes_train_like_one(tmp_path, model, optimizer):
     """2 processes x batch 8 = 1 process x batch 16: the demo MLP, the recurrent classifier (an ONNX Loop) with
     SGD momentum, and an embedding table whose gradient is exchanged as sparse rows (all-gathered, never
-    densified; Adam and AdamW update the gathered rows lazily)."""
+    densified; Adam and AdamW: torch's dense update, computed from the rows)."""
     run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--model", model, "--optimizer", optimizer,
                  "--out", str(tmp_path)])
     compare_ranks(tmp_path, train_single(model, optimizer, 97, 16, 2))

@@ -1,6 +1,6 @@
 """Training graphs and rg.Trainer against PyTorch: the same model from the same initial weights on the same
 batches has the same parameters after 20 steps (SGD with momentum, Adam, AdamW; every loss; a recurrent
-model whose recurrence is an ONNX Loop; a gathered embedding table updated row by row)."""
+model whose recurrence is an ONNX Loop; a gathered embedding table's lazy row update)."""
 
 from __future__ import annotations
 
@@ -195,10 +195,12 @@ def test_sparse_table_plain_sgd_is_exact():
     np.testing.assert_array_equal(trainer.parameters["E"][8:], g.initializers["E"][8:])
 
 
-def test_sparse_table_adam_is_lazy_like_sparse_adam():
+def test_sparse_table_lazy_adam_is_sparse_adam():
+    """embedding_update="lazy": torch.optim.SparseAdam's row update (the default, torch's dense update, is in
+    tests/test_embedding_update.py)."""
     rng = np.random.default_rng(3)
     g = embedding_model(rng)
-    opt = T.adam(lr=0.05)
+    opt = T.adam(lr=0.05, embedding_update="lazy")
     batches = [(rng.integers(0, 10, (6, 5)), rng.integers(0, 3, 6)) for _ in range(4)]
     schedule = [batches[k % 4] for k in range(STEPS)]
     trainer = rg.Trainer(g, "cross-entropy", opt)
@@ -211,12 +213,12 @@ def test_sparse_table_adam_is_lazy_like_sparse_adam():
     assert not state["E.m"][10:].any() and not state["E.v"][10:].any()  # untouched rows: no state either
 
 
-def test_sparse_table_momentum_is_lazy():
-    """SGD with momentum on a gathered table: only the rows of the batch decay and move (numpy reference,
-    with the gradient rows from revgraph.gradient checked against PyTorch's sparse gradient)."""
+def test_sparse_table_lazy_momentum():
+    """SGD with momentum on a gathered table, embedding_update="lazy": only the rows of the batch decay and move
+    (numpy reference, with the gradient rows from revgraph.gradient checked against PyTorch's sparse gradient)."""
     rng = np.random.default_rng(4)
     g = embedding_model(rng)
-    opt = T.sgd(lr=0.2, momentum=0.9, weight_decay=0.01, no_decay="none")
+    opt = T.sgd(lr=0.2, momentum=0.9, weight_decay=0.01, no_decay="none", embedding_update="lazy")
     batches = [(rng.integers(0, 12, (3, 5)), rng.integers(0, 3, 3)) for _ in range(5)]
     trainer = rg.Trainer(g, "cross-entropy", opt, params=["E"])
     P = {k: torch.tensor(v, requires_grad=k == "E") for k, v in g.initializers.items() if v.dtype == F32}

@@ -1,5 +1,6 @@
 """The ``revgraph train`` options of :mod:`revgraph.schedules` and :mod:`revgraph.run_record`: learning-rate
-schedule, warmup, clipping, weight-decay exclusions and ``--override`` (choices read from the registries)."""
+schedule, warmup, clipping, weight-decay exclusions and ``--override`` (choices read from the registries); and
+``--embedding-update``, the optimizer's update of embedding tables (:mod:`revgraph.optimizers`)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,21 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                              "weight_decay, lr_schedule, total_steps, clip_grad_norm, ...; repeatable)")
 
 
+def add_embedding_update_argument(parser: argparse.ArgumentParser) -> None:
+    """``--embedding-update dense|lazy``: how a table read only through Gather is updated from its gradient rows
+    (:attr:`revgraph.optimizers.Optimizer.embedding_update`)."""
+    from ..train.optimizers import EMBEDDING_UPDATES
+
+    parser.add_argument("--embedding-update", choices=EMBEDDING_UPDATES, default="dense",
+                        help="how an embedding table (a parameter read only through Gather, its gradient built as "
+                             "rows) is updated: dense, exactly torch.optim's update of the dense gradient (the rows "
+                             "a batch misses decay their moments and get weight decay too), or lazy, the batch's "
+                             "rows only, as torch.optim.SparseAdam (cheaper for a large table; default dense)")
+
+
 def schedule_settings(args: argparse.Namespace) -> dict:
-    """The keyword arguments of :func:`revgraph.optimizers.make_optimizer` for these options. Raises
+    """The keyword arguments of :func:`revgraph.optimizers.make_optimizer` for these options (and
+    ``--embedding-update``'s, :func:`add_embedding_update_argument`). Raises
     :class:`RevgraphError` (one line) for bad values."""
     from ..train.schedules import Schedule
 
@@ -43,7 +57,7 @@ def schedule_settings(args: argparse.Namespace) -> dict:
         raise RevgraphError("--override goes with --snapshot-dir: it lets a run resume with another setting")
     if args.decay_all and args.no_decay:
         raise RevgraphError("--decay-all and --no-decay contradict each other; give one")
-    out: dict = {}
+    out: dict = {"embedding_update": getattr(args, "embedding_update", None)}  # (None: the optimizer's default)
     if args.lr_schedule != "constant" or args.warmup_steps or args.min_lr:
         out["schedule"] = Schedule(args.lr_schedule, args.warmup_steps, args.min_lr)
     if args.clip_grad_norm is not None:

@@ -12,13 +12,9 @@ ONNX runtime runs it). :class:`revgraph.trainer.Trainer` runs such a graph step 
 Losses are in :mod:`revgraph.losses`, optimizers and their update formulas in :mod:`revgraph.optimizers`.
 
 Sparse tables. A parameter read only through ``Gather`` (an embedding table) gets its gradient as rows
-(``revgraph.gradient(..., sparse=True)``). Its update touches the gathered rows only: the row indices are
-made unique (``Unique``; repeated rows have their gradients added), the rows of the parameter and of its
-state are gathered, the dense formula (:mod:`revgraph.optimizers`) runs on them, and ``ScatterND`` writes them back. For plain SGD
-without weight decay this is exactly the dense update (the other rows have a zero gradient). With momentum,
-Adam or weight decay it is a *lazy* update, as ``torch.optim.SparseAdam`` does: rows not in the batch keep
-their parameter and state unchanged (their momentum does not decay, weight decay does not shrink them),
-and the bias correction uses the global step.
+(``revgraph.gradient(..., sparse=True)``), never a dense ``[R, ...]`` gradient; its update
+(:func:`revgraph.optimizers.sparse_update`) is torch's dense update by default, or the lazy row update of
+``torch.optim.SparseAdam`` with ``Optimizer.embedding_update="lazy"`` (:mod:`revgraph.optimizers`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ gradients added). ``Optimizer.embedding_update`` says how the table is updated f
   with the zero-gradient terms left out (``m' = b1 m``, ``v' = b2 v``, ``v' = momentum * v``, weight decay, and
   the parameter step that the decayed moments still take), once on the gathered rows with their gradient, and
   ``ScatterND`` writes those rows over the first result. Plain SGD without weight decay leaves the other rows
-  unchanged, so it is the row update alone.
+  unchanged, so it is the row update alone. (A registered method that is not ``Method.elementwise`` gets the
+  rows scattered into a dense gradient instead.)
 - ``"lazy"``: the row update alone, ``torch.optim.SparseAdam``'s semantics: rows not in the batch keep their
   parameter and state unchanged (their moments do not decay, weight decay does not shrink them), and the bias
   correction uses the global step. Cheaper for a large table (no pass over it), but not torch's dense update
@@ -122,6 +123,9 @@ class Method:
     values for ``lr`` and ``weight_decay`` (PyTorch's). ``decay``: how it applies ``weight_decay``, ``"L2
     penalty"`` or ``"decoupled decay"`` (the CLI's help says so). ``nonnegative``: the state slots that stay
     >= 0, with what each is (a snapshot holding a negative one is refused, :mod:`revgraph.snapshot_checks`).
+    ``elementwise``: :meth:`update` computes each element from the same element of ``p``, ``g`` and the state
+    (and scalars), and takes ``g=None``; :func:`sparse_update` then updates a table without its dense gradient
+    (otherwise it scatters the rows into one, which is right for any formula).
     """
 
     name: ClassVar[str]
@@ -129,6 +133,7 @@ class Method:
     defaults: ClassVar[dict[str, float]] = {"lr": 1e-3, "weight_decay": 0.0}
     decay: ClassVar[str] = "L2 penalty"
     nonnegative: ClassVar[dict[str, str]] = {}
+    elementwise: ClassVar[bool] = False
 
     def slots(self, opt: Optimizer) -> tuple[str, ...]:
         """Names of the per-parameter state tensors (each of the parameter's shape, zero at the start)."""
@@ -140,9 +145,9 @@ class Method:
 
     def update(self, step: Step, p: str, g: str | None, state: list[str]) -> tuple[str, list[str]]:
         """The nodes of one update of parameter ``p`` from gradient ``g`` and ``state`` (one name per slot):
-        ``(new p, [new state])``, emitted with ``step.b``. ``g=None`` is a zero gradient, whose terms are left
-        out (the rows of a table outside the batch, :func:`sparse_update`); a value it leaves unchanged is
-        returned as the same name."""
+        ``(new p, [new state])``, emitted with ``step.b``. ``g=None`` (asked of :attr:`elementwise` methods
+        only) is a zero gradient, whose terms are left out (the rows of a table outside the batch,
+        :func:`sparse_update`); a value it leaves unchanged is returned as the same name."""
         raise NotImplementedError
 
 
@@ -173,6 +178,7 @@ class SGD(Method):
 
     name = "sgd"
     hyperparameters = ("momentum",)
+    elementwise = True
     defaults: ClassVar[dict[str, float]] = {"lr": 0.01, "weight_decay": 0.0}
 
     def slots(self, opt: Optimizer) -> tuple[str, ...]:
@@ -194,6 +200,7 @@ class Adam(Method):
 
     name = "adam"
     hyperparameters = ("betas", "eps")
+    elementwise = True
     nonnegative: ClassVar[dict[str, str]] = {"v": "Adam's second moment"}
 
     def slots(self, opt: Optimizer) -> tuple[str, ...]:
@@ -555,19 +562,24 @@ def sparse_update(b: Builder, s: Scalars, p: str, idx: str, rows: str, state: li
     repeated) and ``rows`` (``[K, ...]``), as ``s.opt.embedding_update`` says (module doc): coalesce, gather the
     rows of ``p`` and its state, update them, and ``ScatterND`` them over ``p`` and its state (``"lazy"``) or
     over the update of the whole table with a zero gradient (``"dense"``: equal to :func:`update` on the dense
-    gradient, ``torch.optim``'s update, without that ``[R, ...]`` gradient). ``unique=True``: ``idx`` and
+    gradient, ``torch.optim``'s update, without that ``[R, ...]`` gradient; a method that is not
+    ``Method.elementwise`` gets the rows scattered into zeros and :func:`update`). ``unique=True``: ``idx`` and
     ``rows`` are coalesced already (:func:`revgraph.schedules.coalesce`, as the clipping does before it takes
     the norm). ``decay``: whether weight decay applies to ``p``. Returns ``(new p, [new state])``."""
     if unique:
         g = rows
     else:  # repeated indices add their rows into zeros of [U, ...] (add_rows: ScatterElements, race free)
         idx, g = coalesce(b, idx, rows, dt)
+    at = b.op("Unsqueeze", [idx, b.const([1], np.int64)])  # unique indices: ScatterND without reduction is well defined
+    dense = s.opt.embedding_update == "dense"
+    if dense and not s.opt.method.elementwise:  # a formula over the whole tensor: give it the whole gradient
+        zeros = b.op("ConstantOfShape", [b.op("Shape", [p])], value=np.zeros(1, dtype=dt))
+        return update(b, s, p, b.op("ScatterND", [zeros, at, g]), state, dt, decay=decay)
     p_rows = b.op("Gather", [p, idx], axis=0)
     s_rows = [b.op("Gather", [v, idx], axis=0) for v in state]
     new_p_rows, new_s_rows = update(b, s, p_rows, g, s_rows, dt, decay=decay)
     # the rows outside the batch: unchanged (lazy), or the dense formula's step with their zero gradient, which
     # is also "unchanged" for plain SGD without decay (update returns p and the state themselves then)
-    base_p, base_s = (p, state) if s.opt.embedding_update == "lazy" else update(b, s, p, None, state, dt, decay=decay)
-    at = b.op("Unsqueeze", [idx, b.const([1], np.int64)])  # unique indices: ScatterND without reduction is well defined
+    base_p, base_s = update(b, s, p, None, state, dt, decay=decay) if dense else (p, state)
     new_p = b.op("ScatterND", [base_p, at, new_p_rows])
     return new_p, [b.op("ScatterND", [v, at, r]) for v, r in zip(base_s, new_s_rows, strict=True)]

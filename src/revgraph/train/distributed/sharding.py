@@ -28,8 +28,8 @@ parameters:
   values crossing a cut), the whole grad graph runs at once: the full gradients then exist during the
   backward, and only the shards and one bucket are kept between steps.
 
-Sparse embedding tables (``TrainingGraph.sparse``: gradients as rows, lazy row updates) stay replicated and
-updated on every rank as in the unsharded engine (their rows are all-gathered); the step counter too.
+Sparse embedding tables (``TrainingGraph.sparse``: gradients as rows, updated by
+:func:`~revgraph.optimizers.sparse_update`) stay replicated and updated on every rank as in the unsharded engine (their rows are all-gathered); the step counter too.
 
 Checkpoints and reads: :meth:`ShardedEngine.read` all-gathers the state shards (a collective: every rank calls
 it, the trainer saves on rank 0 only), so checkpoints hold full arrays in the format of unsharded runs and load
