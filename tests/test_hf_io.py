@@ -212,6 +212,44 @@ def test_peft_adapters_apply_in_revgraph(setup, tmp_path, capsys):
     np.testing.assert_allclose(rg.Session(g).run({"input_ids": ids})["logits"], want, **TOL)
 
 
+def test_peft_round_trip_on_weights_stored_in_out(tmp_path):
+    """GPT-2's Conv1D stores its weight [in, out] and the exporter reads it as is (no Transpose): PEFT's
+    lora_A/lora_B are still the transposes of revgraph's A and B, and fan_in_fan_out is set (PEFT's merge);
+    PEFT's logits, merged and not, equal revgraph's, and applying the directory back gives them too."""
+    from peft import PeftModel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class LogitsOnly(GPT2LMHeadModel):
+        def forward(self, input_ids):
+            return super().forward(input_ids=input_ids, use_cache=False).logits
+
+    def gpt2():
+        torch.manual_seed(0)
+        return LogitsOnly(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16, bos_token_id=0,
+                                     eos_token_id=0, attn_implementation="eager")).eval()
+
+    ids = torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(gpt2(), (ids,), str(tmp_path / "gpt2.onnx"), input_names=["input_ids"],
+                          output_names=["logits"], opset_version=23, dynamo=True, optimize=False,
+                          external_data=False, verbose=False)
+    g = lora.add_adapters(rg.load(tmp_path / "gpt2.onnx"), 4, 8.0, ["*c_attn*", "*c_fc*"])
+    rng = np.random.default_rng(1)
+    for a in lora.config(g)["adapters"]:
+        assert not a["transposed"]  # stored [in, out]
+        g.initializers[a["B"]] = rng.normal(0, 0.2, g.initializers[a["B"]].shape).astype(np.float32)
+    peft_io.save_peft(tmp_path / "peft", g)
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    want = rg.Session(g).run({"input_ids": ids.numpy()})["logits"]
+    assert np.abs(want - logits(gpt2(), ids.numpy())).max() > 1e-2
+    model = PeftModel.from_pretrained(gpt2(), str(tmp_path / "peft")).eval()
+    np.testing.assert_allclose(logits(model, ids.numpy()), want, **TOL)
+    np.testing.assert_allclose(logits(model.merge_and_unload(), ids.numpy()), want, **TOL)
+    back = peft_io.apply_peft(rg.load(tmp_path / "gpt2.onnx"), tmp_path / "peft", merge=True)
+    np.testing.assert_allclose(rg.Session(back).run({"input_ids": ids.numpy()})["logits"], want, **TOL)
+
+
 @pytest.fixture(scope="module")
 def peft_dir(setup, tmp_path_factory):
     """A PEFT directory revgraph wrote (r 4 on q_proj, v_proj; B non-zero), to break in the tests below."""

@@ -116,10 +116,13 @@ def save_peft(directory: str | os.PathLike, graph: Graph, task_type: str | None 
     weights = names if names is not None else {k: k for k in graph.initializers}
     candidates = {k[: -len(".weight")] for k in weights if k.endswith(".weight")}
     alpha = found["alpha"]
+    # weights stored [in, out] (transformers' Conv1D, GPT-2) are what PEFT's fan_in_fan_out means; it only
+    # changes how PEFT merges, and PEFT corrects it per layer with a warning: True where every weight is so
+    fan_in_fan_out = not any(a["transposed"] for a in found["adapters"])
     config = {"peft_type": "LORA", "task_type": task_type, "r": found["rank"],
               "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
               "target_modules": _target_modules(list(paths.values()), candidates), "bias": "none",
-              "lora_dropout": 0.0, "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "lora_dropout": 0.0, "fan_in_fan_out": fan_in_fan_out, "use_rslora": False, "use_dora": False,
               "init_lora_weights": True, "inference_mode": True, "modules_to_save": None, "rank_pattern": {},
               "alpha_pattern": {}, "base_model_name_or_path": None, "revision": None}
     directory = Path(directory)
