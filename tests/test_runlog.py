@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 import torch
-from kit.harness import one_line_error  # (tests/ is on sys.path)
+from kit.harness import fill_disk, mount_tmpfs, one_line_error, umount  # (tests/ is on sys.path)
 from kit.training import mlp, torch_mlp
 
 import revgraph as rg
@@ -370,3 +370,22 @@ def test_a_data_parallel_run_is_logged_once_by_rank_0(tmp_path, capsys):
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]
     assert [r["samples"] for r in logged] == [8] * 5
     np.testing.assert_allclose([r["loss"] for r in logged], trainer.losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("option", ["--log", "--loss-curve"])
+def test_a_full_disk_stops_the_run_in_one_line(tmp_path, capsys, option):
+    """A log line or the SVG that cannot be written: one line naming the file, exit 2 (the log at its first
+    step, the curve when training ends); the SVG's temporary file removed."""
+    mnt = tmp_path / "mnt"
+    if not mount_tmpfs(mnt):
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        m, d = _model_and_data(tmp_path)
+        fill_disk(mnt)
+        target = mnt / ("x.jsonl" if option == "--log" else "c.svg")
+        code = main(["train", m, "--data", d, "--loss", "cross-entropy", "--epochs", "1", "-o",
+                     str(tmp_path / "t.onnx"), option, str(target)])
+        one_line_error(code, capsys.readouterr().err, "no space left on the device writing", target.name)
+        assert sorted(os.listdir(mnt)) == (["filler", "x.jsonl"] if option == "--log" else ["filler"])
+    finally:
+        umount(mnt)
