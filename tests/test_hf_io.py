@@ -319,6 +319,7 @@ BAD_CONFIGS = {  # case: (change the configuration in place, what the one line s
     "dora": (lambda c: c.update(use_dora=True), "use_dora is True; revgraph applies plain LoRA adapters"),
     "rank pattern": (lambda c: c.update(rank_pattern={"q_proj": 8}), "rank_pattern is {'q_proj': 8}"),
     "bias": (lambda c: c.update(bias="all"), "bias is 'all'"),
+    "kasa": (lambda c: c.update(kasa_config={"x": 1}), "kasa_config is {'x': 1}; revgraph applies plain LoRA"),
     "targets": (lambda c: c.update(target_modules=["k_proj"]), "which target_modules ['k_proj'] of"),
     "no peft_type": (lambda c: c.pop("peft_type"), "peft_type is None"),
 }

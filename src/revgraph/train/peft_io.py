@@ -44,12 +44,13 @@ PREFIX = "base_model.model."
 TASK_TYPES = ("SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
 #: The largest ``adapter_config.json`` read (PEFT writes about 1.5 KB).
 MAX_CONFIG_BYTES = 1 << 20
-#: Fields of PEFT's ``LoraConfig`` that change what the adapters compute, with the values revgraph computes
-#: (absent or ``None`` is the default too): anything else is refused rather than applied wrongly.
+#: Fields of PEFT's ``LoraConfig`` that change what the adapters compute (its LoRA variants among them), with
+#: the values that leave plain LoRA (absent or ``None`` too): anything else is refused rather than applied wrongly.
 _UNSUPPORTED = {"use_dora": (False,), "rank_pattern": ({},), "alpha_pattern": ({},), "bias": ("none",),
                 "lora_bias": (False,), "modules_to_save": ([],), "layer_replication": ([],),
                 "trainable_token_indices": ([], {}), "target_parameters": ([],), "use_qalora": (False,),
-                "alora_invocation_tokens": ([],), "use_bdlora": (False,)}
+                "alora_invocation_tokens": ([],), "use_bdlora": (False,), "arrow_config": (), "kasa_config": (),
+                "velora_config": (), "monteclora_config": ()}
 
 
 def module_paths(graph: Graph) -> dict[str, str]:
@@ -231,8 +232,8 @@ def _read_config(path: Path) -> tuple[int, float, list[str] | str | None]:
         raise fail(f"lora_alpha is {lora_alpha!r}, not a finite non-zero number")
     for key, fine in _UNSUPPORTED.items():
         if found.get(key) is not None and found[key] not in fine:
-            raise fail(f"{key} is {found[key]!r}; revgraph applies plain LoRA adapters ({key} "
-                       f"{json.dumps(fine[0])} or absent)")
+            plain = " or ".join(["absent", "null", *(json.dumps(v) for v in fine)])
+            raise fail(f"{key} is {found[key]!r}; revgraph applies plain LoRA adapters ({key} {plain})")
     rslora = found.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise fail(f"use_rslora is {rslora!r}, not true or false")
