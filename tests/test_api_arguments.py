@@ -44,6 +44,12 @@ DATA = {"x": np.ones((8, 3), np.float32), "labels": np.ones((8, 2), np.float32)}
 _TRAINER = {}
 
 
+def _linear():
+    import torch
+
+    return torch.nn.Linear(3, 2)
+
+
 def trainer():
     if "t" not in _TRAINER:
         _TRAINER["t"] = rg.Trainer(M, "mse")
@@ -193,6 +199,13 @@ CASES = [
     ("save_adapters path=5", lambda: rg.lora.save_adapters(5, M), "path"),
     ("save_adapters graph=5", lambda: rg.lora.save_adapters("a.npz", 5), "graph"),
     ("load_adapters path=5", lambda: rg.lora.load_adapters(5), "path"),
+    # revgraph.export_torch (the module is checked before PyTorch is asked anything)
+    ("export_torch module=5", lambda: rg.export_torch(5, (), "m.onnx"), "module"),
+    ("export_torch path=5", lambda: rg.export_torch(_linear(), (), 5), "path"),
+    ("export_torch kwargs=5", lambda: rg.export_torch(_linear(), (), "m.onnx", kwargs=5), "kwargs"),
+    ("export_torch input_names=[1]", lambda: rg.export_torch(_linear(), (), "m.onnx", input_names=[1]), "input_names"),
+    ("export_torch output_names=5", lambda: rg.export_torch(_linear(), (), "m.onnx", output_names=5), "output_names"),
+    ("export_torch opset_version=0", lambda: rg.export_torch(_linear(), (), "m.onnx", opset_version=0), "opset_version"),
     # the value classes of the API
     ("Budget fraction='0.5'", lambda: rg.Budget(fraction="0.5"), "fraction"),
     ("Budget bytes=2**64", lambda: rg.Budget(bytes=2**64), "byte"),
@@ -251,6 +264,10 @@ UNCHECKED = {
     "types": "internal: the value types backward() is given by gradient()",
     "options": "internal: gradient()'s options for backward()",
     "settings": "sgd/adam/adamw's schedule settings: passed to configure(), which checks them (rows above)",
+    "args": "export_torch: the module's inputs, any pytree torch.export takes; its refusal is one line "
+            "(tests/test_torch_export.py)",
+    "dynamic_shapes": "export_torch: torch.export's dynamic shapes; its refusal is one line",
+    "export_options": "export_torch: torch.onnx.export's other options (f, dynamo, optimize refused in one line)",
 }
 #: Parameters checked by the code that owns them (registries, loaders), each with a row in CASES.
 OWNED = {"data", "batch", "inputs", "feeds", "ys", "device", "runtime", "buffers", "reduce_dtype", "overlap", "shard",

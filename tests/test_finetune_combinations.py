@@ -280,8 +280,9 @@ BAD = {  # case: (extra arguments, a fragment of the one line)
 
 @pytest.mark.parametrize("case", BAD)
 def test_cli_bad_values_exit_2_with_one_line_before_training(files, case, capsys):
-    """Every new option with a bad value: exit 2, one line on stderr naming it, nothing on stdout (no training
-    started), no file written (neither -o, nor the training graph, nor a checkpoint)."""
+    """Every new option with a bad value: exit 2, one line on stderr naming it, nothing on stdout but the count
+    of trainable parameters (no training started), no file written (neither -o, nor the training graph, nor a
+    checkpoint)."""
     from revgraph.cli import main
 
     extra, fragment = BAD[case]
@@ -300,7 +301,8 @@ def test_cli_bad_values_exit_2_with_one_line_before_training(files, case, capsys
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in err, err
-    assert out == ""
+    # nothing on stdout but, for a refusal at the resume (--override), the count of what trains: no step ran
+    assert [ln for ln in out.splitlines() if not ln.startswith("parameters: ")] == [], out
     assert not any((files / f).exists() for f in ("o.onnx", "g.onnx", "ck"))
 
 
@@ -311,7 +313,8 @@ def test_cli_warmup_longer_than_the_run_warns_and_trains(files, capsys):
             "--batch-size", "8", "--lr-schedule", "cosine", "--warmup-steps", "100", "-o", str(files / "w.onnx")]
     assert main(argv) == 0
     out, _ = capsys.readouterr()
-    first = out.splitlines()[0]
+    assert out.startswith("parameters: ")  # the count of trainable parameters, then the warning
+    first = out.splitlines()[1]
     assert first.startswith("warning: the warmup (100 steps, --warmup-steps) is longer than the run (2 steps)"), out
     assert (files / "w.onnx").exists()
 

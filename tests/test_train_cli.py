@@ -307,8 +307,8 @@ def test_train_says_what_it_trains_and_what_it_left_out(tmp_path, capsys, monkey
     rg.save(_pow_model(), "m.onnx")
     np.savez("d.npz", x=np.ones((8, 4), F32))
     assert main(["train", "m.onnx", "--data", "d.npz", "--loss", "output:y", "--epochs", "1", "-o", "o.onnx"]) == 0
-    assert ("parameters: 4 trainable in 1 tensor (66.7%), 2 frozen in 2 tensors; left out by default, one-element "
-            "constants (--train NAME trains one): two, eps") in capsys.readouterr().out
+    assert ("parameters: 4 trainable in 1 tensor (66.7%), 2 frozen in 2 tensors; left out by default (--train NAME "
+            "trains one): one-element constants: two, eps") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt", ".pth", ".npz", ".NPY", ".json"])

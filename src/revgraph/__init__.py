@@ -38,6 +38,7 @@ __all__ = [
     "SparseGrad",
     "backward",
     "check_gradients",
+    "export_torch",
     "gradient",
     "hessian",
     "hvp",
@@ -55,7 +56,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``revgraph.lift``, ``revgraph.viz``, ... as attributes too (the modules that moved: :mod:`._moved`)."""
+    """``revgraph.lift``, ``revgraph.viz``, ... as attributes too (the modules that moved: :mod:`._moved`), and
+    ``revgraph.export_torch``, imported when asked for (it imports PyTorch when called)."""
+    if name == "export_torch":
+        from .onnx_io.torch_export import export_torch
+
+        return export_torch
     if name in _moved.MOVED:
         import importlib
 

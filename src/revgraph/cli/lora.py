@@ -59,22 +59,30 @@ def lora_model(args: argparse.Namespace, model: Graph) -> tuple[Graph, dict]:
     return model, {"params": args.train, "freeze": args.freeze}
 
 
-def selection_line(args: argparse.Namespace, trainer) -> str | None:
-    """The count of trainable and frozen parameters, when the command chose them (``--train``, ``--freeze``,
-    ``--lora``, or a model with adapters) or the default set left float initializers out (issue 38: which, and
-    why, truncated)."""
+def selection_line(args: argparse.Namespace, trainer) -> str:
+    """The count of trainable and frozen parameters, always (issue 38: say what trains), and where the default
+    set left float initializers out (no ``--train``/``--freeze``/``--lora``, no adapters in the model), which
+    and why, grouped by why, a few names of each."""
     from ..train.lora import config
     from ..train.selection import count_line, left_out
 
-    chosen = args.train or args.freeze or args.lora is not None or config(trainer.spec.model) is not None
-    skipped = [] if chosen else [k for k in left_out(trainer.spec.model) if k not in set(trainer.spec.params)]
-    if not chosen and not skipped:
-        return None
     line = count_line(trainer.spec.model, trainer.spec.params)
+    chosen = args.train or args.freeze or args.lora is not None or config(trainer.spec.model) is not None
+    trained = set(trainer.spec.params)
+    skipped: dict[str, list[str]] = {}
+    for k, why in ({} if chosen else left_out(trainer.spec.model)).items():
+        if k not in trained:
+            skipped.setdefault(why, []).append(k)
     if skipped:
-        shown = ", ".join(skipped[:5]) + (f", ... ({len(skipped)} in all)" if len(skipped) > 5 else "")
-        line += f"; left out by default, one-element constants (--train NAME trains one): {shown}"
+        line += "; left out by default (--train NAME trains one): " + "; ".join(
+            f"{why}: {_names(names)}" for why, names in skipped.items())
     return line
+
+
+def _names(names: list[str], shown: int = 4, width: int = 48) -> str:
+    """A few of ``names`` (each cut to ``width`` characters), and how many in all where there are more."""
+    cut = [n if len(n) <= width else n[: width - 3] + "..." for n in names[:shown]]
+    return ", ".join(cut) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
 
 
 def export_trained(trainer, args: argparse.Namespace) -> None:

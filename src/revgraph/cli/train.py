@@ -241,13 +241,6 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     console = out if main else Console(quiet=True)
     for w in caught if main else []:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
-    selected = selection_line(args, trainer)
-    if selected:
-        console.print(selected, soft_wrap=True, markup=False)
-    if budget is not None:
-        console.print(f"memory: {trainer.spec.graph.memory_plan.summary()}", soft_wrap=True, markup=False)
-    if decay_line(trainer):
-        console.print(decay_line(trainer), soft_wrap=True, markup=False)
     refused = None
     try:
         trainer.arrays(data, static)  # bad data fails here, in one line, before anything runs
@@ -260,6 +253,12 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
         refused = str(exc)
     if trainer.comm:  # every rank stops, not only the one with bad data (the others would wait for it)
         trainer.comm.refuse_together(refused, "its data")
+    # what trains, always (after the data checks: a run refused for its data prints its one error line alone)
+    console.print(selection_line(args, trainer), soft_wrap=True, markup=False)
+    if budget is not None:
+        console.print(f"memory: {trainer.spec.graph.memory_plan.summary()}", soft_wrap=True, markup=False)
+    if decay_line(trainer):
+        console.print(decay_line(trainer), soft_wrap=True, markup=False)
     if distributed:
         console.print(f"data-parallel on {trainer.world_size} processes (torch.distributed, "
                       f"{'nccl' if trainer.device.kind == 'cuda' else 'gloo'}): global batch "

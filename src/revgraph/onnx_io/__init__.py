@@ -43,6 +43,7 @@ from .reading import (  # noqa: F401  (read_model, converter_error: API of this 
     read_model,
     tensor_array,
 )
+from .torch_names import keep_exporter_kinds
 from .upgrade import fix_legacy_prelu, group_norm_per_channel, type_untyped_sequences
 
 #: Operator domains a loaded model may import besides the default one.
@@ -168,6 +169,7 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
     _name_nodes(result)
     result.source_opset = original
     result.metadata = {p.key: p.value for p in model.metadata_props}
+    keep_exporter_kinds(model, result.metadata)  # which initializers are parameters: the default trainable set
     result.check()
     return result
 

@@ -9,12 +9,14 @@ exact name means that initializer even when it holds glob characters (``onnx::Ma
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 from ..errors import RevgraphError
 from ..ir import Graph
+from ..onnx_io.torch_names import torch_names
 
 
 def _floats(a) -> bool:
@@ -23,16 +25,64 @@ def _floats(a) -> bool:
 
 
 def _by_default(a) -> bool:
-    """Whether a float initializer trains when nothing is named: not a 0-d or one-element one. Exporters keep
-    the constants of a model's formulas as such initializers (RMSNorm's exponent ``2.0``, an ``eps``, a scale):
-    training them changes the model's math (issue 38: the exponent's gradient ``x^p ln x`` is NaN for negative
-    ``x``, and the loss was NaN at step 2). Name one with ``params=`` / ``--train`` to train it (a PReLU slope)."""
+    """Whether a float initializer trains when nothing is named and the file has no record of the module's
+    parameters: not a 0-d or one-element one. Exporters keep the constants of a model's formulas as such
+    initializers (RMSNorm's exponent ``2.0``, an ``eps``, a scale): training them changes the model's math (issue
+    38: the exponent's gradient ``x^p ln x`` is NaN for negative ``x``, and the loss was NaN at step 2). Name one
+    with ``params=`` / ``--train`` to train it (a PReLU slope)."""
     return _floats(a) and np.asarray(a).size > 1
 
 
-def left_out(model: Graph) -> list[str]:
-    """The float initializers the default trainable set leaves out (:func:`_by_default`), in declaration order."""
-    return [k for k, a in model.initializers.items() if _floats(a) and not _by_default(a)]
+#: The names PyTorch and Keras give the buffers models keep beside their parameters: rotary frequencies and their
+#: cached tables, normalization running statistics, position index tables. Without an exporter's record (the
+#: TorchScript exporter, tf2onnx write none) these float tensors of many elements look like weights, and training
+#: them changes the model's fixed math (issue 38: LLaMA's rotary ``inv_freq`` trained by default).
+BUFFER_NAMES = frozenset({
+    "inv_freq", "original_inv_freq", "cos_cached", "sin_cached", "freqs_cis",
+    "running_mean", "running_var", "num_batches_tracked", "moving_mean", "moving_variance",
+    "position_ids", "token_type_ids", "relative_position_index",
+})
+
+
+def buffer_name(name: str) -> bool:
+    """Whether an initializer's name is a buffer's (:data:`BUFFER_NAMES`): one of its ``.``/``/``/``:``-separated
+    parts is (``model.rotary_emb.inv_freq``, ``bn1.running_mean``, ``bn/moving_mean:0``)."""
+    return any(part in BUFFER_NAMES for part in re.split(r"[./:]", name))
+
+
+def _defaults(model: Graph) -> tuple[list[str], dict[str, str]]:
+    """The default trainable set (declaration order) and ``{left out: why}``, over the float initializers, by the
+    best record the model has: revgraph's ``revgraph.torch_parameters`` (:func:`revgraph.export_torch`), else the
+    dynamo exporter's per-initializer kinds (:mod:`revgraph.onnx_io.torch_names`), else the names and sizes. A
+    record that names none of the model's initializers (a stale one) is passed over."""
+    floats = [k for k, a in model.initializers.items() if _floats(a)]
+    record = torch_names(model.metadata)
+    if record is not None and record.parameters & set(floats):
+        def why(k: str) -> str:
+            if k in record.buffers:
+                return "buffers"
+            if k in record.frozen:
+                return "parameters with requires_grad=False"
+            return "constants" if np.asarray(model.initializers[k]).size > 1 else "one-element constants"
+
+        return ([k for k in floats if k in record.parameters],
+                {k: why(k) for k in floats if k not in record.parameters})
+    trained, out = [], {}
+    for k in floats:
+        if not _by_default(model.initializers[k]):
+            out[k] = "one-element constants"
+        elif buffer_name(k):
+            out[k] = "buffers (by name)"
+        else:
+            trained.append(k)
+    return trained, out
+
+
+def left_out(model: Graph) -> dict[str, str]:
+    """The float initializers the default trainable set leaves out, in declaration order, each with why: a plural
+    kind for messages to group them by (``"buffers"``, ``"buffers (by name)"``, ``"one-element constants"``,
+    ``"constants"``, ``"parameters with requires_grad=False"``); see :func:`select`."""
+    return _defaults(model)[1]
 
 
 def _matches(model: Graph, pattern: object, option: str) -> list[str]:
@@ -62,9 +112,11 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
     """The initializers to train, in declaration order.
 
     ``params``: names or glob patterns (module doc) of the initializers to train; ``None``: the LoRA adapters of
-    a model that has them (:func:`revgraph.lora.adapter_names`), else every floating-point initializer with
-    more than one element (a 0-d or one-element one is a constant of the model's formulas: :func:`left_out`).
-    Integer initializers a glob matches are left out (they cannot train). ``freeze``: names or globs removed
+    a model that has them (:func:`revgraph.lora.adapter_names`), else the module's parameters: the initializers
+    of ``revgraph.torch_parameters`` in a file :func:`revgraph.export_torch` wrote, else those the dynamo
+    exporter's record marks ``PARAMETER``, else every floating-point initializer with more than one element whose
+    name is not a buffer's (:func:`buffer_name`; a 0-d or one-element one is a constant of the model's formulas).
+    :func:`left_out` lists what the default leaves out, and why. Integer initializers a glob matches are left out (they cannot train). ``freeze``: names or globs removed
     from that set. Raises :class:`RevgraphError` (one line) for a pattern that matches no initializer (naming
     it and the option), an integer initializer named exactly, a glob that matches only integer ones, and a
     selection that leaves nothing to train.
@@ -73,12 +125,12 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
 
     params, freeze = _patterns(params, "params (--train)"), _patterns(freeze, "freeze (--freeze)")
     if params is None:
-        names = adapter_names(model) or [k for k, a in model.initializers.items() if _by_default(a)]
+        names = adapter_names(model) or _defaults(model)[0]
         if not names:
-            scalars = left_out(model)
+            skipped = list(left_out(model))
             raise RevgraphError("the model has no floating-point initializers to train" + (
-                f" but one-element ones ({', '.join(map(repr, scalars[:4]))}), which train only when named: "
-                "params= (--train)" if scalars else ""))
+                f" but ones left out by default ({', '.join(map(repr, skipped[:4]))}), which train only when "
+                "named: params= (--train)" if skipped else ""))
     else:
         if not params:
             raise RevgraphError("params (--train) is empty: give names or glob patterns of initializers, or None "
