@@ -43,7 +43,7 @@ POS, NONNEG = _float_where(lambda v: v > 0), _float_where(lambda v: v >= 0)
 KINDS = {
     "--seed": NONNEG_INT, "--epochs": POS_INT, "--hidden": POS_INT, "--batch-size": POS_INT,
     "--threads": _int_between(0, 4096), "--checkpoint-every": NONNEG_INT, "--nproc": _int_between(1, 1024),
-    "--snapshot-every": NONNEG_INT,
+    "--snapshot-every": NONNEG_INT, "--max-steps": POS_INT, "--eval-every": POS_INT, "--eval-batch-size": POS_INT,
     "--nnodes": _int_between(1, 65536), "--node-rank": _int_between(0, 65535), "--max-restarts": NONNEG_INT,
     "--accumulate-steps": POS_INT, "--warmup-steps": NONNEG_INT, "--growth-interval": POS_INT, "--lora": POS_INT,
     "--ignore-index": ANY_INT, "--opset": _int_between(7, __import__("onnx").defs.onnx_opset_version()),

@@ -194,7 +194,8 @@ def test_fp16_scaled_run_with_a_schedule_resumed_mid_run_equals_the_uninterrupte
     assert meta["hyperparameters"]["precision"] == "fp16"
     resumed = run()
     resumed.fit(data, **how, checkpoint_dir=tmp_path, checkpoint_every=3)
-    assert resumed.resumed and resumed.losses == ref.losses
+    # (a snapshot holds no per-step losses: the resumed trainer has those of the batches after it)
+    assert resumed.resumed and resumed.losses == ref.losses[meta["steps_taken"]:] and resumed.steps_taken == len(ref.losses)
     names = [s.scale, s.growth, ref.spec.step, ref.spec.total]
     for name, value in {**ref.parameters, **ref.state, **ref._engine.read(names)}.items():
         got = {**resumed.parameters, **resumed.state, **resumed._engine.read(names)}[name]
@@ -434,7 +435,7 @@ def test_static_inputs_with_a_schedule_resumed_mid_run_equal_the_uninterrupted_r
     assert not set(static) & set(arrays)
     resumed, how = run(checkpoint_dir=tmp_path, checkpoint_every=4)
     resumed.fit(data, **how)
-    assert resumed.resumed and resumed.steps == 15 and resumed.losses == ref.losses
+    assert resumed.resumed and resumed.steps == 15 and resumed.losses == ref.losses[8:]  # (after the snapshot's)
     for name, value in {**ref.parameters, **ref.state}.items():
         np.testing.assert_array_equal({**resumed.parameters, **resumed.state}[name], value, err_msg=name)
 

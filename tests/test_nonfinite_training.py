@@ -76,7 +76,8 @@ def test_cli_stops_with_one_line_and_writes_nothing(tmp_path, nan_data, lr, mess
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "o.onnx").exists()
-    r = subprocess.run([*cmd, "--allow-nonfinite"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([*cmd, "--allow-nonfinite", "--eval-data", str(tmp_path / "d.npz")], capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "accuracy 100" not in r.stdout and "outputs are NaN or infinite" in r.stdout, r.stdout
 

@@ -223,14 +223,23 @@ def test_loss_curve_is_svg_with_one_polyline_per_curve(tmp_path):
     assert len(_polylines(tmp_path / "d.svg")) == 1
 
 
-def test_a_resumed_loss_curve_gets_the_earlier_losses(tmp_path):
-    curve = LossCurve(tmp_path / "c.svg")
+@pytest.mark.parametrize("cls", [JsonlLog, CsvLog])
+def test_a_resumed_loss_curve_gets_the_earlier_steps_from_the_log(tmp_path, cls):
+    """A resumed run's curve gets steps 1..3 (and their evaluation) from the log file it continues: the
+    snapshot holds no per-step losses; the log's later records (a crashed attempt's) are not drawn."""
+    path = tmp_path / f"r.{'jsonl' if cls is JsonlLog else 'csv'}"
+    write(cls(path), [dict(r, loss=v) for r, v in zip(records(5, evals=(2,)), [3.0, 2.0, 1.5, 9.0, 9.0],
+                                                          strict=True)])
+    log, curve = cls(path), LossCurve(tmp_path / "c.svg")
     for r in records(6, evals=())[3:]:  # steps 4..6 of this run
+        log(dict(r, loss=1.0))
         curve(dict(r, loss=1.0))
-    curve.prepend([3.0, 2.0, 1.5, 9.0, 9.0, 9.0])  # Trainer.losses: the snapshot's steps 1..3 and this run's
+    log.close()
+    curve.prepend(log.kept)
     curve.close()
     assert [s for s, _ in curve.train] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in curve.train] == [3.0, 2.0, 1.5, 1.0, 1.0, 1.0]
+    assert [s for s, _ in curve.eval] == [2]
     assert len(_polylines(tmp_path / "c.svg")[0]) == 6
 
 

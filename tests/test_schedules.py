@@ -224,7 +224,7 @@ def test_resume_mid_schedule_equals_the_uninterrupted_run(tmp_path):
     assert int(arrays[crashing.spec.total]) == 24 and meta["hyperparameters"]["total_steps"] == 24
     resumed, _ = _cosine_trainer()
     resumed.fit(data, EPOCHS, BATCH, seed=2, progress=False, checkpoint_dir=tmp_path, checkpoint_every=4)
-    assert resumed.resumed and resumed.steps == 24 and resumed.losses == ref.losses
+    assert resumed.resumed and resumed.steps == 24 and resumed.losses == ref.losses[8:]  # (those after the snapshot)
     for name, value in {**ref.parameters, **ref.state}.items():
         np.testing.assert_array_equal({**resumed.parameters, **resumed.state}[name], value, err_msg=name)
 

@@ -51,6 +51,9 @@ def _fit(tr, ck, **how):
     return tr.fit(_data(), EPOCHS, BATCH, progress=False, checkpoint_dir=ck, checkpoint_every=2, **how)
 
 
+_LOSSES: list[float] = []
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """The snapshot's bytes, the files the CLI reads, and the uninterrupted run (parameters, state, means)."""
@@ -64,6 +67,7 @@ def base(tmp_path_factory):
     rg.save(mlp(np.random.default_rng(3)), root / "m.onnx")
     d = _data()
     np.savez(root / "d.npz", x=d["x"], y=d["labels"])
+    _LOSSES[:] = ref.losses  # (the crashed run's first 4 are the same: for snapshots in the older form, _old)
     return {"root": root, "bytes": checkpoints.path_in(root / "ck").read_bytes(),
             "ref": {**ref.parameters, **ref.state}, "means": means, "losses": list(ref.losses)}
 
@@ -119,6 +123,16 @@ def _meta(change):
         return _zip([("meta.npy", _npy(np.array(json.dumps(meta)))),
                      *((f"a{i}.npy", _npy(arrays[n])) for i, n in enumerate(names))])
     return apply
+
+
+def _old(change=lambda m: None):
+    """A snapshot in the form written before issue 38 (the per-step ``losses`` and ``earlier_losses`` instead of
+    ``steps_taken``), then ``change`` to its metadata."""
+    def convert(meta: dict) -> None:
+        taken = meta.pop("steps_taken")
+        meta.update(losses=list(_LOSSES[:taken]), earlier_losses=0)
+        change(meta)
+    return _meta(convert)
 
 
 def _set(field, value):
@@ -304,38 +318,44 @@ DAMAGE = {
     "batch 3 (an epoch has 3)": (_set("batch", 3), "field 'batch' is 3"),
     "batch float": (_set("batch", 1.5), "field 'batch' is 1.5"),
     "batch null": (_set("batch", None), "field 'batch' is None"),
-    "batch past the losses": (_set("batch", 2), "field 'losses' holds 4 losses, fewer than the 5 batches"),
+    "batch past the steps taken": (_set("batch", 2), "field 'steps_taken' is 4, fewer than the 5 batches"),
+    "steps_taken other": (_set("steps_taken", 5), "the step counter 'step' is 4 for 5 steps taken"),
+    "steps_taken negative": (_set("steps_taken", -1), "field 'steps_taken' is -1, not an integer >= 0"),
+    "steps_taken text": (_set("steps_taken", "4"), "field 'steps_taken' is '4'"),
+    "steps_taken missing": (_drop("steps_taken"), "field 'steps_taken' is missing"),
+    # a snapshot written before issue 38 (the per-step losses instead of steps_taken), damaged
+    "older: batch past the losses": (_old(lambda m: m.update(batch=2)),
+                                     "field 'losses' holds 4 losses, fewer than the 5 batches"),
     "batch at the end of the run": (_meta(lambda m: m.update(epoch=3, epoch_means=[1.0, 1.0, 1.0])),
                                     "field 'batch' is 1"),
     "batch missing": (_drop("batch"), "field 'batch' is missing"),
     "epoch_loss_sum text": (_set("epoch_loss_sum", "1.5"), "field 'epoch_loss_sum' is '1.5', not a number"),
     "epoch_loss_sum NaN": (_set("epoch_loss_sum", NAN), "field 'epoch_loss_sum' is not finite"),
-    "epoch_loss_sum at batch 0": (_meta(lambda m: m.update(batch=0, losses=m["losses"][:3])),
+    "epoch_loss_sum at batch 0": (_old(lambda m: m.update(batch=0, losses=m["losses"][:3])),
                                   "the losses of the epoch's first 0 batches (field 'losses') give 0.0"),
-    "epoch_loss_sum other": (_meta(lambda m: m.update(epoch_loss_sum=m["epoch_loss_sum"] * (1 + 1e-15))),
+    "epoch_loss_sum other": (_old(lambda m: m.update(epoch_loss_sum=m["epoch_loss_sum"] * (1 + 1e-15))),
                              "the losses of the epoch's first 1 batches (field 'losses') give"),
-    "epoch_means other": (_meta(lambda m: m["epoch_means"].__setitem__(0, 1.0)),
+    "epoch_means other": (_old(lambda m: m["epoch_means"].__setitem__(0, 1.0)),
                           "field 'epoch_means' gives epoch 1 the mean 1.0; its losses (field 'losses') give 1."),
-    "a loss other": (_meta(lambda m: m["losses"].__setitem__(0, 0.5)), "field 'epoch_means' gives epoch 1 the mean"),
+    "a loss other": (_old(lambda m: m["losses"].__setitem__(0, 0.5)), "field 'epoch_means' gives epoch 1 the mean"),
     "position and means moved back an epoch": (
-        _meta(lambda m: m.update(epoch=0, epoch_means=[])), "the 0 of earlier fits (field 'earlier_losses') and the 1"),
-    "earlier_losses other": (_set("earlier_losses", 1), "field 'losses' holds 4 losses; the 1 of earlier fits"),
-    "earlier_losses negative": (_set("earlier_losses", -1), "field 'earlier_losses' is -1"),
-    "earlier_losses text": (_set("earlier_losses", "0"), "field 'earlier_losses' is '0'"),
+        _old(lambda m: m.update(epoch=0, epoch_means=[])), "the 0 of earlier fits (field 'earlier_losses') and the 1"),
+    "earlier_losses other": (_old(lambda m: m.update(earlier_losses=1)), "field 'losses' holds 4 losses; the 1 of earlier fits"),
+    "earlier_losses negative": (_old(lambda m: m.update(earlier_losses=-1)), "field 'earlier_losses' is -1"),
+    "earlier_losses text": (_old(lambda m: m.update(earlier_losses="0")), "field 'earlier_losses' is '0'"),
     "epoch_loss_sum missing": (_drop("epoch_loss_sum"), "field 'epoch_loss_sum' is missing"),
     "epoch_means a number": (_set("epoch_means", 5), "field 'epoch_means' is 5, not a list of numbers"),
     "epoch_means of text": (_set("epoch_means", ["1.0"]), "field 'epoch_means'"),
     "epoch_means too long": (_set("epoch_means", [1.0, 1.0]), "field 'epoch_means' holds 2 numbers"),
     "epoch_means infinite": (_set("epoch_means", [INF]), "field 'epoch_means' holds NaN or infinite"),
     "epoch_means missing": (_drop("epoch_means"), "field 'epoch_means' is missing"),
-    "losses 5": (_set("losses", 5), "field 'losses' is 5, not a list of numbers"),
-    "losses of objects": (_set("losses", [{"a": 1}] * 4), "field 'losses'"),
-    "losses NaN": (_meta(lambda m: m["losses"].__setitem__(2, NAN)), "field 'losses' holds NaN or infinite"),
-    "losses too few": (_meta(lambda m: m["losses"].pop()), "field 'losses' holds 3 losses, fewer than the 4"),
-    "losses too many": (_meta(lambda m: m["losses"].insert(0, 1.0)), "field 'losses' holds 5 losses; the 0 of"),
-    "losses of an earlier fit": (_meta(lambda m: (m["losses"].insert(0, 1.0), m.pop("earlier_losses"))),
-                                 "the step counter 'step' is 4 for 5 losses"),
-    "losses missing": (_drop("losses"), "field 'losses' is missing"),
+    "losses 5": (_old(lambda m: m.update(losses=5)), "field 'losses' is 5, not a list of numbers"),
+    "losses of objects": (_old(lambda m: m.update(losses=[{"a": 1}] * 4)), "field 'losses'"),
+    "losses NaN": (_old(lambda m: m["losses"].__setitem__(2, NAN)), "field 'losses' holds NaN or infinite"),
+    "losses too few": (_old(lambda m: m["losses"].pop()), "field 'losses' holds 3 losses, fewer than the 4"),
+    "losses too many": (_old(lambda m: m["losses"].insert(0, 1.0)), "field 'losses' holds 5 losses; the 0 of"),
+    "losses of an earlier fit": (_old(lambda m: (m["losses"].insert(0, 1.0), m.pop("earlier_losses"))),
+                                 "the step counter 'step' is 4 for 5 steps taken (field 'losses')"),
     "hyperparameters a list": (_set("hyperparameters", []), "field 'hyperparameters' is [], not an object"),
     "hyperparameters null": (_set("hyperparameters", None), "field 'hyperparameters' is None, not an object"),
     "hyperparameters unknown": (_hp("learning_rate", 0.1), "field 'hyperparameters.learning_rate' is not a recorded"),
@@ -353,7 +373,7 @@ DAMAGE = {
                                "optimizer state 'W1.v' (Adam's second moment) holds negative values"),
     "step counter int32": (_array("step", lambda a: a.astype(np.int32)), "'step' has shape [] and dtype int32"),
     "step counter a vector": (_array("step", lambda a: np.array([4])), "'step' has shape [1]"),
-    "step counter -1": (_array("step", lambda a: np.array(-1)), "the step counter 'step' is -1 for 4 losses"),
+    "step counter -1": (_array("step", lambda a: np.array(-1)), "the step counter 'step' is -1 for 4 steps taken"),
     "step counter 10^12": (_array("step", lambda a: np.array(10**12)), "the step counter 'step' is 1000000000000"),
 }
 
@@ -406,7 +426,8 @@ def test_the_issues_examples_exit_2_in_a_process_of_their_own(base, tmp_path, ex
 # ------------------------------------------------------------------------------------------ what still resumes
 
 def _resumes_exactly(base, tr, means):
-    assert tr.resumed and tr.steps == 9 and means == base["means"] and tr.losses == base["losses"]
+    # (the per-step losses of the steps before the snapshot are not in it: the trainer has those it took)
+    assert tr.resumed and tr.steps == 9 and means == base["means"] and tr.losses == base["losses"][4:]
     for name, value in base["ref"].items():
         np.testing.assert_array_equal({**tr.parameters, **tr.state}[name], value, err_msg=name)
 
@@ -415,7 +436,8 @@ ACCEPTED = {  # a change a snapshot may carry, and it still resumes to the unint
     "as written": lambda d: d,
     "written by 2 processes x batch 4 (elastic)": _meta(lambda m: m.update(world_size=2, batch_size=4)),
     "without accumulate_steps (older)": _drop("accumulate_steps"),
-    "without earlier_losses (older)": _drop("earlier_losses"),
+    "older, with the per-step losses": _old(),
+    "older, without earlier_losses": _old(lambda m: m.pop("earlier_losses")),
     "deflated members": lambda d: _zip(list(_members(d).items()), zipfile.ZIP_DEFLATED),
 }
 
@@ -444,7 +466,7 @@ def test_nonfinite_values_resume_with_allow_nonfinite(base, tmp_path, capsys):
     save: that run resumes it (and the one that stops at NaN refuses it, above)."""
     ck = _copy(base, tmp_path)
     damaged = _array("W2", lambda a: _set_at(a, np.nan, (1, 1)))(base["bytes"])
-    checkpoints.path_in(ck).write_bytes(_meta(lambda m: m.update(epoch_loss_sum=NAN) or m["losses"].__setitem__(
+    checkpoints.path_in(ck).write_bytes(_old(lambda m: m.update(epoch_loss_sum=NAN) or m["losses"].__setitem__(
         3, NAN))(damaged))  # (the loss of epoch 2's first batch: the sum of that epoch so far is NaN too)
     tr = _trainer()
     means = _fit(tr, ck, nonfinite="continue")
@@ -506,7 +528,7 @@ def test_fp16_snapshot_as_written_resumes(fp16_snapshot, tmp_path):
     checkpoints.path_in(ck).write_bytes(data)
     tr = _fp16_trainer()
     _fit(tr, ck)
-    assert tr.resumed and len(tr.losses) == 9
+    assert tr.resumed and len(tr.losses) == 5 and tr.steps_taken == 9  # (the losses of this trainer's steps)
 
 
 def test_a_snapshot_read_to_look_at_it_is_checked_too(base, tmp_path):

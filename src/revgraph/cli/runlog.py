@@ -76,8 +76,8 @@ def _check_directory(path: str, inputs: dict, outputs: dict) -> None:
 @contextmanager
 def run_logs(args: argparse.Namespace, trainer) -> Iterator[list]:
     """The writers of ``--log``, ``--tensorboard`` and ``--loss-curve`` as ``fit``'s callbacks (none on a rank
-    other than 0), closed when the block ends: the loss curve gets the losses of a resumed snapshot's earlier
-    steps (:meth:`LossCurve.prepend`) and is written, also when training stopped with an error (that error is
+    other than 0), closed when the block ends: the loss curve gets a resumed run's earlier steps from the
+    ``--log`` file it continued (:meth:`LossCurve.prepend`; the snapshot holds no per-step losses) and is written, also when training stopped with an error (that error is
     the one raised then, not one of closing)."""
     writers: list = []
     if trainer.is_main:
@@ -99,8 +99,8 @@ def _close(writers: list, trainer, quiet: bool = False) -> None:
     failed = None
     for w in writers:
         try:
-            if isinstance(w, LossCurve):
-                w.prepend(trainer.losses)
+            if isinstance(w, LossCurve):  # a resumed run's earlier steps: from the log it continued, if any
+                w.prepend(next((log.kept for log in writers if hasattr(log, "kept")), []))
             w.close()
         except RevgraphError as exc:
             failed = failed or exc

@@ -268,8 +268,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
                       + (f"; sharded: {args.shard} (ZeRO-{1 if args.shard == 'optimizer' else 2})"
                          if args.shard != "none" else ""),
                       soft_wrap=True, markup=False)
-    last_eval: list[dict] = []  # the evaluations fit ran (rank 0: callbacks run there)
-    callbacks = [eval_printer(console), lambda r: last_eval.append(r) if "eval_loss" in r else None]
+    callbacks = [eval_printer(console)]
     steps_before = trainer.steps
     with run_logs(args, trainer) as logs:  # --log, --tensorboard, --loss-curve (rank 0), closed on errors too
         means = trainer.fit(data, batch_size=args.batch_size, seed=args.seed, console=console,
@@ -299,9 +298,8 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     console.print(f"{trainer.steps} steps of {args.optimizer} ({len(means)} epochs, {batch}); "
                   f"last epoch's mean loss {means[-1]:.4g}" if means else
                   f"{trainer.steps} steps of {args.optimizer} ({batch})", soft_wrap=True, markup=False)
-    if main and (final or last_eval):
-        ev = final or {"loss": last_eval[-1]["eval_loss"], "accuracy": last_eval[-1]["eval_accuracy"], "nonfinite": 0}
-        console.print(f"eval data: {score(ev)}", soft_wrap=True, markup=False)
+    if final or trainer.last_evaluation:
+        console.print(f"eval data: {score(final or trainer.last_evaluation)}", soft_wrap=True, markup=False)
     if tested is not None:
         console.print(f"test data: {score(tested)}", soft_wrap=True, markup=False)
     if profile_line(trainer):

@@ -135,7 +135,7 @@ class Evaluation:
         self.last: dict | None = None
 
     def __call__(self) -> dict:
-        self.last = self.trainer.evaluate(self.data, self.batch_size, static=self.static)
+        self.last = self.trainer.last_evaluation = self.trainer.evaluate(self.data, self.batch_size, static=self.static)
         return self.last
 
     def due(self, done: int) -> bool:

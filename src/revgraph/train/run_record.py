@@ -90,10 +90,8 @@ def save(trainer, directory, run: dict, pos, total: int | None) -> None:
     values = engine.read(engine.names, root_only=True) if gathers else engine.read(engine.names)
     if not trainer.is_main:
         return
-    group = run["batch_size"] * run["world_size"] * run["accumulate_steps"]
-    earlier = len(trainer.losses) - pos.epoch * -(-run["samples"] // group) - pos.batch  # (of earlier fits)
-    meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total, "earlier_losses": earlier,
-            "epoch_means": pos.means, "losses": trainer.losses, "optimizer": trainer.spec.optimizer.kind,
+    meta = {**run, "epoch": pos.epoch, "batch": pos.batch, "epoch_loss_sum": pos.total,
+            "steps_taken": trainer.steps_taken, "epoch_means": pos.means, "optimizer": trainer.spec.optimizer.kind,
             "hyperparameters": record(trainer.spec, total)}
     snapshots.save(directory, values, meta)
 
@@ -114,7 +112,8 @@ def resume(trainer, directory, run: dict, total: int | None, override=(), consol
            finite: bool = False) -> Position:
     """Load the checkpoint in ``directory`` into the trainer's engine (on every rank; rank 0 reads the file and
     checks every field of it, :mod:`revgraph.snapshot_checks`, before anything is loaded) and return its position
-    in the data (the start when there is none); set the trainer's ``losses`` and ``resumed``. ``epochs``: of this
+    in the data (the start when there is none); set the trainer's ``taken_before`` and ``resumed`` (the per-step
+    losses are not in a snapshot: ``trainer.losses`` holds this process's). ``epochs``: of this
     fit; ``finite``: the run stops at non-finite values, so the snapshot may hold none. Raises
     :class:`RevgraphError` (one line naming the file and the field, on every rank) for a damaged or edited
     snapshot, one of another model, optimizer, global batch or run, and for a recorded hyperparameter that
@@ -148,7 +147,7 @@ def resume(trainer, directory, run: dict, total: int | None, override=(), consol
     if changed and trainer.is_main:
         note(console, f"resuming {where} with " + ", ".join(_change(k, a, b, "instead of") for k, a, b in changed)
              + " (overridden)")
-    trainer.losses = list(meta["losses"])
+    trainer.taken_before = snapshot_checks.steps_taken(meta) - len(trainer.losses)  # (losses: of this process)
     trainer.resumed = f"{where} (epoch {meta['epoch'] + 1}, step {trainer.steps})"
     return Position(meta["epoch"], meta["batch"], meta["epoch_loss_sum"], list(meta["epoch_means"]))
 

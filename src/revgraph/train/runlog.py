@@ -63,6 +63,7 @@ class _FileLog(_Writer):
     def __init__(self, path: str | os.PathLike):
         self.path = os.fsdecode(os.fspath(path))
         self._file = None
+        self.kept: list[dict] = []  # the records of earlier steps the file was continued after (a resumed run)
 
     def __call__(self, record: Mapping) -> None:
         try:
@@ -103,11 +104,15 @@ class _FileLog(_Writer):
         offset = self._start(f)
         if offset is None:
             return 0
+        kept = []
         for line in f:
-            step = self._step(line) if line.endswith(b"\n") else None  # (a torn last line: the crash's)
-            if step is None or step >= first:
+            record = self._record(line) if line.endswith(b"\n") else None  # (a torn last line: the crash's)
+            step = record.get("step") if record is not None else None
+            if not isinstance(step, int) or isinstance(step, bool) or step >= first:
                 break
+            kept.append(record)
             offset += len(line)
+        self.kept = kept
         return offset
 
     def _start(self, f) -> int | None:
@@ -117,7 +122,8 @@ class _FileLog(_Writer):
     def _header(self) -> str:
         return ""
 
-    def _step(self, line: bytes) -> int | None:
+    def _record(self, line: bytes) -> dict | None:
+        """The record a line of the file holds, ``None`` when it holds none."""
         raise NotImplementedError
 
     def _line(self, record: Mapping) -> str:
@@ -129,13 +135,12 @@ class JsonlLog(_FileLog):
     a NaN or infinite value (the loss of a ``--allow-nonfinite`` run) is ``null``, as strict JSON has no
     NaN. Raises :class:`RevgraphError` (one line) when the file cannot be written."""
 
-    def _step(self, line: bytes) -> int | None:
+    def _record(self, line: bytes) -> dict | None:
         try:
             obj = json.loads(line)
         except ValueError:
             return None
-        step = obj.get("step") if isinstance(obj, dict) else None
-        return step if isinstance(step, int) and not isinstance(step, bool) else None
+        return obj if isinstance(obj, dict) else None
 
     def _line(self, record: Mapping) -> str:
         return json.dumps({str(k): _plain(v) for k, v in record.items()}, allow_nan=False) + "\n"
@@ -154,10 +159,13 @@ class CsvLog(_FileLog):
         head = f.readline()
         return len(head) if head.decode("utf-8", "replace") == self._header() else None
 
-    def _step(self, line: bytes) -> int | None:
+    def _record(self, line: bytes) -> dict | None:
         try:
             row = next(csv.reader([line.decode("utf-8")]))
-            return int(row[0]) if len(row) == len(FIELDS) else None
+            if len(row) != len(FIELDS):
+                return None
+            return {k: (int(v) if k in ("step", "epoch", "samples") else float(v)) if v else None
+                    for k, v in zip(FIELDS, row, strict=True)}
         except (ValueError, UnicodeDecodeError, StopIteration):
             return None
 
@@ -227,12 +235,14 @@ class LossCurve(_Writer):
         if record.get("eval_loss") is not None:
             self.eval.append((step, float(record["eval_loss"])))
 
-    def prepend(self, losses) -> None:
-        """Add the losses of the steps before the first recorded one: ``losses[i]`` is step ``i + 1``'s (a
-        resumed run: :attr:`revgraph.Trainer.losses` holds the snapshot's steps too); the evaluations before the
-        resume are not known here and stay out."""
-        first = self.train[0][0] if self.train else len(losses) + 1
-        self.train[:0] = [(i + 1, float(v)) for i, v in enumerate(losses[:first - 1])]
+    def prepend(self, records) -> None:
+        """Add the points of ``records`` (dicts as :meth:`__call__` takes) of the steps before the first recorded
+        one: a resumed run's earlier steps, read back from the run's ``--log`` file (:attr:`JsonlLog.kept`; a
+        snapshot does not hold the per-step losses)."""
+        first = self.train[0][0] if self.train else None
+        earlier = [r for r in records if first is None or int(r["step"]) < first]
+        self.train[:0] = [(int(r["step"]), float(r["loss"])) for r in earlier if r.get("loss") is not None]
+        self.eval[:0] = [(int(r["step"]), float(r["eval_loss"])) for r in earlier if r.get("eval_loss") is not None]
 
     def svg(self) -> str:
         """The chart's SVG text."""

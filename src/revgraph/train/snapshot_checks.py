@@ -11,13 +11,15 @@ counter). A damaged archive (truncated, a flipped bit: the CRC) is refused, as i
 ``names`` (this run's carried names in order) and ``optimizer``; ``batch_size``, ``world_size`` and
 ``accumulate_steps`` (positive integers whose product is this run's global batch: elastic resume, also at another
 accumulation); ``seed``, ``shuffle``, ``samples`` (equal to this run's); ``epoch`` (0 to the run's epochs) and ``batch`` (0 to the batches per
-epoch - 1; 0 at the end); ``losses`` (one per batch trained), ``epoch_means`` (one per finished epoch) and
-``epoch_loss_sum``: numbers, finite unless the run allows non-finite values, the means and the sum those of the
-losses (recomputed, bit for bit), as many losses as ``earlier_losses`` (of a trainer's earlier fits) and the
-batches up to the position; ``hyperparameters`` (an object of the recorded names, each of its type;
+epoch - 1; 0 at the end); ``steps_taken`` (the steps of the run and of its trainer's earlier fits: at least the
+batches up to the position); ``epoch_means`` (one per finished epoch) and ``epoch_loss_sum``: numbers, finite
+unless the run allows non-finite values. (A snapshot written before issue 38 holds the per-step ``losses`` instead
+of ``steps_taken``: the means and the sum must be those of the losses, recomputed bit for bit, as many as
+``earlier_losses`` (of a trainer's earlier fits) and the batches up to the position. The history grew without
+bound, 67 KB at 720 steps: it is the ``--log`` file's now.) ``hyperparameters`` (an object of the recorded names, each of its type;
 differences are :mod:`revgraph.run_record`'s). An unknown field is refused. :func:`check_arrays` checks the
 values: parameters and optimizer state finite (unless allowed), Adam's second moments >= 0, the step counter
-(one step per loss, fewer with fp16's skipped steps), a schedule's total steps >= 0, the fp16 loss scale finite
+(``steps_taken``, fewer with fp16's skipped steps), a schedule's total steps >= 0, the fp16 loss scale finite
 and > 0 and its count of good steps >= 0. Every refusal is one :class:`RevgraphError` line naming the file and
 the field. Nothing else is stored: the data order is ``default_rng(seed + epoch)``'s, from the checked fields.
 """
@@ -48,8 +50,11 @@ HEADER_BYTES = 1 << 16
 #: the fields :func:`revgraph.run_record.save` writes (``accumulate_steps`` and ``hyperparameters`` may be
 #: missing: checkpoints written before they existed)
 FIELDS = ("format", "names", "batch_size", "world_size", "seed", "shuffle", "samples", "accumulate_steps", "epoch",
-          "batch", "epoch_loss_sum", "epoch_means", "losses", "optimizer", "hyperparameters", "earlier_losses")
-OPTIONAL = ("accumulate_steps", "hyperparameters", "earlier_losses")
+          "batch", "epoch_loss_sum", "epoch_means", "steps_taken", "optimizer", "hyperparameters", "losses",
+          "earlier_losses")
+#: (``losses`` and ``earlier_losses``: the per-step history and its count of earlier fits, in snapshots written
+#: before issue 38 moved the history out, to ``--log``; ``steps_taken`` replaced their count)
+OPTIONAL = ("accumulate_steps", "hyperparameters", "losses", "earlier_losses", "steps_taken")
 _READ_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
                 RuntimeError, struct.error, zlib.error, lzma.LZMAError, UnicodeError, OverflowError, MemoryError)
 _AGAIN = "; move it away to start afresh"
@@ -254,6 +259,8 @@ def check_meta(meta: dict, where: str, run: dict, names: list[str], optimizer: s
     if unknown:
         raise _bad(where, f"field {unknown[0]!r}", "is not a field of a snapshot's metadata")
     missing = [k for k in FIELDS if k not in meta and k not in OPTIONAL]
+    if not missing and "losses" not in meta and "steps_taken" not in meta:
+        missing = ["steps_taken"]
     if missing:
         raise _bad(where, f"field {missing[0]!r}", "is missing")
     if not isinstance(meta["optimizer"], str):
@@ -262,8 +269,9 @@ def check_meta(meta: dict, where: str, run: dict, names: list[str], optimizer: s
         v = meta.get(k, 1)
         if not _is_int(v) or v < 1:
             raise _bad(where, f"field {k!r}", f"is {_short(v)}, not a positive integer")
-    if not _is_int(meta.get("earlier_losses", 0)) or meta.get("earlier_losses", 0) < 0:
-        raise _bad(where, "field 'earlier_losses'", f"is {_short(meta['earlier_losses'])}, not an integer >= 0")
+    for k in ("earlier_losses", "steps_taken"):
+        if not _is_int(meta.get(k, 0)) or meta.get(k, 0) < 0:
+            raise _bad(where, f"field {k!r}", f"is {_short(meta[k])}, not an integer >= 0")
     for k, ok, what in (("seed", _is_int, "an integer"), ("shuffle", lambda v: isinstance(v, bool), "true or false"),
                         ("epoch", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
                         ("batch", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
@@ -310,8 +318,12 @@ def check_meta(meta: dict, where: str, run: dict, names: list[str], optimizer: s
     if finite and not math.isfinite(meta["epoch_loss_sum"]):
         raise _bad(where, "field 'epoch_loss_sum'", "is not finite (--allow-nonfinite trains on regardless)")
     _numbers(where, "epoch_means", meta["epoch_means"], epoch, finite, "the epoch (field 'epoch') is")
-    _numbers(where, "losses", meta["losses"], None, finite, "")
-    _sums_of_the_losses(meta, where, run, per_epoch, group)
+    if "losses" in meta:  # (a snapshot from before issue 38: its history is checked against the position)
+        _numbers(where, "losses", meta["losses"], None, finite, "")
+        _sums_of_the_losses(meta, where, run, per_epoch, group)
+    elif meta["steps_taken"] < epoch * per_epoch + batch:
+        raise _bad(where, "field 'steps_taken'", f"is {meta['steps_taken']}, fewer than the "
+                   f"{epoch * per_epoch + batch} batches to epoch {epoch}, batch {batch} (fields 'epoch', 'batch')")
 
 
 def _sums_of_the_losses(meta: dict, where: str, run: dict, per_epoch: int, group: int) -> None:
@@ -344,15 +356,22 @@ def _sums_of_the_losses(meta: dict, where: str, run: dict, per_epoch: int, group
                        f"first {batch} batches (field 'losses') give {total!r}")
 
 
+def steps_taken(meta: dict) -> int:
+    """The steps (batches) a snapshot's run and its trainer's earlier fits took: ``steps_taken``, or the length of
+    the per-step history of a snapshot written before issue 38."""
+    return meta["steps_taken"] if "steps_taken" in meta else len(meta["losses"])
+
+
 def check_arrays(arrays: dict[str, np.ndarray], meta: dict, where: str, spec, run: dict, finite: bool) -> None:
     """Check the values of a snapshot's ``arrays`` (module doc) of the training graph ``spec``, after
     :func:`check_meta`: finite parameters and state (when ``finite``), Adam's second moments >= 0, the step
     counter against the position and the losses, a schedule's total, the fp16 loss scale. Raises
     :class:`RevgraphError` naming the file and the array."""
-    steps, losses = int(arrays[spec.step]), len(meta["losses"])
-    # one loss per batch trained; fp16 loss scaling skips the update of an overflowing batch without counting it
-    if steps < 0 or (steps > losses if spec.scaling is not None else steps != losses):
-        raise _bad(where, f"the step counter {spec.step!r}", f"is {steps} for {losses} losses (field 'losses')")
+    steps, taken = int(arrays[spec.step]), steps_taken(meta)
+    # one step per batch trained; fp16 loss scaling skips the update of an overflowing batch without counting it
+    if steps < 0 or (steps > taken if spec.scaling is not None else steps != taken):
+        field = "steps_taken" if "steps_taken" in meta else "losses"
+        raise _bad(where, f"the step counter {spec.step!r}", f"is {steps} for {taken} steps taken (field {field!r})")
     if spec.total and int(arrays[spec.total]) < 0:
         raise _bad(where, f"the schedule's total steps {spec.total!r}", f"is {int(arrays[spec.total])}, below 0")
     if spec.scaling is not None:

@@ -128,6 +128,8 @@ class Trainer:
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
         precision = make_precision(precision)  # (mixed precision: revgraph.precision)
         self.losses: list[float] = []  # one per step of this trainer, in order (the global batch's when distributed)
+        self.taken_before = 0  # steps a resumed snapshot's run took before this trainer's first (run_record.resume)
+        self.last_evaluation: dict | None = None  # fit's latest evaluation of eval_data (evaluate's result)
         self.resumed: str | None = None  # set by fit when it resumed from a checkpoint: where from
         self.comm = None
         if distributed:
@@ -200,6 +202,13 @@ class Trainer:
     def steps(self) -> int:
         """How many optimizer steps have been taken."""
         return self._engine.steps
+
+    @property
+    def steps_taken(self) -> int:
+        """Batches trained in this run: this trainer's (:attr:`losses`, one per step) and, when it resumed from a
+        snapshot, those of the run before it (whose per-step losses are in its ``--log`` file, not in the
+        snapshot). Equal to :attr:`steps` but with fp16 loss scaling, whose skipped steps do not count there."""
+        return self.taken_before + len(self.losses)
 
     @property
     def parameters(self) -> dict[str, np.ndarray]:
