@@ -85,8 +85,8 @@ def trained(d, **lora_options) -> rg.Trainer:
 
 def test_state_dict_of_a_full_fine_tune_loads_into_the_module(setup, tmp_path):
     """(a) Trainer.save_state_dict -> safetensors.torch.load_file -> load_state_dict: the module computes the
-    trained model's logits. Without export_torch's record every initializer is written under its own name: the
-    parameters, and the non-persistent buffer inv_freq that only strict=False accepts."""
+    trained model's logits. Without export_torch's record (the dynamo exporter's kinds only) the parameters and
+    buffers are written under their own names, the non-persistent buffer inv_freq among them: strict=False."""
     d, ids = setup
     tr = trained(d)
     assert tr.save_state_dict(tmp_path / "w.safetensors")[0] == 22
@@ -158,6 +158,57 @@ def test_recorded_names_tied_and_buffers(setup, tmp_path):
     g.metadata["revgraph.torch_state_dict"] = json.dumps({"x.weight": "nope"})
     with pytest.raises(RevgraphError, match="names initializer 'nope', which the model does not have"):
         hf_io.save_state_dict(tmp_path / "w2.safetensors", g)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """``tied.onnx``: rg.export_torch of a LLaMA whose LM head is its token embedding (one initializer, two
+    state-dict keys), with its record of the module's names."""
+    d = tmp_path_factory.mktemp("tied")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rg.export_torch(llama(0, tie_word_embeddings=True), (torch.randint(0, 64, (2, 8)),), d / "tied.onnx",
+                        input_names=["input_ids"], output_names=["logits"],
+                        dynamic_shapes=({0: torch.export.Dim("B"), 1: torch.export.Dim("T", max=64)},))
+    return d / "tied.onnx"
+
+
+def test_export_torch_record_gives_a_strict_state_dict(setup, tied, tmp_path):
+    """(a) With rg.export_torch's record: load_state_dict(strict=True) takes the file (both names of the tied
+    weight, no inv_freq), after a full fine-tune (the default set: the parameters) and after LoRA (merged);
+    the module computes revgraph's logits."""
+    d, ids = setup
+    g = rg.load(tied)
+    assert len(g.initializers) == 21  # (the tied weight is one initializer, inv_freq another)
+    for adapters in (False, True):
+        model = lora.add_adapters(g, 4, 8.0, TARGETS) if adapters else g
+        tr = rg.Trainer(model, "causal-lm", make_optimizer("adam", lr=1e-2), threads=1)
+        tr.fit(dict(np.load(d / "tokens.npz")), epochs=2, batch_size=4, progress=False)
+        tr.save_state_dict(tmp_path / "w.safetensors")
+        sd = load_file(tmp_path / "w.safetensors")
+        module = llama(1, tie_word_embeddings=True)
+        assert sorted(sd) == sorted(module.state_dict())
+        module.load_state_dict(sd, strict=True)
+        np.testing.assert_allclose(logits(module, ids), tr.predict(ids), **TOL)
+        assert np.abs(tr.predict(ids) - logits(llama(0, tie_word_embeddings=True), ids)).max() > 1e-3
+
+
+def test_export_torch_record_names_the_peft_modules(setup, tied, tmp_path):
+    """(b) extract --format peft of a model with the record: the modules are the torch ones, PEFT computes the
+    adapted logits; an adapter on the tied weight is refused in one line (PEFT adapts one module at a time)."""
+    from peft import PeftModel
+
+    _, ids = setup
+    g = lora.add_adapters(rg.load(tied), 4, 8.0, TARGETS)
+    rng = np.random.default_rng(2)
+    for a in lora.config(g)["adapters"]:
+        g.initializers[a["B"]] = rng.normal(0, 0.2, g.initializers[a["B"]].shape).astype(np.float32)
+    peft_io.save_peft(tmp_path / "peft", g)
+    model = PeftModel.from_pretrained(llama(0, tie_word_embeddings=True), str(tmp_path / "peft")).eval()
+    np.testing.assert_allclose(logits(model, ids), rg.Session(g).run({"input_ids": ids})["logits"], **TOL)
+    with pytest.raises(RevgraphError, match="weight 'lm_head.weight' is the tied parameters "
+                                            "'model.embed_tokens.weight', 'lm_head.weight'"):
+        peft_io.save_peft(tmp_path / "p2", lora.add_adapters(rg.load(tied), 4, 8.0, ["lm_head.weight"]))
 
 
 # ------------------------------------------------------------------------------------------------- PEFT

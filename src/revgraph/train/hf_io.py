@@ -29,14 +29,10 @@ import numpy as np
 from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph
+from ..onnx_io.torch_names import BUFFERS as TORCH_BUFFERS
+from ..onnx_io.torch_names import EXPORTER_KINDS, STATE_DICT
+from ..onnx_io.torch_names import PARAMETERS as TORCH_PARAMETERS
 
-#: The metadata keys of ``rg.export_torch`` (:mod:`revgraph.onnx_io.torch_names`): the initializers of the torch
-#: module's parameters, buffers and state dict (module doc).
-TORCH_PARAMETERS = "revgraph.torch_parameters"
-TORCH_BUFFERS = "revgraph.torch_buffers"
-STATE_DICT = "revgraph.torch_state_dict"
-#: the dynamo exporter's kinds of the initializers (``{initializer: "parameter" | "buffer"}``), kept by load
-EXPORTER_KINDS = "revgraph.exporter_kinds"
 SUFFIX = ".safetensors"
 #: safetensors' element types and numpy's (bfloat16 and the float8 types through ml_dtypes, as onnx reads them)
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
