@@ -23,7 +23,7 @@ from ..ir.constants import dense_constants
 from ..onnx_io import load, to_onnx
 from ..onnx_io.external_data import session_source
 from .devices import Device
-from .options import RuntimeOptions, check_runtime, disabled_optimizers, overriding, refusal
+from .options import RuntimeOptions, check_runtime, disabled_optimizers, exact_products, overriding, refusal
 from .options import session_options as session_options_for
 
 BACKENDS = ("onnxruntime", "reference")
@@ -44,7 +44,9 @@ class Session:
     onnxruntime-gpu); feeds and results are numpy arrays either way. ``runtime`` (a
     :class:`revgraph.RuntimeOptions`: arena, memory pattern, execution order; ``None`` keeps onnxruntime's
     defaults) and ``session_options`` (an ``onnxruntime.SessionOptions`` to start from; ``runtime`` then
-    overrides the settings it names, and the object itself is left unchanged) configure onnxruntime's session.
+    overrides the settings it names, and the object itself is left unchanged but for one config entry, added for a
+    graph with quantized weights so that their products are exact: :func:`revgraph.runtime.options.exact_products`)
+    configure onnxruntime's session.
     Raises :class:`RevgraphError` for an unknown backend or device, a CUDA device without onnxruntime's CUDA
     provider, runtime settings with the reference backend, or a graph the backend refuses.
     """
@@ -86,7 +88,7 @@ class Session:
                 options = overriding(session_options, runtime, threads)
             try:
                 with options as opts, session_source(self.model) as source:  # a path for a model over 2 GiB
-                    self._sess = ort.InferenceSession(source, opts, providers=providers,
+                    self._sess = ort.InferenceSession(source, exact_products(opts, graph), providers=providers,
                                                       disabled_optimizers=disabled_optimizers(graph))
             except RevgraphError:
                 raise

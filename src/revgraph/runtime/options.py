@@ -17,6 +17,10 @@ themselves:
 memory pattern on, the default order); ``rg.Trainer`` and ``revgraph train`` use :data:`TRAINING_DEFAULT`
 (memory pattern off, arena on), chosen by ``bench/runtime_settings.py`` (docs/benchmarks.md, "Runtime memory
 settings and buffer sets").
+
+Not a user setting: every revgraph session of a graph with quantized weights (``DequantizeLinear`` into
+``MatMul``/``Gemm``) computes their products exactly, in float32 (:func:`exact_products`), so that a LoRA model
+trained on a quantized base computes what its merged float model computes.
 """
 
 from __future__ import annotations
@@ -110,6 +114,48 @@ def disabled_optimizers(graph) -> list[str]:
         if node.name.startswith(REMAT_PREFIX):
             return list(ORT_DISABLED_OPTIMIZERS)
     return []
+
+
+#: onnxruntime's session config key for the compute type of the ``MatMulNBits`` nodes it makes when it fuses a
+#: ``DequantizeLinear`` of a constant int4/uint4/int8/uint8 weight into the ``MatMul``/``Gemm`` reading it
+#: (onnxruntime's ``kOrtSessionOptionsQDQMatMulNBitsAccuracyLevel``, onnxruntime_session_options_config_keys.h;
+#: its default, "4", quantizes the activations to int8 inside the product; "0" computes in float32).
+QDQ_ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"
+
+
+def quantized_products(graph) -> bool:
+    """Whether ``graph`` (a :class:`revgraph.Graph`, subgraphs included) has a ``MatMul``/``Gemm`` reading the
+    output of a ``DequantizeLinear``: a quantized base weight (QLoRA), the pattern onnxruntime's full
+    optimization fuses into ``MatMulNBits``. An existing ``MatMulNBits`` node is not counted: its
+    ``accuracy_level`` attribute is the model's own choice (the config entry leaves it alone, measured) and a
+    merged LoRA model keeps that node as it is, so training and the merged model compute it alike."""
+    walked = [n for _, n in graph.walk()]
+    dequantized = {n.outputs[0] for n in walked if n.op_type == "DequantizeLinear" and n.outputs}
+    return any(n.op_type in ("MatMul", "Gemm") and dequantized.intersection(n.inputs[:2]) for n in walked)
+
+
+def exact_products(options, graph):
+    """``options`` (an ``onnxruntime.SessionOptions``) set so that the session of ``graph`` computes the products of
+    quantized weights exactly (to float32 rounding) as ``DequantizeLinear`` then a float ``MatMul``; returned.
+
+    Why: onnxruntime fuses ``DequantizeLinear`` + ``MatMul``/``Gemm`` into ``MatMulNBits`` (int4, and int8 per
+    tensor, per axis or blocked, in 1.32) whose default accuracy level quantizes the activations to int8, so a
+    LoRA model trained and evaluated on a quantized base would compute 0.4-0.7% of the output scale away from
+    its merged float model (``W + (alpha / r) A B`` folded into a float weight; measured on K=128 products,
+    tests/test_qlora_exact.py); training must learn what is merged. :data:`QDQ_ACCURACY_KEY` "0" keeps the fused
+    kernel (4-bit weights stay packed, same speed as the default on this CPU) computing in float32: within
+    3-4e-7 of a float64 dequantize-and-matmul, as exact as the unfused graph. The alternatives cost more:
+    disabling ``QDQSelectorActionTransformer`` dequantizes every weight on every run (3x the time of a
+    2048x2048 int4 product), and ``session.disable_quant_qdq`` folds the weights into float constants (4-8x
+    the memory). Set only when :func:`quantized_products` finds the pattern, and never over a value the user's
+    options already give for the key (their explicit choice). onnxruntime offers no way to remove a config
+    entry, so a user's options object keeps it afterwards."""
+    if quantized_products(graph):
+        try:
+            options.get_session_config_entry(QDQ_ACCURACY_KEY)
+        except RuntimeError:  # not set: onnxruntime raises for a missing key
+            options.add_session_config_entry(QDQ_ACCURACY_KEY, "0")
+    return options
 
 
 def check_runtime(runtime: object, what: str = "runtime") -> RuntimeOptions | None:

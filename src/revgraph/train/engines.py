@@ -39,7 +39,7 @@ from ..onnx_io import to_onnx
 from ..onnx_io.external_data import session_source
 from ..runtime import _first_line
 from ..runtime.devices import Device
-from ..runtime.options import RuntimeOptions, disabled_optimizers, refusal, session_options
+from ..runtime.options import RuntimeOptions, disabled_optimizers, exact_products, refusal, session_options
 from .graphs import TrainingGraph, eval_graph, split_step
 from .steptimes import StepTimes
 
@@ -81,7 +81,7 @@ class Engine:
         providers = self.device.providers()
         try:
             with session_source(to_onnx(graph)) as source:  # a file for a model over 2 GiB (external data)
-                sess = ort.InferenceSession(source, self.options, providers=providers,
+                sess = ort.InferenceSession(source, exact_products(self.options, graph), providers=providers,
                                             disabled_optimizers=disabled_optimizers(graph))
         except Exception as exc:
             raise RevgraphError(refusal(str(exc)) or f"onnxruntime refuses the {what}: {_first_line(exc)}") from None
