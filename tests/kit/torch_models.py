@@ -14,8 +14,10 @@ import torch
 import revgraph as rg
 
 VOCAB, T = 64, 16
-#: what transformers writes where a config leaves a field at a default that does not fit the tiny vocabulary
-QUIET = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+#: token ids inside the tiny vocabulary (transformers warns about GPT-2's default 50256), and no pad token: a
+#: ``pad_token_id`` makes the embedding ``nn.Embedding(padding_idx=...)``, whose row torch never updates (ONNX
+#: ``Gather`` has no such row: README, "A model exported from PyTorch")
+QUIET = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None}
 
 
 def _logits_only(cls):
@@ -51,7 +53,7 @@ def build(name: str, seed: int = 0, perturb: bool = True) -> torch.nn.Module:
         cls = tf.GPT2LMHeadModel
     else:
         cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=64, max_position_embeddings=64, num_labels=3, pad_token_id=2)
+                            intermediate_size=64, max_position_embeddings=64, num_labels=3, **QUIET)
         cls = tf.BertForSequenceClassification
     cfg._attn_implementation = "eager"
     model = _logits_only(cls)(cfg).eval()
