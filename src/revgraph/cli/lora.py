@@ -18,8 +18,10 @@ from .numeric import NONZERO, POSITIVE_INT
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``train`` options that choose what trains: ``--train``/``--freeze`` globs and the LoRA options."""
     parser.add_argument("--train", nargs="+", metavar="GLOB",
-                        help="train only the initializers these names or fnmatch globs match (default: every float "
-                             "initializer, or the LoRA adapters of a model that has them)")
+                        help="train only the initializers these names or fnmatch globs match (default: the "
+                             "module's parameters, not its buffers nor one-element constants, by the record "
+                             "rg.export_torch or the dynamo exporter wrote, else by name: docs/training.md; or the "
+                             "LoRA adapters of a model that has them)")
     parser.add_argument("--freeze", nargs="+", metavar="GLOB",
                         help="do not train the initializers these names or globs match")
     parser.add_argument("--lora", type=POSITIVE_INT, metavar="RANK",

@@ -83,7 +83,7 @@ def _names(metadata: dict[str, str], key: str) -> dict[str, str]:
     """The ``{torch name: initializer name}`` object under ``key``; a value of another shape is one line."""
     try:
         value = json.loads(metadata[key])
-    except ValueError:
+    except (ValueError, RecursionError):  # (a file's metadata is untrusted: not JSON, or nested too deep)
         value = None
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise RevgraphError(f"the model's metadata_props key {key!r} is not a JSON object of names "
