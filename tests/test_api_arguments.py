@@ -134,8 +134,11 @@ CASES = [
         ("batch_size", "32"), ("seed", 2**70), ("seed", 0.5), ("shuffle", "no"), ("progress", 2),
         ("description", 5), ("checkpoint_dir", 5), ("checkpoint_dir", "a\x00b"), ("checkpoint_every", -1),
         ("checkpoint_every", 1.5), ("nonfinite", "skip"), ("accumulate_steps", 0), ("accumulate_steps", 2.0),
-        ("static", 5), ("override", 5), ("override", [5])]],
+        ("static", 5), ("override", 5), ("override", [5]), ("max_steps", 0), ("max_steps", 1.5),
+        ("eval_every", 0), ("eval_batch_size", -1)]],
     ("fit data=5", lambda: trainer().fit(5, progress=False), "data"),
+    ("fit eval_data=5", lambda: fit(eval_data=5), "eval_data"),
+    ("fit callbacks=[3]", lambda: fit(callbacks=[3]), "callbacks"),
     ("evaluate batch_size=0", lambda: trainer().evaluate(DATA, batch_size=0), "batch_size"),
     ("evaluate batch_size=2.5", lambda: trainer().evaluate(DATA, batch_size=2.5), "batch_size"),
     ("evaluate static=5", lambda: trainer().evaluate(DATA, static=5), "static"),
@@ -274,7 +277,7 @@ OWNED = {"data", "batch", "inputs", "feeds", "ys", "device", "runtime", "buffers
          "schedule", "no_decay", "precision", "session_options", "loss", "name", "lr", "momentum", "weight_decay",
          "betas", "eps", "clip_grad_norm", "fraction", "bytes", "dims", "arena", "memory_pattern", "execution_order",
          "path", "graph", "options", "output", "static", "rank", "alpha", "outputs", "targets", "params", "freeze", "loss_options",
-         "arrays", "configuration"}
+         "arrays", "configuration", "eval_data", "callbacks"}
 
 
 def _public_callables():

@@ -25,7 +25,7 @@ def problem():
     return mlp(rng), x, y
 
 
-def _torch_run(model, x, y, batch, steps, lr=0.01, schedule=None, every=None):
+def _torch_run(model, x, y, batch, steps, lr=0.01, schedule=None, every=None, clip=None, norms=None):
     """Adam on consecutive batches of ``batch`` (epochs wrap around, the last batch of an epoch shorter), as
     ``fit(shuffle=False)`` orders them; the learning rate of each step (``schedule``: a ``LambdaLR`` factor);
     the mean cross-entropy over the whole set after every ``every`` steps and at the end."""
@@ -40,6 +40,8 @@ def _torch_run(model, x, y, batch, steps, lr=0.01, schedule=None, every=None):
         opt.zero_grad()
         loss = F.cross_entropy(torch_mlp(P, xb), yb)
         loss.backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(list(P.values()), clip)))
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         if sched:
@@ -76,11 +78,33 @@ def test_max_steps_no_shuffle_and_records_follow_torch(problem):
     assert sorted(evaluated) == [3, 6, 7]
     np.testing.assert_allclose([evaluated[k] for k in sorted(evaluated)], [ref_evals[k] for k in sorted(evaluated)],
                                rtol=1e-5)
-    assert all(r["grad_norm"] is None and r["samples_per_s"] > 0 for r in records)
+    assert all(r["grad_norm"] is None and r["samples_per_s"] > 0 for r in records)  # (no clipping)
     assert_params_close(trainer.parameters, ref_params, rtol=1e-5)
     # the epoch means: the first epoch whole, the second over its two batches trained
     first = (sum(ref_losses[k] * n for k, n in zip(range(5), [5, 5, 5, 5, 2], strict=True))) / 22
     np.testing.assert_allclose(means, [first, (ref_losses[5] + ref_losses[6]) / 2], rtol=1e-5)
+
+
+@pytest.mark.parametrize("buffers", ["one", "two"])
+def test_the_record_holds_the_gradient_norm_before_clipping(problem, buffers):
+    """With clip_grad_norm, each record's grad_norm is what torch.nn.utils.clip_grad_norm_ returns for that step
+    (the norm before clipping), and the steps are PyTorch's clipped ones; without clipping it is None."""
+    model, x, y = problem
+    trainer = rg.Trainer(model, "cross-entropy", T.adam(lr=0.01, no_decay="none"), clip_grad_norm=0.3,
+                         buffers=buffers)
+    records = []
+    trainer.fit({"x": x, "labels": y}, batch_size=5, shuffle=False, max_steps=6, progress=False,
+                callbacks=[records.append])
+    norms = []
+    params, losses, _, _ = _torch_run(model, x, y, 5, 6, clip=0.3, norms=norms)
+    assert min(norms) > 0.3  # (every step is clipped: the norm is not the threshold's)
+    np.testing.assert_allclose([r["grad_norm"] for r in records], norms, rtol=1e-5)
+    np.testing.assert_allclose(trainer.losses, losses, rtol=1e-5)
+    assert_params_close(trainer.parameters, params, rtol=1e-5)
+    plain = []
+    rg.Trainer(model, "cross-entropy", "adam").fit({"x": x, "labels": y}, batch_size=5, max_steps=2, progress=False,
+                                                  callbacks=[plain.append])
+    assert [r["grad_norm"] for r in plain] == [None, None]
 
 
 def test_max_steps_resumes_where_the_uninterrupted_run_stops(problem, tmp_path):

@@ -84,7 +84,8 @@ def prepare(out: Path, steps: int = 40, batch_size: int = 32, seed: int = 0, lr:
     batch_names = {"x", "labels"}
     carried = [[i.name, f"{i.name}.new"] for i in graph.input if i.name not in batch_names]
     missing = [o for _, o in carried if o not in outputs]
-    if missing or outputs[0] != "loss" or len(outputs) != len(carried) + 1:
+    extra = [o for o in outputs if o == "grad_norm"]  # (with --clip-grad-norm: the norm before clipping, not carried)
+    if missing or outputs[0] != "loss" or len(outputs) != len(carried) + 1 + len(extra):
         raise SystemExit(f"unexpected training graph outputs {outputs} (no output {missing})")
 
     state_blob, state = bytearray(), {}

@@ -70,6 +70,10 @@ class Engine:
         self._sets = [first, {i: first[i] if i in self.shared else device.ortvalue(np.empty_like(start[i]))
                               for i in self.names}]
         self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), spec.graph.outputs[0].dtype)) for _ in range(2)]
+        # with clipping, the gradients' global norm before clipping, read after each step (None: not computed)
+        self._norm = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.float64)) for _ in range(2)] \
+            if spec.grad_norm else None
+        self.grad_norm: float | None = None
         self._current = 0
         self._previous: dict | None = None  # the shared buffers from before the last step, when it kept them
         self.times: StepTimes | None = None  # per-phase timings of each step, when profiled
@@ -110,6 +114,11 @@ class Engine:
                 raise RevgraphError(f"{name!r} has shape {list(a.shape)} and dtype {a.dtype}; this training run "
                                     f"needs shape {list(cur.shape())} and dtype {cur.numpy().dtype}")
             cur.update_inplace(np.ascontiguousarray(a))
+
+    def _read_norm(self) -> None:
+        """:attr:`grad_norm` of the step just run (its output is in the current set's buffer)."""
+        if self._norm:
+            self.grad_norm = float(self._norm[self._current].numpy())
 
     @property
     def steps(self) -> int:
@@ -198,6 +207,8 @@ class FusedEngine(Engine):
                 binding.bind_ortvalue_input(i, self._sets[k][i])
                 binding.bind_ortvalue_output(o, self._sets[1 - k][i])
             binding.bind_ortvalue_output(spec.loss.loss, self._loss[k])
+            if self._norm:
+                binding.bind_ortvalue_output(spec.grad_norm, self._norm[k])
             self._bindings.append(binding)
 
     def step(self, feeds, count: int, total: int, *,
@@ -220,6 +231,7 @@ class FusedEngine(Engine):
         if self.times is not None:  # one graph: the whole step counts as forward+backward
             self.times.add("forward+backward", start)
         loss = float(self._loss[self._current].numpy())
+        self._read_norm()
         if accept is None or accept(loss):
             self._swap()
         return loss
@@ -268,6 +280,8 @@ class SplitEngine(Engine):
                 ub.bind_ortvalue_output(o, self._sets[1 - k][i])
             for g, value in self._grad_values.items():
                 ub.bind_ortvalue_input(g, value)
+            if self._norm:
+                ub.bind_ortvalue_output(spec.grad_norm, self._norm[k])
             self._update_bindings.append(ub)
 
     def _bind_grad(self, k: int, into: dict):
@@ -386,6 +400,8 @@ class SplitEngine(Engine):
                 ub.bind_ortvalue_output(o, fresh[i] if i in fresh else self._sets[1 - k][i])
             for g, value in self._grad_values.items():
                 ub.bind_ortvalue_input(g, value)
+            if self._norm:
+                ub.bind_ortvalue_output(self.spec.grad_norm, self._norm[k])
         for name, value in inputs.items():
             ub.bind_ortvalue_input(name, value)
         self._synchronize()
@@ -393,6 +409,7 @@ class SplitEngine(Engine):
             self._update.run_with_iobinding(ub)
         except Exception as exc:
             raise RevgraphError(f"the update step failed: {_first_line(exc)}") from None
+        self._read_norm()
         if fresh is not None:
             self._previous = {n: self._sets[0][n] for n in fresh}
             for n, value in fresh.items():

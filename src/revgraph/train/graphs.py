@@ -3,7 +3,8 @@
 :func:`training_graph` turns an inference model into one graph that does a whole training step::
 
     inputs : the batch (the model's inputs), labels, every parameter, the optimizer state of each, step
-    outputs: loss, the new parameters, the new optimizer state, step + 1
+    outputs: loss, the new parameters, the new optimizer state, step + 1 (and, with gradient clipping,
+             grad_norm: the gradients' global L2 norm before clipping, float64, as clip_grad_norm_ returns it)
 
 It is built from :func:`loss_graph` (the model plus loss nodes) and :func:`revgraph.gradient`, with the
 optimizer's formulas appended as default-domain ONNX nodes (no ``ai.onnx.preview.training`` operators, so any
@@ -86,7 +87,7 @@ class TrainingGraph:
     (graph inputs of their initial dtype and shape); ``state[p]`` the state inputs of parameter ``p`` (one
     per :attr:`Optimizer.slots`, of ``p``'s shape); ``step`` an int64 scalar, the number of steps taken
     before this one. Outputs: ``loss`` (float scalar), ``new_params[p]``, ``new_state[p]`` (aligned with
-    ``state[p]``) and ``new_step`` (``step + 1``). ``sparse`` lists the parameters updated row by row.
+    ``state[p]``) and ``new_step`` (``step + 1``), last ``grad_norm`` with clipping. ``sparse`` lists the parameters updated row by row.
     ``initial`` holds the initial parameter values (the model's initializers).
     """
 
@@ -125,6 +126,9 @@ class TrainingGraph:
     precision: str = "fp32"
     #: fp16: the dynamic loss scaling's names (:class:`revgraph.precision.LossScale`; carried state), or None
     scaling: object = None
+    #: with clipping: the output of the gradients' global L2 norm before clipping (float64 scalar; what
+    #: ``torch.nn.utils.clip_grad_norm_`` returns), else ``None``
+    grad_norm: str | None = None
 
     @property
     def labels(self) -> str | None:
@@ -241,6 +245,8 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
         group_update(b, scalars, tg, list(group), grads)
     tg.new_params = {p: tg.new_params[p] for p in names}  # in parameter order, as the outputs
     tg.new_state = {p: tg.new_state[p] for p in names}
+    if tg.grad_norm:  # (named in place: the node computing the norm writes the output)
+        tg.grad_norm = name_outputs(b, 0, [(tg.grad_norm, "grad_norm")])[0]
     b.prefix = "optim/step"
     start = len(b.nodes)
     tg.new_step = name_outputs(b, start, [(b.op("Add", [step, b.const(1, np.int64)]), f"{step}.new")])[0]
@@ -262,6 +268,8 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     gg.outputs.append(ValueInfo(tg.new_step, np.int64, ()))
     if tg.total:
         gg.outputs.append(ValueInfo(tg.new_total, np.int64, ()))
+    if tg.grad_norm:
+        gg.outputs.append(ValueInfo(tg.grad_norm, np.float64, ()))
     tg.precision = prec.kind
     if scaling is not None:
         add_loss_scaling(tg, scaling)

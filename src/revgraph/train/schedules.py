@@ -229,11 +229,16 @@ def squares(b: Builder, g: str) -> str:
     return b.op("Cast", [b.op("ReduceSumSquare", [g], keepdims=0)], to=onnx.TensorProto.DOUBLE)
 
 
-def clip_coefficient(b: Builder, max_norm: float, parts: list[str]) -> str:
-    """``min(1, max_norm / (sqrt(sum(parts)) + 1e-6))`` (float64 scalar) from float64 scalar squared norms."""
+def global_norm(b: Builder, parts: list[str]) -> str:
+    """``sqrt(sum(parts))``: the global L2 norm (float64 scalar) from float64 scalar squared norms."""
+    return b.op("Sqrt", [parts[0] if len(parts) == 1 else b.op("Sum", parts)])
+
+
+def clip_coefficient(b: Builder, max_norm: float, parts: list[str], norm: str | None = None) -> str:
+    """``min(1, max_norm / (sqrt(sum(parts)) + 1e-6))`` (float64 scalar) from float64 scalar squared norms (or
+    from their :func:`global_norm` ``norm``, when given)."""
     f64 = np.float64
-    total = parts[0] if len(parts) == 1 else b.op("Sum", parts)
-    norm = b.op("Sqrt", [total])
+    norm = norm or global_norm(b, parts)
     coef = b.op("Div", [b.const(max_norm, f64), b.op("Add", [norm, b.const(CLIP_EPS, f64)])])
     return b.op("Min", [b.const(1.0, f64), coef])
 
@@ -257,7 +262,8 @@ def clipped_gradients(b: Builder, tg, max_norm: float) -> dict[str, list[str]]:
             dt = tg.initial[p].dtype
             out[p] = list(coalesce(b, *tg.grads[p], dt)) if p in tg.sparse else [tg.grads[p][0]]
             parts.append(squares(b, out[p][-1]))
-        coef = clip_coefficient(b, max_norm, parts)
+        tg.grad_norm = global_norm(b, parts)  # (an output of the step: torch's clip_grad_norm_ returns it too)
+        coef = clip_coefficient(b, max_norm, parts, tg.grad_norm)
         cache: dict = {}
         for p in tg.params:
             out[p][-1] = scaled(b, out[p][-1], coef, tg.initial[p].dtype, cache)

@@ -384,8 +384,11 @@ class Trainer:
                                     bool(shuffle), seed, max_steps, more.get("eval_every") or 0,
                                     more.get("eval_batch_size"))
             eval_data = more.get("eval_data")
-            if eval_data is not None:
-                self.arrays(eval_data, static)  # bad evaluation data fails before the first step, not after it
+            if eval_data is not None:  # bad evaluation data fails before the first step, not after it
+                try:
+                    self.arrays(eval_data, static)
+                except InputError as exc:
+                    raise InputError(f"eval_data (--eval-data): {exc}") from None
             refused = None
         except InputError as exc:
             if not self.comm:
