@@ -99,7 +99,7 @@ def test_output_loss_from_the_cli(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", x=x, t=t)
     code = main(["train", str(tmp_path / "own.onnx"), "--data", str(tmp_path / "d.npz"), "--loss", "output:loss",
                  "--optimizer", "sgd", "--lr", "0.1", "--epochs", "3", "--batch-size", "12",
-                 "-o", str(tmp_path / "out.onnx")])
+                 "--eval-data", str(tmp_path / "d.npz"), "-o", str(tmp_path / "out.onnx")])
     out = capsys.readouterr().out
     assert code == 0, out
     w = torch.tensor(own_loss_model().initializers["w"], requires_grad=True)
@@ -111,7 +111,7 @@ def test_output_loss_from_the_cli(tmp_path, capsys):
     np.testing.assert_allclose(trained(tmp_path / "out.onnx")["w"], w.detach().numpy(), rtol=2e-5, atol=1e-7)
     with torch.no_grad():
         after = (((torch.tensor(x) @ w).reshape(-1) - torch.tensor(t)) ** 2).mean()
-    assert f"{float(after):.4g} after" in out
+    assert f"eval data: loss {float(after):.4g}" in out
 
 
 def test_help_lists_the_registry():

@@ -62,10 +62,11 @@ def eval_batch(args: argparse.Namespace) -> int:
     return args.eval_batch_size or args.batch_size
 
 
-def eval_printer(console):
-    """A ``fit`` callback that prints each evaluation of ``--eval-every`` in one line on ``console``."""
+def eval_printer(console, every: int | None):
+    """A ``fit`` callback that prints each evaluation of ``--eval-every`` (``every``) in one line on ``console``
+    (the one after the last step is printed once, as the run's result)."""
     def show(record: dict) -> None:
-        if "eval_loss" in record:
+        if "eval_loss" in record and every and record["step"] % every == 0:
             accuracy = record.get("eval_accuracy")
             console.print(f"step {record['step']}: eval loss {record['eval_loss']:.4g}"
                           + ("" if accuracy is None else f", accuracy {accuracy:.2%}"), soft_wrap=True, markup=False)

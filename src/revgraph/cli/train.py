@@ -268,7 +268,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
                       + (f"; sharded: {args.shard} (ZeRO-{1 if args.shard == 'optimizer' else 2})"
                          if args.shard != "none" else ""),
                       soft_wrap=True, markup=False)
-    callbacks = [eval_printer(console)]
+    callbacks = [eval_printer(console, args.eval_every)]
     steps_before = trainer.steps
     with run_logs(args, trainer) as logs:  # --log, --tensorboard, --loss-curve (rank 0), closed on errors too
         means = trainer.fit(data, batch_size=args.batch_size, seed=args.seed, console=console,
