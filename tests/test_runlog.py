@@ -367,18 +367,23 @@ def test_bad_log_paths_exit_2_before_training(tmp_path, capsys):
 
 
 def test_a_data_parallel_run_is_logged_once_by_rank_0(tmp_path, capsys):
-    """``--nproc 2 --batch-size 4``: one line per step (rank 0 writes, the other rank nothing), the global
-    batch's sample count, and the losses of one process at ``--batch-size 8`` (the same global batches)."""
+    """``--nproc 2 --batch-size 4 --clip-grad-norm 0.5``: one line per step (rank 0 writes, the other rank
+    nothing), the global batch's sample count, and the losses and gradient norms (of the all-reduced gradients,
+    before clipping) of one process at ``--batch-size 8`` (the same global batches)."""
     m, d = _model_and_data(tmp_path, n=40)
-    base = ["train", m, "--data", d, "--loss", "cross-entropy", "--epochs", "1", "-o", str(tmp_path / "t.onnx")]
+    base = ["train", m, "--data", d, "--loss", "cross-entropy", "--epochs", "1", "--clip-grad-norm", "0.5",
+            "-o", str(tmp_path / "t.onnx")]
     assert main([*base, "--batch-size", "4", "--nproc", "2", "--log", str(tmp_path / "dp.jsonl")]) == 0
     capsys.readouterr()
     logged = _jsonl(tmp_path / "dp.jsonl")
-    trainer = rg.Trainer(rg.load(m), "cross-entropy", make_optimizer("adam"))
-    trainer.fit(dict(np.load(d)), 1, 8, progress=False)
+    trainer = rg.Trainer(rg.load(m), "cross-entropy", make_optimizer("adam", clip_grad_norm=0.5))
+    records = []
+    trainer.fit(dict(np.load(d)), 1, 8, progress=False, callbacks=[records.append])
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]
     assert [r["samples"] for r in logged] == [8] * 5
     np.testing.assert_allclose([r["loss"] for r in logged], trainer.losses, rtol=1e-6)
+    assert all(r["grad_norm"] > 0 for r in records)
+    np.testing.assert_allclose([r["grad_norm"] for r in logged], [r["grad_norm"] for r in records], rtol=1e-5)
 
 
 @pytest.mark.parametrize("option", ["--log", "--loss-curve"])
