@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import validate as V
 from ..errors import RevgraphError
-from .torch_names import BUFFERS, PARAMETERS, STATE_DICT
+from .torch_names import BUFFERS, PADDING_ROWS, PARAMETERS, STATE_DICT
 
 #: the dynamo exporter's name, on each initializer, of the exported program's placeholder it came from
 _PLACEHOLDER = "pkg.torch.onnx.original_node_name"
@@ -96,11 +96,14 @@ def export_torch(module: Any, args: Any, path: str | os.PathLike, *, kwargs: dic
         for p, flag in flags:
             p.requires_grad_(flag)
     record = _record(torch, module, program, proto)
-    kept = [p for p in proto.metadata_props if p.key not in (PARAMETERS, BUFFERS, STATE_DICT)]
+    kept = [p for p in proto.metadata_props if p.key not in (PARAMETERS, BUFFERS, STATE_DICT, PADDING_ROWS)]
     del proto.metadata_props[:]
     proto.metadata_props.extend(kept)
     for key, names in zip((PARAMETERS, BUFFERS, STATE_DICT), record.values(), strict=True):
         proto.metadata_props.add(key=key, value=json.dumps(names))
+    padding = _padding_rows(torch, module, record["state_dict"])
+    if padding:
+        proto.metadata_props.add(key=PADDING_ROWS, value=json.dumps(padding))
     save(proto, path)
     return record
 
@@ -139,3 +142,17 @@ def _record(torch, module, program, proto) -> dict[str, dict[str, str]]:
         "state_dict": {k: found[id(v)] for k, v in module.state_dict(keep_vars=True).items()
                        if isinstance(v, torch.Tensor) and id(v) in found},
     }
+
+
+def _padding_rows(torch, module, state_dict: dict[str, str]) -> dict[str, list[int]]:
+    """``{initializer: [row]}`` of the embedding tables with a ``padding_idx`` (torch normalizes a negative
+    one to its row), found through the module's state-dict names: the rows PyTorch's gradient leaves at zero."""
+    rows: dict[str, list[int]] = {}
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    for name, m in module.named_modules(remove_duplicate=False):
+        init = state_dict.get(f"{name}.weight" if name else "weight")
+        if isinstance(m, kinds) and m.padding_idx is not None and init is not None:
+            rows.setdefault(init, [])
+            if int(m.padding_idx) not in rows[init]:
+                rows[init].append(int(m.padding_idx))
+    return rows

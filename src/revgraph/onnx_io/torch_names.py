@@ -15,6 +15,12 @@ Two records, the first one found wins:
     ``module.state_dict()`` (every parameter, frozen ones too, and the persistent buffers: a buffer is
     persistent iff its name is here), what a safetensors writer of the module's state dict needs.
 
+  - ``revgraph.torch_padding_rows``: JSON object ``{initializer name: [row, ...]}``, the rows of an embedding
+    table whose gradient PyTorch keeps at zero (``nn.Embedding``/``nn.EmbeddingBag`` with ``padding_idx``);
+    the training graph masks them the same way (:func:`revgraph.train.padding.mask_padding_rows`), so such a
+    row is never stepped by its gradient (weight decay and the moments still apply, as in ``torch.optim``).
+    Written only where a module has a ``padding_idx``.
+
   Names whose tensor the graph does not read are absent: the exporter drops unused initializers.
 
 * the dynamo exporter's (``torch.onnx.export(dynamo=True)``, PyTorch 2.5 and newer): each lifted parameter and
@@ -36,6 +42,7 @@ from ..errors import RevgraphError
 PARAMETERS = "revgraph.torch_parameters"
 BUFFERS = "revgraph.torch_buffers"
 STATE_DICT = "revgraph.torch_state_dict"
+PADDING_ROWS = "revgraph.torch_padding_rows"
 #: the dynamo exporter's record of initializer kinds, as :func:`revgraph.load` keeps it
 EXPORTER_KINDS = "revgraph.exporter_kinds"
 #: the dynamo exporter's metadata entry (torch/onnx/_internal/exporter/_core.py writes the graph signature's
@@ -106,3 +113,21 @@ def torch_names(metadata: dict[str, str]) -> TorchNames | None:
         return TorchNames(frozenset(k for k, v in kinds.items() if v == "parameter"),
                           frozenset(k for k, v in kinds.items() if v == "buffer"), "the exporter's record")
     return None
+
+
+def padding_rows(metadata: dict[str, str]) -> dict[str, list[int]]:
+    """``{initializer: rows}`` of :data:`PADDING_ROWS` in a model's ``metadata`` (``{}`` when absent). Raises
+    :class:`RevgraphError` (one line) when the entry is not such an object of non-negative integer lists."""
+    text = metadata.get(PADDING_ROWS)
+    if text is None:
+        return {}
+    try:
+        rows = json.loads(text)
+    except (ValueError, RecursionError):
+        rows = None
+    ok = isinstance(rows, dict) and all(isinstance(k, str) and isinstance(v, list) and v and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**62 for i in v) for k, v in rows.items())
+    if not ok:
+        raise RevgraphError(f"the model's metadata {PADDING_ROWS} is not an object of initializer names to lists of "
+                            "row numbers: re-export the model with revgraph.export_torch, or remove the entry")
+    return rows

@@ -34,6 +34,7 @@ from ..errors import RevgraphError
 from ..ir import Graph, ValueInfo
 from ..ir.ssa import is_ssa, to_ssa
 from ..onnx_io import load
+from ..onnx_io.torch_names import padding_rows
 from .distributed.sync_batchnorm import inference_batchnorms
 from .graphbuild import Builder, name_outputs
 from .losses import LOSSES, LossSpec, loss_graph, resolve_output
@@ -52,6 +53,7 @@ from .optimizers import (
     update,
     update_groups,
 )
+from .padding import mask_padding_rows, renamed_types
 from .precision import add_loss_scaling, autocast, make_precision, seed_with_scale
 from .schedules import SCHEDULES, Schedule, clipped_gradients, excluded
 
@@ -225,6 +227,12 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
             tg.sparse.append(p)
         else:
             tg.grads[p], grads = [grads[0].name], grads[1:]
+    padding = padding_rows(model.metadata or {})
+    if padding:  # PyTorch's padding_idx: zero gradient rows (in the grad part: the exchange reads them masked)
+        mb = Builder(b.used)
+        renamed = mask_padding_rows(mb, tg, padding)
+        gg.nodes.extend(mb.nodes)
+        grad_outputs = renamed_types(grad_outputs, renamed)
     groups = update_groups(tg)
     # clipping: the first update nodes, reading the gradients by name (data-parallel: the exchanged ones)
     grads = clipped_gradients(b, tg, opt.clip_grad_norm) if opt.clip_grad_norm else tg.grads
