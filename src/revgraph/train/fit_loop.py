@@ -89,6 +89,39 @@ def check_length(epochs, max_steps, eval_every, eval_batch_size, eval_data) -> t
     return (1 if epochs is None and max_steps is None else epochs), max_steps
 
 
+def plan(trainer, data, epochs, batch_size, shuffle, seed, checkpoint_every, nonfinite, accumulate_steps, static,
+         more: dict):
+    """``(FitPlan, Dataset)`` of one :meth:`revgraph.Trainer.fit` (``more``: its ``max_steps``, ``eval_data``,
+    ``eval_every``, ``eval_batch_size`` and ``callbacks``), every argument and the data checked (the evaluation
+    data too: bad evaluation data fails before the first step, not after it). Raises :class:`InputError` (one
+    line) for the first bad one."""
+    if nonfinite not in ("stop", "continue"):
+        raise InputError(f"nonfinite must be 'stop' or 'continue', got {nonfinite!r}")
+    epochs, max_steps = check_length(epochs, more.get("max_steps"), more.get("eval_every"),
+                                     more.get("eval_batch_size"), more.get("eval_data"))
+    if batch_size < 1 or checkpoint_every < 0:
+        raise InputError(f"batch size must be positive and checkpoint_every >= 0, got {batch_size} and "
+                         f"{checkpoint_every}")
+    if not isinstance(accumulate_steps, int | np.integer) or accumulate_steps < 1:
+        raise InputError(f"accumulate_steps (--accumulate-steps) must be a positive integer, got {accumulate_steps!r}")
+    callbacks = more.get("callbacks", [])
+    if not all(callable(c) for c in callbacks):
+        raise InputError("callbacks must be callables taking the step's record (a dict), got "
+                         f"{next(c for c in callbacks if not callable(c))!r}")
+    trainer._settings.refuse(int(accumulate_steps))
+    arrays = trainer.arrays(data, static)
+    if arrays.n == 0:
+        raise InputError("the training data holds no samples")
+    trainer._check_fixed_batch(batch_size, arrays.n, arrays.fixed_batch())
+    if more.get("eval_data") is not None:
+        try:
+            trainer.arrays(more["eval_data"], static)
+        except InputError as exc:
+            raise InputError(f"eval_data (--eval-data): {exc}") from None
+    return FitPlan(arrays.n, epochs, batch_size, trainer.world_size, int(accumulate_steps), bool(shuffle), seed,
+                   max_steps, more.get("eval_every") or 0, more.get("eval_batch_size")), arrays
+
+
 def agree(trainer, plan: FitPlan, arrays, checkpoint_dir, checkpoint_every: int, nonfinite: str) -> None:
     """Every data-parallel rank must fit the same data with the same arguments (else a collective would
     deadlock or the ranks would train different weights): compared here, before the first step."""

@@ -361,34 +361,9 @@ class Trainer:
 
             recorded_failure(self.comm, checkpoint_dir)
         try:
-            if nonfinite not in ("stop", "continue"):
-                raise InputError(f"nonfinite must be 'stop' or 'continue', got {nonfinite!r}")
-            epochs, max_steps = fit_loop.check_length(epochs, more.get("max_steps"), more.get("eval_every"),
-                                                      more.get("eval_batch_size"), more.get("eval_data"))
-            if batch_size < 1 or checkpoint_every < 0:
-                raise InputError(f"batch size must be positive and checkpoint_every >= 0, got {batch_size} and "
-                                 f"{checkpoint_every}")
-            if not isinstance(accumulate_steps, int | np.integer) or accumulate_steps < 1:
-                raise InputError("accumulate_steps (--accumulate-steps) must be a positive integer, got "
-                                 f"{accumulate_steps!r}")
-            callbacks = more.get("callbacks", [])
-            if not all(callable(c) for c in callbacks):
-                raise InputError("callbacks must be callables taking the step's record (a dict), got "
-                                 f"{next(c for c in callbacks if not callable(c))!r}")
-            self._settings.refuse(int(accumulate_steps))
-            arrays = self.arrays(data, static)
-            if arrays.n == 0:
-                raise InputError("the training data holds no samples")
-            self._check_fixed_batch(batch_size, arrays.n, arrays.fixed_batch())
-            plan = fit_loop.FitPlan(arrays.n, epochs, batch_size, self.world_size, int(accumulate_steps),
-                                    bool(shuffle), seed, max_steps, more.get("eval_every") or 0,
-                                    more.get("eval_batch_size"))
-            eval_data = more.get("eval_data")
-            if eval_data is not None:  # bad evaluation data fails before the first step, not after it
-                try:
-                    self.arrays(eval_data, static)
-                except InputError as exc:
-                    raise InputError(f"eval_data (--eval-data): {exc}") from None
+            plan, arrays = fit_loop.plan(self, data, epochs, batch_size, shuffle, seed, checkpoint_every, nonfinite,
+                                         accumulate_steps, static, more)
+            eval_data, callbacks = more.get("eval_data"), more.get("callbacks", [])
             refused = None
         except InputError as exc:
             if not self.comm:
