@@ -1,7 +1,8 @@
 """A tiny LLaMA for the LoRA walkthrough: built from ``transformers.LlamaConfig`` (random weights, no download),
-exported to ONNX with ``torch.onnx.export(dynamo=True)``, and a token dataset to fine-tune it on.
+exported to ONNX with ``rg.export_torch`` (``torch.onnx.export(dynamo=True)``), and a token dataset to
+fine-tune it on.
 
-    python examples/llama_lora/export.py -o llama          # llama/llama.onnx, llama/tokens.npz, llama/config.json
+    python examples/llama_lora/export.py -o llama   # llama/llama.onnx, tokens.npz, heldout.npz, config.json
 
 ``llama.onnx``: ``input_ids`` int64 ``[B, T]`` -> ``logits`` float32 ``[B, T, vocab]``, opset 18, the weights under
 their PyTorch names (``model.layers.0.self_attn.q_proj.weight``, ...). The exporter runs with ``optimize=False``:
@@ -9,7 +10,8 @@ its optimizer folds each ``nn.Linear``'s ``Transpose(weight)`` into a new consta
 LoRA targets could then be chosen by no recognisable name; unoptimized, each projection is
 ``MatMul(x, Transpose(<module>.weight))``, which :mod:`revgraph.lora` adapts under the module's name.
 ``tokens.npz``: ``input_ids`` int64 ``[N, T]``, sequences counting up by a step of 1 to 3 from a random start
-(modulo the vocabulary), a pattern a causal language model learns in a few hundred steps.
+(modulo the vocabulary), a pattern a causal language model learns in a few hundred steps. ``heldout.npz``: 32
+more such sequences (another seed), to evaluate on.
 ``config.json``: the ``LlamaConfig`` (``LlamaConfig(**json.load(f))`` rebuilds the model the file came from, with
 the ONNX initializers as its state dict).
 """
@@ -53,17 +55,20 @@ def logits_model(config, seed: int = 0):
 
 
 def export(model, path: str | os.PathLike, opset: int = 18, example_length: int = 16) -> None:
-    """``torch.onnx.export(dynamo=True, optimize=False)`` of ``model`` to ``path``: ``input_ids`` ``[B, T]`` ->
-    ``logits`` ``[B, T, V]``, both dimensions dynamic."""
+    """``rg.export_torch`` of ``model`` to ``path`` (``torch.onnx.export(dynamo=True, optimize=False)`` and the record
+    of the module's parameter and state-dict names: ``revgraph train`` trains exactly ``model.parameters()`` and
+    ``--save-safetensors`` writes a state dict that loads strictly): ``input_ids`` ``[B, T]`` -> ``logits``
+    ``[B, T, V]``, both dimensions dynamic."""
     import torch
+
+    import revgraph as rg
 
     ids = torch.randint(0, model.config.vocab_size, (2, example_length))
     batch, length = torch.export.Dim("B"), torch.export.Dim("T", max=model.config.max_position_embeddings)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (ids,), str(path), input_names=["input_ids"], output_names=["logits"],
-                          dynamic_shapes=({0: batch, 1: length},), opset_version=opset, dynamo=True, optimize=False,
-                          external_data=False, verbose=False)
+        rg.export_torch(model, (ids,), path, input_names=["input_ids"], output_names=["logits"],
+                        dynamic_shapes=({0: batch, 1: length},), opset_version=opset, external_data=False)
 
 
 def token_data(samples: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
@@ -91,12 +96,13 @@ def main(argv: list[str] | None = None) -> int:
                           vocab_size=args.vocab)
     export(logits_model(config, args.seed), out / "llama.onnx", args.opset)
     np.savez(out / "tokens.npz", input_ids=token_data(args.samples, args.length, args.vocab, args.seed))
+    np.savez(out / "heldout.npz", input_ids=token_data(32, args.length, args.vocab, args.seed + 1))
     keep = {k: v for k, v in config.to_dict().items() if k in {*DEFAULTS, "tie_word_embeddings", "rms_norm_eps",
                                                                   "rope_theta", "attn_implementation"}}
     (out / "config.json").write_text(json.dumps(keep, indent=1) + "\n")
     n = sum(p.numel() for p in logits_model(config, args.seed).parameters())
     print(f"wrote {out / 'llama.onnx'} ({n:,} parameters), {out / 'tokens.npz'} ({args.samples} x {args.length} "
-          f"tokens), {out / 'config.json'}")
+          f"tokens), {out / 'heldout.npz'} (32 x {args.length}), {out / 'config.json'}")
     return 0
 
 
