@@ -135,6 +135,29 @@ def test_causal_lm_loss_graph_central_differences():
     assert rep.ok, rep
 
 
+def test_causal_lm_never_copies_the_logits():
+    """Issue 42: the causal-lm loss reads the [B, T, V] logits whole (the last position's target is the ignored
+    index instead of a Slice of the logits, which onnxruntime copies), so neither the forward nor the backward
+    holds a [B, T-1, V] slice or its Pad back; the loss and the gradient are torch's shifted loss's (whose last
+    position gets exactly 0)."""
+    rng = np.random.default_rng(5)
+    z = rng.standard_normal((2, 5, 4))
+    ids = rng.integers(0, 4, (2, 5))
+    g = affine_logits(z.shape)
+    lg, spec = loss_graph(g, "causal-lm", labels_from="labels")
+    gg = rg.gradient(lg, spec.loss, ["z"])
+    readers = {n.op_type for n in gg.nodes if "logits" in n.inputs}
+    assert "Slice" not in readers and not any(n.op_type == "Pad" for n in gg.nodes), readers
+    out = Session(gg).run({"z": z, "labels": ids})
+    zt = torch.tensor(z, requires_grad=True)
+    logits = zt * torch.tensor(g.initializers["scale"]) + torch.tensor(g.initializers["bias"])
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, 4), torch.tensor(ids[:, 1:]).reshape(-1))
+    ref.backward()
+    np.testing.assert_allclose(out[spec.loss], float(ref), rtol=1e-12)
+    np.testing.assert_allclose(out["z_grad"], zt.grad.numpy(), rtol=1e-10, atol=1e-14)
+    assert (out["z_grad"][:, -1] == 0).all()
+
+
 # ------------------------------------------------------------------------------------------ a tiny language model
 
 

@@ -128,9 +128,14 @@ def _causal_lm(x: Build) -> tuple[str, str | None, str | None]:
         x.g.inputs.append(ValueInfo(ids, np.int64, x.vi.shape[:2]))
         labels = ids
     i64 = lambda v: b.const([v], np.int64)
-    logits = b.op("Slice", [x.out, i64(0), i64(-1), i64(1)])
-    targets = b.op("Slice", [ids, i64(1), i64(2**62), i64(1)])
-    return _cross_entropy(b, logits, targets, len(x.vi.shape) - 1, x.vi.dtype, x.opts), labels, ids
+    # Every position's logits against the next token, the last position's target the ignored index (always set
+    # for causal-lm: default -100): the same counted terms as slicing logits[:, :-1], without that [B, T-1, V]
+    # copy in the forward and the Pad back to [B, T, V] in the backward (issue 42: the vocabulary-sized tensors)
+    shifted = b.op("Slice", [ids, i64(1), i64(2**62), i64(1)])
+    last = b.op("Slice", [ids, i64(-1), i64(2**62), i64(1)])
+    none = b.op("Add", [b.op("Mul", [last, b.const(0, np.int64)]), b.const(x.opts["ignore_index"], np.int64)])
+    targets = b.op("Concat", [shifted, none], axis=1)
+    return _cross_entropy(b, x.out, targets, len(x.vi.shape) - 1, x.vi.dtype, x.opts), labels, ids
 
 
 def _own_output(x: Build) -> tuple[str, str | None, str | None]:
