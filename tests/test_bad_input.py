@@ -77,10 +77,13 @@ def test_unknown_op_and_unknown_domain(tmp_path, capsys):
     path = raw_model(tmp_path / "op.onnx", [helper.make_node("Frobnicate", ["x"], ["y"], name="f")])
     assert main(["info", str(path)]) == 2
     one_line(capsys, "'f' (Frobnicate)", "unknown operator")
+    # a custom domain is valid ONNX: info shows it; grad refuses the node, naming the operator (issue 41)
     path = raw_model(tmp_path / "dom.onnx", [helper.make_node("Fused", ["x"], ["y"], name="f", domain="com.acme")],
                      opsets=(("", 21), ("com.acme", 1)))
-    assert main(["info", str(path)]) == 2
-    one_line(capsys, "'com.acme'")
+    assert main(["info", str(path)]) == 0
+    assert "com.acme.Fused (1 node)" in capsys.readouterr().out
+    assert main(["grad", str(path), "-o", str(tmp_path / "g.onnx")]) == 2
+    one_line(capsys, "unsupported operator com.acme.Fused (node 'f')")
 
 
 def test_ops_without_rules_all_listed(tmp_path, capsys):

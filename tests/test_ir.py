@@ -277,10 +277,11 @@ def _model(domain: str = "", op: str = "Relu", **graph_kwargs) -> onnx.ModelProt
     return helper.make_model(graph, opset_imports=imports)
 
 
-def test_load_refuses_a_custom_domain_in_one_line():
-    with pytest.raises(rg.UnsupportedModelError) as info:
-        rg.load(_model("com.example", "Frob"))
-    assert "\n" not in str(info.value) and "'com.example'" in str(info.value)
+def test_load_accepts_a_custom_domain_and_gradient_refuses_its_node_in_one_line():
+    g = rg.load(_model("com.example", "Frob"))  # valid ONNX (issue 41: the domain was refused)
+    with pytest.raises(rg.GraphError) as info:
+        rg.gradient(g, "y", wrt=["x"])
+    assert "\n" not in str(info.value) and "unsupported operator com.example.Frob (node 'n0')" in str(info.value)
 
 
 def test_load_refuses_a_map_typed_input_in_one_line():

@@ -42,7 +42,7 @@ from .finite import nonfinite_cotangents, nonfinite_values
 from .loops.lower import lower_to_loops
 from .node_checks import check_nodes
 from .ranges import refined_nodes
-from .registry import NOT_DIFFERENTIABLE, get_rule
+from .registry import NOT_DIFFERENTIABLE, get_rule, unsupported_message
 from .sparse import SparseGrad
 
 
@@ -186,8 +186,7 @@ def backward(
 
     missing = [n for n in nodes if get_rule(n) is None]
     if missing:
-        listed = ", ".join(n.label() for n in missing)
-        raise GraphError(f"no VJP rule for {len(missing)} node(s) on the path to the loss: {listed}")
+        raise GraphError(unsupported_message(missing))
 
     for y, seed in ys.items():
         if seed is None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+import onnx
+
 from ..ir import Node
 from .context import Ctx
 
@@ -207,6 +209,54 @@ def not_differentiable(reason: str, *op_types: str, **facts) -> None:
 #: Rules of operators of revgraph's private domains, by ``(domain, op_type)``: placeholders that never reach a
 #: runtime, such as the collectives of :mod:`revgraph.sync_batchnorm` (registered by that module).
 DOMAIN_RULES: dict[tuple[str, str], Rule] = {}
+
+
+def is_standard(node: Node) -> bool:
+    """Is ``node`` an operator of ONNX's default domain that ONNX defines (not one onnxruntime adds to it, such
+    as ``SimplifiedLayerNormalization``)?"""
+    return node.domain in ("", "ai.onnx") and onnx.defs.has(node.op_type)
+
+
+def qualified(node: Node) -> str:
+    """``com.microsoft.Attention``, or the bare op type of the default domain."""
+    return f"{node.domain}.{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+
+
+def contrib_operators() -> list[str]:
+    """The operators outside ONNX's standard set that revgraph differentiates (``com.microsoft.X``; default-domain
+    names ONNX does not define), sorted; revgraph's private placeholder domains (``revgraph.*``) left out."""
+    ops = {f"{d}.{op}" for d, op in DOMAIN_RULES if not d.startswith("revgraph")}
+    ops.update(op for op in RULES if not onnx.defs.has(op))
+    return sorted(ops)
+
+
+def unsupported_message(missing: list[Node]) -> str:
+    """The one-line refusal of the nodes ``missing`` (no rule, on a path that must be differentiated): operators
+    outside ONNX's standard set named with their domain and node, then the contrib operators revgraph has
+    rules for (issue 41); standard operators without a rule as the list of their nodes."""
+    contrib = [n for n in missing if not is_standard(n)]
+    parts = []
+    if contrib:
+        named = ", ".join(f"{qualified(n)} (node {n.name or '?'!r})" for n in contrib)
+        parts.append(f"unsupported operator{'s' if len(contrib) > 1 else ''} {named}; supported contrib operators: "
+                     f"{', '.join(contrib_operators()) or 'none'}")
+    standard = [n for n in missing if is_standard(n)]
+    if standard:
+        parts.append(f"no VJP rule for {len(standard)} node(s) on the path to the loss: "
+                     f"{', '.join(n.label() for n in standard)}")
+    return "; ".join(parts)
+
+
+def without_rules(nodes) -> dict[str, int]:
+    """How many of ``nodes`` each operator revgraph cannot differentiate has (no rule; not declared without
+    gradient, nor lowered), by :func:`qualified` name: what ``revgraph info`` lists. A gradient refuses such a
+    node only where a path to the loss passes it."""
+    found: dict[str, int] = {}
+    for node in nodes:
+        if get_rule(node) is None and not (node.domain in ("", "ai.onnx") and (
+                node.op_type in NOT_DIFFERENTIABLE or node.op_type in LOWERED)):
+            found[qualified(node)] = found.get(qualified(node), 0) + 1
+    return found
 
 
 def get_rule(node: Node) -> Rule | None:

@@ -16,6 +16,7 @@ from rich.text import Text
 from .. import limits
 from ..autodiff.accumulate import ACCUMULATE
 from ..autodiff.api import gradient
+from ..autodiff.registry import without_rules
 from ..errors import InputError, RevgraphError
 from ..ir import TARGET_OPSET, ValueInfo, is_float_dtype
 from ..onnx_io import load
@@ -278,6 +279,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     for op, count in ops.most_common():
         table.add_row(op, str(count))
     out.print(table)
+    # what grad and train would refuse where a path to the loss passes it (issue 41: info itself refuses
+    # no readable file, contrib operators included)
+    missing = without_rules(n for _, n in g.walk())
+    if missing:
+        listed = ", ".join(f"{op} ({k} node{'s' if k > 1 else ''})" for op, k in sorted(missing.items()))
+        out.print(f"Operators revgraph cannot differentiate: {listed}", soft_wrap=True, markup=False)
     return 0
 
 

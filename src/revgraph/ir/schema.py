@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cache
 from typing import TYPE_CHECKING
 
 import onnx
@@ -23,13 +24,49 @@ def get_schema(op_type: str, domain: str, opsets: dict[str, int]) -> onnx.defs.O
         return None
 
 
+#: The operator domains ONNX itself defines (``onnx.defs``): an operator of another domain (``com.microsoft``,
+#: a custom one) is checked against onnxruntime's schemas where it knows the operator, else not at all.
+ONNX_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training"})
+
+
+@cache
+def _runtime_schemas() -> dict[tuple[str, str], list]:
+    """onnxruntime's operator schemas (its contrib operators: ``com.microsoft``, and those it adds to the
+    default domain, such as ``SimplifiedLayerNormalization``) by ``(domain, op_type)``, oldest first; empty
+    when the installed onnxruntime does not export them. Imported here, lazily: only a model with an operator
+    that ONNX does not define pays for it."""
+    try:
+        from onnxruntime.capi import _pybind_state
+
+        found = _pybind_state.get_all_operator_schema()
+    except (ImportError, AttributeError, RuntimeError):  # (an onnxruntime build without the schema export)
+        return {}
+    table: dict[tuple[str, str], list] = {}
+    for s in found:
+        table.setdefault((s.domain or "", s.name), []).append(s)
+    for versions in table.values():
+        versions.sort(key=lambda s: s.since_version)
+    return table
+
+
+def runtime_schema(op_type: str, domain: str, opsets: dict[str, int]):
+    """onnxruntime's schema of ``domain::op_type`` at the version ``opsets`` imports (its newest one no newer
+    than that), or ``None`` if onnxruntime does not define it there."""
+    version = opsets.get(domain, opsets.get("ai.onnx") if domain == "" else None)
+    older = [s for s in _runtime_schemas().get((domain, op_type), []) if version is None or s.since_version <= version]
+    return older[-1] if older else None
+
+
 def check_node_signature(node: Node, opsets: dict[str, int], where: str = "graph") -> None:
     """Raise :class:`GraphError` if ``node``'s operator is unknown or its arity does not fit its schema.
 
-    Also checks the input and output counts of ``Loop``, ``Scan`` and ``If`` subgraphs against the node
-    (ONNX operator spec: ``Loop`` body has 2+N inputs and 1+N+K outputs for N loop-carried values and K scan
-    outputs; ``Scan`` body has N+M inputs and N+K outputs; ``If`` branches have no inputs and as many
-    outputs as the node).
+    An operator of a domain that ONNX does not define (``com.microsoft``'s contrib operators, a custom domain:
+    valid ONNX, which revgraph loads and refuses only where it must differentiate one, issue 41) is checked
+    against onnxruntime's schema where onnxruntime defines it, else only for its domain being imported; so is
+    an operator that onnxruntime adds to the default domain (``SimplifiedLayerNormalization``). Also checks the
+    input and output counts of ``Loop``, ``Scan`` and ``If`` subgraphs against the node (ONNX operator spec:
+    ``Loop`` body has 2+N inputs and 1+N+K outputs for N loop-carried values and K scan outputs; ``Scan`` body
+    has N+M inputs and N+K outputs; ``If`` branches have no inputs and as many outputs as the node).
     """
     domain = node.domain or ""
     schema = get_schema(node.op_type, domain, opsets)
@@ -38,6 +75,10 @@ def check_node_signature(node: Node, opsets: dict[str, int], where: str = "graph
             raise GraphError(
                 f"{node.label()} in {where} uses operator domain {domain!r}, which the model does not import"
             )
+        schema = runtime_schema(node.op_type, domain, opsets)
+        if schema is None and domain not in ONNX_DOMAINS:
+            return  # a custom operator: its signature is its own
+    if schema is None:
         raise GraphError(
             f"{node.label()} in {where}: unknown operator {node.op_type!r} in domain {domain or 'ai.onnx'!r} "
             f"at opset {opsets[domain]}; revgraph handles the standard ONNX operators only"

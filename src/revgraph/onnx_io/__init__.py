@@ -46,7 +46,7 @@ from .reading import (  # noqa: F401  (read_model, converter_error: API of this 
 from .torch_names import keep_exporter_kinds
 from .upgrade import fix_legacy_prelu, group_norm_per_channel, type_untyped_sequences
 
-#: Operator domains a loaded model may import besides the default one.
+#: The operator domains ONNX defines; a model may import others (loaded; see :func:`load`).
 KNOWN_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training")
 
 #: The element types ONNX defines (0: undefined, an unknown type).
@@ -78,7 +78,8 @@ def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int | Non
     :class:`RevgraphError` for an unreadable or non-regular file, bytes that are not a model, bad external data
     or tensors, names that are empty or not UTF-8, attributes of the wrong type;
     :class:`UnsupportedModelError` for a model revgraph cannot represent (optional or map types, sparse
-    initializers, unknown operator domains) or whose opset cannot be converted.
+    initializers) or whose opset cannot be converted. Operators of other domains than ONNX's (``com.microsoft``,
+    custom ones) load; the gradient refuses those it has no rule for, naming each.
     """
     opset = None if opset is None else int(opset)  # (checked by V.OPSET: a numpy integer too)
     model = model_proto(model, base_dir)
@@ -111,12 +112,9 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
         raise UnsupportedModelError(f"the model imports opset {version} of domain {domain or 'ai.onnx'!r}; opset "
                                     "versions are positive (ONNX's default domain is at most "
                                     f"{onnx.defs.onnx_opset_version()})")
-    unknown = sorted(d for d in opsets if d not in KNOWN_DOMAINS)
-    if unknown:
-        raise UnsupportedModelError(
-            f"the model imports operator domain(s) {', '.join(map(repr, unknown))}; "
-            "revgraph handles the standard ONNX domains only (export without custom operators)"
-        )
+    # Other operator domains (com.microsoft's contrib operators, custom ones) load: a domain imported and used
+    # by no node is common (onnxruntime's transformer optimizer imports 8), and a node of one is refused only
+    # where it must be differentiated and has no rule, naming it (autodiff.registry.unsupported_message).
     if opsets.get("", 0) > NEWEST_OPSET:
         raise UnsupportedModelError(
             f"the model is at opset {opsets['']}; the installed onnx {onnx.__version__} knows opsets up to "
