@@ -397,7 +397,12 @@ def _cross_entropy(b: Builder, logits: str, targets: str, axis: int, dt, opts: d
     num = b.op("ReduceSum", [per if counted is None else b.op("Mul", [per, counted])], keepdims=0)
     weights = wy if counted is None else (counted if table is None else b.op("Mul", [wy, counted]))
     den = b.op("ReduceSum", [weights], keepdims=0)
-    safe = b.op("Where", [b.op("Greater", [den, b.const(0.0, dt)]), den, b.const(1.0, dt)])
+    if table is None:  # a count of targets: 0 or at least 1, so max(count, 1) is the count or the 1 of no target;
+        # a divisor the sign analysis proves >= 1 (autodiff/ranges.py) leaves the backward without the
+        # zero-partial tests a possibly-zero divisor puts on every product after it, [B, T, V] ones included
+        safe = b.op("Max", [den, b.const(1.0, dt)])
+    else:  # class weights may sum below 1
+        safe = b.op("Where", [b.op("Greater", [den, b.const(0.0, dt)]), den, b.const(1.0, dt)])
     return b.op("Div", [num, safe])
 
 
