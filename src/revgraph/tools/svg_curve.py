@@ -50,9 +50,9 @@ def chart(lines: list[Line], title: str, xlabel: str, ylabel: str, notes: tuple[
     finite = [p for line in lines for p in line.finite]
     xmax = max((x for x, _ in finite), default=1.0)
     xmax = xmax if xmax > 0 else 1.0
-    ymax = nice(max((y for _, y in finite), default=1.0))
+    ymax = bound(max((y for _, y in finite), default=1.0))
     low = min((y for _, y in finite), default=0.0)
-    ymin = -nice(-low) if low < 0 else 0.0
+    ymin = -bound(-low) if low < 0 else 0.0
     if ymax <= ymin:
         ymax = ymin + 1.0
 
@@ -105,6 +105,15 @@ def nice(v: float) -> float:
         return 1.0
     p = 10 ** math.floor(math.log10(v))
     return float(next(m * p for m in (1, 2, 2.5, 5, 10) if m * p >= v))
+
+
+def bound(v: float) -> float:
+    """An axis end for values up to ``v``: the next multiple of a :func:`nice` fifth of it (5.56 -> 6, where
+    :func:`nice` alone gives 10 and leaves half the chart empty)."""
+    if not math.isfinite(v) or v <= 0:
+        return 1.0
+    step = nice(v / 5)
+    return math.ceil(v / step - 1e-9) * step
 
 
 def ticks(xmax: float) -> list[float]:
