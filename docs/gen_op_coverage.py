@@ -24,6 +24,15 @@ NOT_YET = {
     "CausalConvWithState": "opset 27 (Mamba, Gated DeltaNet): a depthwise causal Conv1d with a carried state; no rule yet",
 }
 
+#: what a VJP rule does not differentiate, where that is the point (issue 41)
+RULE_NOTES = {
+    "DynamicQuantizeLinear": "the scale, through max(0, max x) and min(0, min x); y and the zero point are rounded "
+                             "integers: a DequantizeLinear of y is refused without --straight-through, and gets the "
+                             "straight-through estimator with it",
+    "BitCast": "refused from float to float (the bits are reinterpreted: no derivative); from or to an integer type "
+               "no gradient flows",
+}
+
 OUT = Path(__file__).with_name("op_coverage.md")
 
 
@@ -49,7 +58,7 @@ def render() -> str:
     rows, counts = [], {"VJP rule": 0, "not differentiable": 0, "missing": 0}
     for op in ops:
         if op in RULES:
-            status, note = "VJP rule", ""
+            status, note = "VJP rule", RULE_NOTES.get(op, "")
         elif op in LOWERED:
             status, note = "VJP rule", LOWERED[op]
         elif op in NOT_DIFFERENTIABLE:

@@ -61,6 +61,10 @@ UNCHECKABLE = {
     "test_mvn": "MeanVarianceNormalization in float64: onnxruntime has a float32 kernel only, and the reference "
                 "evaluator's function body adds a float32 epsilon to a float64 value (tests/test_rules_norm.py "
                 "checks the rule on the gradient graph alone)",
+    **{f"test_dynamicquantizelinear{k}": "DynamicQuantizeLinear in float64: onnxruntime has a float32 kernel only, "
+       "and the reference evaluator computes the scale in float32 (tests/test_nondifferentiable_audit.py checks the "
+       "rule against float64 differences of the spec's formulas at these tests' inputs)"
+       for k in ("", "_max_adjusted", "_min_adjusted")},
 }
 
 

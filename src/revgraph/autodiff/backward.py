@@ -43,6 +43,7 @@ from .loops.lower import lower_to_loops
 from .node_checks import check_nodes
 from .ranges import refined_nodes
 from .registry import NOT_DIFFERENTIABLE, get_rule, unsupported_message
+from .rules.quant import QUANTIZERS
 from .sparse import SparseGrad
 
 
@@ -61,14 +62,17 @@ def _other_reads(node: Node, writers: Mapping[str, Node]) -> list[str]:
 
 
 def _pair_reads(node: Node, writers: Mapping[str, Node]) -> list[str]:
-    """The inputs of the QuantizeLinear that writes a DequantizeLinear's quantized input: the pair is
+    """The inputs of the QuantizeLinear (DynamicQuantizeLinear: its input and scale) that writes a
+    DequantizeLinear's quantized input: the pair is
     differentiated as one function by the DequantizeLinear rule (the straight-through estimator,
     rules/quant.py), which gives them gradients through ``PatchedVJP.captured``; so the pair reads them."""
     if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or not node.inputs:
         return []
     q = writers.get(node.inputs[0])
-    if q is None or q.op_type != "QuantizeLinear" or q.domain not in ("", "ai.onnx"):
+    if q is None or q.op_type not in QUANTIZERS or q.domain not in ("", "ai.onnx"):
         return []
+    if q.op_type == "DynamicQuantizeLinear":  # its scale is an output, which the estimator differentiates too
+        return [q.inputs[0], q.outputs[1]] if q.outputs[0] == node.inputs[0] else []
     return [i for i in q.inputs if i]
 
 

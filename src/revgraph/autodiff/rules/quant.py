@@ -21,6 +21,16 @@ The zero points are integers (or float8/float4 codes) and get no gradient. The D
 pair's gradients to the QuantizeLinear's inputs (``PatchedVJP.captured``); the backward pass treats the pair
 as one node reading those inputs. Without the option a path through a pair is refused with a ``GraphError``
 that names the option: the estimator is not the derivative, so it is never applied silently.
+
+``DynamicQuantizeLinear`` (ONNX spec, opset 11) computes its scale from the input, ``s = (max(0, max x) -
+min(0, min x)) / 255``: a float output that varies with ``x`` (issue 41: it was declared not differentiable and
+a ``quantize_dynamic`` model's gradients were silently 0). Its VJP differentiates the scale as the composition
+of ``ReduceMax``/``ReduceMin`` and ``Max``/``Min`` with 0 (the cotangent to the elements equal to the extremum,
+ties split equally, as those rules do: :func:`dynamic_quantize`). Its quantized output ``y`` and zero point are
+rounded integers, treated as QuantizeLinear's output is: a ``DynamicQuantizeLinear -> DequantizeLinear`` pair
+is refused without ``straight_through`` and gets the estimator above with it, the DynamicQuantizeLinear's scale
+output standing for ``s_q``; elsewhere (``MatMulInteger``, the zero point) they carry no gradient, which is
+their derivative almost everywhere.
 """
 
 from __future__ import annotations
@@ -44,15 +54,32 @@ not_differentiable(
     "straight-through estimator with straight_through=True (the DequantizeLinear rule)", "QuantizeLinear", bounded=False, finite=False)
 
 
+#: the operators whose quantized output a DequantizeLinear forms a pair with (the straight-through estimator)
+QUANTIZERS = ("QuantizeLinear", "DynamicQuantizeLinear")
+
+
 def pair_of(ctx: Ctx, node: Node) -> Node | None:
-    """The QuantizeLinear that writes the quantized input of the DequantizeLinear ``node``, or ``None``."""
+    """The QuantizeLinear (or DynamicQuantizeLinear) that writes the quantized input of the DequantizeLinear
+    ``node``, or ``None``."""
     q = ctx.producers.get(node.inputs[0]) if node.inputs else None
-    return q if q is not None and q.op_type == "QuantizeLinear" and q.domain in ("", "ai.onnx") else None
+    if q is None or q.op_type not in QUANTIZERS or q.domain not in ("", "ai.onnx"):
+        return None
+    return q if q.outputs[0] == node.inputs[0] else None
+
+
+def quantizer_operands(q: Node) -> tuple[str, str, str | None]:
+    """``(x, scale, zero point or None)`` of a quantizer: QuantizeLinear's inputs; DynamicQuantizeLinear's
+    input and its scale and zero-point outputs."""
+    if q.op_type == "DynamicQuantizeLinear":
+        return q.inputs[0], q.outputs[1], q.outputs[2] or None
+    return q.inputs[0], q.inputs[1], optional_input(q, 2)
 
 
 def quantized_type(e: Emitter, node: Node) -> np.dtype:
     """The output type of a QuantizeLinear node: its zero point's type, else ``output_dtype``, else uint8
-    (ONNX "QuantizeLinear")."""
+    (ONNX "QuantizeLinear"); uint8 for DynamicQuantizeLinear."""
+    if node.op_type == "DynamicQuantizeLinear":
+        return np.dtype(np.uint8)
     zp = optional_input(node, 2)
     if zp is not None and e.dtype(zp) is not None:
         return np.dtype(e.dtype(zp))
@@ -162,7 +189,7 @@ def dequantize(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
     pair = pair_of(ctx, node)
     if pair is None or g is None:
         return grads
-    x, q_scale = pair.inputs[0], pair.inputs[1]
+    x, q_scale, _ = quantizer_operands(pair)
     needs = [v for v in (x, q_scale) if v in ctx.reach and is_float_dtype(e.dtype(v))]
     if not needs:
         return grads
@@ -177,8 +204,7 @@ def dequantize(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
 def _straight_through(ctx: Ctx, node: Node, pair: Node, g: str, dq_gran, needs: list[str]) -> dict[str, str]:
     """The STE gradients of the pair's QuantizeLinear inputs ``needs`` (x and/or its scale)."""
     e = ctx.e
-    x, q_scale = pair.inputs[0], pair.inputs[1]
-    q_zp = optional_input(pair, 2)
+    x, q_scale, q_zp = quantizer_operands(pair)
     qg = Granularity(e, pair, x, q_scale)
     shared = qg.key() == dq_gran().key()
     s_q = qg.spread(q_scale)
@@ -198,3 +224,30 @@ def _straight_through(ctx: Ctx, node: Node, pair: Node, g: str, dq_gran, needs: 
     if q_scale in needs:  # d round(x / s) / ds = -x / s^2 under the STE: -passed * v
         out[q_scale] = qg.gather((-(passed * v)).name)
     return out
+
+
+@vjp("DynamicQuantizeLinear", bounded=True, finite=False, reads=())
+def dynamic_quantize(ctx: Ctx, node: Node, cts: list) -> list:
+    """ONNX "DynamicQuantizeLinear" (opset 11): ``y_scale = (max(0, max x) - min(0, min x)) / 255``, so ``dx =
+    dy_scale / 255 (a [hit_max] / n_max - b [hit_min] / n_min)``, with ``hit`` the elements equal to the
+    extremum and ``n`` their count (ReduceMax/ReduceMin's rule: ties split equally), ``a`` Max(M, 0)'s share
+    of ``M = max x`` (1 above 0, 1/2 at 0, 0 below: the Max rule's tie) and ``b`` Min(m, 0)'s of ``m = min x``.
+    ``y`` and ``y_zero_point`` are rounded integers: no gradient (the module doc; a DequantizeLinear of ``y``
+    gets the straight-through estimator with ``straight_through``, in the DequantizeLinear rule)."""
+    g = cts[1] if len(cts) > 1 else None
+    if g is None:
+        return [None]
+
+    def dx() -> Val:
+        x = ctx.val(node.inputs[0])
+        gs = _cast(ctx.val(g), node.inputs[0]) / 255.0
+        parts = []
+        for extreme, outside in (("ReduceMax", "gt"), ("ReduceMin", "lt")):
+            m = x.apply(extreme, like=None, keepdims=1)  # (every axis: y_scale is one scalar)
+            hit = x.eq(m)
+            count = hit.indicator(x).sum().apply("Max", 1.0)  # (>= 1: no hit where x holds a NaN)
+            share = getattr(m, outside)(0.0).indicator(x) + m.eq(0.0).indicator(x) * 0.5
+            parts.append((gs * share / count).select(hit, like=x))
+        return parts[0] - parts[1]
+
+    return [dx]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from ...errors import GraphError
 from ...ir import Node
 from ..algebra import Val, name_of, where
 from ..context import Ctx
@@ -79,11 +80,21 @@ not_differentiable("random: the sample does not depend on the input's values (on
 not_differentiable("its only inputs are integers (a window length, bin counts)", "BlackmanWindow", "HammingWindow",
                    "HannWindow", "MelWeightMatrix", bounded=False, finite=False)
 not_differentiable("integer (quantized) arithmetic: no floating-point input carries a gradient", "ConvInteger",
-                   "MatMulInteger", "QLinearConv", "QLinearMatMul", "DynamicQuantizeLinear", bounded=False,
+                   "MatMulInteger", "QLinearConv", "QLinearMatMul", bounded=False,
                    finite=False)
 not_differentiable("integer result (selected box indices)", "NonMaxSuppression", bounded=False, finite=False)
 not_differentiable("boolean result", "OptionalHasElement", bounded=False, finite=False)
 not_differentiable("strings or encoded bytes, not floating point", "ImageDecoder", "RegexFullMatch", "StringConcat",
                    "StringNormalizer", "StringSplit", "TfIdfVectorizer", bounded=False, finite=False)
-not_differentiable("the bits are reinterpreted as another type: the output's values are no differentiable function of "
-                   "the input's", "BitCast", bounded=False, finite=False)
+
+
+@vjp("BitCast", bounded=False, finite=False)
+def bitcast(ctx: Ctx, node: Node, cts: list) -> list:
+    """ONNX "BitCast" (opset 26) reinterprets the bits of its input as another type of the same size: the
+    output's values are no differentiable function of the input's. From or to an integer type no gradient
+    flows (an integer value cuts the path, as everywhere); a float-to-float BitCast (float16 <-> bfloat16) on
+    a path to the loss is refused, never cut silently (issue 41: a float output that varies with a float input
+    is differentiated or refused)."""
+    raise GraphError(f"{node.label()}: BitCast reinterprets the bits of {node.inputs[0]!r} as another floating-point "
+                     "type; its output is no differentiable function of the input's value: remove the path from the "
+                     "gradient (differentiate with respect to the BitCast's output, or a value after it)")
