@@ -11,7 +11,7 @@ from pathlib import Path
 
 import onnx
 
-from revgraph.autodiff.registry import LOWERED, NOT_DIFFERENTIABLE, RULES
+from revgraph.autodiff.registry import DOMAIN_RULES, LOWERED, NOT_DIFFERENTIABLE, RULES
 from revgraph.ir import NEWEST_OPSET
 
 #: operators that could have a rule but have none yet, and why
@@ -53,6 +53,37 @@ def default_domain_ops(opset: int = NEWEST_OPSET) -> list[str]:
     return ops
 
 
+#: the math of the operators outside ONNX's standard set (onnxruntime docs/ContribOperators.md), for the table
+CONTRIB_MATH = {
+    "SimplifiedLayerNormalization": "RMSNorm over `[axis, rank)`: `Y = X r scale`, `r = (mean(X^2) + eps)^-1/2`; "
+                                    "the `inv_std_var` output (`r`) carries gradient too",
+    "SkipLayerNormalization": "`LayerNorm(input + skip + bias) * gamma + beta` over the last axis; the `mean`, "
+                              "`inv_std_var` and `input_skip_bias_sum` outputs carry gradient too",
+    "SkipSimplifiedLayerNormalization": "RMSNorm of `input + skip + bias`, times `gamma`; `inv_std_var` and "
+                                        "`input_skip_bias_sum` carry gradient (`mean` is zeros)",
+    "Gelu": "`X Phi(X)` (erf)",
+    "BiasGelu": "`Gelu(A + B)` (erf)",
+    "FastGelu": "`x (1 + tanh(0.797885 x + 0.035677 x^3)) / 2`, `x = X + bias`",
+    "QuickGelu": "`X sigmoid(alpha X)`",
+    "BiasAdd": "`X + bias + skip` (onnxruntime runs it on CUDA only)",
+    "FusedMatMul": "`alpha op(A) @ op(B)` with `transA`, `transB`, `transBatchA`, `transBatchB`",
+}
+
+
+def contrib_rows() -> list[str]:
+    """A row per operator outside ONNX's standard set with a VJP rule: onnxruntime's contrib operators
+    (``com.microsoft``) and those onnxruntime writes in the default domain (``SimplifiedLayerNormalization``),
+    with its math (:data:`CONTRIB_MATH`, else the first sentence of the rule's docstring); revgraph's private
+    domains (``revgraph.*``) left out."""
+    rules = {(d, op): r for (d, op), r in DOMAIN_RULES.items() if not d.startswith("revgraph")}
+    rules.update((("ai.onnx (default)", op), r) for op, r in RULES.items() if not onnx.defs.has(op))
+    rows = []
+    for (domain, op), rule in sorted(rules.items()):
+        doc = " ".join((rule.__doc__ or "").split()).split(". ")[0].rstrip(".")
+        rows.append(f"| {op} | {domain} | {CONTRIB_MATH.get(op, doc)} |")
+    return rows
+
+
 def render() -> str:
     ops = default_domain_ops()
     rows, counts = [], {"VJP rule": 0, "not differentiable": 0, "missing": 0}
@@ -77,6 +108,15 @@ def render() -> str:
         "| operator | gradient | note |",
         "|---|---|---|",
         *rows,
+        "",
+        "## Operators outside ONNX's standard set",
+        "",
+        ("onnxruntime's contrib operators, which its transformer optimizer and model builder write. The forward keeps "
+         "the node (onnxruntime runs it); its VJP is written in standard ONNX operators."),
+        "",
+        "| operator | domain | math |",
+        "|---|---|---|",
+        *contrib_rows(),
         "",
     ])
 

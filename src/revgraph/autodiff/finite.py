@@ -54,13 +54,16 @@ import numpy as np
 
 from ..ir import Node, ValueInfo
 from ..ir.ssa import captured_names
-from .registry import FACTS, UNKNOWN, Facts
+from .registry import DOMAIN_FACTS, FACTS, UNKNOWN, Facts
 
 
 def _facts(node: Node) -> Facts:
     """The facts of ``node``'s operator as its registration states them (looked up on each call, so that a test
-    may patch :data:`.registry.FACTS`); an operator of another domain, or one nobody registered, claims nothing."""
-    return UNKNOWN if node.domain else FACTS.get(node.op_type, UNKNOWN)
+    may patch :data:`.registry.FACTS`); an operator of another domain registered with its facts (onnxruntime's
+    contrib operators: :data:`.registry.DOMAIN_FACTS`) as stated, one nobody registered claims nothing."""
+    if node.domain:
+        return DOMAIN_FACTS.get((node.domain, node.op_type), UNKNOWN)
+    return FACTS.get(node.op_type, UNKNOWN)
 
 
 class Risky(set):

@@ -136,18 +136,20 @@ def _stated(op_types: tuple[str, ...], facts: dict) -> Facts:
     return Facts(**facts)
 
 
-def vjp(*op_types: str, **facts) -> Callable[[Rule], Rule]:
+def vjp(*op_types: str, domain: str = "", **facts) -> Callable[[Rule], Rule]:
     """Register ``rule`` as the VJP of the default-domain operators ``op_types``, with their :class:`Facts`
     as keywords (``bounded``, ``finite``, ``reads`` or ``product`` required: :data:`REQUIRED`);
-    ``ValueError`` if one has a rule already."""
+    ``ValueError`` if one has a rule already. ``domain``: another operator domain (``"com.microsoft"``'s
+    contrib operators): the rule and facts go to :data:`DOMAIN_RULES` and :data:`DOMAIN_FACTS`."""
     stated = _stated(op_types, facts)
 
     def register(rule: Rule) -> Rule:
         for op in op_types:
-            if op in RULES:
-                raise ValueError(f"duplicate VJP rule for {op}")
-            RULES[op] = rule
-            FACTS[op] = stated
+            table, facts_table, key = (DOMAIN_RULES, DOMAIN_FACTS, (domain, op)) if domain else (RULES, FACTS, op)
+            if key in table:
+                raise ValueError(f"duplicate VJP rule for {op}" + (f" of domain {domain}" if domain else ""))
+            table[key] = rule
+            facts_table[key] = stated
         return rule
 
     return register
@@ -209,6 +211,10 @@ def not_differentiable(reason: str, *op_types: str, **facts) -> None:
 #: Rules of operators of revgraph's private domains, by ``(domain, op_type)``: placeholders that never reach a
 #: runtime, such as the collectives of :mod:`revgraph.sync_batchnorm` (registered by that module).
 DOMAIN_RULES: dict[tuple[str, str], Rule] = {}
+
+#: The facts of the operators of other domains registered with ``vjp(..., domain=...)`` (onnxruntime's contrib
+#: operators, rules/contrib_*.py), by ``(domain, op_type)``; :mod:`.finite` reads them as :data:`FACTS`.
+DOMAIN_FACTS: dict[tuple[str, str], Facts] = {}
 
 
 def is_standard(node: Node) -> bool:

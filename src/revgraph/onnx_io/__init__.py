@@ -43,6 +43,7 @@ from .reading import (  # noqa: F401  (read_model, converter_error: API of this 
     read_model,
     tensor_array,
 )
+from .runtime_ops import convert_version
 from .torch_names import keep_exporter_kinds
 from .upgrade import fix_legacy_prelu, group_norm_per_channel, type_untyped_sequences
 
@@ -139,7 +140,7 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
                 o.version = opset
     elif original != opset:
         try:
-            proto = onnx.version_converter.convert_version(proto, opset)
+            proto = convert_version(proto, opset)  # (onnxruntime's default-domain operators pass through)
         except Exception as exc:
             raise UnsupportedModelError(
                 f"cannot convert the model from opset {original} to opset {opset} "

@@ -17,7 +17,7 @@ from onnx import helper, numpy_helper
 
 from .. import limits
 from ..errors import UnsupportedModelError
-from ..ir import Graph, Node, ValueInfo, fastshape, is_float_dtype
+from ..ir import Graph, Node, ValueInfo, contrib_types, fastshape, is_float_dtype
 from ..ir.constants import constant_value, sparse_to_dense  # noqa: F401  (API of this module)
 from ..ir.schema import get_schema
 from . import attr_to_proto, light_graph, to_onnx, value_info_from_proto, value_info_to_proto
@@ -81,7 +81,11 @@ def node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, np.nda
     """The output types of one node: :mod:`revgraph.fastshape`'s formulas when they apply, else
     :func:`onnx_node_types`, with the rank of operators whose output rank does not depend on values (a
     ``keepdims=1`` reduction over computed axes, ``Unsqueeze`` of computed axes of static length, ...:
-    :func:`revgraph.fastshape.rank_types`) where ONNX gives no shape."""
+    :func:`revgraph.fastshape.rank_types`) where ONNX gives no shape. The onnxruntime contrib operators revgraph
+    differentiates, which ONNX does not know, by :mod:`revgraph.ir.contrib_types`."""
+    contrib = contrib_types.infer(node, types)
+    if contrib:
+        return contrib
     fast = fastshape.infer(node, types, values)
     if fast is not None:
         return {fast.name: fast}
