@@ -38,8 +38,8 @@ from .arguments import resolve_outputs, resolve_wrt, used_names
 from .backward import backward
 from .context import Options
 from .emitter import Emitter
-from .loops.lower import lower_to_loops
-from .loops.reverse import body_types
+from .loops.lower import complete_types, lower_to_loops
+from .loops.reverse import body_types, loop_body_types
 from .node_checks import check_nodes
 from .registry import NOT_DIFFERENTIABLE
 from .simplify import simplify
@@ -71,6 +71,7 @@ def jvp(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterab
     used = used_names(g)
     lower_to_loops(g, None, used)
     types = infer_types(g)
+    complete_types(g, types)  # loops' outputs that the model declares without a shape
     check_nodes(g, types, constant_values(g, types))  # before the tangents' graph is built (backward checks again)
     outputs = resolve_outputs(g, outputs, types)
     inputs = resolve_wrt(g, inputs, types)
@@ -289,7 +290,7 @@ def _loop(node: Node, tangents: dict[str, str], types: dict[str, ValueInfo], e: 
     n = len(node.inputs) - 2
     v_in, v_out = body.input_names[2:], body.output_names[1 : 1 + n]
     scans = body.output_names[1 + n :]
-    btypes = body_types(body, types)
+    btypes = loop_body_types(body, types, node)  # (carried inputs declared without a shape: what they keep)
     for j, name in enumerate(v_in):  # carried inputs take the types of the initial values when undeclared
         if (btypes.get(name) is None or btypes[name].dtype is None) and types.get(node.inputs[2 + j]) is not None:
             src = types[node.inputs[2 + j]]

@@ -7,7 +7,7 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Graph, Node, ValueInfo, fresh_name, onnx_dtype
-from ...onnx_io.value_types import infer_types
+from ...onnx_io.value_types import constant_values, infer_types
 from ..registry import LOWERED
 from .recurrent import RECURRENT_OPS, lower_recurrent
 from .reverse import complete_loop_types, refine
@@ -30,7 +30,7 @@ def lower_to_loops(graph: Graph, types: dict[str, ValueInfo] | None, used: set[s
     changed."""
     inlined = constants_in_bodies(graph, used)
     if types is not None:
-        _complete_loop_types(graph, types)
+        complete_types(graph, types)
     ops = {n.op_type for _, n in graph.walk() if n.domain in ("", "ai.onnx")}
     if "Scan" not in ops and not ops & set(RECURRENT_OPS) and "SequenceMap" not in ops:
         return inlined
@@ -46,7 +46,7 @@ def lower_to_loops(graph: Graph, types: dict[str, ValueInfo] | None, used: set[s
     if changed:
         for name, vi in infer_types(graph).items():
             types.setdefault(name, vi)
-        _complete_loop_types(graph, types)
+        complete_types(graph, types)
     return changed
 
 
@@ -69,10 +69,12 @@ def constants_in_bodies(graph: Graph, used: set[str]) -> bool:
     return moved
 
 
-def _complete_loop_types(graph: Graph, types: dict[str, ValueInfo]) -> None:
-    """The shapes of the loops' carried outputs (:func:`.reverse.complete_loop_types`), declared in the graph's
-    value_info, and the types inferred again from them."""
-    completed = complete_loop_types(graph.nodes, types)
+def complete_types(graph: Graph, types: dict[str, ValueInfo]) -> None:
+    """The types of the loops' outputs where the model declares none (:func:`.reverse.complete_loop_types`: what
+    the body declares or gives), declared in the graph's value_info, and the types inferred again from them."""
+    if not any(n.op_type == "Loop" for n in graph.nodes):
+        return
+    completed = complete_loop_types(graph.nodes, types, constant_values(graph))
     if completed:
         graph.value_info.update(completed)
         refine(types, infer_types(graph))

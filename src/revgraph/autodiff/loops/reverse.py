@@ -11,7 +11,7 @@ loop-invariant value the sum over all iterations (MegEngine's ``LoopGrad``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +32,7 @@ from ..accumulate import (
 from ..context import Ctx, ForwardPatch, PatchedVJP
 from ..emitter import Emitter
 from ..sparse import SparseGrad
+from .output_types import inferred_outputs, settle_carried
 
 I64, BOOL = np.dtype(np.int64), np.dtype(bool)
 
@@ -88,32 +89,46 @@ def refine(types: dict[str, ValueInfo], better: dict[str, ValueInfo]) -> None:
             types[name] = vi
 
 
-def complete_loop_types(nodes: list[Node], types: dict[str, ValueInfo]) -> dict[str, ValueInfo]:
+def complete_loop_types(nodes: list[Node], types: dict[str, ValueInfo],
+                        values: Mapping[str, np.ndarray] | None = None) -> dict[str, ValueInfo]:
     """Give the final value of each carried tensor of each ``Loop`` in ``nodes`` (not in their bodies) the shape
     its body declares, where ``types`` has none: ONNX's inference leaves a loop's carried outputs unshaped (a
     carried value may change shape in general), so rules reading them later would need ``Shape`` nodes or refuse
-    (an unknown rank) and their residuals would have no size. Only when the body declares its input and output
-    with one fixed shape and the initial value's known shape agrees. Returns the types it set."""
+    (an unknown rank) and their residuals would have no size. Where the body declares its input and output
+    with one fixed shape and the initial value's known shape agrees, that shape; otherwise, and for scan outputs,
+    the type inferred from the body (:func:`.output_types.inferred_outputs`; ``values``: the enclosing graph's
+    constants, for the trip count). Returns the types it set."""
     completed: dict[str, ValueInfo] = {}
     for node in nodes:
         if node.op_type != "Loop" or "body" not in node.attrs:
             continue
-        body: Graph = node.attrs["body"]
-        n = len(node.inputs) - 2
-        for j, out in enumerate(node.outputs[:n]):
-            known = types.get(out)
-            if not out or j + 2 >= len(body.inputs) or j + 1 >= len(body.outputs) or (
-                    known is not None and known.shape is not None):
-                continue
-            a, b, init = body.inputs[2 + j], body.outputs[1 + j], types.get(node.inputs[2 + j])
-            fixed = a.shape is not None and all(isinstance(d, int) for d in a.shape)
-            if not (fixed and a.kind == b.kind == "tensor" and a.shape == b.shape and a.dtype is not None
-                    and b.dtype in (None, a.dtype)):
-                continue
-            if init is not None and init.shape is not None and init.shape != a.shape:
-                continue
-            types[out] = completed[out] = ValueInfo(out, a.dtype, a.shape)
+        if all(not o or (types.get(o) is not None and types[o].shape is not None) for o in node.outputs):
+            continue
+        _declared_carried(node, types, completed)
+        if any(o and (types.get(o) is None or types[o].shape is None) for o in node.outputs):
+            for out, vi in inferred_outputs(node, types, body_types, values).items():
+                if types.get(out) is None or types[out].shape is None:
+                    types[out] = completed[out] = vi
     return completed
+
+
+def _declared_carried(node: Node, types: dict[str, ValueInfo], completed: dict[str, ValueInfo]) -> None:
+    """The carried outputs of ``node`` whose body declares one fixed shape for them (:func:`complete_loop_types`)."""
+    body: Graph = node.attrs["body"]
+    n = len(node.inputs) - 2
+    for j, out in enumerate(node.outputs[:n]):
+        known = types.get(out)
+        if not out or j + 2 >= len(body.inputs) or j + 1 >= len(body.outputs) or (
+                known is not None and known.shape is not None):
+            continue
+        a, b, init = body.inputs[2 + j], body.outputs[1 + j], types.get(node.inputs[2 + j])
+        fixed = a.shape is not None and all(isinstance(d, int) for d in a.shape)
+        if not (fixed and a.kind == b.kind == "tensor" and a.shape == b.shape and a.dtype is not None
+                and b.dtype in (None, a.dtype)):
+            continue
+        if init is not None and init.shape is not None and init.shape != a.shape:
+            continue
+        types[out] = completed[out] = ValueInfo(out, a.dtype, a.shape)
 
 
 def take_apart(ctx: Ctx, node: Node) -> LoopParts:
@@ -122,7 +137,7 @@ def take_apart(ctx: Ctx, node: Node) -> LoopParts:
     body: Graph = node.attrs["body"]
     n = len(node.inputs) - 2
     v_in = body.input_names[2:]
-    types = _carried_sequence_types(body, outer, node) or body_types(body, outer)
+    types = _carried_sequence_types(body, outer, node) or loop_body_types(body, outer, node)
     for j, name in enumerate(v_in):  # carried inputs take the types of the initial values when undeclared
         if types.get(name) is None or types[name].dtype is None:
             src = outer.get(node.inputs[2 + j])
@@ -140,6 +155,15 @@ def take_apart(ctx: Ctx, node: Node) -> LoopParts:
     captured = [c for c in captured_names(body) if c in ctx.reach and differentiable(outer.get(c))]
     return LoopParts(node, body, n, body.input_names[0], body.input_names[1], v_in, body.output_names[1 : 1 + n],
                      body.output_names[1 + n :], types, carried, captured)
+
+
+def loop_body_types(body: Graph, outer: dict[str, ValueInfo], node: Node) -> dict[str, ValueInfo]:
+    """The body's types; where a carried tensor's body input declares no shape (tf2onnx's ``tf.while_loop``),
+    with the carried inputs typed as they hold through every iteration (:func:`.output_types.settle_carried`)."""
+    if all(v.shape is not None or v.kind != "tensor" for v in body.inputs[2:]):
+        return body_types(body, outer)
+    settled = settle_carried(node, outer, body_types)
+    return settled[1] if settled is not None else body_types(body, outer)
 
 
 def _carried_sequence_types(body: Graph, outer: dict[str, ValueInfo], node: Node) -> dict[str, ValueInfo] | None:
