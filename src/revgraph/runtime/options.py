@@ -104,16 +104,48 @@ TRAINING_DEFAULT = RuntimeOptions(arena=True, memory_pattern=False)
 ORT_DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination",)
 
 
+#: onnxruntime's rewrite rule that folds ``Sum(Gemm(A, B), C)`` into ``Gemm(A, B, C)``. It throws while the
+#: session is built (``gemm_sum_fusion.cc``: "gemm_input_edge.src_arg_index < 2 was false"; onnxruntime 1.32)
+#: when the Gemm reads an output of its producer at position 2 or later: the rule checks the producer's output
+#: position where it means the Gemm's input slot. A valid graph, which gradients write: a loop's third carried
+#: value read by a Gemm whose weight is also read inside the loop, so that its gradient adds the Gemm's
+#: contribution to the loop's (issue 41: the gradient of a JAX ``lax.scan``). It is a level-1 rule: every
+#: optimization level but "disable all" runs it; other runtimes do not have it.
+GEMM_SUM_FUSION = "GemmSumFusion"
+
+
 def disabled_optimizers(graph) -> list[str]:
     """The ``disabled_optimizers`` argument of ``onnxruntime.InferenceSession`` for ``graph`` (a
     :class:`revgraph.Graph`): :data:`ORT_DISABLED_OPTIMIZERS` when a node anywhere in it is a recomputation
-    (named ``remat/...``), else none (onnxruntime's optimizers as users run them)."""
+    (named ``remat/...``), and :data:`GEMM_SUM_FUSION` where :func:`gemm_sum_trap` finds the pattern it throws
+    on; else none (onnxruntime's optimizers as users run them)."""
     from ..ir import REMAT_PREFIX
 
-    for _, node in graph.walk():
-        if node.name.startswith(REMAT_PREFIX):
-            return list(ORT_DISABLED_OPTIMIZERS)
-    return []
+    disabled = []
+    if any(node.name.startswith(REMAT_PREFIX) for _, node in graph.walk()):
+        disabled += ORT_DISABLED_OPTIMIZERS
+    if gemm_sum_trap(graph):
+        disabled.append(GEMM_SUM_FUSION)
+    return disabled
+
+
+def gemm_sum_trap(graph) -> bool:
+    """Whether ``graph`` (subgraphs included, each scope apart) has what :data:`GEMM_SUM_FUSION` throws on: a
+    ``Gemm`` without its ``C`` input, read by a two-input ``Sum``, that reads an output of position 2 or later
+    of the node producing it."""
+    scopes = [graph] + [sub for _, node in graph.walk() for sub in node.subgraphs.values()]
+    return any(scope_gemm_sum_trap(g) for g in scopes)
+
+
+def scope_gemm_sum_trap(g) -> bool:
+    """:func:`gemm_sum_trap` in the nodes of ``g`` itself (not its subgraphs: onnxruntime's edges join the
+    nodes of one scope)."""
+    late = {o for n in g.nodes for o in n.outputs[2:] if o}
+    if not late:
+        return False
+    summed = {i for n in g.nodes if n.op_type == "Sum" and not n.domain and len(n.inputs) == 2 for i in n.inputs}
+    return any(n.op_type == "Gemm" and not n.domain and (len(n.inputs) == 2 or not n.inputs[2])
+               and late.intersection(n.inputs[:2]) and n.outputs[0] in summed for n in g.nodes)
 
 
 #: onnxruntime's session config key for the compute type of the ``MatMulNBits`` nodes it makes when it fuses a
