@@ -151,7 +151,34 @@ class Segments:
         return True
 
 
-CheckpointPolicy = Store | Recompute | SaveProducts | Segments | Policy
+@dataclass(frozen=True)
+class PerLoop:
+    """``default`` for every loop but those whose node name is a key of ``loops``, which get the policy it maps
+    them to (:func:`loop_policy`). :func:`revgraph.training_graph` gives a chunked loss's loop
+    (:mod:`revgraph.train.chunked_loss`) :class:`Recompute` this way, whatever ``checkpoint=`` says."""
+
+    default: object
+    loops: dict
+
+    @property
+    def name(self) -> str:
+        return self.default.name
+
+    def saves(self, node: Node) -> bool:
+        return self.default.saves(node)
+
+    def for_loop(self, node: Node) -> object:
+        return self.loops.get(node.name) or loop_policy(self.default, node)
+
+
+def loop_policy(policy: object, node: Node) -> object:
+    """The policy of the loop ``node``: ``policy.for_loop(node)`` for a policy that chooses per loop
+    (:class:`PerLoop`), else ``policy``."""
+    choose = getattr(policy, "for_loop", None)
+    return choose(node) if callable(choose) else policy
+
+
+CheckpointPolicy = Store | Recompute | SaveProducts | Segments | PerLoop | Policy
 
 #: The longest segment of a K policy (``parse_policy``: T + K must fit in int64).
 MAX_SEGMENT = 2**62

@@ -1,6 +1,7 @@
 """``revgraph train`` options of the loss and of the data layout: ``--loss`` (from :data:`revgraph.losses.LOSSES`,
 ``output:NAME`` included), ``--labels-from``, ``--ignore-index``, ``--label-smoothing``, ``--class-weights``,
-``--data DATA.npz|DIR``, ``--test-data`` and ``--static NAME=FILE`` (:mod:`revgraph.losses`, :mod:`revgraph.data`)."""
+``--loss-chunk`` (:mod:`revgraph.train.chunked_loss`), ``--data DATA.npz|DIR``, ``--test-data`` and ``--static
+NAME=FILE`` (:mod:`revgraph.losses`, :mod:`revgraph.data`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ def _loss(text: str) -> str:
     return text
 
 
+def _chunk(text: str) -> int | str:
+    """``--loss-chunk``: a whole number of tokens, ``auto`` or ``off``
+    (:func:`revgraph.train.chunked_loss.check_chunk`)."""
+    from ..train.chunked_loss import check_chunk
+
+    try:
+        return check_chunk(text)
+    except RevgraphError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("--loss-chunk (chunk_tokens=) ", "")) from None
+
+
 def add_loss_data_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the loss and data options to the ``train`` parser; the losses and their help come from the registry."""
     from ..train.losses import LOSSES
@@ -48,6 +60,11 @@ def add_loss_data_arguments(parser: argparse.ArgumentParser) -> None:
                              "label_smoothing (default 0)")
     parser.add_argument("--class-weights", metavar="FILE.npy",
                         help="cross-entropy, causal-lm: a .npy of C floats, torch's weight= (the weighted mean)")
+    parser.add_argument("--loss-chunk", type=text_type(_chunk, "loss chunk"), metavar="C|auto|off",
+                        help="cross-entropy, causal-lm: compute the output projection (a MatMul/Gemm making the "
+                             "logits) and the loss together in chunks of C tokens, so that the [tokens, classes] "
+                             "logits never exist whole (fused linear cross-entropy); auto (default): chunked only "
+                             "under --memory-budget; off: never")
     parser.add_argument("--static", action="append", default=[], metavar="NAME=FILE",
                         help="an input without a sample axis (edge_index, a trip count, a mask), fed whole to every "
                              "step: FILE.npy or FILE.npz:member; repeat for several ('labels' too, for full-batch "
@@ -64,7 +81,8 @@ def loss_options(args: argparse.Namespace) -> dict:
     except InputError as exc:
         raise InputError(f"--class-weights: {exc}") from None
     return {"labels_from": args.labels_from, "ignore_index": args.ignore_index,
-            "label_smoothing": args.label_smoothing, "class_weights": weights}
+            "label_smoothing": args.label_smoothing, "class_weights": weights,
+            "chunk_tokens": getattr(args, "loss_chunk", None)}
 
 
 def read_data(path: str | None, option: str = "--data", graph=None) -> dict:

@@ -29,7 +29,7 @@ import onnx
 
 from .. import validate as V
 from ..autodiff.api import gradient
-from ..autodiff.policies import CheckpointPolicy
+from ..autodiff.policies import CheckpointPolicy, PerLoop, Recompute, parse_policy
 from ..errors import RevgraphError
 from ..ir import Graph, ValueInfo
 from ..ir.ssa import is_ssa, to_ssa
@@ -194,7 +194,9 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     if loss_options is not None and not isinstance(loss_options, Mapping):  # ** of a list: a TypeError
         raise RevgraphError(f"loss_options must be a mapping of option names to values, got "
                             f"{type(loss_options).__name__}")
-    lg, spec = loss_graph(autocast(model, prec)[0], loss, output=output, **(loss_options or {}))
+    lg, spec = loss_graph(autocast(model, prec)[0], loss, output=output, memory=memory, **(loss_options or {}))
+    if spec.recompute:  # a chunked loss: its loop keeps only the carried sum (revgraph.train.chunked_loss)
+        checkpoint = PerLoop(parse_policy(checkpoint), dict.fromkeys(spec.recompute, Recompute()))
     params_as_inputs(lg, names)
     lg.outputs = lg.outputs[:1]
     # the parameters are finite: training stops at a non-finite loss and never steps with a non-finite

@@ -59,6 +59,10 @@ class Build:
     vi: ValueInfo
     opts: dict
     settings: dict
+    #: the memory budget ``chunk_tokens="auto"`` chooses under (:mod:`revgraph.train.chunked_loss`)
+    memory: object = None
+    #: the chunk loops a class loss emitted (``LossSpec.recompute``)
+    recompute: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ def _cross_entropy_loss(x: Build) -> tuple[str, str | None, str | None]:
     _class_logits(x, "cross-entropy", 2, False, "[..., classes]")
     labels = x.b.fresh("labels")
     x.g.inputs.append(ValueInfo(labels, np.int64, x.vi.shape[:-1]))
-    return _cross_entropy(x.b, x.out, labels, len(x.vi.shape) - 1, x.vi.dtype, x.opts), labels, labels
+    return _class_loss(x, labels), labels, labels
 
 
 def _causal_lm(x: Build) -> tuple[str, str | None, str | None]:
@@ -135,7 +139,22 @@ def _causal_lm(x: Build) -> tuple[str, str | None, str | None]:
     last = b.op("Slice", [ids, i64(-1), i64(2**62), i64(1)])
     none = b.op("Add", [b.op("Mul", [last, b.const(0, np.int64)]), b.const(x.opts["ignore_index"], np.int64)])
     targets = b.op("Concat", [shifted, none], axis=1)
-    return _cross_entropy(b, x.out, targets, len(x.vi.shape) - 1, x.vi.dtype, x.opts), labels, ids
+    return _class_loss(x, targets), labels, ids
+
+
+def _class_loss(x: Build, targets: str) -> str:
+    """:func:`_cross_entropy` of the logits at ``targets``, or its chunked form where ``chunk_tokens`` asks for it
+    and the logits come from a projection (:mod:`revgraph.train.chunked_loss`; recorded as the setting
+    ``chunk_tokens``: the chunk size used)."""
+    from . import chunked_loss
+
+    chunks = chunked_loss.plan(x.g, x.out, x.vi, x.opts.get("chunk_tokens", "off"), x.memory)
+    if chunks is None:
+        return _cross_entropy(x.b, x.out, targets, len(x.vi.shape) - 1, x.vi.dtype, x.opts)
+    value, loop = chunked_loss.chunked_cross_entropy(x.b, chunks[0], targets, x.vi.dtype, x.opts, chunks[1])
+    x.settings["chunk_tokens"] = chunks[1]
+    x.recompute.append(loop)
+    return value
 
 
 def _own_output(x: Build) -> tuple[str, str | None, str | None]:
@@ -160,7 +179,7 @@ def _bce_accuracy(out: np.ndarray, targets, labels: np.ndarray, ignore) -> tuple
     return np.sum((out > 0) == (labels > 0.5)), labels.size
 
 
-_CE_OPTIONS = ("ignore_index", "label_smoothing", "class_weights")
+_CE_OPTIONS = ("ignore_index", "label_smoothing", "class_weights", "chunk_tokens")
 
 #: The losses :func:`loss_graph` builds, by name; ``"output:NAME"`` is a pattern (any output name). The CLI's
 #: ``--loss`` validates and documents from this (:func:`parse_loss`); the data checks, the evaluation's accuracy
@@ -217,10 +236,15 @@ class LossSpec:
     settings: dict = field(default_factory=dict)
     #: causal-lm: the graph input holding the token ids (a model input or ``labels``)
     targets: str | None = None
+    #: the names of the ``Loop`` nodes of a chunked loss (``chunk_tokens``), which :func:`revgraph.training_graph`
+    #: differentiates with the ``recompute`` policy (:mod:`revgraph.train.chunked_loss`)
+    recompute: list[str] = field(default_factory=list)
 
     def rebuild(self) -> tuple[str, dict]:
-        """``(loss, options)`` that give this loss again with :func:`loss_graph` (``eval_graph`` uses it)."""
+        """``(loss, options)`` that give this loss again with :func:`loss_graph` (``eval_graph`` uses it), unchunked:
+        evaluation reads the whole logits for the accuracy anyway (``chunk_tokens`` is left out)."""
         s = dict(self.settings)
+        s.pop("chunk_tokens", None)
         kind = s.pop("kind", self.kind)
         output = s.pop("output", self.output)
         if kind == "output":
@@ -247,7 +271,8 @@ def resolve_output(model: Graph, output: str | None) -> str:
 def check_options(kind: str, options: Mapping) -> dict:
     """The loss options of ``kind`` with defaults filled in and values checked (one-line errors naming the
     option): ``label_smoothing`` in [0, 1], ``class_weights`` finite non-negative floats ``[C]``,
-    ``ignore_index`` an integer, ``labels_from`` a name."""
+    ``ignore_index`` an integer, ``labels_from`` a name, ``chunk_tokens`` a whole number >= 1, ``"auto"`` (default)
+    or ``"off"``."""
     allowed = LOSSES["output:NAME" if kind == "output" else kind].options
     given = {k: v for k, v in options.items() if v is not None and not (k == "label_smoothing" and v == 0)}
     extra = [k for k in given if k not in allowed]
@@ -256,7 +281,7 @@ def check_options(kind: str, options: Mapping) -> dict:
         raise RevgraphError(f"unknown loss option {extra[0]!r} (loss_options=); the options are "
                             f"{', '.join(sorted(known))}")
     if extra:
-        flag = "--" + extra[0].replace("_", "-")
+        flag = {"chunk_tokens": "--loss-chunk"}.get(extra[0], "--" + extra[0].replace("_", "-"))
         raise RevgraphError(f"{flag} ({extra[0]}=) does not apply to --loss {kind}; it goes with "
                             f"{' or '.join(k for k, v in LOSSES.items() if extra[0] in v.options)}")
     out: dict = {}
@@ -290,22 +315,27 @@ def check_options(kind: str, options: Mapping) -> dict:
                                     "give at least one positive weight")
             w = [float(v) for v in w]
         out["class_weights"] = w
+        from .chunked_loss import check_chunk
+
+        out["chunk_tokens"] = check_chunk(options.get("chunk_tokens"))
     if "labels_from" in allowed:
         out["labels_from"] = options.get("labels_from")
     return out
 
 
 @V.arguments(model=V.GRAPH, loss=V.TEXT, output=V.NAME)
-def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None = None,
+def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None = None, memory=None,
                **options) -> tuple[Graph, LossSpec]:
     """A copy of ``model`` (in SSA form) with an input for the labels (when the loss has them) and a scalar loss.
 
     The result's outputs are ``[loss, output]``; parameters stay initializers (so ``revgraph.check_gradients``
     can check the loss with ``wrt`` = the parameters). ``loss``: a name of :data:`LOSSES` or ``"output:NAME"``;
     ``options``: ``ignore_index``, ``label_smoothing``, ``class_weights`` (cross-entropy, causal-lm),
-    ``labels_from`` (causal-lm), see the module doc. Labels: int64 with the logits' shape minus the last axis
-    for ``"cross-entropy"``, the output's dtype and shape for ``"mse"`` and ``"bce"``, the ids' shape for
-    ``causal-lm`` with ``labels_from="labels"``. Raises :class:`RevgraphError` for an unknown loss, option or
+    ``labels_from`` (causal-lm), see the module doc; ``chunk_tokens`` (cross-entropy, causal-lm: a whole number,
+    ``"auto"`` or ``"off"``) computes the output projection and the loss together in chunks of tokens, under the
+    budget ``memory`` for ``"auto"`` (:mod:`revgraph.train.chunked_loss`). Labels: int64 with the logits' shape
+    minus the last axis for ``"cross-entropy"``, the output's dtype and shape for ``"mse"`` and ``"bce"``, the
+    ids' shape for ``causal-lm`` with ``labels_from="labels"``. Raises :class:`RevgraphError` for an unknown loss, option or
     output, an output that is not a float tensor of known rank, an ``output:NAME`` that is not a float scalar,
     class weights of another length than the classes, a missing ids input.
     """
@@ -321,13 +351,15 @@ def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None 
     vi = types.get(out) or ValueInfo(out)
     b = Builder(g.names_in_use())
     b.prefix = f"loss/{kind}"
-    settings = {"kind": kind, "output": out, **opts}
+    settings = {"kind": kind, "output": out, **{k: v for k, v in opts.items() if k != "chunk_tokens"}}
     if not vi.is_float:
         what = f"--loss output:{out} needs a float scalar output" if kind == "output" else \
             "the loss needs a floating-point model output"
         raise RevgraphError(f"{what}; {out!r} is {vi.describe()}")
-    value, labels, targets = loss_kind(kind).build(Build(g, b, out, vi, opts, settings))
-    return _finish(g, b, value, vi, labels, LossSpec("", labels, out, kind, settings, targets=targets))
+    x = Build(g, b, out, vi, opts, settings, memory)
+    value, labels, targets = loss_kind(kind).build(x)
+    return _finish(g, b, value, vi, labels, LossSpec("", labels, out, kind, settings, targets=targets,
+                                                     recompute=x.recompute))
 
 
 def _finish(g: Graph, b: Builder, value: str, vi: ValueInfo, labels, spec: LossSpec) -> tuple[Graph, LossSpec]:

@@ -28,7 +28,7 @@ from ...ir.ssa import captured_names
 from ...onnx_io.value_types import keep_types
 from ...warn import warn
 from ..context import Ctx, ForwardPatch, PatchedVJP
-from ..policies import Recompute, Segments
+from ..policies import Recompute, Segments, loop_policy
 from ..registry import vjp
 from .checkpoint import checkpointed_loop
 from .residuals import declare_outputs, emit_plan, plan_residuals, static_trips
@@ -38,7 +38,7 @@ from .reverse import I64, body_seeds, close_loop, count_trips, open_body, settle
 @vjp("Loop", bounded=False, finite=False)
 def loop(ctx: Ctx, node: Node, cts: list) -> PatchedVJP:
     """VJP of ONNX ``Loop`` (operator spec "Loop", opset 21): see the module doc."""
-    policy = ctx.options.checkpoint
+    policy = loop_policy(ctx.options.checkpoint, node)  # (PerLoop: a chunked loss's loop recomputes)
     if isinstance(policy, Segments) and _carries_sequences(ctx, node):
         warn(f"{node.label()} carries a sequence, and checkpoint={policy.name!r} keeps the loop-carried values "
              "at segment starts as stacked tensors, which a sequence cannot be; this loop is differentiated "
