@@ -88,7 +88,7 @@ not_differentiable("strings or encoded bytes, not floating point", "ImageDecoder
                    "StringNormalizer", "StringSplit", "TfIdfVectorizer", bounded=False, finite=False)
 
 
-@vjp("BitCast", bounded=False, finite=False)
+@vjp("BitCast", bounded=True, finite=False, reads=())  # (its VJP refuses: it multiplies by nothing)
 def bitcast(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "BitCast" (opset 26) reinterprets the bits of its input as another type of the same size: the
     output's values are no differentiable function of the input's. From or to an integer type no gradient
