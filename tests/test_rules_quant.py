@@ -191,6 +191,21 @@ def test_refused_without_the_option():
         rg.gradient(lg, loss="loss", wrt=["x"])
 
 
+@pytest.mark.parametrize("transform", ["jvp", "hessian", "jacobian_forward"])
+def test_forward_mode_refuses_a_pair_too(transform):
+    """Forward mode reached the DequantizeLinear only through the QuantizeLinear, which it skipped as not
+    differentiable: a zero tangent with a "no path" warning, where reverse mode refuses. The pair reads the
+    QuantizeLinear's inputs in forward mode too, so its rule refuses alike."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    g = qdq_graph(x, np.array(0.1, dtype=np.float32), np.array(0, dtype=np.int8), learn_scale=False)
+    lg, _ = with_loss(g, ort_runner(g)({"x": x}))
+    call = {"jvp": lambda: rg.jvp(lg, inputs=["x"]), "hessian": lambda: rg.hessian(lg, "loss", ["x"]),
+            "jacobian_forward": lambda: rg.jacobian(lg, ["loss"], ["x"], mode="forward")}[transform]
+    with pytest.raises(GraphError, match=r"'dequant'.*'quant'.*straight-through.*forward mode"):
+        call()
+
+
 def test_option_default_off():
     from revgraph.autodiff.context import Options
 

@@ -35,7 +35,7 @@ from ..onnx_io.value_types import constant_values, differentiable, infer_types, 
 from ..warn import warn
 from .accumulate import densify, zeros_like
 from .arguments import resolve_outputs, resolve_wrt, used_names
-from .backward import backward
+from .backward import _pair_reads, backward
 from .context import Options
 from .emitter import Emitter
 from .loops.lower import complete_types, lower_to_loops
@@ -144,13 +144,18 @@ def _last_reads(graph: Graph) -> dict[str, int]:
 
 def reached_nodes(nodes: list[Node], seeds: Iterable[str], types: dict[str, ValueInfo]) -> tuple[list[Node], set[str]]:
     """The nodes reading (directly or from a subgraph) a value with a tangent, and the values that then have
-    one: floating-point outputs of differentiable operators (the forward reach of ``prune``)."""
+    one: floating-point outputs of differentiable operators (the forward reach of ``prune``). A DequantizeLinear
+    reads what its QuantizeLinear reads (``backward._pair_reads``): the pair is one function, whose rule refuses
+    the rounding without the straight-through estimator, where skipping the QuantizeLinear as not
+    differentiable gave a zero tangent with only a "no path" warning."""
     reach = set(seeds)
     hit = []
+    writers = {o: n for n in nodes for o in n.outputs if o}
     for node in nodes:
         if node.op_type in NOT_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
             continue
-        reads = [*node.inputs, *(c for sg in node.subgraphs.values() for c in captured_names(sg))]
+        reads = [*node.inputs, *(c for sg in node.subgraphs.values() for c in captured_names(sg)),
+                 *_pair_reads(node, writers)]
         if any(i in reach for i in reads if i):
             hit.append(node)
             reach.update(o for o in node.outputs if o and differentiable(types.get(o)))
@@ -165,7 +170,9 @@ def _segment(graph: Graph, seg: list[Node], end: int, tangents: dict[str, str], 
           if o and o not in tangents and differentiable(types.get(o)) and (o in wanted or last_read.get(o, -1) > end)]
     if not ys:
         return seg
-    reads = {i for n in hit for i in [*n.inputs, *(c for sg in n.subgraphs.values() for c in captured_names(sg))]}
+    writers = {o: n for n in seg for o in n.outputs if o}
+    reads = {i for n in hit for i in [*n.inputs, *(c for sg in n.subgraphs.values() for c in captured_names(sg)),
+                                      *_pair_reads(n, writers)]}
     xs = [x for x in tangents if x in reads]
     # what the segment reads from outside (graph inputs, earlier loops' outputs) may be inf or NaN: its inputs
     outside = _outside_reads(seg, graph.initializers, types)

@@ -197,7 +197,8 @@ def dequantize(ctx: Ctx, node: Node, cts: list) -> list | PatchedVJP:
         raise GraphError(
             f"{node.label()}: the gradient through {pair.label()} -> {node.op_type} (quantization: rounding has "
             "derivative 0 almost everywhere) needs the straight-through estimator; ask for it with "
-            "gradient(..., straight_through=True) or revgraph grad --straight-through")
+            "gradient(..., straight_through=True) or revgraph grad --straight-through (reverse mode; forward mode, "
+            "jvp and hessian, has no estimator)")
     return PatchedVJP(grads, _straight_through(ctx, node, pair, g, gran, needs))
 
 
