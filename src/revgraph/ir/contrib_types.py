@@ -9,7 +9,8 @@ input's type; the skip normalizations give ``output`` and ``input_skip_bias_sum`
 statistics ``mean`` and ``inv_std_var`` float32 of the input's shape with the last axis 1;
 ``SimplifiedLayerNormalization`` (written in the default domain, though ONNX does not define it) gives ``Y``
 the scale's dtype and ``inv_std_var`` the ``stash_type`` dtype with the normalized axes 1; ``FusedMatMul``
-follows ``FusedMatMulShapeInference`` (``transBatchA`` moves axis 0 of A to the row axis of the product).
+follows ``FusedMatMulShapeInference`` (``transBatchA`` moves axis 0 of A to the row axis of the product);
+``MatMulNBits`` gives A's shape with the last axis ``N``.
 """
 
 from __future__ import annotations
@@ -101,6 +102,15 @@ def _fused_matmul(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, Value
     return {out: ValueInfo(out, a.dtype, shape)}
 
 
+def _matmul_nbits(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, ValueInfo]:
+    """``Y``: A's shape with the last axis ``N``, A's dtype."""
+    a = _first(types, node)
+    if a is None or "N" not in node.attrs:
+        return {}
+    shape = None if a.shape is None else (*tuple(a.shape)[:-1], int(node.attrs["N"]))
+    return {node.outputs[0]: ValueInfo(node.outputs[0], a.dtype, shape)}
+
+
 _FORMULAS = {
     (MS, "SkipLayerNormalization"): _skip_norm,
     (MS, "SkipSimplifiedLayerNormalization"): _skip_norm,
@@ -111,6 +121,7 @@ _FORMULAS = {
     (MS, "QuickGelu"): _same,
     (MS, "BiasAdd"): _same,
     (MS, "FusedMatMul"): _fused_matmul,
+    (MS, "MatMulNBits"): _matmul_nbits,
 }
 
 

@@ -6,6 +6,7 @@ from . import (  # noqa: F401
     attention,  # Attention
     contrib_fused,  # com.microsoft Gelu, BiasGelu, FastGelu, QuickGelu, BiasAdd, FusedMatMul
     contrib_norm,  # com.microsoft SkipLayerNormalization, SkipSimplifiedLayerNormalization; SimplifiedLayerNormalization
+    contrib_quant,  # com.microsoft MatMulNBits (a frozen base)
     conv,  # Conv, ConvTranspose
     deform,  # DeformConv, Col2Im
     dropout,
