@@ -451,7 +451,7 @@ TRAINER_RULES = {"model": MODEL, "loss": TEXT, "optimizer": OPTIMIZER, "output":
                  "checkpoint": POLICY, "distributed": FLAG, "memory": BUDGET, "bucket_mb": POSITIVE, "profile": _profile,
                  "overlap": choice(True, False, "auto"),
                  "sync_batchnorm": FLAG, "timeout": OPTIONAL_POSITIVE,
-                 "clip_grad_norm": OPTIONAL_POSITIVE}  # (params, freeze: revgraph.selection, glob patterns)
+                 "clip_grad_norm": OPTIONAL_POSITIVE, "straight_through": FLAG}  # (params, freeze: revgraph.selection, glob patterns)
 #: :meth:`revgraph.Trainer.fit`'s arguments.
 _OPTIONAL_POSITIVE_INT = rule(lambda n, v: v if v is None else POSITIVE_INT(n, v))
 FIT_RULES = {"epochs": _OPTIONAL_POSITIVE_INT, "max_steps": _OPTIONAL_POSITIVE_INT, "eval_every": _OPTIONAL_POSITIVE_INT,

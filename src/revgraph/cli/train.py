@@ -90,6 +90,10 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                        help="with --snapshot-dir: save every N steps (default: at the end of each epoch)")
     train.add_argument("--checkpoint-every", dest="checkpoint_every", type=N.NON_NEGATIVE_INT, default=0,
                        metavar="N", help=argparse.SUPPRESS)
+    train.add_argument("--straight-through", action="store_true",
+                       help="quantization-aware training: differentiate QuantizeLinear -> DequantizeLinear pairs with "
+                            "the straight-through estimator (as revgraph grad --straight-through; without it such a "
+                            "pair on a path to the loss is refused)")
     train.add_argument("--allow-nonfinite", action="store_true",
                        help="train on when the loss becomes NaN or infinite (default: stop at that step, exit 2)")
     train.add_argument("--nproc", type=N.NPROC, metavar="N",
@@ -234,6 +238,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
                           distributed=distributed, runtime=runtime_from_args(args), buffers=args.buffers,
                           memory=budget, shard=args.shard, sync_batchnorm=args.sync_batchnorm,
                           timeout=args.timeout, loss_options=loss_options(args), precision=precision,
+                          straight_through=args.straight_through,
                           **selected, **trainer_arguments(args))
     if trainer.comm:
         _agree(trainer, args)

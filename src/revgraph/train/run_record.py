@@ -28,7 +28,8 @@ from . import snapshot_checks, snapshots
 
 #: The recorded settings' values for checkpoints that do not record them (written before the record existed).
 OLD_DEFAULTS = {"lr_schedule": "constant", "warmup_steps": 0, "min_lr": 0.0, "total_steps": None,
-                "clip_grad_norm": None, "no_decay": [], "precision": "fp32", "embedding_update": "lazy"}
+                "clip_grad_norm": None, "no_decay": [], "precision": "fp32", "embedding_update": "lazy",
+                "straight_through": False}
 
 
 def record(spec, total: int | None = None) -> dict:
@@ -39,6 +40,8 @@ def record(spec, total: int | None = None) -> dict:
            "precision": getattr(spec, "precision", "fp32")}
     if not getattr(spec, "sparse", None):  # (only a table updated from gradient rows has a choice of update)
         rec.pop("embedding_update", None)
+    if getattr(spec, "straight_through", False):  # (recorded where used: older snapshots compare as without it)
+        rec["straight_through"] = True
     scaling = getattr(spec, "scaling", None)
     if scaling is not None:  # fp16: GradScaler's options (the scale itself is carried state, in the arrays:
         # its initial value does not matter once resumed)

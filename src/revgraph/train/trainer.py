@@ -90,6 +90,8 @@ class Trainer:
     ``sync_batchnorm=True`` (data-parallel only): training-mode
     ``BatchNormalization`` nodes normalize with the statistics of the global batch, all-reduced inside the step
     (:mod:`revgraph.sync_batchnorm`; without it each rank normalizes over its share and rank 0 warns).
+    ``straight_through=True``: quantization-aware training, ``QuantizeLinear -> DequantizeLinear`` pairs
+    differentiated with the straight-through estimator (:func:`revgraph.gradient`'s option; refused without it).
     ``timeout`` (seconds, with ``distributed``; default
     :data:`revgraph.launch.DEFAULT_TIMEOUT`) bounds joining the process group and every collective, so a rank
     that stopped fails the others with one line instead of a hang; the loss, the optimizer and its
@@ -118,7 +120,7 @@ class Trainer:
                  profile: bool = False, shard: str = "none",
                  sync_batchnorm: bool = False, timeout: float | None = None, loss_options: dict | None = None,
                  schedule=None, clip_grad_norm: float | None = None, no_decay=None, precision="fp32",
-                 freeze: Iterable[str] | None = None):
+                 freeze: Iterable[str] | None = None, straight_through: bool = False):
         settings = EngineSettings(buffers, bucket_mb, reduce_dtype, overlap, shard, sync_batchnorm, distributed)
         self._settings = settings  # (fit refuses accumulation with some of them)
         # settings left None take the training default (memory pattern off, arena on)
@@ -148,7 +150,8 @@ class Trainer:
                               schedule=schedule, clip_grad_norm=clip_grad_norm, no_decay=no_decay)
         self.spec: TrainingGraph = training_graph(model, loss, optimizer, output=output, params=params,
                                                   checkpoint=checkpoint, memory=memory, loss_seed=bool(synced),
-                                                  loss_options=loss_options, precision=precision, freeze=freeze)
+                                                  loss_options=loss_options, precision=precision, freeze=freeze,
+                                                  straight_through=straight_through)
         check_combination(precision, self.device.kind, self.spec.graph)
         if self.comm:  # before anything runs: a rank with another --lr would train other weights
             self.comm.check_same({"loss": self.spec.loss.settings, "model output": self.spec.loss.output,
