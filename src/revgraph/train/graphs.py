@@ -128,6 +128,9 @@ class TrainingGraph:
     precision: str = "fp32"
     #: fp16: the dynamic loss scaling's names (:class:`revgraph.precision.LossScale`; carried state), or None
     scaling: object = None
+    #: quantization-aware training: QuantizeLinear -> DequantizeLinear pairs differentiated with the
+    #: straight-through estimator (recorded in a snapshot: it changes the gradients)
+    straight_through: bool = False
     #: with clipping: the output of the gradients' global L2 norm before clipping (float64 scalar; what
     #: ``torch.nn.utils.clip_grad_norm_`` returns), else ``None``
     grad_norm: str | None = None
@@ -164,13 +167,15 @@ class TrainingGraph:
         return [*self.params, *([self.scaling.scale] if self.scaling is not None else [])]
 
 
+# (params, freeze: checked by revgraph.selection; loss_options: by revgraph.losses)
 @V.arguments(model=V.MODEL, loss=V.TEXT, optimizer=V.OPTIMIZER, output=V.NAME, checkpoint=V.POLICY,
-             memory=V.BUDGET, loss_seed=V.FLAG)  # (params, freeze: selection; loss_options: losses)
+             memory=V.BUDGET, loss_seed=V.FLAG, straight_through=V.FLAG)
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                    optimizer: Optimizer | str = "adam", *, output: str | None = None,
                    params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store",
                    memory=None, loss_seed: bool = False, loss_options: dict | None = None,
-                   precision=None, freeze: Iterable[str] | None = None) -> TrainingGraph:
+                   precision=None, freeze: Iterable[str] | None = None,
+                   straight_through: bool = False) -> TrainingGraph:
     """The training-step graph of ``model`` (module doc): loss, gradients, optimizer update, as ONNX nodes.
 
     ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES` (``"output:NAME"``
@@ -182,7 +187,9 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     :func:`revgraph.gradient` (a fraction, bytes or a ``revgraph.Budget``; the plan is ``graph.memory_plan``).
     ``loss_seed=True`` adds the scalar input ``TrainingGraph.seed`` that multiplies the loss's cotangent.
     ``precision``: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a :class:`revgraph.precision.Precision`
-    (mixed precision, fp16 with dynamic loss scaling: :mod:`revgraph.precision`).
+    (mixed precision, fp16 with dynamic loss scaling: :mod:`revgraph.precision`). ``straight_through``: the
+    straight-through estimator through ``QuantizeLinear -> DequantizeLinear`` pairs (quantization-aware
+    training; :func:`revgraph.gradient`'s option, refused without it).
     Raises :class:`RevgraphError` (one line) for bad names or values, and what :func:`revgraph.gradient`
     raises for a model it cannot differentiate.
     """
@@ -203,7 +210,8 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     # parameter (Trainer.fit), so the strong-zero guards need not follow them (issue 39: 126 of a LLaMA
     # step's 885 backward nodes tested for zeros behind the embedding table)
     gg = gradient(lg, spec.loss, names, sparse=True, checkpoint=checkpoint, memory=memory,
-                  seed="input" if loss_seed or prec.scaled else "ones", finite_inputs=names)
+                  seed="input" if loss_seed or prec.scaled else "ones", finite_inputs=names,
+                  straight_through=straight_through)
     seed = next(v.name for v in gg.inputs if v.name not in set(lg.input_names)) if loss_seed or prec.scaled else None
     scaling = seed_with_scale(gg, seed, loss_seed, prec, lg.outputs[0].dtype) if prec.scaled else None
     seed = seed if loss_seed else None
@@ -281,6 +289,7 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     if tg.grad_norm:
         gg.outputs.append(ValueInfo(tg.grad_norm, np.float64, ()))
     tg.precision = prec.kind
+    tg.straight_through = bool(straight_through)
     if scaling is not None:
         add_loss_scaling(tg, scaling)
     return tg
