@@ -103,7 +103,77 @@ def test_matmul_nbits_refusals(attrs, message):
 
 
 def test_contrib_llm_rules_state_their_facts():
-    ops = {"MatMulNBits"}
+    ops = {"MatMulNBits", "RotaryEmbedding"}
     contrib = {k: f for k, f in registry.DOMAIN_FACTS.items() if k[0] == MS and k[1] in ops}
     assert {op for _, op in contrib} == ops
     assert {k: f.undeclared() for k, f in contrib.items() if f.undeclared()} == {}
+
+
+# ---------------------------------------------------------------------------------------------- RotaryEmbedding
+
+
+def rotate(x, c, s, *, interleaved=False):
+    """The pairs of the first ``2 * c.shape[-1]`` features of ``x`` rotated by ``(c, s)`` (broadcast); the rest
+    passes through."""
+    r = 2 * c.shape[-1]
+    xr, rest = x[..., :r], x[..., r:]
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).reshape(xr.shape)
+    else:
+        x1, x2 = xr[..., :r // 2], xr[..., r // 2:]
+        out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
+    return torch.cat([out, rest], -1)
+
+
+def rotary_embedding(x, pos, cos, sin, *, interleaved=0, heads=None):
+    """``com.microsoft.RotaryEmbedding``: 3-D ``[B, S, H*D]`` (split into ``heads``) or 4-D ``[B, H, S, D]``;
+    ``position_ids`` ``[B, S]`` or one element (``p0 + t``)."""
+    four = x.dim() == 4
+    x4 = x if four else x.reshape(x.shape[0], x.shape[1], heads, -1)
+    seq = x4.shape[2] if four else x4.shape[1]
+    p = pos if pos.dim() == 2 else pos.reshape(1, 1) + torch.arange(seq)[None]
+    c, s = cos[p], sin[p]  # [B|1, S, R/2]
+    c, s = (c[:, None] if four else c[:, :, None]), (s[:, None] if four else s[:, :, None])
+    y = rotate(x4, c, s, interleaved=bool(interleaved))
+    return y if four else y.reshape(x.shape)
+
+
+def _angles(rng, positions, half):
+    ang = rng.uniform(0, 6, (positions, half))
+    return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+
+
+@pytest.mark.parametrize(("shape", "attrs", "pos"), [
+    ((2, 3, 2 * 8), {"num_heads": 2}, "2d"),
+    ((2, 3, 2 * 8), {"num_heads": 2, "interleaved": 1}, "2d"),
+    ((2, 3, 2 * 8), {}, "1"),  # heads from the caches' width; one position: p0 + t
+    ((2, 2, 3, 8), {"interleaved": 1}, "2d"),
+    ((2, 2, 3, 8), {}, "scalar"),
+    ((2, 3, 2 * 8), {"num_heads": 2, "rotary_embedding_dim": 4}, "2d"),  # the rest passes through
+    ((2, 3, 2 * 8), {"num_heads": 2, "rotary_embedding_dim": 4, "interleaved": 1}, "1"),
+    ((2, 2, 3, 8), {"num_heads": 2, "rotary_embedding_dim": 4}, "2d"),
+    ((2, 3, 2 * 8), {"num_heads": 2, "scale": 0.5, "is_packed_batching": 1}, "2d"),  # (the kernel reads neither)
+])
+def test_rotary_embedding(shape, attrs, pos):
+    """``dX`` rotated back; the caches' gradients added at the positions (repeated positions accumulate)."""
+    rng = np.random.default_rng(len(shape) + len(attrs))
+    d = shape[-1] if len(shape) == 4 else 8
+    half = attrs.get("rotary_embedding_dim", d) // 2
+    cos, sin = _angles(rng, 12, half)
+    b, s = shape[0], shape[2] if len(shape) == 4 else shape[1]
+    p = {"2d": rng.integers(0, 12, (b, s)), "1": np.array([4]), "scalar": np.array(7)}[pos].astype(np.int64)
+    ins = [("x", rng.standard_normal(shape).astype(F32)), ("pos", p), ("cos", cos), ("sin", sin)]
+    kw = {"interleaved": attrs.get("interleaved", 0), "heads": shape[-1] // d if len(shape) == 3 else None}
+    check("RotaryEmbedding", ins, lambda *t: rotary_embedding(*t, **kw), attrs=attrs)
+
+
+def test_rotary_embedding_refuses_a_mismatched_dim():
+    rng = np.random.default_rng(3)
+    cos, sin = _angles(rng, 12, 4)
+    ins = [("x", rng.standard_normal((2, 3, 16)).astype(F32)), ("pos", np.array([0], np.int64)), ("cos", cos),
+           ("sin", sin)]
+    g = graph("RotaryEmbedding", ins, {"num_heads": 2, "rotary_embedding_dim": 4}, ["y"])
+    lg = with_loss(g, {"y": np.zeros((2, 3, 16), F32)}, ["y"])
+    with pytest.raises(rg.GraphError, match="node 'op'.*rotary_embedding_dim 4 differs"):
+        rg.gradient(lg, loss="loss", wrt=["x"])

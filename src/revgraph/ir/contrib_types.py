@@ -10,7 +10,7 @@ statistics ``mean`` and ``inv_std_var`` float32 of the input's shape with the la
 ``SimplifiedLayerNormalization`` (written in the default domain, though ONNX does not define it) gives ``Y``
 the scale's dtype and ``inv_std_var`` the ``stash_type`` dtype with the normalized axes 1; ``FusedMatMul``
 follows ``FusedMatMulShapeInference`` (``transBatchA`` moves axis 0 of A to the row axis of the product);
-``MatMulNBits`` gives A's shape with the last axis ``N``.
+``MatMulNBits`` gives A's shape with the last axis ``N``; ``RotaryEmbedding`` keeps its input's type.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ _FORMULAS = {
     (MS, "BiasAdd"): _same,
     (MS, "FusedMatMul"): _fused_matmul,
     (MS, "MatMulNBits"): _matmul_nbits,
+    (MS, "RotaryEmbedding"): _same,
 }
 
 
