@@ -1,16 +1,17 @@
 """Memory of a language model's training step with the loss chunked (fused linear cross-entropy) and without
 (issue 42, item 1): ``revgraph.train.chunked_loss``, ``loss_options={"chunk_tokens": C}``, ``--loss-chunk C``.
 
-    python bench/chunked_loss.py [--vocab 32000] [--batch 4] [--seq 512] [--configs off 256 auto pt] [--json FILE]
+    python bench/chunked_loss.py [--vocab 32000] [--batch 4] [--seq 512] [--configs off 256 1024 auto pt] [--steps 3]
+                               [--json FILE]
 
 The model: transformers' ``LlamaForCausalLM`` (hidden 256, 2 layers, 4 heads, 2 KV heads, intermediate 688, no
 tied embeddings, eager attention) at vocabulary ``--vocab``, exported once by ``rg.export_torch``; causal-lm
 loss on ``--batch`` x ``--seq`` tokens, Adam, one thread. Every configuration runs in a fresh worker process
 (``--worker``): it builds the ``rg.Trainer`` (or the PyTorch module and optimizer), resets the peak resident
-set size (5 into /proc/self/clear_refs; ``built``: the resident size then), runs two steps and reports the first
+set size (5 into /proc/self/clear_refs; ``built``: the resident size then), runs steps and reports the first
 step's peak (VmHWM) over ``built`` (``step``: what a step adds, onnxruntime's arena and PyTorch's allocator
-keeping it for the next steps) and the peak after the two steps (``peak``, absolute; the second step's time). Configurations:
-``off`` (the loss from the whole logits), a number ``C`` (``chunk_tokens=C``), ``auto`` (``memory=0.5`` and
+keeping it for the next steps) and the peak after ``--steps`` more steps (``peak``, absolute; their median
+time). Configurations: ``off`` (the loss from the whole logits), a number ``C`` (``chunk_tokens=C``), ``auto`` (``memory=0.5`` and
 the chunk size it chooses; the memory planner's budget applies to the rest of the step too) and ``pt``
 (PyTorch eager, ``F.cross_entropy`` of the whole logits, for scale). The losses of the revgraph
 configurations must agree (1e-5): the same weights and batch.
@@ -22,6 +23,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,7 +67,7 @@ def export(vocab: int, seq: int, path: str) -> None:
     torch.save(m.state_dict(), path + ".pt")
 
 
-def worker(config: str, path: str, vocab: int, batch: int, seq: int) -> dict:
+def worker(config: str, path: str, vocab: int, batch: int, seq: int, steps: int) -> dict:
     """One configuration in this (fresh) process: build, warm up, measure one step (module doc)."""
     import numpy as np
 
@@ -105,9 +107,12 @@ def worker(config: str, path: str, vocab: int, batch: int, seq: int) -> dict:
     first = step()
     warm = time.perf_counter() - t0
     first_peak = peak_mb()
-    t0 = time.perf_counter()
-    loss = step()
-    secs = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):  # (after the measured first step: the arena and allocator hold what it took)
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    secs = statistics.median(times)
     return {"config": config, "chunk_tokens": chunk, "first_loss": first, "loss": loss, "step_s": round(secs, 2),
             "first_step_s": round(warm, 2), "built_mb": round(built, 1), "step_mb": round(first_peak - built, 1),
             "peak_mb": round(peak_mb(), 1)}
@@ -118,13 +123,14 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--configs", nargs="+", default=["off", "256", "auto", "pt"])
+    ap.add_argument("--configs", nargs="+", default=["off", "256", "1024", "auto", "pt"])
+    ap.add_argument("--steps", type=int, default=3, help="timed steps after the measured one (median)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker, a.model, a.vocab, a.batch, a.seq)))
+        print(json.dumps(worker(a.worker, a.model, a.vocab, a.batch, a.seq, a.steps)))
         return
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -133,7 +139,7 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         for c in a.configs:
             cmd = [sys.executable, __file__, "--worker", c, "--model", path, "--vocab", str(a.vocab),
-                   "--batch", str(a.batch), "--seq", str(a.seq)]
+                   "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps)]
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
             if out.returncode:
                 raise SystemExit(f"{c}: worker failed: {out.stderr.strip().splitlines()[-1:]}")

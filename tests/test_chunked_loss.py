@@ -204,7 +204,7 @@ def test_backward_keeps_nothing_vocabulary_sized():
         assert kept_bytes(tg, ids) < logits_bytes / 10, checkpoint
         assert not [n for n in tg.graph.nodes if n.name in ("head", "bias")]
         loop = next(n for n in tg.graph.nodes if n.name == tg.loss.recompute[0])
-        assert len(loop.outputs) <= 2  # the sum (and the trip count the backward loop reads): no stacked chunk
+        assert len(loop.outputs) <= 2  # the chunks' sums (and the trip count the backward loop reads)
 
 
 def test_trainer_steps_auto_and_evaluation():

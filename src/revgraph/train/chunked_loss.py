@@ -10,9 +10,9 @@ the loss graph computes the cross-entropy as an ONNX ``Loop`` over chunks of ``C
 large-vocabulary language models"), so that the ``[B*T, V]`` logits never exist whole::
 
     h2 = Flatten(h) [N, D]   targets [N]   coefficients of each token's terms [N]   (N = B*T)
-    num = Loop over k < ceil(N / C):  logits_k = projection(h2[kC : kC + C])  [C, V]   (the last chunk shorter)
-                                      num += sum(a_k * -log_softmax(logits_k)[target]) (+ smoothing term)
-    loss = num / den        (den: the counted targets' weights, [N]-sized work outside the loop)
+    sums = Loop over k < ceil(N / C):  logits_k = projection(h2[kC : kC + C])  [C, V]   (the last chunk shorter)
+                                       sums[k] = sum(a_k * -log_softmax(logits_k)[target]) (+ smoothing term)
+    loss = sum(sums) / den   (den: the counted targets' weights, [N]-sized work outside the loop)
 
 The terms are those of :func:`revgraph.losses._cross_entropy` (``ignore_index``, ``label_smoothing``, class
 weights, the divisor ``max(count, 1)``); only the order of the float sums differs (chunk by chunk), so the loss
@@ -21,9 +21,9 @@ and the gradients equal the unchunked ones to float32 rounding (tests/test_chunk
 The backward must not keep the chunks' logits either: the loop's VJP under the ``store`` policy would stack each
 iteration's ``[C, V]`` log-softmax, ``[N, V]`` in all. :func:`revgraph.training_graph` therefore differentiates
 the chunk loops of :attr:`LossSpec.recompute <revgraph.losses.LossSpec>` with the ``recompute`` policy
-(:class:`revgraph.autodiff.policies.PerLoop`; every other loop keeps ``checkpoint=``): the forward loop keeps
-only the carried sum, and each backward iteration recomputes its chunk's logits from ``h`` and ``W``: one more
-projection per step (the forward's, as Liger's kernel), the gradients of ``h`` and ``W`` summed over the chunks.
+(:class:`revgraph.autodiff.policies.PerLoop`; every other loop keeps ``checkpoint=``): the forward loop carries
+nothing and keeps nothing but each chunk's sum, and each backward iteration recomputes its chunk's logits from
+``h`` and ``W``: one more projection per step, the gradients of ``h`` and ``W`` summed over the chunks.
 
 ``chunk_tokens``: a whole number ``C >= 1`` (``C >= N``: one chunk), ``"off"``, or ``"auto"`` (the default):
 chunked only under a memory budget (``Trainer(memory=)``, ``--memory-budget``, :func:`auto_chunk` has the rule).
@@ -213,19 +213,20 @@ def chunked_cross_entropy(b, proj: Projection, targets: str, dt, opts: dict, chu
     body = _body(b, proj, h2, t, a, u, smooth, table, dt, size)
     num = b.fresh(f"{b.prefix}/chunks")
     name = b.fresh(f"{b.prefix}/chunked")
-    b.nodes.append(Node("Loop", [trips, "", b.const(0.0, dt)], [num], {"body": body}, name))
-    return b.op("Div", [num, den]), name
+    b.nodes.append(Node("Loop", [trips, ""], [num], {"body": body}, name))
+    return b.op("Div", [b.op("ReduceSum", [num], keepdims=0), den]), name
 
 
 def _body(b, proj: Projection, h2: str, t: str, a: str | None, u: str | None, smooth: float, table, dt,
           size: str) -> Graph:
-    """The chunk loop's body: ``(k, cond, num) -> (cond, num + the terms of chunk k)``. ``a`` / ``u``: each
-    token's coefficient of its nll / uniform term ([N], captured), ``None`` for the constant ``1 - S`` / ``S``."""
+    """The chunk loop's body: ``(k, cond) -> (cond, the sum of chunk k's terms)``, a scan output. ``a`` / ``u``:
+    each token's coefficient of its nll / uniform term ([N], captured), ``None`` for the constants ``1 - S`` /
+    ``S``."""
     from .graphbuild import Builder
 
     e = Builder(b.used)
     e.prefix = f"{b.prefix}/chunk"
-    k, cond, acc = e.fresh("chunk_k"), e.fresh("chunk_cond"), e.fresh("chunk_num")
+    k, cond = e.fresh("chunk_k"), e.fresh("chunk_cond")
     axes = e.const([0], I64)
     start = e.op("Unsqueeze", [e.op("Mul", [k, size]), axes])
     end = e.op("Add", [start, e.op("Unsqueeze", [size, axes])])
@@ -249,11 +250,10 @@ def _body(b, proj: Projection, h2: str, t: str, a: str | None, u: str | None, sm
         uniform = e.op("Neg", [e.op("ReduceMean", [lp, last], keepdims=0)])
         uniform = e.op("Mul", [uniform, rows(u) if u is not None else e.const(smooth, dt)])
         terms = e.op("Add", [terms, e.op("ReduceSum", [uniform], keepdims=0)])
-    new = e.op("Add", [acc, terms])
     cond_out = e.op("Identity", [cond])
     return Graph(e.nodes, [ValueInfo(k, np.dtype(I64), ()), ValueInfo(cond, np.dtype(bool), ()),
-                           ValueInfo(acc, np.dtype(dt), ())],
-                 [ValueInfo(cond_out, np.dtype(bool), ()), ValueInfo(new, np.dtype(dt), ())],
+                           ],
+                 [ValueInfo(cond_out, np.dtype(bool), ()), ValueInfo(terms, np.dtype(dt), ())],
                  name=f"{b.prefix}/chunk_body".replace("/", "_"))
 
 
