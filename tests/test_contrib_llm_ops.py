@@ -103,7 +103,7 @@ def test_matmul_nbits_refusals(attrs, message):
 
 
 def test_contrib_llm_rules_state_their_facts():
-    ops = {"MatMulNBits", "RotaryEmbedding"}
+    ops = {"MatMulNBits", "RotaryEmbedding", "GroupQueryAttention"}
     contrib = {k: f for k, f in registry.DOMAIN_FACTS.items() if k[0] == MS and k[1] in ops}
     assert {op for _, op in contrib} == ops
     assert {k: f.undeclared() for k, f in contrib.items() if f.undeclared()} == {}
@@ -177,3 +177,133 @@ def test_rotary_embedding_refuses_a_mismatched_dim():
     lg = with_loss(g, {"y": np.zeros((2, 3, 16), F32)}, ["y"])
     with pytest.raises(rg.GraphError, match="node 'op'.*rotary_embedding_dim 4 differs"):
         rg.gradient(lg, loss="loss", wrt=["x"])
+
+
+# ---------------------------------------------------------------------------------------------- GroupQueryAttention
+
+
+def _heads(x, h):
+    """``[B, S, H*D]`` as ``[B, H, S, D]``."""
+    return x.reshape(x.shape[0], x.shape[1], h, -1).transpose(1, 2)
+
+
+def _softmax_attention(q, k, v, allowed, *, scale, softcap=0.0, bias=None, sink=None):
+    """``softmax(bias + cap(scale Q K^T))`` over the allowed keys (``-inf`` elsewhere) times V, query heads
+    grouped over the key/value heads; ``sink`` ``[Hq]``: ``exp(sink_h)`` added to each denominator."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    x = scale * q @ k.transpose(-1, -2)
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    if bias is not None:
+        x = x + bias
+    x = x.masked_fill(~allowed, -torch.inf)
+    if sink is not None:
+        x = torch.cat([x, sink.reshape(1, -1, 1, 1).expand(*x.shape[:3], 1)], -1)
+    p = torch.softmax(x, -1)
+    return p[..., :k.shape[2]] @ v
+
+
+def group_query_attention(query, key, value, past_key, past_value, seqlens_k, total, cos, sin, position_ids=None,
+                          bias=None, sink=None, *, num_heads, kv_num_heads, scale=0.0, softcap=0.0, do_rotary=0,
+                          rotary_interleaved=0, local_window_size=-1, causal=1, smooth_softmax=0):
+    """``com.microsoft.GroupQueryAttention`` as tests/... and onnxruntime's docs describe it (the rule's module doc):
+    returns ``(output, present_key, present_value)``."""
+    hq, hkv = num_heads, kv_num_heads
+    if key is None:  # packed QKV
+        q4 = _heads(query, hq + 2 * hkv)
+        q4, k4, v4 = q4[:, :hq], q4[:, hq:hq + hkv], q4[:, hq + hkv:]
+    else:
+        q4, k4, v4 = _heads(query, hq), _heads(key, hkv), _heads(value, hkv)
+    b, _, s, d = q4.shape
+    tb = seqlens_k.long() + 1
+    first = s == int(total)
+    past_b = torch.zeros_like(tb) if first else tb - s
+    qpos = past_b[:, None] + torch.arange(s)[None]
+    if do_rotary:
+        rpos = qpos
+        if position_ids is not None:
+            rpos = position_ids[:1, :1] + torch.arange(s)[None] if first else position_ids
+        c, sn = cos[rpos][:, None], sin[rpos][:, None]
+        q4 = rotate(q4, c, sn, interleaved=bool(rotary_interleaved))
+        k4 = rotate(k4, c, sn, interleaved=bool(rotary_interleaved))
+    n = 0 if past_key is None else past_key.shape[2]
+    length = max(n, int(total))
+    pk, pv = [], []
+    for i in range(b):  # present: rows [0, P_b) of the past, the new rows after them, zeros
+        p = int(past_b[i])
+        for out, past, new in ((pk, past_key, k4), (pv, past_value, v4)):
+            rows = [past[i, :, :p]] if p else []
+            rows += [new[i], torch.zeros(hkv, length - p - s, d, dtype=new.dtype)]
+            out.append(torch.cat(rows, 1))
+    pk, pv = torch.stack(pk), torch.stack(pv)
+    j = torch.arange(length)
+    allowed = j[None, None] < tb[:, None, None]
+    if causal:
+        allowed = allowed & (j[None, None] <= qpos[:, :, None])
+    if local_window_size > 0:
+        allowed = allowed & (j[None, None] > qpos[:, :, None] - local_window_size)
+    if bias is not None:
+        bias = torch.nn.functional.pad(bias, (0, length - bias.shape[-1]))
+    if smooth_softmax and sink is None:
+        sink = torch.zeros(hq, dtype=q4.dtype)
+    o = _softmax_attention(q4, pk, pv, allowed[:, None], scale=scale or 1 / np.sqrt(np.float32(d)), softcap=softcap,
+                           bias=bias, sink=sink)
+    return o.transpose(1, 2).reshape(b, s, -1), pk, pv
+
+
+GQA_INPUTS = ("query", "key", "value", "past_key", "past_value", "seqlens_k", "total", "cos", "sin", "position_ids",
+              "bias", "sink")
+
+
+def _gqa_case(rng, *, b=2, s=5, hq=4, hkv=2, d=16, past=0, total=None, seqlens=None, packed=False, rotary=False,
+              half=None, pos=False, bias=False, sink=False):
+    total = s + past if total is None else total
+    seqlens = np.full(b, total - 1) if seqlens is None else np.asarray(seqlens)
+    q, k, v = (rng.standard_normal((b, s, h * d)).astype(F32) for h in (hq, hkv, hkv))
+    vals = {"query": np.concatenate([q, k, v], -1) if packed else q, "key": None if packed else k,
+            "value": None if packed else v,
+            "past_key": rng.standard_normal((b, hkv, past, d)).astype(F32),
+            "past_value": rng.standard_normal((b, hkv, past, d)).astype(F32),
+            "seqlens_k": seqlens.astype(np.int32), "total": np.array(total, np.int32)}
+    if rotary:
+        vals["cos"], vals["sin"] = _angles(rng, 32, half or d // 2)
+    if pos:
+        vals["position_ids"] = rng.integers(0, 32 - s, (b, s)).astype(np.int64)
+    if bias:
+        vals["bias"] = rng.standard_normal((b, 1, s, total)).astype(F32)
+    if sink:
+        vals["sink"] = rng.standard_normal(hq).astype(F32)
+    return [None if vals.get(n) is None else (n, vals[n]) for n in GQA_INPUTS]
+
+
+GQA_CASES = [  # (case keywords, attributes)
+    ({}, {}),
+    ({"packed": True}, {}),  # the genai builder's form: packed QKV, empty past, rotary
+    ({"packed": True, "rotary": True}, {"do_rotary": 1}),
+    ({"rotary": True}, {"do_rotary": 1, "rotary_interleaved": 1, "scale": 0.3}),
+    ({"rotary": True, "d": 32, "half": 8}, {"do_rotary": 1}),  # R = 16 of 32 features rotated
+    ({"seqlens": [4, 2], "rotary": True}, {"do_rotary": 1}),  # a right-padded first prompt
+    ({"past": 3, "s": 1, "seqlens": [3, 2], "rotary": True}, {"do_rotary": 1}),  # a token with a ragged past
+    ({"past": 6, "s": 1, "total": 5, "seqlens": [4, 2], "rotary": True}, {"do_rotary": 1}),  # a static cache
+    ({"b": 1, "past": 4, "s": 3, "packed": True, "rotary": True}, {"do_rotary": 1}),  # a later prompt
+    ({"rotary": True, "pos": True}, {"do_rotary": 1}),  # position_ids: the first prompt reads [0, 0]
+    ({"b": 1, "past": 2, "s": 3, "rotary": True, "pos": True}, {"do_rotary": 1}),
+    ({}, {"softcap": 2.0, "local_window_size": 2}),
+    ({"bias": True}, {"softcap": 1.0}),
+    ({"sink": True, "past": 2, "s": 1}, {}),
+    ({}, {"smooth_softmax": 1, "causal": 0}),
+    ({"past": 3, "s": 1, "seqlens": [3, 1]}, {"causal": 0}),
+]
+
+
+@pytest.mark.parametrize(("case", "attrs"), GQA_CASES)
+def test_group_query_attention(case, attrs):
+    """Query, key, value (rotated back), past, attention_bias and head_sink against torch float64; every output
+    read by the loss (present_key and present_value carry cotangents of their own)."""
+    rng = np.random.default_rng(len(case) * 7 + len(attrs))
+    ins = _gqa_case(rng, **case)
+    attrs = {"num_heads": 4, "kv_num_heads": 2, **attrs}
+    want = [n for n, a in (i for i in ins if i is not None) if a.dtype == F32 and n not in ("cos", "sin")]
+    check("GroupQueryAttention", ins, lambda *t: group_query_attention(*t, **attrs), attrs=attrs,
+          outputs=("y", "pk", "pv"), wrt=want)

@@ -96,7 +96,7 @@ def check(op: str, inputs: list[tuple[str, np.ndarray] | None], fn: Callable, *,
             a, b = fwd[o], t.detach().numpy()
             if w is not None:  # (rows onnxruntime leaves unspecified are not compared)
                 a, b = a * (np.asarray(w) != 0), b * (np.asarray(w) != 0)
-            np.testing.assert_allclose(a, b, rtol=ftol, atol=ftol * max(1.0, float(np.abs(b).max())), err_msg=f"{op} {o}")
+            np.testing.assert_allclose(a, b, rtol=ftol, atol=ftol * max(1.0, float(np.abs(b).max(initial=0.0))), err_msg=f"{op} {o}")
     total = sum((t * torch.tensor(us[f"{o}_u"].astype(F64))).sum() for o, t in zip(outputs, touts, strict=False)
                 if o in used and t is not None)
     leaves = [t for i, t in zip(inputs, tin, strict=True) if i is not None and i[0] in wrt]
@@ -107,7 +107,7 @@ def check(op: str, inputs: list[tuple[str, np.ndarray] | None], fn: Callable, *,
         w = np.zeros(a.shape) if w is None else w.numpy()
         grad = got[f"{name}_grad"]
         assert grad.shape == a.shape and grad.dtype == a.dtype, (name, grad.shape, grad.dtype)
-        np.testing.assert_allclose(grad, w, rtol=tol, atol=tol * max(1.0, float(np.abs(w).max())),
+        np.testing.assert_allclose(grad, w, rtol=tol, atol=tol * max(1.0, float(np.abs(w).max(initial=0.0))),
                                    err_msg=f"{op} d{name}")
         out[name] = grad
     return out

@@ -10,7 +10,8 @@ statistics ``mean`` and ``inv_std_var`` float32 of the input's shape with the la
 ``SimplifiedLayerNormalization`` (written in the default domain, though ONNX does not define it) gives ``Y``
 the scale's dtype and ``inv_std_var`` the ``stash_type`` dtype with the normalized axes 1; ``FusedMatMul``
 follows ``FusedMatMulShapeInference`` (``transBatchA`` moves axis 0 of A to the row axis of the product);
-``MatMulNBits`` gives A's shape with the last axis ``N``; ``RotaryEmbedding`` keeps its input's type.
+``MatMulNBits`` gives A's shape with the last axis ``N``; ``RotaryEmbedding`` keeps its input's type;
+``GroupQueryAttention`` follows its documented shapes (the cache length is a run-time value).
 """
 
 from __future__ import annotations
@@ -111,6 +112,24 @@ def _matmul_nbits(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, Value
     return {node.outputs[0]: ValueInfo(node.outputs[0], a.dtype, shape)}
 
 
+def _gqa(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, ValueInfo]:
+    """``GroupQueryAttention``: ``output [B, S, Hq*D]``, ``present_key``/``present_value`` ``[B, Hkv, L, D]``
+    (``L = max(past, total_sequence_length)``, unknown here), ``output_qk [B, Hq, S, L]``, query's dtype."""
+    q = _first(types, node)
+    if q is None:
+        return {}
+    hq, hkv = int(node.attrs.get("num_heads", 0)), int(node.attrs.get("kv_num_heads", 0))
+    packed = len(node.inputs) < 2 or not node.inputs[1]
+    b = s = d = hidden = None
+    if q.shape is not None and len(q.shape) == 3:
+        b, s, width = q.shape
+        if isinstance(width, int) and hq and hkv:
+            d = width // (hq + 2 * hkv) if packed else width // hq
+            hidden = hq * d
+    shapes = [(b, s, hidden), (b, hkv or None, None, d), (b, hkv or None, None, d), (b, hq or None, s, None)]
+    return {o: ValueInfo(o, q.dtype, shape) for o, shape in zip(node.outputs, shapes, strict=False) if o}
+
+
 _FORMULAS = {
     (MS, "SkipLayerNormalization"): _skip_norm,
     (MS, "SkipSimplifiedLayerNormalization"): _skip_norm,
@@ -123,6 +142,7 @@ _FORMULAS = {
     (MS, "FusedMatMul"): _fused_matmul,
     (MS, "MatMulNBits"): _matmul_nbits,
     (MS, "RotaryEmbedding"): _same,
+    (MS, "GroupQueryAttention"): _gqa,
 }
 
 
