@@ -184,7 +184,9 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     reads (default: the only one); ``params`` the initializers to train, names or ``fnmatch`` globs, and
     ``freeze`` globs of those not to train (default: every float one, or the LoRA adapters of an adapted model;
     the others stay initializers; :func:`revgraph.selection.select`); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
-    :func:`revgraph.gradient` (a fraction, bytes or a ``revgraph.Budget``; the plan is ``graph.memory_plan``).
+    :func:`revgraph.gradient` (a fraction, bytes or a ``revgraph.Budget``; the plan is ``graph.memory_plan``),
+    under which the loss option ``chunk_tokens="auto"`` (the default) may compute the output projection and the loss
+    in chunks of tokens (:mod:`revgraph.train.chunked_loss`; a chunk loop is differentiated with ``recompute``).
     ``loss_seed=True`` adds the scalar input ``TrainingGraph.seed`` that multiplies the loss's cotangent.
     ``precision``: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a :class:`revgraph.precision.Precision`
     (mixed precision, fp16 with dynamic loss scaling: :mod:`revgraph.precision`). ``straight_through``: the
