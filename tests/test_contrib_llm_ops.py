@@ -103,7 +103,7 @@ def test_matmul_nbits_refusals(attrs, message):
 
 
 def test_contrib_llm_rules_state_their_facts():
-    ops = {"MatMulNBits", "RotaryEmbedding", "GroupQueryAttention"}
+    ops = {"MatMulNBits", "RotaryEmbedding", "GroupQueryAttention", "MultiHeadAttention", "Attention"}
     contrib = {k: f for k, f in registry.DOMAIN_FACTS.items() if k[0] == MS and k[1] in ops}
     assert {op for _, op in contrib} == ops
     assert {k: f.undeclared() for k, f in contrib.items() if f.undeclared()} == {}
@@ -307,3 +307,159 @@ def test_group_query_attention(case, attrs):
     want = [n for n, a in (i for i in ins if i is not None) if a.dtype == F32 and n not in ("cos", "sin")]
     check("GroupQueryAttention", ins, lambda *t: group_query_attention(*t, **attrs), attrs=attrs,
           outputs=("y", "pk", "pv"), wrt=want)
+
+
+# ---------------------------------------------------------------------------------------------- MultiHeadAttention, Attention
+
+
+def _additive_mask(mask, batch, s, t, past, *, fill, unidirectional, start_end=False):
+    """The finite mask of onnxruntime's CPU kernels ``[B, 1, S|1, T]``: ``fill`` at padded keys (lengths ``[B]``,
+    end/start positions ``[2B]``, 0/1 ``[B, T]`` or ``[B, S, T]``), plus -10000 above the causal frontier."""
+    m = torch.zeros(batch, 1, 1, t, dtype=torch.float64)
+    j = torch.arange(t)
+    if mask is not None:
+        if mask.dim() == 1 and start_end:
+            hidden = (j[None] >= mask[:batch, None]) | (j[None] < mask[batch:, None])
+        elif mask.dim() == 1:
+            hidden = j[None] >= mask[:, None]
+        else:
+            hidden = mask == 0
+        hidden = hidden[:, None, None] if hidden.dim() == 2 else hidden[:, None]
+        m = m + hidden * fill
+    if unidirectional:
+        m = m + (j[None] > past + torch.arange(s)[:, None]) * -10000.0
+    return m
+
+
+def _attend(q4, k4, v4, m, scale):
+    p = torch.softmax(scale * q4 @ k4.transpose(-1, -2) + m, -1)
+    return (p @ v4).transpose(1, 2).reshape(q4.shape[0], q4.shape[2], -1)
+
+
+def multi_head_attention(query, key, value, bias=None, mask=None, attention_bias=None, past_key=None, past_value=None,
+                         *, num_heads, unidirectional=0, mask_filter_value=-10000.0, scale=0.0):
+    """``com.microsoft.MultiHeadAttention`` (the rule's module doc): ``(output, present_key, present_value)``."""
+    n = num_heads
+    if key.dim() == 4:
+        k4, v4 = key, value
+    else:
+        wq, wk = query.shape[-1], key.shape[-1]
+        if bias is not None:
+            query, key, value = query + bias[:wq], key + bias[wq:wq + wk], value + bias[wq + wk:]
+        k4, v4 = _heads(key, n), _heads(value, n)
+    q4 = _heads(query, n)
+    past = 0 if past_key is None else past_key.shape[2]
+    if past_key is not None:
+        k4, v4 = torch.cat([past_key, k4], 2), torch.cat([past_value, v4], 2)
+    m = _additive_mask(mask, q4.shape[0], q4.shape[2], k4.shape[2], past, fill=float(np.float32(mask_filter_value)),
+                       unidirectional=unidirectional)
+    if attention_bias is not None:
+        m = m + attention_bias
+    return _attend(q4, k4, v4, m, scale or 1 / np.sqrt(np.float32(q4.shape[-1]))), k4, v4
+
+
+def contrib_attention(x, weights, bias=None, mask=None, past=None, attention_bias=None, *, num_heads,
+                      qkv_hidden_sizes=None, unidirectional=0, mask_filter_value=-10000.0, scale=0.0):
+    """``com.microsoft.Attention`` (the rule's module doc): ``(output, present)``."""
+    sizes = qkv_hidden_sizes or [weights.shape[1] // 3] * 3
+    y = x @ weights + (0 if bias is None else bias)
+    q, k, v = torch.split(y, sizes, -1)
+    q4, k4, v4 = (_heads(t, num_heads) for t in (q, k, v))
+    p = 0 if past is None else past.shape[3]
+    if past is not None:
+        k4, v4 = torch.cat([past[0], k4], 2), torch.cat([past[1], v4], 2)
+    batch = x.shape[0]
+    m = _additive_mask(mask, batch, x.shape[1], k4.shape[2], p, fill=float(np.float32(mask_filter_value)),
+                       unidirectional=unidirectional, start_end=mask is not None and mask.dim() == 1 and
+                       mask.shape[0] == 2 * batch)
+    if attention_bias is not None:
+        m = m + attention_bias
+    present = torch.stack([k4, v4]) if k4.shape == v4.shape else None  # (no present when V's heads differ)
+    return _attend(q4, k4, v4, m, scale or 1 / np.sqrt(np.float32(q4.shape[-1]))), present
+
+
+def _key_mask(rng, kind, b, s, t):
+    """A padding mask that leaves every query row a visible key (a fully masked row's float32 logits, all near
+    the fill value, round differently from float64's)."""
+    if kind == "lengths":
+        return rng.integers(1, t + 1, b).astype(np.int32)
+    if kind == "start_end":
+        return np.concatenate([rng.integers(2, t + 1, b), rng.integers(0, 2, b)]).astype(np.int32)
+    m = (rng.random((b, t) if kind == "2d" else (b, s, t)) > 0.3).astype(np.int32)
+    m[..., 0] = 1
+    return m
+
+
+MHA_CASES = [  # (case keywords, attributes)
+    ({}, {}),
+    ({"bias": True, "dv": 4}, {"scale": 0.3}),
+    ({"mask": "lengths"}, {}),
+    ({"mask": "2d", "bias": True}, {"unidirectional": 1, "mask_filter_value": -3.0}),
+    ({"mask": "3d"}, {"mask_filter_value": -1e9}),
+    ({"past": 2, "mask": "2d", "bias": True, "attn_bias": True}, {"unidirectional": 1}),
+    ({"kv4": True, "attn_bias": True}, {}),
+    ({"l": 5}, {}),  # cross attention: 5 keys for 3 queries
+]
+
+
+@pytest.mark.parametrize(("case", "attrs"), MHA_CASES)
+def test_multi_head_attention(case, attrs):
+    rng = np.random.default_rng(len(case) * 5 + len(attrs))
+    b, s, n, h = 2, 3, 2, 8
+    dv, past, l = case.get("dv", h), case.get("past", 0), case.get("l", s)
+    t = past + l
+    k, v = rng.standard_normal((b, l, n * h)).astype(F32), rng.standard_normal((b, l, n * dv)).astype(F32)
+    if case.get("kv4"):
+        k, v = (x.reshape(b, l, n, -1).transpose(0, 2, 1, 3).copy() for x in (k, v))
+    vals = {"query": rng.standard_normal((b, s, n * h)).astype(F32), "key": k, "value": v,
+            "bias": rng.standard_normal(2 * n * h + n * dv).astype(F32) if case.get("bias") else None,
+            "mask": _key_mask(rng, case["mask"], b, s, t) if case.get("mask") else None,
+            "attention_bias": rng.standard_normal((b, n, s, t)).astype(F32) if case.get("attn_bias") else None,
+            "past_key": rng.standard_normal((b, n, past, h)).astype(F32) if past else None,
+            "past_value": rng.standard_normal((b, n, past, dv)).astype(F32) if past else None}
+    ins = [None if a is None else (name, a) for name, a in vals.items()]
+    attrs = {"num_heads": n, **attrs}
+    check("MultiHeadAttention", ins, lambda *t: multi_head_attention(*t, **attrs), attrs=attrs,
+          outputs=("y", "pk", "pv") if past else ("y",))
+
+
+ATTENTION_CASES = [
+    ({}, {}),
+    ({"bias": False, "sizes": [16, 16, 8]}, {"qkv_hidden_sizes": [16, 16, 8]}),
+    ({"mask": "lengths"}, {"scale": 0.5, "mask_filter_value": -7.0}),
+    ({"mask": "start_end"}, {}),
+    ({"mask": "2d"}, {"unidirectional": 1, "mask_filter_value": -3.0}),
+    ({"mask": "3d", "attn_bias": True}, {}),
+    ({"past": 2, "mask": "2d"}, {"unidirectional": 1}),  # GPT-2 with past
+]
+
+
+@pytest.mark.parametrize(("case", "attrs"), ATTENTION_CASES)
+def test_contrib_attention(case, attrs):
+    rng = np.random.default_rng(len(case) * 3 + len(attrs))
+    b, s, n, d_in, past = 2, 3, 2, 12, case.get("past", 0)
+    sizes = case.get("sizes", [16, 16, 16])
+    t = past + s
+    vals = {"x": rng.standard_normal((b, s, d_in)).astype(F32),
+            "weights": (rng.standard_normal((d_in, sum(sizes))) * 0.5).astype(F32),
+            "bias": rng.standard_normal(sum(sizes)).astype(F32) if case.get("bias", True) else None,
+            "mask": _key_mask(rng, case["mask"], b, s, t) if case.get("mask") else None,
+            "past": rng.standard_normal((2, b, n, past, sizes[0] // n)).astype(F32) if past else None,
+            "attention_bias": rng.standard_normal((1, n, s, t)).astype(F32) if case.get("attn_bias") else None}
+    ins = [None if a is None else (name, a) for name, a in vals.items()]
+    attrs = {"num_heads": n, **attrs}
+    check("Attention", ins, lambda *t: contrib_attention(*t, **attrs), attrs=attrs,
+          outputs=("y", "present") if past else ("y",), tol=3e-5)
+
+
+@pytest.mark.parametrize(("op", "attrs", "message"), [
+    ("Attention", {"do_rotary": 1}, "do_rotary=1 is not supported"),
+    ("Attention", {"past_present_share_buffer": 1}, "past_present_share_buffer=1"),
+])
+def test_contrib_attention_refusals(op, attrs, message):
+    rng = np.random.default_rng(4)
+    ins = [("x", rng.standard_normal((2, 3, 12)).astype(F32)), ("weights", rng.standard_normal((12, 48)).astype(F32))]
+    g = graph(op, ins, {"num_heads": 2, **attrs}, ["y"])
+    lg = with_loss(g, {"y": np.zeros((2, 3, 16), F32)}, ["y"])
+    with pytest.raises(rg.GraphError, match=f"node 'op'.*{message}"):
+        rg.gradient(lg, loss="loss", wrt=["x"])

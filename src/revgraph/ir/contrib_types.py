@@ -11,7 +11,8 @@ statistics ``mean`` and ``inv_std_var`` float32 of the input's shape with the la
 the scale's dtype and ``inv_std_var`` the ``stash_type`` dtype with the normalized axes 1; ``FusedMatMul``
 follows ``FusedMatMulShapeInference`` (``transBatchA`` moves axis 0 of A to the row axis of the product);
 ``MatMulNBits`` gives A's shape with the last axis ``N``; ``RotaryEmbedding`` keeps its input's type;
-``GroupQueryAttention`` follows its documented shapes (the cache length is a run-time value).
+``GroupQueryAttention``, ``MultiHeadAttention`` and ``Attention`` follow their documented shapes (the cache
+lengths are run-time values).
 """
 
 from __future__ import annotations
@@ -130,6 +131,39 @@ def _gqa(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, ValueInfo]:
     return {o: ValueInfo(o, q.dtype, shape) for o, shape in zip(node.outputs, shapes, strict=False) if o}
 
 
+def _mha(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, ValueInfo]:
+    """``MultiHeadAttention``: ``output [B, S, Dv]`` (value's width, or ``N * H`` of a 4-D value), ``present_key``
+    and ``present_value`` ``[B, N, T, H]``, ``qk [B, N, S, T]``; ``Attention``: ``output [B, S, Dv]`` (the last of
+    ``qkv_hidden_sizes``, or a third of the weights' width), ``present [2, B, N, T, H]``; query's dtype."""
+    q = _first(types, node)
+    if q is None:
+        return {}
+    n = int(node.attrs.get("num_heads", 0)) or None
+    b = s = None
+    if q.shape is not None and len(q.shape) == 3:
+        b, s = q.shape[:2]
+    if node.op_type == "Attention":
+        w = _first(types, node, 1)
+        sizes = node.attrs.get("qkv_hidden_sizes")
+        width = None
+        if sizes:
+            width = int(sizes[-1])
+        elif w is not None and w.shape is not None and isinstance(w.shape[-1], int):
+            width = w.shape[-1] // 3
+        h = None if width is None or n is None else width // n
+        shapes = [(b, s, width), (2, b, n, None, h)]
+    else:
+        v = _first(types, node, 2)
+        dv = hk = hv = None
+        if v is not None and v.shape is not None and n:
+            dv = v.shape[-1] if len(v.shape) == 3 else (n * v.shape[-1] if isinstance(v.shape[-1], int) else None)
+            hv = None if not isinstance(dv, int) else dv // n
+        if q.shape is not None and len(q.shape) == 3 and isinstance(q.shape[-1], int) and n:
+            hk = q.shape[-1] // n
+        shapes = [(b, s, dv), (b, n, None, hk), (b, n, None, hv), (b, n, s, None)]
+    return {o: ValueInfo(o, q.dtype, shape) for o, shape in zip(node.outputs, shapes, strict=False) if o}
+
+
 _FORMULAS = {
     (MS, "SkipLayerNormalization"): _skip_norm,
     (MS, "SkipSimplifiedLayerNormalization"): _skip_norm,
@@ -143,6 +177,8 @@ _FORMULAS = {
     (MS, "MatMulNBits"): _matmul_nbits,
     (MS, "RotaryEmbedding"): _same,
     (MS, "GroupQueryAttention"): _gqa,
+    (MS, "MultiHeadAttention"): _mha,
+    (MS, "Attention"): _mha,
 }
 
 
