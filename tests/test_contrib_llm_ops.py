@@ -103,7 +103,8 @@ def test_matmul_nbits_refusals(attrs, message):
 
 
 def test_contrib_llm_rules_state_their_facts():
-    ops = {"MatMulNBits", "RotaryEmbedding", "GroupQueryAttention", "MultiHeadAttention", "Attention"}
+    ops = {"MatMulNBits", "RotaryEmbedding", "GroupQueryAttention", "MultiHeadAttention", "Attention",
+           "EmbedLayerNormalization"}
     contrib = {k: f for k, f in registry.DOMAIN_FACTS.items() if k[0] == MS and k[1] in ops}
     assert {op for _, op in contrib} == ops
     assert {k: f.undeclared() for k, f in contrib.items() if f.undeclared()} == {}
@@ -463,3 +464,43 @@ def test_contrib_attention_refusals(op, attrs, message):
     lg = with_loss(g, {"y": np.zeros((2, 3, 16), F32)}, ["y"])
     with pytest.raises(rg.GraphError, match=f"node 'op'.*{message}"):
         rg.gradient(lg, loss="loss", wrt=["x"])
+
+
+# ---------------------------------------------------------------------------------------------- EmbedLayerNormalization
+
+
+def embed_layer_normalization(ids, seg, word, pos, seg_table, gamma, beta, mask=None, position_ids=None, *,
+                              epsilon=1e-12):
+    """``com.microsoft.EmbedLayerNormalization``: ``(output, mask_index, embedding_sum)`` (mask_index: not
+    differentiable, ``None`` here)."""
+    p = torch.arange(ids.shape[1])[None] if position_ids is None else position_ids.long()
+    s = word[ids.long()] + pos[p]
+    if seg is not None:
+        s = s + seg_table[seg.long()]
+    y = torch.nn.functional.layer_norm(s, s.shape[-1:], gamma, beta, eps=float(np.float32(epsilon)))
+    return y, None, s
+
+
+@pytest.mark.parametrize(("case", "outputs", "used"), [
+    ({}, ("y", "mi"), ["y"]),  # (onnxruntime's schema makes every node write mask_index)
+    ({"segments": True}, ("y", "mi", "sum"), ["y", "sum"]),  # embedding_sum read too: it joins the normalization's
+    ({"segments": True, "mask": True, "epsilon": 1e-3}, ("y", "mi", "sum"), ["y"]),
+    ({"position_ids": "2d"}, ("y", "mi", "sum"), ["sum"]),  # only the sum read: no gradient to gamma and beta
+    ({"position_ids": "1", "segments": True}, ("y", "mi"), ["y"]),
+])
+def test_embed_layer_normalization(case, outputs, used):
+    """The tables receive their rows at the indices (repeated ids accumulate); gamma and beta LayerNorm's."""
+    rng = np.random.default_rng(len(case) + len(outputs))
+    b, s, h, vocab, npos = 2, 5, 8, 4, 7  # (a small vocabulary: repeated ids)
+    vals = {"ids": rng.integers(0, vocab, (b, s)).astype(np.int32),
+            "seg": rng.integers(0, 2, (b, s)).astype(np.int32) if case.get("segments") else None,
+            "word": rng.standard_normal((vocab, h)).astype(F32), "pos": rng.standard_normal((npos, h)).astype(F32),
+            "seg_table": rng.standard_normal((2, h)).astype(F32) if case.get("segments") else None,
+            "gamma": rng.standard_normal(h).astype(F32), "beta": rng.standard_normal(h).astype(F32),
+            "mask": (np.arange(s)[None] < [[3], [5]]).astype(np.int32) if case.get("mask") else None,
+            "position_ids": {"2d": rng.integers(0, npos, (b, s)), "1": rng.integers(0, npos, (1, s))}[
+                case["position_ids"]].astype(np.int32) if case.get("position_ids") else None}
+    ins = [None if a is None else (name, a) for name, a in vals.items()]
+    attrs = {"epsilon": case["epsilon"]} if "epsilon" in case else {}
+    check("EmbedLayerNormalization", ins, lambda *t: embed_layer_normalization(*t, **attrs), attrs=attrs,
+          outputs=outputs, used=used)

@@ -12,7 +12,7 @@ the scale's dtype and ``inv_std_var`` the ``stash_type`` dtype with the normaliz
 follows ``FusedMatMulShapeInference`` (``transBatchA`` moves axis 0 of A to the row axis of the product);
 ``MatMulNBits`` gives A's shape with the last axis ``N``; ``RotaryEmbedding`` keeps its input's type;
 ``GroupQueryAttention``, ``MultiHeadAttention`` and ``Attention`` follow their documented shapes (the cache
-lengths are run-time values).
+lengths are run-time values); ``EmbedLayerNormalization`` gives ``[B, S, H]`` and the int32 ``mask_index [B]``.
 """
 
 from __future__ import annotations
@@ -164,6 +164,18 @@ def _mha(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, ValueInfo]:
     return {o: ValueInfo(o, q.dtype, shape) for o, shape in zip(node.outputs, shapes, strict=False) if o}
 
 
+def _embed_norm(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, ValueInfo]:
+    """``EmbedLayerNormalization``: ``output`` and ``embedding_sum`` ``[B, S, H]`` of the word table's dtype,
+    ``mask_index [B]`` int32."""
+    ids, word = _first(types, node), _first(types, node, 2)
+    if ids is None or word is None:
+        return {}
+    b, s = (None, None) if ids.shape is None or len(ids.shape) != 2 else ids.shape
+    h = None if word.shape is None else word.shape[-1]
+    kinds = [(word.dtype, (b, s, h)), (np.dtype(np.int32), (b,)), (word.dtype, (b, s, h))]
+    return {o: ValueInfo(o, dt, shape) for o, (dt, shape) in zip(node.outputs, kinds, strict=False) if o}
+
+
 _FORMULAS = {
     (MS, "SkipLayerNormalization"): _skip_norm,
     (MS, "SkipSimplifiedLayerNormalization"): _skip_norm,
@@ -179,6 +191,7 @@ _FORMULAS = {
     (MS, "GroupQueryAttention"): _gqa,
     (MS, "MultiHeadAttention"): _mha,
     (MS, "Attention"): _mha,
+    (MS, "EmbedLayerNormalization"): _embed_norm,
 }
 
 

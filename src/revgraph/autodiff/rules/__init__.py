@@ -4,6 +4,7 @@ from .. import loops  # noqa: F401  (Loop, Scan and If)
 from . import (  # noqa: F401
     activations,
     attention,  # Attention
+    contrib_embed,  # com.microsoft EmbedLayerNormalization
     contrib_fused,  # com.microsoft Gelu, BiasGelu, FastGelu, QuickGelu, BiasAdd, FusedMatMul
     contrib_norm,  # com.microsoft SkipLayerNormalization, SkipSimplifiedLayerNormalization; SimplifiedLayerNormalization
     contrib_gqa,  # com.microsoft GroupQueryAttention
