@@ -504,3 +504,56 @@ def test_embed_layer_normalization(case, outputs, used):
     attrs = {"epsilon": case["epsilon"]} if "epsilon" in case else {}
     check("EmbedLayerNormalization", ins, lambda *t: embed_layer_normalization(*t, **attrs), attrs=attrs,
           outputs=outputs, used=used)
+
+
+# ---------------------------------------------------------------------------------------------- an optimized model
+
+
+def _model_gradients(path, feeds: dict, wrt: list[str]) -> dict[str, np.ndarray]:
+    """revgraph's gradients of ``sum(logits * u)`` (``u`` from a fixed seed) w.r.t. ``wrt``, run on onnxruntime;
+    the gradient graph holds no operator outside ONNX's standard set but the model's own."""
+    from kit.contrib_cases import outside_onnx
+
+    g = rg.load(path)
+    fwd = rg.Session(g).run(feeds)
+    lg = with_loss(g, fwd, ["logits"])
+    u = np.random.default_rng(6).standard_normal(fwd["logits"].shape).astype(F32)
+    gg = rg.gradient(lg, loss="loss", wrt=wrt)
+    assert set(outside_onnx(gg)) == set(outside_onnx(g))
+    out = rg.Session(gg).run({**feeds, "logits_u": u})
+    return {w: out[f"{w}_grad"] for w in wrt}
+
+
+def test_fully_optimized_bert_has_the_gradients_of_the_export(tmp_path):
+    """A tiny BERT exported by the TorchScript exporter, then fused by onnxruntime's transformer optimizer with
+    every fusion (EmbedLayerNormalization, Attention with its mask_index, SkipLayerNormalization, BiasGelu): the
+    gradients of every parameter equal the unfused export's (1e-5 of each gradient's scale, float32)."""
+    import onnx
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    from kit import torch_models as tm
+
+    plain, fused = tmp_path / "plain.onnx", tmp_path / "fused.onnx"
+    tm.export(tm.build("bert"), "torchscript-folded", plain)
+    optimizer.optimize_model(str(plain), model_type="bert", num_heads=4, hidden_size=32).save_model_to_file(str(fused))
+    ops = {nd.op_type for nd in onnx.load(str(fused)).graph.node if nd.domain == MS}
+    assert {"EmbedLayerNormalization", "Attention"} <= ops
+    floats = {str(p): {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(p)).graph.initializer
+                       if i.data_type == onnx.TensorProto.FLOAT and len(i.dims)} for p in (plain, fused)}
+    shared = sorted(set(floats[str(plain)]) & set(floats[str(fused)]))
+    merged = {}  # the optimizer's merged Q|K|V weights and biases: each third is a weight of the export
+    for name, a in floats[str(fused)].items():
+        if name not in floats[str(plain)] and a.shape[-1] % 3 == 0:
+            parts = np.split(a, 3, axis=-1)
+            found = [next((n for n, b in floats[str(plain)].items() if b.shape == p.shape and np.array_equal(b, p)),
+                          None) for p in parts]
+            if all(found):
+                merged[name] = found
+    assert len(shared) >= 10 and len(merged) == 4, (shared, merged)  # 2 layers: a weight and a bias each
+    feeds = {"input_ids": tm.tokens(2)}
+    want = _model_gradients(plain, feeds, shared + [n for parts in merged.values() for n in parts])
+    got = _model_gradients(fused, feeds, shared + list(merged))
+    for name, parts in merged.items():
+        want[name] = np.concatenate([want[p] for p in parts], axis=-1)
+    for w in shared + list(merged):
+        a = want[w]
+        np.testing.assert_allclose(got[w], a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()) + 1e-8, err_msg=w)

@@ -103,17 +103,17 @@ class _Core:
         if rank == 1:
             dims, batch = e.dims(m), e.dims(self.q4)
             n, b = (dims or [None])[0], (batch or [None])[0]
-            lengths = self._i64(m)
-            if isinstance(n, int) and isinstance(b, int) and n == 2 * b and self.node.op_type == "Attention":
-                end = self.val(e.op("Slice", [lengths.name, e.ints([0]), e.ints([b])])).unsqueeze([1])
-                start = self.val(e.op("Slice", [lengths.name, e.ints([b]), e.ints([2 * b])])).unsqueeze([1])
-                hidden = j.ge(end) | j.lt(start)
-            elif isinstance(n, int) and isinstance(b, int) and n == b:
-                hidden = j.ge(lengths.unsqueeze([1]))
-            else:
+            pairs = self.node.op_type == "Attention"
+            if isinstance(n, int) and isinstance(b, int) and n not in ((b, 2 * b) if pairs else (b,)):
                 raise GraphError(f"{self.node.label()}: a 1-D mask of {n} entries for batch {b} is not supported "
-                                 "(lengths [B]" + (", or end and start positions [2B]" if self.node.op_type ==
-                                                   "Attention" else "") + ", with static shapes)")
+                                 "(lengths [B]" + (" or end and start positions [2B]" if pairs else "") + ")")
+            # [B] lengths and [2B] end and start positions in one formula, the batch known at run time: the
+            # starts of the mask padded with zeros (a start of 0 hides nothing)
+            ext = e.op("Concat", [m, e.op("Expand", [e.const(np.zeros(1, np.int32)), e.op("Shape", [m])])], axis=0)
+            bsz = e.op("Shape", [self.q4], start=0, end=1)
+            end = self._i64(e.op("Slice", [ext, e.ints([0]), bsz])).unsqueeze([1])
+            start = self._i64(e.op("Slice", [ext, bsz, e.op("Add", [bsz, bsz])])).unsqueeze([1])
+            hidden = j.ge(end) | j.lt(start)
             return hidden.unsqueeze([1, 2])
         if rank == 2:
             return self._i64(m).eq(self.val(e.const(np.int64(0)))).unsqueeze([1, 2])
