@@ -557,3 +557,92 @@ def test_fully_optimized_bert_has_the_gradients_of_the_export(tmp_path):
     for w in shared + list(merged):
         a = want[w]
         np.testing.assert_allclose(got[w], a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()) + 1e-8, err_msg=w)
+
+
+# ---------------------------------------------------------------------------------------------- the genai builder's LLaMA
+
+
+def _genai_llama(tmp_path, precision: str):
+    """A tiny LLaMA (random weights; head size 16, grouped-query attention; the vocabulary differs from the
+    MLP's width, which the builder would take for the LM head) written by onnxruntime-genai's model builder for
+    the CPU, and the transformers model."""
+    pytest.importorskip("onnxruntime_genai")
+    import subprocess
+    import sys
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    hf = tmp_path / "hf"
+    model.save_pretrained(hf)
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(96)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                         eos_token="t2").save_pretrained(hf)
+    out = tmp_path / precision
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p",
+                    precision, "-e", "cpu", "-c", str(tmp_path / "cache")], check=True, capture_output=True)
+    return out / "model.onnx", model
+
+
+def _unpack4(b: np.ndarray) -> np.ndarray:
+    b = b.astype(np.int64)
+    return np.stack([b & 15, b >> 4], -1).reshape(*b.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "int4"])
+def test_genai_builder_llama_has_pytorchs_gradients(tmp_path, precision):
+    """The builder's LLaMA (GroupQueryAttention with packed QKV and rotary, SkipSimplifiedLayerNormalization, and
+    MatMulNBits in int4) differentiated by revgraph against PyTorch float64 autograd of the same weights (int4:
+    the dequantized ones, and accuracy_level 0, at which onnxruntime computes the exact product)."""
+    path, model = _genai_llama(tmp_path, precision)
+    g = rg.load(path)
+    for n in g.nodes:
+        if n.op_type == "MatMulNBits":
+            n.attrs["accuracy_level"] = 0
+    b, s = 2, 6
+    ids = np.random.default_rng(0).integers(0, 96, (b, s)).astype(np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones((b, s), np.int64),
+             **{f"past_key_values.{i}.{kv}": np.zeros((b, 2, 0, 16), F32) for i in range(2) for kv in ("key", "value")}}
+    g.outputs = [vi for vi in g.outputs if vi.name == "logits"]
+    fwd = rg.Session(g).run(feeds)
+    lg = with_loss(g, fwd, ["logits"])
+    u = np.random.default_rng(1).standard_normal(fwd["logits"].shape)
+    names = {"model.embed_tokens.weight": "model.embed_tokens.weight",
+             "model.layers.0.input_layernorm.weight": "model.layers.0.input_layernorm.weight",
+             "model.layers.1.post_attention_layernorm.weight": "model.layers.1.post_attention_layernorm.weight",
+             "model.layers.2.final_norm_layernorm.weight": "model.norm.weight"}
+    if precision == "fp32":
+        names.update({"model.layers.1.attn.o_proj.MatMul.weight": "model.layers.1.self_attn.o_proj.weight",
+                      "lm_head.MatMul.weight": "lm_head.weight"})
+    else:  # the torch model with the weights the int4 file holds
+        with torch.no_grad():
+            for name, p in model.named_parameters():  # o_proj, the MLP's, lm_head
+                stem = name.removesuffix(".weight").replace("self_attn.", "attn.")
+                if f"{stem}.MatMul.weight_Q4" in g.initializers:
+                    q = _unpack4(np.asarray(g.initializers[f"{stem}.MatMul.weight_Q4"]))
+                    sc = np.asarray(g.initializers[f"{stem}.MatMul.weight_scales"])
+                    p.copy_(torch.tensor(((q - 8) * sc[..., None]).reshape(q.shape[0], -1)[:, :p.shape[1]]))
+            for i, layer in enumerate(model.model.layers):
+                q = _unpack4(np.asarray(g.initializers[f"model.layers.{i}.attn.qkv_proj.MatMul.weight_Q4"]))
+                sc = np.asarray(g.initializers[f"model.layers.{i}.attn.qkv_proj.MatMul.weight_scales"])
+                w = torch.tensor(((q - 8) * sc[..., None]).reshape(q.shape[0], -1)[:, :64])
+                attn = layer.self_attn
+                attn.q_proj.weight.copy_(w[:64])
+                attn.k_proj.weight.copy_(w[64:96])
+                attn.v_proj.weight.copy_(w[96:])
+    gg = rg.gradient(lg, loss="loss", wrt=list(names))
+    got = rg.Session(gg).run({**feeds, "logits_u": u.astype(F32)})
+    model = model.double()
+    (model(torch.tensor(ids)).logits * torch.tensor(u)).sum().backward()
+    params = dict(model.named_parameters())
+    for onnx_name, torch_name in names.items():
+        want = params[torch_name].grad.numpy()
+        want = want.T if "MatMul" in onnx_name else want
+        np.testing.assert_allclose(got[f"{onnx_name}_grad"], want, rtol=2e-5,
+                                   atol=2e-5 * float(np.abs(want).max()), err_msg=onnx_name)
