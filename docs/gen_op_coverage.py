@@ -67,6 +67,19 @@ CONTRIB_MATH = {
     "QuickGelu": "`X sigmoid(alpha X)`",
     "BiasAdd": "`X + bias + skip` (onnxruntime runs it on CUDA only)",
     "FusedMatMul": "`alpha op(A) @ op(B)` with `transA`, `transB`, `transBatchA`, `transBatchB`",
+    "MatMulNBits": "`A @ dequantize(B)^T + bias` (2, 4 or 8 bits, block-wise scales and zero points): a frozen base, "
+                   "gradients to `A` and `bias` only (asking for the scales' is refused)",
+    "RotaryEmbedding": "RoPE of 3-D or 4-D input (`interleaved`, `rotary_embedding_dim`, `position_ids` `[B, S]` or "
+                       "one start); the cos/sin caches get rows at the positions",
+    "GroupQueryAttention": "causal grouped-query attention with the KV cache (packed or separate QKV, `seqlens_k`, "
+                           "`total_sequence_length`, `do_rotary`, `local_window_size`, `softcap`, `attention_bias`, "
+                           "`head_sink`); quantized caches refused",
+    "MultiHeadAttention": "attention with the projection bias, key padding mask (`mask_filter_value`), "
+                          "`unidirectional`, `attention_bias`, past/present; packed QKV refused",
+    "Attention": "`input @ weights + bias` split into Q, K, V (`qkv_hidden_sizes`), the masks of "
+                 "MultiHeadAttention and `[2B]` end/start positions, past/present; `do_rotary` refused (not on CPU)",
+    "EmbedLayerNormalization": "`LayerNorm(word[ids] + position[p] + segment[seg])`; the tables get rows at "
+                               "their ids, `embedding_sum` carries gradient too",
 }
 
 
