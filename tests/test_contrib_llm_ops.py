@@ -646,3 +646,46 @@ def test_genai_builder_llama_has_pytorchs_gradients(tmp_path, precision):
         want = want.T if "MatMul" in onnx_name else want
         np.testing.assert_allclose(got[f"{onnx_name}_grad"], want, rtol=2e-5,
                                    atol=2e-5 * float(np.abs(want).max()), err_msg=onnx_name)
+
+
+# ---------------------------------------------------------------------------------------------- forward mode
+
+
+@pytest.mark.parametrize("op", ["MatMulNBits", "GroupQueryAttention", "EmbedLayerNormalization"])
+def test_forward_mode(op):
+    """``rg.jvp`` (the transposed VJP) against ``torch.func.jvp`` of the same math, along the float inputs that
+    carry gradient."""
+    rng = np.random.default_rng(8)
+    if op == "MatMulNBits":
+        ins = _nbits_inputs(rng, (2, 3), 64, 12, 32, 4, "packed", True)
+        attrs = {"K": 64, "N": 12, "block_size": 32, "bits": 4}
+        fn, along, outs = (lambda *t: matmul_nbits(*t, K=64, N=12, block_size=32)), ["A", "bias"], ["y"]
+    elif op == "GroupQueryAttention":
+        ins = _gqa_case(rng, past=2, s=1, seqlens=[2, 1], rotary=True)
+        attrs = {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1}
+        fn, along, outs = (lambda *t: group_query_attention(*t, **attrs)), ["query", "key", "value", "past_key"], [
+            "y", "pk", "pv"]
+    else:
+        ins = [("ids", rng.integers(0, 4, (2, 5)).astype(np.int32)), None, ("word", rng.standard_normal((4, 8)).astype(F32)),
+               ("pos", rng.standard_normal((7, 8)).astype(F32)), None, ("gamma", rng.standard_normal(8).astype(F32)),
+               ("beta", rng.standard_normal(8).astype(F32))]
+        attrs, fn, along, outs = {}, embed_layer_normalization, ["word", "pos", "gamma"], ["y", "mi", "sum"]
+    g = graph(op, ins, attrs, outs)
+    feeds = {n: a for n, a in (i for i in ins if i is not None)}
+    tangents = {n: rng.standard_normal(feeds[n].shape).astype(F32) for n in along}
+    wanted = [o for o in outs if o != "mi"]
+    got = rg.Session(rg.jvp(g, wanted, along)).run({**feeds, **{f"{n}_tangent": t for n, t in tangents.items()}})
+
+    def f(*xs):
+        args = [None if i is None else (xs[along.index(i[0])] if i[0] in along else torch.tensor(
+            i[1].astype(np.float64) if i[1].dtype.kind == "f" else i[1])) for i in ins]
+        out = fn(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        return tuple(o for o, name in zip(out, outs, strict=False) if name in wanted)
+
+    primals = tuple(torch.tensor(feeds[n].astype(np.float64)) for n in along)
+    _, want = torch.func.jvp(f, primals, tuple(torch.tensor(tangents[n].astype(np.float64)) for n in along))
+    for o, w in zip(wanted, want, strict=True):
+        w = w.numpy()
+        np.testing.assert_allclose(got[f"{o}_tangent"], w, rtol=3e-5, atol=3e-5 * max(1.0, float(np.abs(w).max())),
+                                   err_msg=f"{op} {o}")
