@@ -602,6 +602,8 @@ def test_genai_builder_llama_has_pytorchs_gradients(tmp_path, precision):
     the dequantized ones, and accuracy_level 0, at which onnxruntime computes the exact product)."""
     path, model = _genai_llama(tmp_path, precision)
     g = rg.load(path)
+    from revgraph.train.selection import left_out
+    assert {"cos_cache", "sin_cache"} <= set(left_out(g))  # (rotary tables: a full fine-tune leaves them out)
     for n in g.nodes:
         if n.op_type == "MatMulNBits":
             n.attrs["accuracy_level"] = 0

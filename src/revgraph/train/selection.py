@@ -41,6 +41,7 @@ BUFFER_NAMES = frozenset({
     "inv_freq", "original_inv_freq", "cos_cached", "sin_cached", "freqs_cis",
     "running_mean", "running_var", "num_batches_tracked", "moving_mean", "moving_variance",
     "position_ids", "token_type_ids", "relative_position_index",
+    "cos_cache", "sin_cache",  # onnxruntime-genai's model builder: the rotary tables GroupQueryAttention reads
 })
 
 
