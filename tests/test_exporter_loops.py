@@ -109,11 +109,11 @@ def test_nested_loops_holding_their_own_initializers_in_forward_mode():
 
 @pytest.mark.parametrize("name", ["loop", "if", "scan"])
 def test_bodies_holding_their_own_initializers_in_forward_mode(name):
-    from test_control_flow import _body_initializer_models, _body_initializer_reference
+    from kit.loops import body_initializer_models, body_initializer_reference
 
-    g = rg.load(_body_initializer_models()[name])
+    g = rg.load(body_initializer_models()[name])
     x, w, t = np.array([0.3, -0.2]), np.array([0.1, 0.2]), np.array([0.7, -1.1])
-    _, grads = _torch_grads(lambda x, w: _body_initializer_reference(name, x, w), x=x, w=w)
+    _, grads = _torch_grads(lambda x, w: body_initializer_reference(name, x, w), x=x, w=w)
     np.testing.assert_allclose(_jvp(g, "x", {"x": x, "w": w}, t), grads["x"] @ t, rtol=1e-10)
     np.testing.assert_allclose(_jvp(g, "w", {"x": x, "w": w}, t), grads["w"] @ t, rtol=1e-10)
 

@@ -184,3 +184,57 @@ def onnx_loop_model() -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     helper.set_model_props(model, {"author": "test", "revgraph.note": "kept"})
     return model
+
+
+def body_initializer_models() -> dict:
+    """Valid ONNX that tf2onnx and jax2onnx write: subgraphs holding their own initializers ``k`` = [0.5, 1.5].
+    loop: h <- tanh(h * k + w), 3 times; if: then-branch x * k + w (an If on a true input); scan: the same step
+    over a scan input of 3 rows added to it. loss = sum of the result."""
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    F = TP.DOUBLE
+    k = nh.from_array(np.array([0.5, 1.5]), "k")
+    vi = lambda name, t=F, s=(2,): h.make_tensor_value_info(name, t, list(s))
+    step = [h.make_node("Mul", ["h_in", "k"], ["m"]), h.make_node("Add", ["m", "w"], ["a"]),
+            h.make_node("Tanh", ["a"], ["h_out"])]
+    loop_body = h.make_graph([*step, h.make_node("Identity", ["c_in"], ["c_out"])], "loop_body",
+                             [vi("i", TP.INT64, ()), vi("c_in", TP.BOOL, ()), vi("h_in")],
+                             [vi("c_out", TP.BOOL, ()), vi("h_out")], initializer=[k])
+    then = h.make_graph([h.make_node("Mul", ["x", "k"], ["tm"]), h.make_node("Add", ["tm", "w"], ["t_out"])], "then",
+                        [], [vi("t_out")], initializer=[k])
+    other = h.make_graph([h.make_node("Identity", ["x"], ["e_out"])], "else", [], [vi("e_out")])
+    scan_body = h.make_graph([h.make_node("Add", ["h_in", "row"], ["hr"]), h.make_node("Mul", ["hr", "k"], ["m"]),
+                              h.make_node("Add", ["m", "w"], ["a"]), h.make_node("Tanh", ["a"], ["h_out"]),
+                              h.make_node("Identity", ["h_out"], ["y_row"])], "scan_body",
+                             [vi("h_in"), vi("row")], [vi("h_out"), vi("y_row")], initializer=[k])
+    tail = [h.make_node("ReduceSum", ["r"], ["loss"], keepdims=0)]
+    inputs = [vi("x"), vi("w")]
+    graphs = {
+        "loop": h.make_graph([h.make_node("Loop", ["T", "", "x"], ["r"], body=loop_body), *tail], "g", inputs,
+                             [vi("loss", F, ())], [h.make_tensor("T", TP.INT64, [], [3])]),
+        "if": h.make_graph([h.make_node("If", ["c"], ["r"], then_branch=then, else_branch=other), *tail], "g",
+                           inputs, [vi("loss", F, ())], [h.make_tensor("c", TP.BOOL, [], [True])]),
+        "scan": h.make_graph([h.make_node("Scan", ["x", "rows"], ["hT", "r"], body=scan_body, num_scan_inputs=1),
+                              *tail], "g", inputs, [vi("loss", F, ())],
+                             [nh.from_array(np.arange(6.0).reshape(3, 2) / 10, "rows")]),
+    }
+    return {name: onnx.helper.make_model(gr, opset_imports=[onnx.helper.make_opsetid("", 21)])
+            for name, gr in graphs.items()}
+
+
+def body_initializer_reference(name: str, x, w):
+    k = torch.tensor([0.5, 1.5], dtype=torch.float64)
+    if name == "loop":
+        h = x
+        for _ in range(3):
+            h = torch.tanh(h * k + w)
+        return h.sum()
+    if name == "if":
+        return (x * k + w).sum()
+    h, ys = x, []
+    for row in torch.arange(6.0, dtype=torch.float64).reshape(3, 2) / 10:
+        h = torch.tanh((h + row) * k + w)
+        ys.append(h)
+    return torch.stack(ys).sum()
