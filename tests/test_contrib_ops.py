@@ -21,12 +21,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from kit.contrib_cases import graph as contrib_graph
+from kit.contrib_cases import outside_onnx
+from kit.contrib_cases import with_loss as contrib_loss
 from kit.harness import double_backward, with_loss
 
 import revgraph as rg
 from revgraph.autodiff import registry
-from revgraph.ir import Graph, Node, ValueInfo
-from revgraph.onnx_io.value_types import infer_types
+from revgraph.ir import Graph, Node
 
 MS = "com.microsoft"
 F32, F64 = np.float32, np.float64
@@ -94,31 +96,9 @@ def fused_matmul(a, b, *, transA=0, transB=0, transBatchA=0, transBatchB=0, alph
 
 
 def _graph(op: str, domain: str, inputs: list[tuple[str, np.ndarray] | None], attrs: dict, outputs: list[str]) -> Graph:
-    """One ``op`` node over the graph inputs ``inputs`` (``None``: an omitted optional input) writing ``outputs``
-    (``""``: an omitted optional output)."""
-    names = ["" if i is None else i[0] for i in inputs]
-    node = Node(op, names, outputs, dict(attrs), "op", domain)
-    ins = [ValueInfo(n, a.dtype, a.shape) for n, a in (i for i in inputs if i is not None)]
-    g = Graph([node], ins, [ValueInfo(o) for o in outputs if o], opsets={"": 21, MS: 1})
-    types = infer_types(g)  # (revgraph's types of the contrib outputs: check_case compares them with the run's)
-    g.outputs = [types[o] for o in outputs if o]
-    return g
-
-
-def _with_loss(g: Graph, fwd: dict[str, np.ndarray], used: list[str]) -> Graph:
-    """``g`` plus inputs ``<y>_u`` and ``loss = sum_y sum(y * <y>_u)`` in float64 (the statistics outputs are
-    float32 for a float64 input: each term is cast)."""
-    g = g.copy()
-    parts = []
-    for y in used:
-        g.inputs.append(ValueInfo(f"{y}_u", fwd[y].dtype, fwd[y].shape))
-        g.nodes += [Node("Mul", [y, f"{y}_u"], [f"{y}_uy"], name=f"loss/{y}/mul"),
-                    Node("ReduceSum", [f"{y}_uy"], [f"{y}_s"], {"keepdims": 0}, name=f"loss/{y}/sum"),
-                    Node("Cast", [f"{y}_s"], [f"{y}_s64"], {"to": onnx.TensorProto.DOUBLE}, name=f"loss/{y}/cast")]
-        parts.append(f"{y}_s64")
-    g.nodes.append(Node("Sum", parts, ["loss"], name="loss/sum"))
-    g.outputs = [ValueInfo("loss", np.dtype(F64), ())]
-    return g
+    """One ``op`` node of ``domain`` (:func:`kit.contrib_cases.graph`: revgraph's types of the contrib outputs,
+    which check_case compares with the run's)."""
+    return contrib_graph(op, inputs, attrs, outputs, domain=domain)
 
 
 def _runnable(gg: Graph) -> Graph:
@@ -136,12 +116,6 @@ def _runnable(gg: Graph) -> Graph:
     return g
 
 
-def _outside_onnx(g: Graph) -> list[tuple[str, str]]:
-    """The operators of ``g``'s nodes that ONNX does not define (contrib domains, and SimplifiedLayerNormalization
-    in the default domain)."""
-    return sorted((n.domain, n.op_type) for n in g.nodes if n.domain or not onnx.defs.has(n.op_type))
-
-
 def check_case(op, fn, inputs, attrs=None, outputs=("y",), used=None, *, domain=MS, dtype=F32, seed=0, kw=None):
     """Build the case, differentiate ``loss`` w.r.t. every input, run it on onnxruntime and compare with
     ``fn``'s float64 autograd at the same (dtype-rounded) inputs; also check that the only operators outside
@@ -155,13 +129,13 @@ def check_case(op, fn, inputs, attrs=None, outputs=("y",), used=None, *, domain=
     fwd = rg.Session(_runnable(g)).run(feeds)
     for vi in g.outputs:  # the output types revgraph gives the contrib operators are onnxruntime's
         assert (vi.dtype, vi.shape) == (fwd[vi.name].dtype, fwd[vi.name].shape), (vi, fwd[vi.name].shape)
-    lg = _with_loss(g, fwd, used)
+    lg = contrib_loss(g, fwd, used)
     us = {f"{y}_u": rng.standard_normal(fwd[y].shape).astype(fwd[y].dtype) for y in used}
     wrt = list(feeds)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ("no path" to an input whose outputs are all unread: zeros, checked)
         gg = rg.gradient(lg, loss="loss", wrt=wrt, unconnected="zero")
-    assert _outside_onnx(gg) == _outside_onnx(g), "the backward must use ONNX's standard operators only"
+    assert outside_onnx(gg) == outside_onnx(g), "the backward must use ONNX's standard operators only"
     got = rg.Session(_runnable(gg)).run({**feeds, **us})
     # the reference: float64 autograd of the same math at the same inputs
     tin = [None if i is None else torch.tensor(i[1].astype(F64), requires_grad=True) for i in ins]
@@ -319,7 +293,7 @@ def test_forward_mode(op, fn, inputs, attrs, outputs, domain, dtype):
     g = _graph(op, domain, ins, attrs, list(outputs))
     tangents = {n: rng.standard_normal(a.shape).astype(dtype) for n, a in ins}
     jg = rg.jvp(g, [o for o in outputs if o], [n for n, _ in ins])
-    assert _outside_onnx(jg) == _outside_onnx(g)
+    assert outside_onnx(jg) == outside_onnx(g)
     got = rg.Session(jg).run({**dict(ins), **{f"{n}_tangent": t for n, t in tangents.items()}})
     kw = {"eps": 1e-12} if op == "SkipLayerNormalization" else attrs if op == "FusedMatMul" else {}
     _, want = torch.func.jvp(lambda *xs: fn(*xs, **kw), tuple(torch.tensor(a.astype(F64)) for _, a in ins),
@@ -346,7 +320,7 @@ def test_second_order(op, fn, inputs, attrs, outputs, domain):
     feeds = dict(ins)
     fwd = rg.Session(g).run(feeds)
     used = [o for o in outputs if o]
-    lg = _with_loss(g, fwd, used)
+    lg = contrib_loss(g, fwd, used)
     us = {f"{y}_u": rng.standard_normal(fwd[y].shape).astype(fwd[y].dtype) for y in used}
     gg = rg.gradient(lg, loss="loss", wrt=list(feeds))
     vs = {f"{n}_v": rng.standard_normal(a.shape) for n, a in ins}
@@ -424,11 +398,11 @@ def _gradients(path, feeds: dict[str, np.ndarray], wrt: list[str]) -> dict[str, 
     onnxruntime; the gradient graph holds no operator outside ONNX's standard set but the model's own."""
     g = rg.load(path)
     fwd = rg.Session(g).run(feeds)
-    lg = _with_loss(g, fwd, g.output_names)
+    lg = contrib_loss(g, fwd, g.output_names)
     rng = np.random.default_rng(6)
     us = {f"{y}_u": rng.standard_normal(fwd[y].shape).astype(fwd[y].dtype) for y in g.output_names}
     gg = rg.gradient(lg, loss="loss", wrt=wrt)
-    assert set(_outside_onnx(gg)) == set(_outside_onnx(g))
+    assert set(outside_onnx(gg)) == set(outside_onnx(g))
     out = rg.Session(gg).run({**feeds, **us})
     return {w: out[f"{w}_grad"] for w in wrt}
 
