@@ -323,7 +323,7 @@ def check_options(kind: str, options: Mapping) -> dict:
     return out
 
 
-@V.arguments(model=V.GRAPH, loss=V.TEXT, output=V.NAME)
+@V.arguments(model=V.GRAPH, loss=V.TEXT, output=V.NAME, memory=V.BUDGET)
 def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None = None, memory=None,
                **options) -> tuple[Graph, LossSpec]:
     """A copy of ``model`` (in SSA form) with an input for the labels (when the loss has them) and a scalar loss.
