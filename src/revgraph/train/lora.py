@@ -14,6 +14,10 @@ Targets. A ``MatMul`` whose second input, or a ``Gemm`` whose ``B`` input, is a 
 - the output of a ``DequantizeLinear`` of a 2-D int8/uint8/int4/uint4 initializer: a quantized frozen base
   (QLoRA, Dettmers et al. 2023); the adapters take the dtype of the dequantized weight (the scale's).
 
+And every ``com.microsoft.MatMulNBits`` whose packed weight is an initializer (onnxruntime's 4-bit quantizer,
+onnxruntime-genai's model builder): the packed weight is the frozen base, ``in``/``out`` its ``K``/``N``
+(:mod:`.lora_nbits`, which also says how such an adapter merges: into a float weight).
+
 One adapter per weight: every node reading the same weight (tied or shared weights) adds the same update, as one
 PEFT-wrapped ``nn.Linear`` called twice does. ``Gemm(X, W, C, alpha=g, beta=c, transA=t)`` becomes
 ``Gemm(Gemm(X, A, transA=t), B, Gemm(X, W, C), alpha=g * alpha / r, beta=1)``: the update is scaled by ``g`` as
@@ -40,6 +44,7 @@ import numpy as np
 from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, NameSet, Node, ValueInfo, fresh_name, is_float_dtype
+from . import lora_nbits
 from .lora_config import FORMAT as _FORMAT
 from .lora_config import check_against, check_sites, check_structure
 
@@ -63,10 +68,13 @@ class _Site:
     transposed: bool
     stored_shape: tuple
     dtype: np.dtype | None
+    kn: tuple[int, int] | None = None  # a MatMulNBits' (K, N): its packed weight is 3-D (.lora_nbits)
 
     @property
     def dims(self) -> tuple[int, int] | None:
         """``(in, out)`` as the node applies the weight, ``None`` when it is not 2-D."""
+        if self.kn is not None:
+            return self.kn
         if len(self.stored_shape) != 2:
             return None
         rows, cols = self.stored_shape
@@ -113,10 +121,17 @@ def adapter_names(graph: Graph) -> list[str]:
 
 def _sites(graph: Graph) -> list[_Site]:
     """Every ``MatMul``/``Gemm`` of the top-level graph whose weight input is an initializer, the transpose of one,
-    or the ``DequantizeLinear`` of an integer one (module doc), whatever its rank."""
+    or the ``DequantizeLinear`` of an integer one, and every ``MatMulNBits`` of an initializer (module doc),
+    whatever its rank."""
     producer = {o: n for n in graph.nodes for o in n.outputs if o}
     sites = []
     for node in graph.nodes:
+        if lora_nbits.is_nbits(node):
+            found = lora_nbits.site(graph, node)
+            if found is not None:
+                weight, shape, kn, dtype = found
+                sites.append(_Site(node, weight, True, True, shape, dtype, kn))
+            continue
         if node.domain or node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
             continue
         transposed = node.op_type == "Gemm" and bool(node.attrs.get("transB", 0))
@@ -150,7 +165,8 @@ def _select(graph: Graph, sites: list[_Site], targets: Iterable[str] | None) -> 
         chosen = [s for s in sites if s.dims is not None]
         if not chosen:
             raise RevgraphError("the model has no MatMul or Gemm whose weight is a 2-D float initializer (or a "
-                                "DequantizeLinear of an int8/int4 one): nothing to put LoRA adapters on")
+                                "DequantizeLinear of an int8/int4 one) and no com.microsoft.MatMulNBits: nothing "
+                                "to put LoRA adapters on")
         return chosen
     patterns = [targets] if isinstance(targets, str) else list(targets)
     if not patterns:
@@ -166,9 +182,10 @@ def _select(graph: Graph, sites: list[_Site], targets: Iterable[str] | None) -> 
         if not hits:
             others = [k for k in graph.initializers if fnmatch.fnmatchcase(k, pattern) or k == pattern]
             what = (f"matches initializer(s) {', '.join(map(repr, others[:3]))}, none of them the weight of a "
-                    "MatMul or Gemm" if others else "matches no initializer and no MatMul/Gemm node")
+                    "MatMul or Gemm or MatMulNBits" if others else "matches no initializer and no MatMul/Gemm/"
+                    "MatMulNBits node")
             raise RevgraphError(f"LoRA target pattern {pattern!r} {what}; LoRA adapts MatMul/Gemm weights "
-                                "(2-D float initializers or DequantizeLinear of int8/int4 ones)")
+                                "(2-D float initializers or DequantizeLinear of int8/int4 ones) and MatMulNBits")
         flat = next((s for s in hits if s.dims is None), None)
         if flat is not None:
             raise RevgraphError(f"LoRA target {flat.weight!r} (matched by {pattern!r}, read by {flat.node.label()}) "
@@ -308,7 +325,9 @@ def merge_adapters(graph: Graph) -> Graph:
     away, so its adapted nodes read a new float initializer ``<weight>.merged`` ``[in, out]`` = the dequantized
     weight (computed by onnxruntime's own ``DequantizeLinear``) plus the update; the integer weight stays for the
     nodes that still read it (dropped when no node does). The same copy is made for a weight the adapted nodes
-    read in both orientations (directly and through a ``Transpose``). Raises :class:`RevgraphError` for a graph without adapters."""
+    read in both orientations (directly and through a ``Transpose``). An adapted ``com.microsoft.MatMulNBits``
+    becomes a ``MatMul`` of a float ``<weight>.merged`` ``[K, N]`` (:mod:`.lora_nbits`: packed 4-bit blocks cannot
+    take the update), so the merged model is a float one where it was adapted. Raises :class:`RevgraphError` for a graph without adapters."""
     found = config(graph)
     if found is None:
         raise RevgraphError("the model has no LoRA adapters (no metadata 'revgraph.lora') to merge")
@@ -327,6 +346,10 @@ def merge_adapters(graph: Graph) -> Graph:
                 n.outputs[0] = rename[n.outputs[0]]
                 sites.append(n)
         weight = adapter["weight"]
+        if any(lora_nbits.is_nbits(n) for n in sites):  # packed int4 cannot hold the sum: a float weight instead
+            lora_nbits.merge(g, sites, weight, delta, used)
+            del g.initializers[adapter["A"]], g.initializers[adapter["B"]]
+            continue
         producer = {o: n for n in g.nodes for o in n.outputs if o}
         # each site's orientation: is the weight stored [out, in] for it (Gemm's transB, a Transpose before it)?
         flipped = {}

@@ -7,7 +7,7 @@ never a base weight trained as if it were an adapter.
 :func:`check_structure` checks what a configuration alone can say (types, ranges, names distinct);
 :func:`check_against` and :func:`check_sites` what it says about a model: every weight, ``A`` and ``B`` it names is
 an initializer of the model, each adapter a floating-point ``[in, rank]`` / ``[rank, out]`` array; each site a
-``MatMul``/``Gemm`` reading its weight as recorded, and its added nodes exactly those computing the update from
+``MatMul``/``Gemm``/``MatMulNBits`` reading its weight as recorded, and its added nodes exactly those computing the update from
 ``A`` and ``B`` (so no other node reads them).
 """
 
@@ -115,7 +115,7 @@ def check_sites(graph: Graph, found: dict, sites: dict, fail: Callable[[str], Re
         for j, rec in enumerate(a["sites"]):
             s = sites.get(rec["node"])
             if s is None or s.weight != a["weight"] or s.node.outputs[0] != rec["base"]:
-                raise fail(f"adapter {k}'s site {rec['node']!r} is not a MatMul/Gemm of the model that reads "
+                raise fail(f"adapter {k}'s site {rec['node']!r} is not a MatMul/Gemm/MatMulNBits of the model that reads "
                            f"weight {a['weight']!r} and writes {rec['base']!r}")
             # (a square weight may be read in both orientations: the record holds the first site's)
             if (s.dims, s.quantized) != ((a["in"], a["out"]), a["quantized"]) or j == 0 and \

@@ -51,12 +51,27 @@ def buffer_name(name: str) -> bool:
     return any(part in BUFFER_NAMES for part in re.split(r"[./:]", name))
 
 
+#: Why :func:`left_out` leaves out a ``MatMulNBits``'s scales and zero points.
+FROZEN_BASE = "scales and zero points of MatMulNBits (a frozen int4 base)"
+
+
+def frozen_base(model: Graph) -> set[str]:
+    """The initializers ``com.microsoft.MatMulNBits`` nodes read as their scales and zero points (inputs 2 and 3),
+    by structure, not by name: the packed weight they dequantize cannot train (it is integers), and a scale or
+    zero point trained alone would move a whole block of it; onnxruntime's rule gives them no gradient (a frozen
+    base: LoRA adapters train beside it, :mod:`.lora_nbits`)."""
+    return {i for _, n in model.walk() if (n.domain, n.op_type) == ("com.microsoft", "MatMulNBits")
+            for i in n.inputs[2:4] if i}
+
+
 def _defaults(model: Graph) -> tuple[list[str], dict[str, str]]:
     """The default trainable set (declaration order) and ``{left out: why}``, over the float initializers, by the
     best record the model has: revgraph's ``revgraph.torch_parameters`` (:func:`revgraph.export_torch`), else the
     dynamo exporter's per-initializer kinds (:mod:`revgraph.onnx_io.torch_names`), else the names and sizes. A
     record that names none of the model's initializers (a stale one) is passed over."""
-    floats = [k for k, a in model.initializers.items() if _floats(a)]
+    base = frozen_base(model)
+    floats = [k for k, a in model.initializers.items() if _floats(a) and k not in base]
+    frozen = {k: FROZEN_BASE for k in model.initializers if k in base and _floats(model.initializers[k])}
     record = torch_names(model.metadata)
     if record is not None and record.parameters & set(floats):
         def why(k: str) -> str:
@@ -67,8 +82,8 @@ def _defaults(model: Graph) -> tuple[list[str], dict[str, str]]:
             return "constants" if np.asarray(model.initializers[k]).size > 1 else "one-element constants"
 
         return ([k for k in floats if k in record.parameters],
-                {k: why(k) for k in floats if k not in record.parameters})
-    trained, out = [], {}
+                {**{k: why(k) for k in floats if k not in record.parameters}, **frozen})
+    trained, out = [], dict(frozen)
     for k in floats:
         if not _by_default(model.initializers[k]):
             out[k] = "one-element constants"
@@ -82,7 +97,7 @@ def _defaults(model: Graph) -> tuple[list[str], dict[str, str]]:
 def left_out(model: Graph) -> dict[str, str]:
     """The float initializers the default trainable set leaves out, in declaration order, each with why: a plural
     kind for messages to group them by (``"buffers"``, ``"buffers (by name)"``, ``"one-element constants"``,
-    ``"constants"``, ``"parameters with requires_grad=False"``); see :func:`select`."""
+    ``"constants"``, ``"parameters with requires_grad=False"``, :data:`FROZEN_BASE`); see :func:`select`."""
     return _defaults(model)[1]
 
 
@@ -116,7 +131,8 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
     a model that has them (:func:`revgraph.lora.adapter_names`), else the module's parameters: the initializers
     of ``revgraph.torch_parameters`` in a file :func:`revgraph.export_torch` wrote, else those the dynamo
     exporter's record marks ``PARAMETER``, else every floating-point initializer with more than one element whose
-    name is not a buffer's (:func:`buffer_name`; a 0-d or one-element one is a constant of the model's formulas).
+    name is not a buffer's (:func:`buffer_name`; a 0-d or one-element one is a constant of the model's formulas),
+    in every case without the scales and zero points of ``MatMulNBits`` nodes (:func:`frozen_base`).
     :func:`left_out` lists what the default leaves out, and why. Integer initializers a glob matches are left out (they cannot train). ``freeze``: names or globs removed
     from that set. Raises :class:`RevgraphError` (one line) for a pattern that matches no initializer (naming
     it and the option), an integer initializer named exactly, a glob that matches only integer ones, and a
@@ -156,11 +172,20 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
 
 
 def parameters(model: Graph) -> list[str]:
-    """What counts as a parameter: the float initializers and the integer weights of ``DequantizeLinear`` nodes
-    (a quantized base), not the integer shapes, axes and indices a graph holds as initializers."""
+    """What counts as a parameter: the float initializers and the integer weights of ``DequantizeLinear`` and
+    ``MatMulNBits`` nodes (a quantized base), not the integer shapes, axes and indices a graph holds as initializers."""
     quantized = {n.inputs[0] for _, n in model.walk() if n.op_type == "DequantizeLinear" and n.inputs}
+    packed = set(_packed(model))
     return [k for k, a in model.initializers.items()
-            if _floats(a) or (k in quantized and np.asarray(a).ndim >= 2)]
+            if _floats(a) or (k in quantized and np.asarray(a).ndim >= 2) or k in packed]
+
+
+def _packed(model: Graph) -> dict[str, int]:
+    """The packed weights of ``MatMulNBits`` nodes (input 1) and the elements each holds, ``K * N`` (its bytes
+    hold 8 / bits of them)."""
+    return {n.inputs[1]: int(n.attrs.get("K", 0)) * int(n.attrs.get("N", 0)) for _, n in model.walk()
+            if (n.domain, n.op_type) == ("com.microsoft", "MatMulNBits") and len(n.inputs) > 1
+            and n.inputs[1] in model.initializers}
 
 
 def count_line(model: Graph, trained: Iterable[str]) -> str:
@@ -170,7 +195,8 @@ def count_line(model: Graph, trained: Iterable[str]) -> str:
     mine = set(trained)
     frozen = [k for k in parameters(model) if k not in mine]
     t = sum(int(np.asarray(model.initializers[k]).size) for k in trained)
-    f = sum(int(np.asarray(model.initializers[k]).size) for k in frozen)
+    packed = _packed(model)
+    f = sum(packed.get(k) or int(np.asarray(model.initializers[k]).size) for k in frozen)
     share = f" ({100 * t / (t + f):.3g}%)" if t + f else ""
     return (f"parameters: {t:,} trainable in {len(trained)} tensor{'s' * (len(trained) != 1)}{share}, "
             f"{f:,} frozen in {len(frozen)} tensor{'s' * (len(frozen) != 1)}")
