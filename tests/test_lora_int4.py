@@ -3,7 +3,8 @@ the adapters' gradients and a few Trainer steps against PyTorch float64 of ``x d
 (the dequantization written in :mod:`kit.genai` from onnxruntime's operator docs), the extract / apply / merge
 round trip, the default trainable set of such a file, and onnxruntime-genai's model builder end to end: a tiny
 int4 LLaMA fine-tuned with ``revgraph train --lora 8 --loss causal-lm``, its adapters extracted, its logits
-against the transformers model in float64 with the dequantized weights plus the adapters."""
+against the transformers model in float64 with the dequantized weights plus the adapters, and the trained file
+generating in onnxruntime-genai."""
 
 from __future__ import annotations
 
@@ -238,7 +239,8 @@ def test_genai_builder_int4_llama_lora_end_to_end(tmp_path, capsys):
     """``revgraph train model.onnx --lora 8 --loss causal-lm`` on the builder's int4 LLaMA, then ``lora extract``:
     the loss falls, the base initializers are untouched, and the trained model's logits (its MatMulNBits at
     accuracy_level 0, where onnxruntime multiplies the dequantized weights in float) equal the transformers model in
-    float64 with the dequantized weights plus the adapters, attention by onnxruntime's GroupQueryAttention kernel."""
+    float64 with the dequantized weights plus the adapters, attention by onnxruntime's GroupQueryAttention kernel;
+    and onnxruntime-genai generates with the trained file."""
     path, model = genai_llama(tmp_path, "int4", vocab=256)
     ids = np.random.default_rng(0).integers(3, 256, (8, 16))
     np.savez(tmp_path / "tokens.npz", **token_data(ids))
@@ -260,6 +262,7 @@ def test_genai_builder_int4_llama_lora_end_to_end(tmp_path, capsys):
     for k, v in adapters.items():
         np.testing.assert_array_equal(trained.initializers[k], v, err_msg=k)
     assert any(trained.initializers[a["B"]].any() for a in c["adapters"])
+    _generates_with_genai(path.parent, out, trained)
     for n in trained.nodes:
         if n.op_type == "MatMulNBits":
             n.attrs["accuracy_level"] = 0
@@ -269,3 +272,32 @@ def test_genai_builder_int4_llama_lora_end_to_end(tmp_path, capsys):
     got = rg.Session(trained).run(feeds)["logits"]
     want = _merged_torch(model, base, adapters, c["scaling"])(torch.tensor(test_ids)).logits.detach().numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def _generates_with_genai(builder_dir, trained_path, trained: rg.Graph) -> None:
+    """The trained file (adapters as nodes, same inputs and outputs) in place of the builder's ``model.onnx`` runs
+    in onnxruntime-genai's generator, with its KV cache: its greedy tokens are the argmax of the trained model's
+    logits recomputed over the whole sequence at each step."""
+    import shutil
+
+    import onnxruntime_genai as og
+
+    gen = trained_path.parent / "generate"
+    shutil.copytree(builder_dir, gen)
+    shutil.copy(trained_path, gen / "model.onnx")
+    model = og.Model(str(gen))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=10, do_sample=False)
+    generator = og.Generator(model, params)
+    prompt = [5, 6, 7, 8]
+    generator.append_tokens(np.array([prompt], np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    got = [int(t) for t in generator.get_sequence(0)]
+    g = trained.copy()
+    g.outputs = [vi for vi in g.outputs if vi.name == "logits"]
+    session, want = rg.Session(g), list(prompt)
+    while len(want) < 10:
+        logits = session.run(token_data(np.array([want])))["logits"]
+        want.append(int(logits[0, -1].argmax()))
+    assert got == want
