@@ -26,7 +26,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not train the initializers these names or globs match")
     parser.add_argument("--lora", type=POSITIVE_INT, metavar="RANK",
                         help="add LoRA adapters of this rank to the MatMul/Gemm weights (2-D float initializers, or "
-                             "DequantizeLinear of int8/int4 ones) and train only them")
+                             "DequantizeLinear of int8/int4 ones) and com.microsoft.MatMulNBits (packed int4, a frozen "
+                             "base) and train only them")
     parser.add_argument("--lora-alpha", type=NONZERO, metavar="A",
                         help="with --lora: the adapters' update is scaled by A / RANK (default A = RANK: scaling 1)")
     parser.add_argument("--lora-targets", nargs="+", metavar="GLOB",
@@ -34,7 +35,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                              "e.g. '*q_proj*' '*v_proj*' (default: every eligible weight)")
     parser.add_argument("--merge-adapters", action="store_true",
                         help="write the trained model with W + (A/RANK) x lora_A x lora_B folded into the weights "
-                             "(default: the adapters stay separate nodes and initializers)")
+                             "(a quantized or MatMulNBits base becomes a float weight; default: the adapters stay "
+                             "separate nodes and initializers)")
 
 
 def lora_model(args: argparse.Namespace, model: Graph) -> tuple[Graph, dict]:
