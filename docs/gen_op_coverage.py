@@ -80,6 +80,12 @@ CONTRIB_MATH = {
                  "MultiHeadAttention and `[2B]` end/start positions, past/present; `do_rotary` refused (not on CPU)",
     "EmbedLayerNormalization": "`LayerNorm(word[ids] + position[p] + segment[seg])`; the tables get rows at "
                                "their ids, `embedding_sum` carries gradient too",
+    "LinearClassifier": "scores `post(X W^T + b)` (`NONE`, `LOGISTIC`, `SOFTMAX`, `SOFTMAX_ZERO`; one target with two "
+                        "labels: `[1 - p, p]`), gradient to `X`; the label has none; `PROBIT` refused; "
+                        "`W`, `b` are attributes: `--lift-constants` makes them trainable initializers",
+    "LinearRegressor": "`post(X W^T + b)` (the transform for more than one target), gradient to `X`; "
+                       "`--lift-constants` makes `W`, `b` trainable initializers",
+    "Normalizer": "`x / z` per row, `z` the `MAX` (ties split, as ReduceMax), `L1` or `L2` norm; `x` where `z = 0`",
 }
 
 
@@ -124,7 +130,8 @@ def render() -> str:
         "",
         "## Operators outside ONNX's standard set",
         "",
-        ("onnxruntime's contrib operators, which its transformer optimizer and model builder write. The forward keeps "
+        ("onnxruntime's contrib operators, which its transformer optimizer and model builder write, and the "
+         "`ai.onnx.ml` linear models skl2onnx writes. The forward keeps "
          "the node (onnxruntime runs it); its VJP is written in standard ONNX operators."),
         "",
         "| operator | domain | math |",

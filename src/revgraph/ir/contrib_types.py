@@ -176,7 +176,40 @@ def _embed_norm(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, ValueIn
     return {o: ValueInfo(o, dt, shape) for o, (dt, shape) in zip(node.outputs, kinds, strict=False) if o}
 
 
+def _ml_rows(node: Node, types: Mapping[str, ValueInfo]) -> tuple[ValueInfo | None, Dim | None]:
+    x = _first(types, node)
+    if x is None or x.shape is None or len(x.shape) not in (1, 2):
+        return x, None
+    return x, 1 if len(x.shape) == 1 else x.shape[0]
+
+
+def _ml_linear(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, ValueInfo]:
+    """ai.onnx.ml ``LinearClassifier``: ``label [N]`` (int64, or strings), ``scores [N, T]`` float32 (``T`` the
+    intercepts' count; 2 for one target with two class labels); ``LinearRegressor``: ``[N, targets]`` float32
+    (onnxruntime's linearclassifier.cc, linearregressor.cc; a 1-D input is one row)."""
+    x, n = _ml_rows(node, types)
+    if x is None:
+        return {}
+    if node.op_type == "LinearRegressor":
+        return {node.outputs[0]: ValueInfo(node.outputs[0], np.dtype(np.float32), (n, int(node.attrs.get("targets", 1))))}
+    t = len(node.attrs.get("intercepts", []))
+    strings = node.attrs.get("classlabels_strings")
+    labels = len(strings if strings is not None and len(strings) else node.attrs.get("classlabels_ints", []))
+    kinds = [(np.dtype(object) if strings is not None and len(strings) else np.dtype(np.int64), (n,)),
+             (np.dtype(np.float32), (n, 2 if t == 1 and labels == 2 else t))]
+    return {o: ValueInfo(o, dt, shape) for o, (dt, shape) in zip(node.outputs, kinds, strict=False) if o}
+
+
+def _ml_normalizer(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, ValueInfo]:
+    """ai.onnx.ml ``Normalizer``: the input's shape, float32 (normalizer.cc)."""
+    x = _first(types, node)
+    return {} if x is None else {node.outputs[0]: ValueInfo(node.outputs[0], np.dtype(np.float32), x.shape)}
+
+
 _FORMULAS = {
+    ("ai.onnx.ml", "LinearClassifier"): _ml_linear,
+    ("ai.onnx.ml", "LinearRegressor"): _ml_linear,
+    ("ai.onnx.ml", "Normalizer"): _ml_normalizer,
     (MS, "SkipLayerNormalization"): _skip_norm,
     (MS, "SkipSimplifiedLayerNormalization"): _skip_norm,
     ("", "SimplifiedLayerNormalization"): _simplified_norm,

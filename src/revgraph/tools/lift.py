@@ -61,10 +61,17 @@ def lift_constants(graph: Graph) -> tuple[Graph, list[str]]:
     ``ConstantOfShape`` is lifted when its shape is an initializer or a ``Constant`` output. Scalars and
     one-element constants stay constants: they are hyperparameters (epsilons, exponents), not weights. An
     initializer that only lifted nodes read (the shape of a ``ConstantOfShape``) is dropped with them, so the
-    graph keeps no unused initializer (onnxruntime warns about each one)."""
-    g = graph.copy()
+    graph keeps no unused initializer (onnxruntime warns about each one).
+
+    ``ai.onnx.ml`` ``LinearClassifier``/``LinearRegressor`` nodes, whose weights are attributes, become standard
+    operators reading initializers ``<node>.coefficients`` and ``<node>.intercepts`` first
+    (:func:`revgraph.tools.lift_ml.lift_ml_coefficients`; a ``GraphError`` for a ``post_transform`` it does not
+    support)."""
+    from .lift_ml import lift_ml_coefficients  # (here: it imports the autodiff rules, which import this module)
+
+    g, lifted = lift_ml_coefficients(graph)
     known: dict[str, np.ndarray] = dict(g.initializers)
-    kept, lifted, orphans = [], [], set()
+    kept, orphans = [], set()
     for node in g.nodes:
         value = _constant_value(node, known)
         if value is not None:

@@ -18,6 +18,7 @@ from . import (  # noqa: F401
     indexing,
     linalg,
     loss,
+    ml_linear,  # ai.onnx.ml LinearClassifier, LinearRegressor, Normalizer
     norm,
     pool,
     quant,  # QuantizeLinear -> DequantizeLinear with the straight-through estimator

@@ -1,0 +1,219 @@
+"""``ai.onnx.ml`` ``LinearClassifier``, ``LinearRegressor`` and ``Normalizer`` (issue 41, item 8): onnxruntime's
+forward of each node against the closed form written here in PyTorch float64 (onnxruntime's kernels:
+linearclassifier.cc, linearregressor.cc, normalizer.cc), and revgraph's gradients of ``sum(out * u)`` with respect
+to the input against float64 autograd of that closed form; the coefficients' gradients after
+``lift_constants`` rewrote the linear nodes into standard operators reading initializers; refusals; and
+skl2onnx's own files (LogisticRegression, LinearRegression, Normalizer pipelines) against central differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto as TP
+from onnx import helper as h
+
+import revgraph as rg
+from revgraph.tools.lift import lift_constants
+
+ML = "ai.onnx.ml"
+F64 = torch.float64
+rng = np.random.default_rng(0)
+
+
+def _model(op: str, attrs: dict, x: np.ndarray, outs: list[str], opset: int = 17) -> onnx.ModelProto:
+    """One ``op`` node of ``ai.onnx.ml`` over input ``x``, and ``loss = sum(out * out_u)`` over its float output."""
+    node = h.make_node(op, ["x"], outs, domain=ML, name="m", **attrs)
+    z = outs[-1]
+    xt = onnx.helper.np_dtype_to_tensor_dtype(x.dtype)
+    nodes = [node, h.make_node("Mul", [z, f"{z}_u"], ["zu"]), h.make_node("ReduceSum", ["zu"], ["loss"], keepdims=0)]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", xt, x.shape),
+                                  h.make_tensor_value_info(f"{z}_u", TP.FLOAT, None)],
+                     [h.make_tensor_value_info("loss", TP.FLOAT, [])]
+                     + [h.make_tensor_value_info(o, TP.FLOAT if o == z else TP.STRING if "classlabels_strings" in attrs
+                                                 else TP.INT64, None) for o in outs])
+    return h.make_model(g, opset_imports=[h.make_opsetid("", opset), h.make_opsetid(ML, 3)])
+
+
+def _check(op: str, attrs: dict, x: np.ndarray, fn, outs: list[str], *, lift: bool = False, tol: float = 1e-5):
+    """Forward of onnxruntime (and of the lifted rewrite) against ``fn(x, W, b)`` (float64), and revgraph's
+    gradient of the loss w.r.t. ``x`` (and, with ``lift``, the coefficients and intercepts) against autograd."""
+    m = _model(op, attrs, x, outs)
+    g = rg.load(m)
+    plain = rg.Session(g).run({"x": x, f"{outs[-1]}_u": np.zeros((1,), np.float32)})
+    z = plain[outs[-1]]
+    u = rng.standard_normal(z.shape).astype(np.float32)
+    feeds = {"x": x, f"{outs[-1]}_u": u}
+    coef = np.asarray(attrs.get("coefficients", [0.0]), np.float64)
+    w = torch.tensor(coef.reshape(len(attrs.get("intercepts", [])) or attrs.get("targets", 1), -1) if
+                     op != "Normalizer" else coef, dtype=F64, requires_grad=True)
+    icpt = attrs.get("intercepts")
+    b = torch.tensor(np.asarray(icpt if icpt is not None else [0.0], np.float64), dtype=F64, requires_grad=True)
+    xt = torch.tensor(x.astype(np.float64), requires_grad=x.dtype.kind == "f")
+    label, want = fn(xt, w, b)
+    np.testing.assert_allclose(z, want.detach().numpy(), rtol=tol, atol=tol, err_msg=f"{op} forward")
+    if label is not None:
+        np.testing.assert_array_equal(plain[outs[0]], label)
+    (want * torch.tensor(u, dtype=F64)).sum().backward()
+    wrt = ["x"] if x.dtype.kind == "f" else []
+    if lift:
+        g, names = lift_constants(g)
+        assert not any(n.domain == ML for n in g.nodes) and names == ["m.coefficients", "m.intercepts"][:len(names)]
+        lifted = rg.Session(g).run(feeds)
+        for o in outs[:-1]:  # (the label)
+            np.testing.assert_array_equal(lifted[o], plain[o])
+        np.testing.assert_allclose(lifted[outs[-1]], z, rtol=1e-6, atol=1e-6)
+        wrt += names
+    gg = rg.gradient(g, loss="loss", wrt=wrt)
+    got = rg.Session(gg).run(feeds)
+    refs = {"x": xt.grad, "m.coefficients": w.grad, "m.intercepts": b.grad}
+    for n in wrt:
+        ref = refs[n].numpy()
+        assert got[f"{n}_grad"].shape == ref.shape and got[f"{n}_grad"].dtype == (x.dtype if n == "x" else np.float32)
+        np.testing.assert_allclose(got[f"{n}_grad"], ref, rtol=tol, atol=tol * max(1.0, np.abs(ref).max()),
+                                   err_msg=f"{op} d{n}")
+    return gg
+
+
+def _softmax_zero(s: torch.Tensor) -> torch.Tensor:
+    kept = s.detach().abs() > 1e-7
+    m = s.max(1, keepdim=True).values
+    e = torch.where(kept, (s - m).exp(), s * (-m).exp())
+    return e / torch.where(kept, e, torch.zeros_like(e)).sum(1, keepdim=True)
+
+
+TRANSFORMS = {"NONE": lambda s: s, "LOGISTIC": torch.sigmoid, "SOFTMAX": lambda s: s.softmax(1),
+              "SOFTMAX_ZERO": _softmax_zero}
+
+
+def _scores(x, w, b):
+    return x.reshape(-1, w.shape[1]) @ w.T + b
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("labels", ["ints", "strings"])
+def test_linear_classifier_multiclass(transform, labels):
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    x[0] = 0  # with intercept 0 the first score of row 0 is exactly 0: SOFTMAX_ZERO's other branch
+    w, b = rng.standard_normal((3, 4)), np.array([0.0, -0.4, 0.3])
+    names = ["a", "b", "c"]
+    attrs = {"coefficients": w.ravel().tolist(), "intercepts": b.tolist(), "post_transform": transform,
+             "multi_class": 1, **({"classlabels_ints": [4, 5, 6]} if labels == "ints" else
+                                  {"classlabels_strings": names})}
+
+    def fn(xt, wt, bt):
+        s = _scores(xt, wt, bt)
+        idx = s.detach().argmax(1).numpy()
+        return (np.array([4, 5, 6])[idx] if labels == "ints" else np.array(names, dtype=object)[idx]), \
+            TRANSFORMS[transform](s)
+
+    _check("LinearClassifier", attrs, x, fn, ["label", "scores"], lift=True)
+
+
+@pytest.mark.parametrize("transform", ["NONE", "LOGISTIC", "SOFTMAX", "SOFTMAX_ZERO"])
+def test_linear_classifier_one_target_two_labels(transform):
+    """One coefficient row and two labels: ``[1 - p, p]`` with ``p = sigmoid(s)`` under LOGISTIC, else ``s``."""
+    x = rng.standard_normal((6, 3)).astype(np.float32)
+    w, b = rng.standard_normal((1, 3)), np.array([0.2])
+    attrs = {"coefficients": w.ravel().tolist(), "intercepts": b.tolist(), "post_transform": transform,
+             "classlabels_ints": [3, 7]}
+
+    def fn(xt, wt, bt):
+        s = _scores(xt, wt, bt)
+        p = torch.sigmoid(s) if transform == "LOGISTIC" else s
+        return np.where(s.detach().numpy()[:, 0] > 0, 7, 3), torch.cat([1 - p, p], 1)
+
+    _check("LinearClassifier", attrs, x, fn, ["label", "scores"], lift=True)
+
+
+def test_linear_classifier_one_target_without_labels_and_skl2onnx_binary_form():
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    w, b = rng.standard_normal((1, 3)), np.array([-0.1])
+    one = {"coefficients": w.ravel().tolist(), "intercepts": b.tolist(), "post_transform": "LOGISTIC"}
+    _check("LinearClassifier", one, x, lambda xt, wt, bt: (None, _scores(xt, wt, bt)), ["label", "scores"], lift=True)
+    # skl2onnx's binary LogisticRegression: rows [w, -w], intercepts [c, -c], LOGISTIC per score
+    two = {"coefficients": np.concatenate([w, -w]).ravel().tolist(), "intercepts": [0.1, -0.1],
+           "post_transform": "LOGISTIC", "classlabels_ints": [0, 1]}
+    _check("LinearClassifier", two, x, lambda xt, wt, bt: (None, torch.sigmoid(_scores(xt, wt, bt))),
+           ["label", "scores"], lift=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int64])
+def test_linear_classifier_inputs_of_other_types_and_one_row(dtype):
+    """onnxruntime casts a double or integer ``X`` to float (the gradient of a double ``X`` is double; an
+    integer one has none), and a 1-D ``X`` is one row."""
+    w, b = rng.standard_normal((3, 4)), np.array([0.1, 0.2, -0.3])
+    attrs = {"coefficients": w.ravel().tolist(), "intercepts": b.tolist(), "post_transform": "SOFTMAX",
+             "classlabels_ints": [0, 1, 2]}
+    x = (rng.standard_normal((3, 4)) * 3).astype(dtype)
+    fn = lambda xt, wt, bt: (None, _scores(xt, wt, bt).softmax(1))
+    _check("LinearClassifier", attrs, x, fn, ["label", "scores"], lift=True)
+    _check("LinearClassifier", attrs, rng.standard_normal(4).astype(np.float32), fn, ["label", "scores"], lift=True)
+
+
+@pytest.mark.parametrize("targets, transform, intercepts", [(1, "NONE", True), (1, "LOGISTIC", True),
+                                                            (3, "NONE", False), (3, "SOFTMAX", True),
+                                                            (3, "LOGISTIC", True)])
+def test_linear_regressor(targets, transform, intercepts):
+    """``X W^T + b``; the post-transform applies to more than one target only (onnxruntime)."""
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    w, b = rng.standard_normal((targets, 4)), rng.standard_normal(targets)
+    attrs = {"coefficients": w.ravel().tolist(), "targets": targets, "post_transform": transform,
+             **({"intercepts": b.tolist()} if intercepts else {})}
+
+    def fn(xt, wt, bt):
+        s = xt @ wt.T + (bt if intercepts else 0)
+        return None, (TRANSFORMS[transform](s) if targets > 1 else s)
+
+    _check("LinearRegressor", attrs, x, fn, ["y"], lift=True)
+
+
+def _normalize(norm):
+    def fn(xt, _w, _b):
+        if norm == "MAX":
+            z = xt.amax(-1, keepdim=True)  # (torch splits a tie's gradient equally, as ReduceMax's rule)
+        elif norm == "L1":
+            z = xt.abs().sum(-1, keepdim=True)
+        else:
+            ss = (xt * xt).sum(-1, keepdim=True)
+            z = torch.where(ss == 0, torch.ones_like(ss), ss).sqrt() * (ss != 0)
+        nz = z != 0
+        return None, torch.where(nz, xt / torch.where(nz, z, torch.ones_like(z)), xt)
+    return fn
+
+
+@pytest.mark.parametrize("norm", ["MAX", "L1", "L2"])
+def test_normalizer(norm):
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    x[1] = 0  # z == 0: y = x
+    x[2] = [0.0, -1.0, -2.0, -0.5]  # MAX: a maximum of 0
+    x[3] = [2.0, 2.0, 1.0, -3.0]  # MAX: a tie
+    _check("Normalizer", {"norm": norm}, x, _normalize(norm), ["y"])
+    _check("Normalizer", {"norm": norm}, x[4], _normalize(norm), ["y"])
+    _check("Normalizer", {"norm": norm}, x.astype(np.float64), _normalize(norm), ["y"])
+
+
+@pytest.mark.parametrize("op, attrs, message", [
+    ("LinearClassifier", {"coefficients": [1.0, 2.0, 3.0, 4.0], "intercepts": [0.0, 1.0], "post_transform": "PROBIT",
+                          "classlabels_ints": [0, 1]}, "post_transform 'PROBIT' is not supported"),
+    ("LinearRegressor", {"coefficients": [1.0, 2.0, 3.0], "targets": 2}, "3 coefficients do not make 2 target rows"),
+    ("Normalizer", {"norm": "L3"}, "norm 'L3' is not supported"),
+])
+def test_refusals_name_the_node(op, attrs, message):
+    x = np.ones((2, 2), np.float32)
+    g = rg.load(_model(op, attrs, x, ["label", "z"] if op == "LinearClassifier" else ["y"]))
+    with pytest.raises(rg.RevgraphError) as info:
+        rg.gradient(g, loss="loss", wrt=["x"])
+    assert message in str(info.value) and "'m'" in str(info.value) and "\n" not in str(info.value)
+    if op != "Normalizer":
+        with pytest.raises(rg.RevgraphError, match=message):
+            lift_constants(g)
+
+
+def test_rules_state_their_facts_and_are_listed():
+    from revgraph.autodiff import registry
+
+    for op in ("LinearClassifier", "LinearRegressor", "Normalizer"):
+        assert registry.DOMAIN_FACTS[(ML, op)].undeclared() == []
+        assert f"{ML}.{op}" in registry.contrib_operators()
