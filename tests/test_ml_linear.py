@@ -7,6 +7,8 @@ skl2onnx's own files (LogisticRegression, LinearRegression, Normalizer pipelines
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 import pytest
@@ -217,3 +219,65 @@ def test_rules_state_their_facts_and_are_listed():
     for op in ("LinearClassifier", "LinearRegressor", "Normalizer"):
         assert registry.DOMAIN_FACTS[(ML, op)].undeclared() == []
         assert f"{ML}.{op}" in registry.contrib_operators()
+
+
+# ---------------------------------------------------------------------------------------------- skl2onnx's files
+
+
+def _sklearn_cases():
+    from sklearn.linear_model import LinearRegression, LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import Normalizer
+
+    x = rng.standard_normal((40, 4))
+    y3 = (x[:, 0] + x[:, 1] > 0).astype(int) + (x[:, 2] > 0.5)
+    return x, {
+        "binary": (LogisticRegression().fit(x, x[:, 0] > 0.2), "predict_proba"),
+        "multiclass": (LogisticRegression().fit(x, y3), "predict_proba"),
+        "l1-pipeline": (make_pipeline(Normalizer("l1"), LogisticRegression()).fit(x, y3), "predict_proba"),
+        "regression": (LinearRegression().fit(x, x @ rng.standard_normal((4, 2))), "predict"),
+        "l2-pipeline": (make_pipeline(Normalizer("l2"), LinearRegression()).fit(x, x[:, 0] - x[:, 3]), "predict"),
+        "max-pipeline": (make_pipeline(Normalizer("max"), LinearRegression()).fit(x, x[:, 1]), "predict"),
+    }
+
+
+@pytest.mark.parametrize("case", ["binary", "multiclass", "l1-pipeline", "regression", "l2-pipeline",
+                                  "max-pipeline"])
+def test_skl2onnx_models_have_the_central_differences_of_sklearn(case):
+    """skl2onnx's file of a scikit-learn model (no ZipMap): revgraph's gradient of ``sum(out * u)`` w.r.t. the
+    input equals float64 central differences of scikit-learn's own ``predict_proba``/``predict``."""
+    pytest.importorskip("skl2onnx")
+    from kit.contrib_cases import with_loss
+    from skl2onnx import to_onnx
+
+    x, cases = _sklearn_cases()
+    model, method = cases[case]
+    head = model.steps[-1][1] if hasattr(model, "steps") else model
+    options = {id(head): {"zipmap": False}} if method == "predict_proba" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onx = to_onnx(model, x[:1].astype(np.float32), options=options, target_opset={"": 17, ML: 3})
+    assert {n.op_type for n in onx.graph.node if n.domain == ML} & {"LinearClassifier", "LinearRegressor"}
+    g = rg.load(onx)
+    out = [o for o in g.output_names if o != "label"]
+    assert len(out) == 1
+    xs = x[:5].astype(np.float32)
+    if case == "max-pipeline":  # scikit-learn divides by max |x|, ONNX-ML's MAX (skl2onnx writes it) by max x:
+        # equal where the element of largest magnitude is positive, so each row is made so
+        xs *= np.sign(xs[np.arange(5), np.abs(xs).argmax(1)])[:, None]
+    fwd = rg.Session(g).run({"X": xs} if g.inputs[0].name == "X" else {g.inputs[0].name: xs})
+    name = g.inputs[0].name
+    f = getattr(model, method)
+    want_out = f(xs.astype(np.float64)).reshape(fwd[out[0]].shape)
+    np.testing.assert_allclose(fwd[out[0]], want_out, rtol=1e-5, atol=1e-5)
+    u = rng.standard_normal(fwd[out[0]].shape).astype(np.float32)
+    gg = rg.gradient(with_loss(g, fwd, out), loss="loss", wrt=[name])
+    got = rg.Session(gg).run({name: xs, f"{out[0]}_u": u})[f"{name}_grad"]
+    eps, want = 1e-6, np.zeros(xs.shape)
+    base = xs.astype(np.float64)
+    for i in np.ndindex(xs.shape):
+        hi, lo = base.copy(), base.copy()
+        hi[i] += eps
+        lo[i] -= eps
+        want[i] = ((f(hi) - f(lo)).reshape(u.shape) * u).sum() / (2 * eps)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
