@@ -281,3 +281,36 @@ def test_skl2onnx_models_have_the_central_differences_of_sklearn(case):
         lo[i] -= eps
         want[i] = ((f(hi) - f(lo)).reshape(u.shape) * u).sum() / (2 * eps)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_cli_grad_lift_constants_gives_skl2onnx_coefficients_their_gradients(tmp_path, monkeypatch):
+    """``revgraph grad --lift-constants --seed input`` on skl2onnx's multiclass LogisticRegression: the
+    coefficients and intercepts get gradients, equal to float64 autograd of ``softmax(X W^T + b)`` (then its L1
+    normalization, which skl2onnx appends) with scikit-learn's ``coef_`` and ``intercept_``."""
+    pytest.importorskip("skl2onnx")
+    from skl2onnx import to_onnx
+
+    from revgraph.cli import main
+
+    x, cases = _sklearn_cases()
+    model = cases["multiclass"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onnx.save(to_onnx(model, x[:1].astype(np.float32), options={id(model): {"zipmap": False}},
+                          target_opset={"": 17, ML: 3}), tmp_path / "lr.onnx")
+    monkeypatch.chdir(tmp_path)
+    assert main(["grad", "lr.onnx", "-o", "lr.grad.onnx", "--lift-constants", "--loss", "probabilities",
+                 "--seed", "input"]) == 0
+    gg = rg.load(tmp_path / "lr.grad.onnx")
+    assert not any(n.domain == ML and n.op_type == "LinearClassifier" for n in gg.nodes)
+    xs = x[:6].astype(np.float32)
+    u = rng.standard_normal((6, 3)).astype(np.float32)
+    got = rg.Session(gg).run({"X": xs, "probabilities_grad": u})
+    w = torch.tensor(model.coef_, dtype=F64, requires_grad=True)
+    b = torch.tensor(model.intercept_, dtype=F64, requires_grad=True)
+    xt = torch.tensor(xs.astype(np.float64), requires_grad=True)
+    p = (xt @ w.T + b).softmax(1)
+    ((p / p.abs().sum(1, keepdim=True)) * torch.tensor(u, dtype=F64)).sum().backward()
+    for name, ref in [("X_grad", xt.grad), ("LinearClassifier.coefficients_grad", w.grad),
+                      ("LinearClassifier.intercepts_grad", b.grad)]:
+        np.testing.assert_allclose(got[name], ref.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)

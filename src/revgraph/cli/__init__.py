@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                       "every K iterations or at perfect squares (sqrt: O(sqrt(T)) memory)")
     grad.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES", help=MEMORY_HELP)
     grad.add_argument("--lift-constants", action="store_true",
-                      help="make floating Constant/ConstantOfShape values with more than one element trainable initializers")
+                      help="make floating Constant/ConstantOfShape values with more than one element trainable initializers, "
+                      "and the coefficients of ai.onnx.ml LinearClassifier/LinearRegressor nodes")
     grad.add_argument("--straight-through", action="store_true",
                       help="differentiate QuantizeLinear -> DequantizeLinear pairs with the straight-through estimator "
                       "(quantization-aware training)")
