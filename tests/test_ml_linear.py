@@ -314,3 +314,26 @@ def test_cli_grad_lift_constants_gives_skl2onnx_coefficients_their_gradients(tmp
     for name, ref in [("X_grad", xt.grad), ("LinearClassifier.coefficients_grad", w.grad),
                       ("LinearClassifier.intercepts_grad", b.grad)]:
         np.testing.assert_allclose(got[name], ref.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("case", ["l1-pipeline", "l2-pipeline"])
+def test_forward_mode_through_skl2onnx_models(case):
+    """``rg.jvp`` through Normalizer and LinearClassifier/LinearRegressor: the tangent of the output equals
+    float64 central differences of scikit-learn's own function along the input tangent."""
+    pytest.importorskip("skl2onnx")
+    from skl2onnx import to_onnx
+
+    x, cases = _sklearn_cases()
+    model, method = cases[case]
+    head = model.steps[-1][1]
+    options = {id(head): {"zipmap": False}} if method == "predict_proba" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = rg.load(to_onnx(model, x[:1].astype(np.float32), options=options, target_opset={"": 17, ML: 3}))
+    out = next(o for o in g.output_names if o != "label")
+    jg = rg.jvp(g, outputs=[out], inputs=["X"])
+    xs, t = x[:5].astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)
+    got = rg.Session(jg).run({"X": xs, "X_tangent": t})[f"{out}_tangent"]
+    f, eps, base = getattr(model, method), 1e-6, xs.astype(np.float64)
+    want = ((f(base + eps * t) - f(base - eps * t)) / (2 * eps)).reshape(got.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
