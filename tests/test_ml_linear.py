@@ -337,3 +337,42 @@ def test_forward_mode_through_skl2onnx_models(case):
     f, eps, base = getattr(model, method), 1e-6, xs.astype(np.float64)
     want = ((f(base + eps * t) - f(base - eps * t)) / (2 * eps)).reshape(got.shape)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_trainer_fits_lifted_skl2onnx_coefficients_like_torch():
+    """``rg.Trainer`` on skl2onnx's LinearRegression after ``lift_constants``: 5 full-batch SGD steps of the
+    mean squared error move the coefficients and intercepts as ``torch.optim.SGD`` moves them in float64."""
+    pytest.importorskip("skl2onnx")
+    from skl2onnx import to_onnx
+
+    from revgraph.train import sgd
+
+    x, cases = _sklearn_cases()
+    model = cases["regression"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = rg.load(to_onnx(model, x[:1].astype(np.float32), target_opset={"": 17, ML: 3}))
+    g, names = lift_constants(g)
+    assert names == ["LinearRegressor.coefficients", "LinearRegressor.intercepts"]
+    xs = x[:16].astype(np.float32)
+    ys = (xs @ rng.standard_normal((4, 2)) + 1).astype(np.float32)  # (other targets than the fit's)
+    trainer = rg.Trainer(g, "mse", sgd(lr=0.1))
+    assert sorted(trainer.parameters) == sorted(names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit({"X": xs, "labels": ys}, epochs=5, batch_size=16, shuffle=False, progress=False)
+    w = torch.tensor(model.coef_, dtype=F64, requires_grad=True)
+    b = torch.tensor(model.intercept_, dtype=F64, requires_grad=True)
+    opt = torch.optim.SGD([w, b], lr=0.1)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = ((torch.tensor(xs, dtype=F64) @ w.T + b - torch.tensor(ys, dtype=F64)) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    np.testing.assert_allclose(trainer.losses, losses, rtol=1e-5)
+    np.testing.assert_allclose(trainer.parameters["LinearRegressor.coefficients"], w.detach().numpy(), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(trainer.parameters["LinearRegressor.intercepts"], b.detach().numpy(), rtol=1e-5,
+                               atol=1e-6)
