@@ -16,7 +16,8 @@ alternates), until both have run ``--steps`` steps. Reported per pair:
 * **loss**: the largest ``|loss_rg - loss_torch|`` over the steps (the same batch at every step), and the losses
   at the first and last step;
 * **step time**: the median seconds per step over the steps after the first ``--warmup`` (each step timed inside
-  its process, from the end of the previous step), and the ratio revgraph / PyTorch as the median over the rounds
+  its process, from the end of the previous step; with the process's CPU seconds over those wall seconds, which
+  says how many cores each side had), and the ratio revgraph / PyTorch as the median over the rounds
   of the ratio of the two sides' median steps in that round (a load that drifts between rounds cancels);
 * **peak memory**: VmHWM of each process at the end (its peak resident set over its whole life, imports
   included), and that peak less VmRSS after the imports (what the model and its training added);
@@ -112,7 +113,7 @@ def run_pair(mode: str, threads: int, first: str, args, env: dict, logs: Path) -
                                    "first step": marks["first_step"] - marks["built"]},
                       "import_rss_mb": marks["import_rss_mb"], "built_rss_mb": marks["built_rss_mb"],
                       "build_peak_mb": marks["build_peak_mb"], "first_step_peak_mb": msg["peak_mb"],
-                      "losses": [msg["loss"]], "times": [msg["step_s"]], "rounds": []}
+                      "losses": [msg["loss"]], "times": [msg["step_s"]], "cpu": [None], "rounds": []}
             log(f"{mode}, {threads} thread(s), {s}: first step {out[s]['to_first_step_s']:.1f} s after start, "
                 f"loss {msg['loss']:.5f}")
         done = 1
@@ -122,6 +123,7 @@ def run_pair(mode: str, threads: int, first: str, args, env: dict, logs: Path) -
                 msg = sides[s].go()
                 out[s]["losses"] += msg["losses"]
                 out[s]["times"] += msg["times"]
+                out[s]["cpu"] += msg["cpu"]
                 out[s]["rounds"].append(msg["times"])
             done = len(out[order[0]]["losses"])
             turn += 1
@@ -151,7 +153,10 @@ def summarize(out: dict, warmup: int, block: int) -> dict:
     return {"max_abs_loss_diff": max(diffs), "max_abs_loss_diff_step": diffs.index(max(diffs)) + 1,
             "step_ms": {s: 1e3 * statistics.median(out[s]["times"][1 + skip * block:] or out[s]["times"])
                         for s in ("rg", "torch")},
-            "step_ratio": statistics.median(kept), "round_ratios": ratios, "rounds_used": len(kept),
+            "step_ratio": statistics.median(kept),
+            # CPU seconds over wall seconds of those steps: 1 thread should read 1.0, 2 threads up to 2.0
+            "cpu_per_wall": {s: sum(out[s]["cpu"][1 + skip * block:]) / sum(out[s]["times"][1 + skip * block:])
+                             for s in ("rg", "torch")}, "round_ratios": ratios, "rounds_used": len(kept),
             "peak_ratio": rg["peak_mb"] / pt["peak_mb"],
             "peak_over_import_ratio": (rg["peak_mb"] - rg["import_rss_mb"]) / (pt["peak_mb"] - pt["import_rss_mb"]),
             "to_first_step_ratio": rg["to_first_step_s"] / pt["to_first_step_s"]}

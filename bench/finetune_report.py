@@ -4,6 +4,7 @@ results (:func:`render`), written between ``<!-- finetune:begin -->`` and ``<!--
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from ddp_report import write_section as _write_section
@@ -42,17 +43,27 @@ def goals(res: dict) -> list[str]:
     return lines
 
 
+def _spread(p: dict) -> str:
+    """The quartiles of the rounds' time ratios (the median is the reported ratio): how steady the turns were."""
+    kept = p["round_ratios"][-p["rounds_used"]:]
+    if len(kept) < 4:
+        return ""
+    q1, _, q3 = statistics.quantiles(kept, n=4)
+    return f" ({q1:.2f}-{q3:.2f})"
+
+
 def results(res: dict) -> list[str]:
     lines = [("| run | max \\|loss diff\\| (step) | loss, step 1 -> last (rg / PyTorch) | ms per step rg / PyTorch | "
-             "time ratio | peak MB rg / PyTorch | peak ratio | over imports MB rg / PyTorch | to first step s "
+             "time ratio (quartiles) | CPU / wall rg / PyTorch | peak MB rg / PyTorch | peak ratio | over imports MB rg / PyTorch | to first step s "
              "rg / PyTorch |"),
-             "| :--- | ---: | :--- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| :--- | ---: | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in res["pairs"]:
         rg, pt = p["rg"], p["torch"]
         lines.append(
             f"| {_label(p)} | {p['max_abs_loss_diff']:.1e} ({p['max_abs_loss_diff_step']}) | "
             f"{rg['losses'][0]:.4f} -> {rg['losses'][-1]:.4f} / {pt['losses'][0]:.4f} -> {pt['losses'][-1]:.4f} | "
-            f"{_n(p['step_ms']['rg'])} / {_n(p['step_ms']['torch'])} | {p['step_ratio']:.2f} | "
+            f"{_n(p['step_ms']['rg'])} / {_n(p['step_ms']['torch'])} | {p['step_ratio']:.2f}{_spread(p)} | "
+            f"{p['cpu_per_wall']['rg']:.2f} / {p['cpu_per_wall']['torch']:.2f} | "
             f"{_n(rg['peak_mb'])} / {_n(pt['peak_mb'])} | {p['peak_ratio']:.2f} | "
             f"{_n(rg['peak_mb'] - rg['import_rss_mb'])} / {_n(pt['peak_mb'] - pt['import_rss_mb'])} | "
             f"{rg['to_first_step_s']:.1f} / {pt['to_first_step_s']:.1f} |")
@@ -72,22 +83,15 @@ def first_steps(res: dict) -> list[str]:
     return lines
 
 
-def profiles(res: dict) -> list[str]:
-    prof = res.get("profile")
-    if not prof:
-        return []
-    lines = ["", (f"### Where a step's time goes ({prof['mode']}, {prof['threads']} thread, "
-                 f"{prof['steps']} steps after {prof['warmup']} unprofiled)"), "",
-             prof["how"], "",
-             ("| revgraph (onnxruntime op type) | ms per step | share | PyTorch (aten op, self CPU) | ms per step | "
-             "share |"), "| :--- | ---: | ---: | :--- | ---: | ---: |"]
-    a, b = prof["rg"]["ops"], prof["torch"]["ops"]
-    for k in range(max(len(a), len(b))):
-        left = f"{a[k][0]} | {a[k][1]:.1f} | {a[k][2]:.0%}" if k < len(a) else " | | "
-        right = f"{b[k][0]} | {b[k][1]:.1f} | {b[k][2]:.0%}" if k < len(b) else " | | "
-        lines.append(f"| {left} | {right} |")
-    lines.append(f"| **total** (kernels) | **{prof['rg']['total_ms']:.0f}** | | **total** (self CPU) | "
-                 f"**{prof['torch']['total_ms']:.0f}** | |")
+def memory(res: dict) -> list[str]:
+    lines = ["| run | side | after imports | built | peak of build | peak at first step | peak | resident at the end |",
+             "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in res["pairs"]:
+        for s, name in (("rg", "revgraph"), ("torch", "PyTorch")):
+            d = p[s]
+            cells = [d["import_rss_mb"], d["built_rss_mb"], d["build_peak_mb"], d["first_step_peak_mb"], d["peak_mb"],
+                     d["end_rss_mb"]]
+            lines.append(f"| {_label(p)} | {name} | " + " | ".join(_n(x) for x in cells) + " |")
     return lines
 
 
@@ -164,7 +168,9 @@ def render(res: dict, json_path: str) -> str:
         f"the median over the steps after the warm-up (the rounds that hold any of the first {c['warmup']} steps are "
         "left out), each timed in its process "
         "(the fit loop's own steps, from the end of one step to the end of the next), and the *time ratio* the "
-        "median over those rounds of revgraph's median step over PyTorch's in the same round. *Peak*: VmHWM of "
+        "median over those rounds of revgraph's median step over PyTorch's in the same round; *CPU / wall*: the "
+        "process's CPU seconds (all its threads) over the wall seconds of those steps (1.0 at one thread; at two "
+        "threads, how much of two cores the side got and used, spinning included). *Peak*: VmHWM of "
         f"each process at the end (its whole life: imports, build, {c['steps']} steps); *over imports*: that peak less "
         "VmRSS after the imports. Threads: onnxruntime `threads=N`; `torch.set_num_threads(N)`; "
         "`OMP_NUM_THREADS`, `MKL_NUM_THREADS`, `OPENBLAS_NUM_THREADS` = N for both. MB = 2^20 bytes."), "",
@@ -176,7 +182,12 @@ def render(res: dict, json_path: str) -> str:
         "`rg.Trainer` (training graph, onnxruntime session); PyTorch `from_pretrained` (and PEFT), the optimizer "
         "and schedule; *first step*: the first call of the step (onnxruntime plans and allocates; PyTorch's Adam "
         "creates its state)."), "",
-        *first_steps(res), *profiles(res), *cli_table(res)]
+        *first_steps(res), "",
+        "### Where the memory goes (MB)", "",
+        ("Resident set (VmRSS) and its peak so far (VmHWM) of each process: after the imports; after the build "
+        "(*built*, and the peak so far); at the end of the first step; at the end of the run (*peak*: the process's "
+        "highest; *resident*: what it holds then)."), "",
+        *memory(res), *cli_table(res)]
     if res.get("notes"):
         lines += ["", "### Observations", "", res["notes"].strip()]
     lines += [END]

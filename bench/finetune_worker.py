@@ -27,8 +27,8 @@ at global norm 1.0.
 Protocol (one JSON object a line on a private copy of stdout; fd 1 goes to stderr, as in bench/_worker.py):
 after the first step ``{"event": "first", ...}`` with wall-clock marks (``time.time()``: imported, built, first
 step done) and resident sizes; then the process waits for a line on stdin before each block of ``K`` steps and
-answers ``{"event": "block", "losses": [...], "times": [...]}`` (seconds per step: from the end of the previous
-step, or from the go, to the end of this one); after the last block ``{"event": "done", "peak_mb": VmHWM}``. So
+answers ``{"event": "block", "losses": [...], "times": [...], "cpu": [...]}`` (seconds per step: from the end of
+the previous step, or from the go, to the end of this one; and the process's CPU seconds in that time); after the last block ``{"event": "done", "peak_mb": VmHWM}``. So
 the orchestrator runs the two sides' blocks in turn and neither computes while the other is timed.
 """
 
@@ -143,14 +143,16 @@ class Turns:
         self.proto, self.steps, self.block, self.marks = proto, steps, block, marks
         self.losses: list[float] = []
         self.times: list[float] = []
+        self.cpu: list[float] = []  # CPU seconds of the process (all its threads) per step: checks the threads
         self.sent = 0
-        self.t_prev = time.perf_counter()
+        self.start()
 
     def start(self) -> None:
-        self.t_prev = time.perf_counter()
+        self.t_prev, self.c_prev = time.perf_counter(), time.process_time()
 
     def __call__(self, loss: float) -> None:
         self.times.append(time.perf_counter() - self.t_prev)
+        self.cpu.append(time.process_time() - self.c_prev)
         self.losses.append(float(loss))
         n = len(self.losses)
         if n == 1:
@@ -158,14 +160,15 @@ class Turns:
             self._send({"event": "first", "marks": {**self.marks, "first_step": time.time()}, "loss": self.losses[0],
                         "step_s": self.times[0], "rss_mb": rss_mb(), "peak_mb": peak_mb()})
         elif (n - 1) % self.block == 0 or n == self.steps:
-            self._send({"event": "block", "losses": self.losses[self.sent:], "times": self.times[self.sent:]})
+            self._send({"event": "block", "losses": self.losses[self.sent:], "times": self.times[self.sent:],
+                        "cpu": self.cpu[self.sent:]})
         else:
-            self.t_prev = time.perf_counter()
+            self.start()
             return
         self.sent = n
         if n < self.steps and not sys.stdin.readline():
             raise SystemExit(0)  # the orchestrator went away
-        self.t_prev = time.perf_counter()
+        self.start()
 
     def _send(self, message: dict) -> None:
         self.proto.write(json.dumps(message) + "\n")
