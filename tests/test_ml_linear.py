@@ -376,3 +376,21 @@ def test_trainer_fits_lifted_skl2onnx_coefficients_like_torch():
                                atol=1e-6)
     np.testing.assert_allclose(trainer.parameters["LinearRegressor.intercepts"], b.detach().numpy(), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_a_zipmap_file_is_refused_in_one_line_saying_what_to_do(tmp_path, capsys):
+    """skl2onnx's default classifier output is ZipMap's sequence of maps, which no gradient reaches: one line
+    saying how to convert without it (item 8 covers ZipMap-free scorers)."""
+    pytest.importorskip("skl2onnx")
+    from skl2onnx import to_onnx
+
+    from revgraph.cli import main
+
+    x, cases = _sklearn_cases()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onnx.save(to_onnx(cases["multiclass"][0], x[:1].astype(np.float32), target_opset={"": 17, ML: 3}),
+                  tmp_path / "zipmap.onnx")
+    assert main(["grad", str(tmp_path / "zipmap.onnx"), "-o", str(tmp_path / "g.onnx")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "ZipMap's output" in err and "'zipmap': False" in err

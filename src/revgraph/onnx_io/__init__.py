@@ -239,8 +239,12 @@ def _read_type(t: onnx.TypeProto, name: str) -> tuple:
         kind, t = "sequence", t.sequence_type.elem_type
     elif which != "tensor_type":
         readable = which.replace("_type", "").replace("_", " ")
+        # a sequence of maps is what ai.onnx.ml ZipMap writes (skl2onnx's default classifier output)
+        zipmap = which == "sequence_type" and t.sequence_type.elem_type.WhichOneof("value") == "map_type"
         raise UnsupportedModelError(
             f"value {name!r} has {readable} type; revgraph handles tensors and sequences of tensors"
+            + ("; a sequence of maps is ZipMap's output: convert the classifier without it (skl2onnx: "
+               "options={id(model): {'zipmap': False}}) or remove the ZipMap node" if zipmap else "")
         )
     tt = t.tensor_type
     if tt.elem_type not in _ELEM_TYPES:
