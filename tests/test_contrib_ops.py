@@ -28,7 +28,7 @@ from kit.harness import double_backward, with_loss
 
 import revgraph as rg
 from revgraph.autodiff import registry
-from revgraph.ir import Graph, Node
+from revgraph.ir import Graph, Node, ValueInfo
 
 MS = "com.microsoft"
 F32, F64 = np.float32, np.float64
@@ -459,3 +459,42 @@ def test_optimized_transformer_has_the_gradients_of_the_export(name, tmp_path):
     assert len(params) >= 15
     feeds = {"input_ids": tm.tokens(2)}
     _assert_same_gradients(_gradients(plain, feeds, params), _gradients(fused, feeds, params))
+
+
+def test_the_cli_writes_files_with_onnxruntimes_default_domain_operators(tmp_path):
+    """The genai builder's and the transformer optimizer's files hold SimplifiedLayerNormalization in the default
+    domain, which ONNX's checker has no schema for: `revgraph grad` refused them as not valid ONNX and `revgraph
+    lora apply` exited 3. The written files keep the node as it was and onnxruntime runs them; the gradient is
+    the API's."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 4)).astype(F32)
+    nodes = [Node("SimplifiedLayerNormalization", ["x", "g"], ["n"], {"axis": -1, "epsilon": 1e-5}, "sln"),
+             Node("MatMul", ["n", "W"], ["y"], name="mm")]
+    g = Graph(nodes, [ValueInfo("x", F32, ("B", 8))], [ValueInfo("y", F32, ("B", 4))],
+              {"g": np.ones(8, F32), "W": w}, opsets={"": 17})
+    rg.save(g, tmp_path / "m.onnx")
+
+    def cli(*args):
+        done = subprocess.run([sys.executable, "-m", "revgraph", *args], capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert done.returncode == 0, done.stderr
+    cli("grad", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "g.onnx"))
+    written = onnx.load(tmp_path / "g.onnx")
+    assert [n.domain for n in written.graph.node if n.op_type == "SimplifiedLayerNormalization"] == [""]
+    x = rng.standard_normal((3, 8)).astype(F32)
+    ours = rg.Session(rg.gradient(rg.load(tmp_path / "m.onnx"), "y", ["x", "W"])).run({"x": x})
+    import onnxruntime as ort
+
+    run = ort.InferenceSession(str(tmp_path / "g.onnx"), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in run.get_outputs()], run.run(None, {"x": x}), strict=True))
+    np.testing.assert_allclose(got["W_grad"], ours["W_grad"], rtol=1e-6)
+    from revgraph.train import lora
+
+    rg.save(lora.add_adapters(rg.load(tmp_path / "m.onnx"), 2), tmp_path / "a.onnx")
+    cli("lora", "extract", str(tmp_path / "a.onnx"), "-o", str(tmp_path / "ad.npz"))
+    cli("lora", "apply", str(tmp_path / "m.onnx"), str(tmp_path / "ad.npz"), "-o", str(tmp_path / "merged.onnx"),
+        "--merge")
+    assert onnx.load(tmp_path / "merged.onnx").graph.node[0].domain == ""

@@ -133,6 +133,8 @@ def _write_model(gg: Graph, path: str, opset: int | None, what: str, attributed)
     when over 2 GiB)."""
     import onnx
 
+    from ..onnx_io.runtime_ops import parked, runtime_defaults
+
     model = to_onnx(gg)
     if opset is not None and opset != gg.opset:
         try:
@@ -146,6 +148,13 @@ def _write_model(gg: Graph, path: str, opset: int | None, what: str, attributed)
     # Given the serialized bytes, onnx 1.23's check copies the parsed model before its strict shape inference;
     # given a file, it infers in place: so the file is checked before it replaces OUT (half the memory).
     data = model.SerializeToString()
+    if runtime_defaults(model):  # onnxruntime's default-domain operators: the checker sees them parked, so the
+        # model is checked in memory before it is written as it is (runtime_ops.parked)
+        with attributed(), parked(model):
+            onnx.checker.check_model(model, full_check=True)
+        del model
+        _write_pieces([data], path)
+        return names
     del model
     with attributed():
         _write_pieces([data], path, functools.partial(onnx.checker.check_model, full_check=True))

@@ -31,6 +31,7 @@ from ..ir import Graph, Node, ValueInfo, gc_paused
 from ..ir.inplace import captured
 from . import _add_value_info, _ssa_to_onnx, _type_proto, as_written, fill_nodes
 from .reading import check_loop_signatures, onnx_error_line
+from .runtime_ops import parked
 
 #: Initializers of more elements than this enter a piece's check as typed inputs (``light_graph``'s bound).
 SMALL = 4096
@@ -70,7 +71,8 @@ class PartCheck:
                                                              if not self._small(k) and k not in self.inputs)])
         skeleton = _ssa_to_onnx(light)
         # the model, its inputs, small initializers and the outputs no node writes: checked once
-        onnx.checker.check_model(skeleton, full_check=True)
+        with parked(skeleton):
+            onnx.checker.check_model(skeleton, full_check=True)
         header = onnx.ModelProto()
         header.CopyFrom(skeleton)
         header.ClearField("graph")
@@ -136,10 +138,12 @@ class PartCheck:
             else:
                 untyped.append(name)
         if not untyped:
-            onnx.checker.check_model(model, full_check=True)
+            with parked(model):  # (onnxruntime's default-domain operators: checked as other domains' are)
+                onnx.checker.check_model(model, full_check=True)
         else:  # the same check, keeping what inference found for the values the graph leaves untyped
-            onnx.checker.check_model(model)
-            found = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+            with parked(model):
+                onnx.checker.check_model(model)
+                found = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
             types = {vi.name: vi.type for vi in found.graph.value_info}
             for name in untyped:
                 if name in types and types[name].WhichOneof("value") is not None:
@@ -180,7 +184,12 @@ class PartCheck:
         check of ``whole`` (the model: a path, bytes, a ``ModelProto``, or ``None`` for ``to_onnx`` of the
         graph)."""
         if self.whole:
-            onnx.checker.check_model(_ssa_to_onnx(self.graph) if whole is None else whole, full_check=True)
+            model = _ssa_to_onnx(self.graph) if whole is None else whole
+            if isinstance(model, onnx.ModelProto):
+                with parked(model):
+                    onnx.checker.check_model(model, full_check=True)
+            else:
+                onnx.checker.check_model(model, full_check=True)
             return
         for name in self.outputs:
             if name not in self.defined:
