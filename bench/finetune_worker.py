@@ -43,6 +43,8 @@ import time
 import warnings
 from pathlib import Path
 
+from memory_common import peak_mb, rss_mb  # (bench/ is the script's directory: on sys.path)
+
 #: issue 38's LLaMA: 4 layers, hidden 256, grouped-query attention (8 heads, 4 key/value heads), vocabulary 8000,
 #: intermediate 688 (256 x 11008 / 4096, transformers' default ratio), untied LM head; no pad token (a pad row of
 #: ``nn.Embedding(padding_idx=)`` never trains in torch, while ONNX's Gather has no such row).
@@ -66,23 +68,6 @@ def tokens(samples: int = SAMPLES, seed: int = 0):
     rng = np.random.default_rng(seed)
     start, stride = rng.integers(0, LLAMA["vocab_size"], (samples, 1)), rng.integers(1, 4, (samples, 1))
     return ((start + stride * np.arange(SEQ)) % LLAMA["vocab_size"]).astype(np.int64)
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def rss_mb() -> float:
-    return _status_kb("VmRSS") / 1024
-
-
-def peak_mb() -> float:
-    """The process's peak resident set size so far (VmHWM), MB = 2^20 bytes."""
-    return _status_kb("VmHWM") / 1024
 
 
 # ---------------------------------------------------------------------------------------------- prepare
