@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from kit.contrib_cases import F32, MS, check, graph, with_loss
+from kit.genai import genai_llama, unpack
 
 import revgraph as rg
 from revgraph.autodiff import registry
@@ -562,45 +563,12 @@ def test_fully_optimized_bert_has_the_gradients_of_the_export(tmp_path):
 # ---------------------------------------------------------------------------------------------- the genai builder's LLaMA
 
 
-def _genai_llama(tmp_path, precision: str):
-    """A tiny LLaMA (random weights; head size 16, grouped-query attention; the vocabulary differs from the
-    MLP's width, which the builder would take for the LM head) written by onnxruntime-genai's model builder for
-    the CPU, and the transformers model."""
-    pytest.importorskip("onnxruntime_genai")
-    import subprocess
-    import sys
-
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    hf = tmp_path / "hf"
-    model.save_pretrained(hf)
-    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(96)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
-                                         eos_token="t2").save_pretrained(hf)
-    out = tmp_path / precision
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p",
-                    precision, "-e", "cpu", "-c", str(tmp_path / "cache")], check=True, capture_output=True)
-    return out / "model.onnx", model
-
-
-def _unpack4(b: np.ndarray) -> np.ndarray:
-    b = b.astype(np.int64)
-    return np.stack([b & 15, b >> 4], -1).reshape(*b.shape[:-1], -1)
-
-
 @pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "int4"])
 def test_genai_builder_llama_has_pytorchs_gradients(tmp_path, precision):
     """The builder's LLaMA (GroupQueryAttention with packed QKV and rotary, SkipSimplifiedLayerNormalization, and
     MatMulNBits in int4) differentiated by revgraph against PyTorch float64 autograd of the same weights (int4:
     the dequantized ones, and accuracy_level 0, at which onnxruntime computes the exact product)."""
-    path, model = _genai_llama(tmp_path, precision)
+    path, model = genai_llama(tmp_path, precision, vocab=96)
     g = rg.load(path)
     from revgraph.train.selection import left_out
     assert {"cos_cache", "sin_cache"} <= set(left_out(g))  # (rotary tables: a full fine-tune leaves them out)
@@ -627,11 +595,11 @@ def test_genai_builder_llama_has_pytorchs_gradients(tmp_path, precision):
             for name, p in model.named_parameters():  # o_proj, the MLP's, lm_head
                 stem = name.removesuffix(".weight").replace("self_attn.", "attn.")
                 if f"{stem}.MatMul.weight_Q4" in g.initializers:
-                    q = _unpack4(np.asarray(g.initializers[f"{stem}.MatMul.weight_Q4"]))
+                    q = unpack(np.asarray(g.initializers[f"{stem}.MatMul.weight_Q4"]))
                     sc = np.asarray(g.initializers[f"{stem}.MatMul.weight_scales"])
                     p.copy_(torch.tensor(((q - 8) * sc[..., None]).reshape(q.shape[0], -1)[:, :p.shape[1]]))
             for i, layer in enumerate(model.model.layers):
-                q = _unpack4(np.asarray(g.initializers[f"model.layers.{i}.attn.qkv_proj.MatMul.weight_Q4"]))
+                q = unpack(np.asarray(g.initializers[f"model.layers.{i}.attn.qkv_proj.MatMul.weight_Q4"]))
                 sc = np.asarray(g.initializers[f"model.layers.{i}.attn.qkv_proj.MatMul.weight_scales"])
                 w = torch.tensor(((q - 8) * sc[..., None]).reshape(q.shape[0], -1)[:, :64])
                 attn = layer.self_attn
