@@ -356,6 +356,12 @@ def check_gradients(
     g = expand_domains(graph if is_ssa(graph) else to_ssa(graph)).copy()
     # onnxruntime has no float64 LSTM/GRU/RNN kernels: check them in their (equivalent) Loop form
     lower_to_loops(g, None, g.names_in_use())
+    # onnxruntime's ai.onnx.ml kernels compute in float32 only: check them in their standard-operator form
+    ml = any(n.domain == "ai.onnx.ml" for n in g.nodes)
+    if ml:
+        from .lift_ml import lower_ml_operators  # (it imports the autodiff rules)
+
+        g = lower_ml_operators(g)
     g = to_float64(g)
     types = infer_types(g)
     loss = resolve_loss(g, loss)
@@ -368,6 +374,8 @@ def check_gradients(
     seed_name, seed_dtype = gg.inputs[-1].name, gg.inputs[-1].dtype or np.dtype(np.float64)
     grad_names = gg.output_names[len(g.outputs):]
     notes: list[str] = []
+    if ml:
+        _note(notes, "ai.onnx.ml operators checked in their standard-operator form (revgraph.tools.lift_ml)")
     sess = _session(gg, backend, notes)
     # the gradient graph may run where the forward graph cannot: the clean-up pass drops dead forward nodes
     probe = _session(g, sess.backend, notes).run(feeds, [loss])[loss]

@@ -12,7 +12,9 @@ stays. The rewrite follows onnxruntime's CPU kernels (the math: :mod:`revgraph.a
 - The label: ``Gather(classlabels, ArgMax(s, axis=1))`` (the first maximum, as the kernel), or for one target
   ``Gather(classlabels, s > 0)``; ints or strings.
 
-It is part of :func:`revgraph.lift.lift_constants` (``--lift-constants``).
+It is part of :func:`revgraph.lift.lift_constants` (``--lift-constants``). :func:`lower_ml_operators` writes
+the same form with the coefficients as ``Constant`` values, and ``Normalizer`` too, for ``revgraph check``:
+onnxruntime's ML kernels compute in float32 only, the standard operators have float64 kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from ..autodiff.rules.ml_linear import ML, ZERO, linear_weights, post_transform, two_classes
+from ..autodiff.rules.ml_linear import ML, NORMS, ZERO, linear_weights, post_transform, text_attr, two_classes
+from ..errors import GraphError
 from ..ir import Graph, Node
 
 LINEAR = ("LinearClassifier", "LinearRegressor")
@@ -35,9 +38,9 @@ def _labels(node: Node, targets: int) -> np.ndarray:
     return np.arange(max(targets, 2), dtype=np.int64)  # (the kernel's 0 and 1 for one target)
 
 
-def _rewrite(node: Node, base: str, w: np.ndarray, b: np.ndarray | None, opset: int) -> list[Node]:
-    """Standard nodes writing ``node``'s outputs from the initializers named ``base.coefficients`` and
-    ``base.intercepts`` (module doc), for the default domain's ``opset``."""
+def _rewrite(node: Node, base: str, w: np.ndarray, b: np.ndarray | None, opset: int, weights: list[str]) -> list[Node]:
+    """Standard nodes writing ``node``'s outputs from the values named ``weights`` (W, and b when ``b`` is
+    given) (module doc), for the default domain's ``opset``."""
     transform = post_transform(node)
     t, f = w.shape
     nodes: list[Node] = []
@@ -54,7 +57,7 @@ def _rewrite(node: Node, base: str, w: np.ndarray, b: np.ndarray | None, opset: 
     z_out = node.outputs[1] if classifier and len(node.outputs) > 1 else node.outputs[0] if not classifier else ""
     xf = op("Cast", [node.inputs[0]], "cast", to=onnx.TensorProto.FLOAT)
     x2 = op("Reshape", [xf, const(np.array([-1, f], np.int64), "rows_shape")], "rows")
-    gemm_in = [x2, f"{base}.coefficients"] + ([f"{base}.intercepts"] if b is not None else [])
+    gemm_in = [x2, *weights]
     s = op("Gemm", gemm_in, "scores", transB=1)
     if z_out:
         if two_classes(node, t):
@@ -91,6 +94,63 @@ def _rewrite(node: Node, base: str, w: np.ndarray, b: np.ndarray | None, opset: 
     return nodes
 
 
+def _opset(g: Graph) -> int:
+    return int(g.opsets.get("", g.opsets.get("ai.onnx", 17)))
+
+
+def _normalizer(node: Node, base: str, opset: int) -> list[Node]:
+    """``Normalizer`` in standard operators: ``Where(z != 0, x / z, x)`` with ``z`` the row's max, L1 or L2 norm
+    (onnxruntime's normalizer.cc; the rule's math, :mod:`revgraph.autodiff.rules.ml_linear`)."""
+    norm = text_attr(node, "norm", "MAX")
+    if norm not in NORMS:
+        raise GraphError(f"{node.label()}: norm {norm!r} is not supported (supported: {', '.join(NORMS)})")
+    nodes: list[Node] = []
+
+    def op(op_type: str, inputs: list[str], tag: str, out: str | None = None, **attrs) -> str:
+        name = out or f"{base}/{tag}"
+        nodes.append(Node(op_type, inputs, [name], attrs, f"{base}/{tag}"))
+        return name
+
+    def const(value, tag: str) -> str:
+        return op("Constant", [], tag, value=np.asarray(value))
+
+    x = op("Cast", [node.inputs[0]], "cast", to=onnx.TensorProto.FLOAT)
+    axes = const(np.array([-1], np.int64), "axes")
+    if norm == "MAX":
+        z = op("ReduceMax", [x, axes], "max", keepdims=1) if opset >= 18 else \
+            op("ReduceMax", [x], "max", keepdims=1, axes=[-1])
+    elif norm == "L1":
+        z = op("ReduceSum", [op("Abs", [x], "abs"), axes], "l1", keepdims=1)
+    else:
+        z = op("Sqrt", [op("ReduceSum", [op("Mul", [x, x], "square"), axes], "sum_squares", keepdims=1)], "l2")
+    zero = op("Equal", [z, const(np.float32(0), "zero")], "is_zero")
+    safe = op("Where", [zero, const(np.float32(1), "one"), z], "safe")
+    op("Where", [zero, x, op("Div", [x, safe], "divided")], "normalized", node.outputs[0])
+    return nodes
+
+
+def lower_ml_operators(graph: Graph) -> Graph:
+    """A copy of ``graph`` whose top-level ``ai.onnx.ml`` ``LinearClassifier``, ``LinearRegressor`` and
+    ``Normalizer`` nodes are standard operators, the coefficients ``Constant`` values: the same function in
+    operators that have float64 kernels (onnxruntime's ML kernels compute in float32 only), for
+    :func:`revgraph.check.check_gradients`. Raises :class:`GraphError` as :func:`lift_ml_coefficients`."""
+    g = graph.copy()
+    nodes = []
+    for node in g.nodes:
+        base = node.name or node.outputs[-1]
+        if node.domain == ML and node.op_type in LINEAR:
+            w, b = linear_weights(node)
+            weights = [f"{base}/coefficients"] + ([f"{base}/intercepts"] if b is not None else [])
+            nodes += [Node("Constant", [], [n], {"value": a}, n) for n, a in zip(weights, (w, b), strict=False)]
+            nodes += _rewrite(node, base, w, b, _opset(g), weights)
+        elif node.domain == ML and node.op_type == "Normalizer":
+            nodes += _normalizer(node, base, _opset(g))
+        else:
+            nodes.append(node)
+    g.nodes = nodes
+    return g
+
+
 def lift_ml_coefficients(graph: Graph) -> tuple[Graph, list[str]]:
     """A copy of ``graph`` whose top-level ``ai.onnx.ml`` ``LinearClassifier``/``LinearRegressor`` nodes are
     standard operators reading initializers ``<node>.coefficients`` ``[T, F]`` and ``<node>.intercepts``
@@ -108,7 +168,7 @@ def lift_ml_coefficients(graph: Graph) -> tuple[Graph, list[str]]:
         base = node.name or node.outputs[-1]
         while f"{base}.coefficients" in taken or f"{base}.intercepts" in taken:
             base += "_"
-        nodes += _rewrite(node, base, w, b, int(g.opsets.get("", g.opsets.get("ai.onnx", 17))))
+        nodes += _rewrite(node, base, w, b, _opset(g), [f"{base}.coefficients", f"{base}.intercepts"][:1 + (b is not None)])
         g.initializers[f"{base}.coefficients"] = w
         lifted.append(f"{base}.coefficients")
         if b is not None:
