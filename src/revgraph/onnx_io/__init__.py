@@ -306,13 +306,18 @@ def graph_from_proto(gp: onnx.GraphProto, opsets: dict[str, int]) -> Graph:
         )
         for n in gp.node
     ]
+    value_info = {v.name: value_info_from_proto(v) for v in gp.value_info}
+    for n in nodes:  # a Constant's type is its value's: the genai builder declares some scalars' rank wrongly
+        value = n.attrs.get("value") if n.op_type == "Constant" and not n.domain and n.outputs else None
+        if isinstance(value, np.ndarray) and n.outputs[0] in value_info:
+            value_info[n.outputs[0]] = ValueInfo(n.outputs[0], value.dtype, value.shape)
     return Graph(
         nodes=nodes,
         # An input that also has an initializer (IR < 4 style) is a weight with a default: keep it an initializer.
         inputs=[value_info_from_proto(v) for v in gp.input if v.name not in initializers],
         outputs=[value_info_from_proto(v) for v in gp.output],
         initializers=initializers,
-        value_info={v.name: value_info_from_proto(v) for v in gp.value_info},
+        value_info=value_info,
         name=gp.name or "graph",
         opsets=dict(opsets),
         doc_string=gp.doc_string,
