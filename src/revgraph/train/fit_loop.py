@@ -8,10 +8,11 @@ run resumed from a snapshot stops where the uninterrupted one would. Evaluation 
 the end when ``eval_data`` is given) reads ``eval_data`` in batches of ``eval_batch_size`` (default: the training
 batch size), so it never holds more than a training step of the same batch.
 
-Every step, rank 0 calls each callback with the step's record (:data:`RECORD_FIELDS`): ``step`` (the trainer's
-step count after it), ``epoch`` (1-based), ``loss``, ``lr`` (the rate the step used, schedule applied),
-``grad_norm`` (with clipping, the gradients' global L2 norm before clipping, as
-``torch.nn.utils.clip_grad_norm_`` returns it; ``None`` without clipping, and with ZeRO sharding), ``samples_per_s`` (over all ranks, since the run started) and
+Every step, rank 0 calls each callback with the step's record (:data:`RECORD_FIELDS`): ``step`` (the batches
+the run has trained, this one included: :attr:`revgraph.Trainer.steps_taken`, which fp16's skipped updates
+advance too), ``epoch`` (1-based), ``loss``, ``lr`` (the rate the step used, schedule applied), ``grad_norm`` (with
+clipping, the gradients' global L2 norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it;
+``None`` without clipping, and with ZeRO sharding), ``samples_per_s`` (over all ranks, since the run started) and
 ``samples`` (the step's global batch); a step after which the evaluation ran also holds ``eval_loss`` and
 ``eval_accuracy``.
 """
@@ -201,7 +202,8 @@ def train(trainer, plan: FitPlan, arrays, pos, *, stop: bool, total_steps: int |
                 seen += len(chunk)
                 rate = seen / max(time.perf_counter() - started, 1e-9)
                 bar.advance(f"{description} epoch {pos.epoch + 1}/{plan.epochs}", loss, rate)
-                record = {"step": trainer.steps, "epoch": pos.epoch + 1, "loss": float(loss),
+                # (the batches taken: fp16 loss scaling's skipped updates do not advance trainer.steps)
+                record = {"step": trainer.steps_taken, "epoch": pos.epoch + 1, "loss": float(loss),
                           "lr": learning_rate(trainer, counter, total_steps),
                           "grad_norm": getattr(trainer._engine, "grad_norm", None),
                           "samples_per_s": rate, "samples": len(chunk)}
