@@ -312,3 +312,32 @@ def test_onnxruntime_quantize_dynamic(tmp_path):
     worst = _worst(_grads(g, {"x": x}, "y", u, [bias], straight_through=True), want, "ort-dynamic", 1e-5)
     y = np.random.default_rng(2).standard_normal((16, 3)).astype(F32)
     _train(g, {"x": x, "labels": y}, "ort-dynamic", worst, straight_through=True)
+
+
+# ---------------------------------------------------------------------------------------------- onnxruntime-genai
+
+
+def test_onnxruntime_genai_builder(tmp_path):
+    """The model builder's fp32 LLaMA (GroupQueryAttention, SkipSimplifiedLayerNormalization), from the config
+    of tests/kit/genai.py: the gradients of the parameters the builder keeps whole against torch autograd through
+    the transformers model; causal-LM training on its inputs."""
+    from kit.genai import genai_llama, token_data
+
+    path, model = genai_llama(tmp_path, "fp32", vocab=96)
+    g = rg.load(path)
+    ids = np.random.default_rng(0).integers(0, 96, (2, 6))
+    u = np.random.default_rng(1).standard_normal((2, 6, 96))
+    names = {"model.embed_tokens.weight": "model.embed_tokens.weight",
+             "model.layers.0.input_layernorm.weight": "model.layers.0.input_layernorm.weight",
+             "model.layers.1.post_attention_layernorm.weight": "model.layers.1.post_attention_layernorm.weight",
+             "model.layers.2.final_norm_layernorm.weight": "model.norm.weight",
+             "model.layers.1.attn.o_proj.MatMul.weight": "model.layers.1.self_attn.o_proj.weight",
+             "model.layers.0.mlp.down_proj.MatMul.weight": "model.layers.0.mlp.down_proj.weight",
+             "lm_head.MatMul.weight": "lm_head.weight"}
+    model = model.double()
+    (model(torch.tensor(ids)).logits * torch.tensor(u)).sum().backward()
+    params = dict(model.named_parameters())
+    want = {o: params[t].grad.numpy().T if "MatMul" in o else params[t].grad.numpy() for o, t in names.items()}
+    worst = _worst(_grads(g, token_data(ids), "logits", u, list(want)), want, "onnxruntime-genai", 1e-4)
+    _train(g, token_data(np.random.default_rng(2).integers(0, 96, (4, 8))), "onnxruntime-genai", worst,
+           loss="causal-lm", output="logits")
