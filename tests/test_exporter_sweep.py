@@ -103,23 +103,92 @@ def test_pytorch(tmp_path, how):
 # ---------------------------------------------------------------------------------------------- Keras / TF, Paddle, Optimum
 
 
-def test_keras_tf2onnx():
-    pytest.importorskip("tensorflow", reason="not installed: pip install tensorflow tf2onnx (TensorFlow is over "
-                        "300 MB)")
-    pytest.importorskip("tf2onnx", reason="not installed: pip install tf2onnx")
-    raise AssertionError("the Keras sweep is not written: this machine has no TensorFlow")
+def _mlp_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """16 inputs ``[16, 8]``, cotangents ``u`` ``[16, 3]`` and regression targets ``[16, 3]``, float32."""
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s).astype(F32) for s in ((16, 8), (16, 3), (16, 3)))
 
 
-def test_paddle2onnx():
-    pytest.importorskip("paddle", reason="not installed: pip install paddlepaddle paddle2onnx (paddle2onnx 2.1 "
-                        "pins onnx 1.17, which would replace onnx 1.23)")
-    raise AssertionError("the Paddle sweep is not written: this machine has no PaddlePaddle")
+def _by_value(g: rg.Graph, arrays: dict[str, np.ndarray]) -> dict[str, str]:
+    """``{initializer: key}`` for each array of ``arrays`` that the file holds as an initializer, by value."""
+    return {n: k for n, v in g.initializers.items() for k, a in arrays.items()
+            if np.shape(v) == a.shape and np.array_equal(v, a)}
 
 
-def test_optimum():
-    pytest.importorskip("optimum.exporters.onnx", reason="not installed: pip install optimum-onnx (it pins "
-                        "transformers < 4.58, which would replace transformers 5)")
-    raise AssertionError("the Optimum sweep is not written: this machine has no optimum-onnx")
+@pytest.mark.parametrize("how", ["tf2onnx", "keras-export"])
+def test_keras(tmp_path, how):
+    """A Keras MLP (8 -> 16 tanh -> 3) through tf2onnx's ``from_keras`` and Keras 3's ``model.export(format=
+    "onnx")``: the gradients of the input and of the kernels the file holds by value against ``tf.GradientTape``."""
+    tf = pytest.importorskip("tensorflow", reason="not installed: pip install tensorflow tf2onnx (TensorFlow is "
+                             "over 300 MB)")
+    keras = tf.keras
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+    if how == "tf2onnx":
+        tf2onnx = pytest.importorskip("tf2onnx", reason="not installed: pip install tf2onnx")
+        proto, _ = tf2onnx.convert.from_keras(m, input_signature=(tf.TensorSpec((None, 8), tf.float32, "x"),),
+                                              opset=17)
+        g = rg.load(proto)
+    else:
+        m.export(str(tmp_path / "k.onnx"), format="onnx")
+        g = rg.load(tmp_path / "k.onnx")
+    x, u, y = _mlp_data()
+    inp, out = g.input_names[0], g.output_names[0]
+    weights = {w.path: w.numpy() for w in m.trainable_weights}
+    held = _by_value(g, weights)
+    xt = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(xt)
+        s = tf.reduce_sum(m(xt) * u)
+    grads = dict(zip([w.path for w in m.trainable_weights] + [inp],
+                     tape.gradient(s, m.trainable_weights + [xt]), strict=True))
+    want = {inp: grads[inp].numpy(), **{n: grads[k].numpy() for n, k in held.items()}}
+    worst = _worst(_grads(g, {inp: x}, out, u, list(want)), want, f"keras-{how}", 1e-4)
+    _train(g, {inp: x, "labels": y}, f"keras-{how}", worst)
+
+
+def test_paddle2onnx(tmp_path):
+    """A PaddlePaddle MLP (8 -> 16 tanh -> 3) through ``paddle.onnx.export`` (paddle2onnx): the input's gradient
+    against paddle's autograd."""
+    paddle = pytest.importorskip("paddle", reason="not installed: pip install paddlepaddle paddle2onnx (paddle2onnx "
+                                 "2.1 pins onnx 1.17, which would replace onnx 1.23)")
+    pytest.importorskip("paddle2onnx", reason="not installed: pip install paddle2onnx")
+    paddle.seed(0)
+    net = paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.Tanh(), paddle.nn.Linear(16, 3))
+    paddle.onnx.export(net, str(tmp_path / "p"), opset_version=17,
+                       input_spec=[paddle.static.InputSpec([None, 8], "float32", "x")])
+    g = rg.load(tmp_path / "p.onnx")
+    x, u, y = _mlp_data()
+    xt = paddle.to_tensor(x, stop_gradient=False)
+    (net(xt) * paddle.to_tensor(u)).sum().backward()
+    inp, out = g.input_names[0], g.output_names[0]
+    worst = _worst(_grads(g, {inp: x}, out, u, [inp]), {inp: xt.grad.numpy()}, "paddle2onnx", 1e-4)
+    _train(g, {inp: x, "labels": y}, "paddle2onnx", worst)
+
+
+def test_optimum(tmp_path):
+    """GPT-2 (tests/kit/torch_models.py's config) through Optimum's ``main_export`` (text-generation, no KV
+    cache): the gradients of the parameters the file keeps under their torch names against torch."""
+    exporters = pytest.importorskip("optimum.exporters.onnx", reason="not installed: pip install optimum-onnx "
+                                    "(it pins transformers < 4.58, which would replace transformers 5)")
+    model = tm.build("gpt2")
+    model.save_pretrained(tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exporters.main_export(str(tmp_path / "hf"), output=tmp_path / "onnx", task="text-generation",
+                              no_post_process=True)
+    g = rg.load(tmp_path / "onnx" / "model.onnx")
+
+    def feeds(ids):
+        known = {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                 "position_ids": np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()}
+        return {n: known[n] for n in g.input_names}
+
+    ids = tm.tokens(2)
+    u = np.random.default_rng(1).standard_normal((2, tm.T, tm.VOCAB))
+    want = _matched(g, _torch_param_grads(model, ids, u))
+    worst = _worst(_grads(g, feeds(ids), "logits", u, list(want)), want, "optimum", 1e-4)
+    _train(g, feeds(tm.tokens(8)), "optimum", worst, loss="causal-lm", output="logits")
 
 
 # ---------------------------------------------------------------------------------------------- JAX
