@@ -225,8 +225,9 @@ def test_jax2onnx():
 
 
 def test_skl2onnx():
-    """skl2onnx's MLPRegressor (tanh, one target): the gradient of the input against central differences in float64
-    of scikit-learn's ``predict``; the file's coefficients train."""
+    """skl2onnx's MLPRegressor (tanh, one target): the gradients of the input and of the coefficient matrices the
+    file holds (found by value) against central differences in float64 of scikit-learn's ``predict``; the file's
+    coefficients train."""
     pytest.importorskip("skl2onnx", reason="not installed: pip install skl2onnx")
     from skl2onnx import to_onnx
     from sklearn.neural_network import MLPRegressor
@@ -240,13 +241,27 @@ def test_skl2onnx():
         g = rg.load(to_onnx(model, x[:1].astype(F32)))
     (inp,), out = g.input_names, g.output_names[0]
     xs, u = x[:4], rng.standard_normal(4)
-    h, want = 1e-6, np.zeros_like(xs)
-    for i in np.ndindex(xs.shape):
-        d = np.zeros_like(xs)
-        d[i] = h
-        want[i] = np.sum((model.predict(xs + d) - model.predict(xs - d)) * u) / (2 * h)
-    got = _grads(g, {inp: xs.astype(F32)}, out, u[:, None], [inp])  # (the file's output is [N, 1])
-    worst = _worst(got, {inp: want}, "skl2onnx", 1e-4)
+
+    def central(a: np.ndarray, f, h: float = 1e-6) -> np.ndarray:
+        """d sum(f() * u) / d a by central differences, ``a`` perturbed in place (and restored)."""
+        d = np.zeros_like(a)
+        for i in np.ndindex(a.shape):
+            v = a[i]
+            a[i] = v + h
+            up = f()
+            a[i] = v - h
+            d[i] = np.sum((up - f()) * u) / (2 * h)
+            a[i] = v
+        return d
+
+    xp = xs.copy()
+    want = {inp: central(xp, lambda: model.predict(xp))}
+    coefs = _by_value(g, {str(k): c.astype(F32) for k, c in enumerate(model.coefs_)})
+    assert len(coefs) == 2, list(g.initializers)
+    for n, k in coefs.items():
+        want[n] = central(model.coefs_[int(k)], lambda: model.predict(xs))
+    got = _grads(g, {inp: xs.astype(F32)}, out, u[:, None], list(want))  # (the file's output is [N, 1])
+    worst = _worst(got, want, "skl2onnx", 1e-4)
     _train(g, {inp: x.astype(F32), "labels": y[:, None].astype(F32)}, "skl2onnx", worst)
 
 
