@@ -3,7 +3,7 @@ small model generated here from a config, revgraph's gradient of the scalar ``su
 source framework's own autodiff (torch autograd in float64 through the original module, ``jax.grad``, central
 differences in float64 of scikit-learn's ``predict``), and a 3-step ``rg.Trainer`` run with finite losses. A source
 whose exporter is not installed here is skipped with the ``pip install`` that brings it. Each test prints a
-``SWEEP`` line (source, worst norm-relative difference, losses): docs/op_coverage.md, "Exporter sweep", holds
+``SWEEP`` line (source, worst norm-relative difference, losses): docs/exporters.md, "Exporter sweep", holds
 the numbers measured."""
 
 from __future__ import annotations
