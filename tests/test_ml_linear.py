@@ -246,6 +246,17 @@ def _sklearn_cases():
     }
 
 
+def _skl2onnx_file(model, method: str, x: np.ndarray):
+    """skl2onnx's ModelProto of ``model`` (no ZipMap where ``method`` is ``predict_proba``), at opset 17, ML 3."""
+    from skl2onnx import to_onnx
+
+    head = model.steps[-1][1] if hasattr(model, "steps") else model
+    options = {id(head): {"zipmap": False}} if method == "predict_proba" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return to_onnx(model, x[:1].astype(np.float32), options=options, target_opset={"": 17, ML: 3})
+
+
 @pytest.mark.parametrize("case", ["binary", "multiclass", "l1-pipeline", "regression", "l2-pipeline",
                                   "max-pipeline"])
 def test_skl2onnx_models_have_the_central_differences_of_sklearn(case):
@@ -253,15 +264,10 @@ def test_skl2onnx_models_have_the_central_differences_of_sklearn(case):
     input equals float64 central differences of scikit-learn's own ``predict_proba``/``predict``."""
     pytest.importorskip("skl2onnx")
     from kit.contrib_cases import with_loss
-    from skl2onnx import to_onnx
 
     x, cases = _sklearn_cases()
     model, method = cases[case]
-    head = model.steps[-1][1] if hasattr(model, "steps") else model
-    options = {id(head): {"zipmap": False}} if method == "predict_proba" else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        onx = to_onnx(model, x[:1].astype(np.float32), options=options, target_opset={"": 17, ML: 3})
+    onx = _skl2onnx_file(model, method, x)
     assert {n.op_type for n in onx.graph.node if n.domain == ML} & {"LinearClassifier", "LinearRegressor"}
     g = rg.load(onx)
     out = [o for o in g.output_names if o != "label"]
@@ -408,15 +414,10 @@ def test_check_gradients_runs_skl2onnx_files_in_float64(case):
     differences."""
     pytest.importorskip("skl2onnx")
     from revgraph.check import check_gradients
-    from skl2onnx import to_onnx
 
     x, cases = _sklearn_cases()
     model, method = cases[case]
-    head = model.steps[-1][1] if hasattr(model, "steps") else model
-    options = {id(head): {"zipmap": False}} if method == "predict_proba" else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        g = rg.load(to_onnx(model, x[:1].astype(np.float32), options=options, target_opset={"": 17, ML: 3}))
+    g = rg.load(_skl2onnx_file(model, method, x))
     out = next(o for o in g.output_names if o != "label")
     g, names = lift_constants(g)
     report = check_gradients(g, loss=out, inputs={"X": x[:4].astype(np.float32)})

@@ -38,13 +38,9 @@ def _labels(node: Node, targets: int) -> np.ndarray:
     return np.arange(max(targets, 2), dtype=np.int64)  # (the kernel's 0 and 1 for one target)
 
 
-def _rewrite(node: Node, base: str, w: np.ndarray, b: np.ndarray | None, opset: int, weights: list[str]) -> list[Node]:
-    """Standard nodes writing ``node``'s outputs from the values named ``weights`` (W, and b when ``b`` is
-    given) (module doc), for the default domain's ``opset``."""
-    transform = post_transform(node)
-    t, f = w.shape
-    nodes: list[Node] = []
-
+def _emitters(nodes: list[Node], base: str):
+    """``(op, const)``: append a default-domain node named ``<base>/<tag>`` to ``nodes`` (its output that name, or
+    ``out``) and return its output; ``const`` a ``Constant`` of ``value``."""
     def op(op_type: str, inputs: list[str], tag: str, out: str | None = None, **attrs) -> str:
         name = out or f"{base}/{tag}"
         nodes.append(Node(op_type, inputs, [name], attrs, f"{base}/{tag}"))
@@ -52,6 +48,16 @@ def _rewrite(node: Node, base: str, w: np.ndarray, b: np.ndarray | None, opset: 
 
     def const(value, tag: str) -> str:
         return op("Constant", [], tag, value=np.asarray(value))
+    return op, const
+
+
+def _rewrite(node: Node, base: str, w: np.ndarray, b: np.ndarray | None, opset: int, weights: list[str]) -> list[Node]:
+    """Standard nodes writing ``node``'s outputs from the values named ``weights`` (W, and b when ``b`` is
+    given) (module doc), for the default domain's ``opset``."""
+    transform = post_transform(node)
+    t, f = w.shape
+    nodes: list[Node] = []
+    op, const = _emitters(nodes, base)
 
     classifier = node.op_type == "LinearClassifier"
     z_out = node.outputs[1] if classifier and len(node.outputs) > 1 else node.outputs[0] if not classifier else ""
@@ -105,14 +111,7 @@ def _normalizer(node: Node, base: str, opset: int) -> list[Node]:
     if norm not in NORMS:
         raise GraphError(f"{node.label()}: norm {norm!r} is not supported (supported: {', '.join(NORMS)})")
     nodes: list[Node] = []
-
-    def op(op_type: str, inputs: list[str], tag: str, out: str | None = None, **attrs) -> str:
-        name = out or f"{base}/{tag}"
-        nodes.append(Node(op_type, inputs, [name], attrs, f"{base}/{tag}"))
-        return name
-
-    def const(value, tag: str) -> str:
-        return op("Constant", [], tag, value=np.asarray(value))
+    op, const = _emitters(nodes, base)
 
     x = op("Cast", [node.inputs[0]], "cast", to=onnx.TensorProto.FLOAT)
     axes = const(np.array([-1], np.int64), "axes")
