@@ -414,8 +414,8 @@ def _assert_same_gradients(plain: dict, fused: dict) -> None:
 
 
 def test_optimized_block_has_the_gradients_of_the_unoptimized_one(tmp_path):
-    ort = pytest.importorskip("onnxruntime")
-    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    import onnxruntime as ort
+    from onnxruntime.transformers import optimizer
     plain, fused, final = tmp_path / "block.onnx", tmp_path / "fused.onnx", tmp_path / "final.onnx"
     _block(plain)
     optimizer.optimize_model(str(plain), model_type="bert", num_heads=0, hidden_size=0,
@@ -441,8 +441,8 @@ def test_optimized_transformer_has_the_gradients_of_the_export(name, tmp_path):
     the TorchScript exporter at opset 17, then fused by onnxruntime's transformer optimizer with its attention
     and embedding fusions off (their operators are not covered yet): the gradients of every parameter equal
     the unfused export's."""
-    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
     from kit import torch_models as tm
+    from onnxruntime.transformers import optimizer
     from onnxruntime.transformers.fusion_options import FusionOptions
 
     plain, fused = tmp_path / "plain.onnx", tmp_path / "fused.onnx"

@@ -262,7 +262,6 @@ def _skl2onnx_file(model, method: str, x: np.ndarray):
 def test_skl2onnx_models_have_the_central_differences_of_sklearn(case):
     """skl2onnx's file of a scikit-learn model (no ZipMap): revgraph's gradient of ``sum(out * u)`` w.r.t. the
     input equals float64 central differences of scikit-learn's own ``predict_proba``/``predict``."""
-    pytest.importorskip("skl2onnx")
     from kit.contrib_cases import with_loss
 
     x, cases = _sklearn_cases()
@@ -298,7 +297,6 @@ def test_cli_grad_lift_constants_gives_skl2onnx_coefficients_their_gradients(tmp
     """``revgraph grad --lift-constants --seed input`` on skl2onnx's multiclass LogisticRegression: the
     coefficients and intercepts get gradients, equal to float64 autograd of ``softmax(X W^T + b)`` (then its L1
     normalization, which skl2onnx appends) with scikit-learn's ``coef_`` and ``intercept_``."""
-    pytest.importorskip("skl2onnx")
     from skl2onnx import to_onnx
 
     from revgraph.cli import main
@@ -331,7 +329,6 @@ def test_cli_grad_lift_constants_gives_skl2onnx_coefficients_their_gradients(tmp
 def test_forward_mode_through_skl2onnx_models(case):
     """``rg.jvp`` through Normalizer and LinearClassifier/LinearRegressor: the tangent of the output equals
     float64 central differences of scikit-learn's own function along the input tangent."""
-    pytest.importorskip("skl2onnx")
     from skl2onnx import to_onnx
 
     x, cases = _sklearn_cases()
@@ -353,7 +350,6 @@ def test_forward_mode_through_skl2onnx_models(case):
 def test_trainer_fits_lifted_skl2onnx_coefficients_like_torch():
     """``rg.Trainer`` on skl2onnx's LinearRegression after ``lift_constants``: 5 full-batch SGD steps of the
     mean squared error move the coefficients and intercepts as ``torch.optim.SGD`` moves them in float64."""
-    pytest.importorskip("skl2onnx")
     from skl2onnx import to_onnx
 
     from revgraph.train import sgd
@@ -392,7 +388,6 @@ def test_trainer_fits_lifted_skl2onnx_coefficients_like_torch():
 def test_a_zipmap_file_is_refused_in_one_line_saying_what_to_do(tmp_path, capsys):
     """skl2onnx's default classifier output is ZipMap's sequence of maps, which no gradient reaches: one line
     saying how to convert without it (item 8 covers ZipMap-free scorers)."""
-    pytest.importorskip("skl2onnx")
     from skl2onnx import to_onnx
 
     from revgraph.cli import main
@@ -412,7 +407,6 @@ def test_check_gradients_runs_skl2onnx_files_in_float64(case):
     """``revgraph check`` (``check_gradients``) runs onnxruntime's float32-only ML operators in their
     standard-operator form in float64, and revgraph's gradients (coefficients lifted) agree with its central
     differences."""
-    pytest.importorskip("skl2onnx")
     from revgraph.check import check_gradients
 
     x, cases = _sklearn_cases()

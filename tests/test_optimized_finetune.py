@@ -33,7 +33,7 @@ STEPS, BATCH = 20, 4
 
 
 def _files(name: str, tmp_path):
-    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    from onnxruntime.transformers import optimizer
     plain, fused = tmp_path / "plain.onnx", tmp_path / "fused.onnx"
     tm.export(tm.build(name), "torchscript-folded", plain)
     with warnings.catch_warnings():

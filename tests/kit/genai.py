@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 HEADS, KV_HEADS, HIDDEN, HEAD = 4, 2, 64, 16
 
@@ -16,10 +15,8 @@ HEADS, KV_HEADS, HIDDEN, HEAD = 4, 2, 64, 16
 def genai_llama(tmp_path, precision: str = "int4", vocab: int = 256):
     """``(model.onnx path, transformers LlamaForCausalLM)``: a 2-layer LLaMA (hidden 64, 4 heads of 16, 2 KV heads,
     MLP 128, random weights, seed 0) written by ``python -m onnxruntime_genai.models.builder -p precision -e cpu``.
-    ``vocab`` must differ from the MLP's width 128 (the builder then takes the MLP's weight for the LM head). Skips
-    the test when onnxruntime-genai is not installed (``pip install onnxruntime-genai``)."""
-    pytest.importorskip("onnxruntime_genai", reason="the genai builder tests need onnxruntime-genai "
-                        "(pip install onnxruntime-genai)")
+    ``vocab`` must differ from the MLP's width 128 (the builder then takes the MLP's weight for the LM head).
+    onnxruntime-genai is in the test extra."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
