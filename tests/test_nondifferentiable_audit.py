@@ -201,6 +201,9 @@ def test_dynamic_quantize_linear_scale_path_of_a_quantize_dynamic_product():
     x64, eps = X.astype(np.float64), 1e-7
     expected = np.array([(loss(x64 + eps * e) - loss(x64 - eps * e)) / (2 * eps) for e in np.eye(4)])
     assert expected[0] == 0 and expected[3] == 0 and expected[1] > 0 > expected[2]  # the max's and the min's
+    # by hand: s = (0.9 - (-0.6)) / 255, the integers q = round(x / s) = [51, 153, -102, 34] are constant, so
+    # loss = s * sum(q w) = s * 187 and d loss / dx = 187 ds/dx: +1/255 at the max (x1), -1/255 at the min (x2)
+    np.testing.assert_allclose(expected, np.array([0.0, 187.0, -187.0, 0.0]) / 255, rtol=1e-6, atol=1e-9)
     g = rg.load(_dql_model("integer"))
     for straight_through in (False, True):  # the integers carry no gradient either way (their derivative is 0)
         grad = rg.Session(rg.gradient(g, "loss", wrt=["x"], straight_through=straight_through)).run({"x": X})
