@@ -15,13 +15,15 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     and ``--override`` (module doc of :mod:`revgraph.schedules` for the formulas)."""
     from ..train.schedules import SCHEDULES
 
-    parser.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
-                        help="the learning rate over the run: constant, or linear or cosine decay from --lr to "
-                             "--min-lr over all the run's steps (transformers' schedules; default constant)")
+    kinds = "; ".join(f"{k}: {v.help}" for k, v in SCHEDULES.items() if v.help)
+    parser.add_argument("--lr-schedule", choices=list(SCHEDULES), default="constant",
+                        help=f"the learning rate over the run ({kinds}; transformers' schedules; default "
+                             "constant)")
     parser.add_argument("--warmup-steps", type=NON_NEGATIVE_INT, default=0, metavar="N",
                         help="raise the learning rate linearly from 0 to --lr over the first N steps (default 0)")
     parser.add_argument("--min-lr", type=NON_NEGATIVE, default=0.0, metavar="LR",
-                        help="with --lr-schedule linear|cosine: the rate the decay ends at (default 0)")
+                        help=f"with --lr-schedule {'|'.join(k for k, v in SCHEDULES.items() if v.reads_min_lr)}: "
+                             "the rate the decay ends at (default 0)")
     parser.add_argument("--clip-grad-norm", type=POSITIVE, metavar="C",
                         help="scale the gradients so that their global L2 norm over all trained parameters is at "
                              "most C (torch.nn.utils.clip_grad_norm_; default: no clipping)")

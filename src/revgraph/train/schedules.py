@@ -1,7 +1,9 @@
 """Learning-rate schedules, gradient clipping by the global norm and weight-decay exclusions, as nodes of the
 training-step graph (they run where the step runs: onnxruntime, a browser, another process).
 
-**Schedules** (:data:`SCHEDULES`, :class:`Schedule`; ``--lr-schedule``, ``--warmup-steps``, ``--min-lr``). The
+**Schedules** (:class:`Schedule`; ``--lr-schedule``, ``--warmup-steps``, ``--min-lr``; each kind a registered
+class of :mod:`revgraph.train.lr_schedules` whose formula, written once, gives both these nodes and the Python
+value that run logs report). The
 learning rate of the step that starts with the graph's counter ``step = s`` (0 for the first step, as
 ``torch.optim.lr_scheduler.LambdaLR`` evaluates its lambda at ``last_epoch = 0`` before the first step) is
 ``lr(s) = lr_peak * f(s)`` with warmup ``W``, total steps ``T`` and ``r = min_lr / lr_peak`` (the formulas of
@@ -46,7 +48,6 @@ over parameter names (``--no-decay GLOB ...``), or a predicate ``(name, array) -
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -55,13 +56,11 @@ import numpy as np
 import onnx
 
 from ..errors import RevgraphError
+from .lr_schedules import SCHEDULES, Floats, Kind, Nodes, factor
 
 if TYPE_CHECKING:
     from .graphbuild import Builder
     from .optimizers import Optimizer
-
-#: The learning-rate schedules (the CLI's ``--lr-schedule`` choices read this).
-SCHEDULES = ("constant", "linear", "cosine")
 
 #: ``Optimizer.no_decay`` values besides patterns and predicates.
 NO_DECAY_RULES = ("default", "none")
@@ -82,11 +81,11 @@ class Schedule:
     total_steps: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, str):
+            raise RevgraphError(f"the learning-rate schedule must be a name (str), got {type(self.kind).__name__}")
         if self.kind not in SCHEDULES:
             raise RevgraphError(f"unknown learning-rate schedule {self.kind!r} (--lr-schedule); choose one of "
                                 f"{', '.join(SCHEDULES)}")
-        if not isinstance(self.kind, str):
-            raise RevgraphError(f"the learning-rate schedule must be a name (str), got {type(self.kind).__name__}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int | np.integer) \
                 or self.warmup_steps < 0:
             raise RevgraphError(f"--warmup-steps must be an integer >= 0, got {self.warmup_steps!r}")
@@ -97,30 +96,31 @@ class Schedule:
                                              or not isinstance(self.total_steps, int | np.integer)
                                              or self.total_steps < 1):
             raise RevgraphError(f"total_steps must be a positive integer, got {self.total_steps!r}")
-        if self.kind == "constant" and self.min_lr:
-            raise RevgraphError("--min-lr applies to the linear and cosine schedules (--lr-schedule linear|cosine)")
+        if not self.rule.reads_min_lr and self.min_lr:
+            takers = [k for k, v in SCHEDULES.items() if v.reads_min_lr]
+            names = f"{', '.join(takers[:-1])} and {takers[-1]}" if len(takers) > 1 else takers[0]
+            raise RevgraphError(f"--min-lr applies to the {names} schedules (--lr-schedule {'|'.join(takers)})")
+
+    @property
+    def rule(self) -> Kind:
+        """The registered schedule ``kind`` names (:data:`revgraph.train.lr_schedules.SCHEDULES`)."""
+        return SCHEDULES[self.kind]
 
     @property
     def needs_total(self) -> bool:
         """Whether the rate depends on the total number of steps (linear and cosine decay)."""
-        return self.kind != "constant"
+        return self.rule.needs_total
 
     @property
     def varies(self) -> bool:
         """Whether the rate changes at all (a constant schedule without warmup is the plain learning rate)."""
-        return self.kind != "constant" or self.warmup_steps > 0
+        return self.rule.varies or self.warmup_steps > 0
 
     def factor(self, step: int, total: int | None, peak: float) -> float:
-        """``f(step)`` of the module doc in Python floats (what the graph computes; for messages and checks)."""
-        s, w = float(step), self.warmup_steps
-        if s < w:
-            return s / max(1, w)
-        if self.kind == "constant":
-            return 1.0
-        t, r = float(total or 0), self.min_lr / peak
-        if self.kind == "linear":
-            return r + (1 - r) * max(0.0, (t - s) / max(1.0, t - w))
-        return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - w) / max(1.0, t - w))))
+        """``f(step)`` of the module doc in Python floats: the registered formula
+        (:func:`revgraph.train.lr_schedules.factor`) that the graph's nodes compute too."""
+        return float(factor(Floats, self.rule, float(step), float(total or 0), self.warmup_steps,
+                            self.min_lr / peak))
 
 
 def check_schedule(opt: Optimizer) -> None:
@@ -181,31 +181,16 @@ def excluded(opt: Optimizer, initial: dict[str, np.ndarray]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- graph nodes
 
 def learning_rate(b: Builder, opt: Optimizer, step: str, total: str | None) -> str:
-    """The float64 scalar ``lr(step)`` of ``opt.schedule`` (module doc) as nodes of ``b``; ``total`` is the
-    int64 scalar of the total steps (needed by linear and cosine)."""
-    sched, f64 = opt.schedule, np.float64
-    c = lambda v: b.const(v, f64)
+    """The float64 scalar ``lr(step)`` of ``opt.schedule`` (module doc) as nodes of ``b``: the registered
+    formula (:func:`revgraph.train.lr_schedules.factor`) emitted; ``total`` is the int64 scalar of the total
+    steps (read by the kinds that need it)."""
+    sched = opt.schedule
     with b.scope("optim/lr_schedule"):
-        s = b.op("Cast", [step], to=onnx.TensorProto.DOUBLE)
-        w = sched.warmup_steps
-        if sched.kind == "constant":
-            decay = c(1.0)
-        else:
-            t = b.op("Cast", [total], to=onnx.TensorProto.DOUBLE)
-            span = b.op("Max", [c(1.0), b.op("Sub", [t, c(float(w))])])
-            if sched.kind == "linear":
-                decay = b.op("Max", [c(0.0), b.op("Div", [b.op("Sub", [t, s]), span])])
-            else:
-                progress = b.op("Min", [c(1.0), b.op("Div", [b.op("Sub", [s, c(float(w))]), span])])
-                cos = b.op("Cos", [b.op("Mul", [c(math.pi), progress])])
-                decay = b.op("Mul", [c(0.5), b.op("Add", [c(1.0), cos])])
-            r = sched.min_lr / opt.lr
-            if r:
-                decay = b.op("Add", [c(r), b.op("Mul", [c(1.0 - r), decay])])
-        if w:
-            warm = b.op("Div", [s, c(float(max(1, w)))])
-            decay = b.op("Where", [b.op("Less", [s, c(float(w))]), warm, decay])
-        return b.op("Mul", [c(opt.lr), decay])
+        m = Nodes(b)
+        s = m.cast(step)
+        t = m.cast(total) if sched.needs_total else None
+        f = factor(m, sched.rule, s, t, sched.warmup_steps, sched.min_lr / opt.lr)
+        return b.op("Mul", [b.const(opt.lr, np.float64), m.name(f)])
 
 
 def coalesce(b: Builder, idx: str, rows: str, dt) -> tuple[str, str]:
