@@ -4,7 +4,14 @@ source framework's own autodiff (torch autograd in float64 through the original 
 differences in float64 of scikit-learn's ``predict``), and a 3-step ``rg.Trainer`` run with finite losses. A source
 whose exporter is not installed here is skipped with the ``pip install`` that brings it. Each test prints a
 ``SWEEP`` line (source, worst norm-relative difference, losses): docs/exporters.md, "Exporter sweep", holds
-the numbers measured."""
+the numbers measured.
+
+TensorFlow, paddle2onnx and Optimum are not installed in the main environment (TensorFlow's size; Optimum's
+``optimum-onnx`` pins transformers < 4.58; paddle2onnx pins onnx 1.17 but runs with the newer onnx when installed
+with ``--no-deps``): each runs in a side virtual environment that sees the main one's packages and shadows only
+what it installs, e.g. ``python3 -m venv --system-site-packages /tmp/venv-tf && /tmp/venv-tf/bin/pip install
+tensorflow-cpu tf2onnx && /tmp/venv-tf/bin/python -m pytest -m slow tests/test_exporter_sweep.py -k keras``
+(the skip reasons give each one's commands)."""
 
 from __future__ import annotations
 
@@ -82,6 +89,19 @@ def _matched(g: rg.Graph, theirs: dict[str, np.ndarray]) -> dict[str, np.ndarray
     return out
 
 
+def _tied_grads(g: rg.Graph, feeds: dict, u: np.ndarray, want: dict) -> dict[str, np.ndarray]:
+    """revgraph's gradients of ``sum(logits * u)`` for ``want``'s names, where the GPT-2 file's LM head reads a
+    folded transpose of the tied embedding (the TorchScript exporter's constant folding): that copy's gradient,
+    transposed, is added to the embedding's, as torch sums the two uses of the one tensor."""
+    wte = "transformer.wte.weight"
+    head = [n for n, v in g.initializers.items() if n != wte and np.shape(v) == np.shape(g.initializers[wte])[::-1]
+            and np.array_equal(v, np.asarray(g.initializers[wte]).T)]
+    got = _grads(g, feeds, "logits", u, list(want) + head)
+    for n in head:
+        got[wte] = got[wte] + got[n].T
+    return got
+
+
 # ---------------------------------------------------------------------------------------------- PyTorch
 
 
@@ -103,6 +123,15 @@ def test_pytorch(tmp_path, how):
 # ---------------------------------------------------------------------------------------------- Keras / TF, Paddle, Optimum
 
 
+def _venv(name: str, installs: list[str], why: str) -> str:
+    """The skip reason of a source that runs in a side environment ``/tmp/venv-<name>`` (module doc): the
+    commands that make it and run this file in it."""
+    bin_ = f"/tmp/venv-{name}/bin"
+    pips = " && ".join(f"{bin_}/pip install {i}" for i in installs)
+    return (f"not installed ({why}); in a side environment: python3 -m venv --system-site-packages /tmp/venv-{name}"
+            f" && {pips}, then {bin_}/python -m pytest -m slow tests/test_exporter_sweep.py")
+
+
 def _mlp_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """16 inputs ``[16, 8]``, cotangents ``u`` ``[16, 3]`` and regression targets ``[16, 3]``, float32."""
     rng = np.random.default_rng(seed)
@@ -117,25 +146,28 @@ def _by_value(g: rg.Graph, arrays: dict[str, np.ndarray]) -> dict[str, str]:
 
 @pytest.mark.parametrize("how", ["tf2onnx", "keras-export"])
 def test_keras(tmp_path, how):
-    """A Keras MLP (8 -> 16 tanh -> 3) through tf2onnx's ``from_keras`` and Keras 3's ``model.export(format=
-    "onnx")``: the gradients of the input and of the kernels the file holds by value against ``tf.GradientTape``."""
-    tf = pytest.importorskip("tensorflow", reason="not installed: pip install tensorflow tf2onnx (TensorFlow is "
-                             "over 300 MB)")
+    """A Keras MLP (8 -> 16 tanh -> 3, random biases) through tf2onnx's ``from_keras`` and Keras 3's
+    ``model.export(format="onnx")``: the gradients of the input and of the 4 weights (found in the file by value)
+    against ``tf.GradientTape``. TensorFlow lives in a side environment (module doc: ``_VENV``)."""
+    tf = pytest.importorskip("tensorflow", reason=_venv("tf", ["tensorflow-cpu tf2onnx"], "TensorFlow is over 300 MB"))
     keras = tf.keras
     keras.utils.set_random_seed(0)
-    m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+    m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, "tanh", bias_initializer="random_normal"),
+                          keras.layers.Dense(3, bias_initializer="random_normal")])  # (zero biases are folded away)
+    x, u, y = _mlp_data()
     if how == "tf2onnx":
-        tf2onnx = pytest.importorskip("tf2onnx", reason="not installed: pip install tf2onnx")
+        tf2onnx = pytest.importorskip("tf2onnx", reason=_venv("tf", ["tensorflow-cpu tf2onnx"], "tf2onnx"))
+        m.output_names = ["y"]  # (tf2onnx 1.17's from_keras looks Keras 3's output tensors up by these names)
         proto, _ = tf2onnx.convert.from_keras(m, input_signature=(tf.TensorSpec((None, 8), tf.float32, "x"),),
                                               opset=17)
         g = rg.load(proto)
     else:
-        m.export(str(tmp_path / "k.onnx"), format="onnx")
+        m(x[:1])  # (Keras 3 exports only a model that has been called)
+        m.export(str(tmp_path / "k.onnx"), format="onnx", verbose=False)
         g = rg.load(tmp_path / "k.onnx")
-    x, u, y = _mlp_data()
     inp, out = g.input_names[0], g.output_names[0]
-    weights = {w.path: w.numpy() for w in m.trainable_weights}
-    held = _by_value(g, weights)
+    held = _by_value(g, {w.path: w.numpy() for w in m.trainable_weights})
+    assert len(held) == 4, list(g.initializers)
     xt = tf.constant(x)
     with tf.GradientTape() as tape:
         tape.watch(xt)
@@ -148,29 +180,38 @@ def test_keras(tmp_path, how):
 
 
 def test_paddle2onnx(tmp_path):
-    """A PaddlePaddle MLP (8 -> 16 tanh -> 3) through ``paddle.onnx.export`` (paddle2onnx): the input's gradient
-    against paddle's autograd."""
-    paddle = pytest.importorskip("paddle", reason="not installed: pip install paddlepaddle paddle2onnx (paddle2onnx "
-                                 "2.1 pins onnx 1.17, which would replace onnx 1.23)")
-    pytest.importorskip("paddle2onnx", reason="not installed: pip install paddle2onnx")
+    """A PaddlePaddle MLP (8 -> 16 tanh -> 3) through ``paddle.onnx.export`` (paddle2onnx): the file holds the
+    weights as ``Constant`` nodes, which ``lift_constants`` makes initializers; the gradients of the input and of
+    the 4 weights (found by value) against paddle's autograd."""
+    why = "paddle2onnx 2.1 pins onnx 1.17; --no-deps keeps the newer onnx, with which it exports"
+    paddle = pytest.importorskip("paddle", reason=_venv("paddle", ["paddlepaddle", "--no-deps paddle2onnx"], why))
+    pytest.importorskip("paddle2onnx", reason=_venv("paddle", ["paddlepaddle", "--no-deps paddle2onnx"], why))
+    from revgraph.lift import lift_constants
+
     paddle.seed(0)
     net = paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.Tanh(), paddle.nn.Linear(16, 3))
     paddle.onnx.export(net, str(tmp_path / "p"), opset_version=17,
                        input_spec=[paddle.static.InputSpec([None, 8], "float32", "x")])
-    g = rg.load(tmp_path / "p.onnx")
+    g, lifted = lift_constants(rg.load(tmp_path / "p.onnx"))
+    held = _by_value(g, {p.name: p.numpy() for p in net.parameters()})
+    assert len(held) == 4 and set(held) <= set(lifted), (lifted, list(g.initializers))
     x, u, y = _mlp_data()
     xt = paddle.to_tensor(x, stop_gradient=False)
     (net(xt) * paddle.to_tensor(u)).sum().backward()
+    grads = {p.name: p.grad.numpy() for p in net.parameters()}
     inp, out = g.input_names[0], g.output_names[0]
-    worst = _worst(_grads(g, {inp: x}, out, u, [inp]), {inp: xt.grad.numpy()}, "paddle2onnx", 1e-4)
+    want = {inp: xt.grad.numpy(), **{n: grads[k] for n, k in held.items()}}
+    worst = _worst(_grads(g, {inp: x}, out, u, list(want)), want, "paddle2onnx", 1e-4)
     _train(g, {inp: x, "labels": y}, "paddle2onnx", worst)
 
 
 def test_optimum(tmp_path):
     """GPT-2 (tests/kit/torch_models.py's config) through Optimum's ``main_export`` (text-generation, no KV
-    cache): the gradients of the parameters the file keeps under their torch names against torch."""
-    exporters = pytest.importorskip("optimum.exporters.onnx", reason="not installed: pip install optimum-onnx "
-                                    "(it pins transformers < 4.58, which would replace transformers 5)")
+    cache): the gradients of the parameters the file keeps under their torch names, the tied embedding's including
+    its LM head's folded transpose, against torch."""
+    exporters = pytest.importorskip("optimum.exporters.onnx", reason=_venv(
+        "optimum", ["optimum-onnx"], "optimum-onnx pins transformers < 4.58 and optimum 2.1; transformers 5 "
+        "lacks what it imports"))
     model = tm.build("gpt2")
     model.save_pretrained(tmp_path / "hf")
     with warnings.catch_warnings():
@@ -187,7 +228,7 @@ def test_optimum(tmp_path):
     ids = tm.tokens(2)
     u = np.random.default_rng(1).standard_normal((2, tm.T, tm.VOCAB))
     want = _matched(g, _torch_param_grads(model, ids, u))
-    worst = _worst(_grads(g, feeds(ids), "logits", u, list(want)), want, "optimum", 1e-4)
+    worst = _worst(_tied_grads(g, feeds(ids), u, want), want, "optimum", 1e-4)
     _train(g, feeds(tm.tokens(8)), "optimum", worst, loss="causal-lm", output="logits")
 
 
@@ -285,12 +326,7 @@ def test_onnxruntime_transformer_optimizer(tmp_path):
     ids = tm.tokens(2)
     u = np.random.default_rng(1).standard_normal((2, tm.T, tm.VOCAB))
     want = _matched(g, _torch_param_grads(model, ids, u))
-    wte = "transformer.wte.weight"  # the LM head reads the optimizer's folded transpose of the tied embedding
-    head = [n for n, v in g.initializers.items() if n != wte and np.shape(v) == np.shape(g.initializers[wte])[::-1]
-            and np.array_equal(v, np.asarray(g.initializers[wte]).T)]
-    got = _grads(g, {"input_ids": ids}, "logits", u, list(want) + head)
-    for n in head:
-        got[wte] = got[wte] + got[n].T
+    got = _tied_grads(g, {"input_ids": ids}, u, want)  # (the optimizer keeps the folded transpose of the LM head)
     worst = _worst(got, want, "ort-transformer-optimizer", 1e-4)
     _train(rg.load(fused), {"input_ids": tm.tokens(8)}, "ort-transformer-optimizer", worst, loss="causal-lm")
 

@@ -14,6 +14,7 @@ from ..errors import RevgraphError
 from ..onnx_io import load
 from ..runtime.devices import Device
 from ..runtime.options import RuntimeOptions
+from ..tools.lift import lift_constants
 from ..train.precision import add_precision_arguments, precision_from_args
 from . import numeric as N
 from .combinations import check_decay_options, check_train_combinations
@@ -90,6 +91,10 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                        help="with --snapshot-dir: save every N steps (default: at the end of each epoch)")
     train.add_argument("--checkpoint-every", dest="checkpoint_every", type=N.NON_NEGATIVE_INT, default=0,
                        metavar="N", help=argparse.SUPPRESS)
+    train.add_argument("--lift-constants", action="store_true",
+                       help="train floating Constant/ConstantOfShape values with more than one element too, as "
+                            "initializers (as revgraph grad --lift-constants; paddle2onnx writes weights as Constant "
+                            "nodes)")
     train.add_argument("--straight-through", action="store_true",
                        help="quantization-aware training: differentiate QuantizeLinear -> DequantizeLinear pairs with "
                             "the straight-through estimator (as revgraph grad --straight-through; without it such a "
@@ -222,7 +227,8 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
                          **schedule_settings(args))
     check_decay_options(args, opt.weight_decay)
     precision = precision_from_args(args)
-    g, selected = lora_model(args, load(args.model))  # LoRA adapters, --train/--freeze: checked before training
+    g = lift_constants(load(args.model))[0] if args.lift_constants else load(args.model)
+    g, selected = lora_model(args, g)  # LoRA adapters, --train/--freeze: checked before training
     # the data after the model: only the members it reads are decompressed, each bounded by its declared shape
     static = read_static(args, g)
     data = read_data(args.data, graph=g)
