@@ -16,8 +16,6 @@ from revgraph.ir import NEWEST_OPSET
 
 #: operators that could have a rule but have none yet, and why
 NOT_YET = {
-    "Unique": "its values are a selection of X (the gradient would go to each value's first occurrence), but which "
-              "elements are selected changes with X's values; no rule yet",
     "Optional": "ONNX optional values are not differentiated yet (no exporter writes them on a path to a loss)",
     "OptionalGetElement": "as Optional",
     "LinearAttention": "opset 27 (Gated DeltaNet, RetNet-style linear attention with a recurrent state): no rule yet",
@@ -29,6 +27,8 @@ RULE_NOTES = {
     "DynamicQuantizeLinear": "the scale, through max(0, max x) and min(0, min x); y and the zero point are rounded "
                              "integers: a DequantizeLinear of y is refused without --straight-through, and gets the "
                              "straight-through estimator with it",
+    "Unique": "the values Y only (indices, inverse_indices and counts are integers); at ties, where Y is not "
+              "differentiable, the cotangent goes to each value's first occurrence (jax.numpy.unique's convention)",
     "BitCast": "refused from float to float (the bits are reinterpreted: no derivative); from or to an integer type "
                "no gradient flows",
 }

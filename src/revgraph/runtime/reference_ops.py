@@ -30,6 +30,9 @@ written from the spec:
 * ``ReduceLogSumExp``: a group that is all ``-inf`` gives ``log(0) = -inf`` (onnx's kernel subtracts the
   maximum, ``-inf - -inf``, and gives NaN: a fully masked row); computed as ``m + log(sum(exp(x - m)))`` with
   ``m`` the group's maximum where it is finite, 0 elsewhere (+inf and NaN propagate as the spec's formula).
+* ``Unique`` with ``sorted=0``: the unique values in the order of their first occurrence in the flattened input
+  (or along ``axis``) for any number of outputs (onnx's kernel sorts them when only ``Y`` is asked for, and
+  reads them along axis 0 of the unflattened input otherwise); reproduction in :class:`Unique`.
 """
 
 from __future__ import annotations
@@ -203,4 +206,46 @@ class ReduceLogSumExp(OpRun):
         return (out if keepdims else np.squeeze(out, axis=tax),)
 
 
-FIXED_OPS = [Loop, LRN, Erf, Gelu, GatherElements, OneHot, Resize, ReduceLogSumExp, Attention]
+class Unique(OpRun):
+    """ONNX "Unique" with ``sorted=0`` as the spec (and onnxruntime) define it; onnx 1.23.2's kernel
+    (``onnx/reference/ops/op_unique.py``) has two bugs there, reported with this reproduction::
+
+        import numpy as np
+        from onnx import TensorProto, helper as h
+        from onnx.reference import ReferenceEvaluator
+
+        x = np.array([[2.0, 1.0], [2.0, 3.0]], np.float32)
+
+        def unique(outputs, **attrs):
+            node = h.make_node("Unique", ["x"], outputs, sorted=0, **attrs)
+            graph = h.make_graph([node], "g", [h.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+                                 [h.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outputs])
+            return ReferenceEvaluator(h.make_model(graph)).run(None, {"x": x})
+
+        unique(["y"])       # [1, 2, 3]: sorted=0 is ignored with one output (expected [2, 1, 3])
+        unique(["y", "i"])  # IndexError: index 3 is out of bounds for axis 0 with size 2 (expected
+                            # [2, 1, 3], [0, 1, 3]): the values are read with np.take(x, indices, axis=0)
+                            # from the unflattened x (and along axis 0, not ``axis``, when ``axis`` is given)
+
+    Here: ``np.unique`` of the flattened ``x`` (``axis`` absent) or of its slices along ``axis``, then, for
+    ``sorted=0``, the unique values reordered by first occurrence (``indices`` ascending, ``inverse_indices``
+    renumbered, ``counts`` permuted alike) and read from the same flattened ``x`` or along the same ``axis``."""
+
+    op_domain = ""
+
+    def _run(self, x, axis=None, sorted=1):
+        data, ax = (x.reshape(-1), 0) if axis is None else (x, int(axis))
+        y, indices, inverse, counts = np.unique(data, return_index=True, return_inverse=True,
+                                                return_counts=True, axis=None if axis is None else ax)
+        inverse = inverse.reshape(-1)  # (numpy 2 shapes it like the input)
+        if not sorted:
+            order = np.argsort(indices, kind="stable")
+            rank = np.empty_like(order)
+            rank[order] = np.arange(order.size)
+            indices, counts, inverse = indices[order], counts[order], rank[inverse]
+            y = np.take(data, indices, axis=ax)
+        out = (y, *(np.asarray(a, dtype=np.int64) for a in (indices, inverse, counts)))
+        return out[:len(self.onnx_node.output)]
+
+
+FIXED_OPS = [Loop, LRN, Erf, Gelu, GatherElements, OneHot, Resize, ReduceLogSumExp, Attention, Unique]

@@ -32,4 +32,5 @@ from . import (  # noqa: F401
     shape,
     softmax,
     spectral,  # DFT, STFT
+    unique,  # Unique
 )
