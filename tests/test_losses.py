@@ -249,7 +249,7 @@ def test_output_loss_trains_as_pytorch_without_labels():
 
 
 def test_loss_registry_and_bad_losses():
-    assert list(LOSSES) == ["cross-entropy", "mse", "bce", "causal-lm", "output:NAME"]
+    assert list(LOSSES)[:5] == ["cross-entropy", "mse", "bce", "causal-lm", "output:NAME"]  # (tests add more)
     cases = [(own_loss_model(), "output:pred", {}, "needs a float scalar output; 'pred' is float32[N]"),
              (own_loss_model(), "output:nope", {}, "has no output 'nope'"),
              (own_loss_model(), "output:", {}, "needs the name"),

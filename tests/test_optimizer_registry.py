@@ -95,7 +95,7 @@ def test_the_cli_and_make_optimizer_read_the_registry(lion):
 
 def test_builtin_registry_and_construction_by_kind():
     """``Optimizer(kind=...)`` keeps working: the kind names the class that carries the behaviour."""
-    assert list(optimizers.OPTIMIZERS) == ["sgd", "adam", "adamw"]
+    assert list(optimizers.OPTIMIZERS)[:3] == ["sgd", "adam", "adamw"]  # (the built-ins first; tests add more)
     assert isinstance(T.Optimizer(kind="adam", lr=0.1).method, optimizers.Adam)
     assert T.Optimizer("sgd", 0.1).slots == () and T.Optimizer("sgd", 0.1, momentum=0.9).slots == ("momentum",)
     assert T.Optimizer("adamw", 0.1).slots == ("m", "v")

@@ -11,11 +11,16 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as F
 from kit.harness import crash_after  # (tests/ is on sys.path)
-from kit.schedules import hf_lambda
-from kit.training import assert_params_close, embedding_model, mlp, torch_mlp
+from kit.schedules import (
+    check_schedule_trains_like_torch,
+    check_schedule_values,
+    graph_learning_rate,
+    hf_lambda,
+    torch_run,
+)
+from kit.training import OPTIMIZERS, assert_params_close, embedding_model, mlp, torch_mlp
 
 import revgraph as rg
 from revgraph import checkpoints
@@ -27,37 +32,6 @@ from revgraph.train.schedules import SCHEDULES, Schedule
 F32 = np.float32
 N, BATCH, EPOCHS = 48, 8, 4  # 6 steps per epoch, 24 steps
 CLIP = 1.0
-OPTIMIZERS = {"sgd": dict(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.01),
-              "adam": dict(name="adam", lr=0.01, weight_decay=0.01),
-              "adamw": dict(name="adamw", lr=0.01, weight_decay=0.1)}
-
-
-# ------------------------------------------------------------------------------ transformers' formulas
-
-
-def torch_run(params0, forward, hp, batches, kind, warmup, min_lr, clip, no_decay):
-    """PyTorch's training: two parameter groups (weight decay on the others, none on ``no_decay``), LambdaLR,
-    clip_grad_norm_ before each step. Returns the parameters, the losses and the global norms before clipping."""
-    P = {k: torch.tensor(v, requires_grad=True) for k, v in params0.items() if v.dtype.kind == "f"}
-    wd = hp.get("weight_decay", 0.0)
-    groups = [{"params": [P[k] for k in P if k not in no_decay], "weight_decay": wd},
-              {"params": [P[k] for k in P if k in no_decay], "weight_decay": 0.0}]
-    if hp["name"] == "sgd":
-        opt = torch.optim.SGD(groups, lr=hp["lr"], momentum=hp.get("momentum", 0.0))
-    else:
-        opt = (torch.optim.Adam if hp["name"] == "adam" else torch.optim.AdamW)(groups, lr=hp["lr"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, hf_lambda(kind, warmup, len(batches), min_lr / hp["lr"]))
-    losses, norms = [], []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = F.cross_entropy(forward(P, torch.tensor(x)), torch.tensor(y))
-        loss.backward()
-        if clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(list(P.values()), clip)))
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-    return {k: v.detach().numpy() for k, v in P.items()}, losses, norms
 
 
 def data_mlp(rng):
@@ -68,8 +42,8 @@ def batches_of(data, key):
     return [(data[key][i:i + BATCH], data["labels"][i:i + BATCH]) for _ in range(EPOCHS) for i in range(0, N, BATCH)]
 
 
-def _ours(g, hp, data, **how) -> rg.Trainer:
-    tr = rg.Trainer(g, "cross-entropy", T.make_optimizer(**hp), threads=1, **how)
+def _ours(g, opt, data, **how) -> rg.Trainer:
+    tr = rg.Trainer(g, "cross-entropy", opt, threads=1, **how)
     tr.fit(data, EPOCHS, BATCH, shuffle=False, progress=False)
     return tr
 
@@ -81,28 +55,18 @@ def _ours(g, hp, data, **how) -> rg.Trainer:
 def test_schedule_clipping_and_exclusions_match_pytorch(name, kind):
     """24 steps of the MLP: warmup 5 then the schedule down to min-lr (a tenth of the peak), the global norm
     clipped to 1, no weight decay on the biases (the default): parameters and losses equal PyTorch's."""
-    rng = np.random.default_rng(0)
-    g, data = mlp(rng), data_mlp(rng)
-    hp = OPTIMIZERS[name]
-    min_lr = 0.0 if kind == "constant" else hp["lr"] / 10
-    tr = _ours(g, hp, data, schedule=Schedule(kind, 5, min_lr), clip_grad_norm=CLIP)
-    assert tr.spec.no_decay == ["b1", "b2"]
-    theirs, losses, norms = torch_run(g.initializers, torch_mlp, hp, batches_of(data, "x"), kind, 5, min_lr, CLIP,
-                                      {"b1", "b2"})
-    assert min(norms) < CLIP < max(norms)  # some steps clipped, some not
-    assert tr.steps == 24
-    np.testing.assert_allclose(tr.losses, losses, rtol=1e-4)
-    assert_params_close(tr.parameters, theirs)
+    check_schedule_trains_like_torch(OPTIMIZERS[name], kind, lambda w, t, r: hf_lambda(kind, w, t, r))
 
 
 def test_decay_all_without_clipping_matches_pytorch():
     """--decay-all: weight decay on every parameter (one torch group); a linear schedule without warmup."""
     rng = np.random.default_rng(1)
     g, data = mlp(rng), data_mlp(rng)
-    hp = OPTIMIZERS["adamw"]
-    tr = _ours(g, hp, data, schedule=Schedule("linear"), no_decay="none")
+    opt = OPTIMIZERS["adamw"]
+    tr = _ours(g, opt, data, schedule=Schedule("linear"), no_decay="none")
     assert tr.spec.no_decay == []
-    theirs, losses, _ = torch_run(g.initializers, torch_mlp, hp, batches_of(data, "x"), "linear", 0, 0.0, None, set())
+    theirs, losses, _ = torch_run(g.initializers, torch_mlp, opt, batches_of(data, "x"),
+                                  hf_lambda("linear", 0, N // BATCH * EPOCHS), None, set())
     np.testing.assert_allclose(tr.losses, losses, rtol=1e-4)
     assert_params_close(tr.parameters, theirs)
 
@@ -116,43 +80,32 @@ def test_sparse_table_is_clipped_by_its_coalesced_rows():
     ids = rng.integers(0, 12, (N, 5)).astype(np.int64)
     data = {"ids": ids, "labels": rng.integers(0, 3, N)}
     assert any(len(set(ids[i:i + BATCH].ravel())) < ids[i:i + BATCH].size for i in range(0, N, BATCH))
-    hp = dict(name="sgd", lr=0.5)
-    tr = _ours(g, hp, data, schedule=Schedule("cosine", 3), clip_grad_norm=0.3)
+    opt = T.sgd(lr=0.5)
+    tr = _ours(g, opt, data, schedule=Schedule("cosine", 3), clip_grad_norm=0.3)
     assert tr.spec.sparse == ["E"]
 
     def forward(P, x):
         return F.embedding(x, P["E"]).mean(1) @ P["Wo"] + P["bo"]
 
-    theirs, losses, norms = torch_run(g.initializers, forward, hp, batches_of(data, "ids"), "cosine", 3, 0.0, 0.3,
-                                      set())
+    theirs, losses, norms = torch_run(g.initializers, forward, opt, batches_of(data, "ids"),
+                                      hf_lambda("cosine", 3, N // BATCH * EPOCHS), 0.3, set())
     assert sum(n > 0.3 for n in norms) >= 12  # clipped at most steps: the norm decides those updates
     np.testing.assert_allclose(tr.losses, losses, rtol=1e-5)
     assert_params_close(tr.parameters, theirs, rtol=1e-5)
 
 
-def test_graph_learning_rate_follows_the_formulas():
-    """The schedule's nodes alone, fed every step of a run and beyond it: lr(s) as transformers' lambdas, and
-    min-lr after the last step (where transformers' cosine would rise again)."""
-    import onnxruntime as ort
+@pytest.mark.parametrize("kind", SCHEDULES)
+def test_graph_learning_rate_follows_the_formulas(kind):
+    """The schedule's nodes alone, fed every step of a run: lr(s) as transformers' lambdas, in the graph and in
+    Python."""
+    check_schedule_values(kind, hf_lambda(kind, 4, 30, 0.1))
 
-    from revgraph.ir import Graph, ValueInfo
-    from revgraph.onnx_io import to_onnx
-    from revgraph.train.graphbuild import Builder
-    from revgraph.train.optimizers import Scalars
 
-    for kind in SCHEDULES:
-        opt = T.adam(lr=0.02, schedule=Schedule(kind, 4, 0.0 if kind == "constant" else 0.002))
-        b = Builder({"step", "total"})
-        lr = Scalars(b, opt, "step", "total").lr64()
-        graph = Graph(b.nodes, [ValueInfo("step", np.int64, ()), ValueInfo("total", np.int64, ())],
-                      [ValueInfo(lr, np.float64, ())])
-        sess = ort.InferenceSession(to_onnx(graph).SerializeToString())
-        f = hf_lambda(kind, 4, 30, 0.1 if kind != "constant" else 0.0)
-        for s in range(40):
-            got = float(sess.run(None, {"step": np.array(s), "total": np.array(30)})[0])
-            want = 0.02 * (f(min(s, 30)) if kind != "constant" else f(s))
-            assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (kind, s)
-            assert opt.schedule.factor(s, 30, 0.02) * 0.02 == pytest.approx(want, rel=1e-12, abs=1e-15)
+def test_decay_stays_at_min_lr_after_the_run():
+    """Past the planned total, linear and cosine stay at min-lr (where transformers' cosine would rise again)."""
+    for kind in ("linear", "cosine"):
+        lr = graph_learning_rate(T.adam(lr=0.02, schedule=Schedule(kind, 4, 0.002)))
+        assert [lr(s, 30) for s in (30, 31, 45, 59)] == pytest.approx([0.002] * 4, rel=1e-12)
 
 
 def test_no_decay_rules():

@@ -9,6 +9,7 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from kit.registry_checks import check_float64_to_rounding, check_trains_like_torch, check_update_nodes, make_batches
 from kit.training import F32, OPTIMIZERS, assert_params_close, embedding_model, mlp, torch_mlp, torch_train
 
 import revgraph as rg
@@ -35,51 +36,18 @@ def torch_embedding(P, ids):
     return F.embedding(ids, P["E"], sparse=True).mean(1) @ P["Wo"] + P["bo"]
 
 
-def labels_for(loss, rng, n, out):
-    if loss == "cross-entropy":
-        return rng.integers(0, out, n)
-    if loss == "bce":
-        return (rng.random((n, out)) < 0.5).astype(F32)
-    return rng.normal(0, 1, (n, out)).astype(F32)
-
-
-def make_batches(rng, loss, n_batches=4, size=16, din=6, out=3):
-    return [(rng.normal(0, 1, (size, din)).astype(F32), labels_for(loss, rng, size, out)) for _ in range(n_batches)]
-
-
 # ------------------------------------------------------------------------------------------------ parity
 
 
 @pytest.mark.parametrize("loss", [k for k, v in T.LOSSES.items() if v.labels == "required"])  # (one-output losses)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_trainer_matches_pytorch(name, loss):
-    rng = np.random.default_rng(0)
-    g = mlp(rng)
-    opt = OPTIMIZERS[name]
-    batches = make_batches(rng, loss)
-    schedule = [batches[k % len(batches)] for k in range(STEPS)]
-    trainer = rg.Trainer(g, loss=loss, optimizer=opt)
-    ours = [trainer.step(b) for b in schedule]
-    theirs, torch_losses = torch_train(g.initializers, torch_mlp, loss, opt, schedule)
-    assert trainer.steps == STEPS
-    np.testing.assert_allclose(ours, torch_losses, rtol=1e-4)
-    assert_params_close(trainer.parameters, theirs)
-    moved = max(float(np.abs(theirs[k] - g.initializers[k]).max()) for k in theirs)
-    assert moved > 0.05  # the parameters did change: the comparison is not between two initial states
+    check_trains_like_torch(OPTIMIZERS[name], loss)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_float64_model_matches_pytorch_to_rounding(name):
-    """In float64 the only differences left are rounding: the formulas are the same, term by term."""
-    rng = np.random.default_rng(14)
-    g = mlp(rng, dtype=np.float64)
-    schedule = [(rng.normal(0, 1, (16, 6)), rng.integers(0, 3, 16)) for _ in range(STEPS)]
-    trainer = rg.Trainer(g, "cross-entropy", OPTIMIZERS[name])
-    for b in schedule:
-        trainer.step(b)
-    theirs, _ = torch_train(g.initializers, torch_mlp, "cross-entropy", OPTIMIZERS[name], schedule)
-    assert_params_close(trainer.parameters, theirs, rtol=1e-10)
-    assert trainer.parameters["W1"].dtype == np.float64
+    check_float64_to_rounding(OPTIMIZERS[name])
 
 
 MORE_OPTIMIZERS = {
@@ -108,21 +76,10 @@ def test_more_hyperparameters_match_pytorch_over_many_steps(name):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_update_writes_its_outputs_without_copies(name, monkeypatch):
+def test_update_writes_its_outputs_without_copies(name):
     """The outputs are named by the nodes that compute them (no Identity copies), with the names of old, and
     Adam is 12 elementwise passes per tensor (plus 2 for L2 weight decay, 1 for AdamW's decay)."""
-    monkeypatch.setattr(optimizers, "GROUP_ELEMENTS", 0)  # one update per tensor
-    tg = T.training_graph(mlp(np.random.default_rng(3)), "cross-entropy", OPTIMIZERS[name])
-    update = tg.graph.nodes[-tg.n_update_nodes:]
-    assert not [n for n in update if n.op_type == "Identity"]
-    assert tg.new_params == {p: f"{p}.new" for p in tg.params}
-    assert tg.new_state == {p: [f"{s}.new" for s in tg.state[p]] for p in tg.params} and tg.new_step == "step.new"
-    produced = {o for n in update for o in n.outputs}
-    assert {o for _, o in tg.carried()} <= produced
-    per_tensor = [n for n in update if n.op_type != "Constant" and n.name.startswith(tuple(f"optim/{p}/" for p in
-                                                                                           tg.params))]
-    expected = {"sgd": 6, "adam": 14, "adamw": 13}[name]
-    assert len(per_tensor) == expected * len(tg.params)
+    check_update_nodes(OPTIMIZERS[name])
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

@@ -19,6 +19,7 @@ from kit.training import OPTIMIZERS, assert_params_close, mlp, torch_mlp, torch_
 import revgraph as rg
 from revgraph import demo
 from revgraph.cli import main
+from revgraph.train.optimizers import listed, takers
 
 F32 = np.float32
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -105,7 +106,8 @@ def test_train_command_bad_input_exits_2_with_one_line(model_and_data, capsys):
         (["train", model, "--data", str(tmp / "badlabels.npz"), *base], "not a class index"),
         (["train", model, "--data", str(tmp / "short.npz"), *base], "member 'x' declares 48 samples but 'labels' 10"),
         (["train", model, "--data", data, *base, "--lr", "-1"], "argument --lr: invalid value '-1'"),
-        (["train", model, "--data", data, *base, "--optimizer", "adam", "--momentum", "0.9"], "sgd only"),
+        (["train", model, "--data", data, *base, "--optimizer", "adam", "--momentum", "0.9"],
+         f"{listed(takers('momentum'))} only"),
         (["train", model, "--data", data, *base, "--batch-size", "0"], "argument --batch-size: invalid value '0'"),
         (["train", model, "--data", data, "--loss", "hinge", "--epochs", "1", "-o", out], "invalid choice"),
         (["train", model, "--data", data, *base[:-1], str(tmp / "nodir" / "o.onnx")], "does not exist"),

@@ -2,27 +2,61 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from revgraph import train as T
 from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.train import optimizers
 
 F32 = np.float32
-OPTIMIZERS = {
-    "sgd": T.sgd(lr=0.1, momentum=0.9, weight_decay=0.01, no_decay="none"),
-    "adam": T.adam(lr=0.01, weight_decay=0.01, no_decay="none"),
-    "adamw": T.adamw(lr=0.01, weight_decay=0.1, no_decay="none"),
+
+
+@dataclass(frozen=True)
+class Twin:
+    """A registered optimizer's reference: ``make(opt, params)``, PyTorch's optimizer with ``opt``'s
+    hyperparameters over ``params`` (a list of tensors or of parameter groups), and ``per_tensor``, the nodes its
+    update takes per tensor, counted by hand from its formulas (weight decay on, as :func:`optimizer_for_tests`)."""
+
+    make: Callable
+    per_tensor: int
+
+
+#: The PyTorch twin of each registered optimizer (a test that registers one adds its twin: no list to edit).
+TWINS: dict[str, Twin] = {
+    # v' = momentum v + (g + wd p); p' = p - lr v': Mul, Add (the L2 term), Mul, Add, Mul, Sub
+    "sgd": Twin(lambda o, ps: torch.optim.SGD(ps, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay), 6),
+    # 12 elementwise passes plus Mul, Add for the L2 term
+    "adam": Twin(lambda o, ps: torch.optim.Adam(ps, lr=o.lr, betas=o.betas, eps=o.eps,
+                                                weight_decay=o.weight_decay), 14),
+    # 12 passes plus the decoupled decay's Mul
+    "adamw": Twin(lambda o, ps: torch.optim.AdamW(ps, lr=o.lr, betas=o.betas, eps=o.eps,
+                                                  weight_decay=o.weight_decay), 13),
 }
 
 
-def torch_optimizer(opt: T.Optimizer, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """PyTorch's optimizer with ``opt``'s hyperparameters over ``params``."""
-    if opt.kind == "sgd":
-        return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
-    cls = torch.optim.Adam if opt.kind == "adam" else torch.optim.AdamW
-    return cls(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+def optimizer_for_tests(name: str, **settings) -> T.Optimizer:
+    """The registered optimizer ``name`` with test hyperparameters read from its registry entry: ten times its
+    default learning rate, weight decay 0.1 (decoupled) or 0.01 (L2 penalty), momentum 0.9 where it takes one,
+    and weight decay on every parameter unless ``settings`` say otherwise."""
+    method = optimizers.OPTIMIZERS[name]
+    extra = {"momentum": 0.9} if "momentum" in method.hyperparameters else {}
+    wd = 0.1 if method.decay == "decoupled decay" else 0.01
+    return T.make_optimizer(name, lr=10 * method.defaults["lr"], weight_decay=wd,
+                            **{"no_decay": "none", **extra, **settings})
+
+
+#: Every registered optimizer (at import) with :func:`optimizer_for_tests`' hyperparameters.
+OPTIMIZERS = {name: optimizer_for_tests(name) for name in optimizers.OPTIMIZERS}
+
+
+def torch_optimizer(opt: T.Optimizer, params: list) -> torch.optim.Optimizer:
+    """PyTorch's optimizer with ``opt``'s hyperparameters over ``params`` (:data:`TWINS`)."""
+    return TWINS[opt.kind].make(opt, params)
 
 
 TORCH_LOSS = {

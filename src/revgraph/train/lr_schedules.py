@@ -6,7 +6,8 @@ So the rate a run logs and the rate its graph computes come from one definition 
 
 A formula sees ``s`` (the step counter, 0 for the first step), ``t`` (the total steps, only for a kind with
 :attr:`Kind.needs_total`) and ``w`` (the warmup steps, a Python int); ``+ - * /`` with Python numbers on either
-side, and ``m.max``, ``m.min``, ``m.cos``, ``m.sqrt``. :func:`factor` adds what every schedule shares (the
+side, and ``m.max``, ``m.min``, ``m.cos``, ``m.sqrt`` (and ``m.where_less(a, b, x, y)``, ``x()`` where
+``a < b`` else ``y()``, the branches given as functions). :func:`factor` adds what every schedule shares (the
 linear warmup from 0 and the decay towards ``min_lr``; module doc of :mod:`revgraph.schedules`). A new schedule
 is one registered class here or in user code (:func:`register`); the CLI's ``--lr-schedule`` choices, the
 argument checks and the snapshot record read the registry.
@@ -32,8 +33,9 @@ class Floats:
 
     @staticmethod
     def where_less(a, b, x, y):
-        """``x if a < b else y``."""
-        return x if a < b else y
+        """``x() if a < b else y()``: only the branch taken is evaluated (the other may divide by zero there,
+        where the graph's ``Where`` computes an infinity it does not select)."""
+        return x() if a < b else y()
 
 
 class Sym:
@@ -86,8 +88,8 @@ class Nodes:
         return self.emit("Sqrt", a)
 
     def where_less(self, a, b, x, y) -> Sym:
-        """``Where(Less(a, b), x, y)``."""
-        return self.emit("Where", self.emit("Less", a, b), x, y)
+        """``Where(Less(a, b), x(), y())`` (both branches are computed, as ``Where`` needs them)."""
+        return self.emit("Where", self.emit("Less", a, b), x(), y())
 
 
 class Kind:
@@ -125,12 +127,11 @@ def factor(m, kind: Kind, s, t, w: int, r: float):
     """``f(s)``: linear warmup ``s / max(1, w)`` while ``s < w``, then ``r + (1 - r) * kind.decay(...)`` with
     ``r = min_lr / lr`` (``kind.decay`` alone when ``r`` is 0 or the kind does not read ``min_lr``), with ``m``
     :class:`Floats` or :class:`Nodes`."""
-    f = kind.decay(m, s, t, w)
-    if kind.reads_min_lr and r:
-        f = r + (1.0 - r) * f
-    if w:
-        f = m.where_less(s, float(w), s / float(max(1, w)), f)
-    return f
+    def decayed():
+        f = kind.decay(m, s, t, w)
+        return r + (1.0 - r) * f if kind.reads_min_lr and r else f
+
+    return m.where_less(s, float(w), lambda: s / float(max(1, w)), decayed) if w else decayed()
 
 
 @register
