@@ -20,10 +20,13 @@ F32 = np.float32
 class Twin:
     """A registered optimizer's reference: ``make(opt, params)``, PyTorch's optimizer with ``opt``'s
     hyperparameters over ``params`` (a list of tensors or of parameter groups), and ``per_tensor``, the nodes its
-    update takes per tensor, counted by hand from its formulas (weight decay on, as :func:`optimizer_for_tests`)."""
+    update takes per tensor, counted by hand from its formulas (weight decay on, as :func:`optimizer_for_tests`).
+    ``lazy(opt, tables)``: PyTorch's optimizer of the gathered tables' sparse gradients that the lazy row update
+    (``embedding_update="lazy"``) equals (``None``: plain SGD, the row update without state)."""
 
     make: Callable
     per_tensor: int
+    lazy: Callable | None = None
 
 
 #: The PyTorch twin of each registered optimizer (a test that registers one adds its twin: no list to edit).
@@ -32,7 +35,8 @@ TWINS: dict[str, Twin] = {
     "sgd": Twin(lambda o, ps: torch.optim.SGD(ps, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay), 6),
     # 12 elementwise passes plus Mul, Add for the L2 term
     "adam": Twin(lambda o, ps: torch.optim.Adam(ps, lr=o.lr, betas=o.betas, eps=o.eps,
-                                                weight_decay=o.weight_decay), 14),
+                                                weight_decay=o.weight_decay), 14,
+                 lambda o, ts: torch.optim.SparseAdam(ts, lr=o.lr, betas=o.betas, eps=o.eps)),
     # 12 passes plus the decoupled decay's Mul
     "adamw": Twin(lambda o, ps: torch.optim.AdamW(ps, lr=o.lr, betas=o.betas, eps=o.eps,
                                                   weight_decay=o.weight_decay), 13),
@@ -68,14 +72,14 @@ TORCH_LOSS = {
 
 def torch_train(params0, forward, loss, opt, batches, sparse=()):
     """Train with PyTorch; ``forward(P, x)`` gives the model output. Returns the parameters and the losses.
-    Tables named in ``sparse`` get sparse gradients and torch.optim.SparseAdam (Adam) or SGD (plain SGD)."""
+    Tables named in ``sparse`` get sparse gradients and the twin's lazy optimizer (:class:`Twin`)."""
     P = {k: torch.tensor(v, requires_grad=True) for k, v in params0.items()}
     dense = [P[k] for k in P if k not in sparse]
     opts = [torch_optimizer(opt, dense)]
     if sparse:
         tables = [P[k] for k in sparse]
-        opts.append(torch.optim.SparseAdam(tables, lr=opt.lr, betas=opt.betas, eps=opt.eps) if opt.kind == "adam"
-                    else torch.optim.SGD(tables, lr=opt.lr))
+        lazy = TWINS[opt.kind].lazy
+        opts.append(lazy(opt, tables) if lazy else torch.optim.SGD(tables, lr=opt.lr))
     losses = []
     for x, y in batches:
         for o in opts:
