@@ -290,8 +290,9 @@ class Emitter:
                 axes = list(range(lead)) + [lead + i for i, (a, b) in enumerate(zip(dx, tail, strict=True)) if a == 1 and b != 1]
                 if not axes:
                     return g
-                if lead == len(axes):
-                    return self.op("ReduceSum", [g, self.ints(axes)], keepdims=0, shape=tuple(dx), dtype=self.dtype(g))
+                if lead == len(axes) or lead == 0:  # keepdims=1 over the same rank gives x's shape itself
+                    return self.op("ReduceSum", [g, self.ints(axes)], keepdims=int(lead == 0), shape=tuple(dx),
+                                   dtype=self.dtype(g))
                 r = self.op("ReduceSum", [g, self.ints(axes)], keepdims=1)
                 return self.op("Reshape", [r, self.shape_of(x)], shape=tuple(dx), dtype=self.dtype(g))
         sg, sx = self.op("Shape", [g]), self.op("Shape", [x])

@@ -82,7 +82,9 @@ def div(ctx: Ctx, node: Node, cts: list) -> list:
     # 1 / b is inf where b is 0, unless b is a constant without zeros
     bv = ctx.value(b.name)
     safe = bv is not None and bool(np.all(np.isfinite(bv)) and np.all(bv != 0))
-    return [lambda: g.times(b.reciprocal(), [] if safe else None, zero=not safe, like=y).reduce_to(a),
+    # a finite nonzero constant divisor: g / b, one node, finite wherever g is (no test, no Reciprocal)
+    da = (lambda: g.apply("Div", b, like=y)) if safe else (lambda: g.times(b.reciprocal(), None, like=y))
+    return [lambda: da().reduce_to(a),
             lambda: g.times(-(y / b), like=y).reduce_to(b)]  # d(a/b)/db = -y/b
 
 
@@ -92,12 +94,14 @@ def pow_(ctx: Ctx, node: Node, cts: list) -> list:
     if integer_result(ctx.e, node):
         return [None, None]
 
+    pv, dt = ctx.value(p.name), ctx.e.dtype(x.name)
+    k = float(np.asarray(pv)) if pv is not None and dt is not None and np.asarray(pv).size == 1 else None
+
     def gx() -> Val:  # p * x^(p-1), taken as 0 where p == 0 (x^0 is constant, also at x = 0)
-        pv, dt = ctx.value(p.name), ctx.e.dtype(x.name)
-        if pv is not None and dt is not None and np.asarray(pv).size == 1 and float(np.asarray(pv)) != 0:
-            k = float(np.asarray(pv))  # a constant exponent (RMSNorm's 2): no test, and x itself for p = 2
-            d = x * k if k == 2 else x ** np.asarray(k - 1, dt) * k
-            return g.times(d, like=y).reduce_to(x)
+        if k is not None and k != 0:  # a constant exponent (RMSNorm's 2): no log, no test of p
+            if k == 1:
+                return g.reduce_to(x)  # y is x
+            return g.times(power_slope(x, y, k, dt), like=y).reduce_to(x)
         pc = p.cast_like(x)
         return g.times(where(pc.eq(0), 0, pc * x ** (pc - 1)), like=y).reduce_to(x)
 
@@ -105,6 +109,18 @@ def pow_(ctx: Ctx, node: Node, cts: list) -> list:
         return g.times(where(x.eq(0), 0, y * x.log()), like=y).cast_like(p).reduce_to(p)
 
     return [gx, gp]
+
+
+def power_slope(x: Val, y: Val, k: float, dt: np.dtype) -> Val:
+    """``d x^k / dx = k x^(k-1)`` for a constant exponent ``k`` (not 0 or 1), in the fewest nodes: ``2 x`` for 2,
+    ``0.5 / y`` (``y = sqrt(x)``) for 0.5, ``k x^(k-1)`` otherwise. Each equals ``k x^(k-1)`` at every ``x``,
+    0, -0 (``pow(-0, 0.5)`` is +0), +-inf and NaN included (C99 ``pow``), so the strong-zero product over it is
+    unchanged; ``2 x`` and the integer powers are finite for finite ``x``."""
+    if k == 2:
+        return x * 2
+    if k == 0.5:
+        return 0.5 / y
+    return x ** np.asarray(k - 1, dt) * k
 
 
 # Rules whose derivative is a function of the output read the output ``y``, not the input (PyTorch's

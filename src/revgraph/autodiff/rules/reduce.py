@@ -73,6 +73,22 @@ def keep(ctx: Ctx, node: Node, v: str | Val) -> Val:
     return v.apply("Unsqueeze", axes, like=None)
 
 
+def group_size(e: Emitter, node: Node) -> int | None:
+    """The number of elements per reduced group of a reduction when the reduced axes are constants and their
+    sizes static (1 for a no-op reduction), else ``None``."""
+    dims = e.dims(node.inputs[0])
+    if is_noop(e, node):
+        return 1
+    if dims is None:
+        return None
+    axes = reduced_axes(e, node)
+    picked = range(len(dims)) if axes is None else e.value(axes)
+    if picked is None:
+        return None
+    sizes = [dims[int(a)] for a in np.asarray(picked).reshape(-1)]
+    return int(np.prod(sizes, dtype=np.int64)) if all(isinstance(d, int) for d in sizes) else None
+
+
 def reduce_like(ctx: Ctx, node: Node, op_type: str, v: Val) -> Val:
     """``op_type`` over the same axes as ``node`` (with ``keepdims=1``), applied to ``v`` of the input's
     shape: counts and partial products per reduced group, broadcastable against the input."""
@@ -88,8 +104,10 @@ def reduce_like(ctx: Ctx, node: Node, op_type: str, v: Val) -> Val:
 def reduce_mean(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     """``dx = dy / n`` broadcast back, ``n`` the number of elements per group (ONNX "ReduceMean")."""
     e = ctx.e
-    sx, sy = e.shape(x), e.shape(y)
-    if sx is not None and sy is not None:
+    sx, sy, n = e.shape(x), e.shape(y), group_size(e, node)
+    if n is not None:  # the reduced axes' sizes are static, also where others (the batch) are not
+        count = e.scalar(float(n), g)
+    elif sx is not None and sy is not None:
         count = e.scalar(float(np.prod(sx, dtype=np.int64)) / max(int(np.prod(sy, dtype=np.int64)), 1), g)
     else:  # the group size is |x| / |y| (the same with keepdims either way)
         ny = e.op("Max", [e.op("Size", [y]), e.const(np.int64(1))])

@@ -224,13 +224,15 @@ def _untile(e: Emitter, node: Node, g: str) -> str:
 # ------------------------------------------------------------------------------------------ slice
 
 
-def _unslice_axis(e: Emitter, g: str, axis: int, dim: Dyn, lo: Dyn, n: Dyn, s: Dyn, neg) -> str:
+def _unslice_axis(e: Emitter, g: str, axis: int, dim: Dyn, lo: Dyn, n: Dyn, s: Dyn, neg,
+                  like: str | None = None) -> str:
     """The adjoint of a strided selection along ``axis``: the ``n`` cotangent rows go to ``lo``,
     ``lo + s``, ... (in reverse order when ``neg``), zeros elsewhere, for a result of length ``dim``.
 
     Zeros are interleaved by padding a new unit axis to ``s`` and merging it, then the tail is cut off and
     the result padded to ``dim``: only Unsqueeze/Pad/Reshape/Slice, which have VJPs here.
-    ``neg`` is a bool or the name of a boolean [1] value; the other arguments are int-or-name."""
+    ``neg`` is a bool or the name of a boolean [1] value; the other arguments are int-or-name. ``like``: the
+    value whose type the padded result has (the sliced input, for the last axis unsliced)."""
     if neg is True:
         g = _reverse(e, g, axis)
     elif neg is not False:
@@ -253,7 +255,7 @@ def _unslice_axis(e: Emitter, g: str, axis: int, dim: Dyn, lo: Dyn, n: Dyn, s: D
         merged = e.op("Reshape", [spread, view], allowzero=1)
         length = _arith(e, "Max", _arith(e, "Add", _arith(e, "Mul", _arith(e, "Sub", n, 1), s), 1), 0)
         g = e.op("Slice", [merged, e.ints([0]), _t(e, length), e.ints([axis])])
-    return _pad_axis(e, g, axis, lo, _arith(e, "Sub", _arith(e, "Sub", dim, lo), length))
+    return _pad_axis(e, g, axis, lo, _arith(e, "Sub", _arith(e, "Sub", dim, lo), length), like=like)
 
 
 def _dynamic_selection(e: Emitter, dim: Dyn, start: Dyn, end: Dyn, step: Dyn) -> tuple:
@@ -307,7 +309,11 @@ def slice_(ctx: Ctx, node: Node, cts: list) -> list:
 def _unslice(e: Emitter, node: Node, g: str) -> str:
     """The cotangent of Slice's ``x`` (see :func:`slice_`): :func:`_unslice_axis` for each sliced axis."""
     x = node.inputs[0]
-    for a, start, end, step in _slice_params(e, node, x):
+    # an axis taken whole (``x[:, ...]`` as exporters write it) needs no padding back, whatever its length
+    params = [p for p in _slice_params(e, node, x) if not _whole_axis(*p[1:])]
+    if not params:
+        return g  # the Slice is the identity: y is x
+    for k, (a, start, end, step) in enumerate(params):
         a = _norm_axis(e, a, x)
         dim = _extent(e, x, a)
         if all(isinstance(v, int) for v in (dim, start, end, step)):
@@ -317,8 +323,19 @@ def _unslice(e: Emitter, node: Node, g: str) -> str:
             sel = (idx[-1] if step < 0 else idx[0], len(idx), abs(step), step < 0)  # (min() walks a range)
         else:
             sel = _dynamic_selection(e, dim, start, end, step)
-        g = _unslice_axis(e, g, a, dim, *sel)
+        # the last axis's Pad restores x's shape exactly (every sliced axis is back to its extent): typed as
+        # x, it needs no Reshape after it to carry that shape
+        g = _unslice_axis(e, g, a, dim, *sel, like=x if k == len(params) - 1 else None)
+    dg = e.dims(g)
+    if dg is not None and None not in dg and dg == e.dims(x):  # typed as x (symbolic dims included)
+        return g
     return _reshape_to(e, g, x)
+
+
+def _whole_axis(start: Dyn, end: Dyn, step: Dyn) -> bool:
+    """``start:end:step`` selects every element of an axis of any length, in order (ONNX Slice clamps
+    ``end`` to the extent): ``0:INT64_MAX:1``."""
+    return start == 0 and end == INT64_MAX and step == 1 and all(isinstance(v, int) for v in (start, end, step))
 
 
 def _slice_params(e: Emitter, node: Node, x: str) -> list[tuple]:
