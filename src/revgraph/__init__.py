@@ -15,8 +15,8 @@ from .onnx_io import load, save, to_onnx
 from .runtime import Session
 from .runtime.options import RuntimeOptions
 from .tools.check import GradientReport, check_gradients
-from .train import lora  # noqa: F401  (rg.lora.add_adapters, merge_adapters, extract, apply)
-from .train.trainer import Trainer  # noqa: F401  (rg.Trainer: training with the graphs of revgraph.train)
+from .train import lora  # (rg.lora.add_adapters, merge_adapters, extract, apply)
+from .train.trainer import Trainer  # (rg.Trainer: training with the graphs of revgraph.train)
 from .version import __version__ as __version__
 
 _moved.install()  # the import paths of modules that moved into the layer packages (revgraph.lora, ...)
@@ -24,32 +24,34 @@ _moved.install()  # the import paths of modules that moved into the layer packag
 __all__ = [
     "TARGET_OPSET",
     "Budget",
-    "MemoryPlan",
-    "plan_memory",
-    "saved_bytes",
-    "Graph",
     "GradientReport",
+    "Graph",
     "GraphError",
     "InputError",
+    "MemoryPlan",
     "Node",
     "RevgraphError",
     "RuntimeOptions",
     "Session",
     "SparseGrad",
+    "Trainer",
+    "UnsupportedModelError",
+    "ValueInfo",
+    "analyze_ssa",
     "backward",
     "check_gradients",
     "export_torch",
     "gradient",
     "hessian",
     "hvp",
+    "is_ssa",
     "jacobian",
     "jvp",
-    "UnsupportedModelError",
-    "ValueInfo",
-    "analyze_ssa",
-    "is_ssa",
     "load",
+    "lora",
+    "plan_memory",
     "save",
+    "saved_bytes",
     "to_onnx",
     "to_ssa",
 ]
