@@ -96,7 +96,7 @@ def worker(args) -> None:
     y = rng.integers(0, CLASSES, n).astype(np.int64)
     held = None
     if args.framework == "revgraph":
-        rg.distributed.BUCKET_BYTES = int(args.bucket_mb * 2**20)
+        revgraph.train.distributed.data_parallel.BUCKET_BYTES = int(args.bucket_mb * 2**20)
         tr = rg.Trainer(rg_graph(args.width, args.layers), "cross-entropy", "adam", threads=1, distributed=True,
                         shard=args.shard)
         built = _status("VmRSS")

@@ -2,9 +2,9 @@
 ``nn.Module`` with the same parameter shapes and the same initial values, copied from the graph), and their
 data. Every model reads a batch and writes logits for 10 classes; the loss is cross-entropy.
 
-- ``mlp``: the demo MLP, ``revgraph.demo.mlp_model(64)``: ``relu(flatten(x) W1 + b1) W2 + b2`` on the digits
+- ``mlp``: the demo MLP, ``revgraph.tools.demo.mlp_model(64)``: ``relu(flatten(x) W1 + b1) W2 + b2`` on the digits
   (8x8 images), 64-64-10.
-- ``rnn``: the demo recurrent classifier, ``revgraph.demo.rnn_model(128)`` (the hidden size the demo trains
+- ``rnn``: the demo recurrent classifier, ``revgraph.tools.demo.rnn_model(128)`` (the hidden size the demo trains
   with): an ONNX ``Loop`` over the 8 rows of an image, ``h <- tanh(x_t W + h U + b)``, then ``h V + c``. In
   PyTorch the same recurrence as a Python loop over the 8 rows (``nn.RNN`` has two biases, so a different
   parameter set).
@@ -28,7 +28,7 @@ MODELS = ("mlp", "rnn", "embed", "transformer", "wide")
 MLP_HIDDEN, RNN_HIDDEN, WIDE_HIDDEN = 64, 128, 1024
 SEQ, WIDTH, HEADS, LAYERS = 16, 64, 4, 2  # the Transformer encoder
 VOCAB, DIM, TOKENS, CLASSES = 2048, 64, 16, 10
-DIGITS_TRAIN = 1437  # training images of revgraph.demo.digits()
+DIGITS_TRAIN = 1437  # training images of revgraph.tools.demo.digits()
 
 
 def describe(name: str) -> str:
@@ -42,7 +42,7 @@ def describe(name: str) -> str:
 
 def rg_graph(name: str):
     """The model as a revgraph :class:`Graph` (initial values are its initializers)."""
-    from revgraph import demo
+    from revgraph.tools import demo
 
     if name == "mlp":
         return demo.mlp_model(MLP_HIDDEN)

@@ -82,8 +82,7 @@ def prepare(cache: Path) -> dict:
     import transformers as tf
 
     import revgraph as rg
-    from revgraph import lora
-    from revgraph.train import peft_io
+    from revgraph.train import lora, peft_io
 
     cache.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -164,7 +163,7 @@ def run_rg(mode: str, cache: Path, threads: int, steps: int, turns_factory, mark
     import numpy as np
 
     import revgraph as rg
-    from revgraph import lora
+    from revgraph.train import lora
     from revgraph.train.schedules import Schedule
 
     marks["imported"] = time.time()

@@ -36,7 +36,7 @@ except ImportError:
 import onnxruntime as ort
 
 import revgraph as rg
-from revgraph import demo
+from revgraph.tools import demo
 
 print(f"python {sys.version.split()[0]}, revgraph {rg.__version__}, onnxruntime {ort.__version__} "
       f"({', '.join(ort.get_available_providers())})")
@@ -83,7 +83,7 @@ except ImportError:
 import numpy as np
 
 import revgraph as rg
-from revgraph import demo
+from revgraph.tools import demo
 
 DEVICE = os.environ["DEVICE"]
 

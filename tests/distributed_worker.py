@@ -13,8 +13,8 @@ from kit import lossdata_models
 
 import revgraph as rg
 import revgraph.train.distributed.data_parallel
-from revgraph import demo
 from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.tools import demo
 from revgraph.train import make_optimizer
 
 VOCAB, TOKENS, DIM, CLASSES = 40, 6, 8, 5
@@ -75,7 +75,7 @@ def trainer(model: str, optimizer: str, samples: int, distributed: bool, hidden:
 
 def schedule_options(kind: str = "constant", warmup: int = 0, min_lr: float = 0.0, clip: float | None = None,
                      decay_all: bool = False) -> dict:
-    """Trainer keyword arguments of a schedule, clipping and weight-decay exclusions (revgraph.schedules)."""
+    """Trainer keyword arguments of a schedule, clipping and weight-decay exclusions (revgraph.train.schedules)."""
     from revgraph.train.schedules import Schedule
 
     how: dict = {"clip_grad_norm": clip, "no_decay": "none" if decay_all else None}
@@ -97,14 +97,14 @@ def main() -> None:
     p.add_argument("--bucket-bytes", type=int, help="the largest gradient bucket, in bytes (--bucket-mb of that size)")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--no-cut", action="store_true", help="ZeRO-2 without the cut backward (one run writes every "
-                   "gradient; the fallback for grad graphs revgraph.grad_segments cannot cut)")
+                   "gradient; the fallback for grad graphs revgraph.train.distributed.grad_segments cannot cut)")
     p.add_argument("--out", required=True)
     p.add_argument("--skew", action="store_true", help="rank 1 trains on one sample less (a user's mistake)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--reduce-dtype", default="fp32")
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--accumulate-steps", type=int, default=1)
-    p.add_argument("--lr-schedule", default="constant", help="revgraph.schedules: the schedule (with --warmup-steps, "
+    p.add_argument("--lr-schedule", default="constant", help="revgraph.train.schedules: the schedule (with --warmup-steps, "
                    "--min-lr), clipping (--clip-grad-norm) and weight decay on every parameter (--decay-all)")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--min-lr", type=float, default=0.0)

@@ -3,7 +3,7 @@ one-line RevgraphError naming the function and the argument, instead of numpy's 
 endless loop, or nothing at all.
 
 A table of (callable, arguments) that must be refused; and a walk over the public API (``revgraph.__all__``,
-``revgraph.lora``, ``revgraph.train``, ``revgraph.autodiff``, the Trainer's methods) checking that each
+``revgraph.train.lora``, ``revgraph.train``, ``revgraph.autodiff``, the Trainer's methods) checking that each
 parameter of each public function is covered: by a rule of :func:`revgraph.validate.arguments` on the function,
 by a row of the table, or by the short list of parameters that are not checked (with the reason)."""
 
@@ -287,11 +287,11 @@ def _public_callables():
         obj = getattr(rg, n)
         if inspect.isfunction(obj):
             found[f"revgraph.{n}"] = obj
-    for mod in (revgraph.lora, revgraph.train, revgraph.autodiff):
+    for mod in (revgraph.train.lora, revgraph.train, revgraph.autodiff):
         for n in getattr(mod, "__all__", None) or [k for k in vars(mod) if not k.startswith("_")]:
             obj = getattr(mod, n)
             # (functions defined there: lora imports fresh_name and is_float_dtype from the IR; vjp registers rules)
-            defined = getattr(obj, "__module__", "") == mod.__name__ or mod is not revgraph.lora and \
+            defined = getattr(obj, "__module__", "") == mod.__name__ or mod is not revgraph.train.lora and \
                 getattr(obj, "__module__", "").startswith("revgraph")
             if inspect.isfunction(obj) and defined and n != "vjp":
                 found[f"{mod.__name__}.{n}"] = obj

@@ -1,5 +1,5 @@
 """Issue 28, part 3 (archives): an ``.npz`` given to a command is read member by member, only the members the
-command needs, each bounded by its declared size before it is decompressed (revgraph/archive.py).
+command needs, each bounded by its declared size before it is decompressed (revgraph/onnx_io/archive.py).
 
 The bomb: a 3 MB ``.npz`` whose member ``.npy`` header declares 3 GiB of float32 zeros, and whose deflate stream
 really holds them (a valid archive: the zip's sizes and CRC are those of the 3 GiB). ``np.load`` allocated and
@@ -23,9 +23,9 @@ import pytest
 from kit.harness import cli_under_limit, one_line_error
 from onnx import TensorProto, helper, numpy_helper
 
-from revgraph import archive
 from revgraph.cli import main
 from revgraph.errors import InputError
+from revgraph.onnx_io import archive
 
 #: The bomb's declared shape: 268435456 x 3 float32 = 3 GiB.
 BOMB_SHAPE = (1 << 28, 3)

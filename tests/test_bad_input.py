@@ -165,7 +165,7 @@ def test_check_with_bad_tolerance_or_a_non_finite_forward(tmp_path, capsys):
     g = Graph([Node("Sqrt", ["x"], ["y"], name="sqrt")], [ValueInfo("x", np.float32, (2,))], [ValueInfo("y", np.float32, (2,))])
     rg.save(g, tmp_path / "m.onnx")
     assert main(["check", str(tmp_path / "m.onnx"), "--rtol", "-1"]) == 2
-    one_line(capsys, "argument --rtol", "'-1'", ">= 0")  # (refused at parse time: revgraph.cli_numbers)
+    one_line(capsys, "argument --rtol", "'-1'", ">= 0")  # (refused at parse time: revgraph.cli.numeric)
     np.savez(tmp_path / "neg.npz", x=np.array([-1.0, 4.0], np.float32))
     # a NaN forward cannot be checked: "not checked" with the reason, not a disagreement (issue 28, part 5);
     # nothing else to check: exit 2

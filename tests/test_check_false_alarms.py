@@ -22,11 +22,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg
-from revgraph import fastshape
 from revgraph.autodiff import registry
 from revgraph.autodiff.context import ForwardPatch, PatchedVJP
 from revgraph.cli import main
-from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.ir import Graph, Node, ValueInfo, fastshape
 from revgraph.onnx_io.value_types import infer_types
 from revgraph.tools.check import _ORT_FLOAT32_PRECISE, to_float64
 

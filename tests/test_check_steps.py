@@ -18,9 +18,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg
-from revgraph import check
 from revgraph.cli import main
 from revgraph.ir import Node
+from revgraph.tools import check
 
 
 def save(path, nodes, inputs, outputs, inits=()) -> str:

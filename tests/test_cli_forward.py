@@ -263,7 +263,7 @@ def test_usage_errors_exit_2(model, tmp_path, capsys):
     assert main(["jacobian", str(model), "-o", out, "--mode", "forward", "--checkpoint", "0"]) == 2
     _one_line(capsys, "unknown checkpoint policy '0'")
     assert main(["hessian", str(model), "-o", out, "--opset", "99"]) == 2
-    _one_line(capsys, "argument --opset", "'99'", "from 7 to")  # (refused at parse time: revgraph.cli_numbers)
+    _one_line(capsys, "argument --opset", "'99'", "from 7 to")  # (refused at parse time: revgraph.cli.numeric)
     assert main(["hvp", str(model)]) == 2
     _one_line(capsys, "-o")
     assert not (tmp_path / "o.onnx").exists()

@@ -1,5 +1,5 @@
 """Numbers from the command line (issue 28, part 6): every numeric option of every command is range-checked at
-parse time (revgraph.cli_numbers), a bad value is one line naming the option (exit 2), and a demo size that
+parse time (revgraph.cli.numeric), a bad value is one line naming the option (exit 2), and a demo size that
 needs more memory than the machine has is refused with the figure.
 
 The sweep walks every subparser of ``revgraph``'s parser: each option with a numeric type gets a huge integer,
@@ -18,8 +18,8 @@ import pytest
 from kit.harness import one_line_error
 
 import revgraph as rg
-from revgraph import cli_numbers
 from revgraph.cli import _parser, main
+from revgraph.cli import numeric as cli_numbers
 from revgraph.cli.numeric import Checked, Number
 from revgraph.tools.demo import Settings, memory_needed, rnn_model
 from revgraph.validate import INT64_MAX, gib, physical_memory
@@ -38,7 +38,7 @@ def _float_where(pred):
 POS_INT, NONNEG_INT, ANY_INT = _int_between(1, I64), _int_between(0, I64), _int_between(-(2**63), I64)
 POS, NONNEG = _float_where(lambda v: v > 0), _float_where(lambda v: v >= 0)
 
-#: What each numeric option accepts, written out here independently of revgraph.cli_numbers (a number read
+#: What each numeric option accepts, written out here independently of revgraph.cli.numeric (a number read
 #: from the command line: an int for digits, else a float).
 KINDS = {
     "--seed": NONNEG_INT, "--epochs": POS_INT, "--hidden": POS_INT, "--batch-size": POS_INT,
@@ -122,7 +122,7 @@ def test_every_numeric_option_has_a_checked_type():
     for words, _, a in _options():
         where = f"{' '.join(words)} {a.option_strings[-1]}"
         if a.type is not None:
-            assert isinstance(a.type, Checked), f"{where}: type={a.type!r} is not range-checked (revgraph.cli_numbers)"
+            assert isinstance(a.type, Checked), f"{where}: type={a.type!r} is not range-checked (revgraph.cli.numeric)"
         if isinstance(a.type, Number):
             assert a.option_strings[-1] in KINDS, f"{where}: add the option's kind to KINDS"
             seen.add(a.option_strings[-1])

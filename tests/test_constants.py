@@ -15,10 +15,9 @@ import torch
 from onnx import helper, numpy_helper
 
 import revgraph as rg
-from revgraph import fastshape
 from revgraph.autodiff.emitter import Emitter
 from revgraph.errors import GraphError
-from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.ir import Graph, Node, ValueInfo, fastshape
 from revgraph.onnx_io.value_types import constant_value, constant_values, infer_types
 from revgraph.tools.check import to_float64
 from revgraph.tools.lift import lift_constants

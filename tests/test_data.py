@@ -1,4 +1,4 @@
-"""Data layouts of issue 26 (revgraph.data): static inputs fed whole to every step (against PyTorch), a
+"""Data layouts of issue 26 (revgraph.train.data): static inputs fed whole to every step (against PyTorch), a
 full-graph GNN, directories of .npy files read memory-mapped (bit for bit the .npz run, never copied whole),
 and the one-line errors of bad data."""
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from kit.harness import fill_disk, mount_tmpfs, one_line_error, umount
 
-from revgraph import demo
 from revgraph.cli import main
+from revgraph.tools import demo
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""``--device cpu|cuda[:i]`` (revgraph.devices): parsing, one-line errors, the CPU path, and the CUDA path.
+"""``--device cpu|cuda[:i]`` (revgraph.runtime.devices): parsing, one-line errors, the CPU path, and the CUDA path.
 
 The tests without a mark run everywhere, on the CPU; where onnxruntime has no CUDA provider (onnxruntime
 rather than onnxruntime-gpu) they check that ``--device cuda`` fails in one line. The tests marked ``cuda``
@@ -24,9 +24,9 @@ from kit.devices import ENV, F32, embedding_model, gpu_test, model_and_data, on_
 from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 
 import revgraph as rg
-from revgraph import demo
 from revgraph.cli import main
 from revgraph.runtime.devices import CUDA_HINT, Device, ortvalue_from_dlpack, torch_from_ortvalue
+from revgraph.tools import demo
 from revgraph.train import make_optimizer
 
 

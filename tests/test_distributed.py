@@ -1,4 +1,4 @@
-"""Data-parallel training (revgraph.distributed) against single-process training.
+"""Data-parallel training (revgraph.train.distributed.data_parallel) against single-process training.
 
 Every distributed run is launched by torchrun (``python -m torch.distributed.run``) with gloo on the CPU, and is
 compared with one process training on the same global batches: ``--batch-size B`` on 2 processes must equal
@@ -33,7 +33,8 @@ from kit.distributed import (
 from kit.harness import crash_after  # (tests/ is on sys.path)
 
 import revgraph as rg
-from revgraph import checkpoints, demo
+from revgraph.tools import demo
+from revgraph.train import snapshots as checkpoints
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
@@ -162,7 +163,7 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
 def test_single_process_training_never_imports_torch(tmp_path):
     """torch is an optional dependency: one-process training (API and CLI) must not import it."""
     code = f"""
-import sys, numpy as np, revgraph as rg, revgraph.demo as d
+import sys, numpy as np, revgraph as rg, revgraph.tools.demo as d
 from revgraph.cli import main
 train, _ = d.digits()
 tr = rg.Trainer(d.mlp_model(hidden=8), "cross-entropy", "adam")

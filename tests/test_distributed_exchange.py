@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import revgraph as rg
-from revgraph import checkpoints
+from revgraph.tools import demo
+from revgraph.train import snapshots as checkpoints
 from revgraph.train import split_step
 from revgraph.train.distributed.exchange import bucket_groups
 from revgraph.train.distributed.overlap import Segments, check_cut, cut
@@ -172,8 +173,6 @@ def test_bf16_reduce_stays_within_bfloat16_rounding(tmp_path):
 def test_profile_prints_phase_medians_on_rank_0(tmp_path):
     """`revgraph train --nproc 2 --profile --bucket-mb ... --accumulate-steps 2` trains like one process with
     4 x the batch and prints one line of per-phase medians (rank 0 only)."""
-    from revgraph import demo
-
     train, _ = demo.digits()
     np.savez(tmp_path / "data.npz", x=train["x"][:120], y=train["labels"][:120])
     rg.save(demo.mlp_model(hidden=16), tmp_path / "mlp.onnx")
@@ -206,7 +205,7 @@ def test_profile_prints_phase_medians_on_rank_0(tmp_path):
      "--accumulate-steps 3 (accumulate_steps=) does not combine with --sync-batchnorm"),
 ])
 def test_bad_exchange_options_exit_2(tmp_path, args, message):
-    rg.save(rg.demo.mlp_model(hidden=8), tmp_path / "m.onnx")
+    rg.save(demo.mlp_model(hidden=8), tmp_path / "m.onnx")
     np.savez(tmp_path / "d.npz", x=np.zeros((4, 8, 8), np.float32), y=np.zeros(4, np.int64))
     r = subprocess.run([sys.executable, "-m", "revgraph", "train", str(tmp_path / "m.onnx"), "--data",
                         str(tmp_path / "d.npz"), "--loss", "cross-entropy", "--epochs", "1", *args, "-o",
@@ -217,14 +216,14 @@ def test_bad_exchange_options_exit_2(tmp_path, args, message):
 
 def test_bad_exchange_arguments_of_the_api_are_one_line_errors():
     with pytest.raises(rg.RevgraphError, match="bucket_mb=-1: give a finite number > 0"):
-        rg.Trainer(rg.demo.mlp_model(hidden=8), "cross-entropy", "adam", bucket_mb=-1)
+        rg.Trainer(demo.mlp_model(hidden=8), "cross-entropy", "adam", bucket_mb=-1)
     with pytest.raises(rg.InputError, match="reduce dtype must be one of fp32, bf16"):
-        rg.Trainer(rg.demo.mlp_model(hidden=8), "cross-entropy", "adam", reduce_dtype="fp16")
+        rg.Trainer(demo.mlp_model(hidden=8), "cross-entropy", "adam", reduce_dtype="fp16")
     tr, data = trainer("mlp", "adam", 16, False)
     with pytest.raises(rg.RevgraphError, match="accumulate_steps=0"):
         tr.fit(data, 1, 4, progress=False, accumulate_steps=0)
     with pytest.raises(rg.InputError, match="does not combine with --shard optimizer: the gradients are reduce-scat"):
-        rg.Trainer(rg.demo.mlp_model(hidden=8), "cross-entropy", "adam", shard="optimizer", reduce_dtype="bf16")
+        rg.Trainer(demo.mlp_model(hidden=8), "cross-entropy", "adam", shard="optimizer", reduce_dtype="bf16")
     two, _ = trainer("mlp", "adam", 16, False, buffers="two")
     with pytest.raises(rg.InputError, match=r"--accumulate-steps 2 \(accumulate_steps=\) needs --buffers one"):
         two.fit(data, 1, 4, progress=False, accumulate_steps=2)

@@ -1,4 +1,4 @@
-"""Starting, stopping and failing data-parallel runs (revgraph.launch, the ``--nproc`` launcher, revgraph under
+"""Starting, stopping and failing data-parallel runs (revgraph.train.distributed.launch, the ``--nproc`` launcher, revgraph under
 torchrun): exit codes and one-line messages, refusals before the first step, no restart of a deterministic
 failure, signals, orphans, a taken port, ``--timeout``; and (slow) two machines in network namespaces running the
 README's multi-node recipe, compared with one process and recovering from a killed worker.
@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 import revgraph as rg
-from revgraph import checkpoints, demo
+from revgraph.tools import demo
+from revgraph.train import snapshots as checkpoints
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
@@ -34,8 +35,8 @@ from kit.distributed import ENV, TORCHRUN, child_pids, cmdline, free_port, launc
 HERE = Path(__file__).parent
 WRAPPER = HERE / "launch_worker.py"
 REVGRAPH = [sys.executable, "-m", "revgraph"]
-# the --nproc launcher (revgraph.launch.run_torchrun) on torchrun arguments of our own (the per-rank wrapper)
-LAUNCHER = [sys.executable, "-c", "import sys; from revgraph.launch import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"]
+# the --nproc launcher (revgraph.train.distributed.launch.run_torchrun) on torchrun arguments of our own (the per-rank wrapper)
+LAUNCHER = [sys.executable, "-c", "import sys; from revgraph.train.distributed.launch import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"]
 
 
 def _files(tmp_path: Path, samples: int = 120, nan_at: int | None = None) -> list[str]:
@@ -317,7 +318,7 @@ def test_stopped_peer_fails_the_other_within_the_timeout(tmp_path):
 
 
 class _OneRank:
-    """A stand-in for a Collective of one rank (rank 0): what :func:`revgraph.launch.recorded_failure` calls."""
+    """A stand-in for a Collective of one rank (rank 0): what :func:`revgraph.train.distributed.launch.recorded_failure` calls."""
 
     rank = 0
 

@@ -20,7 +20,7 @@ def test_op_coverage_is_up_to_date():
 
 def test_train_synopsis_lists_the_registries():
     """README's ``revgraph train`` synopsis and DESIGN.md's list the optimizers and losses of the registries the
-    CLI reads (:data:`revgraph.optimizers.OPTIMIZERS`, :data:`revgraph.losses.LOSSES`)."""
+    CLI reads (:data:`revgraph.train.optimizers.OPTIMIZERS`, :data:`revgraph.train.losses.LOSSES`)."""
     import re
 
     from revgraph.train.losses import LOSSES

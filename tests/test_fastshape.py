@@ -1,4 +1,4 @@
-"""The emitter's Python shape formulas (revgraph/fastshape.py) against ONNX's own per-node shape inference:
+"""The emitter's Python shape formulas (revgraph/ir/fastshape.py) against ONNX's own per-node shape inference:
 on hand-picked edge cases, on random slices, and on every node emitted while differentiating real models."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import revgraph as rg
-from revgraph import fastshape
 from revgraph.autodiff.emitter import Emitter
-from revgraph.ir import Node, ValueInfo
+from revgraph.ir import Node, ValueInfo, fastshape
 from revgraph.onnx_io.value_types import onnx_node_types
 from revgraph.tools.lift import lift_constants
 

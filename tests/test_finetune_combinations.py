@@ -168,7 +168,7 @@ def test_fp16_scaled_run_with_a_schedule_resumed_mid_run_equals_the_uninterrupte
 
     from kit.precision import scaled_linear
 
-    from revgraph import checkpoints
+    from revgraph.train import snapshots as checkpoints
 
     rng = np.random.default_rng(8)
     data = {"x": (rng.uniform(4, 8, (40, C)) * rng.choice([-1, 1], (40, C))).astype(F32),
@@ -412,7 +412,7 @@ def test_static_inputs_with_a_schedule_resumed_mid_run_equal_the_uninterrupted_r
     bitwise equal to the uninterrupted run (the statics are not in the checkpoint: they are given again)."""
     from kit import lossdata_models
 
-    from revgraph import checkpoints
+    from revgraph.train import snapshots as checkpoints
 
     data, static = lossdata_models.static_data(40)
 

@@ -10,9 +10,9 @@ import pytest
 from kit.lossdata_models import lm_data, tiny_lm
 
 import revgraph as rg
-from revgraph import lora
 from revgraph.errors import RevgraphError
 from revgraph.tools.demo import mlp_model
+from revgraph.train import lora
 
 F32 = np.float32
 

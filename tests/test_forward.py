@@ -13,7 +13,7 @@
   fewer basis iterations, read from the trip count of the basis loop;
 - the onnx wheel's light/ models: these are ONNX files with no PyTorch source, so ``torch.func.jvp`` cannot
   be the reference there; ``J t`` is checked against float64 central differences of the model (converted to
-  float64 with ``revgraph.check.to_float64``, run by the reference evaluator since onnxruntime has no float64
+  float64 with ``revgraph.tools.check.to_float64``, run by the reference evaluator since onnxruntime has no float64
   ``Conv``) and against the dot-product identity ``<u, J t> = <J^T u, t>`` with the VJP of
   ``rg.gradient(seed="input")``. The large models run under ``-m slow``.
 """

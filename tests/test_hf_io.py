@@ -20,10 +20,9 @@ from safetensors.numpy import save_file as np_save_file
 from safetensors.torch import load_file
 
 import revgraph as rg
-from revgraph import lora
 from revgraph.cli import main
 from revgraph.errors import RevgraphError
-from revgraph.train import hf_io, peft_io
+from revgraph.train import hf_io, lora, peft_io
 from revgraph.train.optimizers import make_optimizer
 
 CONFIG = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

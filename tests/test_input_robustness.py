@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 import revgraph as rg
 from revgraph.ir import Graph, Node, ValueInfo, is_float_dtype
 from revgraph.limits import MAX_PROPAGATED_ELEMENTS, data_propagation_is_bounded
+from revgraph.tools.lift import lift_constants
 
 #: The address space a command may take (the interpreter, numpy, onnx and onnxruntime need about 1 GiB of it).
 ADDRESS_SPACE = 2 << 30
@@ -198,7 +199,7 @@ def test_lift_constants_is_bounded(tmp_path):
     one_error_line(err, "'w'", "node 'weights' (ConstantOfShape)", "3.6 TiB", "--lift-constants")
     assert peak < PEAK_MB and not (tmp_path / "g.onnx").exists()
     # a small one is lifted as before
-    small = rg.lift.lift_constants(Graph([Node("ConstantOfShape", ["s"], ["w"], {"value": np.ones(1, np.float32)})],
+    small = lift_constants(Graph([Node("ConstantOfShape", ["s"], ["w"], {"value": np.ones(1, np.float32)})],
                                          [], [ValueInfo("w", np.float32, (2, 3))], {"s": np.array([2, 3])}))
     np.testing.assert_array_equal(small[0].initializers["w"], np.ones((2, 3), np.float32))
 

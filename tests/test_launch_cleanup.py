@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import revgraph as rg
-from revgraph import demo
+from revgraph.tools import demo
 
 pytest.importorskip("torch.distributed.run", reason="--nproc needs torch (revgraph[distributed])")
 

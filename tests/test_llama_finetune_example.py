@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import revgraph as rg
-from revgraph import lora
+from revgraph.train import lora
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "llama_finetune" / "finetune.py"

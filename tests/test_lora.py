@@ -1,4 +1,4 @@
-"""LoRA adapters (revgraph.lora) and the choice of what trains (revgraph.selection), against PyTorch: a PEFT-style
+"""LoRA adapters (revgraph.train.lora) and the choice of what trains (revgraph.train.selection), against PyTorch: a PEFT-style
 LoRA Linear module written here, torch autograd, and the one-line errors of the command line."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import revgraph as rg
-from revgraph import lora
 from revgraph.cli import main
 from revgraph.ir import Node, ValueInfo
+from revgraph.train import lora
 
 SCALING = ALPHA / RANK
 
@@ -333,7 +333,7 @@ def test_readme_lora_walkthrough_runs_as_printed(tmp_path, monkeypatch, capsys):
     import shlex
     from pathlib import Path
 
-    from revgraph import demo
+    from revgraph.tools import demo
 
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = text[text.index("#### Fine-tuning with LoRA and frozen weights"):]

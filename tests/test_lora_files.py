@@ -16,8 +16,8 @@ from kit.lora import ALPHA, RANK, mixed_model, run
 from onnx import numpy_helper as nh
 
 import revgraph as rg
-from revgraph import lora
 from revgraph.cli import main
+from revgraph.train import lora
 
 F32 = np.float32
 A = "W1.lora_A"  # an adapter: float32 [8, 4]

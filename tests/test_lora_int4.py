@@ -20,9 +20,8 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import revgraph as rg
-from revgraph import lora
 from revgraph.cli import main
-from revgraph.train import selection
+from revgraph.train import lora, selection
 
 F32 = np.float32
 RANK, ALPHA = 4, 8.0

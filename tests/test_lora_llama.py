@@ -16,8 +16,8 @@ import torch
 from kit.lora import LoraLinear
 
 import revgraph as rg
-from revgraph import lora
 from revgraph.ir import Node, ValueInfo
+from revgraph.train import lora
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "llama_lora" / "export.py"
 F32 = np.float32

@@ -17,9 +17,9 @@ from kit.harness import one_line_error
 from kit.lora import mixed_model
 
 import revgraph as rg
-from revgraph import lora
 from revgraph.cli import main
 from revgraph.errors import RevgraphError
+from revgraph.train import lora
 
 KEY = "revgraph.lora"
 F32 = np.float32

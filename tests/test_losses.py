@@ -1,4 +1,4 @@
-"""Losses of issue 26 (revgraph.losses): causal-lm, output:NAME, ignore_index, label smoothing and class weights,
+"""Losses of issue 26 (revgraph.train.losses): causal-lm, output:NAME, ignore_index, label smoothing and class weights,
 each against torch.nn.functional.cross_entropy (value and gradients with respect to the logits and a parameter,
 float64), float64 central differences of the written loss graph, and training trajectories of a tiny
 transformer-like language model against the same model written in PyTorch."""

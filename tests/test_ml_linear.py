@@ -407,7 +407,7 @@ def test_check_gradients_runs_skl2onnx_files_in_float64(case):
     """``revgraph check`` (``check_gradients``) runs onnxruntime's float32-only ML operators in their
     standard-operator form in float64, and revgraph's gradients (coefficients lifted) agree with its central
     differences."""
-    from revgraph.check import check_gradients
+    from revgraph.tools.check import check_gradients
 
     x, cases = _sklearn_cases()
     model, method = cases[case]

@@ -13,7 +13,7 @@ central differences, with respect to every float input, at the test's own inputs
 * Inputs that sit exactly on a kink or a jump of the function (``Relu`` at 0, tied ``Max`` inputs, a
   bound of ``Clip``, a float index at an integer), on a point where the output's shape jumps, or next to a
   singularity (``Acosh`` at 1, ``Pow`` of 0 by a negative exponent) cannot be checked by differences: the check
-  says so (:data:`revgraph.check.NOT_CHECKED`, or "not finite"), and the test moves them by ~1e-3 (relative)
+  says so (:data:`revgraph.tools.check.NOT_CHECKED`, or "not finite"), and the test moves them by ~1e-3 (relative)
   and checks there, with a :class:`NudgedWarning` naming them.
 * Each test runs at its own opset when that is 21 or newer (revgraph keeps a model's opset, up to the newest the
   installed onnx knows); an older one is converted up to 21 by ``onnx.version_converter``, as :func:`revgraph.load`

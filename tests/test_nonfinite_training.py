@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import revgraph as rg
-from revgraph import demo
 from revgraph.errors import NonFiniteError
+from revgraph.tools import demo
 
 
 def _data(n=64, seed=0):

@@ -7,7 +7,7 @@ OpenVINO is the optional extra ``revgraph[openvino]`` (``openvino==2026.4.1``, a
 is skipped, saying so, when it is not installed. It is not in the ``test`` extra: the test is slow (CI does
 not run it) and CI would install 180 MB for nothing.
 
-Before ``revgraph.portable`` the Transformer's graphs were refused ("Training mode is not supported for Dropout
+Before ``revgraph.onnx_io.portable`` the Transformer's graphs were refused ("Training mode is not supported for Dropout
 op": OpenVINO's ONNX frontend rejects every training-mode ``Dropout``, also at ratio 0); now every graph compiles.
 
 The training graphs run Adam from a mid-training state (random first moments, positive second moments, step 5)

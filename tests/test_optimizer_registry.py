@@ -1,4 +1,4 @@
-"""Optimizers are classes in a registry (issue 29): each :class:`revgraph.optimizers.Method` carries its slots
+"""Optimizers are classes in a registry (issue 29): each :class:`revgraph.train.optimizers.Method` carries its slots
 and its update as graph nodes, and the CLI, the argument checks and the snapshot checks read the registry. A new
 optimizer is one class: Lion (Chen et al. 2023, "Symbolic discovery of optimization algorithms"), registered
 here, trains like its formulas written in numpy and shows up in ``revgraph train --optimizer``."""
@@ -11,10 +11,10 @@ import torch
 from kit.training import mlp, torch_mlp
 
 import revgraph as rg
-from revgraph import optimizers
 from revgraph import train as T
 from revgraph.cli import _parser
 from revgraph.errors import RevgraphError
+from revgraph.train import optimizers
 
 
 class Lion(optimizers.Method):

@@ -28,9 +28,10 @@ import pytest
 from kit.harness import char_device, fill_disk, mount_tmpfs, one_line_error, umount
 
 import revgraph as rg
-from revgraph import atomic, lora
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.onnx_io import atomic
+from revgraph.train import lora
 from revgraph.train.trainer import Trainer
 
 ROOT = os.geteuid() == 0
@@ -471,7 +472,7 @@ def test_a_file_size_limit(inputs, tmp_path, command):
 
 def _api_writers() -> dict:
     """Each public writer of the Python API: name -> (the suffix its path needs, write(path))."""
-    from revgraph import viz
+    from revgraph.tools import viz
     from revgraph.train import sgd
 
     g = _model()
@@ -563,7 +564,7 @@ def test_two_outputs_may_both_go_to_dev_null(inputs, tmp_path, capsys, monkeypat
 def test_a_large_model_through_a_link_or_into_a_device(tmp_path, monkeypatch):
     """A model over the (lowered) protobuf limit is two files: through a symbolic link both go next to the
     link's target (the model's data location names the file written); a FIFO or device cannot hold two files."""
-    from revgraph import external_data
+    from revgraph.onnx_io import external_data
 
     monkeypatch.setattr(external_data, "PROTOBUF_LIMIT", 20_000)
     g = Graph([Node("Mul", ["x", "w"], ["y"], name="mul")], [ValueInfo("x", np.float32, (8192,))],

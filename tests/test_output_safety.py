@@ -21,9 +21,9 @@ from conftest import DATA_DIR
 from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg
-from revgraph import external_data
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.onnx_io import external_data
 from revgraph.onnx_io.npz import NAMES, member_names, read_outputs
 from revgraph.text import LiteralConsole, literal
 from revgraph.tools.lift import lift_constants

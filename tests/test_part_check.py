@@ -1,4 +1,4 @@
-"""ONNX's full check in parts (revgraph.onnx_check, what every command that writes a derived graph and
+"""ONNX's full check in parts (revgraph.onnx_io.part_check, what every command that writes a derived graph and
 ``check_valid`` run): for every sampled model shipped with the onnx wheel, for gradient graphs with loops and
 for each kind of fault ONNX's checker finds (a declared type contradicting a node, a node before its input's
 producer, a name written twice, a graph output nobody writes, an undefined input), the check in pieces of 1, 2

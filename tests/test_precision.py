@@ -1,4 +1,4 @@
-"""Mixed precision (revgraph.precision): bf16/fp16 training steps against torch.autocast (+ GradScaler for fp16).
+"""Mixed precision (revgraph.train.precision): bf16/fp16 training steps against torch.autocast (+ GradScaler for fp16).
 
 Where the steps run. onnxruntime 1.32's CPU provider (x86-64; each op tried alone in a session) has bfloat16
 kernels for Cast, Transpose, Identity, Concat, IsInf, IsNaN and LayerNormalization only: none for MatMul, Gemm,
@@ -11,7 +11,7 @@ low-precision steps run here on onnx's reference evaluator (``rg.Session(graph, 
 loss scale's carried state is tested on onnxruntime with a model that has no low-precision node.
 
 Tolerances. PyTorch runs the same casts (the torch reference below is the autocast module with the casts of
-revgraph.precision written out: products in the low precision, their bias added in float32), so both sides
+revgraph.train.precision written out: products in the low precision, their bias added in float32), so both sides
 round the same products once to 8 (bf16) or 11 (fp16) significant bits; they differ only in the order of the
 float32 accumulation inside a product, which moves a rounding across a 16-bit boundary rarely (a few elements
 of a few gradients: one unit in the last place, 2^-8 relative for bf16, 2^-11 for fp16). One such flip moves an
@@ -34,12 +34,12 @@ from kit.devices import gpu_test
 from kit.precision import ATOL, F32, C, D, batches, mlp, reference_train, scaled_linear, torch_mlp
 
 import revgraph as rg
-from revgraph import steps
 from revgraph.errors import InputError
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.onnx_io.value_types import infer_types
 from revgraph.runtime.devices import Device
 from revgraph.train import adam, training_graph
+from revgraph.train import engines as steps
 from revgraph.train.precision import LOW_PRECISION_OPS, Precision, autocast
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -17,12 +17,11 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import revgraph as rg
-from revgraph import lora
 from revgraph.cli import main
 from revgraph.ir import Node
 from revgraph.onnx_io import to_onnx
 from revgraph.runtime.options import QDQ_ACCURACY_KEY, exact_products, quantized_products
-from revgraph.train import sgd
+from revgraph.train import lora, sgd
 
 F32 = np.float32
 SIZES = (128, 96, 64, 16)  # x [N, 128] -> 96 -> 64 -> y [N, 16]: K of 64-128, what onnxruntime fuses

@@ -1,4 +1,4 @@
-"""Data-parallel training launched by Ray Train (revgraph.ray_launcher) against single-process training.
+"""Data-parallel training launched by Ray Train (revgraph.train.distributed.ray_launcher) against single-process training.
 
 A local Ray cluster of 2 CPUs runs 2 workers; ``batch_size`` 8 on each must train exactly as one process with
 batch size 16 and the same seed (the same comparison as tests/test_distributed.py, whose workers torchrun
@@ -24,8 +24,10 @@ import numpy as np
 import pytest
 
 import revgraph as rg
-from revgraph import checkpoints, demo, ray_launcher
+from revgraph.tools import demo
 from revgraph.train import make_optimizer
+from revgraph.train import snapshots as checkpoints
+from revgraph.train.distributed import ray_launcher
 from revgraph.train.distributed.ray_launcher import train_with_ray
 
 

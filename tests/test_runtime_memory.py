@@ -1,6 +1,6 @@
 """Memory settings that never change a result (issue 24, parts 3 and 4): onnxruntime's arena, memory pattern and
 execution order (``rg.RuntimeOptions``) on Session, Trainer and the CLI; one buffer set for parameters and
-optimizer state (the update graph writing over its inputs where revgraph.inplace finds it safe) against two."""
+optimizer state (the update graph writing over its inputs where revgraph.ir.inplace finds it safe) against two."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 from kit.training import OPTIMIZERS, embedding_model, mlp
 
 import revgraph as rg
-from revgraph import demo, optimizers
 from revgraph import train as T
 from revgraph.cli import main
 from revgraph.errors import InternalError, RevgraphError
 from revgraph.ir import Node
 from revgraph.ir.inplace import inplace_pairs
 from revgraph.runtime.options import TRAINING_DEFAULT, RuntimeOptions
+from revgraph.tools import demo
+from revgraph.train import optimizers
 from revgraph.train.engines import FusedEngine, SplitEngine
 
 F32 = np.float32
@@ -245,7 +246,7 @@ def test_unsafe_update_graphs_are_refused():
 
 def test_a_graph_refused_in_place_trains_with_two_buffers(monkeypatch):
     """Where the check refuses a pair, the engine keeps two buffers for it, and training is unchanged."""
-    from revgraph import steps
+    from revgraph.train import engines as steps
 
     monkeypatch.setattr(steps, "inplace_pairs", lambda graph, pairs: {i: "refused" for i, _ in pairs})
     tr, losses, values = _train("mlp", "adam", buffers="one")

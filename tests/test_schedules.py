@@ -1,7 +1,7 @@
-"""Learning-rate schedules, clipping by the global norm and weight-decay exclusions (revgraph.schedules) against
+"""Learning-rate schedules, clipping by the global norm and weight-decay exclusions (revgraph.train.schedules) against
 PyTorch: torch.optim.SGD/Adam/AdamW with parameter groups without decay, torch.optim.lr_scheduler.LambdaLR with
 transformers' schedule formulas (written below) and torch.nn.utils.clip_grad_norm_, over 24 steps; resuming
-mid-schedule; the checkpoint's record of every hyperparameter (revgraph.run_record) and its refusals."""
+mid-schedule; the checkpoint's record of every hyperparameter (revgraph.train.run_record) and its refusals."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from kit.schedules import (
 from kit.training import OPTIMIZERS, assert_params_close, embedding_model, mlp, torch_mlp
 
 import revgraph as rg
-from revgraph import checkpoints
 from revgraph import train as T
 from revgraph.errors import InputError, RevgraphError
+from revgraph.train import snapshots as checkpoints
 from revgraph.train.run_record import record
 from revgraph.train.schedules import SCHEDULES, Schedule
 

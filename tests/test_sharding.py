@@ -1,4 +1,4 @@
-"""Sharded data-parallel training (revgraph.sharding: ZeRO-1 ``--shard optimizer``, ZeRO-2 ``--shard gradients``)
+"""Sharded data-parallel training (revgraph.train.distributed.sharding: ZeRO-1 ``--shard optimizer``, ZeRO-2 ``--shard gradients``)
 and elastic resume, against single-process training.
 
 Each distributed run is 2 gloo processes under torchrun (tests/distributed_worker.py), compared with one process
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import revgraph as rg
-from revgraph import checkpoints
+from revgraph.train import snapshots as checkpoints
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
@@ -147,7 +147,7 @@ def test_elastic_resume_unsharded_to_sharded_and_back(tmp_path):
 
 
 def _cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    from revgraph import demo
+    from revgraph.tools import demo
 
     if not (tmp_path / "m.onnx").exists():
         train, _ = demo.digits()
@@ -174,7 +174,7 @@ def test_shard_without_distributed_is_refused(tmp_path):
     r = _cli(tmp_path, "--epochs", "1", "--shard", "optimizer")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "shards across data-parallel processes" in r.stderr and not (tmp_path / "o.onnx").exists()
-    from revgraph import demo
+    from revgraph.tools import demo
 
     with pytest.raises(rg.RevgraphError, match="shard must be one of none, optimizer, gradients"):
         rg.Trainer(demo.mlp_model(hidden=4), shard="zero3")
@@ -190,7 +190,7 @@ def _cuda_marks() -> list:
 def test_train_nproc_sharded_matches_one_process(tmp_path, device):
     """`revgraph train --nproc 2 --shard gradients` (and on 2 GPUs with NCCL: every unit, shard, bucket and
     collective on the device) writes the model of one process with twice the batch."""
-    from revgraph import demo
+    from revgraph.tools import demo
 
     train, _ = demo.digits()
     np.savez(tmp_path / "data.npz", x=train["x"][:150], y=train["labels"][:150])

@@ -1,5 +1,5 @@
 """A training snapshot (``--checkpoint-dir``: checkpoint.npz and its JSON metadata) is untrusted input
-(issue 28, part 1; revgraph.snapshot_checks).
+(issue 28, part 1; revgraph.train.snapshot_checks).
 
 One real snapshot of a one-process run (an MLP with Adam, 24 samples in batches of 8: 3 steps an epoch, saved
 every 2 steps, killed before step 5: epoch 1, batch 1, 4 steps) is damaged field by field and kind by kind:
@@ -28,9 +28,9 @@ from kit.harness import crash_after, one_line_error  # (tests/ is on sys.path)
 from kit.training import mlp
 
 import revgraph as rg
-from revgraph import checkpoints
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.train import snapshots as checkpoints
 
 F32 = np.float32
 N, BATCH, EPOCHS = 24, 8, 3

@@ -1,6 +1,6 @@
 """SSA: versions, producers and readers of names written more than once, and the renaming into SSA form.
 
-Each in-place net is checked three ways: the structure :func:`revgraph.ssa.analyze` reports (versions,
+Each in-place net is checked three ways: the structure :func:`revgraph.ir.ssa.analyze` reports (versions,
 producers, readers with node identity and input position), the SSA form :func:`revgraph.to_ssa` writes, and
 the numbers: a Session (which renames to SSA on its way to ONNX) on both backends against numpy or a
 hand-written SSA graph.

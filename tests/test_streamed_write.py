@@ -1,4 +1,4 @@
-"""Writing a graph in pieces (revgraph.onnx_stream, used by every command that writes a derived graph): the
+"""Writing a graph in pieces (revgraph.onnx_io.stream, used by every command that writes a derived graph): the
 concatenated pieces parse to exactly the model ``revgraph.to_onnx`` builds, for every model shipped with the
 onnx wheel and for gradient graphs with loops, sequences, metadata and dropout; the commands' files equal
 ``to_onnx`` of the same gradient; the cases that take the whole model (an untyped output, another opset, a
@@ -14,8 +14,9 @@ from kit.loops import onnx_loop_model
 from onnx import TensorProto
 
 import revgraph as rg
-from revgraph import cli_write, external_data
 from revgraph.cli import main
+from revgraph.cli import write as cli_write
+from revgraph.onnx_io import external_data
 from revgraph.onnx_io.stream import pieces, prepared
 
 SAMPLE = shipped_models()[::7]  # (every 7th: all kinds of operator and subgraph; the full list under -m slow)

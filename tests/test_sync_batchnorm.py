@@ -1,4 +1,4 @@
-"""Training-mode BatchNormalization in data-parallel training (revgraph.sync_batchnorm).
+"""Training-mode BatchNormalization in data-parallel training (revgraph.train.distributed.sync_batchnorm).
 
 Without ``sync_batchnorm`` each rank normalizes over its own share of the global batch: rank 0 warns, naming
 the nodes. With it the statistics are those of the global batch, and 2 gloo processes under torchrun equal one

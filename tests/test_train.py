@@ -13,11 +13,11 @@ from kit.registry_checks import check_float64_to_rounding, check_trains_like_tor
 from kit.training import F32, OPTIMIZERS, assert_params_close, embedding_model, mlp, torch_mlp, torch_train
 
 import revgraph as rg
-from revgraph import graphbuild, optimizers
 from revgraph import train as T
 from revgraph.errors import InputError, RevgraphError
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.tools.demo import rnn_model
+from revgraph.train import graphbuild, optimizers
 
 STEPS = 20
 

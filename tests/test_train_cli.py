@@ -17,8 +17,8 @@ from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
 from kit.training import OPTIMIZERS, assert_params_close, mlp, torch_mlp, torch_train
 
 import revgraph as rg
-from revgraph import demo
 from revgraph.cli import main
+from revgraph.tools import demo
 from revgraph.train.optimizers import listed, takers
 
 F32 = np.float32

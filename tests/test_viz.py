@@ -1,4 +1,4 @@
-"""``revgraph show`` and :mod:`revgraph.viz`: DOT text checked at the parse level (clusters, colours, shapes,
+"""``revgraph show`` and :mod:`revgraph.tools.viz`: DOT text checked at the parse level (clusters, colours, shapes,
 labels), SVG/PNG rendering through ``dot`` when it is installed, the one-line message when it is not, and
 atomic writes that leave nothing behind on failure."""
 
@@ -16,9 +16,9 @@ from conftest import DATA_DIR
 from kit.loops import F64, body, const, graph, loop, n
 
 import revgraph as rg
-from revgraph import viz
 from revgraph.cli import main
 from revgraph.ir import Graph, ValueInfo
+from revgraph.tools import viz
 
 MM_MODEL = DATA_DIR / "pytorch-operator" / "test_operator_mm" / "model.onnx"
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -8,7 +8,7 @@ fine-tune it on.
 their PyTorch names (``model.layers.0.self_attn.q_proj.weight``, ...). The exporter runs with ``optimize=False``:
 its optimizer folds each ``nn.Linear``'s ``Transpose(weight)`` into a new constant named ``val_<k>``, and the
 LoRA targets could then be chosen by no recognisable name; unoptimized, each projection is
-``MatMul(x, Transpose(<module>.weight))``, which :mod:`revgraph.lora` adapts under the module's name.
+``MatMul(x, Transpose(<module>.weight))``, which :mod:`revgraph.train.lora` adapts under the module's name.
 ``tokens.npz``: ``input_ids`` int64 ``[N, T]``, sequences counting up by a step of 1 to 3 from a random start
 (modulo the vocabulary), a pattern a causal language model learns in a few hundred steps. ``heldout.npz``: 32
 more such sequences (another seed), to evaluate on.

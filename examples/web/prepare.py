@@ -1,8 +1,8 @@
 """Write what the page trains with (examples/web/README.md): the training-step graph of revgraph's demo MLP, its
 initial state and the data batches, into ``data/``.
 
-1. The demo MLP (``revgraph.demo.mlp_model``: ``logits = relu(flatten(x) W1 + b1) W2 + b2``, x float32
-   ``[N, 8, 8]``) and scikit-learn's digits (``revgraph.demo.digits``, no download) are written as
+1. The demo MLP (``revgraph.tools.demo.mlp_model``: ``logits = relu(flatten(x) W1 + b1) W2 + b2``, x float32
+   ``[N, 8, 8]``) and scikit-learn's digits (``revgraph.tools.demo.digits``, no download) are written as
    ``data/mlp.onnx`` and ``data/digits.npz``.
 2. ``revgraph train ... --save-training-graph data/mlp.train.onnx`` writes the training-step graph (one
    standard ONNX graph: inputs the batch, ``labels``, the parameters, the optimizer state and ``step``; outputs
@@ -58,7 +58,7 @@ def prepare(out: Path, steps: int = 40, batch_size: int = 32, seed: int = 0, lr:
     """Write ``out/`` (module doc) and return the manifest; ``schedule`` is ``(--lr-schedule, --warmup-steps,
     --min-lr)``, ``clip`` ``--clip-grad-norm``."""
     import revgraph as rg
-    from revgraph import demo
+    from revgraph.tools import demo
 
     if steps < 1 or batch_size < 1:  # 0 steps would write a page that trains nothing
         raise SystemExit(f"--steps {steps} and --batch-size {batch_size} must be at least 1")
@@ -158,7 +158,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=0.003, help="Adam's learning rate (default 0.003, the demo's)")
-    from revgraph.schedules import SCHEDULES
+    from revgraph.train.schedules import SCHEDULES
 
     p.add_argument("--lr-schedule", default="constant", choices=list(SCHEDULES), help="revgraph train's --lr-schedule (default constant); "
                    "the schedule's total steps are --steps")

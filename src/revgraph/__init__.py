@@ -4,7 +4,6 @@ Reverse-mode automatic differentiation done ahead of time on ONNX models and on 
 revgraph's IR. See DESIGN.md for the contract and the architecture.
 """
 
-from . import _moved
 from .autodiff import SparseGrad, backward, gradient, hessian, hvp, jacobian, jvp
 from .autodiff.memory import Budget, MemoryPlan, plan_memory, saved_bytes
 from .errors import GraphError, InputError, RevgraphError, UnsupportedModelError
@@ -18,8 +17,6 @@ from .tools.check import GradientReport, check_gradients
 from .train import lora  # (rg.lora.add_adapters, merge_adapters, extract, apply)
 from .train.trainer import Trainer  # (rg.Trainer: training with the graphs of revgraph.train)
 from .version import __version__ as __version__
-
-_moved.install()  # the import paths of modules that moved into the layer packages (revgraph.lora, ...)
 
 __all__ = [
     "TARGET_OPSET",
@@ -58,14 +55,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``revgraph.lift``, ``revgraph.viz``, ... as attributes too (the modules that moved: :mod:`._moved`), and
-    ``revgraph.export_torch``, imported when asked for (it imports PyTorch when called)."""
+    """``revgraph.export_torch``, imported when asked for (it imports PyTorch when called)."""
     if name == "export_torch":
         from .onnx_io.torch_export import export_torch
 
         return export_torch
-    if name in _moved.MOVED:
-        import importlib
-
-        return importlib.import_module(f"revgraph.{name}")
     raise AttributeError(f"module 'revgraph' has no attribute {name!r}")

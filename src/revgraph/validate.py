@@ -3,7 +3,7 @@ naming the argument, the value given and what to give instead, so that a wrong t
 is refused at the call instead of surfacing later as numpy's ``TypeError``, an ``OverflowError`` in an int64
 array, an endless loop or a silently wrong result.
 
-The same bounds serve the command line (:mod:`revgraph.cli_numbers` turns :func:`number_problem` into
+The same bounds serve the command line (:mod:`revgraph.cli.numeric` turns :func:`number_problem` into
 argparse's refusals). Integers are bounded by what an int64 holds (:data:`INT64_MAX`): counts, seeds and sizes
 end up in int64 arrays and ONNX attributes. ``bool`` is refused where a number is meant (``True`` is an ``int``
 to Python, and ``batch_size=True`` is a mistake, not a batch of one).
@@ -451,7 +451,7 @@ TRAINER_RULES = {"model": MODEL, "loss": TEXT, "optimizer": OPTIMIZER, "output":
                  "checkpoint": POLICY, "distributed": FLAG, "memory": BUDGET, "bucket_mb": POSITIVE, "profile": _profile,
                  "overlap": choice(True, False, "auto"),
                  "sync_batchnorm": FLAG, "timeout": OPTIONAL_POSITIVE,
-                 "clip_grad_norm": OPTIONAL_POSITIVE, "straight_through": FLAG}  # (params, freeze: revgraph.selection, glob patterns)
+                 "clip_grad_norm": OPTIONAL_POSITIVE, "straight_through": FLAG}  # (params, freeze: revgraph.train.selection, glob patterns)
 #: :meth:`revgraph.Trainer.fit`'s arguments.
 _OPTIONAL_POSITIVE_INT = rule(lambda n, v: v if v is None else POSITIVE_INT(n, v))
 FIT_RULES = {"epochs": _OPTIONAL_POSITIVE_INT, "max_steps": _OPTIONAL_POSITIVE_INT, "eval_every": _OPTIONAL_POSITIVE_INT,
@@ -488,7 +488,7 @@ BETAS = _betas
 
 
 def _static(name: str, value):
-    """``static=``: ``None`` or a dict of arrays by input name (as revgraph.data words it)."""
+    """``static=``: ``None`` or a dict of arrays by input name (as revgraph.train.data words it)."""
     from collections.abc import Mapping
 
     if value is not None and not isinstance(value, Mapping):

@@ -18,8 +18,8 @@ import onnxruntime as ort
 import pytest
 
 import revgraph as rg
-from revgraph import demo
 from revgraph.ir import Graph, Node, ValueInfo
+from revgraph.tools import demo
 
 F32 = np.float32
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

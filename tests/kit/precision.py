@@ -29,7 +29,7 @@ def mlp(rng) -> Graph:
 
 
 def torch_mlp(T, x, low):
-    """The autocast forward with revgraph.precision's casts written out (module doc)."""
+    """The autocast forward with revgraph.train.precision's casts written out (module doc)."""
     with torch.autocast("cpu", dtype=low):
         z1 = F.linear(x, T["W1"]).float() + T["b1"]
         h = torch.tanh(F.layer_norm(z1, (H,), T["g"], T["beta"], eps=1e-5))

@@ -61,7 +61,7 @@ def gradient(
     (``unconnected="error"``). ``accumulate`` is ``"sum"`` or ``"running"`` (see :class:`Accumulator`).
     ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"products"``, ``"sqrt"`` or a segment
     length K, or a :data:`~.policies.CheckpointPolicy` (see :mod:`.policies`). ``lift_constants=True`` first turns floating-point ``Constant`` and
-    ``ConstantOfShape`` values with more than one element into initializers (:func:`revgraph.lift.lift_constants`),
+    ``ConstantOfShape`` values with more than one element into initializers (:func:`revgraph.tools.lift.lift_constants`),
     so that they are differentiated by default. ``straight_through=True`` differentiates each
     ``QuantizeLinear -> DequantizeLinear`` pair with the straight-through estimator (quantization-aware training,
     :mod:`.rules.quant`); without it a path through such a pair raises :class:`GraphError`.

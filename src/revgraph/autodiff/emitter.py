@@ -237,7 +237,7 @@ class Emitter:
     def learn_constants(self, graph) -> None:
         """Record the values of ``graph`` known when it is built, for :meth:`value`: initializers, ``Constant``
         outputs (every form) and shape arithmetic over them and over static shapes
-        (:func:`revgraph.types.constant_values`); and which graph inputs have no declared rank (for
+        (:func:`revgraph.onnx_io.value_types.constant_values`); and which graph inputs have no declared rank (for
         :meth:`need_rank`'s advice)."""
         self.values.update(constant_values(graph, self.types))
         self.undeclared = [v.name for v in graph.inputs if v.shape is None and v.kind == "tensor"]

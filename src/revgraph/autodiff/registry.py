@@ -209,7 +209,7 @@ def not_differentiable(reason: str, *op_types: str, **facts) -> None:
 
 
 #: Rules of operators of revgraph's private domains, by ``(domain, op_type)``: placeholders that never reach a
-#: runtime, such as the collectives of :mod:`revgraph.sync_batchnorm` (registered by that module).
+#: runtime, such as the collectives of :mod:`revgraph.train.distributed.sync_batchnorm` (registered by that module).
 DOMAIN_RULES: dict[tuple[str, str], Rule] = {}
 
 #: The facts of the operators of other domains registered with ``vjp(..., domain=...)`` (onnxruntime's contrib

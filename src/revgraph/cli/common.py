@@ -78,7 +78,7 @@ err = LiteralConsole(stderr=True, highlight=False)
 
 def read_npz(path: str, wanted=None, unknown: str | None = None, samples: bool = False) -> dict[str, np.ndarray]:
     """The arrays of an ``.npz`` file by key; only the members in ``wanted`` (name -> the shape the model
-    declares, see :func:`revgraph.archive.read_archive`; ``None``: all), each checked against that shape and
+    declares, see :func:`revgraph.onnx_io.archive.read_archive`; ``None``: all), each checked against that shape and
     the archive limits before it is decompressed. :class:`InputError` if the file is missing, not a regular file
     (a FIFO would block, a device would be read forever), not an npz file, or a member is refused."""
     return read_archive(path, wanted, unknown=unknown, samples=samples)
@@ -86,7 +86,7 @@ def read_npz(path: str, wanted=None, unknown: str | None = None, samples: bool =
 
 def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     """Write ``arrays`` to ``path`` as .npz, atomically, under safe member names with the real names inside
-    (:mod:`revgraph.npz`)."""
+    (:mod:`revgraph.onnx_io.npz`)."""
     write_outputs(path, arrays)
 
 
@@ -96,7 +96,7 @@ def check_command_outputs(args: argparse.Namespace, outputs: dict, inputs: dict 
     """Refuse, before any work, output paths that cannot be written or would destroy a file: one of the
     command's input files (the model, its external data, ``inputs``), the same file twice, the directory of
     another output, and the ``OUT.data`` a large model would write next to each output being an input or an
-    output (:func:`revgraph.atomic.check_outputs`), and ``models`` (labels) named as another format than ONNX
+    output (:func:`revgraph.onnx_io.atomic.check_outputs`), and ``models`` (labels) named as another format than ONNX
     (``.safetensors``, ``.pt``, ...). When an output is standard output itself
     (``-o /dev/stdout``), the command's report lines go to stderr."""
     inputs = {"the model": args.model, **(inputs or {})}

@@ -1,6 +1,6 @@
 """``revgraph train`` options of the data-parallel gradient exchange and of step timing: ``--bucket-mb``,
-``--reduce-dtype``, ``--overlap``, ``--accumulate-steps`` and ``--profile`` (:mod:`revgraph.exchange`,
-:mod:`revgraph.overlap`, :mod:`revgraph.steptimes`)."""
+``--reduce-dtype``, ``--overlap``, ``--accumulate-steps`` and ``--profile`` (:mod:`revgraph.train.distributed.exchange`,
+:mod:`revgraph.train.distributed.overlap`, :mod:`revgraph.train.steptimes`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The command line of LoRA and frozen weights: ``revgraph train --lora R [--lora-alpha A] [--lora-targets GLOB ...]
-[--merge-adapters] [--train GLOB ...] [--freeze GLOB ...]`` (hooks called by :mod:`revgraph.cli_train`) and
-``revgraph lora extract|apply`` (:mod:`revgraph.lora`; PEFT directories: :mod:`.hf`)."""
+[--merge-adapters] [--train GLOB ...] [--freeze GLOB ...]`` (hooks called by :mod:`revgraph.cli.train`) and
+``revgraph lora extract|apply`` (:mod:`revgraph.train.lora`; PEFT directories: :mod:`.hf`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""``revgraph train`` options of the loss and of the data layout: ``--loss`` (from :data:`revgraph.losses.LOSSES`,
+"""``revgraph train`` options of the loss and of the data layout: ``--loss`` (from :data:`revgraph.train.losses.LOSSES`,
 ``output:NAME`` included), ``--labels-from``, ``--ignore-index``, ``--label-smoothing``, ``--class-weights``,
 ``--loss-chunk`` (:mod:`revgraph.train.chunked_loss`), ``--data DATA.npz|DIR``, ``--test-data`` and ``--static
-NAME=FILE`` (:mod:`revgraph.losses`, :mod:`revgraph.data`)."""
+NAME=FILE`` (:mod:`revgraph.train.losses`, :mod:`revgraph.train.data`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .numeric import FRACTION_CLOSED, INT64, text_type
 
 
 def _loss(text: str) -> str:
-    """``--loss``: a name of :data:`LOSSES` or ``output:NAME`` (checked by :func:`revgraph.losses.parse_loss`)."""
+    """``--loss``: a name of :data:`LOSSES` or ``output:NAME`` (checked by :func:`revgraph.train.losses.parse_loss`)."""
     from ..train.losses import LOSSES, parse_loss
 
     try:
@@ -87,7 +87,7 @@ def loss_options(args: argparse.Namespace) -> dict:
 
 def read_data(path: str | None, option: str = "--data", graph=None) -> dict:
     """``--data`` / ``--test-data``: an .npz file, or a directory of .npy files memory-mapped
-    (:func:`revgraph.data.read_dir`); ``{}`` when not given. Of an .npz only the members training reads are
+    (:func:`revgraph.train.data.read_dir`); ``{}`` when not given. Of an .npz only the members training reads are
     decompressed (:func:`data_members` of ``graph``, the model; all without one), each bounded first."""
     from ..errors import InputError
     from ..train.data import read_dir

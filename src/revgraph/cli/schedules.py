@@ -1,6 +1,6 @@
-"""The ``revgraph train`` options of :mod:`revgraph.schedules` and :mod:`revgraph.run_record`: learning-rate
+"""The ``revgraph train`` options of :mod:`revgraph.train.schedules` and :mod:`revgraph.train.run_record`: learning-rate
 schedule, warmup, clipping, weight-decay exclusions and ``--override`` (choices read from the registries); and
-``--embedding-update``, the optimizer's update of embedding tables (:mod:`revgraph.optimizers`)."""
+``--embedding-update``, the optimizer's update of embedding tables (:mod:`revgraph.train.optimizers`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .numeric import NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """``--lr-schedule``, ``--warmup-steps``, ``--min-lr``, ``--clip-grad-norm``, ``--decay-all``, ``--no-decay``
-    and ``--override`` (module doc of :mod:`revgraph.schedules` for the formulas)."""
+    and ``--override`` (module doc of :mod:`revgraph.train.schedules` for the formulas)."""
     from ..train.schedules import SCHEDULES
 
     kinds = "; ".join(f"{k}: {v.help}" for k, v in SCHEDULES.items() if v.help)
@@ -39,7 +39,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_embedding_update_argument(parser: argparse.ArgumentParser) -> None:
     """``--embedding-update dense|lazy``: how a table read only through Gather is updated from its gradient rows
-    (:attr:`revgraph.optimizers.Optimizer.embedding_update`)."""
+    (:attr:`revgraph.train.optimizers.Optimizer.embedding_update`)."""
     from ..train.optimizers import EMBEDDING_UPDATES
 
     parser.add_argument("--embedding-update", choices=EMBEDDING_UPDATES, default="dense",
@@ -50,7 +50,7 @@ def add_embedding_update_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def schedule_settings(args: argparse.Namespace) -> dict:
-    """The keyword arguments of :func:`revgraph.optimizers.make_optimizer` for these options (and
+    """The keyword arguments of :func:`revgraph.train.optimizers.make_optimizer` for these options (and
     ``--embedding-update``'s, :func:`add_embedding_update_argument`). Raises
     :class:`RevgraphError` (one line) for bad values."""
     from ..train.schedules import Schedule

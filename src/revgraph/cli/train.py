@@ -30,7 +30,7 @@ from .schedules import add_embedding_update_argument, add_schedule_arguments, de
 
 def optimizer_defaults(field: str) -> str:
     """``"0.01 for sgd, 0.001 for adam and adamw"``: each default of ``field`` of the registered optimizers
-    (:data:`revgraph.optimizers.OPTIMIZERS`), with the optimizers that share it."""
+    (:data:`revgraph.train.optimizers.OPTIMIZERS`), with the optimizers that share it."""
     from ..train.optimizers import OPTIMIZERS, listed
 
     by_value: dict[float, list[str]] = {}
@@ -121,8 +121,8 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                             "is safe, or in two swapped sets (the fused step graph; default one)")
     add_exchange_arguments(train)
     add_schedule_arguments(train)
-    add_embedding_update_argument(train)  # how Gather'ed tables are updated (revgraph.optimizers)
-    add_precision_arguments(train)  # --precision and the fp16 loss scaling (revgraph.precision)
+    add_embedding_update_argument(train)  # how Gather'ed tables are updated (revgraph.train.optimizers)
+    add_precision_arguments(train)  # --precision and the fp16 loss scaling (revgraph.train.precision)
     add_lora_arguments(train)
     add_safetensors_arguments(train)  # --save-safetensors: the PyTorch state dict (revgraph.train.hf_io)
     add_runlog_arguments(train)  # --log, --tensorboard, --loss-curve: the per-step records (revgraph.train.runlog)
@@ -146,7 +146,7 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, defaults: str) -> Non
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """``--timeout`` and the options of ``--nproc`` for several machines (passed to torchrun with its c10d
-    rendezvous; :func:`revgraph.launch.torchrun_arguments`)."""
+    rendezvous; :func:`revgraph.train.distributed.launch.torchrun_arguments`)."""
     from ..train.distributed.launch import DEFAULT_TIMEOUT
 
     parser.add_argument("--timeout", type=N.TIMEOUT, default=DEFAULT_TIMEOUT, metavar="SECONDS",
@@ -360,7 +360,7 @@ def _check_train_outputs(args: argparse.Namespace) -> None:
 
 def _launch_torchrun(args: argparse.Namespace) -> int:
     """``revgraph train --nproc N ...``: check the arguments here (bad input fails in one line, before any
-    worker starts), then run this same command under torchrun (in this process, :func:`revgraph.launch.run_torchrun`:
+    worker starts), then run this same command under torchrun (in this process, :func:`revgraph.train.distributed.launch.run_torchrun`:
     ``--standalone`` on one machine, c10d rendezvous with ``--nnodes``) and return revgraph's exit code."""
     if args.nproc < 1:
         raise RevgraphError(f"--nproc must be at least 1, got {args.nproc}")

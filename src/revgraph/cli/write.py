@@ -1,5 +1,5 @@
 """What the commands that write a derived graph share (``grad`` in :mod:`revgraph.cli`; ``jvp``, ``hvp``,
-``jacobian`` and ``hessian`` in :mod:`revgraph.cli_forward`): the ``--checkpoint`` names, ``--opset`` checks,
+``jacobian`` and ``hessian`` in :mod:`revgraph.cli.forward`): the ``--checkpoint`` names, ``--opset`` checks,
 warnings as lines, the checked atomic write and the summary's counts."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def write_graph(gg: Graph, path: str, opset: int | None, what: str, forward: Gra
     revgraph's own nodes is re-raised).
 
     At the graph's own opset the model is serialized in pieces straight into the temporary file
-    (:mod:`revgraph.onnx_stream`) and checked piece by piece on the way (:mod:`revgraph.onnx_check`): neither
+    (:mod:`revgraph.onnx_io.stream`) and checked piece by piece on the way (:mod:`revgraph.onnx_io.part_check`): neither
     the whole ``ModelProto`` of a long gradient graph (about 1.3 KB per node) nor ONNX's C++ copy of it (about
     4 KB per forward node) ever exists. A conversion to another opset, a graph output without a dtype and a
     model over protobuf's 2 GiB (its large tensors go to external data) take the whole model

@@ -2,7 +2,7 @@
 
 A graph is an ordered list of nodes over named values, as in the ONNX IR (onnx/docs/IR.md, "Graphs"), with
 one difference: a name may be written more than once (in-place writes, as in nets converted from Caffe2).
-:mod:`revgraph.ssa` resolves such names into versions. Bodies of ``Loop``, ``Scan`` and ``If`` are
+:mod:`revgraph.ir.ssa` resolves such names into versions. Bodies of ``Loop``, ``Scan`` and ``If`` are
 ``Graph`` objects stored as node attributes; a body may read names of the enclosing graphs (captured,
 loop-invariant values).
 
@@ -169,7 +169,7 @@ class Graph:
     memory_plan: Any = field(default=None, compare=False, repr=False)
     #: Key-value text of the model (ONNX ``ModelProto.metadata_props``), kept by :meth:`copy` and round-tripped by
     #: :func:`revgraph.load` / :func:`revgraph.save`; revgraph's own keys start with ``"revgraph."`` (the LoRA
-    #: configuration: ``"revgraph.lora"``, :mod:`revgraph.lora`). Meaningful on the top-level graph.
+    #: configuration: ``"revgraph.lora"``, :mod:`revgraph.train.lora`). Meaningful on the top-level graph.
     metadata: dict[str, str] = field(default_factory=dict)
 
     @property

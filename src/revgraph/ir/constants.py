@@ -1,5 +1,5 @@
 """The value of a ``Constant`` node in any of its forms, dense sparse constants included: what the type service
-(:mod:`revgraph.types`) and the writer's passes (:mod:`revgraph.portable`, which :mod:`revgraph.onnx_io` calls)
+(:mod:`revgraph.onnx_io.value_types`) and the writer's passes (:mod:`revgraph.onnx_io.portable`, which :mod:`revgraph.onnx_io` calls)
 read, kept apart from both so that neither imports the other."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """ONNX in and out: :func:`load`, :func:`save`, :func:`to_onnx`.
 
-On load a model is read and checked by :mod:`revgraph.reading` (regular files only, external data that fits
+On load a model is read and checked by :mod:`revgraph.onnx_io.reading` (regular files only, external data that fits
 its tensors, tensors that hold their data, non-empty UTF-8 names, attributes of their schema's type), its
 model-local functions are inlined (``onnx.inliner``), names written more than once are renamed into SSA form
-(:mod:`revgraph.ssa`), a default-domain opset older than :data:`revgraph.ir.TARGET_OPSET` (21) is converted up
+(:mod:`revgraph.ir.ssa`), a default-domain opset older than :data:`revgraph.ir.TARGET_OPSET` (21) is converted up
 to it with ``onnx.version_converter`` (a model at opset 21 or newer keeps its own, up to the newest the installed
 onnx knows, :data:`revgraph.ir.NEWEST_OPSET`; ``load(opset=N)`` converts to N instead), and ONNX shape
 inference fills in the types of intermediate values (with data propagation only where it cannot materialise a
@@ -75,7 +75,7 @@ def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int | Non
 
     ``model`` is a path, an ``onnx.ModelProto`` or serialized bytes. A file reads its external data from its
     own directory; bytes and a ``ModelProto`` read it from ``base_dir`` and are refused without one
-    (:func:`revgraph.reading.model_proto`; the caller's ``ModelProto`` is not changed). Raises
+    (:func:`revgraph.onnx_io.reading.model_proto`; the caller's ``ModelProto`` is not changed). Raises
     :class:`RevgraphError` for an unreadable or non-regular file, bytes that are not a model, bad external data
     or tensors, names that are empty or not UTF-8, attributes of the wrong type;
     :class:`UnsupportedModelError` for a model revgraph cannot represent (optional or map types, sparse
@@ -483,7 +483,7 @@ def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
 
     The IR version is the lowest that the graph's opsets allow (``onnx.helper.find_min_ir_version_for``),
     at least 4 so that initializers need not be graph inputs. ``Dropout`` nodes that draw nothing are written as
-    ``Identity`` (:func:`revgraph.portable.identity_dropouts`: some runtimes refuse training-mode Dropout).
+    ``Identity`` (:func:`revgraph.onnx_io.portable.identity_dropouts`: some runtimes refuse training-mode Dropout).
     """
     require_graph(graph, "to_onnx")
     with gc_paused():
@@ -546,7 +546,7 @@ def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write ``graph`` to ``path`` as ONNX, atomically: a crash mid-write never leaves a half-written file.
 
     Models over protobuf's 2 GiB limit are written with their large tensors as external data in a new
-    ``<path>.data`` next to the model (:func:`revgraph.external_data.save_external`); a ``ModelProto`` passed
+    ``<path>.data`` next to the model (:func:`revgraph.onnx_io.external_data.save_external`); a ``ModelProto`` passed
     in is not changed. Raises :class:`RevgraphError` for a path named as another format (:data:`OTHER_FORMATS`:
     ``.safetensors``, ``.pt``, ``.npz``, ...), where a user expects that format.
     """

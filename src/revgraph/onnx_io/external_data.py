@@ -3,7 +3,7 @@
 A serialized protobuf message cannot exceed 2 GiB, so a larger model keeps its large tensors as ONNX
 *external data*: the model file holds ``location``/``offset``/``length`` and the bytes live in another file.
 :func:`save_external` writes ``<path>.data`` next to ``<path>`` (the location is relative, as the ONNX spec
-wants), each through :func:`revgraph.atomic.atomic_path`: a new file that replaces the old one in one step,
+wants), each through :func:`revgraph.onnx_io.atomic.atomic_path`: a new file that replaces the old one in one step,
 with the usual file mode, never appended to whatever ``<path>.data`` held. It works on a copy, so the caller's
 ``ModelProto`` keeps its tensors. :func:`session_source` gives onnxruntime such a model as a file in a
 temporary directory. :func:`external_data_files` lists the data files a model on disk reads.

@@ -44,7 +44,7 @@ def pieces(graph: Graph, *, producer: str = "revgraph", piece: int = PIECE,
            check: PartCheck | None = None) -> Iterator[bytes]:
     """The serialized ``ModelProto`` of ``graph`` (a result of :func:`prepared`) as consecutive byte strings
     whose concatenation parses to ``revgraph.to_onnx(graph, producer=producer)``: the skeleton, then ``piece``
-    nodes at a time in order, then ``piece`` value infos at a time. ``check`` (a :class:`revgraph.onnx_check.
+    nodes at a time in order, then ``piece`` value infos at a time. ``check`` (a :class:`revgraph.onnx_io.part_check.
     PartCheck` of ``graph``) is given each piece of nodes after it is yielded (its errors are raised from the
     generator); the caller calls its ``finish``."""
     skeleton = _ssa_to_onnx(dataclasses.replace(graph, nodes=[], value_info={}, memory_plan=None), producer)

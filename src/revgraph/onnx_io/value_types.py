@@ -1,5 +1,5 @@
 """The type service: the types of a graph's values (ONNX shape inference, completed node by node with
-:mod:`revgraph.fastshape`'s formulas), the values known when a graph is built, and the one predicate that says
+:mod:`revgraph.ir.fastshape`'s formulas), the values known when a graph is built, and the one predicate that says
 whether a value can carry a gradient.
 
 Rules and loop VJPs read types through the autodiff ``Emitter``; everything here is independent of
@@ -78,10 +78,10 @@ def _computed_dft_length(node: Node, found: dict[str, ValueInfo], values: dict[s
 
 def node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, np.ndarray],
                opset: int) -> dict[str, ValueInfo]:
-    """The output types of one node: :mod:`revgraph.fastshape`'s formulas when they apply, else
+    """The output types of one node: :mod:`revgraph.ir.fastshape`'s formulas when they apply, else
     :func:`onnx_node_types`, with the rank of operators whose output rank does not depend on values (a
     ``keepdims=1`` reduction over computed axes, ``Unsqueeze`` of computed axes of static length, ...:
-    :func:`revgraph.fastshape.rank_types`) where ONNX gives no shape. The onnxruntime contrib operators revgraph
+    :func:`revgraph.ir.fastshape.rank_types`) where ONNX gives no shape. The onnxruntime contrib operators revgraph
     differentiates, which ONNX does not know, by :mod:`revgraph.ir.contrib_types`."""
     contrib = contrib_types.infer(node, types)
     if contrib:
@@ -108,7 +108,7 @@ def constant_values(graph: Graph, types: Mapping[str, ValueInfo] | None = None) 
     """The values of ``graph`` known when it is built: its initializers, its ``Constant`` outputs (every form,
     :func:`constant_value`) and, given the types of its values, the shape arithmetic over them and over
     static shapes (``Concat(Slice(Shape(x)), Cast(Constant))``, the sizes PyTorch's exporter computes for
-    Resize; :func:`revgraph.fastshape.fold`), in node order."""
+    Resize; :func:`revgraph.ir.fastshape.fold`), in node order."""
     values = {k: np.asarray(a) for k, a in graph.initializers.items()}
     for node in graph.nodes:
         if node.op_type == "Constant" and not node.domain:

@@ -40,7 +40,7 @@ class Session:
     ``graph`` is a :class:`Graph`, an ``onnx.ModelProto`` or a path to an ONNX file (loaded with
     :func:`revgraph.load`). ``backend`` is ``"onnxruntime"`` (``threads`` sets its intra-op thread count, 0
     lets it choose) or ``"reference"`` (``onnx.reference.ReferenceEvaluator``, slow but written from the ONNX
-    spec, CPU only). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"`` (:mod:`revgraph.devices`; CUDA needs
+    spec, CPU only). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"`` (:mod:`revgraph.runtime.devices`; CUDA needs
     onnxruntime-gpu); feeds and results are numpy arrays either way. ``runtime`` (a
     :class:`revgraph.RuntimeOptions`: arena, memory pattern, execution order; ``None`` keeps onnxruntime's
     defaults) and ``session_options`` (an ``onnxruntime.SessionOptions`` to start from; ``runtime`` then

@@ -5,7 +5,7 @@ each wrt value w and random direction v compares the VJP ``<grad_w f, v>`` with 
 ``(f(w + h v) - f(w - h v)) / 2h``. Everything runs in float64 (the graph's float tensors, constants, casts
 and statistics are promoted, :func:`to_float64`), so the comparison measures the rules, not float32 rounding;
 where onnxruntime has no float64 kernel, or one that computes in float32, the graphs run on the reference
-evaluator (whose float64 kernels :mod:`revgraph.reference_ops` makes exact), and the report says so.
+evaluator (whose float64 kernels :mod:`revgraph.runtime.reference_ops` makes exact), and the report says so.
 
 Randomness is fixed: the masks of ``Dropout`` nodes and the outputs of random operators (top-level graph) are
 taken from the run that computes the gradient and replayed in the runs that take the differences, with the

@@ -10,7 +10,7 @@ seed. Both models read ``x`` float32 ``[N, 8, 8]`` and write ``logits`` float32 
 
 For each: the gradient of the cross-entropy loss is checked against float64 central differences
 (:func:`revgraph.check_gradients`), the training-step graph is built (:mod:`revgraph.train`) and run by
-:class:`revgraph.trainer.Trainer` with Adam, and the test accuracy is measured. The training graphs, the
+:class:`revgraph.train.trainer.Trainer` with Adam, and the test accuracy is measured. The training graphs, the
 trained models and a loss-curve SVG (written by hand, no plotting library) go to the output directory, with
 :data:`MANIFEST`, the size and SHA-256 of each file the demo wrote there (written before each file takes its
 name, so that a run stopped by a full disk leaves only recorded files): a rerun replaces those files, and

@@ -12,7 +12,7 @@ stays. The rewrite follows onnxruntime's CPU kernels (the math: :mod:`revgraph.a
 - The label: ``Gather(classlabels, ArgMax(s, axis=1))`` (the first maximum, as the kernel), or for one target
   ``Gather(classlabels, s > 0)``; ints or strings.
 
-It is part of :func:`revgraph.lift.lift_constants` (``--lift-constants``). :func:`lower_ml_operators` writes
+It is part of :func:`revgraph.tools.lift.lift_constants` (``--lift-constants``). :func:`lower_ml_operators` writes
 the same form with the coefficients as ``Constant`` values, and ``Normalizer`` too, for ``revgraph check``:
 onnxruntime's ML kernels compute in float32 only, the standard operators have float64 kernels.
 """
@@ -132,7 +132,7 @@ def lower_ml_operators(graph: Graph) -> Graph:
     """A copy of ``graph`` whose top-level ``ai.onnx.ml`` ``LinearClassifier``, ``LinearRegressor`` and
     ``Normalizer`` nodes are standard operators, the coefficients ``Constant`` values: the same function in
     operators that have float64 kernels (onnxruntime's ML kernels compute in float32 only), for
-    :func:`revgraph.check.check_gradients`. Raises :class:`GraphError` as :func:`lift_ml_coefficients`."""
+    :func:`revgraph.tools.check.check_gradients`. Raises :class:`GraphError` as :func:`lift_ml_coefficients`."""
     g = graph.copy()
     nodes = []
     for node in g.nodes:

@@ -4,7 +4,7 @@ A language model's loss reads logits ``[B, T, V]`` that a projection of the hidd
 (``MatMul(h, W)``, ``W [D, V]``, often a ``Transpose`` of the ``[V, D]`` lm_head weight; optionally ``+ bias``,
 or a ``Gemm``; under mixed precision a ``Cast`` back to float32). At vocabulary 32000 those logits, their
 log-softmax and their gradient are the largest tensors of a training step. With ``chunk_tokens=C``
-(:func:`revgraph.losses.loss_graph`, ``loss_options={"chunk_tokens": C}``, ``revgraph train --loss-chunk C``)
+(:func:`revgraph.train.losses.loss_graph`, ``loss_options={"chunk_tokens": C}``, ``revgraph train --loss-chunk C``)
 the loss graph computes the cross-entropy as an ONNX ``Loop`` over chunks of ``C`` tokens (the idea of the
 "fused linear cross-entropy" of Liger-Kernel, Hsu et al. 2024, and of Wijmans et al. 2024, "Cut your losses in
 large-vocabulary language models"), so that the ``[B*T, V]`` logits never exist whole::
@@ -14,13 +14,13 @@ large-vocabulary language models"), so that the ``[B*T, V]`` logits never exist 
                                        sums[k] = sum(a_k * -log_softmax(logits_k)[target]) (+ smoothing term)
     loss = sum(sums) / den   (den: the counted targets' weights, [N]-sized work outside the loop)
 
-The terms are those of :func:`revgraph.losses._cross_entropy` (``ignore_index``, ``label_smoothing``, class
+The terms are those of :func:`revgraph.train.losses._cross_entropy` (``ignore_index``, ``label_smoothing``, class
 weights, the divisor ``max(count, 1)``); only the order of the float sums differs (chunk by chunk), so the loss
 and the gradients equal the unchunked ones to float32 rounding (tests/test_chunked_loss.py: 1e-6).
 
 The backward must not keep the chunks' logits either: the loop's VJP under the ``store`` policy would stack each
 iteration's ``[C, V]`` log-softmax, ``[N, V]`` in all. :func:`revgraph.training_graph` therefore differentiates
-the chunk loops of :attr:`LossSpec.recompute <revgraph.losses.LossSpec>` with the ``recompute`` policy
+the chunk loops of :attr:`LossSpec.recompute <revgraph.train.losses.LossSpec>` with the ``recompute`` policy
 (:class:`revgraph.autodiff.policies.PerLoop`; every other loop keeps ``checkpoint=``): the forward loop carries
 nothing and keeps nothing but each chunk's sum, and each backward iteration recomputes its chunk's logits from
 ``h`` and ``W``: one more projection per step, the gradients of ``h`` and ``W`` summed over the chunks.
@@ -180,7 +180,7 @@ def auto_chunk(vi: ValueInfo, hidden: int | str | None, budget) -> int | None:
 
 def chunked_cross_entropy(b, proj: Projection, targets: str, dt, opts: dict, chunk: int) -> tuple[str, str]:
     """The mean cross-entropy of the logits ``proj`` computes, at ``targets`` (int64, the logits' shape without
-    the class axis), with the options of :func:`revgraph.losses._cross_entropy`, as a ``Loop`` over chunks of
+    the class axis), with the options of :func:`revgraph.train.losses._cross_entropy`, as a ``Loop`` over chunks of
     ``chunk`` tokens (module doc). ``b``: the loss's node builder. Returns ``(loss, name of the Loop node)``."""
     ii, smooth, w = opts["ignore_index"], opts["label_smoothing"], opts["class_weights"]
     to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dt))

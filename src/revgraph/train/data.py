@@ -48,7 +48,7 @@ class Dataset:
         return {**out, **self.static} if len(next(iter(out.values()))) else out
 
     def weight(self, rows) -> float:
-        """What the loss of ``rows`` is a mean over (:func:`revgraph.losses.loss_weight`): samples, or counted
+        """What the loss of ``rows`` is a mean over (:func:`revgraph.train.losses.loss_weight`): samples, or counted
         targets (``ignore_index``, class weights); only the targets are gathered."""
         count = len(np.arange(self.n)[rows])
         spec = self.spec.loss
@@ -255,7 +255,7 @@ def load_npy(path, mmap: bool = True) -> np.ndarray:
 def read_static(specs: list[str], shapes: Mapping | None = None) -> dict[str, np.ndarray]:
     """``--static NAME=FILE`` arguments as arrays: ``FILE`` a ``.npy`` file, or ``FILE.npz:member`` (one member of
     an ``.npz``, the only one decompressed, bounded first by ``shapes[NAME]``, the shape the model declares for
-    it, :func:`revgraph.archive.read_archive`). Raises :class:`InputError` (one line) for a malformed argument,
+    it, :func:`revgraph.onnx_io.archive.read_archive`). Raises :class:`InputError` (one line) for a malformed argument,
     a name given twice, or a file or member that cannot be read."""
     from ..cli.common import read_npz
 

@@ -1,10 +1,10 @@
 """Which engine runs a :class:`revgraph.Trainer`'s steps, and the settings that pick it: :class:`EngineSettings`
 and :func:`create_engine` (the one place an engine is created).
 
-One process (or a world of one): :func:`revgraph.steps.make_engine` (the fused step graph, one or two buffer
-sets). Data-parallel: :class:`~revgraph.distributed.data_parallel.DistributedEngine` (gradients all-reduced
-between the backward and the update), its sharded form (ZeRO-1/2: :mod:`revgraph.sharding`), or the
-synchronized-BatchNormalization engine (:mod:`revgraph.sync_batchnorm_engine`). The settings are checked here
+One process (or a world of one): :func:`revgraph.train.engines.make_engine` (the fused step graph, one or two buffer
+sets). Data-parallel: :class:`~revgraph.train.distributed.data_parallel.data_parallel.DistributedEngine` (gradients all-reduced
+between the backward and the update), its sharded form (ZeRO-1/2: :mod:`revgraph.train.distributed.sharding`), or the
+synchronized-BatchNormalization engine (:mod:`revgraph.train.distributed.sync_batchnorm_engine`). The settings are checked here
 before any graph is built, and the data-parallel ranks compare them (:meth:`EngineSettings.agreement`) before
 any step.
 """
@@ -25,7 +25,7 @@ class EngineSettings:
     ``reduce_dtype``, ``overlap``: ``True``/``False``/``"auto"``), ``shard`` (``"none"``, ``"optimizer"``,
     ``"gradients"``), ``sync_batchnorm`` and ``distributed`` (the Trainer's arguments of the same names).
     Raises :class:`RevgraphError` / :class:`InputError` (one line) for values out of range and combinations
-    that are refused (:func:`revgraph.exchange.refused_combination`)."""
+    that are refused (:func:`revgraph.train.distributed.exchange.refused_combination`)."""
 
     buffers: str = "one"
     bucket_mb: float = BUCKET_MB
@@ -74,8 +74,8 @@ class EngineSettings:
 
 def create_engine(spec, settings: EngineSettings, threads: int, device, runtime, comm=None, synced=None):
     """The engine that runs ``spec``'s steps (module doc) on ``device`` with onnxruntime's ``threads`` and
-    ``runtime`` options; ``comm`` the data-parallel :class:`~revgraph.distributed.data_parallel.Collective` (or
-    ``None``), ``synced`` the synchronized-BatchNormalization rewrite (:func:`revgraph.sync_batchnorm.synchronized`).
+    ``runtime`` options; ``comm`` the data-parallel :class:`~revgraph.train.distributed.data_parallel.data_parallel.Collective` (or
+    ``None``), ``synced`` the synchronized-BatchNormalization rewrite (:func:`revgraph.train.distributed.sync_batchnorm.synchronized`).
     Raises :class:`InputError` for ZeRO sharding of a model with training-mode BatchNormalization."""
     exchange = {"bucket_mb": settings.bucket_mb, "reduce_dtype": settings.reduce_dtype, "overlap": settings.overlap}
     one_set = settings.buffers == "one"

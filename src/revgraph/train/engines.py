@@ -1,7 +1,7 @@
 """Run training-step graphs step after step, with the parameters and optimizer state kept on the device.
 
 :class:`Engine` holds the parameters, the optimizer state and the step counter in onnxruntime ``OrtValue``
-buffers on the device (:mod:`revgraph.devices`), never copied through numpy between steps; each step rebinds
+buffers on the device (:mod:`revgraph.runtime.devices`), never copied through numpy between steps; each step rebinds
 only the batch, and only the loss (a scalar) is copied out per step. Two layouts:
 
 - **two buffer sets** (:class:`FusedEngine`): one step reads the current set and writes the new values straight
@@ -11,7 +11,7 @@ only the batch, and only the loss (a scalar) is copied out per step. Two layouts
 - **one buffer set** (:class:`SplitEngine`): the step graph cut in two (:func:`revgraph.train.split_step`): the
   grad graph writes the loss and the gradients (into buffers kept from step to step), then the update graph
   writes each new value into the buffer of the old one: its output ``p.new`` is bound to the ``OrtValue`` of
-  its input ``p``. That is done for each pair that :func:`revgraph.inplace.inplace_pairs` finds safe (every node
+  its input ``p``. That is done for each pair that :func:`revgraph.ir.inplace.inplace_pairs` finds safe (every node
   that may read the old value runs before the node writing the new one); the other pairs (the int64 step,
   read twice by the update) keep two buffers that swap. Parameters, state and gradients take 4P for Adam.
   onnxruntime writes the bound buffers themselves (their data pointers do not change) and the numbers equal the
@@ -23,7 +23,7 @@ asked to keep them (``keep_previous=True``: the update then writes a fresh set, 
 :meth:`Engine.release` or the next step). A step whose loss fails ``accept`` is not applied at all (the split
 engine runs no update; the fused engine swaps back).
 
-The data-parallel engine of :mod:`revgraph.distributed` is a :class:`SplitEngine` with an all-reduce between
+The data-parallel engine of :mod:`revgraph.train.distributed.data_parallel` is a :class:`SplitEngine` with an all-reduce between
 the halves.
 """
 
@@ -239,7 +239,7 @@ class FusedEngine(Engine):
 
 class SplitEngine(Engine):
     """The step cut in two (module doc): the grad graph, then the update graph writing over its inputs where
-    :func:`~revgraph.inplace.inplace_pairs` finds it safe (``one_set=False``: nowhere, two buffer sets).
+    :func:`~revgraph.ir.inplace.inplace_pairs` finds it safe (``one_set=False``: nowhere, two buffer sets).
 
     Subclasses change what happens between the halves (:meth:`_gradients`) and where the gradients live
     (:meth:`_make_gradient_buffers`)."""

@@ -65,7 +65,7 @@ class FitPlan:
 
     @property
     def run(self) -> dict:
-        """What a snapshot's position depends on (checked on resume: :mod:`revgraph.snapshot_checks`)."""
+        """What a snapshot's position depends on (checked on resume: :mod:`revgraph.train.snapshot_checks`)."""
         return {"batch_size": self.batch_size, "world_size": self.world, "seed": self.seed, "shuffle": self.shuffle,
                 "samples": self.n, "accumulate_steps": self.accumulate}
 
@@ -156,7 +156,7 @@ def shard(rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
 
 def learning_rate(trainer, step: int, total: int | None) -> float:
     """The learning rate of the step taken at step counter ``step`` (0-based), as the graph computes it
-    (:func:`revgraph.schedules.learning_rate`)."""
+    (:func:`revgraph.train.schedules.learning_rate`)."""
     opt = trainer.spec.optimizer
     return opt.lr if opt.schedule is None else opt.lr * opt.schedule.factor(step, total, opt.lr)
 
@@ -179,7 +179,7 @@ class Evaluation:
 
 def train(trainer, plan: FitPlan, arrays, pos, *, stop: bool, total_steps: int | None, checkpoint_dir,
           checkpoint_every: int, bar: Bar, description: str, evaluation: Evaluation, callbacks) -> bool:
-    """Run ``plan`` from position ``pos`` (a :class:`revgraph.run_record.Position`, updated in place): every
+    """Run ``plan`` from position ``pos`` (a :class:`revgraph.train.run_record.Position`, updated in place): every
     step, snapshots, evaluation and the callbacks' records (module doc). Returns whether a step ran."""
     rank, world, n = trainer.rank, trainer.world_size, plan.n
     seen, started, stepped = 0, time.perf_counter(), False

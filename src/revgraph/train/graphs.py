@@ -8,14 +8,14 @@
 
 It is built from :func:`loss_graph` (the model plus loss nodes) and :func:`revgraph.gradient`, with the
 optimizer's formulas appended as default-domain ONNX nodes (no ``ai.onnx.preview.training`` operators, so any
-ONNX runtime runs it). :class:`revgraph.trainer.Trainer` runs such a graph step after step.
+ONNX runtime runs it). :class:`revgraph.train.trainer.Trainer` runs such a graph step after step.
 
-Losses are in :mod:`revgraph.losses`, optimizers and their update formulas in :mod:`revgraph.optimizers`.
+Losses are in :mod:`revgraph.train.losses`, optimizers and their update formulas in :mod:`revgraph.train.optimizers`.
 
 Sparse tables. A parameter read only through ``Gather`` (an embedding table) gets its gradient as rows
 (``revgraph.gradient(..., sparse=True)``), never a dense ``[R, ...]`` gradient; its update
-(:func:`revgraph.optimizers.sparse_update`) is torch's dense update by default, or the lazy row update of
-``torch.optim.SparseAdam`` with ``Optimizer.embedding_update="lazy"`` (:mod:`revgraph.optimizers`).
+(:func:`revgraph.train.optimizers.sparse_update`) is torch's dense update by default, or the lazy row update of
+``torch.optim.SparseAdam`` with ``Optimizer.embedding_update="lazy"`` (:mod:`revgraph.train.optimizers`).
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ __all__ = ["GROUP_ELEMENTS", "LOSSES", "OPTIMIZERS", "SCHEDULES", "LossSpec", "O
            "split_step", "trainable", "training_graph"]
 
 
-@V.arguments(model=V.GRAPH)  # (params, freeze: revgraph.selection)
+@V.arguments(model=V.GRAPH)  # (params, freeze: revgraph.train.selection)
 def trainable(model: Graph, params: Iterable[str] | None = None, freeze: Iterable[str] | None = None) -> list[str]:
     """The parameters: ``params`` (names or fnmatch globs over initializer names), or by default the LoRA
     adapters of a model that has them, else every floating-point initializer; less those ``freeze`` names, in
-    declaration order. See :func:`revgraph.selection.select` (the errors it raises)."""
+    declaration order. See :func:`revgraph.train.selection.select` (the errors it raises)."""
     from .selection import select
 
     return select(model, params, freeze)
@@ -117,16 +117,16 @@ class TrainingGraph:
     #: ``training_graph(..., loss_seed=True)``: the scalar input scaling the loss's cotangent (gradients of
     #: ``seed * loss``; data-parallel ranks with sync_batchnorm feed their share ``n_r / N``)
     seed: str | None = None
-    #: the parameters weight decay is not applied to (:func:`revgraph.schedules.excluded`)
+    #: the parameters weight decay is not applied to (:func:`revgraph.train.schedules.excluded`)
     no_decay: list[str] = field(default_factory=list)
     #: linear and cosine schedules: the int64 scalar input of the schedule's total steps and its output (carried
     #: unchanged from step to step; :meth:`revgraph.Trainer.fit` sets it), else ``None``
     total: str | None = None
     new_total: str | None = None
-    #: the step's precision (:data:`revgraph.precision.PRECISIONS`): ``"fp32"``, or ``"bf16"``/``"fp16"``
-    #: products with float32 master weights (:mod:`revgraph.precision`)
+    #: the step's precision (:data:`revgraph.train.precision.PRECISIONS`): ``"fp32"``, or ``"bf16"``/``"fp16"``
+    #: products with float32 master weights (:mod:`revgraph.train.precision`)
     precision: str = "fp32"
-    #: fp16: the dynamic loss scaling's names (:class:`revgraph.precision.LossScale`; carried state), or None
+    #: fp16: the dynamic loss scaling's names (:class:`revgraph.train.precision.LossScale`; carried state), or None
     scaling: object = None
     #: quantization-aware training: QuantizeLinear -> DequantizeLinear pairs differentiated with the
     #: straight-through estimator (recorded in a snapshot: it changes the gradients)
@@ -167,7 +167,7 @@ class TrainingGraph:
         return [*self.params, *([self.scaling.scale] if self.scaling is not None else [])]
 
 
-# (params, freeze: checked by revgraph.selection; loss_options: by revgraph.losses)
+# (params, freeze: checked by revgraph.train.selection; loss_options: by revgraph.train.losses)
 @V.arguments(model=V.MODEL, loss=V.TEXT, optimizer=V.OPTIMIZER, output=V.NAME, checkpoint=V.POLICY,
              memory=V.BUDGET, loss_seed=V.FLAG, straight_through=V.FLAG)
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
@@ -179,17 +179,17 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     """The training-step graph of ``model`` (module doc): loss, gradients, optimizer update, as ONNX nodes.
 
     ``model`` is a :class:`Graph`, a ModelProto or a path; ``loss`` one of :data:`LOSSES` (``"output:NAME"``
-    included) and ``loss_options`` its options (:func:`revgraph.losses.loss_graph`); ``optimizer`` an
+    included) and ``loss_options`` its options (:func:`revgraph.train.losses.loss_graph`); ``optimizer`` an
     :class:`Optimizer` or a name (PyTorch's default hyperparameters); ``output`` the model output the loss
     reads (default: the only one); ``params`` the initializers to train, names or ``fnmatch`` globs, and
     ``freeze`` globs of those not to train (default: every float one, or the LoRA adapters of an adapted model;
-    the others stay initializers; :func:`revgraph.selection.select`); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
+    the others stay initializers; :func:`revgraph.train.selection.select`); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
     :func:`revgraph.gradient` (a fraction, bytes or a ``revgraph.Budget``; the plan is ``graph.memory_plan``),
     under which the loss option ``chunk_tokens="auto"`` (the default) may compute the output projection and the loss
     in chunks of tokens (:mod:`revgraph.train.chunked_loss`; a chunk loop is differentiated with ``recompute``).
     ``loss_seed=True`` adds the scalar input ``TrainingGraph.seed`` that multiplies the loss's cotangent.
-    ``precision``: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a :class:`revgraph.precision.Precision`
-    (mixed precision, fp16 with dynamic loss scaling: :mod:`revgraph.precision`). ``straight_through``: the
+    ``precision``: ``"fp32"`` (default), ``"bf16"``, ``"fp16"`` or a :class:`revgraph.train.precision.Precision`
+    (mixed precision, fp16 with dynamic loss scaling: :mod:`revgraph.train.precision`). ``straight_through``: the
     straight-through estimator through ``QuantizeLinear -> DequantizeLinear`` pairs (quantization-aware
     training; :func:`revgraph.gradient`'s option, refused without it).
     Raises :class:`RevgraphError` (one line) for bad names or values, and what :func:`revgraph.gradient`
@@ -328,7 +328,7 @@ def eval_graph(tg: TrainingGraph) -> Graph:
     """The model plus its loss with the parameters as inputs: outputs ``[loss, model output]`` (what
     :meth:`Trainer.evaluate` runs with the current parameters). Training-mode ``BatchNormalization`` nodes
     normalize with their running statistics here (``torch.nn.Module.eval()``;
-    :func:`revgraph.sync_batchnorm.inference_batchnorms`)."""
+    :func:`revgraph.train.distributed.sync_batchnorm.inference_batchnorms`)."""
     loss, options = tg.loss.rebuild()
     g, _ = loss_graph(tg.model, loss, **options)
     inference_batchnorms(g)

@@ -501,7 +501,7 @@ def _add_exact(base: Graph, configuration: dict, weights: list[str]) -> Graph:
 @V.arguments(path=V.PATH, graph=V.GRAPH)
 def save_adapters(path: str | os.PathLike, graph: Graph) -> tuple[int, int]:
     """Write the adapters of ``graph`` and their configuration to ``path`` atomically: ``.npz`` (the arrays by
-    name, the configuration as the string member ``revgraph.lora``; :mod:`revgraph.npz`) or ``.onnx`` (a model
+    name, the configuration as the string member ``revgraph.lora``; :mod:`revgraph.onnx_io.npz`) or ``.onnx`` (a model
     without nodes whose outputs are the adapter initializers, the configuration in its metadata). Returns
     ``(tensors, elements)``."""
     from ..onnx_io import save
@@ -556,7 +556,7 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]
     if suffix != ".npz":
         raise RevgraphError(f"cannot read adapters from {str(path)!r}: give an .npz or .onnx file written by "
                             "revgraph lora extract")
-    # every member is read (all are adapters), each bounded before it is decompressed (revgraph.archive)
+    # every member is read (all are adapters), each bounded before it is decompressed (revgraph.onnx_io.archive)
     label = repr(os.fspath(path))
     fix = "write the file with revgraph lora extract"
     z = read_archive(path, what=".npz file of adapters")

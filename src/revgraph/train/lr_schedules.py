@@ -1,14 +1,14 @@
 """The learning-rate schedules' registry (:data:`SCHEDULES`): each schedule is a :class:`Kind` subclass whose
 decay formula is written once (:meth:`Kind.decay`), against a small arithmetic interface with two
-implementations: :class:`Floats` (Python floats: the value :meth:`revgraph.schedules.Schedule.factor` reports)
-and :class:`Nodes` (float64 ONNX nodes of the training-step graph: :func:`revgraph.schedules.learning_rate`).
+implementations: :class:`Floats` (Python floats: the value :meth:`revgraph.train.schedules.Schedule.factor` reports)
+and :class:`Nodes` (float64 ONNX nodes of the training-step graph: :func:`revgraph.train.schedules.learning_rate`).
 So the rate a run logs and the rate its graph computes come from one definition and cannot drift apart.
 
 A formula sees ``s`` (the step counter, 0 for the first step), ``t`` (the total steps, only for a kind with
 :attr:`Kind.needs_total`) and ``w`` (the warmup steps, a Python int); ``+ - * /`` with Python numbers on either
 side, and ``m.max``, ``m.min``, ``m.cos``, ``m.sqrt`` (and ``m.where_less(a, b, x, y)``, ``x()`` where
 ``a < b`` else ``y()``, the branches given as functions). :func:`factor` adds what every schedule shares (the
-linear warmup from 0 and the decay towards ``min_lr``; module doc of :mod:`revgraph.schedules`). A new schedule
+linear warmup from 0 and the decay towards ``min_lr``; module doc of :mod:`revgraph.train.schedules`). A new schedule
 is one registered class here or in user code (:func:`register`); the CLI's ``--lr-schedule`` choices, the
 argument checks and the snapshot record read the registry.
 """

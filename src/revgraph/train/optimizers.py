@@ -26,7 +26,7 @@ Optimizers (``g`` the gradient, ``p`` the parameter, ``t = step + 1`` the 1-base
   the step, ``p <- p * (1 - lr * wd)``. (ONNX Adam's ``norm_coefficient_post`` decays after the step instead,
   which differs by a factor ``1 - lr * wd`` on the step.)
 
-With :mod:`revgraph.schedules`, ``lr`` above is this step's scheduled rate (``Optimizer.lr`` is the peak), ``g``
+With :mod:`revgraph.train.schedules`, ``lr`` above is this step's scheduled rate (``Optimizer.lr`` is the peak), ``g``
 is the clipped gradient, and ``wd`` is 0 for the parameters weight decay skips (``Optimizer.no_decay``).
 
 Small dense parameters (:data:`GROUP_ELEMENTS`) of one dtype and one shape but the first axis are updated as
@@ -71,8 +71,8 @@ class Step:
     """What an optimizer's update formula gets besides the parameter, its gradient and its state: the builder
     ``b``, the graph's shared scalars ``s`` (:class:`Scalars`: this step's learning rate, Adam's bias
     corrections), the dtype ``dt`` of the tensor, and the weight decay that applies to it: ``wd`` (0 where
-    :func:`revgraph.schedules.excluded` skips the tensor) and ``mask`` (``None``, or a boolean mask of the
-    tensor's shape: the elements of a flat shard that belong to decayed parameters, :mod:`revgraph.sharding`)."""
+    :func:`revgraph.train.schedules.excluded` skips the tensor) and ``mask`` (``None``, or a boolean mask of the
+    tensor's shape: the elements of a flat shard that belong to decayed parameters, :mod:`revgraph.train.distributed.sharding`)."""
 
     def __init__(self, b: Builder, s: Scalars, dt, decay: bool | np.ndarray = True):
         self.b, self.s, self.dt = b, s, dt
@@ -122,7 +122,7 @@ class Method:
     ``momentum`` given to a method that does not read it is refused). ``defaults``: :func:`make_optimizer`'s
     values for ``lr`` and ``weight_decay`` (PyTorch's). ``decay``: how it applies ``weight_decay``, ``"L2
     penalty"`` or ``"decoupled decay"`` (the CLI's help says so). ``nonnegative``: the state slots that stay
-    >= 0, with what each is (a snapshot holding a negative one is refused, :mod:`revgraph.snapshot_checks`).
+    >= 0, with what each is (a snapshot holding a negative one is refused, :mod:`revgraph.train.snapshot_checks`).
     ``elementwise``: :meth:`update` computes each element from the same element of ``p``, ``g`` and the state
     (and scalars), and takes ``g=None``; :func:`sparse_update` then updates a table without its dense gradient
     (otherwise it scatters the rows into one, which is right for any formula).
@@ -250,7 +250,7 @@ class Optimizer:
 
     ``kind`` names its :class:`Method` in :data:`OPTIMIZERS` (``"sgd"``, ``"adam"``, ``"adamw"``); ``lr > 0`` (the peak rate when scheduled); ``momentum``
     in [0, 1) (SGD only); ``betas`` in [0, 1) and ``eps > 0`` (Adam, AdamW); ``weight_decay >= 0``.
-    :mod:`revgraph.schedules`: ``schedule`` (a :class:`~revgraph.schedules.Schedule`, ``None``: constant),
+    :mod:`revgraph.train.schedules`: ``schedule`` (a :class:`~revgraph.train.schedules.Schedule`, ``None``: constant),
     ``clip_grad_norm`` (``None`` or the global-norm threshold ``> 0``) and ``no_decay`` (the parameters weight
     decay skips: ``"default"`` biases and 1-D parameters, ``"none"``, name patterns or a predicate).
     ``embedding_update``: how a table read only through ``Gather`` is updated from its gradient rows (module
@@ -277,7 +277,7 @@ class Optimizer:
         object.__setattr__(self, "clip_grad_norm", check_clip(self.clip_grad_norm))
         object.__setattr__(self, "no_decay", check_no_decay(self.no_decay))
         if self.schedule is not None and not isinstance(self.schedule, Schedule):
-            raise RevgraphError(f"schedule must be a revgraph.schedules.Schedule, got {self.schedule!r}")
+            raise RevgraphError(f"schedule must be a revgraph.train.schedules.Schedule, got {self.schedule!r}")
         if not isinstance(self.kind, str) or self.kind not in OPTIMIZERS:
             raise RevgraphError(f"unknown optimizer {self.kind!r}; choose one of {', '.join(OPTIMIZERS)}")
         from ..validate import is_number
@@ -321,7 +321,7 @@ class Optimizer:
 
     def settings(self) -> dict:
         """Every setting of this optimizer that changes the numbers a step computes, JSON-able (tuples as lists),
-        under the names a snapshot records them (:func:`revgraph.run_record.record`): ``"optimizer"`` (the kind),
+        under the names a snapshot records them (:func:`revgraph.train.run_record.record`): ``"optimizer"`` (the kind),
         each hyperparameter field, and the schedule's ``lr_schedule``, ``warmup_steps`` and ``min_lr``. The one
         description of the optimizer that the snapshot record, the snapshot checks (:func:`setting_types`) and the
         data-parallel ranks' comparison read, so a new field is recorded, checked and compared with no list to
@@ -346,7 +346,7 @@ _NOT_SETTINGS = ("kind", "schedule", "no_decay")
 
 def setting_types() -> dict[str, tuple[type, ...]]:
     """The JSON types of :meth:`Optimizer.settings`' entries, read from the fields' defaults (a snapshot's record
-    is checked against them: :mod:`revgraph.snapshot_checks`)."""
+    is checked against them: :mod:`revgraph.train.snapshot_checks`)."""
     import dataclasses
 
     number, optional = (int, float), (int, float, type(None))
@@ -405,8 +405,8 @@ def make_optimizer(name: str, *, lr: float | None = None, momentum: float | None
 
 def configure(opt: Optimizer, *, schedule: Schedule | None = None, clip_grad_norm: float | None = None,
               no_decay=None, embedding_update: str | None = None) -> Optimizer:
-    """``opt`` with the settings that are given (not ``None``) replaced: the :mod:`revgraph.schedules` ones,
-    ``schedule`` (a :class:`~revgraph.schedules.Schedule`), ``clip_grad_norm``, ``no_decay`` (``"default"``,
+    """``opt`` with the settings that are given (not ``None``) replaced: the :mod:`revgraph.train.schedules` ones,
+    ``schedule`` (a :class:`~revgraph.train.schedules.Schedule`), ``clip_grad_norm``, ``no_decay`` (``"default"``,
     ``"none"``, patterns or a predicate), and ``embedding_update`` (``"dense"`` or ``"lazy"``,
     :data:`EMBEDDING_UPDATES`). Raises :class:`RevgraphError` for values out of range."""
     from dataclasses import replace
@@ -483,7 +483,7 @@ class Scalars:
 
     @property
     def scheduled(self) -> bool:
-        """Whether the learning rate is a graph value computed from ``step`` (:mod:`revgraph.schedules`)."""
+        """Whether the learning rate is a graph value computed from ``step`` (:mod:`revgraph.train.schedules`)."""
         return self.opt.schedule is not None and self.opt.schedule.varies
 
     def lr64(self) -> str:
@@ -543,8 +543,8 @@ def update(b: Builder, s: Scalars, p: str, g: str | None, state: list[str], dt,
     """The dense update of ``p`` (any shape) from gradient ``g``: ``(new p, new state)`` (module doc);
     ``g=None``: a zero gradient, its terms left out (:meth:`Method.update`).
 
-    ``decay``: whether weight decay applies (:func:`revgraph.schedules.excluded`), or a boolean mask of ``p``'s
-    shape (elements of a flat shard that belong to decayed parameters: :mod:`revgraph.sharding`).
+    ``decay``: whether weight decay applies (:func:`revgraph.train.schedules.excluded`), or a boolean mask of ``p``'s
+    shape (elements of a flat shard that belong to decayed parameters: :mod:`revgraph.train.distributed.sharding`).
     Each node is one pass over the tensor, so the formulas are arranged for few passes with the same math
     as ``torch.optim`` (``torch/optim/adam.py``, ``_single_tensor_adam``): ``m' = b1 m + (1 - b1) g`` (PyTorch's
     ``lerp(m, g, 1 - b1)`` to rounding; measured a little faster than ``m + (1 - b1)(g - m)``, which reads
@@ -564,7 +564,7 @@ def sparse_update(b: Builder, s: Scalars, p: str, idx: str, rows: str, state: li
     over the update of the whole table with a zero gradient (``"dense"``: equal to :func:`update` on the dense
     gradient, ``torch.optim``'s update, without that ``[R, ...]`` gradient; a method that is not
     ``Method.elementwise`` gets the rows scattered into zeros and :func:`update`). ``unique=True``: ``idx`` and
-    ``rows`` are coalesced already (:func:`revgraph.schedules.coalesce`, as the clipping does before it takes
+    ``rows`` are coalesced already (:func:`revgraph.train.schedules.coalesce`, as the clipping does before it takes
     the norm). ``decay``: whether weight decay applies to ``p``. Returns ``(new p, [new state])``."""
     if unique:
         g = rows

@@ -1,6 +1,6 @@
 """What a checkpoint records about its run, and resuming from it: :func:`record`, :func:`save`, :func:`resume`.
 
-A checkpoint (:mod:`revgraph.checkpoints`) holds the parameters, the optimizer state, the step counter (and a
+A checkpoint (:mod:`revgraph.train.snapshots`) holds the parameters, the optimizer state, the step counter (and a
 schedule's total steps) and, in its metadata, the position in the data and what that position depends on
 (batch size, world size, seed, shuffling, samples, accumulation), plus ``"hyperparameters"``, the record of
 every setting that changes the numbers a step computes (:func:`record`): the optimizer kind, ``lr``,
@@ -85,7 +85,7 @@ def check_overrides(override, now: dict) -> list[str]:
 
 def save(trainer, directory, run: dict, pos, total: int | None) -> None:
     """Rank 0 writes a checkpoint of the trainer's current state at ``pos`` (the next batch to train); a sharded
-    engine gathers the state on every rank first (:mod:`revgraph.sharding`), so the file is the same."""
+    engine gathers the state on every rank first (:mod:`revgraph.train.distributed.sharding`), so the file is the same."""
     engine = trainer._engine
     gathers = getattr(engine, "gathers", False)
     if not trainer.is_main and not gathers:
@@ -114,7 +114,7 @@ class Position:
 def resume(trainer, directory, run: dict, total: int | None, override=(), console=None, *, epochs: int | None = None,
            finite: bool = False) -> Position:
     """Load the checkpoint in ``directory`` into the trainer's engine (on every rank; rank 0 reads the file and
-    checks every field of it, :mod:`revgraph.snapshot_checks`, before anything is loaded) and return its position
+    checks every field of it, :mod:`revgraph.train.snapshot_checks`, before anything is loaded) and return its position
     in the data (the start when there is none); set the trainer's ``taken_before`` and ``resumed`` (the per-step
     losses are not in a snapshot: ``trainer.losses`` holds this process's). ``epochs``: of this
     fit; ``finite``: the run stops at non-finite values, so the snapshot may hold none. Raises

@@ -19,7 +19,7 @@ So the decay reaches ``min_lr`` at ``s = T``, after the last step (``s = T - 1``
 ``T`` (steps taken after the run it was planned for) both stay at ``min_lr`` (the ``min(1, .)``: transformers'
 cosine would rise again). ``f`` is computed in float64 from ``step`` (PyTorch computes it in Python floats) and
 ``lr(s)`` replaces the constant learning rate everywhere the update reads it: SGD's ``p - lr v``, Adam's step
-size ``lr sqrt(1 - b2^t) / (1 - b1^t)`` (:meth:`revgraph.optimizers.Scalars.bias`, so the bias correction
+size ``lr sqrt(1 - b2^t) / (1 - b1^t)`` (:meth:`revgraph.train.optimizers.Scalars.bias`, so the bias correction
 uses the scheduled rate as ``torch.optim.Adam`` under ``LambdaLR`` does) and AdamW's decay ``1 - lr wd``.
 
 The total ``T`` (linear and cosine only): ``Schedule(total_steps=T)``, or, left ``None``, the number of steps
@@ -27,7 +27,7 @@ The total ``T`` (linear and cosine only): ``Schedule(total_steps=T)``, or, left 
 the graph (the graph is built before ``fit`` knows the data): it is the int64 scalar input
 ``TrainingGraph.total`` carried from step to step unchanged, like ``step``, which ``fit`` sets before the first
 step. Both are saved in checkpoints, so a resumed run computes the same rates; the checkpoint also records
-``total_steps`` (:mod:`revgraph.run_record`), and resuming with another total (more epochs) is refused unless
+``total_steps`` (:mod:`revgraph.train.run_record`), and resuming with another total (more epochs) is refused unless
 overridden.
 
 **Clipping** (``--clip-grad-norm C``): ``torch.nn.utils.clip_grad_norm_``: the global L2 norm
@@ -239,7 +239,7 @@ def scaled(b: Builder, g: str, coef: str, dt, cache: dict) -> str:
 def clipped_gradients(b: Builder, tg, max_norm: float) -> dict[str, list[str]]:
     """The gradients of ``tg`` scaled by the clipping coefficient of their global norm (module doc): ``{p: [g]}``
     for a dense parameter and ``{p: [unique indices, coalesced rows]}`` for a sparse table (rows already
-    coalesced: :func:`revgraph.optimizers.sparse_update` with ``unique=True``)."""
+    coalesced: :func:`revgraph.train.optimizers.sparse_update` with ``unique=True``)."""
     out: dict[str, list[str]] = {}
     parts = []
     with b.scope("optim/clip"):
@@ -256,7 +256,7 @@ def clipped_gradients(b: Builder, tg, max_norm: float) -> dict[str, list[str]]:
 
 
 def clipped_shards(b: Builder, spec, dense_squares: str, grads: dict, dtypes: dict) -> tuple[dict, dict]:
-    """The clipping of a sharded update (:mod:`revgraph.sharding`): ``grads`` (unit -> gradient shard, of
+    """The clipping of a sharded update (:mod:`revgraph.train.distributed.sharding`): ``grads`` (unit -> gradient shard, of
     ``dtypes[unit]``) and the sparse tables' rows of ``spec`` scaled by the clipping coefficient of the global
     norm, whose dense part is the float64 scalar ``dense_squares`` (every rank's shards' squares, summed by the
     engine's all-reduce) and whose sparse part the coalesced rows add here (replicated tables: every rank adds
@@ -274,7 +274,7 @@ def clipped_shards(b: Builder, spec, dense_squares: str, grads: dict, dtypes: di
 
 def flat_decay(unit, no_decay) -> bool | np.ndarray:
     """Whether weight decay applies to a rank's shard ``[lo, lo + k)`` of a flat unit of parameters
-    (:class:`revgraph.shard_plan.Unit`: ``names`` at ``offsets`` with ``shapes``): ``True``/``False`` when it does
+    (:class:`revgraph.train.distributed.shard_plan.Unit`: ``names`` at ``offsets`` with ``shapes``): ``True``/``False`` when it does
     for every element in it, else a boolean mask of ``k`` elements (false on those of the ``no_decay``
     parameters; the zero padding decays, which leaves it zero)."""
     mask = np.ones(unit.length, bool)

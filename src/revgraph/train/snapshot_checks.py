@@ -1,4 +1,4 @@
-"""A training snapshot (``<dir>/checkpoint.npz``, :mod:`revgraph.checkpoints`) is untrusted input: reading it and
+"""A training snapshot (``<dir>/checkpoint.npz``, :mod:`revgraph.train.snapshots`) is untrusted input: reading it and
 checking every field before a step is trained on it.
 
 :func:`read` opens the archive with bounds: the members must be exactly ``meta`` and ``a0`` ... ``a{k-1}`` (no
@@ -17,7 +17,7 @@ unless the run allows non-finite values. (A snapshot written before issue 38 hol
 of ``steps_taken``: the means and the sum must be those of the losses, recomputed bit for bit, as many as
 ``earlier_losses`` (of a trainer's earlier fits) and the batches up to the position. The history grew without
 bound, 67 KB at 720 steps: it is the ``--log`` file's now.) ``hyperparameters`` (an object of the recorded names, each of its type;
-differences are :mod:`revgraph.run_record`'s). An unknown field is refused. :func:`check_arrays` checks the
+differences are :mod:`revgraph.train.run_record`'s). An unknown field is refused. :func:`check_arrays` checks the
 values: parameters and optimizer state finite (unless allowed), Adam's second moments >= 0, the step counter
 (``steps_taken``, fewer with fp16's skipped steps), a schedule's total steps >= 0, the fp16 loss scale finite
 and > 0 and its count of good steps >= 0. Every refusal is one :class:`RevgraphError` line naming the file and
@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import RevgraphError
 from .optimizers import setting_types
 
-FORMAT = "revgraph-checkpoint-1"  # (the metadata's "format"; revgraph.checkpoints writes it)
+FORMAT = "revgraph-checkpoint-1"  # (the metadata's "format"; revgraph.train.snapshots writes it)
 #: characters the metadata may hold whatever the run (names, the record, the run's settings) ...
 META_CHARS = 1 << 20
 #: ... and per step of the step counter (a loss and an epoch mean, as JSON numbers, with room to spare)
@@ -47,7 +47,7 @@ CHARS_PER_STEP = 64
 MAX_DEPTH = 16
 #: bytes an array member may hold besides its data: the ``.npy`` header
 HEADER_BYTES = 1 << 16
-#: the fields :func:`revgraph.run_record.save` writes (``accumulate_steps`` and ``hyperparameters`` may be
+#: the fields :func:`revgraph.train.run_record.save` writes (``accumulate_steps`` and ``hyperparameters`` may be
 #: missing: checkpoints written before they existed)
 FIELDS = ("format", "names", "batch_size", "world_size", "seed", "shuffle", "samples", "accumulate_steps", "epoch",
           "batch", "epoch_loss_sum", "epoch_means", "steps_taken", "optimizer", "hyperparameters", "losses",
@@ -243,7 +243,7 @@ def _numbers(where: str, field: str, v, n: int | None, finite: bool, what: str) 
                    "saves them; --allow-nonfinite trains on regardless)")
 
 
-#: the types of the recorded hyperparameters (revgraph.run_record.record), by name
+#: the types of the recorded hyperparameters (revgraph.train.run_record.record), by name
 _NUM = (int, float)
 RECORD_TYPES = {**setting_types(), "no_decay": (list,), "total_steps": (int, type(None)), "loss": (dict, str),
                 "precision": (str,), "straight_through": (bool,), "growth_factor": _NUM, "backoff_factor": _NUM, "growth_interval": _NUM}

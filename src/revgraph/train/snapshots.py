@@ -4,7 +4,7 @@ A checkpoint is ``<dir>/checkpoint.npz``: the arrays ``a0``, ``a1``, ... (parame
 step counter, in the order the metadata lists their names) and ``meta``, a JSON text with the position in the
 data (``epoch``, ``batch``: the next batch to train), the loss sums of the epoch so far and of the finished
 epochs, and what the position depends on (``batch_size``, ``world_size``, ``seed``, ``shuffle``, ``samples``).
-It is written to a temporary file that replaces the old one in one step (:mod:`revgraph.atomic`), so a worker
+It is written to a temporary file that replaces the old one in one step (:mod:`revgraph.onnx_io.atomic`), so a worker
 killed mid-write leaves the previous checkpoint intact. It loads without pickle.
 """
 
@@ -53,7 +53,7 @@ def save(directory: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict
 def load(directory: str | os.PathLike, like: dict | None = None, order: list[str] | None = None,
          step: str | None = None, check=None) -> tuple[dict[str, np.ndarray], dict] | None:
     """``(arrays, meta)`` of ``<directory>/checkpoint.npz``, or ``None`` when there is none. ``like``, ``order``,
-    ``step``, ``check``: what this run holds (:func:`revgraph.snapshot_checks.read`: each member is checked against it
+    ``step``, ``check``: what this run holds (:func:`revgraph.train.snapshot_checks.read`: each member is checked against it
     before it is read). Raises :class:`RevgraphError` (one line naming the file and the member or field) for a
     file that is not a revgraph checkpoint (of this run)."""
     target = path_in(directory)

@@ -1,7 +1,7 @@
 """Train a model with its training-step graphs: :class:`Trainer` (``rg.Trainer``), in one process or many.
 
-The step itself runs in an engine (:mod:`revgraph.steps`: the fused step graph in one process;
-:mod:`revgraph.distributed`: the step cut in two around a gradient all-reduce, one process per rank under
+The step itself runs in an engine (:mod:`revgraph.train.engines`: the fused step graph in one process;
+:mod:`revgraph.train.distributed.data_parallel`: the step cut in two around a gradient all-reduce, one process per rank under
 ``torchrun``). This module holds what both share: the data checks, the order of the samples and each rank's
 share of it (:func:`shard`), the loop over epochs with its progress bar, evaluation, checkpoints and resuming.
 
@@ -54,51 +54,51 @@ class Trainer:
     """Train ``model`` with ``loss`` and ``optimizer`` (see :mod:`revgraph.train` for the formulas).
 
     ``model`` is a :class:`Graph`, an ``onnx.ModelProto`` or a path; ``loss`` one of
-    :data:`revgraph.losses.LOSSES` (``"cross-entropy"``, ``"mse"``, ``"bce"``, ``"causal-lm"``, ``"output:NAME"``)
+    :data:`revgraph.train.losses.LOSSES` (``"cross-entropy"``, ``"mse"``, ``"bce"``, ``"causal-lm"``, ``"output:NAME"``)
     and ``loss_options`` its options (``ignore_index``, ``label_smoothing``, ``class_weights``, ``labels_from``;
-    :func:`revgraph.losses.loss_graph`); ``optimizer`` an :class:`revgraph.train.Optimizer` or a name of
+    :func:`revgraph.train.losses.loss_graph`); ``optimizer`` an :class:`revgraph.train.Optimizer` or a name of
     :data:`revgraph.train.OPTIMIZERS` (``"sgd"``, ``"adam"``, ``"adamw"``, with PyTorch's defaults). ``output`` picks the model output the loss reads (default:
     the only one), ``params`` the initializers to train (names or fnmatch globs; default: the LoRA adapters
-    of a model that has them, :mod:`revgraph.lora`, else every floating-point one) and ``freeze`` globs of
+    of a model that has them, :mod:`revgraph.train.lora`, else every floating-point one) and ``freeze`` globs of
     initializers not to train (:func:`revgraph.train.trainable`). ``threads`` is
     onnxruntime's intra-op thread count (0: its default). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``
-    (:mod:`revgraph.devices`). ``runtime``: onnxruntime's memory settings (:class:`revgraph.RuntimeOptions`;
-    a setting left ``None`` takes :data:`revgraph.runtime_options.TRAINING_DEFAULT`: memory pattern off, arena
+    (:mod:`revgraph.runtime.devices`). ``runtime``: onnxruntime's memory settings (:class:`revgraph.RuntimeOptions`;
+    a setting left ``None`` takes :data:`revgraph.runtime.options.TRAINING_DEFAULT`: memory pattern off, arena
     on). ``buffers``: ``"one"`` (default) keeps parameters and optimizer state in one buffer set that the update
-    overwrites where :mod:`revgraph.inplace` finds it safe, ``"two"`` in two sets swapped every step (the fused
-    step graph; :mod:`revgraph.steps`); the numbers are the same. ``distributed=True`` trains data-parallel with
+    overwrites where :mod:`revgraph.ir.inplace` finds it safe, ``"two"`` in two sets swapped every step (the fused
+    step graph; :mod:`revgraph.train.engines`); the numbers are the same. ``distributed=True`` trains data-parallel with
     the other processes of a
-    ``torchrun`` launch (:mod:`revgraph.distributed`; needs ``pip install "revgraph[distributed]"``): every
+    ``torchrun`` launch (:mod:`revgraph.train.distributed.data_parallel`; needs ``pip install "revgraph[distributed]"``): every
     rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``shard``
     (with ``distributed``): ``"none"`` (default), ``"optimizer"`` (ZeRO-1: each rank keeps the optimizer state
     of its shard of the parameters) or ``"gradients"`` (ZeRO-2: and its shard of the gradients), see
-    :mod:`revgraph.sharding`; a world of one process trains unsharded. Sharded, :attr:`state` is a collective
+    :mod:`revgraph.train.distributed.sharding`; a world of one process trains unsharded. Sharded, :attr:`state` is a collective
     (every rank reads it). ``memory`` is the
     budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
     bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
-    ``trainer.spec.graph.memory_plan``. Data-parallel gradient exchange (:mod:`revgraph.exchange`):
+    ``trainer.spec.graph.memory_plan``. Data-parallel gradient exchange (:mod:`revgraph.train.distributed.exchange`):
     ``bucket_mb`` the all-reduce bucket size in MiB (DDP's ``bucket_cap_mb``, default 25), ``reduce_dtype``
     ``"fp32"`` (default: the gradients' dtype) or ``"bf16"`` (buckets all-reduced in bfloat16), ``overlap``
-    starts each bucket's all-reduce while the rest of the backward pass runs (:mod:`revgraph.overlap`; one
+    starts each bucket's all-reduce while the rest of the backward pass runs (:mod:`revgraph.train.distributed.overlap`; one
     bucket: no cut); ``"auto"`` (default): on CUDA, not on the CPU, where gloo's all-reduce competes with the
     backward for the same cores. ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (or a
-    :class:`revgraph.precision.Precision` with the fp16 loss-scaling options): matrix products and convolutions in
-    the low precision with float32 master weights, fp16 with dynamic loss scaling (:mod:`revgraph.precision`;
+    :class:`revgraph.train.precision.Precision` with the fp16 loss-scaling options): matrix products and convolutions in
+    the low precision with float32 master weights, fp16 with dynamic loss scaling (:mod:`revgraph.train.precision`;
     a 16-bit step needs a CUDA device; fp16 does not combine with ``shard`` or ``sync_batchnorm``). ``profile=True``
     times the phases of every step
-    (:attr:`times`, :mod:`revgraph.steptimes`; ``"timeline"`` also records each segment and all-reduce).
+    (:attr:`times`, :mod:`revgraph.train.steptimes`; ``"timeline"`` also records each segment and all-reduce).
     ``sync_batchnorm=True`` (data-parallel only): training-mode
     ``BatchNormalization`` nodes normalize with the statistics of the global batch, all-reduced inside the step
-    (:mod:`revgraph.sync_batchnorm`; without it each rank normalizes over its share and rank 0 warns).
+    (:mod:`revgraph.train.distributed.sync_batchnorm`; without it each rank normalizes over its share and rank 0 warns).
     ``straight_through=True``: quantization-aware training, ``QuantizeLinear -> DequantizeLinear`` pairs
     differentiated with the straight-through estimator (:func:`revgraph.gradient`'s option; refused without it).
     ``timeout`` (seconds, with ``distributed``; default
-    :data:`revgraph.launch.DEFAULT_TIMEOUT`) bounds joining the process group and every collective, so a rank
+    :data:`revgraph.train.distributed.launch.DEFAULT_TIMEOUT`) bounds joining the process group and every collective, so a rank
     that stopped fails the others with one line instead of a hang; the loss, the optimizer and its
     hyperparameters are compared across ranks here, before any step. ``schedule`` (a
-    :class:`revgraph.schedules.Schedule`), ``clip_grad_norm`` (the global-norm threshold) and ``no_decay``
+    :class:`revgraph.train.schedules.Schedule`), ``clip_grad_norm`` (the global-norm threshold) and ``no_decay``
     (``"default"``: no weight decay on biases and 1-D parameters; ``"none"``; name patterns; a predicate
-    ``(name, array) -> bool``) replace those of ``optimizer`` when given (:mod:`revgraph.schedules`; the
+    ``(name, array) -> bool``) replace those of ``optimizer`` when given (:mod:`revgraph.train.schedules`; the
     excluded parameters are ``trainer.spec.no_decay``). Raises
     :class:`RevgraphError` (one line) for bad names, a model revgraph cannot differentiate, a missing device,
     or a process group that cannot be joined.
@@ -108,7 +108,7 @@ class Trainer:
     Arrays share their first (sample) axis. Float inputs are cast to the declared dtype; labels are int64
     class indices for cross-entropy and floats of the output's shape for ``mse`` and ``bce``; ``output:NAME``
     and causal-lm on the input ids take no labels. ``data`` may also be a directory of ``.npy`` files, read
-    memory-mapped; ``static=`` gives inputs fed whole to every step (:mod:`revgraph.data`).
+    memory-mapped; ``static=`` gives inputs fed whole to every step (:mod:`revgraph.train.data`).
     """
 
     @V.arguments(**TRAINER_RULES)
@@ -128,7 +128,7 @@ class Trainer:
         local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else None
         self.device = Device.parse(device, local_rank=local_rank)  # a bare "cuda" is the local rank's GPU
         self.device.providers()  # a missing CUDA provider fails here, before the graphs are built
-        precision = make_precision(precision)  # (mixed precision: revgraph.precision)
+        precision = make_precision(precision)  # (mixed precision: revgraph.train.precision)
         self.losses: list[float] = []  # one per step of this trainer, in order (the global batch's when distributed)
         self.taken_before = 0  # steps a resumed snapshot's run took before this trainer's first (run_record.resume)
         self.last_evaluation: dict | None = None  # fit's latest evaluation of eval_data (evaluate's result)
@@ -198,7 +198,7 @@ class Trainer:
 
     @property
     def times(self) -> StepTimes | None:
-        """The per-phase timings of every step when built with ``profile`` (:class:`revgraph.steptimes.StepTimes`)."""
+        """The per-phase timings of every step when built with ``profile`` (:class:`revgraph.train.steptimes.StepTimes`)."""
         return self._engine.times
 
     @property
@@ -227,8 +227,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ data
 
     def arrays(self, data: Data, static: Mapping[str, np.ndarray] | None = None) -> datasets.Dataset:
-        """``data`` and ``static`` checked against the training graph (:func:`revgraph.data.prepare`): a
-        :class:`revgraph.data.Dataset`. Raises :class:`InputError` (one line) for missing arrays, different
+        """``data`` and ``static`` checked against the training graph (:func:`revgraph.train.data.prepare`): a
+        :class:`revgraph.train.data.Dataset`. Raises :class:`InputError` (one line) for missing arrays, different
         lengths, a static array that does not match its input, or labels that do not fit the loss."""
         return datasets.prepare(self.spec, data, static, self._classes())
 
@@ -304,12 +304,12 @@ class Trainer:
 
         ``snapshot_dir`` (also spelt ``checkpoint_dir``, its name before the loop policy and the training snapshot
         got one word each) and ``snapshot_every`` (``checkpoint_every``): rank 0 saves the parameters, optimizer state, step and data position there
-        (:mod:`revgraph.checkpoints`) every ``checkpoint_every`` steps (0: at the end of each epoch) and at
+        (:mod:`revgraph.train.snapshots`) every ``checkpoint_every`` steps (0: at the end of each epoch) and at
         the end; and when the directory already holds a checkpoint of this run, training resumes from it
         (on every rank; only rank 0 reads the file), so a restarted run reaches the weights of an
         uninterrupted one. It resumes at any world size whose global batch (``batch_size * world_size``)
         equals the checkpoint's, sharded or not (the data order and the steps are the same; elastic resume).
-        A checkpoint records every hyperparameter (:mod:`revgraph.run_record`); resuming with another value of
+        A checkpoint records every hyperparameter (:mod:`revgraph.train.run_record`); resuming with another value of
         one is refused unless ``override`` names it (a list of recorded names: ``"lr"``, ``"weight_decay"``,
         ``"lr_schedule"``, ``"total_steps"``...), which trains on with the new value and says so.
         A linear or cosine schedule without ``total_steps`` decays over the steps of this call:
@@ -322,17 +322,17 @@ class Trainer:
         step; the trainer keeps the parameters and state from before that step (nothing of it is checkpointed).
         ``"continue"`` trains on regardless. Raises :class:`InputError`
         for bad data or sizes, :class:`RevgraphError` for a checkpoint of another run or a damaged or edited one
-        (every field is checked before a step: :mod:`revgraph.snapshot_checks`). Returns the mean loss of each
+        (every field is checked before a step: :mod:`revgraph.train.snapshot_checks`). Returns the mean loss of each
         epoch (a last epoch cut short by ``max_steps``: of its batches trained). ``data`` may be a directory
         of ``.npy`` files (memory-mapped); ``static`` maps inputs to arrays fed whole to every step
-        (:mod:`revgraph.data`). A loss that is a mean over counted targets (``ignore_index``, class weights) weighs
+        (:mod:`revgraph.train.data`). A loss that is a mean over counted targets (``ignore_index``, class weights) weighs
         each micro-batch and rank by its counted targets, so a step is the mean over the global batch's.
 
         With ``distributed``, every argument (and whether ``checkpoint_dir`` is given) and the data are compared
         across ranks before the first step, and a rank that refuses its data makes every rank stop with one line.
         A deterministic failure (any :class:`RevgraphError` but a failed collective) is recorded for torchrun's
         ``--max-restarts``, and a restarted attempt stops at once with the same message
-        (:func:`revgraph.launch.recorded_failure`).
+        (:func:`revgraph.train.distributed.launch.recorded_failure`).
         """
         if snapshot_dir is not None or snapshot_every is not None:
             if checkpoint_dir is not None or checkpoint_every:
@@ -416,7 +416,7 @@ class Trainer:
                              "parameters from before it: lower the learning rate or look for NaN or infinite values "
                              "in the data (--allow-nonfinite, or fit(nonfinite='continue'), trains on regardless)")
 
-    @V.arguments(batch_size=V.POSITIVE_INT)  # (data, static: revgraph.data)
+    @V.arguments(batch_size=V.POSITIVE_INT)  # (data, static: revgraph.train.data)
     def evaluate(self, data: Data, batch_size: int = 32,
                  static: Mapping[str, np.ndarray] | None = None) -> dict[str, float | None]:
         """The mean loss over ``data`` with the current parameters (over the counted targets for a loss with

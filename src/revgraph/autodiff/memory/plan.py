@@ -34,8 +34,8 @@ last backward reader); forward nodes whose outputs nothing reads any more are re
 
 Runtimes that merge common subexpressions would merge a recomputation back into its forward node (the
 gradient stays right, the saving is lost): revgraph's onnxruntime sessions turn off
-:data:`~revgraph.runtime_options.ORT_DISABLED_OPTIMIZERS` for graphs with ``remat/`` nodes
-(:func:`revgraph.runtime_options.disabled_optimizers`); other runtimes' users should do the same.
+:data:`~revgraph.runtime.options.ORT_DISABLED_OPTIMIZERS` for graphs with ``remat/`` nodes
+(:func:`revgraph.runtime.options.disabled_optimizers`); other runtimes' users should do the same.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A gradient graph written by revgraph holds the forward nodes first and the backward nodes after them; the
 backward pass names every node it emits ``grad/<forward node>/...``, ``accum/<value>/...``, ``seed/<y>/...``
 or ``remat/<value>/...`` (a forward node recomputed inside the backward, :mod:`.plan`), the names
-:mod:`revgraph.viz` colours by. A **residual** (JAX's term; PyTorch's "saved tensor") is a value a forward node
+:mod:`revgraph.tools.viz` colours by. A **residual** (JAX's term; PyTorch's "saved tensor") is a value a forward node
 writes and a backward node reads (directly or from one of its subgraphs): it must stay alive from its producer
 to its last backward reader. Graph inputs and initializers (the parameters, the batch) are alive for the whole
 run anyway and are not residuals. So ``saved_bytes`` is what the backward pass costs in memory on top of the

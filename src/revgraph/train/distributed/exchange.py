@@ -1,4 +1,4 @@
-"""The pieces of the data-parallel gradient exchange (:class:`revgraph.distributed.DistributedEngine`): the
+"""The pieces of the data-parallel gradient exchange (:class:`revgraph.train.distributed.data_parallel.DistributedEngine`): the
 all-reduce buckets of the dense gradients, and the packing of the sparse rows of all embedding tables into one
 byte buffer for one all-gather.
 
@@ -153,7 +153,7 @@ def refused_combination(shard: str, sync_batchnorm: bool, reduce_dtype: str, acc
     """The one line refusing data-parallel options that do not combine, or ``None``: sharding reduce-scatters
     in the gradients' own dtype, one micro-batch per step, and has no collectives inside the backward;
     synchronized batch normalization runs one micro-batch per step; accumulation needs one buffer set; the fp16
-    loss scale (:mod:`revgraph.precision`) is carried by the unsharded engine without synchronized statistics."""
+    loss scale (:mod:`revgraph.train.precision`) is carried by the unsharded engine without synchronized statistics."""
     if precision == "fp16" and world_size > 1 and (shard != "none" or sync_batchnorm):
         what = f"--shard {shard}" if shard != "none" else "--sync-batchnorm"
         return f"--precision fp16 (precision='fp16') does not combine with {what}: its loss scaling is in the step " \

@@ -1,12 +1,12 @@
-"""The grad graph cut into segments by gradient unit, for ZeRO-2 (:mod:`revgraph.sharding`).
+"""The grad graph cut into segments by gradient unit, for ZeRO-2 (:mod:`revgraph.train.distributed.sharding`).
 
 A minimal cut, enough to bound gradient memory: the nodes of the grad graph (in their topological order)
 are cut right after the node that finishes the last gradient of a unit (units in the order the backward
 finishes them), so that after segment ``s`` the units it finishes can be reduce-scattered and their gradient
 buffer reused by the next segment. Each segment is an ONNX graph of its nodes: its inputs are the values it
-reads (also inside subgraphs, :func:`revgraph.inplace.captured`) that earlier segments or the grad graph's
+reads (also inside subgraphs, :func:`revgraph.ir.inplace.captured`) that earlier segments or the grad graph's
 inputs hold, its outputs the values it computes that later segments read or the grad graph returns; the
-types of crossing values come from :func:`revgraph.types.infer_types`. Initializers go to the segments that
+types of crossing values come from :func:`revgraph.onnx_io.value_types.infer_types`. Initializers go to the segments that
 read them. The segments run one after the other; the values they pass on are kept only until their last
 reader. No overlap with communication: that is the segmented backward of the overlap work (issue 25, item 5).
 """

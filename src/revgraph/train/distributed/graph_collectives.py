@@ -10,7 +10,7 @@ placeholders too, and a rank's gradient graph holds forward and backward collect
 No runtime runs the placeholder. :func:`cut` cuts a graph at its placeholders into :class:`Segments`: stage 0
 computes what needs no collective's result, then the collectives whose inputs it wrote run (all of a stage's
 collectives in one all-reduce per dtype), then stage 1, and so on. Each segment is an ordinary ONNX graph that
-onnxruntime runs; the caller runs the collectives between segments (:mod:`revgraph.sync_batchnorm`).
+onnxruntime runs; the caller runs the collectives between segments (:mod:`revgraph.train.distributed.sync_batchnorm`).
 """
 
 from __future__ import annotations

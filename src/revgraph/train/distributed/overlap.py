@@ -181,7 +181,7 @@ def check_cut(graph: Graph, segments: list[Segment]) -> None:
 
 class Segments:
     """Run ``segments`` (:func:`cut`) of a graph with outputs ``outputs`` as one onnxruntime session each
-    (``make_session(graph, what)``), on ``device`` (:class:`revgraph.devices.Device`)."""
+    (``make_session(graph, what)``), on ``device`` (:class:`revgraph.runtime.devices.Device`)."""
 
     def __init__(self, segments: list[Segment], outputs: list[str], make_session, device):
         self.segments, self.device, self.wanted = segments, device, set(outputs)
@@ -192,7 +192,7 @@ class Segments:
         (the batch), ``into`` the ``OrtValue`` buffers that outputs of those names are written to (dense
         gradients, the loss); other outputs are allocated by onnxruntime on the device. ``after(k, segment,
         outputs)`` is called when segment ``k`` has finished (``outputs``: the grad graph outputs not in
-        ``into`` produced so far). ``times``: a :class:`revgraph.steptimes.StepTimes` recording each run.
+        ``into`` produced so far). ``times``: a :class:`revgraph.train.steptimes.StepTimes` recording each run.
         Returns the grad graph outputs not in ``into`` (sparse gradients), by name. Raises
         :class:`RevgraphError` (one line) when a run fails."""
         import onnxruntime as ort

@@ -1,8 +1,8 @@
-"""The plan of sharded data-parallel training (:mod:`revgraph.sharding`): the flat units the dense parameters are
+"""The plan of sharded data-parallel training (:mod:`revgraph.train.distributed.sharding`): the flat units the dense parameters are
 packed into (:class:`Unit`, :func:`plan_units`), the order the backward finishes their gradients
 (:func:`ready_order`), and the update graph over one rank's shards (:func:`shard_update_graph`: the optimizer
-formulas of :mod:`revgraph.optimizers` on flat vectors, with the schedule, clipping and weight-decay exclusions
-of :mod:`revgraph.schedules`)."""
+formulas of :mod:`revgraph.train.optimizers` on flat vectors, with the schedule, clipping and weight-decay exclusions
+of :mod:`revgraph.train.schedules`)."""
 
 from __future__ import annotations
 
@@ -85,10 +85,10 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
     ``(param shard, gradient shard, [state shards])``, all float ``[k]`` of the unit's dtype; the sparse tables
     keep the names of ``spec`` (parameter, state, gradient indices and rows), the step and a schedule's total
     too. Weight decay skips the shard elements of excluded parameters (a mask,
-    :func:`revgraph.schedules.flat_decay`). With
+    :func:`revgraph.train.schedules.flat_decay`). With
     clipping, ``names["clip"]`` is the float64 scalar input of the dense gradients' squared norm summed over
     every rank's shards (the sparse tables, replicated, add theirs in the graph): the clipping of
-    :mod:`revgraph.schedules` over the whole model."""
+    :mod:`revgraph.train.schedules` over the whole model."""
     from ..schedules import clipped_shards, flat_decay
 
     b = Builder(spec.graph.names_in_use())

@@ -1,13 +1,13 @@
 """Sharded data-parallel training: ZeRO-1 (``shard="optimizer"``) and ZeRO-2 (``shard="gradients"``).
 
-Unsharded (:class:`revgraph.distributed.DistributedEngine`), every rank of a world of ``W`` holds all of the
+Unsharded (:class:`revgraph.train.distributed.data_parallel.DistributedEngine`), every rank of a world of ``W`` holds all of the
 parameters, the gradients and the optimizer state, and runs the whole update. Here, as in
 ``torch.distributed.optim.ZeroRedundancyOptimizer``, DeepSpeed's ZeRO stages 1 and 2 and FSDP2's flat
 parameters:
 
 - the dense parameters are packed into **flat units**: consecutive parameters of one dtype, in reverse
   parameter order as DDP first buckets them (ZeRO-2: in the order the backward finishes their gradients, as
-  DDP rebuilds its buckets), up to :data:`revgraph.exchange.BUCKET_MB` each, every unit a flat
+  DDP rebuilds its buckets), up to :data:`revgraph.train.distributed.exchange.BUCKET_MB` each, every unit a flat
   device tensor padded with zeros to a multiple of ``W`` elements. Each parameter is a view of its unit that
   onnxruntime reads in place (an ``OrtValue`` of the same memory, through DLPack). Rank ``r`` **owns** the
   contiguous shard ``r`` of every unit (``length / W`` elements);
@@ -17,11 +17,11 @@ parameters:
   share of the global batch, so that uneven last batches stay exact) and **reduce-scattered**
   (``torch.distributed.reduce_scatter_tensor``: rank ``r`` receives the sum over ranks of shard ``r``); each
   rank runs the update graph over its shards only (the optimizer formulas of :mod:`revgraph.train`,
-  :func:`revgraph.optimizers.update`, on flat vectors: they are elementwise, so a flat update is the per-tensor
+  :func:`revgraph.train.optimizers.update`, on flat vectors: they are elementwise, so a flat update is the per-tensor
   one), writing the new shard into its place in the unit; then every unit is **all-gathered**
   (``all_gather_into_tensor``, the rank's shard read in place) so that every rank holds all the new parameters;
 - ``"gradients"`` (ZeRO-2) also keeps no full gradient: the grad graph is cut into one segment per unit
-  (:mod:`revgraph.grad_segments`), each segment writes its unit's gradients into **one** bucket-sized buffer
+  (:mod:`revgraph.train.distributed.grad_segments`), each segment writes its unit's gradients into **one** bucket-sized buffer
   that is reduce-scattered into the rank's gradient shard before the next segment runs. Gradient memory per
   rank: the shards (``1 / W``) plus that one buffer, plus, transiently, any gradient the backward finishes in an
   earlier unit's segment (:attr:`ShardedEngine.plan`). When the grad graph cannot be cut (no types for the
@@ -29,7 +29,7 @@ parameters:
   backward, and only the shards and one bucket are kept between steps.
 
 Sparse embedding tables (``TrainingGraph.sparse``: gradients as rows, updated by
-:func:`~revgraph.optimizers.sparse_update`) stay replicated and updated on every rank as in the unsharded engine (their rows are all-gathered); the step counter too.
+:func:`~revgraph.train.optimizers.sparse_update`) stay replicated and updated on every rank as in the unsharded engine (their rows are all-gathered); the step counter too.
 
 Checkpoints and reads: :meth:`ShardedEngine.read` all-gathers the state shards (a collective: every rank calls
 it, the trainer saves on rank 0 only), so checkpoints hold full arrays in the format of unsharded runs and load
@@ -60,7 +60,7 @@ SHARDS = ("none", "optimizer", "gradients")
 class ShardedEngine(DistributedEngine):
     """A data-parallel step with sharded optimizer state (``mode="optimizer"``, ZeRO-1) or sharded optimizer
     state and gradients (``mode="gradients"``, ZeRO-2); module doc. ``bucket_bytes``: the largest unit (default
-    :data:`revgraph.exchange.BUCKET_MB`, DDP's 25 MiB).
+    :data:`revgraph.train.distributed.exchange.BUCKET_MB`, DDP's 25 MiB).
 
     Parameters, gradients and state are torch tensors on ``comm.tdevice`` (gloo on CPU, NCCL on CUDA), shared
     with onnxruntime through DLPack. :meth:`read` and :meth:`load` see full arrays; :meth:`read` of optimizer
@@ -77,11 +77,11 @@ class ShardedEngine(DistributedEngine):
 
         if mode not in SHARDS[1:]:
             raise RevgraphError(f"shard must be one of {', '.join(SHARDS)}, got {mode!r}")
-        if reduce_dtype != "fp32":  # (Trainer refuses it first: revgraph.cli_exchange.refused_combination)
+        if reduce_dtype != "fp32":  # (Trainer refuses it first: revgraph.cli.exchange.refused_combination)
             raise InputError(f"reduce_dtype={reduce_dtype!r} does not combine with sharding")
         torch = comm.torch
         self.comm, self.mode = comm, mode
-        self.times = None  # per-phase timings, when profiled (revgraph.steptimes)
+        self.times = None  # per-phase timings, when profiled (revgraph.train.steptimes)
         # (not Engine.__init__: it would allocate full optimizer state, which is what sharding avoids)
         self.spec, self.device, self.runtime = spec, device, runtime
         self.options = session_options(runtime, threads)
@@ -118,13 +118,13 @@ class ShardedEngine(DistributedEngine):
             for n, a in [(p, spec.initial[p]), *((s, np.zeros_like(spec.initial[p])) for s in spec.state[p])]:
                 self._tensors[n] = torch.from_numpy(np.array(a)).to(dev)
         self._tensors[spec.step] = torch.zeros((), dtype=torch.int64, device=dev)
-        if spec.total:  # a schedule's total steps (revgraph.schedules), set by fit
+        if spec.total:  # a schedule's total steps (revgraph.train.schedules), set by fit
             self._tensors[spec.total] = torch.zeros((), dtype=torch.int64, device=dev)
         values.update((n, ortvalue_from_dlpack(t)) for n, t in self._tensors.items())
         self._sets = [values, values]  # one set: every name is updated in place (or copied back)
         self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]), dtype=torch_dtype(torch, spec.initial[p].dtype),
                                         device=dev) for p in spec.sparse]
-        # the loss and every rank's count of sparse rows, all-reduced in float64 (revgraph.exchange's tail)
+        # the loss and every rank's count of sparse rows, all-reduced in float64 (revgraph.train.distributed.exchange's tail)
         self._tail = torch.zeros(1 + world * len(spec.sparse), dtype=torch.float64, device=dev)
         self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
         self._build_update()
@@ -181,7 +181,7 @@ class ShardedEngine(DistributedEngine):
         self._ub = ub
 
     def _build_segments(self) -> None:
-        """ZeRO-2: cut the grad graph into one segment per unit (:mod:`revgraph.grad_segments`); ``plan``
+        """ZeRO-2: cut the grad graph into one segment per unit (:mod:`revgraph.train.distributed.grad_segments`); ``plan``
         stays ``None`` when it cannot be cut."""
         from .grad_segments import cut, shared_cpu_arena
 

@@ -105,7 +105,7 @@ class SyncedBatchNorm:
 
 def rewrite(graph: Graph) -> tuple[Graph, list[SyncedBatchNorm]]:
     """A copy of ``graph`` with each top-level training-mode ``BatchNormalization`` written as explicit ops
-    around an ``AllReduceSum`` placeholder (:mod:`revgraph.graph_collectives`): the statistics over the global
+    around an ``AllReduceSum`` placeholder (:mod:`revgraph.train.distributed.graph_collectives`): the statistics over the global
     batch, as ``torch.nn.SyncBatchNorm`` computes them. With ``c`` channels (axis 1), ``axes`` every other axis
     and ``k`` a per-channel shift (a new graph input, ``[c]``; the engine feeds the running mean, the same on
     every rank, so that ``sum d^2`` does not lose the variance to cancellation: the shifted-data algorithm), on
@@ -115,7 +115,7 @@ def rewrite(graph: Graph) -> tuple[Graph, list[SyncedBatchNorm]]:
     shift is an input, not the running-mean parameter itself, so that no gradient reaches the running mean (in
     exact arithmetic none would; in floats rounding would, and Adam would turn it into steps). The running
     statistics are not written by the graph (the engine writes them from ``t``:
-    :class:`revgraph.sync_batchnorm_engine.SyncBatchNormEngine`), so the graph must not read them. The
+    :class:`revgraph.train.distributed.sync_batchnorm_engine.SyncBatchNormEngine`), so the graph must not read them. The
     placeholder's VJP all-reduces the cotangents of the sums (SyncBatchNorm's backward: ``sum dY`` and ``sum dY
     xh`` over the global batch). One all-reduce forward and one backward per node. Returns the graph and what
     each node became.

@@ -1,4 +1,4 @@
-"""The data-parallel engines of models with training-mode ``BatchNormalization`` (:mod:`revgraph.sync_batchnorm`
+"""The data-parallel engines of models with training-mode ``BatchNormalization`` (:mod:`revgraph.train.distributed.sync_batchnorm`
 has the graph side): :class:`RankZeroStatisticsEngine` without ``sync_batchnorm``, :class:`SyncBatchNormEngine`
 with it."""
 
@@ -16,7 +16,7 @@ from .sync_batchnorm import running_statistics
 
 
 class RankZeroStatisticsEngine(DistributedEngine):
-    """:class:`~revgraph.distributed.DistributedEngine` for a model with training-mode ``BatchNormalization``
+    """:class:`~revgraph.train.distributed.data_parallel.DistributedEngine` for a model with training-mode ``BatchNormalization``
     trained without ``sync_batchnorm``: each rank normalizes with its own batch statistics, and after the grad
     graph has written each rank's running statistics into its parameter buffers (module doc), rank 0's are
     broadcast to every rank before the update (``DistributedDataParallel(broadcast_buffers=True)`` broadcasts
@@ -49,20 +49,20 @@ def engine_class(spec, default: type) -> type:
 
 
 class SyncBatchNormEngine(DistributedEngine):
-    """The data-parallel step with ``sync_batchnorm`` (:func:`revgraph.sync_batchnorm.rewrite`): the grad graph
+    """The data-parallel step with ``sync_batchnorm`` (:func:`revgraph.train.distributed.sync_batchnorm.rewrite`): the grad graph
     holds ``AllReduceSum`` placeholders (forward: each BatchNormalization's sums; backward: their cotangents'),
-    and runs as the segments of :func:`revgraph.graph_collectives.cut`, one onnxruntime session each, with the
+    and runs as the segments of :func:`revgraph.train.distributed.graph_collectives.cut`, one onnxruntime session each, with the
     all-reduces (``torch.distributed``, one per stage and dtype) between them. Each node's shift input is bound
     to its running mean's buffer (identical on every rank).
 
     The loss's cotangent is seeded with the rank's share ``n_r / N`` (``TrainingGraph.seed``), so every
     cotangent entering a backward all-reduce carries its rank's weight and the gradients come out already
     weighted: they are all-reduced without the ``n_r / N`` scaling of
-    :class:`~revgraph.distributed.DistributedEngine`. A rank without samples in the last global batch runs no
+    :class:`~revgraph.train.distributed.data_parallel.DistributedEngine`. A rank without samples in the last global batch runs no
     segment but takes part in every collective with zeros (sums over no sample). After the segments, the
     running statistics that are parameters get ``input * momentum + batch * (1 - momentum)`` from the global
     sums (the batch's population variance), as onnxruntime's kernel writes them in one process; the update
-    graph then runs as in :class:`~revgraph.distributed.DistributedEngine`.
+    graph then runs as in :class:`~revgraph.train.distributed.data_parallel.DistributedEngine`.
     Raises :class:`RevgraphError` (one line) when onnxruntime refuses a segment or a collective fails."""
 
     def __init__(self, spec, threads, device, comm, synced, runtime=None, one_set: bool = True, **exchange):
@@ -79,7 +79,7 @@ class SyncBatchNormEngine(DistributedEngine):
         self._fixed_shifts: dict = {}
 
     def session(self, graph, what: str):
-        """:meth:`~revgraph.steps.Engine.session`, or ``None`` for a graph holding placeholders."""
+        """:meth:`~revgraph.train.engines.Engine.session`, or ``None`` for a graph holding placeholders."""
         if any(is_collective(n) for n in graph.nodes):  # the uncut grad graph: only its segments run
             return None
         return super().session(graph, what)
