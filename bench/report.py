@@ -12,6 +12,7 @@ import argparse
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import report_goals
@@ -114,16 +115,37 @@ def render(res: dict, json_path=None, baseline: dict | None = None) -> str:
     return "\n\n".join(p.strip() for p in parts if p) + "\n"
 
 
-_SECTION = re.compile(r"<!-- (\w+):begin -->.*?<!-- \1:end -->\n?", re.DOTALL)
+#: a section another benchmark wrote (``ddp``, ``ddp-overlap``, ``chunked-loss``, ...: names may have hyphens)
+_SECTION = re.compile(r"<!-- ([\w-]+):begin -->.*?<!-- \1:end -->\n?", re.DOTALL)
+_MARKER = re.compile(r"^<!-- ([\w-]+):(begin|end) -->$", re.MULTILINE)
+#: where this module's document ends in an old file: after its last section, the first heading or begin marker
+_TAIL = re.compile(r"^(## |<!-- [\w-]+:begin -->)", re.MULTILINE)
+_LAST_HEADING = "## Reproduce"
+
+
+def kept_sections(old: str) -> str:
+    """What :func:`write` keeps of the old file ``old``: everything after this module's document (its last
+    section is *Reproduce*), marked sections and unmarked text alike, and any marked section found inside the
+    document's part. Raises ``ValueError`` for a begin marker without its end marker (or the reverse), which
+    would otherwise lose the text between them."""
+    markers = Counter((m.group(1), m.group(2)) for m in _MARKER.finditer(old))
+    unpaired = sorted({n for n, _ in markers if markers[n, "begin"] != 1 or markers[n, "end"] != 1})
+    if unpaired:
+        raise ValueError(f"unpaired or repeated <!-- NAME:begin/end --> markers in the old document: {unpaired}")
+    last = old.find("\n" + _LAST_HEADING)
+    found = _TAIL.search(old, last + 1 + len(_LAST_HEADING)) if last >= 0 else _SECTION.search(old)
+    start = found.start() if found else len(old)
+    inside = [m.group(0).rstrip("\n") for m in _SECTION.finditer(old, 0, start)]
+    return "\n\n".join([*inside, old[start:].strip("\n")]).strip("\n")
 
 
 def write(path: str | Path, text: str) -> None:
-    """Write ``text`` (this module's document) to ``path``, keeping the sections other benchmarks wrote into the
-    old file between ``<!-- name:begin -->`` and ``<!-- name:end -->`` markers (ddp, attention, jvp), in order."""
+    """Write ``text`` (this module's document) to ``path``, keeping what other benchmarks wrote into the old file
+    after it (:func:`kept_sections`: the sections between ``<!-- name:begin -->`` and ``<!-- name:end -->``
+    markers, and any text after the document's last section), in order: a re-render loses no line."""
     path = Path(path)
-    old = path.read_text() if path.exists() else ""
-    kept = [m.group(0).rstrip("\n") for m in _SECTION.finditer(old)]
-    path.write_text(text if not kept else text.rstrip("\n") + "\n\n" + "\n\n".join(kept) + "\n")
+    kept = kept_sections(path.read_text()) if path.exists() else ""
+    path.write_text(text if not kept else text.rstrip("\n") + "\n\n" + kept + "\n")
 
 
 def main(argv=None) -> int:
@@ -134,7 +156,10 @@ def main(argv=None) -> int:
                         help="results of an earlier run to compare the goals with ('' for none)")
     args = parser.parse_args(argv)
     res = json.loads(Path(args.json).read_text())
-    write(args.output, render(res, json_path=args.json, baseline=load_baseline(args.baseline)))
+    try:
+        write(args.output, render(res, json_path=args.json, baseline=load_baseline(args.baseline)))
+    except ValueError as exc:  # markers that would lose text: one line, exit 2, the file left as it was
+        parser.error(f"{args.output}: {exc}; pair them, then run again")
     return 0
 
 
