@@ -226,16 +226,16 @@ def test_a_same_rank_broadcast_is_undone_by_one_reduce_sum():
     assert arithmetic == Counter({"Mul": 1, "ReduceSum": 1}), special
 
 
-def test_a_linear_layers_weight_gradient_is_one_gemm():
-    # x @ Transpose(W) (PyTorch's linear as exported): dW = (x^T g)^T = g^T x, one Gemm with its operands
-    # swapped (simplify folds the Transpose VJP's Transpose into the MatMul VJP's Gemm)
+def test_a_linear_layers_weight_gradient_is_a_gemm_and_a_transpose():
+    # x @ Transpose(W) (PyTorch's linear as exported): dW = (x^T g)^T, the MatMul VJP's Gemm and the Transpose
+    # VJP's Transpose; simplify does not fold them into Gemm(g, x) (g^T x): with the fold, onnxruntime's default
+    # order raised the LLaMA step's peak by 13-28% (simplify's module doc)
     x, w = np.random.default_rng(4).standard_normal((2, 3, 4)), np.random.default_rng(5).standard_normal((5, 4))
     nodes = [("Transpose", ["W"], "Wt", {"perm": [1, 0]}), ("MatMul", ["x", "Wt"], "y", {})]
     g = _graph(nodes, {"x": x, "W": w}, shapes={"x": ("B", 3, 4)})
     check_rule(g, {"x": x, "W": w}, lambda x, W: x @ W.T)
     gg = rg.gradient(_sum_u(g, (2, 3, 5))[0], "loss", wrt=["x", "W"])
-    assert _vjp_ops(gg) == Counter({"Gemm": 1}), _vjp_ops(gg)  # the Transpose's VJP node is now the Gemm
-    assert not any(n.op_type == "Transpose" for _, n in gg.walk() if n.name.startswith("grad/"))
+    assert _vjp_ops(gg) == Counter({"Transpose": 1}), _vjp_ops(gg)  # (the Gemm is the MatMul VJP's)
 
 
 def test_where_with_a_constant_branch_builds_nothing_for_it():
