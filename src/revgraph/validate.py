@@ -232,18 +232,22 @@ def arguments(**rules):
                 bound = sig.bind(*args, **kwargs)
             except TypeError as exc:
                 raise ArgumentError(f"{where}: {exc}") from None
+            converted = False
             for name, rule in rules.items():
                 if name in bound.arguments:
                     try:
                         if getattr(rule, "with_where", False):
-                            rule(name, bound.arguments[name], where)
+                            value = rule(name, bound.arguments[name], where)
                         else:
-                            rule(name, bound.arguments[name])
+                            value = rule(name, bound.arguments[name])
                     except _Whole as exc:
                         raise ArgumentError(str(exc)) from None
                     except RevgraphError as exc:
                         raise ArgumentError(f"{where}: {exc}") from None
-            return fn(*args, **kwargs)
+                    if getattr(rule, "converts", False) and value is not bound.arguments[name]:
+                        bound.arguments[name] = value  # (AS_GRAPH: the model loaded from a path or ModelProto)
+                        converted = True
+            return fn(*bound.args, **bound.kwargs) if converted else fn(*args, **kwargs)
 
         checked.__revgraph_rules__ = dict(rules)
         return checked
@@ -300,6 +304,20 @@ def model(name: str, value):
                             "opset_version=23) (the README's recipe), and give the file")
     raise RevgraphError(f"{_show(name, value)} ({type(value).__name__}): give a revgraph.Graph, an "
                         "onnx.ModelProto or the path of an .onnx file")
+
+
+def as_graph(name: str, value):
+    """What users have, as a :class:`revgraph.Graph`: the graph itself, or an ``onnx.ModelProto``, its serialized
+    bytes or the path of an ``.onnx`` file (:func:`model` checks it), read with :func:`revgraph.load` as
+    :class:`revgraph.Trainer` and :class:`revgraph.Session` read theirs. For functions that return a new graph
+    or a number; one that changes its graph in place keeps :data:`GRAPH` (a graph loaded here would be lost)."""
+    from .ir import Graph
+    from .onnx_io import load
+
+    return value if isinstance(value, Graph) else load(model(name, value))
+
+
+as_graph.converts = True  # (arguments() passes the loaded graph on)
 
 
 def _is_torch_module(value) -> bool:
@@ -366,6 +384,7 @@ POSITIVE = rule(finite_float, low=0, low_open=True)
 PATH = path
 GRAPH = graph
 MODEL = model
+AS_GRAPH = as_graph  # a Graph, a ModelProto or a path, passed on as a Graph
 POLICY = policy
 BUDGET = budget
 MAPPING = mapping

@@ -30,7 +30,7 @@ from .simplify import simplify
 from .sparse import SparseGrad
 
 
-@V.arguments(graph=V.GRAPH, loss=V.NAME, wrt=V.NAMES, seed=V.choice("ones", "input"),
+@V.arguments(graph=V.AS_GRAPH, loss=V.NAME, wrt=V.NAMES, seed=V.choice("ones", "input"),
              unconnected=V.choice("zero", "error"), sparse=V.FLAG, accumulate=V.choice("sum", "running"),
              checkpoint=V.POLICY, lift_constants=V.FLAG, straight_through=V.FLAG, memory=V.BUDGET,
              finite_inputs=V.NAMES)
@@ -50,6 +50,11 @@ def gradient(
     finite_inputs: Iterable[str] | str = (),
 ) -> Graph:
     """A graph computing ``graph``'s outputs and the gradient of ``loss`` with respect to each ``wrt`` value.
+
+    ``graph`` is a :class:`Graph`, an ``onnx.ModelProto`` or the path of an ``.onnx`` file (read with
+    :func:`revgraph.load`; so for :func:`jvp`, :func:`hvp`, :func:`jacobian`, :func:`hessian`,
+    :func:`check_gradients`, :func:`saved_bytes` and :func:`plan_memory`: ``revgraph.validate.AS_GRAPH``).
+
 
     ``loss`` defaults to the only graph output; a non-scalar loss is differentiated as the sum of its
     elements (``seed="ones"``), or ``seed="input"`` adds a graph input ``<loss>_grad`` holding the output

@@ -47,7 +47,7 @@ from .simplify import simplify
 CONTROL_FLOW = ("Loop", "If")
 
 
-@V.arguments(graph=V.GRAPH, outputs=V.NAMES, inputs=V.NAMES, tangent_names=V.OPTIONAL_MAPPING,
+@V.arguments(graph=V.AS_GRAPH, outputs=V.NAMES, inputs=V.NAMES, tangent_names=V.OPTIONAL_MAPPING,
              output_names=V.OPTIONAL_MAPPING)
 def jvp(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None,
         *, tangent_names: dict[str, str] | None = None, output_names: dict[str, str] | None = None) -> Graph:

@@ -34,7 +34,7 @@ from .policies import CheckpointPolicy, parse_policy
 from .simplify import simplify
 
 
-@V.arguments(graph=V.GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
+@V.arguments(graph=V.AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
 def hvp(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
         checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs, the gradients ``<x>_grad`` of ``loss`` and the Hessian-vector
@@ -69,7 +69,7 @@ def _gradient(graph: Graph, loss: str | None, wrt, checkpoint, memory=None) -> t
     return gg, dict(zip(wrt_names, gg.output_names[-len(wrt_names):], strict=True))
 
 
-@V.arguments(graph=V.GRAPH, outputs=V.NAMES, inputs=V.NAMES, mode=V.choice("auto", "forward", "reverse"),
+@V.arguments(graph=V.AS_GRAPH, outputs=V.NAMES, inputs=V.NAMES, mode=V.choice("auto", "forward", "reverse"),
              checkpoint=V.POLICY, memory=V.BUDGET)
 def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None, *,
              mode: str = "auto", checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
@@ -102,7 +102,7 @@ def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: I
     return _reverse_jacobian(graph, ys, xs, names, checkpoint, memory)
 
 
-@V.arguments(graph=V.GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
+@V.arguments(graph=V.AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
 def hessian(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
             checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs and the Hessian of ``loss`` (summed if not scalar): for each pair

@@ -320,7 +320,7 @@ def _note(notes: list[str], text: str) -> None:
 # ---------------------------------------------------------------------------------------------- the check
 
 
-@V.arguments(graph=V.GRAPH, loss=V.NAME, wrt=V.NAMES, inputs=V.OPTIONAL_MAPPING, seed=V.SEED, rtol=V.NON_NEGATIVE,
+@V.arguments(graph=V.AS_GRAPH, loss=V.NAME, wrt=V.NAMES, inputs=V.OPTIONAL_MAPPING, seed=V.SEED, rtol=V.NON_NEGATIVE,
              atol=V.NON_NEGATIVE, directions=V.POSITIVE_INT, step=V.POSITIVE, backend=V.choice("onnxruntime", "reference"))
 def check_gradients(
     graph: Graph,

@@ -444,8 +444,9 @@ class Trainer:
             sums = self.comm.sum(sums)
         # an argmax or sign of NaN outputs is no answer: no accuracy is computed from them
         no_accuracy = loss_kind(self.spec.loss.kind).accuracy is None
-        accuracy = None if no_accuracy or sums[4] else sums[2] / max(sums[3], 1)
-        return {"loss": sums[0] / sums[1] if sums[1] else 0.0, "accuracy": accuracy, "samples": n,
+        accuracy = None if no_accuracy or sums[4] else float(sums[2] / max(sums[3], 1))
+        # Python numbers, not numpy scalars (they print as np.float64(...) and json.dumps refuses them)
+        return {"loss": float(sums[0] / sums[1]) if sums[1] else 0.0, "accuracy": accuracy, "samples": int(n),
                 "nonfinite": int(sums[4])}
 
     @V.arguments(inputs=V.FEEDS, static=V.STATIC)

@@ -265,7 +265,7 @@ class _Cuts:
         return recomputed, kept, sum(p.flops(k) or 0 for k in recomputed)
 
 
-@V.arguments(graph=V.GRAPH, budget=V.OPTIONAL_BUDGET)
+@V.arguments(graph=V.AS_GRAPH, budget=V.OPTIONAL_BUDGET)
 def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
     """Choose the residuals of the gradient graph ``graph`` (top level; written by :func:`revgraph.gradient`)
     under ``budget`` and rewrite ``graph`` in place with the recomputation (see the module doc). ``None`` is the
