@@ -6,7 +6,7 @@
   common-subexpression elimination can merge them). The gradient is taken with respect to ``w``; ``n`` counts
   every node.
 - The onnx wheel's ``light_resnet50.onnx`` and ``light_densenet121.onnx`` with their ``ConstantOfShape``
-  weights lifted to initializers (:func:`revgraph.tools.lift.lift_constants`) and ``loss = ReduceSum(output)``.
+  weights lifted to initializers (:func:`revgraph.autodiff.lift.lift_constants`) and ``loss = ReduceSum(output)``.
 - PyTorch models exported with ``torch.onnx.export(dynamo=False, training=TrainingMode.TRAINING)``:
   an MLP (784-512-512-10, ReLU), a ResNet-style CNN (3x32x32 input, a 3x3 stem and three residual blocks of
   16, 32 and 64 channels with batch norm, global average pooling, a linear layer) and a Transformer encoder
@@ -114,7 +114,7 @@ def write_light(name: str, out_dir: str, adapted: bool = False) -> dict:
 
     import revgraph as rg
     from revgraph.ir import Node, ValueInfo
-    from revgraph.tools.lift import lift_constants
+    from revgraph.autodiff.lift import lift_constants
 
     tag = "adapted" if adapted else "lifted"
     path = Path(out_dir) / f"{tag}_{name}.onnx"

@@ -16,11 +16,11 @@ from onnx import helper, numpy_helper
 
 import revgraph as rg
 from revgraph.autodiff.emitter import Emitter
+from revgraph.autodiff.lift import lift_constants
 from revgraph.errors import GraphError
 from revgraph.ir import Graph, Node, ValueInfo, fastshape
 from revgraph.onnx_io.value_types import constant_value, constant_values, infer_types
 from revgraph.tools.check import to_float64
-from revgraph.tools.lift import lift_constants
 
 F32 = np.float32
 I64 = np.int64

@@ -186,7 +186,7 @@ def test_paddle2onnx(tmp_path):
     why = "paddle2onnx 2.1 pins onnx 1.17; --no-deps keeps the newer onnx, with which it exports"
     paddle = pytest.importorskip("paddle", reason=_venv("paddle", ["paddlepaddle", "--no-deps paddle2onnx"], why))
     pytest.importorskip("paddle2onnx", reason=_venv("paddle", ["paddlepaddle", "--no-deps paddle2onnx"], why))
-    from revgraph.tools.lift import lift_constants
+    from revgraph.autodiff.lift import lift_constants
 
     paddle.seed(0)
     net = paddle.nn.Sequential(paddle.nn.Linear(8, 16), paddle.nn.Tanh(), paddle.nn.Linear(16, 3))

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import revgraph as rg
 from revgraph.autodiff.emitter import Emitter
+from revgraph.autodiff.lift import lift_constants
 from revgraph.ir import Node, ValueInfo, fastshape
 from revgraph.onnx_io.value_types import onnx_node_types
-from revgraph.tools.lift import lift_constants
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 

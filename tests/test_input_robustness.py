@@ -19,9 +19,9 @@ from kit.harness import cli_under_limit
 from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg
+from revgraph.autodiff.lift import lift_constants
 from revgraph.ir import Graph, Node, ValueInfo, is_float_dtype
 from revgraph.limits import MAX_PROPAGATED_ELEMENTS, data_propagation_is_bounded
-from revgraph.tools.lift import lift_constants
 
 #: The address space a command may take (the interpreter, numpy, onnx and onnxruntime need about 1 GiB of it).
 ADDRESS_SPACE = 2 << 30

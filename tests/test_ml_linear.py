@@ -17,8 +17,8 @@ from onnx import TensorProto as TP
 from onnx import helper as h
 
 import revgraph as rg
-from revgraph.tools.lift import lift_constants
-from revgraph.tools.lift_ml import lower_ml_operators
+from revgraph.autodiff.lift import lift_constants
+from revgraph.autodiff.lift_ml import lower_ml_operators
 
 ML = "ai.onnx.ml"
 F64 = torch.float64

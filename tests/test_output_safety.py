@@ -21,12 +21,12 @@ from conftest import DATA_DIR
 from onnx import TensorProto, helper, numpy_helper
 
 import revgraph as rg
+from revgraph.autodiff.lift import lift_constants
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.onnx_io import external_data
 from revgraph.onnx_io.npz import NAMES, member_names, read_outputs
 from revgraph.text import LiteralConsole, literal
-from revgraph.tools.lift import lift_constants
 
 ESC_X = "\x1b[2J\x1b]0;pwned\x07x\r\nX"  # clear screen, set the window title, carriage return, newline
 MARKUP_Y = "[bold red]y[/]"

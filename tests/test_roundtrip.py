@@ -37,8 +37,8 @@ from conftest import (
 )
 
 import revgraph as rg
+from revgraph.autodiff.lift import lift_constants
 from revgraph.ir import ValueInfo
-from revgraph.tools.lift import lift_constants
 
 MODELS = shipped_models()
 

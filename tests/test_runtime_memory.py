@@ -20,7 +20,7 @@ from revgraph.ir import Node
 from revgraph.ir.inplace import inplace_pairs
 from revgraph.runtime.options import TRAINING_DEFAULT, RuntimeOptions
 from revgraph.tools import demo
-from revgraph.train import optimizers
+from revgraph.train import update_nodes
 from revgraph.train.engines import FusedEngine, SplitEngine
 
 F32 = np.float32
@@ -170,7 +170,7 @@ def test_trajectories_equal_under_every_runtime_setting_and_buffer_layout(model)
 def test_one_set_equals_two_sets_bitwise_for_every_optimizer(name, monkeypatch):
     """SGD with momentum, Adam and AdamW, with small tensors updated as one group (Concat, Split) and without."""
     for limit in (0, T.GROUP_ELEMENTS):
-        monkeypatch.setattr(optimizers, "GROUP_ELEMENTS", limit)
+        monkeypatch.setattr(update_nodes, "GROUP_ELEMENTS", limit)
         for model in ("mlp", "embedding"):
             (_, l1, one), (_, l2, two) = (_train(model, OPTIMIZERS[name], buffers=b) for b in ("one", "two"))
             assert l1 == l2

@@ -17,7 +17,7 @@ from revgraph import train as T
 from revgraph.errors import InputError, RevgraphError
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.tools.demo import rnn_model
-from revgraph.train import graphbuild, optimizers
+from revgraph.train import graphbuild, update_nodes
 
 STEPS = 20
 
@@ -91,7 +91,7 @@ def test_grouped_small_tensors_update_as_separate_ones(name, monkeypatch):
     batches = make_batches(rng, "cross-entropy", n_batches=3, din=5, out=5)
     runs = {}
     for limit in (0, T.GROUP_ELEMENTS):
-        monkeypatch.setattr(optimizers, "GROUP_ELEMENTS", limit)
+        monkeypatch.setattr(update_nodes, "GROUP_ELEMENTS", limit)
         trainer = rg.Trainer(g, "cross-entropy", OPTIMIZERS[name])
         losses = [trainer.step(b) for b in batches * 3]
         runs[limit] = trainer, losses

@@ -46,7 +46,7 @@ def test_the_trainer_names_lift_constants_for_constant_weights(tmp_path, weights
     g = rg.load(tmp_path / "m.onnx")
     with pytest.raises(RevgraphError, match=r"no floating-point initializers to train; its weights are Constant "
                        r"nodes \('linear_0.w_0', 'linear_0.b_0', 'linear_1.w_0', 'linear_1.b_0'\): make them "
-                       r"initializers with revgraph.tools.lift.lift_constants \(revgraph train --lift-constants\)"):
+                       r"initializers with revgraph.autodiff.lift.lift_constants \(revgraph train --lift-constants\)"):
         rg.Trainer(g, "mse", sgd(lr=0.1))
 
 

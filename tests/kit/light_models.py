@@ -5,7 +5,7 @@ from __future__ import annotations
 from conftest import DATA_DIR, random_weights
 
 import revgraph as rg
-from revgraph.tools.lift import lift_constants
+from revgraph.autodiff.lift import lift_constants
 
 #: the light models (tests/conftest.py's DATA_DIR/light)
 MODELS = ["resnet50", "inception_v1", "inception_v2", "densenet121", "shufflenet", "squeezenet", "vgg19",

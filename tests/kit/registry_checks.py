@@ -10,7 +10,7 @@ import pytest
 
 import revgraph as rg
 from revgraph import train as T
-from revgraph.train import optimizers
+from revgraph.train import update_nodes
 
 from .training import F32, TWINS, assert_params_close, mlp, torch_mlp, torch_train
 
@@ -67,7 +67,7 @@ def check_update_nodes(opt: T.Optimizer) -> None:
     """The update's outputs are named by the nodes that compute them (no Identity copies), with the names of
     old, and each tensor's update is its twin's hand-counted number of nodes (:class:`kit.training.Twin`)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(optimizers, "GROUP_ELEMENTS", 0)  # one update per tensor
+        mp.setattr(update_nodes, "GROUP_ELEMENTS", 0)  # one update per tensor
         tg = T.training_graph(mlp(np.random.default_rng(3)), "cross-entropy", opt)
     update = tg.graph.nodes[-tg.n_update_nodes:]
     assert not [n for n in update if n.op_type == "Identity"]

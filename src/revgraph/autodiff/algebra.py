@@ -32,16 +32,30 @@ where a rule is a line of the derivative table.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import numpy as np
 
 from ..ir import onnx_dtype
 
 if TYPE_CHECKING:
-    from .context import Ctx
+    from .emitter import Emitter
 
 Operand = Union["Val", str, float, int, np.ndarray]
+
+
+class Ctx(Protocol):
+    """What a :class:`Val` asks of the rule's context (:class:`.context.Ctx` is one): its emitter and the
+    strong-zero products. Declared here, below the context, so that the algebra and the context are no circle."""
+
+    e: Emitter
+
+    def times(self, g: str, d: str, like: str | None = None, reads: Sequence[str] | None = None,
+              zero: bool = True) -> str: ...
+
+    def weigh(self, g: str, w: str, like: str | None = None) -> str: ...
+
+    def select(self, cond: str, g: str, like: str | None = None) -> str: ...
 
 
 def name_of(v: Any) -> Any:

@@ -16,7 +16,7 @@ from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, fresh_name, gc_paused, require_graph
 from ..ir.ssa import is_ssa, to_ssa
 from ..onnx_io.value_types import infer_types, keep_types
-from ..tools.lift import lift_constants as lift
+from .lift import lift_constants as lift
 from ..warn import warn
 from . import sparse as sp
 from .arguments import names_argument, refuse_integer_loss, resolve_loss, resolve_wrt, suggest, used_names
@@ -66,7 +66,7 @@ def gradient(
     (``unconnected="error"``). ``accumulate`` is ``"sum"`` or ``"running"`` (see :class:`Accumulator`).
     ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"products"``, ``"sqrt"`` or a segment
     length K, or a :data:`~.policies.CheckpointPolicy` (see :mod:`.policies`). ``lift_constants=True`` first turns floating-point ``Constant`` and
-    ``ConstantOfShape`` values with more than one element into initializers (:func:`revgraph.tools.lift.lift_constants`),
+    ``ConstantOfShape`` values with more than one element into initializers (:func:`revgraph.autodiff.lift.lift_constants`),
     so that they are differentiated by default. ``straight_through=True`` differentiates each
     ``QuantizeLinear -> DequantizeLinear`` pair with the straight-through estimator (quantization-aware training,
     :mod:`.rules.quant`); without it a path through such a pair raises :class:`GraphError`.

@@ -16,6 +16,7 @@ from rich.text import Text
 from .. import limits
 from ..autodiff.accumulate import ACCUMULATE
 from ..autodiff.api import gradient
+from ..autodiff.lift import lift_constants
 from ..autodiff.registry import without_rules
 from ..errors import InputError, RevgraphError
 from ..ir import TARGET_OPSET, ValueInfo, is_float_dtype
@@ -25,7 +26,6 @@ from ..onnx_io.part_check import check_valid
 from ..runtime import BACKENDS, Session, random_inputs
 from ..text import cell
 from ..tools.check import NOT_CHECKED, check_gradients
-from ..tools.lift import lift_constants
 from ..validate import fits_in_memory
 from ..version import __version__
 from . import numeric as N

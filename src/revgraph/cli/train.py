@@ -9,13 +9,12 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ..autodiff.lift import lift_constants
 from ..autodiff.memory import Budget, parse_budget
 from ..errors import RevgraphError
 from ..onnx_io import load
 from ..runtime.devices import Device
 from ..runtime.options import RuntimeOptions
-from ..tools.lift import lift_constants
-from ..train.precision import add_precision_arguments, precision_from_args
 from . import numeric as N
 from .combinations import check_decay_options, check_train_combinations
 from .common import check_command_outputs, err, out
@@ -24,6 +23,7 @@ from .fit_options import add_fit_arguments, check_fit_arguments, eval_batch, eva
 from .hf import add_safetensors_arguments, check_safetensors_output, write_safetensors_output
 from .lora import add_lora_arguments, export_trained, lora_model, selection_line, written
 from .lossdata import input_paths, loss_options, read_data, read_static, require_data
+from .precision import add_precision_arguments, precision_from_args
 from .runlog import RUNLOG_FILES, add_runlog_arguments, check_runlog_arguments, run_logs, runlog_outputs
 from .schedules import add_embedding_update_argument, add_schedule_arguments, decay_line, schedule_settings
 
@@ -122,7 +122,7 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
     add_exchange_arguments(train)
     add_schedule_arguments(train)
     add_embedding_update_argument(train)  # how Gather'ed tables are updated (revgraph.train.optimizers)
-    add_precision_arguments(train)  # --precision and the fp16 loss scaling (revgraph.train.precision)
+    add_precision_arguments(train)  # --precision and the fp16 loss scaling (revgraph.cli.precision)
     add_lora_arguments(train)
     add_safetensors_arguments(train)  # --save-safetensors: the PyTorch state dict (revgraph.train.hf_io)
     add_runlog_arguments(train)  # --log, --tensorboard, --loss-curve: the per-step records (revgraph.train.runlog)

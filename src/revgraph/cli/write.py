@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from ..autodiff.lift import drop_unused_initializers
 from ..autodiff.policies import NAMED as _NAMED_POLICIES
 from ..errors import RevgraphError
 from ..ir import Graph, ValueInfo
 from ..onnx_io import converter_error, save, to_onnx
 from ..onnx_io.atomic import atomic_path, output_target
 from ..onnx_io.external_data import too_large
-from ..tools.lift import drop_unused_initializers
 from .common import err
 
 POLICIES = "|".join([*_NAMED_POLICIES, "K"])  # the --checkpoint names (autodiff/policies.py)

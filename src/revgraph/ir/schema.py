@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import onnx
 
 from ..errors import GraphError
 
-if TYPE_CHECKING:  # ir imports this module to check nodes
-    from . import Node
+
+class Node(Protocol):
+    """What the checks read of a :class:`revgraph.ir.Node` (declared here: the IR imports this module, and this
+    module importing the IR back would be a circle)."""
+
+    op_type: str
+    domain: str
+    inputs: list[str]
+    outputs: list[str]
+    subgraphs: Any
+
+    def label(self) -> str: ...
 
 
 def get_schema(op_type: str, domain: str, opsets: dict[str, int]) -> onnx.defs.OpSchema | None:

@@ -359,7 +359,7 @@ def check_gradients(
     # onnxruntime's ai.onnx.ml kernels compute in float32 only: check them in their standard-operator form
     ml = any(n.domain == "ai.onnx.ml" for n in g.nodes)
     if ml:
-        from .lift_ml import lower_ml_operators  # (it imports the autodiff rules)
+        from ..autodiff.lift_ml import lower_ml_operators
 
         g = lower_ml_operators(g)
     g = to_float64(g)
@@ -375,7 +375,7 @@ def check_gradients(
     grad_names = gg.output_names[len(g.outputs):]
     notes: list[str] = []
     if ml:
-        _note(notes, "ai.onnx.ml operators checked in their standard-operator form (revgraph.tools.lift_ml)")
+        _note(notes, "ai.onnx.ml operators checked in their standard-operator form (revgraph.autodiff.lift_ml)")
     sess = _session(gg, backend, notes)
     # the gradient graph may run where the forward graph cannot: the clean-up pass drops dead forward nodes
     probe = _session(g, sess.backend, notes).run(feeds, [loss])[loss]

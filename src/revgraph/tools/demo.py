@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..ir import Graph, Node, ValueInfo
-from .svg_curve import COLORS, Line, chart
+from ..train.svg_curve import COLORS, Line, chart
 
 F32 = np.dtype(np.float32)
 
@@ -162,7 +162,7 @@ def loss_svg(curves: dict[str, tuple[list[float], int]], title: str = "training 
 
     Each curve is drawn against epochs (step / steps per epoch), so models with different batch counts
     share the x axis, thin per step and thick as each epoch's mean; the y axis is linear from 0 to the largest
-    loss. Written by hand, no plotting library: :func:`revgraph.tools.svg_curve.chart`.
+    loss. Written by hand, no plotting library: :func:`revgraph.train.svg_curve.chart`.
     """
     lines = []
     for k, (label, (losses, per)) in enumerate(curves.items()):

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from ..onnx_io.archive import read_archive
 from .losses import loss_kind, loss_weight
 
 #: rows read at a time when a check runs over a whole (possibly memory-mapped) array
@@ -203,8 +204,6 @@ def _read_npz(spec, path) -> dict[str, np.ndarray]:
     """The members of the ``.npz`` ``path`` that training reads (each model input, ``labels``, ``x``, ``y``),
     each bounded before it is decompressed (:func:`revgraph.onnx_io.archive.read_archive`), as ``revgraph train
     --data`` reads them."""
-    from ..onnx_io.archive import read_archive
-
     wanted = dict.fromkeys([*spec.inputs, "labels", "x", "y"])
     return read_archive(path, wanted, samples=True)
 
@@ -257,8 +256,6 @@ def read_static(specs: list[str], shapes: Mapping | None = None) -> dict[str, np
     an ``.npz``, the only one decompressed, bounded first by ``shapes[NAME]``, the shape the model declares for
     it, :func:`revgraph.onnx_io.archive.read_archive`). Raises :class:`InputError` (one line) for a malformed argument,
     a name given twice, or a file or member that cannot be read."""
-    from ..cli.common import read_npz
-
     out: dict[str, np.ndarray] = {}
     for s in specs or []:
         name, eq, file = s.partition("=")
@@ -270,7 +267,7 @@ def read_static(specs: list[str], shapes: Mapping | None = None) -> dict[str, np
         if colon and base.endswith(".npz"):
             from ..onnx_io.archive import member_names
 
-            arrays = read_npz(base, {member: (shapes or {}).get(name)})
+            arrays = read_archive(base, {member: (shapes or {}).get(name)})
             if member not in arrays:
                 raise InputError(f"--static {name}: {base!r} has no member {member!r} (it has "
                                  f"{', '.join(sorted(member_names(base))) or 'none'})")

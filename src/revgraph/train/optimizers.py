@@ -53,19 +53,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import onnx
 
 from .. import validate as V
 from ..errors import RevgraphError
-from ..ir import Node
-from .graphbuild import Builder, name_outputs
-from .schedules import Schedule, check_clip, check_no_decay, check_schedule, coalesce
+from .graphbuild import Builder
+from .schedules import Schedule, check_clip, check_no_decay, check_schedule, coalesce, learning_rate
 
-if TYPE_CHECKING:
-    from .graphs import TrainingGraph
 
 class Step:
     """What an optimizer's update formula gets besides the parameter, its gradient and its state: the builder
@@ -307,7 +304,7 @@ class Optimizer:
         for ok, message in checks:
             if not ok:
                 raise RevgraphError(message)
-        check_schedule(self)
+        check_schedule(self.schedule, self.lr)
 
     @property
     def method(self) -> Method:
@@ -427,47 +424,6 @@ def check_representable(opt: Optimizer, dtypes: dict[str, np.dtype]) -> None:
                                     f"{p!r}; choose a value below {np.finfo(dt).max:.3g}")
 
 
-#: Dense parameters of at most this many elements are updated together, per dtype and trailing shape: one
-#: ``Concat`` per input, one flat update, one ``Split`` per output, instead of an update per tensor. Each node
-#: costs onnxruntime a fixed overhead, which dominates the passes over a small tensor; the concatenation and
-#: the split are two more copies, which dominate for a large one.
-GROUP_ELEMENTS = 4096
-
-
-def update_groups(tg: TrainingGraph) -> dict[str, list[str]]:
-    """The dense parameters updated in a group (:data:`GROUP_ELEMENTS`): each one's group, in parameter
-    order, for groups of two or more tensors of one dtype and one shape but the first axis."""
-    by_kind: dict[tuple, list[str]] = {}
-    for p in tg.params:
-        a = tg.initial[p]
-        if p not in tg.sparse and a.ndim >= 1 and 0 < a.size <= GROUP_ELEMENTS:  # (decayed or not: one formula)
-            by_kind.setdefault((a.dtype.str, a.shape[1:], p in tg.no_decay), []).append(p)
-    return {p: group for group in by_kind.values() if len(group) > 1 for p in group}
-
-
-def group_update(b: Builder, s: Scalars, tg: TrainingGraph, group: list[str],
-                 grads: dict[str, list[str]] | None = None) -> None:
-    """The dense update of the parameters ``group`` (one dtype, one shape but the first axis, all decayed or
-    none) as one update of their concatenation along axis 0, split back into each parameter's new value and
-    state. ``grads``: the gradients to use (default ``tg.grads``; the clipped ones)."""
-    grads = grads or tg.grads
-    b.prefix, start = f"optim/group/{group[0]}+{len(group) - 1}", len(b.nodes)
-    cat = lambda values: b.op("Concat", values, axis=0)
-    new_p, new_s = update(b, s, cat(group), cat([grads[p][0] for p in group]),
-                           [cat([tg.state[p][j] for p in group]) for j in range(len(s.opt.slots))],
-                           tg.initial[group[0]].dtype, decay=group[0] not in tg.no_decay)
-    sizes = b.const([tg.initial[p].shape[0] for p in group], np.int64)
-    parts = []
-    for value in (new_p, *new_s):
-        outs = [b.fresh(f"{b.prefix}/Split") for _ in group]
-        b.nodes.append(Node("Split", [value, sizes], outs, {"axis": 0}, outs[0]))
-        parts.append(outs)
-    names = name_outputs(b, start, [(part[i], f"{base}.new") for i, p in enumerate(group)
-                                for part, base in zip(parts, [p, *tg.state[p]], strict=True)])
-    for i, p in enumerate(group):
-        tg.new_params[p], *tg.new_state[p] = names[i * len(parts):(i + 1) * len(parts)]
-
-
 class Scalars:
     """The optimizer's constants per dtype, the scheduled learning rate and Adam's bias corrections, computed
     once per graph. ``total``: the int64 scalar of the schedule's total steps (linear and cosine schedules)."""
@@ -491,9 +447,7 @@ class Scalars:
         if not self.scheduled:
             return self.b.const(self.opt.lr, np.float64)
         if self._lr64 is None:
-            from .schedules import learning_rate
-
-            self._lr64 = learning_rate(self.b, self.opt, self.step, self.total)
+            self._lr64 = learning_rate(self.b, self.opt.schedule, self.opt.lr, self.step, self.total)
         return self._lr64
 
     def _in(self, what: str, value64, dtype) -> str:

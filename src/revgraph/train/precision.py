@@ -38,21 +38,16 @@ checkpoints. bfloat16 has float32's range: no loss scaling, as PyTorch.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 
-from ..errors import InputError, RevgraphError
+from ..errors import InputError
 from ..ir import Graph, Node, ValueInfo, is_float_dtype
 from ..onnx_io.value_types import infer_types
 from ..warn import warn
 from .graphbuild import Builder
-
-if TYPE_CHECKING:
-    from .graphs import TrainingGraph
 
 #: The precisions of a training step (the CLI's ``--precision`` choices read this).
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -242,70 +237,6 @@ def seed_with_scale(gg: Graph, seed: str, keep_seed: bool, prec: Precision, loss
     return scaling
 
 
-def add_loss_scaling(tg: TrainingGraph, scaling: LossScale) -> None:
-    """Insert the unscaling, the non-finite check, the skip and the scale update around the update nodes of
-    ``tg`` (module doc), in place: the update reads unscaled gradients, every new parameter, state and step is
-    ``Where(found, old, new)``, and ``scale``/``growth`` become carried state."""
-    gg, prec = tg.graph, scaling.precision
-    cut = len(gg.nodes) - tg.n_update_nodes
-    head, update = gg.nodes[:cut], gg.nodes[cut:]
-    b = Builder(gg.names_in_use())
-    b.prefix = "loss_scale/unscale"
-    dt = scaling.dtype
-    inv = b.op("Reciprocal", [scaling.scale])
-    unscaled: dict[str, str] = {}
-    checks = []
-    for p in tg.params:
-        g = tg.grads[p][-1]  # the dense gradient, or a sparse table's rows
-        gdt = tg.grad_types[g].dtype if g in tg.grad_types and tg.grad_types[g].dtype is not None else dt
-        to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(gdt))
-        factor = inv if np.dtype(gdt) == dt else b.op("Cast", [inv], to=to)
-        unscaled[g] = b.op("Mul", [g, factor])
-        # sum(g * 0) is NaN exactly when g holds an infinity or a NaN (and 0 for empty rows)
-        total = b.op("ReduceSum", [b.op("Mul", [g, b.const(0.0, gdt)])], keepdims=0)
-        to = onnx.helper.np_dtype_to_tensor_dtype(dt)
-        checks.append(total if np.dtype(gdt) == dt else b.op("Cast", [total], to=to))
-    found = b.op("IsNaN", [checks[0] if len(checks) == 1 else b.op("Sum", checks)])
-    scaling.found = found
-    pre = b.nodes
-    for n in update:
-        n.inputs = [unscaled.get(i, i) for i in n.inputs]
-    # The skip: each new value computed under another name, then Where(found, old, new).
-    olds = [(p, tg.new_params[p]) for p in tg.params]
-    olds += [pair for p in tg.params for pair in zip(tg.state[p], tg.new_state[p], strict=True)]
-    olds.append((tg.step, tg.new_step))
-    b.nodes = []
-    b.prefix = "loss_scale/skip"
-    raw = {new: b.fresh(f"{new}.unchecked") for _, new in olds}
-    for n in update:
-        n.inputs = [raw.get(i, i) for i in n.inputs]
-        n.outputs = [raw.get(o, o) for o in n.outputs]
-    for old, new in olds:
-        b.nodes.append(Node("Where", [found, old, raw[new]], [new], name=b.fresh(f"{b.prefix}/Where")))
-    b.prefix = "loss_scale/update"
-    s, good = scaling.scale, scaling.growth
-    zero = b.const(0, np.int64)
-    counted = b.op("Add", [good, b.const(1, np.int64)])
-    grow = b.op("GreaterOrEqual", [counted, b.const(int(prec.growth_interval), np.int64)])
-    grown = b.op("Mul", [s, b.const(prec.growth_factor, dt)])
-    grown = b.op("Where", [b.op("IsInf", [grown]), s, grown])  # a scale that would overflow stays
-    scaling.new_scale, scaling.new_growth = b.fresh(f"{s}.new"), b.fresh(f"{good}.new")
-    kept = b.op("Where", [grow, grown, s])
-    b.nodes.append(Node("Where", [found, b.op("Mul", [s, b.const(prec.backoff_factor, dt)]), kept],
-                        [scaling.new_scale], name=b.fresh(f"{b.prefix}/Where")))
-    b.nodes.append(Node("Where", [found, zero, b.op("Where", [grow, zero, counted])], [scaling.new_growth],
-                        name=b.fresh(f"{b.prefix}/Where")))
-    post = b.nodes
-    consts = [n for n in post if n.op_type == "Constant"]
-    gg.nodes = head + pre + consts + update + [n for n in post if n.op_type != "Constant"]
-    tg.n_update_nodes = len(gg.nodes) - cut
-    gg.inputs.append(ValueInfo(good, np.int64, ()))
-    if not any(v.name == s for v in gg.inputs):
-        gg.inputs.append(ValueInfo(s, dt, ()))
-    gg.outputs += [ValueInfo(scaling.new_scale, dt, ()), ValueInfo(scaling.new_growth, np.int64, ())]
-    tg.scaling = scaling
-
-
 # ---------------------------------------------------------------------------------------------- checks, CLI
 
 
@@ -321,34 +252,3 @@ def check_combination(prec: Precision, device_kind: str, graph: Graph) -> None:
         raise InputError(f"--precision {prec.kind} (precision={prec.kind!r}) needs --device cuda: onnxruntime's CPU "
                          f"provider has no {'bfloat16' if prec.kind == 'bf16' else 'float16'} MatMul, Gemm or Conv "
                          "kernel (training_graph(..., precision=) still writes the step graph)")
-
-
-def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--precision`` (choices :data:`PRECISIONS`) and the fp16 loss-scaling options (GradScaler's names)."""
-    from ..cli import numeric as N
-
-    d = Precision()
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="mixed precision: matrix products and convolutions in bfloat16 or float16 with float32 "
-                             "master weights (torch.autocast); fp16 scales the loss dynamically (GradScaler; "
-                             "default fp32)")
-    parser.add_argument("--init-scale", type=N.LOSS_SCALE, metavar="S",
-                        help=f"fp16: the initial loss scale (default {d.init_scale:g})")
-    parser.add_argument("--growth-factor", type=N.GROWTH_FACTOR, metavar="F",
-                        help=f"fp16: the scale's factor after --growth-interval good steps (default "
-                             f"{d.growth_factor:g})")
-    parser.add_argument("--backoff-factor", type=N.BACKOFF_FACTOR, metavar="F",
-                        help=f"fp16: the scale's factor after a non-finite gradient (default {d.backoff_factor:g})")
-    parser.add_argument("--growth-interval", type=N.POSITIVE_INT, metavar="N",
-                        help=f"fp16: good steps in a row before the scale grows (default {d.growth_interval})")
-
-
-def precision_from_args(args: argparse.Namespace) -> Precision:
-    """The :class:`Precision` of ``--precision`` and the loss-scaling options; :class:`RevgraphError` for a
-    scaling option without ``--precision fp16``."""
-    names = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
-    given = {k: getattr(args, k, None) for k in names if getattr(args, k, None) is not None}
-    if given and args.precision != "fp16":
-        raise RevgraphError(f"--{next(iter(given)).replace('_', '-')} sets the fp16 loss scaling: it goes with "
-                            "--precision fp16")
-    return Precision(args.precision, **given)

@@ -218,7 +218,7 @@ class TensorBoardLog(_Writer):
 
 class LossCurve(_Writer):
     """Collect each record's ``(step, loss)`` and, after evaluations, ``(step, eval_loss)``, and write them to
-    ``path`` at :meth:`close` as an SVG chart against the step (:func:`revgraph.tools.svg_curve.chart`: one
+    ``path`` at :meth:`close` as an SVG chart against the step (:func:`revgraph.train.svg_curve.chart`: one
     polyline per curve, the training loss thin and per step, the evaluation loss thick with a dot per
     evaluation), atomically; nothing is written when no record came. ``title`` heads the chart."""
 
@@ -246,7 +246,7 @@ class LossCurve(_Writer):
 
     def svg(self) -> str:
         """The chart's SVG text."""
-        from ..tools.svg_curve import COLORS, Line, chart
+        from .svg_curve import COLORS, Line, chart
 
         lines = [Line(self.train, COLORS[0], width=1.5, label="training loss (per step)")]
         if self.eval:

@@ -60,7 +60,6 @@ from .lr_schedules import SCHEDULES, Floats, Kind, Nodes, factor
 
 if TYPE_CHECKING:
     from .graphbuild import Builder
-    from .optimizers import Optimizer
 
 #: ``Optimizer.no_decay`` values besides patterns and predicates.
 NO_DECAY_RULES = ("default", "none")
@@ -123,11 +122,11 @@ class Schedule:
                             self.min_lr / peak))
 
 
-def check_schedule(opt: Optimizer) -> None:
-    """Raise :class:`RevgraphError` when the schedule does not fit the optimizer (``min_lr`` above the peak)."""
-    s = opt.schedule
-    if s is not None and s.min_lr > opt.lr:
-        raise RevgraphError(f"--min-lr {s.min_lr:g} is above the peak learning rate --lr {opt.lr:g}; the decay ends "
+def check_schedule(s: Schedule | None, lr: float) -> None:
+    """Raise :class:`RevgraphError` when the schedule ``s`` does not fit the optimizer's peak rate ``lr``
+    (``min_lr`` above it)."""
+    if s is not None and s.min_lr > lr:
+        raise RevgraphError(f"--min-lr {s.min_lr:g} is above the peak learning rate --lr {lr:g}; the decay ends "
                             "at min-lr: choose one below lr")
 
 
@@ -161,10 +160,9 @@ def check_no_decay(value) -> str | tuple[str, ...] | Callable:
     return patterns
 
 
-def excluded(opt: Optimizer, initial: dict[str, np.ndarray]) -> list[str]:
-    """The parameters (of ``initial``, in its order) weight decay is not applied to (module doc). Raises
-    :class:`RevgraphError` for a pattern that matches no parameter."""
-    rule = opt.no_decay
+def excluded(rule: str | tuple[str, ...] | Callable, initial: dict[str, np.ndarray]) -> list[str]:
+    """The parameters (of ``initial``, in its order) weight decay is not applied to under ``rule``
+    (``Optimizer.no_decay``, module doc). Raises :class:`RevgraphError` for a pattern that matches no parameter."""
     if rule == "none":
         return []
     if rule == "default":
@@ -180,17 +178,16 @@ def excluded(opt: Optimizer, initial: dict[str, np.ndarray]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- graph nodes
 
-def learning_rate(b: Builder, opt: Optimizer, step: str, total: str | None) -> str:
-    """The float64 scalar ``lr(step)`` of ``opt.schedule`` (module doc) as nodes of ``b``: the registered
-    formula (:func:`revgraph.train.lr_schedules.factor`) emitted; ``total`` is the int64 scalar of the total
-    steps (read by the kinds that need it)."""
-    sched = opt.schedule
+def learning_rate(b: Builder, sched: Schedule, lr: float, step: str, total: str | None) -> str:
+    """The float64 scalar ``lr(step)`` of the schedule ``sched`` from the peak rate ``lr`` (module doc) as nodes
+    of ``b``: the registered formula (:func:`revgraph.train.lr_schedules.factor`) emitted; ``total`` is the int64
+    scalar of the total steps (read by the kinds that need it)."""
     with b.scope("optim/lr_schedule"):
         m = Nodes(b)
         s = m.cast(step)
         t = m.cast(total) if sched.needs_total else None
-        f = factor(m, sched.rule, s, t, sched.warmup_steps, sched.min_lr / opt.lr)
-        return b.op("Mul", [b.const(opt.lr, np.float64), m.name(f)])
+        f = factor(m, sched.rule, s, t, sched.warmup_steps, sched.min_lr / lr)
+        return b.op("Mul", [b.const(lr, np.float64), m.name(f)])
 
 
 def coalesce(b: Builder, idx: str, rows: str, dt) -> tuple[str, str]:

@@ -125,14 +125,14 @@ def _patterns(value: Iterable[str] | str | None, option: str) -> list | None:
 
 def _constant_weights(model: Graph) -> str:
     """The hint of a model with nothing to train whose weights are floating-point ``Constant`` nodes (paddle2onnx
-    writes its weights so), naming :func:`revgraph.tools.lift.lift_constants`; empty for another model."""
-    from ..tools.lift import lift_constants
+    writes its weights so), naming :func:`revgraph.autodiff.lift.lift_constants`; empty for another model."""
+    from ..autodiff.lift import lift_constants
 
     lifted = lift_constants(model)[1]
     if not lifted:
         return ""
     return (f"; its weights are Constant nodes ({', '.join(map(repr, lifted[:4]))}{', ...' if len(lifted) > 4 else ''})"
-            ": make them initializers with revgraph.tools.lift.lift_constants (revgraph train --lift-constants)")
+            ": make them initializers with revgraph.autodiff.lift.lift_constants (revgraph train --lift-constants)")
 
 
 def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iterable[str] | str | None = None,
@@ -148,7 +148,7 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
     :func:`left_out` lists what the default leaves out, and why. Integer initializers a glob matches are left out (they cannot train). ``freeze``: names or globs removed
     from that set. Raises :class:`RevgraphError` (one line) for a pattern that matches no initializer (naming
     it and the option), an integer initializer named exactly, a glob that matches only integer ones, and a
-    selection that leaves nothing to train (naming :func:`revgraph.tools.lift.lift_constants` where the weights are
+    selection that leaves nothing to train (naming :func:`revgraph.autodiff.lift.lift_constants` where the weights are
     ``Constant`` nodes).
     """
     from .lora import adapter_names

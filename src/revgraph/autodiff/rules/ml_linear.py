@@ -16,9 +16,9 @@ checked against onnxruntime 1.32's outputs in tests/test_ml_linear.py; the VJPs 
   or ``sqrt(sum x^2)`` (``L2``), and ``y = x`` where ``z == 0``; ``MAX``'s cotangent of ``z`` goes to the
   maximal elements split among ties, as ``ReduceMax``'s rule does.
 
-The coefficients are attributes, so these rules give no gradient for them: :func:`revgraph.tools.lift.lift_constants`
+The coefficients are attributes, so these rules give no gradient for them: :func:`revgraph.autodiff.lift.lift_constants`
 (``--lift-constants``) first rewrites both linear operators into standard ONNX operators reading initializers
-(:mod:`revgraph.tools.lift_ml`), whose gradients the standard rules give.
+(:mod:`revgraph.autodiff.lift_ml`), whose gradients the standard rules give.
 """
 
 from __future__ import annotations

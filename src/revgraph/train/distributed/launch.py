@@ -346,10 +346,8 @@ def run_torchrun(argv: list[str]) -> int:
                 # the one line of the workers' refusal, printed once here (each worker handed it over); a rank that
                 # handed its line over and then died in a native destructor still refused
                 message = _handed_over(run_dir)
-                if message:
-                    from ...cli.common import err
-
-                    err.print(f"revgraph: error: {message}", soft_wrap=True, markup=False)
+                if message:  # (one line, unwrapped, as the CLI prints its errors)
+                    print(f"revgraph: error: {message}", file=sys.stderr)
                 return 2
             if 3 not in codes:  # a worker killed or crashed without a message: say which (torchrun's lines are off)
                 rank, f = _first_failure(exc.failures)

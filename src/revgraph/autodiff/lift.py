@@ -65,7 +65,7 @@ def lift_constants(graph: Graph) -> tuple[Graph, list[str]]:
 
     ``ai.onnx.ml`` ``LinearClassifier``/``LinearRegressor`` nodes, whose weights are attributes, become standard
     operators reading initializers ``<node>.coefficients`` and ``<node>.intercepts`` first
-    (:func:`revgraph.tools.lift_ml.lift_ml_coefficients`; a ``GraphError`` for a ``post_transform`` it does not
+    (:func:`revgraph.autodiff.lift_ml.lift_ml_coefficients`; a ``GraphError`` for a ``post_transform`` it does not
     support)."""
     from .lift_ml import lift_ml_coefficients  # (here: it imports the autodiff rules, which import this module)
 

@@ -12,7 +12,7 @@ stays. The rewrite follows onnxruntime's CPU kernels (the math: :mod:`revgraph.a
 - The label: ``Gather(classlabels, ArgMax(s, axis=1))`` (the first maximum, as the kernel), or for one target
   ``Gather(classlabels, s > 0)``; ints or strings.
 
-It is part of :func:`revgraph.tools.lift.lift_constants` (``--lift-constants``). :func:`lower_ml_operators` writes
+It is part of :func:`revgraph.autodiff.lift.lift_constants` (``--lift-constants``). :func:`lower_ml_operators` writes
 the same form with the coefficients as ``Constant`` values, and ``Normalizer`` too, for ``revgraph check``:
 onnxruntime's ML kernels compute in float32 only, the standard operators have float64 kernels.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from ..autodiff.rules.ml_linear import ML, NORMS, ZERO, linear_weights, post_transform, text_attr, two_classes
+from .rules.ml_linear import ML, NORMS, ZERO, linear_weights, post_transform, text_attr, two_classes
 from ..errors import GraphError
 from ..ir import Graph, Node
 
