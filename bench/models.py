@@ -113,8 +113,8 @@ def write_light(name: str, out_dir: str, adapted: bool = False) -> dict:
     import onnx
 
     import revgraph as rg
-    from revgraph.ir import Node, ValueInfo
     from revgraph.autodiff.lift import lift_constants
+    from revgraph.ir import Node, ValueInfo
 
     tag = "adapted" if adapted else "lifted"
     path = Path(out_dir) / f"{tag}_{name}.onnx"

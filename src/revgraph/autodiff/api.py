@@ -16,13 +16,13 @@ from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, fresh_name, gc_paused, require_graph
 from ..ir.ssa import is_ssa, to_ssa
 from ..onnx_io.value_types import infer_types, keep_types
-from .lift import lift_constants as lift
 from ..warn import warn
 from . import sparse as sp
 from .arguments import names_argument, refuse_integer_loss, resolve_loss, resolve_wrt, suggest, used_names
 from .backward import backward
 from .context import Grad, Options
 from .emitter import Emitter
+from .lift import lift_constants as lift
 from .loops.lower import lower_to_loops
 from .memory import Budget, as_budget, plan_memory
 from .policies import CheckpointPolicy, parse_policy

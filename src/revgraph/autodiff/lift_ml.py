@@ -22,9 +22,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from .rules.ml_linear import ML, NORMS, ZERO, linear_weights, post_transform, text_attr, two_classes
 from ..errors import GraphError
 from ..ir import Graph, Node
+from .rules.ml_linear import ML, NORMS, ZERO, linear_weights, post_transform, text_attr, two_classes
 
 LINEAR = ("LinearClassifier", "LinearRegressor")
 
