@@ -254,10 +254,10 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
         err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
     refused = None
     try:
-        trainer.arrays(data, static)  # bad data fails here, in one line, before anything runs
-        for arrays in (test, evaluated_data):
-            if arrays is not None:
-                trainer.arrays(arrays, static)
+        # bad data fails here, in one line, before anything runs; the checked Datasets go on to fit and evaluate
+        # (checked once per run: the labels are scanned here only)
+        data = trainer.arrays(data, static)
+        test, evaluated_data = (None if a is None else trainer.arrays(a, static) for a in (test, evaluated_data))
     except RevgraphError as exc:
         if not trainer.comm:
             raise

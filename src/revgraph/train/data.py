@@ -33,6 +33,8 @@ class Dataset:
 
     def __init__(self, spec, arrays: dict, static: dict, dtypes: dict):
         self.spec, self.arrays, self.static, self._dtypes = spec, arrays, static, dtypes
+        #: the ``static`` mapping :func:`prepare` was given (the object itself: passed again, it is not re-checked)
+        self.given_static: Mapping | None = None
         lengths = {k: len(a) for k, a in arrays.items()}
         self.n = next(iter(lengths.values())) if lengths else 1
 
@@ -78,7 +80,16 @@ def prepare(spec, data, static: Mapping | None = None, classes: int | None = Non
 
     Raises :class:`InputError` (one line) for missing arrays, different lengths, an unknown static name, a
     static array that does not match its input's declared shape, or labels that do not fit the loss
-    (non-integer class indices, out-of-range classes, wrong shapes)."""
+    (non-integer class indices, out-of-range classes, wrong shapes).
+
+    A :class:`Dataset` that this function made for the same ``spec`` and ``static`` is returned as it is (with
+    other ones, its arrays are checked again): the
+    data is checked once per run (the CLI checks it before anything runs and hands the Dataset to
+    :meth:`revgraph.Trainer.fit` and ``evaluate``, which would otherwise re-read and re-scan the labels)."""
+    if isinstance(data, Dataset):  # checked already: as it is, or its arrays checked again against other ones
+        if data.spec is spec and (static is None or static is data.given_static):
+            return data
+        data = dict(data.arrays)
     if isinstance(data, (str, os.PathLike)):  # a directory of .npy files, or an .npz (issue 38: it was refused)
         data = read_dir(data) if os.path.isdir(data) or not os.fspath(data).lower().endswith(".npz") else \
             _read_npz(spec, data)
@@ -90,6 +101,7 @@ def prepare(spec, data, static: Mapping | None = None, classes: int | None = Non
                          ".npy files")
     if static is not None and not isinstance(static, Mapping):  # dict() of a list or a string fails obscurely
         raise InputError(f"static= must be a mapping of arrays by input name, got {type(static).__name__}")
+    given_static = static  # (what a later call passes again with this Dataset)
     data, static = dict(data), dict(static or {})
     has_labels = spec.labels is not None
     names = list(spec.inputs)
@@ -146,6 +158,7 @@ def prepare(spec, data, static: Mapping | None = None, classes: int | None = Non
         raise InputError(f"arrays differ in length: {', '.join(f'{k} {v}' for k, v in lengths.items())}")
     ds = Dataset(spec, arrays, fixed, dtypes)
     _check_targets(ds, classes)
+    ds.given_static = given_static
     return ds
 
 
