@@ -112,7 +112,19 @@ def reduce_mean(ctx: Ctx, node: Node, x: str, y: str, g: str) -> str:
     else:  # the group size is |x| / |y| (the same with keepdims either way)
         ny = e.op("Max", [e.op("Size", [y]), e.const(np.int64(1))])
         count = ctx.val(e.op("Div", [e.op("Size", [x]), ny])).cast_like(g)
-    return keep(ctx, node, ctx.val(g) / count).apply("Expand", e.shape_of(x), like=x)
+    return keep(ctx, node, ctx.val(g) / count).apply("Expand", expand_shape(e, node, n), like=x)
+
+
+def expand_shape(e: Emitter, node: Node, n: int | None) -> str:
+    """The shape to ``Expand`` a reduction's cotangent (reduced axes kept as 1) back to its input: a constant
+    with the reduced axes' static sizes and 1 elsewhere when ``n`` (:func:`group_size`) is known, as the
+    other axes broadcast from the cotangent itself (ONNX "Expand" broadcasts both ways); ``Shape(x)`` else."""
+    x, dims = node.inputs[0], e.dims(node.inputs[0])
+    axes = reduced_axes(e, node)
+    if n is None or dims is None or is_noop(e, node):
+        return e.shape_of(x)
+    picked = range(len(dims)) if axes is None else [int(a) % len(dims) for a in np.asarray(e.value(axes)).reshape(-1)]
+    return e.ints([dims[i] if i in picked else 1 for i in range(len(dims))])
 
 
 @unary("ReduceMax", "ReduceMin", bounded=True, finite=True, reads=())

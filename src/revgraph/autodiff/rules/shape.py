@@ -80,6 +80,11 @@ def _reshape_to(e: Emitter, g: str, x: str) -> str:
     sg, sx = e.shape(g), e.shape(x)
     if sg is not None and sg == sx:
         return g
+    dx = e.dims(x)
+    if dx is not None and sum(not isinstance(d, int) for d in dx) == 1 and all(d != 0 for d in dx):
+        # one symbolic dimension (the batch) and no empty static one: -1 recovers it from g's element count,
+        # which is x's, so no Shape of x is read at run time
+        return e.op("Reshape", [g, e.ints([d if isinstance(d, int) else -1 for d in dx])], like=x)
     return e.op("Reshape", [g, e.shape_of(x)], allowzero=1, like=x)
 
 
