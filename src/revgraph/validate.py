@@ -306,20 +306,6 @@ def model(name: str, value):
                         "onnx.ModelProto or the path of an .onnx file")
 
 
-def as_graph(name: str, value):
-    """What users have, as a :class:`revgraph.Graph`: the graph itself, or an ``onnx.ModelProto``, its serialized
-    bytes or the path of an ``.onnx`` file (:func:`model` checks it), read with :func:`revgraph.load` as
-    :class:`revgraph.Trainer` and :class:`revgraph.Session` read theirs. For functions that return a new graph
-    or a number; one that changes its graph in place keeps :data:`GRAPH` (a graph loaded here would be lost)."""
-    from .ir import Graph
-    from .onnx_io import load
-
-    return value if isinstance(value, Graph) else load(model(name, value))
-
-
-as_graph.converts = True  # (arguments() passes the loaded graph on)
-
-
 def _is_torch_module(value) -> bool:
     """An ``torch.nn.Module`` (looked up without importing torch: it is loaded already where one exists)."""
     import sys
@@ -384,7 +370,6 @@ POSITIVE = rule(finite_float, low=0, low_open=True)
 PATH = path
 GRAPH = graph
 MODEL = model
-AS_GRAPH = as_graph  # a Graph, a ModelProto or a path, passed on as a Graph
 POLICY = policy
 BUDGET = budget
 MAPPING = mapping

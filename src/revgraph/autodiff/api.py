@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from .. import validate as V
+from ..onnx_io.arguments import AS_GRAPH
 from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, fresh_name, gc_paused, require_graph
 from ..ir.ssa import is_ssa, to_ssa
@@ -30,7 +31,7 @@ from .simplify import simplify
 from .sparse import SparseGrad
 
 
-@V.arguments(graph=V.AS_GRAPH, loss=V.NAME, wrt=V.NAMES, seed=V.choice("ones", "input"),
+@V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, seed=V.choice("ones", "input"),
              unconnected=V.choice("zero", "error"), sparse=V.FLAG, accumulate=V.choice("sum", "running"),
              checkpoint=V.POLICY, lift_constants=V.FLAG, straight_through=V.FLAG, memory=V.BUDGET,
              finite_inputs=V.NAMES)
@@ -53,7 +54,7 @@ def gradient(
 
     ``graph`` is a :class:`Graph`, an ``onnx.ModelProto`` or the path of an ``.onnx`` file (read with
     :func:`revgraph.load`; so for :func:`jvp`, :func:`hvp`, :func:`jacobian`, :func:`hessian`,
-    :func:`check_gradients`, :func:`saved_bytes` and :func:`plan_memory`: ``revgraph.validate.AS_GRAPH``).
+    :func:`check_gradients`, :func:`saved_bytes` and :func:`plan_memory`: ``revgraph.onnx_io.arguments.AS_GRAPH``).
 
 
     ``loss`` defaults to the only graph output; a non-scalar loss is differentiated as the sum of its

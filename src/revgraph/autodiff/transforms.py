@@ -24,6 +24,7 @@ from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, onnx_dtype, require_graph
 from ..ir.ssa import captured_names
+from ..onnx_io.arguments import AS_GRAPH
 from ..onnx_io.value_types import infer_types, keep_types
 from .api import gradient
 from .arguments import names_argument, resolve_loss, resolve_outputs, resolve_wrt, used_names
@@ -34,7 +35,7 @@ from .policies import CheckpointPolicy, parse_policy
 from .simplify import simplify
 
 
-@V.arguments(graph=V.AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
+@V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
 def hvp(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
         checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs, the gradients ``<x>_grad`` of ``loss`` and the Hessian-vector
@@ -69,7 +70,7 @@ def _gradient(graph: Graph, loss: str | None, wrt, checkpoint, memory=None) -> t
     return gg, dict(zip(wrt_names, gg.output_names[-len(wrt_names):], strict=True))
 
 
-@V.arguments(graph=V.AS_GRAPH, outputs=V.NAMES, inputs=V.NAMES, mode=V.choice("auto", "forward", "reverse"),
+@V.arguments(graph=AS_GRAPH, outputs=V.NAMES, inputs=V.NAMES, mode=V.choice("auto", "forward", "reverse"),
              checkpoint=V.POLICY, memory=V.BUDGET)
 def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None, *,
              mode: str = "auto", checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
@@ -102,7 +103,7 @@ def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: I
     return _reverse_jacobian(graph, ys, xs, names, checkpoint, memory)
 
 
-@V.arguments(graph=V.AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
+@V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
 def hessian(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
             checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs and the Hessian of ``loss`` (summed if not scalar): for each pair

@@ -39,6 +39,7 @@ from ..autodiff.loops.lower import lower_to_loops
 from ..errors import InputError, RevgraphError
 from ..ir import Graph, Node, ValueInfo, fresh_name, is_float_dtype, require_graph
 from ..ir.ssa import is_ssa, to_ssa
+from ..onnx_io.arguments import AS_GRAPH
 from ..onnx_io.value_types import constant_value, infer_types
 from ..runtime import Session, expand_domains, random_inputs
 
@@ -320,7 +321,7 @@ def _note(notes: list[str], text: str) -> None:
 # ---------------------------------------------------------------------------------------------- the check
 
 
-@V.arguments(graph=V.AS_GRAPH, loss=V.NAME, wrt=V.NAMES, inputs=V.OPTIONAL_MAPPING, seed=V.SEED, rtol=V.NON_NEGATIVE,
+@V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, inputs=V.OPTIONAL_MAPPING, seed=V.SEED, rtol=V.NON_NEGATIVE,
              atol=V.NON_NEGATIVE, directions=V.POSITIVE_INT, step=V.POSITIVE, backend=V.choice("onnxruntime", "reference"))
 def check_gradients(
     graph: Graph,

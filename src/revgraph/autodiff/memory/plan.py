@@ -51,6 +51,7 @@ import numpy as np
 from ... import validate as V
 from ...ir import REMAT_PREFIX, Graph, Node, ValueInfo, fresh_name
 from ...ir.ssa import captured_names
+from ...onnx_io.arguments import AS_GRAPH
 from ...runtime.options import ORT_DISABLED_OPTIMIZERS
 from ...warn import warn
 from .budget import DEFAULT_SYMBOLIC_DIM, Budget
@@ -265,7 +266,7 @@ class _Cuts:
         return recomputed, kept, sum(p.flops(k) or 0 for k in recomputed)
 
 
-@V.arguments(graph=V.AS_GRAPH, budget=V.OPTIONAL_BUDGET)
+@V.arguments(graph=AS_GRAPH, budget=V.OPTIONAL_BUDGET)
 def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
     """Choose the residuals of the gradient graph ``graph`` (top level; written by :func:`revgraph.gradient`)
     under ``budget`` and rewrite ``graph`` in place with the recomputation (see the module doc). ``None`` is the

@@ -21,6 +21,7 @@ from ... import validate as V
 from ...errors import RevgraphError
 from ...ir import Graph, Node, ValueInfo
 from ...ir.ssa import captured_names
+from ...onnx_io.arguments import AS_GRAPH
 
 #: The name prefixes of nodes the backward pass emits (:mod:`..backward`, :mod:`..accumulate`, :mod:`.plan`).
 BACKWARD_PREFIXES = ("grad/", "accum/", "seed/", "remat/")
@@ -75,7 +76,7 @@ def residual_sizes(graph: Graph, dims: Mapping[str, int] | None = None) -> dict[
     return {r: value_bytes(graph.type_of(r), dims) for r in residuals(graph)}
 
 
-@V.arguments(graph=V.AS_GRAPH, dims=V.OPTIONAL_MAPPING)
+@V.arguments(graph=AS_GRAPH, dims=V.OPTIONAL_MAPPING)
 def saved_bytes(graph: Graph, dims: Mapping[str, int] | None = None) -> int:
     """Total bytes of the residuals of ``graph`` (a gradient or training-step graph written by revgraph), from
     the declared types of the values: symbolic dimensions are given by ``dims`` (name -> size). A residual
