@@ -12,10 +12,10 @@ from collections.abc import Iterable
 import numpy as np
 
 from .. import validate as V
-from ..onnx_io.arguments import AS_GRAPH
 from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, fresh_name, gc_paused, require_graph
 from ..ir.ssa import is_ssa, to_ssa
+from ..onnx_io.arguments import AS_GRAPH
 from ..onnx_io.value_types import infer_types, keep_types
 from ..warn import warn
 from . import sparse as sp
