@@ -12,8 +12,9 @@ The specializations: ``Pow`` by a constant ``k`` (``2 x``, ``0.5 / y``, ``k x^(k
 ``Log``, no test of ``k``), ``Div`` by a finite nonzero constant (``g / b``, one node), ``ReduceMean`` over axes
 of static size (``g / n``, no ``Size`` arithmetic), a ``Slice`` that takes an axis whole (``0:INT64_MAX:1``, as
 exporters write ``x[:, ...]``: no VJP nodes), the last ``Pad`` of a ``Slice``'s VJP typed as the input (no
-``Reshape`` after it), and the broadcast of a same-rank operand undone by a ``ReduceSum`` with ``keepdims=1``
-alone (no ``Reshape``).
+``Reshape`` after it), the broadcast of a same-rank operand undone by a ``ReduceSum`` with ``keepdims=1``
+alone (no ``Reshape``), and a ``Reshape`` VJP with one symbolic dimension reshaping to a constant with -1 (no
+``Shape`` of a forward value read at run time).
 """
 
 from __future__ import annotations
