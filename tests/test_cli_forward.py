@@ -18,7 +18,7 @@ import revgraph as rg
 from revgraph.cli import main
 from revgraph.ir import Graph, Node, ValueInfo
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "forward-mode.md"
 W = np.array([[0.3, -0.7, 0.5], [0.9, 0.2, -0.4]])  # the initializer "W" [2, 3]
 X = np.array([0.6, -1.3])
 COMMANDS = ("jvp", "hvp", "jacobian", "hessian")
@@ -269,13 +269,13 @@ def test_usage_errors_exit_2(model, tmp_path, capsys):
     assert not (tmp_path / "o.onnx").exists()
 
 
-# ----------------------------------------------------------------------------------------------- README
+# ------------------------------------------------------------------------------------------------ guide
 
 
-def test_readme_section_runs_as_printed(tmp_path, monkeypatch, capsys):
-    """Each command in the README's forward-mode section prints what its comment says."""
-    text = README.read_text()
-    section = text[text.index("### Forward mode, Hessian-vector products, Jacobians and Hessians"):]
+def test_guide_section_runs_as_printed(tmp_path, monkeypatch, capsys):
+    """Each command in the forward-mode guide (docs/guides/forward-mode.md) prints what its comment says."""
+    text = GUIDE.read_text()
+    section = text[text.index("# Forward mode, Hessian-vector products, Jacobians and Hessians"):]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL).group(1)
     mm = DATA_DIR / "pytorch-operator" / "test_operator_mm" / "model.onnx"
     monkeypatch.chdir(tmp_path)

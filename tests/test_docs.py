@@ -19,15 +19,15 @@ def test_op_coverage_is_up_to_date():
 
 
 def test_train_synopsis_lists_the_registries():
-    """README's ``revgraph train`` synopsis and DESIGN.md's list the optimizers and losses of the registries the
+    """The train guide's ``revgraph train`` synopsis and DESIGN.md's list the optimizers and losses of the registries the
     CLI reads (:data:`revgraph.train.optimizers.OPTIMIZERS`, :data:`revgraph.train.losses.LOSSES`)."""
     import re
 
     from revgraph.train.losses import LOSSES
     from revgraph.train.optimizers import OPTIMIZERS
 
-    readme = (DOCS.parent / "README.md").read_text()
-    synopsis = next(line for line in readme.splitlines() if line.startswith("### `revgraph train "))
+    guide = (DOCS / "guides" / "train.md").read_text()
+    synopsis = next(line for line in guide.splitlines() if line.startswith("## `revgraph train "))
     assert re.search(r"--optimizer ([\w|-]+)", synopsis).group(1) == "|".join(OPTIMIZERS)
     assert re.search(r"--loss ([\w|:-]+)", synopsis).group(1) == "|".join(LOSSES)
     design = (DOCS / "DESIGN.md").read_text()
@@ -35,8 +35,9 @@ def test_train_synopsis_lists_the_registries():
 
 
 def test_grad_synopsis_lists_the_checkpoint_policies():
-    """README's and DESIGN.md's ``--checkpoint`` lists are the CLI's (:data:`revgraph.autodiff.policies.NAMED`)."""
+    """The differentiation guide's and DESIGN.md's ``--checkpoint`` lists are the CLI's
+    (:data:`revgraph.autodiff.policies.NAMED`)."""
     from revgraph.cli.write import POLICIES
 
-    for doc in (DOCS.parent / "README.md", DOCS / "DESIGN.md"):
+    for doc in (DOCS / "guides" / "differentiate.md", DOCS / "DESIGN.md"):
         assert f"[--checkpoint {POLICIES}]" in doc.read_text(), doc.name

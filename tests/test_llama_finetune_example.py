@@ -121,9 +121,9 @@ def test_the_log_follows_transformers_cosine_schedule_and_the_curve_is_svg(run):
     assert lines and len(lines[0].get("points").split()) == len(records)  # the training loss, a point per step
 
 
-def test_the_readmes_python_block_is_the_script():
-    """README's worked example shows finetune.py as it is (less its docstring)."""
-    text = (ROOT / "README.md").read_text()
+def test_the_guides_python_block_is_the_script():
+    """The train guide's worked example (docs/guides/train.md) shows finetune.py as it is (less its docstring)."""
+    text = (ROOT / "docs" / "guides" / "train.md").read_text()
     block = text.split("<!-- llm-finetune-script -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     source = SCRIPT.read_text()
     body = source[source.index('"""\n', 3) + 4:]

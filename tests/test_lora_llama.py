@@ -111,15 +111,15 @@ def test_the_walkthrough_llama(tmp_path):
 
 
 def _walkthrough_commands() -> list[str]:
-    """The bash block of README's "Fine-tuning a language model with LoRA, end to end" (after its marker)."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    """The bash block of the train guide's "Fine-tuning a language model end to end" (after its marker)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "guides" / "train.md").read_text()
     block = text.split("<!-- llm-walkthrough -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line.strip()]
 
 
 @pytest.mark.slow
 def test_the_readme_llm_walkthrough_runs_as_printed(tmp_path):
-    """The README's LLaMA walkthrough, command by command as printed (exit 0 each): the loss before training is
+    """The train guide's LLaMA walkthrough, command by command as printed (exit 0 each): the loss before training is
     transformers' own causal-LM loss of the same weights (``LlamaForCausalLM(..., labels=input_ids).loss``, the
     mean cross-entropy of every next token), the full fine-tune lowers it; its safetensors state dict loads strictly
     into ``LlamaForCausalLM`` and gives the trained ONNX model's logits; the LoRA run changed only adapters, its PEFT

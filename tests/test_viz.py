@@ -21,7 +21,7 @@ from revgraph.ir import Graph, ValueInfo
 from revgraph.tools import viz
 
 MM_MODEL = DATA_DIR / "pytorch-operator" / "test_operator_mm" / "model.onnx"
-README = Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "differentiate.md"
 
 
 @pytest.fixture(autouse=True)
@@ -372,6 +372,6 @@ def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, monkeypatch,
     assert list(tmp_path.iterdir()) == []
 
 
-def test_readme_shows_the_command():
-    text = README.read_text()
+def test_guide_shows_the_command():
+    text = GUIDE.read_text()
     assert "revgraph show" in text and "--grad" in text and "apt-get install graphviz" in text

@@ -16,7 +16,7 @@ import revgraph as rg
 VOCAB, T = 64, 16
 #: token ids inside the tiny vocabulary (transformers warns about GPT-2's default 50256), and no pad token: a
 #: ``pad_token_id`` makes the embedding ``nn.Embedding(padding_idx=...)``, whose row torch never updates (ONNX
-#: ``Gather`` has no such row: README, "A model exported from PyTorch")
+#: ``Gather`` has no such row: docs/guides/differentiate.md, "A model exported from PyTorch")
 QUIET = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None}
 
 
