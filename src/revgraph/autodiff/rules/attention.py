@@ -48,7 +48,6 @@ from ...errors import GraphError
 from ...ir import Node
 from ..algebra import Val, name_of, where
 from ..context import Ctx
-from ..emitter import Emitter
 from ..registry import vjp
 from ._common import dim, optional_input
 
@@ -61,10 +60,9 @@ def _perm(src: str, dst: str) -> list[int]:
     return [src.index(c) for c in dst]
 
 
-def _tr(e: Emitter, x: Val | str, src: str, dst: str) -> str:
+def _tr(x: Val, src: str, dst: str) -> Val:
     """``x`` (axes named by ``src``) with its axes in the order ``dst``."""
-    x = name_of(x)
-    return x if src == dst else e.op("Transpose", [x], perm=_perm(src, dst))
+    return x if src == dst else x.transpose(_perm(src, dst))
 
 
 def _t(x: Val) -> Val:
@@ -112,18 +110,17 @@ class _Attention:
 
     def heads(self, x: str, h: int | None, dst: str = _CANON) -> str:
         """An input ``x`` (3-D ``[B, L, H*D]`` or 4-D ``[B, H, L, D]``) as a 4-D tensor with axes ``dst``."""
-        e = self.e
+        x = self.val(x)
         if self.rank == 3:
-            x = e.op("Reshape", [x, e.ints([0, 0, h, -1])])
-        return _tr(e, x, self.layout, dst)
+            x = x.reshape([0, 0, h, -1])
+        return _tr(x, self.layout, dst).name
 
     def unheads(self, g: Val | str, src: str, like: str) -> str:
         """The cotangent ``g`` (4-D, axes ``src``) in the layout of the input ``like``."""
-        e = self.e
-        g = _tr(e, g, src, self.layout)
+        g = _tr(self.val(name_of(g)), src, self.layout)
         if self.rank == 3:
-            g = e.op("Reshape", [g, e.ints([0, 0, -1])], like=like)
-        return g
+            g = g.reshape([0, 0, -1], like=like)
+        return g.name
 
     def _heads_dim(self, n: int | None, x: str) -> str:
         """A 1-element int64 value: ``n`` or, when unknown, dimension 1 of the 4-D input ``x``."""
@@ -145,7 +142,7 @@ class _Attention:
         e = self.e
         shape = e.ints([0, n, -1, 0]) if n is not None else \
             e.op("Concat", [e.ints([0]), self._heads_dim(n, ref), e.ints([-1, 0])], axis=0)
-        return e.op("Reshape", [x, shape])
+        return self.val(x).reshape(shape).name
 
     @cached_property
     def zero(self) -> str:
@@ -171,10 +168,9 @@ class _Attention:
         e, node = self.e, self.node
         s = node.attrs.get("scale")
         if s is None and self.head_size is None:  # the function body's arithmetic, at run time
-            d = e.op("Shape", [self.q4], start=3, end=4)
-            root = e.op("Sqrt", [e.op("Reciprocal", [e.op("Sqrt", [e.op("Cast", [d], to=1)])])])
-            root = e.op("Cast", [root], to=self.t1)
-            return e.op("Mul", [root, root])
+            d = self.val(e.op("Shape", [self.q4], start=3, end=4))
+            root = d.cast(np.float32).sqrt().reciprocal().sqrt().cast(self.t1)
+            return (root * root).name
         if s is None:
             s = np.float32(1.0) / np.sqrt(np.float32(self.head_size))
         root = self.dt.type(np.float32(np.sqrt(np.float32(s))))
@@ -187,7 +183,7 @@ class _Attention:
     @cached_property
     def qs(self) -> str:
         """``scale Q``, grouped ``[B, Hkv, G*L, D]``."""
-        return self.e.op("Mul", [self.group(self.q4), self.scale])
+        return (self.val(self.group(self.q4)) * self.scale).name
 
     def total(self, x: str, past: str | None, h: int | None) -> str:
         """``[B, Hkv, S, F]``: the new keys or values after the past ones (``present_key``/``present_value``)."""
@@ -222,8 +218,7 @@ class _Attention:
 
     def _arange(self, n: str, shape: list[int]) -> str:
         e = self.e
-        r = e.op("Range", [e.const(np.int64(0)), n, e.const(np.int64(1))])
-        return e.op("Reshape", [r, e.ints(shape)])
+        return self.val(e.op("Range", [e.const(np.int64(0)), n, e.const(np.int64(1))])).reshape(shape).name
 
     @cached_property
     def mask_full(self) -> str | None:
@@ -240,9 +235,9 @@ class _Attention:
         if dm is not None and dk is not None and isinstance(dm[-1], int) and isinstance(dk[2], int):
             pads = e.ints([0] * (2 * r - 1) + [dk[2] - dm[-1]])
         else:
-            short = e.op("Sub", [self.kv_len, self._len(m, r - 1)])
-            pads = e.op("Concat", [e.ints([0] * (2 * r - 1)), e.op("Unsqueeze", [short, e.ints([0])])], axis=0)
-        return e.op("Pad", [m, pads, pad_value], mode="constant")
+            short = self.val(self.kv_len) - self._len(m, r - 1)
+            pads = e.op("Concat", [e.ints([0] * (2 * r - 1)), short.unsqueeze([0]).name], axis=0)
+        return self.val(m).apply("Pad", pads, pad_value, like=None, mode="constant").name
 
     @cached_property
     def mask_is_bool(self) -> bool:
@@ -344,28 +339,25 @@ class _Attention:
             got = self._qk(0) or self._qk(1)
             if got is not None:
                 return got
-        e = self.e
-        return e.op("MatMul", [self.qs, e.op("Transpose", [self.kt], perm=[0, 1, 3, 2])])
+        return (self.val(self.qs) @ _t(self.val(self.kt))).name
 
     @cached_property
     def tanh(self) -> str:
-        e = self.e
         got = self._qk(1)
         if got is not None:  # tanh = capped / c
-            return e.op("Div", [got, e.scalar(self.cap, got)])
-        return e.op("Tanh", [e.op("Div", [self.raw, e.scalar(self.cap, self.raw)])])
+            return (self.val(got) / self.cap).name
+        return (self.val(self.raw) / self.cap).tanh().name
 
     @cached_property
     def capped(self) -> str:
         if self.cap == 0.0:
             return self.raw
         got = self._qk(1)
-        return got if got is not None else self.e.op("Mul", [self.tanh, self.e.scalar(self.cap, self.tanh)])
+        return got if got is not None else (self.val(self.tanh) * self.cap).name
 
     @cached_property
     def p_sp(self) -> str:
         """``P`` grouped, in the softmax precision."""
-        e = self.e
         got = self._qk(3) if self.sp is None else None
         if got is not None:
             return got
@@ -373,7 +365,7 @@ class _Attention:
         if got is None:
             got = self.capped
             if self.safe_bias is not None:
-                got = self.group(e.op("Add", [self.ungroup(got), self.safe_bias]))
+                got = self.group(self.val(self.ungroup(got)) + self.safe_bias)
         return self._cast(self.val(got), self.sp).apply("Softmax", like=None, axis=-1).name
 
     @cached_property
@@ -402,7 +394,7 @@ class _Attention:
         prod = self.val(self.gy) * self.y
         if self.rank == 3:
             prod = prod.reshape([0, 0, self.hq, -1])
-        return self.val(self.group(self._kept(self.val(_tr(self.e, prod.sum([-1]), self.layout, _CANON)))))
+        return self.val(self.group(self._kept(_tr(prod.sum([-1]), self.layout, _CANON))))
 
     @cached_property
     def gqk_kept(self) -> Val:
