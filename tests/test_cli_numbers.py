@@ -89,7 +89,7 @@ def _valid_example(action) -> str:
                 return str(v)
     if action.choices:
         return str(next(iter(action.choices)))
-    return {"--loss": "mse", "--checkpoint": "store"}.get(action.option_strings[-1], "x.onnx")
+    return {"--loss": "mse", "--loss-fn": "mse", "--checkpoint": "store"}.get(action.option_strings[-1], "x.onnx")
 
 
 def _argv(words, parser, **replace) -> list[str]:

@@ -29,9 +29,21 @@ from ..tools.check import NOT_CHECKED, check_gradients
 from ..validate import fits_in_memory
 from ..version import __version__
 from . import numeric as N
-from .common import check_command_outputs, err, out, read_feeds, silence_stdout, stdout, write_npz
+from .common import (
+    check_command_outputs,
+    err,
+    note,
+    out,
+    read_feeds,
+    set_verbosity,
+    silence_stdout,
+    stdout,
+    verbose,
+    write_npz,
+)
 from .forward import COMMANDS as FORWARD_COMMANDS
 from .forward import add_parsers as add_forward_parsers
+from .layout import add_renamed, finish, required_unless_renamed, settings, spelling_problem
 from .lora import add_lora_parser, cmd_lora
 from .train import add_runtime_arguments, add_train_parser, cmd_train, runtime_from_args
 from .write import (
@@ -58,6 +70,14 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        with required_unless_renamed(self, args):  # (renamed options: cli/layout.add_renamed)
+            namespace, rest = super().parse_known_args(args, namespace)
+        problem = spelling_problem(self, args)
+        if problem:
+            self.error(problem)
+        return namespace, rest
 
 
 class _UsageError(Exception):
@@ -94,8 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     grad.add_argument("--loss", metavar="NAME", help="the value to differentiate (default: the only output)")
     grad.add_argument("--wrt", metavar="NAME", nargs="+", help="values to differentiate with respect to "
                       "(default: every floating-point input and initializer)")
-    grad.add_argument("--seed", choices=("ones", "input"), default="ones",
-                      help="ones: differentiate the sum of the loss; input: add an input <loss>_grad (a VJP)")
+    # "--seed" is a random seed everywhere else (run, check, train, demo): the output cotangent is --cotangent
+    add_renamed(grad, "--cotangent", "--seed", choices=("ones", "input"), default="ones",
+                help="the cotangent of the loss: ones differentiates the sum of its elements; input adds a graph "
+                "input <loss>_grad that holds it (a VJP)")
     grad.add_argument("--unconnected", choices=("zero", "error"), default="zero",
                       help="a wrt value with no path to the loss: zero gradient and a warning, or an error")
     grad.add_argument("--sparse", action="store_true",
@@ -155,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--force", action="store_true", help="overwrite files in DIR that the demo did not write "
                       "(by default the demo refuses to replace them: it writes rnn.onnx, rnn.train.onnx, mlp.onnx, "
                       "mlp.train.onnx, loss.svg and .revgraph-demo.json)")
+    finish(p)  # argument groups, examples, --quiet/--verbose, --print-completion (cli/layout.py)
     return p
 
 
@@ -188,6 +211,7 @@ def _main(argv: list[str]) -> int:
     try:
         args = _parser().parse_args(argv)
         args.argv = list(argv)
+        set_verbosity(getattr(args, "verbosity", 0))
     except _UsageError as exc:
         err.print(f"revgraph: error: {exc}", soft_wrap=True, markup=False)  # argv is echoed: no markup
         return 2
@@ -225,8 +249,12 @@ def _dispatch(command, args: argparse.Namespace) -> int:
     """Run ``command``; a Python warning that a library raises on the way (onnx warns about odd external
     data keys, say) is printed as one ``warning:`` line, shown literally, before the result or error line,
     instead of as Python's two-line source excerpt."""
+    import time
     import warnings
 
+    start = time.perf_counter()
+    if verbose():
+        err.print(f"revgraph {args.command}: {settings(args)}", soft_wrap=True, markup=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         try:
@@ -234,6 +262,8 @@ def _dispatch(command, args: argparse.Namespace) -> int:
         finally:
             for w in caught:
                 err.print(f"warning: {w.message}", soft_wrap=True)
+            if verbose():
+                err.print(f"revgraph {args.command}: {time.perf_counter() - start:.2f} s", markup=False)
 
 
 # ------------------------------------------------------------------------------------------------- info
@@ -332,8 +362,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except RevgraphError as exc:  # one line: the refusal says the inputs were made up
             raise InputError(f"{exc} (on random inputs, seed {args.seed}: give --inputs FILE.npz)") from None
         described = ", ".join(f"{k} {a.dtype}{list(a.shape)}" for k, a in feeds.items()) or "none needed"
-        err.print(f"note: no --inputs given; used random inputs (seed {args.seed}): {described}", soft_wrap=True,
-                  markup=False)
+        note(err, f"note: no --inputs given; used random inputs (seed {args.seed}): {described}")
     if args.output:
         write_npz(args.output, _flatten_sequences(results))
         out.print(f"wrote {len(results)} output(s) to {args.output}", markup=False)
@@ -351,7 +380,7 @@ def cmd_grad(args: argparse.Namespace) -> int:
     check_command_outputs(args, {"-o": args.output}, models=("-o",))
     check_valid(g)  # a model ONNX's checker refuses is bad input, not a failure of the gradient graph's check
     check_opset(args.opset)
-    gg = with_warnings(gradient, g, args.loss, args.wrt, seed=args.seed, unconnected=args.unconnected,
+    gg = with_warnings(gradient, g, args.loss, args.wrt, seed=args.cotangent, unconnected=args.unconnected,
                        sparse=args.sparse, accumulate=args.accumulate, checkpoint=args.checkpoint,
                        lift_constants=args.lift_constants, straight_through=args.straight_through,
                        memory=args.memory_budget)
@@ -400,8 +429,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     for row in report.rows:
         if row.note and row.status != "agree":
             out.print(f"{row.name}: {row.note}", markup=False, soft_wrap=True)
-    for note in report.notes:
-        out.print(f"note: {note}", markup=False, soft_wrap=True)
+    for text in report.notes:
+        out.print(f"note: {text}", markup=False, soft_wrap=True)
     bad = [r.name for r in report.rows if not r.ok]
     if any(r.status == "not finite" for r in report.rows):
         out.print("NaN or infinite values: the forward pass is not finite at these inputs (an input outside an "

@@ -75,6 +75,31 @@ out = LiteralConsole(file=stdout, highlight=False,
                      width=None if sys.stdout is not None and sys.stdout.isatty() else 200)
 err = LiteralConsole(stderr=True, highlight=False)
 
+# --quiet (-1) and --verbose (1) of the command running (revgraph.cli._main sets it; 0 for Python callers)
+_VERBOSITY = {"level": 0}
+
+
+def set_verbosity(level: int) -> None:
+    """-1 (``--quiet``), 0 or 1 (``--verbose``) for the command about to run."""
+    _VERBOSITY["level"] = level
+
+
+def quiet() -> bool:
+    """``--quiet``: print only errors, warnings and results (no progress bar, notes, information lines)."""
+    return _VERBOSITY["level"] < 0
+
+
+def verbose() -> bool:
+    """``--verbose``: also the settings in effect, every name added and the time taken (on stderr)."""
+    return _VERBOSITY["level"] > 0
+
+
+def note(console, text: str) -> None:
+    """Print ``text``, a line that informs but is no result (what trains, a note), on ``console`` unless
+    ``--quiet``; shown literally."""
+    if not quiet():
+        console.print(text, soft_wrap=True, markup=False)
+
 
 def read_npz(path: str, wanted=None, unknown: str | None = None, samples: bool = False) -> dict[str, np.ndarray]:
     """The arrays of an ``.npz`` file by key; only the members in ``wanted`` (name -> the shape the model

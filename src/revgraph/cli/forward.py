@@ -22,6 +22,7 @@ from ..onnx_io.part_check import check_valid
 from . import numeric as N
 from .combinations import given
 from .common import check_command_outputs, out
+from .layout import add_renamed
 from .write import (
     MEMORY_HELP,
     POLICIES,
@@ -88,8 +89,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _outputs_inputs(p: argparse.ArgumentParser, outputs: str, inputs: str, note: str = "") -> None:
     p.add_argument("--outputs", metavar="NAME", nargs="+", help=f"{outputs} (default: every floating-point output)")
-    p.add_argument("--inputs", metavar="NAME", nargs="+",
-                   help=f"{inputs} (default: every floating-point input and initializer{note})")
+    # "--inputs" is an .npz file of input arrays in run and check: the values differentiated against are
+    # --wrt, as in grad, hvp and hessian (the old spelling stays accepted)
+    add_renamed(p, "--wrt", "--inputs", dest="inputs", metavar="NAME", nargs="+",
+                help=f"{inputs} (default: every floating-point input and initializer{note})")
 
 
 def _loss_wrt(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RevgraphError
+from .layout import add_renamed
 from .numeric import FRACTION_CLOSED, INT64, text_type
 
 
@@ -46,8 +47,10 @@ def add_loss_data_arguments(parser: argparse.ArgumentParser) -> None:
                         "(where the loss has labels), or 'x' and 'y' for a one-input model: an .npz file, or a "
                         "directory of NAME.npy files read memory-mapped (data larger than memory); may be left out "
                         "when every input is --static")
-    parser.add_argument("--loss", type=text_type(_loss, "loss"), required=True, metavar="|".join(LOSSES),
-                        help="; ".join(f"{k}: {v.help}" for k, v in LOSSES.items()))
+    # "--loss NAME" names a value of the model in grad, check, show, hvp and hessian: train's loss function is
+    # --loss-fn (the old spelling stays accepted)
+    add_renamed(parser, "--loss-fn", "--loss", dest="loss", type=text_type(_loss, "loss"), required=True,
+                metavar="|".join(LOSSES), help="; ".join(f"{k}: {v.help}" for k, v in LOSSES.items()))
     parser.add_argument("--labels-from", metavar="NAME",
                         help="causal-lm: the model input holding the token ids (default: the only int64 input of "
                              "rank 2, else input_ids), or 'labels' for a labels array in the data, shifted inside "
@@ -116,9 +119,9 @@ def read_data(path: str | None, option: str = "--data", graph=None) -> dict:
 def _note(text: str) -> None:
     """One ``note:`` line on stderr (what the run does with something the user may not expect), from the first
     process only where torchrun started several (each reads the same data)."""
-    from .common import err
+    from .common import err, quiet
 
-    if os.environ.get("RANK", "0") != "0":
+    if os.environ.get("RANK", "0") != "0" or quiet():
         return
     err.print(f"note: {text}", soft_wrap=True, markup=False, highlight=False)
 

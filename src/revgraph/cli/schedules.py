@@ -33,7 +33,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                         help="apply no weight decay to the parameters matching these patterns (instead of the "
                              "default: biases and 1-D parameters)")
     parser.add_argument("--override", action="append", default=[], metavar="NAME",
-                        help="resume from --checkpoint-dir although the recorded setting NAME differs (lr, "
+                        help="resume from --snapshot-dir although the recorded setting NAME differs (lr, "
                              "weight_decay, lr_schedule, total_steps, clip_grad_norm, ...; repeatable)")
 
 

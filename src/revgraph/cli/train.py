@@ -17,7 +17,7 @@ from ..runtime.devices import Device
 from ..runtime.options import RuntimeOptions
 from . import numeric as N
 from .combinations import check_decay_options, check_train_combinations
-from .common import check_command_outputs, err, out
+from .common import check_command_outputs, err, note, out, quiet
 from .exchange import add_exchange_arguments, check_exchange_arguments, profile_line, trainer_arguments
 from .fit_options import add_fit_arguments, check_fit_arguments, eval_batch, eval_printer, fit_arguments
 from .hf import add_safetensors_arguments, check_safetensors_output, write_safetensors_output
@@ -169,7 +169,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "machine's name resolves to 127.0.0.1)")
     parser.add_argument("--max-restarts", type=N.NON_NEGATIVE_INT, default=0, metavar="K",
                         help="with --nproc: let torchrun restart all processes up to K times after a failure; with "
-                             "--checkpoint-dir they resume from the last checkpoint (default 0)")
+                             "--snapshot-dir they resume from the last snapshot (default 0)")
 
 
 def runtime_from_args(args: argparse.Namespace) -> RuntimeOptions:
@@ -264,26 +264,25 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
         refused = str(exc)
     if trainer.comm:  # every rank stops, not only the one with bad data (the others would wait for it)
         trainer.comm.refuse_together(refused, "its data")
-    # what trains, always (after the data checks: a run refused for its data prints its one error line alone)
-    console.print(selection_line(args, trainer), soft_wrap=True, markup=False)
+    # what trains, unless --quiet (after the data checks: a run refused for its data prints its one error line alone)
+    note(console, selection_line(args, trainer))  # (information lines: not with --quiet)
     if budget is not None:
-        console.print(f"memory: {trainer.spec.graph.memory_plan.summary()}", soft_wrap=True, markup=False)
+        note(console, f"memory: {trainer.spec.graph.memory_plan.summary()}")
     if decay_line(trainer):
-        console.print(decay_line(trainer), soft_wrap=True, markup=False)
+        note(console, decay_line(trainer))
     if distributed:
-        console.print(f"data-parallel on {trainer.world_size} processes (torch.distributed, "
-                      f"{'nccl' if trainer.device.kind == 'cuda' else 'gloo'}): global batch "
-                      f"{trainer.world_size} x {args.batch_size}"
-                      + (f" x {args.accumulate_steps} micro-batches" if args.accumulate_steps > 1 else "")
-                      + f" = {trainer.world_size * args.batch_size * args.accumulate_steps}"
-                      + (f"; sharded: {args.shard} (ZeRO-{1 if args.shard == 'optimizer' else 2})"
-                         if args.shard != "none" else ""),
-                      soft_wrap=True, markup=False)
-    callbacks = [eval_printer(console, args.eval_every)]
+        note(console, f"data-parallel on {trainer.world_size} processes (torch.distributed, "
+              f"{'nccl' if trainer.device.kind == 'cuda' else 'gloo'}): global batch "
+              f"{trainer.world_size} x {args.batch_size}"
+              + (f" x {args.accumulate_steps} micro-batches" if args.accumulate_steps > 1 else "")
+              + f" = {trainer.world_size * args.batch_size * args.accumulate_steps}"
+              + (f"; sharded: {args.shard} (ZeRO-{1 if args.shard == 'optimizer' else 2})"
+                 if args.shard != "none" else ""))
+    callbacks = [eval_printer(console, None if quiet() else args.eval_every)]
     steps_before = trainer.steps
     with run_logs(args, trainer) as logs:  # --log, --tensorboard, --loss-curve (rank 0), closed on errors too
         means = trainer.fit(data, batch_size=args.batch_size, seed=args.seed, console=console,
-                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                            progress=not quiet(), checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                             nonfinite="continue" if args.allow_nonfinite else "stop",
                             accumulate_steps=args.accumulate_steps, static=static, override=args.override,
                             callbacks=callbacks + logs, **fit_arguments(args, evaluated_data))

@@ -280,6 +280,9 @@ def count_nodes(written: list[str], forward: Graph) -> tuple[int, int]:
 
 
 def some(names: list[str], most: int = 6) -> str:
-    """The first few names, and how many more there are."""
+    """The first few names, and how many more there are (all of them with ``--verbose``)."""
+    from .common import verbose
+
+    most = len(names) if verbose() else most
     shown = ", ".join(names[:most])
     return shown + (f", ... ({len(names) - most} more)" if len(names) > most else "")
