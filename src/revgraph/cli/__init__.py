@@ -253,7 +253,8 @@ def _dispatch(command, args: argparse.Namespace) -> int:
     import warnings
 
     start = time.perf_counter()
-    if verbose():
+    talk = verbose() and os.environ.get("RANK", "0") == "0"  # (--verbose: once for a data-parallel run)
+    if talk:
         err.print(f"revgraph {args.command}: {settings(args)}", soft_wrap=True, markup=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
@@ -262,7 +263,7 @@ def _dispatch(command, args: argparse.Namespace) -> int:
         finally:
             for w in caught:
                 err.print(f"warning: {w.message}", soft_wrap=True)
-            if verbose():
+            if talk:
                 err.print(f"revgraph {args.command}: {time.perf_counter() - start:.2f} s", markup=False)
 
 

@@ -184,7 +184,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..train.distributed.data_parallel import under_torchrun
 
     if args.threads < 0 or args.checkpoint_every < 0:  # before any worker starts, too
-        raise RevgraphError("--threads and --checkpoint-every must be >= 0")
+        raise RevgraphError("--threads and --snapshot-every must be >= 0")
     check_exchange_arguments(args)
     check_fit_arguments(args)
     precision_from_args(args)  # (the fp16 loss-scaling options, checked before any worker starts)
@@ -329,11 +329,11 @@ def _agree(trainer, args: argparse.Namespace) -> None:
 
     recorded_failure(trainer.comm, args.checkpoint_dir)
     given = {"--test-data given": args.test_data is not None, "--save-training-graph given":
-             args.save_training_graph is not None, "--checkpoint-dir given": args.checkpoint_dir is not None,
+             args.save_training_graph is not None, "--snapshot-dir given": args.checkpoint_dir is not None,
              "--eval-data given": args.eval_data is not None, "--eval-every": args.eval_every,
              "--eval-batch-size": args.eval_batch_size, "--max-steps": args.max_steps, "--no-shuffle": args.no_shuffle,
              "--epochs": args.epochs, "--batch-size": args.batch_size, "--seed": args.seed,
-             "--checkpoint-every": args.checkpoint_every, "--allow-nonfinite": args.allow_nonfinite,
+             "--snapshot-every": args.checkpoint_every, "--allow-nonfinite": args.allow_nonfinite,
              "--memory-budget": args.memory_budget}
     trainer.comm.check_same(given, "train arguments", "run the same command on every rank (only the file paths "
                             "may differ between machines)")
@@ -346,7 +346,7 @@ def _check_train_outputs(args: argparse.Namespace) -> None:
 
     ckpt = args.checkpoint_dir
     if ckpt is not None and (not ckpt or (os.path.exists(ckpt) and not os.path.isdir(ckpt))):
-        raise RevgraphError(f"--checkpoint-dir {ckpt!r} is not a directory")
+        raise RevgraphError(f"--snapshot-dir {ckpt!r} is not a directory")
     check_safetensors_output(args)
     outputs = {"-o": args.output, "--save-training-graph": args.save_training_graph,
                "--save-safetensors": args.save_safetensors,
