@@ -240,7 +240,7 @@ def arguments(**rules):
                             value = rule(name, bound.arguments[name], where)
                         else:
                             value = rule(name, bound.arguments[name])
-                    except _Whole as exc:
+                    except WholeRefusal as exc:
                         raise ArgumentError(str(exc)) from None
                     except RevgraphError as exc:
                         raise ArgumentError(f"{where}: {exc}") from None
@@ -270,63 +270,17 @@ def choice(*choices):
     return lambda name, value: one_of(name, value, choices)
 
 
-def graph(name: str, value, where: str = "this function"):
-    """A :class:`revgraph.Graph` (``rg.load`` reads one from a file or an ``onnx.ModelProto``)."""
-    from .ir import Graph
-
-    if not isinstance(value, Graph):
-        hint = ("export it to ONNX first (torch.onnx.export, the README's recipe), then rg.load the file"
-                if _is_torch_module(value) else "rg.load(path) reads one from a file")
-        raise _Whole(f"{where} takes a revgraph.Graph as {name}=, got {type(value).__name__} ({hint})")
-    return value
+class WholeRefusal(RevgraphError):
+    """A rule's message that names the function itself (:func:`arguments` does not prefix it again); rules with
+    ``rule.with_where = True`` are given the function's name as a third argument."""
 
 
-graph.with_where = True
-
-
-class _Whole(RevgraphError):
-    """A rule's message that names the function itself (not prefixed again)."""
-
-
-def model(name: str, value):
-    """A :class:`revgraph.Graph`, an ``onnx.ModelProto`` or a path to an ``.onnx`` file."""
-    import onnx
-
-    from .ir import Graph
-
-    if isinstance(value, Graph | onnx.ModelProto | bytes):
-        return value
-    if isinstance(value, str | os.PathLike):
-        return path(name, value)
-    if _is_torch_module(value):  # (issue 38: the message printed the module, several lines)
-        raise RevgraphError(f"{name}= is a PyTorch module ({type(value).__name__}); export it to ONNX first, "
-                            "torch.onnx.export(module, args, 'model.onnx', dynamo=True, optimize=False, "
-                            "opset_version=23) (the README's recipe), and give the file")
-    raise RevgraphError(f"{_show(name, value)} ({type(value).__name__}): give a revgraph.Graph, an "
-                        "onnx.ModelProto or the path of an .onnx file")
-
-
-def _is_torch_module(value) -> bool:
+def is_torch_module(value) -> bool:
     """An ``torch.nn.Module`` (looked up without importing torch: it is loaded already where one exists)."""
     import sys
 
     nn = getattr(sys.modules.get("torch"), "nn", None)
     return nn is not None and isinstance(value, nn.Module)
-
-
-def policy(name: str, value):
-    """A checkpoint policy (:func:`revgraph.autodiff.policies.parse_policy`)."""
-    from .autodiff.policies import parse_policy
-
-    return parse_policy(value)
-
-
-def budget(name: str, value):
-    """A ``memory=`` budget (:func:`revgraph.autodiff.memory.as_budget`: ``None``, a fraction, a byte count, a
-    size text or a ``Budget``)."""
-    from .autodiff.memory.budget import as_budget
-
-    return as_budget(value)
 
 
 def mapping(name: str, value):
@@ -368,10 +322,6 @@ NON_NEGATIVE_INT = rule(non_negative_int)
 NON_NEGATIVE = rule(finite_float, low=0)
 POSITIVE = rule(finite_float, low=0, low_open=True)
 PATH = path
-GRAPH = graph
-MODEL = model
-POLICY = policy
-BUDGET = budget
 MAPPING = mapping
 OPTIMIZER = optimizer
 TEXT = text
@@ -392,15 +342,6 @@ def _threads(name: str, value):
 THREADS = _threads
 
 
-def _optional_budget(name: str, value):
-    from .autodiff.memory.budget import Budget
-
-    return None if value is None else instance(name, value, Budget, "a revgraph.Budget or None")
-
-
-OPTIONAL_BUDGET = _optional_budget
-
-
 def _loadable(name: str, value):
     """What :func:`revgraph.load` reads: a path, an ``onnx.ModelProto`` or the serialized bytes."""
     import onnx
@@ -413,57 +354,7 @@ def _loadable(name: str, value):
                         "file, an onnx.ModelProto or its serialized bytes")
 
 
-def _savable(name: str, value, where: str = "this function"):
-    import onnx
-
-    from .ir import Graph
-
-    if not isinstance(value, Graph | onnx.ModelProto):
-        raise _Whole(f"{where} takes a revgraph.Graph or an onnx.ModelProto as {name}=, got {type(value).__name__}")
-    return value
-
-
-_savable.with_where = True
-
-
 LOADABLE = _loadable
-SAVABLE = _savable
-
-
-def _opset(name: str, value):
-    """``None`` (the model's own) or an opset from :data:`~revgraph.ir.TARGET_OPSET` to the newest the installed
-    onnx knows."""
-    from .ir import NEWEST_OPSET, TARGET_OPSET
-
-    if value is not None and number_problem(value, integer=True, low=TARGET_OPSET, high=NEWEST_OPSET):
-        raise RevgraphError(f"{_show(name, value)}: give None (the model's own, at least {TARGET_OPSET}) or a whole "
-                            f"number from {TARGET_OPSET} to {NEWEST_OPSET} (the newest this onnx knows)")
-    return value
-
-
-OPSET = _opset
-
-
-def _profile(name: str, value):
-    return value if value is True or value is False or value == "timeline" and isinstance(value, str) else \
-        one_of(name, value, (True, False, "timeline"))
-
-
-#: :class:`revgraph.Trainer`'s arguments (the registries' choices, the loss and the schedule are checked by the
-#: code that owns them, each in one line).
-TRAINER_RULES = {"model": MODEL, "loss": TEXT, "optimizer": OPTIMIZER, "output": NAME, "threads": THREADS,
-                 "checkpoint": POLICY, "distributed": FLAG, "memory": BUDGET, "bucket_mb": POSITIVE, "profile": _profile,
-                 "overlap": choice(True, False, "auto"),
-                 "sync_batchnorm": FLAG, "timeout": OPTIONAL_POSITIVE,
-                 "clip_grad_norm": OPTIONAL_POSITIVE, "straight_through": FLAG}  # (params, freeze: revgraph.train.selection, glob patterns)
-#: :meth:`revgraph.Trainer.fit`'s arguments.
-_OPTIONAL_POSITIVE_INT = rule(lambda n, v: v if v is None else POSITIVE_INT(n, v))
-FIT_RULES = {"epochs": _OPTIONAL_POSITIVE_INT, "max_steps": _OPTIONAL_POSITIVE_INT, "eval_every": _OPTIONAL_POSITIVE_INT,
-             "eval_batch_size": _OPTIONAL_POSITIVE_INT, "batch_size": POSITIVE_INT, "shuffle": FLAG, "seed": SEED, "progress": FLAG,
-             "description": rule(text, empty=True), "checkpoint_dir": OPTIONAL_PATH, "checkpoint_every": NON_NEGATIVE_INT,
-             "snapshot_dir": OPTIONAL_PATH, "snapshot_every": rule(lambda n, v: v if v is None else NON_NEGATIVE_INT(n, v)),
-             "nonfinite": choice("stop", "continue"), "accumulate_steps": POSITIVE_INT,
-             "override": OPTIONAL_NAMES}
 
 
 def _training_graph(name: str, value):
@@ -496,7 +387,7 @@ def _static(name: str, value):
     from collections.abc import Mapping
 
     if value is not None and not isinstance(value, Mapping):
-        raise _Whole(f"static= must be a mapping of arrays by input name, got {type(value).__name__}")
+        raise WholeRefusal(f"static= must be a mapping of arrays by input name, got {type(value).__name__}")
     return value
 
 

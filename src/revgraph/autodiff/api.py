@@ -26,14 +26,15 @@ from .emitter import Emitter
 from .lift import lift_constants as lift
 from .loops.lower import lower_to_loops
 from .memory import Budget, as_budget, plan_memory
-from .policies import CheckpointPolicy, parse_policy
+from .memory.budget import BUDGET
+from .policies import POLICY, CheckpointPolicy, parse_policy
 from .simplify import simplify
 from .sparse import SparseGrad
 
 
 @V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, seed=V.choice("ones", "input"),
              unconnected=V.choice("zero", "error"), sparse=V.FLAG, accumulate=V.choice("sum", "running"),
-             checkpoint=V.POLICY, lift_constants=V.FLAG, straight_through=V.FLAG, memory=V.BUDGET,
+             checkpoint=POLICY, lift_constants=V.FLAG, straight_through=V.FLAG, memory=BUDGET,
              finite_inputs=V.NAMES)
 def gradient(
     graph: Graph,

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from .. import validate as V
 from ..errors import GraphError, InternalError
 from ..ir import Graph, Node, ValueInfo, require_graph
+from ..ir.arguments import GRAPH
 from ..ir.ssa import captured_names, is_ssa
 from ..onnx_io.value_types import differentiable, infer_types
 from ..warn import warn
@@ -135,7 +136,7 @@ def _is_integer(vi: ValueInfo | None) -> bool:
     return vi is not None and vi.kind == "tensor" and vi.dtype is not None and vi.dtype.kind in "iub"
 
 
-@V.arguments(graph=V.GRAPH, wrt=V.NAMES, accumulate=V.nullable(V.one_of, choices=("sum", "running")))
+@V.arguments(graph=GRAPH, wrt=V.NAMES, accumulate=V.nullable(V.one_of, choices=("sum", "running")))
 def backward(
     graph: Graph,
     ys: Mapping[str, str | None] | Iterable[str],

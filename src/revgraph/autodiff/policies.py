@@ -209,3 +209,12 @@ def parse_policy(policy: object) -> CheckpointPolicy:
         return NAMED[policy]
     raise GraphError(f"unknown checkpoint policy '{policy}'; choose {', '.join(NAMED)} or a whole number K "
                      f"from 1 to {MAX_SEGMENT} (2**62)")
+
+
+def policy_argument(name: str, value: object) -> CheckpointPolicy:
+    """The rule of :func:`revgraph.validate.arguments` for a ``checkpoint=`` argument: :func:`parse_policy`
+    (here, not in validate, which imports no layer)."""
+    return parse_policy(value)
+
+
+POLICY = policy_argument

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .. import validate as V
 from ..errors import GraphError
 from ..ir import Graph, Node
+from ..ir.arguments import GRAPH
 from ..ir.ssa import is_ssa, to_ssa
 from ..onnx_io.value_types import infer_types
 from .arguments import used_names
@@ -20,7 +21,7 @@ from .sparse import densify
 DOMAIN = "ai.onnx.preview.training"
 
 
-@V.arguments(graph=V.GRAPH)
+@V.arguments(graph=GRAPH)
 def expand_gradient_ops(graph: Graph) -> Graph:
     """A copy of ``graph`` in which every ``Gradient`` node is replaced by the nodes computing its outputs.
 

@@ -31,11 +31,12 @@ from .arguments import names_argument, resolve_loss, resolve_outputs, resolve_wr
 from .emitter import Emitter
 from .forward import jvp
 from .memory import as_budget
-from .policies import CheckpointPolicy, parse_policy
+from .memory.budget import BUDGET
+from .policies import POLICY, CheckpointPolicy, parse_policy
 from .simplify import simplify
 
 
-@V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
+@V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=POLICY, memory=BUDGET)
 def hvp(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
         checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs, the gradients ``<x>_grad`` of ``loss`` and the Hessian-vector
@@ -71,7 +72,7 @@ def _gradient(graph: Graph, loss: str | None, wrt, checkpoint, memory=None) -> t
 
 
 @V.arguments(graph=AS_GRAPH, outputs=V.NAMES, inputs=V.NAMES, mode=V.choice("auto", "forward", "reverse"),
-             checkpoint=V.POLICY, memory=V.BUDGET)
+             checkpoint=POLICY, memory=BUDGET)
 def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None, *,
              mode: str = "auto", checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs and, for each output ``y`` and input ``x``, the Jacobian
@@ -103,7 +104,7 @@ def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: I
     return _reverse_jacobian(graph, ys, xs, names, checkpoint, memory)
 
 
-@V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=V.POLICY, memory=V.BUDGET)
+@V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=POLICY, memory=BUDGET)
 def hessian(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
             checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs and the Hessian of ``loss`` (summed if not scalar): for each pair

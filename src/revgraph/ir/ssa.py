@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from .. import validate as V
 from . import Graph, Node, ValueInfo, require_graph
+from .arguments import GRAPH
 
 CAPTURED = -1  #: the input position recorded for a value read inside a node's subgraph (captured)
 
@@ -84,7 +85,7 @@ def captured_names(graph: Graph) -> list[str]:
     return list(out)
 
 
-@V.arguments(graph=V.GRAPH)
+@V.arguments(graph=GRAPH)
 def analyze(graph: Graph) -> SSAInfo:
     """Versions, producers and readers of every name of ``graph``'s own scope.
 
@@ -127,7 +128,7 @@ def analyze(graph: Graph) -> SSAInfo:
     return SSAInfo(versions, reads, writes)
 
 
-@V.arguments(graph=V.GRAPH)
+@V.arguments(graph=GRAPH)
 def is_ssa(graph: Graph) -> bool:
     """True when no name is written twice in ``graph`` or any subgraph, nor shadows an enclosing name."""
     require_graph(graph, "is_ssa")
@@ -151,7 +152,7 @@ def is_ssa(graph: Graph) -> bool:
     return True
 
 
-@V.arguments(graph=V.GRAPH)
+@V.arguments(graph=GRAPH)
 def to_ssa(graph: Graph) -> Graph:
     """A copy of ``graph`` in SSA form that computes the same outputs (see the module doc for names)."""
     require_graph(graph, "to_ssa")

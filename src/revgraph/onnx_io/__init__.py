@@ -28,6 +28,7 @@ from .. import limits
 from .. import validate as V
 from ..errors import GraphError, RevgraphError, UnsupportedModelError
 from ..ir import NEWEST_OPSET, TARGET_OPSET, Graph, Node, ValueInfo, gc_paused, require_graph
+from ..ir.arguments import GRAPH, OPSET, SAVABLE
 from ..ir.constants import sparse_parts
 from ..ir.schema import get_schema
 from ..ir.ssa import is_ssa, to_ssa
@@ -61,7 +62,7 @@ _PASSTHROUGH_ATTRS = {
 }
 
 
-@V.arguments(model=V.LOADABLE, opset=V.OPSET, base_dir=V.OPTIONAL_PATH)
+@V.arguments(model=V.LOADABLE, opset=OPSET, base_dir=V.OPTIONAL_PATH)
 def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int | None = None,
          base_dir: str | os.PathLike | None = None) -> Graph:
     """Load an ONNX model as a :class:`Graph` in SSA form.
@@ -82,7 +83,7 @@ def load(model: str | os.PathLike | onnx.ModelProto | bytes, *, opset: int | Non
     initializers) or whose opset cannot be converted. Operators of other domains than ONNX's (``com.microsoft``,
     custom ones) load; the gradient refuses those it has no rule for, naming each.
     """
-    opset = None if opset is None else int(opset)  # (checked by V.OPSET: a numpy integer too)
+    opset = None if opset is None else int(opset)  # (checked by OPSET: a numpy integer too)
     model = model_proto(model, base_dir)
     try:
         with gc_paused():
@@ -477,7 +478,7 @@ def _add_value_info(field, vi: ValueInfo) -> None:
     proto.type.CopyFrom(_type_proto(vi.kind, vi.dtype, None if vi.shape is None else tuple(vi.shape)))
 
 
-@V.arguments(graph=V.GRAPH, producer=V.TEXT)
+@V.arguments(graph=GRAPH, producer=V.TEXT)
 def to_onnx(graph: Graph, *, producer: str = "revgraph") -> onnx.ModelProto:
     """The ``onnx.ModelProto`` of ``graph``, renamed into SSA form first if it writes a name twice.
 
@@ -541,7 +542,7 @@ def refuse_other_format(path: str | os.PathLike, label: str | None = None) -> No
         raise RevgraphError(f"{said} an ONNX model: give a name ending in .onnx")
 
 
-@V.arguments(graph=V.SAVABLE)  # (the path: atomic.py's checks)
+@V.arguments(graph=SAVABLE)  # (the path: atomic.py's checks)
 def save(graph: Graph | onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write ``graph`` to ``path`` as ONNX, atomically: a crash mid-write never leaves a half-written file.
 

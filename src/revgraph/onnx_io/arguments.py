@@ -1,20 +1,21 @@
 """The argument rule of the functions that take what users have, a graph or a model file: :data:`AS_GRAPH`. It
-loads, so it sits in onnx_io, over :mod:`revgraph.validate` (whose rules only check)."""
+loads, so it sits in onnx_io, over :mod:`revgraph.validate` and :mod:`revgraph.ir.arguments` (whose rules only
+check)."""
 
 from __future__ import annotations
 
-from .. import validate as V
 from ..ir import Graph
+from ..ir.arguments import model
 from . import load
 
 
 def as_graph(name: str, value):
     """What users have, as a :class:`revgraph.Graph`: the graph itself, or an ``onnx.ModelProto``, its serialized
-    bytes or the path of an ``.onnx`` file (:func:`revgraph.validate.model` checks it), read with
+    bytes or the path of an ``.onnx`` file (:func:`revgraph.ir.arguments.model` checks it), read with
     :func:`revgraph.load` as :class:`revgraph.Trainer` and :class:`revgraph.Session` read theirs. For functions that
-    return a new graph or a number; one that changes its graph in place keeps ``validate.GRAPH`` (a graph loaded
+    return a new graph or a number; one that changes its graph in place keeps ``ir.arguments.GRAPH`` (a graph loaded
     here would be lost)."""
-    return value if isinstance(value, Graph) else load(V.model(name, value))
+    return value if isinstance(value, Graph) else load(model(name, value))
 
 
 as_graph.converts = True  # (validate.arguments() passes the loaded graph on)

@@ -19,6 +19,7 @@ from .. import limits
 from .. import validate as V
 from ..errors import InputError, RevgraphError, UnsupportedModelError
 from ..ir import Graph, ValueInfo, is_float_dtype
+from ..ir.arguments import MODEL
 from ..ir.constants import dense_constants
 from ..onnx_io import load, to_onnx
 from ..onnx_io.external_data import session_source
@@ -51,7 +52,7 @@ class Session:
     provider, runtime settings with the reference backend, or a graph the backend refuses.
     """
 
-    @V.arguments(graph=V.MODEL, backend=V.choice(*BACKENDS), threads=V.THREADS)
+    @V.arguments(graph=MODEL, backend=V.choice(*BACKENDS), threads=V.THREADS)
     def __init__(self, graph: Graph | onnx.ModelProto | str | os.PathLike, backend: str = "onnxruntime", *,
                  threads: int = 0, device: str | Device = "cpu", runtime: RuntimeOptions | None = None,
                  session_options=None):

@@ -28,9 +28,11 @@ import onnx
 
 from .. import validate as V
 from ..autodiff.api import gradient
-from ..autodiff.policies import CheckpointPolicy, PerLoop, Recompute, parse_policy
+from ..autodiff.memory.budget import BUDGET
+from ..autodiff.policies import POLICY, CheckpointPolicy, PerLoop, Recompute, parse_policy
 from ..errors import RevgraphError
 from ..ir import Graph, ValueInfo
+from ..ir.arguments import GRAPH, MODEL, SAVABLE
 from ..ir.ssa import is_ssa, to_ssa
 from ..onnx_io import load
 from ..onnx_io.torch_names import padding_rows
@@ -61,7 +63,7 @@ __all__ = ["GROUP_ELEMENTS", "LOSSES", "OPTIMIZERS", "SCHEDULES", "LossSpec", "O
            "split_step", "trainable", "training_graph"]
 
 
-@V.arguments(model=V.GRAPH)  # (params, freeze: revgraph.train.selection)
+@V.arguments(model=GRAPH)  # (params, freeze: revgraph.train.selection)
 def trainable(model: Graph, params: Iterable[str] | None = None, freeze: Iterable[str] | None = None) -> list[str]:
     """The parameters: ``params`` (names or fnmatch globs over initializer names), or by default the LoRA
     adapters of a model that has them, else every floating-point initializer; less those ``freeze`` names, in
@@ -71,7 +73,7 @@ def trainable(model: Graph, params: Iterable[str] | None = None, freeze: Iterabl
     return select(model, params, freeze)
 
 
-@V.arguments(g=V.GRAPH, params=V.OPTIONAL_NAMES)
+@V.arguments(g=GRAPH, params=V.OPTIONAL_NAMES)
 def params_as_inputs(g: Graph, params: list[str]) -> None:
     """Turn the initializers ``params`` of ``g`` into graph inputs of the same dtype and shape (in place)."""
     for p in params:
@@ -80,8 +82,8 @@ def params_as_inputs(g: Graph, params: list[str]) -> None:
 
 
 # (params, freeze: checked by revgraph.train.selection; loss_options: by revgraph.train.losses)
-@V.arguments(model=V.MODEL, loss=V.TEXT, optimizer=V.OPTIMIZER, output=V.NAME, checkpoint=V.POLICY,
-             memory=V.BUDGET, loss_seed=V.FLAG, straight_through=V.FLAG)
+@V.arguments(model=MODEL, loss=V.TEXT, optimizer=V.OPTIMIZER, output=V.NAME, checkpoint=POLICY,
+             memory=BUDGET, loss_seed=V.FLAG, straight_through=V.FLAG)
 def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str = "cross-entropy",
                    optimizer: Optimizer | str = "adam", *, output: str | None = None,
                    params: Iterable[str] | None = None, checkpoint: str | int | CheckpointPolicy = "store",
@@ -248,7 +250,7 @@ def eval_graph(tg: TrainingGraph) -> Graph:
     return g
 
 
-@V.arguments(graph=V.SAVABLE)
+@V.arguments(graph=SAVABLE)
 def graph_size(graph: Graph | onnx.ModelProto) -> tuple[int, int, int, int]:
     """``(nodes, nodes in subgraphs, initializers, serialized bytes)`` of a graph, for reports."""
     from ..onnx_io import to_onnx

@@ -29,6 +29,7 @@ import numpy as np
 from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph
+from ..ir.arguments import GRAPH
 from ..onnx_io.torch_names import BUFFERS as TORCH_BUFFERS
 from ..onnx_io.torch_names import EXPORTER_KINDS, STATE_DICT
 from ..onnx_io.torch_names import PARAMETERS as TORCH_PARAMETERS
@@ -82,7 +83,7 @@ def _read_names(graph: Graph, key: str, values: bool = True) -> dict[str, str]:
     return found
 
 
-@V.arguments(graph=V.GRAPH)
+@V.arguments(graph=GRAPH)
 def state_dict(graph: Graph) -> dict[str, np.ndarray]:
     """The PyTorch state dict of ``graph`` as numpy arrays, by torch name (module doc: the record of
     ``rg.export_torch``, else every initializer), each in the initializer's dtype and shape, LoRA adapters
@@ -108,7 +109,7 @@ def state_dict(graph: Graph) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(values[init]) for name, init in names.items()}
 
 
-@V.arguments(path=V.PATH, graph=V.GRAPH)
+@V.arguments(path=V.PATH, graph=GRAPH)
 def save_state_dict(path: str | os.PathLike, graph: Graph) -> tuple[int, int]:
     """Write :func:`state_dict` of ``graph`` to ``path`` (``.safetensors``) atomically; returns ``(tensors,
     elements)``. ``model.load_state_dict(safetensors.torch.load_file(path))`` loads it into the torch module the

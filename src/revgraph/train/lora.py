@@ -44,6 +44,7 @@ import numpy as np
 from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, NameSet, Node, ValueInfo, fresh_name, is_float_dtype
+from ..ir.arguments import GRAPH
 from . import lora_nbits
 from .lora_config import FORMAT as _FORMAT
 from .lora_config import check_against, check_sites, check_structure
@@ -81,7 +82,7 @@ class _Site:
         return (cols, rows) if self.transposed else (rows, cols)
 
 
-@V.arguments(graph=V.GRAPH)
+@V.arguments(graph=GRAPH)
 def config(graph: Graph) -> dict | None:
     """The LoRA configuration of ``graph`` (module doc), or ``None`` when it has no adapters. Raises
     :class:`RevgraphError` (one line) for one that is not what revgraph writes or does not fit ``graph``
@@ -208,7 +209,7 @@ def check_rank(rank: object, alpha: object) -> tuple[int, float]:
     return int(rank), float(alpha)
 
 
-@V.arguments(graph=V.GRAPH, targets=V.OPTIONAL_NAMES, seed=V.SEED)  # (rank, alpha: check_rank)
+@V.arguments(graph=GRAPH, targets=V.OPTIONAL_NAMES, seed=V.SEED)  # (rank, alpha: check_rank)
 def add_adapters(graph: Graph, rank: int, alpha: float | None = None, targets: Iterable[str] | str | None = None,
                  seed: int = 0) -> Graph:
     """``graph`` with LoRA adapters on the weights of its ``MatMul``/``Gemm`` nodes (module doc); ``graph`` is
@@ -314,7 +315,7 @@ def _rewrite(s: _Site, a: str, b: str, scaling: float, dtype: np.dtype, used: se
             Node("Add", [base, delta], [out], {}, name("add"))]
 
 
-@V.arguments(graph=V.GRAPH)
+@V.arguments(graph=GRAPH)
 def merge_adapters(graph: Graph) -> Graph:
     """``graph`` with its adapters folded into the weights: ``W + (alpha / r) A B`` (in ``W``'s stored
     orientation), the adapter nodes, initializers and configuration removed; ``graph`` is not changed. A weight
@@ -421,7 +422,7 @@ def _drop_dead_weight_nodes(g: Graph) -> None:
 # ------------------------------------------------------------------------------------------ extract and apply
 
 
-@V.arguments(graph=V.GRAPH)
+@V.arguments(graph=GRAPH)
 def extract(graph: Graph) -> tuple[dict[str, np.ndarray], dict]:
     """The adapters of ``graph`` alone: ``({adapter name: array}, configuration)``. Raises
     :class:`RevgraphError` for a graph without adapters."""
@@ -437,7 +438,7 @@ def extract(graph: Graph) -> tuple[dict[str, np.ndarray], dict]:
     return {n: np.asarray(graph.initializers[n]) for n in adapter_names(graph)}, found
 
 
-@V.arguments(base=V.GRAPH, merge=V.FLAG, source=V.OPTIONAL_PATH)  # (arrays, configuration: checked below, named)
+@V.arguments(base=GRAPH, merge=V.FLAG, source=V.OPTIONAL_PATH)  # (arrays, configuration: checked below, named)
 def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge: bool = False, *,
           source: str | os.PathLike | None = None) -> Graph:
     """``base`` with the adapters ``arrays`` of ``configuration`` (what :func:`extract` returns) on the same
@@ -498,7 +499,7 @@ def _add_exact(base: Graph, configuration: dict, weights: list[str]) -> Graph:
     return add_adapters(base, rank, alpha, escaped, configuration.get("seed", 0))
 
 
-@V.arguments(path=V.PATH, graph=V.GRAPH)
+@V.arguments(path=V.PATH, graph=GRAPH)
 def save_adapters(path: str | os.PathLike, graph: Graph) -> tuple[int, int]:
     """Write the adapters of ``graph`` and their configuration to ``path`` atomically: ``.npz`` (the arrays by
     name, the configuration as the string member ``revgraph.lora``; :mod:`revgraph.onnx_io.npz`) or ``.onnx`` (a model

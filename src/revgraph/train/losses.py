@@ -40,8 +40,10 @@ import numpy as np
 import onnx
 
 from .. import validate as V
+from ..autodiff.memory.budget import BUDGET
 from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo
+from ..ir.arguments import GRAPH
 from ..ir.ssa import is_ssa, to_ssa
 from ..onnx_io.value_types import infer_types
 from .graphbuild import Builder
@@ -254,7 +256,7 @@ class LossSpec:
         return kind, {"output": output, **s}
 
 
-@V.arguments(model=V.GRAPH, output=V.NAME)
+@V.arguments(model=GRAPH, output=V.NAME)
 def resolve_output(model: Graph, output: str | None) -> str:
     """The model output the loss reads: ``output`` or the only output; one-line errors otherwise."""
     names = model.output_names
@@ -323,7 +325,7 @@ def check_options(kind: str, options: Mapping) -> dict:
     return out
 
 
-@V.arguments(model=V.GRAPH, loss=V.TEXT, output=V.NAME, memory=V.BUDGET)
+@V.arguments(model=GRAPH, loss=V.TEXT, output=V.NAME, memory=BUDGET)
 def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None = None, memory=None,
                **options) -> tuple[Graph, LossSpec]:
     """A copy of ``model`` (in SSA form) with an input for the labels (when the loss has them) and a scalar loss.

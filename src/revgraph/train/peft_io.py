@@ -34,6 +34,7 @@ import numpy as np
 from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, is_float_dtype
+from ..ir.arguments import GRAPH
 from . import hf_io, lora
 
 CONFIG = "adapter_config.json"
@@ -87,7 +88,7 @@ def _target_modules(paths: list[str], candidates: set[str]) -> list[str]:
     return short if picked == set(paths) else sorted(paths)
 
 
-@V.arguments(directory=V.PATH, graph=V.GRAPH)
+@V.arguments(directory=V.PATH, graph=GRAPH)
 def save_peft(directory: str | os.PathLike, graph: Graph, task_type: str | None = None) -> tuple[int, int]:
     """Write the adapters of ``graph`` to ``directory`` (made if needed, under an existing parent) in PEFT's
     format (module doc): ``adapter_model.safetensors`` then ``adapter_config.json``, each atomically. ``task_type``:
@@ -140,7 +141,7 @@ def save_peft(directory: str | os.PathLike, graph: Graph, task_type: str | None 
 # ------------------------------------------------------------------------------------------------ reading
 
 
-@V.arguments(base=V.GRAPH, directory=V.PATH, merge=V.FLAG)
+@V.arguments(base=GRAPH, directory=V.PATH, merge=V.FLAG)
 def apply_peft(base: Graph, directory: str | os.PathLike, merge: bool = False) -> Graph:
     """``base`` with the LoRA adapters of the PEFT directory ``directory`` (written by PEFT's
     ``save_pretrained`` or :func:`save_peft`) as revgraph adapters (:mod:`.lora`: trained further, extracted,

@@ -28,13 +28,14 @@ import numpy as np
 import onnx
 
 from .. import validate as V
-from ..autodiff.policies import CheckpointPolicy
+from ..autodiff.memory.budget import BUDGET
+from ..autodiff.policies import POLICY, CheckpointPolicy
 from ..errors import InputError, NonFiniteError, RevgraphError
 from ..ir import Graph
+from ..ir.arguments import MODEL
 from ..onnx_io import save
 from ..runtime.devices import Device
 from ..runtime.options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
-from ..validate import FIT_RULES, TRAINER_RULES
 from . import data as datasets
 from . import fit_loop, run_record
 from .distributed.exchange import BUCKET_MB
@@ -48,6 +49,32 @@ from .progress_bar import Bar
 from .steptimes import StepTimes
 
 Data = Mapping[str, np.ndarray] | tuple
+
+
+def _profile(name: str, value):
+    return value if value is True or value is False or (value == "timeline" and isinstance(value, str)) else \
+        V.one_of(name, value, (True, False, "timeline"))
+
+
+def _optional(rule):
+    """``rule``, letting ``None`` (the argument's default) through."""
+    return lambda name, value: value if value is None else rule(name, value)
+
+
+#: :class:`Trainer`'s argument rules (the registries' choices, the loss and the schedule are checked by the code
+#: that owns them, each in one line; params and freeze by revgraph.train.selection, as glob patterns).
+TRAINER_RULES = {"model": MODEL, "loss": V.TEXT, "optimizer": V.OPTIMIZER, "output": V.NAME, "threads": V.THREADS,
+                 "checkpoint": POLICY, "distributed": V.FLAG, "memory": BUDGET, "bucket_mb": V.POSITIVE,
+                 "profile": _profile, "overlap": V.choice(True, False, "auto"), "sync_batchnorm": V.FLAG,
+                 "timeout": V.OPTIONAL_POSITIVE, "clip_grad_norm": V.OPTIONAL_POSITIVE, "straight_through": V.FLAG}
+#: :meth:`Trainer.fit`'s argument rules.
+FIT_RULES = {"epochs": _optional(V.POSITIVE_INT), "max_steps": _optional(V.POSITIVE_INT),
+             "eval_every": _optional(V.POSITIVE_INT), "eval_batch_size": _optional(V.POSITIVE_INT),
+             "batch_size": V.POSITIVE_INT, "shuffle": V.FLAG, "seed": V.SEED, "progress": V.FLAG,
+             "description": V.rule(V.text, empty=True), "checkpoint_dir": V.OPTIONAL_PATH,
+             "checkpoint_every": V.NON_NEGATIVE_INT, "snapshot_dir": V.OPTIONAL_PATH,
+             "snapshot_every": _optional(V.NON_NEGATIVE_INT), "nonfinite": V.choice("stop", "continue"),
+             "accumulate_steps": V.POSITIVE_INT, "override": V.OPTIONAL_NAMES}
 
 
 class Trainer:

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ... import validate as V
 from ...errors import RevgraphError
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -120,3 +121,21 @@ def parse_budget(text: str) -> Budget:
     if re.fullmatch(r"[0-9]+", number):
         return Budget(bytes=int(number))
     return Budget(fraction=_fraction(float(number)))
+
+
+# ------------------------------------------------------------------ argument rules (revgraph.validate.arguments)
+
+
+def budget_argument(name: str, value: object) -> Budget | None:
+    """The rule of a ``memory=`` argument: :func:`as_budget` (``None``, a fraction, a byte count, a size text or
+    a :class:`Budget`)."""
+    return as_budget(value)
+
+
+def optional_budget_argument(name: str, value: object) -> Budget | None:
+    """The rule of a ``budget=`` argument: ``None`` or a :class:`Budget`."""
+    return None if value is None else V.instance(name, value, Budget, "a revgraph.Budget or None")
+
+
+BUDGET = budget_argument
+OPTIONAL_BUDGET = optional_budget_argument

@@ -54,7 +54,7 @@ from ...ir.ssa import captured_names
 from ...onnx_io.arguments import AS_GRAPH
 from ...runtime.options import ORT_DISABLED_OPTIMIZERS
 from ...warn import warn
-from .budget import DEFAULT_SYMBOLIC_DIM, Budget
+from .budget import DEFAULT_SYMBOLIC_DIM, OPTIONAL_BUDGET, Budget
 from .cost import ALIASING, cheap, flops, is_identity, recomputable
 from .mincut import INF, Network
 from .residuals import is_backward_node, value_bytes
@@ -266,7 +266,7 @@ class _Cuts:
         return recomputed, kept, sum(p.flops(k) or 0 for k in recomputed)
 
 
-@V.arguments(graph=AS_GRAPH, budget=V.OPTIONAL_BUDGET)
+@V.arguments(graph=AS_GRAPH, budget=OPTIONAL_BUDGET)
 def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
     """Choose the residuals of the gradient graph ``graph`` (top level; written by :func:`revgraph.gradient`)
     under ``budget`` and rewrite ``graph`` in place with the recomputation (see the module doc). ``None`` is the
