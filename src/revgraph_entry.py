@@ -11,7 +11,10 @@ import sys
 def main() -> int:
     try:
         from revgraph.cli import main as run
+        from revgraph.train.distributed.launch import leave_worker
     except KeyboardInterrupt:
         sys.stderr.write("revgraph: interrupted\n")
         return 130
-    return run()
+    code = run()
+    leave_worker(code)  # (a worker's refusal ends without finalization, as under python -m revgraph: issue 43)
+    return code

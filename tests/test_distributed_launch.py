@@ -537,3 +537,40 @@ def test_the_worker_named_is_the_one_that_stopped_the_run():
     assert _first_failure(two_crashes)[0] == 1
     all_terminated = {3: F(exitcode=-15, timestamp=7), 2: F(exitcode=-15, timestamp=7)}
     assert _first_failure(all_terminated)[0] == 2
+
+
+# ------------------------------------------------------------------ refusals, started either way (issue 43, item 5)
+
+
+def _refusing_ranks(tmp_path: Path, how: str, runs: int) -> None:
+    """Rank 1 of raw torchrun refuses its data (rank 0 is told and stops too), ``runs`` times; each rank is started
+    as ``python -m revgraph`` or as the ``revgraph`` console script (``torchrun --no-python``, as ``srun revgraph``
+    starts it). Every rank must end with its refusal, exit 2: never SIGABRT (exitcode -6, "terminate called without
+    an active exception", from gloo's threads at interpreter finalization); torchrun may stop the other rank
+    (SIGTERM, exitcode -15) once the first has exited."""
+    common = _files(tmp_path)
+    np.savez(tmp_path / "bad.npz", x=np.zeros((120, 8, 8), np.float32), y=np.full(120, 99, np.int64))
+    start = f"{sys.executable} -m revgraph" if how == "module" else shutil.which("revgraph")
+    assert start, "the revgraph console script is not on PATH (pip install -e . puts it there)"
+    args = " ".join([*common, "--epochs", "1", "--batch-size", "8", "--timeout", "120", "-o",
+                     str(tmp_path / "out.onnx")])
+    script = (f'if [ "$RANK" = 1 ]; then exec {start} {args} --data {tmp_path / "bad.npz"}; '
+              f'else exec {start} {args}; fi')
+    for run in range(runs):
+        cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--no-python", "sh", "-c", script]
+        with launched(cmd) as (p,):
+            out, err = _communicate(p, 180)
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
+        assert p.returncode == 1 and "2" in codes and set(codes) <= {"2", "-15"}, (run, codes, err[-3000:])
+        assert "terminate called" not in err and "label 99 is not a class index" in err, (run, err[-3000:])
+
+
+@pytest.mark.parametrize("how", ["module", "console-script"])
+def test_refusing_ranks_exit_2_started_either_way(tmp_path, how):
+    _refusing_ranks(tmp_path, how, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["module", "console-script"])
+def test_refusing_ranks_exit_2_started_either_way_20_times(tmp_path, how):
+    _refusing_ranks(tmp_path, how, 20)
