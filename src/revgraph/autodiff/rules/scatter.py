@@ -37,7 +37,7 @@ from ..emitter import Emitter
 from ..group_products import others_product
 from ..registry import vjp
 from ..sparse import scatter_nd_reduce
-from ._common import I64, cat_shapes, dim, node_axis, nonneg, shape_part
+from ._common import cat_shapes, dim, node_axis, nonneg, shape_part
 from .indexing import nd_dims
 
 
@@ -62,12 +62,12 @@ def _scatter_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs:
     elif reduction == "add":
         ddata = g
     else:  # dx[p] = g[p] prod_k u_k
-        ddata = lambda: gv.apply("Mul", _product_at(e, node, scatter, attrs), like=data)
+        ddata = lambda: gv.apply("Mul", _product_at(ctx, node, scatter, attrs), like=data)
 
     def dupdates() -> Val:
         if reduction == "mul":  # du_k = g[p] x[p] prod_{j != k} u_j
             read = _read(e, node, gv.apply("Mul", data, like=data), gather, attrs)
-            return read.apply("Mul", _others_at(e, node, scatter), like=upd)
+            return read.apply("Mul", _others_at(ctx, node, scatter), like=upd)
         read = _read(e, node, gv, gather, attrs)
         landed = _landed(ctx, node, scatter, attrs) if reduction == "none" else None
         return read if landed is None else read.select(landed, like=upd)
@@ -123,7 +123,7 @@ def _scatter_add(e: Emitter, node: Node, scatter: str, vals: str, attrs: dict) -
     return scatter_nd_reduce(e, e.zeros_like(data), nonneg(e, idx, nd_dims(e, data, idx, 0)), vals, "add")
 
 
-def _product_at(e: Emitter, node: Node, scatter: str, attrs: dict) -> str:
+def _product_at(ctx: Ctx, node: Node, scatter: str, attrs: dict) -> str | Val:
     """Ones of the data's shape times the product of the updates written at each position (the data
     gradient's scale of a ``mul`` scatter), with the sequential ``ScatterElements(reduction="mul")`` kernel:
     ScatterND(mul) races on repeated indices in onnxruntime. ScatterND's K index tuples become row numbers
@@ -133,40 +133,39 @@ def _product_at(e: Emitter, node: Node, scatter: str, attrs: dict) -> str:
     have a static length along its axis whenever K is static, so differentiating it again with respect to
     the updates works (:func:`_others_at` needs that length). An index depth known only at run time goes
     through ``scatter_nd_reduce``."""
-    data, idx, upd = node.inputs
+    e, (data, idx, upd) = ctx.e, node.inputs
     if scatter == "ScatterElements":
         return e.op(scatter, [e.ones_like(data), idx, upd], reduction="mul", like=data, **attrs)
     depth = _depth(e, idx)
     if depth is None:
         return scatter_nd_reduce(e, e.ones_like(data), nonneg(e, idx, nd_dims(e, data, idx, 0)), upd, "mul")
-    rows = _nd_rows(e, node, depth)
+    rows = _nd_rows(ctx, node, depth)
     count, width = shape_part(e, rows, 0), _row_width(e, data, depth)
     if isinstance(count, list) and isinstance(width, list) and count[0] * width[0] == 0:
         return e.ones_like(data)  # nothing written (onnxruntime rejects some empty scatters)
     if isinstance(width, list):
         size = count[0] * width[0] if isinstance(count, list) else None
-        flat = e.op("Reshape", [e.ones_like(data), e.ints([-1])])
-        vals = e.op("Reshape", [upd, e.ints([-1])], shape=(size,), dtype=e.dtype(upd))
-        out = e.op("ScatterElements", [flat, _row_elements(e, rows, width[0]), vals], axis=0, reduction="mul")
-        return e.op("Reshape", [out, e.shape_of(data)], like=data)
+        flat = ctx.val(e.ones_like(data)).reshape([-1])
+        vals = ctx.val(upd).out("Reshape", e.ints([-1]), shape=(size,), dtype=e.dtype(upd))
+        out = flat.apply("ScatterElements", _row_elements(ctx, rows, width[0]), vals, like=None, axis=0,
+                         reduction="mul")
+        return out.reshape(e.shape_of(data), like=data)
     dt = e.dtype(data)
     ones = e.op("ConstantOfShape", [cat_shapes(e, [_positions(e, data, depth), width])],
                 value=np.ones(1, dtype=dt if dt is not None else np.float32))
     ones = ones if dt is not None else e.op("CastLike", [ones, data])
-    spread = e.op("Expand", [e.op("Unsqueeze", [rows, e.ints([1])]), cat_shapes(e, [count, width])])
-    vals = e.op("Reshape", [upd, cat_shapes(e, [count, width])])
-    out = e.op("ScatterElements", [ones, spread, vals], axis=0, reduction="mul")
-    return e.op("Reshape", [out, e.shape_of(data)], like=data)
+    spread = ctx.val(rows).unsqueeze([1]).expand(cat_shapes(e, [count, width]))
+    vals = ctx.val(upd).reshape(cat_shapes(e, [count, width]))
+    out = ctx.val(ones).apply("ScatterElements", spread, vals, like=None, axis=0, reduction="mul")
+    return out.reshape(e.shape_of(data), like=data)
 
 
-def _row_elements(e: Emitter, rows: str, width: int) -> str:
+def _row_elements(ctx: Ctx, rows: str, width: int) -> str | Val:
     """int64 [K * width]: ``rows[k] * width + j`` for ``j < width``, row-major (a constant for constant rows)."""
-    rv = e.value(rows)
+    rv, j = ctx.value(rows), np.arange(width, dtype=np.int64)
     if rv is not None:
-        return e.const((rv[:, None] * width + np.arange(width, dtype=np.int64)).reshape(-1))
-    grid = e.op("Add", [e.op("Mul", [e.op("Unsqueeze", [rows, e.ints([1])]), e.const(np.int64(width))]),
-                        e.const(np.arange(width, dtype=np.int64))])
-    return e.op("Reshape", [grid, e.ints([-1])])
+        return ctx.e.const((rv[:, None] * width + j).reshape(-1))
+    return (ctx.val(rows).unsqueeze([1]) * np.asarray(width, dtype=np.int64) + j).reshape([-1])
 
 
 def _row_width(e: Emitter, x: str, start: int) -> list[int] | str:
@@ -191,14 +190,14 @@ def _positions(e: Emitter, data: str, depth: int) -> list[int] | str:
     return e.op("ReduceProd", [head], keepdims=1)
 
 
-def _nd_rows(e: Emitter, node: Node, depth: int) -> str:
+def _nd_rows(ctx: Ctx, node: Node, depth: int) -> str:
     """int64 [K]: ScatterND's index tuples (K of them, ``depth`` entries each; negative entries counted from
     the end) as row numbers of the [prod(data.shape[:depth]), ...] view of the data, row-major (Horner's rule
     over the dimensions; a constant for constant indices and static dimensions)."""
-    data, idx, _ = node.inputs
+    e, (data, idx, _) = ctx.e, node.inputs
     full = nonneg(e, idx, nd_dims(e, data, idx, 0))
     if e.dtype(full) != np.int64:
-        full = e.op("Cast", [full], to=I64)
+        full = ctx.val(full).cast(np.int64).name
     dims = [dim(e, data, j) for j in range(depth)]
     fv, dv = e.value(full), [e.value(d) for d in dims]
     if fv is not None and all(d is not None for d in dv):
@@ -206,18 +205,19 @@ def _nd_rows(e: Emitter, node: Node, depth: int) -> str:
         for j in range(depth):
             rows = rows * int(dv[j]) + fv[..., j]
         return e.const(rows.reshape(-1))
-    rows = e.op("Gather", [full, e.const(np.int64(0))], axis=-1)
+    column = lambda j: ctx.val(full).apply("Gather", np.asarray(j, dtype=np.int64), like=None, axis=-1)
+    rows = column(0)
     for j in range(1, depth):
-        rows = e.op("Add", [e.op("Mul", [rows, dims[j]]), e.op("Gather", [full, e.const(np.int64(j))], axis=-1)])
-    return e.op("Reshape", [rows, e.ints([-1])])
+        rows = rows * dims[j] + column(j)
+    return rows.reshape([-1]).name
 
 
-def _others_at(e: Emitter, node: Node, scatter: str) -> str:
+def _others_at(ctx: Ctx, node: Node, scatter: str) -> str | Val:
     """For each update of a ``mul`` scatter, the product of the other updates written to the same position
     (updates-shaped; :func:`~revgraph.autodiff.group_products.others_product`). ScatterElements: grouped along
     ``axis`` by the (non-negative) index, line by line. ScatterND: the updates as [K, S] rows grouped by
     :func:`_nd_rows`. The number of updates along the grouped axis must be static (the scans' length)."""
-    data, idx, upd = node.inputs
+    e, (data, idx, upd) = ctx.e, node.inputs
     if scatter == "ScatterElements":
         axis = node_axis(e, node, data, 0)
         n = _static_dim(e, node, idx, axis)
@@ -230,13 +230,13 @@ def _others_at(e: Emitter, node: Node, scatter: str) -> str:
     count = int(np.prod(lead, dtype=np.int64))
     if count <= 1:
         return e.ones_like(upd)
-    rows = _nd_rows(e, node, dims[-1])
+    rows = _nd_rows(ctx, node, dims[-1])
     rv = e.value(rows)
-    keys = e.const(rv.reshape(count, 1)) if rv is not None else e.op("Reshape", [rows, e.ints([count, 1])],
-                                                                        shape=(count, 1), dtype=np.int64)
-    vals = e.op("Reshape", [upd, cat_shapes(e, [[count], _row_width(e, upd, len(lead))])])
-    others = others_product(e, vals, keys, 0, count)
-    return e.op("Reshape", [others, e.shape_of(upd)], like=upd)
+    keys = e.const(rv.reshape(count, 1)) if rv is not None else \
+        ctx.val(rows).out("Reshape", e.ints([count, 1]), shape=(count, 1), dtype=np.int64).name
+    vals = ctx.val(upd).reshape(cat_shapes(e, [[count], _row_width(e, upd, len(lead))]))
+    others = others_product(e, vals.name, keys, 0, count)
+    return ctx.val(others).reshape(e.shape_of(upd), like=upd)
 
 
 def _static_dim(e: Emitter, node: Node, x: str, axis: int) -> int:
@@ -309,20 +309,20 @@ def _landed(ctx: Ctx, node: Node, scatter: str, attrs: dict) -> str | None:
             keep = last_writes(grid.T)
             return None if keep.all() else e.const(keep.reshape(kv.shape))
         _warn_order(node)
-        ids = e.op("Reshape", [e.op("Range", [e.const(np.int64(0)), e.op("Size", [idx]), e.const(np.int64(1))]),
-                               e.op("Shape", [idx])])
+        ids = ctx.val(e.op("Range", [e.const(np.int64(0)), e.op("Size", [idx]), e.const(np.int64(1))]))
+        ids = ids.reshape(e.op("Shape", [idx])).name
         top = e.op("ScatterElements", [e.op("ConstantOfShape", [e.op("Shape", [data])],
                                              value=np.array([-1], np.int64)), idx, ids],
                    axis=axis, reduction="max", shape=e.dims(data), dtype=np.dtype(np.int64))
-        read = e.op("GatherElements", [_fit_to_indices(e, node, top, idx, axis), idx], axis=axis)
-        return e.op("Equal", [read, ids])
+        read = ctx.val(_fit_to_indices(e, node, top, idx, axis)).apply("GatherElements", idx, like=None, axis=axis)
+        return read.eq(ids).name
     depth = _depth(e, idx)
     if depth is None:
         raise GraphError(f"{node.label()}: the gradient with respect to the updates needs the index depth (the last "
                          f"dimension of {idx!r}) when the graph is built; {e.shape_advice()}")
     lead = e.need_rank(idx, node) - 1
     trail = e.need_rank(upd, node) - lead  # the slice dimensions each update tuple writes
-    rows = _nd_rows(e, node, depth)
+    rows = _nd_rows(ctx, node, depth)
     rv = e.value(rows)
     if rv is not None:
         keep = last_writes(rv.reshape(-1, 1))
@@ -334,9 +334,8 @@ def _landed(ctx: Ctx, node: Node, scatter: str, attrs: dict) -> str | None:
     ids = e.op("Range", [e.const(np.int64(0)), e.op("Size", [rows]), e.const(np.int64(1))])
     top = e.op("ConstantOfShape", [cat_shapes(e, [_positions(e, data, depth)])], value=np.array([-1], np.int64))
     top = e.op("ScatterElements", [top, rows, ids], axis=0, reduction="max")
-    hit = e.op("Equal", [e.op("Gather", [top, rows], axis=0), ids])
-    shape = cat_shapes(e, [shape_part(e, idx, 0, lead), [1] * trail])
-    return e.op("Reshape", [hit, shape])
+    hit = ctx.val(top).apply("Gather", rows, like=None, axis=0).eq(ids)
+    return hit.reshape(cat_shapes(e, [shape_part(e, idx, 0, lead), [1] * trail])).name
 
 
 def _warn_order(node: Node) -> None:
