@@ -64,7 +64,15 @@ def test_every_help_has_its_groups_and_examples(command, capsys, monkeypatch):
     assert 2 <= len(shown) <= 3
     assert all(line.split()[:len(command.split()) + 1] == ["revgraph", *command.split()] for line in shown)
     assert max(len(line) for line in examples.splitlines()) <= 80  # continued with "\", not wrapped by argparse
-    assert "-q, --quiet" in text and "-v, --verbose" in text or command == "lora"
+    assert ("-q, --quiet" in text and "-v, --verbose" in text) or command == "lora"
+
+
+def test_revgraph_help_has_examples_and_names_quiet_and_verbose(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "\nexamples:\n  revgraph demo\n" in text and "--print-completion" in text
+    assert "-q/--quiet" in text and "-v/--verbose" in text
 
 
 def test_train_help_is_grouped_and_names_no_old_spelling(capsys, monkeypatch):
@@ -169,6 +177,12 @@ def test_train_quiet_prints_only_the_results(model, data, tmp_path, capsys):
     assert quiet.out.splitlines() == [line for line in loud.splitlines() if line.startswith(
         ("2 steps of adam", "eval data:", "wrote "))]
     assert len(quiet.out.splitlines()) == 3 and quiet.err == ""
+
+
+def test_demo_quiet_drops_the_progress_bars(tmp_path, capsys):
+    assert main(["demo", "--quick", "-o", str(tmp_path / "demo"), "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "samples/s" not in out and out.count("test accuracy") == 2
 
 
 def test_run_quiet_drops_the_note(model, capsys):

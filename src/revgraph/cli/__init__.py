@@ -34,6 +34,7 @@ from .common import (
     err,
     note,
     out,
+    quiet,
     read_feeds,
     set_verbosity,
     silence_stdout,
@@ -466,7 +467,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     fits_in_memory(demo.memory_needed(settings), f"demo --hidden {settings.hidden}")
     # The demo builds its own models (no untrusted names) and styles its table with markup.
     results = demo.run(args.output, settings, force=args.force, console=Console(file=stdout, highlight=False,
-                       width=out.width if sys.stdout.isatty() else 200))
+                       width=out.width if sys.stdout.isatty() else 200), progress=not quiet())
     return 0 if all(results[k]["check_ok"] for k in ("rnn", "mlp")) else 1
 
 

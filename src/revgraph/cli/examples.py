@@ -5,6 +5,11 @@ files it names exist; the comment says what it does."""
 from __future__ import annotations
 
 EXAMPLES: dict[str, list[tuple[str, str]]] = {
+    "": [  # revgraph --help
+        ("revgraph demo", "train, check and draw two small models on scikit-learn's digits"),
+        ("revgraph grad model.onnx -o model.grad.onnx", "the gradient graph"),
+        ("revgraph train --help", "a command's options by group, and its examples"),
+    ],
     "info": [
         ("revgraph info model.onnx", "inputs, outputs, initializers, operators, opset"),
         ("revgraph info model.grad.onnx", "the gradient outputs a grad run added"),
@@ -80,7 +85,7 @@ def epilog(command: str) -> str | None:
         return None
     lines = ["examples:"]
     for cmd, what in EXAMPLES[command]:
-        lines += _wrapped(cmd) + [f"      # {what}"]
+        lines += [*_wrapped(cmd), f"      # {what}"]
     return "\n".join(lines)
 
 

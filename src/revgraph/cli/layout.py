@@ -142,6 +142,8 @@ def finish(root: argparse.ArgumentParser) -> None:
     root.add_argument("--print-completion", choices=("bash", "zsh", "tcsh"), action=_Completion,
                       help="print a shell completion script and exit: eval \"$(revgraph --print-completion bash)\" "
                            "in ~/.bashrc; for zsh, save it as _revgraph in a directory of $fpath")
+    root.formatter_class = Formatter
+    root.epilog = epilog("") + "\n\nevery command takes -q/--quiet (errors, warnings, results) and -v/--verbose"
     for command, parser in _commands(root):
         parser.formatter_class = Formatter
         parser.epilog = epilog(command)

@@ -270,8 +270,9 @@ def _write(out: Path, recorded: dict, name: str, write) -> None:
 
 
 def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), console=None,
-        force: bool = False) -> dict:
-    """Run the demo (module doc), printing to ``console`` (a rich Console); return what it measured:
+        force: bool = False, progress: bool = True) -> dict:
+    """Run the demo (module doc), printing to ``console`` (a rich Console; ``progress``: with the training
+    progress bars, which ``revgraph demo --quiet`` leaves out); return what it measured:
     ``{"rnn": {...}, "mlp": {...}, "seconds": float, "svg": path}``, each model with ``accuracy``,
     ``loss``, ``train_graph`` (path), ``model`` (path), ``size`` ((nodes, in subgraphs, initializers, bytes))
     and ``check_ok``. Raises :class:`revgraph.RevgraphError` if the output directory cannot be made or holds
@@ -328,7 +329,7 @@ def run(out_dir: str | Path = "revgraph-demo", settings: Settings = Settings(), 
         t0 = time.perf_counter()
         trainer = Trainer(model, "cross-entropy", adam(lr=settings.lr))
         trainer.fit(train, epochs=epochs, batch_size=settings.batch_size, seed=settings.seed, console=console,
-                    description=key)
+                    description=key, progress=progress)
         seconds = time.perf_counter() - t0
         ev = trainer.evaluate(test)
         graph_path, model_path = out / f"{key}.train.onnx", out / f"{key}.onnx"
