@@ -190,7 +190,7 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         return plain
     try:
         return onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # data propagation fails on some graphs that plain inference types
+    except Exception:  # noqa: BLE001 - data propagation fails on some graphs that plain inference types
         return plain
 
 

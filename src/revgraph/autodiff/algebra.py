@@ -157,7 +157,7 @@ class Val:
         ins = [o, self.name] if reverse else [self.name, o]
         return Val(self.ctx, self.ctx.e.op(op, ins, like=self._like(other)))
 
-    def apply(self, op_type: str, *others: Operand, like: Val | str | None | bool = True, **attrs: Any) -> Val:
+    def apply(self, op_type: str, *others: Operand, like: Val | str | bool | None = True, **attrs: Any) -> Val:
         """``op_type(self, *others, **attrs)``, one node. ``like``: the value whose type the result has (default
         this value's: elementwise operators; ``None``: ONNX shape inference gives it)."""
         e = self.ctx.e
@@ -254,7 +254,7 @@ class Val:
     # ------------------------------------------------------------------------------------------ strong zeros
 
     def times(self, d: Operand, reads: Sequence[str | Val] | None = None, zero: bool = True,
-              like: Val | str | None | bool = True) -> Val:
+              like: Val | str | bool | None = True) -> Val:
         """``self * d`` for a cotangent ``self`` with strong zeros (:meth:`Ctx.times`: ``reads`` the forward
         values ``d`` is computed from, ``None`` when ``d`` may be inf at finite values; ``zero=False`` when
         ``d`` is never 0). ``like``: the result's type (default this value's)."""
@@ -262,12 +262,12 @@ class Val:
         reads = None if reads is None else [name_of(r) for r in reads]
         return Val(self.ctx, self.ctx.times(self.name, self._name(d), ref, reads, zero))
 
-    def select(self, cond: Operand, like: Val | str | None | bool = True) -> Val:
+    def select(self, cond: Operand, like: Val | str | bool | None = True) -> Val:
         """This cotangent where the bool ``cond`` holds and exactly 0 elsewhere (:meth:`Ctx.select`)."""
         ref = self.name if like is True else name_of(like) if like else None
         return Val(self.ctx, self.ctx.select(self._name(cond), self.name, ref))
 
-    def weigh(self, w: Operand, like: Val | str | None | bool = True) -> Val:
+    def weigh(self, w: Operand, like: Val | str | bool | None = True) -> Val:
         """``self * w`` for a finite weight ``w >= 0``, exactly 0 where ``w == 0`` (:meth:`Ctx.weigh`)."""
         ref = self.name if like is True else name_of(like) if like else None
         return Val(self.ctx, self.ctx.weigh(self.name, self._name(w), ref))
@@ -317,7 +317,7 @@ class Val:
         return Val(self.ctx, self.ctx.e.op("Expand", [self.name, name_of(shape)]))
 
 
-def where(cond: Val, a: Operand, b: Operand, like: Val | str | None | bool = True) -> Val:
+def where(cond: Val, a: Operand, b: Operand, like: Val | str | bool | None = True) -> Val:
     """``Where(cond, a, b)``. Scalar branches take the dtype of ``like`` when it is a value, else of the other
     branch (one of them must then be a :class:`Val`). The result has ``like``'s type (default: the branch that
     is a value; ``None``: inferred)."""

@@ -89,7 +89,7 @@ def prune(graph: Graph, ys: Iterable[str], wrt: Iterable[str], types: dict[str, 
     operators declared not differentiable, cut paths. ``writers``: the node writing each value, if known.
     ``casts``: where given, receives the reached nodes that cut a path by casting to an integer
     (:func:`warn_integer_cuts`)."""
-    reach = {w for w in wrt}
+    reach = set(wrt)
     reached_nodes = []
     if writers is None:
         writers = {o: n for n in graph.nodes for o in n.outputs if o}

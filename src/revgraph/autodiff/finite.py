@@ -93,7 +93,7 @@ def nonfinite_values(nodes: list[Node], values: Mapping[str, np.ndarray], types:
         ins = [i for i in node.inputs if i]
         subs = node.subgraphs
         facts = _facts(node)
-        if facts.shape_only or all(i in static for i in ins) and not subs:
+        if facts.shape_only or (all(i in static for i in ins) and not subs):
             static.update(outs)
         if any(_is_discrete(types.get(o)) for o in outs) and not subs:
             continue  # integer and boolean results are finite
@@ -125,7 +125,7 @@ def _repeats(node: Node, facts: Facts, i: str, o: str, types: Mapping[str, Value
     si, so = (getattr(types.get(n), "shape", None) for n in (i, o))
     if si is None or so is None:
         return False
-    return len(si) < len(so) or any(a == 1 and b != 1 for a, b in zip(reversed(si), reversed(so)))
+    return len(si) < len(so) or any(a == 1 and b != 1 for a, b in zip(reversed(si), reversed(so), strict=False))
 
 
 def _finite_if_static(node: Node, facts: Facts, static: set[str]) -> bool:
@@ -156,7 +156,7 @@ def nonfinite_cotangents(nodes: list[Node], ys: Mapping[str, str | None], values
     unsafe = {y for y, seed in ys.items() if not finite_seed(seed)}
     for node in reversed(nodes):
         facts = _facts(node)
-        if (not facts.bounded and id(node) not in refined or facts.casts and _narrowing(node, types)
+        if ((not facts.bounded and id(node) not in refined) or (facts.casts and _narrowing(node, types))
                 or any(o in unsafe for o in node.outputs if o)):
             unsafe.update(i for i in node.inputs if i)
             for sg in node.subgraphs.values():

@@ -99,7 +99,7 @@ def _expand(node, types, values):
     if dims is None or shape is None:
         return
     for a, b in zip(reversed(dims), reversed(shape), strict=False):
-        if isinstance(a, int) and a != 1 and b != 1 and a != b:
+        if isinstance(a, int) and a != 1 and b not in (1, a):
             _fail(node, f"shape {shape} does not broadcast with the input's {list(dims)}")
 
 
@@ -186,7 +186,7 @@ def _attention(node, types, values):
     q, k, v = (_dims(types, n) for n in node.inputs[:3])
     if q is None or k is None or v is None or not (len(q) == len(k) == len(v)):
         return
-    same = lambda a, b: not (isinstance(a, int) and isinstance(b, int) and a != b)  # noqa: E731
+    same = lambda a, b: not (isinstance(a, int) and isinstance(b, int) and a != b)
     if len(q) == 4:  # (batch, heads, sequence, head size)
         if not (same(q[0], k[0]) and same(k[0], v[0]) and same(q[3], k[3]) and same(k[2], v[2]) and same(k[1], v[1])):
             _fail(node, f"Q {list(q)}, K {list(k)} and V {list(v)} do not fit (batch, heads, sequence, head size): "
@@ -196,7 +196,7 @@ def _attention(node, types, values):
         mask = _dims(types, node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else None
         # The mask broadcasts to (q sequence, kv sequence), past keys aside; a mask shorter than the keys is padded
         # with -inf (False) on the right, as the spec's reference does, so only a longer one cannot fit.
-        known = lambda *d: all(isinstance(x, int) for x in d)  # noqa: E731
+        known = lambda *d: all(isinstance(x, int) for x in d)
         if mask is not None and len(mask) >= 2 and len(node.inputs) <= 4 and (
                 (known(mask[-2], q[2]) and mask[-2] not in (1, q[2])) or (known(mask[-1], k[2]) and mask[-1] > k[2])):
             _fail(node, f"attn_mask has shape {list(mask)}; it takes (q sequence, at most kv sequence) = "
@@ -210,8 +210,8 @@ CHECKS: dict[str, Callable] = {
     "Reshape": _reshape, "Transpose": _transpose, "Squeeze": _squeeze, "Unsqueeze": _unsqueeze,
     "ScatterND": _scatter_nd, "ScatterElements": _scatter_elements, "AffineGrid": _affine_grid,
     "SoftmaxCrossEntropyLoss": _softmax_ce, "Attention": _attention,
-    **{op: _reduce for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
-                              "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")},
+    **dict.fromkeys(("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+                     "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"), _reduce),
 }
 
 
@@ -253,7 +253,7 @@ def _body_scope(body: Graph, types: Mapping[str, ValueInfo], values: Mapping, op
                   opsets=dict(opsets))  # (a body's own opsets are the model's)
     try:
         inner = infer_types(probe)
-    except Exception:  # (inference is a help here; the node checks use what is known)
+    except Exception:  # noqa: BLE001 - inference is a help here; the node checks use what is known
         inner = {}
     for vi in [*outer, *body.inputs]:
         inner.setdefault(vi.name, vi)

@@ -49,7 +49,7 @@ def expand_gradient_ops(graph: Graph) -> Graph:
                 raise GraphError(f"{node.label()} names {name!r}, which no input, initializer or earlier node writes")
         types = infer_types(Graph(prefix.nodes, prefix.inputs, [], prefix.initializers, {}, opsets=dict(g.opsets)))
         e = Emitter(types, used_names(g), g.opset, f"grad/{node.name or 'Gradient'}")
-        nodes, grad_map = backward(prefix, {y: None}, xs, types=types, emitter=e)
+        _, grad_map = backward(prefix, {y: None}, xs, types=types, emitter=e)
         tail = []
         for x, out in zip(xs, node.outputs, strict=True):
             grad = grad_map.get(x)

@@ -68,7 +68,7 @@ def _add(node: Node, s: list[int], value) -> int:
 
 def _mul(node: Node, s: list[int], value) -> int:
     # never positive: a product of two small positive values may underflow to 0
-    if len(node.inputs) == 2 and node.inputs[0] == node.inputs[1] or all(s):  # x * x, or nonneg factors
+    if (len(node.inputs) == 2 and node.inputs[0] == node.inputs[1]) or all(s):  # x * x, or nonneg factors
         return NONNEG
     return 0
 
@@ -78,7 +78,7 @@ def _pow(node: Node, s: list[int], value) -> int:
     if p is None or np.asarray(p).size == 0 or not np.all(np.isfinite(p)):
         return 0
     # never positive: c^p may underflow to 0
-    if s[0] == POSITIVE or _even_integer(p) or s[0] == NONNEG and np.all(np.asarray(p) >= 0):
+    if s[0] == POSITIVE or _even_integer(p) or (s[0] == NONNEG and np.all(np.asarray(p) >= 0)):
         return NONNEG
     return 0
 
@@ -171,7 +171,7 @@ def _pow_refined(node: Node, s: list[int], value) -> bool:
     if s[0] == POSITIVE:
         return True
     whole = bool(np.all(p == np.round(p)) and np.all(p >= 0))
-    return bool(whole or s[0] == NONNEG and np.all(p >= 1))
+    return bool(whole or (s[0] == NONNEG and np.all(p >= 1)))
 
 
 _REFINABLE: dict[str, Callable[[Node, list[int], Callable], bool]] = {

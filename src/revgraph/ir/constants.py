@@ -44,7 +44,7 @@ def sparse_to_dense(sp: onnx.SparseTensorProto, dense_limit: int) -> np.ndarray 
         return None
     try:
         values, indices = sparse_parts(sp, "a sparse tensor")
-    except Exception:  # a malformed sparse tensor: its value is not known
+    except Exception:  # noqa: BLE001 - a malformed sparse tensor: its value is not known
         return None
     return densify(values, indices, dims)
 
@@ -103,7 +103,7 @@ def sparse_parts(sp: onnx.SparseTensorProto, where: str) -> tuple[np.ndarray, np
     try:
         values = numpy_helper.to_array(sp.values)
         indices = numpy_helper.to_array(sp.indices)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - onnx's reader fails in many ways: one line
         raise GraphError(f"{name} cannot be read: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
                          ) from None
     if values.ndim != 1:
@@ -127,7 +127,7 @@ def linear_indices(indices: np.ndarray, nnz: int, dims: tuple[int, ...], name: s
     if indices.ndim == 2:
         bad = np.nonzero((indices < 0) | (indices >= np.asarray(dims, np.int64)))
         if bad[0].size:
-            i, j = int(bad[0][0]), int(bad[1][0])
+            i = int(bad[0][0])
             raise GraphError(f"{name} has coordinate {indices[i].tolist()} (entry {i}) outside its dense shape "
                              f"{list(dims)}; each index j must lie in [0, dims[j]): fix or drop it")
         linear = np.ravel_multi_index(tuple(indices.T), dims) if nnz else np.zeros(0, np.int64)

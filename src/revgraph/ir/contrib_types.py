@@ -68,7 +68,7 @@ def _broadcast(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> tuple[Dim, ...]:
     """Multidirectional broadcasting of two batch shapes; a dimension it cannot tell is ``None``."""
     n = max(len(a), len(b))
     a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
-    return tuple(x if x == y or y == 1 else y if x == 1 else None for x, y in zip(a, b, strict=True))
+    return tuple(x if y in (x, 1) else y if x == 1 else None for x, y in zip(a, b, strict=True))
 
 
 def fused_matmul_perm(rank: int, trans: bool, trans_batch: bool) -> list[int] | None:

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 from ..errors import RevgraphError
@@ -62,10 +62,8 @@ def _default_mode() -> int:
 def _on_signal(signum: int, frame) -> None:
     """Remove the temporary files being written, then die of ``signum`` as the default action would."""
     for tmp in list(_live):
-        try:
+        with suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 

@@ -70,7 +70,7 @@ def external_data_files(path: str | os.PathLike) -> list[Path]:
         return []
     try:
         model = onnx.load(str(path), load_external_data=False)
-    except Exception:
+    except Exception:  # noqa: BLE001 - an unreadable model lists no external files
         return []
     base = Path(path).parent
     found: dict[str, Path] = {}

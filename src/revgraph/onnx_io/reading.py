@@ -52,7 +52,7 @@ def parse_model(data: bytes, label: str) -> onnx.ModelProto:
     model = onnx.ModelProto()
     try:
         model.ParseFromString(data)
-    except Exception as exc:  # protobuf's DecodeError and friends
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
         raise RevgraphError(f"{label} is not a readable ONNX model (protobuf parse failed: {type(exc).__name__}); "
                             "is the file complete, and its subgraphs nested at most "
                             f"{MAX_SUBGRAPH_NESTING} deep?") from None
@@ -205,7 +205,7 @@ def tensor_array(t: TensorProto, where: str) -> np.ndarray:
                             "model from its path, or pass base_dir=")
     try:
         return numpy_helper.to_array(t)
-    except Exception as exc:  # numpy's reshape error when the data does not fill the dims, an unknown type
+    except Exception as exc:  # noqa: BLE001 - numpy's reshape error (the data does not fill the dims), an unknown type
         raise GraphError(f"{where} {t.name!r} ({_describe(t)}, {math.prod(t.dims):,} elements) does not hold its "
                          f"data: {_first_line(exc)}") from None
 
@@ -236,7 +236,7 @@ def check_graph_proto(gp: onnx.GraphProto, opsets: dict[str, int]) -> None:
             expected = declared.type if declared is not None else AttributeProto.UNDEFINED
             if a.type == AttributeProto.UNDEFINED or a.type not in AttributeProto.AttributeType.values():
                 raise GraphError(f"{_node_label(node, k, gp)}: attribute {a.name!r} has no valid type ({a.type})")
-            if expected != AttributeProto.UNDEFINED and a.type != expected:
+            if expected not in (AttributeProto.UNDEFINED, a.type):
                 raise GraphError(f"{_node_label(node, k, gp)}: attribute {a.name!r} is {_attr_kind(a.type)}; "
                                  f"{node.op_type} takes {_attr_kind(expected)}")
             if a.name in _AXIS_ATTRS and any(not -2**31 <= v < 2**31 for v in [*a.ints, a.i]):
@@ -296,14 +296,14 @@ def inline_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     domains = {f.domain for f in model.functions}
     try:
         model = onnx.inliner.inline_local_functions(model, convert_version=True)
-    except Exception as exc:  # the C++ inliner raises ValidationError or RuntimeError on a bad function
+    except Exception as exc:  # noqa: BLE001 - the C++ inliner raises ValidationError or RuntimeError on a bad function
         if "Type unknown" not in str(exc):
             raise GraphError(f"the model's local functions cannot be inlined: {converter_error(exc)}") from None
         # converting a function written at another opset needs the types at its call sites
         try:
             typed = onnx.shape_inference.infer_shapes(model)
             model = onnx.inliner.inline_local_functions(typed, convert_version=True)
-        except Exception as again:
+        except Exception as again:  # noqa: BLE001 - the inliner's errors, reported in one line
             raise GraphError(f"the model's local functions cannot be inlined: {converter_error(again)}") from None
     used = {n.domain for n in _proto_nodes(model.graph)}
     kept = [o for o in model.opset_import if o.domain not in domains or o.domain in used]

@@ -94,7 +94,7 @@ def type_untyped_sequences(graph: Graph) -> int:
     element type is left to shape inference); returns how many values it declared."""
     seqs = {v.name for g in _graphs(graph) for v in [*g.inputs, *g.outputs, *g.value_info.values()]
             if v.kind == "sequence"}
-    for g, node in graph.walk():
+    for _, node in graph.walk():
         if node.domain in ("", "ai.onnx") and node.op_type in _MAKES_SEQUENCE:
             seqs.update(o for o in node.outputs if o)
         k = _READS_SEQUENCE.get(node.op_type) if node.domain in ("", "ai.onnx") else None

@@ -8,6 +8,7 @@ differentiation.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -45,15 +46,13 @@ def onnx_node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, n
     data = {i: numpy_helper.from_array(values[i], i) for i in node.inputs if i in values and values[i].size <= 64}
     try:
         out = onnx.shape_inference.infer_node_outputs(schema, proto, in_types, data)
-    except Exception:  # inference is a help; unknown types make rules use Shape-based ops
+    except Exception:  # noqa: BLE001 - inference is a help; unknown types make rules use Shape-based ops
         return {}
     found: dict[str, ValueInfo] = {}
     for name, tp in out.items():
         if tp.HasField("tensor_type") or tp.sequence_type.elem_type.HasField("tensor_type"):
-            try:
+            with contextlib.suppress(UnsupportedModelError):  # a type revgraph does not model (a sequence of maps)
                 found[name] = value_info_from_proto(helper.make_value_info(name, tp))
-            except UnsupportedModelError:  # a type revgraph does not model (a sequence of maps)
-                pass
     return _computed_dft_length(node, found, values)
 
 
@@ -149,15 +148,12 @@ def infer_types(graph: Graph) -> dict[str, ValueInfo]:
         return _complete_shapes(graph, quick)
     types: dict[str, ValueInfo] = {}
     light, _ = light_graph(graph)
-    try:
+    # (shape inference helps the rules; they fall back to Shape-based ops without it: any failure is no types)
+    with contextlib.suppress(Exception):
         proto = limits.infer_shapes(to_onnx(light))  # data propagation only where it stays small
         for vi in [*proto.graph.value_info, *proto.graph.output]:
-            try:
+            with contextlib.suppress(UnsupportedModelError):
                 types[vi.name] = value_info_from_proto(vi)
-            except UnsupportedModelError:
-                pass
-    except Exception:  # shape inference helps the rules; they fall back to Shape-based ops without it
-        pass
     for vi in [*graph.value_info.values(), *graph.outputs]:
         known = types.get(vi.name)
         if known is None or known.dtype is None or (vi.dtype is not None and vi.shape is not None):

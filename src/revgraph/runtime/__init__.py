@@ -93,7 +93,7 @@ class Session:
                                                       disabled_optimizers=disabled_optimizers(graph))
             except RevgraphError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
                 raise RevgraphError(refusal(str(exc)) or f"onnxruntime refuses the graph: {_first_line(exc)}"
                                     f"{_missing_kernel_hint(str(exc), graph)}") from None
             self.device.check_session(self._sess)
@@ -104,7 +104,7 @@ class Session:
 
             try:
                 self._sess = ReferenceEvaluator(self.model, new_ops=FIXED_OPS)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the reference evaluator's errors, one line
                 raise RevgraphError(f"the reference evaluator refuses the graph: {_first_line(exc)}") from None
 
     @property
@@ -144,7 +144,7 @@ class Session:
                 values = self._sess.run(names, {k: v if isinstance(v, list) else np.array(v) for k, v in feeds.items()})
             else:
                 values = self._sess.run(names, feeds)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
             hint = ""
             if "Inconsistent shape in loop output" in str(exc):
                 hint = (" (a loop's per-iteration outputs change shape between iterations; a gradient graph's loops "
@@ -226,7 +226,7 @@ def onnxruntime_newest_opset() -> int | None:
 
         schemas = _pybind_state.get_all_operator_schema()
         return max(s.since_version for s in schemas if s.domain in ("", "ai.onnx"))
-    except Exception:
+    except Exception:  # noqa: BLE001 - an onnxruntime without the schema list
         return None
 
 

@@ -105,7 +105,7 @@ class Device:
 
         try:
             return ort.OrtValue.ortvalue_from_numpy(np.array(array, order="C"), self.ort_type, self.index)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - torch's device errors, reported in one line
             text = " ".join(str(exc).split())[:300] or type(exc).__name__
             raise RevgraphError(f"cannot allocate a {list(np.shape(array))} buffer on {self}: {text}") from None
 

@@ -59,7 +59,7 @@ class Loop(_OnnxLoop):
         dtype = helper.tensor_dtype_to_np_dtype(t.elem_type) if t.elem_type else np.float32
         return np.empty((0, *dims), dtype=dtype)
 
-    def _run(self, M, cond, *args, context=None, body=None, attributes=None, bindings=None):  # noqa: ARG002
+    def _run(self, M, cond, *args, context=None, body=None, attributes=None, bindings=None):
         body = self.body
         names = body.input_names
         inputs = dict.fromkeys(names)

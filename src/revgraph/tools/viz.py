@@ -419,7 +419,7 @@ def to_dot(graph: Graph, options: DotOptions | None = None, **kwargs) -> str:
         w.emit(1, f"legend [shape=\"plaintext\", label={_LEGEND_HTML}];")
     for e in w.edges:
         attrs = {"color": _EDGE_COLOURS.get(e.kind, "#666666")}
-        if e.kind in ("initializer",):
+        if e.kind == "initializer":
             attrs["style"] = "dotted"
         attrs.update(e.extra)
         attrs.setdefault("tooltip", e.value)
@@ -528,5 +528,5 @@ def show(graph: Graph, path: str | os.PathLike, options: DotOptions | None = Non
     return text
 
 
-__all__ = ["DotOptions", "FORMATS", "STYLES", "check_output", "find_dot", "node_kind", "output_format", "shorten",
+__all__ = ["FORMATS", "STYLES", "DotOptions", "check_output", "find_dot", "node_kind", "output_format", "shorten",
            "show", "summary", "to_dot", "write"]

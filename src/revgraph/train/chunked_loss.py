@@ -266,7 +266,7 @@ def plan(g: Graph, out: str, vi: ValueInfo, chunk: int | str, memory) -> tuple[P
     from ..onnx_io.value_types import infer_types
 
     budget = as_budget(memory)
-    if chunk == "off" or chunk == "auto" and (budget is None or budget.fraction == 1.0):
+    if chunk == "off" or (chunk == "auto" and (budget is None or budget.fraction == 1.0)):
         return None
     proj, why = find_projection(g, out, infer_types(g))
     if proj is None:

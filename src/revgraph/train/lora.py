@@ -178,7 +178,7 @@ def _select(graph: Graph, sites: list[_Site], targets: Iterable[str] | None) -> 
         if not isinstance(pattern, str) or not pattern:
             raise RevgraphError(f"LoRA target {pattern!r} is not a pattern: give glob patterns (strings) over "
                                 "weight or node names")
-        hits = [s for s in sites if s.weight == pattern or s.node.name == pattern
+        hits = [s for s in sites if pattern in (s.weight, s.node.name)
                 or fnmatch.fnmatchcase(s.weight, pattern) or fnmatch.fnmatchcase(s.node.name, pattern)]
         if not hits:
             others = [k for k in graph.initializers if fnmatch.fnmatchcase(k, pattern) or k == pattern]

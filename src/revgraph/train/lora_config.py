@@ -118,8 +118,8 @@ def check_sites(graph: Graph, found: dict, sites: dict, fail: Callable[[str], Re
                 raise fail(f"adapter {k}'s site {rec['node']!r} is not a MatMul/Gemm/MatMulNBits of the model that reads "
                            f"weight {a['weight']!r} and writes {rec['base']!r}")
             # (a square weight may be read in both orientations: the record holds the first site's)
-            if (s.dims, s.quantized) != ((a["in"], a["out"]), a["quantized"]) or j == 0 and \
-                    s.transposed != a["transposed"]:
+            if (s.dims, s.quantized) != ((a["in"], a["out"]), a["quantized"]) or (j == 0 and
+                    s.transposed != a["transposed"]):
                 raise fail(f"adapter {k}'s site {rec['node']!r} reads weight {a['weight']!r} as {s.dims}, "
                            f"quantized {s.quantized}, transposed {s.transposed}; the record says otherwise")
         # the added nodes are exactly those computing from A, B and the bases up to the outputs (what a merge

@@ -48,14 +48,15 @@ class Sym:
     def _op(self, op: str, a, b) -> Sym:
         return self.m.emit(op, a, b)
 
-    def __add__(self, o): return self._op("Add", self, o)  # noqa: E704 (the eight operators, one line each)
-    def __radd__(self, o): return self._op("Add", o, self)  # noqa: E704
-    def __sub__(self, o): return self._op("Sub", self, o)  # noqa: E704
-    def __rsub__(self, o): return self._op("Sub", o, self)  # noqa: E704
-    def __mul__(self, o): return self._op("Mul", self, o)  # noqa: E704
-    def __rmul__(self, o): return self._op("Mul", o, self)  # noqa: E704
-    def __truediv__(self, o): return self._op("Div", self, o)  # noqa: E704
-    def __rtruediv__(self, o): return self._op("Div", o, self)  # noqa: E704
+    # (the eight operators, one line each)
+    def __add__(self, o): return self._op("Add", self, o)
+    def __radd__(self, o): return self._op("Add", o, self)
+    def __sub__(self, o): return self._op("Sub", self, o)
+    def __rsub__(self, o): return self._op("Sub", o, self)
+    def __mul__(self, o): return self._op("Mul", self, o)
+    def __rmul__(self, o): return self._op("Mul", o, self)
+    def __truediv__(self, o): return self._op("Div", self, o)
+    def __rtruediv__(self, o): return self._op("Div", o, self)
 
 
 class Nodes:

@@ -240,7 +240,7 @@ def _read_config(path: Path) -> tuple[int, float, list[str] | str | None]:
         raise fail(f"use_rslora is {rslora!r}, not true or false")
     targets = found.get("target_modules")
     if not (targets is None or isinstance(targets, str) or
-            isinstance(targets, list) and all(isinstance(t, str) and t for t in targets)):
+            (isinstance(targets, list) and all(isinstance(t, str) and t for t in targets))):
         raise fail("target_modules is neither a list of module names nor a regular expression")
     if isinstance(targets, str):
         try:

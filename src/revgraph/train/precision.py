@@ -150,7 +150,7 @@ def autocast(model: Graph, precision: Precision | str) -> tuple[Graph, int]:
                     low[v] = b.op("Cast", [v], to=prec.low)
                 inputs[k] = low[v]
         outputs = []
-        for k, out in enumerate(node.outputs):
+        for out in node.outputs:
             if not out or (types.get(out) and types[out].dtype not in (None, _F32)):
                 outputs.append(out)
                 continue

@@ -42,9 +42,8 @@ def save(directory: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict
     text = json.dumps({**meta, "format": FORMAT, "names": names})
     target = path_in(directory)
     try:
-        with atomic_path(target, suffix=".npz", special=False) as tmp:
-            with open(tmp, "wb") as f:
-                np.savez(f, meta=np.array(text), **payload)
+        with atomic_path(target, suffix=".npz", special=False) as tmp, open(tmp, "wb") as f:
+            np.savez(f, meta=np.array(text), **payload)
     except OSError as exc:
         raise RevgraphError(f"cannot write the checkpoint {str(target)!r}: {exc.strerror}") from None
     return target

@@ -114,7 +114,7 @@ class _Planner:
         b = self.body
         free = {b.input_names[0], b.input_names[1], *b.initializers}
         for nd in b.nodes:
-            if nd.subgraphs or nd.op_type not in CHEAP and nd.op_type != "Constant":
+            if nd.subgraphs or (nd.op_type not in CHEAP and nd.op_type != "Constant"):
                 continue
             if all(i in free or i not in self.scope for i in nd.inputs if i):
                 free.update(o for o in nd.outputs if o and not is_sequence(self.types, o))
@@ -195,7 +195,7 @@ class _Planner:
         nd = self.producer.get(self._canonical(p.v_out[j]))
         init = p.node.inputs[2 + j] if 2 + j < len(p.node.inputs) else ""
         if (nd is None or nd.op_type != "SequenceInsert" or nd.domain or nd.inputs[0] != v
-                or len(nd.inputs) > 2 and nd.inputs[2] or not self._outer(init) or not self._stackable(nd.inputs[1])):
+                or (len(nd.inputs) > 2 and nd.inputs[2]) or not self._outer(init) or not self._stackable(nd.inputs[1])):
             return False
         self.rebuilt[v] = (nd.inputs[1], init)
         return True
@@ -325,7 +325,7 @@ def static_trips(e: Emitter, p: LoopParts) -> int | None:
     node, body = p.node, p.body
     m = e.value(node.inputs[0]) if node.inputs and node.inputs[0] else None
     cond = node.inputs[1] if len(node.inputs) > 1 else ""
-    if m is None or m.size != 1 or cond and not _is_true(e.value(cond)):
+    if m is None or m.size != 1 or (cond and not _is_true(e.value(cond))):
         return None
     producer = {o: nd for nd in body.nodes for o in nd.outputs if o}
     c = body.output_names[0]
@@ -333,8 +333,8 @@ def static_trips(e: Emitter, p: LoopParts) -> int | None:
         nd = producer.get(c)
         if nd is not None and nd.op_type == "Identity":
             c = nd.inputs[0]
-        elif (nd is not None and nd.op_type == "Constant" and _is_true(nd.attrs.get("value"))
-              or c in body.initializers and _is_true(body.initializers[c])):
+        elif ((nd is not None and nd.op_type == "Constant" and _is_true(nd.attrs.get("value")))
+              or (c in body.initializers and _is_true(body.initializers[c]))):
             break
         else:
             return None
@@ -350,7 +350,7 @@ def declare_outputs(e: Emitter, p: LoopParts) -> None:
     types = e.types
     for j, out in enumerate(p.node.outputs[: p.n_carried]):
         known, a, b = types.get(out), p.types.get(p.v_in[j]), p.types.get(p.v_out[j])
-        if not out or known is not None and known.shape is not None or a is None or b is None:
+        if not out or (known is not None and known.shape is not None) or a is None or b is None:
             continue
         if a.kind == b.kind == "tensor" and a.dtype is not None and a.dtype == b.dtype and fixed_shape(a) \
                 and a.shape == b.shape:

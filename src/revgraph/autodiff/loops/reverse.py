@@ -85,7 +85,7 @@ def refine(types: dict[str, ValueInfo], better: dict[str, ValueInfo]) -> None:
     """Take from ``better`` the types ``types`` lacks or knows without a shape."""
     for name, vi in better.items():
         old = types.get(name)
-        if old is None or old.shape is None and vi.shape is not None and old.kind == vi.kind:
+        if old is None or (old.shape is None and vi.shape is not None and old.kind == vi.kind):
             types[name] = vi
 
 
@@ -295,7 +295,7 @@ def close_loop(ctx: Ctx, p: LoopParts, bb: BackwardBody, count: str, cts: list, 
     outs = [ValueInfo(eb.op("Identity", [eb.const(np.array(True))]), BOOL, ())]
     for j in p.carried:
         g = carried.get(j)
-        if g is None or isinstance(g, SeqGrad) and g.base is None:
+        if g is None or (isinstance(g, SeqGrad) and g.base is None):
             refuse_unknown_structure(p, j)
         g = eb.zeros_like(p.v_in[j]) if g is None else densify(eb, g)
         outs.append(ValueInfo(eb.op("Identity", [g]), *_type(p.types, p.v_in[j])))

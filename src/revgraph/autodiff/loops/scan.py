@@ -86,7 +86,7 @@ def _lower(node: Node, types: dict[str, ValueInfo], used: set[str]) -> list[Node
                 raise GraphError(f"{node.label()}: scan_output_axes needs the rank of scan output {dst!r}; declare its shape")
             rank = len(vi.shape) + 1
             axis = axis % rank
-            perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+            perm = [*range(1, axis + 1), 0, *range(axis + 1, rank)]
             cur = nd("Transpose", [cur], perm=perm)
         pre.append(Node("Identity", [cur], [dst], name=fresh_name(f"{base}/output", used)))
     return pre

@@ -50,9 +50,9 @@ class Budget:
             raise RevgraphError("a Budget takes exactly one of fraction= (0 to 1) and bytes= (>= 0)")
         if self.fraction is not None:
             object.__setattr__(self, "fraction", _fraction(self.fraction))
-        if self.bytes is not None:
-            if isinstance(self.bytes, bool) or not isinstance(self.bytes, int) or not 0 <= self.bytes <= _INT64_MAX:
-                raise RevgraphError(f"a byte budget must be an int from 0 to {_INT64_MAX} (int64), got {self.bytes!r}")
+        if self.bytes is not None and (isinstance(self.bytes, bool) or not isinstance(self.bytes, int)
+                                       or not 0 <= self.bytes <= _INT64_MAX):
+            raise RevgraphError(f"a byte budget must be an int from 0 to {_INT64_MAX} (int64), got {self.bytes!r}")
         dims = dict(self.dims or {})
         for k, v in dims.items():
             if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _INT64_MAX:

@@ -80,16 +80,14 @@ def recomputable(node: Node, constant=lambda name: None) -> bool:
     """May ``node`` be recomputed inside the backward graph (deterministic, no subgraph, default domain)?
     ``Dropout`` is only when it cannot draw: its ``training_mode`` absent or a constant false (inference), or
     its ``ratio`` a constant 0 (the output is the input). ``constant(name)``: a value's constant, or ``None``."""
-    if node.domain not in ("", "ai.onnx") or node.attrs and node.subgraphs:
+    if node.domain not in ("", "ai.onnx") or (node.attrs and node.subgraphs):
         return False
     if node.op_type == "Dropout":
         ins = [*node.inputs, "", ""]
         mode, ratio = constant(ins[2]) if ins[2] else False, constant(ins[1]) if ins[1] else 0.5
         return (mode is not None and not bool(np.all(mode))) or (ratio is not None and bool(np.all(ratio == 0)))
-    if node.op_type in RANDOM or node.op_type.startswith("Sequence") or node.op_type in (
-            "SplitToSequence", "ConcatFromSequence", "Optional", "OptionalGetElement", "OptionalHasElement"):
-        return False
-    return True
+    return not (node.op_type in RANDOM or node.op_type.startswith("Sequence") or node.op_type in (
+        "SplitToSequence", "ConcatFromSequence", "Optional", "OptionalGetElement", "OptionalHasElement"))
 
 
 def is_identity(node: Node) -> bool:
@@ -132,7 +130,7 @@ def flops(node: Node, types: Mapping[str, ValueInfo], dims: Mapping[str, int]) -
         per_out = int(np.prod(w[1:])) if op != "ConvTranspose" else int(np.prod(w[2:])) * w[0]
         return 2 * out * per_out
     if op == "Attention":
-        q, k = (ins + [None, None])[:2]
+        q, k = [*ins, None, None][:2]
         if q is None or k is None:
             return None
         return 4 * out * (k[-2] if len(k) == 4 else k[1])  # softmax(QK^T)V: two contractions over the keys

@@ -417,8 +417,8 @@ def _rewrite(graph: Graph, p: _Problem, chosen: list[int]) -> None:
             if i in remat:
                 first[i] = min(first.get(i, at[k]), at[k])
     slots: dict[int, list[Node]] = {}
-    for k in copies:
-        slots.setdefault(at[k], []).append(copies[k])
+    for k, copy in copies.items():
+        slots.setdefault(at[k], []).append(copy)
     out = [graph.nodes[k] for k in p.forward]
     for pos, k in enumerate(p.backward):
         out.extend(slots.get(pos, ()))

@@ -6,9 +6,9 @@ from . import (  # noqa: F401
     attention,  # Attention
     contrib_embed,  # com.microsoft EmbedLayerNormalization
     contrib_fused,  # com.microsoft Gelu, BiasGelu, FastGelu, QuickGelu, BiasAdd, FusedMatMul
-    contrib_norm,  # com.microsoft SkipLayerNormalization, SkipSimplifiedLayerNormalization; SimplifiedLayerNormalization
     contrib_gqa,  # com.microsoft GroupQueryAttention
     contrib_mha,  # com.microsoft MultiHeadAttention, Attention
+    contrib_norm,  # com.microsoft SkipLayerNormalization, SkipSimplifiedLayerNormalization; SimplifiedLayerNormalization
     contrib_quant,  # com.microsoft MatMulNBits (a frozen base)
     contrib_rotary,  # com.microsoft RotaryEmbedding
     conv,  # Conv, ConvTranspose

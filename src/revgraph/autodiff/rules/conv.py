@@ -369,7 +369,7 @@ def transpose_pads(e: Emitter, node: Node, x: str, geo_kernel: list[int], stride
     k = len(geo_kernel)
     auto = node.attrs.get("auto_pad", "NOTSET") or "NOTSET"
     target = node.attrs.get("output_shape")
-    if target is not None and len(target) or auto in ("SAME_UPPER", "SAME_LOWER"):
+    if (target is not None and len(target)) or auto in ("SAME_UPPER", "SAME_LOWER"):
         dims = need_spatial(e, node, x, "output_shape" if target is not None and len(target) else f"auto_pad={auto}")
         if target is not None and len(target):
             want = [int(t) for t in target][-k:]

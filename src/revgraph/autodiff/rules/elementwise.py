@@ -225,7 +225,7 @@ def cos(ctx, node, x, y, g):
 def cast(ctx: Ctx, node: Node, cts: list) -> list:
     e, x = ctx.e, node.inputs[0]
     dt = e.dtype(x)
-    if dt is not None and not is_float_dtype(dt) or integer_result(e, node):
+    if (dt is not None and not is_float_dtype(dt)) or integer_result(e, node):
         return [None] * len(node.inputs)  # no gradient through an integer value (truncation is piecewise constant)
     g = ctx.val(cts[0])
     # Cast when x's dtype is known: CastLike would read x, only for its dtype, keeping it alive

@@ -145,7 +145,7 @@ def _fit(e: Emitter, t: str, x: str) -> str:
     dt, dx = e.dims(t), e.dims(x)
     fits = (
         dt is not None and dx is not None and len(dt) >= len(dx)
-        and all(a == b or b == 1 for a, b in zip(dt[len(dt) - len(dx):], dx, strict=True))
+        and all(b in (a, 1) for a, b in zip(dt[len(dt) - len(dx):], dx, strict=True))
     )
     if not fits:
         t = e.op("Expand", [t, e.shape_of(x)])

@@ -170,7 +170,7 @@ def _others(ctx: Ctx, node: Node, x: Val) -> Val | None:
     e = ctx.e
     shape, axes = e.shape(x.name), reduced_axes(e, node)
     av = None if axes is None else e.value(axes)
-    if shape is None or axes is not None and av is None or is_noop(e, node):
+    if shape is None or (axes is not None and av is None) or is_noop(e, node):
         return None
     r = len(shape)
     red = sorted({int(a) % r for a in np.asarray(av).reshape(-1)}) if av is not None else list(range(r))

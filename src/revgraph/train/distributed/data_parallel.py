@@ -70,7 +70,7 @@ def collective(what: str):
         yield
     except RevgraphError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - torch.distributed's errors, one line
         text = _first_line(exc)
         late = " within the timeout (--timeout, Trainer(timeout=))" if "timed out" in text.lower() else ""
         raise CollectiveError(f"{what} with the other training processes failed; one of them stopped or cannot be "
@@ -142,7 +142,7 @@ class Collective:
             try:
                 # the timeout bounds the join and every collective: a stopped peer fails the others in that time
                 dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.timeout))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - torch.distributed's errors, one line
                 raise CollectiveError(f"cannot join the process group within {self.timeout:g} s (--timeout): "
                                       f"{_first_line(exc)[:300]}") from None
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -439,7 +439,7 @@ class DistributedEngine(SplitEngine):
         if event is not None:
             try:  # the end: when the collective completes, not when the step gets round to waiting for it
                 work.get_future().then(lambda _: times.finish(event))
-            except Exception:
+            except Exception:  # noqa: BLE001 - a backend without futures: no end time
                 event["end"] = None
         return work
 

@@ -156,21 +156,21 @@ def refused_combination(shard: str, sync_batchnorm: bool, reduce_dtype: str, acc
     loss scale (:mod:`revgraph.train.precision`) is carried by the unsharded engine without synchronized statistics."""
     if precision == "fp16" and world_size > 1 and (shard != "none" or sync_batchnorm):
         what = f"--shard {shard}" if shard != "none" else "--sync-batchnorm"
-        return f"--precision fp16 (precision='fp16') does not combine with {what}: its loss scaling is in the step " \
-               "graph, which that engine does not run; train with --precision bf16, or without " + what
+        return (f"--precision fp16 (precision='fp16') does not combine with {what}: its loss scaling is in the step "
+                "graph, which that engine does not run; train with --precision bf16, or without " + what)
     if shard != "none" and reduce_dtype != "fp32":
-        return f"--reduce-dtype {reduce_dtype} (reduce_dtype=) does not combine with --shard {shard}: the gradients are " \
-               "reduce-scattered in their own dtype"
+        return (f"--reduce-dtype {reduce_dtype} (reduce_dtype=) does not combine with --shard {shard}: the gradients "
+                "are reduce-scattered in their own dtype")
     if shard != "none" and sync_batchnorm:
         return f"--sync-batchnorm (sync_batchnorm=) does not combine with --shard {shard}: leave one of them out"
     if accumulate_steps > 1:
         if shard != "none":
-            return f"--accumulate-steps {accumulate_steps} (accumulate_steps=) does not combine with --shard {shard}: " \
-                   "train unsharded, or with a larger batch"
+            return (f"--accumulate-steps {accumulate_steps} (accumulate_steps=) does not combine with --shard {shard}: "
+                    "train unsharded, or with a larger batch")
         if sync_batchnorm:
-            return f"--accumulate-steps {accumulate_steps} (accumulate_steps=) does not combine with --sync-batchnorm: " \
-                   "train with a larger batch"
+            return (f"--accumulate-steps {accumulate_steps} (accumulate_steps=) does not combine with "
+                    "--sync-batchnorm: train with a larger batch")
         if buffers == "two":
-            return f"--accumulate-steps {accumulate_steps} (accumulate_steps=) needs --buffers one (buffers='one'): " \
-                   "the fused step graph of two buffer sets updates after every batch"
+            return (f"--accumulate-steps {accumulate_steps} (accumulate_steps=) needs --buffers one (buffers='one'): "
+                    "the fused step graph of two buffer sets updates after every batch")
     return None

@@ -59,7 +59,7 @@ def cut(graph: Graph, units: list[list[str]], nbytes: dict[str, int]) -> Plan | 
     ends = sorted({f + 1 for f in finish})
     ends[-1] = len(nodes)  # the last segment takes the rest of the graph (sparse rows, what follows)
     starts = [0, *ends[:-1]]
-    seg_of = lambda k: bisect_right(ends, k)  # noqa: E731 - the segment holding node k
+    seg_of = lambda k: bisect_right(ends, k)  # the segment holding node k
     reads = [list(dict.fromkeys([*(i for i in n.inputs if i), *sorted(captured(n))])) for n in nodes]
     last_reader: dict[str, int] = {}
     for k, names in enumerate(reads):
@@ -137,6 +137,6 @@ def shared_cpu_arena() -> bool:
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
             _ARENA.append(True)
-        except Exception:  # an onnxruntime without it: the segments keep their own arenas
+        except Exception:  # noqa: BLE001 - an onnxruntime without it: the segments keep their own arenas
             _ARENA.append(False)
     return _ARENA[0]

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -214,10 +215,8 @@ def leave_worker(code: int) -> None:
     if code != 2 or not (nproc or torchrun):
         return
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 
@@ -358,7 +357,7 @@ def run_torchrun(argv: list[str]) -> int:
             if int(exc.sigval) == signal.SIGINT:
                 print("revgraph: interrupted", file=sys.stderr)
             return 128 + int(exc.sigval)
-        except Exception as exc:  # the rendezvous failed (a peer never came, the endpoint refused us)
+        except Exception as exc:  # noqa: BLE001 - the rendezvous failed (a peer never came, the endpoint refused us)
             from ...runtime import _first_line
 
             raise RevgraphError(f"torchrun failed: {type(exc).__name__}: {_first_line(exc)[:300]}") from None

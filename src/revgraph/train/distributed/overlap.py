@@ -157,7 +157,7 @@ def inferred_types(graph: Graph) -> dict[str, ValueInfo]:
 
     try:
         model = onnx.shape_inference.infer_shapes(to_onnx(graph))
-    except Exception:
+    except Exception:  # noqa: BLE001 - inference is a help: no types without it
         return {}
     return {vi.name: value_info_from_proto(vi) for vi in model.graph.value_info}
 
@@ -218,7 +218,7 @@ class Segments:
             start = times.now() if times is not None else 0.0
             try:
                 sess.run_with_iobinding(binding)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
                 raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
             if times is not None:
                 times.event("segment", f"segment {k}", start)

@@ -181,11 +181,11 @@ def _run(ray, proto, data, trained, num_workers, loss, optimizer, epochs, batch_
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    fit = dict(epochs=epochs, batch_size=batch_size, seed=seed, shuffle=shuffle, progress=False,
-               checkpoint_every=checkpoint_every)
+    fit = {"epochs": epochs, "batch_size": batch_size, "seed": seed, "shuffle": shuffle, "progress": False,
+           "checkpoint_every": checkpoint_every}
     fit["checkpoint_dir"] = None if checkpoint_dir is None else str(checkpoint_dir)
-    config = dict(model=proto, data=data, loss=loss, optimizer=optimizer, output=output, params=params,
-                  threads=cpus_per_worker, use_gpu=use_gpu, fit=fit)
+    config = {"model": proto, "data": data, "loss": loss, "optimizer": optimizer, "output": output, "params": params,
+              "threads": cpus_per_worker, "use_gpu": use_gpu, "fit": fit}
     trainer = TorchTrainer(
         _worker, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,

@@ -96,7 +96,7 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
     scalars = Scalars(b, opt, spec.step, spec.total)
     inputs, outputs, pairs, names = [], [], [], {}
     slots = opt.slots
-    for j, u in enumerate(units):
+    for j in range(len(units)):
         p, g = b.fresh(f"shard{j}/param"), b.fresh(f"shard{j}/grad")
         names[j] = (p, g, [b.fresh(f"shard{j}/{s}") for s in slots])
     grads, rows = {j: names[j][1] for j in range(len(units))}, {p: spec.grads[p] for p in spec.sparse}

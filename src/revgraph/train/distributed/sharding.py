@@ -51,7 +51,7 @@ from ..graphs import TrainingGraph, eval_graph, split_step
 from .data_parallel import Collective, DistributedEngine, collective
 from .exchange import BUCKET_MB, torch_dtype
 from .exchange import bucket_bytes as _bucket_bytes
-from .shard_plan import Unit, plan_units, ready_order, shard_update_graph  # noqa: F401  (API of this module)
+from .shard_plan import Unit, plan_units, ready_order, shard_update_graph
 
 #: ``shard=`` of :class:`revgraph.Trainer` and ``--shard`` of ``revgraph train``.
 SHARDS = ("none", "optimizer", "gradients")
@@ -263,7 +263,7 @@ class ShardedEngine(DistributedEngine):
             a = np.asarray(arr)
             if name not in self._where and name not in self._tensors:
                 raise RevgraphError(f"{name!r} is not a parameter, optimizer state or step of this training run")
-            like = self._tensors[name] if name in self._tensors else None
+            like = self._tensors.get(name)
             shape, dtype = (tuple(like.shape), like.cpu().numpy().dtype) if like is not None else (None, None)
             if like is None:
                 j, slot, o = self._where[name]
@@ -353,7 +353,7 @@ class ShardedEngine(DistributedEngine):
         self._synchronize()
         try:
             self._update.run_with_iobinding(self._ub)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
             raise RevgraphError(f"the update step failed: {_first_line(exc)}") from None
         for i, t in self._update_scratch.items():
             self._in_tensors[i].copy_(t)
@@ -379,11 +379,11 @@ class ShardedEngine(DistributedEngine):
         self._tail.zero_()
         with collective("the gradient reduce-scatter"):
             if self.plan is not None:
-                loss, sparse = self._run_segments(feeds, count, scale)
+                _, sparse = self._run_segments(feeds, count, scale)
             elif self.mode == "gradients":
-                loss, sparse = self._run_whole(feeds, count, scale)
+                _, sparse = self._run_whole(feeds, count, scale)
             else:
-                loss, sparse = self._run_grad(feeds) if count else (0.0, {})
+                _, sparse = self._run_grad(feeds) if count else (0.0, {})
                 works = []
                 for u in self.units:
                     if not count:
@@ -423,7 +423,7 @@ class ShardedEngine(DistributedEngine):
                 b.bind_output(n, self.device.ort_type, self.device.index)
             try:
                 self._grad.run_with_iobinding(b)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
                 raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
             out = dict(zip(names, b.get_outputs()[1:], strict=True))
             del b
@@ -461,7 +461,7 @@ class ShardedEngine(DistributedEngine):
                         b.bind_output(n, self.device.ort_type, self.device.index)
                 try:
                     self._segment_sessions[k].run_with_iobinding(b)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
                     raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
                 for n, v in zip(seg.outputs, b.get_outputs(), strict=True):
                     if n not in self._direct_views:

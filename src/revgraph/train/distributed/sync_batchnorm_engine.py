@@ -86,7 +86,7 @@ class SyncBatchNormEngine(DistributedEngine):
 
     def _make_grad_session(self):
         """No session of the whole grad graph: only its stages run (bound at each run: their inputs change)."""
-        return None
+        return
 
     def _gradients(self, micro, total: int):
         """The stages and their all-reduces, the running statistics, then the gradient exchange (summed as they
@@ -146,7 +146,7 @@ class SyncBatchNormEngine(DistributedEngine):
                         b.bind_output(n, self.device.ort_type, self.device.index)
                 try:
                     sess.run_with_iobinding(b)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
                     raise RevgraphError(f"the gradient step failed (stage {j + 1}): {_first_line(exc)}") from None
                 values.update(zip((vi.name for vi in stage.graph.outputs), b.get_outputs(), strict=True))
             if stage.collectives:
