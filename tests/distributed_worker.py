@@ -59,9 +59,9 @@ def build(model: str, samples: int, hidden: int = 16) -> tuple[Graph, dict[str, 
     return (demo.rnn_model(hidden=hidden) if model == "rnn" else demo.mlp_model(hidden=hidden)), data
 
 
-OPTIMIZERS = {"adam": dict(name="adam", lr=0.01), "sgd": dict(name="sgd", lr=0.05, momentum=0.9),
-              "sgd0": dict(name="sgd", lr=0.05),
-              "adamw": dict(name="adamw", lr=0.01, weight_decay=0.1)}
+OPTIMIZERS = {"adam": {"name": "adam", "lr": 0.01}, "sgd": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+              "sgd0": {"name": "sgd", "lr": 0.05},
+              "adamw": {"name": "adamw", "lr": 0.01, "weight_decay": 0.1}}
 
 
 def trainer(model: str, optimizer: str, samples: int, distributed: bool, hidden: int = 16,

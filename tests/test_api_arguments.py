@@ -291,8 +291,8 @@ def _public_callables():
         for n in getattr(mod, "__all__", None) or [k for k in vars(mod) if not k.startswith("_")]:
             obj = getattr(mod, n)
             # (functions defined there: lora imports fresh_name and is_float_dtype from the IR; vjp registers rules)
-            defined = getattr(obj, "__module__", "") == mod.__name__ or mod is not revgraph.train.lora and \
-                getattr(obj, "__module__", "").startswith("revgraph")
+            defined = getattr(obj, "__module__", "") == mod.__name__ or (mod is not revgraph.train.lora and
+                getattr(obj, "__module__", "").startswith("revgraph"))
             if inspect.isfunction(obj) and defined and n != "vjp":
                 found[f"{mod.__name__}.{n}"] = obj
     for cls in (rg.Session, rg.Trainer):

@@ -54,8 +54,8 @@ def test_the_package_has_no_import_cycle():
     edges = {m: _imports(f, m, pkg, set(files), typing=True) for m, (f, pkg) in files.items()}
     # a cycle exists iff some module reaches itself (through type-checking imports too: issue 45 found two
     # circles that only annotations closed, autodiff.algebra <-> context and train.graphs <-> optimizers <-> ...)
-    for start in edges:
-        seen, todo = set(), list(edges[start])
+    for start, first in edges.items():
+        seen, todo = set(), list(first)
         while todo:
             m = todo.pop()
             assert m != start, f"import cycle through {start}"

@@ -251,7 +251,7 @@ def test_refusals_and_fallback():
         assert "\n" not in str(e.value)
     with pytest.raises(RevgraphError, match="node 'scale' \\(Mul\\)"):
         loss_graph(affine(), "cross-entropy", chunk_tokens=4)
-    with pytest.raises(RevgraphError, match="--loss-chunk .* does not apply to --loss mse"):
+    with pytest.raises(RevgraphError, match=r"--loss-chunk .* does not apply to --loss mse"):
         loss_graph(lm(), "mse", chunk_tokens=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -344,7 +344,7 @@ def test_pad_amounts_reordered_by_the_legacy_exporter_give_static_shapes():
     # torch's TorchScript exporter writes F.pad's amounts as Concat -> Reshape(-1, 2) -> Slice(reversed) ->
     # Transpose -> Reshape(-1) -> Cast: folded over constants, the Pad's output (and the SAME-padded Conv after it,
     # whose VJP needs the spatial sizes) gets its static shape; the gradient matches PyTorch
-    i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+    i64 = lambda *v: np.array(v, np.int64)
     nodes = [Node("Concat", ["p", "z"], ["c"], {"axis": 0}, "cat"), Node("Reshape", ["c", "r2"], ["r"], name="rs"),
              Node("Slice", ["r", "s0", "s1", "ax", "st"], ["sl"], name="sl"),
              Node("Transpose", ["sl"], ["tr"], {"perm": [1, 0]}, "tr"), Node("Reshape", ["tr", "m1"], ["flat"], name="r1"),

@@ -83,7 +83,7 @@ def test_matmul_nbits_weight_is_frozen():
     rng = np.random.default_rng(1)
     ins = _nbits_inputs(rng, (2,), 32, 8, 16, 4, "float", False)
     g = graph("MatMulNBits", ins, {"K": 32, "N": 8, "block_size": 16}, ["y"])
-    feeds = {n: a for n, a in (i for i in ins if i is not None)}
+    feeds = dict(i for i in ins if i is not None)
     lg = with_loss(g, rg.Session(g).run(feeds), ["y"])
     for name, what in (("scales", "scales"), ("zp", "zero_points")):
         with pytest.raises(rg.GraphError, match=f"node 'op'.*frozen base: its {what} \\('{name}'\\) get no gradient"):
@@ -177,7 +177,7 @@ def test_rotary_embedding_refuses_a_mismatched_dim():
            ("sin", sin)]
     g = graph("RotaryEmbedding", ins, {"num_heads": 2, "rotary_embedding_dim": 4}, ["y"])
     lg = with_loss(g, {"y": np.zeros((2, 3, 16), F32)}, ["y"])
-    with pytest.raises(rg.GraphError, match="node 'op'.*rotary_embedding_dim 4 differs"):
+    with pytest.raises(rg.GraphError, match=r"node 'op'.*rotary_embedding_dim 4 differs"):
         rg.gradient(lg, loss="loss", wrt=["x"])
 
 
@@ -641,7 +641,7 @@ def test_forward_mode(op):
                ("beta", rng.standard_normal(8).astype(F32))]
         attrs, fn, along, outs = {}, embed_layer_normalization, ["word", "pos", "gamma"], ["y", "mi", "sum"]
     g = graph(op, ins, attrs, outs)
-    feeds = {n: a for n, a in (i for i in ins if i is not None)}
+    feeds = dict(i for i in ins if i is not None)
     tangents = {n: rng.standard_normal(feeds[n].shape).astype(F32) for n in along}
     wanted = [o for o in outs if o != "mi"]
     got = rg.Session(rg.jvp(g, wanted, along)).run({**feeds, **{f"{n}_tangent": t for n, t in tangents.items()}})

@@ -125,7 +125,7 @@ def check_case(op, fn, inputs, attrs=None, outputs=("y",), used=None, *, domain=
     outputs = list(outputs)
     used = [o for o in outputs if o] if used is None else used
     g = _graph(op, domain, ins, attrs or {}, outputs)
-    feeds = {n: a for n, a in (i for i in ins if i is not None)}
+    feeds = dict(i for i in ins if i is not None)
     fwd = rg.Session(_runnable(g)).run(feeds)
     for vi in g.outputs:  # the output types revgraph gives the contrib operators are onnxruntime's
         assert (vi.dtype, vi.shape) == (fwd[vi.name].dtype, fwd[vi.name].shape), (vi, fwd[vi.name].shape)
@@ -141,7 +141,7 @@ def check_case(op, fn, inputs, attrs=None, outputs=("y",), used=None, *, domain=
     tin = [None if i is None else torch.tensor(i[1].astype(F64), requires_grad=True) for i in ins]
     touts = fn(*tin, **(kw or {}))
     touts = touts if isinstance(touts, tuple) else (touts,)
-    present = [o for o in outputs]
+    present = list(outputs)
     total = sum((t * torch.tensor(us[f"{o}_u"].astype(F64))).sum() for o, t in zip(present, touts, strict=False)
                 if o in used)
     leaves = [t for t in tin if t is not None]

@@ -89,7 +89,7 @@ def test_loops_inside_if_branches(policy):
     for c in (True, False):
         g.initializers["c"] = np.array(c)
 
-        def unrolled(x, s0):
+        def unrolled(x, s0, c=c):  # (c bound now: the reference of this iteration)
             s = s0
             for _ in range(3 if c else 2):
                 s = s * x if c else torch.sin(s) + x

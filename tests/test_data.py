@@ -142,11 +142,11 @@ def test_bad_data_layouts_are_one_line_errors(tmp_path):
         with pytest.raises(InputError) as info:
             tr.arrays(d, static=s)
         assert message in str(info.value) and "\n" not in str(info.value), (message, str(info.value))
-    with pytest.raises(InputError, match="write NAME=FILE.npy"):
+    with pytest.raises(InputError, match=r"write NAME=FILE\.npy"):
         read_static(["adj"])
     np.savez(tmp_path / "s.npz", a=static["adj"])
     with pytest.raises(InputError, match="has no member 'b'"):
         read_static([f"adj={tmp_path / 's.npz'}:b"])
     assert np.array_equal(read_static([f"adj={tmp_path / 's.npz'}:a"])["adj"], static["adj"])
-    with pytest.raises(InputError, match="holds no .npy files"):
+    with pytest.raises(InputError, match=r"holds no \.npy files"):
         read_dir(_write_dir(tmp_path / "empty", {}))

@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from kit.devices import ENV, F32, embedding_model, gpu_test, model_and_data, on_gpu, tolerance, train_cli
-from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
+from kit.harness import one_line_error
 
 import revgraph as rg
 from revgraph.cli import main

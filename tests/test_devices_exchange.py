@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kit.devices import on_gpu, tolerance, torch, train_cli  # noqa: F401
+from kit.devices import on_gpu, tolerance, torch, train_cli
 
 OPTIONS = {"buckets-overlapped": ["--bucket-mb", "0.001"],
            "buckets-not-overlapped": ["--bucket-mb", "0.001", "--overlap", "off"],
@@ -29,6 +29,6 @@ def test_nccl_exchange_options_match_one_process(tmp_path, name, what, nproc):
                     "--batch-size", str(16 // nproc // accumulate), *option)
     # bf16: each exchanged gradient keeps 8 significant bits; Adam (lr 1e-3) turns a gradient's relative error
     # into at most about one lr per step where the ranks' shares nearly cancel: 14 steps here
-    tol = dict(rtol=0.0, atol=14 * 1e-3) if what == "bf16-reduce" else tolerance("adam")
+    tol = {"rtol": 0.0, "atol": 14 * 1e-3} if what == "bf16-reduce" else tolerance("adam")
     for key, value in ref.items():
         np.testing.assert_allclose(got[key], value, err_msg=key, **tol)

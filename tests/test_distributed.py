@@ -38,7 +38,7 @@ from revgraph.train import snapshots as checkpoints
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
-from distributed_worker import trainer  # noqa: E402  (tests/ is on sys.path)
+from distributed_worker import trainer
 
 
 @pytest.mark.parametrize("model,optimizer", [("mlp", "adam"), ("rnn", "sgd"), ("embedding", "adam"),

@@ -25,8 +25,8 @@ from revgraph.train.trainer import epoch_order, shard
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
-from distributed_worker import trainer  # noqa: E402  (tests/ is on sys.path)
-from kit.distributed import ENV, TORCHRUN, WORKER, compare_ranks, run_command, train_single  # noqa: E402
+from distributed_worker import trainer
+from kit.distributed import ENV, TORCHRUN, WORKER, compare_ranks, run_command, train_single
 
 
 def _torchrun(tmp_path, *args: str) -> subprocess.CompletedProcess:

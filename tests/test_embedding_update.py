@@ -54,7 +54,7 @@ def batches(seed: int = 1, n: int = STEPS) -> list[tuple[np.ndarray, np.ndarray]
     a row read at one step is missed at later ones (its moments decay there under the dense update)."""
     rng = np.random.default_rng(seed)
     out = []
-    for k in range(n):
+    for _ in range(n):
         ids = rng.integers(0, 12, B)
         ids[1] = ids[0]  # a repeated row: its gradient rows add
         out.append((ids.astype(np.int64), rng.integers(0, C, B)))
@@ -169,7 +169,7 @@ def test_accumulated_micro_batches_equal_torch():
 
 
 def test_bad_embedding_update_is_refused_naming_the_option():
-    with pytest.raises(RevgraphError, match="--embedding-update.*dense or lazy, got 'sparse'"):
+    with pytest.raises(RevgraphError, match=r"--embedding-update.*dense or lazy, got 'sparse'"):
         T.adam(embedding_update="sparse")
     with pytest.raises(RevgraphError, match="--embedding-update"):
         T.Optimizer("sgd", 0.1, embedding_update=None)

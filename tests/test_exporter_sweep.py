@@ -173,7 +173,7 @@ def test_keras(tmp_path, how):
         tape.watch(xt)
         s = tf.reduce_sum(m(xt) * u)
     grads = dict(zip([w.path for w in m.trainable_weights] + [inp],
-                     tape.gradient(s, m.trainable_weights + [xt]), strict=True))
+                     tape.gradient(s, [*m.trainable_weights, xt]), strict=True))
     want = {inp: grads[inp].numpy(), **{n: grads[k].numpy() for n, k in held.items()}}
     worst = _worst(_grads(g, {inp: x}, out, u, list(want)), want, f"keras-{how}", 1e-4)
     _train(g, {inp: x, "labels": y}, f"keras-{how}", worst)

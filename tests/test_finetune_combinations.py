@@ -78,7 +78,7 @@ def test_fp16_loss_scaling_with_clipping_matches_gradscaler_unscale_then_clip():
     for p in tg.params:
         np.testing.assert_allclose(ours[p], theirs[p], rtol=0, atol=5 * ATOL["fp16"], err_msg=p)
     # clipping the scaled gradients (before unscaling) would clip by a norm 2^k too large: a different run
-    wrong = {k: v for k, v in torch_scaled(model.initializers, data, clip=CLIP * scales[-1])[0].items()}
+    wrong = dict(torch_scaled(model.initializers, data, clip=CLIP * scales[-1])[0].items())
     assert max(np.abs(wrong[p] - theirs[p]).max() for p in tg.params) > 20 * ATOL["fp16"]
 
 

@@ -32,7 +32,7 @@ def _torch_run(model, x, y, batch, steps, lr=0.01, schedule=None, every=None, cl
     P = {k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in model.initializers.items()}
     opt = torch.optim.Adam(list(P.values()), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule else None
-    starts = [s for s in range(0, len(x), batch)]
+    starts = list(range(0, len(x), batch))
     losses, lrs, evals = [], [], {}
     for k in range(steps):
         s = starts[k % len(starts)]

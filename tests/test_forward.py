@@ -559,7 +559,7 @@ def test_auto_mode_takes_forward_when_only_the_output_size_is_symbolic():
 def test_shape_error_names_the_value_when_its_tangent_name_is_taken():
     g = Graph([n("Add", ["x", "x_tangent"], "y")], [ValueInfo("x", F64, ("N",)), ValueInfo("x_tangent", F64, ("N",))],
               [ValueInfo("y", F64, ("N",))])
-    with pytest.raises(rg.RevgraphError, match="^'x' has shape") as info:
+    with pytest.raises(rg.RevgraphError, match=r"^'x' has shape") as info:
         rg.jacobian(g, ["y"], ["x"], mode="forward")
     assert "x_tangent" not in str(info.value)
 
@@ -567,7 +567,7 @@ def test_shape_error_names_the_value_when_its_tangent_name_is_taken():
 def test_integer_outputs_are_refused_as_outputs():
     g = Graph([n("Cast", ["x"], "k", to=7)], [ValueInfo("x", F64, (3,))], [ValueInfo("k", np.int64, (3,))])
     for build in (rg.jvp, rg.jacobian):
-        with pytest.raises(rg.RevgraphError, match="^the output 'k' is int64"):
+        with pytest.raises(rg.RevgraphError, match=r"^the output 'k' is int64"):
             build(g, ["k"], ["x"])
 
 

@@ -138,7 +138,7 @@ def test_a_state_dict_is_safetensors(setup, tmp_path, capsys, name):
                  "--epochs", "1", "-o", str(out), "--save-safetensors", str(tmp_path / name)])
     one_line_error(code, capsys.readouterr().err, f"--save-safetensors {str(tmp_path / name)!r}", ".safetensors")
     assert not out.exists()
-    with pytest.raises(RevgraphError, match="ending in .safetensors"):
+    with pytest.raises(RevgraphError, match=r"ending in \.safetensors"):
         hf_io.save_state_dict(tmp_path / name, rg.load(d / "llama.onnx"))
 
 
@@ -205,8 +205,8 @@ def test_export_torch_record_names_the_peft_modules(setup, tied, tmp_path):
     peft_io.save_peft(tmp_path / "peft", g)
     model = PeftModel.from_pretrained(llama(0, tie_word_embeddings=True), str(tmp_path / "peft")).eval()
     np.testing.assert_allclose(logits(model, ids), rg.Session(g).run({"input_ids": ids})["logits"], **TOL)
-    with pytest.raises(RevgraphError, match="weight 'lm_head.weight' is the tied parameters "
-                                            "'model.embed_tokens.weight', 'lm_head.weight'"):
+    with pytest.raises(RevgraphError, match=r"weight 'lm_head\.weight' is the tied parameters "
+                                            r"'model\.embed_tokens\.weight', 'lm_head\.weight'"):
         peft_io.save_peft(tmp_path / "p2", lora.add_adapters(rg.load(tied), 4, 8.0, ["lm_head.weight"]))
 
 
@@ -322,8 +322,8 @@ def _rename(t, old, new):
 
 BAD_TENSORS = {  # case: (change the tensors in place, what the one line says)
     "wrong shape": (lambda t: t.update({V_B: np.zeros((32, 4), np.float32)}),
-                    f"{V_B} has shape [32, 4]; weight 'model.layers.0.self_attn.v_proj.weight' of the base model needs"
-                    + " [16, 4]"),
+                    (f"{V_B} has shape [32, 4]; weight 'model.layers.0.self_attn.v_proj.weight' of the base model needs"
+                     " [16, 4]")),
     "transposed": (lambda t: t.update({Q_A: t[Q_A].T.copy()}), "of rank 32; adapter_config.json says r = 4"),
     "integers": (lambda t: t.update({Q_A: t[Q_A].astype(np.int32)}), "is int32 [4, 32], not a 2-D floating-point"),
     "1-d": (lambda t: t.update({Q_A: t[Q_A][0]}), "is float32 [32], not a 2-D floating-point"),

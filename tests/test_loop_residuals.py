@@ -242,7 +242,7 @@ def test_row_read_through_cast_and_unsqueeze(policy):
 def test_scan_reads_its_inputs_again_and_reuses_its_outputs(policy, reverse):
     # ONNX Scan (lowered to a Loop whose body reads x_t = Gather(xs, i), or Gather(xs, T - 1 - i) in reverse)
     # whose body scans out its state: no residual is stacked at all
-    sb = Graph(_rnn_nodes()[1:] + [n("Identity", ["h_out"], "y")],
+    sb = Graph([*_rnn_nodes()[1:], n("Identity", ["h_out"], "y")],
                [ValueInfo("h_in", F64, (B, H)), ValueInfo("x_t", F64, (B, I))],
                [ValueInfo("h_out", F64, (B, H)), ValueInfo("y", F64, (B, H))])
     scan = Node("Scan", ["h0", "xs"], ["h", "Y"], {"body": sb, "num_scan_inputs": 1, "scan_input_directions": [reverse],

@@ -226,7 +226,7 @@ def test_train_and_freeze_globs_against_full_training():
         assert np.array_equal(part.spec.model.initializers[k], g.initializers[k])
     with pytest.raises(rg.RevgraphError, match="'Z\\*' matches no initializer"):
         rg.Trainer(g, "mse", params=["Z*"])
-    with pytest.raises(rg.RevgraphError, match="freeze .*'q' matches no initializer"):
+    with pytest.raises(rg.RevgraphError, match=r"freeze .*'q' matches no initializer"):
         rg.Trainer(g, "mse", freeze=["q"])
     with pytest.raises(rg.RevgraphError, match="leave no initializer to train"):
         rg.Trainer(g, "mse", freeze=["*"])
@@ -252,8 +252,8 @@ def test_cli_lora_train_extract_apply(files, capsys):
     base = mixed_model()
     a = (8 + 16) * 4 + (16 + 12) * 4 + 3 * (12 + 6) * 4  # (in + out) * r per adapter
     frozen = [v.size for k, v in base.initializers.items() if v.dtype == F32 or k == "q3"]  # q3: the int8 base
-    assert f"parameters: {a:,} trainable in 10 tensors ({100 * a / (a + sum(frozen)):.3g}%), {sum(frozen):,} frozen " \
-           f"in {len(frozen)} tensors" in text, text
+    assert (f"parameters: {a:,} trainable in 10 tensors ({100 * a / (a + sum(frozen)):.3g}%), {sum(frozen):,} frozen "
+            f"in {len(frozen)} tensors") in text, text
     trained = rg.load(t / "trained.onnx")
     assert lora.config(trained)["alpha"] == 8.0 and any(n.name.startswith("lora/") for n in trained.nodes)
     for k, v in base.initializers.items():

@@ -108,7 +108,7 @@ def test_load_adapters_and_apply_name_the_file_and_member(adapters, tmp_path, ca
 
 
 def test_apply_given_arrays_in_python_names_the_adapter(adapters):
-    d, g = adapters
+    _, g = adapters
     arrays, c = lora.extract(g)
     for value, fragment in [([[1.0] * 4] * 8, f"adapter {A!r} (the A adapter of weight 'W1') is a list, not an array"),
                             (np.zeros((8, 4), np.int32), "has dtype int32"),

@@ -106,7 +106,7 @@ def test_the_walkthrough_llama(tmp_path):
     subprocess.run([sys.executable, str(EXAMPLE), "-o", str(tmp_path)], check=True, timeout=900, capture_output=True)
     config = json.loads((tmp_path / "config.json").read_text())
     ids = np.load(tmp_path / "tokens.npz")["input_ids"]
-    assert ids.dtype == np.int64 and ids.shape == (256, 32) and 0 <= ids.min() and ids.max() < config["vocab_size"]
+    assert ids.dtype == np.int64 and ids.shape == (256, 32) and ids.min() >= 0 and ids.max() < config["vocab_size"]
     check_llama(tmp_path, config, rank=8, alpha=16.0, length=32)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
+from kit.harness import one_line_error
 from kit.lossdata_models import V, lm_data, static_data, static_model, tiny_lm
 from kit.losses import own_loss_model, torch_lm
 

@@ -61,8 +61,8 @@ def _grads(gg: Graph, feeds) -> dict[str, np.ndarray]:
 
 def _same(a: dict, b: dict, rtol=1e-6) -> None:
     assert a.keys() == b.keys() and a
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=1e-7, err_msg=k)
+    for k, v in a.items():
+        np.testing.assert_allclose(v, b[k], rtol=rtol, atol=1e-7, err_msg=k)
 
 
 def _remat(gg: Graph) -> list[Node]:

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("transformers")  # in the test extra; importorskip only for a bare checkout
 from kit import (
-    zoo,  # noqa: E402
-    zoo_forward,  # noqa: E402
+    zoo,
+    zoo_forward,
 )
 
 #: (model, exporter, opset): the dynamo exporter at 18 and at 23 (ONNX Attention, RMSNormalization), the

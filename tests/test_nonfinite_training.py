@@ -84,6 +84,6 @@ def test_cli_stops_with_one_line_and_writes_nothing(tmp_path, nan_data, lr, mess
 
 def test_a_learning_rate_beyond_the_dtype_is_refused_before_training():
     """--lr 1e308 is infinite in float32: refused when the training graph is built, naming the dtype."""
-    with pytest.raises(rg.RevgraphError, match="the learning rate 1e[+]308 does not fit in float32, the dtype of "
+    with pytest.raises(rg.RevgraphError, match=r"the learning rate 1e[+]308 does not fit in float32, the dtype of "
                                                 "parameter 'W1'"):
         rg.Trainer(demo.mlp_model(hidden=8), "cross-entropy", rg.train.sgd(lr=1e308))

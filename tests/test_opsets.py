@@ -129,8 +129,8 @@ def test_group_normalization_before_21_keeps_its_per_group_scale_and_bias(opset,
     y.sum().backward()
     # (GroupNormalization's statistics are float32 by default, stash_type 1, also for a float64 input)
     np.testing.assert_allclose(got["loss"], y.sum().item(), rtol=1e-6, atol=1e-6)
-    for k in t:
-        np.testing.assert_allclose(got[f"{k}_grad"], t[k].grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    for k, v in t.items():
+        np.testing.assert_allclose(got[f"{k}_grad"], v.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 @pytest.mark.parametrize("opset", [21, 22, 24, NEWEST_OPSET])
@@ -168,7 +168,7 @@ def test_session_refuses_an_opset_newer_than_onnxruntime_runs(monkeypatch):
     g = rg.load(small_model(23))
     gg = rg.gradient(g, "y")
     monkeypatch.setattr(runtime, "onnxruntime_newest_opset", lambda: 22)
-    with pytest.raises(UnsupportedModelError, match="opset 23; onnxruntime .* runs opsets up to 22: run it with "
+    with pytest.raises(UnsupportedModelError, match=r"opset 23; onnxruntime .* runs opsets up to 22: run it with "
                                                     "the reference backend"):
         rg.Session(gg)
     x = np.ones((2, 4), F32)

@@ -247,7 +247,7 @@ def test_a_signal_mid_write_removes_the_temporary_file_and_kills(tmp_path, sig):
     # (the signal's default action in the writer, whatever this process inherited: under nohup SIGHUP is ignored,
     # which test_an_ignored_sighup_stays_ignored covers)
     p = subprocess.Popen([sys.executable, "-c", _WRITER, str(target)], stdout=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
+                         preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))  # noqa: PLW1509 (sets one signal)
     assert p.stdout.readline().strip() == "writing"
     assert [f.name for f in tmp_path.iterdir() if f.name.endswith(".tmp")]  # the temporary file exists
     start = time.perf_counter()
@@ -260,7 +260,8 @@ def test_a_signal_mid_write_removes_the_temporary_file_and_kills(tmp_path, sig):
 def test_an_ignored_sighup_stays_ignored(tmp_path):
     target = tmp_path / "out.onnx"
     p = subprocess.Popen([sys.executable, "-c", _WRITER.replace("time.sleep(30)", "time.sleep(1)"), str(target)],
-                         stdout=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+                         stdout=subprocess.PIPE, text=True,  # (preexec_fn: as nohup does)
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # noqa: PLW1509
     assert p.stdout.readline().strip() == "writing"
     p.send_signal(signal.SIGHUP)
     assert p.wait(10) == 0  # nohup's choice is kept: the write finished
@@ -447,8 +448,8 @@ def test_run_writes_hostile_output_names_safely(tmp_path, capsys):
     outputs = {name: z[member] for member, name in z["revgraph_names"]}
     expected = {n: x * np.array([i, i + 1], np.float32) for i, n in enumerate(names) if n}
     assert outputs.keys() == expected.keys()
-    for n in expected:
-        np.testing.assert_array_equal(outputs[n], expected[n])
+    for n, want in expected.items():
+        np.testing.assert_array_equal(outputs[n], want)
     np.testing.assert_array_equal(z["ok_name"], expected["ok_name"])
     assert read_outputs(tmp_path / "o.npz").keys() == expected.keys()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.npz", "m.onnx", "o.npz"]

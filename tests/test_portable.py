@@ -108,7 +108,7 @@ def test_training_graph_has_no_dropout_and_trains_as_torch(tmp_path):
     target = RNG.standard_normal((4, 3)).astype(np.float32)
     feeds = {**tg.initial_state(), "x": X, tg.labels: target}
     sess = ort.InferenceSession(written.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
     w = torch.tensor(W, requires_grad=True)
     opt = torch.optim.SGD([w], lr=tg.optimizer.lr)
     torch.nn.functional.mse_loss(torch.relu(torch.tensor(X) @ w), torch.tensor(target)).backward()

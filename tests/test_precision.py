@@ -157,7 +157,7 @@ def test_fp16_overflow_skips_steps_and_the_scale_follows_gradscaler():
     np.testing.assert_allclose(losses, t_losses, rtol=0, atol=5 * ATOL[kind])
     for p in tg.params:  # (larger scales: more flipped roundings than in the run above, each <= lr 2^-11)
         np.testing.assert_allclose(ours[p], theirs[p], rtol=0, atol=5 * ATOL[kind], err_msg=p)
-    skipped = sum(b < a for a, b in zip([opts["init_scale"], *scales], scales))
+    skipped = sum(b < a for a, b in itertools.pairwise([opts["init_scale"], *scales]))
     assert int(ours[tg.step]) == len(data) - skipped  # a skipped step is not counted (torch.optim.Adam)
 
     # one overflowing step on its own: nothing changes but the scale

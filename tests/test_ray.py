@@ -35,7 +35,7 @@ from revgraph.train.distributed.ray_launcher import train_with_ray
 def cluster():
     try:
         import ray
-        import ray.train.torch  # noqa: F401
+        import ray.train.torch
     except ImportError:
         pytest.fail('the Ray tests need Ray Train: pip install -e ".[ray]"', pytrace=False)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -124,22 +124,22 @@ def test_error_in_a_worker_is_one_line(cluster, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(num_workers=0), "num_workers must be at least 1, got 0"),
-    (dict(num_workers=2, cpus_per_worker=0), "cpus_per_worker must be at least 1, got 0"),
-    (dict(num_workers=2, epochs=0), "epochs must be at least 1, got 0"),
-    (dict(num_workers=2, batch_size=0), "batch_size must be at least 1, got 0"),
-    (dict(num_workers=2, checkpoint_every=-1), "checkpoint_every must be at least 0, got -1"),
-    (dict(num_workers=2, max_failures=-2), "max_failures must be at least -1, got -2"),
-    (dict(num_workers=2, loss="hinge"), "unknown loss .hinge."),
-    (dict(num_workers=2, optimizer="lbfgs"), "unknown optimizer 'lbfgs'"),
+    ({"num_workers": 0}, "num_workers must be at least 1, got 0"),
+    ({"num_workers": 2, "cpus_per_worker": 0}, "cpus_per_worker must be at least 1, got 0"),
+    ({"num_workers": 2, "epochs": 0}, "epochs must be at least 1, got 0"),
+    ({"num_workers": 2, "batch_size": 0}, "batch_size must be at least 1, got 0"),
+    ({"num_workers": 2, "checkpoint_every": -1}, "checkpoint_every must be at least 0, got -1"),
+    ({"num_workers": 2, "max_failures": -2}, "max_failures must be at least -1, got -2"),
+    ({"num_workers": 2, "loss": "hinge"}, "unknown loss .hinge."),
+    ({"num_workers": 2, "optimizer": "lbfgs"}, "unknown optimizer 'lbfgs'"),
     # issue 40, item 5: types and values that started a cluster and failed inside a worker, or a TypeError
-    (dict(num_workers="2"), "num_workers must be an integer >= 1, got '2'"),
-    (dict(num_workers=2, epochs=1.5), "epochs must be an integer >= 1, got 1.5"),
-    (dict(num_workers=2, batch_size=float("nan")), "batch_size must be an integer >= 1, got nan"),
-    (dict(num_workers=True), "num_workers must be an integer >= 1, got True"),
-    (dict(num_workers=2, seed=-1), "seed must be at least 0, got -1"),
-    (dict(num_workers=2, shuffle="yes"), "shuffle must be True or False, got 'yes'"),
-    (dict(num_workers=2, checkpoint_every=3), "checkpoint_every has no effect without checkpoint_dir"),
+    ({"num_workers": "2"}, "num_workers must be an integer >= 1, got '2'"),
+    ({"num_workers": 2, "epochs": 1.5}, "epochs must be an integer >= 1, got 1.5"),
+    ({"num_workers": 2, "batch_size": float("nan")}, "batch_size must be an integer >= 1, got nan"),
+    ({"num_workers": True}, "num_workers must be an integer >= 1, got True"),
+    ({"num_workers": 2, "seed": -1}, "seed must be at least 0, got -1"),
+    ({"num_workers": 2, "shuffle": "yes"}, "shuffle must be True or False, got 'yes'"),
+    ({"num_workers": 2, "checkpoint_every": 3}, "checkpoint_every has no effect without checkpoint_dir"),
 ])
 def test_bad_arguments_fail_before_ray_is_touched(monkeypatch, kwargs, message):
     """These fail on the caller's side, in one line, before Ray is imported (so also without Ray)."""
@@ -154,9 +154,9 @@ def test_bad_arguments_fail_before_ray_is_touched(monkeypatch, kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(num_workers=3), "num_workers 3 x cpus_per_worker 1 = 3 CPUs, and the local Ray cluster would have 2"),
-    (dict(num_workers=1, cpus_per_worker=3), "num_workers 1 x cpus_per_worker 3 = 3 CPUs, and the local Ray"),
-    (dict(num_workers=1, use_gpu=True), "use_gpu with num_workers 1 needs 1 GPUs and torch sees 0 here"),
+    ({"num_workers": 3}, "num_workers 3 x cpus_per_worker 1 = 3 CPUs, and the local Ray cluster would have 2"),
+    ({"num_workers": 1, "cpus_per_worker": 3}, "num_workers 1 x cpus_per_worker 3 = 3 CPUs, and the local Ray"),
+    ({"num_workers": 1, "use_gpu": True}, "use_gpu with num_workers 1 needs 1 GPUs and torch sees 0 here"),
 ])
 def test_more_than_a_local_cluster_has_is_refused(monkeypatch, kwargs, message):
     """Without a connected cluster Ray would start one of this machine's size and wait forever for more."""

@@ -25,7 +25,7 @@ def _amounts(dim: int, n: int) -> tuple[int, int]:
 
 def torch_center_crop_pad(x: torch.Tensor, shape: list[int], axes: list[int] | None) -> torch.Tensor:
     axes = list(range(x.ndim)) if axes is None else [a % x.ndim for a in axes]
-    target = {a: n for a, n in zip(axes, shape, strict=True)}
+    target = dict(zip(axes, shape, strict=True))
     pads: list[int] = []
     for a in reversed(range(x.ndim)):  # F.pad lists the last axis first
         pads += list(_amounts(x.shape[a], target.get(a, x.shape[a])))

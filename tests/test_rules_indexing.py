@@ -192,7 +192,7 @@ def test_scatter_elements(seed, rank, reduction, cut, data):
         ishape[ax] = int(rng.integers(2, 5))
         idx = np.moveaxis(with_repeat(np.moveaxis(rng.integers(-n, n, size=ishape), ax, 0), n), 0, ax)
     else:  # distinct positions along the axis: a random permutation per line, cut to the index shape
-        perm = np.argsort(rng.random(ishape[:ax] + [n] + ishape[ax + 1:]), axis=ax)
+        perm = np.argsort(rng.random([*ishape[:ax], n, *ishape[ax + 1:]]), axis=ax)
         idx = np.take(perm, range(int(rng.integers(1, n + 1))), axis=ax)
         idx = np.where(rng.random(idx.shape) < 0.5, idx - n, idx)
     idx = np.ascontiguousarray(idx)

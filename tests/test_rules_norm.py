@@ -76,7 +76,7 @@ def test_batch_norm_inference_like_pytorch():
 @given(data=st.data(), eps=EPS, seed=SEEDS)
 def test_batch_norm_training_y(data, eps, seed):
     shape = _shape(data.draw, 2)
-    shape = (shape[0] + 1,) + shape[1:]  # at least two values per channel: a variance of one value is 0
+    shape = (shape[0] + 1, *shape[1:])  # at least two values per channel: a variance of one value is 0
     rng = np.random.default_rng(seed)
     c = shape[1]
     feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(c), "bias": rng.standard_normal(c)}
@@ -137,7 +137,7 @@ def test_batch_norm_training_y_runs_are_independent():
 @given(data=st.data(), momentum=st.sampled_from([0.9, 0.5, 0.0]), seed=SEEDS)
 def test_batch_norm_training_running_stats(data, momentum, seed):
     shape = _shape(data.draw, 2)
-    shape = (shape[0] + 1,) + shape[1:]
+    shape = (shape[0] + 1, *shape[1:])
     rng = np.random.default_rng(seed)
     c = shape[1]
     feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(c), "bias": rng.standard_normal(c),
@@ -176,7 +176,7 @@ def test_batch_norm_needs_rank():
     g = Graph([Node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="bn")],
               [ValueInfo("x", np.float64, None)], [ValueInfo("y")],
               {k: np.ones(3) for k in ("s", "b", "m", "v")})
-    with pytest.raises(GraphError, match="'bn'.*rank"):
+    with pytest.raises(GraphError, match=r"'bn'.*rank"):
         rg.gradient(g, wrt=["x"])
 
 
@@ -470,7 +470,7 @@ def test_mean_variance_norm_constant_group():
 @given(data=st.data(), eps=EPS, seed=SEEDS)
 def test_instance_norm(data, eps, seed):
     shape = _shape(data.draw, 3)
-    shape = shape[:2] + (shape[2] + 1,) + shape[3:]  # at least two values per instance and channel
+    shape = (*shape[:2], shape[2] + 1, *shape[3:])  # at least two values per instance and channel
     rng = np.random.default_rng(seed)
     c = shape[1]
     feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(c), "bias": rng.standard_normal(c)}
@@ -485,7 +485,7 @@ def test_group_norm(data, groups, per_group, eps, seed):
     spatial = shape[2:]
     if per_group * int(np.prod(spatial)) == 1:  # PyTorch refuses a group of one value
         spatial = (2,)
-    shape = (shape[0], groups * per_group) + spatial
+    shape = (shape[0], groups * per_group, *spatial)
     rng = np.random.default_rng(seed)
     c = shape[1]
     feeds = {"x": rng.standard_normal(shape), "scale": rng.standard_normal(c), "bias": rng.standard_normal(c)}

@@ -155,7 +155,8 @@ def test_max_pool_explicit(name, attrs, shape):
     pads = [0] * (2 * nd)
     if attrs.get("auto_pad", "").startswith("SAME"):  # spec: odd pad at the end for SAME_UPPER
         upper = attrs["auto_pad"] == "SAME_UPPER"
-        tot = [max(0, (-(-n // st_) - 1) * st_ + (kk - 1) * dd + 1 - n) for n, kk, st_, dd in zip(shape[2:], k, s, d)]
+        tot = [max(0, (-(-n // st_) - 1) * st_ + (kk - 1) * dd + 1 - n)
+               for n, kk, st_, dd in zip(shape[2:], k, s, d, strict=True)]
         pads = [t // 2 if upper else t - t // 2 for t in tot] + [t - t // 2 if upper else t // 2 for t in tot]
     fn = lambda x: MAX_POOL[nd](F.pad(x, torch_pad(pads), value=-math.inf), k, s, 0, d)
     check_rule(one_node_graph("MaxPool", {"x": x}, attrs), {"x": x}, fn)
@@ -396,7 +397,8 @@ def _lp_geometry(shape, kernel, attrs):
     pads = attrs.get("pads", [0] * 2 * nd)
     dims = shape[2:]
     if attrs.get("auto_pad") == "SAME_UPPER":
-        tot = [max(0, (-(-n // s) - 1) * s + (k - 1) * d + 1 - n) for n, k, s, d in zip(dims, kernel, strides, dilations)]
+        tot = [max(0, (-(-n // s) - 1) * s + (k - 1) * d + 1 - n)
+               for n, k, s, d in zip(dims, kernel, strides, dilations, strict=True)]
         pads = [t // 2 for t in tot] + [t - t // 2 for t in tot]
     ceil = bool(attrs.get("ceil_mode", 0))
     out = []

@@ -156,7 +156,7 @@ def spec_reference(op, attrs, H, acts=None, lens=None):
 
     def one_direction(x, w, r, b, h, c, p, fs, reverse):
         T, batch = x.shape[0], x.shape[1]
-        f, g, hact = (fs + [None, None])[:3]
+        f, g, hact = [*fs, None, None][:3]
         ln = torch.full((batch,), T) if lens is None else torch.as_tensor(lens, dtype=torch.int64)
         if reverse:  # each sequence reversed within its length
             t = torch.arange(T)[:, None]

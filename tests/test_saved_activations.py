@@ -137,7 +137,7 @@ def test_normalizations_keep_their_input_and_no_statistics(op):
     else:
         stats = {"mean": np.zeros(4, F32), "var": np.ones(4, F32)}
         g = _layer(op, {"training_mode": 1}, {**vec, **stats}, ("s", "bb", "mean", "var"), n_out=3)
-    gg = rg.gradient(g, "loss", WRT + ["s", "bb"])
+    gg = rg.gradient(g, "loss", [*WRT, "s", "bb"])
     assert "h" in _reads_of(gg, "act") and "r" not in _reads_of(gg, "act")
     assert "h" in residuals(gg) and set(residuals(gg)) <= {"h", "r"}  # (r: unless the plan recomputes it)
     assert saved_bytes(gg) == ACT * len(residuals(gg))

@@ -120,9 +120,9 @@ def test_no_decay_rules():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(clip_grad_norm=-1.0), "--clip-grad-norm must be a finite number > 0"),
-    (dict(clip_grad_norm=float("nan")), "--clip-grad-norm must be a finite number > 0"),
-    (dict(schedule=Schedule("cosine", 0, 0.5)), "--min-lr 0.5 is above the peak learning rate"),
+    ({"clip_grad_norm": -1.0}, "--clip-grad-norm must be a finite number > 0"),
+    ({"clip_grad_norm": float("nan")}, "--clip-grad-norm must be a finite number > 0"),
+    ({"schedule": Schedule("cosine", 0, 0.5)}, "--min-lr 0.5 is above the peak learning rate"),
 ])
 def test_bad_settings(kwargs, message):
     with pytest.raises(RevgraphError, match=message):
@@ -183,18 +183,18 @@ def test_resume_mid_schedule_equals_the_uninterrupted_run(tmp_path):
 
 
 CHANGES = {  # recorded name: (Trainer/optimizer settings now, what the refusal says)
-    "lr": (dict(lr=0.02), "lr 0.01 (now 0.02)"),
-    "betas": (dict(betas=(0.8, 0.999)), "betas [0.9, 0.999] (now [0.8, 0.999])"),
-    "eps": (dict(eps=1e-6), "eps 1e-08 (now 1e-06)"),
-    "weight_decay": (dict(weight_decay=0.2), "weight_decay 0.1 (now 0.2)"),
-    "no_decay": (dict(no_decay="none"), "no_decay ['b1', 'b2'] (now [])"),
-    "lr_schedule": (dict(schedule=Schedule("linear", 4, 1e-3)), "lr_schedule 'cosine' (now 'linear')"),
-    "warmup_steps": (dict(schedule=Schedule("cosine", 2, 1e-3)), "warmup_steps 4 (now 2)"),
-    "min_lr": (dict(schedule=Schedule("cosine", 4, 0.0)), "min_lr 0.001 (now 0.0)"),
-    "clip_grad_norm": (dict(clip_grad_norm=1.0), "clip_grad_norm 0.5 (now 1.0)"),
+    "lr": ({"lr": 0.02}, "lr 0.01 (now 0.02)"),
+    "betas": ({"betas": (0.8, 0.999)}, "betas [0.9, 0.999] (now [0.8, 0.999])"),
+    "eps": ({"eps": 1e-6}, "eps 1e-08 (now 1e-06)"),
+    "weight_decay": ({"weight_decay": 0.2}, "weight_decay 0.1 (now 0.2)"),
+    "no_decay": ({"no_decay": "none"}, "no_decay ['b1', 'b2'] (now [])"),
+    "lr_schedule": ({"schedule": Schedule("linear", 4, 1e-3)}, "lr_schedule 'cosine' (now 'linear')"),
+    "warmup_steps": ({"schedule": Schedule("cosine", 2, 1e-3)}, "warmup_steps 4 (now 2)"),
+    "min_lr": ({"schedule": Schedule("cosine", 4, 0.0)}, "min_lr 0.001 (now 0.0)"),
+    "clip_grad_norm": ({"clip_grad_norm": 1.0}, "clip_grad_norm 0.5 (now 1.0)"),
     "total_steps": ("epochs", "total_steps 24 (now 30)"),
-    "loss": ("loss", "'label_smoothing': 0.0, 'class_weights': None} (now {'kind': 'cross-entropy', 'output': 'y', "
-                     "'ignore_index': None, 'label_smoothing': 0.1,"),
+    "loss": ("loss", ("'label_smoothing': 0.0, 'class_weights': None} (now {'kind': 'cross-entropy', 'output': 'y', "
+                      "'ignore_index': None, 'label_smoothing': 0.1,")),
     "precision": ("precision", "precision 'fp32' (now 'bf16')"),
     "revgraph.lora": ("lora", "revgraph.lora None (now '{\"rank\": 4}')"),
 }
@@ -207,7 +207,7 @@ def _changed(name: str):
     tr, data = _cosine_trainer(**{k: v for k, v in opt.items() if k in ("schedule", "clip_grad_norm", "no_decay")})
     if isinstance(how, dict) and set(opt) - {"schedule", "clip_grad_norm", "no_decay"}:
         rng = np.random.default_rng(6)
-        base = dict(lr=0.01, weight_decay=0.1, schedule=Schedule("cosine", 4, 1e-3), clip_grad_norm=0.5)
+        base = {"lr": 0.01, "weight_decay": 0.1, "schedule": Schedule("cosine", 4, 1e-3), "clip_grad_norm": 0.5}
         tr = rg.Trainer(mlp(rng), "cross-entropy", T.adamw(**{**base, **opt}), threads=1)
     if how == "loss":  # LossSpec.settings: the same model and optimizer, a smoothed loss
         rng = np.random.default_rng(6)
@@ -371,7 +371,7 @@ def test_data_parallel_schedule_clipping_and_exclusions_equal_one_process(tmp_pa
                  optimizers, "--hidden", str(hidden), "--shard", shard, "--bucket-bytes", "1024",
                  "--out", str(tmp_path), "--lr-schedule", "cosine", "--warmup-steps", "3", "--min-lr", "0.001",
                  "--clip-grad-norm", "0.5"])
-    how = dict(kind="cosine", warmup=3, min_lr=0.001, clip=0.5)
+    how = {"kind": "cosine", "warmup": 3, "min_lr": 0.001, "clip": 0.5}
     for opt in optimizers.split(","):
         ranks = [dict(np.load(tmp_path / f"rank{r}-{opt}.npz")) for r in range(2)]
         ref = _dp_reference(model, opt, hidden, **how)

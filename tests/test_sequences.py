@@ -212,7 +212,7 @@ def test_insert_and_erase_at_known_positions_pass_reads_through():
         warnings.simplefilter("ignore")  # no path from a
         grads = check_rule(g, {"a": a, "b": b, "c": c}, lambda a, b, c: (torch.sin(c), torch.tanh(b)))
     np.testing.assert_array_equal(grads["a"], 0)
-    gg = rg.gradient(graph(g.nodes + [nd("ReduceSum", ["y1"], "loss", keepdims=0)], {"a": a, "b": b, "c": c},
+    gg = rg.gradient(graph([*g.nodes, nd("ReduceSum", ["y1"], "loss", keepdims=0)], {"a": a, "b": b, "c": c},
                            ["loss"], g.initializers), wrt=["b"])
     assert not set(backward_ops(gg, g)) & SEQUENCE_OPS
 

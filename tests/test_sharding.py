@@ -23,8 +23,8 @@ from revgraph.train import snapshots as checkpoints
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
-from distributed_worker import OPTIMIZERS, trainer  # noqa: E402  (tests/ is on sys.path)
-from kit.distributed import ENV, TORCHRUN, WORKER, run_command  # noqa: E402
+from distributed_worker import OPTIMIZERS, trainer
+from kit.distributed import ENV, TORCHRUN, WORKER, run_command
 
 HIDDEN, BUCKET, W = 13, 1024, 2
 SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # sgd with momentum 0.9: one buffer; Adam and AdamW: m and v
@@ -202,7 +202,7 @@ def test_train_nproc_sharded_matches_one_process(tmp_path, device):
                      str(tmp_path / "two.onnx")])
     assert "global batch 2 x 10 = 20; sharded: gradients (ZeRO-2)" in r.stdout, r.stdout
     one, two = rg.load(tmp_path / "one.onnx").initializers, rg.load(tmp_path / "two.onnx").initializers
-    tol = dict(rtol=2e-5, atol=2e-6) if device == "cpu" else dict(rtol=1e-3, atol=2e-5)  # (kit.devices.tolerance)
+    tol = {"rtol": 2e-5, "atol": 2e-6} if device == "cpu" else {"rtol": 1e-3, "atol": 2e-5}  # (kit.devices.tolerance)
     for name, value in one.items():
         np.testing.assert_allclose(two[name], value, err_msg=name, **tol)
 

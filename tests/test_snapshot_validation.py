@@ -563,8 +563,8 @@ def test_two_processes_check_the_snapshot_on_rank_0_and_refuse_together(base, tm
         before = path.read_bytes()
         r = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=240)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-        assert f"revgraph: error: {path}: {said}" in r.stderr or f"revgraph: error: {path} was written by a run " \
-               f"with {said}" in r.stderr, r.stderr
+        assert (f"revgraph: error: {path}: {said}" in r.stderr
+                or f"revgraph: error: {path} was written by a run with {said}" in r.stderr), r.stderr
         assert path.read_bytes() == before and sorted(os.listdir(ck)) == ["checkpoint.npz"]
         assert sorted(os.listdir(tmp_path)) == ["ck", "d.npz", "m.onnx"]
     path.write_bytes(base["bytes"])

@@ -269,7 +269,7 @@ def _loop_net() -> Graph:
 
 def test_in_place_writes_inside_a_loop_body_capturing_an_overwritten_outer_name():
     g = _loop_net()
-    o1, loop, o2, o3 = g.nodes
+    _, loop, _, _ = g.nodes
     body = loop.attrs["body"]
     info = analyze(g)
     assert producers(info, "w") == [None, "o1", "o2"]

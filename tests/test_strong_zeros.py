@@ -248,7 +248,7 @@ def _discarding_graph(nodes: list[Node], out: str, inputs: list[ValueInfo]) -> G
     """``loss = sum(u * Where(c, out, 0))`` with ``c`` of the shape (2, 3) of ``out`` (after broadcasting)."""
     tail = [_const("zero", 0.0), Node("Where", ["c", out, "zero"], ["w"], name="where"),
             Node("Mul", ["w", "u"], ["wu"], name="mulu"), _sum("wu")]
-    return Graph(nodes + tail, inputs + [ValueInfo("c", np.bool_, (2, 3))], [ValueInfo("loss")], {"u": U})
+    return Graph(nodes + tail, [*inputs, ValueInfo("c", np.bool_, (2, 3))], [ValueInfo("loss")], {"u": U})
 
 
 def _row_mask(op: str) -> np.ndarray:

@@ -23,9 +23,9 @@ from revgraph.train.distributed.sync_batchnorm import rewrite, training_batchnor
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
-from kit.devices import on_gpu, tolerance  # noqa: E402
-from kit.distributed import TORCHRUN, free_port, run_command  # noqa: E402
-from sync_batchnorm_worker import bn_model, data, trainer  # noqa: E402  (tests/ is on sys.path)
+from kit.devices import on_gpu, tolerance
+from kit.distributed import TORCHRUN, free_port, run_command
+from sync_batchnorm_worker import bn_model, data, trainer
 
 WORKER = Path(__file__).parent / "sync_batchnorm_worker.py"
 SAMPLES, BATCH, EPOCHS = 37, 6, 2

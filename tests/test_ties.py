@@ -27,7 +27,7 @@ def _grad(nodes: list[Node], out: str, inputs: dict[str, tuple], feeds: dict, in
 def test_max_and_min_split_ties():
     # Max(a, b, c) at a = b = 2 > c: a and b get half each, c nothing; Min(a, b) at a = b: half each
     feeds = {"a": np.array([2.0, 1.0]), "b": np.array([2.0, 3.0]), "c": np.array([0.0, 3.0])}
-    ins = {k: (F64, (2,)) for k in feeds}
+    ins = dict.fromkeys(feeds, (F64, (2,)))
     got = _grad([Node("Max", ["a", "b", "c"], ["y"], name="max")], "y", ins, feeds)
     assert got["a"].tolist() == [0.5, 0.0] and got["b"].tolist() == [0.5, 0.5] and got["c"].tolist() == [0.0, 0.5]
     got = _grad([Node("Min", ["a", "b"], ["y"], name="min")], "y", {"a": ins["a"], "b": ins["b"]},

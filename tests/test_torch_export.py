@@ -223,7 +223,7 @@ def test_a_record_that_is_not_a_json_object_of_names_is_one_line(exported):
     _, path = exported("gpt2", "export_torch")
     g = rg.load(path)
     g.metadata[PARAMETERS] = "[1, 2]"
-    with pytest.raises(rg.RevgraphError, match="'revgraph.torch_parameters' is not a JSON object of names"):
+    with pytest.raises(rg.RevgraphError, match=r"'revgraph\.torch_parameters' is not a JSON object of names"):
         select(g)
 
 

@@ -23,13 +23,13 @@ def _paddle_like(path, w1, b1, w2, b2) -> None:
     """``Identity(Tanh(x W1 + b1) W2 + b2)``, each weight a ``Constant`` node, written to ``path``."""
     consts = [helper.make_node("Constant", [], [n], value=numpy_helper.from_array(a, n))
               for n, a in (("linear_0.w_0", w1), ("linear_0.b_0", b1), ("linear_1.w_0", w2), ("linear_1.b_0", b2))]
-    nodes = consts + [helper.make_node("MatMul", ["x", "linear_0.w_0"], ["m0"]),
-                      helper.make_node("Add", ["m0", "linear_0.b_0"], ["a0"]),
-                      helper.make_node("Identity", ["a0"], ["i0"]),
-                      helper.make_node("Tanh", ["i0"], ["t0"]),
-                      helper.make_node("MatMul", ["t0", "linear_1.w_0"], ["m1"]),
-                      helper.make_node("Add", ["m1", "linear_1.b_0"], ["a1"]),
-                      helper.make_node("Identity", ["a1"], ["y"])]
+    nodes = [*consts, helper.make_node("MatMul", ["x", "linear_0.w_0"], ["m0"]),
+             helper.make_node("Add", ["m0", "linear_0.b_0"], ["a0"]),
+             helper.make_node("Identity", ["a0"], ["i0"]),
+             helper.make_node("Tanh", ["i0"], ["t0"]),
+             helper.make_node("MatMul", ["t0", "linear_1.w_0"], ["m1"]),
+             helper.make_node("Add", ["m1", "linear_1.b_0"], ["a1"]),
+             helper.make_node("Identity", ["a1"], ["y"])]
     graph = helper.make_graph(nodes, "paddle-like", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])])
     rg.save(rg.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])), path)

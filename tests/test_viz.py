@@ -193,7 +193,7 @@ def test_backward_nodes_are_coloured_and_accumulation_is_marked():
 def test_gradient_of_a_loop_has_a_backward_loop_cluster():
     gg = rg.gradient(loop_model())
     dot = parse_dot(viz.to_dot(gg))
-    fill = {name: c for name, c in dot["clusters"].items()}
+    fill = dict(dot["clusters"].items())
     assert len(fill) == 2
     backward = [c for c in fill if "grad" in dot["clusters"][c]["label"]]
     assert len(backward) == 1

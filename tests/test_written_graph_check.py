@@ -15,6 +15,7 @@ from kit.harness import one_line_error
 from onnx import TensorProto, helper, numpy_helper
 
 from revgraph.cli import main
+from revgraph.ir import Graph, Node, ValueInfo
 
 
 def small_model(path) -> str:
@@ -175,11 +176,9 @@ def _fake(text: str) -> Exception:
     return onnx.shape_inference.InferenceError(text)
 
 
-def _graph_with(declared_shape) -> "Graph":
+def _graph_with(declared_shape) -> Graph:
     """A model node 'mm' (MatMul of x [2, 3] and W [3, 4]) whose output is declared ``declared_shape``, and a
     node revgraph built from it ('grad/mm/Transpose')."""
-    from revgraph.ir import Graph, Node, ValueInfo
-
     return Graph([Node("MatMul", ["x", "W"], ["z"], {}, "mm"), Node("Transpose", ["z"], ["t"], {}, "grad/mm/Transpose")],
                  [ValueInfo("x", np.float32, (2, 3))], [ValueInfo("t", np.float32, None)],
                  {"W": np.ones((3, 4), np.float32)}, {"z": ValueInfo("z", np.float32, declared_shape)})

@@ -68,7 +68,7 @@ def check(op: str, inputs: list[tuple[str, np.ndarray] | None], fn: Callable, *,
     outputs = list(outputs)
     used = [o for o in outputs if o] if used is None else used
     g = graph(op, inputs, attrs or {}, outputs)
-    feeds = {n: a for n, a in (i for i in inputs if i is not None)}
+    feeds = dict(i for i in inputs if i is not None)
     fwd = rg.Session(g).run(feeds)
     if check_types:
         for vi in g.outputs:  # revgraph's output types of the contrib operator are onnxruntime's

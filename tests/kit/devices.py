@@ -93,7 +93,7 @@ def tolerance(optimizer: str) -> dict:
     """``assert_allclose``'s tolerances of a GPU run's weights against the CPU's, trained with ``optimizer``."""
     # GPU reductions add in another order than the CPU's; Adam divides by sqrt(v) and so magnifies tiny
     # gradient differences more than SGD does.
-    return dict(rtol=1e-4, atol=1e-6) if optimizer == "sgd" else dict(rtol=1e-3, atol=2e-5)
+    return {"rtol": 1e-4, "atol": 1e-6} if optimizer == "sgd" else {"rtol": 1e-3, "atol": 2e-5}
 
 
 def train_cli(tmp: Path, name: str, out: str, *extra: str) -> dict[str, np.ndarray]:

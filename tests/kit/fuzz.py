@@ -17,6 +17,7 @@ Training snapshots (``train --checkpoint-dir``) are mutated by tests/kit/snapsho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -166,7 +167,7 @@ def _value(field, rng, names):
         return bool(rng.integers(2))
     if t == FD.TYPE_ENUM:
         values = [v.number for v in field.enum_type.values]
-        return int(rng.choice(values + [len(values) + 5]))
+        return int(rng.choice([*values, len(values) + 5]))
     if t == FD.TYPE_STRING:
         return str(rng.choice(names + _STRINGS)) if rng.random() < 0.9 else "".join(
             chr(int(c)) for c in rng.integers(1, 0x250, int(rng.integers(1, 12))))
@@ -238,10 +239,8 @@ def mutant(seeds: dict[str, tuple[onnx.ModelProto, bytes]], rng: np.random.Gener
         m = onnx.ModelProto()
         m.CopyFrom(model)
         done = [mutate_field(m, rng) for _ in range(int(rng.integers(1, 4)))]
-        try:
+        with contextlib.suppress(Exception):  # a value protobuf will not serialize (bad UTF-8): mutate the bytes
             return name, m.SerializeToString(), "; ".join(done)
-        except Exception:  # a value protobuf will not serialize (bad UTF-8): mutate the bytes instead
-            pass
     data, done = mutate_bytes(data, rng)
     return name, data, done
 
@@ -263,7 +262,7 @@ def _child(workdir: Path, result_path: Path) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
         try:
             rc = main(list(argv))
-        except BaseException as exc:  # main must not raise
+        except BaseException as exc:  # noqa: BLE001 - main must not raise
             rc = f"raised {type(exc).__name__}: {exc}"
         finally:
             sys.stderr.flush()
@@ -313,7 +312,7 @@ def forked(fn, timeout: float = TIMEOUT, memory_limit: int | None = None) -> str
             if memory_limit is not None:
                 resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
             fn()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - the fuzzer records every failure
             code = 1
         os._exit(code)
     deadline = time.monotonic() + timeout

@@ -42,13 +42,12 @@ def one_node_graph(op_type: str, inputs: dict[str, np.ndarray], attrs: dict | No
     """A graph with one node: floating arrays become graph inputs, others initializers."""
     float_inputs = [k for k, v in inputs.items() if v.dtype.kind == "f"] if float_inputs is None else float_inputs
     outs = [f"y{i}" for i in range(n_out)]
-    g = Graph(
+    return Graph(
         nodes=[Node(op_type, list(inputs), outs, dict(attrs or {}), "op", domain)],
         inputs=[ValueInfo(k, v.dtype, v.shape) for k, v in inputs.items() if k in float_inputs],
         outputs=[ValueInfo(o) for o in outs],
         initializers={k: v for k, v in inputs.items() if k not in float_inputs},
     )
-    return g
 
 
 def ort_runner(model_graph: Graph):

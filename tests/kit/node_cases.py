@@ -157,4 +157,5 @@ def _fits(vi: rg.ValueInfo, value: np.ndarray) -> bool:
     """Whether ``value`` has the rank and the static dimensions that ``vi`` declares."""
     if vi.shape is None:
         return True
-    return len(vi.shape) == value.ndim and all(not isinstance(d, int) or d == n for d, n in zip(vi.shape, value.shape))
+    return len(vi.shape) == value.ndim and all(not isinstance(d, int) or d == n
+                                               for d, n in zip(vi.shape, value.shape, strict=True))

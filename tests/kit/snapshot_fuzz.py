@@ -68,7 +68,7 @@ def _quiet_main(argv: list[str], err_path: Path, out_path: Path):
     os.dup2(fds[1], 1)
     try:
         rc = main(list(argv))
-    except BaseException as exc:  # main must not raise
+    except BaseException as exc:  # noqa: BLE001 - main must not raise
         rc = f"raised {type(exc).__name__}: {exc}"
     finally:
         sys.stderr.flush()

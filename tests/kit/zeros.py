@@ -23,7 +23,7 @@ def run(gg: Graph, feeds: dict) -> dict:
             assert "refuses the graph" in str(exc) or "NOT_IMPLEMENTED" in str(exc), exc
             return ref
     for k in out:
-        if k.endswith("_grad") or k.endswith("_tangent"):
+        if k.endswith(("_grad", "_tangent")):
             # summation order: a gradient that cancels to about 0 keeps the rounding of its terms (Hypothesis
             # found exp(exp(x) / p / p) terms whose sum is -2.3e-13 on one runtime and 0 on the other)
             np.testing.assert_allclose(out[k], ref[k], rtol=1e-12, atol=1e-11, err_msg=k)

@@ -92,8 +92,8 @@ class _LSTM(torch.nn.Module):
         return self.head(self.lstm(x)[0])
 
 
-TEXT = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-            max_position_embeddings=32)
+TEXT = {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 32,
+        "max_position_embeddings": 32}
 CASES = [
     Case("bert", _tf("BertModel", "BertConfig", "last_hidden_state", _ids(), **TEXT)),
     Case("gpt2", _tf("GPT2Model", "GPT2Config", "last_hidden_state", _ids(),
