@@ -127,8 +127,9 @@ def run_check(model: str, gib: float, timeout: float) -> dict:
     maximum over all children) and exit code."""
     t0 = time.perf_counter()
     with open(os.devnull, "wb") as null:
+        # (preexec_fn: setrlimit in the child before exec; this process starts no threads)
         proc = subprocess.Popen([sys.executable, "-m", "revgraph", "check", model], stdout=null, stderr=null,
-                                env=_env(), preexec_fn=_limit(gib))
+                                env=_env(), preexec_fn=_limit(gib))  # noqa: PLW1509
         deadline = t0 + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models import chain_model, fan_out_model  # noqa: E402  (bench/ is not a package)
+from models import chain_model, fan_out_model
 
 PHASES = ("load", "gradient", "to_onnx")
 

@@ -367,16 +367,16 @@ def overlap_section(tl: dict, path: str) -> str:
     sc = tl["scaling"]
     at64 = next((r for r in sc["rows"] if r["world"] == 64), {})
     goal = ", ".join(f"{h} {at64[k + '_eff']:.0%}" for k, h in ddp_scaling.COLUMNS if k + "_eff" in at64)
-    lines = [OVERLAP_BEGIN, "## Data-parallel training: overlap of the gradient exchange, timelines and modelled "
-             "scaling", "",
+    lines = [OVERLAP_BEGIN, ("## Data-parallel training: overlap of the gradient exchange, timelines and modelled "
+             "scaling"), "",
              (f"Written by `{tl['command']}` ({tl['mode']} run) on {tl['date']} ({tl['revgraph']}); every timeline: "
               f"`{path}` (per step: each segment's run and each bucket's all-reduce from its start to its "
               "completion, seconds from the step's start, for the step of median time). revgraph, 2 gloo "
               f"processes of 1 thread, batch {tl['batch']} per process, Adam; medians over the timed steps (ms); "
               f"load average {_load(tl)}. "
               "*Hidden*: the part of the union of the all-reduce intervals before the backward pass ended."), "",
-             "| run | buckets | segments | grad graph cut / uncut, alone | forward+backward | exchange (waited) | "
-             "update | step | all-reduce hidden | samples/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+             ("| run | buckets | segments | grad graph cut / uncut, alone | forward+backward | exchange (waited) | "
+              "update | step | all-reduce hidden | samples/s |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
              *rows, "",
              ("*Grad graph cut / uncut, alone*: the segments run one after another against the uncut grad graph "
               "as one session, on one batch with no collective (medians of 30 alternating runs on each rank): "

@@ -173,12 +173,12 @@ def expected(params: int, world: int, bucket: int, shard: str) -> dict[str, floa
 
 
 def table(res: dict) -> str:
-    mb = lambda b: f"{b / 2**20:8.1f}"  # noqa: E731
-    lines = [f"deep MLP width {res['width']} x {res['layers']} layers: {res['params'] / 1e6:.2f} M parameters "
-             f"({4 * res['params'] / 2**20:.1f} MiB fp32), batch {res['batch']} per process, 2 processes, "
-             f"{res['steps']} Adam steps, buckets {res['bucket_mb']} MiB",
-             f"{'configuration':<46} {'peak-base':>9} {'built-base':>10} {'optimizer':>9} {'(arith.)':>9} "
-             f"{'gradients':>9} {'(arith.)':>9} {'in step':>9}   MiB per rank (max over ranks)"]
+    mb = lambda b: f"{b / 2**20:8.1f}"
+    lines = [(f"deep MLP width {res['width']} x {res['layers']} layers: {res['params'] / 1e6:.2f} M parameters "
+              f"({4 * res['params'] / 2**20:.1f} MiB fp32), batch {res['batch']} per process, 2 processes, "
+              f"{res['steps']} Adam steps, buckets {res['bucket_mb']} MiB"),
+             (f"{'configuration':<46} {'peak-base':>9} {'built-base':>10} {'optimizer':>9} {'(arith.)':>9} "
+              f"{'gradients':>9} {'(arith.)':>9} {'in step':>9}   MiB per rank (max over ranks)")]
     for fw, shard in CONFIGS:
         ranks = res["runs"].get(f"{fw}/{shard}")
         if not ranks:

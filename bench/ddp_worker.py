@@ -213,7 +213,7 @@ def _hidden(events: list[dict]) -> tuple[float, float]:
     compute_end = max((e["end"] for e in events if e["kind"] == "segment"), default=0.0)
     total = hidden = 0.0
     cur = None
-    for a, b in spans + [(float("inf"), float("inf"))]:
+    for a, b in [*spans, (float("inf"), float("inf"))]:
         if cur and a <= cur[1]:
             cur = (cur[0], max(cur[1], b))
             continue
@@ -271,7 +271,7 @@ def timeline_summary(trainer, warmup: int) -> dict:
 
     times, eng = trainer.times, trainer._engine
     steps = list(zip(times.steps[warmup:], times.timelines[warmup:], strict=True))
-    med = lambda xs: 1e3 * statistics.median(xs) if xs else None  # noqa: E731
+    med = lambda xs: 1e3 * statistics.median(xs) if xs else None
     names = sorted({(e["kind"], e["name"]) for _, tl in steps for e in tl})
     per = {f"{k}: {n}": med([e["end"] - e["start"] for _, tl in steps for e in tl
                              if (e["kind"], e["name"]) == (k, n) and e["end"] is not None]) for k, n in names}

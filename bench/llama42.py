@@ -28,6 +28,7 @@ sets :func:`thread_env` in the process's environment too (OpenMP, MKL, OpenBLAS,
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import time
@@ -150,10 +151,8 @@ class Step:
         import transformers as tf
 
         torch.set_num_threads(threads)
-        try:
+        with contextlib.suppress(RuntimeError):  # already set (the pool starts with the first parallel op)
             torch.set_num_interop_threads(1)
-        except RuntimeError:  # already set (the pool starts with the first parallel op)
-            pass
         model = tf.LlamaForCausalLM(_config())
         with np.load(info["npz"]) as f:
             model.load_state_dict({k: torch.from_numpy(f[k]) for k in f.files if k != "inv_freq"}, strict=True)

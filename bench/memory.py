@@ -45,8 +45,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from memory_worker import THREAD_ENV  # noqa: E402
-from workers import Log, Worker, WorkerError  # noqa: E402
+from memory_worker import THREAD_ENV
+from workers import Log, Worker, WorkerError
 
 #: Configuration key -> label, in table order.
 CONFIGS = {
@@ -425,14 +425,14 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
         "<!-- memory:begin -->",
         "## Memory",
         "",
-        f"Written by `{res['command']}` ({res['mode']} run) on {res['started'][:10]}, in {res['seconds'] / 60:.1f} "
-        f"minutes. Raw numbers: `{json_path}`; `python bench/memory.py --render {json_path} --write-docs` rewrites "
-        "this section from them (bench/run.py rewrites the rest of this file and keeps it).",
+        (f"Written by `{res['command']}` ({res['mode']} run) on {res['started'][:10]}, in {res['seconds'] / 60:.1f} "
+         f"minutes. Raw numbers: `{json_path}`; `python bench/memory.py --render {json_path} --write-docs` rewrites "
+         "this section from them (bench/run.py rewrites the rest of this file and keeps it)."),
         "",
         table(["", ""], [
             ["machine", f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['os']}"],
-            ["load average (1, 5, 15 min)", f"{res['load_start']} at the start, {res.get('load_end')} at the end "
-             "(shared machine: other processes ran during the run)"],
+            ["load average (1, 5, 15 min)", (f"{res['load_start']} at the start, {res.get('load_end')} at the end "
+             "(shared machine: other processes ran during the run)")],
             ["revgraph", f"commit {m['commit']}" + (
                 f" with local changes under src/ (diff {res.get('source', {}).get('src_diff_sha1')}, "
                 f"{res.get('source', {}).get('src_diff_lines')} lines: other work in progress in the shared tree)"
@@ -444,34 +444,34 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
             ["JAX", f"jax {v.get('jax')}, jaxlib {v.get('jaxlib')}, optax {v.get('optax')}"],
         ], "ll"),
         "",
-        "**How it is measured.** Each cell is a fresh process running one framework with one intra-op thread "
-        "(onnxruntime `threads=1`; `torch.set_num_threads(1)` and `set_num_interop_threads(1)`; XLA "
-        "`--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`; `OMP_NUM_THREADS`, "
-        "`MKL_NUM_THREADS`, `OPENBLAS_NUM_THREADS` = 1). It imports the framework (revgraph with onnx and "
-        "onnxruntime; torch, plus transformers' LLaMA for the LLaMA; jax and optax), then `gc.collect()` and reads "
-        "VmRSS: the **baseline**. It builds the model and its step (revgraph: the exported ONNX file read, the "
-        "training graph built, the onnxruntime session made; PyTorch: the module built and the weights loaded, "
-        "`torch.optim.Adam`; JAX: the weights on the device, `jit` of the whole step with the parameters and Adam "
-        "state donated), runs one warm-up step (JAX compiles, onnxruntime plans, PyTorch's Adam creates its state), "
-        "`gc.collect()`, resets the peak (5 into `/proc/self/clear_refs`), reads VmRSS (*before*), runs one step "
-        "and reads VmHWM. **Over setup** = VmHWM − *before*: what the step itself adds. **Total** = the highest "
-        "VmHWM of the process's life (setup, warm-up and step) − the baseline: everything the model and its "
-        "training cost the process on top of the imported framework (parameters, optimizer state, graphs, "
-        "sessions, compiled code, arenas and caches, the step). The imports themselves are not in it (RSS of "
-        "the imported framework: revgraph "
-        f"{_import_mb(rows, 'rg')}, PyTorch {_import_mb(rows, 'pt')}, JAX {_import_mb(rows, 'jax')} MB). "
-        "MB = 2^20 bytes.",
+        ("**How it is measured.** Each cell is a fresh process running one framework with one intra-op thread "
+         "(onnxruntime `threads=1`; `torch.set_num_threads(1)` and `set_num_interop_threads(1)`; XLA "
+         "`--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`; `OMP_NUM_THREADS`, "
+         "`MKL_NUM_THREADS`, `OPENBLAS_NUM_THREADS` = 1). It imports the framework (revgraph with onnx and "
+         "onnxruntime; torch, plus transformers' LLaMA for the LLaMA; jax and optax), then `gc.collect()` and reads "
+         "VmRSS: the **baseline**. It builds the model and its step (revgraph: the exported ONNX file read, the "
+         "training graph built, the onnxruntime session made; PyTorch: the module built and the weights loaded, "
+         "`torch.optim.Adam`; JAX: the weights on the device, `jit` of the whole step with the parameters and Adam "
+         "state donated), runs one warm-up step (JAX compiles, onnxruntime plans, PyTorch's Adam creates its state), "
+         "`gc.collect()`, resets the peak (5 into `/proc/self/clear_refs`), reads VmRSS (*before*), runs one step "
+         "and reads VmHWM. **Over setup** = VmHWM − *before*: what the step itself adds. **Total** = the highest "
+         "VmHWM of the process's life (setup, warm-up and step) − the baseline: everything the model and its "
+         "training cost the process on top of the imported framework (parameters, optimizer state, graphs, "
+         "sessions, compiled code, arenas and caches, the step). The imports themselves are not in it (RSS of "
+         "the imported framework: revgraph "
+         f"{_import_mb(rows, 'rg')}, PyTorch {_import_mb(rows, 'pt')}, JAX {_import_mb(rows, 'jax')} MB). "
+         "MB = 2^20 bytes."),
         "",
-        "**Saved** is the bytes of the activations the backward pass keeps from the forward pass, the parameters "
-        "and the batch left out: revgraph's `revgraph.autodiff.memory.saved_bytes` of the step graph (the forward "
-        "values its backward nodes read, sized from the graph's types); PyTorch's tensors packed by "
-        "`torch.autograd.graph.saved_tensors_hooks` during one more step, counted once per storage "
-        "(`untyped_storage().data_ptr()`, the whole storage's bytes: a saved view keeps its storage), leaving "
-        "out the parameters' and the batch's storages; under checkpointing, autograd packs nothing inside a block "
-        "and the block's tensor arguments (what the checkpoint keeps) are counted by the wrapper that calls "
-        "`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; JAX's "
-        "`jax._src.ad_checkpoint.saved_residuals` of the loss (residuals of the jaxpr, before XLA fuses or "
-        "schedules anything; arguments left out).",
+        ("**Saved** is the bytes of the activations the backward pass keeps from the forward pass, the parameters "
+         "and the batch left out: revgraph's `revgraph.autodiff.memory.saved_bytes` of the step graph (the forward "
+         "values its backward nodes read, sized from the graph's types); PyTorch's tensors packed by "
+         "`torch.autograd.graph.saved_tensors_hooks` during one more step, counted once per storage "
+         "(`untyped_storage().data_ptr()`, the whole storage's bytes: a saved view keeps its storage), leaving "
+         "out the parameters' and the batch's storages; under checkpointing, autograd packs nothing inside a block "
+         "and the block's tensor arguments (what the checkpoint keeps) are counted by the wrapper that calls "
+         "`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; JAX's "
+         "`jax._src.ad_checkpoint.saved_residuals` of the loss (residuals of the jaxpr, before XLA fuses or "
+         "schedules anything; arguments left out)."),
         "",
         f"**Step** time: every cell of a row stays alive after its measurement and the cells take {res['turns']} "
         f"turns of about {res['turn_seconds']} s of steps each (the first cell of a turn rotates); the median over "
@@ -484,12 +484,12 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
         "row agree across all cells, before the first update and after it (largest relative deviation from PyTorch "
         "eager's: " + "; ".join(checks) + ").",
         "",
-        "The LLaMA: `transformers.LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=256, "
-        "intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, "
-        "max_position_embeddings=128))` (688 = 256 x 11008 / 4096, transformers' default ratio; SDPA attention), "
-        "exported once with `torch.onnx.export(dynamo=True, optimize=False, opset_version=23)` and a symbolic "
-        "batch; JAX runs the same function written in `jax.numpy` on the same weights. The bench Transformer, "
-        "CNN and RNN are bench/models.py's.",
+        ("The LLaMA: `transformers.LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=256, "
+         "intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, "
+         "max_position_embeddings=128))` (688 = 256 x 11008 / 4096, transformers' default ratio; SDPA attention), "
+         "exported once with `torch.onnx.export(dynamo=True, optimize=False, opset_version=23)` and a symbolic "
+         "batch; JAX runs the same function written in `jax.numpy` on the same weights. The bench Transformer, "
+         "CNN and RNN are bench/models.py's."),
         "",
         *_goals(res),
         "### Peak memory of a step (MB): over setup / total",
@@ -498,9 +498,9 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
         "",
         "### Saved activations (MB)",
         "",
-        "JAX's cells add, in parentheses, the temporary buffer XLA's buffer assignment gives the compiled step "
-        "(`compiled.memory_analysis().temp_size_in_bytes`: every intermediate of the step, the residuals among "
-        "them).",
+        ("JAX's cells add, in parentheses, the temporary buffer XLA's buffer assignment gives the compiled step "
+         "(`compiled.memory_analysis().temp_size_in_bytes`: every intermediate of the step, the residuals among "
+         "them)."),
         "",
         matrix(lambda r: _mb(r.get("saved_bytes")) + (f" ({_mb(r['xla_temp_bytes'])})" if "xla_temp_bytes" in r
                                                        else "")),
@@ -511,19 +511,19 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
         "",
         "### Against PyTorch eager: over setup / total / saved / step time",
         "",
-        "Each figure of the configuration over PyTorch eager's on the same row (below 1: less than PyTorch); the "
-        "time ratio is the median over the turns of the ratio within a turn (a load that drifts between turns "
-        "cancels). Ratios of figures under 1 MB are left out.",
+        ("Each figure of the configuration over PyTorch eager's on the same row (below 1: less than PyTorch); the "
+         "time ratio is the median over the turns of the ratio within a turn (a load that drifts between turns "
+         "cancels). Ratios of figures under 1 MB are left out."),
         "",
         table(head, [[r["label"], step[r["step"]], *versus(r)] for r in rows], "ll" + "r" * len(configs)),
         "",
         "### Where the total goes (MB): built / first step / kept",
         "",
-        "*Built*: resident after building the model and its step, before any step (parameters, graphs, sessions, "
-        "traced functions), over the baseline. *First step*: the peak of the warm-up step over the built model "
-        "(includes JAX's compilation and onnxruntime's first run). *Kept*: resident after the warm-up step, over the "
-        "baseline (optimizer state, arenas, compiled code, memory the allocator keeps): *over setup* starts from "
-        "there, so an allocator that keeps the first step's memory shows a small *over setup* and a large *kept*.",
+        ("*Built*: resident after building the model and its step, before any step (parameters, graphs, sessions, "
+         "traced functions), over the baseline. *First step*: the peak of the warm-up step over the built model "
+         "(includes JAX's compilation and onnxruntime's first run). *Kept*: resident after the warm-up step, over the "
+         "baseline (optimizer state, arenas, compiled code, memory the allocator keeps): *over setup* starts from "
+         "there, so an allocator that keeps the first step's memory shows a small *over setup* and a large *kept*."),
         "",
         matrix(lambda r: f"{r['built'] - r['import']:,.0f} / {r['first_step']:,.0f} / {r['setup_rss'] - r['import']:,.0f}"
                if "built" in r else "–"),
@@ -579,15 +579,15 @@ def _goals(res: dict) -> list[str]:
     lg = (res.get("largest") or {}).get("configs", {})
     half, pt = lg.get("rg-0.5", {}).get("batch"), lg.get(BASE, {}).get("batch")
     if lg:
-        out.append([f"memory=0.5: largest LLaMA batch under {res['largest']['limit_gib']:g} GiB >= 2x PyTorch "
-                    "eager's", "LLaMA",
+        out.append([(f"memory=0.5: largest LLaMA batch under {res['largest']['limit_gib']:g} GiB >= 2x PyTorch "
+                     "eager's"), "LLaMA",
                     f"{half} vs {pt}" if half and pt else "n/a", _met(half >= 2 * pt) if half and pt else "–"])
     if not out:
         return []
     return ["### Goals of issue 24", "", table(["goal", "row", "now", "met?"], out, "llrl"), "",
-            "*Over setup* starts after the warm-up step: an allocator that keeps the first step's memory (onnxruntime's "
-            "arena, on in revgraph's training default; glibc's heap) has little left to add in the measured step, so "
-            "*total* is the figure to compare across frameworks (the last table shows what each keeps).", ""]
+            ("*Over setup* starts after the warm-up step: an allocator that keeps the first step's memory (onnxruntime's "
+             "arena, on in revgraph's training default; glibc's heap) has little left to add in the measured step, so "
+             "*total* is the figure to compare across frameworks (the last table shows what each keeps)."), ""]
 
 
 def _met(b: bool) -> str:
@@ -626,14 +626,14 @@ def _largest_section(lg: dict, configs: list[str]) -> list[str]:
                      f"{fr['rows'][k].get('pt') or 0:,.0f} MB" for k in fr["rows"]) +
                  " (the tables above come from the run of this section")
     return [f"### Largest LLaMA batch under {lg['limit_gib']:g} GiB", "",
-            f"The line through the {lg['from'][0]} and {lg['from'][1]} rows' totals predicts the batch whose total "
-            f"reaches {lg['limit_gib']:g} GiB = {lg['limit_gib'] * 1024:,.0f} MB; a fresh process runs its multiple "
-            "of 8 below, and then, between the largest batch that fitted and the smallest that did not, the batch "
-            "a secant through the nearest runs on either side predicts (a multiple of 8). *Largest* is the largest "
-            "batch that ran under the limit, *over* the smallest that ran over it (the answer lies between; no "
-            "bound: not found within the runs). Total memory is not linear in the batch at this range (onnxruntime's "
-            "arena grows by chunks, allocators keep freed memory), so the prediction from small batches can be off "
-            f"by hundreds of MB. The search took {lg['seconds'] / 60:.1f} minutes ({how}{same}).", "",
+            (f"The line through the {lg['from'][0]} and {lg['from'][1]} rows' totals predicts the batch whose total "
+             f"reaches {lg['limit_gib']:g} GiB = {lg['limit_gib'] * 1024:,.0f} MB; a fresh process runs its multiple "
+             "of 8 below, and then, between the largest batch that fitted and the smallest that did not, the batch "
+             "a secant through the nearest runs on either side predicts (a multiple of 8). *Largest* is the largest "
+             "batch that ran under the limit, *over* the smallest that ran over it (the answer lies between; no "
+             "bound: not found within the runs). Total memory is not linear in the batch at this range (onnxruntime's "
+             "arena grows by chunks, allocators keep freed memory), so the prediction from small batches can be off "
+             f"by hundreds of MB. The search took {lg['seconds'] / 60:.1f} minutes ({how}{same})."), "",
             table(["configuration", "MB per sequence (b8-b64 line)", "predicted", "largest", "over",
                    "runs (batch: total MB)"], rows, "lrrrrl")]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 #: The LLaMA of issue 24 (intermediate 688 = 256 x 11008 / 4096, transformers' default ratio).
-LLAMA = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=128)
+LLAMA = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 128}
 SEQ = 128
 
 

@@ -226,7 +226,7 @@ class JaxTask:
             self._lower = lambda: g.lower(params, x, y)
 
             def run():
-                loss, grads = jax.block_until_ready(g(params, x, y))
+                loss, _ = jax.block_until_ready(g(params, x, y))
                 return float(loss)
         self._run = run
         self.params = sum(int(np.prod(v.shape)) for v in params.values())

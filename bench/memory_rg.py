@@ -49,8 +49,8 @@ def _options(config: str, fn) -> tuple[dict, str]:
             kw = _runtime_keyword(fn)
             if kw is None:
                 raise NotAvailable(f"{fn.__name__} takes no RuntimeOptions")
-            return {kw: rg.RuntimeOptions(arena=on, memory_pattern=on)}, f"{kw}=RuntimeOptions(arena={on}, " \
-                                                                          f"memory_pattern={on})"
+            return {kw: rg.RuntimeOptions(arena=on, memory_pattern=on)}, (f"{kw}=RuntimeOptions(arena={on}, "
+                                                                          f"memory_pattern={on})")
         if on:
             raise NotAvailable("no rg.RuntimeOptions (revgraph's default is onnxruntime's: arena on, pattern on)")
         import onnxruntime as ort

@@ -17,6 +17,7 @@ the checkpoint keeps, the block's tensor arguments, is counted by the wrapper th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -131,10 +132,8 @@ class TorchTask:
         import torch
 
         torch.set_num_threads(1)
-        try:
+        with contextlib.suppress(RuntimeError):
             torch.set_num_interop_threads(1)
-        except RuntimeError:
-            pass
         self.spec = spec
         model, ckpt, B = spec["model"], spec["config"] == "pt-ckpt", spec["batch"]
         F = torch.nn.functional

@@ -46,7 +46,7 @@ THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THRE
 
 
 def framework(config: str) -> str:
-    return {"rg": "revgraph", "pt": "pytorch", "jax": "jax"}[config.split("-")[0]]
+    return {"rg": "revgraph", "pt": "pytorch", "jax": "jax"}[config.split("-", maxsplit=1)[0]]
 
 
 def _import(config: str, model: str) -> None:
@@ -59,7 +59,7 @@ def _import(config: str, model: str) -> None:
         import onnxruntime  # noqa: F401
 
         import revgraph as rg
-        import revgraph.train  # noqa: F401
+        import revgraph.train
         from revgraph.ir import Graph, Node, ValueInfo
 
         g = Graph([Node("MatMul", ["x", "w"], ["y"], name="mm"), Node("ReduceSum", ["y"], ["loss"], name="sum")],

@@ -115,7 +115,7 @@ def worker(path: str, key: str, steps: int, seconds: float) -> dict:
 
     import revgraph as rg
 
-    name = key.split("-")[0]
+    name = key.split("-", maxsplit=1)[0]
     warnings.simplefilter("ignore")
     t0 = time.perf_counter()
     trainer = rg.Trainer(path, LOSS[name], "adamw", threads=1)

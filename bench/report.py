@@ -30,19 +30,19 @@ def header(res: dict, json_path) -> str:
     lines = [
         "# Benchmarks",
         "",
-        f"Written by `{res['command']}` ({res['mode']} run) on {res['started'][:10]}, in "
-        f"{res.get('seconds', 0) / 60:.1f} minutes. Raw numbers: `{_rel(json_path)}`. Every comparison below was "
-        "measured in the same run, on the same machine, with the frameworks taking turns (round-robin between "
-        "worker processes); times are medians over the rounds, ratios are ratios of those medians.",
+        (f"Written by `{res['command']}` ({res['mode']} run) on {res['started'][:10]}, in "
+         f"{res.get('seconds', 0) / 60:.1f} minutes. Raw numbers: `{_rel(json_path)}`. Every comparison below was "
+         "measured in the same run, on the same machine, with the frameworks taking turns (round-robin between "
+         "worker processes); times are medians over the rounds, ratios are ratios of those medians."),
         "",
         table(["", ""], [
             ["machine", f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['os']}"],
-            ["load average (1, 5, 15 min)", f"{res.get('load_start')} at the start, {res.get('load_end')} at the end "
-             "(the machine is shared: other processes ran during the benchmark)"],
+            ["load average (1, 5, 15 min)", (f"{res.get('load_start')} at the start, {res.get('load_end')} at the end "
+             "(the machine is shared: other processes ran during the benchmark)")],
             ["revgraph", f"commit {m['commit']}" + (" with local changes under src/" if m.get("src_modified") else "")
              + f", Python {m['python']}"],
-            ["revgraph's runtime", f"onnxruntime {rgv.get('onnxruntime')}, onnx {rgv.get('onnx')}, "
-             f"numpy {rgv.get('numpy')}"],
+            ["revgraph's runtime", (f"onnxruntime {rgv.get('onnxruntime')}, onnx {rgv.get('onnx')}, "
+             f"numpy {rgv.get('numpy')}")],
             ["PyTorch", f"{v.get('pytorch worker', {}).get('torch')} (eager, CPU)"],
             ["JAX", f"jax {jv.get('jax')}, jaxlib {jv.get('jaxlib')}, numpy {jv.get('numpy')} (own venv)" if jv
              else "not available"],
@@ -75,8 +75,8 @@ def goals(res: dict, baseline: dict | None = None) -> str:
     rows = report_goals.goals(res)
     if not rows:
         return ""
-    text = ["## Goals", "", "Ratio = revgraph's time / the other's time (below 1: revgraph is faster); the update rows "
-            "compare the cost of the optimizer update itself (section 2, *Whole Adam step*)."]
+    text = ["## Goals", "", ("Ratio = revgraph's time / the other's time (below 1: revgraph is faster); the update rows "
+            "compare the cost of the optimizer update itself (section 2, *Whole Adam step*).")]
     if baseline is None:
         return "\n".join([*text, "", table(["goal", "now", "met?"], [[g.name, g.show(), g.verdict()] for g in rows],
                                            "lrl")])
@@ -90,11 +90,11 @@ def goals(res: dict, baseline: dict | None = None) -> str:
 
 
 def reproduce(res: dict) -> str:
-    return "\n".join([
+    return "\n".join([  # noqa: FLY002 (one line per command reads as the shell block it renders)
         "## Reproduce", "",
         "```bash",
-        "python bench/run.py            # everything above (full run), writes docs/benchmarks.md and "
-        "bench/results/full.json",
+        ("python bench/run.py            # everything above (full run), writes docs/benchmarks.md and "
+         "bench/results/full.json"),
         "python bench/run.py --quick    # the same at smaller sizes and fewer rounds, under 10 minutes",
         "python bench/run.py --sections build,memory     # a subset (build, step, memory, profile)",
         "python bench/envs.py           # create the onnxruntime-training and JAX environments only",
@@ -102,10 +102,10 @@ def reproduce(res: dict) -> str:
         "python bench/build_time.py     # revgraph's build time alone",
         "python bench/report.py bench/results/full.json -o docs/benchmarks.md   # re-render from saved numbers",
         "```", "",
-        "The first run creates `venv-ort-training` (numpy<2, torch==2.13.0, onnxruntime-training==1.19.2, "
-        "onnx==1.17.0) and `venv-jax` (jax==0.10.2) next to the project directory (`--venv-dir` elsewhere). "
-        "On a shared machine the absolute times move with the load; the ratios, measured in alternation, move "
-        "less.", ""])
+        ("The first run creates `venv-ort-training` (numpy<2, torch==2.13.0, onnxruntime-training==1.19.2, "
+         "onnx==1.17.0) and `venv-jax` (jax==0.10.2) next to the project directory (`--venv-dir` elsewhere). "
+         "On a shared machine the absolute times move with the load; the ratios, measured in alternation, move "
+         "less."), ""])
 
 
 def render(res: dict, json_path=None, baseline: dict | None = None) -> str:

@@ -33,18 +33,18 @@ def hotspots_section(res: dict) -> str:
     ort = prof.get("ort", {})
     if ort:
         out += ["### Step time: onnxruntime's profiler (batch 64)", "",
-                "Kernel time per step by operator type and by kind of node (the names revgraph gives: forward "
-                "nodes, `grad/` VJP nodes, `accum/` accumulation), after onnxruntime's own graph optimisations "
-                "(which fuse and rename some nodes). *Outside kernels* is the step's wall time minus the kernel "
-                "time (onnxruntime's per-node overhead, allocation, the Python call).", ""]
+                ("Kernel time per step by operator type and by kind of node (the names revgraph gives: forward "
+                 "nodes, `grad/` VJP nodes, `accum/` accumulation), after onnxruntime's own graph optimisations "
+                 "(which fuse and rename some nodes). *Outside kernels* is the step's wall time minus the kernel "
+                 "time (onnxruntime's per-node overhead, allocation, the Python call)."), ""]
         rows = []
         for model, p in ort.items():
             cats = ", ".join(f"{k} {ms(v)}" for k, v in p["by_category"].items())
             rows.append([MODEL_NAMES[model], ms(1e3 * p["wall"]), ms(1e3 * p["kernel"]),
                          ms(max(0.0, 1e3 * (p["wall"] - p["kernel"]))) if model != "rnn" else "(loop: nested)",
                          cats, f"{p['nodes_before']} → {p['nodes_after']}"])
-        out += [table(["model", "step ms", "kernels ms", "outside kernels ms", "kernel ms by kind", "nodes before → "
-                       "after ORT's optimiser"], rows, "lrrrll"), ""]
+        out += [table(["model", "step ms", "kernels ms", "outside kernels ms", "kernel ms by kind", ("nodes before → "
+                       "after ORT's optimiser")], rows, "lrrrll"), ""]
         for model, p in ort.items():
             kern = 1e3 * p["kernel"]
             ops = ", ".join(f"{r['op']} {ms(r['ms'])} ({_share(r['ms'], kern)}, {r['calls']} nodes)"
@@ -72,12 +72,12 @@ def hotspots_section(res: dict) -> str:
                 row.append(cell)
             rows.append(row)
         out += ["### Redundant nodes in the gradient graphs", "",
-                "A static audit of each gradient graph (bench/rg_tasks.py `audit`). Cells: revgraph's count (of "
-                "which in nodes the backward pass emitted) / onnxruntime-training's count where it builds the "
-                "model. *Dead*: no path to an output. *Repeated*: same operator, attributes and inputs as an "
-                "earlier node (after merging earlier repeats). *Foldable*: every input is a constant, so the value "
-                "could be computed when the graph is built. *Arithmetic on zeros*: an operand is a known all-zero "
-                "tensor.", "",
+                ("A static audit of each gradient graph (bench/rg_tasks.py `audit`). Cells: revgraph's count (of "
+                 "which in nodes the backward pass emitted) / onnxruntime-training's count where it builds the "
+                 "model. *Dead*: no path to an output. *Repeated*: same operator, attributes and inputs as an "
+                 "earlier node (after merging earlier repeats). *Foldable*: every input is a constant, so the value "
+                 "could be computed when the graph is built. *Arithmetic on zeros*: an operand is a known all-zero "
+                 "tensor."), "",
                 table(["graph", "nodes", "dead", "repeated", "Shape", "Shape of static", "foldable",
                        "arith. on zeros", "ConstantOfShape 0", "Transpose→Transpose", "Reshape→Reshape",
                        "Identity"], rows), ""]

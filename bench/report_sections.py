@@ -14,13 +14,13 @@ def build_section(res: dict) -> str:
     if not b:
         return ""
     out = ["## 1. Gradient-graph build time", "",
-           "From a parsed `onnx.ModelProto` to the gradient `ModelProto` in memory. revgraph: `rg.load` (opset "
-           "conversion, SSA, shape inference), the loss (`revgraph.train.loss_graph`'s cross-entropy for the "
-           "classifiers; the model's scalar output otherwise), parameters as graph inputs, `rg.gradient`, "
-           "`rg.to_onnx`. onnxruntime-training: what `generate_artifacts` does in memory (`TrainingBlock` with its "
-           "`CrossEntropyLoss` or `PassThrough` loss block: onnx checker and shape inference, ORT's pre-training "
-           "graph optimisations, the C++ `GradientGraphBuilder`, gradient-accumulation nodes, the eval model); "
-           "files are not written in either timing. Both differentiate with respect to the same parameters.", ""]
+           ("From a parsed `onnx.ModelProto` to the gradient `ModelProto` in memory. revgraph: `rg.load` (opset "
+            "conversion, SSA, shape inference), the loss (`revgraph.train.loss_graph`'s cross-entropy for the "
+            "classifiers; the model's scalar output otherwise), parameters as graph inputs, `rg.gradient`, "
+            "`rg.to_onnx`. onnxruntime-training: what `generate_artifacts` does in memory (`TrainingBlock` with its "
+            "`CrossEntropyLoss` or `PassThrough` loss block: onnx checker and shape inference, ORT's pre-training "
+            "graph optimisations, the C++ `GradientGraphBuilder`, gradient-accumulation nodes, the eval model); "
+            "files are not written in either timing. Both differentiate with respect to the same parameters."), ""]
     syn = [c for c in b["cases"] if c["group"] == "synthetic"]
     if syn:
         rows = []
@@ -32,10 +32,10 @@ def build_section(res: dict) -> str:
                          f"{1e6 * c['revgraph_s'] / c['n']:.0f}", ort_cell,
                          f"{1e6 * c['ort_s'] / c['n']:.0f}" if c["ort_s"] else "–", ratio(c["ratio"])])
         out += ["### Synthetic graphs", "",
-                "A chain `loss = ReduceSum(f_n(...f_1(x * w)))` of alternating `Sin`/`Tanh`, and a fan-out where "
-                "`h = x * w` feeds (n - 1) / 2 consumers `h * s_i` (distinct constants, so that no "
-                "common-subexpression elimination merges them) whose results a chain of `Add` nodes sums; gradient "
-                "with respect to `w` (whose gradient is the accumulation of all the consumers' contributions).", "",
+                ("A chain `loss = ReduceSum(f_n(...f_1(x * w)))` of alternating `Sin`/`Tanh`, and a fan-out where "
+                 "`h = x * w` feeds (n - 1) / 2 consumers `h * s_i` (distinct constants, so that no "
+                 "common-subexpression elimination merges them) whose results a chain of `Add` nodes sums; gradient "
+                 "with respect to `w` (whose gradient is the accumulation of all the consumers' contributions)."), "",
                 table(["graph", "nodes", "revgraph", "load / gradient / to_onnx", "µs per node", "onnxruntime-training",
                        "µs per node", "revgraph / ORT"], rows), ""]
         grow = []
@@ -53,8 +53,8 @@ def build_section(res: dict) -> str:
             ph = c["revgraph_phases_s"]
             note = ""
             if c.get("compared_on") == "adapted":
-                note = f"on the adapted model ({c.get('adaptation')}); revgraph on the original: " \
-                       f"{s(c.get('revgraph_original_s'))}"
+                note = (f"on the adapted model ({c.get('adaptation')}); revgraph on the original: "
+                        f"{s(c.get('revgraph_original_s'))}")
             elif c.get("ort_error"):
                 note = f"onnxruntime-training fails: {c['ort_error_explained']}"
             if c.get("ort_timeout"):
@@ -63,10 +63,10 @@ def build_section(res: dict) -> str:
                          f"{s(ph['load'])} / {s(ph['gradient'])} / {s(ph['to_onnx'])}", s(c["ort_s"]),
                          ratio(c["ratio"]), s(c.get("generate_artifacts_s")), note])
         out += ["### Models", "",
-                "ResNet-50 and DenseNet-121 are the onnx wheel's `light_*.onnx` with `revgraph.autodiff.lift.lift_constants` "
-                "(weights as initializers) and `loss = ReduceSum(output)`; the PyTorch models are those of the step "
-                "benchmark at batch 64 (`bench/models.py`). *generate_artifacts* is the documented call itself "
-                "(files, checkpoint, AdamW optimizer model), once.", "",
+                ("ResNet-50 and DenseNet-121 are the onnx wheel's `light_*.onnx` with `revgraph.autodiff.lift.lift_constants` "
+                 "(weights as initializers) and `loss = ReduceSum(output)`; the PyTorch models are those of the step "
+                 "benchmark at batch 64 (`bench/models.py`). *generate_artifacts* is the documented call itself "
+                 "(files, checkpoint, AdamW optimizer model), once."), "",
                 table(["model", "forward nodes", "params", "revgraph", "load / gradient / to_onnx",
                        "onnxruntime-training", "revgraph / ORT", "generate_artifacts", "notes"], rows,
                       "lrrrrrrrl"), ""]
@@ -83,8 +83,8 @@ def build_section(res: dict) -> str:
                 continue
             line = f"- **{c['name']}**: {c['ort_error_explained']}."
             if c.get("compared_on") == "adapted":
-                line += f" It builds after an adaptation of the model: {c['adaptation']}; the comparison above " \
-                        "uses the adapted model for both tools."
+                line += (f" It builds after an adaptation of the model: {c['adaptation']}; the comparison above "
+                         "uses the adapted model for both tools.")
             elif c.get("ort_adapted_error"):
                 line += f" The adapted model fails too: {c['ort_adapted_error_explained']}."
             line += f" Its message: `{_short(c['ort_error'])}`"
@@ -103,17 +103,17 @@ def steps_section(res: dict) -> str:
     if not st:
         return ""
     out = ["## 2. Training-step time", "",
-           "Forward, cross-entropy loss and the gradients of every parameter, on the same parameters and batch in "
-           "each framework (a check compares the loss and the sum of squared gradients with revgraph's). "
-           "revgraph: the gradient graph of `loss_graph` + `rg.gradient` (parameters as inputs) run by "
-           "onnxruntime through an IO binding (inputs bound once, outputs allocated by onnxruntime per step, "
-           "`intra_op_num_threads` = threads, default graph optimisations). PyTorch: eager, `zero_grad(set_to_none="
-           "True)`, `F.cross_entropy(model(x), y).backward()`, `torch.set_num_threads(threads)`. JAX: "
-           "`jax.jit(jax.value_and_grad(loss))` and `block_until_ready`, XLA's CPU thread pool set to the same "
-           "thread count. Models (`bench/models.py`): MLP 784-512-512-10; ResNet-style CNN on 3x32x32 (stem and "
-           "3 residual blocks with batch norm, 16/32/64 channels); Transformer encoder (2 layers, width 128, 4 "
-           "heads, sequence 32); RNN `tanh(h W + x_t U + b)`, hidden 128, T = 100, as an ONNX `Loop` (PyTorch: a "
-           "Python loop; JAX: `lax.scan`). Batch sizes are static in each exported model.", ""]
+           ("Forward, cross-entropy loss and the gradients of every parameter, on the same parameters and batch in "
+            "each framework (a check compares the loss and the sum of squared gradients with revgraph's). "
+            "revgraph: the gradient graph of `loss_graph` + `rg.gradient` (parameters as inputs) run by "
+            "onnxruntime through an IO binding (inputs bound once, outputs allocated by onnxruntime per step, "
+            "`intra_op_num_threads` = threads, default graph optimisations). PyTorch: eager, `zero_grad(set_to_none="
+            "True)`, `F.cross_entropy(model(x), y).backward()`, `torch.set_num_threads(threads)`. JAX: "
+            "`jax.jit(jax.value_and_grad(loss))` and `block_until_ready`, XLA's CPU thread pool set to the same "
+            "thread count. Models (`bench/models.py`): MLP 784-512-512-10; ResNet-style CNN on 3x32x32 (stem and "
+            "3 residual blocks with batch norm, 16/32/64 channels); Transformer encoder (2 layers, width 128, 4 "
+            "heads, sequence 32); RNN `tanh(h W + x_t U + b)`, hidden 128, T = 100, as an ONNX `Loop` (PyTorch: a "
+            "Python loop; JAX: `lax.scan`). Batch sizes are static in each exported model."), ""]
     for threads in sorted({e["threads"] for e in st["grad"]}):
         rows = []
         for e in [x for x in st["grad"] if x["threads"] == threads]:
@@ -131,12 +131,12 @@ def steps_section(res: dict) -> str:
                 table(["model", "batch", "revgraph ms", "PyTorch ms", "JAX ms", "revgraph / PyTorch",
                        "revgraph / JAX", "same loss and gradients", "load", "contention"], rows, "lrrrrrrlrl"), ""]
         if threads > 1 and any(contended(res, e) for e in st["grad"] if e["threads"] == threads):
-            out += ["*Contention*: a framework ran slower with more threads than with one, because other processes "
-                    "held a core while it ran (*load* is the 1-minute load average after the entry; above the "
-                    "number of cores, processes wait for a core). PyTorch's OpenMP pool (libgomp, spinning "
-                    "barriers) degrades most: one descheduled thread stalls every parallel region. Read these rows "
-                    "as a measure of robustness to a shared machine, not of speed; the 1-thread table is the "
-                    "comparison of kernels and overheads.", ""]
+            out += [("*Contention*: a framework ran slower with more threads than with one, because other processes "
+                     "held a core while it ran (*load* is the 1-minute load average after the entry; above the "
+                     "number of cores, processes wait for a core). PyTorch's OpenMP pool (libgomp, spinning "
+                     "barriers) degrades most: one descheduled thread stalls every parallel region. Read these rows "
+                     "as a measure of robustness to a shared machine, not of speed; the 1-thread table is the "
+                     "comparison of kernels and overheads."), ""]
     if st.get("adam"):
         rows = []
         for e in st["adam"]:
@@ -146,13 +146,13 @@ def steps_section(res: dict) -> str:
                          ms(m.get("pytorch")), ratio(_r(m.get("revgraph"), m.get("pytorch"))),
                          ms(g.get("revgraph")), ms(g.get("pytorch"))])
         out += ["### Whole Adam step", "",
-                "`rg.Trainer` (the training-step graph of `revgraph.train.training_graph`: forward, loss, backward "
-                "and Adam in one graph, parameters and state kept in onnxruntime buffers swapped by two IO "
-                "bindings) against PyTorch eager with `torch.optim.Adam`.", "",
+                ("`rg.Trainer` (the training-step graph of `revgraph.train.training_graph`: forward, loss, backward "
+                 "and Adam in one graph, parameters and state kept in onnxruntime buffers swapped by two IO "
+                 "bindings) against PyTorch eager with `torch.optim.Adam`."), "",
                 table(["model", "batch", "threads", "revgraph ms", "PyTorch ms", "revgraph / PyTorch",
                        "revgraph fwd+bwd ms", "PyTorch fwd+bwd ms"], rows), "",
-                "The last two columns are the forward-and-backward steps of section 2 timed again in the same turns "
-                "as the Adam steps, so that the difference is the cost of the update.", ""]
+                ("The last two columns are the forward-and-backward steps of section 2 timed again in the same turns "
+                 "as the Adam steps, so that the difference is the cost of the update."), ""]
     return "\n".join(out)
 
 
@@ -173,39 +173,39 @@ def memory_section(res: dict) -> str:
                 row.append(f"{r['peak_mb']:.1f} MB, {s(r['time_s'])}" if r else "–")
             rows.append(row)
         out += ["### Loops", "",
-                "bench/loop_memory.py's RNN body (hidden 256, batch 8, input 32; gradients of W, U, b, h0) for "
-                "each residual policy of `rg.gradient(..., checkpoint=...)`, each in a fresh process with "
-                "onnxruntime's arena off: the peak resident size during the first forward-plus-backward run minus "
-                "the size just before it, and the median time of 3 further runs.", "",
+                ("bench/loop_memory.py's RNN body (hidden 256, batch 8, input 32; gradients of W, U, b, h0) for "
+                 "each residual policy of `rg.gradient(..., checkpoint=...)`, each in a fresh process with "
+                 "onnxruntime's arena off: the peak resident size during the first forward-plus-backward run minus "
+                 "the size just before it, and the median time of 3 further runs."), "",
                 table(["T", *[f"`{p}`" if not p.isdigit() else f"K = {p}" for p in policies]], rows), ""]
     acc = mem.get("accumulation")
     if acc:
         rows = [[f"`{r['accumulate']}`", f"`{r['order']}`", f"{r['peak_mb']:.1f}", s(r["time_s"]), r["nodes"]]
                 for r in acc]
         out += ["### Accumulation: one value read by 64 consumers", "",
-                "`h = tanh(x W)` (64 x 4096 floats, 1 MiB) read by 64 consumers `c_i = h * w_i` (the `w_i` are graph "
-                "inputs, so onnxruntime cannot fold the backward pass into constants), loss `sum_i ReduceSum(c_i)`; "
-                "gradients of W and every w_i. `accumulate=\"sum\"` adds the 64 contributions to dL/dh with one "
-                "`Sum` (all 64 alive at once); `\"running\"` adds each as it arrives. Each in a fresh process, "
-                "arena off, under onnxruntime's two execution orders (`SessionOptions.execution_order`); medians "
-                "over the runs.", "",
+                ("`h = tanh(x W)` (64 x 4096 floats, 1 MiB) read by 64 consumers `c_i = h * w_i` (the `w_i` are graph "
+                 "inputs, so onnxruntime cannot fold the backward pass into constants), loss `sum_i ReduceSum(c_i)`; "
+                 "gradients of W and every w_i. `accumulate=\"sum\"` adds the 64 contributions to dL/dh with one "
+                 "`Sum` (all 64 alive at once); `\"running\"` adds each as it arrives. Each in a fresh process, "
+                 "arena off, under onnxruntime's two execution orders (`SessionOptions.execution_order`); medians "
+                 "over the runs."), "",
                 table(["accumulate", "execution order", "peak MB", "fwd+bwd time", "nodes"], rows, "llrrr"), ""]
         by = {(r["accumulate"], r["order"]): r for r in acc}
         d_sum, d_run = by.get(("sum", "DEFAULT")), by.get(("running", "DEFAULT"))
         p_sum, p_run = by.get(("sum", "PRIORITY_BASED")), by.get(("running", "PRIORITY_BASED"))
         if d_sum and d_run and p_sum and p_run and d_run["peak_mb"] > 0.5 * d_sum["peak_mb"] \
                 and p_run["peak_mb"] < 0.5 * p_sum["peak_mb"]:
-            out += [f"Under onnxruntime's default execution order, `running` peaks at {d_run['peak_mb']:.1f} MB "
-                    f"against {d_sum['peak_mb']:.1f} MB for `sum`: onnxruntime does not run the nodes in the order "
-                    "revgraph wrote them, but computes every contribution (each is ready as soon as the forward pass "
-                    "is done) before the additions, so all 64 are alive at once either way. With "
-                    f"`execution_order = PRIORITY_BASED` it follows the written order and `running` peaks at "
-                    f"{p_run['peak_mb']:.1f} MB against {p_sum['peak_mb']:.1f} MB for `sum`. `rg.Session` and "
-                    "`rg.Trainer` use the default order, so `--accumulate running` saves memory only in a runtime "
-                    "that keeps the node order.", ""]
+            out += [(f"Under onnxruntime's default execution order, `running` peaks at {d_run['peak_mb']:.1f} MB "
+                     f"against {d_sum['peak_mb']:.1f} MB for `sum`: onnxruntime does not run the nodes in the order "
+                     "revgraph wrote them, but computes every contribution (each is ready as soon as the forward pass "
+                     "is done) before the additions, so all 64 are alive at once either way. With "
+                     f"`execution_order = PRIORITY_BASED` it follows the written order and `running` peaks at "
+                     f"{p_run['peak_mb']:.1f} MB against {p_sum['peak_mb']:.1f} MB for `sum`. `rg.Session` and "
+                     "`rg.Trainer` use the default order, so `--accumulate running` saves memory only in a runtime "
+                     "that keeps the node order."), ""]
         elif d_sum and d_run:
-            out += [f"`running` peaks at {d_run['peak_mb']:.1f} MB against {d_sum['peak_mb']:.1f} MB for `sum` under "
-                    "the default execution order.", ""]
+            out += [(f"`running` peaks at {d_run['peak_mb']:.1f} MB against {d_sum['peak_mb']:.1f} MB for `sum` under "
+                     "the default execution order."), ""]
     return "\n".join(out)
 
 
@@ -223,11 +223,11 @@ def size_section(res: dict) -> str:
                      r["initializers"], r["inputs"], f"{o['nodes']:,}" if o else "–", o["initializers"] if o else "–",
                      o["inputs"] if o else "–", ratio(r["nodes"] / o["nodes"]) if o else "–"])
     out = ["## 4. Size of the gradient graphs", "",
-           "Nodes (loop bodies included), initializers and graph inputs of the graph each tool builds in section 1 "
-           "(forward, loss and backward; onnxruntime-training's training model also holds one "
-           "`InPlaceAccumulatorV2` per parameter, for gradient accumulation, and uses its fused contrib operators "
-           "such as `ConvGrad`, `ReluGrad`, `BatchNormalizationGrad`, `SoftmaxCrossEntropyLossGrad`; revgraph "
-           "writes default-domain ONNX only). Both take the parameters as graph inputs.", "",
+           ("Nodes (loop bodies included), initializers and graph inputs of the graph each tool builds in section 1 "
+            "(forward, loss and backward; onnxruntime-training's training model also holds one "
+            "`InPlaceAccumulatorV2` per parameter, for gradient accumulation, and uses its fused contrib operators "
+            "such as `ConvGrad`, `ReluGrad`, `BatchNormalizationGrad`, `SoftmaxCrossEntropyLossGrad`; revgraph "
+            "writes default-domain ONNX only). Both take the parameters as graph inputs."), "",
            table(["model", "revgraph nodes", "initializers", "inputs", "ORT nodes", "initializers", "inputs",
                   "nodes revgraph / ORT"], rows), ""]
     rows = []

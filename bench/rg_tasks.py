@@ -9,6 +9,7 @@ appended by ``revgraph.train.loss_graph``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import cProfile
 import io
@@ -391,10 +392,8 @@ def audit(path: str) -> dict:
     Identity nodes. Each finding is counted for nodes the backward pass emitted (names ``grad/``, ``accum/``,
     ``seed/``; for other tools' graphs, every node) and for the rest."""
     model = onnx.load(path, load_external_data=False)
-    try:
+    with contextlib.suppress(Exception):  # shape inference is only used to find static shapes
         model = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - shape inference is only used to find static shapes
-        pass
     shapes = {}
     for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
         t = vi.type.tensor_type

@@ -44,6 +44,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import itertools
+
 import envs
 from report_format import portable
 from workers import Log, Worker, WorkerError, WorkerTimeout
@@ -143,7 +145,7 @@ def explain_ort_error(message: str) -> str:
     if m:
         return (f"the `Loop` node `{m.group(2)}` reads `{m.group(1)}` from the enclosing graph (a captured "
                 "parameter), which its gradient builder cannot resolve")
-    return message.split("\n")[0][-300:]
+    return message.split("\n", maxsplit=1)[0][-300:]
 
 
 def build_cases(rg: Worker, cfg: Config, work: Path, infos: dict) -> list[dict]:
@@ -272,7 +274,7 @@ def run_build(rg: Worker, W: dict, cfg: Config, work: Path, cases: list[dict], r
     for kind in ("chain", "fan-out"):
         pts = [(c["n"], c["revgraph_s"], c["ort_s"]) for c in out["cases"] if c.get("kind") == kind]
         rows = []
-        for (n1, a1, o1), (n2, a2, o2) in zip(pts, pts[1:], strict=False):
+        for (n1, a1, o1), (n2, a2, o2) in itertools.pairwise(pts):
             rows.append({"from": n1, "to": n2, "revgraph_exponent": math.log(a2 / a1) / math.log(n2 / n1),
                          "ort_exponent": math.log(o2 / o1) / math.log(n2 / n1) if o1 and o2 else None})
         growth[kind] = rows

@@ -43,7 +43,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from memory_common import reset_peak, status_kb  # noqa: E402
+import itertools
+
+from memory_common import reset_peak, status_kb
 
 BEGIN, END = "<!-- runtime:begin -->", "<!-- runtime:end -->"
 NAMES = {"mlp": "MLP", "cnn": "CNN", "transformer": "Transformer", "rnn": "RNN (Loop, T=100)",
@@ -135,7 +137,7 @@ def write_wide_mlp(batch: int, out_dir: str) -> dict:
 
     rng = np.random.default_rng(0)
     inits, nodes, h = {}, [], "x"
-    for k, (a, b) in enumerate(zip(WIDE, WIDE[1:], strict=False)):
+    for k, (a, b) in enumerate(itertools.pairwise(WIDE)):
         inits[f"W{k}"] = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
         inits[f"b{k}"] = np.zeros(b, np.float32)
         nodes += [Node("MatMul", [h, f"W{k}"], [f"m{k}"], name=f"mm{k}"),
@@ -234,21 +236,21 @@ def _findings(models: dict) -> list[str]:
         lo, hi = min(r.values()), max(r.values())
         return f"{lo:.2f}x" if abs(hi - lo) < 0.005 else f"{lo:.2f}x to {hi:.2f}x"
 
-    peak = lambda c: c["step_peak_mb"]  # noqa: E731
-    total = lambda c: c["held_mb"] + c["step_peak_mb"]  # noqa: E731
-    cpu = lambda c: c["cpu_ms"]  # noqa: E731
+    peak = lambda c: c["step_peak_mb"]
+    total = lambda c: c["held_mb"] + c["step_peak_mb"]
+    cpu = lambda c: c["cpu_ms"]
     held = {m: c["True|False|two"]["held_mb"] - c["True|False|one"]["held_mb"] for m, c in models.items()
             if "True|False|two" in c and "True|False|one" in c}
     return [
         "What the numbers say (ratios over the models above, each a range from the smallest to the largest):", "",
-        f"- **Memory pattern off** (arena on, one set): step peak {span(ratios('True|False|one', 'True|True|one', peak))} "
-        f"of the pattern's, CPU time {span(ratios('True|False|one', 'True|True|one', cpu))}. The pattern allocates "
-        "every intermediate of a run in one block planned from the previous run, so the peak holds them all at once.",
-        f"- **Arena off** (pattern off, one set): step peak {span(ratios('False|False|one', 'True|False|one', peak))} "
-        f"of the arena's, CPU time {span(ratios('False|False|one', 'True|False|one', cpu))}: each step's tensors are "
-        "allocated and freed through the C allocator (fresh pages to fault in and zero each step), and glibc keeps "
-        "freed memory too, so the arena's reuse costs no more memory. Between steps the arena keeps what it grew; "
-        "without it part of the peak returns to the system (*kept*).",
+        (f"- **Memory pattern off** (arena on, one set): step peak {span(ratios('True|False|one', 'True|True|one', peak))} "
+         f"of the pattern's, CPU time {span(ratios('True|False|one', 'True|True|one', cpu))}. The pattern allocates "
+         "every intermediate of a run in one block planned from the previous run, so the peak holds them all at once."),
+        (f"- **Arena off** (pattern off, one set): step peak {span(ratios('False|False|one', 'True|False|one', peak))} "
+         f"of the arena's, CPU time {span(ratios('False|False|one', 'True|False|one', cpu))}: each step's tensors are "
+         "allocated and freed through the C allocator (fresh pages to fault in and zero each step), and glibc keeps "
+         "freed memory too, so the arena's reuse costs no more memory. Between steps the arena keeps what it grew; "
+         "without it part of the peak returns to the system (*kept*)."),
         f"- **One buffer set** (arena on, pattern off): held + step peak "
         f"{span(ratios('True|False|one', 'True|False|two', total))} of two sets'; held after setup "
         + ", ".join(f"{_name(m)} {max(d, 0.0):.1f} MB" for m, d in held.items())
@@ -257,8 +259,8 @@ def _findings(models: dict) -> list[str]:
         "buffers and allocates its temporaries anew, where the fused graph reuses the buffers of gradients it no "
         "longer needs, so its step peak can be higher (up to about twice the largest parameter: the wide MLP); "
         "held plus peak is never higher.",
-        "- **Training default** (`rg.Trainer`, `revgraph train`): memory pattern off, arena on, one buffer set. "
-        "`rg.Session` keeps onnxruntime's defaults (measured here for training steps only).", ""]
+        ("- **Training default** (`rg.Trainer`, `revgraph train`): memory pattern off, arena on, one buffer set. "
+         "`rg.Session` keeps onnxruntime's defaults (measured here for training steps only)."), ""]
 
 
 def render(results: list[dict]) -> str:
@@ -272,18 +274,18 @@ def render(results: list[dict]) -> str:
     lines = [BEGIN, "## Runtime memory settings and buffer sets", "",
              "Written by " + "; and ".join(runs) + ", on a shared machine (other processes ran: wall times move "
              "with the load, CPU times less).", "",
-             "An Adam step of `rg.Trainer` per onnxruntime setting (`rg.RuntimeOptions(arena=, memory_pattern=)`) "
-             "and buffer layout (`buffers=\"two\"`: the fused step graph, parameters and state swapped between two "
-             "sets; `\"one\"`: the step split into grad and update graphs, the update writing over its inputs), at "
-             "batch 64 but for the LLaMA. Each configuration is a fresh process. *held*: resident memory after "
-             "building the trainer minus before; *setup HWM*: the process's VmHWM after setup; *step peak*: VmHWM "
-             "over the first three steps minus the resident size after setup; *kept*: resident memory after those "
-             "steps minus after setup; *step ms*, *CPU ms*: medians over turns (configurations alternate) of each "
-             "turn's mean wall and process CPU time per step; *CPU vs default*: against onnxruntime's defaults with "
-             "two sets (the engine before issue 24). *same bits*: the parameters and state after 4 steps are "
-             "bitwise those of the first configuration of the model.", "",
-             "| model | arena | memory pattern | buffers | held MB | setup HWM MB | step peak MB | held + peak MB | "
-             "kept MB | step ms | CPU ms | CPU vs default | same bits |",
+             ("An Adam step of `rg.Trainer` per onnxruntime setting (`rg.RuntimeOptions(arena=, memory_pattern=)`) "
+              "and buffer layout (`buffers=\"two\"`: the fused step graph, parameters and state swapped between two "
+              "sets; `\"one\"`: the step split into grad and update graphs, the update writing over its inputs), at "
+              "batch 64 but for the LLaMA. Each configuration is a fresh process. *held*: resident memory after "
+              "building the trainer minus before; *setup HWM*: the process's VmHWM after setup; *step peak*: VmHWM "
+              "over the first three steps minus the resident size after setup; *kept*: resident memory after those "
+              "steps minus after setup; *step ms*, *CPU ms*: medians over turns (configurations alternate) of each "
+              "turn's mean wall and process CPU time per step; *CPU vs default*: against onnxruntime's defaults with "
+              "two sets (the engine before issue 24). *same bits*: the parameters and state after 4 steps are "
+              "bitwise those of the first configuration of the model."), "",
+             ("| model | arena | memory pattern | buffers | held MB | setup HWM MB | step peak MB | held + peak MB | "
+              "kept MB | step ms | CPU ms | CPU vs default | same bits |"),
              "| :--- | :---: | :---: | :---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
     on = {"True": "on", "False": "off"}
     for model, cells in models.items():
@@ -297,10 +299,10 @@ def render(results: list[dict]) -> str:
                          f"{c['kept_mb']:.1f} | {c['step_ms']:.2f} | {c['cpu_ms']:.2f} | {versus} | "
                          f"{'yes' if c['digest'] == first['digest'] else 'no'} |")
     a, m, b = DEFAULT_KEY.split("|")
-    lines += ["", f"Per model, onnxruntime's defaults with two sets against the training default (arena {on[a]}, "
-              f"memory pattern {on[m]}, {b} set):", "",
-              "| model | default: held + step peak MB | training default: held + step peak MB | ratio | "
-              "CPU time ratio | wall time ratio |",
+    lines += ["", (f"Per model, onnxruntime's defaults with two sets against the training default (arena {on[a]}, "
+              f"memory pattern {on[m]}, {b} set):"), "",
+              ("| model | default: held + step peak MB | training default: held + step peak MB | ratio | "
+               "CPU time ratio | wall time ratio |"),
               "| :--- | ---: | ---: | ---: | ---: | ---: |"]
     for model, cells in models.items():
         ref, new = cells.get("True|True|two"), cells.get(DEFAULT_KEY)
