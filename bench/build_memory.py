@@ -16,8 +16,9 @@ fails there instead of swapping; the phases are those of ``revgraph grad m.onnx 
 Before each phase the process's peak resident size is reset (``/proc/self/clear_refs``, "5"), so a phase's
 peak (``VmHWM``) includes what the earlier phases still hold; "per node" is that peak, less the interpreter's
 resident size after imports, divided by N. ``check`` (``revgraph check m.onnx``: float64 central differences)
-runs in its own subprocess: wall seconds, peak MiB and CPU seconds (all threads). ``--profile N`` prints cProfile's top N functions by own time
-and tracemalloc's top N lines by size for one build at ``--profile-size`` nodes, instead of the table.
+runs in its own subprocess: wall seconds, peak MiB and CPU seconds (all threads). ``--profile N`` prints cProfile's top
+N functions by own time and tracemalloc's top N lines by size for one build at ``--profile-size`` nodes, instead of the
+table.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ loss on ``--batch`` x ``--seq`` tokens, Adam, one thread. Every configuration ru
 set size (5 into /proc/self/clear_refs; ``built``: the resident size then), runs steps and reports the first
 step's peak (VmHWM) over ``built`` (``step``: what a step adds, onnxruntime's arena and PyTorch's allocator
 keeping it for the next steps) and the peak after ``--steps`` more steps (``peak``, absolute; their median
-time). Configurations: ``off`` (the loss from the whole logits), a number ``C`` (``chunk_tokens=C``), ``auto`` (``memory=0.5`` and
-the chunk size it chooses; the memory planner's budget applies to the rest of the step too) and ``pt``
-(PyTorch eager, ``F.cross_entropy`` of the whole logits, for scale). The losses of the revgraph
+time). Configurations: ``off`` (the loss from the whole logits), a number ``C`` (``chunk_tokens=C``), ``auto``
+(``memory=0.5`` and the chunk size it chooses; the memory planner's budget applies to the rest of the step too) and
+``pt`` (PyTorch eager, ``F.cross_entropy`` of the whole logits, for scale). The losses of the revgraph
 configurations must agree (1e-5): the same weights and batch.
 """
 

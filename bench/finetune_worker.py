@@ -28,8 +28,9 @@ Protocol (one JSON object a line on a private copy of stdout; fd 1 goes to stder
 after the first step ``{"event": "first", ...}`` with wall-clock marks (``time.time()``: imported, built, first
 step done) and resident sizes; then the process waits for a line on stdin before each block of ``K`` steps and
 answers ``{"event": "block", "losses": [...], "times": [...], "cpu": [...]}`` (seconds per step: from the end of
-the previous step, or from the go, to the end of this one; and the process's CPU seconds in that time); after the last block ``{"event": "done", "peak_mb": VmHWM}``. So
-the orchestrator runs the two sides' blocks in turn and neither computes while the other is timed.
+the previous step, or from the go, to the end of this one; and the process's CPU seconds in that time); after the last
+block ``{"event": "done", "peak_mb": VmHWM}``. So the orchestrator runs the two sides' blocks in turn and neither
+computes while the other is timed.
 """
 
 from __future__ import annotations

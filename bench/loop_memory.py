@@ -4,7 +4,8 @@ An RNN-like body, h_t = tanh(h_{t-1} W + x_t U + b) with hidden size 256 (batch 
 T = 100, 1,000 and 10,000 steps; the loss is sum(h_T). For each checkpoint policy revgraph builds the
 gradient graph (gradients for W, U, b and h0) and onnxruntime runs it, each configuration in a fresh process
 with onnxruntime's memory arena off; the peak resident set size during the first run, minus the resident size
-just before it (Linux's VmHWM, reset through /proc/self/clear_refs), measures what forward and backward hold. Times are medians of 3 runs after one warm-up run.
+just before it (Linux's VmHWM, reset through /proc/self/clear_refs), measures what forward and backward hold. Times are
+medians of 3 runs after one warm-up run.
 
 Two more modes run next to the policies: ``jvp``, revgraph's forward-mode graph ``rg.jvp(g, "loss", [W, U, b,
 h0])`` (the loss and its tangent along random tangents of the same four values; a Loop that carries the tangent

@@ -20,8 +20,9 @@ CHANNELS, SIDE, HIDDEN, CLASSES = 2, 4, 6, 3
 
 
 def bn_model(seed: int = 0) -> Graph:
-    """``x`` float32 ``[N, 2, 4, 4]`` -> Conv 3x3 (3 channels, no bias) -> BatchNormalization ``bn_conv`` (training mode,
-    over N, H, W) -> Relu -> Flatten -> Gemm (6, no bias) -> BatchNormalization ``bn_fc`` (training mode, over N) -> Relu
+    """``x`` float32 ``[N, 2, 4, 4]`` -> Conv 3x3 (3 channels, no bias) -> BatchNormalization ``bn_conv`` (training
+    mode, over N, H, W) -> Relu -> Flatten -> Gemm (6, no bias) -> BatchNormalization ``bn_fc`` (training mode, over N)
+    -> Relu
     -> Gemm -> logits ``[N, 3]``. Each BatchNormalization writes its running statistics (three outputs, as
     ``torch.onnx.export(..., training=TrainingMode.TRAINING)`` writes them); momentum 0.9 and 0.7. No bias before a
     normalization (as in ResNets): its gradient is zero but for rounding, which Adam would turn into steps."""

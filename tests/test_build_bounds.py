@@ -124,8 +124,8 @@ def test_examples_build_in_bounded_memory(tmp_path):
 
 
 def _inflated(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """``model`` with every static dimension above 1 of its floating graph inputs multiplied by :data:`INFLATE` (1s kept, so
-    that broadcasting still holds), or ``None`` if ONNX's strict shape inference then refuses it."""
+    """``model`` with every static dimension above 1 of its floating graph inputs multiplied by :data:`INFLATE` (1s
+    kept, so that broadcasting still holds), or ``None`` if ONNX's strict shape inference then refuses it."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     inits = {t.name for t in m.graph.initializer}

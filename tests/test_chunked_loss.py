@@ -192,8 +192,8 @@ def kept_bytes(tg, ids: np.ndarray) -> int:
 def test_backward_keeps_nothing_vocabulary_sized():
     """The training step's residuals at vocabulary 4000: the unchunked step keeps at least the [N, V]
     log-softmax; the chunked one, under the Trainer's default ``store`` and under ``sqrt``, keeps less than a
-    tenth of one [N, V] tensor in all (besides the transposed weight), and its graph computes no whole logits (the head's MatMul and bias are
-    gone, the chunk loop stacks nothing)."""
+    tenth of one [N, V] tensor in all (besides the transposed weight), and its graph computes no whole logits (the
+    head's MatMul and bias are gone, the chunk loop stacks nothing)."""
     vocab = 4000
     g = lm(vocab=vocab)
     ids = np.random.default_rng(6).integers(0, vocab, (B, T)).astype(np.int64)

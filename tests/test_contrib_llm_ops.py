@@ -311,7 +311,8 @@ def test_group_query_attention(case, attrs):
           outputs=("y", "pk", "pv"), wrt=want)
 
 
-# ---------------------------------------------------------------------------------------------- MultiHeadAttention, Attention
+# ---------------------------------------------------------------------------------------------- MultiHeadAttention,
+# Attention
 
 
 def _additive_mask(mask, batch, s, t, past, *, fill, unidirectional, start_end=False):
@@ -560,7 +561,8 @@ def test_fully_optimized_bert_has_the_gradients_of_the_export(tmp_path):
         np.testing.assert_allclose(got[w], a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()) + 1e-8, err_msg=w)
 
 
-# ---------------------------------------------------------------------------------------------- the genai builder's LLaMA
+# ---------------------------------------------------------------------------------------------- the genai builder's
+# LLaMA
 
 
 @pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "int4"])

@@ -268,7 +268,8 @@ def test_fused_matmul_trans_batch_needs_equal_ranks():
         rg.gradient(lg, loss="loss", wrt=["a"])
 
 
-# ---------------------------------------------------------------------------------------------- facts, forward mode, second order
+# ---------------------------------------------------------------------------------------------- facts, forward mode,
+# second order
 
 
 def test_contrib_rules_state_their_facts():

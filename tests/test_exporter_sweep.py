@@ -120,7 +120,8 @@ def test_pytorch(tmp_path, how):
     _train(rg.load(path), {"input_ids": tm.tokens(8)}, f"pytorch-{how}", worst, loss="causal-lm")
 
 
-# ---------------------------------------------------------------------------------------------- Keras / TF, Paddle, Optimum
+# ---------------------------------------------------------------------------------------------- Keras / TF, Paddle,
+# Optimum
 
 
 def _venv(name: str, installs: list[str], why: str) -> str:

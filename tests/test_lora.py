@@ -1,5 +1,5 @@
-"""LoRA adapters (revgraph.train.lora) and the choice of what trains (revgraph.train.selection), against PyTorch: a PEFT-style
-LoRA Linear module written here, torch autograd, and the one-line errors of the command line."""
+"""LoRA adapters (revgraph.train.lora) and the choice of what trains (revgraph.train.selection), against PyTorch: a
+PEFT-style LoRA Linear module written here, torch autograd, and the one-line errors of the command line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Data-parallel training launched by Ray Train (revgraph.train.distributed.ray_launcher) against single-process training.
+"""Data-parallel training launched by Ray Train (revgraph.train.distributed.ray_launcher) against single-process
+training.
 
 A local Ray cluster of 2 CPUs runs 2 workers; ``batch_size`` 8 on each must train exactly as one process with
 batch size 16 and the same seed (the same comparison as tests/test_distributed.py, whose workers torchrun

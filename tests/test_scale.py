@@ -61,7 +61,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 #: The peak resident memory ``revgraph grad`` may take per node of a long chain, beyond what a tiny model takes
-#: (docs/guides/security.md, "Security and limits": about 4.5-4.7 KB measured, at the gradient graph's build; 7.1 KB while ONNX's
+#: (docs/guides/security.md, "Security and limits": about 4.5-4.7 KB measured, at the gradient graph's build; 7.1 KB
+#while ONNX's
 #: full check parsed the whole written graph, 8.9 KB while its whole ModelProto existed, 12 KB while the check
 #: ran on bytes, and 14.8 KB before Node and ValueInfo had __slots__).
 BYTES_PER_NODE = 5_500

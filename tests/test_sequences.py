@@ -185,7 +185,8 @@ def test_two_dense_cotangents_of_one_sequence_add_up(accumulate):
         np.testing.assert_allclose(got["b_grad"], gb.numpy(), rtol=1e-12)
 
 
-# ---------------------------------------------------------------------------------------------- construct, insert, erase
+# ---------------------------------------------------------------------------------------------- construct, insert,
+# erase
 
 
 def test_sequence_construct_and_reads():

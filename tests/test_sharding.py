@@ -1,5 +1,5 @@
-"""Sharded data-parallel training (revgraph.train.distributed.sharding: ZeRO-1 ``--shard optimizer``, ZeRO-2 ``--shard gradients``)
-and elastic resume, against single-process training.
+"""Sharded data-parallel training (revgraph.train.distributed.sharding: ZeRO-1 ``--shard optimizer``, ZeRO-2 ``--shard
+gradients``) and elastic resume, against single-process training.
 
 Each distributed run is 2 gloo processes under torchrun (tests/distributed_worker.py), compared with one process
 training on the same global batches: final parameters, the FULL optimizer state (gathered from the shards) and

@@ -70,10 +70,10 @@ SEQUENCE_OPS = frozenset({"SequenceEmpty", "SequenceConstruct", "SequenceInsert"
 
 def sequence_types(nodes: list[Node], types: dict[str, ValueInfo], values: dict[str, np.ndarray], opset: int) -> None:
     """Complete ``types`` with the values of ``nodes`` (in order) that have no type, in a graph with sequences:
-    node by node inference keeps tensor results only (:func:`revgraph.onnx_io.value_types.onnx_node_types`), so a sequence,
-    and everything computed from it, would stay untyped. ONNX's per-node inference for the nodes that make or
-    read sequences, :func:`revgraph.onnx_io.value_types.node_types` for the others; a ``Loop``'s carried sequence outputs take
-    the type of their initial values. Does nothing in a graph without sequences."""
+    node by node inference keeps tensor results only (:func:`revgraph.onnx_io.value_types.onnx_node_types`), so a
+    sequence, and everything computed from it, would stay untyped. ONNX's per-node inference for the nodes that make or
+    read sequences, :func:`revgraph.onnx_io.value_types.node_types` for the others; a ``Loop``'s carried sequence
+    outputs take the type of their initial values. Does nothing in a graph without sequences."""
     if not any(n.op_type in SEQUENCE_OPS for n in nodes) and not any(v.kind == "sequence" for v in types.values()):
         return
     for node in nodes:

@@ -154,8 +154,9 @@ def backward(
     ``wrt`` lists the values gradients are wanted for (default: every floating-point input and initializer);
     only nodes on a path from them to ``ys`` are differentiated. ``options``: what rules read (the loops'
     checkpoint policy, the accumulation). ``accumulate``: ``"sum"`` or ``"running"`` (:class:`Accumulator`),
-    taking the place of ``options.accumulate`` (``None``: the options', ``"sum"`` by default). Returns the emitted backward nodes and ``grad_map``: every value that received a
-    gradient mapped to it (a value name, a :class:`SparseGrad` for a table read only through ``Gather``, or a
+    taking the place of ``options.accumulate`` (``None``: the options', ``"sum"`` by default). Returns the emitted
+    backward nodes and ``grad_map``: every value that received a gradient mapped to it (a value name, a
+    :class:`SparseGrad` for a table read only through ``Gather``, or a
     :class:`~.accumulate.SeqGrad` for a sequence read through ``SequenceAt``).
     A loop on the path is extended in place (its trip counter and stacked residuals, :class:`ForwardPatch`).
 

@@ -5,8 +5,9 @@ Two uses:
 - **Strong products.** A VJP rule that multiplies a cotangent by a forward value (``Exp``'s ``g * y``, ``Mul``'s
   ``g * b``) must give an exact 0 where the cotangent is 0, even where that value is inf or NaN (``Where(x > 30,
   1, Exp(x))`` at x = 1000: the Where VJP sends 0 to the Exp branch, and ``0 * exp(1000)`` is NaN). Rules write
-  ``Where(g == 0, 0, g * d)`` for that (:meth:`Ctx.times`, which rules reach as :meth:`Val.times`), but only where :func:`nonfinite_values` says a
-  value they read may be non-finite: ``Where`` costs 7-11x a ``Mul`` on onnxruntime (bench/micro.py).
+  ``Where(g == 0, 0, g * d)`` for that (:meth:`Ctx.times`, which rules reach as :meth:`Val.times`), but only where
+  :func:`nonfinite_values` says a value they read may be non-finite: ``Where`` costs 7-11x a ``Mul`` on onnxruntime
+  (bench/micro.py).
 - **Selections.** A selection VJP (ReLU, Dropout, Clip, Where) sends an exact 0 to the unselected side even
   for an inf or NaN cotangent: ``Where(c, g, 0)``, or ``g * Cast(c)`` where :func:`nonfinite_cotangents` proves
   the cotangent finite (the two agree for finite ``g``).

@@ -241,9 +241,9 @@ def check_nodes(graph: Graph, types: Mapping[str, ValueInfo], values: Mapping) -
 
 def _body_scope(body: Graph, types: Mapping[str, ValueInfo], values: Mapping, opsets: Mapping[str, int]
                 ) -> tuple[Graph, dict, dict]:
-    """``(body, its types, its constant values)`` (``opsets``: the model's): the body's own inferred from its declarations, and the
-    types and constants of the enclosing graph's values it captures (a captured initializer is a constant in
-    the body too)."""
+    """``(body, its types, its constant values)`` (``opsets``: the model's): the body's own inferred from its
+    declarations, and the types and constants of the enclosing graph's values it captures (a captured initializer is a
+    constant in the body too)."""
     from ..ir.ssa import captured_names
     from ..onnx_io.value_types import constant_values, infer_types
 

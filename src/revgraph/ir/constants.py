@@ -1,6 +1,6 @@
 """The value of a ``Constant`` node in any of its forms, dense sparse constants included: what the type service
-(:mod:`revgraph.onnx_io.value_types`) and the writer's passes (:mod:`revgraph.onnx_io.portable`, which :mod:`revgraph.onnx_io` calls)
-read, kept apart from both so that neither imports the other."""
+(:mod:`revgraph.onnx_io.value_types`) and the writer's passes (:mod:`revgraph.onnx_io.portable`, which
+:mod:`revgraph.onnx_io` calls) read, kept apart from both so that neither imports the other."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ falls back to ONNX. tests/test_fastshape.py checks every answer against ONNX's i
 Two more services of the same kind: :func:`rank_types`, the ranks of operators whose output rank does not
 depend on values where ONNX gives none (a ``keepdims=1`` reduction over computed axes), and :func:`fold`, the
 values of shape arithmetic over static shapes (``Concat(Slice(Shape(x)), Cast(Constant))``), which
-:func:`revgraph.onnx_io.value_types.constant_values` gives the rules as constants (tests/test_constants.py checks them against
-onnxruntime). The formulas are those of opset 21 and every newer opset (opsets 22 to 28 changed none of them).
+:func:`revgraph.onnx_io.value_types.constant_values` gives the rules as constants (tests/test_constants.py checks them
+against onnxruntime). The formulas are those of opset 21 and every newer opset (opsets 22 to 28 changed none of them).
 """
 
 from __future__ import annotations

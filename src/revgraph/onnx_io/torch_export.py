@@ -63,9 +63,10 @@ def export_torch(module: Any, args: Any, path: str | os.PathLike, *, kwargs: dic
     left them (export in ``eval()`` for a graph without Dropout and with BatchNorm's running statistics).
     Returns ``{"parameters": ..., "buffers": ..., "state_dict": ...}``, the three objects written. Raises
     :class:`RevgraphError` (one line) when PyTorch is not installed, ``module`` is not an ``nn.Module``,
-    ``path`` is not a path or names another format, ``kwargs`` is not a mapping, the names are not strings (``.safetensors``, ``.pt``: :func:`revgraph.save`), an
-    ``export_options`` entry sets ``f``, ``dynamo`` or ``optimize``, and when the export fails (naming the
-    exporter's own first line of the error); the file is written atomically, nothing is left on failure.
+    ``path`` is not a path or names another format, ``kwargs`` is not a mapping, the names are not strings
+    (``.safetensors``, ``.pt``: :func:`revgraph.save`), an ``export_options`` entry sets ``f``, ``dynamo`` or
+    ``optimize``, and when the export fails (naming the exporter's own first line of the error); the file is written
+    atomically, nothing is left on failure.
     """
     import torch
 

@@ -105,8 +105,9 @@ def to_float64(graph: Graph) -> Graph:
     (``value_info``, kept so that ranks ONNX cannot infer survive), initializers, ``Constant`` and
     ``ConstantOfShape`` values, and the dtype attributes of ``Cast``, ``EyeLike``, the random operators and
     the window functions become float64; ``GroupNormalization`` computes its statistics in float64
-    (``stash_type``; ``LayerNormalization``'s stays, :func:`_stash_kept`); unused ``Mean``/``InvStdDev`` outputs of ``LayerNormalization`` are dropped (their
-    schema type is float32 or bfloat16 only). Float8 casts are left alone: they quantize."""
+    (``stash_type``; ``LayerNormalization``'s stays, :func:`_stash_kept`); unused ``Mean``/``InvStdDev`` outputs of
+    ``LayerNormalization`` are dropped (their schema type is float32 or bfloat16 only). Float8 casts are left alone:
+    they quantize."""
     g = graph.copy()
     used = _used_names(g)
     stack = [g]

@@ -2,11 +2,11 @@
 and :func:`create_engine` (the one place an engine is created).
 
 One process (or a world of one): :func:`revgraph.train.engines.make_engine` (the fused step graph, one or two buffer
-sets). Data-parallel: :class:`~revgraph.train.distributed.data_parallel.data_parallel.DistributedEngine` (gradients all-reduced
-between the backward and the update), its sharded form (ZeRO-1/2: :mod:`revgraph.train.distributed.sharding`), or the
-synchronized-BatchNormalization engine (:mod:`revgraph.train.distributed.sync_batchnorm_engine`). The settings are checked here
-before any graph is built, and the data-parallel ranks compare them (:meth:`EngineSettings.agreement`) before
-any step.
+sets). Data-parallel: :class:`~revgraph.train.distributed.data_parallel.data_parallel.DistributedEngine` (gradients
+all-reduced between the backward and the update), its sharded form (ZeRO-1/2:
+:mod:`revgraph.train.distributed.sharding`), or the synchronized-BatchNormalization engine
+(:mod:`revgraph.train.distributed.sync_batchnorm_engine`). The settings are checked here before any graph is built, and
+the data-parallel ranks compare them (:meth:`EngineSettings.agreement`) before any step.
 """
 
 from __future__ import annotations
@@ -74,9 +74,10 @@ class EngineSettings:
 
 def create_engine(spec, settings: EngineSettings, threads: int, device, runtime, comm=None, synced=None):
     """The engine that runs ``spec``'s steps (module doc) on ``device`` with onnxruntime's ``threads`` and
-    ``runtime`` options; ``comm`` the data-parallel :class:`~revgraph.train.distributed.data_parallel.data_parallel.Collective` (or
-    ``None``), ``synced`` the synchronized-BatchNormalization rewrite (:func:`revgraph.train.distributed.sync_batchnorm.synchronized`).
-    Raises :class:`InputError` for ZeRO sharding of a model with training-mode BatchNormalization."""
+    ``runtime`` options; ``comm`` the data-parallel
+    :class:`~revgraph.train.distributed.data_parallel.data_parallel.Collective` (or ``None``), ``synced`` the
+    synchronized-BatchNormalization rewrite (:func:`revgraph.train.distributed.sync_batchnorm.synchronized`). Raises
+    :class:`InputError` for ZeRO sharding of a model with training-mode BatchNormalization."""
     exchange = {"bucket_mb": settings.bucket_mb, "reduce_dtype": settings.reduce_dtype, "overlap": settings.overlap}
     one_set = settings.buffers == "one"
     if synced:

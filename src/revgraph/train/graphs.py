@@ -97,7 +97,8 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
     :class:`Optimizer` or a name (PyTorch's default hyperparameters); ``output`` the model output the loss
     reads (default: the only one); ``params`` the initializers to train, names or ``fnmatch`` globs, and
     ``freeze`` globs of those not to train (default: every float one, or the LoRA adapters of an adapted model;
-    the others stay initializers; :func:`revgraph.train.selection.select`); ``checkpoint`` the loop residual policy and ``memory`` the residual budget of
+    the others stay initializers; :func:`revgraph.train.selection.select`); ``checkpoint`` the loop residual policy and
+    ``memory`` the residual budget of
     :func:`revgraph.gradient` (a fraction, bytes or a ``revgraph.Budget``; the plan is ``graph.memory_plan``),
     under which the loss option ``chunk_tokens="auto"`` (the default) may compute the output projection and the loss
     in chunks of tokens (:mod:`revgraph.train.chunked_loss`; a chunk loop is differentiated with ``recompute``).
@@ -215,10 +216,10 @@ def training_graph(model: Graph | onnx.ModelProto | str | os.PathLike, loss: str
 def split_step(tg: TrainingGraph) -> tuple[Graph, Graph]:
     """The training step as two graphs, for data-parallel training (gradients are exchanged between them).
 
-    ``grad graph``: inputs the batch, labels and parameters (and ``tg.seed`` when there is one); outputs ``loss`` then the gradients in the order
-    of ``tg.params`` (``tg.grads[p]``: one dense gradient, or ``indices`` and ``rows`` of a sparse table).
-    ``update graph``: inputs the parameters, the optimizer state, ``step`` and those gradients; outputs the new
-    parameters, the new state and ``step + 1`` (the outputs of ``tg.graph`` but the loss). Running the update
+    ``grad graph``: inputs the batch, labels and parameters (and ``tg.seed`` when there is one); outputs ``loss`` then
+    the gradients in the order of ``tg.params`` (``tg.grads[p]``: one dense gradient, or ``indices`` and ``rows`` of a
+    sparse table). ``update graph``: inputs the parameters, the optimizer state, ``step`` and those gradients; outputs
+    the new parameters, the new state and ``step + 1`` (the outputs of ``tg.graph`` but the loss). Running the update
     graph on the grad graph's outputs is the fused step ``tg.graph``: the same nodes, cut in two.
     """
     cut = len(tg.graph.nodes) - tg.n_update_nodes

@@ -328,7 +328,8 @@ def merge_adapters(graph: Graph) -> Graph:
     nodes that still read it (dropped when no node does). The same copy is made for a weight the adapted nodes
     read in both orientations (directly and through a ``Transpose``). An adapted ``com.microsoft.MatMulNBits``
     becomes a ``MatMul`` of a float ``<weight>.merged`` ``[K, N]`` (:mod:`.lora_nbits`: packed 4-bit blocks cannot
-    take the update), so the merged model is a float one where it was adapted. Raises :class:`RevgraphError` for a graph without adapters."""
+    take the update), so the merged model is a float one where it was adapted. Raises :class:`RevgraphError` for a graph
+    without adapters."""
     found = config(graph)
     if found is None:
         raise RevgraphError("the model has no LoRA adapters (no metadata 'revgraph.lora') to merge")

@@ -7,8 +7,8 @@ never a base weight trained as if it were an adapter.
 :func:`check_structure` checks what a configuration alone can say (types, ranges, names distinct);
 :func:`check_against` and :func:`check_sites` what it says about a model: every weight, ``A`` and ``B`` it names is
 an initializer of the model, each adapter a floating-point ``[in, rank]`` / ``[rank, out]`` array; each site a
-``MatMul``/``Gemm``/``MatMulNBits`` reading its weight as recorded, and its added nodes exactly those computing the update from
-``A`` and ``B`` (so no other node reads them).
+``MatMul``/``Gemm``/``MatMulNBits`` reading its weight as recorded, and its added nodes exactly those computing the
+update from ``A`` and ``B`` (so no other node reads them).
 """
 
 from __future__ import annotations

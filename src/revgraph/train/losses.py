@@ -337,8 +337,8 @@ def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None 
     ``"auto"`` or ``"off"``) computes the output projection and the loss together in chunks of tokens, under the
     budget ``memory`` for ``"auto"`` (:mod:`revgraph.train.chunked_loss`). Labels: int64 with the logits' shape
     minus the last axis for ``"cross-entropy"``, the output's dtype and shape for ``"mse"`` and ``"bce"``, the
-    ids' shape for ``causal-lm`` with ``labels_from="labels"``. Raises :class:`RevgraphError` for an unknown loss, option or
-    output, an output that is not a float tensor of known rank, an ``output:NAME`` that is not a float scalar,
+    ids' shape for ``causal-lm`` with ``labels_from="labels"``. Raises :class:`RevgraphError` for an unknown loss,
+    option or output, an output that is not a float tensor of known rank, an ``output:NAME`` that is not a float scalar,
     class weights of another length than the classes, a missing ids input.
     """
     kind, named = parse_loss(loss)

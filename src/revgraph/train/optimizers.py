@@ -69,7 +69,8 @@ class Step:
     ``b``, the graph's shared scalars ``s`` (:class:`Scalars`: this step's learning rate, Adam's bias
     corrections), the dtype ``dt`` of the tensor, and the weight decay that applies to it: ``wd`` (0 where
     :func:`revgraph.train.schedules.excluded` skips the tensor) and ``mask`` (``None``, or a boolean mask of the
-    tensor's shape: the elements of a flat shard that belong to decayed parameters, :mod:`revgraph.train.distributed.sharding`)."""
+    tensor's shape: the elements of a flat shard that belong to decayed parameters,
+    :mod:`revgraph.train.distributed.sharding`)."""
 
     def __init__(self, b: Builder, s: Scalars, dt, decay: bool | np.ndarray = True):
         self.b, self.s, self.dt = b, s, dt
@@ -245,14 +246,16 @@ EMBEDDING_UPDATES = ("dense", "lazy")
 class Optimizer:
     """An optimizer's kind and hyperparameters (formulas in the module doc).
 
-    ``kind`` names its :class:`Method` in :data:`OPTIMIZERS` (``"sgd"``, ``"adam"``, ``"adamw"``); ``lr > 0`` (the peak rate when scheduled); ``momentum``
-    in [0, 1) (SGD only); ``betas`` in [0, 1) and ``eps > 0`` (Adam, AdamW); ``weight_decay >= 0``.
+    ``kind`` names its :class:`Method` in :data:`OPTIMIZERS` (``"sgd"``, ``"adam"``, ``"adamw"``); ``lr > 0`` (the peak
+    rate when scheduled); ``momentum`` in [0, 1) (SGD only); ``betas`` in [0, 1) and ``eps > 0`` (Adam, AdamW);
+    ``weight_decay >= 0``.
     :mod:`revgraph.train.schedules`: ``schedule`` (a :class:`~revgraph.train.schedules.Schedule`, ``None``: constant),
     ``clip_grad_norm`` (``None`` or the global-norm threshold ``> 0``) and ``no_decay`` (the parameters weight
     decay skips: ``"default"`` biases and 1-D parameters, ``"none"``, name patterns or a predicate).
     ``embedding_update``: how a table read only through ``Gather`` is updated from its gradient rows (module
     doc, :data:`EMBEDDING_UPDATES`): ``"dense"``, torch's dense update, or ``"lazy"``, the batch's rows only
-    (``torch.optim.SparseAdam``). Raises :class:`RevgraphError` for values outside these ranges. Build one with :func:`sgd`, :func:`adam`,
+    (``torch.optim.SparseAdam``). Raises :class:`RevgraphError` for values outside these ranges. Build one with
+    :func:`sgd`, :func:`adam`,
     :func:`adamw` or :func:`make_optimizer`.
     """
 

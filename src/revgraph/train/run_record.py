@@ -85,7 +85,8 @@ def check_overrides(override, now: dict) -> list[str]:
 
 def save(trainer, directory, run: dict, pos, total: int | None) -> None:
     """Rank 0 writes a checkpoint of the trainer's current state at ``pos`` (the next batch to train); a sharded
-    engine gathers the state on every rank first (:mod:`revgraph.train.distributed.sharding`), so the file is the same."""
+    engine gathers the state on every rank first (:mod:`revgraph.train.distributed.sharding`), so the file is the
+    same."""
     engine = trainer._engine
     gathers = getattr(engine, "gathers", False)
     if not trainer.is_main and not gathers:

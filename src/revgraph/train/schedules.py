@@ -253,8 +253,8 @@ def clipped_gradients(b: Builder, tg, max_norm: float) -> dict[str, list[str]]:
 
 
 def clipped_shards(b: Builder, spec, dense_squares: str, grads: dict, dtypes: dict) -> tuple[dict, dict]:
-    """The clipping of a sharded update (:mod:`revgraph.train.distributed.sharding`): ``grads`` (unit -> gradient shard, of
-    ``dtypes[unit]``) and the sparse tables' rows of ``spec`` scaled by the clipping coefficient of the global
+    """The clipping of a sharded update (:mod:`revgraph.train.distributed.sharding`): ``grads`` (unit -> gradient shard,
+    of ``dtypes[unit]``) and the sparse tables' rows of ``spec`` scaled by the clipping coefficient of the global
     norm, whose dense part is the float64 scalar ``dense_squares`` (every rank's shards' squares, summed by the
     engine's all-reduce) and whose sparse part the coalesced rows add here (replicated tables: every rank adds
     the same). Returns ``(scaled shards, {table: [unique indices, coalesced scaled rows]})``."""
@@ -271,8 +271,8 @@ def clipped_shards(b: Builder, spec, dense_squares: str, grads: dict, dtypes: di
 
 def flat_decay(unit, no_decay) -> bool | np.ndarray:
     """Whether weight decay applies to a rank's shard ``[lo, lo + k)`` of a flat unit of parameters
-    (:class:`revgraph.train.distributed.shard_plan.Unit`: ``names`` at ``offsets`` with ``shapes``): ``True``/``False`` when it does
-    for every element in it, else a boolean mask of ``k`` elements (false on those of the ``no_decay``
+    (:class:`revgraph.train.distributed.shard_plan.Unit`: ``names`` at ``offsets`` with ``shapes``): ``True``/``False``
+    when it does for every element in it, else a boolean mask of ``k`` elements (false on those of the ``no_decay``
     parameters; the zero padding decays, which leaves it zero)."""
     mask = np.ones(unit.length, bool)
     for n, o, shape in zip(unit.names, unit.offsets, unit.shapes, strict=True):

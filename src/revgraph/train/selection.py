@@ -145,11 +145,11 @@ def select(model: Graph, params: Iterable[str] | str | None = None, freeze: Iter
     exporter's record marks ``PARAMETER``, else every floating-point initializer with more than one element whose
     name is not a buffer's (:func:`buffer_name`; a 0-d or one-element one is a constant of the model's formulas),
     in every case without the scales and zero points of ``MatMulNBits`` nodes (:func:`frozen_base`).
-    :func:`left_out` lists what the default leaves out, and why. Integer initializers a glob matches are left out (they cannot train). ``freeze``: names or globs removed
-    from that set. Raises :class:`RevgraphError` (one line) for a pattern that matches no initializer (naming
-    it and the option), an integer initializer named exactly, a glob that matches only integer ones, and a
-    selection that leaves nothing to train (naming :func:`revgraph.autodiff.lift.lift_constants` where the weights are
-    ``Constant`` nodes).
+    :func:`left_out` lists what the default leaves out, and why. Integer initializers a glob matches are left out (they
+    cannot train). ``freeze``: names or globs removed from that set. Raises :class:`RevgraphError` (one line) for a
+    pattern that matches no initializer (naming it and the option), an integer initializer named exactly, a glob that
+    matches only integer ones, and a selection that leaves nothing to train (naming
+    :func:`revgraph.autodiff.lift.lift_constants` where the weights are ``Constant`` nodes).
     """
     from .lora import adapter_names
 

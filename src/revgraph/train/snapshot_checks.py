@@ -10,15 +10,15 @@ counter). A damaged archive (truncated, a flipped bit: the CRC) is refused, as i
 :func:`check_meta` checks the metadata's fields, each for its type and range, then against this run: ``format``,
 ``names`` (this run's carried names in order) and ``optimizer``; ``batch_size``, ``world_size`` and
 ``accumulate_steps`` (positive integers whose product is this run's global batch: elastic resume, also at another
-accumulation); ``seed``, ``shuffle``, ``samples`` (equal to this run's); ``epoch`` (0 to the run's epochs) and ``batch`` (0 to the batches per
-epoch - 1; 0 at the end); ``steps_taken`` (the steps of the run and of its trainer's earlier fits: at least the
-batches up to the position); ``epoch_means`` (one per finished epoch) and ``epoch_loss_sum``: numbers, finite
-unless the run allows non-finite values. (A snapshot written before issue 38 holds the per-step ``losses`` instead
-of ``steps_taken``: the means and the sum must be those of the losses, recomputed bit for bit, as many as
+accumulation); ``seed``, ``shuffle``, ``samples`` (equal to this run's); ``epoch`` (0 to the run's epochs) and ``batch``
+(0 to the batches per epoch - 1; 0 at the end); ``steps_taken`` (the steps of the run and of its trainer's earlier fits:
+at least the batches up to the position); ``epoch_means`` (one per finished epoch) and ``epoch_loss_sum``: numbers,
+finite unless the run allows non-finite values. (A snapshot written before issue 38 holds the per-step ``losses``
+instead of ``steps_taken``: the means and the sum must be those of the losses, recomputed bit for bit, as many as
 ``earlier_losses`` (of a trainer's earlier fits) and the batches up to the position. The history grew without
-bound, 67 KB at 720 steps: it is the ``--log`` file's now.) ``hyperparameters`` (an object of the recorded names, each of its type;
-differences are :mod:`revgraph.train.run_record`'s). An unknown field is refused. :func:`check_arrays` checks the
-values: parameters and optimizer state finite (unless allowed), Adam's second moments >= 0, the step counter
+bound, 67 KB at 720 steps: it is the ``--log`` file's now.) ``hyperparameters`` (an object of the recorded names, each
+of its type; differences are :mod:`revgraph.train.run_record`'s). An unknown field is refused. :func:`check_arrays`
+checks the values: parameters and optimizer state finite (unless allowed), Adam's second moments >= 0, the step counter
 (``steps_taken``, fewer with fp16's skipped steps), a schedule's total steps >= 0, the fp16 loss scale finite
 and > 0 and its count of good steps >= 0. Every refusal is one :class:`RevgraphError` line naming the file and
 the field. Nothing else is stored: the data order is ``default_rng(seed + epoch)``'s, from the checked fields.

@@ -52,9 +52,9 @@ def save(directory: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict
 def load(directory: str | os.PathLike, like: dict | None = None, order: list[str] | None = None,
          step: str | None = None, check=None) -> tuple[dict[str, np.ndarray], dict] | None:
     """``(arrays, meta)`` of ``<directory>/checkpoint.npz``, or ``None`` when there is none. ``like``, ``order``,
-    ``step``, ``check``: what this run holds (:func:`revgraph.train.snapshot_checks.read`: each member is checked against it
-    before it is read). Raises :class:`RevgraphError` (one line naming the file and the member or field) for a
-    file that is not a revgraph checkpoint (of this run)."""
+    ``step``, ``check``: what this run holds (:func:`revgraph.train.snapshot_checks.read`: each member is checked
+    against it before it is read). Raises :class:`RevgraphError` (one line naming the file and the member or field) for
+    a file that is not a revgraph checkpoint (of this run)."""
     target = path_in(directory)
     if not target.is_file():
         return None

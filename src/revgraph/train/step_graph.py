@@ -23,8 +23,8 @@ class TrainingGraph:
     (graph inputs of their initial dtype and shape); ``state[p]`` the state inputs of parameter ``p`` (one
     per :attr:`Optimizer.slots`, of ``p``'s shape); ``step`` an int64 scalar, the number of steps taken
     before this one. Outputs: ``loss`` (float scalar), ``new_params[p]``, ``new_state[p]`` (aligned with
-    ``state[p]``) and ``new_step`` (``step + 1``), last ``grad_norm`` with clipping. ``sparse`` lists the parameters updated row by row.
-    ``initial`` holds the initial parameter values (the model's initializers).
+    ``state[p]``) and ``new_step`` (``step + 1``), last ``grad_norm`` with clipping. ``sparse`` lists the parameters
+    updated row by row. ``initial`` holds the initial parameter values (the model's initializers).
     """
 
     graph: Graph

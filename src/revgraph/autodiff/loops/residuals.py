@@ -85,8 +85,8 @@ def plan_residuals(p: LoopParts, needed: list[str], policy: CheckpointPolicy,
 
     A needed value is kept (each distinct value once, see the module doc) when ``policy.saves`` its producer
     (:class:`~..policies.Store`: every node), else recomputed from what is kept and the body inputs
-    (:class:`~..policies.Recompute`: no node, only body inputs kept). Either way values whose shape may change from one iteration to
-    the next (scan outputs of inner loops, whose length is the inner trip count, and values with dimensions
+    (:class:`~..policies.Recompute`: no node, only body inputs kept). Either way values whose shape may change from one
+    iteration to the next (scan outputs of inner loops, whose length is the inner trip count, and values with dimensions
     that shape inference could not name) are recomputed from what can be stacked, constants are recomputed,
     and a sequence is never stacked (a scan output is a tensor): it is recomputed, and a tensor read out of a
     sequence is stacked under both policies (when its shape is fixed), so that no sequence has to be kept per

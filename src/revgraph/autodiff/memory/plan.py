@@ -17,9 +17,10 @@ chooses, over the whole top-level graph, the cheapest mix:
 - ``lambda`` (bytes per FLOP) is the Lagrange multiplier of the budget: ``lambda = inf`` is the default plan,
   which recomputes only the free operators (no FLOPs: reshapes, transposes, casts, ... :data:`.cost.FREE`) and
   cheap elementwise images of kept values (costed at half their bytes: a value is never kept beside its
-  elementwise image when one suffices); ``lambda = 0`` keeps the fewest bytes possible (``memory=0``). Under a budget, ``lambda`` is bisected (on a log scale) to
-  the largest value whose plan keeps at most the budget: kept bytes fall monotonically with ``lambda``
-  (parametric min-cut), so the plan found minimises recomputation among the Lagrangian plans that meet it.
+  elementwise image when one suffices); ``lambda = 0`` keeps the fewest bytes possible (``memory=0``). Under a budget,
+  ``lambda`` is bisected (on a log scale) to the largest value whose plan keeps at most the budget: kept bytes fall
+  monotonically with ``lambda`` (parametric min-cut), so the plan found minimises recomputation among the Lagrangian
+  plans that meet it.
 - A tie-breaking cost of one thousandth of a node's output bytes makes a recomputation that saves nothing
   lose to keeping the value; in the default plan a recomputation must save at least 16 KiB (each is one more
   node to run), so the default plan changes nothing that saves no real memory.

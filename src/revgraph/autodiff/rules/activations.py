@@ -5,8 +5,8 @@ Conventions (DESIGN.md section 5): at a kink next to a constant piece the 0 subg
 ``HardSigmoid``, ``ThresholdedRelu`` and ``Shrink``; ``HardSwish = x HardSigmoid(x)`` follows by the product
 rule: 0 at -3, 1 at 3); at the kink of ``PRelu`` and ``Selu`` (0) the slope of the left piece, as PyTorch.
 Strong zeros: slopes with an infinite limit (``Asin``, ``Acosh``, ``Atanh`` at the ends of their domains, ``Sinh``
-and ``Cosh`` overflowing) always use the strong-zero product (``Val.times``), so that a zero cotangent gives an exact zero; the other
-slopes are finite for finite inputs and use it where the forward values they read may be inf or NaN
+and ``Cosh`` overflowing) always use the strong-zero product (``Val.times``), so that a zero cotangent gives an exact
+zero; the other slopes are finite for finite inputs and use it where the forward values they read may be inf or NaN
 (``Ctx.nonfinite``: a graph input, a discarded ``Where`` branch), e.g. GELU's ``x phi(x)`` is NaN at -inf.
 Float attributes are rounded to float32 first, as ONNX stores them, so the derivative matches the forward.
 """

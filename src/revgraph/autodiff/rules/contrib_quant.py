@@ -10,14 +10,14 @@ are uint8 packed the same way along the blocks (``[N, ceil(k_blocks * bits / 8)]
 (``[N, k_blocks]``), or absent (``2^(bits - 1)``). K may stop inside the last block: ``W`` is cut to K columns.
 
 The weight is frozen: ``B``, ``scales`` and ``zero_points`` receive no gradient (a LoRA adapter beside the node
-is what trains; asking for the gradient of float scales or zero points is refused in one line), ``dA = dY @ W`` with ``W`` dequantized in the backward graph (``Div``/``Mod`` of the bytes, as
-integers; constant-folded by onnxruntime when the weight is an initializer), and ``dbias = sum(dY)``.
-``accuracy_level`` is the minimum precision of A's computation (the docs): at 4 the CPU kernel quantizes A to
-int8 per block, and its forward differs from the exact product by about 1e-3 relative (measured on the genai
-builder's int4 LLaMA, whose gradients equal PyTorch's of the dequantized weights to 3e-7 at level 0). It is a
-precision setting, as TF32 products are, not a rounding in the model's math: the VJP is the exact product's.
-Refused in one line: ``weight_prepacked`` (an execution provider's private layout), the deprecated ``g_idx``,
-``bits`` other than 2, 4 and 8.
+is what trains; asking for the gradient of float scales or zero points is refused in one line), ``dA = dY @ W`` with
+``W`` dequantized in the backward graph (``Div``/``Mod`` of the bytes, as integers; constant-folded by onnxruntime when
+the weight is an initializer), and ``dbias = sum(dY)``. ``accuracy_level`` is the minimum precision of A's computation
+(the docs): at 4 the CPU kernel quantizes A to int8 per block, and its forward differs from the exact product by about
+1e-3 relative (measured on the genai builder's int4 LLaMA, whose gradients equal PyTorch's of the dequantized weights to
+3e-7 at level 0). It is a precision setting, as TF32 products are, not a rounding in the model's math: the VJP is the
+exact product's. Refused in one line: ``weight_prepacked`` (an execution provider's private layout), the deprecated
+``g_idx``, ``bits`` other than 2, 4 and 8.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ Conventions (DESIGN.md section 5): broadcasting is undone with :meth:`Emitter.re
 take the 0 subgradient at 0; ties of ``Max``/``Min`` split the cotangent equally, and ``Clip`` is their
 composition ``Min(Max(x, min), max)``; strong zeros: where a rule multiplies the cotangent by a value that can
 be infinite or NaN (a derivative such as ``1 / x`` at 0, or a forward value that may be non-finite:
-``exp(1000)``, an infinite graph input), :meth:`Val.times <revgraph.autodiff.algebra.Val.times>` makes a zero cotangent give an exact zero (0 x inf = 0);
-selections (``Relu``, ``Where``, ``Clip``, ``Max``/``Min``) send an exact 0 to the unselected side.
-Integer results carry no gradient, also where an input is a float (``Cast`` to an integer, ``Pow`` of an
-integer base).
+``exp(1000)``, an infinite graph input), :meth:`Val.times <revgraph.autodiff.algebra.Val.times>` makes a zero cotangent
+give an exact zero (0 x inf = 0); selections (``Relu``, ``Where``, ``Clip``, ``Max``/``Min``) send an exact 0 to the
+unselected side. Integer results carry no gradient, also where an input is a float (``Cast`` to an integer, ``Pow`` of
+an integer base).
 """
 
 from __future__ import annotations

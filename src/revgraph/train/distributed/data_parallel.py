@@ -8,11 +8,11 @@ graph cut in two (:func:`revgraph.train.split_step`):
    those samples);
 2. the gradients are exchanged: every gradient is scaled by ``n_r / N`` (``N`` the global batch, the sum of
    the ``n_r``) and **dense** gradients are all-reduced (summed) in buckets of at most ``bucket_mb`` MiB (25 by
-   default, as ``torch.nn.parallel.DistributedDataParallel``; :mod:`revgraph.train.distributed.exchange`), so each rank gets the
-   mean gradient over the global batch, exact also when the last batch of an epoch does not split evenly. With
+   default, as ``torch.nn.parallel.DistributedDataParallel``; :mod:`revgraph.train.distributed.exchange`), so each rank
+   gets the mean gradient over the global batch, exact also when the last batch of an epoch does not split evenly. With
    several buckets the grad graph runs in segments and each bucket's all-reduce starts while the next segment
-   runs (:mod:`revgraph.train.distributed.overlap`). **Sparse** gradients of embedding tables (the ``(indices, rows)`` pairs of
-   ``revgraph.gradient(..., sparse=True)``) are all-gathered as rows (all tables in one packed buffer, their
+   runs (:mod:`revgraph.train.distributed.overlap`). **Sparse** gradients of embedding tables (the ``(indices, rows)``
+   pairs of ``revgraph.gradient(..., sparse=True)``) are all-gathered as rows (all tables in one packed buffer, their
    counts riding in the last bucket) and concatenated in rank order, never densified (Caffe2's
    ``data_parallel_model`` exchanged them the same way). With gradient accumulation, the micro-batches'
    gradients are summed into the buckets first (each weighted by its count over ``N``);
@@ -111,10 +111,11 @@ class Collective:
 
     Joins the default ``torch.distributed`` process group, initialising it from torchrun's environment
     (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when nobody has: backend ``gloo`` for the CPU,
-    ``nccl`` for CUDA, with ``timeout`` seconds (default :data:`revgraph.train.distributed.launch.DEFAULT_TIMEOUT`) for the join and
-    every collective. Before joining, the worker is set to die with its torchrun agent and the loopback-hostname
-    trap is checked (:mod:`revgraph.train.distributed.launch`). Raises :class:`RevgraphError` (one line) without torch, outside
-    torchrun, for that trap, and :class:`CollectiveError` when the group cannot be joined in time.
+    ``nccl`` for CUDA, with ``timeout`` seconds (default :data:`revgraph.train.distributed.launch.DEFAULT_TIMEOUT`) for
+    the join and every collective. Before joining, the worker is set to die with its torchrun agent and the
+    loopback-hostname trap is checked (:mod:`revgraph.train.distributed.launch`). Raises :class:`RevgraphError` (one
+    line) without torch, outside torchrun, for that trap, and :class:`CollectiveError` when the group cannot be joined
+    in time.
     """
 
     def __init__(self, device: Device, timeout: float | None = None):
@@ -242,10 +243,11 @@ class Collective:
 class DistributedEngine(SplitEngine):
     """A data-parallel training step (module doc): grad graph, gradient exchange, update graph. Parameters and
     state are held in one buffer set where the update may overwrite them (:class:`revgraph.train.engines.SplitEngine`;
-    ``one_set=False``: two sets); the dense gradients live in the all-reduce buckets (:mod:`revgraph.train.distributed.exchange`)
-    of at most ``bucket_mb`` MiB, exchanged in ``reduce_dtype`` (``"fp32"``: the gradients' own dtype;
-    ``"bf16"``). ``overlap``: with more than one bucket, run the grad graph in segments
-    (:mod:`revgraph.train.distributed.overlap`) and start each bucket's all-reduce as soon as its segment has produced it.
+    ``one_set=False``: two sets); the dense gradients live in the all-reduce buckets
+    (:mod:`revgraph.train.distributed.exchange`) of at most ``bucket_mb`` MiB, exchanged in ``reduce_dtype``
+    (``"fp32"``: the gradients' own dtype; ``"bf16"``). ``overlap``: with more than one bucket, run the grad graph in
+    segments (:mod:`revgraph.train.distributed.overlap`) and start each bucket's all-reduce as soon as its segment has
+    produced it.
 
     The phases a subclass may override: :meth:`_backward` (one micro-batch's grad graph run, calling back as
     buckets become ready), :meth:`_bucket_ready` (accumulate a bucket; start its exchange after the last
@@ -276,7 +278,8 @@ class DistributedEngine(SplitEngine):
         spec, torch = self.spec, self.comm.torch
         dense = [p for p in spec.params if p not in spec.sparse]
         like = {spec.grads[p][0]: spec.initial[p] for p in dense}
-        # the tail: the loss and every rank's count of sparse rows per table (module doc of revgraph.train.distributed.exchange)
+        # the tail: the loss and every rank's count of sparse rows per table (module doc of
+        # revgraph.train.distributed.exchange)
         self._tail_size = 1 + self.comm.world_size * len(spec.sparse)
         last = like[spec.grads[dense[0]][0]].dtype if dense else None
         rides = self.reduce_dtype == "fp32" and last in (np.float32, np.float64)
@@ -297,8 +300,9 @@ class DistributedEngine(SplitEngine):
         return super()._make_grad_session()
 
     def _cut(self):
-        """The segments of the grad graph, one per bucket (:func:`revgraph.train.distributed.overlap.cut`); the last bucket also
-        waits for the loss and the sparse gradients, which ride in its tail. ``None`` when it cannot be cut."""
+        """The segments of the grad graph, one per bucket (:func:`revgraph.train.distributed.overlap.cut`); the last
+        bucket also waits for the loss and the sparse gradients, which ride in its tail. ``None`` when it cannot be
+        cut."""
         spec = self.spec
         groups = [list(b.views) for b in self.buckets]
         groups[-1] += [spec.loss.loss, *(g for p in spec.sparse for g in spec.grads[p])]
@@ -402,8 +406,9 @@ class DistributedEngine(SplitEngine):
         self._fill_tail()
 
     def _fill_tail(self) -> None:
-        """Write the tail (:mod:`revgraph.train.distributed.exchange`): the step's loss so far and this rank's row count per table
-        in its own slot. Raises :class:`RevgraphError` when a count is too large for float32 to hold exactly."""
+        """Write the tail (:mod:`revgraph.train.distributed.exchange`): the step's loss so far and this rank's row count
+        per table in its own slot. Raises :class:`RevgraphError` when a count is too large for float32 to hold
+        exactly."""
         counts = [sum(int(i.shape[0]) for i, _ in parts) for parts in self._rows]
         if self._tail.dtype != self.comm.torch.float64 and max(counts, default=0) >= EXACT_COUNTS:
             raise RevgraphError(f"a step has {max(counts)} sparse gradient rows on one rank, more than the float32 "

@@ -1,6 +1,6 @@
-"""The pieces of the data-parallel gradient exchange (:class:`revgraph.train.distributed.data_parallel.DistributedEngine`): the
-all-reduce buckets of the dense gradients, and the packing of the sparse rows of all embedding tables into one
-byte buffer for one all-gather.
+"""The pieces of the data-parallel gradient exchange
+(:class:`revgraph.train.distributed.data_parallel.DistributedEngine`): the all-reduce buckets of the dense gradients,
+and the packing of the sparse rows of all embedding tables into one byte buffer for one all-gather.
 
 Buckets (as ``torch.nn.parallel.DistributedDataParallel`` builds them): the dense gradients in reverse
 parameter order, the order in which the backward pass produces them, packed back to back into flat tensors of

@@ -6,8 +6,8 @@ finishes them), so that after segment ``s`` the units it finishes can be reduce-
 buffer reused by the next segment. Each segment is an ONNX graph of its nodes: its inputs are the values it
 reads (also inside subgraphs, :func:`revgraph.ir.inplace.captured`) that earlier segments or the grad graph's
 inputs hold, its outputs the values it computes that later segments read or the grad graph returns; the
-types of crossing values come from :func:`revgraph.onnx_io.value_types.infer_types`. Initializers go to the segments that
-read them. The segments run one after the other; the values they pass on are kept only until their last
+types of crossing values come from :func:`revgraph.onnx_io.value_types.infer_types`. Initializers go to the segments
+that read them. The segments run one after the other; the values they pass on are kept only until their last
 reader. No overlap with communication: that is the segmented backward of the overlap work (issue 25, item 5).
 """
 

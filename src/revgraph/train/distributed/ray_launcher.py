@@ -3,9 +3,9 @@
 :func:`train_with_ray` starts ``num_workers`` Ray Train workers with ``ray.train.torch.TorchTrainer``, which
 sets up the same ``torch.distributed`` process group as ``torchrun`` (gloo on the CPU, nccl with GPUs) and
 the ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` variables; each worker builds ``revgraph.Trainer(...,
-distributed=True)``, which joins that group (:mod:`revgraph.train.distributed.data_parallel`), and calls :meth:`Trainer.fit`.
-Rank 0 then hands the trained model back as a Ray checkpoint (so it also reaches a driver on another
-machine). Ray and torch are imported only when :func:`train_with_ray` runs.
+distributed=True)``, which joins that group (:mod:`revgraph.train.distributed.data_parallel`), and calls
+:meth:`Trainer.fit`. Rank 0 then hands the trained model back as a Ray checkpoint (so it also reaches a driver on
+another machine). Ray and torch are imported only when :func:`train_with_ray` runs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The plan of sharded data-parallel training (:mod:`revgraph.train.distributed.sharding`): the flat units the dense parameters are
-packed into (:class:`Unit`, :func:`plan_units`), the order the backward finishes their gradients
+"""The plan of sharded data-parallel training (:mod:`revgraph.train.distributed.sharding`): the flat units the dense
+parameters are packed into (:class:`Unit`, :func:`plan_units`), the order the backward finishes their gradients
 (:func:`ready_order`), and the update graph over one rank's shards (:func:`shard_update_graph`: the optimizer
 formulas of :mod:`revgraph.train.optimizers` on flat vectors, with the schedule, clipping and weight-decay exclusions
 of :mod:`revgraph.train.schedules`)."""

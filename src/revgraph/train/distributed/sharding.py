@@ -1,7 +1,7 @@
 """Sharded data-parallel training: ZeRO-1 (``shard="optimizer"``) and ZeRO-2 (``shard="gradients"``).
 
-Unsharded (:class:`revgraph.train.distributed.data_parallel.DistributedEngine`), every rank of a world of ``W`` holds all of the
-parameters, the gradients and the optimizer state, and runs the whole update. Here, as in
+Unsharded (:class:`revgraph.train.distributed.data_parallel.DistributedEngine`), every rank of a world of ``W`` holds
+all of the parameters, the gradients and the optimizer state, and runs the whole update. Here, as in
 ``torch.distributed.optim.ZeroRedundancyOptimizer``, DeepSpeed's ZeRO stages 1 and 2 and FSDP2's flat
 parameters:
 
@@ -21,15 +21,16 @@ parameters:
   one), writing the new shard into its place in the unit; then every unit is **all-gathered**
   (``all_gather_into_tensor``, the rank's shard read in place) so that every rank holds all the new parameters;
 - ``"gradients"`` (ZeRO-2) also keeps no full gradient: the grad graph is cut into one segment per unit
-  (:mod:`revgraph.train.distributed.grad_segments`), each segment writes its unit's gradients into **one** bucket-sized buffer
-  that is reduce-scattered into the rank's gradient shard before the next segment runs. Gradient memory per
+  (:mod:`revgraph.train.distributed.grad_segments`), each segment writes its unit's gradients into **one** bucket-sized
+  buffer that is reduce-scattered into the rank's gradient shard before the next segment runs. Gradient memory per
   rank: the shards (``1 / W``) plus that one buffer, plus, transiently, any gradient the backward finishes in an
   earlier unit's segment (:attr:`ShardedEngine.plan`). When the grad graph cannot be cut (no types for the
   values crossing a cut), the whole grad graph runs at once: the full gradients then exist during the
   backward, and only the shards and one bucket are kept between steps.
 
 Sparse embedding tables (``TrainingGraph.sparse``: gradients as rows, updated by
-:func:`~revgraph.train.optimizers.sparse_update`) stay replicated and updated on every rank as in the unsharded engine (their rows are all-gathered); the step counter too.
+:func:`~revgraph.train.optimizers.sparse_update`) stay replicated and updated on every rank as in the unsharded engine
+(their rows are all-gathered); the step counter too.
 
 Checkpoints and reads: :meth:`ShardedEngine.read` all-gathers the state shards (a collective: every rank calls
 it, the trainer saves on rank 0 only), so checkpoints hold full arrays in the format of unsharded runs and load
@@ -124,7 +125,8 @@ class ShardedEngine(DistributedEngine):
         self._sets = [values, values]  # one set: every name is updated in place (or copied back)
         self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]), dtype=torch_dtype(torch, spec.initial[p].dtype),
                                         device=dev) for p in spec.sparse]
-        # the loss and every rank's count of sparse rows, all-reduced in float64 (revgraph.train.distributed.exchange's tail)
+        # the loss and every rank's count of sparse rows, all-reduced in float64 (revgraph.train.distributed.exchange's
+        # tail)
         self._tail = torch.zeros(1 + world * len(spec.sparse), dtype=torch.float64, device=dev)
         self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
         self._build_update()
@@ -181,8 +183,8 @@ class ShardedEngine(DistributedEngine):
         self._ub = ub
 
     def _build_segments(self) -> None:
-        """ZeRO-2: cut the grad graph into one segment per unit (:mod:`revgraph.train.distributed.grad_segments`); ``plan``
-        stays ``None`` when it cannot be cut."""
+        """ZeRO-2: cut the grad graph into one segment per unit (:mod:`revgraph.train.distributed.grad_segments`);
+        ``plan`` stays ``None`` when it cannot be cut."""
         from .grad_segments import cut, shared_cpu_arena
 
         spec = self.spec

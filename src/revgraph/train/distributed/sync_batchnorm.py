@@ -105,9 +105,9 @@ class SyncedBatchNorm:
 
 def rewrite(graph: Graph) -> tuple[Graph, list[SyncedBatchNorm]]:
     """A copy of ``graph`` with each top-level training-mode ``BatchNormalization`` written as explicit ops
-    around an ``AllReduceSum`` placeholder (:mod:`revgraph.train.distributed.graph_collectives`): the statistics over the global
-    batch, as ``torch.nn.SyncBatchNorm`` computes them. With ``c`` channels (axis 1), ``axes`` every other axis
-    and ``k`` a per-channel shift (a new graph input, ``[c]``; the engine feeds the running mean, the same on
+    around an ``AllReduceSum`` placeholder (:mod:`revgraph.train.distributed.graph_collectives`): the statistics over
+    the global batch, as ``torch.nn.SyncBatchNorm`` computes them. With ``c`` channels (axis 1), ``axes`` every other
+    axis and ``k`` a per-channel shift (a new graph input, ``[c]``; the engine feeds the running mean, the same on
     every rank, so that ``sum d^2`` does not lose the variance to cancellation: the shifted-data algorithm), on
     each rank ``d = x - k`` and ``t = sum_ranks [sum_axes d, sum_axes d^2, n]`` (``n`` the elements per channel,
     a float); ``m = t[:c] / n'``, ``mean = k + m``, ``v = max(t[c:2c] / n' - m^2, 0)`` (``n' = t[2c]``; the

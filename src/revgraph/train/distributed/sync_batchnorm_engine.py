@@ -1,6 +1,6 @@
-"""The data-parallel engines of models with training-mode ``BatchNormalization`` (:mod:`revgraph.train.distributed.sync_batchnorm`
-has the graph side): :class:`RankZeroStatisticsEngine` without ``sync_batchnorm``, :class:`SyncBatchNormEngine`
-with it."""
+"""The data-parallel engines of models with training-mode ``BatchNormalization``
+(:mod:`revgraph.train.distributed.sync_batchnorm` has the graph side): :class:`RankZeroStatisticsEngine` without
+``sync_batchnorm``, :class:`SyncBatchNormEngine` with it."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from .sync_batchnorm import running_statistics
 
 
 class RankZeroStatisticsEngine(DistributedEngine):
-    """:class:`~revgraph.train.distributed.data_parallel.DistributedEngine` for a model with training-mode ``BatchNormalization``
-    trained without ``sync_batchnorm``: each rank normalizes with its own batch statistics, and after the grad
-    graph has written each rank's running statistics into its parameter buffers (module doc), rank 0's are
-    broadcast to every rank before the update (``DistributedDataParallel(broadcast_buffers=True)`` broadcasts
+    """:class:`~revgraph.train.distributed.data_parallel.DistributedEngine` for a model with training-mode
+    ``BatchNormalization`` trained without ``sync_batchnorm``: each rank normalizes with its own batch statistics, and
+    after the grad graph has written each rank's running statistics into its parameter buffers (module doc), rank 0's
+    are broadcast to every rank before the update (``DistributedDataParallel(broadcast_buffers=True)`` broadcasts
     rank 0's buffers before each forward), so the ranks stay replicas.
     Raises :class:`RevgraphError` (one line) when the broadcast fails."""
 
@@ -49,17 +49,17 @@ def engine_class(spec, default: type) -> type:
 
 
 class SyncBatchNormEngine(DistributedEngine):
-    """The data-parallel step with ``sync_batchnorm`` (:func:`revgraph.train.distributed.sync_batchnorm.rewrite`): the grad graph
-    holds ``AllReduceSum`` placeholders (forward: each BatchNormalization's sums; backward: their cotangents'),
-    and runs as the segments of :func:`revgraph.train.distributed.graph_collectives.cut`, one onnxruntime session each, with the
-    all-reduces (``torch.distributed``, one per stage and dtype) between them. Each node's shift input is bound
-    to its running mean's buffer (identical on every rank).
+    """The data-parallel step with ``sync_batchnorm`` (:func:`revgraph.train.distributed.sync_batchnorm.rewrite`): the
+    grad graph holds ``AllReduceSum`` placeholders (forward: each BatchNormalization's sums; backward: their
+    cotangents'), and runs as the segments of :func:`revgraph.train.distributed.graph_collectives.cut`, one onnxruntime
+    session each, with the all-reduces (``torch.distributed``, one per stage and dtype) between them. Each node's shift
+    input is bound to its running mean's buffer (identical on every rank).
 
     The loss's cotangent is seeded with the rank's share ``n_r / N`` (``TrainingGraph.seed``), so every
     cotangent entering a backward all-reduce carries its rank's weight and the gradients come out already
     weighted: they are all-reduced without the ``n_r / N`` scaling of
-    :class:`~revgraph.train.distributed.data_parallel.DistributedEngine`. A rank without samples in the last global batch runs no
-    segment but takes part in every collective with zeros (sums over no sample). After the segments, the
+    :class:`~revgraph.train.distributed.data_parallel.DistributedEngine`. A rank without samples in the last global
+    batch runs no segment but takes part in every collective with zeros (sums over no sample). After the segments, the
     running statistics that are parameters get ``input * momentum + batch * (1 - momentum)`` from the global
     sums (the batch's population variance), as onnxruntime's kernel writes them in one process; the update
     graph then runs as in :class:`~revgraph.train.distributed.data_parallel.DistributedEngine`.
