@@ -36,7 +36,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     ],
     "jvp": [
         ("revgraph jvp model.onnx -o model.jvp.onnx", "a <x>_tangent input per input, <y>_tangent = J t outputs"),
-        ("revgraph jvp model.onnx -o jvp.onnx --outputs y --wrt x", "the tangent of y along x only"),
+        ("revgraph jvp model.onnx -o jvp.onnx --outputs logits --wrt x", "the tangent of logits along x only"),
     ],
     "hvp": [
         ("revgraph hvp model.onnx -o model.hvp.onnx", "<x>_grad and <x>_hvp outputs for a <x>_tangent input"),
@@ -44,7 +44,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     ],
     "jacobian": [
         ("revgraph jacobian model.onnx -o model.jacobian.onnx", "<y>_jacobian_<x> outputs"),
-        ("revgraph jacobian model.onnx -o jac.onnx --outputs y --wrt x --mode reverse", "one VJP per element of y"),
+        ("revgraph jacobian model.onnx -o jac.onnx --outputs logits --wrt x --mode reverse",
+         "one VJP per element of logits"),
     ],
     "hessian": [
         ("revgraph hessian model.onnx -o model.hessian.onnx", "<x>_hessian and cross blocks <xi>_hessian_<xj>"),
