@@ -15,5 +15,5 @@ from .transforms import hessian, hvp, jacobian
 
 _runtime.EXPANDERS[_PREVIEW_DOMAIN] = expand_gradient_ops
 
-__all__ = ["NOT_DIFFERENTIABLE", "RULES", "Emitter", "SparseGrad", "backward", "expand_gradient_ops", "gradient", "hessian", "hvp",
-           "jacobian", "jvp", "vjp"]
+__all__ = ["NOT_DIFFERENTIABLE", "RULES", "Emitter", "SparseGrad", "backward", "expand_gradient_ops", "gradient",
+           "hessian", "hvp", "jacobian", "jvp", "vjp"]

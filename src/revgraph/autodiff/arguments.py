@@ -92,7 +92,8 @@ def resolve_wrt(graph: Graph, wrt: Iterable[str] | str | None, types: dict[str, 
     if wrt is None:
         names = default_wrt(graph, types)
         if not names:
-            raise RevgraphError("the model has no floating-point inputs or initializers to differentiate; name values with --wrt")
+            raise RevgraphError("the model has no floating-point inputs or initializers to differentiate; "
+                                "name values with --wrt")
         return names
     return _floating_names(graph, names_argument(wrt, "wrt"), types, "to differentiate with respect to",
                            "{name!r} is {type}; only floating-point values have gradients")
@@ -112,7 +113,8 @@ def resolve_outputs(graph: Graph, outputs: Iterable[str] | str | None, types: di
                            "derivative; name the floating-point value it is computed from")
 
 
-def _floating_names(graph: Graph, names: list[str], types: dict[str, ValueInfo], role: str, not_float: str) -> list[str]:
+def _floating_names(graph: Graph, names: list[str], types: dict[str, ValueInfo], role: str,
+                    not_float: str) -> list[str]:
     """``names`` when each names a value of ``graph`` whose type is floating point (or unknown); else a one-line
     :class:`RevgraphError`: "no value named ... {role}" (with close names), or ``not_float`` formatted."""
     known = known_names(graph)

@@ -322,8 +322,8 @@ def _check_type(types: Mapping[str, ValueInfo], node: Node, name: str, primal: V
 
 
 def _mismatch(types: Mapping[str, ValueInfo], node: Node, name: str, primal: ValueInfo, what: str) -> None:
-    raise GraphError(f"{node.label()}: the VJP of {node.op_type} gives input {name!r} ({primal.describe()}) a cotangent "
-                     f"of {what}; the declared types of the model may be inconsistent (check it "
+    raise GraphError(f"{node.label()}: the VJP of {node.op_type} gives input {name!r} ({primal.describe()}) a "
+                     f"cotangent of {what}; the declared types of the model may be inconsistent (check it "
                      "with onnx.checker and shape inference), or this is a revgraph bug worth reporting")
 
 

@@ -145,12 +145,13 @@ class Ctx:
     ``e`` builds the nodes. ``need[i]``: does input i need a gradient (the backward pass reads it; rules return
     functions instead of testing it). ``finite``: are the node's output cotangents known to be finite
     (autodiff/finite.py)? ``singular``: may one of them be infinite even where every forward value is finite (a
-    singular derivative, ``Sqrt``'s at 0, or a non-finite seed on the way from a seed: :func:`finite.
-    nonfinite_cotangents` without the forward values' risk)? ``risky``: the forward values that may be inf or NaN. ``producers``: the node writing
-    each value of the graph being differentiated. ``reach``: every value on a path from a wrt value (what a
-    control-flow rule asks about captured values). ``backward``: the backward pass itself, for subgraphs.
-    ``refined``: the nodes whose operands' signs keep them finite and bounded (:mod:`.ranges`): a rule's
-    ``times(..., reads=None)`` then reads the node's own values instead of always testing ``g == 0``.
+    singular derivative, ``Sqrt``'s at 0, or a non-finite seed on the way from a seed:
+    :func:`revgraph.autodiff.finite.nonfinite_cotangents` without the forward values' risk)? ``risky``: the forward
+    values that may be inf or NaN. ``producers``: the node writing each value of the graph being differentiated.
+    ``reach``: every value on a path from a wrt value (what a control-flow rule asks about captured values).
+    ``backward``: the backward pass itself, for subgraphs. ``refined``: the nodes whose operands' signs keep them finite
+    and bounded (:mod:`.ranges`): a rule's ``times(..., reads=None)`` then reads the node's own values instead of always
+    testing ``g == 0``.
     """
 
     e: Emitter

@@ -287,7 +287,8 @@ class Emitter:
             tail = dg[lead:]
             # an unknown dimension (None) equals nothing, not even another unknown one: it may be broadcast
             if all(isinstance(a, int) or (a is not None and a == b) for a, b in zip(dx, tail, strict=True)):
-                axes = list(range(lead)) + [lead + i for i, (a, b) in enumerate(zip(dx, tail, strict=True)) if a == 1 and b != 1]
+                axes = [*range(lead), *(lead + i for i, (a, b) in enumerate(zip(dx, tail, strict=True))
+                                        if a == 1 and b != 1)]
                 if not axes:
                     return g
                 if lead == len(axes) or lead == 0:  # keepdims=1 over the same rank gives x's shape itself
@@ -305,6 +306,7 @@ class Emitter:
         diff = self.op("Sub", [self.op("Size", [sg]), self.op("Size", [sx])])
         ones = self.op("ConstantOfShape", [self.op("Unsqueeze", [diff, self.ints([0])])], value=np.ones(1, np.int64))
         padded = self.op("Concat", [ones, sx], axis=0)
-        axes = self.op("Reshape", [self.op("NonZero", [self.op("Not", [self.op("Equal", [padded, sg])])]), self.ints([-1])])
+        differ = self.op("Not", [self.op("Equal", [padded, sg])])
+        axes = self.op("Reshape", [self.op("NonZero", [differ]), self.ints([-1])])
         r = self.op("ReduceSum", [g, axes], keepdims=1, noop_with_empty_axes=1)
         return self.op("Reshape", [r, sx], like=x)

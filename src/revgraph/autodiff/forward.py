@@ -209,7 +209,8 @@ def _segment(graph: Graph, seg: list[Node], end: int, tangents: dict[str, str], 
     read = _needed([*both.nodes, *e2.nodes], new)
     for y, u in us.items():
         if u in read:  # a sequence's too (zeros of its structure: a transposed SequenceAt reads it)
-            zeros.nodes.append(Node("Identity", [zeros_like(zeros, y)], [u], name=zeros.fresh(f"jvp/zero_cotangent/{y}")))
+            zeros.nodes.append(Node("Identity", [zeros_like(zeros, y)], [u],
+                                    name=zeros.fresh(f"jvp/zero_cotangent/{y}")))
     # both.nodes, not e1.nodes: step 2 may have added nodes to it (the trip counter's start of a Loop in the VJP)
     ids = {id(n) for n in seg}
     cut = max((k + 1 for k, n in enumerate(both.nodes) if id(n) in ids), default=0)

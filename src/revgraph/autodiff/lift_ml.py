@@ -167,7 +167,8 @@ def lift_ml_coefficients(graph: Graph) -> tuple[Graph, list[str]]:
         base = node.name or node.outputs[-1]
         while f"{base}.coefficients" in taken or f"{base}.intercepts" in taken:
             base += "_"
-        nodes += _rewrite(node, base, w, b, _opset(g), [f"{base}.coefficients", f"{base}.intercepts"][:1 + (b is not None)])
+        names = [f"{base}.coefficients", f"{base}.intercepts"][:1 + (b is not None)]
+        nodes += _rewrite(node, base, w, b, _opset(g), names)
         g.initializers[f"{base}.coefficients"] = w
         lifted.append(f"{base}.coefficients")
         if b is not None:

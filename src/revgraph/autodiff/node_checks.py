@@ -63,10 +63,12 @@ def _pad(node, types, values):
 
 def _slice(node, types, values):
     rank = _rank(types, node.inputs[0])
-    parts = {k: _ints(values, node, i, k if i < 3 else None) for i, k in ((1, "starts"), (2, "ends"), (3, "axes"), (4, "steps"))}
+    parts = {k: _ints(values, node, i, k if i < 3 else None)
+             for i, k in ((1, "starts"), (2, "ends"), (3, "axes"), (4, "steps"))}
     lengths = {k: len(v) for k, v in parts.items() if v is not None}
     if len(set(lengths.values())) > 1:
-        _fail(node, "starts, ends, axes and steps have different lengths (" + ", ".join(f"{k} {n}" for k, n in lengths.items()) + ")")
+        said = ", ".join(f"{k} {n}" for k, n in lengths.items())
+        _fail(node, f"starts, ends, axes and steps have different lengths ({said})")
     _axes(node, parts["axes"], rank)
     if parts["axes"] is None and rank is not None and lengths and max(lengths.values()) > rank:
         _fail(node, f"starts and ends have {max(lengths.values())} values for an input of rank {rank}")
@@ -139,7 +141,8 @@ def _scatter_nd(node, types, values):
     if k > len(data):
         _fail(node, f"indices' last dimension {k} exceeds the data's rank {len(data)}")
     want = (*idx[:-1], *data[k:])
-    if len(upd) != len(want) or any(isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(upd, want, strict=True)):
+    if len(upd) != len(want) or any(isinstance(a, int) and isinstance(b, int) and a != b
+                                    for a, b in zip(upd, want, strict=True)):
         _fail(node, f"updates have shape {list(upd)}; data {list(data)} and indices {list(idx)} take {list(want)} "
                     "(indices.shape[:-1] + data.shape[indices.shape[-1]:])")
 

@@ -76,7 +76,8 @@ def dense_constants(model: onnx.ModelProto) -> None:
                 if a.type == onnx.AttributeProto.GRAPH:
                     stack.append(a.g)
                 stack.extend(a.graphs)
-            sparse = [a for a in node.attribute if a.name == "sparse_value" and a.type == onnx.AttributeProto.SPARSE_TENSOR]
+            sparse = [a for a in node.attribute
+                      if a.name == "sparse_value" and a.type == onnx.AttributeProto.SPARSE_TENSOR]
             if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or not sparse:
                 continue
             sp = sparse[0].sparse_tensor

@@ -191,7 +191,8 @@ def _ml_linear(node: Node, types: Mapping[str, ValueInfo]) -> dict[str, ValueInf
     if x is None:
         return {}
     if node.op_type == "LinearRegressor":
-        return {node.outputs[0]: ValueInfo(node.outputs[0], np.dtype(np.float32), (n, int(node.attrs.get("targets", 1))))}
+        targets = int(node.attrs.get("targets", 1))
+        return {node.outputs[0]: ValueInfo(node.outputs[0], np.dtype(np.float32), (n, targets))}
     t = len(node.attrs.get("intercepts", []))
     strings = node.attrs.get("classlabels_strings")
     labels = len(strings if strings is not None and len(strings) else node.attrs.get("classlabels_ints", []))

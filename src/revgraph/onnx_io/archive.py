@@ -141,7 +141,8 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str, declared:
     described = f"{dtype}{list(shape)}"
     fixed = False
     if declared is not None:
-        if len(shape) != len(declared) or any(isinstance(d, int) and d != s for d, s in zip(declared, shape, strict=False)):
+        if len(shape) != len(declared) or any(isinstance(d, int) and d != s
+                                              for d, s in zip(declared, shape, strict=False)):
             want = "[" + ",".join("?" if d is None else str(d) for d in declared) + "]"  # as ValueInfo.describe
             raise InputError(f"{label}: member {key!r} declares shape {list(shape)}; the model declares {want} for "
                              f"it (checked before reading)")

@@ -56,7 +56,8 @@ def onnx_node_types(node: Node, types: dict[str, ValueInfo], values: dict[str, n
     return _computed_dft_length(node, found, values)
 
 
-def _computed_dft_length(node: Node, found: dict[str, ValueInfo], values: dict[str, np.ndarray]) -> dict[str, ValueInfo]:
+def _computed_dft_length(node: Node, found: dict[str, ValueInfo],
+                         values: dict[str, np.ndarray]) -> dict[str, ValueInfo]:
     """onnx 1.23 gives a DFT with a ``dft_length`` computed in the graph the signal's length along the transformed
     axis (also when ``onesided=1`` halves it): leave that dimension unknown instead."""
     if node.op_type != "DFT" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or not node.inputs[1]:
@@ -181,7 +182,8 @@ def _complete_shapes(graph: Graph, types: dict[str, ValueInfo]) -> dict[str, Val
             values = {k: a for k, a in constant_values(graph, types).items() if a.size <= 64}
         for name, vi in node_types(node, types, values, graph.opset).items():
             known = types.get(name)
-            if vi.shape is not None and (known is None or known.shape is None or _static_dims(vi) > _static_dims(known)):
+            if vi.shape is not None and (known is None or known.shape is None
+                                         or _static_dims(vi) > _static_dims(known)):
                 dtype = vi.dtype if vi.dtype is not None or known is None else known.dtype
                 types[name] = ValueInfo(name, dtype, vi.shape, vi.kind)
     return types

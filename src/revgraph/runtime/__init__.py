@@ -252,7 +252,8 @@ def check_feeds(graph: Graph, feeds: Mapping[str, np.ndarray]) -> None:
         raise InputError(f"missing input(s) {', '.join(map(repr, missing))}; the graph needs {_list(graph.inputs)}")
     unknown = [n for n in feeds if n not in expected]
     if unknown:
-        raise InputError(f"unknown input(s) {', '.join(map(repr, unknown))}; the graph's inputs are {_list(graph.inputs)}")
+        raise InputError(f"unknown input(s) {', '.join(map(repr, unknown))}; "
+                         f"the graph's inputs are {_list(graph.inputs)}")
     for name, arr in feeds.items():
         vi = expected[name]
         if vi.kind != "tensor":
@@ -260,7 +261,8 @@ def check_feeds(graph: Graph, feeds: Mapping[str, np.ndarray]) -> None:
         if vi.dtype is not None and arr.dtype != vi.dtype:
             raise InputError(f"input {name!r} has dtype {arr.dtype}; the graph declares {vi.describe()}")
         if vi.shape is not None and (
-            arr.ndim != len(vi.shape) or any(isinstance(d, int) and d != s for d, s in zip(vi.shape, arr.shape, strict=True))
+            arr.ndim != len(vi.shape)
+            or any(isinstance(d, int) and d != s for d, s in zip(vi.shape, arr.shape, strict=True))
         ):
             raise InputError(f"input {name!r} has shape {list(arr.shape)}; the graph declares {vi.describe()}")
 

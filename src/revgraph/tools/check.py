@@ -323,7 +323,8 @@ def _note(notes: list[str], text: str) -> None:
 
 
 @V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, inputs=V.OPTIONAL_MAPPING, seed=V.SEED, rtol=V.NON_NEGATIVE,
-             atol=V.NON_NEGATIVE, directions=V.POSITIVE_INT, step=V.POSITIVE, backend=V.choice("onnxruntime", "reference"))
+             atol=V.NON_NEGATIVE, directions=V.POSITIVE_INT, step=V.POSITIVE,
+             backend=V.choice("onnxruntime", "reference"))
 def check_gradients(
     graph: Graph,
     loss: str | None = None,

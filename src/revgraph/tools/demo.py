@@ -225,7 +225,8 @@ def check_output_directory(out: str | Path, force: bool = False) -> dict:
     recorded = recorded or {}
     for name in (*FILES, MANIFEST):
         path = out / name
-        if not force and name != MANIFEST and os.path.lexists(path) and _fingerprint(path) not in recorded.get(name, []):
+        if (not force and name != MANIFEST and os.path.lexists(path)
+                and _fingerprint(path) not in recorded.get(name, [])):
             raise RevgraphError(f"demo -o {str(out)!r}: {str(path)!r} exists and the demo did not write it (or it "
                                 "changed since); choose a new directory, move the file away, or pass --force")
         if os.path.lexists(path):

@@ -145,9 +145,9 @@ def prepare(spec, data, static: Mapping | None = None, classes: int | None = Non
     for n in static:
         shape = types[spec.labels if n == "labels" else n].shape
         if shape and isinstance(shape[0], str) and shape[0] in batch_axes:
-            raise InputError(f"--static {n}: its first axis {shape[0]!r} is the sample axis of {batch_axes[shape[0]]!r}, "
-                             f"which the data gives per sample; give {n!r} in the data instead, or every input and the "
-                             "labels as --static (full-batch training)")
+            raise InputError(f"--static {n}: its first axis {shape[0]!r} is the sample axis of "
+                             f"{batch_axes[shape[0]]!r}, which the data gives per sample; give {n!r} in the data "
+                             "instead, or every input and the labels as --static (full-batch training)")
     fixed = {}
     for n, a in static.items():
         vi = types[spec.labels if n == "labels" else n]

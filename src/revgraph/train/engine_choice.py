@@ -48,7 +48,8 @@ class EngineSettings:
         self.refuse()
         if self.shard != "none" and not self.distributed:
             raise RevgraphError(f"shard={self.shard!r} (--shard {self.shard}) shards across data-parallel processes: "
-                                "train with distributed=True under torchrun (revgraph train --nproc N), or leave it out")
+                                "train with distributed=True under torchrun (revgraph train --nproc N), "
+                                "or leave it out")
 
     def refuse(self, accumulate: int = 1, precision: str = "fp32", world_size: int | None = None) -> None:
         """Raise :class:`InputError` for a combination of these settings with ``accumulate`` micro-batches,

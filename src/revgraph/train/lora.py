@@ -434,8 +434,8 @@ def extract(graph: Graph) -> tuple[dict[str, np.ndarray], dict]:
     missing = [(a, k) for a in found["adapters"] for k in ("A", "B") if a[k] not in graph.initializers]
     if missing:
         a, k = missing[0]
-        raise RevgraphError(f"the model has no initializer {a[k]!r}, the {k} adapter of weight {a['weight']!r} that its "
-                            f"metadata {KEY!r} names; export the trained model again (Trainer.export)")
+        raise RevgraphError(f"the model has no initializer {a[k]!r}, the {k} adapter of weight {a['weight']!r} "
+                            f"that its metadata {KEY!r} names; export the trained model again (Trainer.export)")
     return {n: np.asarray(graph.initializers[n]) for n in adapter_names(graph)}, found
 
 
@@ -450,7 +450,8 @@ def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge
     check_structure(configuration, _failure("lora.apply: the configuration",
                                             "pass what lora.extract or lora.load_adapters returns"))
     if not isinstance(arrays, Mapping):
-        raise RevgraphError(f"lora.apply: the adapters must be a mapping of arrays by name, got {type(arrays).__name__}")
+        raise RevgraphError("lora.apply: the adapters must be a mapping of arrays by name, "
+                            f"got {type(arrays).__name__}")
     weights = [a["weight"] for a in configuration["adapters"]]
     sites = {s.weight for s in _sites(base)}
     missing = [w for w in weights if w not in sites]
@@ -465,13 +466,14 @@ def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge
             adapter = (f"adapter {a[key]!r}" if source is None else f"{os.fspath(source)!r}: {kind} {a[key]!r}") + \
                 f" (the {key} adapter of weight {a['weight']!r})"
             if a[key] not in arrays:
-                raise RevgraphError(f"{adapter} is missing; the adapters hold {', '.join(map(repr, arrays)) or 'none'}: "
+                held = ", ".join(map(repr, arrays)) or "none"
+                raise RevgraphError(f"{adapter} is missing; the adapters hold {held}: "
                                     "write them with revgraph lora extract (lora.save_adapters)")
             value, name = _check_adapter(arrays[a[key]], adapter), new[a["weight"]][key]
             want = g.initializers[name]
             if value.shape != want.shape:
-                raise RevgraphError(f"{adapter} has shape {list(value.shape)}; weight {a['weight']!r} of the base model "
-                                    f"needs {list(want.shape)}: apply it to the model it was trained from")
+                raise RevgraphError(f"{adapter} has shape {list(value.shape)}; weight {a['weight']!r} of the base "
+                                    f"model needs {list(want.shape)}: apply it to the model it was trained from")
             g.initializers[name] = value.astype(want.dtype)
     return merge_adapters(g) if merge else g
 
@@ -579,8 +581,8 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]
         raise RevgraphError(f"{label}: the file holds no LoRA configuration (member {KEY!r}); {fix}")
     text = arrays.pop(KEY)
     if text.dtype.kind != "U" or text.ndim != 0:
-        raise RevgraphError(f"{label}: member {KEY!r} is a {text.dtype} array of shape {list(text.shape)}, not the JSON "
-                            f"text of a LoRA configuration; {fix}")
+        raise RevgraphError(f"{label}: member {KEY!r} is a {text.dtype} array of shape {list(text.shape)}, "
+                            f"not the JSON text of a LoRA configuration; {fix}")
     found = _parse_config(str(text), f"{label}: member {KEY!r}", fix)
     for a in found["adapters"]:  # what apply checks too, named here by member
         for key in ("A", "B"):

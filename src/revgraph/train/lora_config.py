@@ -115,8 +115,8 @@ def check_sites(graph: Graph, found: dict, sites: dict, fail: Callable[[str], Re
         for j, rec in enumerate(a["sites"]):
             s = sites.get(rec["node"])
             if s is None or s.weight != a["weight"] or s.node.outputs[0] != rec["base"]:
-                raise fail(f"adapter {k}'s site {rec['node']!r} is not a MatMul/Gemm/MatMulNBits of the model that reads "
-                           f"weight {a['weight']!r} and writes {rec['base']!r}")
+                raise fail(f"adapter {k}'s site {rec['node']!r} is not a MatMul/Gemm/MatMulNBits of the model "
+                           f"that reads weight {a['weight']!r} and writes {rec['base']!r}")
             # (a square weight may be read in both orientations: the record holds the first site's)
             if (s.dims, s.quantized) != ((a["in"], a["out"]), a["quantized"]) or (j == 0 and
                     s.transposed != a["transposed"]):

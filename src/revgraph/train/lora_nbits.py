@@ -65,7 +65,8 @@ def dequantized(graph: Graph, node: Node) -> np.ndarray:
     copy.inputs = ["eye", *node.inputs[1:5]]
     copy.attrs = {**copy.attrs, "accuracy_level": 0}
     copy.outputs = ["w"]
-    small = Graph(nodes=[copy], inputs=[ValueInfo("eye", dtype, (k, k))], outputs=[ValueInfo("w", dtype, (k, int(node.attrs["N"])))],
+    small = Graph(nodes=[copy], inputs=[ValueInfo("eye", dtype, (k, k))],
+                  outputs=[ValueInfo("w", dtype, (k, int(node.attrs["N"])))],
                   initializers={i: graph.initializers[i] for i in inputs}, opsets=dict(graph.opsets))
     return np.asarray(Session(small).run({"eye": np.eye(k, dtype=dtype)}, ["w"])["w"])
 

@@ -104,7 +104,8 @@ def _bce(x: Build) -> tuple[str, str | None, str | None]:
     b, labels, z = x.b, _labels_like(x), x.out
     m = b.op("Max", [z, b.const(0.0, x.vi.dtype)])
     lse = b.op("Log", [b.op("Add", [b.op("Exp", [b.op("Neg", [m])]), b.op("Exp", [b.op("Sub", [z, m])])])])
-    return b.op("ReduceMean", [b.op("Sub", [b.op("Add", [m, lse]), b.op("Mul", [z, labels])])], keepdims=0), labels, None
+    per_sample = b.op("Sub", [b.op("Add", [m, lse]), b.op("Mul", [z, labels])])
+    return b.op("ReduceMean", [per_sample], keepdims=0), labels, None
 
 
 def _class_logits(x: Build, kind: str, need: int, exact: bool, what: str) -> None:
@@ -383,9 +384,9 @@ def _ids_input(g: Graph, labels_from: str | None, logits: ValueInfo) -> str:
             # the targets meet int64 constants in the loss: another dtype or rank made onnxruntime refuse the graph
             vi = next(v for v in g.inputs if v.name == labels_from)
             if vi.dtype != np.dtype(np.int64) or (vi.shape is not None and len(vi.shape) != 2):
-                raise RevgraphError(f"--labels-from {labels_from}: input {labels_from!r} is {vi.describe()}; causal-lm's "
-                                    "targets are int64 token ids [batch, positions] (export the ids as int64, or give "
-                                    "--labels-from labels and a labels array)")
+                raise RevgraphError(f"--labels-from {labels_from}: input {labels_from!r} is {vi.describe()}; "
+                                    "causal-lm's targets are int64 token ids [batch, positions] (export the ids as "
+                                    "int64, or give --labels-from labels and a labels array)")
             return labels_from
         raise RevgraphError(f"--labels-from {labels_from!r}: the model has no such input (its inputs are "
                             f"{', '.join(g.input_names)}); name its token ids input, or 'labels' for a labels array")

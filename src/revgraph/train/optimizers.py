@@ -98,7 +98,8 @@ class Step:
         if not self.wd:
             return g
         b = self.b
-        coefficient = self.c(self.wd) if self.mask is None else b.const(np.where(self.mask, self.wd, 0).astype(self.dt), self.dt)
+        coefficient = (self.c(self.wd) if self.mask is None
+                       else b.const(np.where(self.mask, self.wd, 0).astype(self.dt), self.dt))
         decay = b.op("Mul", [coefficient, p])
         return decay if g is None else b.op("Add", [g, decay])
 
@@ -302,8 +303,8 @@ class Optimizer:
                   "betas": self.betas}
         bad = [k for k, v in values.items() if not np.isfinite(v).all()]
         if bad:  # (name the option and its value: `--lr nan` once said only "hyperparameters must be finite")
-            raise RevgraphError(f"optimizer hyperparameters must be finite numbers: {bad[0]} (--{bad[0].replace('_', '-')})"
-                                f" is {values[bad[0]]}")
+            raise RevgraphError(f"optimizer hyperparameters must be finite numbers: {bad[0]} "
+                                f"(--{bad[0].replace('_', '-')}) is {values[bad[0]]}")
         for ok, message in checks:
             if not ok:
                 raise RevgraphError(message)

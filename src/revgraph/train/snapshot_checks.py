@@ -246,7 +246,8 @@ def _numbers(where: str, field: str, v, n: int | None, finite: bool, what: str) 
 #: the types of the recorded hyperparameters (revgraph.train.run_record.record), by name
 _NUM = (int, float)
 RECORD_TYPES = {**setting_types(), "no_decay": (list,), "total_steps": (int, type(None)), "loss": (dict, str),
-                "precision": (str,), "straight_through": (bool,), "growth_factor": _NUM, "backoff_factor": _NUM, "growth_interval": _NUM}
+                "precision": (str,), "straight_through": (bool,), "growth_factor": _NUM, "backoff_factor": _NUM,
+                "growth_interval": _NUM}
 
 
 def check_meta(meta: dict, where: str, run: dict, names: list[str], optimizer: str, epochs: int | None,

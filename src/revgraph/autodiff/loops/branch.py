@@ -48,8 +48,9 @@ def _branch_vjp(ctx: Ctx, node: Node, key: str, branch: Graph, captured: list[st
         if g is not None and differentiable(types.get(out)):
             seeds.add(out, g)
     reads = set(captured_names(fwd))
-    body_vjp = ctx.backward(fwd, {y: seeds.dense_total(y) for y in seeds.pending()}, [c for c in captured if c in reads],
-                            types=types, options=ctx.options, singular=ctx.singular)
+    body_vjp = ctx.backward(fwd, {y: seeds.dense_total(y) for y in seeds.pending()},
+                            [c for c in captured if c in reads], types=types, options=ctx.options,
+                            singular=ctx.singular)
     eb.nodes += body_vjp.nodes
     outs = []
     for c in captured:

@@ -195,7 +195,8 @@ def _checkpointing_forward(e: Emitter, p: LoopParts, template: Graph, bounds: Bo
     k_end, c_end = ob.fresh(f"{name}/segments/count_out"), ob.fresh(f"{name}/segments/cond_out")
     ob.nodes.append(Node("Loop", [length, c_in, *(v.name for v in state), count.name, c_in], [*ends, k_end, c_end],
                          {"body": inner}, ob.fresh(f"{name}/segments/run")))
-    go = c_end if not m else ob.op("And", [c_end, ob.op("Less", [after, m], shape=(), dtype=BOOL)], shape=(), dtype=BOOL)
+    go = c_end if not m else ob.op("And", [c_end, ob.op("Less", [after, m], shape=(), dtype=BOOL)],
+                                   shape=(), dtype=BOOL)
     outs = [ValueInfo(go, BOOL, ()), *(ValueInfo(v, w.dtype, w.shape) for v, w in zip(ends, state, strict=True)),
             ValueInfo(k_end, I64, ())]
     outs += [ValueInfo(ob.op("Identity", [v.name]), v.dtype, v.shape) for v in state]

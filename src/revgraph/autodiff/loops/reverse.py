@@ -203,7 +203,8 @@ def count_trips(e: Emitter, p: LoopParts, patch: ForwardPatch) -> str:
     also when the condition stopped the loop early (T may be 0); return the trip count's name."""
     name = p.node.name
     zero, one = e.fresh(f"{name}/count_init"), e.fresh(f"{name}/one")
-    count_in, count_out, trips = e.fresh(f"{name}/count_in"), e.fresh(f"{name}/count_out"), e.fresh(f"{name}/trip_count")
+    count_in, count_out = e.fresh(f"{name}/count_in"), e.fresh(f"{name}/count_out")
+    trips = e.fresh(f"{name}/trip_count")
     patch.before.append(Node("Constant", [], [zero], {"value": np.array(0, np.int64)}, zero))
     patch.body += [Node("Constant", [], [one], {"value": np.array(1, np.int64)}, one),
                    Node("Add", [p.iter_in, one], [count_out], name=count_out)]

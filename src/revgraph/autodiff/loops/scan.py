@@ -59,7 +59,8 @@ def _lower(node: Node, types: dict[str, ValueInfo], used: set[str]) -> list[Node
                        Node("Sub", [trips, one], [last], name=last),
                        Node("Sub", [last, i], [index], name=index)]
         target = body.inputs[n_state + k].name
-        slices.append(Node("Gather", [node.inputs[n_state + k], index], [target], {"axis": in_axes[k]}, fresh_name(f"{base}/slice", used)))
+        slices.append(Node("Gather", [node.inputs[n_state + k], index], [target], {"axis": in_axes[k]},
+                           fresh_name(f"{base}/slice", used)))
     cond_out = fresh_name(f"{base}/cond_out", used)
     slices.append(Node("Identity", [cond], [cond_out], name=cond_out))
     loop_body = Graph(
@@ -77,13 +78,15 @@ def _lower(node: Node, types: dict[str, ValueInfo], used: set[str]) -> list[Node
     for k, (src, dst) in enumerate(zip(stacked, node.outputs[n_state:], strict=True)):
         cur = src
         if out_dirs[k]:
-            cur = nd("Slice", [cur, *(nd("Constant", [], value=np.array([v], np.int64)) for v in (-1, INT64_MIN, 0, -1))])
+            cur = nd("Slice", [cur, *(nd("Constant", [], value=np.array([v], np.int64))
+                                      for v in (-1, INT64_MIN, 0, -1))])
         axis = out_axes[k]
         if axis != 0:
             vi = types.get(body.outputs[n_state + k].name) or body.value_info.get(body.outputs[n_state + k].name)
             vi = vi if vi is not None and vi.shape is not None else body.outputs[n_state + k]
             if vi.shape is None:
-                raise GraphError(f"{node.label()}: scan_output_axes needs the rank of scan output {dst!r}; declare its shape")
+                raise GraphError(f"{node.label()}: scan_output_axes needs the rank of scan output {dst!r}; "
+                                 "declare its shape")
             rank = len(vi.shape) + 1
             axis = axis % rank
             perm = [*range(1, axis + 1), 0, *range(axis + 1, rank)]

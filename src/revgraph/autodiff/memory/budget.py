@@ -83,7 +83,8 @@ def as_budget(memory: object) -> Budget | None:
     if isinstance(memory, str):
         return parse_budget(memory)
     if isinstance(memory, bool):
-        raise RevgraphError(f"memory must be a fraction (float), a byte count (int) or a revgraph.Budget, got {memory!r}")
+        raise RevgraphError(f"memory must be a fraction (float), a byte count (int) or a revgraph.Budget, "
+                            f"got {memory!r}")
     if isinstance(memory, int):
         if memory < 0:
             raise RevgraphError(f"a memory budget cannot be negative, got {memory}")

@@ -89,7 +89,9 @@ def lifetimes(graph: Graph, dims: Mapping[str, int] | None = None,
             if r is not None:
                 death[r] = k
         aliasing = node.op_type in ALIASING and node.domain in ("", "ai.onnx") and node.inputs
-        source = (node.inputs[0] if node.inputs[0] in resident_names else root.get(node.inputs[0])) if aliasing else None
+        source = None
+        if aliasing:
+            source = node.inputs[0] if node.inputs[0] in resident_names else root.get(node.inputs[0])
         for o in node.outputs:
             if not o or o in root:
                 continue

@@ -284,7 +284,8 @@ def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
     plan = MemoryPlan(saved_before=sum(s or 0 for s in sizes), dims=sizing.used,
                       unknown=[r for r, s in zip(p.residuals, sizes, strict=True) if s is None])
     free = p.candidates(free_only=True)
-    chosen, kept, cost = _Cuts(p, free, _unit(p, free, plan), True).solve(None) if free else (set(), plan.saved_before, 0)
+    chosen, kept, cost = (_Cuts(p, free, _unit(p, free, plan), True).solve(None) if free
+                          else (set(), plan.saved_before, 0))
     plan.saved_default = kept
     if budget is not None and not (budget.fraction is not None and budget.fraction >= 1):
         target = round(budget.fraction * kept) if budget.fraction is not None else budget.bytes

@@ -8,7 +8,8 @@ from . import (  # noqa: F401
     contrib_fused,  # com.microsoft Gelu, BiasGelu, FastGelu, QuickGelu, BiasAdd, FusedMatMul
     contrib_gqa,  # com.microsoft GroupQueryAttention
     contrib_mha,  # com.microsoft MultiHeadAttention, Attention
-    contrib_norm,  # com.microsoft SkipLayerNormalization, SkipSimplifiedLayerNormalization; SimplifiedLayerNormalization
+    # com.microsoft SkipLayerNormalization, SkipSimplifiedLayerNormalization; SimplifiedLayerNormalization
+    contrib_norm,
     contrib_quant,  # com.microsoft MatMulNBits (a frozen base)
     contrib_rotary,  # com.microsoft RotaryEmbedding
     conv,  # Conv, ConvTranspose

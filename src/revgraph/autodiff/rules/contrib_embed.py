@@ -66,9 +66,8 @@ def embed_layer_normalization(ctx: Ctx, node: Node, cts: list) -> list:
         if g_out is None:
             return None
         s = kept or _rebuilt_sum(ctx, node, positions())
-        ln = Node("LayerNormalization", [s, gamma, beta], [node.outputs[0]], {"axis": -1,
-                                                                            "epsilon": f32_attr(node, "epsilon", 1e-12)},
-                  name=node.name)
+        ln = Node("LayerNormalization", [s, gamma, beta], [node.outputs[0]],
+                  {"axis": -1, "epsilon": f32_attr(node, "epsilon", 1e-12)}, name=node.name)
         return RULES["LayerNormalization"](ctx, ln, [g_out])
 
     @cache

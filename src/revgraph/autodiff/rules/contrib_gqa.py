@@ -171,7 +171,8 @@ class _Gqa:
             start = self.val(e.op("Slice", [given.name, e.ints([0, 0]), e.ints([1, 1]), e.ints([0, 1])]))
             pos = where(self.first, start + self.rows, given, like=None)
         c, s = (self.val(e.op("Unsqueeze", [cache_rows(e, t, pos.name), e.ints([1])])) for t in (self.cos, self.sin))
-        return Rotation(c, s, half_width(e, self.node, self.cos), bool(int(self.node.attrs.get("rotary_interleaved", 0))))
+        interleaved = bool(int(self.node.attrs.get("rotary_interleaved", 0)))
+        return Rotation(c, s, half_width(e, self.node, self.cos), interleaved)
 
     @cached_property
     def qk_rot(self) -> tuple[str, str]:

@@ -59,8 +59,8 @@ class Rotation:
         """The features of ``x`` with its rotated pairs replaced by ``(a, b)``."""
         e = x.ctx.e
         if self.interleaved:
-            both = e.op("Concat", [e.op("Unsqueeze", [a.name, e.ints([-1])]), e.op("Unsqueeze", [b.name, e.ints([-1])])],
-                        axis=-1)
+            both = e.op("Concat", [e.op("Unsqueeze", [a.name, e.ints([-1])]),
+                                   e.op("Unsqueeze", [b.name, e.ints([-1])])], axis=-1)
             rot = e.op("Reshape", [both, e.op("Concat", [e.op("Shape", [a.name], end=-1), e.ints([2 * self.half])],
                                                         axis=0)])
         else:

@@ -252,7 +252,8 @@ def _cofactors(e: Emitter, x: str, rank: int) -> str:
         cols = e.op("Range", [zero, e.op("Sub", [size, one]), one])
         col_row = e.op("Unsqueeze", [cols, e.ints([0])])
         row_col = e.op("Unsqueeze", [rows, e.ints([1])])
-        keep = e.op("Add", [col_row, e.op("Cast", [e.op("GreaterOrEqual", [col_row, row_col])], to=onnx_dtype(np.int64))])
+        keep = e.op("Add", [col_row, e.op("Cast", [e.op("GreaterOrEqual", [col_row, row_col])],
+                                          to=onnx_dtype(np.int64))])
         parity = e.op("Mod", [e.op("Add", [row_col, e.op("Unsqueeze", [rows, e.ints([0])])]), e.const(i64(2))])
         sign = e.op("CastLike", [e.op("Sub", [one, e.op("Mul", [parity, e.const(i64(2))])]), x])
     b = rank - 2

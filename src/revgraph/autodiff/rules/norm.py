@@ -403,7 +403,8 @@ def _batch_norm_training_fused(ctx: Ctx, x: str, scale: str, gy: Val, rank: int,
         xh, var = stats()
         inv = (var + eps).sqrt().reciprocal()  # [C]: the types of var
         fit = xh.apply("BatchNormalization", s2() * n, s1() * n, zero, one, epsilon=0.0, like=x)  # xh s2/n + s1/n
-        k = inv.out("Mul", scale, **vec).out("Unsqueeze", e.ints([0, *range(2, rank)]), shape=(1, c) + (1,) * (rank - 2), dtype=dt)
+        k = inv.out("Mul", scale, **vec).out("Unsqueeze", e.ints([0, *range(2, rank)]),
+                                             shape=(1, c) + (1,) * (rank - 2), dtype=dt)
         return gy.apply("Sub", fit, like=x).apply("Mul", k, like=x)
 
     return [dx, s2, s1]

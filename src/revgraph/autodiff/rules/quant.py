@@ -51,7 +51,8 @@ from ._common import optional_input
 
 not_differentiable(
     "integer output (rounding: derivative 0 almost everywhere); a QuantizeLinear -> DequantizeLinear pair gets the "
-    "straight-through estimator with straight_through=True (the DequantizeLinear rule)", "QuantizeLinear", bounded=False, finite=False)
+    "straight-through estimator with straight_through=True (the DequantizeLinear rule)", "QuantizeLinear",
+    bounded=False, finite=False)
 
 
 #: the operators whose quantized output a DequantizeLinear forms a pair with (the straight-through estimator)

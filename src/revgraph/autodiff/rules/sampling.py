@@ -311,7 +311,8 @@ def affine_grid(ctx: Ctx, node: Node, cts: list) -> list:
             others = [a for a in spatial if a != axis]
             gs = g.sum(others, keepdims=0) if others else g  # [N, S, r]
             size = dims[axis] if dims is not None and isinstance(dims[axis], int) else ctx.val(
-                e.op("Squeeze", [e.op("Shape", [g.name], start=axis, end=axis + 1)], shape=(), dtype=np.dtype(np.int64)))
+                e.op("Squeeze", [e.op("Shape", [g.name], start=axis, end=axis + 1)], shape=(),
+                     dtype=np.dtype(np.int64)))
             cols.append(gs.transpose([0, 2, 1]) @ _base_coords(ctx, size, g, align))  # [N, r, 1]
         cols.append(g.sum(spatial, keepdims=0).unsqueeze([2]))
         return e.op("Concat", [c.name for c in cols], axis=2, like=theta)

@@ -246,7 +246,8 @@ def stft(ctx: Ctx, node: Node, cts: list) -> list:
             return e.const(pos.astype(np.int64))
         count = e.const(np.int64(frames)) if frames is not None else \
             e.op("Squeeze", [e.op("Shape", [g.name], start=1, end=2), e.ints([0])])
-        starts = e.op("Mul", [e.op("Range", [e.const(np.int64(0)), count, e.const(np.int64(1))]), e.const(np.int64(step))])
+        starts = e.op("Mul", [e.op("Range", [e.const(np.int64(0)), count, e.const(np.int64(1))]),
+                              e.const(np.int64(step))])
         ramp = e.op("Range", [e.const(np.int64(0)), e.const(np.int64(length)), e.const(np.int64(1))])
         return e.op("Add", [e.op("Unsqueeze", [starts, e.ints([1])]), e.op("Unsqueeze", [ramp, e.ints([0])])])
 

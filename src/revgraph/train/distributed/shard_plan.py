@@ -109,7 +109,8 @@ def shard_update_graph(spec: TrainingGraph, units: list[Unit]) -> tuple[Graph, l
         inputs += [ValueInfo(n, u.dtype, (u.k,)) for n in (p, g, *state)]
         b.prefix, start = f"optim/shard{j}", len(b.nodes)
         new_p, new_s = update(b, scalars, p, grads[j], state, u.dtype, decay=flat_decay(u, spec.no_decay))
-        news = name_outputs(b, start, [(new_p, f"{p}.new"), *((v, f"{s}.new") for s, v in zip(state, new_s, strict=True))])
+        news = name_outputs(b, start, [(new_p, f"{p}.new"),
+                                       *((v, f"{s}.new") for s, v in zip(state, new_s, strict=True))])
         pairs += list(zip([p, *state], news, strict=True))
         outputs += [ValueInfo(n, u.dtype, (u.k,)) for n in news]
     for p in spec.sparse:

@@ -123,8 +123,9 @@ class ShardedEngine(DistributedEngine):
             self._tensors[spec.total] = torch.zeros((), dtype=torch.int64, device=dev)
         values.update((n, ortvalue_from_dlpack(t)) for n, t in self._tensors.items())
         self._sets = [values, values]  # one set: every name is updated in place (or copied back)
-        self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]), dtype=torch_dtype(torch, spec.initial[p].dtype),
-                                        device=dev) for p in spec.sparse]
+        self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]),
+                                        dtype=torch_dtype(torch, spec.initial[p].dtype), device=dev)
+                            for p in spec.sparse]
         # the loss and every rank's count of sparse rows, all-reduced in float64 (revgraph.train.distributed.exchange's
         # tail)
         self._tail = torch.zeros(1 + world * len(spec.sparse), dtype=torch.float64, device=dev)
