@@ -10,6 +10,10 @@ and the sparse contract does not); the backward pass concatenates and densifies 
 
 The transposes of GatherND go through :func:`~revgraph.autodiff.sparse.scatter_nd_reduce`, race free (see
 ``scatter.py``).
+
+The transposes are data movement (scatters of the cotangent into zeros, index tables and their reshapes) and
+stay :meth:`~revgraph.autodiff.emitter.Emitter.op` calls, the shape plumbing of DESIGN.md's rules; the
+formulas (OneHot's values, TensorScatter's slots and kept positions) are written in the algebra.
 """
 
 from __future__ import annotations
@@ -210,8 +214,9 @@ def tensor_scatter(ctx: Ctx, node: Node, cts: list) -> list:
     axis = int(node.attrs.get("axis", -2)) % r
     m, n = dim(e, past, axis), dim(e, upd, axis)
     spread = [d for d in range(r) if d not in (0, axis)]  # [batch, sequence] tables -> rank r
+    gv = ctx.val(g)
 
-    def dpast() -> str:
+    def dpast() -> Val:
         mv, nv = e.value(m), e.value(n)
         if w is None:  # slots 0 .. n-1 are written
             if mv is not None and nv is not None and small([int(mv)]):
@@ -219,34 +224,32 @@ def tensor_scatter(ctx: Ctx, node: Node, cts: list) -> list:
                 shape[axis] = int(mv)
                 kept = e.const((np.arange(int(mv)) >= int(nv)).reshape(shape))
             else:
-                kept = e.op("Unsqueeze", [e.op("GreaterOrEqual", [_ramp(e, m), n]),
-                                          e.ints([d for d in range(r) if d != axis])])
-            return ctx.select(kept, g, like=past)
-        off = e.op("Sub", [e.op("Unsqueeze", [_ramp(e, m), e.ints([0])]), e.op("Unsqueeze", [w, e.ints([1])])])
+                kept = _ramp(ctx, m).ge(n).unsqueeze([d for d in range(r) if d != axis])
+            return gv.select(kept, like=past)
+        off = _ramp(ctx, m).unsqueeze([0]) - ctx.val(w).unsqueeze([1])  # the slot's distance from the write index
         if circular:  # Mod of integers takes the divisor's sign: 0 <= off < m
-            kept = e.op("GreaterOrEqual", [e.op("Mod", [off, m]), n])
+            kept = off.apply("Mod", m, like=None).ge(n)
         else:
-            kept = e.op("Or", [e.op("Less", [off, e.const(np.int64(0))]), e.op("GreaterOrEqual", [off, n])])
-        kept = e.op("Unsqueeze", [kept, e.ints(spread)]) if spread else kept
-        return ctx.select(kept, g, like=past)
+            kept = off.lt(np.asarray(0, dtype=np.int64)) | off.ge(n)
+        return gv.select(kept.unsqueeze(spread) if spread else kept, like=past)
 
-    def dupdate() -> str:
+    def dupdate() -> str | Val:
         if w is None:
             return e.op("Slice", [g, e.ints([0]), e.op("Reshape", [n, e.ints([1])]) if e.value(n) is None
                                   else e.ints([int(e.value(n))]), e.ints([axis])], like=upd)
-        slots = e.op("Add", [e.op("Unsqueeze", [w, e.ints([1])]), e.op("Unsqueeze", [_ramp(e, n), e.ints([0])])])
+        slots = ctx.val(w).unsqueeze([1]) + _ramp(ctx, n).unsqueeze([0])
         if circular:
-            slots = e.op("Mod", [slots, m])
-        slots = e.op("Unsqueeze", [slots, e.ints(spread)]) if spread else slots
-        slots = e.op("Expand", [slots, e.shape_of(upd)])
-        return e.op("GatherElements", [g, slots], axis=axis, like=upd)
+            slots = slots.apply("Mod", m, like=None)
+        slots = slots.unsqueeze(spread) if spread else slots
+        return gv.apply("GatherElements", slots.expand(e.shape_of(upd)), like=upd, axis=axis)
 
     return [dpast, dupdate, None][:len(node.inputs)]
 
 
-def _ramp(e: Emitter, n: str) -> str:
+def _ramp(ctx: Ctx, n: str) -> Val:
     """int64 ``[0, 1, ..., n-1]`` for a 0-d int64 ``n`` (a constant when ``n`` is)."""
-    v = e.value(n)
+    e, v = ctx.e, ctx.value(n)
     if v is not None and small([int(v)]):
-        return e.const(np.arange(int(v), dtype=np.int64))
-    return e.op("Range", [e.const(np.int64(0)), n, e.const(np.int64(1))], shape=(None,), dtype=np.dtype(np.int64))
+        return ctx.val(e.const(np.arange(int(v), dtype=np.int64)))
+    return ctx.val(e.op("Range", [e.const(np.int64(0)), n, e.const(np.int64(1))], shape=(None,),
+                        dtype=np.dtype(np.int64)))
