@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             med = {k: statistics.median(r[k] for r in runs) for k in PHASES}
             total = statistics.median(sum(r[k] for k in PHASES) for r in runs)
             phases = " / ".join(f"{1e3 * med[k]:.1f}" for k in PHASES)
-            table.add_row(kind, f"{n:,}", f"{1e3 * total:.1f}", phases, f"{1e6 * total / n:.0f}", f"{runs[0]['nodes']:,}")
+            table.add_row(kind, f"{n:,}", f"{1e3 * total:.1f}", phases, f"{1e6 * total / n:.0f}",
+                          f"{runs[0]['nodes']:,}")
             if args.profile:
                 console.print(f"[bold]{kind} {n:,}[/bold]\n" + profile(copy.deepcopy(proto), args.profile))
     console.print(table)

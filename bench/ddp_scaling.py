@@ -128,14 +128,15 @@ def render(res: dict) -> list[str]:
     i = res["inputs"]
     cols = [(k, h) for k, h in COLUMNS if all(f"{k}_ms" in r for r in res["rows"])]
     cost = f"{res['cost']:.2f}x" if res.get("cost") else "not measured"
-    lines = [(f"Model (bench/ddp_scaling.py): {i['params'] / 1e6:.0f}M fp32 parameters, forward {i['forward_ms']:g} ms, "
-              f"backward {i['backward_ms']:g} ms on one GPU; {res['buckets']} buckets (first "
+    lines = [(f"Model (bench/ddp_scaling.py): {i['params'] / 1e6:.0f}M fp32 parameters, forward {i['forward_ms']:g} "
+              f"ms, backward {i['backward_ms']:g} ms on one GPU; {res['buckets']} buckets (first "
               f"{i['first_bucket_bytes'] / 2**20:g} MiB, then {i['bucket_bytes'] / 2**20:g} MiB); ring all-reduce "
               f"2(W-1)/W x bytes / {i['bandwidth_gbit']:g} Gbit/s + 2(W-1) x {i['alpha_us']:g} us, one collective at a "
               f"time. revgraph's cost of cutting the grad graph into segments, measured on this CPU (the Transformer "
-              f"with 0.05 MiB buckets, its segments against its uncut grad graph): {cost}; it multiplies the whole forward+backward in the "
-              "last column (pessimistic for a GPU, where a segment boundary costs a kernel launch and a session "
-              "run, not a share of the compute). Step times in ms, efficiency = one GPU's step / W GPUs' step."),
+              f"with 0.05 MiB buckets, its segments against its uncut grad graph): {cost}; it multiplies the whole "
+              "forward+backward in the last column (pessimistic for a GPU, where a segment boundary costs a kernel "
+              "launch and a session run, not a share of the compute). Step times in ms, efficiency = one GPU's step / "
+              "W GPUs' step."),
              "", "| GPUs | " + " | ".join(f"{h} | efficiency" for _, h in cols) + " |",
              "|---:|" + "---:|---:|" * len(cols)]
     for r in res["rows"]:

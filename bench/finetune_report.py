@@ -54,8 +54,8 @@ def _spread(p: dict) -> str:
 
 def results(res: dict) -> list[str]:
     lines = [("| run | max \\|loss diff\\| (step) | loss, step 1 -> last (rg / PyTorch) | ms per step rg / PyTorch | "
-             "time ratio (quartiles) | CPU / wall rg / PyTorch | peak MB rg / PyTorch | peak ratio | over imports MB rg / PyTorch | to first step s "
-             "rg / PyTorch |"),
+             "time ratio (quartiles) | CPU / wall rg / PyTorch | peak MB rg / PyTorch | peak ratio | over imports MB "
+             "rg / PyTorch | to first step s rg / PyTorch |"),
              "| :--- | ---: | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in res["pairs"]:
         rg, pt = p["rg"], p["torch"]

@@ -158,7 +158,8 @@ def torch_function(model: str):
     elif model == "transformer":
         def f(x, wq, bq, wk, bk, wv, bv, wo, bo, g1, be1, w1, b1, w2, b2, g2, be2):
             b, s, d, nh = TF_BATCH, TF_SEQ, TF_WIDTH, TF_HEADS
-            q, k, v = ((x @ w + c).reshape(b, s, nh, d // nh).transpose(1, 2) for w, c in ((wq, bq), (wk, bk), (wv, bv)))
+            q, k, v = ((x @ w + c).reshape(b, s, nh, d // nh).transpose(1, 2)
+                       for w, c in ((wq, bq), (wk, bk), (wv, bv)))
             att = torch.softmax(q @ k.transpose(2, 3) * (d // nh) ** -0.5, dim=-1)
             o = (att @ v).transpose(1, 2).reshape(b, s, d)
             n1 = F.layer_norm(x + o @ wo + bo, (d,), g1, be1, 1e-5)
@@ -398,7 +399,8 @@ def tables(rows: list[dict], jax_note: str | None) -> str:
     has_jax = any("jax_jvp" in r["seconds"] for r in rows)
     head = ["model", "tangent on", "nodes fwd / JVP / VJP", "ORT nodes fwd / JVP / VJP", "forward ms", "rg JVP ms",
             "rg VJP ms", "torch.func.jvp ms"] + (["jax.jvp ms"] if has_jax else []) + \
-           ["JVP / torch"] + (["JVP / jax"] if has_jax else []) + ["JVP / VJP", "JVP / forward", "tangent error rg / torch" + (" / jax" if has_jax else "")]
+           ["JVP / torch"] + (["JVP / jax"] if has_jax else []) + \
+           ["JVP / VJP", "JVP / forward", "tangent error rg / torch" + (" / jax" if has_jax else "")]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([":--", ":--"] + ["--:"] * (len(head) - 2)) + "|"]
     for r in rows:
         s, n, o = r["seconds"], r["nodes"], r["ort_nodes"]
@@ -415,7 +417,8 @@ def tables(rows: list[dict], jax_note: str | None) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if jax_note:
         lines += ["", f"JAX column left out: {jax_note}"]
-    lines += ["", "| model | tangent on | operators of the JVP graph (all levels) beyond the forward's |", "|:--|:--|:--|"]
+    lines += ["", "| model | tangent on | operators of the JVP graph (all levels) beyond the forward's |",
+              "|:--|:--|:--|"]
     for r in rows:
         fwd, jvp = Counter(r["nodes"]["forward"]["ops"]), Counter(r["nodes"]["jvp"]["ops"])
         extra = ", ".join(f"{op} {k}" for op, k in (jvp - fwd).most_common())

@@ -102,7 +102,8 @@ def _measure(steps: int, policy: str, queue) -> None:
         out = sess.run(None, feeds)
         times.append(time.perf_counter() - t0)
     checksum = float(sum(np.abs(o).sum() for o in out[1:]))
-    queue.put({"peak_mb": (peak - before) / 1024, "time_s": statistics.median(times), "build_s": build, "checksum": checksum})
+    queue.put({"peak_mb": (peak - before) / 1024, "time_s": statistics.median(times), "build_s": build,
+               "checksum": checksum})
 
 
 def _status(field: str) -> int:

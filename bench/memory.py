@@ -525,7 +525,8 @@ def render(res: dict, json_path: str = "bench/results/memory.json") -> str:
          "baseline (optimizer state, arenas, compiled code, memory the allocator keeps): *over setup* starts from "
          "there, so an allocator that keeps the first step's memory shows a small *over setup* and a large *kept*."),
         "",
-        matrix(lambda r: f"{r['built'] - r['import']:,.0f} / {r['first_step']:,.0f} / {r['setup_rss'] - r['import']:,.0f}"
+        matrix(lambda r: f"{r['built'] - r['import']:,.0f} / {r['first_step']:,.0f} / "
+                         f"{r['setup_rss'] - r['import']:,.0f}"
                if "built" in r else "–"),
     ]
     na = sorted({f"{SHORT[c]}: {r['cells'][c].get('why')}" for r in rows for c in configs
@@ -585,9 +586,10 @@ def _goals(res: dict) -> list[str]:
     if not out:
         return []
     return ["### Goals of issue 24", "", table(["goal", "row", "now", "met?"], out, "llrl"), "",
-            ("*Over setup* starts after the warm-up step: an allocator that keeps the first step's memory (onnxruntime's "
-             "arena, on in revgraph's training default; glibc's heap) has little left to add in the measured step, so "
-             "*total* is the figure to compare across frameworks (the last table shows what each keeps)."), ""]
+            ("*Over setup* starts after the warm-up step: an allocator that keeps the first step's memory "
+             "(onnxruntime's arena, on in revgraph's training default; glibc's heap) has little left to add in the "
+             "measured step, so *total* is the figure to compare across frameworks (the last table shows what each "
+             "keeps)."), ""]
 
 
 def _met(b: bool) -> str:

@@ -185,7 +185,8 @@ def conv_weight_grad(threads: int = 2, seconds: float = 0.3, rounds: int = 3) ->
         for name, run in runners.items():
             times[name].append(_time(run, seconds))
     return {"shape": {"x": [n, c, h, h], "w": [o, c, k, k]},
-            "max_rel_diff": {"revgraph": float(np.abs(a - t).max() / scale), "im2col": float(np.abs(b - t).max() / scale),
+            "max_rel_diff": {"revgraph": float(np.abs(a - t).max() / scale),
+                             "im2col": float(np.abs(b - t).max() / scale),
                              "whole-gradient Conv": float(np.abs(a_whole - t).max() / scale)},
             "nodes": {"revgraph": [nd.op_type for nd in model.graph.node]},
             "seconds": {k: float(np.median(v)) for k, v in times.items()}}
@@ -219,7 +220,8 @@ def conv_forward_layout(threads: int = 2, seconds: float = 0.3, rounds: int = 3)
     for _ in range(rounds):
         for name, run in runners.items():
             times[name].append(_time(run, seconds))
-    return {"shape": {"x": list(x.shape), "w": list(w.shape)}, "seconds": {k: float(np.median(v)) for k, v in times.items()}}
+    return {"shape": {"x": list(x.shape), "w": list(w.shape)},
+            "seconds": {k: float(np.median(v)) for k, v in times.items()}}
 
 
 # ------------------------------------------------------------------- candidates measured for the CNN's backward
@@ -278,7 +280,8 @@ def _wgrad_gemm_per_tap(n, c, m, h, dy_rows: bool):
     taps = []
     for i, j in np.ndindex(3, 3):
         nodes += [helper.make_node("Slice", ["xp", _ints(inits, f"b{i}{j}", [i, j]),
-                                             _ints(inits, f"e{i}{j}", [i + h, j + h]), _ints(inits, f"a{i}{j}", [2, 3])],
+                                             _ints(inits, f"e{i}{j}", [i + h, j + h]),
+                                             _ints(inits, f"a{i}{j}", [2, 3])],
                                    [f"s{i}{j}"]),
                   helper.make_node("Flatten", [f"s{i}{j}"], [f"f{i}{j}"], axis=1)]
         if dy_rows:
@@ -310,8 +313,9 @@ def _wgrad_wide_rows(n, c, m, h):
     taps = []
     for i, j in np.ndindex(3, 3):
         off = i * wp + j
-        nodes += [helper.make_node("Slice", ["xf", _ints(inits, f"b{i}{j}", [off]), _ints(inits, f"e{i}{j}", [off + h * wp]),
-                                             _ints(inits, f"a{i}{j}", [2])], [f"s{i}{j}"]),
+        nodes += [helper.make_node("Slice", ["xf", _ints(inits, f"b{i}{j}", [off]),
+                                             _ints(inits, f"e{i}{j}", [off + h * wp]), _ints(inits, f"a{i}{j}", [2])],
+                                   [f"s{i}{j}"]),
                   helper.make_node("MatMul", [f"s{i}{j}", "D"], [f"t{i}{j}"])]
         taps.append(f"t{i}{j}")
     nodes += [helper.make_node("Concat", taps, ["cat"], axis=1),
@@ -421,15 +425,16 @@ def conv_input_grad(threads: int = 1, seconds: float = 0.15, rounds: int = 5) ->
         n, rng = 64, np.random.default_rng(0)
         dy = rng.standard_normal((n, m, h, h)).astype(np.float32)
         w = rng.standard_normal((m, c, 3, 3)).astype(np.float32)
-        vi = [helper.make_tensor_value_info("dy", T.FLOAT, [n, m, h, h]), helper.make_tensor_value_info("w", T.FLOAT, [m, c, 3, 3])]
+        vi = [helper.make_tensor_value_info("dy", T.FLOAT, [n, m, h, h]),
+              helper.make_tensor_value_info("w", T.FLOAT, [m, c, 3, 3])]
         dx = [helper.make_tensor_value_info("dx", T.FLOAT, [n, c, h, h])]
         inits: list = []
         flipped = [helper.make_node("Slice", ["w", _ints(inits, "st", [-1, -1]), _ints(inits, "en", [INT64_MIN] * 2),
                                               _ints(inits, "ax", [2, 3]), _ints(inits, "sp", [-1, -1])], ["wf"]),
                    helper.make_node("Transpose", ["wf"], ["wt"], perm=[1, 0, 2, 3]),
                    helper.make_node("Conv", ["dy", "wt"], ["dx"], pads=[1, 1, 1, 1])]
-        sessions = {"ConvTranspose(dy, w) (revgraph)": _session(_opset(
-                        [helper.make_node("ConvTranspose", ["dy", "w"], ["dx"], pads=[1, 1, 1, 1])], vi, dx, []), threads),
+        transposed = helper.make_node("ConvTranspose", ["dy", "w"], ["dx"], pads=[1, 1, 1, 1])
+        sessions = {"ConvTranspose(dy, w) (revgraph)": _session(_opset([transposed], vi, dx, []), threads),
                     "Conv(dy, flip(w) transposed)": _session(_opset(flipped, vi, dx, inits), threads)}
         tdy, tw, tx = torch.from_numpy(dy), torch.from_numpy(w), torch.zeros(n, c, h, h)
 
@@ -458,7 +463,8 @@ def batch_norm_variance(threads: int = 1, seconds: float = 0.1, rounds: int = 5)
     for shape in ([64, 16, 32, 32], [64, 32, 16, 16], [64, 64, 8, 8]):
         inits: list = []
         ax = _ints(inits, "ax", [0, 2, 3])
-        vi, v = [helper.make_tensor_value_info("d", T.FLOAT, shape)], [helper.make_tensor_value_info("v", T.FLOAT, None)]
+        vi = [helper.make_tensor_value_info("d", T.FLOAT, shape)]
+        v = [helper.make_tensor_value_info("v", T.FLOAT, None)]
         forms = {"ReduceSumSquare(d)": [helper.make_node("ReduceSumSquare", ["d", ax], ["v"])],
                  "ReduceMean(Mul(d, d)) (revgraph)": [helper.make_node("Mul", ["d", "d"], ["dd"]),
                                                       helper.make_node("ReduceMean", ["dd", ax], ["v"])]}

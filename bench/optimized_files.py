@@ -181,8 +181,8 @@ def table(results: dict) -> str:
         r = results[key]
         m = r["median"]
         rows.append(f"| {key} | {', '.join(r['contrib_ops']) or '-'} | {r['model_nodes']} / {r['gradient_nodes']}"
-                    f" / {r['training_nodes']} | {m['build_s']:.2f} | {m['first_step_s']:.2f} | {m['gradient_s']:.3f} | "
-                    f"{m['forward_ms']:.2f} / {m['forward_plain_ms']:.2f} | {m['step_ms']:.1f} |")
+                    f" / {r['training_nodes']} | {m['build_s']:.2f} | {m['first_step_s']:.2f} | {m['gradient_s']:.3f} "
+                    f"| {m['forward_ms']:.2f} / {m['forward_plain_ms']:.2f} | {m['step_ms']:.1f} |")
     return "\n".join(rows)
 
 

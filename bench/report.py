@@ -75,8 +75,8 @@ def goals(res: dict, baseline: dict | None = None) -> str:
     rows = report_goals.goals(res)
     if not rows:
         return ""
-    text = ["## Goals", "", ("Ratio = revgraph's time / the other's time (below 1: revgraph is faster); the update rows "
-            "compare the cost of the optimizer update itself (section 2, *Whole Adam step*).")]
+    text = ["## Goals", "", ("Ratio = revgraph's time / the other's time (below 1: revgraph is faster); the update "
+            "rows compare the cost of the optimizer update itself (section 2, *Whole Adam step*).")]
     if baseline is None:
         return "\n".join([*text, "", table(["goal", "now", "met?"], [[g.name, g.show(), g.verdict()] for g in rows],
                                            "lrl")])
@@ -110,8 +110,8 @@ def reproduce(res: dict) -> str:
 
 def render(res: dict, json_path=None, baseline: dict | None = None) -> str:
     """The whole document; ``baseline`` (results of an earlier run) adds a *before* column to the goals."""
-    parts = [header(res, json_path or ""), goals(res, baseline), build_section(res), steps_section(res), memory_section(res),
-             size_section(res), hotspots_section(res), reproduce(res)]
+    parts = [header(res, json_path or ""), goals(res, baseline), build_section(res), steps_section(res),
+             memory_section(res), size_section(res), hotspots_section(res), reproduce(res)]
     return "\n\n".join(p.strip() for p in parts if p) + "\n"
 
 

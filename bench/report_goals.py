@@ -87,7 +87,8 @@ def goals(res: dict) -> list[Goal]:
     for c in res.get("build", {}).get("cases", []):
         if c.get("ratio") is not None:
             out.append(Goal(f"build ≤ 0.5x onnxruntime-training: {c['name']}"
-                            + (" (adapted model)" if c.get("compared_on") == "adapted" else ""), c["ratio"], BUILD_GOAL))
+                            + (" (adapted model)" if c.get("compared_on") == "adapted" else ""),
+                            c["ratio"], BUILD_GOAL))
         if c.get("name") == "chain 10k" and c.get("revgraph_s"):
             out.append(Goal("build of the 10k chain < 40 µs per node", 1e6 * c["revgraph_s"] / c["nodes"],
                             CHAIN_US_GOAL, unit="µs"))

@@ -84,8 +84,8 @@ def hotspots_section(res: dict) -> str:
         ex = []
         for name, a in audit.items():
             e = a["revgraph"]["examples"]
-            for f in ("dead nodes", "repeated subexpressions", "Transpose -> Transpose pairs", "Reshape -> Reshape pairs",
-                      "arithmetic on known zeros"):
+            for f in ("dead nodes", "repeated subexpressions", "Transpose -> Transpose pairs",
+                      "Reshape -> Reshape pairs", "arithmetic on known zeros"):
                 if e.get(f) and name in ("Transpose", "CNN", "DenseNet-121", "RNN (Loop, T=100)", "MLP"):
                     ex.append(f"- {name}, {f}: " + ", ".join(f"`{x}`" for x in e[f][:3]))
         if ex:
@@ -122,7 +122,8 @@ def hotspots_section(res: dict) -> str:
     if cp:
         out += ["### Build time: cProfile", ""]
         for name, p in cp.items():
-            tot = ", ".join(f"`{r['function']}` {r['tottime']:.3f} s ({r['calls']:,} calls)" for r in p["by_tottime"][:8])
+            tot = ", ".join(f"`{r['function']}` {r['tottime']:.3f} s ({r['calls']:,} calls)"
+                            for r in p["by_tottime"][:8])
             cum = ", ".join(f"`{r['function']}` {r['cumtime']:.3f} s" for r in p["revgraph_by_cumtime"][:8])
             out += [f"- **{name}** ({p['wall']:.2f} s under the profiler). Own time: {tot}.", "",
                     f"  revgraph functions by cumulative time: {cum}.", ""]
@@ -280,10 +281,10 @@ def hotspot_notes(res: dict) -> list[str]:
                      "and its update graph alone from 0.77 to 0.62 ms. Parameters and state already lived in two "
                      "buffer sets swapped by IO bindings, so no buffer is allocated per step. What is left shows "
                      "on the MLP, whose 670k parameters are in two large matrices: there the update is a "
-                     "matter of passes over memory, 12 with binary ONNX operators against PyTorch's about 7 (its `lerp_`, `addcmul_` and "
-                     "`addcdiv_` fuse two operations each and write in place); standard ONNX has no fused "
-                     "optimizer operator onnxruntime runs (`ai.onnx.preview.training.Adam` is not implemented "
-                     "by its CPU provider).")
+                     "matter of passes over memory, 12 with binary ONNX operators against PyTorch's about 7 (its "
+                     "`lerp_`, `addcmul_` and `addcdiv_` fuse two operations each and write in place); standard ONNX "
+                     "has no fused optimizer operator onnxruntime runs (`ai.onnx.preview.training.Adam` is not "
+                     "implemented by its CPU provider).")
     var = prof.get("session_variants", {})
     if var:
         best = []
@@ -331,8 +332,8 @@ def hotspot_notes(res: dict) -> list[str]:
         chains = [c for c in res.get("build", {}).get("cases", []) if c.get("kind") == "chain" and c.get("ort_s")]
         if chains:
             line += (" The chains have no weights and no opset conversion, and their elementwise nodes had a "
-                     "Python typing path before, so those changes do not reach them: per forward node revgraph spends " + ", ".join(
-                         f"{1e6 * c['revgraph_s'] / c['n']:.0f} µs ({c['name']})" for c in chains)
+                     "Python typing path before, so those changes do not reach them: per forward node revgraph spends "
+                     + ", ".join(f"{1e6 * c['revgraph_s'] / c['n']:.0f} µs ({c['name']})" for c in chains)
                      + " in Python (a VJP rule and 4.5 emitted nodes with their names and types: the chain's input "
                      "may hold inf, so each product of a cotangent and a factor that may be infinite is guarded "
                      "for strong zeros, `Mul`, `Equal`, `Where`; the clean-up pass; `to_onnx`), "
@@ -354,19 +355,19 @@ def hotspot_notes(res: dict) -> list[str]:
                      "convolutions (`Gemm`, `MatMul`, `FusedMatMul`, `Conv`, `ConvTranspose`; profile above): "
                      + ", ".join(shares) + ". Where that share is large the step is as fast as onnxruntime's "
                      "MLAS kernels against XLA's and oneDNN's: the MLP's step is eight GEMMs of about 200 MFLOP "
-                     "together, which XLA runs faster than MLAS here (and both faster than PyTorch eager); the RNN's per-iteration "
-                     "products are GEMMs of 64 rows, as in JAX's `lax.scan`. No graph form changes the "
+                     "together, which XLA runs faster than MLAS here (and both faster than PyTorch eager); the RNN's "
+                     "per-iteration products are GEMMs of 64 rows, as in JAX's `lax.scan`. No graph form changes the "
                      "arithmetic left there; the forms that do change what surrounds it are in items 2, 3 and 6.")
     loops = {(r["steps"], r["policy"]): r for r in res.get("memory", {}).get("loops", [])}
     if (10000, "store") in loops and (10000, "sqrt") in loops:
         st, sq = loops[(10000, "store")], loops[(10000, "sqrt")]
-        notes.append(f"9. **Checkpointed loops.** At T = 10,000 `sqrt` takes {s(sq['time_s'])} and {sq['peak_mb']:.1f} MB "
-                     f"against `store`'s {s(st['time_s'])} and {st['peak_mb']:.1f} MB ({sq['time_s'] / st['time_s']:.2f}x "
-                     "the time). Done in round 2: for a loop without scan outputs the forward `Loop` keeps the "
-                     "checkpoints itself (it becomes a loop over segments, each run as an inner loop, stacking "
-                     "the carried values at segment starts), where before a second loop recomputed the forward "
-                     "pass once T was known to take them: one forward pass fewer, the same memory "
-                     "(loops/checkpoint.py `_checkpointing_forward`). The cost left is the one forward pass "
+        notes.append(f"9. **Checkpointed loops.** At T = 10,000 `sqrt` takes {s(sq['time_s'])} and {sq['peak_mb']:.1f} "
+                     f"MB against `store`'s {s(st['time_s'])} and {st['peak_mb']:.1f} MB "
+                     f"({sq['time_s'] / st['time_s']:.2f}x the time). Done in round 2: for a loop without scan outputs "
+                     "the forward `Loop` keeps the checkpoints itself (it becomes a loop over segments, each run as an "
+                     "inner loop, stacking the carried values at segment starts), where before a second loop "
+                     "recomputed the forward pass once T was known to take them: one forward pass fewer, the same "
+                     "memory (loops/checkpoint.py `_checkpointing_forward`). The cost left is the one forward pass "
                      "that recomputes each segment in the backward loop, with its residuals stacked as `store` "
                      "would.")
     return notes

@@ -63,10 +63,11 @@ def build_section(res: dict) -> str:
                          f"{s(ph['load'])} / {s(ph['gradient'])} / {s(ph['to_onnx'])}", s(c["ort_s"]),
                          ratio(c["ratio"]), s(c.get("generate_artifacts_s")), note])
         out += ["### Models", "",
-                ("ResNet-50 and DenseNet-121 are the onnx wheel's `light_*.onnx` with `revgraph.autodiff.lift.lift_constants` "
-                 "(weights as initializers) and `loss = ReduceSum(output)`; the PyTorch models are those of the step "
-                 "benchmark at batch 64 (`bench/models.py`). *generate_artifacts* is the documented call itself "
-                 "(files, checkpoint, AdamW optimizer model), once."), "",
+                ("ResNet-50 and DenseNet-121 are the onnx wheel's `light_*.onnx` with "
+                 "`revgraph.autodiff.lift.lift_constants` (weights as initializers) and `loss = ReduceSum(output)`; "
+                 "the PyTorch models are those of the step benchmark at batch 64 (`bench/models.py`). "
+                 "*generate_artifacts* is the documented call itself (files, checkpoint, AdamW optimizer model), "
+                 "once."), "",
                 table(["model", "forward nodes", "params", "revgraph", "load / gradient / to_onnx",
                        "onnxruntime-training", "revgraph / ORT", "generate_artifacts", "notes"], rows,
                       "lrrrrrrrl"), ""]

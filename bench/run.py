@@ -523,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     rg = Worker("revgraph", sys.executable, work / "logs")
     th = Worker("pytorch", sys.executable, work / "logs")
     ort = Worker("ort-training", pythons["ort-training"], work / "logs") if "ort-training" in pythons else None
-    res["versions"] = {"revgraph worker": rg.call("rg_tasks:versions"), "pytorch worker": th.call("torch_tasks:versions")}
+    res["versions"] = {"revgraph worker": rg.call("rg_tasks:versions"),
+                       "pytorch worker": th.call("torch_tasks:versions")}
     if ort is not None:
         res["versions"]["onnxruntime-training worker"] = ort.call("ort_training_tasks:versions")
     if "jax" in pythons:

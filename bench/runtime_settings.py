@@ -147,8 +147,8 @@ def write_wide_mlp(batch: int, out_dir: str) -> dict:
             nodes.append(Node("Relu", [h], [f"h{k}"], name=f"relu{k}"))
             h = f"h{k}"
     nodes[-1].outputs = ["logits"]
-    g = Graph(nodes, [ValueInfo("x", np.float32, (batch, WIDE[0]))], [ValueInfo("logits", np.float32, (batch, WIDE[-1]))],
-              inits, name="mlp_wide")
+    g = Graph(nodes, [ValueInfo("x", np.float32, (batch, WIDE[0]))],
+              [ValueInfo("logits", np.float32, (batch, WIDE[-1]))], inits, name="mlp_wide")
     path = Path(out_dir) / f"mlp-wide_b{batch}.onnx"
     rg.save(g, path)
     npz = path.with_suffix(".npz")
@@ -243,9 +243,10 @@ def _findings(models: dict) -> list[str]:
             if "True|False|two" in c and "True|False|one" in c}
     return [
         "What the numbers say (ratios over the models above, each a range from the smallest to the largest):", "",
-        (f"- **Memory pattern off** (arena on, one set): step peak {span(ratios('True|False|one', 'True|True|one', peak))} "
-         f"of the pattern's, CPU time {span(ratios('True|False|one', 'True|True|one', cpu))}. The pattern allocates "
-         "every intermediate of a run in one block planned from the previous run, so the peak holds them all at once."),
+        ("- **Memory pattern off** (arena on, one set): step peak "
+         f"{span(ratios('True|False|one', 'True|True|one', peak))} of the pattern's, CPU time "
+         f"{span(ratios('True|False|one', 'True|True|one', cpu))}. The pattern allocates every intermediate of a run "
+         "in one block planned from the previous run, so the peak holds them all at once."),
         (f"- **Arena off** (pattern off, one set): step peak {span(ratios('False|False|one', 'True|False|one', peak))} "
          f"of the arena's, CPU time {span(ratios('False|False|one', 'True|False|one', cpu))}: each step's tensors are "
          "allocated and freed through the C allocator (fresh pages to fault in and zero each step), and glibc keeps "
@@ -269,7 +270,8 @@ def render(results: list[dict]) -> str:
     runs = [f"`{_command(res)}` on {res['date']} (commit {res['commit']}, onnxruntime {res['onnxruntime']}, "
             f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}, {res['turns']} turns, "
             f"{', '.join(_name(m) for m in res['models'])}; load average {res['load_start']} at the start, "
-            f"{res['load_end']} at the end; raw numbers `bench/results/{res.get('json_name', 'runtime_settings.json')}`)"
+            f"{res['load_end']} at the end; raw numbers "
+            f"`bench/results/{res.get('json_name', 'runtime_settings.json')}`)"
             for res in results]
     lines = [BEGIN, "## Runtime memory settings and buffer sets", "",
              "Written by " + "; and ".join(runs) + ", on a shared machine (other processes ran: wall times move "
@@ -295,8 +297,8 @@ def render(results: list[dict]) -> str:
             a, m, b = key.split("|")
             versus = f"{c['cpu_ms'] / ref['cpu_ms']:.2f}x" if ref else "n/a"
             lines.append(f"| {_name(model)} | {on[a]} | {on[m]} | {b} | {c['held_mb']:.1f} | "
-                         f"{c['setup_hwm_mb']:.0f} | {c['step_peak_mb']:.1f} | {c['held_mb'] + c['step_peak_mb']:.1f} | "
-                         f"{c['kept_mb']:.1f} | {c['step_ms']:.2f} | {c['cpu_ms']:.2f} | {versus} | "
+                         f"{c['setup_hwm_mb']:.0f} | {c['step_peak_mb']:.1f} | {c['held_mb'] + c['step_peak_mb']:.1f} "
+                         f"| {c['kept_mb']:.1f} | {c['step_ms']:.2f} | {c['cpu_ms']:.2f} | {versus} | "
                          f"{'yes' if c['digest'] == first['digest'] else 'no'} |")
     a, m, b = DEFAULT_KEY.split("|")
     lines += ["", (f"Per model, onnxruntime's defaults with two sets against the training default (arena {on[a]}, "
@@ -319,7 +321,10 @@ def write_section(doc: Path, section: str) -> None:
     """Put ``section`` between the markers of ``doc`` (replacing what was there), or at its end."""
     text = doc.read_text() if doc.exists() else ""
     pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.DOTALL)
-    text = pattern.sub(lambda _: section, text, count=1) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
     doc.write_text(text)
 
 
@@ -361,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                             text=True).stdout.strip()
     res = {"date": dt.date.today().isoformat(), "commit": commit, "onnxruntime": onnxruntime.__version__,
            "threads": args.threads, "turns": args.turns, "load_start": [round(x, 2) for x in os.getloadavg()],
-           "argv": [f"<path>/{Path(a).name}" if os.path.isabs(a) else a for a in (argv if argv is not None else sys.argv[1:])],
+           "argv": [f"<path>/{Path(a).name}" if os.path.isabs(a) else a
+                    for a in (argv if argv is not None else sys.argv[1:])],
            "models": {}}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:

@@ -104,8 +104,9 @@ def main() -> None:
     p.add_argument("--reduce-dtype", default="fp32")
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--accumulate-steps", type=int, default=1)
-    p.add_argument("--lr-schedule", default="constant", help="revgraph.train.schedules: the schedule (with --warmup-steps, "
-                   "--min-lr), clipping (--clip-grad-norm) and weight decay on every parameter (--decay-all)")
+    p.add_argument("--lr-schedule", default="constant", help="revgraph.train.schedules: the schedule (with "
+                   "--warmup-steps, --min-lr), clipping (--clip-grad-norm) and weight decay on every parameter "
+                   "(--decay-all)")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--min-lr", type=float, default=0.0)
     p.add_argument("--clip-grad-norm", type=float)

@@ -199,7 +199,8 @@ def test_default_selection_leaves_out_scales_and_zero_points_by_structure():
     out = selection.left_out(g)
     assert {k: out[k] for k in ("s1", "s2")} == dict.fromkeys(("s1", "s2"), selection.FROZEN_BASE)
     assert "z1" not in selection.select(g, params=["*1"])  # (uint8: never trains)
-    assert selection.count_line(g, ["b1"]) == (f"parameters: 24 trainable in 1 tensor ({100 * 24 / (24 + 64 * 24 + 24 * 8 + 48 + 16):.3g}%), "
+    assert selection.count_line(g, ["b1"]) == ("parameters: 24 trainable in 1 tensor "
+                                               f"({100 * 24 / (24 + 64 * 24 + 24 * 8 + 48 + 16):.3g}%), "
                                                f"{64 * 24 + 24 * 8 + 48 + 16:,} frozen in 4 tensors")
 
 

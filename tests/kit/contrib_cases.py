@@ -96,7 +96,8 @@ def check(op: str, inputs: list[tuple[str, np.ndarray] | None], fn: Callable, *,
             a, b = fwd[o], t.detach().numpy()
             if w is not None:  # (rows onnxruntime leaves unspecified are not compared)
                 a, b = a * (np.asarray(w) != 0), b * (np.asarray(w) != 0)
-            np.testing.assert_allclose(a, b, rtol=ftol, atol=ftol * max(1.0, float(np.abs(b).max(initial=0.0))), err_msg=f"{op} {o}")
+            np.testing.assert_allclose(a, b, rtol=ftol, atol=ftol * max(1.0, float(np.abs(b).max(initial=0.0))),
+                                       err_msg=f"{op} {o}")
     total = sum((t * torch.tensor(us[f"{o}_u"].astype(F64))).sum() for o, t in zip(outputs, touts, strict=False)
                 if o in used and t is not None)
     leaves = [t for i, t in zip(inputs, tin, strict=True) if i is not None and i[0] in wrt]

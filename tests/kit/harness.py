@@ -56,7 +56,8 @@ def ort_runner(model_graph: Graph):
     opts = ort.SessionOptions()
     opts.log_severity_level = 4
     try:
-        sess = ort.InferenceSession(rg.to_onnx(model_graph).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(rg.to_onnx(model_graph).SerializeToString(), opts,
+                                    providers=["CPUExecutionProvider"])
     except Exception as exc:
         if "NOT_IMPLEMENTED" not in str(exc):
             raise
@@ -136,7 +137,8 @@ def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: li
         def run_loss(f):
             outs = torch_fn(**{k: torch.tensor(f[k]) for k in feeds})
             outs = outs if isinstance(outs, (tuple, list)) else [outs]
-            return {"loss": sum(float((t * torch.tensor(f[f"{y}_u"])).sum()) for y, t in zip(outputs, outs, strict=False))}
+            return {"loss": sum(float((t * torch.tensor(f[f"{y}_u"])).sum())
+                                for y, t in zip(outputs, outs, strict=False))}
     for _ in range(2):
         v = {w: rng.standard_normal(feeds[w].shape) for w in wrt}
         plus = {**feeds, **us, **{w: feeds[w] + H * v[w] for w in wrt}}
@@ -151,7 +153,8 @@ def check_rule(g: Graph, feeds: dict[str, np.ndarray], torch_fn=None, *, wrt: li
         tout = torch_fn(**tin)
         tout = tout if isinstance(tout, (tuple, list)) else [tout]
         for y, t in zip(outputs, tout, strict=False):
-            np.testing.assert_allclose(t.detach().numpy(), fwd[y], rtol=1e-6, atol=1e-9, err_msg=f"forward {y} vs torch")
+            np.testing.assert_allclose(t.detach().numpy(), fwd[y], rtol=1e-6, atol=1e-9,
+                                       err_msg=f"forward {y} vs torch")
         total = sum((t * torch.tensor(us[f"{y}_u"])).sum() for y, t in zip(outputs, tout, strict=False))
         tg = torch.autograd.grad(total, [tin[w] for w in wrt], allow_unused=True)
         for w, t in zip(wrt, tg, strict=True):

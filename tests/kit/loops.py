@@ -49,7 +49,8 @@ def loop(b, trip, initial, outputs, name="loop", cond="true"):
 def graph(nodes, inputs, outputs, inits=None):
     """A float64 graph with scalar outputs; ``inputs`` maps names to shapes."""
     inits = {"true": np.array(True), **(inits or {})}
-    return Graph(nodes, [ValueInfo(k, F64, s) for k, s in inputs.items()], [ValueInfo(o, F64, ()) for o in outputs], inits)
+    return Graph(nodes, [ValueInfo(k, F64, s) for k, s in inputs.items()], [ValueInfo(o, F64, ()) for o in outputs],
+                 inits)
 
 
 def grads(g, feeds, wrt, loss=None, policy="store", backends=("onnxruntime", "reference"), accumulate="sum"):
@@ -125,9 +126,10 @@ def scan_graph(in_dir, out_dir, in_axis, out_axis, shape_x):
         [ValueInfo("h_out", F64, (3,)), ValueInfo("y_t", F64, (3,))],
     )
     scan = Node("Scan", ["h0", "x"], ["h", "Y"], {"body": sb, "num_scan_inputs": 1, "scan_input_directions": [in_dir],
-                "scan_output_directions": [out_dir], "scan_input_axes": [in_axis], "scan_output_axes": [out_axis]}, "scan")
-    nodes = [scan, n("Mul", ["Y", "u"], "uy"), n("ReduceSum", ["uy"], "ys", keepdims=0), n("ReduceSum", ["h"], "hs", keepdims=0),
-             n("Add", ["ys", "hs"], "loss")]
+                                                  "scan_output_directions": [out_dir], "scan_input_axes": [in_axis],
+                                                  "scan_output_axes": [out_axis]}, "scan")
+    nodes = [scan, n("Mul", ["Y", "u"], "uy"), n("ReduceSum", ["uy"], "ys", keepdims=0),
+             n("ReduceSum", ["h"], "hs", keepdims=0), n("Add", ["ys", "hs"], "loss")]
     t = shape_x[in_axis]
     u_shape = (t, 3) if out_axis == 0 else (3, t)
     u = np.linspace(-1, 1, 3 * t).reshape(u_shape)
@@ -172,7 +174,8 @@ def onnx_loop_model() -> onnx.ModelProto:
         "body",
         [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
          helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 2])],
-        [helper.make_tensor_value_info("c2", TensorProto.BOOL, []), helper.make_tensor_value_info("h2", TensorProto.FLOAT, [2, 2])])
+        [helper.make_tensor_value_info("c2", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h2", TensorProto.FLOAT, [2, 2])])
     nodes = [helper.make_node("Loop", ["n", "", "x"], ["h"], body=body, name="loop"),
              helper.make_node("Dropout", ["h"], ["d"], name="drop"),
              helper.make_node("ReduceSum", ["d"], ["loss"], keepdims=0, name="sum")]

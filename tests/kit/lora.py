@@ -33,7 +33,8 @@ def mixed_model(seed: int = 0) -> rg.Graph:
              h.make_node("Transpose", ["W5"], ["w5t"], perm=[1, 0], name="tr5"),
              h.make_node("MatMul", ["r2", "w5t"], ["h5"], name="mm5"), h.make_node("Sum", ["h3", "h4", "h5"], ["y"])]
     g = h.make_graph(nodes, "mixed", [h.make_tensor_value_info("x", T.FLOAT, ["N", 8])],
-                     [h.make_tensor_value_info("y", T.FLOAT, ["N", 6])], [nh.from_array(v, k) for k, v in inits.items()])
+                     [h.make_tensor_value_info("y", T.FLOAT, ["N", 6])],
+                     [nh.from_array(v, k) for k, v in inits.items()])
     model = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
     model.ir_version = 10
     return rg.load(model)
