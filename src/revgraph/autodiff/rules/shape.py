@@ -12,6 +12,12 @@ Integer inputs (shapes, axes, pads, starts, repeats) get no gradient. ``Range``,
 than moving one, is here too: its output is affine in ``start`` and ``delta``. Backward nodes are chosen from
 this family, elementwise and reduce ops so that gradients of gradients need no other family; only ``Pad`` with
 non-constant pads or dimensions in reflect/edge/wrap mode scatters with ``ScatterElements``.
+
+Sizes, offsets and strides are int-or-name (:data:`Dyn`): Python ints folded while the graph is built
+(:func:`_arith`), values only where they are unknown, so that a static slice emits no index arithmetic; they and
+the data movement (Slice, Pad, Reshape, Concat of shapes) are :meth:`~revgraph.autodiff.emitter.Emitter.op`
+calls, the shape plumbing of DESIGN.md's rules. Index formulas computed at run time (the masked Slice
+parameters, Pad's cut borders) and the cotangent arithmetic are written in the algebra.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import numpy as np
 from ...errors import GraphError
 from ...ir import Node
 from ...ir.fastshape import slice_indices
-from ..algebra import Val
+from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, vjp
@@ -43,6 +49,7 @@ def _t(e: Emitter, v: Dyn) -> str:
 
 
 def _arith(e: Emitter, op: str, a: Dyn, b: Dyn) -> Dyn:
+    """``a op b`` of two int-or-names: a Python int when both are known (no node), else one node."""
     if isinstance(a, int) and isinstance(b, int):
         return {"Add": a + b, "Sub": a - b, "Mul": a * b, "Max": max(a, b)}[op]
     return e.op(op, [_t(e, a), _t(e, b)])
@@ -200,12 +207,12 @@ def split(ctx: Ctx, node: Node, cts: list) -> list:
 def tile(ctx: Ctx, node: Node, cts: list) -> list:
     """``y`` viewed as ``[r0, d0, r1, d1, ...]`` holds ``r0 * r1 * ...`` copies of ``x``; the adjoint sums
     the cotangent, viewed the same way, over the repeat axes (PyTorch's ``repeat_backward``)."""
-    return [lambda: _untile(ctx.e, node, cts[0]), None]
+    return [lambda: _untile(ctx, node, cts[0]), None]
 
 
-def _untile(e: Emitter, node: Node, g: str) -> str:
+def _untile(ctx: Ctx, node: Node, g: str) -> str | Val:
     """The cotangent of Tile's ``x`` (see :func:`tile`)."""
-    x, reps = node.inputs
+    e, (x, reps) = ctx.e, node.inputs
     r = e.rank(x)
     if r is None:
         rs = e.shape(reps)
@@ -223,7 +230,7 @@ def _untile(e: Emitter, node: Node, g: str) -> str:
         cols = [e.op("Unsqueeze", [_as_int64(e, v), e.ints([1])]) for v in (reps, e.shape_of(x))]
         view = e.op("Reshape", [e.op("Concat", cols, axis=1), e.ints([-1])])
     grouped = e.op("Reshape", [g, view], allowzero=1)
-    return e.op("ReduceSum", [grouped, e.ints(range(0, 2 * r, 2))], keepdims=0, like=x)
+    return ctx.val(grouped).sum(range(0, 2 * r, 2), keepdims=0, like=x)
 
 
 # ------------------------------------------------------------------------------------------ slice
@@ -263,9 +270,10 @@ def _unslice_axis(e: Emitter, g: str, axis: int, dim: Dyn, lo: Dyn, n: Dyn, s: D
     return _pad_axis(e, g, axis, lo, _arith(e, "Sub", _arith(e, "Sub", dim, lo), length), like=like)
 
 
-def _dynamic_selection(e: Emitter, dim: Dyn, start: Dyn, end: Dyn, step: Dyn) -> tuple:
+def _dynamic_selection(ctx: Ctx, dim: Dyn, start: Dyn, end: Dyn, step: Dyn) -> tuple:
     """``(lo, n, s, neg)`` of one axis computed in the graph by slicing an index line ``0 .. dim-1`` with
     the node's own parameters, so the runtime's Slice decides the clamping."""
+    e = ctx.e
     limit = e.op("Squeeze", [_t(e, dim), e.ints([0])]) if not isinstance(dim, int) else e.const(np.int64(dim))
     line = e.op("Range", [e.const(np.int64(0)), limit, e.const(np.int64(1))])
     picked = e.op("Slice", [line, _t(e, start), _t(e, end), e.ints([0]), _t(e, step)])
@@ -274,17 +282,19 @@ def _dynamic_selection(e: Emitter, dim: Dyn, start: Dyn, end: Dyn, step: Dyn) ->
     lo = e.op("ReduceMin", [e.op("Concat", [picked, _t(e, dim)], axis=0)], keepdims=1)
     if isinstance(step, int):
         return lo, n, abs(step), step < 0
-    return lo, n, e.op("Abs", [step]), e.op("Less", [step, e.ints([0])])
+    s = ctx.val(step)
+    return lo, n, s.abs().name, s.lt(e.ints([0])).name
 
 
-def _masked_params(e: Emitter, node: Node, x: str, starts: str, ends: str, axes: str | None, steps: str | None):
+def _masked_params(ctx: Ctx, node: Node, x: str, starts: str, ends: str, axes: str | None, steps: str | None):
     """Per-axis ``(axis, start, end, step)`` for every axis of ``x`` when the sliced axes are not known
     while the graph is built: an axis missing from ``axes`` takes the whole range."""
+    e = ctx.e
     r = e.need_rank(x, node)
     if axes is None:
         axes = e.op("Range", [e.const(np.int64(0)), e.op("Size", [starts]), e.const(np.int64(1))])
-    axes = _as_int64(e, axes)
-    axes = e.op("Where", [e.op("Less", [axes, e.ints([0])]), e.op("Add", [axes, e.ints([r])]), axes])
+    axes = ctx.val(_as_int64(e, axes))
+    axes = where(axes.lt(e.ints([0])), axes + e.ints([r]), axes, like=None)
     starts, ends = _as_int64(e, starts), _as_int64(e, ends)
     if steps is None:
         steps = e.op("ConstantOfShape", [e.op("Shape", [starts])], value=np.ones(1, np.int64))
@@ -292,12 +302,12 @@ def _masked_params(e: Emitter, node: Node, x: str, starts: str, ends: str, axes:
     zero = e.ints([0])
     out = []
     for i in range(r):
-        hit = e.op("Equal", [axes, e.ints([i])])
-        found = e.op("Greater", [e.op("ReduceSum", [e.op("Cast", [hit], to=I64)], keepdims=1), zero])
+        hit = axes.eq(e.ints([i]))
+        found = hit.cast(np.int64).sum().gt(zero)
 
         def pick(v, default, hit=hit, found=found):
-            chosen = e.op("ReduceSum", [e.op("Where", [hit, v, zero])], keepdims=1)
-            return e.op("Where", [found, chosen, e.ints([default])])
+            chosen = where(hit, ctx.val(v), zero, like=None).sum()
+            return where(found, chosen, e.ints([default]), like=None).name
 
         out.append((i, pick(starts, 0), pick(ends, INT64_MAX), pick(steps, 1)))
     return out
@@ -308,14 +318,14 @@ def slice_(ctx: Ctx, node: Node, cts: list) -> list:
     """The cotangent scattered into zeros of ``x``'s shape at the selected positions, axis by axis
     (JAX's ``_slice_transpose_rule``: a pad with interior padding ``step - 1``). Works from constants when
     the parameters and the sliced dimensions are known, from graph values otherwise."""
-    return [lambda: _unslice(ctx.e, node, cts[0]), *[None] * (len(node.inputs) - 1)]
+    return [lambda: _unslice(ctx, node, cts[0]), *[None] * (len(node.inputs) - 1)]
 
 
-def _unslice(e: Emitter, node: Node, g: str) -> str:
+def _unslice(ctx: Ctx, node: Node, g: str) -> str:
     """The cotangent of Slice's ``x`` (see :func:`slice_`): :func:`_unslice_axis` for each sliced axis."""
-    x = node.inputs[0]
+    e, x = ctx.e, node.inputs[0]
     # an axis taken whole (``x[:, ...]`` as exporters write it) needs no padding back, whatever its length
-    params = [p for p in _slice_params(e, node, x) if not _whole_axis(*p[1:])]
+    params = [p for p in _slice_params(ctx, node, x) if not _whole_axis(*p[1:])]
     if not params:
         return g  # the Slice is the identity: y is x
     for k, (a, start, end, step) in enumerate(params):
@@ -327,7 +337,7 @@ def _unslice(e: Emitter, node: Node, g: str) -> str:
                 return e.zeros_like(x)
             sel = (idx[-1] if step < 0 else idx[0], len(idx), abs(step), step < 0)  # (min() walks a range)
         else:
-            sel = _dynamic_selection(e, dim, start, end, step)
+            sel = _dynamic_selection(ctx, dim, start, end, step)
         # the last axis's Pad restores x's shape exactly (every sliced axis is back to its extent): typed as
         # x, it needs no Reshape after it to carry that shape
         g = _unslice_axis(e, g, a, dim, *sel, like=x if k == len(params) - 1 else None)
@@ -343,10 +353,11 @@ def _whole_axis(start: Dyn, end: Dyn, step: Dyn) -> bool:
     return start == 0 and end == INT64_MAX and step == 1 and all(isinstance(v, int) for v in (start, end, step))
 
 
-def _slice_params(e: Emitter, node: Node, x: str) -> list[tuple]:
+def _slice_params(ctx: Ctx, node: Node, x: str) -> list[tuple]:
     """``(axis, start, end, step)`` of each sliced axis, int-or-name: constants where known, one-element
     slices of the parameter inputs otherwise, and every axis of ``x`` (:func:`_masked_params`) when the sliced
     axes are only known at run time."""
+    e = ctx.e
     starts, ends, axes, steps = node.inputs[1], node.inputs[2], optional_input(node, 3), optional_input(node, 4)
     sv, ev, av, tv = (_const_ints(e, v) for v in (starts, ends, axes, steps))
     k = len(sv) if sv is not None else (e.shape(starts) or [None])[0]
@@ -361,16 +372,16 @@ def _slice_params(e: Emitter, node: Node, x: str) -> list[tuple]:
             return e.op("Slice", [_as_int64(e, name), e.ints([i]), e.ints([i + 1])])
 
         return [(a, part(sv, starts, i), part(ev, ends, i), part(tv, steps, i, 1)) for i, a in enumerate(av)]
-    return _masked_params(e, node, x, starts, ends, axes, steps)
+    return _masked_params(ctx, node, x, starts, ends, axes, steps)
 
 
 # ------------------------------------------------------------------------------------------ pad
 
 
-def _unpad_constant(e: Emitter, g: str, x: str, pads: str, axes: str | None) -> str:
+def _unpad_constant(ctx: Ctx, g: str, x: str, pads: str, axes: str | None) -> str:
     """Constant mode: the cotangent with the added border cut off (``Slice``) and zeros where ``x`` was
     cropped by negative pads (``Pad``), without negative pads (``onnx.reference`` rejects them)."""
-    tail = [axes] if axes else []
+    e, tail = ctx.e, [axes] if axes else []
     pv = _const_ints(e, pads)
     if pv is not None:
         k = len(pv) // 2
@@ -381,13 +392,14 @@ def _unpad_constant(e: Emitter, g: str, x: str, pads: str, axes: str | None) -> 
         if any(p < 0 for p in pv):
             g = e.op("Pad", [g, e.ints([max(-p, 0) for p in pv]), "", *tail])
         return _reshape_to(e, g, x)
-    halves = e.op("Reshape", [e.op("Max", [pads, e.ints([0])]), e.ints([2, -1])])
-    row = lambda i: e.op("Reshape", [e.op("Slice", [halves, e.ints([i]), e.ints([i + 1])]), e.ints([-1])])
+    p = ctx.val(pads)
+    halves = p.apply("Max", e.ints([0]), like=None).reshape([2, -1])  # the positive pads: [before; after]
+    row = lambda i: halves.apply("Slice", e.ints([i]), e.ints([i + 1]), like=None).reshape([-1])
     before, after = row(0), row(1)
-    ends = e.op("Where", [e.op("Greater", [after, e.ints([0])]), e.op("Neg", [after]), e.ints([INT64_MAX])])
-    g = e.op("Slice", [g, before, ends, *tail])
-    cropped = e.op("Max", [e.op("Neg", [pads]), e.ints([0])])
-    return e.op("Pad", [g, cropped, "", *tail], like=x)
+    ends = where(after.gt(e.ints([0])), -after, e.ints([INT64_MAX]), like=None)
+    g = e.op("Slice", [g, before.name, ends.name, *tail])
+    cropped = (-p).apply("Max", e.ints([0]), like=None)  # the negative pads, where x was cropped
+    return e.op("Pad", [g, cropped.name, "", *tail], like=x)
 
 
 def _unpad_axis(e: Emitter, g: str, axis: int, dim: int, before: int, after: int, mode: str) -> str:
@@ -452,7 +464,7 @@ def pad(ctx: Ctx, node: Node, cts: list) -> list:
 
     def dx() -> str:
         if mode == "constant":
-            return _unpad_constant(e, g, x, pads, axes)
+            return _unpad_constant(ctx, g, x, pads, axes)
         return _unpad_modes(e, node, g, x, pads, axes, mode)
 
     def dvalue() -> Val:  # the sum of g over the border, where Pad of ones is 0
