@@ -29,10 +29,12 @@ def bn_model(seed: int = 0) -> Graph:
     rng = np.random.default_rng(seed)
     f = np.float32
     inits = {"conv.w": (rng.standard_normal((3, CHANNELS, 3, 3)) / 4).astype(f),
-             "bn_conv.scale": (1 + rng.standard_normal(3) / 4).astype(f), "bn_conv.bias": (rng.standard_normal(3) / 4).astype(f),
+             "bn_conv.scale": (1 + rng.standard_normal(3) / 4).astype(f),
+             "bn_conv.bias": (rng.standard_normal(3) / 4).astype(f),
              "bn_conv.mean": (rng.standard_normal(3) / 4).astype(f), "bn_conv.var": (1 + rng.random(3)).astype(f),
              "fc.w": (rng.standard_normal((3 * SIDE * SIDE, HIDDEN)) / 7).astype(f),
-             "bn_fc.scale": (1 + rng.standard_normal(HIDDEN) / 4).astype(f), "bn_fc.bias": (rng.standard_normal(HIDDEN) / 4).astype(f),
+             "bn_fc.scale": (1 + rng.standard_normal(HIDDEN) / 4).astype(f),
+             "bn_fc.bias": (rng.standard_normal(HIDDEN) / 4).astype(f),
              "bn_fc.mean": np.zeros(HIDDEN, f), "bn_fc.var": np.ones(HIDDEN, f),
              "head.w": (rng.standard_normal((HIDDEN, CLASSES)) / 3).astype(f), "head.b": np.zeros(CLASSES, f)}
     nodes = [Node("Conv", ["x", "conv.w"], ["c"], {"pads": [1, 1, 1, 1]}, "conv"),
@@ -42,7 +44,8 @@ def bn_model(seed: int = 0) -> Graph:
              Node("Flatten", ["cr"], ["flat"], {}, "flatten"),
              Node("Gemm", ["flat", "fc.w"], ["h"], {}, "fc"),
              Node("BatchNormalization", ["h", "bn_fc.scale", "bn_fc.bias", "bn_fc.mean", "bn_fc.var"],
-                  ["hn", "bn_fc.mean.out", "bn_fc.var.out"], {"training_mode": 1, "momentum": 0.7, "epsilon": 1e-3}, "bn_fc"),
+                  ["hn", "bn_fc.mean.out", "bn_fc.var.out"], {"training_mode": 1, "momentum": 0.7, "epsilon": 1e-3},
+                  "bn_fc"),
              Node("Relu", ["hn"], ["hr"], {}, "relu2"),
              Node("Gemm", ["hr", "head.w", "head.b"], ["logits"], {}, "head")]
     return Graph(nodes, [ValueInfo("x", np.float32, ("N", CHANNELS, SIDE, SIDE))],

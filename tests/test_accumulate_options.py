@@ -20,7 +20,8 @@ W = np.array([0.9, -0.4, 0.6])
 def _four_reads(h_in: str, h_out: str, p: str = "") -> list:
     """``h_out = sin(h) + cos(h) * h + h * w``: four nodes read ``h`` (Sin, Cos, and two Mul)."""
     return [n("Sin", [h_in], f"{p}sn"), n("Cos", [h_in], f"{p}cs"), n("Mul", [f"{p}cs", h_in], f"{p}ch"),
-            n("Mul", [h_in, "w"], f"{p}hw"), n("Add", [f"{p}sn", f"{p}ch"], f"{p}t"), n("Add", [f"{p}t", f"{p}hw"], h_out)]
+            n("Mul", [h_in, "w"], f"{p}hw"), n("Add", [f"{p}sn", f"{p}ch"], f"{p}t"),
+            n("Add", [f"{p}t", f"{p}hw"], h_out)]
 
 
 def _step(h, w):
@@ -82,8 +83,9 @@ CASES = {"loop": (_loop_graph, _unrolled_loop), "nested": (_nested_graph, _unrol
          "if": (_if_graph, _unrolled_if)}
 
 
-@pytest.mark.parametrize(("case", "policy"), [(c, p) for c in ("loop", "nested") for p in ("store", "recompute", "sqrt")]
-                         + [("if", "store")])  # (no loop in the If case: the policy does not apply)
+@pytest.mark.parametrize(("case", "policy"),  # (no loop in the If case: the policy does not apply)
+                         [(c, p) for c in ("loop", "nested") for p in ("store", "recompute", "sqrt")]
+                         + [("if", "store")])
 def test_subgraph_backward_adds_up_as_accumulate_says(case, policy):
     make, unrolled = CASES[case]
     g = make()

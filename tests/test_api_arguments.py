@@ -208,7 +208,8 @@ CASES = [
     ("export_torch kwargs=5", lambda: rg.export_torch(_linear(), (), "m.onnx", kwargs=5), "kwargs"),
     ("export_torch input_names=[1]", lambda: rg.export_torch(_linear(), (), "m.onnx", input_names=[1]), "input_names"),
     ("export_torch output_names=5", lambda: rg.export_torch(_linear(), (), "m.onnx", output_names=5), "output_names"),
-    ("export_torch opset_version=0", lambda: rg.export_torch(_linear(), (), "m.onnx", opset_version=0), "opset_version"),
+    ("export_torch opset_version=0", lambda: rg.export_torch(_linear(), (), "m.onnx", opset_version=0),
+     "opset_version"),
     # the value classes of the API
     ("Budget fraction='0.5'", lambda: rg.Budget(fraction="0.5"), "fraction"),
     ("Budget bytes=2**64", lambda: rg.Budget(bytes=2**64), "byte"),
@@ -276,8 +277,8 @@ UNCHECKED = {
 OWNED = {"data", "batch", "inputs", "feeds", "ys", "device", "runtime", "buffers", "reduce_dtype", "overlap", "shard",
          "schedule", "no_decay", "precision", "session_options", "loss", "name", "lr", "momentum", "weight_decay",
          "betas", "eps", "clip_grad_norm", "fraction", "bytes", "dims", "arena", "memory_pattern", "execution_order",
-         "path", "graph", "options", "output", "static", "rank", "alpha", "outputs", "targets", "params", "freeze", "loss_options",
-         "arrays", "configuration", "eval_data", "callbacks"}
+         "path", "graph", "options", "output", "static", "rank", "alpha", "outputs", "targets", "params", "freeze",
+         "loss_options", "arrays", "configuration", "eval_data", "callbacks"}
 
 
 def _public_callables():
@@ -379,7 +380,8 @@ def _scatter_at_run_time() -> Graph:
     """ScatterElements (reduction none) with indices fed at run time: its rule warns about repeats."""
     return Graph([Node("ScatterElements", ["d", "i", "u"], ["s"], {"axis": 1}, "scatter"),
                   Node("ReduceSum", ["s"], ["loss"], {"keepdims": 0}, "sum")],
-                 [ValueInfo("d", np.float32, (2, 4)), ValueInfo("i", np.int64, (2, 3)), ValueInfo("u", np.float32, (2, 3))],
+                 [ValueInfo("d", np.float32, (2, 4)), ValueInfo("i", np.int64, (2, 3)),
+                  ValueInfo("u", np.float32, (2, 3))],
                  [ValueInfo("loss", np.float32, ())])
 
 

@@ -231,8 +231,10 @@ def test_a_rule_returning_a_wrong_cotangent_is_named(monkeypatch):
 
 def test_lazy_cotangents_are_emitted_only_where_needed():
     # d/dw of x @ w must not build x's cotangent (w^T g) at all
-    g = Graph([Node("MatMul", ["x", "w"], ["y"], name="mm"), Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, "sum")],
-              [ValueInfo("x", np.float32, (2, 3)), ValueInfo("w", np.float32, (3, 4))], [ValueInfo("loss", np.float32, ())])
+    g = Graph([Node("MatMul", ["x", "w"], ["y"], name="mm"),
+               Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, "sum")],
+              [ValueInfo("x", np.float32, (2, 3)), ValueInfo("w", np.float32, (3, 4))],
+              [ValueInfo("loss", np.float32, ())])
     nodes, grads = rg.backward(g, ["loss"], ["w"])
     assert set(grads) >= {"w", "y", "loss"} and "x" not in grads
     reads = {i for n in nodes for i in n.inputs}

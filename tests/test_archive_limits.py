@@ -96,8 +96,8 @@ def model(path, static_input: bool = False, fixed: bool = False) -> str:
     if static_input:
         nodes.append(helper.make_node("Add", ["h", "s"], ["y"], name="add"))
         inputs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, [2]))
-    g = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2 if fixed else "N", 2])],
-                          [w])
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2 if fixed else "N", 2])
+    g = helper.make_graph(nodes, "g", inputs, [out], [w])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
     m.ir_version = 10
     onnx.save(m, str(path))
@@ -246,7 +246,8 @@ def test_the_limit_applies_where_the_model_leaves_dimensions_open(tmp_path, monk
     z = tmp_path / "a.npz"
     np.savez(z, x=np.zeros((100, 3), np.float32))
     monkeypatch.setattr(archive, "MAX_MEMBER_BYTES", 1000)
-    with pytest.raises(InputError, match=r"member 'x' declares float32\[100, 3\], 1.2 KiB, over the limit of 1000 bytes"):
+    with pytest.raises(InputError,
+                       match=r"member 'x' declares float32\[100, 3\], 1.2 KiB, over the limit of 1000 bytes"):
         archive.read_archive(z, {"x": ("N", 3)})
     assert archive.read_archive(z, {"x": (100, 3)})["x"].shape == (100, 3)  # fixed by the model: its size
 

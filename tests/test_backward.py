@@ -133,7 +133,8 @@ def test_path_cut_by_integer_value():
 
 
 def test_y_read_by_a_later_node_gets_seed_plus_flow():
-    nodes = [N("Sin", ["x"], "y1", "sin"), N("Mul", ["y1", "y1"], "y2", "sq"), N("ReduceSum", ["y2"], "loss", "sum", keepdims=0)]
+    nodes = [N("Sin", ["x"], "y1", "sin"), N("Mul", ["y1", "y1"], "y2", "sq"),
+             N("ReduceSum", ["y2"], "loss", "sum", keepdims=0)]
     g = graph(nodes, outputs=("y1", "loss"))
     bnodes, grad_map = rg.backward(g, ys={"y1": None, "loss": None}, wrt=["x"])
     gg = g.copy()

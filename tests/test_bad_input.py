@@ -87,7 +87,8 @@ def test_unknown_op_and_unknown_domain(tmp_path, capsys):
 
 
 def test_ops_without_rules_all_listed(tmp_path, capsys):
-    nodes = [helper.make_node("Unique", ["x"], ["d1"], name="det_a"), helper.make_node("Unique", ["x"], ["d2"], name="det_b"),
+    nodes = [helper.make_node("Unique", ["x"], ["d1"], name="det_a"),
+             helper.make_node("Unique", ["x"], ["d2"], name="det_b"),
              helper.make_node("Add", ["d1", "d2"], ["y"], name="sum")]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
@@ -107,7 +108,8 @@ def test_integer_wrt(tmp_path, capsys):
 
 
 def test_seed_input_needs_the_cotangent_at_run_time(tmp_path, capsys):
-    g = Graph([Node("Sin", ["x"], ["y"], name="sin")], [ValueInfo("x", np.float32, (2,))], [ValueInfo("y", np.float32, (2,))])
+    g = Graph([Node("Sin", ["x"], ["y"], name="sin")], [ValueInfo("x", np.float32, (2,))],
+              [ValueInfo("y", np.float32, (2,))])
     rg.save(g, tmp_path / "m.onnx")
     assert main(["grad", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "g.onnx"), "--seed", "input"]) == 0
     capsys.readouterr()
@@ -131,7 +133,8 @@ def test_loop_whose_carried_shape_changes(tmp_path, capsys):
 
 
 def test_check_with_bad_inputs(tmp_path, capsys):
-    g = Graph([Node("Sin", ["x"], ["y"], name="sin")], [ValueInfo("x", np.float32, (2,))], [ValueInfo("y", np.float32, (2,))])
+    g = Graph([Node("Sin", ["x"], ["y"], name="sin")], [ValueInfo("x", np.float32, (2,))],
+              [ValueInfo("y", np.float32, (2,))])
     rg.save(g, tmp_path / "m.onnx")
     np.savez(tmp_path / "shape.npz", x=np.ones(3, np.float32))
     assert main(["check", str(tmp_path / "m.onnx"), "--inputs", str(tmp_path / "shape.npz")]) == 2
@@ -145,7 +148,8 @@ def test_check_with_bad_inputs(tmp_path, capsys):
 
 
 def test_save_is_atomic(tmp_path, monkeypatch):
-    g = Graph([Node("Sin", ["x"], ["y"], name="sin")], [ValueInfo("x", np.float32, (2,))], [ValueInfo("y", np.float32, (2,))])
+    g = Graph([Node("Sin", ["x"], ["y"], name="sin")], [ValueInfo("x", np.float32, (2,))],
+              [ValueInfo("y", np.float32, (2,))])
     target = tmp_path / "out.onnx"
     rg.save(g, target)
     good = target.read_bytes()
@@ -162,7 +166,8 @@ def test_save_is_atomic(tmp_path, monkeypatch):
 
 
 def test_check_with_bad_tolerance_or_a_non_finite_forward(tmp_path, capsys):
-    g = Graph([Node("Sqrt", ["x"], ["y"], name="sqrt")], [ValueInfo("x", np.float32, (2,))], [ValueInfo("y", np.float32, (2,))])
+    g = Graph([Node("Sqrt", ["x"], ["y"], name="sqrt")], [ValueInfo("x", np.float32, (2,))],
+              [ValueInfo("y", np.float32, (2,))])
     rg.save(g, tmp_path / "m.onnx")
     assert main(["check", str(tmp_path / "m.onnx"), "--rtol", "-1"]) == 2
     one_line(capsys, "argument --rtol", "'-1'", ">= 0")  # (refused at parse time: revgraph.cli.numeric)

@@ -513,8 +513,8 @@ def sequence_loss_model(kind: str) -> Graph:
     else:
         nodes += [Node("SplitToSequence", ["p"], ["s"], {"axis": 0, "keepdims": 0}, "sts")]
     inits = {"w": w, **({"sizes": np.array([1, 2], np.int64)} if kind == "uneven split" else {})}
-    return Graph(nodes, [ValueInfo("x", np.dtype(F32), (2, 3))], [ValueInfo("s", np.dtype(F32), None, "sequence")], inits,
-                 name="seq", opsets={"": 21})
+    return Graph(nodes, [ValueInfo("x", np.dtype(F32), (2, 3))], [ValueInfo("s", np.dtype(F32), None, "sequence")],
+                 inits, name="seq", opsets={"": 21})
 
 
 def sequence_grads(kind: str, x: np.ndarray, us: list[np.ndarray]) -> dict[str, np.ndarray]:

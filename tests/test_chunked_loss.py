@@ -222,7 +222,8 @@ def test_trainer_steps_auto_and_evaluation():
         trained[name] = (tr, losses, dict(tr.parameters))
     assert "chunk_tokens" not in trained["off"][0].spec.loss.settings
     assert run_record.record(trained["chunked"][0].spec)["loss"]["chunk_tokens"] == 4
-    assert trained["auto"][0].spec.loss.settings["chunk_tokens"] == 4  # 21 x 13 x 4 > 4000 / 4; 4000 / 16 / (13 x 4) = 4.8 -> 4
+    # 21 x 13 x 4 > 4000 / 4; 4000 / 16 / (13 x 4) = 4.8 -> 4
+    assert trained["auto"][0].spec.loss.settings["chunk_tokens"] == 4
     for name in ("chunked", "auto"):
         np.testing.assert_allclose(trained[name][1], trained["off"][1], rtol=1e-6)
         close(trained[name][2], trained["off"][2], 1e-5, 1e-6, name)

@@ -347,7 +347,8 @@ def test_pad_amounts_reordered_by_the_legacy_exporter_give_static_shapes():
     i64 = lambda *v: np.array(v, np.int64)
     nodes = [Node("Concat", ["p", "z"], ["c"], {"axis": 0}, "cat"), Node("Reshape", ["c", "r2"], ["r"], name="rs"),
              Node("Slice", ["r", "s0", "s1", "ax", "st"], ["sl"], name="sl"),
-             Node("Transpose", ["sl"], ["tr"], {"perm": [1, 0]}, "tr"), Node("Reshape", ["tr", "m1"], ["flat"], name="r1"),
+             Node("Transpose", ["sl"], ["tr"], {"perm": [1, 0]}, "tr"),
+             Node("Reshape", ["tr", "m1"], ["flat"], name="r1"),
              Node("Cast", ["flat"], ["pads"], {"to": onnx.TensorProto.INT64}, "cast"),
              Node("Pad", ["x", "pads"], ["xp"], {"mode": "constant"}, "pad"),
              Node("Conv", ["xp", "w"], ["y"], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, "conv"),

@@ -638,7 +638,8 @@ def test_forward_mode(op):
         fn, along, outs = (lambda *t: group_query_attention(*t, **attrs)), ["query", "key", "value", "past_key"], [
             "y", "pk", "pv"]
     else:
-        ins = [("ids", rng.integers(0, 4, (2, 5)).astype(np.int32)), None, ("word", rng.standard_normal((4, 8)).astype(F32)),
+        ins = [("ids", rng.integers(0, 4, (2, 5)).astype(np.int32)), None,
+               ("word", rng.standard_normal((4, 8)).astype(F32)),
                ("pos", rng.standard_normal((7, 8)).astype(F32)), None, ("gamma", rng.standard_normal(8).astype(F32)),
                ("beta", rng.standard_normal(8).astype(F32))]
         attrs, fn, along, outs = {}, embed_layer_normalization, ["word", "pos", "gamma"], ["y", "mi", "sum"]

@@ -48,8 +48,8 @@ def test_if_with_nan_prone_branch(x):
 def test_if_captured_in_one_branch_only():
     then = branch([n("Mul", ["a", "b"], "r")], ["r"], "then")
     other = branch([n("Sin", ["a"], "r2")], ["r2"], "else")
-    g = graph([n("If", ["c"], ["y"], "if", then_branch=then, else_branch=other), n("ReduceSum", ["y"], "loss", keepdims=0)],
-              {"a": (3,), "b": (3,)}, ["loss"], {"c": np.array(False)})
+    g = graph([n("If", ["c"], ["y"], "if", then_branch=then, else_branch=other),
+               n("ReduceSum", ["y"], "loss", keepdims=0)], {"a": (3,), "b": (3,)}, ["loss"], {"c": np.array(False)})
     feeds = {"a": np.array([0.1, 0.2, 0.3]), "b": np.array([1.0, 2.0, 3.0])}
     ours = grads(g, feeds, ["a", "b"])
     np.testing.assert_allclose(ours["a"], np.cos(feeds["a"]))
@@ -80,7 +80,8 @@ def test_if_inside_a_loop(policy):
 def test_loops_inside_if_branches(policy):
     # if c: 3 steps of s <- s * x  else: 2 steps of s <- sin(s) + x
     mul = body([n("Mul", ["s_in", "x"], "s_out")], [("s_in", "s_out")])
-    sin = body([n("Sin", ["t_in"], "st"), n("Add", ["st", "x"], "t_out")], [("t_in", "t_out")], iter_name="j", cond_name="cj")
+    sin = body([n("Sin", ["t_in"], "st"), n("Add", ["st", "x"], "t_out")], [("t_in", "t_out")], iter_name="j",
+               cond_name="cj")
     then = branch([loop(mul, "M3", ["s0"], ["r"], "loop_then")], ["r"], "then")
     other = branch([loop(sin, "M2", ["s0"], ["r2"], "loop_else")], ["r2"], "else")
     g = graph([if_node("c", then, other, ["y"]), n("ReduceSum", ["y"], "loss", keepdims=0)], {"x": (2,), "s0": (2,)},
@@ -99,8 +100,8 @@ def test_loops_inside_if_branches(policy):
 
 
 @settings(max_examples=6, deadline=None)
-@given(in_dir=st.integers(0, 1), out_dir=st.integers(0, 1), in_axis=st.integers(0, 1), out_axis=st.sampled_from([0, 1, -1]),
-       t=st.integers(1, 4), policy=st.sampled_from(POLICIES))
+@given(in_dir=st.integers(0, 1), out_dir=st.integers(0, 1), in_axis=st.integers(0, 1),
+       out_axis=st.sampled_from([0, 1, -1]), t=st.integers(1, 4), policy=st.sampled_from(POLICIES))
 def test_scan_every_direction_and_axis(in_dir, out_dir, in_axis, out_axis, t, policy):
     shape_x = (t, 3) if in_axis == 0 else (3, t)
     g, u = scan_graph(in_dir, out_dir, in_axis, out_axis, shape_x)

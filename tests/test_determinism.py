@@ -216,7 +216,8 @@ def grid_sample(rng, R, D, K, U) -> Case:
     x, grid, u = rand(rng, 1, D, 8, 8), rng.uniform(-1, 1, (1, 1, K, 2)).astype(F32), rand(rng, 1, D, 1, K)
     g = Graph([Node("GridSample", ["x", "grid"], ["y"], {"align_corners": 0}, name="grid_sample"),
                *weighted_sum("y", "u")],
-              [ValueInfo("x", F32, x.shape), ValueInfo("u", F32, u.shape)], [ValueInfo("loss", F32, ())], {"grid": grid})
+              [ValueInfo("x", F32, x.shape), ValueInfo("u", F32, u.shape)], [ValueInfo("loss", F32, ())],
+              {"grid": grid})
     xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
     out = torch.nn.functional.grid_sample(xt, torch.tensor(grid, dtype=torch.float64), align_corners=False)
     (out * torch.tensor(u, dtype=torch.float64)).sum().backward()

@@ -47,8 +47,8 @@ def test_two_processes_train_like_one(tmp_path, model, optimizer):
     """2 processes x batch 8 = 1 process x batch 16: the demo MLP, the recurrent classifier (an ONNX Loop) with
     SGD momentum, and an embedding table whose gradient is exchanged as sparse rows (all-gathered, never
     densified; Adam and AdamW: torch's dense update, computed from the rows)."""
-    run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--model", model, "--optimizer", optimizer,
-                 "--out", str(tmp_path)])
+    run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--model", model,
+                 "--optimizer", optimizer, "--out", str(tmp_path)])
     compare_ranks(tmp_path, train_single(model, optimizer, 97, 16, 2))
 
 
@@ -58,7 +58,8 @@ def test_ranks_with_different_data_are_refused(tmp_path):
     r = run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "--skew", "--out", str(tmp_path)],
                     check=False)
     assert r.returncode != 0
-    assert "the training data or fit arguments of rank 1 differ from rank 0's; give every rank the same data" in r.stderr
+    assert ("the training data or fit arguments of rank 1 differ from rank 0's; give every rank the same data"
+            in r.stderr)
     assert not list(tmp_path.glob("rank*.npz"))
 
 
@@ -87,7 +88,8 @@ def test_killed_worker_is_restarted_and_reaches_the_same_weights(tmp_path):
     run_command([sys.executable, "-m", "revgraph", *common, "--batch-size", "8", "-o", str(tmp_path / "one.onnx")])
     ckpt = tmp_path / "ckpt"
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "revgraph", *common,
-           "--batch-size", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20", "-o", str(tmp_path / "two.onnx")]
+           "--batch-size", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "20",
+           "-o", str(tmp_path / "two.onnx")]
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # restarts need it (pytorch/pytorch#135712)
     with launched(cmd, env=env) as (proc,):
         deadline = time.time() + 120
@@ -113,8 +115,8 @@ def test_revgraph_train_nproc_matches_one_process(tmp_path):
     train, _ = demo.digits()
     np.savez(tmp_path / "data.npz", x=train["x"][:300], y=train["labels"][:300])
     rg.save(demo.mlp_model(hidden=16), tmp_path / "mlp.onnx")
-    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data", str(tmp_path / "data.npz"),
-              "--loss", "cross-entropy", "--epochs", "2", "--threads", "1"]
+    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"),
+              "--data", str(tmp_path / "data.npz"), "--loss", "cross-entropy", "--epochs", "2", "--threads", "1"]
     run_command([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
     r = run_command([*common, "--batch-size", "10", "--nproc", "2", "-o", str(tmp_path / "two.onnx")])
     assert r.stdout.count("wrote ") == 1 and "global batch 2 x 10 = 20" in r.stdout, r.stdout
@@ -167,7 +169,8 @@ import sys, numpy as np, revgraph as rg, revgraph.tools.demo as d
 from revgraph.cli import main
 train, _ = d.digits()
 tr = rg.Trainer(d.mlp_model(hidden=8), "cross-entropy", "adam")
-tr.fit({{"x": train["x"][:64], "labels": train["labels"][:64]}}, 1, 16, progress=False, checkpoint_dir={str(tmp_path)!r})
+tr.fit({{"x": train["x"][:64], "labels": train["labels"][:64]}}, 1, 16, progress=False,
+       checkpoint_dir={str(tmp_path)!r})
 np.savez({str(tmp_path / 'd.npz')!r}, x=train["x"][:64], y=train["labels"][:64])
 rg.save(d.mlp_model(hidden=8), {str(tmp_path / 'm.onnx')!r})
 assert main(["train", {str(tmp_path / 'm.onnx')!r}, "--data", {str(tmp_path / 'd.npz')!r}, "--loss", "cross-entropy",

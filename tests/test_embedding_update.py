@@ -42,7 +42,8 @@ def gather_matmul(seed: int = 0) -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
     E, W = rng.normal(0, 1, (V, D)).astype(F32), rng.normal(0, 0.5, (D, C)).astype(F32)
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["E", "ids"], ["emb"], axis=0), helper.make_node("MatMul", ["emb", "W"], ["logits"])],
+        [helper.make_node("Gather", ["E", "ids"], ["emb"], axis=0),
+         helper.make_node("MatMul", ["emb", "W"], ["logits"])],
         "gather_matmul", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", C])],
         [numpy_helper.from_array(E, "E"), numpy_helper.from_array(W, "W")])
@@ -188,9 +189,9 @@ def test_cli_embedding_update_reaches_the_optimizer(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", ids=ids, labels=y)
     E0 = initial(model)["E"]
     for mode in ("lazy", "dense"):
-        argv = ["train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--loss", "cross-entropy", "--epochs", "3",
-                "--batch-size", str(len(ids)), "--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.5",
-                "--embedding-update", mode, "-o", str(tmp_path / f"{mode}.onnx")]
+        argv = ["train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--loss", "cross-entropy",
+                "--epochs", "3", "--batch-size", str(len(ids)), "--optimizer", "adamw", "--lr", "0.01",
+                "--weight-decay", "0.5", "--embedding-update", mode, "-o", str(tmp_path / f"{mode}.onnx")]
         assert main(argv) == 0
         E = initial(onnx.load(tmp_path / f"{mode}.onnx"))["E"]
         want = E0[12:] if mode == "lazy" else E0[12:] * np.float32(1 - 0.01 * 0.5) ** 3

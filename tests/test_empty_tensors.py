@@ -39,7 +39,8 @@ def _grads(nodes, inputs: dict[str, np.ndarray], inits=None, wrt=None) -> dict[s
 def _torch(fn, inputs: dict[str, np.ndarray], u: np.ndarray) -> dict[str, np.ndarray]:
     ts = {k: torch.tensor(v, requires_grad=True) for k, v in inputs.items()}
     (fn(**ts) * torch.tensor(u)).sum().backward()
-    return {k: t.grad.numpy() if t.grad is not None else np.zeros(v.shape) for (k, t), v in zip(ts.items(), inputs.values(), strict=True)}
+    return {k: t.grad.numpy() if t.grad is not None else np.zeros(v.shape)
+            for (k, t), v in zip(ts.items(), inputs.values(), strict=True)}
 
 
 @pytest.mark.parametrize("idx_shape", [(0,), (1, 0), (2, 0, 3), (0, 2)])

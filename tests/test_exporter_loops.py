@@ -77,7 +77,8 @@ def _nested_initializers() -> onnx.ModelProto:
                          "outer", [vi("i", TP.INT64, []), vi("c_in", TP.BOOL, []), vi("h_in", D, [2])],
                          [vi("c_out", TP.BOOL, []), vi("h_out", D, [2])],
                          [nh.from_array(K_OUT, "k_out"), nh.from_array(np.array(3, np.int64), "T3")])
-    nodes = [h.make_node("Loop", ["T2", "", "x"], ["y"], body=outer), h.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    nodes = [h.make_node("Loop", ["T2", "", "x"], ["y"], body=outer),
+             h.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
     return _model(nodes, [vi("x", D, [2]), vi("b", D, [2])], [nh.from_array(np.array(2, np.int64), "T2")])
 
 

@@ -195,7 +195,8 @@ def test_fp16_scaled_run_with_a_schedule_resumed_mid_run_equals_the_uninterrupte
     resumed = run()
     resumed.fit(data, **how, checkpoint_dir=tmp_path, checkpoint_every=3)
     # (a snapshot holds no per-step losses: the resumed trainer has those of the batches after it)
-    assert resumed.resumed and resumed.losses == ref.losses[meta["steps_taken"]:] and resumed.steps_taken == len(ref.losses)
+    assert (resumed.resumed and resumed.losses == ref.losses[meta["steps_taken"]:]
+            and resumed.steps_taken == len(ref.losses))
     names = [s.scale, s.growth, ref.spec.step, ref.spec.total]
     for name, value in {**ref.parameters, **ref.state, **ref._engine.read(names)}.items():
         got = {**resumed.parameters, **resumed.state, **resumed._engine.read(names)}[name]
@@ -274,7 +275,8 @@ BAD = {  # case: (extra arguments, a fragment of the one line)
     "override unknown": (["--override", "learning_rate", "--checkpoint-dir", "{t}/ck"],
                          "--override learning_rate: not a recorded setting"),
     "static shape": (["--model", "{t}/s.onnx", "--data", "{t}/sd.npz", "--static", "adj={t}/adj.npy", "--static",
-                      "gain={t}/gain.npy"], "static array 'adj' has shape [3, 3]; input 'adj' is declared float32[4,4]"),
+                      "gain={t}/gain.npy"],
+                     "static array 'adj' has shape [3, 3]; input 'adj' is declared float32[4,4]"),
     "data dir unequal": (["--data", "{t}/dir"], "x 16, labels 15"),
 }
 

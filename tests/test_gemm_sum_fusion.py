@@ -31,7 +31,8 @@ def vi(name: str, elem: int = F, shape=None) -> onnx.ValueInfoProto:
 def _scan_body() -> onnx.GraphProto:
     """lax.scan's step as a Loop body with three carried values: a <- tanh(Gemm(a, w)), b <- b + a, c <- c * a."""
     return h.make_graph([h.make_node("Gemm", ["a_in", "w"], ["m"]), h.make_node("Tanh", ["m"], ["a_out"]),
-                         h.make_node("Add", ["b_in", "a_out"], ["b_out"]), h.make_node("Mul", ["c_in", "a_out"], ["c_out"]),
+                         h.make_node("Add", ["b_in", "a_out"], ["b_out"]),
+                         h.make_node("Mul", ["c_in", "a_out"], ["c_out"]),
                          h.make_node("Identity", ["cond"], ["cond_out"])], "scan_body",
                         [vi("i", TP.INT64, []), vi("cond", TP.BOOL, []), vi("a_in", F, S), vi("b_in", F, S),
                          vi("c_in", F, S)],

@@ -96,7 +96,8 @@ def test_state_dict_of_a_full_fine_tune_loads_into_the_module(setup, tmp_path):
     assert result.missing_keys == [] and result.unexpected_keys == ["model.rotary_emb.inv_freq"]
     np.testing.assert_allclose(logits(module, ids), tr.predict(ids), **TOL)
     base = llama(0)  # the weights trained: the file holds the trained values, not the exported ones
-    assert not torch.equal(sd["model.layers.0.mlp.up_proj.weight"], base.state_dict()["model.layers.0.mlp.up_proj.weight"])
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(sd[up], base.state_dict()[up])
 
 
 def test_state_dict_of_lora_holds_the_merged_weights(setup, tmp_path):

@@ -69,8 +69,8 @@ CASES = {
     "reduce_prod_two_zeros": ([("ReduceProd", ["x"], "loss", {"keepdims": 0})], {"x": [0.0, 0.0, 3.0]}, {}, 21,
                               lambda x: _prod(x)),
     # over axes 0 and 2 of [2, 2, 3], keepdims=0: group 0 holds three zeros, group 1 one
-    "reduce_prod_axes_three_zeros": ([("ReduceProd", ["x", "axes"], "p", {"keepdims": 0}), ("Mul", ["p", "w"], "pw", {}),
-                                      _sum("pw")],
+    "reduce_prod_axes_three_zeros": ([("ReduceProd", ["x", "axes"], "p", {"keepdims": 0}),
+                                      ("Mul", ["p", "w"], "pw", {}), _sum("pw")],
                                      {"x": [[[0.0, 2.0, 0.5], [1.0, 3.0, 2.0]], [[0.0, 1.5, 1.0], [0.0, -1.0, 0.5]]]},
                                      {"axes": np.array([0, 2], np.int64), "w": [1.0, -2.0]}, 21,
                                      lambda x: (_prod(x.permute(1, 0, 2).reshape(2, 6).T) * T([1.0, -2.0])).sum()),
@@ -138,8 +138,9 @@ CASES = {
                     ("Mul", ["y", "w"], "yw", {}), _sum("yw")],
                    {"x": [[[0.0, 1.0], [0.0, -1.0], [2.0, 0.0], [0.0, 0.0]]]},
                    {"s": [1.0, 0.0, 2.0, 0.5], "b": [0.0, 0.0, 0.1, 0.0], "w": [[1.0, 0.0]]}, 21,
-                   lambda x: ((_standardize(x.reshape(1, 2, 4), -1, 1e-5).reshape(1, 4, 2) * T([[1.0], [0.0], [2.0], [0.5]])
-                               + T([[0.0], [0.0], [0.1], [0.0]])) * T([[1.0, 0.0]])).sum()),
+                   lambda x: ((_standardize(x.reshape(1, 2, 4), -1, 1e-5).reshape(1, 4, 2)
+                               * T([[1.0], [0.0], [2.0], [0.5]]) + T([[0.0], [0.0], [0.1], [0.0]]))
+                              * T([[1.0, 0.0]])).sum()),
     "lp_norm": ([("LpNormalization", ["x"], "y", {"axis": -1, "p": 2}), ("Mul", ["y", "w"], "yw", {}), _sum("yw")],
                 {"x": [[0.0, 3.0, 4.0], [1.0, 0.0, 0.0]]}, {"w": [1.0, 0.0, -1.0]}, 21,
                 lambda x: (x / torch.sqrt((x * x).sum(-1, keepdim=True)) * T([1.0, 0.0, -1.0])).sum()),
@@ -206,8 +207,8 @@ def test_hvp_at_exact_zeros(name):
         np.testing.assert_allclose(out[f"{a}_hvp"], expected, rtol=1e-7, atol=1e-10, err_msg=a)
 
 
-THIRD = ["sqrt_at_zero_partial", "reduce_prod_one_zero", "reduce_prod_two_zeros", "reduce_prod_axes_three_zeros", "log_at_a_minimum", "reciprocal_at_zero_partial",
-         "cumprod", "softmax_zero_weights"]
+THIRD = ["sqrt_at_zero_partial", "reduce_prod_one_zero", "reduce_prod_two_zeros", "reduce_prod_axes_three_zeros",
+         "log_at_a_minimum", "reciprocal_at_zero_partial", "cumprod", "softmax_zero_weights"]
 
 
 @pytest.mark.parametrize("name", THIRD)

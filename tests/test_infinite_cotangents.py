@@ -238,7 +238,8 @@ def test_the_issue_example_a_constant_function_has_zero_jvp_gradient_and_hvp():
     # loss = Exp(ReduceLogSumExp(c + x)) with c = [-inf, -inf] is the constant exp(-inf) = 0: its gradient,
     # JVP and HVP are 0 (the JVP was NaN: exp(x - y) is NaN at x = y = -inf)
     g = Graph([Node("Constant", [], ["c"], {"value": np.array([NEG, NEG])}, "c"),
-               Node("Add", ["c", "x"], ["a"], name="add"), Node("ReduceLogSumExp", ["a"], ["r"], {"keepdims": 0}, "lse"),
+               Node("Add", ["c", "x"], ["a"], name="add"),
+               Node("ReduceLogSumExp", ["a"], ["r"], {"keepdims": 0}, "lse"),
                Node("Exp", ["r"], ["loss"], name="exp")],
               [ValueInfo("x", F64, (2,))], [ValueInfo("loss")])
     x = np.array([0.5, -1.0])

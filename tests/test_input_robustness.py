@@ -244,7 +244,8 @@ def square_graph(tmp_path):
 @pytest.mark.parametrize("call,error,needle", [
     (lambda g, d: rg.load(b"garbage"), rg.RevgraphError, "not a readable ONNX model"),
     (lambda g, d: rg.load(None), rg.RevgraphError, "cannot load a model from NoneType"),
-    (lambda g, d: rg.load(d / "sq.onnx", opset=99), rg.RevgraphError, "opset=99: give None (the model's own, at least 21) or a whole number from 21 to"),
+    (lambda g, d: rg.load(d / "sq.onnx", opset=99), rg.RevgraphError,
+     "opset=99: give None (the model's own, at least 21) or a whole number from 21 to"),
     (lambda g, d: rg.Session(b"garbage"), rg.RevgraphError, "not a readable ONNX model"),
     (lambda g, d: rg.Session(g, threads=-1), rg.RevgraphError, "threads must be"),
     (lambda g, d: rg.save(g, d), rg.RevgraphError, "is a directory"),

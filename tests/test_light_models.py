@@ -69,7 +69,8 @@ def _torch_forward(g: rg.Graph, x: np.ndarray, params: dict):
         elif node.op_type in ("MaxPool", "AveragePool"):
             p = a.get("pads", [0, 0, 0, 0])
             if node.op_type == "MaxPool":
-                y = F.max_pool2d(F.pad(i[0], (p[1], p[3], p[0], p[2]), value=-float("inf")), a["kernel_shape"], a["strides"])
+                y = F.max_pool2d(F.pad(i[0], (p[1], p[3], p[0], p[2]), value=-float("inf")), a["kernel_shape"],
+                                 a["strides"])
             else:
                 y = F.avg_pool2d(i[0], a["kernel_shape"], a["strides"])
         elif node.op_type == "Sum":
@@ -100,4 +101,5 @@ def test_resnet50_weight_gradients_match_pytorch():
               for k, w in g.initializers.items() if w.dtype.kind == "f"}
     expected = torch.autograd.grad((_torch_forward(g, x, params) * torch.tensor(u)).sum(), [params[k] for k in weights])
     for k, grad_name, t in zip(weights, gg.output_names[len(g.outputs):], expected, strict=True):
-        np.testing.assert_allclose(out[grad_name], t.numpy(), rtol=1e-9, atol=1e-12 * float(np.abs(t.numpy()).max()), err_msg=k)
+        np.testing.assert_allclose(out[grad_name], t.numpy(), rtol=1e-9, atol=1e-12 * float(np.abs(t.numpy()).max()),
+                                   err_msg=k)

@@ -22,8 +22,9 @@ WRT = ["xs", "h0", "W", "U", "b"]
 
 
 def _rnn_nodes(index="i"):
-    return [n("Gather", ["xs", index], "x_t", axis=0), n("MatMul", ["h_in", "W"], "hw"), n("MatMul", ["x_t", "U"], "xu"),
-            n("Add", ["hw", "xu"], "pre0"), n("Add", ["pre0", "b"], "pre"), n("Tanh", ["pre"], "h_out")]
+    return [n("Gather", ["xs", index], "x_t", axis=0), n("MatMul", ["h_in", "W"], "hw"),
+            n("MatMul", ["x_t", "U"], "xu"), n("Add", ["hw", "xu"], "pre0"), n("Add", ["pre0", "b"], "pre"),
+            n("Tanh", ["pre"], "h_out")]
 
 
 def _declare(b: Graph, shapes: dict[str, tuple]) -> Graph:
@@ -47,7 +48,8 @@ def rnn_graph(steps=T, scan=(), cond=None, extra=(), index="i", trip="M", start=
         loss = f"l{k + 1}"
     nodes.append(n("Identity", [loss], "loss"))
     inits = {"M": np.array(steps, np.int64)} if trip == "M" else {}
-    return graph(nodes, {"xs": (max(steps, 1), B, I), "h0": (B, H), "W": (H, H), "U": (I, H), "b": (H,)}, ["loss"], inits)
+    return graph(nodes, {"xs": (max(steps, 1), B, I), "h0": (B, H), "W": (H, H), "U": (I, H), "b": (H,)}, ["loss"],
+                 inits)
 
 
 def feeds(steps=T, seed=0):
@@ -340,7 +342,8 @@ def test_zero_trip_loop_with_a_reduced_scan_output_runs_on_onnxruntime():
               [ValueInfo("c_out", np.bool_, ()), ValueInfo("s_out", f64, ()), ValueInfo("y", f64, ())], name="body")
     g = Graph([Node("Loop", ["M", "true", "x"], ["s_T", "Y"], {"body": b}, name="loop"),
                Node("ReduceSum", ["Y", "axis0"], ["Ys"], {"keepdims": 0}, name="r"),
-               Node("Mul", ["Ys", "Ys"], ["sq"], name="sq"), Node("ReduceSum", ["sq"], ["loss"], {"keepdims": 0}, name="sum")],
+               Node("Mul", ["Ys", "Ys"], ["sq"], name="sq"),
+               Node("ReduceSum", ["sq"], ["loss"], {"keepdims": 0}, name="sum")],
               [ValueInfo("x", f64, ())], [ValueInfo("loss", f64, ())],
               {"M": np.array(0), "true": np.array(True), "axis0": np.array([0])})
     gg = rg.gradient(g, wrt=["x"])

@@ -97,8 +97,8 @@ def test_two_carried_updated_together(policy):
         ],
         [("x_in", "x_out"), ("y_in", "y_out")],
     )
-    g = graph([loop(b, "M", ["x0", "y0"], ["x", "y"]), n("Mul", ["x", "y"], "xy"), n("ReduceSum", ["xy"], "loss", keepdims=0)],
-              {"x0": (2,), "y0": (2,)}, ["loss"], _trip(4))
+    g = graph([loop(b, "M", ["x0", "y0"], ["x", "y"]), n("Mul", ["x", "y"], "xy"),
+               n("ReduceSum", ["xy"], "loss", keepdims=0)], {"x0": (2,), "y0": (2,)}, ["loss"], _trip(4))
     feeds = {"x0": np.array([0.3, -0.2]), "y0": np.array([0.1, 0.5])}
 
     def unrolled(x0, y0):
@@ -115,8 +115,8 @@ def test_carried_values_swap_and_one_feeds_two(policy):
     # (a, b, c) <- (b * w, a, a + c): a swaps with b and feeds both b and c
     b = body([n("Mul", ["b_in", "w"], "a_out"), n("Identity", ["a_in"], "b_out"), n("Add", ["a_in", "c_in"], "c_out")],
              [("a_in", "a_out"), ("b_in", "b_out"), ("c_in", "c_out")])
-    nodes = [loop(b, "M", ["a0", "b0", "c0"], ["a", "b", "c"]), n("Mul", ["a", "b"], "ab"), n("Mul", ["ab", "c"], "abc"),
-             n("ReduceSum", ["abc"], "loss", keepdims=0)]
+    nodes = [loop(b, "M", ["a0", "b0", "c0"], ["a", "b", "c"]), n("Mul", ["a", "b"], "ab"),
+             n("Mul", ["ab", "c"], "abc"), n("ReduceSum", ["abc"], "loss", keepdims=0)]
     g = graph(nodes, {"a0": (2,), "b0": (2,), "c0": (2,), "w": (2,)}, ["loss"], _trip(5))
     rng = np.random.default_rng(0)
     feeds = {k: rng.standard_normal(2) for k in ("a0", "b0", "c0", "w")}
@@ -135,8 +135,9 @@ def test_carried_values_swap_and_one_feeds_two(policy):
 def test_scan_output_with_cotangent_per_iteration(policy):
     # y_t = tanh(s_t * w) stacked; loss = sum(u * Y) with a different cotangent row per iteration
     b = body([n("Mul", ["s_in", "w"], "s_out"), n("Tanh", ["s_out"], "y")], [("s_in", "s_out")], scan=["y"])
-    g = graph([loop(b, "M", ["s0"], ["s", "Y"]), n("Mul", ["Y", "u"], "uy"), n("ReduceSum", ["uy"], "loss", keepdims=0)],
-              {"s0": (3,), "w": (3,)}, ["loss"], {**_trip(4), "u": np.arange(12.0).reshape(4, 3) / 10 - 0.5})
+    g = graph([loop(b, "M", ["s0"], ["s", "Y"]), n("Mul", ["Y", "u"], "uy"),
+               n("ReduceSum", ["uy"], "loss", keepdims=0)], {"s0": (3,), "w": (3,)}, ["loss"],
+              {**_trip(4), "u": np.arange(12.0).reshape(4, 3) / 10 - 0.5})
     feeds = {"s0": S3 / 3, "w": np.array([0.9, -1.1, 0.4])}
     u = g.initializers["u"]
 
@@ -167,8 +168,8 @@ def test_taylor_sin_nested_in_an_outer_loop(policy):
     # s <- s + sin(x * s): the while loop (data-dependent trip count) inside a fixed 3-step loop
     inner = taylor_sin_body()
     outer = body(
-        [n("Mul", ["x0", "s_in"], "x"), *taylor_cond_nodes(), loop(inner, "", ["x", "x"], ["t", "sin"], "inner", cond="go"),
-         n("Add", ["s_in", "sin"], "s_out")],
+        [n("Mul", ["x0", "s_in"], "x"), *taylor_cond_nodes(),
+         loop(inner, "", ["x", "x"], ["t", "sin"], "inner", cond="go"), n("Add", ["s_in", "sin"], "s_out")],
         [("s_in", "s_out")], iter_name="j", cond_name="c_outer",
     )
     nodes = [loop(outer, "M", ["s0"], ["s"], "outer"), n("Identity", ["s"], "loss")]

@@ -261,7 +261,8 @@ def test_cli_lora_train_extract_apply(files, capsys):
     x = np.load(t / "d.npz")["x"]
     assert main(["lora", "extract", str(t / "trained.onnx"), "-o", str(t / "ad.npz")]) == 0
     assert main(["lora", "apply", str(t / "base.onnx"), str(t / "ad.npz"), "-o", str(t / "applied.onnx")]) == 0
-    assert main(["lora", "apply", str(t / "base.onnx"), str(t / "ad.npz"), "-o", str(t / "merged.onnx"), "--merge"]) == 0
+    assert main(["lora", "apply", str(t / "base.onnx"), str(t / "ad.npz"), "-o", str(t / "merged.onnx"),
+                 "--merge"]) == 0
     assert "5 adapters (10 tensors, 424 elements; rank 4, alpha 8)" in capsys.readouterr().out
     want = run(trained, x, False)
     np.testing.assert_array_equal(run(rg.load(t / "applied.onnx"), x, False), want)
@@ -365,7 +366,8 @@ def test_a_shared_weight_gets_one_adapter_and_a_tied_reader_keeps_the_base_value
     the Gather's W as it was (the MatMuls read a merged copy)."""
     rng = np.random.default_rng(10)
     inits = {"W": rng.normal(0, 0.5, (8, 8)).astype(F32), "idx": np.array([2], np.int64)}
-    nodes = [Node("MatMul", ["x", "W"], ["h"], name="mm"), Node("Transpose", ["W"], ["wt"], {"perm": [1, 0]}, name="tr"),
+    nodes = [Node("MatMul", ["x", "W"], ["h"], name="mm"),
+             Node("Transpose", ["W"], ["wt"], {"perm": [1, 0]}, name="tr"),
              Node("MatMul", ["h", "wt"], ["h2"], name="mm_t"), Node("Gather", ["W", "idx"], ["row"], name="tied"),
              Node("Add", ["h2", "row"], ["y"], name="add")]
     g = rg.Graph(nodes, [ValueInfo("x", F32, ("N", 8))], [ValueInfo("y", F32, ("N", 8))], inits)
@@ -390,7 +392,8 @@ def test_a_shared_weight_gets_one_adapter_and_a_tied_reader_keeps_the_base_value
 def test_cli_lora_data_parallel_equals_one_process(files, capsys):
     """--lora under --nproc 2 (gloo) trains the adapters of one process with the same global batch."""
     t = files
-    common = ["train", str(t / "base.onnx"), "--data", str(t / "d.npz"), "--loss", "mse", "--epochs", "2", "--lora", "4"]
+    common = ["train", str(t / "base.onnx"), "--data", str(t / "d.npz"), "--loss", "mse", "--epochs", "2",
+              "--lora", "4"]
     assert main([*common, "--batch-size", "4", "--nproc", "2", "-o", str(t / "dp.onnx")]) == 0
     assert main([*common, "--batch-size", "8", "-o", str(t / "one.onnx")]) == 0
     dp, one = rg.load(t / "dp.onnx"), rg.load(t / "one.onnx")

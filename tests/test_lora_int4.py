@@ -52,7 +52,8 @@ def nbits_model(seed: int = 0) -> rg.Graph:
              h.make_node("MatMulNBits", ["t", "B2", "s2"], ["y"], name=O, domain="com.microsoft", K=24, N=8, bits=4,
                          block_size=16)]
     g = h.make_graph(nodes, "nbits", [h.make_tensor_value_info("x", T.FLOAT, ["n", 64])],
-                     [h.make_tensor_value_info("y", T.FLOAT, ["n", 8])], [nh.from_array(v, k) for k, v in inits.items()])
+                     [h.make_tensor_value_info("y", T.FLOAT, ["n", 8])],
+                     [nh.from_array(v, k) for k, v in inits.items()])
     model = h.make_model(g, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
     return rg.load(model)

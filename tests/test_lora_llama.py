@@ -45,7 +45,8 @@ def peft_llama(ex, config: dict, adapted: rg.Graph):
         path = a["weight"].removesuffix(".weight").split(".")
         parent = m.get_submodule(".".join(path[:-1]))
         linear = getattr(parent, path[-1])
-        layer = LoraLinear(linear.weight.detach().numpy(), None if linear.bias is None else linear.bias.detach().numpy(),
+        bias = None if linear.bias is None else linear.bias.detach().numpy()
+        layer = LoraLinear(linear.weight.detach().numpy(), bias,
                            adapted.initializers[a["A"]], adapted.initializers[a["B"]], c["scaling"])
         setattr(parent, path[-1], layer)
         layers[a["weight"]] = layer

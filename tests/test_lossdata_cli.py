@@ -84,8 +84,8 @@ def test_static_inputs_class_weights_and_smoothing_match_pytorch(tmp_path, capsy
     adj, gain = torch.tensor(static["adj"]), torch.tensor(static["gain"])
     for rows in shuffled_batches(40, 8, 2):
         opt.zero_grad()
-        F.cross_entropy(((x[rows] @ adj) @ p["W"] + p["b"]) * gain, y[rows], weight=torch.tensor(w, dtype=torch.float32),
-                        label_smoothing=0.1).backward()
+        F.cross_entropy(((x[rows] @ adj) @ p["W"] + p["b"]) * gain, y[rows],
+                        weight=torch.tensor(w, dtype=torch.float32), label_smoothing=0.1).backward()
         opt.step()
     got = trained(tmp_path / "out.onnx")
     for k, v in p.items():
@@ -141,7 +141,8 @@ def test_bad_loss_and_data_options_exit_2_with_one_line_and_write_nothing(tmp_pa
     good = [a for s in ok["--static"] for a in ("--static", s)]
     cases = [
         (["--data", str(tmp_path / "data.npz"), "--static", f"adj={tmp_path / 'adj3.npy'}", "--static",
-          f"gain={tmp_path / 'gain.npy'}"], "static array 'adj' has shape [3, 3]; input 'adj' is declared float32[4,4]"),
+          f"gain={tmp_path / 'gain.npy'}"],
+         "static array 'adj' has shape [3, 3]; input 'adj' is declared float32[4,4]"),
         (["--data", str(tmp_path / "uneven"), *good], "arrays differ in length: x 10, labels 7"),
         (["--data", str(tmp_path / "nolabels"), *good], "the data lacks 'labels'"),
         (["--data", str(tmp_path / "data.npz"), "--static", f"adj={tmp_path / 'adj.npy'}"], "the data lacks 'gain'"),

@@ -272,7 +272,8 @@ def test_bad_targets_are_one_line_errors():
     tr = rg.Trainer(tiny_lm(), "causal-lm", "sgd", threads=1, loss_options={"labels_from": "labels"})
     ids, labels = lm_data(4)
     labels[1, 3] = V
-    with pytest.raises(InputError, match=r"target token id 11 in 'labels' is not a class index in \[0, 11\) or the ignore"):
+    with pytest.raises(InputError,
+                       match=r"target token id 11 in 'labels' is not a class index in \[0, 11\) or the ignore"):
         tr.arrays({"input_ids": ids, "labels": labels})
     with pytest.raises(InputError, match="lacks 'labels'"):
         tr.arrays({"input_ids": ids})

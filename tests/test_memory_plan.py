@@ -44,7 +44,8 @@ def _chain(layers: int, extra=None, batch: int | str = B) -> Graph:
     nodes, inits, x = [], {}, "x"
     for k in range(layers):
         inits[f"w{k}"] = (rng.standard_normal((H, H)) / 4).astype(F32)
-        nodes += [Node("MatMul", [x, f"w{k}"], [f"m{k}"], name=f"mm{k}"), Node("Tanh", [f"m{k}"], [f"h{k}"], name=f"act{k}")]
+        nodes += [Node("MatMul", [x, f"w{k}"], [f"m{k}"], name=f"mm{k}"),
+                  Node("Tanh", [f"m{k}"], [f"h{k}"], name=f"act{k}")]
         x = f"h{k}"
     nodes += extra(x) if extra else [Node("ReduceSum", [x], ["loss"], {"keepdims": 0}, name="sum")]
     return Graph(nodes, [ValueInfo("x", F32, (batch, H))], [ValueInfo("loss", F32, ())], inits)
@@ -230,7 +231,8 @@ def _loop_and_if_graph() -> tuple[Graph, dict[str, np.ndarray]]:
              Node("ReduceSum", ["z"], ["loss"], {"keepdims": 0}, name="sum")]
     rng = np.random.default_rng(4)
     inits = {"trip": np.array(5, np.int64), "true": np.array(True), "zero": np.array(0.0),
-             "w": rng.standard_normal((4, 4)) / 2, "u": rng.standard_normal((4, 4)) / 2, "v": rng.standard_normal((3, 4))}
+             "w": rng.standard_normal((4, 4)) / 2, "u": rng.standard_normal((4, 4)) / 2,
+             "v": rng.standard_normal((3, 4))}
     g = Graph(nodes, [ValueInfo("h0", f64, (3, 4))], [ValueInfo("loss", f64, ())], inits,
               value_info={"hT": ValueInfo("hT", f64, (3, 4))})
     return g, {"h0": rng.standard_normal((3, 4))}
@@ -280,8 +282,8 @@ def test_budget_text(text, want):
 
 
 @pytest.mark.parametrize(("value", "match"), [(-1, "negative"), (1.5, "from 0 to 1"), (True, "fraction"),
-                                              (float("nan"), "from 0 to 1"), ("-0.5", "negative"), ("abc", "a fraction"),
-                                              ("3XB", "unknown unit 'XB'"), ([0.5], "fraction")])
+                                              (float("nan"), "from 0 to 1"), ("-0.5", "negative"),
+                                              ("abc", "a fraction"), ("3XB", "unknown unit 'XB'"), ([0.5], "fraction")])
 def test_bad_budgets_are_refused_in_one_line(value, match):
     with pytest.raises(RevgraphError, match=match) as info:
         as_budget(value)
@@ -361,7 +363,8 @@ def test_dropout_is_recomputed_only_where_it_draws_nothing(ratio, kept):
     rng = np.random.default_rng(0)
     n = 128
     g = Graph([Node("MatMul", ["x", "w"], ["m"], name="mm"), Node("Tanh", ["m"], ["h"], name="act"),
-               Node("Dropout", ["h", "ratio", "training"], ["d"], name="drop"), Node("MatMul", ["d", "v"], ["y"], name="mm2"),
+               Node("Dropout", ["h", "ratio", "training"], ["d"], name="drop"),
+               Node("MatMul", ["d", "v"], ["y"], name="mm2"),
                Node("ReduceSum", ["y"], ["loss"], {"keepdims": 0}, name="sum")],
               [ValueInfo("x", F32, (n, n))], [ValueInfo("loss", F32, ())],
               {"w": rng.standard_normal((n, n)).astype(F32), "v": rng.standard_normal((n, n)).astype(F32),
@@ -426,7 +429,8 @@ def test_a_vjp_that_reads_only_a_shape_does_not_keep_the_value():
 def _sines() -> Graph:
     # loss = sum(sin(sin(x))^2): memory=0 recomputes both Sin nodes in the backward (remat/Sin_0, remat/Sin_1)
     return Graph([Node("Sin", ["x"], ["s"], name="Sin_0"), Node("Sin", ["s"], ["t"], name="Sin_1"),
-                  Node("Mul", ["t", "t"], ["tt"], name="sq"), Node("ReduceSum", ["tt"], ["loss"], {"keepdims": 0}, "sum")],
+                  Node("Mul", ["t", "t"], ["tt"], name="sq"),
+                  Node("ReduceSum", ["tt"], ["loss"], {"keepdims": 0}, "sum")],
                  [ValueInfo("x", np.float64, (3,))], [ValueInfo("loss")])
 
 

@@ -232,7 +232,8 @@ def test_dynamic_quantize_linear_into_dequantize_linear_is_a_quantizer_pair():
 def test_a_float_to_float_bitcast_on_the_path_is_refused():
     g = h.make_graph([h.make_node("BitCast", ["x"], ["b"], to=TP.BFLOAT16, name="bc"),
                       h.make_node("Cast", ["b"], ["f"], to=TP.FLOAT), h.make_node("ReduceSum", ["f"], ["loss"])],
-                     "g", [h.make_tensor_value_info("x", TP.FLOAT16, [3])], [h.make_tensor_value_info("loss", TP.FLOAT, [1])])
+                     "g", [h.make_tensor_value_info("x", TP.FLOAT16, [3])],
+                     [h.make_tensor_value_info("loss", TP.FLOAT, [1])])
     model = h.make_model(g, opset_imports=[h.make_opsetid("", 26)])
     with pytest.raises(rg.GraphError, match=r"'bc' \(BitCast\).*no differentiable function"):
         rg.gradient(rg.load(model), "loss", wrt=["x"])

@@ -95,9 +95,10 @@ def test_optimized_file_fine_tunes_like_the_export(name, tmp_path):
     for n, a in got.items():
         assert not np.array_equal(a, initial[fused][n]), n  # (every parameter moved)
         b = want[n]
-        if n.endswith(("qkv_bias", "attn.c_attn.bias")):  # (BERT's merged and GPT-2's own Q|K|V biases)  # the key bias's gradient is 0 in exact arithmetic (softmax ignores a shift
-            # along the keys), so Adam's m / sqrt(v) turns float32 rounding into full-size steps either way:
-            # compared as unchanged but for those lr-sized steps, not with the export's
+        if n.endswith(("qkv_bias", "attn.c_attn.bias")):  # (BERT's merged and GPT-2's own Q|K|V biases)
+            # the key bias's gradient is 0 in exact arithmetic (softmax ignores a shift along the keys), so Adam's
+            # m / sqrt(v) turns float32 rounding into full-size steps either way: compared as unchanged but for
+            # those lr-sized steps, not with the export's
             a, b, key = a.copy(), b.copy(), slice(a.size // 3, 2 * a.size // 3)
             drift = np.abs(a[key] - initial[fused][n][key]).max()
             assert drift <= STEPS * 1e-3 * 1.01, (n, drift)

@@ -86,7 +86,8 @@ def test_the_cli_and_make_optimizer_read_the_registry(lion):
         T.make_optimizer("lion", momentum=0.9)
     with pytest.raises(RevgraphError, match="momentum applies to sgd only"):
         T.Optimizer("adamw", lr=0.1, momentum=0.5)
-    train = next(a for a in _parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict)).choices["train"]
+    commands = next(a for a in _parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
+    train = commands.choices["train"]
     helps = {a.dest: a.help for a in train._actions}
     assert "0.0001 for lion" in helps["lr"] and "decoupled decay (adamw, lion" in helps["weight_decay"]
     with pytest.raises(RevgraphError, match="'sgd', 'adam', 'adamw', 'lion'"):

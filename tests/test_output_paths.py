@@ -52,7 +52,8 @@ def _model() -> Graph:
 
 
 def _scalar_model() -> Graph:
-    return Graph([Node("Mul", ["x", "x"], ["s"], name="sq"), Node("ReduceSum", ["s"], ["y"], {"keepdims": 0}, name="r")],
+    return Graph([Node("Mul", ["x", "x"], ["s"], name="sq"),
+                  Node("ReduceSum", ["s"], ["y"], {"keepdims": 0}, name="r")],
                  [ValueInfo("x", np.float32, (3,))], [ValueInfo("y", np.float32, ())])
 
 
@@ -414,7 +415,8 @@ def test_output_to_standard_output(inputs, tmp_path, command, via):
 
 @pytest.mark.parametrize("command", ["grad", "info", *(pytest.param(c, marks=SLOW) for c in ("run", "train", "demo"))])
 def test_standard_output_on_a_full_device(inputs, tmp_path, command):
-    argv = {"grad": ["grad", str(inputs / "m.onnx"), "-o", str(tmp_path / "g.onnx")], "info": ["info", str(inputs / "m.onnx")],
+    argv = {"grad": ["grad", str(inputs / "m.onnx"), "-o", str(tmp_path / "g.onnx")],
+            "info": ["info", str(inputs / "m.onnx")],
             "run": ["run", str(inputs / "m.onnx"), "--inputs", str(inputs / "in.npz")],
             "train": ["train", str(inputs / "m.onnx"), "--data", str(inputs / "d.npz"), "--loss", "cross-entropy",
                       "--epochs", "1", "-o", str(tmp_path / "t.onnx")],
@@ -451,18 +453,21 @@ def test_a_file_size_limit(inputs, tmp_path, command):
                       [ValueInfo("v0", np.float32, (2,))], [ValueInfo("v60", np.float32, (2,))])
         rg.save(chain, big)
     if command == "train -o":
-        np.savez(tmp_path.parent / f"{tmp_path.name}-d.npz", x=np.ones((4, n), np.float32), y=np.ones((4, n), np.float32))
+        np.savez(tmp_path.parent / f"{tmp_path.name}-d.npz", x=np.ones((4, n), np.float32),
+                 y=np.ones((4, n), np.float32))
         args = ["train", str(big), "--data", str(tmp_path.parent / f"{tmp_path.name}-d.npz"), "--loss", "mse",
                 "--epochs", "1", "-o", str(tmp_path / "out.onnx")]
     if command == "lora extract .onnx":
         adapted = lora.add_adapters(Graph([Node("MatMul", ["x", "W"], ["y"], name="mm")],
-                                          [ValueInfo("x", np.float32, ("N", 64))], [ValueInfo("y", np.float32, ("N", 64))],
+                                          [ValueInfo("x", np.float32, ("N", 64))],
+                                          [ValueInfo("y", np.float32, ("N", 64))],
                                           {"W": np.ones((64, 64), np.float32)}), 8, alpha=1.0)
         rg.save(adapted, tmp_path.parent / f"{tmp_path.name}-lora.onnx")
         args[2] = str(tmp_path.parent / f"{tmp_path.name}-lora.onnx")
     (tmp_path / ("out" + suffix)).write_bytes(b"old")
     env = {**os.environ, "PYTHONPATH": SRC, "COLUMNS": "250"}
-    p = subprocess.run([sys.executable, "-c", _LIMITED, *args], check=False, env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", _LIMITED, *args], check=False, env=env, capture_output=True, text=True,
+                       timeout=120)
     one_line_error(p.returncode, p.stderr, "file size limit exceeded writing", "left as it was")
     assert (tmp_path / ("out" + suffix)).read_bytes() == b"old" and _listing(tmp_path) == {"out" + suffix}
 

@@ -109,8 +109,8 @@ def test_error_lines_and_warnings_are_literal(tmp_path, capsys):
 
 def test_train_prints_names_literally(tmp_path, capsys):
     w = helper.make_tensor_value_info  # logits[4, 3] = x @ W with a hostile output name
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], [ESC_X])], "g", [w("x", TensorProto.FLOAT, [None, 2])],
-                          [w(ESC_X, TensorProto.FLOAT, [None, 3])],
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], [ESC_X])], "g",
+                          [w("x", TensorProto.FLOAT, [None, 2])], [w(ESC_X, TensorProto.FLOAT, [None, 3])],
                           initializer=[numpy_helper.from_array(np.ones((2, 3), np.float32), "W")])
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
     np.savez(tmp_path / "d.npz", x=np.ones((4, 2), np.float32), labels=np.array([0, 1, 2, 0]))
@@ -220,8 +220,8 @@ def test_train_checks_every_output_before_training(files, capsys, graph_path, ne
 
 
 def test_an_output_that_is_the_models_external_data(tmp_path, capsys):
-    g = Graph([Node("Mul", ["x", "w"], ["y"])], [ValueInfo("x", np.float32, (512,))], [ValueInfo("y", np.float32, (512,))],
-              {"w": np.arange(512, dtype=np.float32)})
+    g = Graph([Node("Mul", ["x", "w"], ["y"])], [ValueInfo("x", np.float32, (512,))],
+              [ValueInfo("y", np.float32, (512,))], {"w": np.arange(512, dtype=np.float32)})
     onnx.save_model(rg.to_onnx(g), str(tmp_path / "m.onnx"), save_as_external_data=True, location="weights.bin",
                     size_threshold=0)
     data = (tmp_path / "weights.bin").read_bytes()
@@ -298,8 +298,8 @@ def test_sigterm_during_grad_leaves_no_temporary_file(tmp_path):
         from revgraph.cli import main
         sys.exit(main(sys.argv[1:]))
     """)
-    p = subprocess.Popen([sys.executable, "-c", script, "grad", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "g.onnx")],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen([sys.executable, "-c", script, "grad", str(tmp_path / "m.onnx"),
+                          "-o", str(tmp_path / "g.onnx")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not any(f.name.endswith(".tmp") for f in tmp_path.iterdir()):
         assert time.monotonic() < deadline and p.poll() is None
@@ -337,8 +337,9 @@ def _weights_model(sizes: dict[str, int], constant: int = 0) -> tuple[onnx.Model
 
 def _fingerprint(model: onnx.ModelProto) -> list:
     """What a save could change in a model (a model over 2 GiB cannot be serialized to compare it whole)."""
-    return [(t.name, t.data_location, [(e.key, e.value) for e in t.external_data], hashlib.sha256(t.raw_data).hexdigest())
-            for t in model.graph.initializer] + [len(model.graph.node), model.graph.output[0].name]
+    return [(t.name, t.data_location, [(e.key, e.value) for e in t.external_data],
+             hashlib.sha256(t.raw_data).hexdigest()) for t in model.graph.initializer] + [
+        len(model.graph.node), model.graph.output[0].name]
 
 
 def _digest(weights: dict[str, np.ndarray]) -> dict[str, tuple[float, str, int]]:
@@ -440,7 +441,8 @@ def test_run_writes_hostile_output_names_safely(tmp_path, capsys):
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
     x = np.array([2.0, 3.0], np.float32)
     np.savez(tmp_path / "in.npz", x=x)
-    assert main(["run", str(tmp_path / "m.onnx"), "--inputs", str(tmp_path / "in.npz"), "-o", str(tmp_path / "o.npz")]) == 0
+    assert main(["run", str(tmp_path / "m.onnx"), "--inputs", str(tmp_path / "in.npz"),
+                 "-o", str(tmp_path / "o.npz")]) == 0
     with zipfile.ZipFile(tmp_path / "o.npz") as zf:
         for member in zf.namelist():
             assert "/" not in member and ".." not in member.removesuffix(".npy"), member

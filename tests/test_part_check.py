@@ -188,6 +188,7 @@ def test_a_value_of_no_known_type_takes_the_whole_check(monkeypatch):
                  opsets={"": 21, "example.custom": 1})
     seen = []
     real = onnx.checker.check_model
-    monkeypatch.setattr(onnx.checker, "check_model", lambda m, *a, **k: (seen.append(len(m.graph.node)), real(m, *a, **k)))
+    monkeypatch.setattr(onnx.checker, "check_model",
+                        lambda m, *a, **k: (seen.append(len(m.graph.node)), real(m, *a, **k)))
     _assert_agree(g, expect_failure=False)
     assert 3 in seen  # (the whole model's three nodes, checked together after the pieces could not be)

@@ -86,15 +86,18 @@ def random_graphs(draw):
                  Node("Mul", [f"sin{step}", f"tw{step}"], [f"s_out{step}"], name=f"b_mul{step}"),
                  Node("Mul", [f"s_out{step}", w], [f"y{step}"], name=f"b_y{step}"),
                  Node("Identity", [f"c{step}"], [f"c_out{step}"], name=f"b_c{step}")],
-                [ValueInfo(f"i{step}", np.int64, ()), ValueInfo(f"c{step}", np.bool_, ()), ValueInfo(f"s_in{step}", F64, sh)],
-                [ValueInfo(f"c_out{step}", np.bool_, ()), ValueInfo(f"s_out{step}", F64, sh), ValueInfo(f"y{step}", F64, sh)],
+                [ValueInfo(f"i{step}", np.int64, ()), ValueInfo(f"c{step}", np.bool_, ()),
+                 ValueInfo(f"s_in{step}", F64, sh)],
+                [ValueInfo(f"c_out{step}", np.bool_, ()), ValueInfo(f"s_out{step}", F64, sh),
+                 ValueInfo(f"y{step}", F64, sh)],
                 name=f"body{step}",
             )
             final, stacked = out_name(sh), f"Y{step}"
             nodes.append(Node("Loop", [f"M{step}", "true", a], [final, stacked], {"body": body}, f"loop{step}"))
             shapes[final] = sh
             red = f"Ys{step}"
-            nodes.append(Node("ReduceSum", [stacked, "axis0"], [red], {"keepdims": 0, "noop_with_empty_axes": 0}, f"r{step}"))
+            nodes.append(Node("ReduceSum", [stacked, "axis0"], [red], {"keepdims": 0, "noop_with_empty_axes": 0},
+                              f"r{step}"))
             inits["axis0"] = np.array([0], np.int64)
             names.append(red)
             shapes[red] = sh

@@ -22,7 +22,8 @@ F64 = np.float64
 def _rms_norm_nodes(eps: float, square: str = "pow") -> tuple[list[Node], dict]:
     """``y = w * x / sqrt(mean(x^2) + eps)`` as torch.onnx writes RMSNorm (Pow, ReduceMean, Add, Sqrt,
     Reciprocal, Mul); ``square="mul"`` writes ``x * x``."""
-    sq = (Node("Pow", ["x", "two"], ["p"], name="pow") if square == "pow" else Node("Mul", ["x", "x"], ["p"], name="sq"))
+    sq = (Node("Pow", ["x", "two"], ["p"], name="pow") if square == "pow"
+          else Node("Mul", ["x", "x"], ["p"], name="sq"))
     nodes = [sq, Node("ReduceMean", ["p", "axes"], ["m"], {"keepdims": 1}, "mean"),
              Node("Add", ["m", "eps"], ["a"], name="add"), Node("Sqrt", ["a"], ["s"], name="sqrt"),
              Node("Reciprocal", ["s"], ["r"], name="rsqrt"), Node("Mul", ["x", "r"], ["n"], name="norm"),

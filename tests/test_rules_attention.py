@@ -171,7 +171,8 @@ def test_causal(rank, lq, s):
     rng = np.random.default_rng(lq * s + rank)
     feeds = qkv(rng, lq=lq, s=s, rank=rank)
     attrs = {"is_causal": 1, **({"q_num_heads": 4, "kv_num_heads": 2} if rank == 3 else {})}
-    run(feeds, attrs, lambda q, k, v: reference(q, k, v, causal=True, hq=4, hkv=2)[0], second_order=rank == 4 and lq == 3)
+    run(feeds, attrs, lambda q, k, v: reference(q, k, v, causal=True, hq=4, hkv=2)[0],
+        second_order=rank == 4 and lq == 3)
 
 
 def bool_mask(rng, shape, full_rows=True):
@@ -186,7 +187,8 @@ def test_bool_mask(shape):
     """A bool mask of every broadcast rank, with a fully masked row where it has one (zeros, not NaN)."""
     rng = np.random.default_rng(len(shape))
     feeds = {**qkv(rng), "m": bool_mask(rng, shape, full_rows=len(shape) > 1)}
-    grads = run(feeds, {}, lambda q, k, v, m: reference(q, k, v, m)[0], wrt=["q", "k", "v"], second_order=len(shape) == 4)
+    grads = run(feeds, {}, lambda q, k, v, m: reference(q, k, v, m)[0], wrt=["q", "k", "v"],
+                second_order=len(shape) == 4)
     assert all(np.isfinite(g).all() for g in grads.values())
     if len(shape) == 4:
         assert not grads["q"][0, :, 1].any()  # the fully masked row: exact zeros
@@ -499,7 +501,8 @@ def check_rope(feeds: dict, attrs: dict, seed: int = 0) -> dict:
     for w in wrt:
         np.testing.assert_allclose(ref[f"{w}_grad"], got[f"{w}_grad"], rtol=1e-5, atol=1e-5, err_msg=f"reference {w}")
     # torch, float64
-    tin = {k: torch.tensor(v.astype(np.float64) if k != "pos" else v, requires_grad=k in wrt) for k, v in tfeeds.items()}
+    tin = {k: torch.tensor(v.astype(np.float64) if k != "pos" else v, requires_grad=k in wrt)
+           for k, v in tfeeds.items()}
     y = rope_reference(**tin, interleaved=attrs.get("interleaved", 0), dim=attrs.get("rotary_embedding_dim", 0),
                        num_heads=attrs.get("num_heads", 0))
     tg = torch.autograd.grad((y * torch.tensor(u.astype(np.float64))).sum(), [tin[w] for w in wrt])

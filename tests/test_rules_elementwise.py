@@ -151,7 +151,8 @@ def test_cast_float_to_float():
     rng = np.random.default_rng(1)
     x, u = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))
     g = Graph([Node("Cast", ["x"], ["x32"], {"to": 1}, "down"), Node("Cast", ["x32"], ["y"], {"to": 11}, "up"),
-               Node("Mul", ["y", "u"], ["uy"], name="mul"), Node("ReduceSum", ["uy"], ["loss"], {"keepdims": 0}, "sum")],
+               Node("Mul", ["y", "u"], ["uy"], name="mul"),
+               Node("ReduceSum", ["uy"], ["loss"], {"keepdims": 0}, "sum")],
               [ValueInfo("x", np.float64, (2, 3))], [ValueInfo("loss", np.float64, ())], {"u": u})
     ours = _grad(g, {"x": x}, ["x"])["x"]
     tx = torch.tensor(x, requires_grad=True)

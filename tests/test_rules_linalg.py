@@ -300,7 +300,8 @@ def test_det_exactly_singular_with_zeros():
     gg = rg.gradient(lg, loss="loss", wrt=["x"])
     u = np.array([1.5, -2.0])
     got = rg.Session(gg, backend="reference").run({"x": x, "y0_u": u})["x_grad"]
-    expected = np.zeros_like(x)  # rank 1: no nonzero minor of order 2; rank 2: the one nonzero minor, det [[3, 1], [1, 5]]
+    # rank 1: no nonzero minor of order 2; rank 2: the one nonzero minor, det [[3, 1], [1, 5]]
+    expected = np.zeros_like(x)
     expected[1, 0, 0] = -2.0 * 14.0
     np.testing.assert_allclose(got, expected, rtol=1e-14, atol=1e-14)
     np.testing.assert_allclose(got, _cofactor_grad(x, u), rtol=1e-14, atol=1e-14)

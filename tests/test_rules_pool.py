@@ -587,10 +587,10 @@ def roi_pool_bins(rois, pooled, scale, h, w):
         sw, sh, ew, eh = rnd
         rh, rw = max(eh - sh + 1, 1), max(ew - sw + 1, 1)
         bh, bw = np.float32(rh) / np.float32(pooled[0]), np.float32(rw) / np.float32(pooled[1])
-        hb = [(min(max(math.floor(np.float32(i) * bh) + sh, 0), h), min(max(math.ceil(np.float32(i + 1) * bh) + sh, 0), h))
-              for i in range(pooled[0])]
-        wb = [(min(max(math.floor(np.float32(i) * bw) + sw, 0), w), min(max(math.ceil(np.float32(i + 1) * bw) + sw, 0), w))
-              for i in range(pooled[1])]
+        hb = [(min(max(math.floor(np.float32(i) * bh) + sh, 0), h),
+               min(max(math.ceil(np.float32(i + 1) * bh) + sh, 0), h)) for i in range(pooled[0])]
+        wb = [(min(max(math.floor(np.float32(i) * bw) + sw, 0), w),
+               min(max(math.ceil(np.float32(i + 1) * bw) + sw, 0), w)) for i in range(pooled[1])]
         out.append((int(roi[0]), hb, wb))
     return out
 
@@ -1062,11 +1062,13 @@ def test_resize_matrix_graph_equals_resize_matrix(static_scale, every):
         attrs, n_in, n_out, scale = case[:4]
         roi = case[4] if len(case) > 4 else None
         e = Emitter({v.name: v for v in inputs}, {v.name for v in inputs}, 21)
-        ax = ResizeAxis(0, "n_in", "n_out", scale if static_scale else "scale", None if roi is None else ("start", "end"))
+        ax = ResizeAxis(0, "n_in", "n_out", scale if static_scale else "scale",
+                        None if roi is None else ("start", "end"))
         out = resize_matrix_graph(e, attrs, ax, "like")
         g = Graph(e.nodes, inputs, [ValueInfo(out)])
         feeds = {"n_in": np.int64(n_in), "n_out": np.int64(n_out), "scale": np.float64(scale),
-                 "start": np.float64(roi[0] if roi else 0), "end": np.float64(roi[1] if roi else 0), "like": np.zeros(1)}
+                 "start": np.float64(roi[0] if roi else 0), "end": np.float64(roi[1] if roi else 0),
+                 "like": np.zeros(1)}
         expected = resize_matrix(n_in, n_out, scale, attrs, roi)
         for backend in ["onnxruntime", "reference"]:
             got = rg.Session(g, backend=backend).run(feeds)[out]

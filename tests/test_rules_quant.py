@@ -98,7 +98,8 @@ def test_per_channel_like_pytorch():
     zp = np.array([0, 5, -3, 100], dtype=np.int8)
     grads, u = grads_of(qdq_graph(x, scale, zp, {"axis": 1}), {"x": x, "s": scale}, ["x", "s"], straight_through=True)
     tx, ts = torch.tensor(x, requires_grad=True), torch.tensor(scale, requires_grad=True)
-    y = torch._fake_quantize_learnable_per_channel_affine(tx, ts, torch.tensor(zp, dtype=torch.float32), 1, -128, 127, 1.0)
+    y = torch._fake_quantize_learnable_per_channel_affine(tx, ts, torch.tensor(zp, dtype=torch.float32), 1, -128, 127,
+                                                          1.0)
     (y * torch.tensor(u)).sum().backward()
     np.testing.assert_array_equal(grads["x"], tx.grad.numpy())
     np.testing.assert_allclose(grads["s"], ts.grad.numpy(), rtol=1e-4)
@@ -110,7 +111,8 @@ def test_negative_axis_and_frozen_scale():
     x = (rng.standard_normal((3, 4)) * 2).astype(np.float32)
     scale = np.array([0.01, 0.02, 0.03, 0.04], dtype=np.float32)
     zp = np.zeros(4, dtype=np.uint8)
-    grads, u = grads_of(qdq_graph(x, scale, zp, {"axis": -1}, learn_scale=False), {"x": x}, ["x"], straight_through=True)
+    grads, u = grads_of(qdq_graph(x, scale, zp, {"axis": -1}, learn_scale=False), {"x": x}, ["x"],
+                        straight_through=True)
     inside = (np.round(x / scale) >= 0) & (np.round(x / scale) <= 255)
     np.testing.assert_array_equal(grads["x"], np.where(inside, u, 0))
 
@@ -176,7 +178,8 @@ def test_dequantize_scale_exact():
     q = rng.integers(-128, 128, (3, 5)).astype(np.int8)
     scale, zp = rng.uniform(0.1, 1.0, 3).astype(np.float32), np.array([1, -2, 0], dtype=np.int8)
     g = Graph(nodes=[Node("DequantizeLinear", ["q", "s", "zp"], ["y0"], {"axis": 0}, "dequant")],
-              inputs=[ValueInfo("s", scale.dtype, scale.shape)], outputs=[ValueInfo("y0")], initializers={"q": q, "zp": zp})
+              inputs=[ValueInfo("s", scale.dtype, scale.shape)], outputs=[ValueInfo("y0")],
+              initializers={"q": q, "zp": zp})
     grads, u = grads_of(g, {"s": scale}, ["s"])
     expected = (u * (q.astype(np.float32) - zp[:, None])).sum(axis=1)
     np.testing.assert_allclose(grads["s"], expected, rtol=1e-5)
@@ -222,7 +225,8 @@ def test_the_cli_refuses_a_qdq_pair_without_the_option_and_differentiates_it_wit
     g = qdq_graph(x, np.array(0.1, np.float32), np.array(0, np.uint8), learn_scale=False)
     lg, _ = with_loss(g, {"y0": x})
     rg.save(lg, tmp_path / "qdq.onnx")
-    assert main(["grad", str(tmp_path / "qdq.onnx"), "--loss", "loss", "--wrt", "x", "-o", str(tmp_path / "g.onnx")]) == 2
+    assert main(["grad", str(tmp_path / "qdq.onnx"), "--loss", "loss", "--wrt", "x",
+                 "-o", str(tmp_path / "g.onnx")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--straight-through" in err[0] and not (tmp_path / "g.onnx").exists()
     assert main(["grad", str(tmp_path / "qdq.onnx"), "--loss", "loss", "--wrt", "x", "--straight-through",

@@ -30,7 +30,8 @@ def sample_fn(mode: str, padding: str, align: int):
 
 
 def grid_graph(x: np.ndarray, grid: np.ndarray, mode: str, padding: str, align: int) -> Graph:
-    return one_node_graph("GridSample", {"X": x, "G": grid}, {"mode": mode, "padding_mode": padding, "align_corners": align})
+    return one_node_graph("GridSample", {"X": x, "G": grid},
+                          {"mode": mode, "padding_mode": padding, "align_corners": align})
 
 
 def ort_check(g: Graph, feeds: dict, torch_fn, wrt: list[str], seed: int = 0) -> dict:
@@ -49,8 +50,10 @@ def ort_check(g: Graph, feeds: dict, torch_fn, wrt: list[str], seed: int = 0) ->
     for w in wrt:
         np.testing.assert_allclose(got[f"{w}_grad"], tin[w].grad.numpy(), rtol=1e-6, atol=1e-9, err_msg=f"torch, {w}")
         v, h = rng.standard_normal(feeds[w].shape), 1e-6
-        numeric = (run({**feeds, **us, w: feeds[w] + h * v})["loss"] - run({**feeds, **us, w: feeds[w] - h * v})["loss"]) / (2 * h)
-        np.testing.assert_allclose(np.sum(got[f"{w}_grad"] * v), numeric, rtol=1e-5, atol=1e-6, err_msg=f"differences, {w}")
+        numeric = (run({**feeds, **us, w: feeds[w] + h * v})["loss"]
+                   - run({**feeds, **us, w: feeds[w] - h * v})["loss"]) / (2 * h)
+        np.testing.assert_allclose(np.sum(got[f"{w}_grad"] * v), numeric, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"differences, {w}")
     return {w: got[f"{w}_grad"] for w in wrt}
 
 
@@ -122,7 +125,8 @@ def test_grid_sample_dynamic_shapes():
     feeds = {"X": rng.standard_normal((2, 3, 4, 5)), "G": rng.uniform(-1.6, 1.6, (2, 3, 2, 2))}
     for mode, padding in [("cubic", "reflection"), ("linear", "border"), ("linear", "zeros")]:
         g = grid_graph(feeds["X"], feeds["G"], mode, padding, 0)
-        g.inputs = [ValueInfo("X", np.dtype(np.float64), ("n", "c", "h", "w")), ValueInfo("G", np.dtype(np.float64), None)]
+        g.inputs = [ValueInfo("X", np.dtype(np.float64), ("n", "c", "h", "w")),
+                    ValueInfo("G", np.dtype(np.float64), None)]
         check_rule(g, feeds, sample_fn(mode, padding, 0))
 
 
@@ -195,7 +199,8 @@ def test_grid_sample_repeated_taps_accumulate():
     grid = np.full((1, 8, 8, 2), 0.1)
     g = grid_graph(x, grid, "linear", "zeros", 1)
     lg, _ = with_loss(g, ort_runner(g)({"X": x, "G": grid}))
-    got = ort_runner(rg.gradient(lg, loss="loss", wrt=["X"]))({"X": x, "G": grid, "y0_u": np.ones((1, 1, 8, 8))})["X_grad"]
+    got = ort_runner(rg.gradient(lg, loss="loss", wrt=["X"]))({"X": x, "G": grid,
+                                                               "y0_u": np.ones((1, 1, 8, 8))})["X_grad"]
     tx = torch.tensor(x, requires_grad=True)
     F.grid_sample(tx, torch.tensor(grid), align_corners=True).sum().backward()
     np.testing.assert_allclose(got, tx.grad.numpy(), rtol=1e-12)
@@ -238,11 +243,12 @@ def test_affine_grid_computed_size():
     the axes' lengths."""
     rng = np.random.default_rng(13)
     theta, img = rng.standard_normal((2, 2, 3)), rng.standard_normal((2, 3, 4, 5))
-    g = Graph(nodes=[Node("Shape", ["img"], ["size"], name="shape"), Node("AffineGrid", ["theta", "size"], ["y0"], {}, "op")],
+    g = Graph(nodes=[Node("Shape", ["img"], ["size"], name="shape"),
+                     Node("AffineGrid", ["theta", "size"], ["y0"], {}, "op")],
               inputs=[ValueInfo("theta", theta.dtype, theta.shape), ValueInfo("img", img.dtype, ("n", "c", "h", "w"))],
               outputs=[ValueInfo("y0")])
-    ort_check(g, {"theta": theta, "img": img}, lambda theta, img: F.affine_grid(theta, list(img.shape), align_corners=False),
-              ["theta"])
+    ort_check(g, {"theta": theta, "img": img},
+              lambda theta, img: F.affine_grid(theta, list(img.shape), align_corners=False), ["theta"])
 
 
 @pytest.mark.parametrize("padding", PADDINGS)

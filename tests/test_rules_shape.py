@@ -584,8 +584,8 @@ def test_static_backward_stays_in_shape_family():
         assert used and used <= allowed, used
 
 
-@pytest.mark.parametrize(("upper", "k", "shape"), [(1, 0, (4, 5)), (0, 0, (3, 4)), (1, 2, (2, 3, 4)), (0, -1, (2, 5, 3)),
-                                                   (1, None, (3, 3)), (0, 7, (3, 4))])
+@pytest.mark.parametrize(("upper", "k", "shape"), [(1, 0, (4, 5)), (0, 0, (3, 4)), (1, 2, (2, 3, 4)),
+                                                   (0, -1, (2, 5, 3)), (1, None, (3, 3)), (0, 7, (3, 4))])
 def test_trilu(upper, k, shape):
     x = np.random.default_rng(3).standard_normal(shape)
     inputs = {"x": x} if k is None else {"x": x, "k": np.array(k, np.int64)}
@@ -598,7 +598,8 @@ def test_trilu_keeps_strong_zeros_for_infinite_cotangents():
     # loss = sum(1 / Trilu(x)) with a zero kept on the diagonal: the cotangent is -inf there, the discarded
     # triangle gets exact zeros (not 0 * inf)
     g = Graph([Node("Trilu", ["x"], ["t"], {"upper": 1}, "tri"), Node("Add", ["t", "one"], ["s"], name="add"),
-               Node("Reciprocal", ["s"], ["r"], name="rec"), Node("ReduceSum", ["r"], ["loss"], {"keepdims": 0}, "sum")],
+               Node("Reciprocal", ["s"], ["r"], name="rec"),
+               Node("ReduceSum", ["r"], ["loss"], {"keepdims": 0}, "sum")],
               [ValueInfo("x", np.float64, (3, 3))], [ValueInfo("loss", np.float64, ())], {"one": np.ones((3, 3))})
     x = np.array([[-1.0, 2.0, 3.0], [4.0, 0.5, 6.0], [7.0, 8.0, 9.0]])
     got = rg.Session(rg.gradient(g)).run({"x": x})["x_grad"]

@@ -163,7 +163,9 @@ def stft_graph(x: np.ndarray, step: int, window: np.ndarray | None, length: int 
         ins.pop()
     if length is not None:
         inits["fl"] = np.array(length, dtype=np.int64)
-    inputs = [ValueInfo("x", x.dtype, x.shape)] + ([ValueInfo("w", window.dtype, window.shape)] if window is not None else [])
+    inputs = [ValueInfo("x", x.dtype, x.shape)]
+    if window is not None:
+        inputs.append(ValueInfo("w", window.dtype, window.shape))
     return Graph(nodes=[Node("STFT", ins, ["y0"], {"onesided": onesided}, "op")], inputs=inputs,
                  outputs=[ValueInfo("y0")], initializers=inits)
 
@@ -183,7 +185,8 @@ def test_stft(onesided, last, size, step, length):
     """Overlapping frames, gaps between frames, one frame; the window a graph input (it gets a gradient)."""
     rng = np.random.default_rng(size + step + length + 2 * onesided + last)
     feeds = {"x": rng.standard_normal((2, size, last)), "w": rng.standard_normal(length)}
-    check_rule(stft_graph(feeds["x"], step, feeds["w"], None, onesided), feeds, torch_stft(step, length, onesided, last))
+    check_rule(stft_graph(feeds["x"], step, feeds["w"], None, onesided), feeds,
+               torch_stft(step, length, onesided, last))
 
 
 def test_stft_without_window():

@@ -288,7 +288,8 @@ def test_train_log_is_the_runs_record(tmp_path, capsys):
     capsys.readouterr()
     logged = _jsonl(tmp_path / "x.jsonl")
 
-    trainer = rg.Trainer(rg.load(m), "cross-entropy", make_optimizer("adam", lr=lr, schedule=Schedule("linear", warmup)))
+    trainer = rg.Trainer(rg.load(m), "cross-entropy",
+                         make_optimizer("adam", lr=lr, schedule=Schedule("linear", warmup)))
     trainer.fit(dict(np.load(d)), epochs, batch, progress=False)
     steps = epochs * 6
     assert [r["step"] for r in logged] == list(range(1, steps + 1))

@@ -375,7 +375,8 @@ def test_carried_sequence_rebuilt_each_iteration_is_refused():
     # the new sequence does not come from the old one, which is only read: its cotangent would need its structure
     body = Graph([nd("SequenceAt", ["s_in", "zero"], "e"), nd("Mul", ["e", "w"], "h"),
                   nd("SequenceConstruct", ["h", "h"], "s_out"), nd("Identity", ["cond_in"], "cond_out")],
-                 [ValueInfo("i", np.int64, ()), ValueInfo("cond_in", np.bool_, ()), ValueInfo("s_in", F64, (3,), "sequence")],
+                 [ValueInfo("i", np.int64, ()), ValueInfo("cond_in", np.bool_, ()),
+                  ValueInfo("s_in", F64, (3,), "sequence")],
                  [ValueInfo("cond_out", np.bool_, ()), ValueInfo("s_out", F64, (3,), "sequence")], {"zero": i64(0)})
     g = Graph([nd("SequenceConstruct", ["w"], "E"), nd("Loop", ["M", "", "E"], ["S"], "loop", body=body),
                nd("SequenceAt", ["S", "zero"], "r"), nd("ReduceSum", ["r"], "loss", keepdims=0)],
@@ -444,7 +445,8 @@ def test_growing_elements_read_from_a_carried_sequence_are_refused():
     body = Graph([nd("SequenceAt", ["s_in", "m1"], "prev"), nd("Concat", ["prev", "prev"], "big", axis=0),
                   nd("Mul", ["big", "w"], "h"), nd("SequenceInsert", ["s_in", "h"], "s_out"),
                   nd("Identity", ["cond_in"], "cond_out")],
-                 [ValueInfo("i", np.int64, ()), ValueInfo("cond_in", np.bool_, ()), ValueInfo("s_in", F64, None, "sequence")],
+                 [ValueInfo("i", np.int64, ()), ValueInfo("cond_in", np.bool_, ()),
+                  ValueInfo("s_in", F64, None, "sequence")],
                  [ValueInfo("cond_out", np.bool_, ()), ValueInfo("s_out", F64, None, "sequence")], {"m1": i64(-1)})
     g = Graph([nd("SequenceConstruct", ["w"], "E"), nd("Loop", ["M", "", "E"], ["S"], "loop", body=body),
                nd("SequenceAt", ["S", "m1"], "r"), nd("ReduceSum", ["r"], "loss", keepdims=0)],

@@ -196,7 +196,8 @@ def test_train_nproc_sharded_matches_one_process(tmp_path, device):
     np.savez(tmp_path / "data.npz", x=train["x"][:150], y=train["labels"][:150])
     rg.save(demo.mlp_model(hidden=15), tmp_path / "mlp.onnx")
     common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data",
-              str(tmp_path / "data.npz"), "--loss", "cross-entropy", "--epochs", "2", "--threads", "1", "--device", device]
+              str(tmp_path / "data.npz"), "--loss", "cross-entropy", "--epochs", "2", "--threads", "1",
+              "--device", device]
     run_command([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
     r = run_command([*common, "--batch-size", "10", "--nproc", "2", "--shard", "gradients", "-o",
                      str(tmp_path / "two.onnx")])

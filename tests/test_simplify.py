@@ -122,7 +122,8 @@ def _const(name, value):
 
 def test_zero_pads_of_zero_pads_fold_into_one():
     g = Graph([_const("p", [0, 1, 0, 0, 2, 1]), _const("q", [1, 0, 2, 0, 0, 0]),
-               Node("Pad", ["x", "p"], ["a"], name="pa"), Node("Pad", ["a", "q"], ["y"], name="pb")], [X], [ValueInfo("y")])
+               Node("Pad", ["x", "p"], ["a"], name="pa"), Node("Pad", ["a", "q"], ["y"], name="pb")],
+              [X], [ValueInfo("y")])
     s = _same_outputs(g, FEEDS)
     assert _ops(s).count("Pad") == 1
     np.testing.assert_array_equal(rg.Session(s).run(FEEDS)["y"],
@@ -132,14 +133,17 @@ def test_zero_pads_of_zero_pads_fold_into_one():
 def test_pads_with_a_value_or_another_mode_do_not_fold():
     # padding with 1.0, or repeating edges, is not zero-padding: the amounts do not add
     for value, mode in (("one", "constant"), ("", "edge")):
-        g = Graph([_const("p", [0, 0, 1, 0, 0, 0]), Node("Constant", [], ["one"], {"value": np.array(1.0, np.float32)}, "one/c"),
-                   Node("Pad", ["x", "p"], ["a"], name="pa"), Node("Pad", ["a", "p", value], ["y"], {"mode": mode}, name="pb")],
+        g = Graph([_const("p", [0, 0, 1, 0, 0, 0]),
+                   Node("Constant", [], ["one"], {"value": np.array(1.0, np.float32)}, "one/c"),
+                   Node("Pad", ["x", "p"], ["a"], name="pa"),
+                   Node("Pad", ["a", "p", value], ["y"], {"mode": mode}, name="pb")],
                   [X], [ValueInfo("y")])
         assert _ops(_same_outputs(g, FEEDS)).count("Pad") == 2
     # negative amounts crop: a crop then a pad turns the cropped values into zeros, so it never folds (checked
     # structurally: the reference evaluator refuses negative pads)
-    g = Graph([_const("p", [0, 0, -1, 0, 0, 0]), _const("q", [0, 0, 1, 0, 0, 0]), Node("Pad", ["x", "p"], ["a"], name="pa"),
-               Node("Pad", ["a", "q"], ["y"], name="pb")], [X], [ValueInfo("y")])
+    g = Graph([_const("p", [0, 0, -1, 0, 0, 0]), _const("q", [0, 0, 1, 0, 0, 0]),
+               Node("Pad", ["x", "p"], ["a"], name="pa"), Node("Pad", ["a", "q"], ["y"], name="pb")],
+              [X], [ValueInfo("y")])
     assert _ops(simplify(g)).count("Pad") == 2
 
 

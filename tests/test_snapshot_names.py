@@ -53,7 +53,8 @@ def test_the_cli_takes_both_spellings(tmp_path):
     for flag in ("--snapshot-dir", "--checkpoint-dir"):
         snap = tmp_path / flag.strip("-")
         args = ["train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--epochs", "1",
-                "--batch-size", "8", "--loss", "cross-entropy", "-o", str(tmp_path / f"{flag.strip('-')}.onnx"), flag, str(snap)]
+                "--batch-size", "8", "--loss", "cross-entropy", "-o", str(tmp_path / f"{flag.strip('-')}.onnx"),
+                flag, str(snap)]
         assert main(args) == 0
         assert (snap / "checkpoint.npz").exists()
         outs[flag] = rg.load(tmp_path / f"{flag.strip('-')}.onnx").initializers["W"]

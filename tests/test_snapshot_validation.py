@@ -340,7 +340,8 @@ DAMAGE = {
     "a loss other": (_old(lambda m: m["losses"].__setitem__(0, 0.5)), "field 'epoch_means' gives epoch 1 the mean"),
     "position and means moved back an epoch": (
         _old(lambda m: m.update(epoch=0, epoch_means=[])), "the 0 of earlier fits (field 'earlier_losses') and the 1"),
-    "earlier_losses other": (_old(lambda m: m.update(earlier_losses=1)), "field 'losses' holds 4 losses; the 1 of earlier fits"),
+    "earlier_losses other": (_old(lambda m: m.update(earlier_losses=1)),
+                             "field 'losses' holds 4 losses; the 1 of earlier fits"),
     "earlier_losses negative": (_old(lambda m: m.update(earlier_losses=-1)), "field 'earlier_losses' is -1"),
     "earlier_losses text": (_old(lambda m: m.update(earlier_losses="0")), "field 'earlier_losses' is '0'"),
     "epoch_loss_sum missing": (_drop("epoch_loss_sum"), "field 'epoch_loss_sum' is missing"),

@@ -88,13 +88,16 @@ def constant_model(path, sp, where: str = "top") -> str:
         trip = helper.make_tensor_value_info("n", TensorProto.INT64, [])
         go = helper.make_tensor_value_info("go", TensorProto.BOOL, [])
         nodes = [helper.make_node("Loop", ["n", "go"], ["ys"], name="loop", body=body)]
-        g = helper.make_graph(nodes, "g", [trip, go], [helper.make_tensor_value_info("ys", TensorProto.FLOAT, [None, 4, 4])])
+        g = helper.make_graph(nodes, "g", [trip, go],
+                              [helper.make_tensor_value_info("ys", TensorProto.FLOAT, [None, 4, 4])])
     else:
         def branch(name):
-            return helper.make_graph([helper.make_node("Constant", [], [f"{name}_c"], name=f"{name}_c", sparse_value=sp)],
-                                     name, [], [helper.make_tensor_value_info(f"{name}_c", TensorProto.FLOAT, [4, 4])])
+            constant = helper.make_node("Constant", [], [f"{name}_c"], name=f"{name}_c", sparse_value=sp)
+            return helper.make_graph([constant], name, [],
+                                     [helper.make_tensor_value_info(f"{name}_c", TensorProto.FLOAT, [4, 4])])
         cond = helper.make_tensor_value_info("b", TensorProto.BOOL, [])
-        nodes = [helper.make_node("If", ["b"], ["y"], name="if", then_branch=branch("then"), else_branch=branch("else"))]
+        nodes = [helper.make_node("If", ["b"], ["y"], name="if", then_branch=branch("then"),
+                                  else_branch=branch("else"))]
         g = helper.make_graph(nodes, "g", [cond], [out])
     return save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), path)
 

@@ -188,8 +188,8 @@ def test_buffer_names_without_a_record():
     w, x = np.ones((3, 3), np.float32), onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])
     nodes = [onnx.helper.make_node("MatMul", ["x", "W"], ["h"]),
              onnx.helper.make_node("BatchNormalization", ["h", "g", "b", "bn.running_mean", "bn.running_var"], ["y"])]
-    inits = {"W": w, "g": np.ones(3, np.float32), "b": np.zeros(3, np.float32), "bn.running_mean": np.zeros(3, np.float32),
-             "bn.running_var": np.ones(3, np.float32)}
+    inits = {"W": w, "g": np.ones(3, np.float32), "b": np.zeros(3, np.float32),
+             "bn.running_mean": np.zeros(3, np.float32), "bn.running_var": np.ones(3, np.float32)}
     graph = onnx.helper.make_graph(nodes, "bn", [x], [onnx.helper.make_tensor_value_info("y", 1, [2, 3])],
                                    [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()])
     g = rg.load(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))

@@ -199,7 +199,8 @@ def test_gradient_of_a_loop_has_a_backward_loop_cluster():
     assert len(backward) == 1
     inside = [v for v in dot["nodes"].values() if v["_cluster"] == backward[0]]
     assert any(v.get("shape") == "hexagon" for v in inside)  # accumulation inside the backward body
-    assert any(v.get("fillcolor") == viz.STYLES["backward"]["fillcolor"] and v["label"].startswith("Loop") for v in inside)
+    assert any(v.get("fillcolor") == viz.STYLES["backward"]["fillcolor"] and v["label"].startswith("Loop")
+               for v in inside)
 
 
 def test_edge_labels_name_values_and_are_omitted_when_redundant_or_too_many():
@@ -294,7 +295,8 @@ def test_writing_dot_text_is_atomic_and_needs_no_dot(tmp_path, monkeypatch):
 
 def test_a_failing_dot_leaves_nothing_behind_and_keeps_the_old_file(tmp_path, monkeypatch, capsys):
     # a dot that writes half a file, then fails
-    bin_dir = _fake_dot(tmp_path, 'for a; do out="$a"; done\necho partial > "$out"\necho "Error: syntax error in line 3" >&2\nexit 1\n')
+    bin_dir = _fake_dot(tmp_path, 'for a; do out="$a"; done\necho partial > "$out"\n'
+                                  'echo "Error: syntax error in line 3" >&2\nexit 1\n')
     monkeypatch.setenv("PATH", str(bin_dir))
     work = tmp_path / "work"
     work.mkdir()

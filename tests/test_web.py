@@ -185,5 +185,6 @@ def test_browser_losses_equal_python_onnxruntime(tmp_path, options):
     assert got["error"] is None, got["error"]
     assert len(got["losses"]) == len(want) == 40
     np.testing.assert_allclose(got["losses"], want, rtol=1e-5)
-    assert got["losses"][-1] < 0.8 * got["losses"][0]  # it trains: Adam at lr 0.003 (0.01 peak, scheduled) over 40 steps
+    # it trains: Adam at lr 0.003 (0.01 peak, scheduled) over 40 steps
+    assert got["losses"][-1] < 0.8 * got["losses"][0]
     assert f"step  40  loss {got['losses'][-1]:.6f}" in got["shown"]  # the page shows them

@@ -144,9 +144,11 @@ def contradiction_in_loop_body(path) -> str:
          helper.make_node("ReduceSum", ["g_t"], ["r"], keepdims=0, name="inner_sum"),
          helper.make_node("Add", ["g_in", "r"], ["g_out"], name="outer_add"),
          helper.make_node("Identity", ["c_in"], ["c_out"], name="outer_id")], "outer_body",
-        [helper.make_tensor_value_info("j", TensorProto.INT64, []), helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+        [helper.make_tensor_value_info("j", TensorProto.INT64, []),
+         helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
          helper.make_tensor_value_info("g_in", TensorProto.FLOAT, [3])],
-        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), helper.make_tensor_value_info("g_out", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("g_out", TensorProto.FLOAT, [3])],
         value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, [1])])
     return _save(path, [helper.make_node("Loop", ["trip", "", "x"], ["gT"], body=body, name="outer_loop"),
                         helper.make_node("ReduceSum", ["gT"], ["y"], keepdims=0, name="sum")],
@@ -179,7 +181,8 @@ def _fake(text: str) -> Exception:
 def _graph_with(declared_shape) -> Graph:
     """A model node 'mm' (MatMul of x [2, 3] and W [3, 4]) whose output is declared ``declared_shape``, and a
     node revgraph built from it ('grad/mm/Transpose')."""
-    return Graph([Node("MatMul", ["x", "W"], ["z"], {}, "mm"), Node("Transpose", ["z"], ["t"], {}, "grad/mm/Transpose")],
+    return Graph([Node("MatMul", ["x", "W"], ["z"], {}, "mm"),
+                  Node("Transpose", ["z"], ["t"], {}, "grad/mm/Transpose")],
                  [ValueInfo("x", np.float32, (2, 3))], [ValueInfo("t", np.float32, None)],
                  {"W": np.ones((3, 4), np.float32)}, {"z": ValueInfo("z", np.float32, declared_shape)})
 

@@ -172,7 +172,8 @@ def onnx_loop_model() -> onnx.ModelProto:
         [helper.make_node("MatMul", ["h", "W"], ["m"]), helper.make_node("Tanh", ["m"], ["h2"]),
          helper.make_node("Identity", ["c"], ["c2"])],
         "body",
-        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("c", TensorProto.BOOL, []),
          helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 2])],
         [helper.make_tensor_value_info("c2", TensorProto.BOOL, []),
          helper.make_tensor_value_info("h2", TensorProto.FLOAT, [2, 2])])

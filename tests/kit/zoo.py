@@ -123,7 +123,8 @@ CASES = [
     Case("swin", _tf("SwinModel", "SwinConfig", "last_hidden_state", _image(), image_size=32, patch_size=4,
                      embed_dim=8, depths=[1, 1], num_heads=[1, 2], window_size=2)),
     Case("lstm", lambda: (_LSTM().eval(), (torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(1)),))),
-    Case("rmsnorm_mlp", lambda: (_RMSNormMLP().eval(), (torch.randn(4, 6, generator=torch.Generator().manual_seed(1)),))),
+    Case("rmsnorm_mlp",
+         lambda: (_RMSNormMLP().eval(), (torch.randn(4, 6, generator=torch.Generator().manual_seed(1)),))),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -456,7 +457,8 @@ def compare(case: Case, exporter: str, opset: int, rtol: float = 1e-6, memory=No
         errors[name] = float(np.linalg.norm(have - want)) / (scale if scale > 1e-9 * total else total)
     unmatched = [n for n, p in params.items() if n not in matched.values() and p.grad is not None
                  and float(p.grad.abs().max()) > 0]
-    assert not unmatched, f"{case.name}/{exporter}/{opset}: parameters with gradients not found in the model: {unmatched}"
+    assert not unmatched, (f"{case.name}/{exporter}/{opset}: parameters with gradients not found in the model: "
+                           f"{unmatched}")
     worst = max(errors, key=errors.get)
     assert errors[worst] <= rtol, f"{case.name}/{exporter}/{opset}: {worst} off by {errors[worst]:.2e} (norm-relative)"
     return errors
