@@ -4,14 +4,16 @@ tokens, with 1 and 2 threads.
 
     python bench/compile_anchor.py [--batches 1 8 32] [--threads 1 2] [--configs rg pt pt-compile jax]
                                    [--turns 5] [--turn-seconds 1.0] [--json FILE]
+    python bench/compile_anchor.py --render bench/results/compile_anchor.json   # the table of saved results
 
 Every (threads, batch) cell starts one fresh worker process per configuration (bench/workers.py), which imports
 its framework, builds the step and runs two steps: the first is timed apart (for ``pt-compile`` it is inductor's
 compilation of the forward and backward, with an empty inductor cache; for ``jax`` XLA's), reported as *first step*, and *compile* = first step
 less the median step. Then the cell's workers take turns (``--turns``, each about ``--turn-seconds`` of steps per
 worker, the starting worker rotating, bench/memory.py's ``Bench.time_group``), so the configurations are timed in
-the same minutes; a step time is the median over the turns of the turn's mean step, and a ratio is the ratio of two
-such medians. The first-step losses of a cell must agree (same weights, same batch).
+the same minutes; a step time is the median over the turns of the turn's mean step, and a ratio is the median over
+the turns of the two configurations' ratio in that turn. The first-step losses of a cell must agree (same weights,
+same batch).
 
 Every worker runs a copy of src/revgraph made when the run starts (the tree is shared and edited meanwhile).
 Results: ``--json`` (default bench/results/compile_anchor.json); the Markdown table is printed at the end.
@@ -23,6 +25,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -81,8 +84,13 @@ class AnchorBench(Bench):
 
 
 def ratio(row: dict, a: str, b: str) -> float | None:
-    x, y = row["cells"].get(a, {}).get("step_ms"), row["cells"].get(b, {}).get("step_ms")
-    return x / y if x and y else None
+    """``a``'s step time over ``b``'s: the median over the turns of the ratio of their means in that turn (a load
+    that drifts from turn to turn cancels), or the ratio of the medians when a turn is missing."""
+    x, y = row["cells"].get(a, {}), row["cells"].get(b, {})
+    tx, ty = x.get("step_ms_turns") or [], y.get("step_ms_turns") or []
+    if tx and len(tx) == len(ty):
+        return statistics.median(p / q for p, q in zip(tx, ty, strict=True))
+    return x["step_ms"] / y["step_ms"] if x.get("step_ms") and y.get("step_ms") else None
 
 
 def table(res: dict) -> str:
@@ -116,11 +124,15 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "revgraph-bench-llama42"),
                         help="model files and worker logs")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per worker call")
+    parser.add_argument("--render", metavar="JSON", help="no measurement: print the table of saved results")
     parser.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                         help="run the working tree's src/revgraph instead of a copy made at the start")
     args = parser.parse_args(argv)
     if min(args.batches) < 1 or min(args.threads) < 1 or args.turns < 1:
         parser.error("--batches, --threads and --turns take positive integers")
+    if args.render:
+        print(table(json.loads(Path(args.render).read_text())))
+        return 0
     args.worker_env, args.reserve_gib = None, 0.0
     from run import loadavg, machine_info
 

@@ -4,6 +4,7 @@ LLaMA (bench/llama42.py: hidden 256, 4 layers, 4 heads, 2 key/value heads, vocab
 
     python bench/max_batch.py [--limit-gib 2] [--limit-kind as|rss] [--configs rg rg-0.5 rg-0 pt pt-ckpt]
                               [--start 16] [--resolution 4] [--steps 2] [--json FILE]
+    python bench/max_batch.py --render bench/results/max_batch.json   # the table of saved results
 
 A *probe* (configuration, batch) is a fresh process (``python bench/max_batch.py --probe CONFIG BATCH``) on one
 thread that imports its framework and runs a toy step (bench/memory_worker.py's, so one-time initialisation is
@@ -19,7 +20,8 @@ then bisects between the largest pass and the smallest failure until they are ``
 probes also report their peak resident set (VmHWM) and peak address space (VmPeak) over the imported base: the
 address space can run ahead of what is resident (onnxruntime's arena and glibc reserve more than they touch).
 ``--limit-kind rss`` limits that peak resident set instead: a probe passes when its steps finish and VmHWM less
-VmRSS after the import stays under ``--limit-gib`` (with a backstop RLIMIT_AS of three times the limit).
+VmRSS after the import stays under ``--limit-gib`` (with a backstop RLIMIT_AS of three times the limit; a thread
+stops the probe as soon as the peak passes the limit).
 
 Every probe runs a copy of src/revgraph made when the run starts (the working tree is shared). Results: ``--json``
 (default bench/results/max_batch.json); the table and the goals of issue 42 (revgraph default >= PyTorch eager,
@@ -51,6 +53,8 @@ from workers import Log
 LABELS = {"rg": "revgraph default", "rg-0.5": "revgraph memory=0.5", "rg-0": "revgraph memory=0",
           "pt": "PyTorch eager", "pt-ckpt": "PyTorch, checkpoint per layer"}
 GOALS = (("rg", "pt"), ("rg-0.5", "pt-ckpt"))
+KINDS = {"rss": "peak resident set: VmHWM - VmRSS after the import <= the limit",
+         "as": "address space: RLIMIT_AS = VmSize after the import + the limit"}
 log = Log()
 
 
@@ -66,6 +70,8 @@ def probe(config: str, batch: int, limit_gib: float, steps: int, cache: str, kin
 
     out = {"config": config, "batch": batch, "base_vm_mb": base_vm, "base_rss_mb": base_rss,
            "revgraph": os.path.dirname(revgraph.__file__)}
+    if kind == "rss":
+        _watch(out, limit_gib * 1024)
     try:
         info = json.loads((Path(cache) / "llama42.json").read_text())
         task = llama42.Step(config, batch, 1, info)
@@ -81,6 +87,23 @@ def probe(config: str, batch: int, limit_gib: float, steps: int, cache: str, kin
     return out
 
 
+def _watch(out: dict, limit_mb: float) -> None:
+    """Under a resident-set limit, end the probe as soon as its peak passes the limit (a thread polling VmHWM
+    every 0.1 s): a batch over the limit need not finish its steps (``memory=0`` runs minutes at large batches)."""
+    import threading
+
+    def poll():
+        while True:
+            over = peak_mb() - out["base_rss_mb"]
+            if over > limit_mb:
+                print(json.dumps({**out, "ok": False, "error": f"peak RSS +{over:.0f} MB over the limit (stopped)"}),
+                      flush=True)
+                os._exit(0)
+            time.sleep(0.1)
+
+    threading.Thread(target=poll, daemon=True).start()
+
+
 class Search:
     """Runs probes in fresh processes (a copy of src/revgraph first on their path) and searches the batch."""
 
@@ -89,7 +112,7 @@ class Search:
         self.logs = Path(args.cache) / "logs" / dt.datetime.now().strftime("max-batch-%Y%m%d-%H%M%S")
         self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **llama42.thread_env(1)}
-        self.source = {"snapshot": None}
+        self.source, self.kind = {"snapshot": None}, "as"
         if args.snapshot:
             import shutil
 
@@ -101,9 +124,9 @@ class Search:
 
     def run_probe(self, config: str, batch: int) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", config, str(batch), "--limit-gib",
-               str(self.args.limit_gib), "--limit-kind", self.args.limit_kind, "--steps", str(self.args.steps), "--cache", str(self.args.cache)]
+               str(self.args.limit_gib), "--limit-kind", self.kind, "--steps", str(self.args.steps), "--cache", str(self.args.cache)]
         t0 = time.perf_counter()
-        with open(self.logs / f"{config}-b{batch}.log", "w") as err:
+        with open(self.logs / f"{self.kind}-{config}-b{batch}.log", "w") as err:
             try:
                 p = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, stderr=err, text=True, env=self.env,
                                    timeout=self.args.timeout, cwd=str(ROOT))
@@ -115,7 +138,7 @@ class Search:
         r.update(config=config, batch=batch, seconds=time.perf_counter() - t0)
         how = (f"ok, peak RSS +{r['peak_rss_mb']:.0f} MB, address space +{r['peak_vm_mb']:.0f} MB" if r["ok"]
                else f"fails: {r['error']}")
-        log(f"  {config} batch {batch}: {how} ({r['seconds']:.0f} s)")
+        log(f"  {self.kind}: {config} batch {batch}: {how} ({r['seconds']:.0f} s)")
         return r
 
     def largest(self, config: str) -> dict:
@@ -143,20 +166,24 @@ def _git(*args: str) -> str:
 
 
 def table(res: dict) -> str:
-    """The Markdown table of a run and the goals' verdicts."""
+    """The Markdown tables of a run (one per kind of limit) and the goals' verdicts."""
+    lines = []
     head = ("| configuration | largest batch | first failing batch | peak RSS at the largest (MB over import) | "
             "peak address space (MB over import) | probes | seconds |")
-    lines = [head, "| :--- |" + " ---: |" * 6]
-    for c, r in res["results"].items():
-        lines.append(f"| {LABELS[c]} | {r['largest'] or 'none'} | {r['smallest_failing'] or '> max'} | "
-                     f"{_mb(r['peak_rss_mb'])} | {_mb(r['peak_vm_mb'])} | {len(r['probes'])} | "
-                     f"{sum(p['seconds'] for p in r['probes']):.0f} |")
-    lines.append("")
-    for (a, b), ok in zip(GOALS, res["goals"].values()):
-        if ok is not None:
-            lines.append(f"- {LABELS[a]} >= {LABELS[b]}: {res['results'][a]['largest']} vs "
-                         f"{res['results'][b]['largest']}: {'met' if ok else 'NOT met'}")
-    return "\n".join(lines)
+    for run in res["kinds"].values():
+        lines += [f"Limit on the {run['limit']} ({res['limit_gib']} GiB):", "", head, "| :--- |" + " ---: |" * 6]
+        for c, r in run["results"].items():
+            stopped = " (search stopped)" if r.get("stopped") else ""
+            lines.append(f"| {LABELS[c]} | {r['largest'] or 'none'}{stopped} | {r['smallest_failing'] or '> max'} | "
+                         f"{_mb(r['peak_rss_mb'])} | {_mb(r['peak_vm_mb'])} | {len(r['probes'])} | "
+                         f"{sum(p['seconds'] for p in r['probes']):.0f} |")
+        lines.append("")
+        for (a, b), ok in zip(GOALS, run["goals"].values(), strict=True):
+            if ok is not None:
+                lines.append(f"- {LABELS[a]} >= {LABELS[b]}: {run['results'][a]['largest']} vs "
+                             f"{run['results'][b]['largest']}: {'met' if ok else 'NOT met'}")
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def _mb(x) -> str:
@@ -167,9 +194,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--limit-gib", type=float, default=2.0, help="address space a probe may add to its "
                         "imported framework's (GiB)")
-    parser.add_argument("--limit-kind", choices=("as", "rss"), default="as", help="as: RLIMIT_AS (an allocation "
-                        "over it fails); rss: the probe's peak resident set (VmHWM) over its import must stay under "
-                        "the limit")
+    parser.add_argument("--limit-kind", nargs="+", choices=("rss", "as"), default=["rss", "as"],
+                        help="rss: the probe's peak resident set (VmHWM) over its import must stay under the limit; "
+                        "as: RLIMIT_AS (an allocation over it fails); one search per kind (default: both)")
     parser.add_argument("--configs", nargs="+", choices=list(LABELS), default=list(LABELS))
     parser.add_argument("--start", type=int, default=16, help="the first batch tried")
     parser.add_argument("--max-batch", type=int, default=1024, help="stop doubling above this batch")
@@ -180,6 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "revgraph-bench-llama42"),
                         help="model files and probe logs")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per probe")
+    parser.add_argument("--render", metavar="JSON", help="no measurement: print the table of saved results")
     parser.add_argument("--no-snapshot", dest="snapshot", action="store_false",
                         help="run the working tree's src/revgraph instead of a copy made at the start")
     parser.add_argument("--probe", nargs=2, metavar=("CONFIG", "BATCH"), help=argparse.SUPPRESS)
@@ -189,9 +217,12 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')} takes a positive integer, not {getattr(args, name)}")
     if args.limit_gib <= 0:
         parser.error(f"--limit-gib takes a positive number of GiB, not {args.limit_gib}")
+    if args.render:
+        print(table(json.loads(Path(args.render).read_text())))
+        return 0
     if args.probe:
         config, batch = args.probe
-        print(json.dumps(probe(config, int(batch), args.limit_gib, args.steps, args.cache, args.limit_kind)),
+        print(json.dumps(probe(config, int(batch), args.limit_gib, args.steps, args.cache, args.limit_kind[0])),
               flush=True)
         return 0
     from run import loadavg, machine_info
@@ -204,16 +235,16 @@ def main(argv=None) -> int:
         sys.exit(f"max_batch: could not write the model files into {args.cache}: {prep.stderr.strip()[-300:]}")
     res = {"command": "python bench/max_batch.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "started": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
-           "load_start": loadavg(), "limit_gib": args.limit_gib, "limit": {"as": "RLIMIT_AS = VmSize after import + limit",
-                     "rss": "VmHWM - VmRSS after import <= limit"}[args.limit_kind],
-           "steps": args.steps, "threads": 1, "model": {**llama42.LLAMA, "seq": llama42.SEQ},
-           "source": search.source, "results": {}}
-    for config in args.configs:
-        log(f"{LABELS[config]} under {args.limit_gib} GiB")
-        res["results"][config] = search.largest(config)
-    found = res["results"]
-    res["goals"] = {f"{a} >= {b}": (found[a]["largest"] >= found[b]["largest"] if a in found and b in found else None)
-                    for a, b in GOALS}
+           "load_start": loadavg(), "limit_gib": args.limit_gib, "steps": args.steps, "threads": 1,
+           "model": {**llama42.LLAMA, "seq": llama42.SEQ}, "source": search.source, "kinds": {}}
+    for kind in args.limit_kind:
+        search.kind, found, t1 = kind, {}, time.perf_counter()
+        for config in args.configs:
+            log(f"{LABELS[config]} under {args.limit_gib} GiB ({kind})")
+            found[config] = search.largest(config)
+        res["kinds"][kind] = {"limit": KINDS[kind], "results": found, "seconds": time.perf_counter() - t1,
+                              "goals": {f"{a} >= {b}": (found[a]["largest"] >= found[b]["largest"]
+                                                        if a in found and b in found else None) for a, b in GOALS}}
     res["load_end"], res["seconds"] = loadavg(), time.perf_counter() - t0
     from report_format import portable
 
