@@ -23,6 +23,11 @@ outputs with the wrong extents), and a backward graph must give the same numbers
 reference evaluator (DESIGN.md section 2). A grouped input gradient is therefore a ``Conv`` of the
 zero-interleaved output gradient with the flipped, group-transposed weight.
 
+Every node here is data movement or a contraction with explicit geometry (Conv, ConvTranspose, MatMul, Pad,
+Slice, Reshape, Transpose), written as :class:`~revgraph.autodiff.algebra.Val` methods; the helpers take an
+:class:`~revgraph.autodiff.emitter.Emitter` (pool, deform, resize and roi call them outside a rule) and build
+their values through :class:`._common.EmitterContext`. Shape values (``shape_cat``) stay ``Emitter.op``.
+
 This module also holds the geometry and gradient helpers of the convolution family, which other rule modules
 (:mod:`.pool`, :mod:`.deform`, ...) import. Col2Im and DeformConv, whose VJPs move image patches as explicit
 columns, are in :mod:`.deform`.
@@ -38,10 +43,11 @@ import numpy as np
 
 from ...errors import GraphError
 from ...ir import Node
+from ..algebra import Val
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
-from ._common import optional_input, shape_part
+from ._common import EmitterContext, optional_input, shape_part
 from .tables import filled
 
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -186,12 +192,12 @@ def _axes(k: int) -> list[int]:
 def fit(e: Emitter, v: str, x: str, extra: list[int], like: str | None) -> str:
     """``v`` with ``extra`` zeros appended on each spatial axis, then cut to the spatial size of ``x``: the
     fallback when static sizes cannot give an exact ``output_padding``."""
-    k = len(extra)
+    k, v = len(extra), EmitterContext(e).val(v)
     if any(extra):
-        v = e.op("Pad", [v, e.ints([0] * (k + 2) + [0, 0] + extra)])
+        v = v.apply("Pad", e.ints([0] * (k + 2) + [0, 0] + extra), like=None)
     ends = dims_part(e, x, 2)
-    return e.op("Slice", [v, e.ints([0] * k), ends if isinstance(ends, str) else e.ints(ends), e.ints(_axes(k))],
-                like=like)
+    return v.apply("Slice", e.ints([0] * k), ends if isinstance(ends, str) else e.ints(ends), e.ints(_axes(k)),
+                   like=like).name
 
 
 def dilate(e: Emitter, g: str, strides: list[int], out: list[int] | None) -> str:
@@ -200,25 +206,26 @@ def dilate(e: Emitter, g: str, strides: list[int], out: list[int] | None) -> str
     k = len(strides)
     if all(s == 1 for s in strides):
         return g
-    flat = e.op("Reshape", [g, shape_cat(e, [[-1, 1], out if out is not None else e.op("Shape", [g], start=2)])])
-    up = e.op("ConvTranspose", [flat, ones(e, [1, 1] + [1] * k, g)], strides=list(strides))
+    flat = EmitterContext(e).val(g).reshape(
+        shape_cat(e, [[-1, 1], out if out is not None else e.op("Shape", [g], start=2)]))
+    up = flat.apply("ConvTranspose", ones(e, [1, 1] + [1] * k, g), like=None, strides=list(strides))
     if out is not None:
         grown: list[int] | str = [s * (o - 1) + 1 for s, o in zip(strides, out, strict=True)]
     else:
-        grown = e.op("Shape", [up], start=2)
-    return e.op("Reshape", [up, shape_cat(e, [dims_part(e, g, 0, 2), grown])])
+        grown = e.op("Shape", [up.name], start=2)
+    return up.reshape(shape_cat(e, [dims_part(e, g, 0, 2), grown])).name
 
 
 def flip(e: Emitter, w: str, k: int) -> str:
     """``w`` reversed along its spatial axes."""
-    return e.op("Slice", [w, e.ints([-1] * k), e.ints([INT64_MIN] * k), e.ints(_axes(k)), e.ints([-1] * k)], like=w)
+    return EmitterContext(e).val(w).apply("Slice", e.ints([-1] * k), e.ints([INT64_MIN] * k), e.ints(_axes(k)),
+                                          e.ints([-1] * k)).name
 
 
 def group_transpose(e: Emitter, w: str, group: int, cg: int, kernel: list[int]) -> str:
     """A grouped weight ``(M, C/g, K..)`` as the weight ``(C, M/g, K..)`` of the transposed grouped map."""
-    r = e.op("Reshape", [w, e.ints([group, -1, cg, *kernel])])
-    t = e.op("Transpose", [r], perm=[0, 2, 1, *range(3, len(kernel) + 3)])
-    return e.op("Reshape", [t, e.ints([group * cg, -1, *kernel])])
+    r = EmitterContext(e).val(w).reshape([group, -1, cg, *kernel])
+    return r.transpose([0, 2, 1, *range(3, len(kernel) + 3)]).reshape([group * cg, -1, *kernel]).name
 
 
 def channels_per_group(e: Emitter, node: Node, w: str, x: str, group: int) -> int:
@@ -240,7 +247,7 @@ def input_grad(e: Emitter, node: Node, g: str, w: str, x: str, geo: Geometry, gr
     """The adjoint of ``Conv(x, w)`` (geometry ``geo``, output sizes ``out`` when static) applied to ``g``:
     ``dx[i] = sum dy[o] w[k]`` over ``o*s + k*d = i + pb`` (PyTorch ``convolution_backward``, grad_input).
     ``x`` only supplies the spatial sizes; ``like`` records the result's type."""
-    k = len(geo.kernel)
+    k, val = len(geo.kernel), EmitterContext(e).val
     dims = spatial(e, x)
     if group == 1:
         if dims is not None and out is not None:
@@ -248,30 +255,31 @@ def input_grad(e: Emitter, node: Node, g: str, w: str, x: str, geo: Geometry, gr
             end = [s * (o - 1) + sp - b - d
                    for s, o, sp, b, d in zip(geo.strides, out, geo.span, geo.pb, dims, strict=True)]
             outpad = [max(0, -v) for v in end]
-            return e.op("ConvTranspose", [g, w], strides=geo.strides, dilations=geo.dilations,
-                        pads=[*geo.pb, *(max(0, v) for v in end)], output_padding=outpad if any(outpad) else None,
-                        like=like)
-        full = e.op("ConvTranspose", [g, w], strides=geo.strides, dilations=geo.dilations, pads=[*geo.pb, *[0] * k])
-        return fit(e, full, x, [s - 1 for s in geo.strides], like)
+            return val(g).apply("ConvTranspose", w, like=like, strides=geo.strides, dilations=geo.dilations,
+                                pads=[*geo.pb, *(max(0, v) for v in end)],
+                                output_padding=outpad if any(outpad) else None).name
+        full = val(g).apply("ConvTranspose", w, like=None, strides=geo.strides, dilations=geo.dilations,
+                            pads=[*geo.pb, *[0] * k])
+        return fit(e, full.name, x, [s - 1 for s in geo.strides], like)
     # Grouped: correlate the zero-interleaved gradient with the flipped group-transposed weight.
-    up = dilate(e, g, geo.strides, out)
+    up = val(dilate(e, g, geo.strides, out))
     wt = flip(e, group_transpose(e, w, group, cg, geo.kernel), k)
     lead = [sp - 1 - b for sp, b in zip(geo.span, geo.pb, strict=True)]
     cut = [max(0, -v) for v in lead]
     lead = [max(0, v) for v in lead]
     if any(cut):  # a pad wider than the kernel span: the first outputs read padding only, no input gets theirs
-        up = e.op("Slice", [up, e.ints(cut), e.ints([INT64_MAX] * k), e.ints(_axes(k))])
+        up = up.apply("Slice", e.ints(cut), e.ints([INT64_MAX] * k), e.ints(_axes(k)), like=None)
     if dims is not None and out is not None:
         length = [s * (o - 1) + 1 - c for s, o, c in zip(geo.strides, out, cut, strict=True)]
         tail = [d + sp - 1 - n - v for d, sp, n, v in zip(dims, geo.span, length, lead, strict=True)]
         if any(t < 0 for t in tail):
             ends = [n + min(t, 0) for n, t in zip(length, tail, strict=True)]
-            up = e.op("Slice", [up, e.ints([0] * k), e.ints(ends), e.ints(_axes(k))])
-        return e.op("Conv", [up, wt], dilations=geo.dilations, pads=[*lead, *(max(0, t) for t in tail)],
-                    group=group, like=like)
+            up = up.apply("Slice", e.ints([0] * k), e.ints(ends), e.ints(_axes(k)), like=None)
+        return up.apply("Conv", wt, like=like, dilations=geo.dilations, pads=[*lead, *(max(0, t) for t in tail)],
+                        group=group).name
     tail = [sp - 1 + s - 1 for sp, s in zip(geo.span, geo.strides, strict=True)]
-    wide = e.op("Conv", [up, wt], dilations=geo.dilations, pads=[*lead, *tail], group=group)
-    return fit(e, wide, x, [0] * k, like)
+    wide = up.apply("Conv", wt, like=None, dilations=geo.dilations, pads=[*lead, *tail], group=group)
+    return fit(e, wide.name, x, [0] * k, like)
 
 
 def weight_grad(e: Emitter, x: str, g: str, geo: Geometry, group: int, cg: int, trim: bool,
@@ -280,24 +288,24 @@ def weight_grad(e: Emitter, x: str, g: str, geo: Geometry, group: int, cg: int, 
     geometry ``geo`` (PyTorch ``convolution_backward``, grad_weight): a grouped Conv of ``x`` laid out as
     ``(cg, group*N, ..)`` with ``g`` laid out as ``(M, N, ..)`` as the kernel, stride ``d`` and dilation ``s``.
     ``trim``: cut the result to the kernel size (it can be larger when the windows do not reach the end)."""
-    k = len(geo.kernel)
+    k, val = len(geo.kernel), EmitterContext(e).val
     sp = _axes(k)
     if group == 1:
-        xr = e.op("Transpose", [x], perm=[1, 0, *sp])
+        xr = val(x).transpose([1, 0, *sp])
     elif (xs := e.shape(x)) is not None:  # explicit sizes: a -1 is ambiguous when a spatial size is 0
-        grouped = e.op("Reshape", [x, e.ints([xs[0], group, cg, int(np.prod(xs[2:]))])], allowzero=1)
-        moved = e.op("Transpose", [grouped], perm=[2, 1, 0, 3])
-        xr = e.op("Reshape", [moved, e.ints([cg, group * xs[0], *xs[2:]])], allowzero=1)
+        grouped = val(x).apply("Reshape", e.ints([xs[0], group, cg, int(np.prod(xs[2:]))]), like=None, allowzero=1)
+        xr = grouped.transpose([2, 1, 0, 3]).apply("Reshape", e.ints([cg, group * xs[0], *xs[2:]]), like=None,
+                                                    allowzero=1)
     else:
-        grouped = e.op("Reshape", [x, e.ints([0, group, cg, -1])])
-        moved = e.op("Transpose", [grouped], perm=[2, 1, 0, 3])
-        xr = e.op("Reshape", [moved, shape_cat(e, [[cg, -1], dims_part(e, x, 2)])])
-    gr = e.op("Transpose", [g], perm=[1, 0, *sp])
-    c = e.op("Conv", [xr, gr], strides=geo.dilations, dilations=geo.strides, pads=[*geo.pb, *geo.pe], group=group)
+        moved = val(x).reshape([0, group, cg, -1]).transpose([2, 1, 0, 3])
+        xr = moved.reshape(shape_cat(e, [[cg, -1], dims_part(e, x, 2)]))
+    gr = val(g).transpose([1, 0, *sp])
+    c = xr.apply("Conv", gr, like=None, strides=geo.dilations, dilations=geo.strides, pads=[*geo.pb, *geo.pe],
+                 group=group)
     if not trim:
-        return e.op("Transpose", [c], perm=[1, 0, *sp], like=like)
-    dw = e.op("Transpose", [c], perm=[1, 0, *sp])
-    return e.op("Slice", [dw, e.ints([0] * k), e.ints(geo.kernel), e.ints(sp)], like=like)
+        return c.apply("Transpose", like=like, perm=[1, 0, *sp]).name
+    dw = c.transpose([1, 0, *sp])
+    return dw.apply("Slice", e.ints([0] * k), e.ints(geo.kernel), e.ints(sp), like=like).name
 
 
 def weight_grad_taps(e: Emitter, x: str, g: str, geo: Geometry, out: list[int], like: str | None) -> str:
@@ -306,30 +314,29 @@ def weight_grad_taps(e: Emitter, x: str, g: str, geo: Geometry, out: list[int], 
     ``[N, C, O]``, times ``g`` transposed once to ``[N, O, M]``) and a sum over the batch. onnxruntime's Conv
     with the whole output gradient as its kernel (:func:`weight_grad`) runs about 2x slower than these GEMMs
     on 3x3 and 1x1 layers (bench/micro.py); ``out`` are the static output sizes."""
-    k = len(geo.kernel)
+    k, val = len(geo.kernel), EmitterContext(e).val
     sp = _axes(k)
-    xp = x
+    xp = val(x)
     if any(geo.pb) or any(geo.pe):
-        xp = e.op("Pad", [x, e.ints([0, 0, *geo.pb, 0, 0, *geo.pe])])
-    dims = spatial(e, xp)
-    gt = e.op("Transpose", [e.op("Reshape", [g, e.ints([0, 0, -1])])], perm=[0, 2, 1])  # [N, O, M]
-    taps = []
+        xp = xp.apply("Pad", e.ints([0, 0, *geo.pb, 0, 0, *geo.pe]), like=None)
+    dims = spatial(e, xp.name)
+    gt = val(g).reshape([0, 0, -1]).transpose([0, 2, 1])  # [N, O, M]
+    taps: list[Val] = []
     for tap in itertools.product(*(range(n) for n in geo.kernel)):
         starts = [t * d for t, d in zip(tap, geo.dilations, strict=True)]
         ends = [b + (o - 1) * s + 1 for b, o, s in zip(starts, out, geo.strides, strict=True)]
         xs = xp
         if any(starts) or ends != dims or any(s != 1 for s in geo.strides):
-            xs = e.op("Slice", [xp, e.ints(starts), e.ints(ends), e.ints(sp), e.ints(geo.strides)])
-        taps.append(e.op("MatMul", [e.op("Reshape", [xs, e.ints([0, 0, -1])]), gt]))  # [N, C, M]
-    stacked = taps[0] if len(taps) == 1 else e.op("Concat", taps, axis=1)  # [N, taps * C, M]
-    dw = e.op("ReduceSum", [stacked, e.ints([0])], keepdims=1)  # [1, taps * C, M]
-    by_tap = e.op("Reshape", [dw, e.ints([len(taps), -1, 0])])  # [taps, C, M]
-    return e.op("Reshape", [e.op("Transpose", [by_tap], perm=[2, 1, 0]), e.ints([0, 0, *geo.kernel])], like=like)
+            xs = xp.apply("Slice", e.ints(starts), e.ints(ends), e.ints(sp), e.ints(geo.strides), like=None)
+        taps.append(xs.reshape([0, 0, -1]) @ gt)  # [N, C, M]
+    stacked = taps[0] if len(taps) == 1 else taps[0].apply("Concat", *taps[1:], like=None, axis=1)  # [N, taps*C, M]
+    by_tap = stacked.sum([0]).reshape([len(taps), -1, 0])  # [1, taps * C, M] summed over the batch, as [taps, C, M]
+    return by_tap.transpose([2, 1, 0]).reshape([0, 0, *geo.kernel], like=like).name
 
 
 def bias_grad(e: Emitter, g: str, k: int, b: str) -> str:
     """``db = sum of dy over every axis but 1`` (the channels)."""
-    return e.op("ReduceSum", [g, e.ints([0, *_axes(k)])], keepdims=0, like=b)
+    return EmitterContext(e).val(g).sum([0, *_axes(k)], keepdims=0, like=b).name
 
 
 # ------------------------------------------------------------------------------------------ rules
@@ -408,7 +415,7 @@ def conv_transpose(ctx: Ctx, node: Node, cts: list) -> list:
         if not any(cut):
             return g
         ends = [-c if c else INT64_MAX for c in cut]
-        return e.op("Slice", [g, e.ints([0] * k), e.ints(ends), e.ints(_axes(k))])
+        return ctx.val(g).apply("Slice", e.ints([0] * k), e.ints(ends), e.ints(_axes(k)), like=None).name
 
     def dw() -> str:
         cg = 1
@@ -420,5 +427,6 @@ def conv_transpose(ctx: Ctx, node: Node, cts: list) -> list:
             cg = dims[1]
         return weight_grad(e, dy(), x, geo, group, cg, trim=False, like=w)
 
-    grads = [lambda: e.op("Conv", [dy(), w], group=group, like=x, **geo.attrs()), dw, lambda: bias_grad(e, g, k, b)]
+    grads = [lambda: ctx.val(dy()).apply("Conv", w, like=x, group=group, **geo.attrs()), dw,
+             lambda: bias_grad(e, g, k, b)]
     return grads[:len(node.inputs)]
