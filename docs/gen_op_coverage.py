@@ -19,7 +19,8 @@ NOT_YET = {
     "Optional": "ONNX optional values are not differentiated yet (no exporter writes them on a path to a loss)",
     "OptionalGetElement": "as Optional",
     "LinearAttention": "opset 27 (Gated DeltaNet, RetNet-style linear attention with a recurrent state): no rule yet",
-    "CausalConvWithState": "opset 27 (Mamba, Gated DeltaNet): a depthwise causal Conv1d with a carried state; no rule yet",
+    "CausalConvWithState": "opset 27 (Mamba, Gated DeltaNet): a depthwise causal Conv1d with a carried state; "
+                           "no rule yet",
 }
 
 #: what a VJP rule does not differentiate, where that is the point (issue 41)

@@ -24,9 +24,11 @@ def rule_lengths(root: Path) -> dict[str, int]:
                     isinstance(d, ast.Call) and getattr(d.func, "id", getattr(d.func, "attr", "")) in DECORATORS
                     for d in fn.decorator_list):
                 continue
-            body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+            documented = isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+            body = fn.body[1:] if documented else fn.body
             if body:
-                lines = [s for s in src[body[0].lineno - 1: fn.end_lineno] if s.strip() and not s.strip().startswith("#")]
+                lines = [s for s in src[body[0].lineno - 1: fn.end_lineno]
+                         if s.strip() and not s.strip().startswith("#")]
                 lengths[f"{path.relative_to(root)}:{fn.name}"] = len(lines)
     return lengths
 

@@ -148,7 +148,7 @@ def test_run_with_random_inputs_prints_the_note_and_a_summary(backend, capsys):
     assert "note: no --inputs given; used random inputs (seed 3)" in captured.err
     for name, shape in (("X", "[2, 3, 4]"), ("Y", "[1, 3, 4]"), ("Z", "[3, 3, 4]")):
         assert f"{name} float32{shape}" in captured.err
-    assert re.search(r"^\s*out\s.*float32.*\[1, 3, 4\]", captured.out, re.M), captured.out
+    assert re.search(r"^\s*out\s.*float32.*\[1, 3, 4\]", captured.out, re.MULTILINE), captured.out
 
 
 def test_run_that_fails_on_random_inputs_is_one_line(tmp_path, capsys):
@@ -335,7 +335,8 @@ def test_run_a_model_with_a_sequence_output(tmp_path, capsys):
     np.savez(tmp_path / "in.npz", x=x)
     assert main(["run", str(tmp_path / "seq.onnx"), "--inputs", str(tmp_path / "in.npz")]) == 0
     assert "parts[1]" in capsys.readouterr().out
-    assert main(["run", str(tmp_path / "seq.onnx"), "--inputs", str(tmp_path / "in.npz"), "-o", str(tmp_path / "o.npz")]) == 0
+    assert main(["run", str(tmp_path / "seq.onnx"), "--inputs", str(tmp_path / "in.npz"),
+                 "-o", str(tmp_path / "o.npz")]) == 0
     with np.load(tmp_path / "o.npz") as got:
         np.testing.assert_array_equal(got["parts[0]"], x[:1])
         np.testing.assert_array_equal(got["parts[1]"], x[1:])
@@ -354,7 +355,8 @@ def test_check_refuses_a_model_over_its_size_bound(tmp_path, capsys, monkeypatch
               [ValueInfo("x", np.float64, (3,))], [ValueInfo("y")])
     rg.save(g, tmp_path / "m.onnx")
     monkeypatch.setattr(limits, "MAX_CHECK_NODES", 1)
-    one_line_error(main(["check", str(tmp_path / "m.onnx")]), capsys.readouterr().err, "has 2 nodes; check takes at most 1")
+    one_line_error(main(["check", str(tmp_path / "m.onnx")]), capsys.readouterr().err,
+                   "has 2 nodes; check takes at most 1")
     monkeypatch.setattr(limits, "MAX_CHECK_NODES", 2)
     assert main(["check", str(tmp_path / "m.onnx")]) == 0
 
@@ -371,7 +373,6 @@ def test_ctrl_c_while_revgraph_loads_is_one_line(monkeypatch, capsys):
         def find_spec(self, name, path=None, target=None):
             if name == "revgraph.cli":
                 raise KeyboardInterrupt
-            return None
 
     monkeypatch.delitem(sys.modules, "revgraph.cli")
     monkeypatch.setattr(sys, "meta_path", [Interrupt(), *sys.meta_path])

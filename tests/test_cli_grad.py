@@ -56,7 +56,7 @@ def test_grad_writes_checked_model_with_grads_equal_to_torch(tmp_path, capsys):
     x = np.random.default_rng(1).standard_normal((6, 4)).astype(np.float32)
     res = rg.Session(str(out)).run({"x": x})
     ref = rg.Session(str(out), backend="reference").run({"x": x})
-    t = {k: torch.tensor(v, requires_grad=True) for k, v in dict(x=x, w1=w1, b1=b1, w2=w2).items()}
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in {"x": x, "w1": w1, "b1": b1, "w2": w2}.items()}
     loss = ((torch.tanh(t["x"] @ t["w1"] + t["b1"]) @ t["w2"]) ** 2).mean()
     loss.backward()
     for k in ("x", "w1", "b1", "w2"):
@@ -115,7 +115,8 @@ def test_check_passes_on_shipped_model(capsys):
 
 
 def test_check_fails_on_a_wrong_rule(tmp_path, capsys, monkeypatch):
-    g = Graph([Node("Sin", ["x"], ["y"], name="sin")], [ValueInfo("x", np.float32, (3,))], [ValueInfo("y", np.float32, (3,))])
+    g = Graph([Node("Sin", ["x"], ["y"], name="sin")], [ValueInfo("x", np.float32, (3,))],
+              [ValueInfo("y", np.float32, (3,))])
     rg.save(g, tmp_path / "sin.onnx")
     assert main(["check", str(tmp_path / "sin.onnx")]) == 0
     capsys.readouterr()

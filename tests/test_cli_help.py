@@ -102,7 +102,8 @@ def test_the_examples_run_as_printed(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     vi = helper.make_tensor_value_info
     nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Add", ["h", "b1"], ["logits"]),
-             helper.make_node("Tanh", ["logits"], ["t"]), helper.make_node("ReduceSumSquare", ["t"], ["loss"], keepdims=0)]
+             helper.make_node("Tanh", ["logits"], ["t"]),
+             helper.make_node("ReduceSumSquare", ["t"], ["loss"], keepdims=0)]
     g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, [2, 4])], [vi("loss", TensorProto.FLOAT, [])],
                           initializer=[numpy_helper.from_array(W, "W1"),
                                        numpy_helper.from_array(np.array([0.1, -0.2, 0.3], np.float32), "b1")])

@@ -131,7 +131,7 @@ def test_every_numeric_option_has_a_checked_type():
         elif a.type is None and not a.choices:
             words_of = set(re.split(r"[^A-Za-z]+", str(a.metavar or "")))
             assert not words_of & NUMERIC_METAVARS, f"{where}: metavar {a.metavar!r} is a number; give it a type"
-            assert a.default is None or isinstance(a.default, str | list) and not isinstance(a.default, bool), where
+            assert a.default is None or (isinstance(a.default, str | list) and not isinstance(a.default, bool)), where
     assert seen == set(KINDS), set(KINDS) - seen  # (the table names no option that is gone)
 
 

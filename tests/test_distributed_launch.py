@@ -1,13 +1,14 @@
-"""Starting, stopping and failing data-parallel runs (revgraph.train.distributed.launch, the ``--nproc`` launcher, revgraph under
-torchrun): exit codes and one-line messages, refusals before the first step, no restart of a deterministic
-failure, signals, orphans, a taken port, ``--timeout``; and (slow) two machines in network namespaces running the
-README's multi-node recipe, compared with one process and recovering from a killed worker.
+"""Starting, stopping and failing data-parallel runs (revgraph.train.distributed.launch, the ``--nproc`` launcher,
+revgraph under torchrun): exit codes and one-line messages, refusals before the first step, no restart of a
+deterministic failure, signals, orphans, a taken port, ``--timeout``; and (slow) two machines in network namespaces
+running the README's multi-node recipe, compared with one process and recovering from a killed worker.
 
 Every run has 2 gloo processes with one thread each and a small MLP; subprocesses run in sessions of their own
 and are killed on the way out (``launched``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -29,14 +30,16 @@ from revgraph.train import snapshots as checkpoints
 
 pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
 
-from kit.devices import gpu_test  # noqa: E402
-from kit.distributed import ENV, TORCHRUN, child_pids, cmdline, free_port, launched  # noqa: E402
+from kit.devices import gpu_test
+from kit.distributed import ENV, TORCHRUN, child_pids, cmdline, free_port, launched
 
 HERE = Path(__file__).parent
 WRAPPER = HERE / "launch_worker.py"
 REVGRAPH = [sys.executable, "-m", "revgraph"]
-# the --nproc launcher (revgraph.train.distributed.launch.run_torchrun) on torchrun arguments of our own (the per-rank wrapper)
-LAUNCHER = [sys.executable, "-c", "import sys; from revgraph.train.distributed.launch import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"]
+# the --nproc launcher (revgraph.train.distributed.launch.run_torchrun) on torchrun arguments of our own (the per-rank
+# wrapper)
+LAUNCHER = [sys.executable, "-c", ("import sys; from revgraph.train.distributed.launch import run_torchrun; "
+                                   "sys.exit(run_torchrun(sys.argv[1:]))")]
 
 
 def _files(tmp_path: Path, samples: int = 120, nan_at: int | None = None) -> list[str]:
@@ -106,8 +109,8 @@ class _Lines:
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--lr", "0.01"], "the training settings differ across ranks: rank 1 has lr 0.01, rank 0 has 0.003; give every "
-                       "rank the same loss, optimizer and hyperparameters"),
+    (["--lr", "0.01"], ("the training settings differ across ranks: rank 1 has lr 0.01, rank 0 has 0.003; give every "
+                        "rank the same loss, optimizer and hyperparameters")),
     (["--epochs", "3"], "the train arguments differ across ranks: rank 1 has --epochs 3, rank 0 has 2;"),
 ])
 def test_ranks_with_different_arguments_are_refused_before_any_step(tmp_path, extra, message):
@@ -116,8 +119,8 @@ def test_ranks_with_different_arguments_are_refused_before_any_step(tmp_path, ex
     common = _files(tmp_path)
     ckpt = tmp_path / "ckpt"
     cmd = [*LAUNCHER, "--standalone", "--nproc-per-node=2", str(WRAPPER), "--on-rank", "1", str(len(extra)), *extra,
-           "--", *common, "--epochs", "2", "--batch-size", "8", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
-           "-o", str(tmp_path / "out.onnx")]
+           "--", *common, "--epochs", "2", "--batch-size", "8", "--checkpoint-dir", str(ckpt),
+           "--checkpoint-every", "1", "-o", str(tmp_path / "out.onnx")]
     with launched(cmd) as (p,):
         out, err = _communicate(p)
     assert p.returncode == 2, out + err
@@ -133,7 +136,8 @@ def test_test_data_on_rank_0_only_is_refused_before_training(tmp_path):
     common = _files(tmp_path)
     shutil.copy(tmp_path / "data.npz", tmp_path / "test.npz")
     cmd = [*LAUNCHER, "--standalone", "--nproc-per-node=2", str(WRAPPER), "--on-rank", "0", "2", "--test-data",
-           str(tmp_path / "test.npz"), "--", *common, "--epochs", "1", "--batch-size", "8", "-o", str(tmp_path / "o.onnx")]
+           str(tmp_path / "test.npz"), "--", *common, "--epochs", "1", "--batch-size", "8",
+           "-o", str(tmp_path / "o.onnx")]
     with launched(cmd) as (p,):
         out, err = _communicate(p)
     assert p.returncode == 2, out + err
@@ -184,7 +188,8 @@ def test_raw_torchrun_exits_1_for_a_nan_loss_and_does_not_train_again(tmp_path):
     stops at once with the same line instead of training again."""
     common = _files(tmp_path, nan_at=70)
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "revgraph", *common,
-           "--epochs", "2", "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "ckpt"), "-o", str(tmp_path / "o.onnx")]
+           "--epochs", "2", "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "ckpt"),
+           "-o", str(tmp_path / "o.onnx")]
     with launched(cmd, env={**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) as (p,):
         out, err = _communicate(p, 180)
     assert p.returncode == 1, out + err
@@ -304,10 +309,8 @@ def test_stopped_peer_fails_the_other_within_the_timeout(tmp_path):
         stopped = next(w for w in workers if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{w}/environ").read_bytes())
         os.kill(stopped, signal.SIGSTOP)
         _wait_for(lambda: err.has("revgraph: error:") or p.poll() is not None, 90, "the other rank to time out")
-        try:
+        with contextlib.suppress(ProcessLookupError):  # (already gone: the launcher stopped it first)
             os.kill(stopped, signal.SIGCONT)  # so that torchrun's SIGTERM reaches it at once (not after 30 s)
-        except ProcessLookupError:  # (already gone: the launcher stopped it first)
-            pass
         p.wait(timeout=60)
     errors = _errors(err.text)
     assert p.returncode == 2, err.text
@@ -318,7 +321,8 @@ def test_stopped_peer_fails_the_other_within_the_timeout(tmp_path):
 
 
 class _OneRank:
-    """A stand-in for a Collective of one rank (rank 0): what :func:`revgraph.train.distributed.launch.recorded_failure` calls."""
+    """A stand-in for a Collective of one rank (rank 0): what :func:`revgraph.train.distributed.launch.recorded_failure`
+    calls."""
 
     rank = 0
 
@@ -369,8 +373,9 @@ def test_loopback_hostname_trap_is_refused_before_joining(monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    with pytest.raises(rg.RevgraphError, match=r"this machine's name 'localhost' resolves to 127\.0\.0\.1.*, a loopback "
-                                               r"address, .*set GLOO_SOCKET_IFNAME to the network interface"):
+    with pytest.raises(rg.RevgraphError,
+                       match=r"this machine's name 'localhost' resolves to 127\.0\.0\.1.*, a loopback "
+                             r"address, .*set GLOO_SOCKET_IFNAME to the network interface"):
         Collective(Device.parse("cpu"), timeout=5)
     assert network_problem("nccl") is None  # NCCL picks a non-loopback interface itself
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
@@ -514,7 +519,8 @@ def test_two_machines_with_the_data_parallel_options_train_like_one_process(tmp_
         assert r.returncode == 0, r.stderr
         references[batch] = rg.load(tmp_path / f"one{batch}.onnx").initializers
     cases = {"zero2": (["--shard", "gradients"], 8), "zero1": (["--shard", "optimizer"], 8),
-             "overlap": (["--bucket-mb", "0.002", "--overlap", "on"], 8), "accumulate": (["--accumulate-steps", "2"], 16)}
+             "overlap": (["--bucket-mb", "0.002", "--overlap", "on"], 8),
+             "accumulate": (["--accumulate-steps", "2"], 16)}
     with _Namespaces() as nets:
         for name, (options, batch) in cases.items():
             done = _two_nodes(nets, tmp_path, name, [*train, *options])
@@ -559,7 +565,7 @@ def _refusing_ranks(tmp_path: Path, how: str, runs: int) -> None:
     for run in range(runs):
         cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--no-python", "sh", "-c", script]
         with launched(cmd) as (p,):
-            out, err = _communicate(p, 180)
+            _, err = _communicate(p, 180)
         codes = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
         assert p.returncode == 1 and "2" in codes and set(codes) <= {"2", "-15"}, (run, codes, err[-3000:])
         assert "terminate called" not in err and "label 99 is not a class index" in err, (run, err[-3000:])

@@ -19,8 +19,8 @@ def test_op_coverage_is_up_to_date():
 
 
 def test_train_synopsis_lists_the_registries():
-    """The train guide's ``revgraph train`` synopsis and DESIGN.md's list the optimizers and losses of the registries the
-    CLI reads (:data:`revgraph.train.optimizers.OPTIMIZERS`, :data:`revgraph.train.losses.LOSSES`)."""
+    """The train guide's ``revgraph train`` synopsis and DESIGN.md's list the optimizers and losses of the registries
+    the CLI reads (:data:`revgraph.train.optimizers.OPTIMIZERS`, :data:`revgraph.train.losses.LOSSES`)."""
     import re
 
     from revgraph.train.losses import LOSSES

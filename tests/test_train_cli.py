@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import DATA_DIR
-from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
+from kit.harness import one_line_error
 from kit.training import OPTIMIZERS, assert_params_close, mlp, torch_mlp, torch_train
 
 import revgraph as rg
@@ -322,7 +322,8 @@ def test_a_model_is_never_written_under_another_formats_name(model_and_data, cap
     g, _, _, tmp = model_and_data
     monkeypatch.chdir(tmp)
     tr = rg.Trainer(g, "cross-entropy", "sgd")
-    with pytest.raises(rg.RevgraphError, match="names .*, but this writes an ONNX model: give a name ending in .onnx"):
+    with pytest.raises(rg.RevgraphError,
+                       match=r"names .*, but this writes an ONNX model: give a name ending in \.onnx"):
         tr.export(f"m{suffix}")
     for flag in ("-o", "--save-training-graph"):
         argv = ["train", "model.onnx", "--data", "data.npz", "--loss", "cross-entropy", "--epochs", "1",
@@ -340,4 +341,5 @@ def test_fit_takes_an_npz_path_and_a_torch_module_gets_one_line(model_and_data):
     assert a.fit(str(tmp / "data.npz"), 1, 16, progress=False) == b.fit({"x": x, "labels": y}, 1, 16, progress=False)
     with pytest.raises(rg.RevgraphError) as info:
         rg.Trainer(torch.nn.Sequential(torch.nn.Linear(6, 3)), "cross-entropy", "sgd")
-    assert "\n" not in str(info.value) and "is a PyTorch module (Sequential); export it to ONNX first" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert "is a PyTorch module (Sequential); export it to ONNX first" in str(info.value)

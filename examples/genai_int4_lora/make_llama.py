@@ -18,4 +18,5 @@ transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_t
                                      eos_token="t2").save_pretrained("hf")
 ids = np.random.default_rng(0).integers(3, 256, (8, 16))  # 8 sequences of 16 tokens
 np.savez("tokens.npz", input_ids=ids, attention_mask=np.ones_like(ids),
-         **{f"past_key_values.{i}.{kv}": np.zeros((8, 2, 0, 16), np.float32) for i in range(2) for kv in ("key", "value")})
+         **{f"past_key_values.{i}.{kv}": np.zeros((8, 2, 0, 16), np.float32)
+            for i in range(2) for kv in ("key", "value")})

@@ -160,8 +160,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.003, help="Adam's learning rate (default 0.003, the demo's)")
     from revgraph.train.schedules import SCHEDULES
 
-    p.add_argument("--lr-schedule", default="constant", choices=list(SCHEDULES), help="revgraph train's --lr-schedule (default constant); "
-                   "the schedule's total steps are --steps")
+    p.add_argument("--lr-schedule", default="constant", choices=list(SCHEDULES), help="revgraph train's --lr-schedule "
+                   "(default constant); the schedule's total steps are --steps")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--min-lr", type=float, default=0.0)
     p.add_argument("--clip-grad-norm", type=float)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections import Counter
@@ -86,8 +87,8 @@ class _UsageError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="revgraph", description="Automatic differentiation of ONNX graphs, as ONNX graphs: gradients (reverse mode), JVPs "
-                "(forward mode), Hessian-vector products, Jacobians and Hessians; training.")
+    p = _Parser(prog="revgraph", description="Automatic differentiation of ONNX graphs, as ONNX graphs: gradients "
+                "(reverse mode), JVPs (forward mode), Hessian-vector products, Jacobians and Hessians; training.")
     p.add_argument("--version", action="version", version=f"revgraph {__version__}")
     p.add_argument("--traceback", action="store_true", help="show Python tracebacks of internal errors")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -126,13 +127,13 @@ def _parser() -> argparse.ArgumentParser:
     grad.add_argument("--accumulate", choices=ACCUMULATE, default="sum",
                       help="sum: one Sum per value read several times; running: pairwise Add as gradients arrive")
     grad.add_argument("--checkpoint", default="store", type=N.CHECKPOINT, metavar=POLICIES,
-                      help="loop residuals: stack them (store), recompute the body (recompute), stack only the products' "
-                      "outputs and recompute the rest (products), or keep checkpoints "
+                      help="loop residuals: stack them (store), recompute the body (recompute), stack only the "
+                      "products' outputs and recompute the rest (products), or keep checkpoints "
                       "every K iterations or at perfect squares (sqrt: O(sqrt(T)) memory)")
     grad.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES", help=MEMORY_HELP)
     grad.add_argument("--lift-constants", action="store_true",
-                      help="make floating Constant/ConstantOfShape values with more than one element trainable initializers, "
-                      "and the coefficients of ai.onnx.ml LinearClassifier/LinearRegressor nodes")
+                      help="make floating Constant/ConstantOfShape values with more than one element trainable "
+                      "initializers, and the coefficients of ai.onnx.ml LinearClassifier/LinearRegressor nodes")
     grad.add_argument("--straight-through", action="store_true",
                       help="differentiate QuantizeLinear -> DequantizeLinear pairs with the straight-through estimator "
                       "(quantization-aware training)")
@@ -159,7 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("-o", "--output", metavar="FILE.svg|FILE.png|FILE.dot", required=True,
                       help="the picture; SVG and PNG need Graphviz's dot program, DOT text needs nothing")
     show.add_argument("--grad", action="store_true", help="draw the gradient graph that 'revgraph grad' writes")
-    show.add_argument("--loss", metavar="NAME", help="with --grad: the value to differentiate (default: the only output)")
+    show.add_argument("--loss", metavar="NAME",
+                      help="with --grad: the value to differentiate (default: the only output)")
     show.add_argument("--wrt", metavar="NAME", nargs="+", help="with --grad: values to differentiate with respect to")
     show.add_argument("--checkpoint", type=N.CHECKPOINT, metavar=POLICIES, help="with --grad: loop residual policy")
 
@@ -172,8 +174,10 @@ def _parser() -> argparse.ArgumentParser:
                       "missing; a file there of a name the demo writes that the demo did not write is not replaced "
                       "without --force)")
     demo.add_argument("--quick", action="store_true", help="a short run (a smoke test; lower accuracy)")
-    demo.add_argument("--epochs", type=N.POSITIVE_INT, metavar="N", help="epochs of the recurrent classifier (default 30)")
-    demo.add_argument("--hidden", type=N.POSITIVE_INT, metavar="H", help="hidden size of the recurrent classifier (default 128)")
+    demo.add_argument("--epochs", type=N.POSITIVE_INT, metavar="N",
+                      help="epochs of the recurrent classifier (default 30)")
+    demo.add_argument("--hidden", type=N.POSITIVE_INT, metavar="H",
+                      help="hidden size of the recurrent classifier (default 128)")
     demo.add_argument("--seed", type=N.SEED, default=0, help="seed of the split, the weights and the shuffling")
     demo.add_argument("--force", action="store_true", help="overwrite files in DIR that the demo did not write "
                       "(by default the demo refuses to replace them: it writes rnn.onnx, rnn.train.onnx, mlp.onnx, "
@@ -200,10 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 13
     except OSError as exc:  # standard output on a full disk (> /dev/full): one line, as for any output file
         silence_stdout()
-        try:
+        with contextlib.suppress(OSError):  # (stderr on a full disk too: the exit code is all that can be said)
             err.print(f"revgraph: error: {write_error(exc, 'standard output')}", soft_wrap=True, markup=False)
-        except OSError:  # (stderr on a full disk too: the exit code is all that can be said)
-            pass
         return 2
 
 
@@ -295,7 +297,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     g = load(args.model)
     converted = f" (converted from {g.source_opset})" if g.source_opset not in (None, g.opset) else ""
     others = ", ".join(f"{d} {v}" for d, v in sorted(g.opsets.items()) if d)
-    header = Text.assemble(cell(args.model, "bold"), cell(f": opset {g.opset}{converted}" + (f"; also {others}" if others else "")))
+    header = Text.assemble(cell(args.model, "bold"),
+                           cell(f": opset {g.opset}{converted}" + (f"; also {others}" if others else "")))
     out.print(header, soft_wrap=True)
     out.print(_values_table("Inputs", g.inputs))
     out.print(_values_table("Outputs", g.outputs))
@@ -330,7 +333,8 @@ def _summary(arrays: dict[str, np.ndarray]) -> Table:
         table.add_column(col, justify="right" if col in ("min", "max", "mean") else "left")
     for name, a in _flatten_sequences(arrays).items():
         numeric = (a.dtype.kind in "iub" or is_float_dtype(a.dtype)) and a.size
-        stats = [f"{float(s):.6g}" for s in (a.min(), a.max(), a.astype(np.float64).mean())] if numeric else ["", "", ""]
+        stats = ([f"{float(s):.6g}" for s in (a.min(), a.max(), a.astype(np.float64).mean())] if numeric
+                 else ["", "", ""])
         table.add_row(name, str(a.dtype), str(list(a.shape)), *stats)
     return table
 
@@ -403,9 +407,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     g = load(args.model)
     nodes = sum(1 for _ in g.walk())
     if nodes > limits.MAX_CHECK_NODES:
-        raise RevgraphError(f"{args.model!r} has {nodes:,} nodes; check takes at most {limits.MAX_CHECK_NODES:,} (about "
-                            "80 CPU seconds at that size: onnxruntime's float64 sessions grow faster than the graph); "
-                            "check a part of the model, or call revgraph.check_gradients, which has no bound")
+        raise RevgraphError(f"{args.model!r} has {nodes:,} nodes; check takes at most {limits.MAX_CHECK_NODES:,} "
+                            "(about 80 CPU seconds at that size: onnxruntime's float64 sessions grow faster than the "
+                            "graph); check a part of the model, or call revgraph.check_gradients, which has no bound")
     if args.lift_constants:
         g = lift_constants(g)[0]
     feeds = read_feeds(args.inputs, g) if args.inputs is not None else None

@@ -1,5 +1,6 @@
 """Options that have no effect in the combination given are refused in one line (issue 40, item 4; ``train``'s
-here, :func:`given` also for ``run --seed`` and the forward-mode commands' ``--checkpoint``): ``--snapshot-every 1`` without ``--snapshot-dir`` exited 0 with no snapshot, ``--snapshot-dir A
+here, :func:`given` also for ``run --seed`` and the forward-mode commands' ``--checkpoint``): ``--snapshot-every 1``
+without ``--snapshot-dir`` exited 0 with no snapshot, ``--snapshot-dir A
 --checkpoint-dir B`` wrote only B (the old spelling of the same option won), and the data-parallel options did
 nothing in one process. What an option needs is a row of :data:`NEEDS`; whether it was given is read from the
 command line itself (``args.argv``), so an option given at its default value counts as given."""

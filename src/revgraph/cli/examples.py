@@ -23,7 +23,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("revgraph grad model.onnx -o model.grad.onnx", "a <name>_grad output per input and initializer"),
         ("revgraph grad model.onnx -o vjp.onnx --loss logits --wrt W1 --cotangent input",
          "a VJP: the cotangent of logits is an input"),
-        ("revgraph grad model.onnx -o g.onnx --memory-budget 0.5", "store at most half the residuals, recompute the rest"),
+        ("revgraph grad model.onnx -o g.onnx --memory-budget 0.5",
+         "store at most half the residuals, recompute the rest"),
     ],
     "check": [
         ("revgraph check model.onnx", "all gradients against float64 central differences"),

@@ -65,7 +65,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                      "else reverse")
     jac.add_argument("--checkpoint", default="store", type=N.CHECKPOINT, metavar=POLICIES,
                      help=_CHECKPOINT_HELP + "; used in reverse mode only (forward mode stores no residuals)")
-    jac.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES", help=MEMORY_HELP + "; reverse mode only")
+    jac.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES",
+                     help=MEMORY_HELP + "; reverse mode only")
     _opset(jac)
 
     _second_order(sub, "hessian", "write the Hessian graph: outputs <x>_hessian and cross blocks <xi>_hessian_<xj> "
@@ -78,7 +79,8 @@ def _second_order(sub: argparse._SubParsersAction, name: str, help: str) -> None
     _common(p)
     _loss_wrt(p)
     p.add_argument("--checkpoint", default="store", type=N.CHECKPOINT, metavar=POLICIES, help=_CHECKPOINT_HELP)
-    p.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES", help=MEMORY_HELP + " (of the gradient inside)")
+    p.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES",
+                   help=MEMORY_HELP + " (of the gradient inside)")
     _opset(p)
 
 

@@ -23,7 +23,8 @@ def _loss(text: str) -> str:
     try:
         parse_loss(text)
     except RevgraphError as exc:  # argparse's own words for a choice, or the reason (output: without a name)
-        reason = str(exc) if text.startswith("output:") else f"invalid choice: {text!r} (choose from {', '.join(LOSSES)})"
+        reason = (str(exc) if text.startswith("output:")
+                  else f"invalid choice: {text!r} (choose from {', '.join(LOSSES)})")
         raise argparse.ArgumentTypeError(reason) from None
     return text
 

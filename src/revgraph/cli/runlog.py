@@ -77,8 +77,8 @@ def _check_directory(path: str, inputs: dict, outputs: dict) -> None:
 def run_logs(args: argparse.Namespace, trainer) -> Iterator[list]:
     """The writers of ``--log``, ``--tensorboard`` and ``--loss-curve`` as ``fit``'s callbacks (none on a rank
     other than 0), closed when the block ends: the loss curve gets a resumed run's earlier steps from the
-    ``--log`` file it continued (:meth:`LossCurve.prepend`; the snapshot holds no per-step losses) and is written, also when training stopped with an error (that error is
-    the one raised then, not one of closing)."""
+    ``--log`` file it continued (:meth:`LossCurve.prepend`; the snapshot holds no per-step losses) and is written, also
+    when training stopped with an error (that error is the one raised then, not one of closing)."""
     writers: list = []
     if trainer.is_main:
         if args.log is not None:

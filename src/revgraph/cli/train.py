@@ -64,8 +64,10 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
     train.add_argument("model", metavar="MODEL.onnx")
     add_loss_data_arguments(train)
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="(default adam)")
-    train.add_argument("--lr", type=N.POSITIVE, metavar="LR", help=f"learning rate (default: {optimizer_defaults('lr')})")
-    train.add_argument("--momentum", type=N.MOMENTUM, metavar="M", help=f"{'/'.join(takers('momentum'))} momentum (default 0)")
+    train.add_argument("--lr", type=N.POSITIVE, metavar="LR",
+                       help=f"learning rate (default: {optimizer_defaults('lr')})")
+    train.add_argument("--momentum", type=N.MOMENTUM, metavar="M",
+                       help=f"{'/'.join(takers('momentum'))} momentum (default 0)")
     train.add_argument("--weight-decay", type=N.NON_NEGATIVE, metavar="WD", help=weight_decay_help())
     add_fit_arguments(train)  # --epochs or --max-steps, --no-shuffle, --eval-data/--eval-every/--eval-batch-size
     train.add_argument("--batch-size", type=N.POSITIVE_INT, default=32, metavar="B", help="(default 32)")
@@ -114,8 +116,8 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                             "process over its own share, rank 0's running statistics kept; rank 0 warns)")
     add_launch_arguments(train)
     add_runtime_arguments(train, "arena on, memory pattern off, measured best for training")
-    train.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES", help=memory_help + "; a byte count sizes the batch "
-                       "dimension with --batch-size")
+    train.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES",
+                       help=memory_help + "; a byte count sizes the batch dimension with --batch-size")
     train.add_argument("--buffers", choices=BUFFERS, default="one",
                        help="parameters and optimizer state in one buffer set that the update overwrites where that "
                             "is safe, or in two swapped sets (the fused step graph; default one)")
@@ -282,7 +284,8 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
     steps_before = trainer.steps
     with run_logs(args, trainer) as logs:  # --log, --tensorboard, --loss-curve (rank 0), closed on errors too
         means = trainer.fit(data, batch_size=args.batch_size, seed=args.seed, console=console,
-                            progress=not quiet(), checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                            progress=not quiet(), checkpoint_dir=args.checkpoint_dir,
+                            checkpoint_every=args.checkpoint_every,
                             nonfinite="continue" if args.allow_nonfinite else "stop",
                             accumulate_steps=args.accumulate_steps, static=static, override=args.override,
                             callbacks=callbacks + logs, **fit_arguments(args, evaluated_data))
@@ -359,8 +362,9 @@ def _check_train_outputs(args: argparse.Namespace) -> None:
 
 def _launch_torchrun(args: argparse.Namespace) -> int:
     """``revgraph train --nproc N ...``: check the arguments here (bad input fails in one line, before any
-    worker starts), then run this same command under torchrun (in this process, :func:`revgraph.train.distributed.launch.run_torchrun`:
-    ``--standalone`` on one machine, c10d rendezvous with ``--nnodes``) and return revgraph's exit code."""
+    worker starts), then run this same command under torchrun (in this process,
+    :func:`revgraph.train.distributed.launch.run_torchrun`: ``--standalone`` on one machine, c10d rendezvous with
+    ``--nnodes``) and return revgraph's exit code."""
     if args.nproc < 1:
         raise RevgraphError(f"--nproc must be at least 1, got {args.nproc}")
     try:

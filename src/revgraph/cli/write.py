@@ -139,7 +139,7 @@ def _write_model(gg: Graph, path: str, opset: int | None, what: str, attributed)
     if opset is not None and opset != gg.opset:
         try:
             model = onnx.version_converter.convert_version(model, opset)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the converter's many failures, one line
             raise RevgraphError(f"cannot write the {what} at opset {opset}: {converter_error(exc)}") from None
     names = [n.name for n in model.graph.node]
     if too_large(model):  # onnx's checker takes a model over 2 GiB only as a file
@@ -253,13 +253,13 @@ def _inconsistent(node, graph: Graph) -> str | None:
     data = {i: numpy_helper.from_array(values[i], i) for i in node.inputs if i in values and values[i].size <= 64}
     try:
         inferred = onnx.shape_inference.infer_node_outputs(schema, proto, in_types, data)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - onnx's inference fails in many ways: its first line says how
         return f"does not fit its inputs' declared types ({str(exc).strip().splitlines()[0][:200]})"
     for out, tp in inferred.items():
         want = declared.get(out)
         try:
             got = value_info_from_proto(helper.make_value_info(out, tp))
-        except Exception:
+        except Exception:  # noqa: BLE001, S112 - a type revgraph does not model is no evidence either way
             continue
         if want is None or want.shape is None or got.shape is None:
             continue
@@ -271,9 +271,9 @@ def _inconsistent(node, graph: Graph) -> str | None:
 
 def count_nodes(written: list[str], forward: Graph) -> tuple[int, int]:
     """Of the ``written`` top-level nodes (names, from :func:`write_graph`), those that ``forward`` had (by name:
-    revgraph names every node on load, and the backward pass gives its nodes fresh names), and the others: the backward pass, and the forward
-    nodes it rewrote (a ``Scan`` or ``LSTM`` becomes a ``Loop``). Forward nodes no output depends on are not
-    written, so neither count is ever negative."""
+    revgraph names every node on load, and the backward pass gives its nodes fresh names), and the others: the backward
+    pass, and the forward nodes it rewrote (a ``Scan`` or ``LSTM`` becomes a ``Loop``). Forward nodes no output depends
+    on are not written, so neither count is ever negative."""
     names = {n.name for n in forward.nodes}
     kept = sum(1 for n in written if n in names)
     return kept, len(written) - kept

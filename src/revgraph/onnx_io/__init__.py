@@ -14,6 +14,7 @@ installed onnxruntime accepts it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any
@@ -142,15 +143,13 @@ def _convert(model: onnx.ModelProto, opset: int | None) -> Graph:
     elif original != opset:
         try:
             proto = convert_version(proto, opset)  # (onnxruntime's default-domain operators pass through)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the converter's many failures, one line
             raise UnsupportedModelError(
                 f"cannot convert the model from opset {original} to opset {opset} "
                 f"(onnx.version_converter: {converter_error(exc)})"
             ) from None
-    try:
+    with contextlib.suppress(Exception):  # shape inference is a help for rules, never a requirement
         proto = limits.infer_shapes(proto)  # data propagation only where it cannot materialise a huge value
-    except Exception:  # shape inference is a help for rules, never a requirement
-        pass
     if (original == opset or renumber) and not any(_subgraph_attrs(n) for n in graph.nodes):
         # No node converted: inference added types only (value_info, and the outputs' own), and the graph read
         # back from its proto would be ``graph`` again (a subgraph's value_info comes from the proto below).
@@ -516,7 +515,7 @@ def _fill_output_types(model: onnx.ModelProto) -> None:
     """Runtimes need typed graph outputs; take the types that ONNX shape inference finds."""
     try:
         inferred = limits.infer_shapes(model)
-    except Exception:
+    except Exception:  # noqa: BLE001 - inference is a help: no types added without it
         return
     found = {v.name: v for v in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]}
     for out in model.graph.output:
