@@ -148,13 +148,7 @@ def main(argv=None) -> int:
            "source": bench.source}
     res["rows"] = [bench.cell(t, b, args.configs) for t in args.threads for b in args.batches]
     res["load_end"], res["seconds"] = loadavg(), time.perf_counter() - t0
-    from report_format import portable
-
-    res = portable(res, {str(ROOT): "<repo>", str(Path(args.cache)): "<cache>", tempfile.gettempdir(): "<tmp>"})
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
-    log(f"wrote {args.json} ({res['seconds']:.0f} s; load {res['load_start']} -> {res['load_end']})")
-    print(table(res))
+    llama42.save_results(res, args.json, args.cache, table)
     return 0
 
 

@@ -89,19 +89,7 @@ def prepare(cache: Path) -> dict:
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA, use_cache=False)).eval()
 
-    class LogitsOnly(tf.LlamaForCausalLM):  # (a subclass: the weights keep LlamaForCausalLM's names)
-        def forward(self, input_ids):
-            return super().forward(input_ids=input_ids, use_cache=False).logits
-
-    logits = LogitsOnly(model.config).eval()
-    logits.load_state_dict(model.state_dict())
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rg.export_torch(logits, (torch.from_numpy(tokens(2)),), cache / "llama.onnx",
-                        dynamic_shapes={"input_ids": {0: "batch"}}, input_names=["input_ids"],
-                        output_names=["logits"])
-    export_s = time.perf_counter() - t0
+    export_s = export_logits(model, tokens(2), cache / "llama.onnx")
     model.save_pretrained(cache / "hf")
     np.savez(cache / "tokens.npz", input_ids=tokens())
     adapted = lora.add_adapters(rg.load(cache / "llama.onnx"), RANK, alpha=ALPHA, targets=lora_targets())
@@ -112,6 +100,29 @@ def prepare(cache: Path) -> dict:
             "onnx_mb": round(os.path.getsize(cache / "llama.onnx") / 2**20, 1)}
     info_path.write_text(json.dumps(info))
     return info
+
+
+def export_logits(model, ids, path) -> float:
+    """Write ``model`` (a ``transformers.LlamaForCausalLM``) as an ONNX file of its logits, ``input_ids`` ->
+    ``logits`` with a symbolic batch (``rg.export_torch``, traced on ``ids``, int64 ``[n, SEQ]``); returns the
+    seconds it took."""
+    import torch
+    import transformers as tf
+
+    import revgraph as rg
+
+    class LogitsOnly(tf.LlamaForCausalLM):  # (a subclass: the weights keep LlamaForCausalLM's names)
+        def forward(self, input_ids):
+            return super().forward(input_ids=input_ids, use_cache=False).logits
+
+    logits = LogitsOnly(model.config).eval()
+    logits.load_state_dict(model.state_dict())
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rg.export_torch(logits, (torch.from_numpy(ids),), path, dynamic_shapes={"input_ids": {0: "batch"}},
+                        input_names=["input_ids"], output_names=["logits"])
+    return time.perf_counter() - t0
 
 
 def lora_targets() -> list[str]:

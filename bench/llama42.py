@@ -32,7 +32,6 @@ import contextlib
 import gc
 import json
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -71,8 +70,7 @@ def prepare(cache: str) -> dict:
     returns the JSON (file paths, parameter names, export seconds)."""
     import torch
     import transformers as tf
-
-    import revgraph as rg
+    from finetune_worker import export_logits
 
     base = Path(cache)
     info_path = base / "llama42.json"
@@ -82,24 +80,13 @@ def prepare(cache: str) -> dict:
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(_config()).eval()
 
-    class LogitsOnly(tf.LlamaForCausalLM):  # (a subclass: the ONNX initializers keep the state_dict's names)
-        def forward(self, input_ids):
-            return super().forward(input_ids=input_ids, use_cache=False).logits
-
-    logits = LogitsOnly(model.config).eval()
-    logits.load_state_dict(model.state_dict())
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rg.export_torch(logits, (torch.from_numpy(tokens(2)),), base / "llama42.onnx",
-                        dynamic_shapes={"input_ids": {0: "batch"}}, input_names=["input_ids"],
-                        output_names=["logits"])
+    export_s = export_logits(model, tokens(2), base / "llama42.onnx")
     state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     np.savez(base / "llama42.npz", **state,
              inv_freq=model.model.rotary_emb.inv_freq.detach().numpy().copy())  # (a buffer outside the state_dict)
     info = {"onnx": str(base / "llama42.onnx"), "npz": str(base / "llama42.npz"),
             "params": [k for k, _ in model.named_parameters()], "rms_norm_eps": model.config.rms_norm_eps,
-            "parameters": sum(p.numel() for p in model.parameters()), "export_s": time.perf_counter() - t0}
+            "parameters": sum(p.numel() for p in model.parameters()), "export_s": export_s}
     info_path.write_text(json.dumps(info))
     return info
 
@@ -207,6 +194,22 @@ class Step:
             return float(loss)
 
         return run
+
+
+def save_results(res: dict, json_path: str, cache: str, table) -> None:
+    """End a run of bench/compile_anchor.py or bench/max_batch.py: paths made portable, ``res`` written to
+    ``json_path``, its ``table(res)`` printed."""
+    import tempfile
+
+    from report_format import portable
+    from workers import Log
+
+    root = str(Path(__file__).resolve().parent.parent)
+    res = portable(res, {root: "<repo>", str(Path(cache)): "<cache>", tempfile.gettempdir(): "<tmp>"})
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
+    Log()(f"wrote {json_path} ({res['seconds']:.0f} s; load {res['load_start']} -> {res['load_end']})")
+    print(table(res))
 
 
 # ------------------------------------------------------------------------ worker functions (bench/_worker.py)
