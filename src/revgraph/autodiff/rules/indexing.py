@@ -11,9 +11,10 @@ and the sparse contract does not); the backward pass concatenates and densifies 
 The transposes of GatherND go through :func:`~revgraph.autodiff.sparse.scatter_nd_reduce`, race free (see
 ``scatter.py``).
 
-The transposes are data movement (scatters of the cotangent into zeros, index tables and their reshapes) and
-stay :meth:`~revgraph.autodiff.emitter.Emitter.op` calls, the shape plumbing of DESIGN.md's rules; the
-formulas (OneHot's values, TensorScatter's slots and kept positions) are written in the algebra.
+The cotangents' movement (scatters into zeros, reshapes, slices) and the formulas (OneHot's values,
+TensorScatter's slots and kept positions) are written in the algebra; index tables (GatherND's batch
+coordinates and extents, the positions Compress keeps) are shape plumbing and stay
+:meth:`~revgraph.autodiff.emitter.Emitter.op` calls.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
 from ..sparse import SparseGrad, add_rows, scatter_nd_reduce
-from ._common import cat_shapes, dim, flat_indices, node_axis, nonneg, shape_part
+from ._common import EmitterContext, cat_shapes, dim, flat_indices, node_axis, nonneg, shape_part
 from .tables import small
 
 
@@ -43,12 +44,12 @@ def gather(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "Gather": ``y[i0..i(a-1), j.., k..] = x[i0.., idx[j..], k..]``. The transpose adds ``g`` into
     zeros at the gathered positions (PyTorch ``index_select_backward``: ``index_add``). Axis 0 gives a
     :class:`SparseGrad` of rows; other axes a dense ``ScatterElements(reduction="add")``."""
-    return [lambda: _ungather(ctx.e, node, cts[0]), None]
+    return [lambda: _ungather(ctx, node, cts[0]), None]
 
 
-def _ungather(e: Emitter, node: Node, g: str) -> SparseGrad | str:
+def _ungather(ctx: Ctx, node: Node, g: str) -> SparseGrad | str:
     """The cotangent of Gather's data (see :func:`gather`)."""
-    data, idx = node.inputs
+    e, (data, idx) = ctx.e, node.inputs
     axis = node_axis(e, node, data, 0)  # axis 0 needs no rank: the rows' shape can come from Shape(data)
     flat = flat_indices(e, idx, dim(e, data, axis))
     rows = g  # with 1-D indices the cotangent already has the rows' shape
@@ -56,7 +57,7 @@ def _ungather(e: Emitter, node: Node, g: str) -> SparseGrad | str:
         parts = [shape_part(e, data, 0, axis), shape_part(e, flat, 0), shape_part(e, data, axis + 1)]
         static = all(isinstance(p, list) for p in parts)
         shape = tuple(d for p in parts for d in p) if static else None
-        rows = e.op("Reshape", [g, cat_shapes(e, parts)], shape=shape, dtype=e.dtype(g))
+        rows = ctx.val(g).out("Reshape", cat_shapes(e, parts), shape=shape, dtype=e.dtype(g)).name
     return _add_back(e, node, data, flat, rows, axis)
 
 
@@ -67,10 +68,9 @@ def _add_back(e: Emitter, node: Node, data: str, flat: str, rows: str, axis: int
     if axis == 0:
         return SparseGrad(flat, rows, data)
     # ScatterElements needs indices of the updates' shape: the flat indices along `axis`, broadcast.
-    r = e.need_rank(data, node)
-    lined = e.op("Unsqueeze", [flat, e.ints([d for d in range(r) if d != axis])])
-    spread = e.op("Expand", [lined, e.shape_of(rows)])
-    return e.op("ScatterElements", [e.zeros_like(data), spread, rows], axis=axis, reduction="add", like=data)
+    r, val = e.need_rank(data, node), EmitterContext(e).val
+    spread = val(flat).unsqueeze([d for d in range(r) if d != axis]).expand(e.shape_of(rows))
+    return val(e.zeros_like(data)).apply("ScatterElements", spread, rows, like=data, axis=axis, reduction="add").name
 
 
 @vjp("GatherElements", bounded=True, finite=True, reads=(), moves=True)
@@ -80,7 +80,8 @@ def gather_elements(ctx: Ctx, node: Node, cts: list) -> list:
     ScatterElements takes negative indices as GatherElements does."""
     e, (data, idx) = ctx.e, node.inputs
     axis = node_axis(e, node, data, 0, required=False)
-    return [lambda: e.op("ScatterElements", [e.zeros_like(data), idx, cts[0]], axis=axis, reduction="add", like=data),
+    return [lambda: ctx.val(e.zeros_like(data)).apply("ScatterElements", idx, cts[0], like=data, axis=axis,
+                                                      reduction="add"),
             None]
 
 
@@ -140,8 +141,9 @@ def one_hot(ctx: Ctx, node: Node, cts: list) -> list:
     def dvalues() -> Val:
         # The mask comes from the forward's own OneHot (same index, depth and value types, same axis), so it
         # runs wherever the forward runs; elementwise ops then keep the backward differentiable.
-        hot = e.op("OneHot", [idx, depth, _vector(e, [0, 1], values)], axis=int(node.attrs.get("axis", -1)))
-        on, off = (g * hot).sum(keepdims=0), (g * (1 - ctx.val(hot))).sum(keepdims=0)
+        hot = ctx.val(idx).apply("OneHot", depth, _vector(e, [0, 1], values), like=None,
+                                 axis=int(node.attrs.get("axis", -1)))
+        on, off = (g * hot).sum(keepdims=0), (g * (1 - hot)).sum(keepdims=0)
         return (off * _vector(e, [1, 0], values)).apply("Add", on * _vector(e, [0, 1], values), like=values)
 
     return [None, None, dvalues]
@@ -155,7 +157,8 @@ def top_k(ctx: Ctx, node: Node, cts: list) -> list:
     if g is None:
         return [None, None]
     axis = node_axis(e, node, x, -1, required=False)
-    return [lambda: e.op("ScatterElements", [e.zeros_like(x), node.outputs[1], g], axis=axis, reduction="add", like=x),
+    return [lambda: ctx.val(e.zeros_like(x)).apply("ScatterElements", node.outputs[1], g, like=x, axis=axis,
+                                                   reduction="add"),
             None]
 
 
@@ -173,8 +176,8 @@ def compress(ctx: Ctx, node: Node, cts: list) -> list:
         kept = _true_positions(e, cond)
         if node.attrs.get("axis") is not None:
             return _add_back(e, node, x, kept, g, node_axis(e, node, x, 0))
-        flat = e.op("Reshape", [e.zeros_like(x), e.ints([-1])])
-        return e.op("Reshape", [add_rows(e, flat, kept, g), e.shape_of(x)], like=x)
+        flat = ctx.val(e.zeros_like(x)).reshape([-1])
+        return ctx.val(add_rows(e, flat.name, kept, g)).reshape(e.shape_of(x), like=x)
 
     return [dx, None]
 
@@ -192,9 +195,9 @@ def reverse_sequence(ctx: Ctx, node: Node, cts: list) -> list:
     """ONNX "ReverseSequence": on every batch slice, a permutation of the time axis that reverses the first
     ``sequence_lens[b]`` entries and keeps the rest, an involution, so its own transpose (as TensorFlow's
     ``_ReverseSequenceGrad``): ``dx = ReverseSequence(g, sequence_lens)``."""
-    e, (x, lens), g = ctx.e, node.inputs, cts[0]
+    (x, lens), g = node.inputs, cts[0]
     attrs = {k: node.attrs[k] for k in ("batch_axis", "time_axis") if k in node.attrs}
-    return [lambda: e.op("ReverseSequence", [g, lens], like=x, **attrs), None]
+    return [lambda: ctx.val(g).apply("ReverseSequence", lens, like=x, **attrs), None]
 
 
 @vjp("TensorScatter", bounded=False, finite=False)
@@ -235,8 +238,8 @@ def tensor_scatter(ctx: Ctx, node: Node, cts: list) -> list:
 
     def dupdate() -> str | Val:
         if w is None:
-            return e.op("Slice", [g, e.ints([0]), e.op("Reshape", [n, e.ints([1])]) if e.value(n) is None
-                                  else e.ints([int(e.value(n))]), e.ints([axis])], like=upd)
+            return gv.apply("Slice", e.ints([0]), ctx.val(n).reshape([1]).name if e.value(n) is None
+                            else e.ints([int(e.value(n))]), e.ints([axis]), like=upd)
         slots = ctx.val(w).unsqueeze([1]) + _ramp(ctx, n).unsqueeze([0])
         if circular:
             slots = slots.apply("Mod", m, like=None)
