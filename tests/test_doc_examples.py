@@ -81,14 +81,18 @@ def llama(ns: dict) -> None:
                                  num_attention_heads=4, num_key_value_heads=2)).eval()
     rg.export_torch(model, (torch.randint(0, 64, (2, 16)),), "llama.onnx", input_names=["input_ids"],
                     output_names=["logits"], dynamic_shapes={"input_ids": {0: "batch"}})
-    ids = np.random.default_rng(0).integers(0, 64, (32, 16))
-    np.savez("tokens.npz", input_ids=ids)
-    ns.update(module=model, base_model=model, data={"input_ids": ids})
+    tokens(ns)
+    ns.update(module=model, base_model=model, data=dict(np.load("tokens.npz")))
+
+
+def tokens(ns: dict) -> None:
+    """tokens.npz: 32 sequences of 16 token ids below 64, the vocabulary of docs/training.md's LLaMA."""
+    np.savez("tokens.npz", input_ids=np.random.default_rng(0).integers(0, 64, (32, 16)))
 
 
 FIXTURES = {"docs/DESIGN.md": [tiny_models], "docs/guides/differentiate.md": [tiny_models],
             "docs/guides/forward-mode.md": [tiny_models], "docs/guides/lora.md": [digits],
-            "docs/guides/distributed.md": [digits], "docs/huggingface.md": [llama], "docs/training.md": [llama]}
+            "docs/guides/distributed.md": [digits], "docs/huggingface.md": [llama], "docs/training.md": [tokens]}
 
 
 @pytest.fixture
