@@ -188,7 +188,7 @@ class _Attention:
     def total(self, x: str, past: str | None, h: int | None) -> str:
         """``[B, Hkv, S, F]``: the new keys or values after the past ones (``present_key``/``present_value``)."""
         x4 = self.heads(x, h)
-        return x4 if past is None else self.e.op("Concat", [past, x4], axis=2)
+        return x4 if past is None else self.val(past).apply("Concat", x4, like=None, axis=2).name
 
     @cached_property
     def kt(self) -> str:
@@ -464,25 +464,26 @@ class _Attention:
         """The part of a ``[B, Hkv, S, F]`` cotangent for the new keys or values, in ``like``'s layout."""
         e = self.e
         if past is not None:
-            g = e.op("Slice", [g, e.op("Unsqueeze", [self.past_len, e.ints([0])]), e.ints([np.iinfo(np.int64).max]),
-                               e.ints([2])])
+            g = self.val(g).apply("Slice", self.val(self.past_len).unsqueeze([0]), e.ints([np.iinfo(np.int64).max]),
+                                  e.ints([2]), like=None).name
         return self.unheads(g, _CANON, like)
 
     def _past(self, g: str) -> str:
         e = self.e
-        return e.op("Slice", [g, e.ints([0]), e.op("Unsqueeze", [self.past_len, e.ints([0])]), e.ints([2])])
+        return self.val(g).apply("Slice", e.ints([0]), self.val(self.past_len).unsqueeze([0]), e.ints([2]),
+                                 like=None).name
 
     def dmask(self) -> str:
         """``dS`` summed over the mask's broadcast axes (and cut to its keys when it was padded)."""
         e, m = self.e, self.mask
         if self.ds is None:
             return e.zeros_like(m)
-        g = self.ungroup(self.ds)
+        g = self.val(self.ungroup(self.ds))
         if self.mask_full != m:
             r = e.need_rank(m, self.node)
-            g = e.op("Slice", [g, e.ints([0]), self._len(m, r - 1) if e.dims(m) is None else
-                               e.op("Shape", [m], start=r - 1, end=r), e.ints([-1])])
-        return e.reduce_to(g, m)
+            g = g.apply("Slice", e.ints([0]), self._len(m, r - 1) if e.dims(m) is None else
+                        e.op("Shape", [m], start=r - 1, end=r), e.ints([-1]), like=None)
+        return g.reduce_to(m).name  # (a name: contrib_mha's Attention reads it as one)
 
 
 @vjp("Attention", bounded=True, finite=True, reads="all", mixing=True)
