@@ -108,3 +108,62 @@ def test_predicted_peak_of_an_mlp_gradient_is_within_15_percent_of_onnxruntime()
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["predicted"] > 40 * 2**20  # (the graph's activations: 6 layers of [4096, 512] float32)
     assert abs(got["predicted"] - got["measured"]) <= 0.15 * got["measured"], got
+
+
+_LLAMA = textwrap.dedent("""
+    import json, sys, warnings
+    import numpy as np
+    import torch
+    import transformers
+    import revgraph as rg
+    from revgraph.autodiff.memory.lifetime import lifetimes
+
+    def status(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+    memory = None if sys.argv[2] == "none" else float(sys.argv[2])
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(input_ids=ids).logits[:, :-1]
+
+    ids = torch.randint(0, 1024, (16, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rg.export_torch(Logits(model), (ids,), sys.argv[1], input_names=["ids"],
+                        dynamic_shapes={"ids": {0: torch.export.Dim("batch")}})
+        tr = rg.Trainer(sys.argv[1], "cross-entropy", "adam", threads=1, buffers="two",
+                        runtime=rg.RuntimeOptions(arena=False), **({} if memory is None else {"memory": memory}))
+    batch = {"ids": ids.numpy(), "labels": ids[:, 1:].numpy()}
+    tr.step(batch)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    tr.step(batch)
+    dims = {d: 16 for vi in tr.spec.graph.inputs for d in (vi.shape or ()) if isinstance(d, str)}
+    print(json.dumps({"measured": status("VmHWM") - before, "predicted": lifetimes(tr.spec.graph, dims).peak}))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.parametrize("memory", ["none", "0.5"])
+def test_predicted_peak_of_a_llama_training_step_is_within_15_percent(tmp_path, memory):
+    # rg.Trainer runs the step graph in revgraph's order (runtime.options.TRAINING_DEFAULT), the order lifetimes
+    # walks; the arena off and glibc's mmap threshold fixed, so that the resident set follows the tensors alive
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    out = subprocess.run([sys.executable, "-c", _LLAMA, str(tmp_path / "llama.onnx"), memory], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["predicted"] > 8 * 2**20  # (the logits alone: [16, 63, 1024] float32, 4 MB, and their cotangent)
+    assert abs(got["predicted"] - got["measured"]) <= 0.15 * got["measured"], got

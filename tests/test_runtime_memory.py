@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import onnxruntime as ort
 import pytest
-from kit.harness import one_line_error  # noqa: E402  (tests/ is on sys.path)
+from kit.harness import one_line_error
 from kit.training import OPTIMIZERS, embedding_model, mlp
 
 import revgraph as rg
@@ -85,7 +85,12 @@ def test_runtime_options_fill_session_options():
     RuntimeOptions(arena=False).apply(base)  # the fields left None keep the given options' values
     assert (base.enable_cpu_mem_arena, base.enable_mem_pattern, base.execution_order) == (
         False, True, ort.ExecutionOrder.DEFAULT)
-    assert RuntimeOptions(arena=True).over(TRAINING_DEFAULT) == RuntimeOptions(arena=True, memory_pattern=False)
+    assert RuntimeOptions(arena=True).over(TRAINING_DEFAULT) == RuntimeOptions(
+        arena=True, memory_pattern=False, execution_order="priority_based", graph_optimization="none")
+    opts = RuntimeOptions(graph_optimization="extended").apply()
+    assert opts.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    with pytest.raises(RevgraphError, match="graph_optimization must be one of none, basic, extended, all"):
+        RuntimeOptions(graph_optimization="max")
     assert rg.RuntimeOptions is RuntimeOptions
 
 
@@ -125,20 +130,22 @@ def _has_memory_efficient_order() -> bool:
     try:
         ort.InferenceSession(rg.to_onnx(demo.mlp_model(hidden=2)).SerializeToString(), opts,
                              providers=["CPUExecutionProvider"])
-    except Exception:
+    except Exception:  # noqa: BLE001 - any refusal means: not supported
         return False
     return True
 
 
 def test_trainer_runtime_defaults_and_overrides():
     g = mlp(np.random.default_rng(0))
-    assert rg.Trainer(g, "cross-entropy", "sgd").runtime == TRAINING_DEFAULT == RuntimeOptions(True, False)
-    tr = rg.Trainer(g, "cross-entropy", "sgd", runtime=RuntimeOptions(arena=True, execution_order="priority_based"))
-    assert tr.runtime == RuntimeOptions(True, False, "priority_based")
+    assert rg.Trainer(g, "cross-entropy", "sgd").runtime == TRAINING_DEFAULT == RuntimeOptions(
+        True, False, "priority_based", "none")
+    tr = rg.Trainer(g, "cross-entropy", "sgd", runtime=RuntimeOptions(arena=True, execution_order="default"))
+    assert tr.runtime == RuntimeOptions(True, False, "default", "none")
+    assert tr._engine.options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     assert tr._engine.options.enable_cpu_mem_arena and not tr._engine.options.enable_mem_pattern
     with pytest.raises(RevgraphError, match="buffers must be one of one, two, got 'three'"):
         rg.Trainer(g, "cross-entropy", "sgd", buffers="three")
-    with pytest.raises(RevgraphError, match="runtime must be a revgraph.RuntimeOptions"):
+    with pytest.raises(RevgraphError, match=r"runtime must be a revgraph\.RuntimeOptions"):
         rg.Trainer(g, "cross-entropy", "sgd", runtime={"arena": False})
 
 

@@ -57,7 +57,6 @@ def gradient(
     :func:`revgraph.load`; so for :func:`jvp`, :func:`hvp`, :func:`jacobian`, :func:`hessian`,
     :func:`check_gradients`, :func:`saved_bytes` and :func:`plan_memory`: ``revgraph.onnx_io.arguments.AS_GRAPH``).
 
-
     ``loss`` defaults to the only graph output; a non-scalar loss is differentiated as the sum of its
     elements (``seed="ones"``), or ``seed="input"`` adds a graph input ``<loss>_grad`` holding the output
     cotangent (a VJP). ``wrt`` defaults to every floating-point input and initializer; a name may also be an
@@ -134,7 +133,7 @@ def gradient(
                 tail += _grad_output(e, g, w, grad_map.get(w), types.get(w) or ValueInfo(w), sparse)
         g.nodes.extend(e.nodes)
         g.nodes.extend(tail)
-        simplify(g)
+        simplify(g, e.types)
         keep_types(g, e.types)
         g.memory_plan = plan_memory(g, budget)
         return g

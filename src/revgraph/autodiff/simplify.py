@@ -15,14 +15,20 @@ runtimes nothing), and every node counts in the size of a saved training graph a
    (or by ``x`` when the permutations cancel). (``Transpose(Gemm(A, B))`` is not folded into ``Gemm(B, A)``:
    with the fold, onnxruntime's default order ran the LLaMA step of bench/memory_common.py at a 13-28% higher
    peak, batch 8 to 64, for one small Transpose per linear layer saved; issue 42);
-3. nodes none of whose outputs are read are removed.
+3. ``CastLike(x, like)`` becomes ``Cast(x, to=like's element type)`` where that type is known: ONNX defines
+   ``CastLike`` as a function, which onnxruntime's CPU provider runs by inlining its body as new nodes, and new
+   nodes come last in the ``"priority_based"`` order revgraph's training sessions run in (they would delay
+   everything behind them, and keep the values alive meanwhile: issue 42);
+4. nodes none of whose outputs are read are removed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
-from ..ir import Graph, Node, fresh_name
+from ..ir import Graph, Node, ValueInfo, fresh_name, onnx_dtype
 from ..ir.ssa import captured_names
 
 #: operators whose two identical calls give different results (sampling), or whose outputs are a fresh mask
@@ -53,8 +59,9 @@ def _key(node: Node) -> tuple | None:
     return (node.domain, node.op_type, tuple(node.inputs), len(node.outputs), attrs)
 
 
-def simplify(graph: Graph) -> Graph:
-    """Simplify ``graph`` (SSA form) in place as the module docstring says, and return it."""
+def simplify(graph: Graph, types: Mapping[str, ValueInfo] | None = None) -> Graph:
+    """Simplify ``graph`` (SSA form) in place as the module docstring says, and return it. ``types``: value types
+    known beyond ``graph.value_info`` (a pass's tracked types, recorded after the clean-up)."""
     interface = set(graph.input_names) | set(graph.output_names) | set(graph.initializers)
     pinned = set(interface)
     for node in graph.nodes:
@@ -76,6 +83,8 @@ def simplify(graph: Graph) -> Graph:
             _fold_transpose(node, producer)
         if node.op_type == "Pad" and not node.domain:
             kept += _fold_pad(node, producer, names)
+        if node.op_type == "CastLike" and not node.domain:
+            _cast_like_to_cast(node, graph, types or {})
         key = _key(node)
         replaced = _replacement(node, key, seen)
         if replaced is not None and pinned.isdisjoint(node.outputs):
@@ -125,6 +134,17 @@ def _fold_transpose(node: Node, producer: dict[str, Node]) -> None:
         return
     node.inputs = [inner.inputs[0]]
     node.attrs = {**node.attrs, "perm": [int(p[i]) for i in q]}
+
+
+def _cast_like_to_cast(node: Node, graph: Graph, types: Mapping[str, ValueInfo]) -> None:
+    """``CastLike(x, like)`` as ``Cast(x, to=dtype(like))`` (ONNX "CastLike": "the output has the element type of
+    ``target_type``"; ``saturate`` means the same in both) where ``like``'s element type is declared."""
+    like = node.inputs[1] if len(node.inputs) == 2 else ""
+    vi = (types.get(like) or graph.type_of(like)) if like else None
+    if vi is None or vi.dtype is None or vi.kind != "tensor":
+        return
+    node.op_type, node.inputs = "Cast", node.inputs[:1]
+    node.attrs = {**{k: v for k, v in node.attrs.items() if k == "saturate"}, "to": onnx_dtype(vi.dtype)}
 
 
 def _fold_pad(node: Node, producer: dict[str, Node], names: _Names) -> list[Node]:

@@ -11,7 +11,11 @@ themselves:
   ahead; off, each tensor is allocated when it is computed and freed after its last reader;
 - ``execution_order`` (``execution_order``): the topological order onnxruntime runs the nodes in:
   ``"default"``, ``"priority_based"`` or ``"memory_efficient"`` (the last exists in onnxruntime's training
-  builds only; a regular build refuses it when a session is made).
+  builds only; a regular build refuses it when a session is made). ``"default"`` is a depth-first walk back from
+  the graph's outputs; ``"priority_based"`` runs the nodes in the graph's own order (a node as soon as it is
+  ready, the earliest in the file first), except nodes onnxruntime itself adds;
+- ``graph_optimization`` (``graph_optimization_level``): ``"none"``, ``"basic"``, ``"extended"`` or ``"all"``
+  (onnxruntime's default). Its fusions replace nodes by new ones, which ``"priority_based"`` runs last.
 
 ``None`` leaves a setting to whoever runs the graph: ``rg.Session`` keeps onnxruntime's defaults (arena on,
 memory pattern on, the default order); ``rg.Trainer`` and ``revgraph train`` use :data:`TRAINING_DEFAULT`
@@ -32,6 +36,9 @@ from ..errors import RevgraphError
 
 #: ``execution_order`` values and the ``onnxruntime.ExecutionOrder`` members they name.
 EXECUTION_ORDERS = {"default": "DEFAULT", "priority_based": "PRIORITY_BASED", "memory_efficient": "MEMORY_EFFICIENT"}
+#: ``graph_optimization`` values and the ``onnxruntime.GraphOptimizationLevel`` members they name.
+GRAPH_OPTIMIZATIONS = {"none": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+                       "all": "ORT_ENABLE_ALL"}
 
 
 @dataclass(frozen=True)
@@ -39,14 +46,17 @@ class RuntimeOptions:
     """onnxruntime memory settings (module doc); ``None`` leaves a setting at onnxruntime's default.
 
     ``arena``: ``enable_cpu_mem_arena`` (bool); ``memory_pattern``: ``enable_mem_pattern`` (bool);
-    ``execution_order``: one of ``"default"``, ``"priority_based"``, ``"memory_efficient"``. Raises
+    ``execution_order``: one of ``"default"``, ``"priority_based"``, ``"memory_efficient"``;
+    ``graph_optimization``: one of ``"none"``, ``"basic"``, ``"extended"``, ``"all"``. Raises
     :class:`RevgraphError` (one line naming the argument and its choices) for any other value. Settings never
-    change results beyond float rounding: they decide where tensors live and in which order nodes run.
+    change results beyond float rounding: they decide where tensors live, in which order nodes run and which
+    nodes onnxruntime fuses.
     """
 
     arena: bool | None = None
     memory_pattern: bool | None = None
     execution_order: str | None = None
+    graph_optimization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("arena", "memory_pattern"):
@@ -54,10 +64,11 @@ class RuntimeOptions:
             if value is not None and not isinstance(value, bool):
                 raise RevgraphError(f"RuntimeOptions {name} must be True, False or None (onnxruntime's default), "
                                     f"got {value!r}")
-        order = self.execution_order
-        if order is not None and (not isinstance(order, str) or order not in EXECUTION_ORDERS):
-            raise RevgraphError(f"RuntimeOptions execution_order must be one of {', '.join(EXECUTION_ORDERS)} or None "
-                                f"(onnxruntime's default), got {order!r}")
+        for name, choices in (("execution_order", EXECUTION_ORDERS), ("graph_optimization", GRAPH_OPTIMIZATIONS)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or value not in choices):
+                raise RevgraphError(f"RuntimeOptions {name} must be one of {', '.join(choices)} or None "
+                                    f"(onnxruntime's default), got {value!r}")
 
     def apply(self, options=None):
         """Set the fields that are not ``None`` on ``options`` (an ``onnxruntime.SessionOptions``; a new one
@@ -74,6 +85,9 @@ class RuntimeOptions:
             options.enable_mem_pattern = self.memory_pattern
         if self.execution_order is not None:
             options.execution_order = getattr(ort.ExecutionOrder, EXECUTION_ORDERS[self.execution_order])
+        if self.graph_optimization is not None:
+            level = GRAPH_OPTIMIZATIONS[self.graph_optimization]
+            options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
         return options
 
     def over(self, base: RuntimeOptions | None) -> RuntimeOptions:
@@ -88,15 +102,23 @@ class RuntimeOptions:
             return "onnxruntime's default" if v is None else ("on" if v else "off")
 
         order = self.execution_order or "onnxruntime's default"
-        return f"arena {word(self.arena)}, memory pattern {word(self.memory_pattern)}, execution order {order}"
+        level = self.graph_optimization or "onnxruntime's default"
+        return (f"arena {word(self.arena)}, memory pattern {word(self.memory_pattern)}, execution order {order}, "
+                f"graph optimization {level}")
 
 
 #: What ``rg.Trainer`` and ``revgraph train`` run with unless told otherwise (docs/benchmarks.md, "Runtime memory
 #: settings and buffer sets", bench/runtime_settings.py): the memory pattern off, which about halves a step's
 #: peak over setup (the planned block holds every intermediate at once) at no cost in step time, and the arena
 #: on: off, every step's tensors are allocated and freed through the C allocator, which costs 8-30% more CPU time
-#: per step on the CNN and the Transformer and lowers no peak but the LLaMA's by a few percent.
-TRAINING_DEFAULT = RuntimeOptions(arena=True, memory_pattern=False)
+#: per step on the CNN and the Transformer and lowers no peak but the LLaMA's by a few percent. The step graph
+#: runs in the order revgraph wrote it ("priority_based", no graph optimizations, whose fused nodes that order
+#: would run last), the order the memory planner's lifetimes assume (memory/lifetime.py): onnxruntime's default
+#: order, a depth-first walk back from the outputs, held the LLaMA step of bench/memory_common.py at 1,183 MB
+#: over setup at batch 64 against 784 MB in revgraph's order, at the same CPU time per step (docs/benchmarks.md,
+#: "Memory in revgraph's order"; issue 42).
+TRAINING_DEFAULT = RuntimeOptions(arena=True, memory_pattern=False, execution_order="priority_based",
+                                  graph_optimization="none")
 
 
 #: onnxruntime graph optimizers that would merge a node the memory planner recomputes in the backward

@@ -57,6 +57,7 @@ from ...runtime.options import ORT_DISABLED_OPTIMIZERS
 from ...warn import warn
 from .budget import DEFAULT_SYMBOLIC_DIM, OPTIONAL_BUDGET, Budget
 from .cost import ALIASING, cheap, flops, is_identity, recomputable
+from .lifetime import lifetimes
 from .mincut import INF, Network
 from .residuals import is_backward_node, value_bytes
 
@@ -69,6 +70,7 @@ HOIST_PREFIX = "hoist/"  # backward Shape/Size nodes moved into the forward (_ho
 _MIN_SAVING = 16384  # bytes a free recomputation must save in the default plan (per-node cost of running it)
 _CHEAP = 0.5  # in the default plan, recomputing a cheap or copying node costs this share of its output bytes
 _SKEW = 0.05  # FLOPs of the last forward node count this much more than the first's (see _Cuts)
+_PEAK_GAIN = 0.05  # under a budget, a plan recomputing more than the least must lower the predicted peak this much
 
 
 @dataclass
@@ -79,7 +81,9 @@ class MemoryPlan:
     operators recomputed); ``saved_after``: those of the chosen plan; ``recomputed_flops``: the FLOPs its
     recomputation adds to a step; ``recomputed``: the recomputed forward nodes' names; ``target``: the budget
     in bytes (``None`` for the default plan); ``met``: whether the plan keeps at most the target; ``unknown``:
-    residuals of unknown size (kept, counted as 0 bytes). Sizes use ``dims`` for symbolic dimensions."""
+    residuals of unknown size (kept, counted as 0 bytes). Sizes use ``dims`` for symbolic dimensions.
+    ``peak_default`` and ``peak_after``: under a budget, the peak of the bytes alive at once that
+    :func:`.lifetime.lifetimes` predicts for the default plan and the chosen one (``None`` without a budget)."""
 
     saved_before: int = 0
     saved_default: int = 0
@@ -90,6 +94,8 @@ class MemoryPlan:
     met: bool = True
     unknown: list[str] = field(default_factory=list)
     dims: dict[str, int] = field(default_factory=dict)
+    peak_default: int | None = None
+    peak_after: int | None = None
 
     def summary(self) -> str:
         """One line: saved bytes before and after, the recomputation added."""
@@ -97,6 +103,9 @@ class MemoryPlan:
                 f"kept; {len(self.recomputed)} forward node(s) recomputed ({human_flops(self.recomputed_flops)})")
         if self.target is not None:
             text += f"; budget {human_bytes(self.target)}" + ("" if self.met else " (not reachable)")
+        if self.peak_after is not None and self.peak_default is not None:
+            text += (f"; predicted peak of the step's tensors {human_bytes(self.peak_after)} "
+                     f"(default plan {human_bytes(self.peak_default)})")
         if self.dims:
             text += " at " + ", ".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
         return text
@@ -149,6 +158,14 @@ class _Problem:
         self._bytes: dict[str, int | None] = {}
         self._flops: dict[int, int | None] = {}
         self._cheap: dict[int, bool] = {}
+
+    @functools.cached_property
+    def peak_dims(self) -> dict[str, int]:
+        """Symbolic dimensions for the predicted peak: those of the graph's inputs (the budget's sizes, else the
+        default), not those shape inference left unnamed inside (``unk__3``): sized 64 each, a value with several
+        of them would outweigh the whole step (such values count as unknown, 0 bytes)."""
+        names = {d for vi in self.graph.inputs for d in (vi.shape or ()) if isinstance(d, str)}
+        return {d: self.dims.get(d) for d in names | set(dict.keys(self.dims))}
 
     @functools.cached_property
     def position(self) -> dict[int, float]:
@@ -291,7 +308,7 @@ def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
         target = round(budget.fraction * kept) if budget.fraction is not None else budget.bytes
         plan.target = target
         if kept > target:
-            chosen, kept, cost = _search(p, target, plan)
+            chosen, kept, cost = _search(p, target, plan, (chosen, kept, cost))
             plan.met = kept <= target or target == 0
             if not plan.met and target > 0:  # (a budget of 0 asks for the fewest bytes: no warning)
                 warn(f"the memory budget of {human_bytes(target)} cannot be met: recomputing everything "
@@ -309,23 +326,52 @@ def _unit(p: _Problem, nodes: list[int], plan: MemoryPlan) -> float:
     return max(1.0, (total + plan.saved_before) / _SCALE)
 
 
-def _search(p: _Problem, target: int, plan: MemoryPlan) -> tuple[set[int], int, int]:
-    """The plan of the largest multiplier (bisected on a log scale) that keeps at most ``target`` bytes, or the
-    ``lambda = 0`` plan (the fewest bytes) when none does."""
+Choice = tuple[set[int], int, int]  # (recomputed forward nodes, residual bytes kept, FLOPs recomputed)
+
+
+def _search(p: _Problem, target: int, plan: MemoryPlan, default: Choice) -> Choice:
+    """The plan under a budget of ``target`` bytes. Candidates: the plans of the multipliers bisected on a log
+    scale (the largest one that keeps at most ``target`` bytes is the plan with the least recomputation that
+    fits), four per decade, and ``lambda = 0`` (the fewest bytes). Of those that fit, the one whose step has the
+    lowest predicted peak (:func:`.lifetime.lifetimes` of the rewritten graph in its own order): a low multiplier
+    recomputes long chains whose values then live from the start of the backward to their own layer's, so
+    keeping fewer bytes can raise the peak. A plan recomputing more than the least-recomputation plan must lower
+    the predicted peak by :data:`_PEAK_GAIN`. A budget of 0 (``memory=0``) asks for the least memory: every
+    candidate competes, the default plan's included (the fewest bytes among equal peaks), so the result is never
+    predicted above the default's peak. A budget below the fewest bytes any plan keeps gets the fewest-bytes
+    plans (the caller warns)."""
     nodes = p.candidates(free_only=False)
     cuts = _Cuts(p, nodes, _unit(p, nodes, plan), False)
-    best = cuts.solve(0.0)
-    if best[1] > target:
-        return best
+    fewest = cuts.solve(0.0)
+    trials = [fewest, *(cuts.solve(10.0 ** (e / 4)) for e in range(-48, 25))]  # four per decade
     lo, hi = -12.0, 6.0  # log10 of lambda, bytes per FLOP: 1e-12 recomputes anything, 1e6 nothing with FLOPs
-    for _ in range(40):  # (fine enough to separate the skewed ties)
+    least = fewest  # the fitting plan of the largest multiplier: the least recomputation
+    for _ in range(40 if fewest[1] <= target else 0):  # (fine enough to separate the skewed ties)
         mid = (lo + hi) / 2
         trial = cuts.solve(10.0**mid)
-        if trial[1] <= target:
-            best, lo = trial, mid
-        else:
-            hi = mid
-    return best
+        trials.append(trial)
+        lo, hi, least = (mid, hi, trial) if trial[1] <= target else (lo, mid, least)
+    if target == 0:
+        fits = {frozenset(t[0]): t for t in [*trials, default]}
+    else:
+        bar = max(target, fewest[1])
+        fits = {frozenset(t[0]): t for t in trials if t[1] <= bar}
+    peaks = {key: _predicted_peak(p, set(key)) for key in fits}
+    plan.peak_default = _predicted_peak(p, default[0])
+    best = min(fits, key=lambda key: (peaks[key], fits[key][1], fits[key][2]))
+    if target > 0 and frozenset(least[0]) in fits and peaks[best] > (1 - _PEAK_GAIN) * peaks[frozenset(least[0])]:
+        best = frozenset(least[0])
+    plan.peak_after = peaks[best]
+    return fits[best]
+
+
+def _predicted_peak(p: _Problem, chosen: set[int]) -> int:
+    """The peak of the bytes alive at once (:func:`.lifetime.lifetimes`) in ``p``'s graph with ``chosen``
+    recomputed (rewritten on a copy; ``p.graph`` is not changed)."""
+    graph = p.graph.copy()
+    if chosen:
+        _rewrite(graph, p, sorted(chosen))
+    return lifetimes(graph, p.peak_dims).peak
 
 
 class _Dims(dict):
