@@ -78,7 +78,7 @@ def _scatter_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs:
 def _read(e: Emitter, node: Node, v: Val, gather: str, attrs: dict) -> Val:
     """``v`` (data-shaped) read at the positions the scatter writes, in the updates' shape."""
     idx, upd = node.inputs[1], node.inputs[2]
-    src = v.ctx.val(_fit_to_indices(e, node, v.name, idx, attrs["axis"])) if "axis" in attrs else v
+    src = v.ctx.val(_fit_to_indices(v.ctx, node, v.name, idx, attrs["axis"])) if "axis" in attrs else v
     if gather == "GatherElements" and src.rank == 1:
         # The same read; the reference evaluator's GatherElements (numpy.choose) takes at most 64 entries
         # along the axis, and the race-free scatters of autodiff/sparse.py are 1-D.
@@ -98,7 +98,7 @@ def _extremum_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs
         """``(hit_x, hit_u, share)``: where the data and the updates attain ``y``, and ``g`` per attaining element."""
         hit_x, hit_u = data.eq(y), upd.eq(_read(e, node, y, gather, attrs))
         count = hit_x.indicator(data).apply(
-            "Add", _scatter_add(e, node, scatter, hit_u.indicator(upd).name, attrs), like=data)
+            "Add", _scatter_add(ctx, node, scatter, hit_u.indicator(upd).name, attrs), like=data)
         share = ctx.val(g).apply("Div", count, like=data)  # count >= 1 where hit_x, at every position read where hit_u
         return hit_x, hit_u, share
 
@@ -113,13 +113,13 @@ def _extremum_vjp(ctx: Ctx, node: Node, g: str, scatter: str, gather: str, attrs
     return [ddata, None, dupdates]
 
 
-def _scatter_add(e: Emitter, node: Node, scatter: str, vals: str, attrs: dict) -> str:
+def _scatter_add(ctx: Ctx, node: Node, scatter: str, vals: str, attrs: dict) -> str | Val:
     """Zeros of the data's shape with ``vals`` (updates-shaped) added at the positions the scatter writes,
     repeated positions accumulating; race free (ScatterElements' kernel is sequential; ScatterND's semantics
     through :func:`~revgraph.autodiff.sparse.scatter_nd_reduce`)."""
-    data, idx, _ = node.inputs
+    e, (data, idx, _) = ctx.e, node.inputs
     if scatter == "ScatterElements":
-        return e.op(scatter, [e.zeros_like(data), idx, vals], reduction="add", like=data, **attrs)
+        return ctx.val(e.zeros_like(data)).apply(scatter, idx, vals, like=data, reduction="add", **attrs)
     return scatter_nd_reduce(e, e.zeros_like(data), nonneg(e, idx, nd_dims(e, data, idx, 0)), vals, "add")
 
 
@@ -135,7 +135,7 @@ def _product_at(ctx: Ctx, node: Node, scatter: str, attrs: dict) -> str | Val:
     through ``scatter_nd_reduce``."""
     e, (data, idx, upd) = ctx.e, node.inputs
     if scatter == "ScatterElements":
-        return e.op(scatter, [e.ones_like(data), idx, upd], reduction="mul", like=data, **attrs)
+        return ctx.val(e.ones_like(data)).apply(scatter, idx, upd, like=data, reduction="mul", **attrs)
     depth = _depth(e, idx)
     if depth is None:
         return scatter_nd_reduce(e, e.ones_like(data), nonneg(e, idx, nd_dims(e, data, idx, 0)), upd, "mul")
@@ -251,10 +251,11 @@ def _static_error(node: Node, idx: str) -> GraphError:
                       f"shape of the indices {idx!r} when the graph is built; declare the shapes of the graph inputs")
 
 
-def _fit_to_indices(e: Emitter, node: Node, g: str, idx: str, axis: int) -> str:
+def _fit_to_indices(ctx: Ctx, node: Node, g: str, idx: str, axis: int) -> str:
     """``g`` cut to the extent of ``idx`` in every dimension but ``axis``. ScatterElements allows indices
     smaller than the data there; GatherElements reads the same positions from a cut ``g`` (the reference
     evaluator's GatherElements insists on equal sizes outside ``axis``)."""
+    e = ctx.e
     r = e.need_rank(g, node)
     axis = axis % r
     sg, si = e.shape(g), e.shape(idx)
@@ -262,7 +263,7 @@ def _fit_to_indices(e: Emitter, node: Node, g: str, idx: str, axis: int) -> str:
             a == b for d, (a, b) in enumerate(zip(sg, si, strict=True)) if d != axis):
         return g
     ends = cat_shapes(e, [shape_part(e, idx, 0, axis), [np.iinfo(np.int64).max], shape_part(e, idx, axis + 1)])
-    return e.op("Slice", [g, e.ints([0] * r), ends])
+    return ctx.val(g).apply("Slice", e.ints([0] * r), ends, like=None).name
 
 
 @vjp("ScatterND", bounded=True, finite=True, reads="all", moves=True)
@@ -314,7 +315,7 @@ def _landed(ctx: Ctx, node: Node, scatter: str, attrs: dict) -> str | None:
         top = e.op("ScatterElements", [e.op("ConstantOfShape", [e.op("Shape", [data])],
                                              value=np.array([-1], np.int64)), idx, ids],
                    axis=axis, reduction="max", shape=e.dims(data), dtype=np.dtype(np.int64))
-        read = ctx.val(_fit_to_indices(e, node, top, idx, axis)).apply("GatherElements", idx, like=None, axis=axis)
+        read = ctx.val(_fit_to_indices(ctx, node, top, idx, axis)).apply("GatherElements", idx, like=None, axis=axis)
         return read.eq(ids).name
     depth = _depth(e, idx)
     if depth is None:
