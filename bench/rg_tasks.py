@@ -213,8 +213,8 @@ def prepare_step(key: str, info: dict, threads: int = 2, mode: str = "grad") -> 
             assert np.array_equal(arr, state[p])
         feeds = {tr.spec.inputs[0]: data["x"], tr.spec.labels: data["labels"]}
         n = len(data["labels"])
-        _STEPS[key] = {"run": lambda: tr._step(feeds, n, n), "trainer": tr}
-        loss = tr._step(feeds, n, n)
+        _STEPS[key] = {"run": lambda: tr._engine.step(feeds, n, n), "trainer": tr}
+        loss = tr._engine.step(feeds, n, n)
         return {"build_seconds": time.perf_counter() - t0, "loss": loss}
     gg = gradient_graph(_model(info["path"]), info["params"], "cross-entropy")
     model = rg.to_onnx(gg)

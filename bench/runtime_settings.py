@@ -89,13 +89,13 @@ def prepare(info: dict, arena: bool, memory_pattern: bool, buffers: str, threads
     feeds = {tr.spec.inputs[0]: np.ascontiguousarray(data["x"]), tr.spec.labels: data["labels"]}
     n = len(data["labels"])
     base = _reset_peak()
-    losses = [tr._step(feeds, n, n) for _ in range(3)]
+    losses = [tr._engine.step(feeds, n, n) for _ in range(3)]
     peak = status_kb("VmHWM")
     rss2 = status_kb("VmRSS")
     t0 = time.perf_counter()
-    tr._step(feeds, n, n)
+    tr._engine.step(feeds, n, n)
     first = time.perf_counter() - t0
-    _CELL.update(trainer=tr, run=lambda: tr._step(feeds, n, n))
+    _CELL.update(trainer=tr, run=lambda: tr._engine.step(feeds, n, n))
     held = tr._engine.held()
     digest = parameters_digest()  # after 4 steps in every configuration
     return {"held_mb": (rss1 - rss0) / 1024, "setup_hwm_mb": hwm1 / 1024, "step_peak_mb": (peak - base) / 1024,

@@ -152,7 +152,7 @@ def test_bf16_reduce_stays_within_bfloat16_rounding(tmp_path):
                 for p in bound:
                     g = ref._engine._grad_values[ref.spec.grads[p][0]].numpy()
                     bound[p] += lr * 2 * u * np.abs(g) * len(rows) / len(chunk)
-        ref._step(ref._feeds(arrays, chunk), len(chunk), len(chunk))
+        ref._engine.step(ref._feeds(arrays, chunk), len(chunk), len(chunk))
     bf16, fp32 = (dict(np.load(tmp_path / d / "rank0.npz")) for d in ("bf16", "fp32"))
     off = False
     for p, value in ref.parameters.items():

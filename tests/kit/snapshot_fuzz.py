@@ -96,18 +96,18 @@ def snapshot_seed(root: Path) -> dict:
             (d / name).write_bytes(content)
 
     def make(which: str) -> None:
-        from revgraph.train.trainer import Trainer
+        from revgraph.train.engines import SplitEngine
 
         os.chdir(root / f"seed-{which}")
-        if which == "killed":  # die before the 5th step, after the checkpoint of step 4
-            real = Trainer._step
+        if which == "killed":  # die before the 5th step, after the checkpoint of step 4 (the engine of --buffers one)
+            real = SplitEngine.step
 
             def step(self, *args, **kwargs):
                 if self.steps == 4:
                     raise KeyboardInterrupt
                 return real(self, *args, **kwargs)
 
-            Trainer._step = step
+            SplitEngine.step = step
         rc = _quiet_main(SNAPSHOT_TRAIN, Path("err.txt"), Path("out.txt"))
         assert rc == (130 if which == "killed" else 0), (rc, Path("err.txt").read_text())
 

@@ -30,6 +30,7 @@ the halves.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -45,6 +46,16 @@ from .steptimes import StepTimes
 
 #: ``buffers=`` of :class:`revgraph.Trainer`: one set (:class:`SplitEngine`), two (:class:`FusedEngine`).
 BUFFERS = ("one", "two")
+
+
+@contextmanager
+def failing(what: str):
+    """onnxruntime's failure of a run inside the block as :class:`RevgraphError`: ``<what> failed: <its first
+    line>``. (A context manager, not a function around the run: the run stays in its caller's frame.)"""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
+        raise RevgraphError(f"{what} failed: {_first_line(exc)}") from None
 
 
 class Engine:
@@ -297,19 +308,33 @@ class SplitEngine(Engine):
     def _run_grad(self, feeds: dict[str, np.ndarray], bindings: list | None = None) -> tuple[float, dict]:
         """Run the grad graph on ``feeds``: the loss, and the sparse gradients ``{name: OrtValue}`` (the dense
         ones are in their buffers: those of ``bindings``, one per buffer set, default the gradient buffers)."""
+        gb = self._bind_batch(feeds, bindings)
+        with self._grad_run():
+            self._grad.run_with_iobinding(gb)
+        return self._grad_outputs(gb)
+
+    @contextmanager
+    def _grad_run(self):
+        """Around a run of the grad graph: its failure in one line, its time a segment of the timeline."""
+        start = self.times.now() if self.times is not None else 0.0
+        with failing("the gradient step"):
+            yield
+        if self.times is not None:
+            self.times.event("segment", "grad graph", start)
+
+    def _bind_batch(self, feeds: dict[str, np.ndarray], bindings: list | None = None):
+        """The grad graph's binding of the current buffer set (from ``bindings``, default the gradient buffers'),
+        with ``feeds`` bound and fresh outputs for the sparse rows (they change size from run to run)."""
         gb = (bindings or self._grad_bindings)[self._current]
         for name, arr in feeds.items():
             gb.bind_cpu_input(name, arr)
-        for _, idx, rows in self._sparse:  # sparse rows change size: fresh outputs every run
+        for _, idx, rows in self._sparse:
             gb.bind_output(idx, self.device.ort_type, self.device.index)
             gb.bind_output(rows, self.device.ort_type, self.device.index)
-        start = self.times.now() if self.times is not None else 0.0
-        try:
-            self._grad.run_with_iobinding(gb)
-        except Exception as exc:
-            raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
-        if self.times is not None:
-            self.times.event("segment", "grad graph", start)
+        return gb
+
+    def _grad_outputs(self, gb) -> tuple[float, dict]:
+        """The loss and the sparse gradients ``{name: OrtValue}`` of the grad graph's run on ``gb``."""
         sparse = {}
         if self._sparse:
             outs = gb.get_outputs()[1 + len(self._grad_values):]  # bound after the loss and the dense gradients
@@ -319,9 +344,16 @@ class SplitEngine(Engine):
 
     def _gradients(self, micro: list[tuple[dict, int]], total: int) -> tuple[float, dict]:
         """The loss of the global batch and the update graph's per-step inputs (sparse gradients by name), from
-        the micro-batches ``micro`` (``(feeds, count)``; one without accumulation)."""
+        the micro-batches ``micro`` (``(feeds, count)``; one without accumulation). The data-parallel engines
+        override it (what happens between the halves of the step)."""
         start = self.times.now() if self.times is not None else 0.0
-        out = self._run_grad(micro[0][0]) if len(micro) == 1 else self._accumulate(micro, total)
+        if len(micro) > 1:
+            out = self._accumulate(micro, total)
+        else:  # (:meth:`_run_grad` written out: one call frame fewer on every batch's path to the session)
+            gb = self._bind_batch(micro[0][0])
+            with self._grad_run():
+                self._grad.run_with_iobinding(gb)
+            out = self._grad_outputs(gb)
         if self.times is not None:
             self.times.add("forward+backward", start)
         return out

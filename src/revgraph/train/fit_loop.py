@@ -193,7 +193,9 @@ def train(trainer, plan: FitPlan, arrays, pos, *, stop: bool, total_steps: int |
                 last = pos.done(plan.per_epoch) + 1 == plan.steps
                 how = {"accept": _finite if stop else None, "keep_previous": stop and last}
                 counter = trainer.steps
-                loss = _one_step(trainer, arrays, chunk, plan.micro, plan.accumulate, rank, world, how)
+                # the engine is called here, not through a helper: each frame is on the path of every batch
+                loss = trainer._engine.step(*_shares(arrays, chunk, plan.micro, plan.accumulate, rank, world), **how)
+                trainer.losses.append(loss)
                 stepped = True
                 if stop and not np.isfinite(loss):
                     trainer._reject_step(f"the loss is {loss}", pos.epoch, pos.batch, applied=False)
@@ -226,19 +228,20 @@ def train(trainer, plan: FitPlan, arrays, pos, *, stop: bool, total_steps: int |
     return stepped
 
 
-def _one_step(trainer, arrays, chunk, micro: int, accumulate: int, rank: int, world: int, how: dict) -> float:
-    """One optimizer step on the global batch ``chunk`` (this rank's share; ``accumulate`` micro-batches)."""
+def _shares(arrays, chunk, micro: int, accumulate: int, rank: int, world: int) -> tuple:
+    """The arguments ``(feeds, count, total)`` of :meth:`revgraph.train.engines.Engine.step` for the global batch
+    ``chunk``: this rank's share of it (``accumulate`` micro-batches: a list of ``(feeds, count)``)."""
     # each share weighs by what its loss is a mean over (samples, or counted targets)
     total = arrays.weight(chunk)
     size = arrays.weight if total else len  # (nothing counted: the loss is 0, zero gradient)
     total = total or len(chunk)
     if accumulate == 1:
         rows = shard(chunk, rank, world)
-        return trainer._step(arrays.feeds(rows), size(rows), total, **how)
+        return arrays.feeds(rows), size(rows), total
     # K global micro-batches of `micro` samples, each dealt over the ranks
     parts = [shard(chunk[j:j + micro], rank, world) for j in range(0, len(chunk), micro)]
     feeds = [(arrays.feeds(r), size(r)) for r in parts]
-    return trainer._step(feeds, sum(c for _, c in feeds), total, **how)
+    return feeds, sum(c for _, c in feeds), total
 
 
 def _finite(loss: float) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 
 import numpy as np
 import onnx
@@ -298,10 +299,7 @@ class Trainer:
         if not total:  # no counted target anywhere: the loss is 0 with zero gradient, weigh by samples
             count = ds.n
             total = self.comm.sum([count])[0] if self.comm else count
-        return self._step(feeds, count, total)
-
-    def _step(self, feeds: dict[str, np.ndarray], count: int, total: int, **how) -> float:
-        loss = self._engine.step(feeds, count, total, **how)
+        loss = self._engine.step(feeds, count, total)
         self.losses.append(loss)
         return loss
 
@@ -369,68 +367,73 @@ class Trainer:
         if checkpoint_every and checkpoint_dir is None:  # (issue 40: it was accepted and saved nothing)
             raise InputError("snapshot_every has no effect without snapshot_dir: give the directory, or leave "
                              "snapshot_every out")
+        more = {"max_steps": max_steps, "eval_data": eval_data, "eval_every": eval_every,
+                "eval_batch_size": eval_batch_size, "callbacks": list(callbacks or ())}
+        # the loop runs here, not in a helper: every batch's path from the caller to the session is as short as
+        # it can be (tests/test_train_frames.py counts its frames)
+        with self._failure_recorded(checkpoint_dir):
+            if self.comm:  # an earlier attempt of this torchrun run failed deterministically: fail alike, at once
+                from .distributed.launch import recorded_failure
+
+                recorded_failure(self.comm, checkpoint_dir)
+            try:
+                plan, arrays = fit_loop.plan(self, data, epochs, batch_size, shuffle, seed, checkpoint_every,
+                                             nonfinite, accumulate_steps, static, more)
+                eval_data, callbacks = more.get("eval_data"), more.get("callbacks", [])
+                refused = None
+            except InputError as exc:
+                if not self.comm:
+                    raise
+                refused, plan, arrays, eval_data, callbacks = str(exc), None, None, None, []
+            if self.comm:  # different data or arguments on some rank would deadlock or train wrongly: refuse
+                self.comm.refuse_together(refused, "its data or fit arguments")
+                fit_loop.agree(self, plan, arrays, checkpoint_dir, checkpoint_every, nonfinite)
+            schedule, stop = self.spec.optimizer.schedule, nonfinite == "stop"
+            total_steps = (schedule.total_steps or plan.steps) if self.spec.total else None
+            if schedule is not None and schedule.warmup_steps > (total_steps or plan.steps) and self.is_main:
+                run_record.note(console, f"warning: the warmup ({schedule.warmup_steps} steps, --warmup-steps) is "
+                                         f"longer than the run ({total_steps or plan.steps} steps): the peak "
+                                         "learning rate is never reached")
+            pos = run_record.resume(self, checkpoint_dir, plan.run, total_steps, override, console,
+                                    epochs=plan.epochs, finite=stop) \
+                if checkpoint_dir is not None else run_record.Position()
+            run_record.set_total(self, total_steps)
+            bar = Bar(progress and self.is_main, console, description, plan.steps,
+                      done=min(pos.done(plan.per_epoch), plan.steps))
+            evaluation = fit_loop.Evaluation(self, eval_data, static, plan.eval_every, plan.eval_batch_size)
+            stepped = fit_loop.train(self, plan, arrays, pos, stop=stop, total_steps=total_steps,
+                                     checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, bar=bar,
+                                     description=description, evaluation=evaluation, callbacks=callbacks)
+            final = self.parameters
+            if stop and stepped and not all(np.isfinite(a).all() for a in final.values()):
+                bad = next(p for p, a in final.items() if not np.isfinite(a).all())
+                done = pos.done(plan.per_epoch) - 1
+                self._reject_step(f"parameter {bad!r} became NaN or infinite", done // plan.per_epoch,
+                                  done % plan.per_epoch)
+            self._engine.release()  # the values from before the last step are no longer needed
+            if self.comm:  # (a sharded engine's state is gathered, the same on every rank: reading it would only
+                # make every rank hold the whole state, which sharding avoids)
+                state = {} if getattr(self._engine, "gathers", False) else self.state
+                self.comm.check_replicas({**final, **state}, "parameters or optimizer state")
+            if pos.batch:  # a last epoch cut short by max_steps: the mean over its batches
+                return [*pos.means, pos.total / min(pos.batch * plan.group, plan.n)]
+            return list(pos.means)
+
+    @contextmanager
+    def _failure_recorded(self, checkpoint_dir):
+        """Record a deterministic failure (any :class:`RevgraphError` but a failed collective) of a distributed
+        fit for torchrun's ``--max-restarts`` (:func:`revgraph.train.distributed.launch.recorded_failure`): a
+        restart would fail again."""
         try:
-            return self._fit(data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
-                             checkpoint_every, nonfinite, accumulate_steps, static, override,
-                             {"max_steps": max_steps, "eval_data": eval_data, "eval_every": eval_every,
-                              "eval_batch_size": eval_batch_size, "callbacks": list(callbacks or ())})
+            yield
         except RevgraphError as exc:
             from .distributed.data_parallel import CollectiveError
 
-            if self.comm and not isinstance(exc, CollectiveError):  # deterministic: a restart would fail again
+            if self.comm and not isinstance(exc, CollectiveError):
                 from .distributed.launch import record_failure
 
                 record_failure(str(exc), self.rank, checkpoint_dir)
             raise
-
-    def _fit(self, data, epochs, batch_size, shuffle, seed, progress, console, description, checkpoint_dir,
-             checkpoint_every, nonfinite, accumulate_steps, static=None, override=(), more=None) -> list[float]:
-        more = more or {}
-        if self.comm:  # an earlier attempt of this torchrun run failed deterministically: fail alike, at once
-            from .distributed.launch import recorded_failure
-
-            recorded_failure(self.comm, checkpoint_dir)
-        try:
-            plan, arrays = fit_loop.plan(self, data, epochs, batch_size, shuffle, seed, checkpoint_every, nonfinite,
-                                         accumulate_steps, static, more)
-            eval_data, callbacks = more.get("eval_data"), more.get("callbacks", [])
-            refused = None
-        except InputError as exc:
-            if not self.comm:
-                raise
-            refused, plan, arrays, eval_data, callbacks = str(exc), None, None, None, []
-        if self.comm:  # different data or arguments on some rank would deadlock or train wrongly: refuse
-            self.comm.refuse_together(refused, "its data or fit arguments")
-            fit_loop.agree(self, plan, arrays, checkpoint_dir, checkpoint_every, nonfinite)
-        schedule, stop = self.spec.optimizer.schedule, nonfinite == "stop"
-        total_steps = (schedule.total_steps or plan.steps) if self.spec.total else None
-        if schedule is not None and schedule.warmup_steps > (total_steps or plan.steps) and self.is_main:
-            run_record.note(console, f"warning: the warmup ({schedule.warmup_steps} steps, --warmup-steps) is longer "
-                                     f"than the run ({total_steps or plan.steps} steps): the peak learning rate is "
-                                     "never reached")
-        pos = run_record.resume(self, checkpoint_dir, plan.run, total_steps, override, console, epochs=plan.epochs,
-                                finite=stop) if checkpoint_dir is not None else run_record.Position()
-        run_record.set_total(self, total_steps)
-        bar = Bar(progress and self.is_main, console, description, plan.steps,
-                  done=min(pos.done(plan.per_epoch), plan.steps))
-        evaluation = fit_loop.Evaluation(self, eval_data, static, plan.eval_every, plan.eval_batch_size)
-        stepped = fit_loop.train(self, plan, arrays, pos, stop=stop, total_steps=total_steps,
-                                 checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, bar=bar,
-                                 description=description, evaluation=evaluation, callbacks=callbacks)
-        final = self.parameters
-        if stop and stepped and not all(np.isfinite(a).all() for a in final.values()):
-            bad = next(p for p, a in final.items() if not np.isfinite(a).all())
-            done = pos.done(plan.per_epoch) - 1
-            self._reject_step(f"parameter {bad!r} became NaN or infinite", done // plan.per_epoch,
-                              done % plan.per_epoch)
-        self._engine.release()  # the values from before the last step are no longer needed
-        if self.comm:  # (a sharded engine's state is gathered, the same on every rank: reading it would only
-            # make every rank hold the whole state, which sharding avoids)
-            state = {} if getattr(self._engine, "gathers", False) else self.state
-            self.comm.check_replicas({**final, **state}, "parameters or optimizer state")
-        if pos.batch:  # a last epoch cut short by max_steps: the mean over its batches
-            return [*pos.means, pos.total / min(pos.batch * plan.group, plan.n)]
-        return list(pos.means)
 
     def _reject_step(self, what: str, epoch: int, batch: int, applied: bool = True) -> None:
         """Undo the last step (unless it was not ``applied``) and raise :class:`NonFiniteError` naming it (every
