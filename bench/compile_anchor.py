@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -120,13 +118,7 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", nargs="+", choices=llama42.CONFIGS, default=["rg", "pt", "pt-compile", "jax"])
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--turn-seconds", type=float, default=1.0)
-    parser.add_argument("--json", default=str(HERE / "results" / "compile_anchor.json"))
-    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "revgraph-bench-llama42"),
-                        help="model files and worker logs")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per worker call")
-    parser.add_argument("--render", metavar="JSON", help="no measurement: print the table of saved results")
-    parser.add_argument("--no-snapshot", dest="snapshot", action="store_false",
-                        help="run the working tree's src/revgraph instead of a copy made at the start")
+    llama42.common_options(parser, "compile_anchor.json", timeout=900.0)
     args = parser.parse_args(argv)
     if min(args.batches) < 1 or min(args.threads) < 1 or args.turns < 1:
         parser.error("--batches, --threads and --turns take positive integers")

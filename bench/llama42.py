@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -196,19 +197,33 @@ class Step:
         return run
 
 
+def common_options(parser, json_name: str, timeout: float) -> None:
+    """The options bench/compile_anchor.py and bench/max_batch.py share: ``--json`` (default
+    bench/results/``json_name``), ``--cache``, ``--timeout`` (seconds per worker call or probe), ``--render``
+    and ``--no-snapshot``."""
+    import tempfile
+
+    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / json_name))
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "revgraph-bench-llama42"),
+                        help="model files and logs")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds per worker call or probe")
+    parser.add_argument("--render", metavar="JSON", help="no measurement: print the table of saved results")
+    parser.add_argument("--no-snapshot", dest="snapshot", action="store_false",
+                        help="run the working tree's src/revgraph instead of a copy made at the start")
+
+
 def save_results(res: dict, json_path: str, cache: str, table) -> None:
     """End a run of bench/compile_anchor.py or bench/max_batch.py: paths made portable, ``res`` written to
     ``json_path``, its ``table(res)`` printed."""
     import tempfile
 
     from report_format import portable
-    from workers import Log
 
     root = str(Path(__file__).resolve().parent.parent)
     res = portable(res, {root: "<repo>", str(Path(cache)): "<cache>", tempfile.gettempdir(): "<tmp>"})
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
-    Log()(f"wrote {json_path} ({res['seconds']:.0f} s; load {res['load_start']} -> {res['load_end']})")
+    print(f"wrote {json_path} ({res['seconds']:.0f} s; load {res['load_start']} -> {res['load_end']})", flush=True)
     print(table(res))
 
 

@@ -38,7 +38,6 @@ import os
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -203,13 +202,7 @@ def main(argv=None) -> int:
     parser.add_argument("--resolution", type=int, default=4, help="bisect until the largest pass and the smallest "
                         "failure are this close")
     parser.add_argument("--steps", type=int, default=2, help="training steps a probe runs")
-    parser.add_argument("--json", default=str(HERE / "results" / "max_batch.json"))
-    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "revgraph-bench-llama42"),
-                        help="model files and probe logs")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per probe")
-    parser.add_argument("--render", metavar="JSON", help="no measurement: print the table of saved results")
-    parser.add_argument("--no-snapshot", dest="snapshot", action="store_false",
-                        help="run the working tree's src/revgraph instead of a copy made at the start")
+    llama42.common_options(parser, "max_batch.json", timeout=600.0)
     parser.add_argument("--probe", nargs=2, metavar=("CONFIG", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("start", "max_batch", "resolution", "steps"):
