@@ -14,10 +14,12 @@ this family, elementwise and reduce ops so that gradients of gradients need no o
 non-constant pads or dimensions in reflect/edge/wrap mode scatters with ``ScatterElements``.
 
 Sizes, offsets and strides are int-or-name (:data:`Dyn`): Python ints folded while the graph is built
-(:func:`_arith`), values only where they are unknown, so that a static slice emits no index arithmetic; they and
-the data movement (Slice, Pad, Reshape, Concat of shapes) are :meth:`~revgraph.autodiff.emitter.Emitter.op`
-calls, the shape plumbing of DESIGN.md's rules. Index formulas computed at run time (the masked Slice
-parameters, Pad's cut borders) and the cotangent arithmetic are written in the algebra.
+(:func:`_arith`), values only where they are unknown, so that a static slice emits no index arithmetic: they
+and the other shape and index values (Concat of shape parts, index lines) are
+:meth:`~revgraph.autodiff.emitter.Emitter.op` calls, the shape plumbing of DESIGN.md's rules. The cotangents'
+movement (Slice, Pad, Reshape, sums), the index formulas computed at run time (the masked Slice parameters,
+Pad's cut borders) and the cotangent arithmetic are written in the algebra; helpers called with an emitter
+build their values through :class:`._common.EmitterContext`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..algebra import Val, where
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import not_differentiable, vjp
-from ._common import I64, optional_input, static_dim
+from ._common import I64, EmitterContext, optional_input, static_dim
 from .tables import small
 
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -91,12 +93,12 @@ def _reshape_to(e: Emitter, g: str, x: str) -> str:
     if dx is not None and sum(not isinstance(d, int) for d in dx) == 1 and all(d != 0 for d in dx):
         # one symbolic dimension (the batch) and no empty static one: -1 recovers it from g's element count,
         # which is x's, so no Shape of x is read at run time
-        return e.op("Reshape", [g, e.ints([d if isinstance(d, int) else -1 for d in dx])], like=x)
-    return e.op("Reshape", [g, e.shape_of(x)], allowzero=1, like=x)
+        return EmitterContext(e).val(g).reshape([d if isinstance(d, int) else -1 for d in dx], like=x).name
+    return EmitterContext(e).val(g).apply("Reshape", e.shape_of(x), like=x, allowzero=1).name
 
 
 def _reverse(e: Emitter, g: str, axis: int) -> str:
-    return e.op("Slice", [g, e.ints([-1]), e.ints([INT64_MIN]), e.ints([axis]), e.ints([-1])], like=g)
+    return EmitterContext(e).val(g).apply("Slice", e.ints([-1]), e.ints([INT64_MIN]), e.ints([axis]), e.ints([-1])).name
 
 
 def _pad_axis(e: Emitter, g: str, axis: int, before: Dyn, after: Dyn, like: str | None = None) -> str:
@@ -108,7 +110,7 @@ def _pad_axis(e: Emitter, g: str, axis: int, before: Dyn, after: Dyn, like: str 
     r = e.rank(g)
     if r is None:  # the emitter turns the axes into full pads in the graph
         pads = e.op("Concat", [_t(e, before), _t(e, after)], axis=0)
-        return e.op("Pad", [g, pads, "", e.ints([axis])], like=like)
+        return EmitterContext(e).val(g).apply("Pad", pads, "", e.ints([axis]), like=like).name
     a = axis % r
     if isinstance(before, int) and isinstance(after, int):
         pads = e.ints([before if i == a else 0 for i in range(r)] + [after if i == a else 0 for i in range(r)])
@@ -119,7 +121,7 @@ def _pad_axis(e: Emitter, g: str, axis: int, before: Dyn, after: Dyn, like: str 
             parts.append(_t(e, amount))
             parts += [e.ints([0] * (r - a - 1))] if r - a - 1 else []
         pads = e.op("Concat", parts, axis=0, shape=(2 * r,), dtype=np.dtype(np.int64))
-    return e.op("Pad", [g, pads], like=like)
+    return EmitterContext(e).val(g).apply("Pad", pads, like=like).name
 
 
 # ------------------------------------------------------------------------------------------ reshapes
@@ -182,7 +184,7 @@ def concat(ctx: Ctx, node: Node, cts: list) -> list:
 
     def piece(i: int, x: str) -> str:
         start, end = offset(i), offset(i + 1)
-        return e.op("Slice", [g, _t(e, start), _t(e, end), e.ints([axis])], like=x)
+        return ctx.val(g).apply("Slice", _t(e, start), _t(e, end), e.ints([axis]), like=x).name
 
     return [lambda i=i, x=x: piece(i, x) for i, x in enumerate(node.inputs)]
 
@@ -195,7 +197,9 @@ def split(ctx: Ctx, node: Node, cts: list) -> list:
 
     def dx() -> str:
         parts = [g if g is not None else e.zeros_like(y) for g, y in zip(cts, node.outputs, strict=True)]
-        return parts[0] if len(parts) == 1 else e.op("Concat", parts, axis=int(node.attrs.get("axis", 0)), like=x)
+        if len(parts) == 1:
+            return parts[0]
+        return ctx.val(parts[0]).apply("Concat", *parts[1:], like=x, axis=int(node.attrs.get("axis", 0))).name
 
     return [dx, *[None] * (len(node.inputs) - 1)]
 
@@ -229,8 +233,8 @@ def _untile(ctx: Ctx, node: Node, g: str) -> str | Val:
     else:
         cols = [e.op("Unsqueeze", [_as_int64(e, v), e.ints([1])]) for v in (reps, e.shape_of(x))]
         view = e.op("Reshape", [e.op("Concat", cols, axis=1), e.ints([-1])])
-    grouped = e.op("Reshape", [g, view], allowzero=1)
-    return ctx.val(grouped).sum(range(0, 2 * r, 2), keepdims=0, like=x)
+    grouped = ctx.val(g).apply("Reshape", view, like=None, allowzero=1)
+    return grouped.sum(range(0, 2 * r, 2), keepdims=0, like=x)
 
 
 # ------------------------------------------------------------------------------------------ slice
@@ -245,17 +249,18 @@ def _unslice_axis(e: Emitter, g: str, axis: int, dim: Dyn, lo: Dyn, n: Dyn, s: D
     the result padded to ``dim``: only Unsqueeze/Pad/Reshape/Slice, which have VJPs here.
     ``neg`` is a bool or the name of a boolean [1] value; the other arguments are int-or-name. ``like``: the
     value whose type the padded result has (the sliced input, for the last axis unsliced)."""
+    val = EmitterContext(e).val
     if neg is True:
         g = _reverse(e, g, axis)
-    elif neg is not False:
+    elif neg is not False:  # the index triples of a reversed or a forward walk, chosen at run time
         pick = lambda a, b: e.op("Where", [neg, e.ints([a]), e.ints([b])])
-        g = e.op("Slice", [g, pick(-1, 0), pick(INT64_MIN, INT64_MAX), e.ints([axis]), pick(-1, 1)], like=g)
+        g = val(g).apply("Slice", pick(-1, 0), pick(INT64_MIN, INT64_MAX), e.ints([axis]), pick(-1, 1)).name
     if s == 1:
         length: Dyn = n
     else:
         new = axis + 1 if axis >= 0 else axis  # right after ``axis``, counted in the rank + 1 result
-        u = e.op("Unsqueeze", [g, e.ints([new])])
-        spread = _pad_axis(e, u, new, 0, _arith(e, "Sub", s, 1))
+        u = val(g).unsqueeze([new])
+        spread = _pad_axis(e, u.name, new, 0, _arith(e, "Sub", s, 1))
         gs = e.shape(g)
         merged_len = _arith(e, "Mul", n, s)
         if gs is not None and isinstance(merged_len, int):
@@ -264,9 +269,9 @@ def _unslice_axis(e: Emitter, g: str, axis: int, dim: Dyn, lo: Dyn, n: Dyn, s: D
             head = [e.op("Shape", [g], end=axis)] if axis != 0 else []
             tail = [e.op("Shape", [g], start=axis + 1)] if axis != -1 else []
             view = e.op("Concat", [*head, _t(e, merged_len), *tail], axis=0)
-        merged = e.op("Reshape", [spread, view], allowzero=1)
+        merged = val(spread).apply("Reshape", view, like=None, allowzero=1)
         length = _arith(e, "Max", _arith(e, "Add", _arith(e, "Mul", _arith(e, "Sub", n, 1), s), 1), 0)
-        g = e.op("Slice", [merged, e.ints([0]), _t(e, length), e.ints([axis])])
+        g = merged.apply("Slice", e.ints([0]), _t(e, length), e.ints([axis]), like=None).name
     return _pad_axis(e, g, axis, lo, _arith(e, "Sub", _arith(e, "Sub", dim, lo), length), like=like)
 
 
@@ -386,20 +391,21 @@ def _unpad_constant(ctx: Ctx, g: str, x: str, pads: str, axes: str | None) -> st
     if pv is not None:
         k = len(pv) // 2
         before, after = pv[:k], pv[k:]
+        gv = ctx.val(g)
         if any(p > 0 for p in pv):
-            g = e.op("Slice", [g, e.ints([max(b, 0) for b in before]),
-                               e.ints([-a if a > 0 else INT64_MAX for a in after]), *tail])
+            gv = gv.apply("Slice", e.ints([max(b, 0) for b in before]),
+                          e.ints([-a if a > 0 else INT64_MAX for a in after]), *tail, like=None)
         if any(p < 0 for p in pv):
-            g = e.op("Pad", [g, e.ints([max(-p, 0) for p in pv]), "", *tail])
-        return _reshape_to(e, g, x)
+            gv = gv.apply("Pad", e.ints([max(-p, 0) for p in pv]), "", *tail, like=None)
+        return _reshape_to(e, gv.name, x)
     p = ctx.val(pads)
     halves = p.apply("Max", e.ints([0]), like=None).reshape([2, -1])  # the positive pads: [before; after]
     row = lambda i: halves.apply("Slice", e.ints([i]), e.ints([i + 1]), like=None).reshape([-1])
     before, after = row(0), row(1)
     ends = where(after.gt(e.ints([0])), -after, e.ints([INT64_MAX]), like=None)
-    g = e.op("Slice", [g, before.name, ends.name, *tail])
+    cut = ctx.val(g).apply("Slice", before, ends, *tail, like=None)
     cropped = (-p).apply("Max", e.ints([0]), like=None)  # the negative pads, where x was cropped
-    return e.op("Pad", [g, cropped.name, "", *tail], like=x)
+    return cut.apply("Pad", cropped, "", *tail, like=x).name
 
 
 def _unpad_axis(e: Emitter, g: str, axis: int, dim: int, before: int, after: int, mode: str) -> str:
@@ -414,6 +420,7 @@ def _unpad_axis(e: Emitter, g: str, axis: int, dim: int, before: int, after: int
     if n <= 0:
         return _pad_axis(e, g, axis, dim, 0)
     src = np.pad(np.arange(n), (max(before, 0), max(after, 0)), mode=mode)
+    val = EmitterContext(e).val
     parts, i = [], 0
     while i < len(src):
         j, d = i + 1, 1
@@ -422,15 +429,15 @@ def _unpad_axis(e: Emitter, g: str, axis: int, dim: int, before: int, after: int
             while j + 1 < len(src) and int(src[j + 1]) - int(src[j]) == d:
                 j += 1
             j += 1
-        seg = e.op("Slice", [g, e.ints([i]), e.ints([j]), e.ints([axis])])
+        seg = val(g).apply("Slice", e.ints([i]), e.ints([j]), e.ints([axis]), like=None)
         if d == 0:
-            seg = e.op("ReduceSum", [seg, e.ints([axis])], keepdims=1)
+            seg = seg.sum([axis])
         elif d == -1:
-            seg = _reverse(e, seg, axis)
+            seg = val(_reverse(e, seg.name, axis))
         lo, length = int(src[i:j].min()), 1 if d == 0 else j - i
-        parts.append(_pad_axis(e, seg, axis, lo, n - lo - length))
+        parts.append(_pad_axis(e, seg.name, axis, lo, n - lo - length))
         i = j
-    total = parts[0] if len(parts) == 1 else e.op("Sum", parts)
+    total = parts[0] if len(parts) == 1 else val(parts[0]).apply("Sum", *parts[1:], like=None).name
     return _pad_axis(e, total, axis, cut_b, cut_a)
 
 
@@ -446,9 +453,10 @@ def _unpad_scatter(e: Emitter, g: str, x: str, pads: str, axes: str | None, mode
     zeros = e.op("ConstantOfShape", [n], value=np.zeros(1, dt if dt is not None else np.float32))
     if dt is None:
         zeros = e.op("CastLike", [zeros, g])
-    summed = e.op("ScatterElements", [zeros, e.op("Reshape", [source, flat]), e.op("Reshape", [g, flat])],
-                  axis=0, reduction="add")
-    return e.op("Reshape", [summed, e.shape_of(x)], like=x)
+    val = EmitterContext(e).val
+    summed = val(zeros).apply("ScatterElements", val(source).reshape(flat), val(g).reshape(flat), like=None, axis=0,
+                              reduction="add")
+    return summed.reshape(e.shape_of(x), like=x).name
 
 
 @vjp("Pad", bounded=True, finite=True, reads=(), moves=True)
@@ -468,7 +476,7 @@ def pad(ctx: Ctx, node: Node, cts: list) -> list:
         return _unpad_modes(e, node, g, x, pads, axes, mode)
 
     def dvalue() -> Val:  # the sum of g over the border, where Pad of ones is 0
-        inside = ctx.val(e.op("Pad", [e.ones_like(x), pads, "", *([axes] if axes else [])]))
+        inside = ctx.val(e.ones_like(x)).apply("Pad", pads, "", *([axes] if axes else []), like=None)
         total = (ctx.val(g) * (1 - inside)).sum(keepdims=0)
         return total if e.rank(cv) == 0 else total.reshape(e.shape_of(cv), like=cv)
 
@@ -506,18 +514,18 @@ def center_crop_pad(ctx: Ctx, node: Node, cts: list) -> list:
     e, x, g = ctx.e, node.inputs[0], cts[0]
     axes = node.attrs.get("axes")
 
-    def dx() -> str:
+    def dx() -> str | Val:
         dims = e.dims(x)
         if dims is not None:
             picked = [dims[int(a)] for a in axes] if axes is not None else list(dims)
             if all(isinstance(d, int) for d in picked):
                 if e.shape(g) is not None and e.shape(g) == e.shape(x):
                     return g
-                return e.op("CenterCropPad", [g, e.ints(picked)], axes=axes, like=x)
+                return ctx.val(g).apply("CenterCropPad", e.ints(picked), like=x, axes=axes)
         target = e.op("Shape", [x])
         if axes is not None:
             target = e.op("Gather", [target, e.ints([int(a) for a in axes])], axis=0)
-        return e.op("CenterCropPad", [g, target], axes=axes, like=x)
+        return ctx.val(g).apply("CenterCropPad", target, like=x, axes=axes)
 
     return [dx, None]
 
