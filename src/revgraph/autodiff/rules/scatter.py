@@ -20,6 +20,10 @@ the cotangent instead). Constant indices are resolved when the graph is built (n
 repeats); indices known only at run time are resolved in the graph, race free (the largest update number
 written at each position, a ``ScatterElements(reduction="max")``), with a warning, since another runtime may
 write in another order.
+
+The cotangents' movement and the formulas are written in the algebra; index tables (ScatterND's row numbers,
+the last-write table, shape products) are shape plumbing and stay :meth:`~revgraph.autodiff.emitter.Emitter.op`
+calls.
 """
 
 from __future__ import annotations
