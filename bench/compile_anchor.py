@@ -8,12 +8,12 @@ tokens, with 1 and 2 threads.
 
 Every (threads, batch) cell starts one fresh worker process per configuration (bench/workers.py), which imports
 its framework, builds the step and runs two steps: the first is timed apart (for ``pt-compile`` it is inductor's
-compilation of the forward and backward, with an empty inductor cache; for ``jax`` XLA's), reported as *first step*, and *compile* = first step
-less the median step. Then the cell's workers take turns (``--turns``, each about ``--turn-seconds`` of steps per
-worker, the starting worker rotating, bench/memory.py's ``Bench.time_group``), so the configurations are timed in
-the same minutes; a step time is the median over the turns of the turn's mean step, and a ratio is the median over
-the turns of the two configurations' ratio in that turn. The first-step losses of a cell must agree (same weights,
-same batch).
+compilation of the forward and backward, with an empty inductor cache; for ``jax`` XLA's), reported as *first step*, and
+*compile* = first step less the median step. Then the cell's workers take turns (``--turns``, each about
+``--turn-seconds`` of steps per worker, the starting worker rotating, bench/memory.py's ``Bench.time_group``), so the
+configurations are timed in the same minutes; a step time is the median over the turns of the turn's mean step, and a
+ratio is the median over the turns of the two configurations' ratio in that turn. The first-step losses of a cell must
+agree (same weights, same batch).
 
 Every worker runs a copy of src/revgraph made when the run starts (the tree is shared and edited meanwhile).
 Results: ``--json`` (default bench/results/compile_anchor.json); the Markdown table is printed at the end.

@@ -123,7 +123,8 @@ class Search:
 
     def run_probe(self, config: str, batch: int) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", config, str(batch), "--limit-gib",
-               str(self.args.limit_gib), "--limit-kind", self.kind, "--steps", str(self.args.steps), "--cache", str(self.args.cache)]
+               str(self.args.limit_gib), "--limit-kind", self.kind, "--steps", str(self.args.steps),
+               "--cache", str(self.args.cache)]
         t0 = time.perf_counter()
         with open(self.logs / f"{self.kind}-{config}-b{batch}.log", "w") as err:
             try:

@@ -1,9 +1,9 @@
 """Memory and CPU time of an Adam training step in onnxruntime's order and in revgraph's (issue 42, item 2).
 
 ``rg.Trainer(..., "cross-entropy", "adam", threads=1)`` on the step benchmark's models at batch 64
-(bench/models.py: MLP, CNN, Transformer; the RNN is time-major, which Trainer.step does not take) and bench/memory.py's LLaMA (transformers'
-``LlamaConfig``: 4 layers, hidden 256, vocabulary 2048) at ``--llama-batch`` x 128 tokens, with two runtime
-settings that differ only in the order the nodes run:
+(bench/models.py: MLP, CNN, Transformer; the RNN is time-major, which Trainer.step does not take) and bench/memory.py's
+LLaMA (transformers' ``LlamaConfig``: 4 layers, hidden 256, vocabulary 2048) at ``--llama-batch`` x 128 tokens, with two
+runtime settings that differ only in the order the nodes run:
 
 - **onnxruntime's order**: ``execution_order="default"`` (a depth-first walk back from the outputs) and every
   graph optimization (``"all"``), the training default before issue 42;

@@ -65,11 +65,12 @@ def gradient(
     ``Gather`` gets ``<name>_grad_indices`` (int64 [K]) and ``<name>_grad_values`` ([K, ...]) instead.
     A wrt value with no path to the loss gets zeros and a ``UserWarning`` (``unconnected="zero"``) or raises
     (``unconnected="error"``). ``accumulate`` is ``"sum"`` or ``"running"`` (see :class:`Accumulator`).
-    ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"products"``, ``"sqrt"`` or a segment
-    length K, or a :data:`~.policies.CheckpointPolicy` (see :mod:`.policies`). ``lift_constants=True`` first turns floating-point ``Constant`` and
-    ``ConstantOfShape`` values with more than one element into initializers (:func:`revgraph.autodiff.lift.lift_constants`),
-    so that they are differentiated by default. ``straight_through=True`` differentiates each
-    ``QuantizeLinear -> DequantizeLinear`` pair with the straight-through estimator (quantization-aware training,
+    ``checkpoint`` is the residual policy of loops: ``"store"``, ``"recompute"``, ``"products"``, ``"sqrt"`` or a
+    segment length K, or a :data:`~.policies.CheckpointPolicy` (see :mod:`.policies`). ``lift_constants=True`` first
+    turns floating-point ``Constant`` and ``ConstantOfShape`` values with more than one element into initializers
+    (:func:`revgraph.autodiff.lift.lift_constants`), so that they are differentiated by default.
+    ``straight_through=True`` differentiates each ``QuantizeLinear -> DequantizeLinear`` pair with the straight-through
+    estimator (quantization-aware training,
     :mod:`.rules.quant`); without it a path through such a pair raises :class:`GraphError`.
     ``memory`` is the budget of the residuals (the forward values the backward reads), planned by
     :func:`~.memory.plan_memory`: ``None`` (default) recomputes only free operators (reshapes, transposes, ...)
@@ -123,7 +124,8 @@ def gradient(
         missing = [w for w in wrt_names if w not in grad_map]
         if missing and unconnected == "error":
             raise RevgraphError(
-                f"no path from {', '.join(map(repr, missing))} to the loss {loss!r} (use unconnected='zero' for zero gradients)"
+                f"no path from {', '.join(map(repr, missing))} to the loss {loss!r} (use unconnected='zero' for zero "
+                "gradients)"
             )
         if missing:
             warn(f"no path from {', '.join(map(repr, missing))} to the loss {loss!r}; their gradients are zero")

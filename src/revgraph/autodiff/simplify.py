@@ -183,12 +183,14 @@ def _guard_conv_weights(nodes: list[Node], names: _Names) -> list[Node]:
     for node in nodes:
         if node.op_type == "Conv" and not node.domain and len(node.inputs) > 1:
             pad = producer.get(node.inputs[1])
-            const = producer.get(pad.inputs[1]) if pad is not None and pad.op_type == "Pad" and len(pad.inputs) > 1 else None
+            const = (producer.get(pad.inputs[1]) if pad is not None and pad.op_type == "Pad" and len(pad.inputs) > 1
+                     else None)
             if (const is not None and len(pad.inputs) <= 3 and not pad.domain and const.op_type == "Constant"
                     and "value" in const.attrs):
                 axes = names.fresh(f"{pad.name or 'Pad'}/axes")
                 rank = np.asarray(const.attrs["value"]).size // 2
-                out.insert(out.index(pad), Node("Constant", [], [axes], {"value": np.arange(rank, dtype=np.int64)}, axes))
+                out.insert(out.index(pad),
+                           Node("Constant", [], [axes], {"value": np.arange(rank, dtype=np.int64)}, axes))
                 pad.inputs = [*pad.inputs[:2], pad.inputs[2] if len(pad.inputs) > 2 else "", axes]
         out.append(node)
     return out

@@ -79,7 +79,8 @@ def check_length(epochs, max_steps, eval_every, eval_batch_size, eval_data) -> t
             raise InputError(f"{name} must be a positive integer, got {v!r}")
 
     for name, v in (("epochs (--epochs)", epochs), ("max_steps (--max-steps)", max_steps),
-                    ("eval_every (--eval-every)", eval_every), ("eval_batch_size (--eval-batch-size)", eval_batch_size)):
+                    ("eval_every (--eval-every)", eval_every),
+                    ("eval_batch_size (--eval-batch-size)", eval_batch_size)):
         positive(name, v)
     if epochs is not None and max_steps is not None:
         raise InputError("give epochs (--epochs) or max_steps (--max-steps), not both: max_steps trains that many "

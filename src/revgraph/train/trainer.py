@@ -1,8 +1,8 @@
 """Train a model with its training-step graphs: :class:`Trainer` (``rg.Trainer``), in one process or many.
 
 The step itself runs in an engine (:mod:`revgraph.train.engines`: the fused step graph in one process;
-:mod:`revgraph.train.distributed.data_parallel`: the step cut in two around a gradient all-reduce, one process per rank under
-``torchrun``). This module holds what both share: the data checks, the order of the samples and each rank's
+:mod:`revgraph.train.distributed.data_parallel`: the step cut in two around a gradient all-reduce, one process per rank
+under ``torchrun``). This module holds what both share: the data checks, the order of the samples and each rank's
 share of it (:func:`shard`), the loop over epochs with its progress bar, evaluation, checkpoints and resuming.
 
 Data-parallel semantics. With ``W`` processes and ``batch_size`` ``B``, each step trains on a global batch of
@@ -85,10 +85,10 @@ class Trainer:
     :data:`revgraph.train.losses.LOSSES` (``"cross-entropy"``, ``"mse"``, ``"bce"``, ``"causal-lm"``, ``"output:NAME"``)
     and ``loss_options`` its options (``ignore_index``, ``label_smoothing``, ``class_weights``, ``labels_from``;
     :func:`revgraph.train.losses.loss_graph`); ``optimizer`` an :class:`revgraph.train.Optimizer` or a name of
-    :data:`revgraph.train.OPTIMIZERS` (``"sgd"``, ``"adam"``, ``"adamw"``, with PyTorch's defaults). ``output`` picks the model output the loss reads (default:
-    the only one), ``params`` the initializers to train (names or fnmatch globs; default: the LoRA adapters
-    of a model that has them, :mod:`revgraph.train.lora`, else every floating-point one) and ``freeze`` globs of
-    initializers not to train (:func:`revgraph.train.trainable`). ``threads`` is
+    :data:`revgraph.train.OPTIMIZERS` (``"sgd"``, ``"adam"``, ``"adamw"``, with PyTorch's defaults). ``output`` picks
+    the model output the loss reads (default: the only one), ``params`` the initializers to train (names or fnmatch
+    globs; default: the LoRA adapters of a model that has them, :mod:`revgraph.train.lora`, else every floating-point
+    one) and ``freeze`` globs of initializers not to train (:func:`revgraph.train.trainable`). ``threads`` is
     onnxruntime's intra-op thread count (0: its default). ``device`` is ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``
     (:mod:`revgraph.runtime.devices`). ``runtime``: onnxruntime's memory settings (:class:`revgraph.RuntimeOptions`;
     a setting left ``None`` takes :data:`revgraph.runtime.options.TRAINING_DEFAULT`: memory pattern off, arena
@@ -96,19 +96,19 @@ class Trainer:
     overwrites where :mod:`revgraph.ir.inplace` finds it safe, ``"two"`` in two sets swapped every step (the fused
     step graph; :mod:`revgraph.train.engines`); the numbers are the same. ``distributed=True`` trains data-parallel with
     the other processes of a
-    ``torchrun`` launch (:mod:`revgraph.train.distributed.data_parallel`; needs ``pip install "revgraph[distributed]"``): every
-    rank builds the same Trainer and calls :meth:`fit` with the same data and arguments. ``shard``
-    (with ``distributed``): ``"none"`` (default), ``"optimizer"`` (ZeRO-1: each rank keeps the optimizer state
-    of its shard of the parameters) or ``"gradients"`` (ZeRO-2: and its shard of the gradients), see
-    :mod:`revgraph.train.distributed.sharding`; a world of one process trains unsharded. Sharded, :attr:`state` is a collective
-    (every rank reads it). ``memory`` is the
+    ``torchrun`` launch (:mod:`revgraph.train.distributed.data_parallel`; needs ``pip install
+    "revgraph[distributed]"``): every rank builds the same Trainer and calls :meth:`fit` with the same data and
+    arguments. ``shard`` (with ``distributed``): ``"none"`` (default), ``"optimizer"`` (ZeRO-1: each rank keeps the
+    optimizer state of its shard of the parameters) or ``"gradients"`` (ZeRO-2: and its shard of the gradients), see
+    :mod:`revgraph.train.distributed.sharding`; a world of one process trains unsharded. Sharded, :attr:`state` is a
+    collective (every rank reads it). ``memory`` is the
     budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
     bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
     ``trainer.spec.graph.memory_plan``. Data-parallel gradient exchange (:mod:`revgraph.train.distributed.exchange`):
     ``bucket_mb`` the all-reduce bucket size in MiB (DDP's ``bucket_cap_mb``, default 25), ``reduce_dtype``
     ``"fp32"`` (default: the gradients' dtype) or ``"bf16"`` (buckets all-reduced in bfloat16), ``overlap``
-    starts each bucket's all-reduce while the rest of the backward pass runs (:mod:`revgraph.train.distributed.overlap`; one
-    bucket: no cut); ``"auto"`` (default): on CUDA, not on the CPU, where gloo's all-reduce competes with the
+    starts each bucket's all-reduce while the rest of the backward pass runs (:mod:`revgraph.train.distributed.overlap`;
+    one bucket: no cut); ``"auto"`` (default): on CUDA, not on the CPU, where gloo's all-reduce competes with the
     backward for the same cores. ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (or a
     :class:`revgraph.train.precision.Precision` with the fp16 loss-scaling options): matrix products and convolutions in
     the low precision with float32 master weights, fp16 with dynamic loss scaling (:mod:`revgraph.train.precision`;
@@ -121,8 +121,8 @@ class Trainer:
     ``straight_through=True``: quantization-aware training, ``QuantizeLinear -> DequantizeLinear`` pairs
     differentiated with the straight-through estimator (:func:`revgraph.gradient`'s option; refused without it).
     ``timeout`` (seconds, with ``distributed``; default
-    :data:`revgraph.train.distributed.launch.DEFAULT_TIMEOUT`) bounds joining the process group and every collective, so a rank
-    that stopped fails the others with one line instead of a hang; the loss, the optimizer and its
+    :data:`revgraph.train.distributed.launch.DEFAULT_TIMEOUT`) bounds joining the process group and every collective, so
+    a rank that stopped fails the others with one line instead of a hang; the loss, the optimizer and its
     hyperparameters are compared across ranks here, before any step. ``schedule`` (a
     :class:`revgraph.train.schedules.Schedule`), ``clip_grad_norm`` (the global-norm threshold) and ``no_decay``
     (``"default"``: no weight decay on biases and 1-D parameters; ``"none"``; name patterns; a predicate
@@ -188,7 +188,8 @@ class Trainer:
                                  "training settings", "give every rank the same loss, optimizer and hyperparameters "
                                  "(--loss, --optimizer, --lr, --momentum, --weight-decay, --lr-schedule, "
                                  "--clip-grad-norm...) and the same data-parallel "
-                                 "options (--buffers, --shard, --sync-batchnorm, --bucket-mb, --reduce-dtype, --overlap)")
+                                 "options (--buffers, --shard, --sync-batchnorm, --bucket-mb, --reduce-dtype, "
+                                 "--overlap)")
         if synced and weighs_by_targets(self.spec.loss):
             # a rank whose rows count no target is skipped (weight 0), and its rows would then be missing
             # from the global batch statistics that synchronized BatchNormalization all-reduces
@@ -226,7 +227,8 @@ class Trainer:
 
     @property
     def times(self) -> StepTimes | None:
-        """The per-phase timings of every step when built with ``profile`` (:class:`revgraph.train.steptimes.StepTimes`)."""
+        """The per-phase timings of every step when built with ``profile``
+        (:class:`revgraph.train.steptimes.StepTimes`)."""
         return self._engine.times
 
     @property
@@ -328,10 +330,10 @@ class Trainer:
         with the loss and the throughput (samples/s over all ranks) on ``console`` (a ``rich.console.Console``).
 
         ``snapshot_dir`` (also spelt ``checkpoint_dir``, its name before the loop policy and the training snapshot
-        got one word each) and ``snapshot_every`` (``checkpoint_every``): rank 0 saves the parameters, optimizer state, step and data position there
-        (:mod:`revgraph.train.snapshots`) every ``checkpoint_every`` steps (0: at the end of each epoch) and at
-        the end; and when the directory already holds a checkpoint of this run, training resumes from it
-        (on every rank; only rank 0 reads the file), so a restarted run reaches the weights of an
+        got one word each) and ``snapshot_every`` (``checkpoint_every``): rank 0 saves the parameters, optimizer state,
+        step and data position there (:mod:`revgraph.train.snapshots`) every ``checkpoint_every`` steps (0: at the end
+        of each epoch) and at the end; and when the directory already holds a checkpoint of this run, training resumes
+        from it (on every rank; only rank 0 reads the file), so a restarted run reaches the weights of an
         uninterrupted one. It resumes at any world size whose global batch (``batch_size * world_size``)
         equals the checkpoint's, sharded or not (the data order and the steps are the same; elastic resume).
         A checkpoint records every hyperparameter (:mod:`revgraph.train.run_record`); resuming with another value of
@@ -350,8 +352,8 @@ class Trainer:
         (every field is checked before a step: :mod:`revgraph.train.snapshot_checks`). Returns the mean loss of each
         epoch (a last epoch cut short by ``max_steps``: of its batches trained). ``data`` may be a directory
         of ``.npy`` files (memory-mapped); ``static`` maps inputs to arrays fed whole to every step
-        (:mod:`revgraph.train.data`). A loss that is a mean over counted targets (``ignore_index``, class weights) weighs
-        each micro-batch and rank by its counted targets, so a step is the mean over the global batch's.
+        (:mod:`revgraph.train.data`). A loss that is a mean over counted targets (``ignore_index``, class weights)
+        weighs each micro-batch and rank by its counted targets, so a step is the mean over the global batch's.
 
         With ``distributed``, every argument (and whether ``checkpoint_dir`` is given) and the data are compared
         across ranks before the first step, and a rank that refuses its data makes every rank stop with one line.
@@ -484,7 +486,8 @@ class Trainer:
                 static: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """The model output the loss reads, for ``inputs`` (an array for a one-input model, or arrays by
         input name), with the current parameters; training-mode ``BatchNormalization`` normalizes with its
-        running statistics, as in :meth:`evaluate`; ``static`` inputs are fed as given. Raises :class:`RevgraphError` if onnxruntime fails."""
+        running statistics, as in :meth:`evaluate`; ``static`` inputs are fed as given. Raises :class:`RevgraphError` if
+        onnxruntime fails."""
         from ..runtime import Session
         from .distributed.sync_batchnorm import inference_batchnorms
 
