@@ -23,8 +23,8 @@ asked to keep them (``keep_previous=True``: the update then writes a fresh set, 
 :meth:`Engine.release` or the next step). A step whose loss fails ``accept`` is not applied at all (the split
 engine runs no update; the fused engine swaps back).
 
-The data-parallel engine of :mod:`revgraph.train.distributed.data_parallel` is a :class:`SplitEngine` with an all-reduce between
-the halves.
+The data-parallel engine of :mod:`revgraph.train.distributed.data_parallel` is a :class:`SplitEngine` with an all-reduce
+between the halves.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Engine:
             with session_source(to_onnx(graph)) as source:  # a file for a model over 2 GiB (external data)
                 sess = ort.InferenceSession(source, exact_products(self.options, graph), providers=providers,
                                             disabled_optimizers=disabled_optimizers(graph))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
             raise RevgraphError(refusal(str(exc)) or f"onnxruntime refuses the {what}: {_first_line(exc)}") from None
         self.device.check_session(sess)
         return sess
@@ -199,7 +199,7 @@ class Engine:
         binding.bind_output(self.spec.loss.output)
         try:
             self._eval.run_with_iobinding(binding)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
             raise RevgraphError(f"evaluation failed: {_first_line(exc)}") from None
         loss, out = binding.copy_outputs_to_cpu()
         return loss, out
@@ -237,7 +237,7 @@ class FusedEngine(Engine):
             binding.bind_cpu_input(name, arr)
         try:
             self._sess.run_with_iobinding(binding)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
             raise RevgraphError(f"the training step failed: {_first_line(exc)}") from None
         if self.times is not None:  # one graph: the whole step counts as forward+backward
             self.times.add("forward+backward", start)
@@ -363,7 +363,7 @@ class SplitEngine(Engine):
         total`` and summed (so the sum is the mean over all ``total`` samples), sparse rows weighted and
         concatenated. The sums are formed on the host (numpy): one process has no collective to overlap, and
         torch stays optional."""
-        dense = {g: v for g, v in self._grad_values.items()}
+        dense = dict(self._grad_values)
         acc: dict[str, np.ndarray] = {}
         pieces: dict[str, list] = {n: [] for _, idx, rows in self._sparse for n in (idx, rows)}
         loss = 0.0
@@ -439,7 +439,7 @@ class SplitEngine(Engine):
         self._synchronize()
         try:
             self._update.run_with_iobinding(ub)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
             raise RevgraphError(f"the update step failed: {_first_line(exc)}") from None
         self._read_norm()
         if fresh is not None:
@@ -458,7 +458,7 @@ class SplitEngine(Engine):
         if self.spec.scaling is not None:
             like.update(self.spec.scaling.initial())
         for p in self.spec.params:
-            like.update({n: self.spec.initial[p] for n in [p, *self.spec.state[p]]})
+            like.update(dict.fromkeys([p, *self.spec.state[p]], self.spec.initial[p]))
         return {n: self.device.ortvalue(np.empty_like(like[n])) for n in self.shared}
 
 
