@@ -201,6 +201,17 @@ class _Problem:
             self._cheap[k] = cheap(self.graph.nodes[k], self.types, self.dims)
         return self._cheap[k]
 
+    def kept_bytes(self, recomputed: set[int]) -> int:
+        """The residual bytes of the graph with ``recomputed`` rewritten (what :func:`.residuals.saved_bytes` will
+        find): the residuals no recomputed node writes, and the forward values the recomputed nodes read. (Not
+        the values the cut crosses: a graph output's edge costs nothing, so a minimum cut may cross one that
+        nothing reads, issue 42.)"""
+        written = {o for k in recomputed for o in self.graph.nodes[k].outputs if o}
+        kept = {r for r in self.residuals if r not in written}
+        for k in recomputed:
+            kept.update(i for i in self.graph.nodes[k].inputs if i in self.producer and i not in written)
+        return sum(self.bytes(v) or 0 for v in kept)
+
     def candidates(self, free_only: bool) -> list[int]:
         """The recomputable forward nodes some residual depends on through recomputable nodes only (with
         ``free_only``, the default plan's: free and cheap elementwise nodes)."""
@@ -270,7 +281,7 @@ class _Cuts:
             net.edge(out_vertex(r), Network.SINK, INF)
             if r in p.pinned and r in vin:
                 net.edge(Network.SOURCE, vin[r], INF)
-        self.nid, self.vin, self.vout = nid, vin, vout
+        self.nid = nid
 
     def solve(self, lam: float | None) -> tuple[set[int], int, int]:
         """The minimum cut for ``lam`` (``None``: infinity, only FLOP-free recomputation): the recomputed nodes,
@@ -278,10 +289,9 @@ class _Cuts:
         costs = [tie if f == 0 else (_NEVER if lam is None else min(_NEVER, tie + math.ceil(lam * f / self.unit)))
                  for tie, f in zip(self.ties, self.flops, strict=True)]
         side = self.net.source_side(dict(zip(self.recompute_edges, costs, strict=True)))
-        p, vin = self.p, self.vin
+        p = self.p
         recomputed = {k for k in self.nodes if not side[self.nid[k]]}
-        kept = sum(p.bytes(v) or 0 for v, o in self.vout.items() if not side[o] and (v not in vin or side[vin[v]]))
-        return recomputed, kept, sum(p.flops(k) or 0 for k in recomputed)
+        return recomputed, p.kept_bytes(recomputed), sum(p.flops(k) or 0 for k in recomputed)
 
 
 @V.arguments(graph=AS_GRAPH, budget=OPTIONAL_BUDGET)
