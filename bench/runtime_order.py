@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                                           str(args.steps), *budget], capture_output=True, text=True, check=True)
                     runs[config].append(json.loads(out.stdout.strip().splitlines()[-1]))
             results[name] = {c: {k: statistics.median(r[k] for r in rs) for k in ("peak_mb", "cpu_ms", "predicted_mb")}
-                             | {"losses": rs[0]["losses"]} for c, rs in runs.items()}
+                             | {"losses": rs[0]["losses"], "cpu_ms_turns": [round(r["cpu_ms"], 1) for r in rs]}
+                             for c, rs in runs.items()}
             a, b = results[name]["onnxruntime"], results[name]["revgraph"]
             print(f"{name}: peak {a['peak_mb']:.0f} -> {b['peak_mb']:.0f} MB (predicted {b['predicted_mb']:.0f}), "
                   f"CPU {a['cpu_ms']:.1f} -> {b['cpu_ms']:.1f} ms per step", flush=True)

@@ -384,7 +384,8 @@ def test_cli_runtime_flags_train_the_same_weights(files, capsys):
     weights = []
     for k, extra in enumerate([[], ["--arena", "on", "--memory-pattern", "on", "--execution-order", "priority_based"],
                                ["--arena", "off", "--memory-pattern", "off", "--buffers", "two"],
-                               ["--execution-order", "default", "--buffers", "one"]]):
+                               ["--execution-order", "default", "--buffers", "one"],
+                               ["--execution-order", "default", "--graph-optimization", "all"]]):
         args = _train_args(files, *extra)
         args[-1 - len(extra)] = str(files / f"trained{k}.onnx")
         assert main(args) == 0, capsys.readouterr().err
@@ -400,6 +401,7 @@ def test_cli_runtime_flags_train_the_same_weights(files, capsys):
     (["--arena", "maybe"], "argument --arena: invalid choice: 'maybe'"),
     (["--memory-pattern", "yes"], "argument --memory-pattern: invalid choice: 'yes'"),
     (["--execution-order", "fast"], "argument --execution-order: invalid choice: 'fast'"),
+    (["--graph-optimization", "max"], "argument --graph-optimization: invalid choice: 'max'"),
     (["--buffers", "three"], "argument --buffers: invalid choice: 'three'"),
 ])
 def test_cli_bad_runtime_flags_exit_2_with_one_line(files, capsys, extra, fragment):

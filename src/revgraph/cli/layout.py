@@ -28,7 +28,7 @@ GROUPS = {
     "tolerance": "when a gradient agrees",
     "output": "what is written and reported",
 }
-_RUNTIME = ("--arena", "--memory-pattern", "--execution-order")
+_RUNTIME = ("--arena", "--memory-pattern", "--execution-order", "--graph-optimization")
 _LOSS_WRT = ("--loss", "--wrt")
 _FORWARD_OUT = ("-o", "--opset")
 
@@ -63,7 +63,7 @@ LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
         "schedule": ("--lr-schedule", "--warmup-steps", "--min-lr"),
         "precision": ("--precision", "--init-scale", "--growth-factor", "--backoff-factor", "--growth-interval"),
         "memory": ("--memory-budget", "--buffers", "--arena", "--memory-pattern"),
-        "runtime": ("--device", "--threads", "--execution-order"),
+        "runtime": ("--device", "--threads", "--execution-order", "--graph-optimization"),
         "distributed": ("--nproc", "--shard", "--sync-batchnorm", "--bucket-mb", "--reduce-dtype", "--overlap",
                         "--timeout", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr",
                         "--max-restarts"),

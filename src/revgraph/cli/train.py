@@ -115,7 +115,8 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                             "global batch, all-reduced inside the step as torch.nn.SyncBatchNorm does (default: each "
                             "process over its own share, rank 0's running statistics kept; rank 0 warns)")
     add_launch_arguments(train)
-    add_runtime_arguments(train, "arena on, memory pattern off, measured best for training")
+    add_runtime_arguments(train, "arena on, memory pattern off, priority_based, none: revgraph's order, "
+                                 "measured best for training")
     train.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES",
                        help=memory_help + "; a byte count sizes the batch dimension with --batch-size")
     train.add_argument("--buffers", choices=BUFFERS, default="one",
@@ -132,9 +133,9 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser, defaults: str) -> None:
-    """``--arena on|off``, ``--memory-pattern on|off`` and ``--execution-order ...`` (:class:`RuntimeOptions`);
-    ``defaults`` says in the help what an option left out means."""
-    from ..runtime.options import EXECUTION_ORDERS
+    """``--arena on|off``, ``--memory-pattern on|off``, ``--execution-order ...`` and ``--graph-optimization ...``
+    (:class:`RuntimeOptions`); ``defaults`` says in the help what an option left out means."""
+    from ..runtime.options import EXECUTION_ORDERS, GRAPH_OPTIMIZATIONS
 
     parser.add_argument("--arena", choices=("on", "off"),
                         help=f"onnxruntime's CPU memory arena (enable_cpu_mem_arena; default: {defaults})")
@@ -142,8 +143,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, defaults: str) -> Non
                         help=f"onnxruntime's planned allocation of intermediate tensors (enable_mem_pattern; default: "
                              f"{defaults})")
     parser.add_argument("--execution-order", choices=tuple(EXECUTION_ORDERS),
-                        help="the order onnxruntime runs nodes in (memory_efficient needs an onnxruntime training "
-                             "build; default: default)")
+                        help="the order onnxruntime runs nodes in: priority_based is the graph's own order "
+                             f"(memory_efficient needs an onnxruntime training build; default: {defaults})")
+    parser.add_argument("--graph-optimization", choices=tuple(GRAPH_OPTIMIZATIONS),
+                        help=f"onnxruntime's graph optimization level (graph_optimization_level; default: {defaults})")
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,11 +178,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def runtime_from_args(args: argparse.Namespace) -> RuntimeOptions:
-    """The :class:`RuntimeOptions` of ``--arena``, ``--memory-pattern`` and ``--execution-order`` (``None``
-    for each option left out)."""
+    """The :class:`RuntimeOptions` of ``--arena``, ``--memory-pattern``, ``--execution-order`` and
+    ``--graph-optimization`` (``None`` for each option left out)."""
     flag = {"on": True, "off": False, None: None}
     return RuntimeOptions(arena=flag[args.arena], memory_pattern=flag[args.memory_pattern],
-                          execution_order=args.execution_order)
+                          execution_order=args.execution_order, graph_optimization=args.graph_optimization)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
