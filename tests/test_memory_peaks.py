@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+from kit.chains import tanh_chain
 
 import revgraph as rg
 from revgraph.autodiff.memory.lifetime import lifetimes
@@ -19,17 +20,9 @@ N = 64  # rows of the activations: [64, 64] float32, 16 KiB each
 
 
 def _deep(layers: int) -> Graph:
-    """``h_l = tanh(h_(l-1) @ w_l)`` for ``layers`` layers, then ``sum``: recomputing a layer from the input
-    (``memory=0``'s fewest bytes) would hold every recomputed layer from the start of the backward."""
-    rng = np.random.default_rng(0)
-    nodes, inits, x = [], {}, "x"
-    for k in range(layers):
-        inits[f"w{k}"] = (rng.standard_normal((N, N)) / 8).astype(F32)
-        nodes += [Node("MatMul", [x, f"w{k}"], [f"m{k}"], name=f"mm{k}"),
-                  Node("Tanh", [f"m{k}"], [f"h{k}"], name=f"act{k}")]
-        x = f"h{k}"
-    nodes.append(Node("ReduceSum", [x], ["loss"], {"keepdims": 0}, name="sum"))
-    return Graph(nodes, [ValueInfo("x", F32, (N, N))], [ValueInfo("loss", F32, ())], inits)
+    """``h_l = tanh(h_(l-1) @ w_l)`` for ``layers`` layers on [64, 64], then ``sum``: recomputing a layer from the
+    input (``memory=0``'s fewest bytes) would hold every recomputed layer from the start of the backward."""
+    return tanh_chain(layers, N, N, scale=8.0)
 
 
 def _gradient(g: Graph, memory=None, **kw) -> Graph:
@@ -76,8 +69,8 @@ def _random_outputs(kind: str) -> Graph:
     nodes = [Node("MatMul", ["x", "w"], ["m"], name="mm"), *draw, Node("Tanh", ["d"], ["t"], name="act"),
              Node("MatMul", ["t", "v"], ["y"], name="mm2"), Node("Sin", ["y"], ["s"], name="sin"),
              Node("ReduceSum", ["s"], ["loss"], {"keepdims": 0}, name="sum")]
-    return Graph(nodes, [ValueInfo("x", F32, (N, N))], [ValueInfo("loss", F32, ()), out_type, ValueInfo("m", F32, (N, N))],
-                 inits)
+    outputs = [ValueInfo("loss", F32, ()), out_type, ValueInfo("m", F32, (N, N))]
+    return Graph(nodes, [ValueInfo("x", F32, (N, N))], outputs, inits)
 
 
 @pytest.mark.parametrize("kind", ["dropout", "random_normal_like"])

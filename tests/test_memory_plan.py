@@ -15,6 +15,7 @@ import onnx
 import pytest
 import torch
 from conftest import DATA_DIR
+from kit.chains import tanh_chain
 from kit.harness import double_backward
 from kit.loops import body, loop, n
 
@@ -38,17 +39,8 @@ LAYER = B * H * 4  # bytes of one [4, 16] float32 activation
 
 
 def _chain(layers: int, extra=None, batch: int | str = B) -> Graph:
-    """``x -> (MatMul w_l -> Tanh) x layers -> ReduceSum``: the backward reads each Tanh output ``h_l`` (Tanh's
-    VJP, 1 - h^2, and the next MatMul's weight gradient, h^T g), and ``x`` (an input: never a residual)."""
-    rng = np.random.default_rng(0)
-    nodes, inits, x = [], {}, "x"
-    for k in range(layers):
-        inits[f"w{k}"] = (rng.standard_normal((H, H)) / 4).astype(F32)
-        nodes += [Node("MatMul", [x, f"w{k}"], [f"m{k}"], name=f"mm{k}"),
-                  Node("Tanh", [f"m{k}"], [f"h{k}"], name=f"act{k}")]
-        x = f"h{k}"
-    nodes += extra(x) if extra else [Node("ReduceSum", [x], ["loss"], {"keepdims": 0}, name="sum")]
-    return Graph(nodes, [ValueInfo("x", F32, (batch, H))], [ValueInfo("loss", F32, ())], inits)
+    """``x -> (MatMul w_l -> Tanh) x layers -> ReduceSum`` on [batch, 16] (:func:`kit.chains.tanh_chain`)."""
+    return tanh_chain(layers, H, batch, extra)
 
 
 def _feeds(batch: int = B) -> dict[str, np.ndarray]:
