@@ -125,3 +125,24 @@ def test_evaluate_returns_python_numbers():
     assert result["loss"] == pytest.approx(want, rel=1e-5)
     assert result["accuracy"] == pytest.approx(float(np.mean(logits.argmax(1).numpy() == labels)))
     assert json.loads(json.dumps(result)) == result  # (json.dumps refuses numpy scalars)
+
+
+@pytest.mark.parametrize("kind", ["ModelProto", "str", "Path"])
+def test_lora_functions_take_each_form(forms, kind, tmp_path):
+    """rg.lora.add_adapters (and config, extract, merge_adapters, apply, save_adapters on its result's file) take
+    a path or a ModelProto as they take the Graph: the adapters are at zero, so the model's output is unchanged,
+    and with A and B set the merged weight is W + (alpha / r) A B."""
+    lg = rg.lora.add_adapters(forms[kind], 1, 1.0, targets="w")
+    assert rg.lora.config(lg)["rank"] == 1
+    np.testing.assert_allclose(_run(lg)["loss"], _run(_graph())["loss"], rtol=1e-6)
+    arrays, configuration = rg.lora.extract(lg)
+    a, b = (n for n in sorted(arrays))
+    arrays = {a: np.full(arrays[a].shape, 0.5, np.float32), b: np.full(arrays[b].shape, 0.25, np.float32)}
+    rg.save(_graph(), tmp_path / "base.onnx")
+    applied = rg.lora.apply(forms[kind], arrays, configuration, merge=True)
+    low_rank = arrays[a] @ arrays[b] if arrays[a].shape[0] == W.shape[0] else (arrays[b] @ arrays[a])
+    np.testing.assert_allclose(applied.initializers["w"], W + low_rank, rtol=1e-6)
+    rg.save(rg.lora.apply(_graph(), arrays, configuration), tmp_path / "adapted.onnx")
+    merged = rg.lora.merge_adapters(str(tmp_path / "adapted.onnx"))
+    np.testing.assert_allclose(merged.initializers["w"], W + low_rank, rtol=1e-6)
+    assert rg.lora.save_adapters(tmp_path / "adapters.npz", str(tmp_path / "adapted.onnx"))[0] == 2

@@ -15,7 +15,7 @@ from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, fresh_name, gc_paused, require_graph
 from ..ir.ssa import is_ssa, to_ssa
-from ..onnx_io.arguments import AS_GRAPH
+from ..onnx_io.arguments import AS_GRAPH, ModelLike
 from ..onnx_io.value_types import infer_types, keep_types
 from ..warn import warn
 from . import sparse as sp
@@ -37,7 +37,7 @@ from .sparse import SparseGrad
              checkpoint=POLICY, lift_constants=V.FLAG, straight_through=V.FLAG, memory=BUDGET,
              finite_inputs=V.NAMES)
 def gradient(
-    graph: Graph,
+    graph: ModelLike,
     loss: str | None = None,
     wrt: Iterable[str] | str | None = None,
     *,

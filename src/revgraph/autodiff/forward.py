@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from .. import validate as V
 from ..ir import Graph, Node, ValueInfo, fresh_name, require_graph
 from ..ir.ssa import captured_names, is_ssa, to_ssa
-from ..onnx_io.arguments import AS_GRAPH
+from ..onnx_io.arguments import AS_GRAPH, ModelLike
 from ..onnx_io.value_types import constant_values, differentiable, infer_types, keep_types
 from ..warn import warn
 from .accumulate import densify, zeros_like
@@ -50,7 +50,7 @@ CONTROL_FLOW = ("Loop", "If")
 
 @V.arguments(graph=AS_GRAPH, outputs=V.NAMES, inputs=V.NAMES, tangent_names=V.OPTIONAL_MAPPING,
              output_names=V.OPTIONAL_MAPPING)
-def jvp(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None,
+def jvp(graph: ModelLike, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None,
         *, tangent_names: dict[str, str] | None = None, output_names: dict[str, str] | None = None) -> Graph:
     """A graph computing ``graph``'s outputs and the Jacobian-vector product ``J t`` (forward mode).
 

@@ -24,7 +24,7 @@ from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, Node, ValueInfo, onnx_dtype, require_graph
 from ..ir.ssa import captured_names
-from ..onnx_io.arguments import AS_GRAPH
+from ..onnx_io.arguments import AS_GRAPH, ModelLike
 from ..onnx_io.value_types import infer_types, keep_types
 from .api import gradient
 from .arguments import names_argument, resolve_loss, resolve_outputs, resolve_wrt, used_names
@@ -37,7 +37,7 @@ from .simplify import simplify
 
 
 @V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=POLICY, memory=BUDGET)
-def hvp(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
+def hvp(graph: ModelLike, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
         checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs, the gradients ``<x>_grad`` of ``loss`` and the Hessian-vector
     products ``<x>_hvp = sum_z d^2 loss / (dx dz) t_z`` for the tangents ``<z>_tangent`` (graph inputs of the
@@ -73,7 +73,7 @@ def _gradient(graph: Graph, loss: str | None, wrt, checkpoint, memory=None) -> t
 
 @V.arguments(graph=AS_GRAPH, outputs=V.NAMES, inputs=V.NAMES, mode=V.choice("auto", "forward", "reverse"),
              checkpoint=POLICY, memory=BUDGET)
-def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None, *,
+def jacobian(graph: ModelLike, outputs: Iterable[str] | str | None = None, inputs: Iterable[str] | str | None = None, *,
              mode: str = "auto", checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs and, for each output ``y`` and input ``x``, the Jacobian
     ``<y>_jacobian_<x>`` of shape ``y.shape + x.shape`` (``J[i..., j...] = dy[i...] / dx[j...]``, as
@@ -105,7 +105,7 @@ def jacobian(graph: Graph, outputs: Iterable[str] | str | None = None, inputs: I
 
 
 @V.arguments(graph=AS_GRAPH, loss=V.NAME, wrt=V.NAMES, checkpoint=POLICY, memory=BUDGET)
-def hessian(graph: Graph, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
+def hessian(graph: ModelLike, loss: str | None = None, wrt: Iterable[str] | str | None = None, *,
             checkpoint: str | int | CheckpointPolicy = "store", memory=None) -> Graph:
     """A graph computing ``graph``'s outputs and the Hessian of ``loss`` (summed if not scalar): for each pair
     of ``wrt`` values the block ``d^2 loss / (dx_i dx_j)`` of shape ``x_i.shape + x_j.shape``, named

@@ -4,6 +4,10 @@ check)."""
 
 from __future__ import annotations
 
+import os
+
+import onnx
+
 from ..ir import Graph
 from ..ir.arguments import model
 from . import load
@@ -22,3 +26,7 @@ as_graph.converts = True  # (validate.arguments() passes the loaded graph on)
 
 #: a Graph, a ModelProto or a path, passed on as a Graph
 AS_GRAPH = as_graph
+
+#: what :data:`AS_GRAPH` takes, for annotations: a graph, an ``onnx.ModelProto``, its serialized bytes or the path
+#: of an ``.onnx`` file
+ModelLike = Graph | onnx.ModelProto | bytes | str | os.PathLike

@@ -39,7 +39,7 @@ from ..autodiff.loops.lower import lower_to_loops
 from ..errors import InputError, RevgraphError
 from ..ir import Graph, Node, ValueInfo, fresh_name, is_float_dtype, require_graph
 from ..ir.ssa import is_ssa, to_ssa
-from ..onnx_io.arguments import AS_GRAPH
+from ..onnx_io.arguments import AS_GRAPH, ModelLike
 from ..onnx_io.value_types import constant_value, infer_types
 from ..runtime import Session, expand_domains, random_inputs
 
@@ -326,7 +326,7 @@ def _note(notes: list[str], text: str) -> None:
              atol=V.NON_NEGATIVE, directions=V.POSITIVE_INT, step=V.POSITIVE,
              backend=V.choice("onnxruntime", "reference"))
 def check_gradients(
-    graph: Graph,
+    graph: ModelLike,
     loss: str | None = None,
     wrt: Iterable[str] | str | None = None,
     *,

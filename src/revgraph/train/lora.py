@@ -44,7 +44,7 @@ import numpy as np
 from .. import validate as V
 from ..errors import RevgraphError
 from ..ir import Graph, NameSet, Node, ValueInfo, fresh_name, is_float_dtype
-from ..ir.arguments import GRAPH
+from ..onnx_io.arguments import AS_GRAPH, ModelLike
 from . import lora_nbits
 from .lora_config import FORMAT as _FORMAT
 from .lora_config import check_against, check_sites, check_structure
@@ -82,8 +82,8 @@ class _Site:
         return (cols, rows) if self.transposed else (rows, cols)
 
 
-@V.arguments(graph=GRAPH)
-def config(graph: Graph) -> dict | None:
+@V.arguments(graph=AS_GRAPH)
+def config(graph: ModelLike) -> dict | None:
     """The LoRA configuration of ``graph`` (module doc), or ``None`` when it has no adapters. Raises
     :class:`RevgraphError` (one line) for one that is not what revgraph writes or does not fit ``graph``
     (:mod:`.lora_config`: every field, every name it gives)."""
@@ -209,8 +209,8 @@ def check_rank(rank: object, alpha: object) -> tuple[int, float]:
     return int(rank), float(alpha)
 
 
-@V.arguments(graph=GRAPH, targets=V.OPTIONAL_NAMES, seed=V.SEED)  # (rank, alpha: check_rank)
-def add_adapters(graph: Graph, rank: int, alpha: float | None = None, targets: Iterable[str] | str | None = None,
+@V.arguments(graph=AS_GRAPH, targets=V.OPTIONAL_NAMES, seed=V.SEED)  # (rank, alpha: check_rank)
+def add_adapters(graph: ModelLike, rank: int, alpha: float | None = None, targets: Iterable[str] | str | None = None,
                  seed: int = 0) -> Graph:
     """``graph`` with LoRA adapters on the weights of its ``MatMul``/``Gemm`` nodes (module doc); ``graph`` is
     not changed (its initializer arrays are shared).
@@ -315,8 +315,8 @@ def _rewrite(s: _Site, a: str, b: str, scaling: float, dtype: np.dtype, used: se
             Node("Add", [base, delta], [out], {}, name("add"))]
 
 
-@V.arguments(graph=GRAPH)
-def merge_adapters(graph: Graph) -> Graph:
+@V.arguments(graph=AS_GRAPH)
+def merge_adapters(graph: ModelLike) -> Graph:
     """``graph`` with its adapters folded into the weights: ``W + (alpha / r) A B`` (in ``W``'s stored
     orientation), the adapter nodes, initializers and configuration removed; ``graph`` is not changed. A weight
     that other nodes read too (a ``Gather`` of a tied embedding) keeps its value for them: the adapted nodes
@@ -423,8 +423,8 @@ def _drop_dead_weight_nodes(g: Graph) -> None:
 # ------------------------------------------------------------------------------------------ extract and apply
 
 
-@V.arguments(graph=GRAPH)
-def extract(graph: Graph) -> tuple[dict[str, np.ndarray], dict]:
+@V.arguments(graph=AS_GRAPH)
+def extract(graph: ModelLike) -> tuple[dict[str, np.ndarray], dict]:
     """The adapters of ``graph`` alone: ``({adapter name: array}, configuration)``. Raises
     :class:`RevgraphError` for a graph without adapters."""
     found = config(graph)
@@ -439,8 +439,8 @@ def extract(graph: Graph) -> tuple[dict[str, np.ndarray], dict]:
     return {n: np.asarray(graph.initializers[n]) for n in adapter_names(graph)}, found
 
 
-@V.arguments(base=GRAPH, merge=V.FLAG, source=V.OPTIONAL_PATH)  # (arrays, configuration: checked below, named)
-def apply(base: Graph, arrays: dict[str, np.ndarray], configuration: dict, merge: bool = False, *,
+@V.arguments(base=AS_GRAPH, merge=V.FLAG, source=V.OPTIONAL_PATH)  # (arrays, configuration: checked below, named)
+def apply(base: ModelLike, arrays: dict[str, np.ndarray], configuration: dict, merge: bool = False, *,
           source: str | os.PathLike | None = None) -> Graph:
     """``base`` with the adapters ``arrays`` of ``configuration`` (what :func:`extract` returns) on the same
     weights, merged into them with ``merge``. ``source``: the file the adapters came from (what
@@ -502,8 +502,8 @@ def _add_exact(base: Graph, configuration: dict, weights: list[str]) -> Graph:
     return add_adapters(base, rank, alpha, escaped, configuration.get("seed", 0))
 
 
-@V.arguments(path=V.PATH, graph=GRAPH)
-def save_adapters(path: str | os.PathLike, graph: Graph) -> tuple[int, int]:
+@V.arguments(path=V.PATH, graph=AS_GRAPH)
+def save_adapters(path: str | os.PathLike, graph: ModelLike) -> tuple[int, int]:
     """Write the adapters of ``graph`` and their configuration to ``path`` atomically: ``.npz`` (the arrays by
     name, the configuration as the string member ``revgraph.lora``; :mod:`revgraph.onnx_io.npz`) or ``.onnx`` (a model
     without nodes whose outputs are the adapter initializers, the configuration in its metadata). Returns

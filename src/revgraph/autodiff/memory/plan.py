@@ -52,7 +52,7 @@ import numpy as np
 from ... import validate as V
 from ...ir import REMAT_PREFIX, Graph, Node, ValueInfo, fresh_name
 from ...ir.ssa import captured_names
-from ...onnx_io.arguments import AS_GRAPH
+from ...onnx_io.arguments import AS_GRAPH, ModelLike
 from ...runtime.options import ORT_DISABLED_OPTIMIZERS
 from ...warn import warn
 from .budget import DEFAULT_SYMBOLIC_DIM, OPTIONAL_BUDGET, Budget
@@ -295,7 +295,7 @@ class _Cuts:
 
 
 @V.arguments(graph=AS_GRAPH, budget=OPTIONAL_BUDGET)
-def plan_memory(graph: Graph, budget: Budget | None = None) -> MemoryPlan:
+def plan_memory(graph: ModelLike, budget: Budget | None = None) -> MemoryPlan:
     """Choose the residuals of the gradient graph ``graph`` (top level; written by :func:`revgraph.gradient`)
     under ``budget`` and rewrite ``graph`` in place with the recomputation (see the module doc). ``None`` is the
     default plan: only free operators (views, copies) and cheap elementwise images of kept values are

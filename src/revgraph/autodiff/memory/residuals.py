@@ -21,7 +21,7 @@ from ... import validate as V
 from ...errors import RevgraphError
 from ...ir import Graph, Node, ValueInfo
 from ...ir.ssa import captured_names
-from ...onnx_io.arguments import AS_GRAPH
+from ...onnx_io.arguments import AS_GRAPH, ModelLike
 
 #: The name prefixes of nodes the backward pass emits (:mod:`..backward`, :mod:`..accumulate`, :mod:`.plan`).
 BACKWARD_PREFIXES = ("grad/", "accum/", "seed/", "remat/")
@@ -77,7 +77,7 @@ def residual_sizes(graph: Graph, dims: Mapping[str, int] | None = None) -> dict[
 
 
 @V.arguments(graph=AS_GRAPH, dims=V.OPTIONAL_MAPPING)
-def saved_bytes(graph: Graph, dims: Mapping[str, int] | None = None) -> int:
+def saved_bytes(graph: ModelLike, dims: Mapping[str, int] | None = None) -> int:
     """Total bytes of the residuals of ``graph`` (a gradient or training-step graph written by revgraph), from
     the declared types of the values: symbolic dimensions are given by ``dims`` (name -> size). A residual
     stacked by a loop (a scan output) counts with its stacked size, so its leading dimension must be known.
