@@ -65,7 +65,7 @@ def test_model_output_beside_an_output_loss_is_refused():
     g = tiny_lm()
     with pytest.raises(RevgraphError) as info:
         loss_graph(g, "output:logits", output="other")
-    assert "--model-output other (output=) does not go with --loss output:logits" in _one_line(info)
+    assert "--model-output other (output=) does not go with --loss-fn output:logits" in _one_line(info)
 
 
 @pytest.mark.parametrize("static, message", [

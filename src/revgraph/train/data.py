@@ -115,7 +115,7 @@ def prepare(spec, data, static: Mapping | None = None, classes: int | None = Non
     if getattr(loss, "kind", None) == "causal-lm" and not has_labels and "labels" in data and "labels" not in names:
         # Hugging Face data carries 'labels' with its padding masked; reading input_ids instead would train on
         # the padding without a word
-        raise InputError(f"the data holds 'labels', but --loss causal-lm reads its targets from the input "
+        raise InputError(f"the data holds 'labels', but --loss-fn causal-lm reads its targets from the input "
                          f"{loss.targets or 'input_ids'!r}: give --labels-from labels (labels_from=) to use them, "
                          "or leave them out of the data")
     sample = [n for n in names if n not in static]

@@ -164,7 +164,7 @@ def _own_output(x: Build) -> tuple[str, str | None, str | None]:
     """The model's float scalar output is the loss."""
     vi = x.vi
     if vi.shape is None or any(d != 1 for d in vi.shape):
-        raise RevgraphError(f"--loss output:{x.out} needs a float scalar output; {x.out!r} is {vi.describe()}")
+        raise RevgraphError(f"--loss-fn output:{x.out} needs a float scalar output; {x.out!r} is {vi.describe()}")
     return (x.b.op("Reshape", [x.out, x.b.const([], np.int64)]) if vi.shape else x.out), None, None
 
 
@@ -185,7 +185,7 @@ def _bce_accuracy(out: np.ndarray, targets, labels: np.ndarray, ignore) -> tuple
 _CE_OPTIONS = ("ignore_index", "label_smoothing", "class_weights", "chunk_tokens")
 
 #: The losses :func:`loss_graph` builds, by name; ``"output:NAME"`` is a pattern (any output name). The CLI's
-#: ``--loss`` validates and documents from this (:func:`parse_loss`); the data checks, the evaluation's accuracy
+#: ``--loss-fn`` validates and documents from this (:func:`parse_loss`); the data checks, the evaluation's accuracy
 #: and the loss weights of micro-batches and ranks read each entry's behaviour.
 LOSSES: dict[str, LossKind] = {
     "cross-entropy": LossKind("required", _CE_OPTIONS, "logits [..., C] against int64 class labels [...]",
@@ -218,7 +218,7 @@ def parse_loss(loss: str) -> tuple[str, str | None]:
     if isinstance(loss, str) and loss.startswith("output:"):
         name = loss[len("output:"):]
         if not name:
-            raise RevgraphError("--loss output:NAME needs the name of the model output that is the loss")
+            raise RevgraphError("--loss-fn output:NAME needs the name of the model output that is the loss")
         return "output", name
     if loss not in LOSSES or loss == "output:NAME":
         raise RevgraphError(f"unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
@@ -345,7 +345,7 @@ def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None 
     kind, named = parse_loss(loss)
     if kind == "output" and output is not None and output != named:
         # output:NAME names the loss itself; a second output would be ignored without a word
-        raise RevgraphError(f"--model-output {output} (output=) does not go with --loss output:{named}, whose loss is "
+        raise RevgraphError(f"--model-output {output} (output=) does not go with --loss-fn output:{named}, whose loss is "
                             f"the output {named!r}: leave --model-output out")
     opts = check_options(kind, options)
     g = (model if is_ssa(model) else to_ssa(model)).copy()
@@ -356,7 +356,7 @@ def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None 
     b.prefix = f"loss/{kind}"
     settings = {"kind": kind, "output": out, **{k: v for k, v in opts.items() if k != "chunk_tokens"}}
     if not vi.is_float:
-        what = f"--loss output:{out} needs a float scalar output" if kind == "output" else \
+        what = f"--loss-fn output:{out} needs a float scalar output" if kind == "output" else \
             "the loss needs a floating-point model output"
         raise RevgraphError(f"{what}; {out!r} is {vi.describe()}")
     x = Build(g, b, out, vi, opts, settings, memory)
