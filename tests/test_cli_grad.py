@@ -171,3 +171,20 @@ def test_grad_checkpoint_policies_agree(tmp_path, capsys):
     capsys.readouterr()
     assert main(["grad", str(tmp_path / "loop.onnx"), "-o", str(tmp_path / "bad.onnx"), "--checkpoint", "often"]) == 2
     assert "unknown checkpoint policy 'often'" in _err_line(capsys)
+
+
+def test_relative_error_is_against_the_larger_value_and_never_below_atol():
+    # loss = sum(x * w) + 1e-22 * sum(b): b's gradient is 1e-22 per element, below float64's resolution of a loss
+    # near 1e3, so the central difference is exactly 0; the error 1e-22 is no relative error of 1e+278 (BERT's
+    # biases showed such a figure, marked "yes")
+    g = Graph([Node("Mul", ["x", "w"], ["xw"], name="mul"),
+               Node("ReduceSum", ["xw"], ["a"], {"keepdims": 0}, name="sa"),
+               Node("Mul", ["b", "c"], ["bc"], name="tiny"),
+               Node("ReduceSum", ["bc"], ["t"], {"keepdims": 0}, name="st"),
+               Node("Add", ["a", "t"], ["loss"], name="add")],
+              [ValueInfo("x", np.float64, (4,))], [ValueInfo("loss", np.float64, ())],
+              {"w": np.full(4, 250.0), "b": np.ones(4), "c": np.array(1e-22)})
+    rep = rg.check_gradients(g, wrt=["b"], inputs={"x": np.ones(4)})
+    row = rep.rows[0]
+    assert row.ok and row.max_abs > 0
+    assert row.max_rel <= row.max_abs / 1e-6  # atol's default

@@ -64,7 +64,8 @@ _ROUNDING = 32 * np.finfo(np.float64).eps
 
 @dataclass
 class CheckRow:
-    """One wrt value: the largest absolute and relative error over the directions tried.
+    """One wrt value: the largest absolute and relative error over the directions tried (the relative error of a
+    direction: ``|analytic - numeric| / max(|analytic|, |numeric|, atol)``).
 
     ``status`` is ``"agree"``, ``"mismatch"``, ``"not finite"`` (NaN or inf in the loss at or next to the
     inputs, or in the value itself: not checked), ``"gradient not finite"`` (NaN or inf in the gradient only),
@@ -475,7 +476,9 @@ def _compare(w: str, grad: np.ndarray, loss_at: Callable[[np.ndarray], np.ndarra
                             "the gradient is not finite, though the loss is finite around these inputs")
         err = abs(analytic - numeric)
         max_abs = max(max_abs, err)
-        max_rel = max(max_rel, err / max(abs(numeric), 1e-300))
+        # relative to the larger of the two, and never to less than atol: a gradient that is 0 (a bias no path
+        # moves) against a difference of 1e-22 is no relative error of 1e+278
+        max_rel = max(max_rel, err / max(abs(numeric), abs(analytic), atol, 1e-300))
         if err > atol + rtol * abs(numeric):
             # what float64 rounding of the two losses (and of the VJP's sum) can explain: no verdict below it
             noise = (_ROUNDING * (float(np.sum(np.abs(u * plus))) + float(np.sum(np.abs(u * minus)))) / (2 * step)
