@@ -101,7 +101,7 @@ def cli_table(res: dict) -> list[str]:
         return []
     c = res["config"]
     lines = ["", "### `revgraph train`: peak memory with and without evaluation", "",
-             (f"`revgraph train llama.onnx --data tokens.npz --loss causal-lm --optimizer adamw "
+             (f"`revgraph train llama.onnx --data tokens.npz --loss-fn causal-lm --optimizer adamw "
              f"--lr {c['lr']['full']:g} --lr-schedule cosine --warmup-steps {c['warmup_steps']} --clip-grad-norm 1.0 "
              f"--batch-size {c['batch']} --max-steps {cli['steps']} --no-shuffle --threads {cli['threads']} "
              "-o out.onnx` plus the options of each row, each in a fresh process; the peak is the finished child's "

@@ -29,7 +29,7 @@ def test_train_synopsis_lists_the_registries():
     guide = (DOCS / "guides" / "train.md").read_text()
     synopsis = next(line for line in guide.splitlines() if line.startswith("## `revgraph train "))
     assert re.search(r"--optimizer ([\w|-]+)", synopsis).group(1) == "|".join(OPTIMIZERS)
-    assert re.search(r"--loss ([\w|:-]+)", synopsis).group(1) == "|".join(LOSSES)
+    assert re.search(r"--loss-fn ([\w|:-]+)", synopsis).group(1) == "|".join(LOSSES)
     design = (DOCS / "DESIGN.md").read_text()
     assert re.search(r"revgraph train .*--optimizer ([\w|-]+)", design).group(1) == "|".join(OPTIMIZERS)
 

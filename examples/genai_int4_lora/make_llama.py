@@ -1,5 +1,5 @@
 """A tiny random LLaMA for onnxruntime-genai's model builder (no download) and tokens.npz for
-``revgraph train --loss causal-lm``: the builder's inputs, an empty KV cache. README: "LoRA on an int4 LLM from
+``revgraph train --loss-fn causal-lm``: the builder's inputs, an empty KV cache. README: "LoRA on an int4 LLM from
 onnxruntime-genai's builder"; run.sh runs the whole walk-through."""
 
 import numpy as np

@@ -5,7 +5,7 @@ set -e
 here=$(dirname "$0")
 python "$here/make_llama.py"
 python -m onnxruntime_genai.models.builder -i hf -o int4 -p int4 -e cpu
-revgraph train int4/model.onnx --lora 8 --loss causal-lm --model-output logits --data tokens.npz --max-steps 20 \
+revgraph train int4/model.onnx --lora 8 --loss-fn causal-lm --model-output logits --data tokens.npz --max-steps 20 \
     --batch-size 4 --optimizer adam --lr 0.01 -o int4.lora.onnx
 revgraph lora extract int4.lora.onnx -o adapters.npz
 rm -rf int4-lora && cp -r int4 int4-lora && cp int4.lora.onnx int4-lora/model.onnx
