@@ -76,7 +76,8 @@ def gradient(
     :func:`~.memory.plan_memory`: ``None`` (default) recomputes only free operators (reshapes, transposes, ...)
     where that keeps fewer bytes; a float in [0, 1] keeps at most that fraction of the default's bytes, an int
     at most that many bytes, or a :class:`~.memory.Budget` (which may size symbolic dimensions), recomputing
-    forward nodes inside the backward graph at the least FLOPs found. The plan is ``result.memory_plan``.
+    forward nodes inside the backward graph; of the plans that fit, the one with the lowest predicted peak
+    (``0``: the least memory, never predicted above the default). The plan is ``result.memory_plan``.
     ``finite_inputs``: graph inputs the caller guarantees finite (no inf or NaN element), so that the
     strong-zero analysis (DESIGN section 5) need not follow them: a :class:`revgraph.Trainer`'s parameters,
     which it never steps with once one is non-finite. Other inputs may hold inf or NaN (masks, padding).

@@ -17,10 +17,11 @@ chooses, over the whole top-level graph, the cheapest mix:
 - ``lambda`` (bytes per FLOP) is the Lagrange multiplier of the budget: ``lambda = inf`` is the default plan,
   which recomputes only the free operators (no FLOPs: reshapes, transposes, casts, ... :data:`.cost.FREE`) and
   cheap elementwise images of kept values (costed at half their bytes: a value is never kept beside its
-  elementwise image when one suffices); ``lambda = 0`` keeps the fewest bytes possible (``memory=0``). Under a budget,
+  elementwise image when one suffices); ``lambda = 0`` keeps the fewest bytes possible. Under a budget,
   ``lambda`` is bisected (on a log scale) to the largest value whose plan keeps at most the budget: kept bytes fall
   monotonically with ``lambda`` (parametric min-cut), so the plan found minimises recomputation among the Lagrangian
-  plans that meet it.
+  plans that meet it. The plans that meet it are then ranked by their step's predicted peak (:func:`_search`,
+  :mod:`.lifetime`): keeping fewer bytes can hold more at once when recomputed chains live long.
 - A tie-breaking cost of one thousandth of a node's output bytes makes a recomputation that saves nothing
   lose to keeping the value; in the default plan a recomputation must save at least 16 KiB (each is one more
   node to run), so the default plan changes nothing that saves no real memory.
@@ -320,7 +321,7 @@ def plan_memory(graph: ModelLike, budget: Budget | None = None) -> MemoryPlan:
         if kept > target:
             chosen, kept, cost = _search(p, target, plan, (chosen, kept, cost))
             plan.met = kept <= target or target == 0
-            if not plan.met and target > 0:  # (a budget of 0 asks for the fewest bytes: no warning)
+            if not plan.met and target > 0:  # (a budget of 0 asks for the least memory: no warning)
                 warn(f"the memory budget of {human_bytes(target)} cannot be met: recomputing everything "
                      f"recomputable keeps {human_bytes(kept)} of residuals; the graph keeps that")
     plan.saved_after, plan.recomputed_flops = kept, cost
