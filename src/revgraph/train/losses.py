@@ -345,8 +345,8 @@ def loss_graph(model: Graph, loss: str = "cross-entropy", *, output: str | None 
     kind, named = parse_loss(loss)
     if kind == "output" and output is not None and output != named:
         # output:NAME names the loss itself; a second output would be ignored without a word
-        raise RevgraphError(f"--model-output {output} (output=) does not go with --loss-fn output:{named}, whose loss is "
-                            f"the output {named!r}: leave --model-output out")
+        raise RevgraphError(f"--model-output {output} (output=) does not go with --loss-fn output:{named}, whose loss "
+                            f"is the output {named!r}: leave --model-output out")
     opts = check_options(kind, options)
     g = (model if is_ssa(model) else to_ssa(model)).copy()
     out = resolve_output(g, named if kind == "output" else output)

@@ -58,10 +58,10 @@ def _ungather(ctx: Ctx, node: Node, g: str) -> SparseGrad | str:
         static = all(isinstance(p, list) for p in parts)
         shape = tuple(d for p in parts for d in p) if static else None
         rows = ctx.val(g).out("Reshape", cat_shapes(e, parts), shape=shape, dtype=e.dtype(g)).name
-    return _add_back(e, node, data, flat, rows, axis)
+    return add_back(e, node, data, flat, rows, axis)
 
 
-def _add_back(e: Emitter, node: Node, data: str, flat: str, rows: str, axis: int) -> SparseGrad | str:
+def add_back(e: Emitter, node: Node, data: str, flat: str, rows: str, axis: int) -> SparseGrad | str:
     """Zeros of ``data``'s shape with the slices ``rows`` (``data``'s shape but ``K`` along ``axis``) added at
     the positions ``flat`` (int64 [K], in ``[0, n)``, repeats accumulating) along ``axis``: the transpose of
     ``Gather(data, flat, axis)``. Axis 0 gives a :class:`SparseGrad`; other axes a ScatterElements(add)."""
@@ -175,7 +175,7 @@ def compress(ctx: Ctx, node: Node, cts: list) -> list:
     def dx() -> SparseGrad | str:
         kept = _true_positions(e, cond)
         if node.attrs.get("axis") is not None:
-            return _add_back(e, node, x, kept, g, node_axis(e, node, x, 0))
+            return add_back(e, node, x, kept, g, node_axis(e, node, x, 0))
         flat = ctx.val(e.zeros_like(x)).reshape([-1])
         return ctx.val(add_rows(e, flat.name, kept, g)).reshape(e.shape_of(x), like=x)
 

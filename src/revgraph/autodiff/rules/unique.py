@@ -19,7 +19,7 @@ from ...ir import Node
 from ..context import Ctx
 from ..emitter import Emitter
 from ..registry import vjp
-from .indexing import _add_back
+from .indexing import add_back
 
 
 @vjp("Unique", bounded=True, finite=True, reads=(), moves=True)
@@ -46,7 +46,7 @@ def _unselect(e: Emitter, node: Node, g: str):
     if "axis" in node.attrs:
         axis = int(node.attrs["axis"])
         axis = axis if axis >= 0 else axis + e.need_rank(x, node)
-        return _add_back(e, node, x, indices, g, axis)
+        return add_back(e, node, x, indices, g, axis)
     flat = e.op("Reshape", [e.zeros_like(x), e.ints([-1])])
     # (the indices are distinct: no two updates meet, so "add" is only the transpose's usual reduction)
     scattered = e.op("ScatterElements", [flat, indices, g], axis=0, reduction="add", like=flat)
