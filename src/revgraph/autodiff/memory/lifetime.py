@@ -39,9 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...ir import Graph, Node
-from ...ir.ssa import captured_names
 from .cost import ALIASING
-from .residuals import value_bytes
+from .residuals import reads, value_bytes
 
 
 @dataclass
@@ -63,13 +62,6 @@ class Lifetimes:
         return self.peak + self.resident
 
 
-def _reads(node: Node) -> list[str]:
-    names = [i for i in node.inputs if i]
-    for sub in node.subgraphs.values():
-        names.extend(captured_names(sub))
-    return names
-
-
 def lifetimes(graph: Graph, dims: Mapping[str, int] | None = None,
               nodes: Sequence[Node] | None = None) -> Lifetimes:
     """The peak of the bytes alive while ``graph``'s top-level ``nodes`` (default: ``graph.nodes``, in their
@@ -86,7 +78,7 @@ def lifetimes(graph: Graph, dims: Mapping[str, int] | None = None,
     birth: dict[str, int] = {}
     death: dict[str, int] = {}
     for k, node in enumerate(nodes):
-        for name in _reads(node):
+        for name in reads(node):
             r = root.get(name)
             if r is not None:
                 death[r] = k
@@ -152,7 +144,7 @@ def _reuse(birth: dict[str, int], death: dict[str, int], keys: dict[str, tuple],
     any; a freed buffer is free from the step after its value's last reader. Graph outputs neither give nor
     take a buffer. Returns value -> the value that first owned its buffer."""
     owner: dict[str, str] = {}
-    free: dict[tuple, list[tuple[int, str]]] = {}  # key -> stack of (free from, buffer)
+    free: dict[tuple, list[str]] = {}  # shape key -> the freed values of that key, the most recent last
     pending: list[tuple[int, str]] = []  # (last reader, value): a heap of the buffers in use
     for name in sorted(birth, key=birth.__getitem__):
         k = birth[name]

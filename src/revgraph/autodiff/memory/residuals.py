@@ -32,7 +32,8 @@ def is_backward_node(node: Node) -> bool:
     return node.name.startswith(BACKWARD_PREFIXES)
 
 
-def _reads(node: Node) -> list[str]:
+def reads(node: Node) -> list[str]:
+    """The values ``node`` reads: its inputs and what its subgraphs capture from the enclosing graph."""
     names = [i for i in node.inputs if i]
     for sub in node.subgraphs.values():
         names.extend(captured_names(sub))
@@ -47,7 +48,7 @@ def residuals(graph: Graph) -> list[str]:
     read: set[str] = set()
     for k, node in enumerate(graph.nodes):
         if is_backward_node(node):
-            read.update(_reads(node))
+            read.update(reads(node))
         else:
             for o in node.outputs:
                 if o:
