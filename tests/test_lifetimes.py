@@ -156,7 +156,7 @@ _LLAMA = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
-@pytest.mark.parametrize("memory", ["none", "0.5"])
+@pytest.mark.parametrize("memory", ["none", "0.5", "0"])
 def test_predicted_peak_of_a_llama_training_step_is_within_15_percent(tmp_path, memory):
     # rg.Trainer runs the step graph in revgraph's order (runtime.options.TRAINING_DEFAULT), the order lifetimes
     # walks; the arena off and glibc's mmap threshold fixed, so that the resident set follows the tensors alive
@@ -167,3 +167,17 @@ def test_predicted_peak_of_a_llama_training_step_is_within_15_percent(tmp_path, 
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["predicted"] > 8 * 2**20  # (the logits alone: [16, 63, 1024] float32, 4 MB, and their cotangent)
     assert abs(got["predicted"] - got["measured"]) <= 0.15 * got["measured"], got
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_memory_0_is_never_above_the_default_plan_measured(tmp_path):
+    # the least memory, measured as above: before the plans were ranked by predicted peak, memory=0 recomputed
+    # the chain of layers from the inputs and held it from the start of the backward, above the default's peak
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    measured = {}
+    for memory in ("none", "0"):
+        out = subprocess.run([sys.executable, "-c", _LLAMA, str(tmp_path / "llama.onnx"), memory], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        measured[memory] = json.loads(out.stdout.strip().splitlines()[-1])["measured"]
+    assert measured["0"] <= measured["none"], measured
