@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.distributed.run  # noqa: F401  # (in the test extra: missing, it fails instead of skipping)
+from distributed_worker import trainer
 from kit.distributed import (
     ENV,
     TORCHRUN,
@@ -35,10 +37,6 @@ from kit.harness import crash_after  # (tests/ is on sys.path)
 import revgraph as rg
 from revgraph.tools import demo
 from revgraph.train import snapshots as checkpoints
-
-pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
-
-from distributed_worker import trainer
 
 
 @pytest.mark.parametrize("model,optimizer", [("mlp", "adam"), ("rnn", "sgd"), ("embedding", "adam"),

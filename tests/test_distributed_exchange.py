@@ -14,6 +14,9 @@ import sys
 
 import numpy as np
 import pytest
+import torch.distributed.run  # noqa: F401  # (in the test extra: missing, it fails instead of skipping)
+from distributed_worker import trainer
+from kit.distributed import ENV, TORCHRUN, WORKER, compare_ranks, run_command, train_single
 
 import revgraph as rg
 from revgraph.tools import demo
@@ -22,11 +25,6 @@ from revgraph.train import split_step
 from revgraph.train.distributed.exchange import bucket_groups
 from revgraph.train.distributed.overlap import Segments, check_cut, cut
 from revgraph.train.trainer import epoch_order, shard
-
-pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
-
-from distributed_worker import trainer
-from kit.distributed import ENV, TORCHRUN, WORKER, compare_ranks, run_command, train_single
 
 
 def _torchrun(tmp_path, *args: str) -> subprocess.CompletedProcess:

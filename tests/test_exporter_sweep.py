@@ -270,8 +270,7 @@ def test_skl2onnx():
     """skl2onnx's MLPRegressor (tanh, one target): the gradients of the input and of the coefficient matrices the
     file holds (found by value) against central differences in float64 of scikit-learn's ``predict``; the file's
     coefficients train."""
-    pytest.importorskip("skl2onnx", reason="not installed: pip install skl2onnx")
-    from skl2onnx import to_onnx
+    from skl2onnx import to_onnx  # (skl2onnx is in the test extra)
     from sklearn.neural_network import MLPRegressor
 
     rng = np.random.default_rng(0)
@@ -313,8 +312,7 @@ def test_skl2onnx():
 def test_onnxruntime_transformer_optimizer(tmp_path):
     """GPT-2 exported by TorchScript, then fused by onnxruntime's transformer optimizer (SkipLayerNormalization,
     FastGelu): the gradient of every parameter the fused file keeps under its torch name against torch."""
-    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer", reason="not installed: pip install "
-                                    "onnxruntime")
+    from onnxruntime.transformers import optimizer
     model = tm.build("gpt2")
     plain, fused = tmp_path / "plain.onnx", tmp_path / "fused.onnx"
     tm.export(model, "torchscript", plain)
@@ -384,7 +382,7 @@ def test_onnxruntime_quantize_static_qdq(tmp_path):
     """``quantize_static(quant_format=QDQ)`` of a torch MLP (int8 weights, uint8/int8 activations calibrated on the
     data): the input's gradient with the straight-through estimator against torch evaluating the same QDQ file with
     its rounding's straight-through gradient; the trainer (straight-through) runs."""
-    q = pytest.importorskip("onnxruntime.quantization", reason="not installed: pip install onnxruntime")
+    from onnxruntime import quantization as q
     _, x = _mlp_file(tmp_path / "f.onnx")
 
     class Reader(q.CalibrationDataReader):
@@ -417,7 +415,7 @@ def test_onnxruntime_quantize_dynamic(tmp_path):
     """``quantize_dynamic`` of a torch MLP (DynamicQuantizeLinear + MatMulInteger, int8 weights, float biases):
     the last bias's gradient (the float tail after the integer product) against torch, and the trainer
     (straight-through) trains the float biases."""
-    q = pytest.importorskip("onnxruntime.quantization", reason="not installed: pip install onnxruntime")
+    from onnxruntime import quantization as q
     model, x = _mlp_file(tmp_path / "f.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

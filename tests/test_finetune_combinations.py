@@ -328,9 +328,9 @@ COMBINED = {"kind": "cosine", "warmup": 3, "min_lr": 1e-3, "clip": 0.5}
 
 
 def _two_processes(tmp_path, model, optimizer, *extra):
-    pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
     from pathlib import Path
 
+    import torch.distributed.run  # noqa: F401  (in the test extra)
     from kit.distributed import TORCHRUN, run_command
 
     worker = Path(__file__).resolve().parent / "combinations_worker.py"
@@ -387,9 +387,9 @@ def test_two_processes_fp16_accumulation_clipping_schedule_equal_one(tmp_path):
     """fp16 loss scaling (overflowing: skips and scale changes) with 2 accumulated micro-batches, clipping and a
     cosine schedule: 2 processes x batch 2 x 2 = 1 process x batch 8, the non-finite check and the clipping
     after the all-reduce of the accumulated gradients; the same scale, good-step count, step and parameters."""
-    pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
     from pathlib import Path
 
+    import torch.distributed.run  # noqa: F401  (in the test extra)
     from combinations_worker import scaled_trainer
     from kit.distributed import ENV, TORCHRUN, run_command
 

@@ -161,7 +161,7 @@ def test_bad_arguments_fail_before_ray_is_touched(monkeypatch, kwargs, message):
 ])
 def test_more_than_a_local_cluster_has_is_refused(monkeypatch, kwargs, message):
     """Without a connected cluster Ray would start one of this machine's size and wait forever for more."""
-    torch = pytest.importorskip("torch")  # in the test extra; ray_launcher needs it only for use_gpu
+    import torch  # (in the test extra; ray_launcher needs it only for use_gpu)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # a 2-CPU machine
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     not_connected = types.SimpleNamespace(is_initialized=lambda: False)

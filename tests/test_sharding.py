@@ -17,14 +17,12 @@ import sys
 
 import numpy as np
 import pytest
+import torch.distributed.run  # noqa: F401  # (in the test extra: missing, it fails instead of skipping)
+from distributed_worker import OPTIMIZERS, trainer
+from kit.distributed import ENV, TORCHRUN, WORKER, run_command
 
 import revgraph as rg
 from revgraph.train import snapshots as checkpoints
-
-pytest.importorskip("torch.distributed.run", reason="distributed training needs torch (revgraph[distributed])")
-
-from distributed_worker import OPTIMIZERS, trainer
-from kit.distributed import ENV, TORCHRUN, WORKER, run_command
 
 HIDDEN, BUCKET, W = 13, 1024, 2
 SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # sgd with momentum 0.9: one buffer; Adam and AdamW: m and v
