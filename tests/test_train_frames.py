@@ -1,7 +1,8 @@
 """The path of one batch from ``revgraph train --data DIR`` to onnxruntime is short (issue 45, item 3): at most half
-the call frames it took before (14 from ``cli.main``, 11 from ``cmd_train``: the decorator's wrapper of ``fit``,
-``fit`` -> ``_fit``, ``_one_step`` -> ``Trainer._step``, ``Engine.step`` -> ``_gradients`` -> ``_run_grad``).
-Counted by a stand-in for onnxruntime's ``run_with_iobinding`` that walks its callers up to ``cmd_train``."""
+the call frames it took before (11 from ``cmd_train``, 12 with onnxruntime's run: ``_train``, the
+``validate.arguments`` wrapper of ``fit``, ``fit`` -> ``_fit``, ``_one_step`` -> ``Trainer._step``, ``Engine.step``
+-> ``_gradients`` -> ``_run_grad``). Counted by a stand-in for onnxruntime's ``run_with_iobinding`` that walks its
+callers up to ``cmd_train``."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import revgraph as rg
 from revgraph.cli import main
 from revgraph.cli.train import cmd_train
 
-#: today's frames from cmd_train to the session's run (half of the 14 from cli.main before issue 45)
-MOST = 7
+#: the most frames from cmd_train to the session's run: half of the 11 before issue 45, rounded down
+MOST = 5
 
 
 def _callers_up_to(code) -> list[str] | None:
@@ -53,10 +54,8 @@ def test_a_batch_reaches_the_session_in_at_most_half_the_frames(tmp_path, monkey
     # the runs of the 2 steps: buffers one, the grad graph then the update graph; two, the fused step graph
     steps = [p for p in paths if p is not None and "step" in p]
     assert len(steps) == (4 if buffers == "one" else 2), paths
-    first = steps[0]
-    # buffers one: SplitEngine._gradients (it runs the grad graph), SplitEngine.step, fit_loop.train, Trainer.fit,
-    # the validate.arguments wrapper of fit, the CLI's _train, cmd_train: 7 frames, where there were 11 (and 10
-    # from cli.main: main, _main, _dispatch above cmd_train); buffers two: FusedEngine.step runs the step graph (6)
-    assert len(first) <= MOST, first
-    want = ["_gradients", "step"] if buffers == "one" else ["step"]
-    assert first == [*want, "train", "fit", "checked", "_train", "cmd_train"], first
+    # every run of a step (the grad graph's and the update graph's too) counted, the longest path asserted
+    longest = max(steps, key=len)
+    assert all(p[-1] == "cmd_train" for p in steps) and len(longest) <= MOST, paths
+    # fit's argument rules are checked inside it, not by a wrapper around it (validate.checked_inside)
+    assert "fit" in longest and "checked" not in longest, longest

@@ -217,14 +217,9 @@ def arguments(**rules):
     missing one) are refused the same way. The rules are kept as ``__revgraph_rules__`` (tests/test_api_arguments.py
     checks that every parameter of every public function is covered)."""
     import functools
-    import inspect
 
     def wrap(fn):
-        sig = inspect.signature(fn)
-        unknown = set(rules) - set(sig.parameters)
-        if unknown:  # a rule for a parameter that is gone would silently check nothing
-            raise TypeError(f"rules for unknown parameters of {fn.__qualname__}: {sorted(unknown)}")
-        where = fn.__qualname__.removesuffix(".__init__")
+        sig, where = _signature(fn, rules), _where(fn)
 
         @functools.wraps(fn)
         def checked(*args, **kwargs):
@@ -232,27 +227,72 @@ def arguments(**rules):
                 bound = sig.bind(*args, **kwargs)
             except TypeError as exc:
                 raise ArgumentError(f"{where}: {exc}") from None
-            converted = False
-            for name, rule in rules.items():
-                if name in bound.arguments:
-                    try:
-                        if getattr(rule, "with_where", False):
-                            value = rule(name, bound.arguments[name], where)
-                        else:
-                            value = rule(name, bound.arguments[name])
-                    except WholeRefusal as exc:
-                        raise ArgumentError(str(exc)) from None
-                    except RevgraphError as exc:
-                        raise ArgumentError(f"{where}: {exc}") from None
-                    if getattr(rule, "converts", False) and value is not bound.arguments[name]:
-                        bound.arguments[name] = value  # (AS_GRAPH: the model loaded from a path or ModelProto)
-                        converted = True
-            return fn(*bound.args, **bound.kwargs) if converted else fn(*args, **kwargs)
+            if _apply(rules, where, bound.arguments):
+                return fn(*bound.args, **bound.kwargs)
+            return fn(*args, **kwargs)
 
         checked.__revgraph_rules__ = dict(rules)
         return checked
 
     return wrap
+
+
+def checked_inside(**rules):
+    """:func:`arguments` without the wrapper, for a function on the path of every training batch
+    (:meth:`revgraph.Trainer.fit`: one call frame fewer between the caller and the session,
+    tests/test_train_frames.py): the rules are kept as ``__revgraph_rules__`` and the function itself calls
+    :func:`check` with its ``locals()`` first thing. Converting rules are refused (the function holds its values
+    already). An unknown keyword is Python's own ``TypeError`` (an :class:`ArgumentError` is one too)."""
+
+    def mark(fn):
+        _signature(fn, rules)
+        if any(getattr(rule, "converts", False) for rule in rules.values()):
+            raise TypeError(f"{fn.__qualname__}: a converting rule needs validate.arguments' wrapper")
+        fn.__revgraph_rules__ = dict(rules)
+        return fn
+
+    return mark
+
+
+def check(fn, values: dict) -> None:
+    """Check the arguments of ``fn`` (marked with :func:`checked_inside`) in ``values`` (its ``locals()`` at its
+    start) by its rules. Raises :class:`ArgumentError` (one line naming the function and the argument)."""
+    _apply(fn.__revgraph_rules__, _where(fn), dict(values))
+
+
+def _signature(fn, rules: dict):
+    import inspect
+
+    sig = inspect.signature(fn)
+    unknown = set(rules) - set(sig.parameters)
+    if unknown:  # a rule for a parameter that is gone would silently check nothing
+        raise TypeError(f"rules for unknown parameters of {fn.__qualname__}: {sorted(unknown)}")
+    return sig
+
+
+def _where(fn) -> str:
+    return fn.__qualname__.removesuffix(".__init__")
+
+
+def _apply(rules: dict, where: str, values: dict) -> bool:
+    """Check each of ``values`` that ``rules`` names; a converting rule's new value replaces it in ``values``.
+    Returns whether one did."""
+    converted = False
+    for name, rule in rules.items():
+        if name in values:
+            try:
+                if getattr(rule, "with_where", False):
+                    value = rule(name, values[name], where)
+                else:
+                    value = rule(name, values[name])
+            except WholeRefusal as exc:
+                raise ArgumentError(str(exc)) from None
+            except RevgraphError as exc:
+                raise ArgumentError(f"{where}: {exc}") from None
+            if getattr(rule, "converts", False) and value is not values[name]:
+                values[name] = value  # (AS_GRAPH: the model loaded from a path or ModelProto)
+                converted = True
+    return converted
 
 
 def rule(check, **bounds):

@@ -1,6 +1,6 @@
 """The loop of :meth:`revgraph.Trainer.fit`: :class:`FitPlan` (the arguments checked and the sizes they imply),
-:func:`agree` (the data-parallel ranks compare them) and :func:`train` (epochs, steps, snapshots, evaluation and
-the per-step record handed to callbacks).
+:func:`agree` (the data-parallel ranks compare them) and :class:`Loop` (epochs, steps, snapshots, evaluation and
+the per-step record handed to callbacks; fit runs each step it yields).
 
 A run's length: ``epochs`` passes over the data, or ``max_steps`` optimizer steps (as many epochs as they need,
 the last one cut short; ``transformers.TrainingArguments.max_steps``), counted from the start of the run, so a
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, InternalError
 from . import run_record
 from .progress_bar import Bar
 
@@ -178,55 +178,77 @@ class Evaluation:
         return self.data is not None and bool(self.every) and done % self.every == 0
 
 
-def train(trainer, plan: FitPlan, arrays, pos, *, stop: bool, total_steps: int | None, checkpoint_dir,
-          checkpoint_every: int, bar: Bar, description: str, evaluation: Evaluation, callbacks) -> bool:
-    """Run ``plan`` from position ``pos`` (a :class:`revgraph.train.run_record.Position`, updated in place): every
-    step, snapshots, evaluation and the callbacks' records (module doc). Returns whether a step ran."""
-    rank, world, n = trainer.rank, trainer.world_size, plan.n
-    seen, started, stepped = 0, time.perf_counter(), False
-    with bar:
+class Loop:
+    """The steps of ``plan`` from position ``pos`` (a :class:`revgraph.train.run_record.Position`, updated in
+    place). Iterating yields each step's arguments of :meth:`revgraph.train.engines.Engine.step`, ``(args,
+    kwargs)``; the caller runs the step and hands its loss to :meth:`took`, which does the step's bookkeeping:
+    the losses, the non-finite check, the bar, snapshots, evaluation and the callbacks' record (module doc).
+    :attr:`stepped`: whether a step ran.
+
+    The caller (:meth:`revgraph.Trainer.fit`), not the loop, calls the engine, as a training loop calls its
+    step for each batch a data loader yields: every frame between ``fit`` and the session is on the path of
+    every batch (tests/test_train_frames.py), and a suspended generator's frame is not."""
+
+    def __init__(self, trainer, plan: FitPlan, arrays, pos, *, stop: bool, total_steps: int | None, checkpoint_dir,
+                 checkpoint_every: int, bar: Bar, description: str, evaluation: Evaluation, callbacks):
+        self.trainer, self.plan, self.arrays, self.pos, self.stop = trainer, plan, arrays, pos, stop
+        self.total_steps, self.checkpoint_dir, self.checkpoint_every = total_steps, checkpoint_dir, checkpoint_every
+        self.bar, self.description, self.evaluation, self.callbacks = bar, description, evaluation, callbacks
+        self.stepped, self._chunk, self._counter, self._last = False, None, 0, False
+        self._seen, self._started = 0, time.perf_counter()
+
+    def __iter__(self):
+        trainer, plan, pos = self.trainer, self.plan, self.pos
+        self._seen, self._started = 0, time.perf_counter()
         while pos.epoch < plan.epochs and pos.done(plan.per_epoch) < plan.steps:
-            order = epoch_order(n, plan.shuffle, plan.seed + pos.epoch)
+            order = epoch_order(plan.n, plan.shuffle, plan.seed + pos.epoch)
             while pos.batch < plan.per_epoch:
                 chunk = order[pos.batch * plan.group:(pos.batch + 1) * plan.group]
                 # with "stop", a step with a non-finite loss is not applied, and the last step keeps the
                 # values from before it (the check of the parameters below may have to return to them)
                 last = pos.done(plan.per_epoch) + 1 == plan.steps
-                how = {"accept": _finite if stop else None, "keep_previous": stop and last}
-                counter = trainer.steps
-                # the engine is called here, not through a helper: each frame is on the path of every batch
-                loss = trainer._engine.step(*_shares(arrays, chunk, plan.micro, plan.accumulate, rank, world), **how)
-                trainer.losses.append(loss)
-                stepped = True
-                if stop and not np.isfinite(loss):
-                    trainer._reject_step(f"the loss is {loss}", pos.epoch, pos.batch, applied=False)
-                pos.total += loss * len(chunk)
-                pos.batch += 1
-                seen += len(chunk)
-                rate = seen / max(time.perf_counter() - started, 1e-9)
-                bar.advance(f"{description} epoch {pos.epoch + 1}/{plan.epochs}", loss, rate)
-                # (the batches taken: fp16 loss scaling's skipped updates do not advance trainer.steps)
-                record = {"step": trainer.steps_taken, "epoch": pos.epoch + 1, "loss": float(loss),
-                          "lr": learning_rate(trainer, counter, total_steps),
-                          "grad_norm": getattr(trainer._engine, "grad_norm", None),
-                          "samples_per_s": rate, "samples": len(chunk)}
-                ended = pos.batch == plan.per_epoch
-                if ended:
-                    pos.means.append(pos.total / n)
-                    pos.epoch, pos.batch, pos.total = pos.epoch + 1, 0, 0.0
-                done = pos.done(plan.per_epoch)
-                if evaluation.due(done) or (evaluation.data is not None and done == plan.steps):
-                    ev = evaluation()
-                    record.update(eval_loss=ev["loss"], eval_accuracy=ev["accuracy"])
-                if checkpoint_dir is not None and (
-                        (trainer.steps % checkpoint_every == 0 if checkpoint_every else ended) or done == plan.steps):
-                    run_record.save(trainer, checkpoint_dir, plan.run, pos, total_steps)
-                if trainer.is_main:
-                    for callback in callbacks:
-                        callback(dict(record))
-                if ended or done == plan.steps:
+                self._chunk, self._counter = chunk, trainer.steps
+                yield (_shares(self.arrays, chunk, plan.micro, plan.accumulate, trainer.rank, trainer.world_size),
+                       {"accept": _finite if self.stop else None, "keep_previous": self.stop and last})
+                if self._chunk is not None:
+                    raise InternalError("a step of fit's loop ran without its loss handed to Loop.took")
+                if self._last:
                     break
-    return stepped
+
+    def took(self, loss: float) -> None:
+        """The bookkeeping after the step just yielded, whose global batch's loss is ``loss`` (class doc)."""
+        trainer, plan, pos, chunk = self.trainer, self.plan, self.pos, self._chunk
+        self._chunk = None
+        trainer.losses.append(loss)
+        self.stepped = True
+        if self.stop and not np.isfinite(loss):
+            trainer._reject_step(f"the loss is {loss}", pos.epoch, pos.batch, applied=False)
+        pos.total += loss * len(chunk)
+        pos.batch += 1
+        self._seen += len(chunk)
+        rate = self._seen / max(time.perf_counter() - self._started, 1e-9)
+        self.bar.advance(f"{self.description} epoch {pos.epoch + 1}/{plan.epochs}", loss, rate)
+        # (the batches taken: fp16 loss scaling's skipped updates do not advance trainer.steps)
+        record = {"step": trainer.steps_taken, "epoch": pos.epoch + 1, "loss": float(loss),
+                  "lr": learning_rate(trainer, self._counter, self.total_steps),
+                  "grad_norm": getattr(trainer._engine, "grad_norm", None),
+                  "samples_per_s": rate, "samples": len(chunk)}
+        ended = pos.batch == plan.per_epoch
+        if ended:
+            pos.means.append(pos.total / plan.n)
+            pos.epoch, pos.batch, pos.total = pos.epoch + 1, 0, 0.0
+        done, evaluation = pos.done(plan.per_epoch), self.evaluation
+        if evaluation.due(done) or (evaluation.data is not None and done == plan.steps):
+            ev = evaluation()
+            record.update(eval_loss=ev["loss"], eval_accuracy=ev["accuracy"])
+        every = self.checkpoint_every
+        if self.checkpoint_dir is not None and (
+                (trainer.steps % every == 0 if every else ended) or done == plan.steps):
+            run_record.save(trainer, self.checkpoint_dir, plan.run, pos, self.total_steps)
+        if trainer.is_main:
+            for callback in self.callbacks:
+                callback(dict(record))
+        self._last = ended or done == plan.steps
 
 
 def _shares(arrays, chunk, micro: int, accumulate: int, rank: int, world: int) -> tuple:

@@ -305,7 +305,7 @@ class Trainer:
         self.losses.append(loss)
         return loss
 
-    @V.arguments(**FIT_RULES)
+    @V.checked_inside(**FIT_RULES)
     def fit(self, data: Data, epochs: int | None = None, batch_size: int = 32, *, shuffle: bool = True,
             seed: int = 0, progress: bool = True, console=None, description: str = "training",
             checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
@@ -361,6 +361,7 @@ class Trainer:
         ``--max-restarts``, and a restarted attempt stops at once with the same message
         (:func:`revgraph.train.distributed.launch.recorded_failure`).
         """
+        V.check(Trainer.fit, locals())  # (the rules' checks, here rather than in a wrapper: one frame fewer)
         if snapshot_dir is not None or snapshot_every is not None:
             if checkpoint_dir is not None or checkpoint_every:
                 raise InputError("give snapshot_dir/snapshot_every or their old names checkpoint_dir/checkpoint_every, "
@@ -371,7 +372,7 @@ class Trainer:
                              "snapshot_every out")
         more = {"max_steps": max_steps, "eval_data": eval_data, "eval_every": eval_every,
                 "eval_batch_size": eval_batch_size, "callbacks": list(callbacks or ())}
-        # the loop runs here, not in a helper: every batch's path from the caller to the session is as short as
+        # the steps run here, not in a helper: every batch's path from the caller to the session is as short as
         # it can be (tests/test_train_frames.py counts its frames)
         with self._failure_recorded(checkpoint_dir):
             if self.comm:  # an earlier attempt of this torchrun run failed deterministically: fail alike, at once
@@ -403,9 +404,13 @@ class Trainer:
             bar = Bar(progress and self.is_main, console, description, plan.steps,
                       done=min(pos.done(plan.per_epoch), plan.steps))
             evaluation = fit_loop.Evaluation(self, eval_data, static, plan.eval_every, plan.eval_batch_size)
-            stepped = fit_loop.train(self, plan, arrays, pos, stop=stop, total_steps=total_steps,
-                                     checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, bar=bar,
-                                     description=description, evaluation=evaluation, callbacks=callbacks)
+            loop = fit_loop.Loop(self, plan, arrays, pos, stop=stop, total_steps=total_steps,
+                                 checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, bar=bar,
+                                 description=description, evaluation=evaluation, callbacks=callbacks)
+            with bar:
+                for args, how in loop:  # (the loop yields each step's arguments; the engine is called here)
+                    loop.took(self._engine.step(*args, **how))
+            stepped = loop.stepped
             final = self.parameters
             if stop and stepped and not all(np.isfinite(a).all() for a in final.values()):
                 bad = next(p for p, a in final.items() if not np.isfinite(a).all())
