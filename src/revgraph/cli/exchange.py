@@ -1,6 +1,7 @@
 """``revgraph train`` options of the data-parallel gradient exchange and of step timing: ``--bucket-mb``,
 ``--reduce-dtype``, ``--overlap``, ``--accumulate-steps`` and ``--profile`` (:mod:`revgraph.train.distributed.exchange`,
-:mod:`revgraph.train.distributed.overlap`, :mod:`revgraph.train.steptimes`)."""
+:mod:`revgraph.train.distributed.overlap`, :mod:`revgraph.train.steptimes`), and ``--offload`` (the optimizer's
+state and update in host memory, :mod:`revgraph.train.offload`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 
 from ..errors import RevgraphError
 from ..train.distributed.exchange import BUCKET_MB, REDUCE_DTYPES, refused_combination
+from ..train.offload import OFFLOADS, refused_offload
 from . import numeric as N
 
 
@@ -27,6 +29,11 @@ def add_exchange_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accumulate-steps", type=N.POSITIVE_INT, default=1, metavar="K",
                         help="sum the gradients of K micro-batches of --batch-size (per process) before one exchange "
                              "and one update: a step equals one of batch size K x --batch-size (default 1)")
+    parser.add_argument("--offload", choices=OFFLOADS, default="none",
+                        help="optimizer: keep the optimizer state (Adam's m and v, fp32 master parameters) in host "
+                             "memory and run the update on the CPU, while the forward and backward run on --device; "
+                             "a GPU then holds only parameters and gradients (on --device cpu it changes nothing; "
+                             "default none)")
     parser.add_argument("--profile", action="store_true",
                         help="time each step's phases (forward+backward, the wait for the gradient exchange, update) "
                              "and print their medians on rank 0 at the end")
@@ -46,13 +53,17 @@ def check_exchange_arguments(args: argparse.Namespace) -> None:
                                               precision=getattr(args, "precision", "fp32"), world_size=world)
     if combination_problem:
         raise RevgraphError(combination_problem)
+    offload_problem = refused_offload(args.offload, args.buffers, args.shard, args.sync_batchnorm,
+                                      getattr(args, "precision", "fp32"))
+    if offload_problem:
+        raise RevgraphError(offload_problem)
 
 
 def trainer_arguments(args: argparse.Namespace) -> dict:
     """The :class:`revgraph.Trainer` keywords of the options."""
     return {"bucket_mb": args.bucket_mb, "reduce_dtype": args.reduce_dtype,
             "overlap": {"on": True, "off": False, "auto": "auto"}[args.overlap],
-            "profile": args.profile}
+            "profile": args.profile, "offload": args.offload}
 
 
 def profile_line(trainer) -> str | None:

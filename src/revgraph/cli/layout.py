@@ -62,7 +62,7 @@ LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
                       "--embedding-update", "--clip-grad-norm", "--accumulate-steps"),
         "schedule": ("--lr-schedule", "--warmup-steps", "--min-lr"),
         "precision": ("--precision", "--init-scale", "--growth-factor", "--backoff-factor", "--growth-interval"),
-        "memory": ("--memory-budget", "--buffers", "--arena", "--memory-pattern"),
+        "memory": ("--memory-budget", "--buffers", "--offload", "--arena", "--memory-pattern"),
         "runtime": ("--device", "--threads", "--execution-order", "--graph-optimization"),
         "distributed": ("--nproc", "--shard", "--sync-batchnorm", "--bucket-mb", "--reduce-dtype", "--overlap",
                         "--timeout", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr",

@@ -17,13 +17,15 @@ from ..errors import InputError, RevgraphError
 from .distributed.exchange import BUCKET_MB, bucket_bytes, check_reduce_dtype, refused_combination
 from .distributed.sharding import SHARDS
 from .engines import BUFFERS, make_engine
+from .offload import host_update, refused_offload
 
 
 @dataclass
 class EngineSettings:
     """How the steps run: ``buffers`` (``"one"``/``"two"``), the gradient exchange (``bucket_mb``,
     ``reduce_dtype``, ``overlap``: ``True``/``False``/``"auto"``), ``shard`` (``"none"``, ``"optimizer"``,
-    ``"gradients"``), ``sync_batchnorm`` and ``distributed`` (the Trainer's arguments of the same names).
+    ``"gradients"``), ``sync_batchnorm``, ``distributed`` and ``offload`` (``"none"``, ``"optimizer"``:
+    :mod:`revgraph.train.offload`) (the Trainer's arguments of the same names).
     Raises :class:`RevgraphError` / :class:`InputError` (one line) for values out of range and combinations
     that are refused (:func:`revgraph.train.distributed.exchange.refused_combination`)."""
 
@@ -34,6 +36,7 @@ class EngineSettings:
     shard: str = "none"
     sync_batchnorm: bool = False
     distributed: bool = False
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         if self.buffers not in BUFFERS:
@@ -45,6 +48,9 @@ class EngineSettings:
         if self.shard not in SHARDS:
             raise RevgraphError(f"shard must be one of {', '.join(SHARDS)}, got {self.shard!r}")
         self.sync_batchnorm = bool(self.sync_batchnorm)
+        problem = refused_offload(self.offload, self.buffers, self.shard, self.sync_batchnorm)
+        if problem:
+            raise InputError(problem)
         self.refuse()
         if self.shard != "none" and not self.distributed:
             raise RevgraphError(f"shard={self.shard!r} (--shard {self.shard}) shards across data-parallel processes: "
@@ -70,7 +76,8 @@ class EngineSettings:
         """What every data-parallel rank must agree on besides the training graph's record: other buckets or
         dtypes on some rank would pair collectives of different sizes."""
         return {"buffers": self.buffers, "shard": self.shard, "sync batchnorm": self.sync_batchnorm,
-                "bucket MiB": float(self.bucket_mb), "reduce dtype": self.reduce_dtype, "overlap": self.overlap}
+                "bucket MiB": float(self.bucket_mb), "reduce dtype": self.reduce_dtype, "overlap": self.overlap,
+                "offload": self.offload}
 
 
 def create_engine(spec, settings: EngineSettings, threads: int, device, runtime, comm=None, synced=None):
@@ -81,6 +88,7 @@ def create_engine(spec, settings: EngineSettings, threads: int, device, runtime,
     :class:`InputError` for ZeRO sharding of a model with training-mode BatchNormalization."""
     exchange = {"bucket_mb": settings.bucket_mb, "reduce_dtype": settings.reduce_dtype, "overlap": settings.overlap}
     one_set = settings.buffers == "one"
+    offload = host_update(settings.offload, spec, device)  # (None without offload, and on a CPU device)
     if synced:
         from .distributed.sync_batchnorm_engine import SyncBatchNormEngine
 
@@ -92,12 +100,18 @@ def create_engine(spec, settings: EngineSettings, threads: int, device, runtime,
         if running_statistics(spec.model, spec.params):
             raise InputError(f"--shard {settings.shard} (shard=) is not available for a model with training-mode "
                              "BatchNormalization: train unsharded (with --sync-batchnorm)")
+        if settings.shard == "parameters":
+            from .distributed.param_sharding import ParameterShardedEngine
+
+            return ParameterShardedEngine(spec, threads, device, comm, runtime, bucket_bytes=settings.bucket_bytes,
+                                          reduce_dtype=settings.reduce_dtype)
         return ShardedEngine(spec, threads, device, comm, runtime, mode=settings.shard,
                              bucket_bytes=settings.bucket_bytes, reduce_dtype=settings.reduce_dtype)
     if comm and comm.world_size > 1:
         from .distributed.data_parallel import DistributedEngine
         from .distributed.sync_batchnorm_engine import engine_class
 
-        return engine_class(spec, DistributedEngine)(spec, threads, device, comm, runtime, one_set=one_set, **exchange)
+        return engine_class(spec, DistributedEngine)(spec, threads, device, comm, runtime, one_set=one_set, **exchange,
+                                                     offload=offload)
     # one process (also a world of one, where there is nothing to exchange or shard)
-    return make_engine(spec, threads, device, runtime, settings.buffers)
+    return make_engine(spec, threads, device, runtime, settings.buffers, offload)

@@ -63,22 +63,25 @@ class Engine:
 
     ``threads`` is onnxruntime's intra-op thread count (0: its default); ``device`` a :class:`Device`;
     ``runtime`` onnxruntime's memory settings (:class:`RuntimeOptions`; ``None``: onnxruntime's defaults);
-    ``shared``: the carried names whose old and new values share one buffer (the others get two that swap).
-    Raises :class:`RevgraphError` (one line) when onnxruntime refuses a graph or the device is missing.
+    ``shared``: the carried names whose old and new values share one buffer (the others get two that swap);
+    ``offload``: a :class:`revgraph.train.offload.HostUpdate` keeping the buffer sets in host memory (``None``: on
+    the device). Raises :class:`RevgraphError` (one line) when onnxruntime refuses a graph or the device is missing.
     """
 
     def __init__(self, spec: TrainingGraph, threads: int, device: Device, runtime: RuntimeOptions | None = None,
-                 shared: frozenset[str] = frozenset()):
+                 shared: frozenset[str] = frozenset(), offload=None):
         import onnxruntime as ort
 
         self.spec, self.device, self.runtime = spec, device, runtime
+        self.offload = offload
+        self.home = offload.home if offload is not None else device  # where the buffer sets live
         self.options = session_options(runtime, threads)
         self._eval = self.session(eval_graph(spec), "evaluation graph")
         start = spec.initial_state()
         self.names = [i for i, _ in spec.carried()]
         self.shared = frozenset(shared)
-        first = {i: device.ortvalue(start[i]) for i in self.names}
-        self._sets = [first, {i: first[i] if i in self.shared else device.ortvalue(np.empty_like(start[i]))
+        first = {i: self.home.ortvalue(start[i]) for i in self.names}
+        self._sets = [first, {i: first[i] if i in self.shared else self.home.ortvalue(np.empty_like(start[i]))
                               for i in self.names}]
         self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), spec.graph.outputs[0].dtype)) for _ in range(2)]
         # with clipping, the gradients' global norm before clipping, read after each step (None: not computed)
@@ -88,19 +91,23 @@ class Engine:
         self._current = 0
         self._previous: dict | None = None  # the shared buffers from before the last step, when it kept them
         self.times: StepTimes | None = None  # per-phase timings of each step, when profiled
+        if offload is not None:
+            offload.attach(self)
 
-    def session(self, graph, what: str):
-        """An onnxruntime session of ``graph`` on the device; :class:`RevgraphError` if onnxruntime refuses it."""
+    def session(self, graph, what: str, device: Device | None = None):
+        """An onnxruntime session of ``graph`` on ``device`` (default the engine's); :class:`RevgraphError` if
+        onnxruntime refuses it."""
         import onnxruntime as ort
 
-        providers = self.device.providers()
+        device = device or self.device
+        providers = device.providers()
         try:
             with session_source(to_onnx(graph)) as source:  # a file for a model over 2 GiB (external data)
                 sess = ort.InferenceSession(source, exact_products(self.options, graph), providers=providers,
                                             disabled_optimizers=disabled_optimizers(graph))
         except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
             raise RevgraphError(refusal(str(exc)) or f"onnxruntime refuses the {what}: {_first_line(exc)}") from None
-        self.device.check_session(sess)
+        device.check_session(sess)
         return sess
 
     # ------------------------------------------------------------------------------------------ state
@@ -108,6 +115,11 @@ class Engine:
     def value(self, name: str):
         """The current ``OrtValue`` of a carried name (a parameter, a state tensor, the step)."""
         return self._sets[self._current][name]
+
+    def _compute(self, k: int, name: str):
+        """The buffer of set ``k``'s ``name`` that the grad and evaluation graphs read: the device mirror of the
+        current host value when offloaded (:mod:`revgraph.train.offload`)."""
+        return self.offload.mirror[name] if self.offload is not None else self._sets[k][name]
 
     def read(self, names) -> dict[str, np.ndarray]:
         """Host copies of the current values of ``names``."""
@@ -125,6 +137,8 @@ class Engine:
                 raise RevgraphError(f"{name!r} has shape {list(a.shape)} and dtype {a.dtype}; this training run "
                                     f"needs shape {list(cur.shape())} and dtype {cur.numpy().dtype}")
             cur.update_inplace(np.ascontiguousarray(a))
+        if self.offload is not None:
+            self.offload.push(self)
 
     def _read_norm(self) -> None:
         """:attr:`grad_norm` of the step just run (its output is in the current set's buffer)."""
@@ -141,7 +155,8 @@ class Engine:
         values = {id(v): v for s in self._sets for v in s.values()}
         values.update((id(v), v) for v in (self._previous or {}).values())
         grads = {id(v): v for v in self._gradient_buffers()}
-        return {"state": sum(_nbytes(v) for v in values.values()), "gradients": sum(_nbytes(v) for v in grads.values())}
+        held = {"state": sum(_nbytes(v) for v in values.values()), "gradients": sum(_nbytes(v) for v in grads.values())}
+        return self.offload.held(held) if self.offload is not None else held
 
     def _gradient_buffers(self) -> list:
         return []
@@ -194,7 +209,7 @@ class Engine:
         for name, arr in feeds.items():
             binding.bind_cpu_input(name, arr)
         for p in self.spec.params:
-            binding.bind_ortvalue_input(p, self.value(p))
+            binding.bind_ortvalue_input(p, self._compute(self._current, p))
         binding.bind_output(self.spec.loss.loss)
         binding.bind_output(self.spec.loss.output)
         try:
@@ -256,15 +271,18 @@ class SplitEngine(Engine):
     (:meth:`_make_gradient_buffers`)."""
 
     def __init__(self, spec: TrainingGraph, threads: int, device: Device, runtime: RuntimeOptions | None = None,
-                 one_set: bool = True):
+                 one_set: bool = True, offload=None):
         self.grad_graph, self.update_graph = split_step(spec)
         self.unsafe = inplace_pairs(self.update_graph, spec.carried()) if one_set else {}
         shared = frozenset(i for i, _ in spec.carried() if one_set and i not in self.unsafe)
-        super().__init__(spec, threads, device, runtime, shared)
+        super().__init__(spec, threads, device, runtime, shared, offload)
         self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
         self._grad_values = self._make_gradient_buffers()
+        # the gradients the update reads: host copies when offloaded (revgraph.train.offload)
+        self._update_grads = self._grad_values if offload is None else offload.gradients(
+            self._grad_values, {spec.grads[p][0]: spec.initial[p] for p in spec.params})
         self._grad = self._make_grad_session()
-        self._update = self.session(self.update_graph, "update graph")
+        self._update = self.session(self.update_graph, "update graph", self.home)
         self._rebind()
 
     def _make_grad_session(self):
@@ -289,7 +307,7 @@ class SplitEngine(Engine):
             for i, o in spec.carried():
                 ub.bind_ortvalue_input(i, self._sets[k][i])
                 ub.bind_ortvalue_output(o, self._sets[1 - k][i])
-            for g, value in self._grad_values.items():
+            for g, value in self._update_grads.items():
                 ub.bind_ortvalue_input(g, value)
             if self._norm:
                 ub.bind_ortvalue_output(spec.grad_norm, self._norm[k])
@@ -299,7 +317,7 @@ class SplitEngine(Engine):
         """An IO binding of the grad graph reading buffer set ``k`` and writing the dense gradients to ``into``."""
         gb = self._grad.io_binding()
         for p in self.spec.backward_reads():  # the parameters (and the fp16 loss scale)
-            gb.bind_ortvalue_input(p, self._sets[k][p])
+            gb.bind_ortvalue_input(p, self._compute(k, p))
         gb.bind_ortvalue_output(self.spec.loss.loss, self._loss[k])
         for g, value in into.items():
             gb.bind_ortvalue_output(g, value)
@@ -430,13 +448,15 @@ class SplitEngine(Engine):
             for i, o in self.spec.carried():
                 ub.bind_ortvalue_input(i, self._sets[k][i])
                 ub.bind_ortvalue_output(o, fresh[i] if i in fresh else self._sets[1 - k][i])
-            for g, value in self._grad_values.items():
+            for g, value in self._update_grads.items():
                 ub.bind_ortvalue_input(g, value)
             if self._norm:
                 ub.bind_ortvalue_output(self.spec.grad_norm, self._norm[k])
+        self._synchronize()
+        if self.offload is not None:  # this step's gradients to the host, where the update runs
+            inputs = self.offload.pull(inputs)
         for name, value in inputs.items():
             ub.bind_ortvalue_input(name, value)
-        self._synchronize()
         try:
             self._update.run_with_iobinding(ub)
         except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
@@ -449,6 +469,11 @@ class SplitEngine(Engine):
             self._rebind()
         self._swap()
 
+    def _swap(self) -> None:
+        super()._swap()
+        if self.offload is not None:  # the new current parameters to the device mirror the grad graph reads
+            self.offload.push(self)
+
     def _synchronize(self) -> None:
         """Wait for writes of other libraries to the update's inputs (nothing to wait for in one process)."""
 
@@ -459,15 +484,16 @@ class SplitEngine(Engine):
             like.update(self.spec.scaling.initial())
         for p in self.spec.params:
             like.update(dict.fromkeys([p, *self.spec.state[p]], self.spec.initial[p]))
-        return {n: self.device.ortvalue(np.empty_like(like[n])) for n in self.shared}
+        return {n: self.home.ortvalue(np.empty_like(like[n])) for n in self.shared}
 
 
 def make_engine(spec: TrainingGraph, threads: int, device: Device, runtime: RuntimeOptions | None,
-                buffers: str) -> Engine:
-    """The single-process engine for ``buffers`` (:data:`BUFFERS`)."""
+                buffers: str, offload=None) -> Engine:
+    """The single-process engine for ``buffers`` (:data:`BUFFERS`); ``offload`` a
+    :class:`revgraph.train.offload.HostUpdate` (one buffer set only)."""
     if buffers == "two":
         return FusedEngine(spec, threads, device, runtime)
-    return SplitEngine(spec, threads, device, runtime)
+    return SplitEngine(spec, threads, device, runtime, offload=offload)
 
 
 def _nbytes(value) -> int:

@@ -67,7 +67,8 @@ def _optional(rule):
 TRAINER_RULES = {"model": MODEL, "loss": V.TEXT, "optimizer": V.OPTIMIZER, "output": V.NAME, "threads": V.THREADS,
                  "checkpoint": POLICY, "distributed": V.FLAG, "memory": BUDGET, "bucket_mb": V.POSITIVE,
                  "profile": _profile, "overlap": V.choice(True, False, "auto"), "sync_batchnorm": V.FLAG,
-                 "timeout": V.OPTIONAL_POSITIVE, "clip_grad_norm": V.OPTIONAL_POSITIVE, "straight_through": V.FLAG}
+                 "timeout": V.OPTIONAL_POSITIVE, "clip_grad_norm": V.OPTIONAL_POSITIVE, "straight_through": V.FLAG,
+                 "offload": V.choice("none", "optimizer")}
 #: :meth:`Trainer.fit`'s argument rules.
 FIT_RULES = {"epochs": _optional(V.POSITIVE_INT), "max_steps": _optional(V.POSITIVE_INT),
              "eval_every": _optional(V.POSITIVE_INT), "eval_batch_size": _optional(V.POSITIVE_INT),
@@ -120,6 +121,9 @@ class Trainer:
     (:mod:`revgraph.train.distributed.sync_batchnorm`; without it each rank normalizes over its share and rank 0 warns).
     ``straight_through=True``: quantization-aware training, ``QuantizeLinear -> DequantizeLinear`` pairs
     differentiated with the straight-through estimator (:func:`revgraph.gradient`'s option; refused without it).
+    ``offload="optimizer"``: the optimizer state and the update in host memory, on the CPU, while the forward and
+    backward run on ``device`` (:mod:`revgraph.train.offload`; a CUDA device then holds parameters and gradients
+    only; on the CPU it warns and changes nothing).
     ``timeout`` (seconds, with ``distributed``; default
     :data:`revgraph.train.distributed.launch.DEFAULT_TIMEOUT`) bounds joining the process group and every collective, so
     a rank that stopped fails the others with one line instead of a hang; the loss, the optimizer and its
@@ -148,8 +152,9 @@ class Trainer:
                  profile: bool = False, shard: str = "none",
                  sync_batchnorm: bool = False, timeout: float | None = None, loss_options: dict | None = None,
                  schedule=None, clip_grad_norm: float | None = None, no_decay=None, precision="fp32",
-                 freeze: Iterable[str] | None = None, straight_through: bool = False):
-        settings = EngineSettings(buffers, bucket_mb, reduce_dtype, overlap, shard, sync_batchnorm, distributed)
+                 freeze: Iterable[str] | None = None, straight_through: bool = False, offload: str = "none"):
+        settings = EngineSettings(buffers, bucket_mb, reduce_dtype, overlap, shard, sync_batchnorm, distributed,
+                                  offload)
         self._settings = settings  # (fit refuses accumulation with some of them)
         # settings left None take the training default (memory pattern off, arena on)
         self.runtime: RuntimeOptions = (check_runtime(runtime) or RuntimeOptions()).over(TRAINING_DEFAULT)

@@ -259,7 +259,7 @@ class DistributedEngine(SplitEngine):
 
     def __init__(self, spec: TrainingGraph, threads: int, device: Device, comm: Collective,
                  runtime: RuntimeOptions | None = None, one_set: bool = True, *, bucket_mb: float = BUCKET_MB,
-                 reduce_dtype: str = "fp32", overlap: bool = True):
+                 reduce_dtype: str = "fp32", overlap: bool = True, offload=None):
         self.comm = comm
         self.bucket_cap = bucket_bytes(bucket_mb)
         self.reduce_dtype = check_reduce_dtype(reduce_dtype)
@@ -267,7 +267,7 @@ class DistributedEngine(SplitEngine):
         self.segments: Segments | None = None
         self._scratch_values: dict | None = None
         torch = comm.torch
-        super().__init__(spec, threads, device, runtime, one_set)
+        super().__init__(spec, threads, device, runtime, one_set, offload)  # (offload: revgraph.train.offload)
         self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]), device=comm.tdevice,
                                         dtype=torch_dtype(torch, spec.initial[p].dtype)) for p in spec.sparse]
 
@@ -386,7 +386,7 @@ class DistributedEngine(SplitEngine):
                 self._bucket_ready(j, weight, first, last)
 
         if self.segments is not None:
-            values = {p: self._sets[self._current][p] for p in self.spec.backward_reads()}  # (+ fp16 loss scale)
+            values = {p: self._compute(self._current, p) for p in self.spec.backward_reads()}  # (+ fp16 loss scale)
             outs = self.segments.run(values, feeds, {**into, self.spec.loss.loss: self._loss[self._current]},
                                      lambda k, seg, fresh: ready(seg.buckets, fresh), self.times)
             sparse.update(outs)
