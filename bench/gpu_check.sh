@@ -53,12 +53,14 @@ except rg.RevgraphError as exc:
 print(f"onnxruntime runs on {device}")
 EOF
 
-echo "== GPU tests (pytest -m cuda tests/test_devices.py tests/test_sharding.py tests/test_sync_batchnorm.py tests/test_precision.py)"
+echo "== GPU tests (pytest -m cuda tests/test_devices.py tests/test_sharding.py tests/test_sync_batchnorm.py tests/test_precision.py tests/test_offload.py)"
 status=0
 # -o addopts='' drops the default -m "not slow"; -rs prints why a test was skipped (e.g. one GPU: no 2-process NCCL).
 # tests/test_sharding.py: --shard gradients on 2 GPUs (units, shards, bucket, reduce-scatter, all-gather on NCCL)
-timeout 330 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py \
-    tests/test_sharding.py tests/test_sync_batchnorm.py tests/test_precision.py || status=$?
+# tests/test_offload.py: --offload optimizer (issue 43): optimizer state, step and the update's gradients in host
+# memory, only the parameters and gradients on the GPU, the weights those of the plain GPU run
+timeout 360 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py \
+    tests/test_sharding.py tests/test_sync_batchnorm.py tests/test_precision.py tests/test_offload.py || status=$?
 
 echo "== data-parallel exchange on the GPU (issue 25: --bucket-mb with overlap, --overlap off, --accumulate-steps, --reduce-dtype bf16)"
 # one table row per option and model: pytest's verdict (passed / failed / skipped with its reason)
