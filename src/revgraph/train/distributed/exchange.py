@@ -164,7 +164,7 @@ def refused_combination(shard: str, sync_batchnorm: bool, reduce_dtype: str, acc
     if shard != "none" and sync_batchnorm:
         return f"--sync-batchnorm (sync_batchnorm=) does not combine with --shard {shard}: leave one of them out"
     if accumulate_steps > 1:
-        if shard != "none":
+        if shard not in ("none", "parameters"):  # (ZeRO-3 reduce-scatters each micro-batch, summed into the shards)
             return (f"--accumulate-steps {accumulate_steps} (accumulate_steps=) does not combine with --shard {shard}: "
                     "train unsharded, or with a larger batch")
         if sync_batchnorm:

@@ -44,7 +44,7 @@ class Segment:
     release: list[str] = field(default_factory=list)
 
 
-def _reads(node: Node) -> list[str]:
+def reads_of(node: Node) -> list[str]:
     """The names a node reads: its inputs and what its subgraphs capture from the enclosing graph."""
     names = [i for i in node.inputs if i]
     if node.subgraphs:
@@ -82,7 +82,7 @@ def cut(graph: Graph, groups: list[list[str]], types: dict[str, ValueInfo] | Non
                 continue
             owner[i] = j
             mine.append(i)
-            stack.extend(producer[r] for r in _reads(graph.nodes[i]) if r in producer and owner[producer[r]] == -1)
+            stack.extend(producer[r] for r in reads_of(graph.nodes[i]) if r in producer and owner[producer[r]] == -1)
         members.append(sorted(mine))
     rest = [i for i, o in enumerate(owner) if o == -1]
     if rest:
@@ -108,10 +108,13 @@ def cut(graph: Graph, groups: list[list[str]], types: dict[str, ValueInfo] | Non
             del members[j], ready[j]
         else:
             j += 1
-    return _segments(graph, members, ready, types or {})
+    return segments_of(graph, members, ready, types or {})
 
 
-def _segments(graph: Graph, members: list[list[int]], ready: list[list[int]], types: dict) -> list[Segment]:
+def segments_of(graph: Graph, members: list[list[int]], ready: list[list[int]], types: dict) -> list[Segment]:
+    """The :class:`Segment` of each list of node indices ``members`` (a partition of ``graph``'s nodes, each in graph
+    order, the lists in running order; ``ready[s]``: the buckets that segment ``s`` finishes); ``types`` as
+    :func:`cut`'s. Raises :class:`RevgraphError` when a crossing value has no known type."""
     where: dict[str, int] = {}  # value name -> the segment producing it
     for s, idx in enumerate(members):
         for i in idx:
@@ -120,7 +123,7 @@ def _segments(graph: Graph, members: list[list[int]], ready: list[list[int]], ty
                     where[o] = s
     outside = set(graph.input_names)
     wanted = set(graph.output_names)
-    reads = [[r for i in idx for r in _reads(graph.nodes[i])] for idx in members]
+    reads = [[r for i in idx for r in reads_of(graph.nodes[i])] for idx in members]
     last_reader: dict[str, int] = {}
     for s, names in enumerate(reads):
         for r in names:
@@ -171,7 +174,7 @@ def check_cut(graph: Graph, segments: list[Segment]) -> None:
     for k, s in enumerate(segments):
         local = set(available) | set(s.graph.initializers)
         for n in s.graph.nodes:
-            missing = [r for r in _reads(n) if r not in local]
+            missing = [r for r in reads_of(n) if r not in local]
             assert not missing, f"segment {k}: {n.label()} reads {missing} before it is produced"
             local.update(o for o in n.outputs if o)
         assert set(s.inputs) <= available, f"segment {k} reads {set(s.inputs) - available} from nowhere"

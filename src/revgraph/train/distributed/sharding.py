@@ -55,7 +55,7 @@ from .exchange import bucket_bytes as _bucket_bytes
 from .shard_plan import Unit, plan_units, ready_order, shard_update_graph
 
 #: ``shard=`` of :class:`revgraph.Trainer` and ``--shard`` of ``revgraph train``.
-SHARDS = ("none", "optimizer", "gradients")
+SHARDS = ("none", "optimizer", "gradients", "parameters")
 
 
 class ShardedEngine(DistributedEngine):
@@ -96,15 +96,11 @@ class ShardedEngine(DistributedEngine):
         self.grad_graph, _ = split_step(spec)
         # ZeRO-2 packs the units in the order the backward finishes the gradients (DDP rebuilds its buckets in
         # that order after the first step), so that each segment of the cut finishes whole units
-        order = ready_order(self.grad_graph, spec) if mode == "gradients" else None
-        self.units = plan_units(spec, world, rank, cap, order)
+        self.units = plan_units(spec, world, rank, cap, self._unit_order())
         values, self._tensors, self._where = {}, {}, {}
         for j, u in enumerate(self.units):
             tdt = torch_dtype(torch, spec.initial[u.names[0]].dtype)
-            u.param = torch.zeros(u.length, dtype=tdt, device=dev)
-            for n, view in u.views(u.param).items():
-                view.copy_(torch.from_numpy(np.ascontiguousarray(spec.initial[n])))
-                values[n] = ortvalue_from_dlpack(view)
+            self._place(u, tdt, values)
             u.state = [torch.zeros(u.k, dtype=tdt, device=dev) for _ in spec.optimizer.slots]
             if mode == "optimizer":  # reduce-scattered in place: the shard is the rank's slice of the unit
                 u.grad = torch.zeros(u.length, dtype=tdt, device=dev)
@@ -131,6 +127,26 @@ class ShardedEngine(DistributedEngine):
         self._tail = torch.zeros(1 + world * len(spec.sparse), dtype=torch.float64, device=dev)
         self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
         self._build_update()
+        self._build_backward()
+
+    def _unit_order(self) -> list[str] | None:
+        """The parameters in packing order (``None``: reverse parameter order, :func:`plan_units`)."""
+        return ready_order(self.grad_graph, self.spec) if self.mode == "gradients" else None
+
+    def _place(self, u: Unit, tdt, values: dict) -> None:
+        """Allocate unit ``u``'s full flat parameter from the initial values; ``values``: each view's ``OrtValue``."""
+        u.param = self.comm.torch.zeros(u.length, dtype=tdt, device=self.comm.tdevice)
+        for n, view in u.views(u.param).items():
+            view.copy_(self.comm.torch.from_numpy(np.ascontiguousarray(self.spec.initial[n])))
+            values[n] = ortvalue_from_dlpack(view)
+
+    def _own(self, u: Unit):
+        """This rank's shard of unit ``u``'s parameters (what the update graph writes)."""
+        return u.param[u.lo:u.lo + u.k]
+
+    def _build_backward(self) -> None:
+        """The sessions and buffers of the backward: ZeRO-1 one grad graph run, ZeRO-2 its segments."""
+        torch, dev, mode, spec = self.comm.torch, self.comm.tdevice, self.mode, self.spec
         self.bucket, self.plan = None, None
         if mode == "gradients":
             # one buffer of the largest unit's bytes, viewed as each unit's dtype in turn
@@ -156,13 +172,13 @@ class ShardedEngine(DistributedEngine):
         ort_in: dict[str, object] = {}
         for j, u in enumerate(self.units):
             p, g, state = self._unit_names[j]
-            ort_in[p] = ortvalue_from_dlpack(u.param[u.lo:u.lo + u.k])
+            ort_in[p] = ortvalue_from_dlpack(self._own(u))
             ort_in[g] = ortvalue_from_dlpack(u.gshard)
             ort_in.update((s, ortvalue_from_dlpack(t)) for s, t in zip(state, u.state, strict=True))
         self._in_tensors = {}  # torch tensor of each carried input, for values written to scratch and copied back
         for j, u in enumerate(self.units):
             p, _, state = self._unit_names[j]
-            self._in_tensors[p] = u.param[u.lo:u.lo + u.k]
+            self._in_tensors[p] = self._own(u)
             self._in_tensors.update(zip(state, u.state, strict=True))
         self._in_tensors.update(self._tensors)
         ort_in.update((n, self._sets[0][n]) for n in self._tensors)
@@ -229,14 +245,10 @@ class ShardedEngine(DistributedEngine):
         collectives but keep no copy and return ``{}`` (a checkpoint, which rank 0 writes)."""
         if root_only and self.comm.rank != 0:
             for (j, slot) in sorted({self._where[n][:2] for n in names if n in self._where and
-                                     self._where[n][1] is not None}):
-                u = self.units[j]
-                flat = self.comm.torch.empty(u.length, dtype=u.param.dtype, device=u.param.device)
-                with collective("an all-gather of the optimizer state"):
-                    _all_gather(self.comm.dist)(flat, u.state[slot])
-                del flat
+                                     self._sharded(self._where[n][1])}, key=_slot_order):
+                self._gather(self.units[j], slot)
             return {}
-        torch, out, wanted = self.comm.torch, {}, {}
+        out, wanted = {}, {}
         for n in names:
             if n not in self._where:
                 out[n] = (self._tensors[n].cpu().numpy().copy() if n in self._tensors
@@ -244,19 +256,26 @@ class ShardedEngine(DistributedEngine):
                 continue
             j, slot, o = self._where[n]
             wanted.setdefault((j, slot), []).append((n, o))
-        for (j, slot), items in sorted(wanted.items(), key=lambda kv: (kv[0][0], -1 if kv[0][1] is None else kv[0][1])):
+        for (j, slot), items in sorted(wanted.items(), key=lambda kv: _slot_order(kv[0])):
             u = self.units[j]
-            if slot is None:
-                flat = u.param
-            else:
-                flat = torch.empty(u.length, dtype=u.param.dtype, device=u.param.device)
-                with collective("an all-gather of the optimizer state"):
-                    _all_gather(self.comm.dist)(flat, u.state[slot])
+            flat = self._gather(u, slot) if self._sharded(slot) else u.param
             for n, o in items:
                 shape = u.shapes[u.offsets.index(o)]
                 out[n] = flat[o:o + int(np.prod(shape, dtype=np.int64))].reshape(shape).cpu().numpy().copy()
             del flat
         return {n: out[n] for n in names}
+
+    def _sharded(self, slot: int | None) -> bool:
+        """Whether values of ``slot`` (``None``: the parameters) exist only as shards (read gathers them)."""
+        return slot is not None
+
+    def _gather(self, u: Unit, slot: int | None):
+        """Unit ``u``'s full flat values of ``slot`` (``None``: parameters), all-gathered from the shards."""
+        shard = self._own(u) if slot is None else u.state[slot]
+        flat = self.comm.torch.empty(u.length, dtype=shard.dtype, device=shard.device)
+        with collective("an all-gather of the optimizer state" if slot is not None else "a parameter all-gather"):
+            _all_gather(self.comm.dist)(flat, shard)
+        return flat
 
     def load(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite parameters, state and step with full host arrays; each rank keeps its shard of the state.
@@ -280,12 +299,10 @@ class ShardedEngine(DistributedEngine):
             if like is not None:
                 like.copy_(src.reshape(like.shape))
                 continue
-            if slot is None:
+            if not self._sharded(slot):
                 u.param[o:o + src.numel()].copy_(src)
-            else:  # the part of [o, o + size) inside this rank's shard [lo, lo + k)
-                lo, hi = max(o, u.lo), min(o + src.numel(), u.lo + u.k)
-                if lo < hi:
-                    u.state[slot][lo - u.lo:hi - u.lo].copy_(src[lo - o:hi - o])
+            else:
+                into_shard(self._own(u) if slot is None else u.state[slot], u, o, src)
 
     def held(self) -> dict[str, int]:
         """Bytes of the device buffers kept from step to step, counted from the tensors: ``"parameters"``
@@ -326,15 +343,14 @@ class ShardedEngine(DistributedEngine):
         self._previous = None
 
     def _snapshot(self) -> list:
-        kept = [u.param for u in self.units] + [t for u in self.units for t in u.state]
+        kept = [self._own(u) if self._sharded(None) else u.param for u in self.units]
+        kept += [t for u in self.units for t in u.state]
         return [(t, t.clone()) for t in kept + list(self._tensors.values())]
 
     # ------------------------------------------------------------------------------------------ running
 
     def step(self, feeds, count: int, total: int, *,
              accept: Callable[[float], bool] | None = None, keep_previous: bool = False) -> float:
-        if isinstance(feeds, list):  # micro-batches (Trainer.fit refuses more than one with sharding)
-            feeds, count = feeds[0]
         self._previous = None
         times = self.times
         if times is not None:
@@ -361,13 +377,13 @@ class ShardedEngine(DistributedEngine):
         for i, t in self._update_scratch.items():
             self._in_tensors[i].copy_(t)
         self._synchronize()  # onnxruntime's writes are done before the collective reads the shards
-        dist = self.comm.dist
-        with collective("the parameter all-gather"):
-            works = [_all_gather(dist)(u.param, u.param[u.lo:u.lo + u.k], async_op=True)
-                     for u in self.units]
-            for w in works:
-                w.wait()
-        self._synchronize()
+        if not self._sharded(None):
+            dist = self.comm.dist
+            with collective("the parameter all-gather"):
+                works = [_all_gather(dist)(u.param, self._own(u), async_op=True) for u in self.units]
+                for w in works:
+                    w.wait()
+            self._synchronize()
         if times is not None:  # the update of the rank's shards and the all-gather of the new parameters
             times.add("update", start)
         return loss
@@ -375,6 +391,8 @@ class ShardedEngine(DistributedEngine):
     def _sharded_gradients(self, feeds: dict[str, np.ndarray], count: int, total: int) -> tuple[float, dict]:
         """Backward, gradients reduce-scattered into the shards (scaled by ``count / total``), sparse rows
         all-gathered: the loss of the global batch and the update's sparse inputs."""
+        if isinstance(feeds, list):  # micro-batches (Trainer.fit refuses more than one with ZeRO-1/2)
+            feeds, count = feeds[0]
         dist, times = self.comm.dist, self.times
         scale = count / total
         start = times.now() if times is not None else 0.0
@@ -489,6 +507,21 @@ class ShardedEngine(DistributedEngine):
                 live.pop(n, None)
         loss = float(self._loss[0].numpy()) if count else 0.0
         return loss, {n: live[n] for _, idx, rows in self._sparse for n in (idx, rows)} if count else {}
+
+
+def into_shard(shard, u: Unit, o: int, src) -> None:
+    """Copy the part of the flat values ``src`` (unit ``u``'s elements ``[o, o + len)``; a tensor, or a numpy
+    vector, of which only that part is copied) that falls in this rank's shard ``[u.lo, u.lo + u.k)`` into
+    ``shard`` (a ``[k]`` tensor)."""
+    lo, hi = max(o, u.lo), min(o + len(src), u.lo + u.k)
+    if lo < hi:
+        part = src[lo - o:hi - o]
+        shard[lo - u.lo:hi - u.lo].copy_(shard.new_tensor(part) if isinstance(part, np.ndarray) else part)
+
+
+def _slot_order(key: tuple) -> tuple:
+    """``(unit, slot)`` in the order every rank gathers them (parameters, ``None``, first)."""
+    return key[0], -1 if key[1] is None else key[1]
 
 
 def _nbytes(t) -> int:

@@ -1,0 +1,280 @@
+"""Parameter-sharded data-parallel training (``shard="parameters"``, ``--shard parameters``): ZeRO stage 3, as
+FSDP2's ``fully_shard`` and DeepSpeed's ZeRO-3.
+
+Built on :class:`revgraph.train.distributed.sharding.ShardedEngine` (ZeRO-1/2: flat units padded to a multiple of
+the world size ``W``, rank ``r`` owning shard ``r`` of each, optimizer state of the shards only). Here the rank also
+keeps **only its shard of the parameters** between steps: ``P / W`` parameter bytes, ``G / W`` gradient bytes and
+``S / W`` optimizer state, plus a few unit-sized buffers during a step.
+
+A step (one micro-batch; with accumulation, each in turn): the grad graph (forward and backward) runs cut into
+segments by the units they read (:mod:`revgraph.train.distributed.param_schedule`). Before a segment runs, the units
+it reads are **all-gathered** (``all_gather_into_tensor`` of the rank's shards) into gather buffers; the units the
+next segment reads are gathered asynchronously while it computes (prefetch); a unit no longer read by the next
+segment is dropped, and gathered again if a later segment (the backward) reads it. Every parameter a segment reads
+is bound as an ``OrtValue`` view (DLPack) of its unit in its gather buffer. As soon as a segment has produced the
+last gradient of a unit, the unit's gradient is copied into one bucket, weighted by the micro-batch's share of the
+global batch and **reduce-scattered** into the rank's gradient shard (summed over micro-batches). Then the update
+graph of :class:`ShardedEngine` runs on the shards (schedules, clipping and weight decay as there) and the step
+ends: no all-gather of the new parameters, the next forward gathers them.
+
+Sparse embedding tables stay replicated (their rows all-gathered), as in ZeRO-1/2. Reads all-gather parameters and
+state, so snapshots hold full arrays and resume at any world size and shard mode. :meth:`evaluate` gathers every
+unit at once (evaluation memory is the whole model's parameters, for the length of one evaluation run).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import RevgraphError
+from ...runtime import _first_line
+from ...runtime.devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
+from ...runtime.options import RuntimeOptions, session_options
+from ..graphs import TrainingGraph
+from .data_parallel import Collective, collective
+from .overlap import reads_of
+from .param_schedule import schedule
+from .shard_plan import Unit
+from .sharding import ShardedEngine, _all_gather, _nbytes, _reduce_scatter, into_shard
+
+
+class ParameterShardedEngine(ShardedEngine):
+    """ZeRO-3 (module doc): a data-parallel step whose ranks keep only their shards of the parameters, gradients
+    and optimizer state. ``bucket_bytes``: the largest unit (each unit is gathered whole, so it bounds the gather
+    memory); ``prefetch``: gather the next segment's units while a segment computes. Raises
+    :class:`RevgraphError` (one line) when onnxruntime refuses a segment or a collective fails."""
+
+    def __init__(self, spec: TrainingGraph, threads: int, device: Device, comm: Collective,
+                 runtime: RuntimeOptions | None = None, bucket_bytes: int | None = None, reduce_dtype: str = "fp32",
+                 prefetch: bool = True):
+        self.prefetch = prefetch
+        super().__init__(spec, threads, device, comm, runtime, mode="parameters", bucket_bytes=bucket_bytes,
+                         reduce_dtype=reduce_dtype)
+
+    # ------------------------------------------------------------------------------------------ building
+
+    def _unit_order(self) -> list[str]:
+        """Dense parameters in the order the grad graph first reads them (the forward's order), so that a unit
+        holds the parameters of neighbouring layers and the forward gathers the units one after the other."""
+        first: dict[str, int] = {}
+        for k, node in enumerate(self.grad_graph.nodes):
+            for r in reads_of(node):
+                first.setdefault(r, k)
+        dense = [p for p in self.spec.params if p not in self.spec.sparse]
+        return sorted(dense, key=lambda p: first.get(p, len(self.grad_graph.nodes)))
+
+    def _place(self, u: Unit, tdt, values: dict) -> None:
+        """Only the rank's shard of the unit: its part of the initial values (no full unit is allocated)."""
+        torch = self.comm.torch
+        u.param = None
+        u.pshard = torch.zeros(u.k, dtype=tdt, device=self.comm.tdevice)
+        for n, o in zip(u.names, u.offsets, strict=True):
+            into_shard(u.pshard, u, o, np.asarray(self.spec.initial[n]).reshape(-1))
+
+    def _own(self, u: Unit):
+        return u.pshard
+
+    def _sharded(self, slot: int | None) -> bool:
+        return True
+
+    def _build_backward(self) -> None:
+        """The schedule (:func:`revgraph.train.distributed.param_schedule.schedule`), one session per segment (one
+        shared CPU arena between them where onnxruntime allows), the gather buffers with each segment's parameter
+        views, the gradient bucket and the shard-sized receive buffer for micro-batches after the first."""
+        from ...warn import warn
+        from .grad_segments import shared_cpu_arena
+
+        torch, dev, spec = self.comm.torch, self.comm.tdevice, self.spec
+        self.plan = None
+        self.schedule = schedule(self.grad_graph, [u.names for u in self.units],
+                                 [[spec.grads[p][0] for p in u.names] for u in self.units], prefetch=self.prefetch,
+                                 warn=warn)
+        unit_bytes = max([u.length * u.gshard.element_size() for u in self.units] or [0])
+        self.gathered = [torch.zeros(unit_bytes, dtype=torch.uint8, device=dev) for _ in range(self.schedule.slots)]
+        self.bucket = torch.zeros(unit_bytes, dtype=torch.uint8, device=dev)
+        self._recv = None  # (allocated by the first accumulated micro-batch)
+        self._wanted = set(self.grad_graph.output_names) - {spec.loss.loss}
+        self._read_later = {n for st in self.schedule.stages for n in st.segment.release}
+        self._views = []  # per stage: parameter name -> OrtValue view into its unit's gather buffer
+        for st in self.schedule.stages:
+            views = {}
+            for j in st.units:
+                views.update((n, ortvalue_from_dlpack(v)) for n, v in self.units[j].views(self._slot(j, st.slots[j]))
+                             .items())
+            self._views.append(views)
+        options = self.options
+        if self.device.kind == "cpu" and shared_cpu_arena():  # one arena for all segments, not one each
+            self.options = session_options(self.runtime, options.intra_op_num_threads)
+            self.options.add_session_config_entry("session.use_env_allocators", "1")
+        try:
+            n = len(self.schedule.stages)
+            self._stage_sessions = [self.session(st.segment.graph, f"step graph segment {k + 1}/{n}")
+                                    for k, st in enumerate(self.schedule.stages)]
+        finally:
+            self.options = options
+        # gradient bytes a segment's outputs keep alive until their unit is reduce-scattered (held()'s peak)
+        done = {spec.grads[p][0]: j for j, u in enumerate(self.units) for p in u.names}
+        sizes = {spec.grads[p][0]: spec.initial[p].nbytes for u in self.units for p in u.names}
+        alive, self._carried_peak = 0, 0
+        for st in self.schedule.stages:
+            alive += sum(sizes[g] for g in st.segment.outputs if g in done)
+            self._carried_peak = max(self._carried_peak, alive)
+            alive -= sum(sizes[spec.grads[p][0]] for j in st.reduce for p in self.units[j].names)
+
+    def _slot(self, j: int, b: int):
+        """Gather buffer ``b`` as unit ``j``'s flat parameters."""
+        u = self.units[j]
+        return self.gathered[b][:u.length * u.pshard.element_size()].view(u.pshard.dtype)
+
+    def _bucket(self, u: Unit):
+        return self.bucket[:u.length * u.gshard.element_size()].view(u.gshard.dtype)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def held(self) -> dict[str, int]:
+        """Bytes of the device buffers: ``"parameters"`` (the parameter shards and the replicated sparse tables),
+        ``"optimizer"`` (the state shards and the sparse tables' state), ``"state"`` (those, the step, scratch and
+        kept previous values), ``"gathered"`` (the gather buffers, each of the largest unit), ``"gradients"``
+        (the gradient shards, the bucket and the receive buffer) and ``"gradients_peak"`` (``"gradients"`` plus the
+        most bytes of gradients alive at once before their unit's reduce-scatter)."""
+        spec = self.spec
+        params = sum(_nbytes(u.pshard) for u in self.units) + sum(_nbytes(self._tensors[p]) for p in spec.sparse)
+        opt = sum(_nbytes(t) for u in self.units for t in u.state)
+        opt += sum(_nbytes(self._tensors[s]) for p in spec.sparse for s in spec.state[p])
+        other = _nbytes(self._tensors[spec.step]) + sum(_nbytes(t) for t in self._update_scratch.values())
+        other += sum(_nbytes(t) for _, t in self._previous or [])
+        grads = sum(_nbytes(u.gshard) for u in self.units) + _nbytes(self.bucket)
+        grads += _nbytes(self._recv) if self._recv is not None else 0
+        return {"state": params + opt + other, "parameters": params, "optimizer": opt,
+                "gathered": sum(_nbytes(b) for b in self.gathered), "gradients": grads,
+                "gradients_peak": grads + self._carried_peak}
+
+    # ------------------------------------------------------------------------------------------ running
+
+    def evaluate(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``(loss, model output)`` on ``feeds``, every unit gathered for the run (a collective: every rank
+        evaluates)."""
+        flats = {j: self._gather(u, None) for j, u in enumerate(self.units)}
+        binding = self._eval.io_binding()
+        for name, arr in feeds.items():
+            binding.bind_cpu_input(name, arr)
+        for j, u in enumerate(self.units):
+            for n, v in u.views(flats[j]).items():
+                binding.bind_ortvalue_input(n, ortvalue_from_dlpack(v))
+        for p in self.spec.sparse:
+            binding.bind_ortvalue_input(p, self._sets[0][p])
+        binding.bind_output(self.spec.loss.loss)
+        binding.bind_output(self.spec.loss.output)
+        try:
+            self._eval.run_with_iobinding(binding)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
+            raise RevgraphError(f"evaluation failed: {_first_line(exc)}") from None
+        loss, out = binding.copy_outputs_to_cpu()
+        return loss, out
+
+    def _sharded_gradients(self, feeds, count: int, total: int) -> tuple[float, dict]:
+        """Every micro-batch's forward and backward, unit by unit (module doc), gradients reduce-scattered into
+        the shards weighted by ``count / total``; then the loss and the sparse rows exchanged. A rank without
+        samples in a micro-batch takes part in its gathers and reduce-scatters with zero gradients."""
+        micro = feeds if isinstance(feeds, list) else [(feeds, count)]
+        times = self.times
+        start = times.now() if times is not None else 0.0
+        self._loss_sum, self._rows = 0.0, [[] for _ in self._sparse]
+        self._tail.zero_()
+        sparse, ran = {}, False
+        with collective("the parameter all-gather or the gradient reduce-scatter"):
+            for m, (f, n) in enumerate(micro):
+                sparse = self._micro_batch(f, n, n / total, first=m == 0)
+                if n:
+                    self._take(n / total, sparse)
+                    ran = True
+            if times is not None:
+                times.add("forward+backward", start)
+                start = times.now()
+            if not ran:
+                self._fill_tail()
+            self.comm.dist.all_reduce(self._tail)
+            inputs = self._exchange_rows()
+        if times is not None:
+            times.add("exchange", start)
+        return float(self._tail[0].item()), inputs
+
+    def _micro_batch(self, feeds: dict, count: int, weight: float, first: bool) -> dict:
+        """One micro-batch through the schedule; returns the grad graph's other outputs (sparse rows) by name.
+        ``first``: its gradients are reduce-scattered straight into the shards (later ones added to them)."""
+        import onnxruntime as ort
+
+        stages = self.schedule.stages
+        live = {n: ort.OrtValue.ortvalue_from_numpy(a, self.device.ort_type, self.device.index)
+                for n, a in feeds.items()} if count else {}  # once on the device, however many segments read it
+        works, fresh = {}, {}
+        for s, st in enumerate(stages):
+            for j in st.gather:
+                works[j] = self._start_gather(j, st.slots[j])
+            for j in st.units:
+                if j in works:
+                    works.pop(j).wait()
+            for j in st.prefetch:  # the next stage's units, gathered while this one computes
+                works[j] = self._start_gather(j, stages[s + 1].slots[j])
+            if count:
+                self._synchronize()  # (CUDA) the gathers are done before onnxruntime reads the buffers
+                self._run_stage(s, live, fresh)
+            for j in st.reduce:
+                self._reduce(j, fresh if count else None, weight, first)
+            for n in st.segment.release:
+                live.pop(n, None)
+        for w in works.values():  # (none: the last stage prefetches nothing)
+            w.wait()
+        return fresh
+
+    def _start_gather(self, j: int, b: int):
+        u = self.units[j]
+        return _all_gather(self.comm.dist)(self._slot(j, b), u.pshard, async_op=True)
+
+    def _run_stage(self, s: int, live: dict, fresh: dict) -> None:
+        """Run stage ``s``'s segment: inputs from ``live`` (the batch, earlier segments' outputs), its units' views
+        and the replicated values; its outputs (allocated by onnxruntime, the loss into its buffer) into ``live``,
+        or, for the grad graph's outputs (gradients, sparse rows), ``fresh``."""
+        st, spec = self.schedule.stages[s], self.spec
+        seg, views = st.segment, self._views[s]
+        b = self._stage_sessions[s].io_binding()
+        for n in seg.inputs:
+            b.bind_ortvalue_input(n, live[n] if n in live else views[n] if n in views else self._sets[0][n])
+        for n in seg.outputs:
+            if n == spec.loss.loss:
+                b.bind_ortvalue_output(n, self._loss[0])
+            else:
+                b.bind_output(n, self.device.ort_type, self.device.index)
+        try:
+            self._stage_sessions[s].run_with_iobinding(b)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
+            raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
+        for n, v in zip(seg.outputs, b.get_outputs(), strict=True):
+            if n in self._wanted:
+                fresh[n] = v
+            if n in self._read_later:  # (a gradient no later segment reads lives in fresh alone, to its reduce)
+                live[n] = v
+
+    def _reduce(self, j: int, fresh: dict | None, weight: float, first: bool) -> None:
+        """Unit ``j``'s gradient (taken out of ``fresh``; ``None``: zeros) weighted and reduce-scattered into its
+        shard."""
+        torch, spec = self.comm.torch, self.spec
+        u = self.units[j]
+        flat = self._bucket(u)
+        if fresh is None:
+            flat.zero_()
+        else:
+            for p, v in u.views(flat).items():
+                v.copy_(torch_from_ortvalue(torch, fresh.pop(spec.grads[p][0])))
+            flat[u.used:].zero_()  # the padding (an earlier, larger unit wrote there)
+        flat.mul_(weight)
+        self._synchronize()
+        if first:
+            _reduce_scatter(self.comm.dist)(u.gshard, flat)
+            return
+        if self._recv is None:
+            self._recv = torch.zeros(max(v.k for v in self.units) * u.gshard.element_size(), dtype=torch.uint8,
+                                     device=self.comm.tdevice)
+        recv = self._recv[:u.k * u.gshard.element_size()].view(u.gshard.dtype)
+        _reduce_scatter(self.comm.dist)(recv, flat)
+        u.gshard.add_(recv)
