@@ -184,14 +184,16 @@ def test_cuda_offload_keeps_no_optimizer_state_on_the_device():
 
     batch = _digits(64)
     plain = rg.Trainer(demo.mlp_model(hidden=256), "cross-entropy", "adam", device="cuda")
-    before = torch.cuda.memory_allocated(0)
+    cuda_torch = torch.cuda.is_available()  # (a CPU build of torch: no pinned memory, plain host arrays)
+    before = torch.cuda.memory_allocated(0) if cuda_torch else 0
     off = rg.Trainer(demo.mlp_model(hidden=256), "cross-entropy", "adam", device="cuda", offload="optimizer")
     engine = off._engine
-    assert engine.offload is not None and engine.offload.home.pinned
+    assert engine.offload is not None and engine.offload.home.pinned == cuda_torch
     for tr in (plain, off):
         for _ in range(3):
             tr.step(batch)
-    assert torch.cuda.memory_allocated(0) == before  # (pinned host memory is not device memory)
+    if cuda_torch:  # the copies through torch (DLPack views, pinned host memory) allocate nothing on the GPU
+        assert torch.cuda.memory_allocated(0) == before
     for name, value in engine._sets[engine._current].items():  # parameters, m, v, step: host memory
         assert value.device_name().lower() == "cpu", name
     assert all(v.device_name().lower() == "cuda" for v in engine.offload.mirror.values())
