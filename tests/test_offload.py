@@ -83,6 +83,18 @@ def test_offloaded_lora_accumulation_and_clipping(forced):
     assert off._engine.grad_norm == plain._engine.grad_norm > 0.05  # (the clip acted)
 
 
+def test_offloaded_copies_through_torch(forced):
+    """The gradients' copy of a CUDA run (a torch view of the device buffer through DLPack, copied into the host
+    array in one call), here between CPU buffers: the same numbers."""
+    import torch
+
+    plain, off = _pair(lambda: demo.mlp_model(hidden=9))
+    off._engine.offload.torch = torch
+    for tr in (plain, off):
+        tr.fit(_digits(), 1, 16, seed=6, progress=False)
+    _same(plain, off)
+
+
 def test_offloaded_sparse_embedding_rows(forced):
     """An embedding table read by Gather: its gradient is rows (the update's sparse inputs, copied to the host)."""
     _, data = model_and_data("embedding", 60)
