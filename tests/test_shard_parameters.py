@@ -1,0 +1,160 @@
+"""Parameter-sharded data-parallel training (``--shard parameters``, ZeRO-3:
+revgraph.train.distributed.param_sharding) against one process.
+
+Each distributed run is 2 or 3 gloo processes under torchrun (tests/shard_parameters_worker.py) on the same global
+batches as one process training alone: final parameters, the FULL optimizer state (gathered from the shards) and the
+losses equal to float rounding (rtol 2e-5), every rank holding the same gathered values. 37 samples in global
+batches of 12 leave an uneven last batch (one sample: some ranks have none and take part with zero gradients).
+Units of 4 KiB split each model into several units, so that the step runs as several segments, each gathering its
+units; the engine's held bytes are checked against the arithmetic of the units: (P + G + S) / W plus a few
+unit-sized buffers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed.run  # noqa: F401  # (in the test extra: missing, it fails instead of skipping)
+from kit.distributed import TORCHRUN, run_command
+from shard_parameters_worker import fit, parser, setup
+
+import revgraph as rg
+from revgraph.train import snapshots
+
+WORKER = Path(__file__).resolve().parent / "shard_parameters_worker.py"
+EXPORT = Path(__file__).resolve().parent.parent / "examples" / "llama_lora" / "export.py"
+SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    """A 2-layer LLaMA (transformers.LlamaConfig, hidden 32, vocabulary 64) exported by examples/llama_lora."""
+    spec = importlib.util.spec_from_file_location("llama_lora_export", EXPORT)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    path = tmp_path_factory.mktemp("llama") / "llama.onnx"
+    config = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
+    ex.export(ex.logits_model(ex.llama_config(**config)), path, example_length=8)
+    return str(path)
+
+
+def _launch(out: Path, world: int, *args: str) -> list[dict]:
+    run_command([*TORCHRUN, "--standalone", f"--nproc-per-node={world}", str(WORKER), "--out", str(out), *args],
+                timeout=400)
+    return [dict(np.load(out / f"rank{r}.npz")) for r in range(world)]
+
+
+def _reference(*args: str, epochs: int | None = None, checkpoint_dir=None) -> rg.Trainer:
+    a = parser().parse_args(list(args))
+    if epochs:
+        a.epochs = epochs
+    tr, data = setup(a, False)
+    fit(tr, data, a, checkpoint_dir=checkpoint_dir)
+    return tr
+
+
+def _equal(ranks: list[dict], ref: rg.Trainer, atol: float = 2e-6) -> None:
+    theirs = {**ref.parameters, **ref.state}
+    for name, value in theirs.items():
+        for other in ranks[1:]:  # gathered: the same on every rank
+            np.testing.assert_array_equal(other[name], ranks[0][name], err_msg=name)
+        np.testing.assert_allclose(ranks[0][name], value, rtol=2e-5, atol=atol, err_msg=name)
+    np.testing.assert_allclose(ranks[0]["losses"], ref.losses[len(ref.losses) - len(ranks[0]["losses"]):],
+                               rtol=2e-5, atol=1e-6)
+
+
+def _memory(rank: dict, ref: rg.Trainer, optimizer: str, world: int) -> None:
+    """The held bytes against the units' arithmetic: parameter, gradient and state shards are 1/W of the dense
+    figure plus under one element per unit of padding; the gather buffers and the bucket are unit-sized."""
+    held = {k[5:]: int(v) for k, v in rank.items() if k.startswith("held:")}
+    units = rank["units"]  # [length, k, used] per unit
+    dense = [p for p in ref.spec.params if p not in ref.spec.sparse]
+    full = sum(4 * ref.spec.initial[p].size for p in dense)  # P bytes (float32)
+    sparse = sum(ref.spec.initial[p].nbytes for p in ref.spec.sparse)
+    assert len(units) >= 2 and int(units[:, 2].sum()) * 4 == full and (units[:, 1] * world == units[:, 0]).all()
+    shards = 4 * int(units[:, 1].sum())
+    assert shards <= full / world + 4 * len(units)
+    assert held["parameters"] == shards + sparse
+    assert held["optimizer"] == SLOTS[optimizer] * (shards + sparse)
+    unit = 4 * int(units[:, 0].max())
+    assert held["gathered"] == unit * int(rank["slots"]) and int(rank["slots"]) <= 2 * int(rank["most"])
+    assert held["gradients"] in (shards + unit, shards + unit + 4 * int(units[:, 1].max()))  # (+ micro-batch receive)
+    assert held["gradients_peak"] - held["gradients"] <= full  # carried gradients, at most one step's
+
+
+CASES = {
+    # (one process's arguments, world sizes, atol): a plain MLP; the one-block Transformer (its embedding table a
+    # replicated sparse gradient) with accumulation, clipping, a warmup-cosine schedule and AdamW; the LLaMA plain
+    # and with LoRA adapters (Adam: an element whose gradient is about 0 is scaled up to a full step, so the
+    # data-parallel sum's rounding shows at 4e-6 there, as it does unsharded)
+    "mlp": (["--model", "mlp", "--bucket-bytes", "1024"], (2,), 2e-6),
+    "transformer": (["--model", "lm", "--bucket-bytes", "256", "--optimizer", "adamw", "--accumulate-steps", "2",
+                     "--batch-size", "12", "--clip-grad-norm", "0.5", "--schedule", "cosine", "--warmup-steps", "2"],
+                    (3,), 2e-6),
+    "llama": (["--model", "LLAMA"], (2,), 1e-5),
+    "llama-lora": (["--model", "LLAMA", "--lora", "2", "--accumulate-steps", "2", "--clip-grad-norm", "1.0",
+                    "--schedule", "linear", "--warmup-steps", "1"], (3,), 1e-5),
+}
+SLOW = {  # the other world sizes
+    "mlp3": (["--model", "mlp", "--bucket-bytes", "1024", "--optimizer", "sgd", "--clip-grad-norm", "0.3"], (3,), 2e-6),
+    "transformer2": (CASES["transformer"][0], (2,), 2e-6),
+    "llama3": (["--model", "LLAMA", "--accumulate-steps", "3"], (3,), 1e-5),
+    "llama-lora2": (CASES["llama-lora"][0], (2,), 1e-5),
+}
+
+
+def _check(tmp_path, llama, args: list[str], worlds: tuple, atol: float) -> None:
+    args = [llama if a == "LLAMA" else a for a in args]
+    ref = _reference(*args)
+    optimizer = args[args.index("--optimizer") + 1] if "--optimizer" in args else "adam"
+    for world in worlds:
+        out = tmp_path / f"w{world}"
+        out.mkdir()
+        ranks = _launch(out, world, *args)
+        _equal(ranks, ref, atol)
+        _memory(ranks[0], ref, optimizer, world)
+        assert int(ranks[0]["stages"]) >= (3 if "LLAMA" in args or llama in args else 1)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parameter_sharded_training_equals_one_process(tmp_path, request, case):
+    args, worlds, atol = CASES[case]
+    _check(tmp_path, request.getfixturevalue("llama") if "LLAMA" in args else None, args, worlds, atol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW))
+def test_parameter_sharded_training_other_world_sizes(tmp_path, request, case):
+    args, worlds, atol = SLOW[case]
+    _check(tmp_path, request.getfixturevalue("llama") if "LLAMA" in args else None, args, worlds, atol)
+
+
+def test_snapshots_resume_across_shard_modes_and_world_sizes(tmp_path, llama):
+    """A snapshot written under --shard parameters by 2 processes (one epoch) holds whole arrays and resumes in one
+    process; a one-process snapshot resumes under --shard parameters in 3 processes. Both end equal to an
+    uninterrupted one-process run."""
+    args = ["--model", llama, "--batch-size", "12"]
+    ref = _reference(*args, epochs=3)
+    ckpt = tmp_path / "a"
+    out = tmp_path / "two"
+    out.mkdir()
+    _launch(out, 2, *args, "--epochs", "1", "--checkpoint-dir", str(ckpt))
+    arrays, meta = snapshots.load(ckpt)
+    assert (meta["world_size"], meta["epoch"]) == (2, 1)
+    one = _reference(*args, epochs=2, checkpoint_dir=ckpt)  # resumed: epoch 2 in one process
+    assert one.resumed
+    assert {n: a.shape for n, a in arrays.items() if n in one.parameters} == \
+        {n: a.shape for n, a in one.parameters.items()}  # whole arrays, the unsharded format
+    ckpt_b = tmp_path / "b"
+    two = _reference(*args, epochs=2, checkpoint_dir=ckpt_b)  # uninterrupted, unsharded: the 2-epoch reference
+    for name, value in {**two.parameters, **two.state}.items():
+        np.testing.assert_allclose({**one.parameters, **one.state}[name], value, rtol=2e-5, atol=1e-5, err_msg=name)
+    out = tmp_path / "three"
+    out.mkdir()
+    ranks = _launch(out, 3, *args, "--epochs", "3", "--checkpoint-dir", str(ckpt_b))
+    assert snapshots.load(ckpt_b)[1]["world_size"] == 3
+    _equal(ranks, ref, 1e-5)
