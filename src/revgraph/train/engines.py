@@ -68,6 +68,8 @@ class Engine:
     the device). Raises :class:`RevgraphError` (one line) when onnxruntime refuses a graph or the device is missing.
     """
 
+    offload = None  # (engines that do not run this __init__, such as the sharded ones, have no HostUpdate)
+
     def __init__(self, spec: TrainingGraph, threads: int, device: Device, runtime: RuntimeOptions | None = None,
                  shared: frozenset[str] = frozenset(), offload=None):
         import onnxruntime as ort
