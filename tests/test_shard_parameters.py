@@ -158,3 +158,30 @@ def test_snapshots_resume_across_shard_modes_and_world_sizes(tmp_path, llama):
     ranks = _launch(out, 3, *args, "--epochs", "3", "--checkpoint-dir", str(ckpt_b))
     assert snapshots.load(ckpt_b)[1]["world_size"] == 3
     _equal(ranks, ref, 1e-5)
+
+
+def test_train_nproc_shard_parameters_writes_the_model_of_one_process(tmp_path):
+    """`revgraph train --nproc 2 --shard parameters` with evaluation every 4 steps on 33 samples (17 and 16 per
+    rank: 3 and 2 evaluation batches of 8, so the ranks run different numbers of evaluation runs on the gathered
+    parameters) writes the model of one process with twice the batch (rank 0 alone writes it) and reports the same
+    evaluation loss."""
+    import sys
+
+    from revgraph.tools import demo
+
+    train, _ = demo.digits()
+    np.savez(tmp_path / "data.npz", x=train["x"][:150], y=train["labels"][:150])
+    np.savez(tmp_path / "eval.npz", x=train["x"][150:183], y=train["labels"][150:183])
+    rg.save(demo.mlp_model(hidden=15), tmp_path / "mlp.onnx")
+    common = [sys.executable, "-m", "revgraph", "train", str(tmp_path / "mlp.onnx"), "--data",
+              str(tmp_path / "data.npz"), "--loss", "cross-entropy", "--epochs", "2", "--threads", "1",
+              "--eval-data", str(tmp_path / "eval.npz"), "--eval-every", "4", "--eval-batch-size", "8"]
+    one = run_command([*common, "--batch-size", "20", "-o", str(tmp_path / "one.onnx")])
+    two = run_command([*common, "--batch-size", "10", "--nproc", "2", "--shard", "parameters", "--bucket-mb", "0.002",
+                       "-o", str(tmp_path / "two.onnx")])
+    assert "global batch 2 x 10 = 20; sharded: parameters (ZeRO-3)" in two.stdout, two.stdout
+    a, b = rg.load(tmp_path / "one.onnx").initializers, rg.load(tmp_path / "two.onnx").initializers
+    for name, value in a.items():
+        np.testing.assert_allclose(b[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+    evals = [[line for line in r.stdout.splitlines() if line.startswith("eval data")] for r in (one, two)]
+    assert evals[0] and evals[0] == evals[1], (one.stdout, two.stdout)

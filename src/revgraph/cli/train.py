@@ -109,7 +109,10 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
     train.add_argument("--shard", choices=SHARDS, default="none",
                        help="data-parallel only: each process keeps the optimizer state of its 1/N shard of the "
                             "parameters (optimizer: ZeRO-1; gradients reduce-scattered, parameters all-gathered), "
-                            "and of the gradients too (gradients: ZeRO-2); checkpoints stay whole (default none)")
+                            "and of the gradients too (gradients: ZeRO-2), and keeps only that shard of the "
+                            "parameters, each unit all-gathered just before the part of the step that reads it "
+                            "(parameters: ZeRO-3, FSDP-style; for a model that does not fit one process); "
+                            "checkpoints stay whole (default none)")
     train.add_argument("--sync-batchnorm", action="store_true",
                        help="data-parallel: training-mode BatchNormalization normalizes with the statistics of the "
                             "global batch, all-reduced inside the step as torch.nn.SyncBatchNorm does (default: each "
@@ -281,7 +284,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
               f"{trainer.world_size} x {args.batch_size}"
               + (f" x {args.accumulate_steps} micro-batches" if args.accumulate_steps > 1 else "")
               + f" = {trainer.world_size * args.batch_size * args.accumulate_steps}"
-              + (f"; sharded: {args.shard} (ZeRO-{1 if args.shard == 'optimizer' else 2})"
+              + (f"; sharded: {args.shard} (ZeRO-{ {'optimizer': 1, 'gradients': 2}.get(args.shard, 3)})"
                  if args.shard != "none" else ""))
     callbacks = [eval_printer(console, None if quiet() else args.eval_every)]
     steps_before = trainer.steps

@@ -476,6 +476,8 @@ class Trainer:
         if fixed:
             self._check_fixed_batch(batch_size, n, fixed)
         mine = shard(np.arange(n), self.rank, self.world_size)
+        if hasattr(self._engine, "gather_for_evaluation"):  # (ZeRO-3: on every rank, before their uneven shares)
+            self._engine.gather_for_evaluation()
         sums = np.zeros(5)  # loss * weight, weight, correct answers, answers, non-finite outputs
         for start in range(0, len(mine), batch_size):
             rows = mine[start:start + batch_size]

@@ -18,8 +18,10 @@ graph of :class:`ShardedEngine` runs on the shards (schedules, clipping and weig
 ends: no all-gather of the new parameters, the next forward gathers them.
 
 Sparse embedding tables stay replicated (their rows all-gathered), as in ZeRO-1/2. Reads all-gather parameters and
-state, so snapshots hold full arrays and resume at any world size and shard mode. :meth:`evaluate` gathers every
-unit at once (evaluation memory is the whole model's parameters, for the length of one evaluation run).
+state, so snapshots hold full arrays and resume at any world size and shard mode (a read of every parameter on
+every rank is kept until the next step, so that rank 0 alone can write the trained model). Evaluation gathers every
+unit at once (:meth:`ParameterShardedEngine.gather_for_evaluation`, which ``Trainer.evaluate`` calls on every rank):
+its memory is the whole model's parameters, until the next step.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class ParameterShardedEngine(ShardedEngine):
                  runtime: RuntimeOptions | None = None, bucket_bytes: int | None = None, reduce_dtype: str = "fp32",
                  prefetch: bool = True):
         self.prefetch = prefetch
+        self._cache: dict | None = None  # the parameters of the last whole read, until the next step (read)
+        self._full: dict | None = None  # the gathered parameters for evaluation, until the next step
+        self._full_units: list = []
         super().__init__(spec, threads, device, comm, runtime, mode="parameters", bucket_bytes=bucket_bytes,
                          reduce_dtype=reduce_dtype)
 
@@ -131,6 +136,30 @@ class ParameterShardedEngine(ShardedEngine):
 
     # ------------------------------------------------------------------------------------------ state
 
+    def read(self, names, root_only: bool = False) -> dict[str, np.ndarray]:
+        """Full host copies of ``names`` (a collective, as :meth:`ShardedEngine.read`). A read of every parameter
+        on every rank (the trainer's at the end of ``fit``) is kept until the next step or load, so that rank 0
+        alone can read the parameters again (writing the trained model) without a collective."""
+        names = list(names)
+        if self._cache is not None and all(n in self._cache for n in names):
+            return {n: self._cache[n].copy() for n in names}
+        out = super().read(names, root_only)
+        if not root_only and set(self.spec.params) <= set(out):
+            self._cache = {p: out[p] for p in self.spec.params}
+        return out
+
+    def _forget(self) -> None:
+        """Drop the kept whole parameters (read's and evaluation's): they change with the next step or load."""
+        self._cache, self._full, self._full_units = None, None, []
+
+    def load(self, values: dict[str, np.ndarray]) -> None:
+        self._forget()
+        super().load(values)
+
+    def undo(self) -> None:
+        self._forget()
+        super().undo()
+
     def held(self) -> dict[str, int]:
         """Bytes of the device buffers: ``"parameters"`` (the parameter shards and the replicated sparse tables),
         ``"optimizer"`` (the state shards and the sparse tables' state), ``"state"`` (those, the step, scratch and
@@ -151,16 +180,24 @@ class ParameterShardedEngine(ShardedEngine):
 
     # ------------------------------------------------------------------------------------------ running
 
+    def gather_for_evaluation(self) -> None:
+        """All-gather every unit (a collective: every rank calls it) and keep the full parameters for
+        :meth:`evaluate` until the next step or load, so that ranks may then evaluate different numbers of
+        batches. Evaluation memory is then the whole model's parameters."""
+        self._full_units = [self._gather(u, None) for u in self.units]  # (the views' memory, kept with them)
+        self._full = {n: ortvalue_from_dlpack(v) for u, flat in zip(self.units, self._full_units, strict=True)
+                      for n, v in u.views(flat).items()}
+
     def evaluate(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """``(loss, model output)`` on ``feeds``, every unit gathered for the run (a collective: every rank
-        evaluates)."""
-        flats = {j: self._gather(u, None) for j, u in enumerate(self.units)}
+        """``(loss, model output)`` on ``feeds`` with the parameters :meth:`gather_for_evaluation` gathered (without
+        it, gathered for this run: a collective, every rank evaluates)."""
+        if self._full is None:
+            self.gather_for_evaluation()
         binding = self._eval.io_binding()
         for name, arr in feeds.items():
             binding.bind_cpu_input(name, arr)
-        for j, u in enumerate(self.units):
-            for n, v in u.views(flats[j]).items():
-                binding.bind_ortvalue_input(n, ortvalue_from_dlpack(v))
+        for n, v in self._full.items():
+            binding.bind_ortvalue_input(n, v)
         for p in self.spec.sparse:
             binding.bind_ortvalue_input(p, self._sets[0][p])
         binding.bind_output(self.spec.loss.loss)
@@ -176,6 +213,7 @@ class ParameterShardedEngine(ShardedEngine):
         """Every micro-batch's forward and backward, unit by unit (module doc), gradients reduce-scattered into
         the shards weighted by ``count / total``; then the loss and the sparse rows exchanged. A rank without
         samples in a micro-batch takes part in its gathers and reduce-scatters with zero gradients."""
+        self._forget()
         micro = feeds if isinstance(feeds, list) else [(feeds, count)]
         times = self.times
         start = times.now() if times is not None else 0.0
