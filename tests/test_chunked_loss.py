@@ -155,6 +155,63 @@ def test_gemm_head_and_untransposed_matmul():
     close(got, whole, 1e-6, 1e-6, "MatMul without bias")
 
 
+def sliced_lm(axes: list[int] | None, starts=(0,), ends=(-1,), dtype=np.float32) -> Graph:
+    """:func:`lm` whose logits are a ``Slice`` of the projection's (``logits[:, :-1]`` as PyTorch's exporter
+    writes a causal LM's shifted logits), over ``axes`` (``None``: the input left out); a second Slice of the
+    whole batch (axis 0) before it."""
+    g = lm(dtype)
+    g.nodes[-1].outputs = ["full"]
+    ints = {"s": starts, "e": ends, "z": [0], "big": [2**62], "a0": [0], **({} if axes is None else {"ax": axes})}
+    g.nodes += [Node("Constant", [], [k], {"value": np.array(v, np.int64)}, k)
+                for k, v in ints.items()]  # (constants, not initializers: those are the parameters here)
+    g.nodes.append(Node("Slice", ["full", "z", "big", "a0"], ["whole"], {}, "batch_slice"))
+    g.nodes.append(Node("Slice", ["whole", "s", "e", *([] if axes is None else ["ax"])], ["logits"], {}, "shift"))
+    g.outputs = [ValueInfo("logits", dtype, ("B", None, V))]
+    return g
+
+
+@pytest.mark.parametrize("axes", [[1], [-2]])
+def test_sliced_logits_are_chunked(axes):
+    """Logits sliced over token axes after the projection (axis 1 or -2, after a whole-batch Slice over axis 0):
+    the Slices move before the projection, and the chunked loss and gradients equal the unchunked ones (float32,
+    1e-6) and PyTorch's ``F.cross_entropy(logits[:, :-1])`` (float64); "auto" chunks them under a budget."""
+    ids, labels = data()
+    labels = labels[:, :-1]
+    opts = {"ignore_index": -100, "label_smoothing": 0.1}
+    whole, _ = grads(sliced_lm(axes), "cross-entropy", labels, ids, **opts)
+    for c in (4, 7, 64):
+        got, spec = grads(sliced_lm(axes), "cross-entropy", labels, ids, chunk_tokens=c, **opts)
+        assert spec.settings["chunk_tokens"] == c
+        close(got, whole, 1e-6, 1e-6, f"sliced {axes}, chunk {c}")
+    g64 = sliced_lm(axes, dtype=np.float64)
+    got, _ = grads(g64, "cross-entropy", labels, ids, chunk_tokens=4, **opts)
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in g64.initializers.items() if k in ("emb", "w", "b")}
+    logits = torch.tanh(p["emb"][torch.as_tensor(ids)]) @ p["w"].T + p["b"]
+    out = F.cross_entropy(logits[:, :-1].reshape(-1, V), torch.as_tensor(labels).reshape(-1), **opts)
+    out.backward()
+    close(got, {"loss": out.detach().numpy(), **{k: v.grad.numpy() for k, v in p.items()}}, 1e-10, 1e-12, "torch")
+    _, spec = loss_graph(sliced_lm(axes), "cross-entropy", memory=Budget(fraction=0.5, dims={"B": 64, "T": 64}))
+    # Liger's rule: N D / V = 64 * 64 * 6 / 13 = 1890 tokens, the power of two above: 2048 (< N = 4096)
+    assert spec.settings["chunk_tokens"] == 2048 and spec.recompute
+
+
+def test_slice_of_the_class_axis_is_not_chunked():
+    """A Slice of the class axis (given as -1 or 2), or whose axes are no constant, is not a token slice: a given
+    chunk size is refused in one line naming the Slice node, "auto" computes the whole logits."""
+    for axes in ([2], [-1], [1, 2]):
+        g = sliced_lm(axes, starts=[0] * len(axes), ends=[-1] * len(axes))
+        with pytest.raises(RevgraphError, match=r"node 'shift' \(Slice\), a Slice of the class axis") as e:
+            loss_graph(g, "cross-entropy", chunk_tokens=4)
+        assert "\n" not in str(e.value)
+        _, spec = loss_graph(g, "cross-entropy", memory=0.5)
+        assert not spec.recompute
+    g = sliced_lm([1])
+    g.nodes.insert(0, Node("Shape", ["ids"], ["dyn"], {"start": 1, "end": 2}, "dyn_axes"))
+    g.nodes[-1].inputs[3] = "dyn"
+    with pytest.raises(RevgraphError, match=r"node 'shift' \(Slice\), a Slice whose axes are not constants"):
+        loss_graph(g, "cross-entropy", chunk_tokens=4)
+
+
 def test_central_differences_float64():
     """The chunked loss's gradient (every option at once, a short last chunk) against float64 central
     differences of the same graph's loss along random directions of every parameter."""

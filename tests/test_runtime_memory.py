@@ -86,7 +86,12 @@ def test_runtime_options_fill_session_options():
     assert (base.enable_cpu_mem_arena, base.enable_mem_pattern, base.execution_order) == (
         False, True, ort.ExecutionOrder.DEFAULT)
     assert RuntimeOptions(arena=True).over(TRAINING_DEFAULT) == RuntimeOptions(
-        arena=True, memory_pattern=False, execution_order="priority_based", graph_optimization="none")
+        arena=True, memory_pattern=False, execution_order="priority_based", graph_optimization="none",
+        memory_reuse=False)
+    assert RuntimeOptions(memory_reuse=False).apply().enable_mem_reuse is False
+    assert ort.SessionOptions().enable_mem_reuse is True  # (onnxruntime's default, which rg.Session keeps)
+    with pytest.raises(RevgraphError, match="RuntimeOptions memory_reuse must be True, False or None"):
+        RuntimeOptions(memory_reuse="off")
     opts = RuntimeOptions(graph_optimization="extended").apply()
     assert opts.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     with pytest.raises(RevgraphError, match="graph_optimization must be one of none, basic, extended, all"):
@@ -138,9 +143,10 @@ def _has_memory_efficient_order() -> bool:
 def test_trainer_runtime_defaults_and_overrides():
     g = mlp(np.random.default_rng(0))
     assert rg.Trainer(g, "cross-entropy", "sgd").runtime == TRAINING_DEFAULT == RuntimeOptions(
-        True, False, "priority_based", "none")
+        True, False, "priority_based", "none", False)
     tr = rg.Trainer(g, "cross-entropy", "sgd", runtime=RuntimeOptions(arena=True, execution_order="default"))
-    assert tr.runtime == RuntimeOptions(True, False, "default", "none")
+    assert tr.runtime == RuntimeOptions(True, False, "default", "none", False)
+    assert not tr._engine.options.enable_mem_reuse
     assert tr._engine.options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     assert tr._engine.options.enable_cpu_mem_arena and not tr._engine.options.enable_mem_pattern
     with pytest.raises(RevgraphError, match="buffers must be one of one, two, got 'three'"):

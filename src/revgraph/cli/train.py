@@ -118,8 +118,8 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                             "global batch, all-reduced inside the step as torch.nn.SyncBatchNorm does (default: each "
                             "process over its own share, rank 0's running statistics kept; rank 0 warns)")
     add_launch_arguments(train)
-    add_runtime_arguments(train, "arena on, memory pattern off, priority_based, none: revgraph's order, "
-                                 "measured best for training")
+    add_runtime_arguments(train, "arena on, memory pattern off, memory reuse off, priority_based, none: "
+                                 "revgraph's order, measured best for training")
     train.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES",
                        help=memory_help + "; a byte count sizes the batch dimension with --batch-size")
     train.add_argument("--buffers", choices=BUFFERS, default="one",
@@ -136,8 +136,9 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser, defaults: str) -> None:
-    """``--arena on|off``, ``--memory-pattern on|off``, ``--execution-order ...`` and ``--graph-optimization ...``
-    (:class:`RuntimeOptions`); ``defaults`` says in the help what an option left out means."""
+    """``--arena on|off``, ``--memory-pattern on|off``, ``--memory-reuse on|off``, ``--execution-order ...`` and
+    ``--graph-optimization ...`` (:class:`RuntimeOptions`); ``defaults`` says in the help what an option left out
+    means."""
     from ..runtime.options import EXECUTION_ORDERS, GRAPH_OPTIMIZATIONS
 
     parser.add_argument("--arena", choices=("on", "off"),
@@ -145,6 +146,9 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, defaults: str) -> Non
     parser.add_argument("--memory-pattern", choices=("on", "off"),
                         help=f"onnxruntime's planned allocation of intermediate tensors (enable_mem_pattern; default: "
                              f"{defaults})")
+    parser.add_argument("--memory-reuse", choices=("on", "off"),
+                        help="onnxruntime's planned reuse of a freed tensor's buffer by a later tensor of the same "
+                             f"shape, held allocated in between (enable_mem_reuse; default: {defaults})")
     parser.add_argument("--execution-order", choices=tuple(EXECUTION_ORDERS),
                         help="the order onnxruntime runs nodes in: priority_based is the graph's own order "
                              f"(memory_efficient needs an onnxruntime training build; default: {defaults})")
@@ -181,11 +185,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def runtime_from_args(args: argparse.Namespace) -> RuntimeOptions:
-    """The :class:`RuntimeOptions` of ``--arena``, ``--memory-pattern``, ``--execution-order`` and
-    ``--graph-optimization`` (``None`` for each option left out)."""
+    """The :class:`RuntimeOptions` of ``--arena``, ``--memory-pattern``, ``--memory-reuse``, ``--execution-order``
+    and ``--graph-optimization`` (``None`` for each option left out)."""
     flag = {"on": True, "off": False, None: None}
     return RuntimeOptions(arena=flag[args.arena], memory_pattern=flag[args.memory_pattern],
-                          execution_order=args.execution_order, graph_optimization=args.graph_optimization)
+                          memory_reuse=flag[args.memory_reuse], execution_order=args.execution_order,
+                          graph_optimization=args.graph_optimization)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -6,6 +6,10 @@ themselves:
 - ``arena`` (``enable_cpu_mem_arena``): the CPU allocator keeps freed blocks in an arena that grows and is
   never given back to the system during the session; off, every tensor is allocated and freed with the C
   allocator (memory returns to the system as the step ends);
+- ``memory_reuse`` (``enable_mem_reuse``): onnxruntime's allocation planner gives a new tensor the buffer of
+  a freed tensor of the same shape, planned ahead, so that buffer stays allocated from its first tensor's birth to
+  its last one's death, through the gap between them; off, each tensor is allocated when it is computed and freed
+  after its last reader (the arena, on, then reuses freed blocks of any size as they come);
 - ``memory_pattern`` (``enable_mem_pattern``): after a run onnxruntime records the sizes of the
   intermediate tensors and, for inputs of the same shapes, allocates them next time as one block planned
   ahead; off, each tensor is allocated when it is computed and freed after its last reader;
@@ -18,9 +22,10 @@ themselves:
   (onnxruntime's default). Its fusions replace nodes by new ones, which ``"priority_based"`` runs last.
 
 ``None`` leaves a setting to whoever runs the graph: ``rg.Session`` keeps onnxruntime's defaults (arena on,
-memory pattern on, the default order); ``rg.Trainer`` and ``revgraph train`` use :data:`TRAINING_DEFAULT`
-(memory pattern off, arena on), chosen by ``bench/runtime_settings.py`` (docs/benchmarks.md, "Runtime memory
-settings and buffer sets").
+memory pattern and memory reuse on, the default order); ``rg.Trainer`` and ``revgraph train`` use
+:data:`TRAINING_DEFAULT` (memory pattern and memory reuse off, arena on), chosen by ``bench/runtime_settings.py``
+and ``bench/runtime_order.py`` (docs/benchmarks.md, "Runtime memory settings and buffer sets", "Memory in
+revgraph's order").
 
 Not a user setting: every revgraph session of a graph with quantized weights (``DequantizeLinear`` into
 ``MatMul``/``Gemm``) computes their products exactly, in float32 (:func:`exact_products`), so that a LoRA model
@@ -46,6 +51,7 @@ class RuntimeOptions:
     """onnxruntime memory settings (module doc); ``None`` leaves a setting at onnxruntime's default.
 
     ``arena``: ``enable_cpu_mem_arena`` (bool); ``memory_pattern``: ``enable_mem_pattern`` (bool);
+    ``memory_reuse``: ``enable_mem_reuse`` (bool);
     ``execution_order``: one of ``"default"``, ``"priority_based"``, ``"memory_efficient"``;
     ``graph_optimization``: one of ``"none"``, ``"basic"``, ``"extended"``, ``"all"``. Raises
     :class:`RevgraphError` (one line naming the argument and its choices) for any other value. Settings never
@@ -57,9 +63,10 @@ class RuntimeOptions:
     memory_pattern: bool | None = None
     execution_order: str | None = None
     graph_optimization: str | None = None
+    memory_reuse: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("arena", "memory_pattern"):
+        for name in ("arena", "memory_pattern", "memory_reuse"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise RevgraphError(f"RuntimeOptions {name} must be True, False or None (onnxruntime's default), "
@@ -83,6 +90,8 @@ class RuntimeOptions:
             options.enable_cpu_mem_arena = self.arena
         if self.memory_pattern is not None:
             options.enable_mem_pattern = self.memory_pattern
+        if self.memory_reuse is not None:
+            options.enable_mem_reuse = self.memory_reuse
         if self.execution_order is not None:
             options.execution_order = getattr(ort.ExecutionOrder, EXECUTION_ORDERS[self.execution_order])
         if self.graph_optimization is not None:
@@ -103,8 +112,8 @@ class RuntimeOptions:
 
         order = self.execution_order or "onnxruntime's default"
         level = self.graph_optimization or "onnxruntime's default"
-        return (f"arena {word(self.arena)}, memory pattern {word(self.memory_pattern)}, execution order {order}, "
-                f"graph optimization {level}")
+        return (f"arena {word(self.arena)}, memory pattern {word(self.memory_pattern)}, memory reuse "
+                f"{word(self.memory_reuse)}, execution order {order}, graph optimization {level}")
 
 
 #: What ``rg.Trainer`` and ``revgraph train`` run with unless told otherwise (docs/benchmarks.md, "Runtime memory
@@ -116,9 +125,11 @@ class RuntimeOptions:
 #: would run last), the order the memory planner's lifetimes assume (memory/lifetime.py): onnxruntime's default
 #: order, a depth-first walk back from the outputs, held the LLaMA step of bench/memory_common.py at 1,183 MB
 #: over setup at batch 64 against 784 MB in revgraph's order, at the same CPU time per step (docs/benchmarks.md,
-#: "Memory in revgraph's order"; issue 42).
+#: "Memory in revgraph's order"; issue 42). Memory reuse off: the buffers onnxruntime's planner holds for a later
+#: tensor of the same shape were a third of the LLaMA step's peak under ``memory=0.5`` (the arena reuses freed
+#: blocks anyway, at no cost in step time; docs/benchmarks.md, "Memory reuse").
 TRAINING_DEFAULT = RuntimeOptions(arena=True, memory_pattern=False, execution_order="priority_based",
-                                  graph_optimization="none")
+                                  graph_optimization="none", memory_reuse=False)
 
 
 #: onnxruntime graph optimizers that would merge a node the memory planner recomputes in the backward

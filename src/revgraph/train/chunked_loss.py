@@ -85,13 +85,18 @@ class Projection:
     nodes: tuple[Node, ...]
     hidden: int | str | None
     rank: int  # of h and of the logits
+    #: ``Slice`` nodes over token axes (never the class axis) between the projection and the logits, in the order
+    #: they run: they commute with a row-wise projection, so the chunked loss applies them to ``h`` first
+    #: (PyTorch's exporter writes ``logits[:, :-1]`` of a causal LM this way)
+    slices: tuple[Node, ...] = ()
 
 
 def find_projection(g: Graph, out: str, types: dict[str, ValueInfo]) -> tuple[Projection | None, str]:
     """The projection that computes the logits ``out`` of ``g`` row by row of ``h`` (module doc), or ``None`` and
     the reason, naming the node: a ``MatMul(h [..., D], W [D, V])`` or ``Gemm(h [N, D], W, bias)`` (``transA``
-    0), possibly followed by ``Cast`` and ``Add`` of a bias ``[V]``/``[1, V]``, every value of the chain read by
-    the next node only and the logits by nothing in the graph (else they would be computed whole anyway)."""
+    0), possibly followed by ``Cast``, ``Add`` of a bias ``[V]``/``[1, V]`` and ``Slice`` nodes over token axes
+    (constant axes, not the last), every value of the chain read by the next node only and the logits by nothing in
+    the graph (else they would be computed whole anyway)."""
     producer = {o: n for n in g.nodes for o in n.outputs if o}
     readers: dict[str, int] = {}
     for n in g.nodes:
@@ -104,6 +109,7 @@ def find_projection(g: Graph, out: str, types: dict[str, ValueInfo]) -> tuple[Pr
         return None, (f"the logits {out!r} are also read by {who.label() if who else 'a loop body or output'}, so "
                       "they are computed whole anyway")
     chain: list[Node] = []
+    slices: list[Node] = []
     v = out
     while True:
         nd = producer.get(v)
@@ -113,6 +119,13 @@ def find_projection(g: Graph, out: str, types: dict[str, ValueInfo]) -> tuple[Pr
             return None, f"the logits {out!r} come from {nd.label()}, not a MatMul or Gemm projection"
         if v != out and (readers.get(v, 0) != 1 or v in outputs):
             return None, f"{nd.label()}'s output {v!r} is read elsewhere too: the projection is not the loss's alone"
+        if nd.op_type == "Slice":
+            why = _token_slice(g, nd, types)
+            if why:
+                return None, f"the logits {out!r} come from {nd.label()}, {why}"
+            slices.insert(0, nd)
+            v = nd.inputs[0]
+            continue
         chain.insert(0, nd)
         if nd.op_type in ("MatMul", "Gemm"):
             break
@@ -138,7 +151,30 @@ def find_projection(g: Graph, out: str, types: dict[str, ValueInfo]) -> tuple[Pr
         hidden = wv.shape[1 if mm.attrs.get("transB", 0) else 0]
     else:
         hidden = wv.shape[0]
-    return Projection(h, tuple(chain), hidden, rank), ""
+    return Projection(h, tuple(chain), hidden, rank, tuple(slices)), ""
+
+
+def _token_slice(g: Graph, node: Node, types: dict[str, ValueInfo]) -> str:
+    """Why the ``Slice`` ``node`` on the way to the logits cannot be moved before the projection, or ``""`` when
+    its axes are known (constants, or shape arithmetic over them: ``types`` are ``g``'s) and none is the class
+    axis (the last)."""
+    from ..onnx_io.value_types import constant_values
+
+    data = types.get(node.inputs[0])
+    rank = None if data is None or data.shape is None else len(data.shape)
+    if rank is None:
+        return "a Slice of logits of unknown rank"
+    values = constant_values(g, types)
+    if len(node.inputs) > 3 and node.inputs[3]:
+        axes = values.get(node.inputs[3])
+    else:  # no axes: the first len(starts) axes
+        starts = values.get(node.inputs[1])
+        axes = None if starts is None else np.arange(np.asarray(starts).size)
+    if axes is None:
+        return "a Slice whose axes are not constants"
+    if any(int(a) % rank == rank - 1 for a in np.asarray(axes).reshape(-1)):
+        return "a Slice of the class axis: the loss would not see every class"
+    return ""
 
 
 def _is_bias(vi: ValueInfo | None) -> bool:
@@ -184,7 +220,10 @@ def chunked_cross_entropy(b, proj: Projection, targets: str, dt, opts: dict, chu
     ``chunk`` tokens (module doc). ``b``: the loss's node builder. Returns ``(loss, name of the Loop node)``."""
     ii, smooth, w = opts["ignore_index"], opts["label_smoothing"], opts["class_weights"]
     to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dt))
-    h2 = b.op("Flatten", [proj.h], axis=proj.rank - 1)  # [N, D]
+    h = proj.h
+    for s in proj.slices:  # token slices of the logits, taken of h instead (they commute with the projection)
+        h = b.op("Slice", [h, *s.inputs[1:]])
+    h2 = b.op("Flatten", [h], axis=proj.rank - 1)  # [N, D]
     t = b.op("Reshape", [targets, b.const([-1], I64)])
     counted = table = None
     weight = None  # each token's weight in both sums ([N]; None: every token weighs 1)

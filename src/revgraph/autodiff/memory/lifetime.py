@@ -10,16 +10,20 @@ recomputation just before its first reader) as onnxruntime's sequential allocati
 - a tensor is freed after its last reader;
 - the outputs of :data:`~.cost.ALIASING` operators (``Reshape``, ``Squeeze``, ``Unsqueeze``, ``Flatten``,
   ``Identity``) share their input's buffer;
-- a new tensor takes the buffer of the most recently freed tensor of the same element size and shape (the same
-  numbers, the same symbolic names: ``FindReusableTensor``/``SameSize``), which then stays allocated from its
-  first tensor's birth to its last one's death, through the gap between them; graph outputs take no buffer.
+- with ``reuse=True`` (onnxruntime's ``enable_mem_reuse``, on by default in a plain session), a new tensor takes
+  the buffer of the most recently freed tensor of the same element size and shape (the same numbers, the same
+  symbolic names: ``FindReusableTensor``/``SameSize``), which then stays allocated from its first tensor's birth
+  to its last one's death, through the gap between them; graph outputs take no buffer. ``rg.Trainer`` turns that
+  reuse off (:data:`revgraph.runtime.options.TRAINING_DEFAULT`), and ``reuse=False``, the default here, models it:
+  each tensor has its own buffer from its birth to its death.
 
 Not modelled: in-place kernels (an output written into a dying input: the model errs high by that output),
-kernels' scratch space, what a subgraph allocates inside, onnxruntime's arena (its free blocks, off in the
-checks below). The order is the graph's: ``rg.Trainer`` runs its steps so (``execution_order="priority_based"``
-with no graph optimizations, :data:`revgraph.runtime.options.TRAINING_DEFAULT`; ``simplify`` writes no
-``CastLike``, which onnxruntime would inline as new nodes and run last); onnxruntime's default order, a
-depth-first walk back from the outputs, is another. Graph inputs and initializers (the batch, the parameters, the
+kernels' scratch space, what a subgraph allocates inside (the chunked loss's loop: about four ``[C, V]``
+tensors), onnxruntime's arena (its free blocks, off in the checks below). The order is the graph's:
+``rg.Trainer`` runs its steps so (``execution_order="priority_based"`` with no graph optimizations,
+:data:`revgraph.runtime.options.TRAINING_DEFAULT`; ``simplify`` writes no ``CastLike``, which onnxruntime would
+inline as new nodes and run last); onnxruntime's default order, a depth-first walk back from the outputs, is
+another. Graph inputs and initializers (the batch, the parameters, the
 optimizer state) are alive for the whole run and are counted apart (``resident``). Sizes come from the declared
 types (:func:`.residuals.value_bytes`, symbolic dimensions from ``dims``); a value of unknown size counts 0 and is
 listed in ``unknown``.
@@ -63,10 +67,11 @@ class Lifetimes:
 
 
 def lifetimes(graph: Graph, dims: Mapping[str, int] | None = None,
-              nodes: Sequence[Node] | None = None) -> Lifetimes:
+              nodes: Sequence[Node] | None = None, reuse: bool = False) -> Lifetimes:
     """The peak of the bytes alive while ``graph``'s top-level ``nodes`` (default: ``graph.nodes``, in their
     order) run (module doc). ``dims``: sizes of symbolic dimensions (name -> int); a value with a symbolic
-    dimension not in ``dims`` counts as unknown. Returns :class:`Lifetimes`. Pure: ``graph`` is not changed."""
+    dimension not in ``dims`` counts as unknown; ``reuse``: onnxruntime's planned buffer reuse on (a plain
+    session's default) or off (``rg.Trainer``'s). Returns :class:`Lifetimes`. Pure: ``graph`` is not changed."""
     nodes = graph.nodes if nodes is None else nodes
     dims = {} if dims is None else dims
     resident_names = {vi.name for vi in graph.inputs} | set(graph.initializers)
@@ -108,7 +113,8 @@ def lifetimes(graph: Graph, dims: Mapping[str, int] | None = None,
         sizes[name] = size or 0
         keys[name] = _shape_key(vi, name)
     outputs = {root[n] for n in graph.output_names if n in root}
-    buffer = _reuse(birth, death, keys, outputs)  # value -> the first value of the buffer it is planned into
+    # value -> the first value of the buffer it is planned into
+    buffer = _reuse(birth, death, keys, outputs) if reuse else {n: n for n in birth}
     span: dict[str, list[int]] = {}
     for name, b in buffer.items():
         lo_hi = span.setdefault(b, [birth[name], death[name]])
