@@ -63,6 +63,11 @@ def test_a_refusal_in_the_workers_is_one_line(tmp_path, case):
                            "-o", "out.onnx", *extra], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     lines = done.stderr.strip().splitlines()
+    if extra:  # the restart is one line per rank that stopped, before the run's line (issue 43, item 4)
+        restarts = [ln for ln in lines if ln.startswith("revgraph: rank ") and "the loss is nan at step 1" in ln
+                    and ln.endswith("; restart 1 of 1, no snapshot in ck yet: training starts again from step 0")]
+        assert 1 <= len(restarts) <= 2, done.stderr
+        lines = lines[len(restarts):]
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("revgraph: error: "), done.stderr
     # (data of the wrong shape is refused by the launcher, before any rank starts: the same one line)
     assert ("member 'x' declares shape [16, 64]" if case == "refused data" else "the loss is nan at step 1") in lines[0]

@@ -224,6 +224,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except RevgraphError as exc:  # deterministic (bad input, NaN loss, refused arguments): no restart may rerun it
         if not isinstance(exc, CollectiveError):
             record_failure(str(exc), int(os.environ.get("RANK", "0")), args.checkpoint_dir)
+            from ..train.distributed.join import announce_refusal
+
+            announce_refusal(str(exc), args.timeout)  # before the group exists: the others stop at once, naming us
         raise
 
 
@@ -402,4 +405,4 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it, without its banner
     sys.stdout.flush()
-    return run_torchrun(argv)
+    return run_torchrun(argv, args)

@@ -140,9 +140,15 @@ class Collective:
                 raise RevgraphError(trap)
             if device.kind == "cuda":
                 torch.cuda.set_device(device.index)
+            from .join import join_store
+
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            # every rank checks in through torchrun's store first: one that refused before joining is named at once
+            store = join_store(rank, world, self.timeout)
             try:
                 # the timeout bounds the join and every collective: a stopped peer fails the others in that time
-                dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.timeout))
+                dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
+                                        timeout=timedelta(seconds=self.timeout))
             except Exception as exc:  # noqa: BLE001 - torch.distributed's errors, one line
                 raise CollectiveError(f"cannot join the process group within {self.timeout:g} s (--timeout): "
                                       f"{_first_line(exc)[:300]}") from None

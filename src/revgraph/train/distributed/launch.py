@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import math
 import os
 import signal
 import socket
@@ -307,8 +308,12 @@ def torchrun_arguments(args, rest: list[str]) -> list[str]:
         raise RevgraphError(f"this machine's name {socket.getfqdn()!r} resolves to a loopback address, which the other "
                             "machines cannot reach: give --local-addr with this machine's address on every machine")
     local = [f"--local-addr={args.local_addr}"] if args.local_addr else []
+    # --timeout bounds the rendezvous too: the wait for the other nodes (join_timeout, torchrun's default 600 s) and
+    # each store operation, the connection to node 0 included (read_timeout, 60 s, tried twice)
+    wait = max(1, math.ceil(args.timeout))
+    conf = f"is_host={int(is_host)},join_timeout={wait},read_timeout={max(1, math.ceil(args.timeout / 2))}"
     return [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
-            f"--rdzv-id={args.rdzv_id}", f"--rdzv-conf=is_host={int(is_host)}", *local, *launch,
+            f"--rdzv-id={args.rdzv_id}", f"--rdzv-conf={conf}", *local, *launch,
             "-m", "revgraph", "--", *rest]
 
 
@@ -319,25 +324,60 @@ def _first_failure(failures: dict) -> tuple:
                                                  getattr(kv[1], "timestamp", 0), kv[0]))
 
 
-def run_torchrun(argv: list[str]) -> int:
+def cpp_log_file(args) -> Path:
+    """Where the launcher of ``revgraph train --nproc`` (``args``) puts torch's C++ log lines
+    (:mod:`revgraph.train.distributed.cpp_log`): ``torch-cpp.node<R>.log`` in ``--snapshot-dir``, or beside
+    ``-o`` without one."""
+    where = args.checkpoint_dir if args.checkpoint_dir is not None else (Path(args.output).parent or ".")
+    return Path(where, f"torch-cpp.node{args.node_rank or 0}.log")
+
+
+def _with_log(message: str, cpp) -> str:
+    """``message`` and where torch's C++ lines of the run went, when there were any (one line for a failed run)."""
+    return message + (f" (torch's C++ log lines: {cpp.log_file})" if getattr(cpp, "lines", 0) else "")
+
+
+def run_torchrun(argv: list[str], args=None) -> int:
     """Run torchrun (``torch.distributed.run``'s parser and ``run``) in this process with ``argv`` and return
     revgraph's exit code: 0 when every worker succeeded; 2 when a worker stopped with revgraph's one-line error
-    (bad input, a NaN loss, refused arguments, a peer that stopped or timed out), which it printed; 3 for an
+    (bad input, a NaN loss, refused arguments, a peer that stopped or timed out), which it printed, or the
+    rendezvous failed (one line, :func:`revgraph.train.distributed.restarts.rendezvous_message`); 3 for an
     internal error; 128 + the signal's number when this process got SIGINT, SIGTERM or SIGHUP (torchrun then
-    stopped the workers and waited for them); 1 when a worker crashed without a message (killed, say)."""
+    stopped the workers and waited for them); 1 when a worker crashed without a message (killed, say). With
+    ``args`` (``revgraph train --nproc``'s options): one line per restart
+    (:func:`revgraph.train.distributed.restarts.reporting`), and torch's C++ log lines in :func:`cpp_log_file`
+    (one line says where, at the end)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from .cpp_log import routed
+    from .join import NODE_RANK_ENV
+    from .restarts import rendezvous_message, reporting
+
     parsed = parse_args(argv)
+    node = 0 if args is None or args.node_rank is None else args.node_rank
     with tempfile.TemporaryDirectory(prefix="revgraph-run-") as run_dir:
         os.environ[RUN_DIR_ENV], os.environ[AGENT_PID_ENV] = run_dir, str(os.getpid())
+        os.environ[NODE_RANK_ENV] = str(node)
         if parsed.log_dir is None:  # torchrun's logs (error files) go in this run's directory, removed with it:
             # by default the agent makes a torchelastic_* directory in TMPDIR per run and leaves it there
             parsed.log_dir = os.path.join(run_dir, "torchelastic")
+        cpp = routed(cpp_log_file(args)) if args is not None else contextlib.nullcontext()
         try:
-            with _quiet_torchrun():
-                run(parsed)
+            with cpp, _quiet_torchrun(), reporting(run_dir, node, args and args.checkpoint_dir) as reached:
+                try:
+                    run(parsed)
+                except (ChildFailedError, SignalException):
+                    raise
+                except Exception as exc:  # the rendezvous failed: one line when we can say why
+                    said = args is not None and rendezvous_message(exc, args.rdzv_endpoint, node == 0, args.timeout,
+                                                                   reached[0])
+                    if said:
+                        raise RevgraphError(said) from None
+                    raise
+            if getattr(cpp, "lines", 0):
+                print(f"revgraph: torch's C++ log lines ({cpp.lines}) are in {cpp.log_file}", file=sys.stderr)
             return 0
         except ChildFailedError as exc:
             codes = {f.exitcode for f in exc.failures.values()}
@@ -346,13 +386,16 @@ def run_torchrun(argv: list[str]) -> int:
                 # handed its line over and then died in a native destructor still refused
                 message = _handed_over(run_dir)
                 if message:  # (one line, unwrapped, as the CLI prints its errors)
-                    print(f"revgraph: error: {message}", file=sys.stderr)
+                    print(f"revgraph: error: {_with_log(message, cpp)}", file=sys.stderr)
                 return 2
             if 3 not in codes:  # a worker killed or crashed without a message: say which (torchrun's lines are off)
                 rank, f = _first_failure(exc.failures)
-                print(f"revgraph: error: worker {rank} of --nproc stopped with exit code {f.exitcode} and no message "
-                      "(killed, or out of memory?)", file=sys.stderr)
+                said = (f"worker {rank} of --nproc stopped with exit code {f.exitcode} and no message (killed, or "
+                        "out of memory?)")
+                print(f"revgraph: error: {_with_log(said, cpp)}", file=sys.stderr)
             return 3 if 3 in codes else 1
+        except RevgraphError as exc:
+            raise RevgraphError(_with_log(str(exc), cpp)) from None
         except SignalException as exc:  # torchrun stopped the workers (they say nothing: launched_worker)
             if int(exc.sigval) == signal.SIGINT:
                 print("revgraph: interrupted", file=sys.stderr)
@@ -360,7 +403,8 @@ def run_torchrun(argv: list[str]) -> int:
         except Exception as exc:  # noqa: BLE001 - the rendezvous failed (a peer never came, the endpoint refused us)
             from ...runtime import _first_line
 
-            raise RevgraphError(f"torchrun failed: {type(exc).__name__}: {_first_line(exc)[:300]}") from None
+            raise RevgraphError(_with_log(f"torchrun failed: {type(exc).__name__}: {_first_line(exc)[:300]}",
+                                          cpp)) from None
         finally:
-            for k in (RUN_DIR_ENV, AGENT_PID_ENV):
+            for k in (RUN_DIR_ENV, AGENT_PID_ENV, NODE_RANK_ENV):
                 os.environ.pop(k, None)
