@@ -171,3 +171,22 @@ def en_us_utf8_locale(tmp_path_factory):
         os.environ.pop("LOCPATH", None)
     else:
         os.environ["LOCPATH"] = old
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A gloo process group of one process in this test process (destroyed afterwards), for engine-level tests
+    (tests/test_sharding.py, tests/test_offload.py)."""
+    import torch.distributed as dist
+    from kit.distributed import free_port
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo")
+    try:
+        from revgraph.runtime.devices import Device
+        from revgraph.train.distributed.data_parallel import Collective
+
+        yield Collective(Device())
+    finally:
+        dist.destroy_process_group()

@@ -155,7 +155,7 @@ def _cli(tmp_path, *args: str, env=ENV, nproc=None) -> subprocess.CompletedProce
 
 @pytest.mark.parametrize("args,words", [
     (("--buffers", "two"), "--offload optimizer (offload='optimizer') needs --buffers one"),
-    (("--nproc", "2", "--shard", "optimizer"), "does not combine with --shard optimizer"),
+    (("--nproc", "2", "--shard", "parameters"), "does not combine with --shard parameters"),
     (("--nproc", "2", "--sync-batchnorm"), "does not combine with --sync-batchnorm")])
 def test_cli_refuses_what_does_not_compose_in_one_line(tmp_path, args, words):
     """Refused before any worker starts: exit 2, one line, no model written."""
@@ -183,6 +183,66 @@ def test_cli_data_parallel_offloaded_equals_plain(tmp_path):
     assert "does nothing" not in r.stderr, r.stderr  # (the workers saw the switch: the offloaded engine ran)
     plain, off = rg.load(tmp_path / "plain.onnx").initializers, rg.load(tmp_path / "off.onnx").initializers
     assert sorted(plain) == sorted(off)
+    for name, value in plain.items():
+        np.testing.assert_array_equal(off[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
+@pytest.mark.parametrize("model", ["mlp", "embedding"])
+def test_offloaded_sharded_engine_equals_sharded(forced, world_of_one, mode, model):
+    """ZeRO-1/2 with the optimizer offloaded (revgraph.train.offload_sharded), the engines themselves in a world of
+    one (shard = everything; 2 units of 1 KiB buckets, clipping that cuts; the embedding's table replicated and
+    updated by rows): steps, the gathered state, an undone keep_previous step and a load equal ShardedEngine's
+    bitwise, and the device holds no optimizer state (world_of_one: tests/conftest.py)."""
+    from distributed_worker import trainer
+
+    from revgraph.runtime.devices import Device
+    from revgraph.train.distributed.sharding import ShardedEngine
+    from revgraph.train.offload import HostUpdate
+    from revgraph.train.offload_sharded import OffloadedShardedEngine
+
+    tr, data = trainer(model, "adam", 48, False, 13, clip_grad_norm=0.3)
+    spec, how = tr.spec, {"mode": mode, "bucket_bytes": 1024}
+    feeds = {n: data[n if n in data else "labels"][:16] for n in [*spec.inputs, spec.labels]}
+    ref = ShardedEngine(spec, 1, Device(), world_of_one, **how)
+    eng = OffloadedShardedEngine(spec, 1, Device(), world_of_one, offload=HostUpdate(Device()), **how)
+    assert len(eng.units) >= (2 if model == "mlp" else 1) and eng._pairs
+    for _ in range(3):
+        assert eng.step(feeds, 16, 16) == ref.step(feeds, 16, 16)
+    assert ref._clip_squares is not None and float(ref._clip_squares) > 0.3 ** 2  # (the clip acted)
+    mine = eng.read(eng.names)
+    for name, value in ref.read(ref.names).items():
+        np.testing.assert_array_equal(mine[name], value, err_msg=name)
+    for e in (eng, ref):
+        e.step(feeds, 16, 16, keep_previous=True)
+        e.undo()
+        e.step(feeds, 16, 16)
+    for e in (eng, ref):
+        e.load(mine)
+        e.step(feeds, 16, 16)
+    mine = eng.read(eng.names)
+    for name, value in ref.read(ref.names).items():
+        np.testing.assert_array_equal(mine[name], value, err_msg=name)
+    held, theirs = eng.held(), ref.held()
+    assert held["optimizer"] == 0 and theirs["optimizer"] > 0 and held["gradients"] == theirs["gradients"]
+    # the device: the parameters alone (no state, no step, no scratch); the host: the state, the step and scratch,
+    # the master copies of the parameter shards and the copies of the gradient shards
+    assert held["state"] == held["parameters"] == theirs["parameters"]
+    assert held["host_state"] == theirs["state"] - theirs["parameters"] + sum(h.numel() * h.element_size()
+                                                                              for _, h, _ in eng._pairs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_cli_sharded_offloaded_equals_sharded(tmp_path, shard):
+    """`--nproc 2 --shard optimizer|gradients --offload optimizer` (forced on the CPU) writes the weights of the
+    same run without --offload (Adam, clipping, 2 units)."""
+    common = ("--batch-size", "8", "--clip-grad-norm", "0.5", "--bucket-mb", "0.001", "--shard", shard, "--quiet")
+    _cli(tmp_path, *common, "-o", str(tmp_path / "plain.onnx"), nproc=2)
+    r = _cli(tmp_path, *common, "--offload", "optimizer", "-o", str(tmp_path / "off.onnx"), nproc=2,
+             env={**ENV, FORCE_ENV: "1"})
+    assert "does nothing" not in r.stderr, r.stderr
+    plain, off = rg.load(tmp_path / "plain.onnx").initializers, rg.load(tmp_path / "off.onnx").initializers
     for name, value in plain.items():
         np.testing.assert_array_equal(off[name], value, err_msg=name)
 

@@ -206,24 +206,6 @@ def test_train_nproc_sharded_matches_one_process(tmp_path, device):
         np.testing.assert_allclose(two[name], value, err_msg=name, **tol)
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """A gloo process group of one process in this test process (destroyed afterwards), for engine-level tests."""
-    import torch.distributed as dist
-    from kit.distributed import free_port
-
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(k, v)
-    dist.init_process_group("gloo")
-    try:
-        from revgraph.runtime.devices import Device
-        from revgraph.train.distributed.data_parallel import Collective
-
-        yield Collective(Device())
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("mode", ["optimizer", "gradients"])
 def test_sharded_engine_steps_reads_loads_and_undoes(world_of_one, mode):
     """The engine itself, in a world of one (shard = everything): steps equal the unsharded SplitEngine's, a

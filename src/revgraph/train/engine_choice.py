@@ -105,8 +105,12 @@ def create_engine(spec, settings: EngineSettings, threads: int, device, runtime,
 
             return ParameterShardedEngine(spec, threads, device, comm, runtime, bucket_bytes=settings.bucket_bytes,
                                           reduce_dtype=settings.reduce_dtype)
-        return ShardedEngine(spec, threads, device, comm, runtime, mode=settings.shard,
-                             bucket_bytes=settings.bucket_bytes, reduce_dtype=settings.reduce_dtype)
+        sharded = {"mode": settings.shard, "bucket_bytes": settings.bucket_bytes, "reduce_dtype": settings.reduce_dtype}
+        if offload is not None:  # (ZeRO-Offload: revgraph.train.offload_sharded)
+            from .offload_sharded import OffloadedShardedEngine
+
+            return OffloadedShardedEngine(spec, threads, device, comm, runtime, offload=offload, **sharded)
+        return ShardedEngine(spec, threads, device, comm, runtime, **sharded)
     if comm and comm.world_size > 1:
         from .distributed.data_parallel import DistributedEngine
         from .distributed.sync_batchnorm_engine import engine_class

@@ -3,7 +3,8 @@ and backward on the device, as the optimizer half of ZeRO-Offload (Ren et al., 2
 ``offload_optimizer``.
 
 Where each buffer lives (:class:`HostUpdate`, attached to a :class:`revgraph.train.engines.SplitEngine` or the
-unsharded data-parallel engine):
+unsharded data-parallel engine; with ``--shard optimizer|gradients``, ZeRO-Offload's layout, see
+:mod:`revgraph.train.offload_sharded`):
 
 - **host** (pinned memory on CUDA, so that the copies are DMA transfers): every carried value of the step, the
   engine's buffer sets themselves: the fp32 master copy of each parameter, the optimizer state (Adam's ``m``,
@@ -53,9 +54,9 @@ def refused_offload(offload: str, buffers: str = "one", shard: str = "none", syn
     opt = f"--offload {offload} (offload={offload!r})"
     if buffers == "two":
         return f"{opt} needs --buffers one (buffers='one'): the host keeps the one buffer set the update writes"
-    if shard != "none":
-        return (f"{opt} does not combine with --shard {shard} yet: train unsharded with --offload, or sharded "
-                "without it")
+    if shard == "parameters":
+        return (f"{opt} does not combine with --shard parameters yet: use --shard gradients (ZeRO-2) with "
+                "--offload, or --shard parameters without it")
     if sync_batchnorm:
         return f"{opt} does not combine with --sync-batchnorm: leave one of them out"
     if precision == "fp16":
@@ -146,9 +147,7 @@ class HostUpdate:
         other inputs ``inputs`` (sparse rows, ``{name: OrtValue}``) as host values."""
         for g, src in self.device_grads.items():
             self._to_host(src, g)
-        import onnxruntime as ort
-
-        return {n: ort.OrtValue.ortvalue_from_numpy(np.array(v.numpy())) for n, v in inputs.items()}
+        return host_values(inputs)
 
     def _to_host(self, src, g: str) -> None:
         if self.torch is not None:  # device to pinned host memory in one DMA copy
@@ -171,6 +170,14 @@ class HostUpdate:
 
         return {"state": sum(_nbytes(v) for v in self.mirror.values()), "gradients": host["gradients"],
                 "host_state": host["state"], "host_gradients": sum(_nbytes(v) for v in self.host_grads.values())}
+
+
+def host_values(values: dict) -> dict:
+    """Host copies (CPU ``OrtValue``s) of ``values`` (``{name: OrtValue}`` on any device): the sparse rows a step
+    hands the update, whose sizes change from step to step."""
+    import onnxruntime as ort
+
+    return {n: ort.OrtValue.ortvalue_from_numpy(np.array(v.numpy())) for n, v in values.items()}
 
 
 def _cuda_torch():

@@ -101,7 +101,7 @@ class ShardedEngine(DistributedEngine):
         for j, u in enumerate(self.units):
             tdt = torch_dtype(torch, spec.initial[u.names[0]].dtype)
             self._place(u, tdt, values)
-            u.state = [torch.zeros(u.k, dtype=tdt, device=dev) for _ in spec.optimizer.slots]
+            u.state = [self._state_zeros(u.k, tdt) for _ in spec.optimizer.slots]
             if mode == "optimizer":  # reduce-scattered in place: the shard is the rank's slice of the unit
                 u.grad = torch.zeros(u.length, dtype=tdt, device=dev)
                 u.gshard = u.grad[u.lo:u.lo + u.k]
@@ -112,11 +112,12 @@ class ShardedEngine(DistributedEngine):
                 for i, s in enumerate(spec.state[p]):
                     self._where[s] = (j, i, o)
         for p in spec.sparse:  # replicated, as unsharded
-            for n, a in [(p, spec.initial[p]), *((s, np.zeros_like(spec.initial[p])) for s in spec.state[p])]:
-                self._tensors[n] = torch.from_numpy(np.array(a)).to(dev)
-        self._tensors[spec.step] = torch.zeros((), dtype=torch.int64, device=dev)
+            self._tensors[p] = torch.from_numpy(np.array(spec.initial[p])).to(dev)
+            self._tensors.update((s, self._state_zeros(self._tensors[p].shape, self._tensors[p].dtype))
+                                 for s in spec.state[p])
+        self._tensors[spec.step] = self._state_zeros((), torch.int64)
         if spec.total:  # a schedule's total steps (revgraph.train.schedules), set by fit
-            self._tensors[spec.total] = torch.zeros((), dtype=torch.int64, device=dev)
+            self._tensors[spec.total] = self._state_zeros((), torch.int64)
         values.update((n, ortvalue_from_dlpack(t)) for n, t in self._tensors.items())
         self._sets = [values, values]  # one set: every name is updated in place (or copied back)
         self._empty_rows = [torch.zeros((0, *spec.initial[p].shape[1:]),
@@ -165,23 +166,32 @@ class ShardedEngine(DistributedEngine):
 
     # ------------------------------------------------------------------------------------------ building
 
-    def _build_update(self) -> None:
+    def _state_zeros(self, shape, dtype):
+        """A zero tensor of optimizer state or the step: on the device (in host memory when offloaded,
+        :mod:`revgraph.train.offload_sharded`)."""
+        return self.comm.torch.zeros(shape, dtype=dtype, device=self.comm.tdevice)
+
+    def _for_update(self, t, back: bool = False):
+        """The tensor the update graph reads for ``t`` (``back``: and writes, a parameter shard): ``t`` itself
+        (a host copy when offloaded)."""
+        return t
+
+    def _build_update(self, home: Device | None = None) -> None:
+        """The update graph's session (on ``home``, default the device) and its binding to the shards."""
         graph, pairs, self._unit_names = shard_update_graph(self.spec, self.units)
-        self._update = self.session(graph, "sharded update graph")
+        self._update = self.session(graph, "sharded update graph", home)
         unsafe = inplace_pairs(graph, pairs)
-        ort_in: dict[str, object] = {}
+        self._in_tensors = {}  # torch tensor of each carried input, for values written to scratch and copied back
+        grads = {}
         for j, u in enumerate(self.units):
             p, g, state = self._unit_names[j]
-            ort_in[p] = ortvalue_from_dlpack(self._own(u))
-            ort_in[g] = ortvalue_from_dlpack(u.gshard)
-            ort_in.update((s, ortvalue_from_dlpack(t)) for s, t in zip(state, u.state, strict=True))
-        self._in_tensors = {}  # torch tensor of each carried input, for values written to scratch and copied back
-        for j, u in enumerate(self.units):
-            p, _, state = self._unit_names[j]
-            self._in_tensors[p] = self._own(u)
+            self._in_tensors[p] = self._for_update(self._own(u), back=True)
             self._in_tensors.update(zip(state, u.state, strict=True))
-        self._in_tensors.update(self._tensors)
-        ort_in.update((n, self._sets[0][n]) for n in self._tensors)
+            grads[g] = self._for_update(u.gshard)
+        # (the sparse tables are parameters; their state and the step are already where _state_zeros put them)
+        self._in_tensors.update((n, self._for_update(t, True) if n in self.spec.sparse else t)
+                                for n, t in self._tensors.items())
+        ort_in = {n: ortvalue_from_dlpack(t) for n, t in {**self._in_tensors, **grads}.items()}
         # a pair that may not share a buffer (inplace_pairs: the step, read twice) writes a scratch tensor,
         # copied back after the run
         self._update_scratch = {i: self._in_tensors[i].clone() for i, _ in pairs if i in unsafe}
@@ -189,7 +199,7 @@ class ShardedEngine(DistributedEngine):
         self._clip_squares = None  # clipping: the dense gradients' squared norm over all ranks' shards
         if "clip" in self._unit_names:
             self._clip_squares = self.comm.torch.zeros((), dtype=self.comm.torch.float64, device=self.comm.tdevice)
-            ub.bind_ortvalue_input(self._unit_names["clip"], ortvalue_from_dlpack(self._clip_squares))
+            ub.bind_ortvalue_input(self._unit_names["clip"], ortvalue_from_dlpack(self._for_update(self._clip_squares)))
         for j in range(len(self.units)):
             g = self._unit_names[j][1]
             ub.bind_ortvalue_input(g, ort_in[g])
@@ -198,6 +208,10 @@ class ShardedEngine(DistributedEngine):
             scratch = self._update_scratch.get(i)
             ub.bind_ortvalue_output(o, ortvalue_from_dlpack(scratch) if scratch is not None else ort_in[i])
         self._ub = ub
+
+    def _copy_for_update(self, down: bool) -> None:
+        """Copy the update's inputs to the tensors it reads (``down``), or its new parameters back (nothing to
+        copy unless offloaded)."""
 
     def _build_segments(self) -> None:
         """ZeRO-2: cut the grad graph into one segment per unit (:mod:`revgraph.train.distributed.grad_segments`);
@@ -370,12 +384,14 @@ class ShardedEngine(DistributedEngine):
         for name, value in inputs.items():
             self._ub.bind_ortvalue_input(name, value)
         self._synchronize()
+        self._copy_for_update(True)  # (offloaded: the shards to the host)
         try:
             self._update.run_with_iobinding(self._ub)
         except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
             raise RevgraphError(f"the update step failed: {_first_line(exc)}") from None
         for i, t in self._update_scratch.items():
             self._in_tensors[i].copy_(t)
+        self._copy_for_update(False)  # (offloaded: the new parameter shards back to the device)
         self._synchronize()  # onnxruntime's writes are done before the collective reads the shards
         if not self._sharded(None):
             dist = self.comm.dist
