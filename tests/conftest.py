@@ -177,16 +177,29 @@ def en_us_utf8_locale(tmp_path_factory):
 def world_of_one(monkeypatch):
     """A gloo process group of one process in this test process (destroyed afterwards), for engine-level tests
     (tests/test_sharding.py, tests/test_offload.py)."""
+    yield from _world_of_one(monkeypatch, "cpu")
+
+
+@pytest.fixture
+def cuda_world_of_one(monkeypatch):
+    """:func:`world_of_one` on cuda:0 with NCCL (GPU tests only)."""
+    yield from _world_of_one(monkeypatch, "cuda")
+
+
+def _world_of_one(monkeypatch, device: str):
+    import torch
     import torch.distributed as dist
     from kit.distributed import free_port
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(k, v)
-    dist.init_process_group("gloo")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
     try:
         from revgraph.runtime.devices import Device
         from revgraph.train.distributed.data_parallel import Collective
 
-        yield Collective(Device())
+        yield Collective(Device.parse(device))
     finally:
         dist.destroy_process_group()

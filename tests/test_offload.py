@@ -247,6 +247,34 @@ def test_cli_sharded_offloaded_equals_sharded(tmp_path, shard):
         np.testing.assert_array_equal(off[name], value, err_msg=name)
 
 
+@gpu_test(torch_gpus=1)
+@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
+def test_cuda_offloaded_sharded_engine(cuda_world_of_one, mode):
+    """ZeRO-1/2 offloaded on cuda:0 (NCCL, a world of one): the state shards, the step and the update's copies
+    are host (pinned) tensors, the units on the GPU; the steps and the gathered state match ShardedEngine's on the
+    GPU (the update on the CPU rounds as the CPU does)."""
+    from distributed_worker import trainer
+
+    from revgraph.runtime.devices import Device
+    from revgraph.train.distributed.sharding import ShardedEngine
+    from revgraph.train.offload import HostUpdate
+    from revgraph.train.offload_sharded import OffloadedShardedEngine
+
+    tr, data = trainer("mlp", "adam", 48, False, 13, clip_grad_norm=0.3)
+    spec, how, cuda = tr.spec, {"mode": mode, "bucket_bytes": 1024}, Device("cuda")
+    feeds = {spec.inputs[0]: data["x"][:16], spec.labels: data["labels"][:16]}
+    ref = ShardedEngine(spec, 1, cuda, cuda_world_of_one, **how)
+    eng = OffloadedShardedEngine(spec, 1, cuda, cuda_world_of_one, offload=HostUpdate(cuda), **how)
+    assert all(t.device.type == "cpu" and t.is_pinned() for u in eng.units for t in u.state)
+    assert all(h.device.type == "cpu" and t.device.type == "cuda" for t, h, _ in eng._pairs)
+    assert all(u.param.device.type == "cuda" for u in eng.units) and eng.held()["optimizer"] == 0
+    for _ in range(3):
+        np.testing.assert_allclose(eng.step(feeds, 16, 16), ref.step(feeds, 16, 16), rtol=1e-4)
+    mine = eng.read(eng.names)
+    for name, value in ref.read(ref.names).items():
+        np.testing.assert_allclose(mine[name], value, err_msg=name, **tolerance("adam"))
+
+
 @gpu_test
 def test_cuda_offload_keeps_no_optimizer_state_on_the_device():
     """On cuda:0 the optimizer state, the step and the update's gradients are host (CPU) buffers, the device
