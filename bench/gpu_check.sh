@@ -58,7 +58,8 @@ status=0
 # -o addopts='' drops the default -m "not slow"; -rs prints why a test was skipped (e.g. one GPU: no 2-process NCCL).
 # tests/test_sharding.py: --shard gradients on 2 GPUs (units, shards, bucket, reduce-scatter, all-gather on NCCL)
 # tests/test_offload.py: --offload optimizer (issue 43): optimizer state, step and the update's gradients in host
-# memory, only the parameters and gradients on the GPU, the weights those of the plain GPU run
+# memory, only the parameters and gradients on the GPU, the weights those of the plain GPU run; and sharded
+# (ZeRO-1/2 offloaded, NCCL in a world of one)
 timeout 360 "$PYTHON" -m pytest -q -o addopts='' -rs -m cuda -p no:cacheprovider tests/test_devices.py \
     tests/test_sharding.py tests/test_sync_batchnorm.py tests/test_precision.py tests/test_offload.py || status=$?
 
