@@ -54,6 +54,11 @@ def _lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if ln.strip()]
 
 
+def _without_log(line: str) -> str:
+    """An error line without the note at its end that says where torch's C++ log lines went (when there were)."""
+    return re.sub(r" \(torch's C\+\+ log lines: torch-cpp\.node\d\.log\)$", "", line)
+
+
 def _worker_of_rank(launcher_pid: int, rank: int) -> int:
     for w in _workers(launcher_pid):
         if f"\0RANK={rank}\0".encode() in b"\0" + Path(f"/proc/{w}/environ").read_bytes():
@@ -150,9 +155,9 @@ def test_node_0_alone_ends_within_the_timeout_in_one_line(tmp_path):
     assert "within --timeout 6 s" in lines[0] and "with the same --rdzv-id" in lines[0], lines[0]
 
 
-def _lose_node_0(tmp_path: Path, timeout: int) -> tuple[subprocess.Popen, str, float]:
+def _lose_node_0(tmp_path: Path, timeout: int, restarts: int) -> tuple[subprocess.Popen, str, float]:
     dirs, port = _node_dirs(tmp_path), free_port()
-    cmds = [_node(r, port, "--timeout", str(timeout), "--max-restarts", "1",
+    cmds = [_node(r, port, "--timeout", str(timeout), "--max-restarts", str(restarts),
                   train=_train(epochs=50)) for r in range(2)]
     with launched(*cmds, cwds=dirs) as procs:
         out0 = _Lines(procs[0].stdout)
@@ -166,15 +171,24 @@ def _lose_node_0(tmp_path: Path, timeout: int) -> tuple[subprocess.Popen, str, f
         return procs[1], err1.text, time.monotonic() - lost
 
 
-def test_losing_node_0_ends_node_1_within_the_timeout_saying_node_0_holds_the_rendezvous(tmp_path):
-    """Node 0 killed mid-run (its launcher with torchrun's store, and its worker), node 1 allowed a restart: node
-    1's worker fails, the restart line says so, and the restart finds no rendezvous: exit 2 within --timeout with
-    one error line saying node 0 holds the rendezvous and how to restart."""
-    p, err, elapsed = _lose_node_0(tmp_path, timeout=8)
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_losing_node_0_ends_node_1_within_the_timeout_saying_node_0_holds_the_rendezvous(tmp_path, restarts):
+    """Node 0 killed mid-run (its launcher with torchrun's store, and its worker). Node 1 allowed a restart: its
+    worker fails, the restart line says so, and the restart finds no rendezvous: exit 2 within --timeout with one
+    error line saying node 0 holds the rendezvous and how to restart. Without restarts: the worker's line, and
+    that node 0, which holds the rendezvous, is gone."""
+    p, err, elapsed = _lose_node_0(tmp_path, timeout=8, restarts=restarts)
     assert p.returncode == 2, err
     assert elapsed < 8 + MARGIN, elapsed
     errors = [ln for ln in _lines(err) if ln.startswith("revgraph: error:")]
     assert len(errors) == 1, err
+    if not restarts:
+        assert _lines(err) == errors, err
+        assert re.fullmatch(r"revgraph: error: .* with the other training processes failed; one of them stopped .*; "
+                            r"node 0 \(--node-rank 0\), which holds the rendezvous \(torchrun's c10d store\), is gone "
+                            r"too: restart the command on every machine with the same --rdzv-id, or use an external "
+                            r"store", _without_log(errors[0])), errors[0]
+        return
     assert "lost the rendezvous at 127.0.0.1:" in errors[0], errors[0]
     assert "node 0 (--node-rank 0) holds it (torchrun's c10d store lives there)" in errors[0], errors[0]
     assert "restart the command on every machine with the same --rdzv-id" in errors[0] and \
@@ -198,7 +212,7 @@ def test_a_rank_refusing_before_the_group_exists_stops_the_others_at_once_naming
     elapsed = time.monotonic() - start
     assert [p.returncode for p in procs] == [2, 2], done
     assert elapsed < 60, elapsed  # (the default --timeout is 300 s)
-    lines = [_lines(err) for _, err in done]
+    lines = [[_without_log(ln) for ln in _lines(err)] for _, err in done]
     assert all(len(ls) == 1 for ls in lines), lines
     assert re.fullmatch(r"revgraph: error: 'data\.npz' is not a readable \.npz file \(.*\)", lines[1][0]), lines[1]
     said = lines[1][0].removeprefix("revgraph: error: ")

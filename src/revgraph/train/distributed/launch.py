@@ -353,7 +353,7 @@ def run_torchrun(argv: list[str], args=None) -> int:
 
     from .cpp_log import routed
     from .join import NODE_RANK_ENV
-    from .restarts import rendezvous_message, reporting
+    from .restarts import lost_host_note, rendezvous_message, reporting
 
     parsed = parse_args(argv)
     node = 0 if args is None or args.node_rank is None else args.node_rank
@@ -381,18 +381,20 @@ def run_torchrun(argv: list[str], args=None) -> int:
             return 0
         except ChildFailedError as exc:
             codes = {f.exitcode for f in exc.failures.values()}
+            # (a failure this node recorded is its own, deterministic: not node 0's loss)
+            lost = "" if Path(run_dir, FAILURE_FILE).exists() else lost_host_note(args and args.rdzv_endpoint, node)
             if 2 in codes or (3 not in codes and any(Path(run_dir).glob("error.rank*.txt"))):
                 # the one line of the workers' refusal, printed once here (each worker handed it over); a rank that
                 # handed its line over and then died in a native destructor still refused
                 message = _handed_over(run_dir)
                 if message:  # (one line, unwrapped, as the CLI prints its errors)
-                    print(f"revgraph: error: {_with_log(message, cpp)}", file=sys.stderr)
+                    print(f"revgraph: error: {_with_log(message + lost, cpp)}", file=sys.stderr)
                 return 2
             if 3 not in codes:  # a worker killed or crashed without a message: say which (torchrun's lines are off)
                 rank, f = _first_failure(exc.failures)
                 said = (f"worker {rank} of --nproc stopped with exit code {f.exitcode} and no message (killed, or "
                         "out of memory?)")
-                print(f"revgraph: error: {_with_log(said, cpp)}", file=sys.stderr)
+                print(f"revgraph: error: {_with_log(said + lost, cpp)}", file=sys.stderr)
             return 3 if 3 in codes else 1
         except RevgraphError as exc:
             raise RevgraphError(_with_log(str(exc), cpp)) from None

@@ -159,3 +159,20 @@ def rendezvous_message(exc: BaseException, endpoint: str | None, is_host: bool, 
         return (f"the rendezvous at {endpoint} was closed: another node's run ended (see its messages); {restart}, "
                 "with a new --rdzv-id if the old run's store is still up")
     return None
+
+
+def lost_host_note(endpoint: str | None, node) -> str:
+    """On a node other than node 0 whose workers failed: ``"; node 0 ... is gone: ..."`` when nothing answers at
+    ``endpoint`` (``--rdzv-endpoint``) any more, so that the user learns that the rendezvous went with node 0 and
+    how to start again; ``""`` otherwise (node 0 itself, one machine, the store still up)."""
+    import socket
+
+    if endpoint is None or not node:
+        return ""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+        return ""
+    except (OSError, ValueError):
+        return ("; node 0 (--node-rank 0), which holds the rendezvous (torchrun's c10d store), is gone too: restart "
+                "the command on every machine with the same --rdzv-id, or use an external store")
