@@ -4,7 +4,8 @@ torch's C++ log lines and stacks in a log file instead of stderr; ``--timeout`` 
 node 0 (the rendezvous host) explained; a rank that refuses before the process group exists named by the others
 at once (revgraph.train.distributed.restarts, .cpp_log, .join).
 
-Two "machines" are two launchers on 127.0.0.1 with directories of their own (as their own disks); the slow test
+Two "machines" are two launchers at 127.0.0.1 and 127.0.0.2 (torchrun numbers the ranks by --local-addr: node 0
+holds rank 0) with directories of their own (as their own disks); the slow test
 runs them in network namespaces (tests/test_distributed_launch.py's). Elapsed times are asserted against
 ``--timeout`` plus a margin for starting Python and torch: a correctness bound (the run must not wait torchrun's
 600 s), not a benchmark."""
@@ -47,7 +48,7 @@ def _node_dirs(tmp_path: Path, samples: int = 600) -> list[Path]:
 
 def _node(r: int, port: int, *extra: str, train: list[str] | None = None) -> list[str]:
     return [*REVGRAPH, *(train or _train()), "--nproc", "1", "--nnodes", "2", "--node-rank", str(r),
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1", *extra]
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", f"127.0.0.{r + 1}", *extra]
 
 
 def _lines(stderr: str) -> list[str]:
@@ -115,6 +116,67 @@ def test_a_refusal_that_is_restarted_names_the_exit_code_and_the_message(tmp_pat
                             r"from step 0", ln), ln
     assert len([ln for ln in lines if ln.startswith("revgraph: error:")]) == 1, err
     assert len(lines) == len(restarts) + 1, err  # nothing else
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds torchrun's workers through Linux /proc")
+def test_a_worker_killed_on_node_1_is_named_on_node_1_and_both_nodes_resume_from_the_same_step(tmp_path):
+    """Two nodes, --max-restarts 1, rank 1 (node 1) killed after rank 0 wrote a snapshot on node 0: node 1 names
+    rank 1, node 1 and SIGKILL (its disk has no snapshot: rank 0's is used); node 0 says why its workers restart
+    too and from which step; the workers resume from that step and both nodes exit 0."""
+    dirs, port = _node_dirs(tmp_path), free_port()
+    snap = ["--max-restarts", "1", "--snapshot-dir", "ckpt", "--snapshot-every", "10"]
+    with launched(*[_node(r, port, *snap, train=_train(epochs=6)) for r in range(2)], cwds=dirs) as procs:
+        errs = [_Lines(p.stderr) for p in procs]
+        _wait_for(lambda: snapshots.path_in(dirs[0] / "ckpt").exists() or any(p.poll() is not None for p in procs),
+                  120, "the first snapshot")
+        assert all(p.poll() is None for p in procs), [e.text for e in errs]
+        os.kill(_worker_of_rank(procs[1].pid, 1), signal.SIGKILL)
+        out = procs[0].stdout.read()
+        for p in procs:
+            p.wait(timeout=180)
+    assert [p.returncode for p in procs] == [0, 0], [e.text for e in errs]
+    resumed = re.search(r"resumed from ckpt/checkpoint\.npz \(epoch \d+, step (\d+)\)", out)
+    assert resumed, out
+    node1 = _lines(errs[1].text)
+    assert node1[:1] == [("revgraph: rank 1 on node 1 was killed by SIGKILL; restart 1 of 1, no snapshot in ckpt on "
+                          "this machine: the workers resume from rank 0's, if any, or step 0")], node1
+    node0 = [ln for ln in _lines(errs[0].text) if "restart" in ln]
+    assert len(node0) == 1, errs[0].text
+    # node 0's workers fail in their collective (counted), or torchrun sees node 1 rejoin first (not counted)
+    m = re.fullmatch(r"revgraph: (?:rank 0 on node 0 exited with code 2 \(.* with the other training processes "
+                     r"failed; .*\); restart 1 of 1, |restarting the workers of node 0 \(not counted against "
+                     r"--max-restarts, 0 of 1 used\): another node left or rejoined the rendezvous, after a failure "
+                     r"there; )resuming from the snapshot of step (\d+) \(epoch \d+\) in ckpt/checkpoint\.npz",
+                     node0[0])
+    assert m and m.group(1) == resumed.group(1), (node0[0], resumed.group(0))
+    assert not any(CPP.search(e.text) for e in errs)
+
+
+def test_the_side_channel_names_a_refusing_rank_and_one_that_never_joins(monkeypatch):
+    """join.py alone, two ranks in this process (threads) on a store at a free port: rank 1's refusal, announced
+    while rank 0 joins, makes rank 0 raise it at once naming rank 1 and its node; with nobody else, rank 0 names
+    rank 1 as the rank that did not join within the timeout."""
+    import threading
+
+    import revgraph as rg
+    from revgraph.train.distributed.data_parallel import CollectiveError
+    from revgraph.train.distributed.join import NODE_RANK_ENV, announce_refusal, join_store
+
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "RANK": "1",
+                 NODE_RANK_ENV: "1", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    refusing = threading.Thread(target=announce_refusal, args=("'data.npz' is truncated", 20))
+    refusing.start()  # (rank 1's store client waits for rank 0's store)
+    start = time.monotonic()
+    with pytest.raises(rg.InputError, match=r"^rank 1 \(node 1, host [^)]+\) refused before joining: 'data\.npz' "
+                                            r"is truncated$"):
+        join_store(0, 2, 20)
+    refusing.join(timeout=20)
+    assert time.monotonic() - start < 10  # not the 20 s timeout
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(CollectiveError, match=r"^rank\(s\) 1 did not join the process group within 1\.5 s "):
+        join_store(0, 2, 1.5)
 
 
 # ------------------------------------------------------------------------------------- the rendezvous
