@@ -36,11 +36,13 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-CONFIGS = [("revgraph", "none"), ("revgraph", "optimizer"), ("revgraph", "gradients"), ("torch", "ddp"),
-           ("torch", "zero")]
+CONFIGS = [("revgraph", "none"), ("revgraph", "optimizer"), ("revgraph", "gradients"), ("revgraph", "parameters"),
+           ("torch", "ddp"), ("torch", "zero"), ("torch", "fsdp2")]
 LABELS = {("revgraph", "none"): "revgraph, unsharded", ("revgraph", "optimizer"): "revgraph --shard optimizer",
           ("revgraph", "gradients"): "revgraph --shard gradients", ("torch", "ddp"): "PyTorch DDP + Adam",
-          ("torch", "zero"): "PyTorch DDP + ZeroRedundancyOptimizer(Adam)"}
+          ("revgraph", "parameters"): "revgraph --shard parameters",
+          ("torch", "zero"): "PyTorch DDP + ZeroRedundancyOptimizer(Adam)",
+          ("torch", "fsdp2"): "PyTorch FSDP2 (fully_shard per layer) + Adam"}
 CLASSES = 10
 
 
@@ -98,7 +100,9 @@ def worker(args) -> None:
         tr = rg.Trainer(rg_graph(args.width, args.layers), "cross-entropy", "adam", threads=1, distributed=True,
                         **trainer_options(args))
         built = _status("VmRSS")
+        start = time.perf_counter()
         tr.fit({"x": x, "labels": y}, 1, args.batch, progress=False)
+        seconds = time.perf_counter() - start
         held = tr._engine.held()
         units = getattr(tr._engine, "units", [])
         held["largest_unit"] = 4 * max((u.length for u in units), default=0)
@@ -119,18 +123,32 @@ def worker(args) -> None:
                 lin.weight.copy_(torch.from_numpy(w[f"W{i}"].T))
                 lin.bias.copy_(torch.from_numpy(w[f"b{i}"]))
             layers += [lin, nn.ReLU()] if i < args.layers else [lin]
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers), bucket_cap_mb=args.bucket_mb)
+        if args.shard == "fsdp2":  # each Linear its own FSDP unit (as revgraph's units of --bucket-mb), then the root
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            model = nn.Sequential(*layers)
+            for layer in layers:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers), bucket_cap_mb=args.bucket_mb)
         opt = (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam) if args.shard == "zero"
                else torch.optim.Adam(model.parameters()))
         built = _status("VmRSS")
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         group = args.batch * world
+        start = time.perf_counter()
         for s in range(args.steps):
             rows = slice(s * group + rank, (s + 1) * group, world)
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(xt[rows]), yt[rows]).backward()
             opt.step()
-    mine = {"rank": rank, "base": base, "built": built, "peak": _status("VmHWM"), "held": held}
+        seconds = time.perf_counter() - start
+    mine = {"rank": rank, "base": base, "built": built, "peak": _status("VmHWM"), "held": held,
+            "ms_per_sample": 1e3 * seconds / (args.steps * args.batch * world)}
     every = [None] * world
     dist_.all_gather_object(every, mine)
     if rank == 0:
@@ -173,7 +191,7 @@ def expected(params: int, world: int, bucket: int, shard: str) -> dict[str, floa
     """The arithmetic of revgraph's held bytes (module doc; padding and the step left out)."""
     p = 4 * params
     opt = 2 * p / (world if shard != "none" else 1)
-    grads = {"none": p, "optimizer": p, "gradients": p / world + bucket}[shard]
+    grads = {"none": p, "optimizer": p, "gradients": p / world + bucket, "parameters": p / world + bucket}[shard]
     return {"optimizer": opt, "gradients": grads}
 
 
@@ -183,7 +201,7 @@ def table(res: dict) -> str:
               f"({4 * res['params'] / 2**20:.1f} MiB fp32), batch {res['batch']} per process, 2 processes, "
               f"{res['steps']} Adam steps, buckets {res['bucket_mb']} MiB"),
              (f"{'configuration':<46} {'peak-base':>9} {'built-base':>10} {'optimizer':>9} {'(arith.)':>9} "
-              f"{'gradients':>9} {'(arith.)':>9} {'in step':>9}   MiB per rank (max over ranks)")]
+              f"{'gradients':>9} {'(arith.)':>9} {'in step':>9} {'ms/sample':>9}   MiB per rank (max over ranks)")]
     for fw, shard in CONFIGS:
         ranks = res["runs"].get(f"{fw}/{shard}")
         if not ranks:
@@ -197,8 +215,9 @@ def table(res: dict) -> str:
             extra = (f"{mb(held['optimizer'])}  {mb(want['optimizer'])}  {mb(held['gradients'])}  "
                      f"{mb(want['gradients'])}  {mb(held.get('gradients_peak', held['gradients']))}")
         else:
-            extra = f"{'':>9} {'':>9} {'':>9} {'':>9}"
-        lines.append(f"{LABELS[(fw, shard)]:<46} {mb(peak)} {mb(built):>10} {extra}")
+            extra = f"{'':>9} {'':>9} {'':>9} {'':>9} {'':>9}"
+        ms = max(r.get("ms_per_sample", float("nan")) for r in ranks)  # (the first step's build included for revgraph)
+        lines.append(f"{LABELS[(fw, shard)]:<46} {mb(peak)} {mb(built):>10} {extra} {ms:9.3f}")
     return "\n".join(lines)
 
 

@@ -13,12 +13,13 @@ unit-sized buffers.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch.distributed.run  # noqa: F401  # (in the test extra: missing, it fails instead of skipping)
-from kit.distributed import TORCHRUN, run_command
+from kit.distributed import ENV, TORCHRUN, run_command
 from shard_parameters_worker import fit, parser, setup
 
 import revgraph as rg
@@ -185,3 +186,30 @@ def test_train_nproc_shard_parameters_writes_the_model_of_one_process(tmp_path):
         np.testing.assert_allclose(b[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
     evals = [[line for line in r.stdout.splitlines() if line.startswith("eval data")] for r in (one, two)]
     assert evals[0] and evals[0] == evals[1], (one.stdout, two.stdout)
+
+
+def test_a_model_that_does_not_fit_one_process_trains_sharded_on_two(tmp_path):
+    """The proof a user wants ("my model does not fit"): a deep MLP of 24 layers of 2048 x 2048 (P = 384 MiB of
+    float32 parameters; with Adam's m and v, 3P = 1152 MiB) under a limit of 1100 MiB on what training adds to each
+    process's resident set (tests/memory_limit_worker.py: from the Trainer's construction to the last step, over
+    the imported libraries and the user's model): one process unsharded passes the limit and is stopped (exit 3);
+    2 processes with --shard parameters each stay under it (about 2P plus a few layers) and end equal to one
+    unlimited process: parameters, Adam's state and losses."""
+    worker = Path(__file__).resolve().parent / "memory_limit_worker.py"
+    env = {**ENV, "MALLOC_MMAP_THRESHOLD_": "131072"}  # (freed temporaries leave the resident set, as bench/ddp_memory)
+    common = ["--layers", "24", "--limit-mib", "1100"]
+    for d in ("limited", "sharded", "one"):
+        (tmp_path / d).mkdir()
+    r = run_command([sys.executable, str(worker), *common, "--out", str(tmp_path / "limited")], check=False, env=env)
+    assert r.returncode == 3 and "over the memory limit" in r.stderr, (r.returncode, r.stderr[-2000:])
+    r = run_command([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(worker), *common, "--shard", "parameters",
+                     "--out", str(tmp_path / "sharded")], env=env)
+    assert r.stdout.count("MiB over the base") == 2, r.stdout
+    run_command([sys.executable, str(worker), "--layers", "24", "--out", str(tmp_path / "one")], env=env)
+    sharded, one = (dict(np.load(tmp_path / d / "rank0.npz")) for d in ("sharded", "one"))
+    assert int(sharded["peak"]) <= 1100 < 3 * 4 * sum(v.size for k, v in one.items() if k[0] in "Wb" and "." not in k
+                                                      ) / 2**20
+    assert int(one["peak"]) > 1100
+    for name, value in one.items():
+        if name != "peak":
+            np.testing.assert_allclose(sharded[name], value, rtol=2e-5, atol=2e-6, err_msg=name)

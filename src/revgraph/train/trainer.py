@@ -206,8 +206,8 @@ class Trainer:
         self._engine = create_engine(self.spec, settings, threads, self.device, self.runtime, self.comm, synced)
         if profile:
             self._engine.times = StepTimes(timeline=profile == "timeline")
-        if self.comm:
-            self.comm.check_replicas(self.parameters, "initial parameters")
+        if self.comm:  # (what every engine starts from: read back, a parameter-sharded engine would gather it)
+            self.comm.check_replicas({p: self.spec.initial[p] for p in self.spec.params}, "initial parameters")
         if self.world_size > 1 and self.is_main and not sync_batchnorm:
             from .distributed.sync_batchnorm import warn_per_rank_statistics
 

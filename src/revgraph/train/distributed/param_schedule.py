@@ -6,9 +6,10 @@ holds each, and which units' gradients are complete after it (to reduce-scatter 
 The cut (:func:`schedule`) walks the nodes in graph order and starts a new segment when a node reads a parameter of a
 unit the current segment does not read and the segment already reads ``width`` units; so the forward runs unit by
 unit in the order the units are first read, and the backward in about the reverse order. A segment of fewer than
-:data:`revgraph.train.distributed.overlap.MIN_NODES` nodes joins the next (a session run costs more than the gather
-memory it would save). The segments' graphs, inputs, outputs and the values each one releases come from
-:func:`revgraph.train.distributed.overlap.segments_of`, as for the overlapped exchange.
+:data:`revgraph.train.distributed.overlap.MIN_NODES` nodes joins the next when the two read at most ``width`` units
+together (a session run costs more than a few small nodes' head start). The segments' graphs, inputs, outputs and
+the values each one releases come from :func:`revgraph.train.distributed.overlap.segments_of`, as for the overlapped
+exchange.
 
 Gather buffers (:attr:`Schedule.slots`): while segment ``s`` runs, the units it reads and, prefetched, those segment
 ``s + 1`` reads are held, each in a buffer of the largest unit's bytes; a unit no longer read by the next segment
@@ -56,24 +57,24 @@ class Schedule:
 def cut_by_units(graph: Graph, units: list[list[str]], width: int = 1, min_nodes: int = MIN_NODES) -> list[list[int]]:
     """The node indices of each segment of ``graph`` (module doc): a new segment where a node reads a parameter of
     a unit (``units``: parameter names per unit) the current segment does not read while it reads ``width``
-    already; segments of fewer than ``min_nodes`` nodes join the next."""
+    already; a segment of fewer than ``min_nodes`` nodes joins the next if together they read at most ``width``
+    units."""
     unit_of = {p: j for j, names in enumerate(units) for p in names}
     members: list[list[int]] = []
-    current: list[int] = []
-    reading: set[int] = set()
+    reading: list[set[int]] = []
     for k, node in enumerate(graph.nodes):
         mine = {unit_of[r] for r in reads_of(node) if r in unit_of}
-        if current and mine and not mine <= reading and len(reading | mine) > width:
-            members.append(current)
-            current, reading = [], set()
-        current.append(k)
-        reading |= mine
-    members.append(current)
+        if not members or (mine and not mine <= reading[-1] and len(reading[-1] | mine) > width):
+            members.append([])
+            reading.append(set())
+        members[-1].append(k)
+        reading[-1] |= mine
     j = 0
-    while j < len(members) - 1:  # (iteratively: a small segment joins its successor)
-        if len(members[j]) < min_nodes:
+    while j < len(members) - 1:  # (iteratively: a small segment joins its successor, within the width)
+        if len(members[j]) < min_nodes and len(reading[j] | reading[j + 1]) <= width:
             members[j + 1] = members[j] + members[j + 1]
-            del members[j]
+            reading[j + 1] |= reading[j]
+            del members[j], reading[j]
         else:
             j += 1
     return members

@@ -36,7 +36,7 @@ from ..graphs import TrainingGraph
 from .data_parallel import Collective, collective
 from .overlap import reads_of
 from .param_schedule import schedule
-from .shard_plan import Unit
+from .shard_plan import Unit, plan_units
 from .sharding import ShardedEngine, _all_gather, _nbytes, _reduce_scatter, into_shard
 
 
@@ -58,15 +58,32 @@ class ParameterShardedEngine(ShardedEngine):
 
     # ------------------------------------------------------------------------------------------ building
 
-    def _unit_order(self) -> list[str]:
-        """Dense parameters in the order the grad graph first reads them (the forward's order), so that a unit
-        holds the parameters of neighbouring layers and the forward gathers the units one after the other."""
+    def _plan_units(self, cap: int) -> list[Unit]:
+        """Units of whole layers, as FSDP wraps modules: the dense parameters grouped by the node that first reads
+        them (a ``Gemm``'s weight and bias together), the groups in the order the grad graph reaches them (the
+        forward's), consecutive groups packed up to ``cap`` bytes (a larger group is a unit of its own), so that
+        a node's parameters are gathered together and the forward gathers the units one after the other."""
+        spec = self.spec
         first: dict[str, int] = {}
         for k, node in enumerate(self.grad_graph.nodes):
             for r in reads_of(node):
                 first.setdefault(r, k)
-        dense = [p for p in self.spec.params if p not in self.spec.sparse]
-        return sorted(dense, key=lambda p: first.get(p, len(self.grad_graph.nodes)))
+        dense = [p for p in spec.params if p not in spec.sparse]
+        layers: dict[tuple, list[str]] = {}
+        for p in sorted(dense, key=lambda p: first.get(p, len(self.grad_graph.nodes))):
+            layers.setdefault((first.get(p, -1), spec.initial[p].dtype.str), []).append(p)
+        groups: list[list[str]] = []
+        used = 0
+        for names in layers.values():
+            size = sum(spec.initial[p].nbytes for p in names)
+            same = groups and spec.initial[groups[-1][0]].dtype == spec.initial[names[0]].dtype
+            if same and used + size <= cap:
+                groups[-1] += names
+                used += size
+            else:
+                groups.append(list(names))
+                used = size
+        return plan_units(spec, self.comm.world_size, self.comm.rank, cap, groups=groups)
 
     def _place(self, u: Unit, tdt, values: dict) -> None:
         """Only the rank's shard of the unit: its part of the initial values (no full unit is allocated)."""

@@ -50,12 +50,14 @@ class Unit:
 
 
 def plan_units(spec: TrainingGraph, world: int, rank: int, bucket_bytes: int,
-               order: list[str] | None = None) -> list[Unit]:
+               order: list[str] | None = None, groups: list[list[str]] | None = None) -> list[Unit]:
     """The flat units of ``spec``'s dense parameters (module doc): in ``order`` (default: reverse parameter
     order, as DDP first buckets them), one dtype per unit, at most ``bucket_bytes`` each (a larger parameter is a
-    unit of its own), padded to a multiple of ``world``."""
-    order = order or list(reversed([p for p in spec.params if p not in spec.sparse]))
-    groups = bucket_groups({p: spec.initial[p] for p in order}, order, bucket_bytes, in_order=True, first=None)
+    unit of its own), padded to a multiple of ``world``; or, given, the parameter names of each unit (``groups``,
+    one dtype each)."""
+    if groups is None:
+        order = order or list(reversed([p for p in spec.params if p not in spec.sparse]))
+        groups = bucket_groups({p: spec.initial[p] for p in order}, order, bucket_bytes, in_order=True, first=None)
     units = []
     for names in groups:
         offsets, at = [], 0

@@ -91,12 +91,12 @@ class ShardedEngine(DistributedEngine):
         self.shared = frozenset(self.names)
         self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), spec.graph.outputs[0].dtype))]
         self._current, self._previous = 0, None
-        dev, world, rank = comm.tdevice, comm.world_size, comm.rank
+        dev, world = comm.tdevice, comm.world_size
         cap = bucket_bytes or _bucket_bytes(BUCKET_MB)
         self.grad_graph, _ = split_step(spec)
         # ZeRO-2 packs the units in the order the backward finishes the gradients (DDP rebuilds its buckets in
         # that order after the first step), so that each segment of the cut finishes whole units
-        self.units = plan_units(spec, world, rank, cap, self._unit_order())
+        self.units = self._plan_units(cap)
         values, self._tensors, self._where = {}, {}, {}
         for j, u in enumerate(self.units):
             tdt = torch_dtype(torch, spec.initial[u.names[0]].dtype)
@@ -130,9 +130,11 @@ class ShardedEngine(DistributedEngine):
         self._build_update()
         self._build_backward()
 
-    def _unit_order(self) -> list[str] | None:
-        """The parameters in packing order (``None``: reverse parameter order, :func:`plan_units`)."""
-        return ready_order(self.grad_graph, self.spec) if self.mode == "gradients" else None
+    def _plan_units(self, cap: int) -> list[Unit]:
+        """The flat units of at most ``cap`` bytes (:func:`plan_units`): ZeRO-1 in reverse parameter order, ZeRO-2 in
+        the order the backward finishes the gradients."""
+        order = ready_order(self.grad_graph, self.spec) if self.mode == "gradients" else None
+        return plan_units(self.spec, self.comm.world_size, self.comm.rank, cap, order)
 
     def _place(self, u: Unit, tdt, values: dict) -> None:
         """Allocate unit ``u``'s full flat parameter from the initial values; ``values``: each view's ``OrtValue``."""
