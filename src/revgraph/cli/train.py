@@ -164,7 +164,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=N.TIMEOUT, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                         help="data-parallel: how long a process waits to join the others and in every collective "
                              "before it stops with an error, e.g. when another process stopped (torch.distributed's "
-                             f"init_process_group timeout; default {DEFAULT_TIMEOUT:g} s)")
+                             "init_process_group timeout), and with --nnodes how long torchrun's rendezvous waits for "
+                             f"node 0 and the other machines (default {DEFAULT_TIMEOUT:g} s)")
     parser.add_argument("--nnodes", type=N.NNODES, default=1, metavar="M",
                         help="with --nproc: the number of machines, each running this command with "
                              "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for cuda) set to the network interface that "
@@ -180,7 +181,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --nnodes: this machine's address as the others reach it (needed where this "
                              "machine's name resolves to 127.0.0.1)")
     parser.add_argument("--max-restarts", type=N.NON_NEGATIVE_INT, default=0, metavar="K",
-                        help="with --nproc: let torchrun restart all processes up to K times after a failure; with "
+                        help="with --nproc: let torchrun restart all processes up to K times after a failure (one "
+                             "line each on stderr: the rank, node, exit code or signal, restart k of K); with "
                              "--snapshot-dir they resume from the last snapshot (default 0)")
 
 
