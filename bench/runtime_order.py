@@ -2,22 +2,27 @@
 
 ``rg.Trainer(..., "cross-entropy", "adam", threads=1)`` on the step benchmark's models at batch 64
 (bench/models.py: MLP, CNN, Transformer; the RNN is time-major, which Trainer.step does not take) and bench/memory.py's
-LLaMA (transformers' ``LlamaConfig``: 4 layers, hidden 256, vocabulary 2048) at ``--llama-batch`` x 128 tokens, with two
-runtime settings that differ only in the order the nodes run:
+LLaMA (transformers' ``LlamaConfig``: 4 layers, hidden 256, vocabulary 2048) at ``--llama-batch`` x 128 tokens, with
+three runtime settings that differ in the order the nodes run and in how onnxruntime places tensors:
 
-- **onnxruntime's order**: ``execution_order="default"`` (a depth-first walk back from the outputs) and every
-  graph optimization (``"all"``), the training default before issue 42;
-- **revgraph's order**: :data:`revgraph.runtime.options.TRAINING_DEFAULT`, ``"priority_based"`` with no graph
-  optimizations: the nodes run in the order revgraph wrote them, the order ``memory/lifetime.py`` models.
+- **onnxruntime**: ``execution_order="default"`` (a depth-first walk back from the outputs), every graph
+  optimization (``"all"``) and onnxruntime's planned buffer reuse (``memory_reuse=True``), the training default
+  before issue 42;
+- **revgraph, reuse on**: revgraph's order (``"priority_based"`` with no graph optimizations: the nodes run in the
+  order revgraph wrote them, the order ``memory/lifetime.py`` models) with the planned reuse, a freed buffer held
+  for the next tensor of its shape (the training default from the first half of issue 42);
+- **revgraph**: :data:`revgraph.runtime.options.TRAINING_DEFAULT`, revgraph's order with that reuse off (the
+  arena reuses freed blocks as they come).
 
 Each measurement is a fresh process (``python bench/runtime_order.py --cell MODEL CONFIG ...``): the step peak is
 VmHWM over three steps (reset through /proc/self/clear_refs just before them) minus the resident size after setup;
 the CPU time per step (``time.process_time``, one onnxruntime thread) is the median of ``--steps`` steps after
 those three. The configurations alternate for ``--turns`` turns (the first rotating); the table gives each
 configuration's median over turns and ``predicted``, the peak :func:`revgraph.autodiff.memory.lifetime.lifetimes`
-gives the step graph in its own order.
+gives the step graph in its own order (with or without the planned reuse). ``--memory F`` gives every
+configuration ``rg.Trainer(memory=F)``.
 
-    python bench/runtime_order.py [--models mlp cnn transformer rnn llama] [--turns 3] [--llama-batch 64]
+    python bench/runtime_order.py [--models mlp cnn transformer rnn llama] [--turns 3] [--llama-batch 64] [--memory F]
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-CONFIGS = {"onnxruntime": {"execution_order": "default", "graph_optimization": "all"}, "revgraph": {}}
+CONFIGS = {"onnxruntime": {"execution_order": "default", "graph_optimization": "all", "memory_reuse": True},
+           "revgraph, reuse on": {"memory_reuse": True}, "revgraph": {}}
 
 
 def cell(info: dict, config: str, steps: int, memory: float | None = None) -> dict:
@@ -71,7 +77,8 @@ def cell(info: dict, config: str, steps: int, memory: float | None = None) -> di
         tr.step(batch)
         cpu.append(1000 * (time.process_time() - t0))
     dims = {d: n for vi in tr.spec.graph.inputs for d in (vi.shape or ()) if isinstance(d, str)}
-    predicted = lifetimes(tr.spec.graph, dims).peak / 2**20
+    reuse = CONFIGS[config].get("memory_reuse", False)
+    predicted = lifetimes(tr.spec.graph, dims, reuse=reuse).peak / 2**20
     return {"peak_mb": peak, "cpu_ms": statistics.median(cpu), "predicted_mb": predicted, "losses": losses}
 
 
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict = {c: [] for c in CONFIGS}
             names = list(CONFIGS)
             for turn in range(args.turns):
-                for config in names[turn % 2:] + names[:turn % 2]:
+                for config in names[turn % len(names):] + names[:turn % len(names)]:
                     budget = [] if args.memory is None else ["--memory", str(args.memory)]
                     out = subprocess.run([sys.executable, __file__, "--cell", json.dumps(info), config,
                                           str(args.steps), *budget], capture_output=True, text=True, check=True)
@@ -111,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {c: {k: statistics.median(r[k] for r in rs) for k in ("peak_mb", "cpu_ms", "predicted_mb")}
                              | {"losses": rs[0]["losses"], "cpu_ms_turns": [round(r["cpu_ms"], 1) for r in rs]}
                              for c, rs in runs.items()}
-            a, b = results[name]["onnxruntime"], results[name]["revgraph"]
-            print(f"{name}: peak {a['peak_mb']:.0f} -> {b['peak_mb']:.0f} MB (predicted {b['predicted_mb']:.0f}), "
-                  f"CPU {a['cpu_ms']:.1f} -> {b['cpu_ms']:.1f} ms per step", flush=True)
+            r = results[name]
+            print(f"{name}: " + "; ".join(f"{c}: peak {r[c]['peak_mb']:.0f} MB (predicted {r[c]['predicted_mb']:.0f}), "
+                                          f"CPU {r[c]['cpu_ms']:.1f} ms" for c in names), flush=True)
     Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 

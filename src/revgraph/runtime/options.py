@@ -127,7 +127,7 @@ class RuntimeOptions:
 #: over setup at batch 64 against 784 MB in revgraph's order, at the same CPU time per step (docs/benchmarks.md,
 #: "Memory in revgraph's order"; issue 42). Memory reuse off: the buffers onnxruntime's planner holds for a later
 #: tensor of the same shape were a third of the LLaMA step's peak under ``memory=0.5`` (the arena reuses freed
-#: blocks anyway, at no cost in step time; docs/benchmarks.md, "Memory reuse").
+#: blocks anyway, at no cost in step time; docs/benchmarks.md, "Memory in revgraph's order").
 TRAINING_DEFAULT = RuntimeOptions(arena=True, memory_pattern=False, execution_order="priority_based",
                                   graph_optimization="none", memory_reuse=False)
 
