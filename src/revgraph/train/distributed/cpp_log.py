@@ -36,7 +36,11 @@ class routed:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-        self._real = os.dup(2)
+        try:
+            self._real = os.dup(2)
+        except OSError:  # no stderr at all: nothing to keep clean
+            self._real = None
+            return self
         read, write = os.pipe()
         os.dup2(write, 2)
         os.close(write)
@@ -66,13 +70,15 @@ class routed:
             # (the blank lines inside a C++ stack go with it)
             self._in_trace = bool(CPP_LINE.match(line)) or (self._in_trace and not line.strip())
             if self._in_trace:
-                self._write_log(line)
-            else:
-                os.write(self._real, line)
-        except OSError:  # a closed stderr or a full disk: nothing better to do with the line
+                with contextlib.suppress(OSError):  # (a log that cannot be written: the line goes to stderr)
+                    return self._write_log(line)
+            os.write(self._real, line)
+        except OSError:  # a closed stderr: nothing better to do with the line
             pass
 
     def __exit__(self, *exc) -> None:
+        if self._real is None:
+            return
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.flush()
         os.dup2(self._real, 2)  # closes our end of the pipe: the thread ends once the workers' ends are closed too

@@ -8,7 +8,12 @@ connects to it as ``env://`` would, but without waiting for every worker inside 
 then waits in a loop of short polls until every rank has checked in (key ``joined/<rank>``) or one has written
 its refusal (key ``refused``); ``init_process_group`` then runs on that store. :func:`announce_refusal` is the
 other side: the refusing rank connects (rank 0 hosts), writes its one-line message and leaves. Keys live under
-``revgraph/attempt_<k>/`` (torchrun's restart count): the agent's store outlives a restarted attempt.
+``revgraph/join/``, not under torchrun's restart count: that count is each node's own (a node restarted because
+another one failed does not count it), so ranks of one attempt may hold different counts. Each attempt of
+``revgraph train --nproc`` (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) has a new store; with the agent's shared
+store an attempt sees the last one's keys: its refusal again (as :func:`revgraph.train.distributed.launch.
+recorded_failure` would repeat it), or a full count (the check-in then waits for nothing; the join itself is
+``init_process_group``'s).
 
 A host (rank 0, when it hosts the store) that saw or wrote a refusal stays until every other rank is marked
 ``told/<rank>`` or ``--timeout`` passed: leaving earlier would take the store, and the message, with it. A rank
@@ -30,7 +35,7 @@ POLL = 0.05  # seconds between two looks at the store while joining
 
 
 def _prefix() -> str:
-    return f"revgraph/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') or '0'}/"
+    return "revgraph/join/"
 
 
 def _hosts_store(rank: int) -> bool:
