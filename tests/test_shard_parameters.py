@@ -213,3 +213,40 @@ def test_a_model_that_does_not_fit_one_process_trains_sharded_on_two(tmp_path):
     for name, value in one.items():
         if name != "peak":
             np.testing.assert_allclose(sharded[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_engine_steps_reads_loads_undoes_and_evaluates(world_of_one):
+    """The engine itself in a world of one (a shard is the whole unit): steps equal the unsharded SplitEngine's, a
+    keep_previous step is undone exactly, load(read()) restores a state, evaluation equals the SplitEngine's, and
+    the segments read only the parameters of the units gathered for them (the MLP in units of 1 KiB)."""
+    from distributed_worker import trainer
+
+    from revgraph.runtime.devices import Device
+    from revgraph.train.distributed.param_sharding import ParameterShardedEngine
+    from revgraph.train.engines import SplitEngine
+
+    g, data = trainer("mlp", "adam", 48, False, 13)
+    spec = g.spec
+    feeds = {spec.inputs[0]: data["x"][:16], spec.labels: data["labels"][:16]}
+    ref = SplitEngine(spec, 1, Device())
+    eng = ParameterShardedEngine(spec, 1, Device(), world_of_one, bucket_bytes=1024)
+    assert len(eng.units) >= 2 and all(u.param is None for u in eng.units)  # no full unit is kept
+    for st in eng.schedule.stages:  # each segment's parameters are its units' (gathered before it runs)
+        reads = {n for n in st.segment.inputs if n in spec.params and n not in spec.sparse}
+        assert reads == {p for j in st.units for p in eng.units[j].names} & reads and reads
+    for _ in range(3):
+        np.testing.assert_allclose(eng.step(feeds, 16, 16), ref.step(feeds, 16, 16), rtol=1e-6)
+    for name, value in ref.read(ref.names).items():
+        np.testing.assert_allclose(eng.read([name])[name], value, rtol=2e-6, atol=1e-8, err_msg=name)
+    for a, b in zip(eng.evaluate(feeds), ref.evaluate(feeds), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    before = eng.read(eng.names)
+    eng.step(feeds, 16, 16, keep_previous=True)
+    assert eng.can_undo and eng.steps == 4
+    eng.undo()
+    for name, value in eng.read(eng.names).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    eng.step(feeds, 16, 16)
+    eng.load(before)
+    for name, value in eng.read(eng.names).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)

@@ -100,9 +100,11 @@ class Trainer:
     ``torchrun`` launch (:mod:`revgraph.train.distributed.data_parallel`; needs ``pip install
     "revgraph[distributed]"``): every rank builds the same Trainer and calls :meth:`fit` with the same data and
     arguments. ``shard`` (with ``distributed``): ``"none"`` (default), ``"optimizer"`` (ZeRO-1: each rank keeps the
-    optimizer state of its shard of the parameters) or ``"gradients"`` (ZeRO-2: and its shard of the gradients), see
-    :mod:`revgraph.train.distributed.sharding`; a world of one process trains unsharded. Sharded, :attr:`state` is a
-    collective (every rank reads it). ``memory`` is the
+    optimizer state of its shard of the parameters), ``"gradients"`` (ZeRO-2: and its shard of the gradients), see
+    :mod:`revgraph.train.distributed.sharding`, or ``"parameters"`` (ZeRO-3: and only its shard of the parameters,
+    :mod:`revgraph.train.distributed.param_sharding`); a world of one process trains unsharded. Sharded,
+    :attr:`state` (and with ``"parameters"``, :attr:`parameters` and :meth:`evaluate`) is a collective (every rank
+    calls it). ``memory`` is the
     budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
     bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
     ``trainer.spec.graph.memory_plan``. Data-parallel gradient exchange (:mod:`revgraph.train.distributed.exchange`):

@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import RevgraphError
-from ...runtime import _first_line
 from ...runtime.devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
-from ...runtime.options import RuntimeOptions, session_options
+from ...runtime.options import RuntimeOptions
 from ..graphs import TrainingGraph
 from .data_parallel import Collective, collective
 from .overlap import reads_of
@@ -104,7 +102,6 @@ class ParameterShardedEngine(ShardedEngine):
         shared CPU arena between them where onnxruntime allows), the gather buffers with each segment's parameter
         views, the gradient bucket and the shard-sized receive buffer for micro-batches after the first."""
         from ...warn import warn
-        from .grad_segments import shared_cpu_arena
 
         torch, dev, spec = self.comm.torch, self.comm.tdevice, self.spec
         self.plan = None
@@ -124,16 +121,8 @@ class ParameterShardedEngine(ShardedEngine):
                 views.update((n, ortvalue_from_dlpack(v)) for n, v in self.units[j].views(self._slot(j, st.slots[j]))
                              .items())
             self._views.append(views)
-        options = self.options
-        if self.device.kind == "cpu" and shared_cpu_arena():  # one arena for all segments, not one each
-            self.options = session_options(self.runtime, options.intra_op_num_threads)
-            self.options.add_session_config_entry("session.use_env_allocators", "1")
-        try:
-            n = len(self.schedule.stages)
-            self._stage_sessions = [self.session(st.segment.graph, f"step graph segment {k + 1}/{n}")
-                                    for k, st in enumerate(self.schedule.stages)]
-        finally:
-            self.options = options
+        self._stage_sessions = self._segment_sessions_of([st.segment.graph for st in self.schedule.stages],
+                                                         "step graph segment")
         # gradient bytes a segment's outputs keep alive until their unit is reduce-scattered (held()'s peak)
         done = {spec.grads[p][0]: j for j, u in enumerate(self.units) for p in u.names}
         sizes = {spec.grads[p][0]: spec.initial[p].nbytes for u in self.units for p in u.names}
@@ -205,26 +194,16 @@ class ParameterShardedEngine(ShardedEngine):
         self._full = {n: ortvalue_from_dlpack(v) for u, flat in zip(self.units, self._full_units, strict=True)
                       for n, v in u.views(flat).items()}
 
+    def _compute(self, k: int, name: str):
+        """The value evaluation reads: the gathered parameters (:meth:`gather_for_evaluation`), or a replicated one."""
+        return self._full[name] if self._full is not None and name in self._full else self._sets[0][name]
+
     def evaluate(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """``(loss, model output)`` on ``feeds`` with the parameters :meth:`gather_for_evaluation` gathered (without
         it, gathered for this run: a collective, every rank evaluates)."""
         if self._full is None:
             self.gather_for_evaluation()
-        binding = self._eval.io_binding()
-        for name, arr in feeds.items():
-            binding.bind_cpu_input(name, arr)
-        for n, v in self._full.items():
-            binding.bind_ortvalue_input(n, v)
-        for p in self.spec.sparse:
-            binding.bind_ortvalue_input(p, self._sets[0][p])
-        binding.bind_output(self.spec.loss.loss)
-        binding.bind_output(self.spec.loss.output)
-        try:
-            self._eval.run_with_iobinding(binding)
-        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
-            raise RevgraphError(f"evaluation failed: {_first_line(exc)}") from None
-        loss, out = binding.copy_outputs_to_cpu()
-        return loss, out
+        return super().evaluate(feeds)
 
     def _sharded_gradients(self, feeds, count: int, total: int) -> tuple[float, dict]:
         """Every micro-batch's forward and backward, unit by unit (module doc), gradients reduce-scattered into
@@ -290,21 +269,11 @@ class ParameterShardedEngine(ShardedEngine):
         """Run stage ``s``'s segment: inputs from ``live`` (the batch, earlier segments' outputs), its units' views
         and the replicated values; its outputs (allocated by onnxruntime, the loss into its buffer) into ``live``,
         or, for the grad graph's outputs (gradients, sparse rows), ``fresh``."""
-        st, spec = self.schedule.stages[s], self.spec
-        seg, views = st.segment, self._views[s]
-        b = self._stage_sessions[s].io_binding()
-        for n in seg.inputs:
-            b.bind_ortvalue_input(n, live[n] if n in live else views[n] if n in views else self._sets[0][n])
-        for n in seg.outputs:
-            if n == spec.loss.loss:
-                b.bind_ortvalue_output(n, self._loss[0])
-            else:
-                b.bind_output(n, self.device.ort_type, self.device.index)
-        try:
-            self._stage_sessions[s].run_with_iobinding(b)
-        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
-            raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
-        for n, v in zip(seg.outputs, b.get_outputs(), strict=True):
+        seg, views = self.schedule.stages[s].segment, self._views[s]
+        out = self._run_segment(self._stage_sessions[s], seg.inputs, seg.outputs, {},
+                                lambda n: live[n] if n in live else views[n] if n in views else self._sets[0][n],
+                                {self.spec.loss.loss: self._loss[0]})
+        for n, v in out.items():
             if n in self._wanted:
                 fresh[n] = v
             if n in self._read_later:  # (a gradient no later segment reads lives in fresh alone, to its reduce)

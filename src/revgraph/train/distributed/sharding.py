@@ -28,6 +28,9 @@ parameters:
   values crossing a cut), the whole grad graph runs at once: the full gradients then exist during the
   backward, and only the shards and one bucket are kept between steps.
 
+ZeRO-3 (``shard="parameters"``, every rank also keeping only its shard of the parameters) is
+:mod:`revgraph.train.distributed.param_sharding`, a subclass.
+
 Sparse embedding tables (``TrainingGraph.sparse``: gradients as rows, updated by
 :func:`~revgraph.train.optimizers.sparse_update`) stay replicated and updated on every rank as in the unsharded engine
 (their rows are all-gathered); the step counter too.
@@ -218,7 +221,7 @@ class ShardedEngine(DistributedEngine):
     def _build_segments(self) -> None:
         """ZeRO-2: cut the grad graph into one segment per unit (:mod:`revgraph.train.distributed.grad_segments`);
         ``plan`` stays ``None`` when it cannot be cut."""
-        from .grad_segments import cut, shared_cpu_arena
+        from .grad_segments import cut
 
         spec = self.spec
         grads = [[spec.grads[p][0] for p in u.names] for u in self.units]
@@ -230,14 +233,19 @@ class ShardedEngine(DistributedEngine):
         for u in self.units:
             views.update((spec.grads[p][0], v) for p, v in u.views(self._bucket(u)).items())
         self._direct_views = {g: ortvalue_from_dlpack(views[g]) for g in self.plan.direct}
+        self._segment_sessions = self._segment_sessions_of([s.graph for s in self.plan.segments],
+                                                           "gradient graph segment")
+
+    def _segment_sessions_of(self, graphs: list, what: str) -> list:
+        """One session per segment graph, all sharing one CPU arena where onnxruntime allows (not one each)."""
+        from .grad_segments import shared_cpu_arena
+
         options = self.options
-        if self.device.kind == "cpu" and shared_cpu_arena():  # one arena for all segments, not one each
+        if self.device.kind == "cpu" and shared_cpu_arena():
             self.options = session_options(self.runtime, options.intra_op_num_threads)
             self.options.add_session_config_entry("session.use_env_allocators", "1")
         try:
-            n = len(self.plan.segments)
-            self._segment_sessions = [self.session(s.graph, f"gradient graph segment {k + 1}/{n}")
-                                      for k, s in enumerate(self.plan.segments)]
+            return [self.session(g, f"{what} {k + 1}/{len(graphs)}") for k, g in enumerate(graphs)]
         finally:
             self.options = options
 
@@ -485,27 +493,10 @@ class ShardedEngine(DistributedEngine):
         live: dict[str, object] = {}
         for k, seg in enumerate(plan.segments):
             if count:
-                b = self._segment_sessions[k].io_binding()
-                for n in seg.inputs:
-                    if n in feeds:
-                        b.bind_cpu_input(n, feeds[n])
-                    else:
-                        b.bind_ortvalue_input(n, live[n] if n in live else self._sets[0][n])
-                for n in seg.outputs:
-                    if n in self._direct_views:
-                        b.bind_ortvalue_output(n, self._direct_views[n])
-                    elif n == spec.loss.loss:
-                        b.bind_ortvalue_output(n, self._loss[0])
-                    else:
-                        b.bind_output(n, self.device.ort_type, self.device.index)
-                try:
-                    self._segment_sessions[k].run_with_iobinding(b)
-                except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
-                    raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
-                for n, v in zip(seg.outputs, b.get_outputs(), strict=True):
-                    if n not in self._direct_views:
-                        live[n] = v
-                del b
+                fixed = {n: self._direct_views[n] for n in seg.outputs if n in self._direct_views}
+                live.update(self._run_segment(self._segment_sessions[k], seg.inputs, seg.outputs, feeds,
+                                              lambda n: live[n] if n in live else self._sets[0][n],
+                                              {**fixed, spec.loss.loss: self._loss[0]}))
             for j in seg.reduce:
                 u = self.units[j]
                 flat = self._bucket(u)
@@ -525,6 +516,28 @@ class ShardedEngine(DistributedEngine):
                 live.pop(n, None)
         loss = float(self._loss[0].numpy()) if count else 0.0
         return loss, {n: live[n] for _, idx, rows in self._sparse for n in (idx, rows)} if count else {}
+
+
+    def _run_segment(self, session, inputs: list[str], outputs: list[str], feeds: dict, value, fixed: dict) -> dict:
+        """Run one segment's ``session``: ``inputs`` from ``feeds`` (host arrays) or ``value(name)`` (``OrtValue``),
+        ``outputs`` into ``fixed`` (name -> ``OrtValue``) or allocated by onnxruntime on the device. Returns the
+        allocated outputs by name; :class:`RevgraphError` (one line) when the run fails."""
+        b = session.io_binding()
+        for n in inputs:
+            if n in feeds:
+                b.bind_cpu_input(n, feeds[n])
+            else:
+                b.bind_ortvalue_input(n, value(n))
+        for n in outputs:
+            if n in fixed:
+                b.bind_ortvalue_output(n, fixed[n])
+            else:
+                b.bind_output(n, self.device.ort_type, self.device.index)
+        try:
+            session.run_with_iobinding(b)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
+            raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
+        return {n: v for n, v in zip(outputs, b.get_outputs(), strict=True) if n not in fixed}
 
 
 def into_shard(shard, u: Unit, o: int, src) -> None:
