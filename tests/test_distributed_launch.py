@@ -16,39 +16,29 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch.distributed.run  # noqa: F401  # (in the test extra: missing, it fails instead of skipping)
 from kit.devices import gpu_test
-from kit.distributed import ENV, TORCHRUN, child_pids, cmdline, free_port, launched
+from kit.distributed import ENV, TORCHRUN, free_port, launched
+from kit.launching import REVGRAPH
+from kit.launching import Lines as _Lines
+from kit.launching import Namespaces as _Namespaces
+from kit.launching import train_files as _files
+from kit.launching import wait_for as _wait_for
+from kit.launching import workers as _workers
 
 import revgraph as rg
-from revgraph.tools import demo
 from revgraph.train import snapshots as checkpoints
 
 HERE = Path(__file__).parent
 WRAPPER = HERE / "launch_worker.py"
-REVGRAPH = [sys.executable, "-m", "revgraph"]
 # the --nproc launcher (revgraph.train.distributed.launch.run_torchrun) on torchrun arguments of our own (the per-rank
 # wrapper)
 LAUNCHER = [sys.executable, "-c", ("import sys; from revgraph.train.distributed.launch import run_torchrun; "
                                    "sys.exit(run_torchrun(sys.argv[1:]))")]
-
-
-def _files(tmp_path: Path, samples: int = 120, nan_at: int | None = None) -> list[str]:
-    train, _ = demo.digits()
-    x = train["x"][:samples].copy()
-    if nan_at is not None:
-        x[nan_at] = np.nan
-    np.savez(tmp_path / "data.npz", x=x, y=train["labels"][:samples])
-    rg.save(demo.mlp_model(hidden=8), tmp_path / "mlp.onnx")
-    return ["train", str(tmp_path / "mlp.onnx"), "--data", str(tmp_path / "data.npz"), "--loss", "cross-entropy",
-            "--lr", "0.003", "--threads", "1", "--seed", "5"]
 
 
 def _errors(stderr: str) -> list[str]:
@@ -65,42 +55,6 @@ def _gone(pid: int) -> bool:
     except OSError:
         return True
     return state in ("Z", "X")
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.05)
-
-
-def _workers(pid: int) -> list[int]:
-    """The revgraph workers that are children of ``pid`` (a torchrun agent)."""
-    try:
-        return [c for c in child_pids(pid) if "revgraph" in cmdline(c) or "launch_worker" in cmdline(c)]
-    except OSError:
-        return []
-
-
-class _Lines:
-    """The lines a pipe gives, collected by a thread (so that a test can wait for one while the run goes on)."""
-
-    def __init__(self, pipe):
-        self.lines: list[str] = []
-        self.thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
-        self.thread.start()
-
-    def _read(self, pipe) -> None:
-        for line in pipe:
-            self.lines.append(line)
-
-    def has(self, text: str) -> bool:
-        return any(text in line for line in self.lines)
-
-    @property
-    def text(self) -> str:
-        self.thread.join(timeout=10)
-        return "".join(self.lines)
 
 
 # ------------------------------------------------------------------------------------- refusals before a step
@@ -387,46 +341,6 @@ def test_loopback_hostname_trap_is_refused_before_joining(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- two machines (slow)
-
-
-class _Namespaces:
-    """Two network namespaces ("machines") joined by a veth pair: node r has address 10.231.<k>.<r+1> on
-    interface rgv<k><r>. Created and removed by the test; loopback is up in each (torchrun's local agent)."""
-
-    def __init__(self):
-        self.k = os.getpid() % 200 + 20
-        tag = uuid.uuid4().hex[:6]
-        self.ns = [f"rgt{tag}{r}" for r in range(2)]
-        self.ifname = [f"rgv{tag}{r}" for r in range(2)]
-        self.addr = [f"10.231.{self.k}.{r + 1}" for r in range(2)]
-
-    def _ip(self, *args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-    def __enter__(self):
-        try:
-            self._ip("netns", "add", self.ns[0])
-        except (OSError, subprocess.CalledProcessError) as exc:
-            pytest.skip(f"needs `ip netns add` (root or CAP_SYS_ADMIN) to make two machines: {exc}")
-        try:
-            self._ip("netns", "add", self.ns[1])
-            self._ip("link", "add", self.ifname[0], "type", "veth", "peer", "name", self.ifname[1])
-            for r in range(2):
-                self._ip("link", "set", self.ifname[r], "netns", self.ns[r])
-                self._ip("-n", self.ns[r], "addr", "add", f"{self.addr[r]}/24", "dev", self.ifname[r])
-                self._ip("-n", self.ns[r], "link", "set", self.ifname[r], "up")
-                self._ip("-n", self.ns[r], "link", "set", "lo", "up")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for ns in self.ns:  # removing a namespace removes its end of the veth pair, and so the pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-    def command(self, r: int, cmd: list[str], env: dict) -> list[str]:
-        return ["ip", "netns", "exec", self.ns[r], "env", *[f"{k}={v}" for k, v in env.items()], *cmd]
 
 
 def _two_nodes(nets: _Namespaces, tmp_path: Path, run: str, train: list[str], *, ifname: bool = True,

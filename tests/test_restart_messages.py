@@ -23,7 +23,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kit.distributed import free_port, launched
-from test_distributed_launch import REVGRAPH, _files, _Lines, _Namespaces, _wait_for, _workers
+from kit.launching import REVGRAPH
+from kit.launching import Lines as _Lines
+from kit.launching import Namespaces as _Namespaces
+from kit.launching import train_files as _files
+from kit.launching import wait_for as _wait_for
+from kit.launching import workers as _workers
 
 from revgraph.train import snapshots
 

@@ -50,15 +50,10 @@ from .exchange import (
     torch_dtype,
     unpack_rows,
 )
+from .join import CollectiveError  # (re-exported: raised by every collective here)
 from .overlap import Segments, cut, inferred_types
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-class CollectiveError(RevgraphError):
-    """A collective failed: another rank died, stopped (``--timeout``) or cannot be reached. Unlike other
-    :class:`RevgraphError` failures it is not deterministic, so it is not recorded against torchrun's restarts
-    (:func:`revgraph.train.distributed.launch.record_failure`)."""
 
 
 @contextmanager

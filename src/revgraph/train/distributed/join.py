@@ -30,6 +30,13 @@ from datetime import timedelta
 
 from ...errors import InputError, RevgraphError
 
+
+class CollectiveError(RevgraphError):
+    """A collective failed: another rank died, stopped (``--timeout``) or cannot be reached. Unlike other
+    :class:`RevgraphError` failures it is not deterministic, so it is not recorded against torchrun's restarts
+    (:func:`revgraph.train.distributed.launch.record_failure`). Defined here, where joining fails first;
+    :mod:`.data_parallel` re-exports it."""
+
 NODE_RANK_ENV = "REVGRAPH_NODE_RANK"  # set by the --nproc launcher: this machine's --node-rank, for messages
 POLL = 0.05  # seconds between two looks at the store while joining
 
@@ -86,10 +93,9 @@ def join_store(rank: int, world: int, timeout: float):
     """Connect to torchrun's store and wait until all ``world`` ranks checked in; return the store, for
     ``init_process_group(store=...)``. Raises :class:`InputError` ``"<rank r (node n, host h)> refused before
     joining: <its message>"`` as soon as a rank announced a refusal (:func:`announce_refusal`), and
-    :class:`revgraph.train.distributed.data_parallel.CollectiveError` naming the ranks that did not check in
+    :class:`CollectiveError` naming the ranks that did not check in
     within ``timeout`` seconds (``--timeout``) or when the store cannot be reached."""
     from ...runtime import _first_line
-    from .data_parallel import CollectiveError
 
     deadline = time.monotonic() + timeout
     try:
