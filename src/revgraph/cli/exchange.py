@@ -16,9 +16,10 @@ from . import numeric as N
 
 def add_exchange_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options to the ``train`` parser."""
-    parser.add_argument("--bucket-mb", type=N.BUCKET_MB, default=BUCKET_MB, metavar="MB",
+    parser.add_argument("--bucket-mb", type=N.BUCKET_MB, default=None, metavar="MB",
                         help="data-parallel: all-reduce dense gradients in buckets of at most MB MiB, packed in "
-                             f"reverse parameter order as DDP's bucket_cap_mb (default {BUCKET_MB:g})")
+                             f"reverse parameter order as DDP's bucket_cap_mb (default {BUCKET_MB:g}; with --shard "
+                             "gradients, no larger than keeps the gradient memory within the unsharded one)")
     parser.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default="fp32",
                         help="data-parallel: the dtype gradient buckets are all-reduced in; bf16 halves the bytes and "
                              "rounds each gradient to 8 significant bits, as DDP's bf16_compress_hook (default fp32)")
@@ -43,7 +44,7 @@ def check_exchange_arguments(args: argparse.Namespace) -> None:
     """Bad values fail in one line before any worker starts."""
     if args.accumulate_steps < 1:
         raise RevgraphError(f"--accumulate-steps must be at least 1, got {args.accumulate_steps}")
-    if not args.bucket_mb > 0:
+    if args.bucket_mb is not None and not args.bucket_mb > 0:
         raise RevgraphError(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
     # with the precision and the world size: --precision fp16 --shard ... --nproc 2 was refused only inside the
     # workers, after torchrun started (its traceback lines around the refusal)

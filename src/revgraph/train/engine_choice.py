@@ -30,7 +30,7 @@ class EngineSettings:
     that are refused (:func:`revgraph.train.distributed.exchange.refused_combination`)."""
 
     buffers: str = "one"
-    bucket_mb: float = BUCKET_MB
+    bucket_mb: float | None = None  # (None: BUCKET_MB; ZeRO-2: shard_plan.default_unit_cap)
     reduce_dtype: str = "fp32"
     overlap: bool | str = "auto"
     shard: str = "none"
@@ -41,7 +41,8 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if self.buffers not in BUFFERS:
             raise RevgraphError(f"buffers must be one of {', '.join(BUFFERS)}, got {self.buffers!r}")
-        self.bucket_bytes = bucket_bytes(self.bucket_mb)  # (checked in one process too: nothing to exchange there)
+        # (checked in one process too: nothing to exchange there)
+        self.bucket_bytes = None if self.bucket_mb is None else bucket_bytes(self.bucket_mb)
         check_reduce_dtype(self.reduce_dtype)
         if self.overlap not in (True, False, "auto"):
             raise InputError(f"overlap must be True, False or 'auto', got {self.overlap!r}")
@@ -76,7 +77,8 @@ class EngineSettings:
         """What every data-parallel rank must agree on besides the training graph's record: other buckets or
         dtypes on some rank would pair collectives of different sizes."""
         return {"buffers": self.buffers, "shard": self.shard, "sync batchnorm": self.sync_batchnorm,
-                "bucket MiB": float(self.bucket_mb), "reduce dtype": self.reduce_dtype, "overlap": self.overlap,
+                "bucket MiB": None if self.bucket_mb is None else float(self.bucket_mb),
+                "reduce dtype": self.reduce_dtype, "overlap": self.overlap,
                 "offload": self.offload}
 
 
@@ -86,7 +88,8 @@ def create_engine(spec, settings: EngineSettings, threads: int, device, runtime,
     :class:`~revgraph.train.distributed.data_parallel.data_parallel.Collective` (or ``None``), ``synced`` the
     synchronized-BatchNormalization rewrite (:func:`revgraph.train.distributed.sync_batchnorm.synchronized`). Raises
     :class:`InputError` for ZeRO sharding of a model with training-mode BatchNormalization."""
-    exchange = {"bucket_mb": settings.bucket_mb, "reduce_dtype": settings.reduce_dtype, "overlap": settings.overlap}
+    exchange = {"bucket_mb": BUCKET_MB if settings.bucket_mb is None else settings.bucket_mb,
+                "reduce_dtype": settings.reduce_dtype, "overlap": settings.overlap}
     one_set = settings.buffers == "one"
     offload = host_update(settings.offload, spec, device)  # (None without offload, and on a CPU device)
     if synced:

@@ -39,7 +39,6 @@ from ..runtime.devices import Device
 from ..runtime.options import TRAINING_DEFAULT, RuntimeOptions, check_runtime
 from . import data as datasets
 from . import fit_loop, run_record
-from .distributed.exchange import BUCKET_MB
 from .engine_choice import EngineSettings, create_engine
 from .fit_loop import epoch_order, shard  # noqa: F401 (their home was here)
 from .graphs import Optimizer, TrainingGraph, training_graph
@@ -65,7 +64,7 @@ def _optional(rule):
 #: :class:`Trainer`'s argument rules (the registries' choices, the loss and the schedule are checked by the code
 #: that owns them, each in one line; params and freeze by revgraph.train.selection, as glob patterns).
 TRAINER_RULES = {"model": MODEL, "loss": V.TEXT, "optimizer": V.OPTIMIZER, "output": V.NAME, "threads": V.THREADS,
-                 "checkpoint": POLICY, "distributed": V.FLAG, "memory": BUDGET, "bucket_mb": V.POSITIVE,
+                 "checkpoint": POLICY, "distributed": V.FLAG, "memory": BUDGET, "bucket_mb": _optional(V.POSITIVE),
                  "profile": _profile, "overlap": V.choice(True, False, "auto"), "sync_batchnorm": V.FLAG,
                  "timeout": V.OPTIONAL_POSITIVE, "clip_grad_norm": V.OPTIONAL_POSITIVE, "straight_through": V.FLAG,
                  "offload": V.choice("none", "optimizer")}
@@ -108,7 +107,8 @@ class Trainer:
     budget of the residuals the step's backward keeps (:func:`revgraph.gradient`: a fraction of the default's
     bytes, a byte count, or a ``revgraph.Budget`` sizing the batch dimension); the plan is
     ``trainer.spec.graph.memory_plan``. Data-parallel gradient exchange (:mod:`revgraph.train.distributed.exchange`):
-    ``bucket_mb`` the all-reduce bucket size in MiB (DDP's ``bucket_cap_mb``, default 25), ``reduce_dtype``
+    ``bucket_mb`` the all-reduce bucket size in MiB (DDP's ``bucket_cap_mb``, default 25; ``shard="gradients"``:
+    no more than keeps gradient memory within the unsharded one), ``reduce_dtype``
     ``"fp32"`` (default: the gradients' dtype) or ``"bf16"`` (buckets all-reduced in bfloat16), ``overlap``
     starts each bucket's all-reduce while the rest of the backward pass runs (:mod:`revgraph.train.distributed.overlap`;
     one bucket: no cut); ``"auto"`` (default): on CUDA, not on the CPU, where gloo's all-reduce competes with the
@@ -150,7 +150,7 @@ class Trainer:
                  optimizer: Optimizer | str = "adam", *, output: str | None = None, params: Iterable[str] | None = None,
                  threads: int = 0, checkpoint: str | int | CheckpointPolicy = "store", device: str | Device = "cpu",
                  distributed: bool = False, runtime: RuntimeOptions | None = None, buffers: str = "one",
-                 memory=None, bucket_mb: float = BUCKET_MB, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
+                 memory=None, bucket_mb: float | None = None, reduce_dtype: str = "fp32", overlap: bool | str = "auto",
                  profile: bool = False, shard: str = "none",
                  sync_batchnorm: bool = False, timeout: float | None = None, loss_options: dict | None = None,
                  schedule=None, clip_grad_norm: float | None = None, no_decay=None, precision="fp32",

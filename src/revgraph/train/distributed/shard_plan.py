@@ -71,6 +71,39 @@ def plan_units(spec: TrainingGraph, world: int, rank: int, bucket_bytes: int,
     return units
 
 
+def zero2_gradient_bytes(units: list[Unit]) -> int:
+    """Bytes of gradients ZeRO-2 keeps for ``units`` (in the order they are reduce-scattered): one bucket of the
+    largest unit's bytes, the gradient shard (``k`` elements) of every unit but the last, and nothing for the last
+    one, reduce-scattered in place in the bucket (its shard is a view of the bucket, which no later unit
+    overwrites before the update reads it)."""
+    size = [np.dtype(u.dtype).itemsize for u in units]
+    return (sum(u.k * b for u, b in zip(units[:-1], size, strict=False))
+            + max([u.length * b for u, b in zip(units, size, strict=True)] or [0]))
+
+
+def default_unit_cap(spec: TrainingGraph, world: int, order: list[str], limit: int) -> int:
+    """The largest unit of ZeRO-2 when ``bucket_mb`` is not given: the largest of ``limit``, ``limit / 2``,
+    ``limit / 4``, ... (down to 1 KiB) whose units (:func:`plan_units` in ``order``, the order the backward finishes
+    the gradients) keep at most the bytes of all dense gradients, ``G``, which unsharded training holds
+    (:func:`zero2_gradient_bytes`: about ``G / W`` of shards plus the largest unit); the largest such cap, so
+    that the backward runs in as few segments as it can. When no cap keeps ``G`` or less (a gradient that is
+    finished before the last unit and takes most of ``G``: the bucket must hold it whole), the cap keeping
+    the fewest bytes. A small model then gets units (and a bucket) far below DDP's 25 MiB: 25 MiB would be more
+    than all its gradients."""
+    dense = [p for p in spec.params if p not in spec.sparse]
+    full = sum(spec.initial[p].nbytes for p in dense)
+    best, cap = None, int(limit)
+    while True:
+        held = zero2_gradient_bytes(plan_units(spec, world, 0, cap, order))
+        if held <= full:
+            return cap
+        if best is None or held < best[0]:
+            best = (held, cap)
+        if cap <= 1024:
+            return best[1]
+        cap = max(1024, cap // 2)
+
+
 def ready_order(grad_graph: Graph, spec: TrainingGraph) -> list[str]:
     """The dense parameters in the order the grad graph's nodes finish their gradients (ties, e.g. the gradients
     a ``Loop``'s backward writes together, in reverse parameter order)."""

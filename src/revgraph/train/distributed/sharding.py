@@ -55,7 +55,7 @@ from ..graphs import TrainingGraph, eval_graph, split_step
 from .data_parallel import Collective, DistributedEngine, collective
 from .exchange import BUCKET_MB, torch_dtype
 from .exchange import bucket_bytes as _bucket_bytes
-from .shard_plan import Unit, plan_units, ready_order, shard_update_graph
+from .shard_plan import Unit, default_unit_cap, plan_units, ready_order, shard_update_graph
 
 #: ``shard=`` of :class:`revgraph.Trainer` and ``--shard`` of ``revgraph train``.
 SHARDS = ("none", "optimizer", "gradients", "parameters")
@@ -64,7 +64,8 @@ SHARDS = ("none", "optimizer", "gradients", "parameters")
 class ShardedEngine(DistributedEngine):
     """A data-parallel step with sharded optimizer state (``mode="optimizer"``, ZeRO-1) or sharded optimizer
     state and gradients (``mode="gradients"``, ZeRO-2); module doc. ``bucket_bytes``: the largest unit (default
-    :data:`revgraph.train.distributed.exchange.BUCKET_MB`, DDP's 25 MiB).
+    :data:`revgraph.train.distributed.exchange.BUCKET_MB`, DDP's 25 MiB; ZeRO-2: no more than keeps its gradient
+    memory within the unsharded engine's, :func:`~revgraph.train.distributed.shard_plan.default_unit_cap`).
 
     Parameters, gradients and state are torch tensors on ``comm.tdevice`` (gloo on CPU, NCCL on CUDA), shared
     with onnxruntime through DLPack. :meth:`read` and :meth:`load` see full arrays; :meth:`read` of optimizer
@@ -95,10 +96,12 @@ class ShardedEngine(DistributedEngine):
         self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), spec.graph.outputs[0].dtype))]
         self._current, self._previous = 0, None
         dev, world = comm.tdevice, comm.world_size
-        cap = bucket_bytes or _bucket_bytes(BUCKET_MB)
         self.grad_graph, _ = split_step(spec)
         # ZeRO-2 packs the units in the order the backward finishes the gradients (DDP rebuilds its buckets in
         # that order after the first step), so that each segment of the cut finishes whole units
+        cap = bucket_bytes or _bucket_bytes(BUCKET_MB)
+        if bucket_bytes is None and mode == "gradients":  # no more gradient memory than unsharded
+            cap = default_unit_cap(spec, world, ready_order(self.grad_graph, spec), cap)
         self.units = self._plan_units(cap)
         values, self._tensors, self._where = {}, {}, {}
         for j, u in enumerate(self.units):
@@ -108,6 +111,10 @@ class ShardedEngine(DistributedEngine):
             if mode == "optimizer":  # reduce-scattered in place: the shard is the rank's slice of the unit
                 u.grad = torch.zeros(u.length, dtype=tdt, device=dev)
                 u.gshard = u.grad[u.lo:u.lo + u.k]
+            elif mode == "gradients" and j == len(self.units) - 1:  # reduce-scattered last: in place in the bucket
+                self.bucket = torch.zeros(max(v.length * v.dtype.itemsize for v in self.units), dtype=torch.uint8,
+                                          device=dev)
+                u.gshard = self.bucket[:u.length * tdt.itemsize].view(tdt)[u.lo:u.lo + u.k]
             else:
                 u.gshard = torch.zeros(u.k, dtype=tdt, device=dev)
             for p, o in zip(u.names, u.offsets, strict=True):
@@ -152,13 +159,12 @@ class ShardedEngine(DistributedEngine):
 
     def _build_backward(self) -> None:
         """The sessions and buffers of the backward: ZeRO-1 one grad graph run, ZeRO-2 its segments."""
-        torch, dev, mode, spec = self.comm.torch, self.comm.tdevice, self.mode, self.spec
-        self.bucket, self.plan = None, None
-        if mode == "gradients":
-            # one buffer of the largest unit's bytes, viewed as each unit's dtype in turn
-            self.bucket = torch.zeros(max([u.length * u.gshard.element_size() for u in self.units] or [0]),
-                                      dtype=torch.uint8, device=dev)
+        mode, spec = self.mode, self.spec
+        self.plan = None
+        if mode == "gradients":  # (the bucket, made with the units: the largest unit's bytes, viewed as each unit's)
             self._build_segments()
+        else:
+            self.bucket = None
         if self.plan is None:  # ZeRO-1, or a grad graph that cannot be cut: one run writes every gradient
             self._grad = self.session(self.grad_graph, "gradient graph")
             self._grad_values = {spec.grads[p][0]: ortvalue_from_dlpack(v) for u in self.units
@@ -345,7 +351,8 @@ class ShardedEngine(DistributedEngine):
         if self.mode == "optimizer":  # (the shards are views of the unit gradients)
             grads = sum(_nbytes(u.grad) for u in self.units)
         else:
-            grads = sum(_nbytes(u.gshard) for u in self.units) + _nbytes(self.bucket)
+            # (the last unit's shard is a view of the bucket: _base is not None)
+            grads = sum(_nbytes(u.gshard) for u in self.units if u.gshard._base is None) + _nbytes(self.bucket)
         peak = grads
         if self.mode == "gradients":  # gradients alive inside a step, besides the bucket (the plan's count)
             peak += self.plan.carried_peak if self.plan else sum(u.used * u.gshard.element_size() for u in self.units)
