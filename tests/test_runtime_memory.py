@@ -87,8 +87,17 @@ def test_runtime_options_fill_session_options():
         False, True, ort.ExecutionOrder.DEFAULT)
     assert RuntimeOptions(arena=True).over(TRAINING_DEFAULT) == RuntimeOptions(
         arena=True, memory_pattern=False, execution_order="priority_based", graph_optimization="none",
-        memory_reuse=False)
+        memory_reuse=False, arena_extend="same_as_requested")
     assert RuntimeOptions(memory_reuse=False).apply().enable_mem_reuse is False
+    # the shared arena: the sessions that ask for it allocate from the process's environment allocator
+    assert RuntimeOptions(arena_extend="same_as_requested").apply().get_session_config_entry(
+        "session.use_env_allocators") == "1"
+    assert RuntimeOptions(arena=False, arena_extend="same_as_requested").apply().get_session_config_entry(
+        "session.use_env_allocators") == "0"  # (no arena asked for: none shared either)
+    assert RuntimeOptions(arena_extend="next_power_of_two").apply().get_session_config_entry(
+        "session.use_env_allocators") == "0"
+    with pytest.raises(RevgraphError, match="arena_extend must be one of next_power_of_two, same_as_requested"):
+        RuntimeOptions(arena_extend="double")
     assert ort.SessionOptions().enable_mem_reuse is True  # (onnxruntime's default, which rg.Session keeps)
     with pytest.raises(RevgraphError, match="RuntimeOptions memory_reuse must be True, False or None"):
         RuntimeOptions(memory_reuse="off")
@@ -112,6 +121,10 @@ def test_session_runtime_and_session_options():
     s = rg.Session(g, runtime=RuntimeOptions(memory_pattern=False), session_options=base)
     np.testing.assert_allclose(s.run({"x": x})["logits"], ref, rtol=1e-6, atol=1e-7)
     assert base.enable_mem_pattern is True  # the user's options are left as they were
+    for extend in ("same_as_requested", "next_power_of_two"):  # the shared arena: same results, options unset after
+        s = rg.Session(g, runtime=RuntimeOptions(memory_reuse=False, arena_extend=extend), session_options=base)
+        np.testing.assert_allclose(s.run({"x": x})["logits"], ref, rtol=1e-6, atol=1e-7)
+        assert base.enable_mem_reuse is True and base.get_session_config_entry("session.use_env_allocators") == "0"
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
@@ -143,10 +156,11 @@ def _has_memory_efficient_order() -> bool:
 def test_trainer_runtime_defaults_and_overrides():
     g = mlp(np.random.default_rng(0))
     assert rg.Trainer(g, "cross-entropy", "sgd").runtime == TRAINING_DEFAULT == RuntimeOptions(
-        True, False, "priority_based", "none", False)
+        True, False, "priority_based", "none", False, "same_as_requested")
     tr = rg.Trainer(g, "cross-entropy", "sgd", runtime=RuntimeOptions(arena=True, execution_order="default"))
-    assert tr.runtime == RuntimeOptions(True, False, "default", "none", False)
+    assert tr.runtime == RuntimeOptions(True, False, "default", "none", False, "same_as_requested")
     assert not tr._engine.options.enable_mem_reuse
+    assert tr._engine.options.get_session_config_entry("session.use_env_allocators") == "1"
     assert tr._engine.options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     assert tr._engine.options.enable_cpu_mem_arena and not tr._engine.options.enable_mem_pattern
     with pytest.raises(RevgraphError, match="buffers must be one of one, two, got 'three'"):

@@ -28,7 +28,8 @@ GROUPS = {
     "tolerance": "when a gradient agrees",
     "output": "what is written and reported",
 }
-_RUNTIME = ("--arena", "--memory-pattern", "--memory-reuse", "--execution-order", "--graph-optimization")
+_RUNTIME = ("--arena", "--arena-extend", "--memory-pattern", "--memory-reuse", "--execution-order",
+            "--graph-optimization")
 _LOSS_WRT = ("--loss", "--wrt")
 _FORWARD_OUT = ("-o", "--opset")
 
@@ -62,8 +63,8 @@ LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
                       "--embedding-update", "--clip-grad-norm", "--accumulate-steps"),
         "schedule": ("--lr-schedule", "--warmup-steps", "--min-lr"),
         "precision": ("--precision", "--init-scale", "--growth-factor", "--backoff-factor", "--growth-interval"),
-        "memory": ("--memory-budget", "--buffers", "--offload", "--arena", "--memory-pattern",
-                   "--memory-reuse"),
+        "memory": ("--memory-budget", "--buffers", "--offload", "--arena", "--arena-extend",
+                   "--memory-pattern", "--memory-reuse"),
         "runtime": ("--device", "--threads", "--execution-order", "--graph-optimization"),
         "distributed": ("--nproc", "--shard", "--sync-batchnorm", "--bucket-mb", "--reduce-dtype", "--overlap",
                         "--timeout", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr",

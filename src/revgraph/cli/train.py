@@ -118,8 +118,8 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
                             "global batch, all-reduced inside the step as torch.nn.SyncBatchNorm does (default: each "
                             "process over its own share, rank 0's running statistics kept; rank 0 warns)")
     add_launch_arguments(train)
-    add_runtime_arguments(train, "arena on, memory pattern off, memory reuse off, priority_based, none: "
-                                 "revgraph's order, measured best for training")
+    add_runtime_arguments(train, "arena on and same_as_requested, memory pattern off, memory reuse off, "
+                                 "priority_based, none: revgraph's order, measured best for training")
     train.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES",
                        help=memory_help + "; a byte count sizes the batch dimension with --batch-size")
     train.add_argument("--buffers", choices=BUFFERS, default="one",
@@ -136,13 +136,17 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser, defaults: str) -> None:
-    """``--arena on|off``, ``--memory-pattern on|off``, ``--memory-reuse on|off``, ``--execution-order ...`` and
-    ``--graph-optimization ...`` (:class:`RuntimeOptions`); ``defaults`` says in the help what an option left out
-    means."""
-    from ..runtime.options import EXECUTION_ORDERS, GRAPH_OPTIMIZATIONS
+    """``--arena on|off``, ``--arena-extend ...``, ``--memory-pattern on|off``, ``--memory-reuse on|off``,
+    ``--execution-order ...`` and ``--graph-optimization ...`` (:class:`RuntimeOptions`); ``defaults`` says in the
+    help what an option left out means."""
+    from ..runtime.options import ARENA_EXTENDS, EXECUTION_ORDERS, GRAPH_OPTIMIZATIONS
 
     parser.add_argument("--arena", choices=("on", "off"),
                         help=f"onnxruntime's CPU memory arena (enable_cpu_mem_arena; default: {defaults})")
+    parser.add_argument("--arena-extend", choices=tuple(ARENA_EXTENDS),
+                        help="how the CPU arena grows: next_power_of_two (each session its own arena, chunks that "
+                             "double) or same_as_requested (one arena for the process, grown by what is asked; "
+                             f"default: {defaults})")
     parser.add_argument("--memory-pattern", choices=("on", "off"),
                         help=f"onnxruntime's planned allocation of intermediate tensors (enable_mem_pattern; default: "
                              f"{defaults})")
@@ -187,12 +191,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def runtime_from_args(args: argparse.Namespace) -> RuntimeOptions:
-    """The :class:`RuntimeOptions` of ``--arena``, ``--memory-pattern``, ``--memory-reuse``, ``--execution-order``
-    and ``--graph-optimization`` (``None`` for each option left out)."""
+    """The :class:`RuntimeOptions` of ``--arena``, ``--arena-extend``, ``--memory-pattern``, ``--memory-reuse``,
+    ``--execution-order`` and ``--graph-optimization`` (``None`` for each option left out)."""
     flag = {"on": True, "off": False, None: None}
-    return RuntimeOptions(arena=flag[args.arena], memory_pattern=flag[args.memory_pattern],
-                          memory_reuse=flag[args.memory_reuse], execution_order=args.execution_order,
-                          graph_optimization=args.graph_optimization)
+    return RuntimeOptions(arena=flag[args.arena], arena_extend=args.arena_extend,
+                          memory_pattern=flag[args.memory_pattern], memory_reuse=flag[args.memory_reuse],
+                          execution_order=args.execution_order, graph_optimization=args.graph_optimization)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
