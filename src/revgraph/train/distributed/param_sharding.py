@@ -123,14 +123,22 @@ class ParameterShardedEngine(ShardedEngine):
             self._views.append(views)
         self._stage_sessions = self._segment_sessions_of([st.segment.graph for st in self.schedule.stages],
                                                          "step graph segment")
+        # the first unit a stage reduces, when the stage writes all of its gradients and no later one reads them:
+        # written straight into the bucket (its views), not carried (as ZeRO-2's direct gradients)
+        self._direct = []
+        for st in self.schedule.stages:
+            u = self.units[st.reduce[0]] if st.reduce else None
+            views = {spec.grads[p][0]: v for p, v in u.views(self._bucket(u)).items()} if u else {}
+            ok = all(g in st.segment.outputs and g not in self._read_later for g in views)
+            self._direct.append({g: ortvalue_from_dlpack(v) for g, v in views.items()} if ok else {})
         # gradient bytes a segment's outputs keep alive until their unit is reduce-scattered (held()'s peak)
-        done = {spec.grads[p][0]: j for j, u in enumerate(self.units) for p in u.names}
         sizes = {spec.grads[p][0]: spec.initial[p].nbytes for u in self.units for p in u.names}
         alive, self._carried_peak = 0, 0
-        for st in self.schedule.stages:
-            alive += sum(sizes[g] for g in st.segment.outputs if g in done)
+        for st, direct in zip(self.schedule.stages, self._direct, strict=True):
+            alive += sum(sizes[g] for g in st.segment.outputs if g in sizes and g not in direct)
             self._carried_peak = max(self._carried_peak, alive)
-            alive -= sum(sizes[spec.grads[p][0]] for j in st.reduce for p in self.units[j].names)
+            alive -= sum(sizes[g] for j in st.reduce for p in self.units[j].names
+                         if (g := spec.grads[p][0]) not in direct)
 
     def _slot(self, j: int, b: int):
         """Gather buffer ``b`` as unit ``j``'s flat parameters."""
@@ -272,7 +280,7 @@ class ParameterShardedEngine(ShardedEngine):
         seg, views = self.schedule.stages[s].segment, self._views[s]
         out = self._run_segment(self._stage_sessions[s], seg.inputs, seg.outputs, {},
                                 lambda n: live[n] if n in live else views[n] if n in views else self._sets[0][n],
-                                {self.spec.loss.loss: self._loss[0]})
+                                {**self._direct[s], self.spec.loss.loss: self._loss[0]})
         for n, v in out.items():
             if n in self._wanted:
                 fresh[n] = v
@@ -289,7 +297,8 @@ class ParameterShardedEngine(ShardedEngine):
             flat.zero_()
         else:
             for p, v in u.views(flat).items():
-                v.copy_(torch_from_ortvalue(torch, fresh.pop(spec.grads[p][0])))
+                if spec.grads[p][0] in fresh:  # (else written in place: the stage's direct unit)
+                    v.copy_(torch_from_ortvalue(torch, fresh.pop(spec.grads[p][0])))
             flat[u.used:].zero_()  # the padding (an earlier, larger unit wrote there)
         flat.mul_(weight)
         self._synchronize()
