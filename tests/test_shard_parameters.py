@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.distributed.run  # noqa: F401  # (in the test extra: missing, it fails instead of skipping)
-from kit.distributed import ENV, TORCHRUN, run_command
+from kit.distributed import ENV, TORCHRUN, check_undo_and_load, run_command
 from shard_parameters_worker import fit, parser, setup
 
 import revgraph as rg
@@ -240,13 +240,4 @@ def test_engine_steps_reads_loads_undoes_and_evaluates(world_of_one):
         np.testing.assert_allclose(eng.read([name])[name], value, rtol=2e-6, atol=1e-8, err_msg=name)
     for a, b in zip(eng.evaluate(feeds), ref.evaluate(feeds), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    before = eng.read(eng.names)
-    eng.step(feeds, 16, 16, keep_previous=True)
-    assert eng.can_undo and eng.steps == 4
-    eng.undo()
-    for name, value in eng.read(eng.names).items():
-        np.testing.assert_array_equal(value, before[name], err_msg=name)
-    eng.step(feeds, 16, 16)
-    eng.load(before)
-    for name, value in eng.read(eng.names).items():
-        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    check_undo_and_load(eng, lambda **how: eng.step(feeds, 16, 16, **how))

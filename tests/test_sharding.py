@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch.distributed.run  # noqa: F401  # (in the test extra: missing, it fails instead of skipping)
 from distributed_worker import OPTIMIZERS, trainer
-from kit.distributed import ENV, TORCHRUN, WORKER, run_command
+from kit.distributed import ENV, TORCHRUN, WORKER, check_undo_and_load, run_command
 
 import revgraph as rg
 from revgraph.train import snapshots as checkpoints
@@ -225,15 +225,6 @@ def test_sharded_engine_steps_reads_loads_and_undoes(world_of_one, mode):
         np.testing.assert_allclose(eng.step(feeds, 16, 16), ref.step(feeds, 16, 16), rtol=1e-6)
     for name, value in ref.read(ref.names).items():
         np.testing.assert_allclose(eng.read([name])[name], value, rtol=2e-6, atol=1e-8, err_msg=name)
-    before = eng.read(eng.names)
-    eng.step(feeds, 16, 16, keep_previous=True)
-    assert eng.can_undo and eng.steps == 4
-    eng.undo()
-    for name, value in eng.read(eng.names).items():
-        np.testing.assert_array_equal(value, before[name], err_msg=name)
-    eng.step(feeds, 16, 16)
-    eng.load(before)
-    for name, value in eng.read(eng.names).items():
-        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    check_undo_and_load(eng, lambda **how: eng.step(feeds, 16, 16, **how))
     with pytest.raises(rg.RevgraphError, match="has shape"):
         eng.load({spec.params[0]: np.zeros(3, np.float32)})

@@ -91,3 +91,19 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def check_undo_and_load(eng, step) -> None:
+    """An engine-level check: a ``keep_previous`` step (``step(keep_previous=True)`` runs one) is undone exactly,
+    and ``load`` of a ``read`` of every carried name restores it after another step (``step()``)."""
+    before = eng.read(eng.names)
+    steps = eng.steps
+    step(keep_previous=True)
+    assert eng.can_undo and eng.steps == steps + 1
+    eng.undo()
+    for name, value in eng.read(eng.names).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    step()
+    eng.load(before)
+    for name, value in eng.read(eng.names).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
