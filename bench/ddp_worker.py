@@ -179,7 +179,8 @@ def run_revgraph(args, rank: int, world: int) -> tuple[float, dict]:
     trainer = rg.Trainer(ddp_models.rg_graph(args.model), "cross-entropy", "adam", threads=1,
                          distributed=args.mode == "ddp", bucket_mb=args.bucket_mb, reduce_dtype=args.reduce_dtype,
                          overlap={"on": True, "off": False, "auto": "auto"}[args.overlap],
-                         profile="timeline" if args.timeline else False)
+                         profile="timeline" if args.timeline else args.shard_profile,
+                         **({"shard": args.shard} if args.shard != "none" else {}))
     assert trainer.world_size == world
     pool, group, epochs = _pool(args, world)
     trainer.fit({k: a[:args.warmup * group] for k, a in pool.items()}, batch_size=args.batch, progress=False)
@@ -197,13 +198,15 @@ def run_revgraph(args, rank: int, world: int) -> tuple[float, dict]:
     phases["Trainer.fit, the whole step"] = seconds / args.steps
     if args.profile and trainer.comm:
         phases.update({k: v / 1e3 for k, v in _collectives_alone(trainer, args).items()})
+    if args.shard_profile:  # the engine's own phase timers (revgraph.train.steptimes), medians over the timed steps
+        phases.update({f"median {k}": v for k, v in trainer.times.medians(skip=args.warmup).items()})
     if args.ort_profile:
         phases = {"ops": _ort_ops(trainer)}
     if args.timeline:
         phases = {"timeline": {**timeline_summary(trainer, args.warmup), **_cut_cost(trainer, pool, args)}}
     if trainer.comm:
         trainer.comm.close()
-    return seconds, phases if args.profile or args.ort_profile or args.timeline else {}
+    return seconds, phases if args.profile or args.ort_profile or args.timeline or args.shard_profile else {}
 
 
 def _hidden(events: list[dict]) -> tuple[float, float]:
@@ -337,7 +340,12 @@ def main() -> int:
                         "the operator types' shares of kernel time (revgraph)")
     parser.add_argument("--timeline", action="store_true", help="(revgraph) record each step's segments and "
                         "all-reduces (Trainer(profile='timeline')) and report them")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="(revgraph) Trainer(bucket_mb=)")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="(revgraph) Trainer(bucket_mb=), default its "
+                        "default (25, and for --shard gradients no more than keeps the unsharded gradient memory)")
+    parser.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
+                        help="(revgraph, --mode ddp) Trainer(shard=)")
+    parser.add_argument("--shard-profile", action="store_true", help="(revgraph) Trainer(profile=True): the "
+                        "phases' medians (forward+backward, exchange, update) in the answer's phase_medians_ms")
     parser.add_argument("--overlap", choices=("on", "off", "auto"), default="auto",
                         help="(revgraph) Trainer(overlap=): on, off, or auto (the default: off on the CPU)")
     parser.add_argument("--reduce-dtype", default="fp32", help="(revgraph) Trainer(reduce_dtype=)")

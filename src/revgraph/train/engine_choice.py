@@ -30,7 +30,7 @@ class EngineSettings:
     that are refused (:func:`revgraph.train.distributed.exchange.refused_combination`)."""
 
     buffers: str = "one"
-    bucket_mb: float | None = None  # (None: BUCKET_MB; ZeRO-2: shard_plan.default_unit_cap)
+    bucket_mb: float | None = None  # (None: BUCKET_MB; ZeRO-2: shard_plan.default_unit_groups)
     reduce_dtype: str = "fp32"
     overlap: bool | str = "auto"
     shard: str = "none"

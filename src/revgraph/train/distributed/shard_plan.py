@@ -6,6 +6,7 @@ of :mod:`revgraph.train.schedules`)."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,27 +82,55 @@ def zero2_gradient_bytes(units: list[Unit]) -> int:
             + max([u.length * b for u, b in zip(units, size, strict=True)] or [0]))
 
 
-def default_unit_cap(spec: TrainingGraph, world: int, order: list[str], limit: int) -> int:
-    """The largest unit of ZeRO-2 when ``bucket_mb`` is not given: the largest of ``limit``, ``limit / 2``,
-    ``limit / 4``, ... (down to 1 KiB) whose units (:func:`plan_units` in ``order``, the order the backward finishes
-    the gradients) keep at most the bytes of all dense gradients, ``G``, which unsharded training holds
-    (:func:`zero2_gradient_bytes`: about ``G / W`` of shards plus the largest unit); the largest such cap, so
-    that the backward runs in as few segments as it can. When no cap keeps ``G`` or less (a gradient that is
-    finished before the last unit and takes most of ``G``: the bucket must hold it whole), the cap keeping
-    the fewest bytes. A small model then gets units (and a bucket) far below DDP's 25 MiB: 25 MiB would be more
-    than all its gradients."""
-    dense = [p for p in spec.params if p not in spec.sparse]
-    full = sum(spec.initial[p].nbytes for p in dense)
-    best, cap = None, int(limit)
-    while True:
-        held = zero2_gradient_bytes(plan_units(spec, world, 0, cap, order))
-        if held <= full:
-            return cap
-        if best is None or held < best[0]:
-            best = (held, cap)
-        if cap <= 1024:
-            return best[1]
-        cap = max(1024, cap // 2)
+def carried_bytes(groups: list[list[str]], finish: dict[str, int], like: dict[str, np.ndarray]) -> int:
+    """Bytes of the gradients that the cut of :mod:`revgraph.train.distributed.grad_segments` carries (kept apart
+    from the bucket until their unit is reduced) for units ``groups``, ``finish[p]`` the index of the grad graph's
+    node that writes ``p``'s gradient: those finished before their unit's segment, and every gradient of a unit
+    that is not the first one its segment reduces (a ``Loop`` writing all gradients at once). An upper bound of
+    their peak: all of them counted alive at once."""
+    ends = sorted({max(finish[p] for p in g) for g in groups})
+    first, total = {}, 0
+    for j, g in enumerate(groups):
+        s = bisect_left(ends, max(finish[p] for p in g))
+        lead = first.setdefault(s, j) == j
+        total += sum(like[p].nbytes for p in g if not (lead and bisect_left(ends, finish[p]) == s))
+    return total
+
+
+def default_unit_groups(spec: TrainingGraph, world: int, order: list[str], limit: int,
+                        finish: dict[str, int]) -> list[list[str]]:
+    """The parameter names of each ZeRO-2 unit when ``bucket_mb`` is not given (in ``order``, the order the backward
+    finishes the gradients, ``finish`` as :func:`carried_bytes`): units that keep at most the bytes of all dense
+    gradients, ``G``, which unsharded training holds (:func:`zero2_gradient_bytes`: about ``G / W`` of shards plus
+    the largest unit, and :func:`carried_bytes`), and of those the
+    fewest units (each is a segment of the backward and a collective), at most ``limit`` bytes each (a larger
+    gradient is a unit of its own). Candidates: for each cap of ``limit``, ``limit / 2``, ... (down to 1 KiB) and
+    each suffix of ``order`` no larger than ``limit``, the gradients packed up to the cap from the first one and
+    from the last one (filling the last unit, reduced in place, first). When none keeps ``G`` or less (a gradient
+    finished before the last unit that takes most of ``G``: the bucket must hold it whole), the candidate keeping
+    the fewest bytes. A small model gets one unit: DDP's 25 MiB would hold more than all its gradients."""
+    like = {p: spec.initial[p] for p in order}
+    full = sum(a.nbytes for a in like.values())
+    caps, cap = [], int(limit)
+    while cap > 1024:
+        caps.append(cap)
+        cap //= 2
+    suffix = 0
+    for p in reversed(order):
+        suffix += like[p].nbytes
+        if suffix <= limit:
+            caps.append(suffix)
+    best = None
+    for cap in [*caps, 1024]:
+        backward = [list(reversed(g)) for g in reversed(bucket_groups(like, order[::-1], cap, in_order=True,
+                                                                       first=None))]
+        for groups in (bucket_groups(like, order, cap, in_order=True, first=None), backward):
+            held = zero2_gradient_bytes(plan_units(spec, world, 0, cap, groups=groups))
+            held += carried_bytes(groups, finish, like)
+            key = (held > full, len(groups) if held <= full else held)
+            if best is None or key < best[0]:
+                best = (key, groups)
+    return best[1]
 
 
 def ready_order(grad_graph: Graph, spec: TrainingGraph) -> list[str]:

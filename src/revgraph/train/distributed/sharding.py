@@ -26,7 +26,11 @@ parameters:
   rank: the shards (``1 / W``) plus that one buffer, plus, transiently, any gradient the backward finishes in an
   earlier unit's segment (:attr:`ShardedEngine.plan`). When the grad graph cannot be cut (no types for the
   values crossing a cut), the whole grad graph runs at once: the full gradients then exist during the
-  backward, and only the shards and one bucket are kept between steps.
+  backward, and only the shards and one bucket are kept between steps. The last unit's shard is its slice of
+  the bucket. The default unit size keeps shards + bucket within the unsharded gradient bytes
+  (:func:`~revgraph.train.distributed.shard_plan.default_unit_groups`);
+- on the CPU a unit is **all-reduced** in place and the slice copied to the shard (gloo's reduce-scatter costs its
+  all-reduce), ZeRO-2's last unit carrying the loss in one more element: two collectives a step, not three.
 
 ZeRO-3 (``shard="parameters"``, every rank also keeping only its shard of the parameters) is
 :mod:`revgraph.train.distributed.param_sharding`, a subclass.
@@ -55,7 +59,7 @@ from ..graphs import TrainingGraph, eval_graph, split_step
 from .data_parallel import Collective, DistributedEngine, collective
 from .exchange import BUCKET_MB, torch_dtype
 from .exchange import bucket_bytes as _bucket_bytes
-from .shard_plan import Unit, default_unit_cap, plan_units, ready_order, shard_update_graph
+from .shard_plan import Unit, default_unit_groups, plan_units, ready_order, shard_update_graph
 
 #: ``shard=`` of :class:`revgraph.Trainer` and ``--shard`` of ``revgraph train``.
 SHARDS = ("none", "optimizer", "gradients", "parameters")
@@ -65,7 +69,7 @@ class ShardedEngine(DistributedEngine):
     """A data-parallel step with sharded optimizer state (``mode="optimizer"``, ZeRO-1) or sharded optimizer
     state and gradients (``mode="gradients"``, ZeRO-2); module doc. ``bucket_bytes``: the largest unit (default
     :data:`revgraph.train.distributed.exchange.BUCKET_MB`, DDP's 25 MiB; ZeRO-2: no more than keeps its gradient
-    memory within the unsharded engine's, :func:`~revgraph.train.distributed.shard_plan.default_unit_cap`).
+    memory within the unsharded engine's, :func:`~revgraph.train.distributed.shard_plan.default_unit_groups`).
 
     Parameters, gradients and state are torch tensors on ``comm.tdevice`` (gloo on CPU, NCCL on CUDA), shared
     with onnxruntime through DLPack. :meth:`read` and :meth:`load` see full arrays; :meth:`read` of optimizer
@@ -101,8 +105,13 @@ class ShardedEngine(DistributedEngine):
         # that order after the first step), so that each segment of the cut finishes whole units
         cap = bucket_bytes or _bucket_bytes(BUCKET_MB)
         if bucket_bytes is None and mode == "gradients":  # no more gradient memory than unsharded
-            cap = default_unit_cap(spec, world, ready_order(self.grad_graph, spec), cap)
-        self.units = self._plan_units(cap)
+            made = {o: k for k, n in enumerate(self.grad_graph.nodes) for o in n.outputs if o}
+            finish = {p: made.get(spec.grads[p][0], -1) for p in spec.params if p not in spec.sparse}
+            groups = default_unit_groups(spec, world, ready_order(self.grad_graph, spec), cap, finish)
+            self.units = plan_units(spec, world, comm.rank, cap, groups=groups)
+        else:
+            self.units = self._plan_units(cap)
+        self._fold, self._folded = 0, None
         values, self._tensors, self._where = {}, {}, {}
         for j, u in enumerate(self.units):
             tdt = torch_dtype(torch, spec.initial[u.names[0]].dtype)
@@ -112,7 +121,11 @@ class ShardedEngine(DistributedEngine):
                 u.grad = torch.zeros(u.length, dtype=tdt, device=dev)
                 u.gshard = u.grad[u.lo:u.lo + u.k]
             elif mode == "gradients" and j == len(self.units) - 1:  # reduce-scattered last: in place in the bucket
-                self.bucket = torch.zeros(max(v.length * v.dtype.itemsize for v in self.units), dtype=torch.uint8,
+                # on the CPU the loss rides along in one more element after it, as in the unsharded last bucket
+                # (gloo's latency per collective dominates small models' steps: docs/benchmarks.md)
+                self._fold = (dev.type == "cpu" and not spec.sparse and u.dtype in (np.float32, np.float64)) * 1
+                self.bucket = torch.zeros(max([v.length * v.dtype.itemsize for v in self.units[:-1]]
+                                              + [(u.length + self._fold) * tdt.itemsize]), dtype=torch.uint8,
                                           device=dev)
                 u.gshard = self.bucket[:u.length * tdt.itemsize].view(tdt)[u.lo:u.lo + u.k]
             else:
@@ -431,6 +444,7 @@ class ShardedEngine(DistributedEngine):
         start = times.now() if times is not None else 0.0
         self._loss_sum, self._rows = 0.0, [[] for _ in self._sparse]
         self._tail.zero_()
+        self._folded = None
         with collective("the gradient reduce-scatter"):
             if self.plan is not None:
                 _, sparse = self._run_segments(feeds, count, scale)
@@ -443,7 +457,7 @@ class ShardedEngine(DistributedEngine):
                     if not count:
                         u.grad.zero_()
                     u.grad.mul_(scale)
-                    works.append(_reduce_scatter(dist)(u.gshard, u.grad, async_op=True))
+                    works.append(self._reduce_unit(u, u.grad, async_op=True))
                 for w in works:
                     w.wait()
             if times is not None:
@@ -453,7 +467,10 @@ class ShardedEngine(DistributedEngine):
                 self._take(scale, sparse)  # this rank's weighted loss and rows, and the counts in the tail
             else:
                 self._fill_tail()
-            dist.all_reduce(self._tail)
+            if self._folded is not None:  # the loss summed with the last unit's gradients
+                self._tail[0] = self._folded
+            else:
+                dist.all_reduce(self._tail)
             inputs = self._exchange_rows()
         if times is not None:
             times.add("exchange", start)
@@ -462,7 +479,7 @@ class ShardedEngine(DistributedEngine):
     def _run_whole(self, feeds: dict[str, np.ndarray], count: int, scale: float) -> tuple[float, dict]:
         """ZeRO-2 when the grad graph could not be cut: one run writes every gradient (onnxruntime allocates
         them); each unit is copied into the bucket and reduce-scattered, and its gradients are dropped."""
-        torch, dist, spec = self.comm.torch, self.comm.dist, self.spec
+        torch, spec = self.comm.torch, self.spec
         dense = [spec.grads[p][0] for u in self.units for p in u.names]
         out: dict[str, object] = {}
         if count:
@@ -489,14 +506,14 @@ class ShardedEngine(DistributedEngine):
                     v.copy_(torch_from_ortvalue(torch, out.pop(spec.grads[p][0])))
             flat.mul_(scale)
             self._synchronize()
-            _reduce_scatter(dist)(u.gshard, flat)
+            self._reduce_unit(u, flat, loss=float(self._loss[0].numpy()) * scale if count else 0.0)
         return (float(self._loss[0].numpy()) if count else 0.0), out
 
     def _run_segments(self, feeds: dict[str, np.ndarray], count: int, scale: float) -> tuple[float, dict]:
         """ZeRO-2 with a cut: run the segments in order; after each, reduce-scatter the units it finishes
         (:attr:`plan`) from the bucket into their shards, before the next segment writes the bucket again.
         Values crossing a cut are ``OrtValue``s onnxruntime allocated, dropped after their last reader."""
-        torch, dist, plan, spec = self.comm.torch, self.comm.dist, self.plan, self.spec
+        torch, plan, spec = self.comm.torch, self.plan, self.spec
         live: dict[str, object] = {}
         for k, seg in enumerate(plan.segments):
             if count:
@@ -517,13 +534,30 @@ class ShardedEngine(DistributedEngine):
                     flat.zero_()
                 flat.mul_(scale)
                 self._synchronize()
-                _reduce_scatter(dist)(u.gshard, flat)
+                self._reduce_unit(u, flat, loss=float(self._loss[0].numpy()) * scale if count else 0.0)
             self._synchronize()  # (CUDA) the next segment writes the bucket on onnxruntime's stream
             for n in seg.free:
                 live.pop(n, None)
         loss = float(self._loss[0].numpy()) if count else 0.0
         return loss, {n: live[n] for _, idx, rows in self._sparse for n in (idx, rows)} if count else {}
 
+    def _reduce_unit(self, u: Unit, flat, async_op: bool = False, loss: float = 0.0):
+        """Sum unit ``u``'s gradient ``flat`` over the ranks into ``u.gshard`` (module doc): a reduce-scatter, or on
+        the CPU an all-reduce in place (and a copy unless the shard is the slice; ``async_op``: the work, only then);
+        ZeRO-2's last unit there carries ``loss`` (the rank's, weighted), whose sum is left in ``_folded``."""
+        dist = self.comm.dist
+        if self.device.kind != "cpu":
+            return _reduce_scatter(dist)(u.gshard, flat, async_op=async_op)
+        if self.mode == "gradients" and self._fold and u is self.units[-1]:  # the loss in the element after it
+            ext = self.bucket[:(u.length + 1) * flat.element_size()].view(flat.dtype)
+            ext[u.length] = loss
+            dist.all_reduce(ext)
+            self._folded = float(ext[u.length])
+            return None
+        work = dist.all_reduce(flat, async_op=async_op)
+        if u.gshard.data_ptr() != flat.data_ptr() + u.lo * flat.element_size():
+            u.gshard.copy_(flat[u.lo:u.lo + u.k])
+        return work
 
     def _run_segment(self, session, inputs: list[str], outputs: list[str], feeds: dict, value, fixed: dict) -> dict:
         """Run one segment's ``session``: ``inputs`` from ``feeds`` (host arrays) or ``value(name)`` (``OrtValue``),
