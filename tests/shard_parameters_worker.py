@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 from distributed_worker import LOSS, OPTIMIZERS, build, schedule_options
+from kit.held_arrays import numpy_bytes
 
 import revgraph as rg
 from revgraph.train import lora, make_optimizer
@@ -22,7 +23,8 @@ VOCAB, LENGTH = 64, 8
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="mlp", help="mlp, lm (the one-block Transformer) or a LLaMA's .onnx file")
+    p.add_argument("--model", default="mlp", help="mlp, deep (8 layers of 128), lm (the one-block Transformer) or a "
+                   "LLaMA's .onnx file")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: train every parameter)")
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--samples", type=int, default=37)
@@ -41,7 +43,10 @@ def parser() -> argparse.ArgumentParser:
 
 def setup(a: argparse.Namespace, distributed: bool) -> tuple[rg.Trainer, dict]:
     """The Trainer of ``a`` (``shard`` and ``bucket_mb`` when ``distributed``) and its data."""
-    if a.model.endswith(".onnx"):
+    if a.model == "deep":  # 8 square layers of 128: each layer a unit of its own at --bucket-bytes 65536
+        g, data = deep_mlp(8, 128, a.samples)
+        loss, options = "cross-entropy", None
+    elif a.model.endswith(".onnx"):
         g = rg.load(a.model)
         rng = np.random.default_rng(5)
         data = {"input_ids": rng.integers(0, VOCAB, (a.samples, LENGTH)).astype(np.int64)}
@@ -62,6 +67,27 @@ def setup(a: argparse.Namespace, distributed: bool) -> tuple[rg.Trainer, dict]:
     return tr, data
 
 
+def deep_mlp(layers: int, width: int, samples: int) -> tuple[rg.Graph, dict]:
+    """``x [N, width] -> (Gemm, Relu) x layers -> Gemm -> 10 classes`` (torch.nn.Linear's initialization) and its
+    data."""
+    from revgraph.ir import Graph, Node, ValueInfo
+
+    rng = np.random.default_rng(7)
+    nodes, h, init = [], "x", {}
+    for i in range(layers + 1):
+        cols = 10 if i == layers else width
+        init[f"W{i}"] = rng.uniform(-width ** -0.5, width ** -0.5, (width, cols)).astype(np.float32)
+        init[f"b{i}"] = rng.uniform(-width ** -0.5, width ** -0.5, (cols,)).astype(np.float32)
+        nodes.append(Node("Gemm", [h, f"W{i}", f"b{i}"], [f"z{i}"], {}, f"layer{i}/gemm"))
+        h = f"z{i}"
+        if i < layers:
+            nodes.append(Node("Relu", [h], [f"h{i}"], {}, f"layer{i}/relu"))
+            h = f"h{i}"
+    g = Graph(nodes, [ValueInfo("x", np.float32, ("N", width))], [ValueInfo(h, np.float32, ("N", 10))], init)
+    return g, {"x": rng.standard_normal((samples, width)).astype(np.float32),
+               "labels": rng.integers(0, 10, samples).astype(np.int64)}
+
+
 def fit(tr: rg.Trainer, data: dict, a: argparse.Namespace, world: int = 1, checkpoint_dir=None):
     """Train ``a.epochs`` epochs of global batches ``a.batch_size`` (``world`` processes share each)."""
     return tr.fit(data, a.epochs, a.batch_size // world, seed=3, progress=False, accumulate_steps=a.accumulate_steps,
@@ -71,7 +97,13 @@ def fit(tr: rg.Trainer, data: dict, a: argparse.Namespace, world: int = 1, check
 def main() -> None:
     a = parser().parse_args()
     tr, data = setup(a, True)
+    built = numpy_bytes(tr)  # host arrays the trainer holds (ZeRO-3: no full copy of the parameters)
     fit(tr, data, a, int(os.environ["WORLD_SIZE"]), a.checkpoint_dir)
+    fitted = numpy_bytes(tr)  # (rank 0: and the trained parameters it writes the model from)
+    try:
+        written = len(tr._written())  # rank 0 alone
+    except rg.RevgraphError as exc:
+        written = str(exc)
     held = tr._engine.held()
     units = getattr(tr._engine, "units", [])
     stages = getattr(getattr(tr._engine, "schedule", None), "stages", [])
@@ -79,7 +111,8 @@ def main() -> None:
              **{f"held:{k}": np.array(v) for k, v in held.items()},
              units=np.array([[u.length, u.k, u.used] for u in units]).reshape(-1, 3), stages=np.array(len(stages)),
              most=np.array(max([len(s.units) for s in stages] or [0])),
-             slots=np.array(getattr(getattr(tr._engine, "schedule", None), "slots", 0)))
+             slots=np.array(getattr(getattr(tr._engine, "schedule", None), "slots", 0)),
+             arrays_built=np.array(built), arrays_fitted=np.array(fitted), written=np.array(written))
     tr.comm.close()
 
 

@@ -134,6 +134,27 @@ def test_parameter_sharded_training_other_world_sizes(tmp_path, request, case):
     _check(tmp_path, request.getfixturevalue("llama") if "LLAMA" in args else None, args, worlds, atol)
 
 
+def test_each_rank_holds_no_full_copy_of_the_parameters(tmp_path):
+    """The host arrays a rank's Trainer references (tests/kit/held_arrays.numpy_bytes: every numpy buffer reachable
+    from it, counted once) after construction are at most its shards' share P/W plus one unit (a deep MLP of 8 layers
+    of 128, P = 530 KB, a unit per layer; the placeholders of the initial values hold one element each), where
+    the full initial values alone were P; after fit, only rank 0 holds the trained parameters (to write the model
+    from: Trainer._written), the others still at most P/W + a unit, and refuse to write."""
+    args = ["--model", "deep", "--bucket-bytes", "65536", "--epochs", "1", "--optimizer", "sgd"]
+    ref = _reference(*args)
+    ranks = _launch(tmp_path, 2, *args)
+    _equal(ranks, ref)
+    full = sum(a.nbytes for a in ref.parameters.values())
+    unit = 4 * int(ranks[0]["units"][:, 0].max())
+    assert full > 500_000 and unit < full / 4
+    for r in ranks:
+        assert int(r["arrays_built"]) <= full / 2 + unit, (int(r["arrays_built"]), full)
+    assert full <= int(ranks[0]["arrays_fitted"]) <= full + full / 2 + unit  # (rank 0: the trained model)
+    assert int(ranks[0]["written"]) == len(ref.spec.params)
+    assert int(ranks[1]["arrays_fitted"]) <= full / 2 + unit
+    assert "gathered on rank 0 alone" in str(ranks[1]["written"])
+
+
 def test_snapshots_resume_across_shard_modes_and_world_sizes(tmp_path, llama):
     """A snapshot written under --shard parameters by 2 processes (one epoch) holds whole arrays and resumes in one
     process; a one-process snapshot resumes under --shard parameters in 3 processes. Both end equal to an

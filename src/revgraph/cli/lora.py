@@ -95,7 +95,7 @@ def export_trained(trainer, args: argparse.Namespace) -> None:
     from ..train.lora import merge_adapters
 
     model = trainer.spec.model.copy()
-    model.initializers.update(trainer.parameters)
+    model.initializers.update(trainer._written())  # (rank 0)
     save(merge_adapters(model) if args.merge_adapters else model, args.output)
 
 

@@ -268,6 +268,7 @@ def _train(args: argparse.Namespace, budget, distributed: bool) -> int:
                           timeout=args.timeout, loss_options=loss_options(args), precision=precision,
                           straight_through=args.straight_through,
                           **selected, **trainer_arguments(args))
+    del g  # (--shard parameters: the trainer keeps no full copy of the weights, and neither does this frame)
     if trainer.comm:
         _agree(trainer, args)
     main = trainer.is_main  # only rank 0 prints and writes files

@@ -210,6 +210,10 @@ class Trainer:
             self._engine.times = StepTimes(timeline=profile == "timeline")
         if self.comm:  # (what every engine starts from: read back, a parameter-sharded engine would gather it)
             self.comm.check_replicas({p: self.spec.initial[p] for p in self.spec.params}, "initial parameters")
+        if hasattr(self._engine, "keep_for_writing"):  # ZeRO-3: no rank keeps the values it does not own
+            from .distributed.param_sharding import drop_initial_values
+
+            drop_initial_values(self.spec)
         if self.world_size > 1 and self.is_main and not sync_batchnorm:
             from .distributed.sync_batchnorm import warn_per_rank_statistics
 
@@ -252,8 +256,16 @@ class Trainer:
 
     @property
     def parameters(self) -> dict[str, np.ndarray]:
-        """The current parameters (copies), by initializer name."""
+        """The current parameters (copies), by initializer name. With ``shard="parameters"``, gathered: a
+        collective (every rank reads them)."""
         return self._engine.read(self.spec.params)
+
+    def _written(self) -> dict[str, np.ndarray]:
+        """The parameters to write a model or state dict from: :attr:`parameters`; with ``shard="parameters"``
+        after ``fit``, those ``fit`` gathered to rank 0 (read-only; rank 0 writes, no collective:
+        :meth:`revgraph.train.distributed.param_sharding.ParameterShardedEngine.written`)."""
+        written = getattr(self._engine, "written", None)
+        return written(self.spec.params) if written else self.parameters
 
     @property
     def state(self) -> dict[str, np.ndarray]:
@@ -418,9 +430,11 @@ class Trainer:
                 for args, how in loop:  # (the loop yields each step's arguments; the engine is called here)
                     loop.took(self._engine.step(*args, **how))
             stepped = loop.stepped
-            final = self.parameters
-            if stop and stepped and not all(np.isfinite(a).all() for a in final.values()):
-                bad = next(p for p, a in final.items() if not np.isfinite(a).all())
+            sharded = hasattr(self._engine, "nonfinite")  # (ZeRO-3: tested on the shards, written from rank 0)
+            final = {} if sharded else self.parameters
+            bad = (self._engine.nonfinite() if sharded else
+                   next((p for p, a in final.items() if not np.isfinite(a).all()), None)) if stop and stepped else None
+            if bad:
                 done = pos.done(plan.per_epoch) - 1
                 self._reject_step(f"parameter {bad!r} became NaN or infinite", done // plan.per_epoch,
                                   done % plan.per_epoch)
@@ -429,6 +443,8 @@ class Trainer:
                 # make every rank hold the whole state, which sharding avoids)
                 state = {} if getattr(self._engine, "gathers", False) else self.state
                 self.comm.check_replicas({**final, **state}, "parameters or optimizer state")
+            if sharded:  # (a collective) the trained parameters on rank 0 alone, which writes the model
+                self._engine.keep_for_writing()
             if pos.batch:  # a last epoch cut short by max_steps: the mean over its batches
                 return [*pos.means, pos.total / min(pos.batch * plan.group, plan.n)]
             return list(pos.means)
@@ -511,7 +527,7 @@ class Trainer:
         inputs = {**inputs, **static}
         model = self.spec.model.copy()
         inference_batchnorms(model)
-        model.initializers.update(self.parameters)
+        model.initializers.update(self._written())
         types = {v.name: v.dtype for v in model.inputs}
         feeds = {k: np.asarray(v).astype(types.get(k), copy=False) for k, v in inputs.items()}
         return Session(model, device=self.device).run(feeds, [self.spec.loss.output])[self.spec.loss.output]
@@ -522,7 +538,7 @@ class Trainer:
     def export(self, path: str | os.PathLike) -> Graph:
         """Write the inference model with the current parameters as its initializers; return that graph."""
         model = self.spec.model.copy()
-        model.initializers.update(self.parameters)
+        model.initializers.update(self._written())
         save(model, path)
         return model
 
@@ -535,7 +551,7 @@ class Trainer:
         from .hf_io import save_state_dict
 
         model = self.spec.model.copy()
-        model.initializers.update(self.parameters)
+        model.initializers.update(self._written())
         return save_state_dict(path, model)
 
     @V.arguments(path=V.PATH)

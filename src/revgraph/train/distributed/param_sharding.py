@@ -18,16 +18,24 @@ graph of :class:`ShardedEngine` runs on the shards (schedules, clipping and weig
 ends: no all-gather of the new parameters, the next forward gathers them.
 
 Sparse embedding tables stay replicated (their rows all-gathered), as in ZeRO-1/2. Reads all-gather parameters and
-state, so snapshots hold full arrays and resume at any world size and shard mode (a read of every parameter on
-every rank is kept until the next step, so that rank 0 alone can write the trained model). Evaluation gathers every
+state, so snapshots hold full arrays and resume at any world size and shard mode. Evaluation gathers every
 unit at once (:meth:`ParameterShardedEngine.gather_for_evaluation`, which ``Trainer.evaluate`` calls on every rank):
 its memory is the whole model's parameters, until the next step.
+
+No rank keeps a full host copy of the parameters it does not own: once the engine holds its shards, the trainer
+replaces the initial values (``spec.initial`` and the model's initializers of the parameters) by placeholders of
+their dtype and shape (:func:`drop_initial_values`); every read of the values is a gather. At the end of ``fit``
+the trained parameters are gathered to rank 0 alone (:meth:`ParameterShardedEngine.keep_for_writing`, a
+collective), which writes the model from them (:meth:`ParameterShardedEngine.written`) until the next step; the
+other ranks keep nothing. The check for non-finite parameters after the last step runs on the shards
+(:meth:`ParameterShardedEngine.nonfinite`), without a gather.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ...errors import RevgraphError
 from ...runtime.devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
 from ...runtime.options import RuntimeOptions
 from ..graphs import TrainingGraph
@@ -48,7 +56,9 @@ class ParameterShardedEngine(ShardedEngine):
                  runtime: RuntimeOptions | None = None, bucket_bytes: int | None = None, reduce_dtype: str = "fp32",
                  prefetch: bool = True):
         self.prefetch = prefetch
-        self._cache: dict | None = None  # the parameters of the last whole read, until the next step (read)
+        # rank 0: the trained parameters gathered at the end of fit, for writing, until the next step; other ranks
+        # {} (keep_for_writing); None before it
+        self._cache: dict | None = None
         self._full: dict | None = None  # the gathered parameters for evaluation, until the next step
         self._full_units: list = []
         super().__init__(spec, threads, device, comm, runtime, mode="parameters", bucket_bytes=bucket_bytes,
@@ -150,17 +160,47 @@ class ParameterShardedEngine(ShardedEngine):
 
     # ------------------------------------------------------------------------------------------ state
 
-    def read(self, names, root_only: bool = False) -> dict[str, np.ndarray]:
-        """Full host copies of ``names`` (a collective, as :meth:`ShardedEngine.read`). A read of every parameter
-        on every rank (the trainer's at the end of ``fit``) is kept until the next step or load, so that rank 0
-        alone can read the parameters again (writing the trained model) without a collective."""
+    def keep_for_writing(self) -> None:
+        """Gather the parameters to rank 0 alone (a collective: every rank calls it, as ``Trainer.fit`` does at
+        its end) and keep them there until the next step or load, for :meth:`written`; the other ranks keep
+        nothing (writing the model is rank 0's)."""
+        self._cache = self.read(self.spec.params, root_only=True)
+
+    def written(self, names) -> dict[str, np.ndarray]:
+        """The parameters ``names`` to write the model from: on rank 0 after :meth:`keep_for_writing`, read-only
+        views of the kept arrays (no collective, no copy); before it, :meth:`read` (a collective). Raises
+        :class:`RevgraphError` on another rank after it (the others do not enter a collective then: rank 0
+        alone holds the trained parameters)."""
         names = list(names)
-        if self._cache is not None and all(n in self._cache for n in names):
-            return {n: self._cache[n].copy() for n in names}
-        out = super().read(names, root_only)
-        if not root_only and set(self.spec.params) <= set(out):
-            self._cache = {p: out[p] for p in self.spec.params}
+        if self._cache is None:
+            return self.read(names)
+        if self.comm.rank != 0:
+            raise RevgraphError("under shard='parameters' the trained parameters are gathered on rank 0 alone at the "
+                                "end of fit: write the model on rank 0 (if trainer.is_main: ...), or read "
+                                "trainer.parameters on every rank")
+        out = {}
+        for n in names:
+            out[n] = self._cache[n].view()
+            out[n].flags.writeable = False
         return out
+
+    def nonfinite(self) -> str | None:
+        """The first parameter (in ``spec.params`` order) with a NaN or infinite element, or ``None``; each rank
+        tests its shards (and the replicated sparse tables), one all-reduce of the flags (a collective)."""
+        spec = self.spec
+        index = {p: i for i, p in enumerate(spec.params)}
+        flags = np.zeros(len(spec.params))
+        for u in self.units:
+            bad = ~self.comm.torch.isfinite(u.pshard)
+            if not bool(bad.any()):
+                continue
+            for p, o, shape in zip(u.names, u.offsets, u.shapes, strict=True):  # the slice of p in this shard
+                lo, hi = max(o, u.lo) - u.lo, min(o + int(np.prod(shape, dtype=np.int64)), u.lo + u.k) - u.lo
+                flags[index[p]] += lo < hi and bool(bad[lo:hi].any())
+        for p in spec.sparse:
+            flags[index[p]] += not bool(self.comm.torch.isfinite(self._tensors[p]).all())
+        flags = self.comm.sum(flags)
+        return next((p for p, f in zip(spec.params, flags, strict=True) if f), None)
 
     def _forget(self) -> None:
         """Drop the kept whole parameters (read's and evaluation's): they change with the next step or load."""
@@ -311,3 +351,24 @@ class ParameterShardedEngine(ShardedEngine):
         recv = self._recv[:u.k * u.gshard.element_size()].view(u.gshard.dtype)
         _reduce_scatter(self.comm.dist)(recv, flat)
         u.gshard.add_(recv)
+
+
+def placeholder(a) -> np.ndarray:
+    """A read-only array of ``a``'s dtype and shape that holds one element (zero strides): what metadata reads
+    (``shape``, ``dtype``, ``size``, ``nbytes``) see of a value that is not kept."""
+    a = np.asarray(a)
+    return np.broadcast_to(np.zeros((), a.dtype), a.shape)
+
+
+def drop_initial_values(spec: TrainingGraph) -> None:
+    """Replace the initial values of ``spec``'s parameters, ``spec.initial`` and the initializers of
+    ``spec.model`` (a copy of it: the caller's graph keeps its arrays), by :func:`placeholder` s, once a
+    :class:`ParameterShardedEngine` has taken its shards of them (module doc). The graphs the engine runs read
+    the parameters as inputs: they hold no copy."""
+    for p in spec.params:
+        spec.initial[p] = placeholder(spec.initial[p])
+    model = spec.model.copy()
+    for p in spec.params:
+        if p in model.initializers:
+            model.initializers[p] = spec.initial[p]
+    spec.model = model
