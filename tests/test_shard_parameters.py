@@ -262,3 +262,9 @@ def test_engine_steps_reads_loads_undoes_and_evaluates(world_of_one):
     for a, b in zip(eng.evaluate(feeds), ref.evaluate(feeds), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     check_undo_and_load(eng, lambda **how: eng.step(feeds, 16, 16, **how))
+    # the NaN test on the shards: None, then the parameter whose slice holds the NaN (the last of a unit)
+    assert eng.nonfinite() is None
+    u = next(u for u in eng.units if len(u.names) > 1)
+    p, o = u.names[-1], u.offsets[-1]
+    u.pshard[o + 1] = float("nan")
+    assert eng.nonfinite() == p
