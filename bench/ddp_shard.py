@@ -1,13 +1,14 @@
 """ZeRO-2 (``--shard gradients``) against unsharded data-parallel training at 2 processes: throughput of the
 models of bench/ddp.py (bench/ddp_models.py), with alternating turns.
 
-    python bench/ddp_shard.py [--turns N] [--models mlp,transformer,...] [--shards none,gradients] [--json FILE]
-                              [--profile] [--bucket-mb MB] [--steps-scale S] [--commit REV]
+    python bench/ddp_shard.py [--turns N] [--models mlp,transformer,...] [--shards none,gradients,gradients@REV]
+                              [--json FILE] [--profile] [--bucket-mb MB] [--steps-scale S] [--commit REV]
 
 Each configuration is a launch of bench/ddp_worker.py under torchrun (2 processes, 1 thread each, batch 64 per
 process, Adam; 20 untimed warm-up steps, then the steps of bench/ddp.py's full run, scaled by ``--steps-scale``,
 from a barrier to a barrier). Within a turn, for each model, the shard modes run one after the other, their order
-reversed every turn (``--commit REV``: revgraph's ``src/`` as committed at REV). Printed: per model and mode the
+reversed every turn (``--commit REV``: revgraph's ``src/`` as committed at REV; a mode ``gradients@REV``: that
+mode with revgraph as committed at REV, in the same turns). Printed: per model and mode the
 median samples/s over turns, the ratio of the medians (sharded / unsharded time per sample: above 1 is slower) and
 the median over turns of the ratio of the two launches of one turn, and the load average before and after.
 ``--profile``: the engine's phase medians (``Trainer(profile=True)``: forward+backward, which for ZeRO-2 includes
@@ -50,6 +51,11 @@ def main() -> int:
     models, shards = args.models.split(","), args.shards.split(",")
     tmp = Path(tempfile.mkdtemp())
     env, code = ddp.revgraph_source(args.commit, tmp)
+    envs = {}  # "gradients@REV" in --shards: that mode with revgraph as committed at REV, in the same turns
+    for label in shards:
+        if "@" in label:
+            (tmp / label).mkdir()
+            envs[label] = ddp.revgraph_source(label.split("@")[1], tmp / label)[0]
     data = {}
     for m in models:
         data[m] = tmp / f"{m}.npz"
@@ -59,21 +65,22 @@ def main() -> int:
 
     def worker(m: str, shard: str, extra: list[str]) -> list[str]:
         steps = max(50, round(ddp.FULL_STEPS[m][2] * args.steps_scale / 50) * 50)  # (the worker's multiple of 50)
-        bucket = ["--bucket-mb", str(args.bucket_mb)] if args.bucket_mb else []
+        # (a REV from before bucket_mb=None was the default: its default, 25)
+        bucket = ["--bucket-mb", str(args.bucket_mb or 25.0)] if args.bucket_mb or "@" in shard else []
         return ["--framework", "revgraph", "--model", m, "--mode", "ddp", "--batch", str(args.batch), "--steps",
-                str(steps), "--data", str(data[m]), "--shard", shard, *bucket, *extra]
+                str(steps), "--data", str(data[m]), "--shard", shard.split("@", maxsplit=1)[0], *bucket, *extra]
 
     for turn in range(args.turns):
         for m in models:
             for shard in (shards if turn % 2 == 0 else shards[::-1]):
-                answer = ddp.launch(worker(m, shard, []), 2, env, 600, log)
+                answer = ddp.launch(worker(m, shard, []), 2, envs.get(shard, env), 600, log)
                 if answer:
                     out["runs"].setdefault(f"{m}/{shard}", []).append(answer["samples_per_s"])
                     print(f"turn {turn + 1} {m:12s} {shard:10s} {answer['samples_per_s']:10.0f} samples/s", flush=True)
     if args.profile:
         for m in models:
             for shard in shards:
-                answer = ddp.launch(worker(m, shard, ["--shard-profile"]), 2, env, 600, log)
+                answer = ddp.launch(worker(m, shard, ["--shard-profile"]), 2, envs.get(shard, env), 600, log)
                 if answer:
                     out.setdefault("phases", {})[f"{m}/{shard}"] = answer["phases_ms_per_step"]
     out["load_after"] = os.getloadavg()
