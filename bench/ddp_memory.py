@@ -10,7 +10,9 @@ and cross-entropy on random data, batch ``--batch`` per process, in 2 processes 
 Every configuration is a fresh ``torchrun --nproc-per-node 2`` launch (this file as the worker); each rank
 reads its /proc/self/status: ``VmRSS`` after importing torch, onnxruntime and revgraph (the base: the
 libraries), ``VmRSS`` once the model, optimizer and sessions are built and ``VmHWM`` (peak) after ``--steps``
-training steps (the table: the largest over the ranks, less the base), every launch with
+training steps and after gathering the trained model to rank 0 to write it (revgraph's ``fit`` does; FSDP2:
+``get_model_state_dict(full_state_dict=True, cpu_offload=True)``) (the table: the largest over the ranks, less the
+base), every launch with
 ``MALLOC_MMAP_THRESHOLD_=131072`` (large temporaries go back to the system when freed, instead of growing glibc's
 heap: see ``main``). What differs between the configurations is the training state: revgraph's engine also
 reports the bytes of its own buffers (``engine.held()``: parameters, optimizer state, gradients), which the
@@ -95,7 +97,7 @@ def worker(args) -> None:
     n = args.batch * world * args.steps
     x = rng.standard_normal((n, args.width)).astype(np.float32)
     y = rng.integers(0, CLASSES, n).astype(np.int64)
-    held = None
+    held, gathered = None, None
     if args.framework == "revgraph":
         tr = rg.Trainer(rg_graph(args.width, args.layers), "cross-entropy", "adam", threads=1, distributed=True,
                         **trainer_options(args))
@@ -159,8 +161,13 @@ def worker(args) -> None:
             opt.step()
         seconds = time.perf_counter() - start
         train_peak = _status("VmHWM")
+        if args.shard == "fsdp2":  # the trained model gathered to rank 0 for writing it, as revgraph's fit does
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            gathered = sum(t.numel() * t.element_size() for t in full.values())  # (rank 0's; the others: 0)
     mine = {"rank": rank, "base": base, "built": built, "peak": _status("VmHWM"), "train_peak": train_peak,
-            "held": held, "ms_per_sample": 1e3 * seconds / (args.steps * args.batch * world)}
+            "held": held, "gathered": gathered, "ms_per_sample": 1e3 * seconds / (args.steps * args.batch * world)}
     every = [None] * world
     dist_.all_gather_object(every, mine)
     if rank == 0:

@@ -27,6 +27,15 @@ The model (every input is in :data:`INPUTS` and printed with the results):
   the last column of the table only.
 - **Scaling efficiency** = the one-GPU step time over the W-GPU step time (throughput per GPU, relative). DDP
   corresponds to the overlapped columns without cutting cost (it overlaps inside autograd's one backward).
+- **ZeRO-3** (``--shard parameters``, FSDP; issue 43, :func:`zero3_step_ms`): the units are the buckets in forward
+  order; each is all-gathered before the forward computes it and again before the backward does (but the last,
+  whose backward follows its forward at once), and its gradient reduce-scattered after its backward: per step 2
+  all-gathers of about P and 1 reduce-scatter of G, each ``(W - 1) / W * n / BW + (W - 1) * alpha`` (half a ring
+  all-reduce), against DDP's one all-reduce of G. The schedule of revgraph's param_schedule: the gather of the
+  next unit is issued when a unit starts computing (prefetch one ahead: two gather buffers), a reduce-scatter
+  when its unit's backward ends, all on one stream in the order issued; a unit computes once its gather is done
+  and the previous unit's compute has ended; compute is uniform in bytes. The step ends with the last
+  reduce-scatter.
 """
 
 from __future__ import annotations
@@ -97,6 +106,34 @@ def step_ms(world: int, overlap: bool, inputs: dict, curve=None, cost: float = 1
     return max(F + B, end)
 
 
+def zero3_step_ms(world: int, inputs: dict) -> float:
+    """The modelled ZeRO-3 step (module doc): the forward's all-gathers prefetched one unit ahead, the backward's
+    all-gathers and reduce-scatters on the same stream, the compute uniform in bytes."""
+    total = inputs["params"] * inputs["bytes_per_param"]
+    units = buckets(total, inputs["first_bucket_bytes"], inputs["bucket_bytes"])[::-1]  # (forward order)
+    half = lambda n: allreduce_ms(n, world, inputs) / 2  # an all-gather or a reduce-scatter
+    order = [("forward", j) for j in range(len(units))] + [("backward", j) for j in reversed(range(len(units)))]
+    net = compute = 0.0  # when the stream and the compute are next free
+    ready = {}  # (pass, unit) -> when its gather ends
+    gathered = lambda k: k == 0 or order[k] != ("backward", len(units) - 1)  # (the last: kept)
+
+    def gather(k: int, at: float) -> None:
+        nonlocal net
+        if k < len(order) and gathered(k):
+            net = max(net, at) + half(units[order[k][1]])
+            ready[k] = net
+
+    gather(0, 0.0)
+    for k, (phase, j) in enumerate(order):
+        start = max(compute, ready.get(k, 0.0))
+        gather(k + 1, start)  # the next unit's, while this one computes
+        ms = inputs["forward_ms" if phase == "forward" else "backward_ms"] * units[j] / total
+        compute = start + ms
+        if phase == "backward":
+            net = max(net, compute) + half(units[j])  # its reduce-scatter
+    return max(compute, net)
+
+
 def model(measured: dict | None = None, cost: float | None = None, inputs: dict | None = None) -> dict:
     """The modelled step times (ms) and scaling efficiencies at each world size: without overlap; with overlap
     and the uniform curve; with the ``measured`` curve (a bench timeline); and with the measured curve and
@@ -112,6 +149,10 @@ def model(measured: dict | None = None, cost: float | None = None, inputs: dict 
             row["overlap_measured_ms"] = step_ms(w, True, inputs, curve)
             if cost:
                 row["overlap_measured_cost_ms"] = step_ms(w, True, inputs, curve, cost)
+        row["zero3_ms"] = zero3_step_ms(w, inputs)
+        if cost:  # revgraph's segments (ZeRO-3 always runs cut) at the measured cost of cutting
+            row["zero3_cost_ms"] = zero3_step_ms(w, {**inputs, "forward_ms": inputs["forward_ms"] * cost,
+                                                     "backward_ms": inputs["backward_ms"] * cost})
         for k in [k for k in row if k.endswith("_ms")]:
             row[k[:-3] + "_eff"] = one / row[k]
         out["rows"].append(row)
@@ -142,6 +183,17 @@ def render(res: dict) -> list[str]:
     for r in res["rows"]:
         cells = [str(r["world"])] + [x for k, _ in cols for x in (f"{r[k + '_ms']:.1f}", f"{r[k + '_eff']:.0%}")]
         lines.append("| " + " | ".join(cells) + " |")
+    if all("zero3_ms" in r for r in res["rows"]):
+        lines += ["", ("ZeRO-3 (`--shard parameters`, as FSDP; issue 43) on the same model and network: 2 "
+                       "all-gathers of the parameters and 1 reduce-scatter of the gradients per step, unit by "
+                       "unit (the buckets), the next unit's gather issued as a unit starts computing, the "
+                       "reduce-scatters after each unit's backward, one collective at a time, uniform compute, no "
+                       "cutting cost (module doc): "
+                       + "; ".join(f"{r['world']} GPUs {r['zero3_ms']:.1f} ms, efficiency {r['zero3_eff']:.0%} "
+                                   f"(DDP overlapped: {r['overlap_uniform_eff']:.0%})" for r in res["rows"]) + "."
+                       + ("" if not res.get("cost") else " With revgraph's measured cutting cost "
+                          f"({res['cost']:.2f}x the forward and backward): " + "; ".join(
+                              f"{r['world']} GPUs {r['zero3_cost_eff']:.0%}" for r in res["rows"]) + "."))]
     if res["curve"]:
         pts = ", ".join(f"({x:.2f}, {y:.2f})" for x, y in res["curve"])
         lines += ["", f"Measured curve (share of gradient bytes ready, share of backward compute done): {pts}."]
