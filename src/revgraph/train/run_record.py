@@ -145,7 +145,11 @@ def resume(trainer, directory, run: dict, total: int | None, override=(), consol
     meta = json.loads(text)
     arrays = found[0] if found else None
     if trainer.comm:
-        arrays = trainer.comm.broadcast_arrays(arrays, names, engine.read(names))
+        # the receiving ranks' shapes and dtypes from the graph: reading the engine's values would gather every
+        # sharded one on every rank (--shard parameters: the whole model and its state at once)
+        like = {n: np.broadcast_to(np.zeros((), dtype), shape)
+                for n, (shape, dtype) in snapshot_checks.expected(trainer.spec).items()}
+        arrays = trainer.comm.broadcast_arrays(arrays, names, like)
     engine.load(arrays)
     changed = differences(meta.get("hyperparameters"), now)
     if changed and trainer.is_main:
