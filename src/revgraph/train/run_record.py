@@ -149,8 +149,13 @@ def resume(trainer, directory, run: dict, total: int | None, override=(), consol
         # sharded one on every rank (--shard parameters: the whole model and its state at once)
         like = {n: np.broadcast_to(np.zeros((), dtype), shape)
                 for n, (shape, dtype) in snapshot_checks.expected(trainer.spec).items()}
-        arrays = trainer.comm.broadcast_arrays(arrays, names, like)
-    engine.load(arrays)
+        if getattr(engine, "gathers", False):  # sharded: one array at a time, each rank keeping its slices of it
+            for n in names:
+                engine.load(trainer.comm.broadcast_arrays(arrays, [n], like))
+        else:
+            engine.load(trainer.comm.broadcast_arrays(arrays, names, like))
+    else:
+        engine.load(arrays)
     changed = differences(meta.get("hyperparameters"), now)
     if changed and trainer.is_main:
         note(console, f"resuming {where} with " + ", ".join(_change(k, a, b, "instead of") for k, a, b in changed)
