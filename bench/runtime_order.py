@@ -3,16 +3,17 @@
 ``rg.Trainer(..., "cross-entropy", "adam", threads=1)`` on the step benchmark's models at batch 64
 (bench/models.py: MLP, CNN, Transformer; the RNN is time-major, which Trainer.step does not take) and bench/memory.py's
 LLaMA (transformers' ``LlamaConfig``: 4 layers, hidden 256, vocabulary 2048) at ``--llama-batch`` x 128 tokens, with
-three runtime settings that differ in the order the nodes run and in how onnxruntime places tensors:
+four runtime settings that differ in the order the nodes run and in how onnxruntime places tensors:
 
 - **onnxruntime**: ``execution_order="default"`` (a depth-first walk back from the outputs), every graph
-  optimization (``"all"``) and onnxruntime's planned buffer reuse (``memory_reuse=True``), the training default
-  before issue 42;
+  optimization (``"all"``), onnxruntime's planned buffer reuse (``memory_reuse=True``) and an arena per session
+  that grows by doubling chunks (``arena_extend="next_power_of_two"``): the training default before issue 42;
 - **revgraph, reuse on**: revgraph's order (``"priority_based"`` with no graph optimizations: the nodes run in the
   order revgraph wrote them, the order ``memory/lifetime.py`` models) with the planned reuse, a freed buffer held
-  for the next tensor of its shape (the training default from the first half of issue 42);
-- **revgraph**: :data:`revgraph.runtime.options.TRAINING_DEFAULT`, revgraph's order with that reuse off (the
-  arena reuses freed blocks as they come).
+  for the next tensor of its shape, and the sessions' own arenas (the training default of commit 58c0e57);
+- **revgraph, reuse off**: the same with the planned reuse off (the arena hands freed blocks to what comes next);
+- **revgraph**: :data:`revgraph.runtime.options.TRAINING_DEFAULT`, reuse off and one arena for the process that
+  grows by what is requested (``arena_extend="same_as_requested"``).
 
 Each measurement is a fresh process (``python bench/runtime_order.py --cell MODEL CONFIG ...``): the step peak is
 VmHWM over three steps (reset through /proc/self/clear_refs just before them) minus the resident size after setup;
@@ -39,8 +40,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-CONFIGS = {"onnxruntime": {"execution_order": "default", "graph_optimization": "all", "memory_reuse": True},
-           "revgraph, reuse on": {"memory_reuse": True}, "revgraph": {}}
+CONFIGS = {"onnxruntime": {"execution_order": "default", "graph_optimization": "all", "memory_reuse": True,
+                           "arena_extend": "next_power_of_two"},
+           "revgraph, reuse on": {"memory_reuse": True, "arena_extend": "next_power_of_two"},
+           "revgraph, reuse off": {"arena_extend": "next_power_of_two"}, "revgraph": {}}
 
 
 def cell(info: dict, config: str, steps: int, memory: float | None = None) -> dict:
