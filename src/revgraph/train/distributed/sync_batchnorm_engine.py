@@ -78,11 +78,11 @@ class SyncBatchNormEngine(DistributedEngine):
         self._seed_dtype = next(v.dtype for v in self.grad_graph.inputs if v.name == spec.seed)
         self._fixed_shifts: dict = {}
 
-    def session(self, graph, what: str):
+    def session(self, graph, what: str, device=None):
         """:meth:`~revgraph.train.engines.Engine.session`, or ``None`` for a graph holding placeholders."""
         if any(is_collective(n) for n in graph.nodes):  # the uncut grad graph: only its segments run
             return None
-        return super().session(graph, what)
+        return super().session(graph, what, device)
 
     def _make_grad_session(self):
         """No session of the whole grad graph: only its stages run (bound at each run: their inputs change)."""
