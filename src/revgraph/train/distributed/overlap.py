@@ -182,6 +182,33 @@ def check_cut(graph: Graph, segments: list[Segment]) -> None:
     assert set(graph.output_names) <= available, "a graph output is produced by no segment"
 
 
+def run_bound(session, inputs, outputs, value, into: dict, device, what: str = "the gradient step failed") -> list:
+    """Run ``session`` through an IO binding: each of ``inputs`` from ``value(name)`` (a host ``np.ndarray``,
+    bound as a CPU input, or an ``OrtValue``), each of ``outputs`` into ``into[name]`` (an ``OrtValue``) where
+    ``into`` has it, else allocated by onnxruntime on ``device``. Returns every output's ``OrtValue``, in the
+    order of ``outputs``. Raises :class:`RevgraphError` ``"<what>: <onnxruntime's first line>"`` when the run
+    fails. The one binding loop of the segmented engines (this module, ZeRO-2/3, SyncBatchNorm's stages)."""
+    from ...runtime import _first_line
+
+    binding = session.io_binding()
+    for name in inputs:
+        v = value(name)
+        if isinstance(v, np.ndarray):
+            binding.bind_cpu_input(name, v)
+        else:
+            binding.bind_ortvalue_input(name, v)
+    for name in outputs:
+        if name in into:
+            binding.bind_ortvalue_output(name, into[name])
+        else:
+            binding.bind_output(name, device.ort_type, device.index)
+    try:
+        session.run_with_iobinding(binding)
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
+        raise RevgraphError(f"{what}: {_first_line(exc)}") from None
+    return binding.get_outputs()
+
+
 class Segments:
     """Run ``segments`` (:func:`cut`) of a graph with outputs ``outputs`` as one onnxruntime session each
     (``make_session(graph, what)``), on ``device`` (:class:`revgraph.runtime.devices.Device`)."""
@@ -200,37 +227,19 @@ class Segments:
         :class:`RevgraphError` (one line) when a run fails."""
         import onnxruntime as ort
 
-        from ...runtime import _first_line
-
         live = {n: ort.OrtValue.ortvalue_from_numpy(a, self.device.ort_type, self.device.index)
                 for n, a in feeds.items()}  # once on the device, however many segments read it
         live.update(values)
         fresh = {}
         for k, (seg, sess) in enumerate(zip(self.segments, self.sessions, strict=True)):
-            binding = sess.io_binding()
-            for name in seg.inputs:
-                binding.bind_ortvalue_input(name, live[name])
-            allocated = []
-            for name in seg.outputs:
-                if name in into:
-                    binding.bind_ortvalue_output(name, into[name])
-                    live[name] = into[name]  # (a later segment may read it too)
-                else:
-                    binding.bind_output(name, self.device.ort_type, self.device.index)
-                    allocated.append(name)
             start = times.now() if times is not None else 0.0
-            try:
-                sess.run_with_iobinding(binding)
-            except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
-                raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
+            outs = run_bound(sess, seg.inputs, seg.outputs, live.__getitem__, into, self.device)
             if times is not None:
                 times.event("segment", f"segment {k}", start)
-            if allocated:
-                outs = binding.get_outputs()  # in the order the outputs were bound
-                for name in allocated:
-                    live[name] = outs[seg.outputs.index(name)]
-                    if name in self.wanted:
-                        fresh[name] = live[name]
+            for name, v in zip(seg.outputs, outs, strict=True):
+                live[name] = v  # (a later segment may read it too)
+                if name not in into and name in self.wanted:
+                    fresh[name] = v
             for name in seg.release:  # its last reader has run: free it now
                 live.pop(name, None)
             after(k, seg, fresh)

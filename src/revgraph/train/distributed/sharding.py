@@ -59,6 +59,7 @@ from ..graphs import TrainingGraph, eval_graph, split_step
 from .data_parallel import Collective, DistributedEngine, collective
 from .exchange import BUCKET_MB, torch_dtype
 from .exchange import bucket_bytes as _bucket_bytes
+from .overlap import run_bound
 from .shard_plan import Unit, default_unit_groups, plan_units, ready_order, shard_update_graph
 
 #: ``shard=`` of :class:`revgraph.Trainer` and ``--shard`` of ``revgraph train``.
@@ -563,22 +564,8 @@ class ShardedEngine(DistributedEngine):
         """Run one segment's ``session``: ``inputs`` from ``feeds`` (host arrays) or ``value(name)`` (``OrtValue``),
         ``outputs`` into ``fixed`` (name -> ``OrtValue``) or allocated by onnxruntime on the device. Returns the
         allocated outputs by name; :class:`RevgraphError` (one line) when the run fails."""
-        b = session.io_binding()
-        for n in inputs:
-            if n in feeds:
-                b.bind_cpu_input(n, feeds[n])
-            else:
-                b.bind_ortvalue_input(n, value(n))
-        for n in outputs:
-            if n in fixed:
-                b.bind_ortvalue_output(n, fixed[n])
-            else:
-                b.bind_output(n, self.device.ort_type, self.device.index)
-        try:
-            session.run_with_iobinding(b)
-        except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
-            raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
-        return {n: v for n, v in zip(outputs, b.get_outputs(), strict=True) if n not in fixed}
+        outs = run_bound(session, inputs, outputs, lambda n: feeds[n] if n in feeds else value(n), fixed, self.device)
+        return {n: v for n, v in zip(outputs, outs, strict=True) if n not in fixed}
 
 
 def into_shard(shard, u: Unit, o: int, src) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import RevgraphError
-from ...runtime import _first_line
 from ...runtime.devices import ortvalue_from_dlpack, torch_from_ortvalue
 from .data_parallel import DistributedEngine, collective
 from .exchange import torch_dtype
 from .graph_collectives import cut, is_collective
+from .overlap import run_bound
 from .sync_batchnorm import running_statistics
 
 
@@ -127,28 +126,19 @@ class SyncBatchNormEngine(DistributedEngine):
         for j, (stage, sess) in enumerate(zip(self.stages.stages, self._stages, strict=True)):
             if count and sess is not None:
                 self._synchronize()  # onnxruntime's CUDA stream does not wait for torch's all-reduces
-                b = sess.io_binding()
-                for vi in stage.graph.inputs:
-                    n = vi.name
+                def value(n):
                     if n in host:
-                        b.bind_cpu_input(n, host[n])
-                    elif n in self._shifts:
-                        b.bind_ortvalue_input(n, self._shift(self._shifts[n]))
-                    else:
-                        b.bind_ortvalue_input(n, values[n] if n in values else self._sets[k][n])
-                for vi in stage.graph.outputs:
-                    n = vi.name
-                    if n == spec.loss.loss:
-                        b.bind_ortvalue_output(n, self._loss[k])
-                    elif n in self._grad_values:
-                        b.bind_ortvalue_output(n, self._grad_values[n])
-                    else:
-                        b.bind_output(n, self.device.ort_type, self.device.index)
-                try:
-                    sess.run_with_iobinding(b)
-                except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
-                    raise RevgraphError(f"the gradient step failed (stage {j + 1}): {_first_line(exc)}") from None
-                values.update(zip((vi.name for vi in stage.graph.outputs), b.get_outputs(), strict=True))
+                        return host[n]
+                    if n in self._shifts:
+                        return self._shift(self._shifts[n])
+                    return values[n] if n in values else self._sets[k][n]
+
+                names = [vi.name for vi in stage.graph.outputs]
+                into = {n: self._grad_values[n] for n in names if n in self._grad_values}
+                into[spec.loss.loss] = self._loss[k]
+                values.update(zip(names, run_bound(sess, [vi.name for vi in stage.graph.inputs], names, value, into,
+                                                   self.device, f"the gradient step failed (stage {j + 1})"),
+                                  strict=True))
             if stage.collectives:
                 self._all_reduce_stage(stage.collectives, values, count)
         return values
