@@ -220,17 +220,15 @@ class ParameterShardedEngine(ShardedEngine):
         kept previous values), ``"gathered"`` (the gather buffers, each of the largest unit), ``"gradients"``
         (the gradient shards, the bucket and the receive buffer) and ``"gradients_peak"`` (``"gradients"`` plus the
         most bytes of gradients alive at once before their unit's reduce-scatter)."""
-        spec = self.spec
-        params = sum(_nbytes(u.pshard) for u in self.units) + sum(_nbytes(self._tensors[p]) for p in spec.sparse)
-        opt = sum(_nbytes(t) for u in self.units for t in u.state)
-        opt += sum(_nbytes(self._tensors[s]) for p in spec.sparse for s in spec.state[p])
-        other = _nbytes(self._tensors[spec.step]) + sum(_nbytes(t) for t in self._update_scratch.values())
-        other += sum(_nbytes(t) for _, t in self._previous or [])
+        return {**super().held(), "gathered": sum(_nbytes(b) for b in self.gathered)}
+
+    def _held_parameters(self) -> list:
+        return [u.pshard for u in self.units]
+
+    def _held_gradients(self) -> tuple[int, int]:
         grads = sum(_nbytes(u.gshard) for u in self.units) + _nbytes(self.bucket)
         grads += _nbytes(self._recv) if self._recv is not None else 0
-        return {"state": params + opt + other, "parameters": params, "optimizer": opt,
-                "gathered": sum(_nbytes(b) for b in self.gathered), "gradients": grads,
-                "gradients_peak": grads + self._carried_peak}
+        return grads, grads + self._carried_peak
 
     # ------------------------------------------------------------------------------------------ running
 

@@ -357,11 +357,21 @@ class ShardedEngine(DistributedEngine):
         and ``"gradients_peak"`` (``"gradients"`` plus the most bytes of gradients finished out of their
         unit's segment alive at once, :attr:`plan`; without a cut, every gradient)."""
         spec = self.spec
-        params = sum(_nbytes(u.param) for u in self.units) + sum(_nbytes(self._tensors[p]) for p in spec.sparse)
+        params = sum(_nbytes(t) for t in self._held_parameters()) + sum(_nbytes(self._tensors[p]) for p in spec.sparse)
         opt = sum(_nbytes(t) for u in self.units for t in u.state)
         opt += sum(_nbytes(self._tensors[s]) for p in spec.sparse for s in spec.state[p])
         other = _nbytes(self._tensors[spec.step]) + sum(_nbytes(t) for t in self._update_scratch.values())
         other += sum(_nbytes(t) for _, t in self._previous or [])
+        grads, peak = self._held_gradients()
+        return {"state": params + opt + other, "parameters": params, "optimizer": opt, "gradients": grads,
+                "gradients_peak": peak}
+
+    def _held_parameters(self) -> list:
+        """The parameter tensors :meth:`held` counts (ZeRO-1/2: the whole units)."""
+        return [u.param for u in self.units]
+
+    def _held_gradients(self) -> tuple[int, int]:
+        """``(gradients, gradients_peak)`` of :meth:`held`."""
         if self.mode == "optimizer":  # (the shards are views of the unit gradients)
             grads = sum(_nbytes(u.grad) for u in self.units)
         else:
@@ -370,8 +380,7 @@ class ShardedEngine(DistributedEngine):
         peak = grads
         if self.mode == "gradients":  # gradients alive inside a step, besides the bucket (the plan's count)
             peak += self.plan.carried_peak if self.plan else sum(u.used * u.gshard.element_size() for u in self.units)
-        return {"state": params + opt + other, "parameters": params, "optimizer": opt, "gradients": grads,
-                "gradients_peak": peak}
+        return grads, peak
 
     @property
     def can_undo(self) -> bool:
