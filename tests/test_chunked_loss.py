@@ -195,6 +195,17 @@ def test_sliced_logits_are_chunked(axes):
     assert spec.settings["chunk_tokens"] == 2048 and spec.recompute
 
 
+def test_slice_without_axes_takes_the_leading_axes():
+    """A Slice with no axes input slices its first len(starts) axes (here the batch, logits[:-1]): a token axis,
+    so chunked, equal to the unchunked loss and gradients (float32, 1e-6)."""
+    ids, labels = data()
+    labels = labels[:-1]
+    whole, _ = grads(sliced_lm(None), "cross-entropy", labels, ids, ignore_index=-100)
+    got, spec = grads(sliced_lm(None), "cross-entropy", labels, ids, ignore_index=-100, chunk_tokens=4)
+    assert spec.settings["chunk_tokens"] == 4 and whole["loss"].shape == ()
+    close(got, whole, 1e-6, 1e-6, "Slice without axes")
+
+
 def test_slice_of_the_class_axis_is_not_chunked():
     """A Slice of the class axis (given as -1 or 2), or whose axes are no constant, is not a token slice: a given
     chunk size is refused in one line naming the Slice node, "auto" computes the whole logits."""
