@@ -74,7 +74,7 @@ def _profile(trainer, clock: Clock) -> None:
     if hasattr(eng, "_sess"):  # the fused engine: one session
         eng._sess = _Proxy(eng._sess, run_with_iobinding=clock.wrap("step graph", eng._sess.run_with_iobinding))
         return
-    if eng._grad is not None:  # (cut into segments: those are timed by --timeline)
+    if getattr(eng, "_grad", None) is not None:  # (cut into segments: those are timed by --timeline)
         eng._grad = _Proxy(eng._grad, run_with_iobinding=clock.wrap("grad graph", eng._grad.run_with_iobinding))
     eng._update = _Proxy(eng._update, run_with_iobinding=clock.wrap("update graph", eng._update.run_with_iobinding))
     if not hasattr(eng, "comm"):  # one process with one buffer set (the split step, no collective)
@@ -200,6 +200,8 @@ def run_revgraph(args, rank: int, world: int) -> tuple[float, dict]:
         phases.update({k: v / 1e3 for k, v in _collectives_alone(trainer, args).items()})
     if args.shard_profile:  # the engine's own phase timers (revgraph.train.steptimes), medians over the timed steps
         phases.update({f"median {k}": v for k, v in trainer.times.medians(skip=args.warmup).items()})
+        rows = trainer.times.steps[args.warmup:]  # and the means, which throughput follows (a slow step counts)
+        phases.update({f"mean {k}": sum(r[k] for r in rows) / len(rows) for k in rows[0]})
     if args.ort_profile:
         phases = {"ops": _ort_ops(trainer)}
     if args.timeline:

@@ -1,10 +1,13 @@
 """gloo's collectives at the sizes of ZeRO-2's units: all-reduce, reduce-scatter (into another tensor and in place),
-all-gather, and the float64 tail, medians (ms) of 50 calls after a barrier each, in 2 processes of one thread.
+all-gather, the float64 tail, and the pairwise forms ZeRO-1/2 use on the CPU (revgraph.train.distributed.swap: with
+one peer one ``all_to_all_single`` swapping a chunk each way; with more, ``isend``/``irecv`` per peer), medians (ms)
+and means of 50 calls after a barrier each, in 2 processes of one thread.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 bench/gloo_collectives.py
 
-Why ``--shard gradients`` all-reduces on the CPU (revgraph.train.distributed.sharding): gloo's reduce-scatter takes
-as long as its all-reduce of the whole tensor, and longer in place (docs/benchmarks.md).
+Why ``--shard optimizer|gradients`` exchange pairwise on the CPU: gloo's reduce-scatter takes as long as its
+all-reduce of the whole tensor, and a swap of half the tensor each way (what a reduce-scatter or an all-gather moves
+at 2 processes) takes about half of that (docs/benchmarks.md).
 """
 
 import os
@@ -21,9 +24,21 @@ def one_size(n: int, r: int, w: int) -> dict[str, float]:
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     n = -(-n // w) * w
     x, s, tail = torch.ones(n), torch.zeros(n // w), torch.zeros(1, dtype=torch.float64)
+    k, peer = n // w, (r + 1) % w
+    sizes = [k if j == peer else 0 for j in range(w)]
+    into = torch.zeros(k)
+
+    def isend_irecv():
+        for work in (dist.isend(x[peer * k:(peer + 1) * k], peer), dist.irecv(into, (r - 1) % w)):
+            work.wait()
+
     calls = {"all-reduce": lambda: dist.all_reduce(x), "reduce-scatter": lambda: rs(s, x),
              "reduce-scatter in place": lambda: rs(x[r * (n // w):(r + 1) * (n // w)], x),
-             "all-gather": lambda: ag(x, s), "all-reduce of the float64 tail": lambda: dist.all_reduce(tail)}
+             "all-gather": lambda: ag(x, s), "all-reduce of the float64 tail": lambda: dist.all_reduce(tail),
+             "swap (isend/irecv)": isend_irecv}
+    if w == 2:  # (one peer: the exchange revgraph.train.distributed.swap makes)
+        calls["swap (all_to_all_single)"] = lambda: dist.all_to_all_single(into, x[peer * k:(peer + 1) * k], sizes,
+                                                                            sizes)
     res = {}
     for name, f in calls.items():
         ts = []
@@ -32,7 +47,7 @@ def one_size(n: int, r: int, w: int) -> dict[str, float]:
             t = time.perf_counter()
             f()
             ts.append(time.perf_counter() - t)
-        res[name] = round(1e3 * statistics.median(ts[10:]), 3)
+        res[name] = f"{1e3 * statistics.median(ts[10:]):.3f} (mean {1e3 * statistics.mean(ts[10:]):.3f})"
     return res
 
 

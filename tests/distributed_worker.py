@@ -13,6 +13,7 @@ from kit import lossdata_models
 
 import revgraph as rg
 import revgraph.train.distributed.data_parallel
+from revgraph.errors import NonFiniteError
 from revgraph.ir import Graph, Node, ValueInfo
 from revgraph.tools import demo
 from revgraph.train import make_optimizer
@@ -84,6 +85,32 @@ def schedule_options(kind: str = "constant", warmup: int = 0, min_lr: float = 0.
     return how
 
 
+def receive_codes(engine) -> list[int]:
+    """Where each unit's reduce-scatter receives on the CPU (revgraph.train.distributed.swap): 0 all-reduced, 1 the
+    parameter chunks of the other ranks, 2 the gradient shard; empty for an engine without units."""
+    codes = []
+    for u, into in zip(getattr(engine, "units", []), getattr(engine, "_receive", []), strict=True):
+        codes.append(0 if into is None else 2 if any(v.data_ptr() == u.gshard.data_ptr() for v in into.values())
+                     else 1)
+    return codes
+
+
+def force_receive(kind: str) -> None:
+    """Make every unit's reduce-scatter receive as ``kind`` says ("all-reduce": none is pairwise; "shard": into the
+    gradient shard where it is apart from the bucket), whatever the graph, so that each way is tested."""
+    from revgraph.train.distributed import swap
+
+    rule = swap.receivers
+
+    def forced(u, rank, world, plan, j, bucket):
+        if kind == "all-reduce":
+            return None
+        apart = bucket is not None and u.gshard.untyped_storage().data_ptr() != bucket.untyped_storage().data_ptr()
+        return {1 - rank: u.gshard} if apart and world == 2 else rule(u, rank, world, plan, j, bucket)
+
+    swap.receivers = forced
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="mlp")
@@ -111,7 +138,14 @@ def main() -> None:
     p.add_argument("--min-lr", type=float, default=0.0)
     p.add_argument("--clip-grad-norm", type=float)
     p.add_argument("--decay-all", action="store_true")
+    p.add_argument("--poison", type=int, help="sample N's features are NaN: the step that trains on it stops the "
+                   "run (NonFiniteError), whose message is saved as 'stopped'")
+    p.add_argument("--receive", choices=("auto", "shard", "all-reduce"), default="auto", help="where ZeRO-1/2's "
+                   "pairwise reduce-scatter receives on the CPU (revgraph.train.distributed.swap.receivers): its "
+                   "rule, or forced: the gradient shard (one peer, units apart from the bucket), or all-reduced")
     a = p.parse_args()
+    if a.receive != "auto":
+        force_receive(a.receive)
     if a.bucket_bytes:
         a.bucket_mb = a.bucket_bytes / 2**20
     if a.no_cut:
@@ -126,15 +160,25 @@ def main() -> None:
         if a.shard != "none":
             how["shard"] = a.shard
         tr, data = trainer(a.model, optimizer, samples, True, a.hidden, **how)
-        means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False, checkpoint_dir=a.checkpoint_dir,
-                       accumulate_steps=a.accumulate_steps, static=STATIC[a.model]() if a.model in STATIC else None)
+        if a.poison is not None:
+            data["x"][a.poison] = np.nan
+        means, stopped = [], ""
+        try:
+            means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False, checkpoint_dir=a.checkpoint_dir,
+                           accumulate_steps=a.accumulate_steps,
+                           static=STATIC[a.model]() if a.model in STATIC else None)
+        except NonFiniteError as exc:
+            if a.poison is None:
+                raise
+            stopped = str(exc)
         held = tr._engine.held()
         name = f"rank{tr.rank}-{optimizer}.npz" if several else f"rank{tr.rank}.npz"
         np.savez(os.path.join(a.out, name), **tr.parameters, **tr.state, losses=np.array(tr.losses),
-                 means=np.array(means), world=np.array(tr.world_size),
+                 means=np.array(means), world=np.array(tr.world_size), stopped=np.array(stopped),
                  **{f"held:{k}": np.array(v) for k, v in held.items()},
                  units=np.array([[u.length, u.k, u.used] for u in getattr(tr._engine, "units", [])]).reshape(-1, 3),
-                 segments=np.array(len(tr._engine.plan.segments) if getattr(tr._engine, "plan", None) else 0))
+                 segments=np.array(len(tr._engine.plan.segments) if getattr(tr._engine, "plan", None) else 0),
+                 receive=np.array(receive_codes(tr._engine), np.int64))
         if a.bucket_mb < 1 and not a.no_overlap and os.environ.get("RANK") == "0" and a.shard == "none":
             segs = getattr(tr._engine, "segments", None)  # the test checks the cut happened
             print(f"segments: {len(segs.segments) if segs else 0}")

@@ -295,9 +295,7 @@ def overriding(base, runtime: RuntimeOptions | None = None, threads: int = 0):
     names = ["enable_cpu_mem_arena", "enable_mem_pattern", "enable_mem_reuse", "execution_order",
              "graph_optimization_level", "intra_op_num_threads"]
     saved = {n: getattr(base, n) for n in names}
-    env = "0"
-    with suppress(Exception):  # (raised for an entry never set)
-        env = base.get_session_config_entry(ENV_ALLOCATORS) or "0"
+    env = config_entry(base, ENV_ALLOCATORS) or "0"
     try:
         if runtime is not None:
             check_runtime(runtime).apply(base)
@@ -309,6 +307,14 @@ def overriding(base, runtime: RuntimeOptions | None = None, threads: int = 0):
             setattr(base, n, v)
         if runtime is not None and runtime.arena_extend is not None:  # (an entry cannot be removed: "0" is unset)
             base.add_session_config_entry(ENV_ALLOCATORS, env)
+
+
+def config_entry(options, key: str) -> str | None:
+    """``options``' (an ``onnxruntime.SessionOptions``) session config entry ``key``; ``None`` when never set."""
+    try:
+        return options.get_session_config_entry(key)
+    except Exception:  # noqa: BLE001 - onnxruntime raises for an entry never set
+        return None
 
 
 def refusal(message: str) -> str | None:

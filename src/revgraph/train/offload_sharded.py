@@ -19,7 +19,9 @@ for the tests.
 from __future__ import annotations
 
 from .distributed.data_parallel import collective
-from .distributed.sharding import ShardedEngine, _all_gather, _nbytes
+from .distributed.sharded_state import _nbytes
+from .distributed.sharding import ShardedEngine
+from .distributed.swap import all_gather_tensor
 from .offload import HostUpdate, host_values
 
 
@@ -63,7 +65,7 @@ class OffloadedShardedEngine(ShardedEngine):
         shard = u.state[slot].to(self.comm.tdevice)  # NCCL gathers device tensors: one shard at a time on the GPU
         flat = self.comm.torch.empty(u.length, dtype=shard.dtype, device=self.comm.tdevice)
         with collective("an all-gather of the optimizer state"):
-            _all_gather(self.comm.dist)(flat, shard)
+            all_gather_tensor(self.comm.dist)(flat, shard)
         return flat
 
     def held(self) -> dict[str, int]:

@@ -43,7 +43,9 @@ from .data_parallel import Collective, collective
 from .overlap import reads_of
 from .param_schedule import schedule
 from .shard_plan import Unit, plan_units
-from .sharding import ShardedEngine, _all_gather, _nbytes, _reduce_scatter, into_shard
+from .sharded_state import _nbytes, into_shard
+from .sharding import ShardedEngine
+from .swap import all_gather_tensor, reduce_scatter_tensor
 
 
 class ParameterShardedEngine(ShardedEngine):
@@ -309,7 +311,7 @@ class ParameterShardedEngine(ShardedEngine):
 
     def _start_gather(self, j: int, b: int):
         u = self.units[j]
-        return _all_gather(self.comm.dist)(self._slot(j, b), u.pshard, async_op=True)
+        return all_gather_tensor(self.comm.dist)(self._slot(j, b), u.pshard, async_op=True)
 
     def _run_stage(self, s: int, live: dict, fresh: dict) -> None:
         """Run stage ``s``'s segment: inputs from ``live`` (the batch, earlier segments' outputs), its units' views
@@ -341,13 +343,13 @@ class ParameterShardedEngine(ShardedEngine):
         flat.mul_(weight)
         self._synchronize()
         if first:
-            _reduce_scatter(self.comm.dist)(u.gshard, flat)
+            reduce_scatter_tensor(self.comm.dist)(u.gshard, flat)
             return
         if self._recv is None:
             self._recv = torch.zeros(max(v.k for v in self.units) * u.gshard.element_size(), dtype=torch.uint8,
                                      device=self.comm.tdevice)
         recv = self._recv[:u.k * u.gshard.element_size()].view(u.gshard.dtype)
-        _reduce_scatter(self.comm.dist)(recv, flat)
+        reduce_scatter_tensor(self.comm.dist)(recv, flat)
         u.gshard.add_(recv)
 
 

@@ -29,8 +29,9 @@ parameters:
   backward, and only the shards and one bucket are kept between steps. The last unit's shard is its slice of
   the bucket. The default unit size keeps shards + bucket within the unsharded gradient bytes
   (:func:`~revgraph.train.distributed.shard_plan.default_unit_groups`);
-- on the CPU a unit is **all-reduced** in place and the slice copied to the shard (gloo's reduce-scatter costs its
-  all-reduce), ZeRO-2's last unit carrying the loss in one more element: two collectives a step, not three.
+- on the CPU (gloo) the reduce-scatter and the all-gather go **pairwise** (:mod:`revgraph.train.distributed.swap`:
+  gloo's collectives cost several times the same bytes sent between pairs), received into parameter chunks nothing
+  reads then; a unit whose parameters a later segment still reads is all-reduced in place with more than one peer.
 
 ZeRO-3 (``shard="parameters"``, every rank also keeping only its shard of the parameters) is
 :mod:`revgraph.train.distributed.param_sharding`, a subclass.
@@ -54,19 +55,22 @@ from ...errors import InputError, InternalError, RevgraphError
 from ...ir.inplace import inplace_pairs
 from ...runtime import _first_line
 from ...runtime.devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
-from ...runtime.options import RuntimeOptions, session_options
+from ...runtime.options import ENV_ALLOCATORS, RuntimeOptions, config_entry, session_options
 from ..graphs import TrainingGraph, eval_graph, split_step
+from . import swap
 from .data_parallel import Collective, DistributedEngine, collective
 from .exchange import BUCKET_MB, torch_dtype
 from .exchange import bucket_bytes as _bucket_bytes
 from .overlap import run_bound
 from .shard_plan import Unit, default_unit_groups, plan_units, ready_order, shard_update_graph
+from .sharded_state import ShardedState
+from .swap import all_gather_tensor, reduce_scatter_tensor
 
 #: ``shard=`` of :class:`revgraph.Trainer` and ``--shard`` of ``revgraph train``.
 SHARDS = ("none", "optimizer", "gradients", "parameters")
 
 
-class ShardedEngine(DistributedEngine):
+class ShardedEngine(ShardedState, DistributedEngine):
     """A data-parallel step with sharded optimizer state (``mode="optimizer"``, ZeRO-1) or sharded optimizer
     state and gradients (``mode="gradients"``, ZeRO-2); module doc. ``bucket_bytes``: the largest unit (default
     :data:`revgraph.train.distributed.exchange.BUCKET_MB`, DDP's 25 MiB; ZeRO-2: no more than keeps its gradient
@@ -153,6 +157,10 @@ class ShardedEngine(DistributedEngine):
         self._sparse = [(p, *spec.grads[p]) for p in spec.sparse]
         self._build_update()
         self._build_backward()
+        pairwise = self.device.kind == "cpu" and not self._sharded(None)  # (where each unit receives: .swap's doc)
+        self._receive = [swap.receivers(u, comm.rank, world, self.plan, j, self.bucket) if pairwise else None
+                         for j, u in enumerate(self.units)]
+        self._losses = torch.zeros(world, dtype=torch.float64, device=dev)  # (each rank's loss, exchanged pairwise)
 
     def _plan_units(self, cap: int) -> list[Unit]:
         """The flat units of at most ``cap`` bytes (:func:`plan_units`): ZeRO-1 in reverse parameter order, ZeRO-2 in
@@ -184,6 +192,19 @@ class ShardedEngine(DistributedEngine):
             self._grad_values = {spec.grads[p][0]: ortvalue_from_dlpack(v) for u in self.units
                                  for p, v in u.views(u.grad).items()} if mode == "optimizer" else {}
             self._rebind()
+
+    def _gather_parameters(self) -> None:
+        """Every rank's new parameter shards into every rank's units (ZeRO-1/2, after the update, or after a step
+        not applied): pairwise on the CPU (:func:`.swap.all_gather`), else ``all_gather_into_tensor``."""
+        dist, n = self.comm.dist, len(self.units)
+        with collective("the parameter all-gather"):
+            if self.device.kind == "cpu":
+                works = [swap.all_gather(dist, u.param, self.comm.rank, self.comm.world_size, u.k, n + j)
+                         for j, u in enumerate(self.units)]
+            else:
+                works = [all_gather_tensor(dist)(u.param, self._own(u), async_op=True) for u in self.units]
+            for w in works:
+                w.wait()
 
     def _bucket(self, u: Unit):
         """The bucket as unit ``u``'s flat gradient (ZeRO-2)."""
@@ -249,10 +270,12 @@ class ShardedEngine(DistributedEngine):
         self.plan = cut(self.grad_graph, grads, sizes)
         if self.plan is None:
             return
-        views = {}
-        for u in self.units:
-            views.update((spec.grads[p][0], v) for p, v in u.views(self._bucket(u)).items())
-        self._direct_views = {g: ortvalue_from_dlpack(views[g]) for g in self.plan.direct}
+        self._flats = [self._bucket(u) for u in self.units]  # (made once: a step's Python is part of its time)
+        views = [{spec.grads[p][0]: v for p, v in u.views(f).items()}
+                 for u, f in zip(self.units, self._flats, strict=True)]
+        direct = self.plan.direct
+        self._direct_views = {g: ortvalue_from_dlpack(v) for vs in views for g, v in vs.items() if g in direct}
+        self._copied = [[(g, v) for g, v in vs.items() if g not in direct] for vs in views]
         self._segment_sessions = self._segment_sessions_of([s.graph for s in self.plan.segments],
                                                            "gradient graph segment")
 
@@ -261,9 +284,9 @@ class ShardedEngine(DistributedEngine):
         from .grad_segments import shared_cpu_arena
 
         options = self.options
-        if self.device.kind == "cpu" and shared_cpu_arena():
+        if self.device.kind == "cpu" and shared_cpu_arena() and config_entry(options, ENV_ALLOCATORS) != "1":
             self.options = session_options(self.runtime, options.intra_op_num_threads)
-            self.options.add_session_config_entry("session.use_env_allocators", "1")
+            self.options.add_session_config_entry(ENV_ALLOCATORS, "1")  # (set twice, onnxruntime warns)
         try:
             return [self.session(g, f"{what} {k + 1}/{len(graphs)}") for k, g in enumerate(graphs)]
         finally:
@@ -280,125 +303,27 @@ class ShardedEngine(DistributedEngine):
             gb.bind_ortvalue_output(g, value)
         self._grad_bindings = [gb]
 
-    # ------------------------------------------------------------------------------------------ state
-
-    def read(self, names, root_only: bool = False) -> dict[str, np.ndarray]:
-        """Full host copies of ``names``; optimizer state of the units is all-gathered (a collective: every
-        rank calls it with the same names), one unit and slot at a time, so that besides the copies returned
-        at most one unit's full state exists at once. ``root_only``: ranks other than 0 take part in the
-        collectives but keep no copy and return ``{}`` (a checkpoint, which rank 0 writes)."""
-        if root_only and self.comm.rank != 0:
-            for (j, slot) in sorted({self._where[n][:2] for n in names if n in self._where and
-                                     self._sharded(self._where[n][1])}, key=_slot_order):
-                self._gather(self.units[j], slot)
-            return {}
-        out, wanted = {}, {}
-        for n in names:
-            if n not in self._where:
-                out[n] = (self._tensors[n].cpu().numpy().copy() if n in self._tensors
-                          else np.array(self.value(n).numpy()))
-                continue
-            j, slot, o = self._where[n]
-            wanted.setdefault((j, slot), []).append((n, o))
-        for (j, slot), items in sorted(wanted.items(), key=lambda kv: _slot_order(kv[0])):
-            u = self.units[j]
-            flat = self._gather(u, slot) if self._sharded(slot) else u.param
-            for n, o in items:
-                shape = u.shapes[u.offsets.index(o)]
-                out[n] = flat[o:o + int(np.prod(shape, dtype=np.int64))].reshape(shape).cpu().numpy().copy()
-            del flat
-        return {n: out[n] for n in names}
-
-    def _sharded(self, slot: int | None) -> bool:
-        """Whether values of ``slot`` (``None``: the parameters) exist only as shards (read gathers them)."""
-        return slot is not None
-
-    def _gather(self, u: Unit, slot: int | None):
-        """Unit ``u``'s full flat values of ``slot`` (``None``: parameters), all-gathered from the shards."""
-        shard = self._own(u) if slot is None else u.state[slot]
-        flat = self.comm.torch.empty(u.length, dtype=shard.dtype, device=shard.device)
-        with collective("an all-gather of the optimizer state" if slot is not None else "a parameter all-gather"):
-            _all_gather(self.comm.dist)(flat, shard)
-        return flat
-
-    def load(self, values: dict[str, np.ndarray]) -> None:
-        """Overwrite parameters, state and step with full host arrays; each rank keeps its shard of the state.
-        Raises :class:`RevgraphError` for an unknown name or an array of another dtype or shape."""
-        torch = self.comm.torch
-        for name, arr in values.items():
-            a = np.asarray(arr)
-            if name not in self._where and name not in self._tensors:
-                raise RevgraphError(f"{name!r} is not a parameter, optimizer state or step of this training run")
-            like = self._tensors.get(name)
-            shape, dtype = (tuple(like.shape), like.cpu().numpy().dtype) if like is not None else (None, None)
-            if like is None:
-                j, slot, o = self._where[name]
-                u = self.units[j]
-                p = u.names[u.offsets.index(o)]
-                shape, dtype = self.spec.initial[p].shape, self.spec.initial[p].dtype
-            if tuple(a.shape) != tuple(shape) or a.dtype != dtype:
-                raise RevgraphError(f"{name!r} has shape {list(a.shape)} and dtype {a.dtype}; this training run "
-                                    f"needs shape {list(shape)} and dtype {dtype}")
-            src = torch.from_numpy(np.ascontiguousarray(a).reshape(-1))
-            if like is not None:
-                like.copy_(src.reshape(like.shape))
-                continue
-            if not self._sharded(slot):
-                u.param[o:o + src.numel()].copy_(src)
-            else:
-                into_shard(self._own(u) if slot is None else u.state[slot], u, o, src)
-
-    def held(self) -> dict[str, int]:
-        """Bytes of the device buffers kept from step to step, counted from the tensors: ``"parameters"``
-        (the units, padding included, and the sparse tables), ``"optimizer"`` (the state shards and the
-        sparse tables' state), ``"state"`` (those, the step and scratch, and values kept by ``keep_previous``),
-        ``"gradients"`` (ZeRO-1: the unit gradients, reduce-scattered in place; ZeRO-2: the shards and the one
-        bucket)
-        and ``"gradients_peak"`` (``"gradients"`` plus the most bytes of gradients finished out of their
-        unit's segment alive at once, :attr:`plan`; without a cut, every gradient)."""
-        spec = self.spec
-        params = sum(_nbytes(t) for t in self._held_parameters()) + sum(_nbytes(self._tensors[p]) for p in spec.sparse)
-        opt = sum(_nbytes(t) for u in self.units for t in u.state)
-        opt += sum(_nbytes(self._tensors[s]) for p in spec.sparse for s in spec.state[p])
-        other = _nbytes(self._tensors[spec.step]) + sum(_nbytes(t) for t in self._update_scratch.values())
-        other += sum(_nbytes(t) for _, t in self._previous or [])
-        grads, peak = self._held_gradients()
-        return {"state": params + opt + other, "parameters": params, "optimizer": opt, "gradients": grads,
-                "gradients_peak": peak}
-
-    def _held_parameters(self) -> list:
-        """The parameter tensors :meth:`held` counts (ZeRO-1/2: the whole units)."""
-        return [u.param for u in self.units]
-
-    def _held_gradients(self) -> tuple[int, int]:
-        """``(gradients, gradients_peak)`` of :meth:`held`."""
-        if self.mode == "optimizer":  # (the shards are views of the unit gradients)
-            grads = sum(_nbytes(u.grad) for u in self.units)
-        else:
-            # (the last unit's shard is a view of the bucket: _base is not None)
-            grads = sum(_nbytes(u.gshard) for u in self.units if u.gshard._base is None) + _nbytes(self.bucket)
-        peak = grads
-        if self.mode == "gradients":  # gradients alive inside a step, besides the bucket (the plan's count)
-            peak += self.plan.carried_peak if self.plan else sum(u.used * u.gshard.element_size() for u in self.units)
-        return grads, peak
+    # ------------------------------------------------------------------------------------------ undo
 
     @property
     def can_undo(self) -> bool:
         return self._previous is not None
 
     def undo(self) -> None:
-        """Return to the values a ``keep_previous`` step kept (every rank holds the same full parameters, so
-        every rank restores consistently). Raises :class:`InternalError` when the last step kept none."""
+        """Return to the values a ``keep_previous`` step kept: every rank its own shards, then the parameters are
+        gathered again (a collective: every rank undoes the same step, the loss being global). Raises
+        :class:`InternalError` when the last step kept none."""
         if self._previous is None:
             raise InternalError("the last sharded training step kept no previous values (step with "
                                 "keep_previous=True to undo it)")
         for t, saved in self._previous:
             t.copy_(saved)
         self._previous = None
+        if not self._sharded(None):  # every rank restored its own shards (the others may hold gradients: .swap)
+            self._gather_parameters()
 
     def _snapshot(self) -> list:
-        kept = [self._own(u) if self._sharded(None) else u.param for u in self.units]
-        kept += [t for u in self.units for t in u.state]
+        kept = [self._own(u) for u in self.units] + [t for u in self.units for t in u.state]
         return [(t, t.clone()) for t in kept + list(self._tensors.values())]
 
     # ------------------------------------------------------------------------------------------ running
@@ -411,6 +336,8 @@ class ShardedEngine(DistributedEngine):
             times.begin()
         loss, inputs = self._sharded_gradients(feeds, count, total)
         if accept is not None and not accept(loss):
+            if not self._sharded(None):  # (every rank declines alike: the loss is global) the chunks that received
+                self._gather_parameters()
             return loss
         start = times.now() if times is not None else 0.0
         if keep_previous:
@@ -434,11 +361,7 @@ class ShardedEngine(DistributedEngine):
         self._copy_for_update(False)  # (offloaded: the new parameter shards back to the device)
         self._synchronize()  # onnxruntime's writes are done before the collective reads the shards
         if not self._sharded(None):
-            dist = self.comm.dist
-            with collective("the parameter all-gather"):
-                works = [_all_gather(dist)(u.param, self._own(u), async_op=True) for u in self.units]
-                for w in works:
-                    w.wait()
+            self._gather_parameters()
             self._synchronize()
         if times is not None:  # the update of the rank's shards and the all-gather of the new parameters
             times.add("update", start)
@@ -463,11 +386,11 @@ class ShardedEngine(DistributedEngine):
             else:
                 _, sparse = self._run_grad(feeds) if count else (0.0, {})
                 works = []
-                for u in self.units:
+                for j, u in enumerate(self.units):
                     if not count:
                         u.grad.zero_()
                     u.grad.mul_(scale)
-                    works.append(self._reduce_unit(u, u.grad, async_op=True))
+                    works.append(self._reduce_unit(j, u.grad, async_op=True))
                 for w in works:
                     w.wait()
             if times is not None:
@@ -508,7 +431,7 @@ class ShardedEngine(DistributedEngine):
                 raise RevgraphError(f"the gradient step failed: {_first_line(exc)}") from None
             out = dict(zip(names, b.get_outputs()[1:], strict=True))
             del b
-        for u in self.units:
+        for j, u in enumerate(self.units):
             flat = self._bucket(u)
             flat.zero_()
             if count:
@@ -516,7 +439,7 @@ class ShardedEngine(DistributedEngine):
                     v.copy_(torch_from_ortvalue(torch, out.pop(spec.grads[p][0])))
             flat.mul_(scale)
             self._synchronize()
-            self._reduce_unit(u, flat, loss=float(self._loss[0].numpy()) * scale if count else 0.0)
+            self._reduce_unit(j, flat, loss=float(self._loss[0].numpy()) * scale if count else 0.0)
         return (float(self._loss[0].numpy()) if count else 0.0), out
 
     def _run_segments(self, feeds: dict[str, np.ndarray], count: int, scale: float) -> tuple[float, dict]:
@@ -532,33 +455,43 @@ class ShardedEngine(DistributedEngine):
                                               lambda n: live[n] if n in live else self._sets[0][n],
                                               {**fixed, spec.loss.loss: self._loss[0]}))
             for j in seg.reduce:
-                u = self.units[j]
-                flat = self._bucket(u)
+                u, flat = self.units[j], self._flats[j]
                 if count:
-                    for p, v in u.views(flat).items():
-                        g = spec.grads[p][0]
-                        if g not in self._direct_views:  # finished apart from its unit: copied in
-                            v.copy_(torch_from_ortvalue(torch, live[g]))
+                    for g, v in self._copied[j]:  # finished apart from its unit: copied in
+                        v.copy_(torch_from_ortvalue(torch, live[g]))
                     flat[u.used:].zero_()  # the padding (an earlier, larger unit wrote there)
                 else:
                     flat.zero_()
                 flat.mul_(scale)
                 self._synchronize()
-                self._reduce_unit(u, flat, loss=float(self._loss[0].numpy()) * scale if count else 0.0)
+                self._reduce_unit(j, flat, loss=float(self._loss[0].numpy()) * scale if count else 0.0)
             self._synchronize()  # (CUDA) the next segment writes the bucket on onnxruntime's stream
             for n in seg.free:
                 live.pop(n, None)
         loss = float(self._loss[0].numpy()) if count else 0.0
         return loss, {n: live[n] for _, idx, rows in self._sparse for n in (idx, rows)} if count else {}
 
-    def _reduce_unit(self, u: Unit, flat, async_op: bool = False, loss: float = 0.0):
-        """Sum unit ``u``'s gradient ``flat`` over the ranks into ``u.gshard`` (module doc): a reduce-scatter, or on
-        the CPU an all-reduce in place (and a copy unless the shard is the slice; ``async_op``: the work, only then);
-        ZeRO-2's last unit there carries ``loss`` (the rank's, weighted), whose sum is left in ``_folded``."""
-        dist = self.comm.dist
+    def _reduce_unit(self, j: int, flat, async_op: bool = False, loss: float = 0.0):
+        """Sum unit ``j``'s gradient ``flat`` over the ranks into its ``gshard`` (module doc): a reduce-scatter, on
+        the CPU pairwise (:mod:`.swap`) or an all-reduce in place (and a copy unless the shard is the slice);
+        ``async_op``: the work, only then. ZeRO-2's last unit there carries ``loss`` (the rank's, weighted), whose sum
+        is left in ``_folded``."""
+        dist, u = self.comm.dist, self.units[j]
         if self.device.kind != "cpu":
-            return _reduce_scatter(dist)(u.gshard, flat, async_op=async_op)
-        if self.mode == "gradients" and self._fold and u is self.units[-1]:  # the loss in the element after it
+            return reduce_scatter_tensor(dist)(u.gshard, flat, async_op=async_op)
+        fold = self.mode == "gradients" and self._fold and j == len(self.units) - 1
+        if self._receive[j] is not None:
+            if fold:
+                self._losses[self.comm.rank] = loss
+            work = swap.reduce_scatter(dist, flat, self._receive[j], u.gshard, self.comm.rank, u.k, j,
+                                       self._losses if fold else None)
+            if async_op:
+                return work
+            work.wait()
+            if fold:
+                self._folded = float(self._losses.sum())
+            return None
+        if fold:  # the loss in the element after it
             ext = self.bucket[:(u.length + 1) * flat.element_size()].view(flat.dtype)
             ext[u.length] = loss
             dist.all_reduce(ext)
@@ -575,32 +508,3 @@ class ShardedEngine(DistributedEngine):
         allocated outputs by name; :class:`RevgraphError` (one line) when the run fails."""
         outs = run_bound(session, inputs, outputs, lambda n: feeds[n] if n in feeds else value(n), fixed, self.device)
         return {n: v for n, v in zip(outputs, outs, strict=True) if n not in fixed}
-
-
-def into_shard(shard, u: Unit, o: int, src) -> None:
-    """Copy the part of the flat values ``src`` (unit ``u``'s elements ``[o, o + len)``; a tensor, or a numpy
-    vector, of which only that part is copied) that falls in this rank's shard ``[u.lo, u.lo + u.k)`` into
-    ``shard`` (a ``[k]`` tensor)."""
-    lo, hi = max(o, u.lo), min(o + len(src), u.lo + u.k)
-    if lo < hi:
-        part = src[lo - o:hi - o]
-        shard[lo - u.lo:hi - u.lo].copy_(shard.new_tensor(part) if isinstance(part, np.ndarray) else part)
-
-
-def _slot_order(key: tuple) -> tuple:
-    """``(unit, slot)`` in the order every rank gathers them (parameters, ``None``, first)."""
-    return key[0], -1 if key[1] is None else key[1]
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
-def _reduce_scatter(dist):
-    """``reduce_scatter_tensor`` under its current name (torch 2.13 renamed it ``reduce_scatter_single``)."""
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _all_gather(dist):
-    """``all_gather_into_tensor`` under its current name (torch 2.13: ``all_gather_single``)."""
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

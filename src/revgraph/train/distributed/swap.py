@@ -1,0 +1,117 @@
+"""The exchanges of ZeRO-1/2 (:mod:`revgraph.train.distributed.sharding`): the gradient reduce-scatter and the
+parameter all-gather, on the CPU sent pairwise and received into memory the step does not read at that moment.
+
+Why pairwise: on gloo a collective costs far more than the same bytes sent between pairs. Measured on this
+project's 2-core machine at 2 processes (``bench/gloo_collectives.py``, median per call): 1M float32,
+``all_reduce`` 2.3 ms, ``reduce_scatter_tensor`` 3.5 ms, ``all_gather_into_tensor`` 1.7 ms, ``all_to_all_single``
+1.2 ms; 5,000 float32, 0.28, 0.37, 0.21 and 0.15 ms. Sharded training used to all-reduce each unit (gloo's
+reduce-scatter costs more) and then all-gather the parameters: two collectives a step against the unsharded
+engine's one, and ZeRO-2 ran at 1.1-1.7x unsharded's step time (issue 43, item 6). Sent pairwise, the
+reduce-scatter and the all-gather together move the bytes of one all-reduce (a ring all-reduce is a reduce-scatter
+and an all-gather) at about its cost. With one peer each exchange is one ``all_to_all_single`` (a send and a receive
+in one call: per call, not per byte, is what small models pay); with more, ``isend``/``irecv`` per peer.
+
+Where the reduce-scatter receives (:func:`receivers`): rank ``r`` receives from each peer ``j`` its gradient of chunk
+``r`` of the unit (``k`` elements), ``W - 1`` chunks in all. The unit's parameter chunks ``j != r`` have exactly that
+size, and nothing reads them between the last graph that reads the unit's parameters and the all-gather that
+overwrites them with the peers' new shards; so they are the receive buffers, and the exchange needs no memory
+beyond the unsharded engine's. That holds for every unit after one grad graph run (ZeRO-1, or ZeRO-2 uncut), and
+for the ZeRO-2 unit no later segment of the backward reads (its last: a deeper layer's weights are read by the
+next segment, for the input's gradient). Otherwise, with one peer, the gradient shard (``k`` elements, apart from the
+bucket) receives; with more, the unit is all-reduced in place. Until the all-gather ran, parameter chunks may hold
+gradients: a step that is not applied (a non-finite loss) or undone gathers the parameters again.
+
+Every rank posts its sends and receives in the same order and tags them by unit, so that gloo pairs them; the sum
+of a shard is taken by its owner alone, and the all-gather hands every rank the owner's result, so every rank
+holds the same parameters.
+"""
+
+from __future__ import annotations
+
+
+class Exchange:
+    """Work in flight; :meth:`wait` waits for all of it, then runs ``finish`` (a shard's sum)."""
+
+    def __init__(self, works: list, finish=None):
+        self._works, self._finish = works, finish
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        if self._finish is not None:
+            self._finish()
+
+
+def _swap(dist, out, send, rank: int, peer: int, tag: int) -> list:
+    """Send ``send`` to ``peer`` and receive its ``out`` (the same size): with one peer one ``all_to_all_single``,
+    else a tagged ``isend`` and ``irecv``. Returns the works."""
+    if dist.get_world_size() == 2:
+        sizes = [0, 0]
+        sizes[peer] = out.numel()
+        return [dist.all_to_all_single(out, send, sizes, sizes, async_op=True)]
+    return [dist.isend(send, peer, tag=tag), dist.irecv(out, peer, tag=tag)]
+
+
+def reduce_scatter(dist, flat, receive: dict, shard, rank: int, k: int, tag: int, losses=None) -> Exchange:
+    """Start the sum over the ranks of chunk ``rank`` of ``flat`` into ``shard`` (module doc).
+
+    ``flat``: this rank's ``[world * k]`` gradient of a unit; ``receive``: for each peer ``j``, the ``[k]`` tensor its
+    chunk ``rank`` lands in (:func:`receivers`); ``shard``: ``[k]``, the result (it may be ``flat``'s own chunk or a
+    ``receive`` tensor). ``losses``: ``None``, or a float64 ``[world]`` tensor whose element ``rank`` is sent to every
+    peer and whose other elements receive theirs. ``tag``: the unit's index (tags ``2 * tag`` and ``2 * tag + 1``).
+    Returns the work; its ``wait`` leaves the sum in ``shard``. Errors are ``torch.distributed``'s (the caller names
+    the exchange)."""
+    works = []
+    for j, into in receive.items():
+        works += _swap(dist, into, flat[j * k:(j + 1) * k], rank, j, 2 * tag)
+        if losses is not None:
+            works += _swap(dist, losses[j:j + 1], losses[rank:rank + 1], rank, j, 2 * tag + 1)
+
+    def finish() -> None:
+        mine = flat[rank * k:(rank + 1) * k]
+        parts = [receive[j] for j in sorted(receive)]
+        if any(p.data_ptr() == shard.data_ptr() for p in parts):  # received into the shard: add this rank's
+            shard.add_(mine)
+        elif shard.data_ptr() != mine.data_ptr():
+            shard.copy_(mine)
+        for p in parts:
+            if p.data_ptr() != shard.data_ptr():
+                shard.add_(p)
+
+    return Exchange(works, finish)
+
+
+def all_gather(dist, param, rank: int, world: int, k: int, tag: int) -> Exchange:
+    """Start sending chunk ``rank`` of ``param`` (``[world * k]``, a unit's parameters) to every peer and receiving
+    each peer's chunk into its place (tag ``2 * tag``: pass one above the reduce-scatters' unit indices). Returns
+    the work."""
+    works = []
+    for j in range(world):
+        if j != rank:
+            works += _swap(dist, param[j * k:(j + 1) * k], param[rank * k:(rank + 1) * k], rank, j, 2 * tag)
+    return Exchange(works)
+
+
+def receivers(u, rank: int, world: int, plan, j: int, bucket) -> dict | None:
+    """Where unit ``u`` (the ``j``-th, :class:`~revgraph.train.distributed.shard_plan.Unit`) receives its peers'
+    chunks in :func:`reduce_scatter` (module doc): its parameter chunks of the other ranks when no graph reads its
+    parameters after its reduction (``plan``, the ZeRO-2 segments, is ``None``: one grad graph run; or no segment
+    after the one that reduces it reads them), else with one peer its gradient shard when apart from ``bucket``;
+    ``None``: all-reduce it."""
+    if plan is not None:
+        reduced = next(s for s, seg in enumerate(plan.segments) if j in seg.reduce)
+        later = {n for seg in plan.segments[reduced + 1:] for n in seg.inputs}
+        if later.intersection(u.names):
+            apart = u.gshard.untyped_storage().data_ptr() != bucket.untyped_storage().data_ptr()
+            return {1 - rank: u.gshard} if world == 2 and apart else None
+    return {i: u.param[i * u.k:(i + 1) * u.k] for i in range(world) if i != rank}
+
+
+def reduce_scatter_tensor(dist):
+    """``reduce_scatter_tensor`` under its current name (torch 2.13 renamed it ``reduce_scatter_single``)."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_tensor(dist):
+    """``all_gather_into_tensor`` under its current name (torch 2.13: ``all_gather_single``)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
