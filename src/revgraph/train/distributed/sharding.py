@@ -170,7 +170,8 @@ class ShardedEngine(ShardedState, DistributedEngine):
 
     def _place(self, u: Unit, tdt, values: dict) -> None:
         """Allocate unit ``u``'s full flat parameter from the initial values; ``values``: each view's ``OrtValue``."""
-        u.param = self.comm.torch.zeros(u.length, dtype=tdt, device=self.comm.tdevice)
+        # (one element more than the unit: the last unit's pairwise exchange receives the peer's loss there, .swap)
+        u.param = self.comm.torch.zeros(u.length + 1, dtype=tdt, device=self.comm.tdevice)[:u.length]
         for n, view in u.views(u.param).items():
             view.copy_(self.comm.torch.from_numpy(np.ascontiguousarray(self.spec.initial[n])))
             values[n] = ortvalue_from_dlpack(view)
@@ -480,11 +481,17 @@ class ShardedEngine(ShardedState, DistributedEngine):
         if self.device.kind != "cpu":
             return reduce_scatter_tensor(dist)(u.gshard, flat, async_op=async_op)
         fold = self.mode == "gradients" and self._fold and j == len(self.units) - 1
-        if self._receive[j] is not None:
+        into, rank = self._receive[j], self.comm.rank
+        if fold and self.comm.world_size == 2 and into is not None and into[1 - rank].data_ptr() != u.gshard.data_ptr():
+            ext = self.bucket[:(u.length + 1) * flat.element_size()].view(flat.dtype)
+            work = swap.reduce_scatter_and_loss(dist, ext, u.param._base, u.gshard, rank, u.k, loss)
+            work.wait()
+            self._folded = work.loss
+            return None
+        if into is not None:
             if fold:
-                self._losses[self.comm.rank] = loss
-            work = swap.reduce_scatter(dist, flat, self._receive[j], u.gshard, self.comm.rank, u.k, j,
-                                       self._losses if fold else None)
+                self._losses[rank] = loss
+            work = swap.reduce_scatter(dist, flat, into, u.gshard, rank, u.k, j, self._losses if fold else None)
             if async_op:
                 return work
             work.wait()

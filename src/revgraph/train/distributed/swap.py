@@ -81,6 +81,39 @@ def reduce_scatter(dist, flat, receive: dict, shard, rank: int, k: int, tag: int
     return Exchange(works, finish)
 
 
+def reduce_scatter_and_loss(dist, flat_ext, param_ext, shard, rank: int, k: int, loss: float) -> Exchange:
+    """With one peer: the reduce-scatter of a unit whose parameter chunks receive (:func:`reduce_scatter`) and the
+    sum of the two ranks' losses, in ONE ``all_to_all_single`` (per call, not per byte, is what small models pay).
+
+    ``flat_ext`` and ``param_ext``: ``[2k + 1]``, the unit's gradient and parameters and one element after each.
+    Each rank sends the peer's chunk and one more element holding its ``loss``; it receives into the peer's
+    parameter chunk and one more element. For rank 0 the element after the peer's chunk is the one after the unit;
+    for rank 1 it is the first of its own chunk (of the gradient and of the parameters), kept aside and written
+    back when the exchange is done. The losses travel in the gradient's dtype; both ranks sum the same two rounded
+    values in rank order. Returns the work; after its ``wait``, ``shard`` holds the sum and the work's ``loss`` the
+    losses' sum."""
+    peer = 1 - rank
+    send, recv = flat_ext[peer * k:peer * k + k + 1], param_ext[peer * k:peer * k + k + 1]
+    kept = send[k].clone(), recv[k].clone()
+    send[k] = loss
+    mine = float(send[k])  # (rounded as the peer receives it)
+    sizes = [0, 0]
+    sizes[peer] = k + 1
+    ex = Exchange([dist.all_to_all_single(recv, send, sizes, sizes, async_op=True)])
+
+    def finish() -> None:
+        theirs = float(recv[k])
+        send[k], recv[k] = kept
+        ex.loss = mine + theirs if rank == 0 else theirs + mine
+        own = flat_ext[rank * k:(rank + 1) * k]
+        if shard.data_ptr() != own.data_ptr():
+            shard.copy_(own)
+        shard.add_(recv[:k])
+
+    ex._finish = finish
+    return ex
+
+
 def all_gather(dist, param, rank: int, world: int, k: int, tag: int) -> Exchange:
     """Start sending chunk ``rank`` of ``param`` (``[world * k]``, a unit's parameters) to every peer and receiving
     each peer's chunk into its place (tag ``2 * tag``: pass one above the reduce-scatters' unit indices). Returns
