@@ -1,15 +1,18 @@
 """The exchanges of ZeRO-1/2 (:mod:`revgraph.train.distributed.sharding`): the gradient reduce-scatter and the
 parameter all-gather, on the CPU sent pairwise and received into memory the step does not read at that moment.
 
-Why pairwise: on gloo a collective costs far more than the same bytes sent between pairs. Measured on this
-project's 2-core machine at 2 processes (``bench/gloo_collectives.py``, median per call): 1M float32,
-``all_reduce`` 2.3 ms, ``reduce_scatter_tensor`` 3.5 ms, ``all_gather_into_tensor`` 1.7 ms, ``all_to_all_single``
-1.2 ms; 5,000 float32, 0.28, 0.37, 0.21 and 0.15 ms. Sharded training used to all-reduce each unit (gloo's
-reduce-scatter costs more) and then all-gather the parameters: two collectives a step against the unsharded
-engine's one, and ZeRO-2 ran at 1.1-1.7x unsharded's step time (issue 43, item 6). Sent pairwise, the
+Why pairwise: on gloo a collective costs more than the same bytes sent between pairs. Measured on this project's
+2-core machine at 2 processes (``bench/gloo_collectives.py``, median and mean ms per call): 4.5 MB, ``all_reduce``
+2.57 and 3.54, ``reduce_scatter_tensor`` 4.85 and 5.18, ``all_gather_into_tensor`` 1.75 and 2.57, a swap of half of
+it each way by one ``all_to_all_single`` 1.05 and 1.81; 19 KB, 0.29 and 1.82, 3.41 and 2.71, 0.18 and 1.17, 0.15
+and 0.38. Sharded training used to all-reduce each unit (gloo's reduce-scatter costs more) and then all-gather the
+parameters: two collectives a step against the unsharded engine's one, and ZeRO-2 took 1.0-1.8x unsharded's time
+per sample on the bench models (issue 43, item 6; docs/benchmarks.md). Sent pairwise, the
 reduce-scatter and the all-gather together move the bytes of one all-reduce (a ring all-reduce is a reduce-scatter
 and an all-gather) at about its cost. With one peer each exchange is one ``all_to_all_single`` (a send and a receive
-in one call: per call, not per byte, is what small models pay); with more, ``isend``/``irecv`` per peer.
+in one call: per call, not per byte, is what small models pay), and ZeRO-2's last unit carries the two ranks'
+losses in the same call (:func:`reduce_scatter_and_loss`), so a step makes two calls where unsharded training makes
+one all-reduce; with more peers, ``isend``/``irecv`` per peer, the losses in messages of their own.
 
 Where the reduce-scatter receives (:func:`receivers`): rank ``r`` receives from each peer ``j`` its gradient of chunk
 ``r`` of the unit (``k`` elements), ``W - 1`` chunks in all. The unit's parameter chunks ``j != r`` have exactly that
