@@ -486,7 +486,7 @@ class ShardedEngine(ShardedState, DistributedEngine):
             ext = self.bucket[:(u.length + 1) * flat.element_size()].view(flat.dtype)
             work = swap.reduce_scatter_and_loss(dist, ext, u.param._base, u.gshard, rank, u.k, loss)
             work.wait()
-            self._folded = work.loss
+            self._folded = work.result
             return None
         if into is not None:
             if fold:

@@ -33,16 +33,18 @@ from __future__ import annotations
 
 
 class Exchange:
-    """Work in flight; :meth:`wait` waits for all of it, then runs ``finish`` (a shard's sum)."""
+    """Work in flight; :meth:`wait` waits for all of it, then runs ``finish`` (a shard's sum), whose value it keeps
+    in :attr:`result`."""
 
     def __init__(self, works: list, finish=None):
         self._works, self._finish = works, finish
+        self.result = None
 
     def wait(self) -> None:
         for w in self._works:
             w.wait()
         if self._finish is not None:
-            self._finish()
+            self.result = self._finish()
 
 
 def _swap(dist, out, send, rank: int, peer: int, tag: int) -> list:
@@ -93,8 +95,8 @@ def reduce_scatter_and_loss(dist, flat_ext, param_ext, shard, rank: int, k: int,
     parameter chunk and one more element. For rank 0 the element after the peer's chunk is the one after the unit;
     for rank 1 it is the first of its own chunk (of the gradient and of the parameters), kept aside and written
     back when the exchange is done. The losses travel in the gradient's dtype; both ranks sum the same two rounded
-    values in rank order. Returns the work; after its ``wait``, ``shard`` holds the sum and the work's ``loss`` the
-    losses' sum."""
+    values in rank order. Returns the work; after its ``wait``, ``shard`` holds the sum and the work's ``result`` is
+    the losses' sum."""
     peer = 1 - rank
     send, recv = flat_ext[peer * k:peer * k + k + 1], param_ext[peer * k:peer * k + k + 1]
     kept = send[k].clone(), recv[k].clone()
@@ -102,19 +104,18 @@ def reduce_scatter_and_loss(dist, flat_ext, param_ext, shard, rank: int, k: int,
     mine = float(send[k])  # (rounded as the peer receives it)
     sizes = [0, 0]
     sizes[peer] = k + 1
-    ex = Exchange([dist.all_to_all_single(recv, send, sizes, sizes, async_op=True)])
+    work = dist.all_to_all_single(recv, send, sizes, sizes, async_op=True)
 
-    def finish() -> None:
+    def finish() -> float:
         theirs = float(recv[k])
         send[k], recv[k] = kept
-        ex.loss = mine + theirs if rank == 0 else theirs + mine
         own = flat_ext[rank * k:(rank + 1) * k]
         if shard.data_ptr() != own.data_ptr():
             shard.copy_(own)
         shard.add_(recv[:k])
+        return mine + theirs if rank == 0 else theirs + mine
 
-    ex._finish = finish
-    return ex
+    return Exchange([work], finish)
 
 
 def all_gather(dist, param, rank: int, world: int, k: int, tag: int) -> Exchange:
