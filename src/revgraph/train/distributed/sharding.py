@@ -122,13 +122,14 @@ class ShardedEngine(ShardedState, DistributedEngine):
             tdt = torch_dtype(torch, spec.initial[u.names[0]].dtype)
             self._place(u, tdt, values)
             u.state = [self._state_zeros(u.k, tdt) for _ in spec.optimizer.slots]
+            if j == len(self.units) - 1:  # on the CPU the loss rides along in one more element after the last unit,
+                # as in the unsharded last bucket (gloo's latency per call dominates small steps: docs/benchmarks.md)
+                self._fold = (dev.type == "cpu" and mode != "parameters" and not spec.sparse
+                              and u.dtype in (np.float32, np.float64)) * 1
             if mode == "optimizer":  # reduce-scattered in place: the shard is the rank's slice of the unit
-                u.grad = torch.zeros(u.length, dtype=tdt, device=dev)
+                u.grad = torch.zeros(u.length + 1, dtype=tdt, device=dev)[:u.length]  # (+1: the loss's element)
                 u.gshard = u.grad[u.lo:u.lo + u.k]
             elif mode == "gradients" and j == len(self.units) - 1:  # reduce-scattered last: in place in the bucket
-                # on the CPU the loss rides along in one more element after it, as in the unsharded last bucket
-                # (gloo's latency per collective dominates small models' steps: docs/benchmarks.md)
-                self._fold = (dev.type == "cpu" and not spec.sparse and u.dtype in (np.float32, np.float64)) * 1
                 self.bucket = torch.zeros(max([v.length * v.dtype.itemsize for v in self.units[:-1]]
                                               + [(u.length + self._fold) * tdt.itemsize]), dtype=torch.uint8,
                                           device=dev)
@@ -391,9 +392,11 @@ class ShardedEngine(ShardedState, DistributedEngine):
                     if not count:
                         u.grad.zero_()
                     u.grad.mul_(scale)
-                    works.append(self._reduce_unit(j, u.grad, async_op=True))
+                    works.append(self._reduce_unit(j, u.grad, async_op=True,
+                                                   loss=float(self._loss[0].numpy()) * scale if count else 0.0))
                 for w in works:
-                    w.wait()
+                    if w is not None:  # (the unit carrying the loss is reduced at once)
+                        w.wait()
             if times is not None:
                 times.add("forward+backward", start)
                 start = times.now()
@@ -475,15 +478,17 @@ class ShardedEngine(ShardedState, DistributedEngine):
     def _reduce_unit(self, j: int, flat, async_op: bool = False, loss: float = 0.0):
         """Sum unit ``j``'s gradient ``flat`` over the ranks into its ``gshard`` (module doc): a reduce-scatter, on
         the CPU pairwise (:mod:`.swap`) or an all-reduce in place (and a copy unless the shard is the slice);
-        ``async_op``: the work, only then. ZeRO-2's last unit there carries ``loss`` (the rank's, weighted), whose sum
-        is left in ``_folded``."""
+        ``async_op``: the work, only then. The last unit there carries ``loss`` (the rank's, weighted), whose sum is
+        left in ``_folded`` (that unit is reduced at once)."""
         dist, u = self.comm.dist, self.units[j]
         if self.device.kind != "cpu":
             return reduce_scatter_tensor(dist)(u.gshard, flat, async_op=async_op)
-        fold = self.mode == "gradients" and self._fold and j == len(self.units) - 1
+        fold = self._fold and j == len(self.units) - 1
         into, rank = self._receive[j], self.comm.rank
+        # the unit's gradient and the element after it (ZeRO-2: in the bucket; ZeRO-1: its gradient's spare element)
+        ext = (self.bucket[:(u.length + 1) * flat.element_size()].view(flat.dtype) if self.mode == "gradients"
+               else u.grad._base) if fold else None
         if fold and self.comm.world_size == 2 and into is not None and into[1 - rank].data_ptr() != u.gshard.data_ptr():
-            ext = self.bucket[:(u.length + 1) * flat.element_size()].view(flat.dtype)
             work = swap.reduce_scatter_and_loss(dist, ext, u.param._base, u.gshard, rank, u.k, loss)
             work.wait()
             self._folded = work.result
@@ -492,14 +497,13 @@ class ShardedEngine(ShardedState, DistributedEngine):
             if fold:
                 self._losses[rank] = loss
             work = swap.reduce_scatter(dist, flat, into, u.gshard, rank, u.k, j, self._losses if fold else None)
-            if async_op:
+            if async_op and not fold:
                 return work
             work.wait()
             if fold:
                 self._folded = float(self._losses.sum())
             return None
         if fold:  # the loss in the element after it
-            ext = self.bucket[:(u.length + 1) * flat.element_size()].view(flat.dtype)
             ext[u.length] = loss
             dist.all_reduce(ext)
             self._folded = float(ext[u.length])
