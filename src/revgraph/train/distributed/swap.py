@@ -10,9 +10,9 @@ parameters: two collectives a step against the unsharded engine's one, and ZeRO-
 per sample on the bench models (issue 43, item 6; docs/benchmarks.md). Sent pairwise, the
 reduce-scatter and the all-gather together move the bytes of one all-reduce (a ring all-reduce is a reduce-scatter
 and an all-gather) at about its cost. With one peer each exchange is one ``all_to_all_single`` (a send and a receive
-in one call: per call, not per byte, is what small models pay), and ZeRO-2's last unit carries the two ranks'
-losses in the same call (:func:`reduce_scatter_and_loss`), so a step makes two calls where unsharded training makes
-one all-reduce; with more peers, ``isend``/``irecv`` per peer, the losses in messages of their own.
+in one call: per call, not per byte, is what small models pay), and the last unit carries the two ranks' losses in
+the same call (:func:`reduce_scatter_and_loss`), so a step makes two calls where unsharded training makes one
+all-reduce; with more peers, ``isend``/``irecv`` per peer, the losses in messages of their own.
 
 Where the reduce-scatter receives (:func:`receivers`): rank ``r`` receives from each peer ``j`` its gradient of chunk
 ``r`` of the unit (``k`` elements), ``W - 1`` chunks in all. The unit's parameter chunks ``j != r`` have exactly that
