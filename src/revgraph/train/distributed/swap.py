@@ -47,7 +47,7 @@ class Exchange:
             self.result = self._finish()
 
 
-def _swap(dist, out, send, rank: int, peer: int, tag: int) -> list:
+def _swap(dist, out, send, peer: int, tag: int) -> list:
     """Send ``send`` to ``peer`` and receive its ``out`` (the same size): with one peer one ``all_to_all_single``,
     else a tagged ``isend`` and ``irecv``. Returns the works."""
     if dist.get_world_size() == 2:
@@ -68,9 +68,9 @@ def reduce_scatter(dist, flat, receive: dict, shard, rank: int, k: int, tag: int
     the exchange)."""
     works = []
     for j, into in receive.items():
-        works += _swap(dist, into, flat[j * k:(j + 1) * k], rank, j, 2 * tag)
+        works += _swap(dist, into, flat[j * k:(j + 1) * k], j, 2 * tag)
         if losses is not None:
-            works += _swap(dist, losses[j:j + 1], losses[rank:rank + 1], rank, j, 2 * tag + 1)
+            works += _swap(dist, losses[j:j + 1], losses[rank:rank + 1], j, 2 * tag + 1)
 
     def finish() -> None:
         mine = flat[rank * k:(rank + 1) * k]
@@ -102,9 +102,7 @@ def reduce_scatter_and_loss(dist, flat_ext, param_ext, shard, rank: int, k: int,
     kept = send[k].clone(), recv[k].clone()
     send[k] = loss
     mine = float(send[k])  # (rounded as the peer receives it)
-    sizes = [0, 0]
-    sizes[peer] = k + 1
-    work = dist.all_to_all_single(recv, send, sizes, sizes, async_op=True)
+    works = _swap(dist, recv, send, peer, 0)  # (one peer: one all_to_all_single)
 
     def finish() -> float:
         theirs = float(recv[k])
@@ -115,7 +113,7 @@ def reduce_scatter_and_loss(dist, flat_ext, param_ext, shard, rank: int, k: int,
         shard.add_(recv[:k])
         return mine + theirs if rank == 0 else theirs + mine
 
-    return Exchange([work], finish)
+    return Exchange(works, finish)
 
 
 def all_gather(dist, param, rank: int, world: int, k: int, tag: int) -> Exchange:
@@ -125,7 +123,7 @@ def all_gather(dist, param, rank: int, world: int, k: int, tag: int) -> Exchange
     works = []
     for j in range(world):
         if j != rank:
-            works += _swap(dist, param[j * k:(j + 1) * k], param[rank * k:(rank + 1) * k], rank, j, 2 * tag)
+            works += _swap(dist, param[j * k:(j + 1) * k], param[rank * k:(rank + 1) * k], j, 2 * tag)
     return Exchange(works)
 
 
