@@ -143,6 +143,9 @@ def main() -> None:
     p.add_argument("--receive", choices=("auto", "shard", "all-reduce"), default="auto", help="where ZeRO-1/2's "
                    "pairwise reduce-scatter receives on the CPU (revgraph.train.distributed.swap.receivers): its "
                    "rule, or forced: the gradient shard (one peer, units apart from the bucket), or all-reduced")
+    p.add_argument("--read-each-step", action="store_true", help="rank 0 reads the parameters after every step "
+                   "(a callback), and notes whether a parameter all-gather was still in flight then; saved as "
+                   "'each:<name>' (steps stacked) and 'in_flight' (how many steps left one)")
     a = p.parse_args()
     if a.receive != "auto":
         force_receive(a.receive)
@@ -162,10 +165,15 @@ def main() -> None:
         tr, data = trainer(a.model, optimizer, samples, True, a.hidden, **how)
         if a.poison is not None:
             data["x"][a.poison] = np.nan
-        means, stopped = [], ""
+        means, stopped, each, in_flight = [], "", [], []
+
+        def read_each_step(record, tr=tr):  # (rank 0: a parameter read is local under ZeRO-1/2)
+            in_flight.append(bool(getattr(tr._engine, "_gathering", None)))
+            each.append(tr.parameters)
+
         try:
             means = tr.fit(data, a.epochs, a.batch_size, seed=3, progress=False, checkpoint_dir=a.checkpoint_dir,
-                           accumulate_steps=a.accumulate_steps,
+                           accumulate_steps=a.accumulate_steps, callbacks=[read_each_step] if a.read_each_step else (),
                            static=STATIC[a.model]() if a.model in STATIC else None)
         except NonFiniteError as exc:
             if a.poison is None:
@@ -178,7 +186,8 @@ def main() -> None:
                  **{f"held:{k}": np.array(v) for k, v in held.items()},
                  units=np.array([[u.length, u.k, u.used] for u in getattr(tr._engine, "units", [])]).reshape(-1, 3),
                  segments=np.array(len(tr._engine.plan.segments) if getattr(tr._engine, "plan", None) else 0),
-                 receive=np.array(receive_codes(tr._engine), np.int64))
+                 receive=np.array(receive_codes(tr._engine), np.int64), in_flight=np.array(sum(in_flight)),
+                 **{f"each:{n}": np.stack([e[n] for e in each]) for n in (each[0] if each else ())})
         if a.bucket_mb < 1 and not a.no_overlap and os.environ.get("RANK") == "0" and a.shard == "none":
             segs = getattr(tr._engine, "segments", None)  # the test checks the cut happened
             print(f"segments: {len(segs.segments) if segs else 0}")

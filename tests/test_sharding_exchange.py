@@ -6,6 +6,9 @@ gradient shard), against one process training on the same global batches (tests/
   ranks 1 and 2 with no sample.
 - Each place a unit can receive (parameter chunks, its gradient shard, or an all-reduce in place when neither is
   free), forced unit by unit, and the rule that picks it.
+- The parameter all-gather of a step is left in flight until something needs the parameters
+  (revgraph.train.distributed.swap.Settling): every public method of the sharded engines waits for it first, and
+  parameters read after every step equal the one process's after that step.
 - A step declined for a non-finite loss (one sample's features are NaN) has already received gradients into
   parameter chunks: every rank gathers the parameters again, and holds the parameters from before the step, as
   the one process does.
@@ -13,6 +16,7 @@ gradient shard), against one process training on the same global batches (tests/
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,6 +26,7 @@ from distributed_worker import trainer
 from kit.distributed import TORCHRUN, WORKER, run_command
 
 from revgraph.errors import NonFiniteError
+from revgraph.train.distributed import swap
 
 HIDDEN, BUCKET = 13, 1024
 PAIRWISE, SHARD, ALL_REDUCE = 1, 2, 0  # where a unit's reduce-scatter receives (the worker's "receive" codes)
@@ -34,13 +39,14 @@ def _run(tmp_path, world: int, shard: str, *extra: str) -> list[dict]:
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
 
 
-def _single(world: int, poison: int | None = None):
+def _single(world: int, poison: int | None = None, each: list | None = None):
     tr, data = trainer("mlp", "adamw", 97, False, HIDDEN)
     stopped = ""
     if poison is not None:
         data["x"][poison] = np.nan
     try:
-        tr.fit(data, 2, 8 * world, seed=3, progress=False)
+        tr.fit(data, 2, 8 * world, seed=3, progress=False,
+               callbacks=[lambda record: each.append(tr.parameters)] if each is not None else ())
     except NonFiniteError as exc:
         stopped = str(exc)
     return tr, stopped
@@ -120,3 +126,63 @@ def test_a_declined_step_leaves_every_rank_the_parameters_from_before_it(tmp_pat
     _same(ranks, ref)
     assert all(np.isfinite(v).all() for v in ref.parameters.values())
     assert (ranks[0]["receive"] == PAIRWISE).all()
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_parameters_read_after_each_step_equal_one_process_while_the_gather_is_deferred(tmp_path, shard):
+    """Rank 0 reads the parameters after every step, while that step's all-gather is in flight (the read waits for
+    it): each step's parameters equal the one process's after the same step."""
+    ranks = _run(tmp_path, 2, shard, "--read-each-step")
+    each = []
+    ref, _ = _single(2, each=each)
+    _same(ranks, ref)
+    steps = len(each)
+    assert steps == 14 and int(ranks[0]["in_flight"]) == steps  # (every step left its all-gather in flight)
+    for name in ref.parameters:
+        np.testing.assert_allclose(ranks[0][f"each:{name}"], np.stack([e[name] for e in each]), rtol=2e-5,
+                                   atol=2e-6, err_msg=name)
+
+
+class _Engine(swap.Settling):
+    """A stand-in with methods of each kind: every public one must wait first."""
+
+    def __init__(self):
+        self.calls, self._gathering = [], ["work"]
+
+    def settle(self):
+        self.calls.append("settle")
+        self._gathering = None
+
+    def read(self, names):
+        self.calls.append("read")
+
+    def _private(self):
+        self.calls.append("private")
+
+
+class _Later(_Engine):
+    def evaluate(self, feeds):  # (a method a subclass adds later settles too)
+        self.calls.append("evaluate")
+
+
+@pytest.mark.parametrize("method,args", [("read", (["w"],)), ("evaluate", ({},))])
+def test_every_public_method_settles_first(method, args):
+    e = _Later()
+    getattr(e, method)(*args)
+    assert e.calls == ["settle", method]
+    getattr(e, method)(*args)  # (nothing in flight: no second wait)
+    assert e.calls == ["settle", method, method]
+    e._gathering = ["work"]
+    e._private()
+    assert e.calls[-1] == "private" and e._gathering  # (the engine's own steps are its business)
+
+
+def test_the_sharded_engines_settle_in_every_public_method():
+    from revgraph.train.distributed.param_sharding import ParameterShardedEngine
+    from revgraph.train.distributed.sharding import ShardedEngine
+    from revgraph.train.offload_sharded import OffloadedShardedEngine
+
+    for cls in (ShardedEngine, ParameterShardedEngine, OffloadedShardedEngine):
+        public = [n for n in dir(cls) if not n.startswith("_") and inspect.isfunction(inspect.getattr_static(cls, n))]
+        assert {"step", "read", "load", "value", "evaluate", "undo", "release"} <= set(public), cls
+        assert [n for n in public if n != "settle" and not getattr(getattr(cls, n), "settles", False)] == [], cls

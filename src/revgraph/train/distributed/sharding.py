@@ -19,7 +19,8 @@ parameters:
   rank runs the update graph over its shards only (the optimizer formulas of :mod:`revgraph.train`,
   :func:`revgraph.train.optimizers.update`, on flat vectors: they are elementwise, so a flat update is the per-tensor
   one), writing the new shard into its place in the unit; then every unit is **all-gathered**
-  (``all_gather_into_tensor``, the rank's shard read in place) so that every rank holds all the new parameters;
+  (``all_gather_into_tensor``, the rank's shard read in place) so that every rank holds all the new parameters
+  (on the CPU left in flight until something needs them: :class:`.swap.Settling`);
 - ``"gradients"`` (ZeRO-2) also keeps no full gradient: the grad graph is cut into one segment per unit
   (:mod:`revgraph.train.distributed.grad_segments`), each segment writes its unit's gradients into **one** bucket-sized
   buffer that is reduce-scattered into the rank's gradient shard before the next segment runs. Gradient memory per
@@ -70,7 +71,7 @@ from .swap import all_gather_tensor, reduce_scatter_tensor
 SHARDS = ("none", "optimizer", "gradients", "parameters")
 
 
-class ShardedEngine(ShardedState, DistributedEngine):
+class ShardedEngine(swap.Settling, ShardedState, DistributedEngine):
     """A data-parallel step with sharded optimizer state (``mode="optimizer"``, ZeRO-1) or sharded optimizer
     state and gradients (``mode="gradients"``, ZeRO-2); module doc. ``bucket_bytes``: the largest unit (default
     :data:`revgraph.train.distributed.exchange.BUCKET_MB`, DDP's 25 MiB; ZeRO-2: no more than keeps its gradient
@@ -103,7 +104,7 @@ class ShardedEngine(ShardedState, DistributedEngine):
         self.names = [i for i, _ in spec.carried()]
         self.shared = frozenset(self.names)
         self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), spec.graph.outputs[0].dtype))]
-        self._current, self._previous = 0, None
+        self._current, self._previous, self._gathering = 0, None, None
         dev, world = comm.tdevice, comm.world_size
         self.grad_graph, _ = split_step(spec)
         # ZeRO-2 packs the units in the order the backward finishes the gradients (DDP rebuilds its buckets in
@@ -195,18 +196,32 @@ class ShardedEngine(ShardedState, DistributedEngine):
                                  for p, v in u.views(u.grad).items()} if mode == "optimizer" else {}
             self._rebind()
 
-    def _gather_parameters(self) -> None:
+    def _gather_parameters(self, defer: bool = False) -> None:
         """Every rank's new parameter shards into every rank's units (ZeRO-1/2, after the update, or after a step
-        not applied): pairwise on the CPU (:func:`.swap.all_gather`), else ``all_gather_into_tensor``."""
+        not applied): pairwise on the CPU (:func:`.swap.all_gather`), else ``all_gather_into_tensor``. ``defer``
+        (the CPU, after a step): leave it in flight; :meth:`settle` waits for it, and every public method calls
+        :meth:`settle` first (:class:`.swap.Settling`)."""
         dist, n = self.comm.dist, len(self.units)
         with collective("the parameter all-gather"):
             if self.device.kind == "cpu":
                 works = [swap.all_gather(dist, u.param, self.comm.rank, self.comm.world_size, u.k, n + j)
                          for j, u in enumerate(self.units)]
+                if defer:
+                    self._gathering = works
+                    return
             else:
                 works = [all_gather_tensor(dist)(u.param, self._own(u), async_op=True) for u in self.units]
             for w in works:
                 w.wait()
+
+    def settle(self) -> None:
+        """Wait for the parameter all-gather the last step left in flight, if any (a collective's wait: raises
+        :class:`~revgraph.train.distributed.data_parallel.CollectiveError`, one line, when a peer is lost)."""
+        pending, self._gathering = self._gathering, None
+        if pending:
+            with collective("the parameter all-gather"):
+                for w in pending:
+                    w.wait()
 
     def _bucket(self, u: Unit):
         """The bucket as unit ``u``'s flat gradient (ZeRO-2)."""
@@ -362,8 +377,8 @@ class ShardedEngine(ShardedState, DistributedEngine):
             self._in_tensors[i].copy_(t)
         self._copy_for_update(False)  # (offloaded: the new parameter shards back to the device)
         self._synchronize()  # onnxruntime's writes are done before the collective reads the shards
-        if not self._sharded(None):
-            self._gather_parameters()
+        if not self._sharded(None):  # (on the CPU left in flight until the next step, or any other call, needs it)
+            self._gather_parameters(defer=True)
             self._synchronize()
         if times is not None:  # the update of the rank's shards and the all-gather of the new parameters
             times.add("update", start)

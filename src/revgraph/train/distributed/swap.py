@@ -12,7 +12,10 @@ reduce-scatter and the all-gather together move the bytes of one all-reduce (a r
 and an all-gather) at about its cost. With one peer each exchange is one ``all_to_all_single`` (a send and a receive
 in one call: per call, not per byte, is what small models pay), and the last unit carries the two ranks' losses in
 the same call (:func:`reduce_scatter_and_loss`), so a step makes two calls where unsharded training makes one
-all-reduce; with more peers, ``isend``/``irecv`` per peer, the losses in messages of their own.
+all-reduce; with more peers, ``isend``/``irecv`` per peer, the losses in messages of their own. The all-gather is
+left in flight when the step returns, and waited for when something next needs the parameters (:class:`Settling`):
+its latency overlaps the trainer's work between steps (on the RNN bench model, whose step computes least, that
+made the second call's cost disappear: docs/benchmarks.md).
 
 Where the reduce-scatter receives (:func:`receivers`): rank ``r`` receives from each peer ``j`` its gradient of chunk
 ``r`` of the unit (``k`` elements), ``W - 1`` chunks in all. The unit's parameter chunks ``j != r`` have exactly that
@@ -30,6 +33,40 @@ holds the same parameters.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
+
+
+class Settling:
+    """A part of :class:`~revgraph.train.distributed.sharding.ShardedEngine`: every public method of the class and
+    its subclasses, inherited or not, first calls ``settle`` (which waits for the parameter all-gather a step left
+    in flight). Why every one: a step's all-gather is waited for only when something next needs the parameters,
+    so that its latency overlaps what the trainer does between steps (slicing the next batch, the step's
+    bookkeeping); whatever reads them (the next step, a read, a load, an evaluation, an undo) must wait for it
+    first, and a method added later waits without anyone having to remember it."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in dir(cls):
+            fn = inspect.getattr_static(cls, name)
+            if name.startswith("_") or name == "settle" or not inspect.isfunction(fn) or hasattr(fn, "settles"):
+                continue
+            setattr(cls, name, _settling(fn))
+
+    def settle(self) -> None:
+        """Wait for work left in flight (the subclass's)."""
+
+
+def _settling(fn):
+    @functools.wraps(fn)
+    def settled(self, *args, **kwargs):
+        if getattr(self, "_gathering", None):
+            self.settle()
+        return fn(self, *args, **kwargs)
+
+    settled.settles = True
+    return settled
 
 
 class Exchange:
