@@ -211,6 +211,31 @@ def run_revgraph(args, rank: int, world: int) -> tuple[float, dict]:
     return seconds, phases if args.profile or args.ort_profile or args.timeline or args.shard_profile else {}
 
 
+def run_paired(args, rank: int, world: int) -> dict:
+    """``--rounds R``: one revgraph Trainer per mode of ``--shard`` (a comma list) in this one launch, sharing the
+    process group, each warmed up; then ``R`` rounds in which each trains ``--steps`` steps in turn (the order
+    reversed every round), timed from a barrier to a barrier. The ratio of two modes within a round is not moved by
+    what differs between launches (which cores the processes got, the machine's load that minute)."""
+    import revgraph as rg
+
+    modes = args.shard.split(",")
+    trainers = {m: rg.Trainer(ddp_models.rg_graph(args.model), "cross-entropy", "adam", threads=1, distributed=True,
+                              bucket_mb=args.bucket_mb, **({"shard": m} if m != "none" else {})) for m in modes}
+    pool, group, epochs = _pool(args, world)
+    for tr in trainers.values():
+        tr.fit({k: a[:args.warmup * group] for k, a in pool.items()}, batch_size=args.batch, progress=False)
+    barrier = trainers[modes[0]].comm.barrier
+    rounds = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for m in (modes if r % 2 == 0 else modes[::-1]):
+            barrier()
+            t0 = time.perf_counter()
+            trainers[m].fit(pool, epochs=epochs, batch_size=args.batch, progress=False)
+            barrier()
+            rounds[m].append(time.perf_counter() - t0)
+    return rounds
+
+
 def _hidden(events: list[dict]) -> tuple[float, float]:
     """``(all-reduce seconds, of which hidden)``: the union of the buckets' all-reduce intervals, and its part
     before the backward pass ended (the end of the last segment), when compute ran alongside."""
@@ -344,8 +369,10 @@ def main() -> int:
                         "all-reduces (Trainer(profile='timeline')) and report them")
     parser.add_argument("--bucket-mb", type=float, default=None, help="(revgraph) Trainer(bucket_mb=), default its "
                         "default (25, and for --shard gradients no more than keeps the unsharded gradient memory)")
-    parser.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
-                        help="(revgraph, --mode ddp) Trainer(shard=)")
+    parser.add_argument("--shard", default="none", help="(revgraph, --mode ddp) Trainer(shard=): none, optimizer "
+                        "or gradients; with --rounds a comma list of them")
+    parser.add_argument("--rounds", type=int, default=0, help="(revgraph, --mode ddp) every mode of --shard in this "
+                        "one launch, in R alternating rounds of --steps steps (run_paired); answers seconds per round")
     parser.add_argument("--shard-profile", action="store_true", help="(revgraph) Trainer(profile=True): the "
                         "phases' medians (forward+backward, exchange, update) in the answer's phase_medians_ms")
     parser.add_argument("--overlap", choices=("on", "off", "auto"), default="auto",
@@ -357,6 +384,12 @@ def main() -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if args.mode == "single" and world != 1:
         parser.error("--mode single runs in one process")
+    if args.rounds:
+        rounds = run_paired(args, rank, world)
+        if rank == 0:
+            Path(args.out).write_text(json.dumps({"rounds": rounds, "steps": args.steps, "world": world}))
+        sys.stdout.flush()
+        os._exit(0)  # (as below)
     run = run_revgraph if args.framework == "revgraph" else run_torch
     seconds, phases = run(args, rank, world)
     if rank == 0:

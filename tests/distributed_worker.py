@@ -167,7 +167,7 @@ def main() -> None:
             data["x"][a.poison] = np.nan
         means, stopped, each, in_flight = [], "", [], []
 
-        def read_each_step(record, tr=tr):  # (rank 0: a parameter read is local under ZeRO-1/2)
+        def read_each_step(record, tr=tr, each=each, in_flight=in_flight):  # (rank 0: reading is local, ZeRO-1/2)
             in_flight.append(bool(getattr(tr._engine, "_gathering", None)))
             each.append(tr.parameters)
 

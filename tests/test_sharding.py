@@ -86,8 +86,12 @@ def test_sharded_training_equals_one_process(tmp_path, model, shard, optimizers,
         assert held["optimizer"] - sparse_state <= SLOTS[opt] * full / W + 4 * SLOTS[opt] * len(units)
         assert held["optimizer"] - sparse_state < SLOTS[opt] * full / W + bucket
         shards = 4 * int(units[:, 1].sum())
+        # every rank holds all of every unit's parameters, each unit with a spare element (the loss's, .swap)
+        assert held["parameters"] == 4 * int(units[:, 0].sum() + len(units)) + sum(
+            ref.spec.initial[p].nbytes for p in ref.spec.sparse)
         if shard == "optimizer":
-            assert held["gradients"] == 4 * int(units[:, 0].sum())  # reduce-scattered in place: the shards are views
+            # reduce-scattered in place: the shards are views; one spare element per unit (the loss's, .swap)
+            assert held["gradients"] == 4 * int(units[:, 0].sum() + len(units))
         else:  # the unit reduce-scattered last has no shard of its own: a view of the bucket
             # (on the CPU the loss rides in one more element after the last unit, as in the unsharded last bucket)
             bucket = 4 * max(int(units[:-1, 0].max(initial=0)), int(units[-1, 0]) + (not ref.spec.sparse))

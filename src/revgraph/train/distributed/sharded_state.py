@@ -101,13 +101,14 @@ class ShardedState:
                 "gradients_peak": peak}
 
     def _held_parameters(self) -> list:
-        """The parameter tensors :meth:`held` counts (ZeRO-1/2: the whole units)."""
-        return [u.param for u in self.units]
+        """The parameter tensors :meth:`held` counts (ZeRO-1/2: the whole units, with the element after each that
+        the pairwise exchange's loss may use, :mod:`.swap`)."""
+        return [_allocated(u.param) for u in self.units]
 
     def _held_gradients(self) -> tuple[int, int]:
         """``(gradients, gradients_peak)`` of :meth:`held`."""
-        if self.mode == "optimizer":  # (the shards are views of the unit gradients)
-            grads = sum(_nbytes(u.grad) for u in self.units)
+        if self.mode == "optimizer":  # (the shards are views of the unit gradients, each with its spare element)
+            grads = sum(_nbytes(_allocated(u.grad)) for u in self.units)
         else:
             # (the last unit's shard is a view of the bucket: _base is not None)
             grads = sum(_nbytes(u.gshard) for u in self.units if u.gshard._base is None) + _nbytes(self.bucket)
@@ -130,6 +131,11 @@ def into_shard(shard, u: Unit, o: int, src) -> None:
 def _slot_order(key: tuple) -> tuple:
     """``(unit, slot)`` in the order every rank gathers them (parameters, ``None``, first)."""
     return key[0], -1 if key[1] is None else key[1]
+
+
+def _allocated(t):
+    """The tensor ``t`` was made as a view of (its ``_base``), else ``t``."""
+    return t._base if t._base is not None else t
 
 
 def _nbytes(t) -> int:
