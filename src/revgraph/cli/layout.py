@@ -64,7 +64,7 @@ LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
         "schedule": ("--lr-schedule", "--warmup-steps", "--min-lr"),
         "precision": ("--precision", "--init-scale", "--growth-factor", "--backoff-factor", "--growth-interval"),
         "memory": ("--memory-budget", "--buffers", "--offload", "--arena", "--arena-extend",
-                   "--memory-pattern", "--memory-reuse"),
+                   "--memory-pattern", "--memory-reuse", "--frozen-weights"),
         "runtime": ("--device", "--threads", "--execution-order", "--graph-optimization"),
         "distributed": ("--nproc", "--shard", "--sync-batchnorm", "--bucket-mb", "--reduce-dtype", "--overlap",
                         "--timeout", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--local-addr",

@@ -41,6 +41,7 @@ from ..onnx_io.external_data import session_source
 from ..runtime import _first_line
 from ..runtime.devices import Device
 from ..runtime.options import RuntimeOptions, disabled_optimizers, exact_products, refusal, session_options
+from ..runtime.shared_initializers import FrozenInputs, SharedInitializers
 from .graphs import TrainingGraph, eval_graph, split_step
 from .steptimes import StepTimes
 
@@ -78,7 +79,6 @@ class Engine:
         self.offload = offload
         self.home = offload.home if offload is not None else device  # where the buffer sets live
         self.options = session_options(runtime, threads)
-        self._eval = self.session(eval_graph(spec), "evaluation graph")
         start = spec.initial_state()
         self.names = [i for i, _ in spec.carried()]
         self.shared = frozenset(shared)
@@ -98,19 +98,33 @@ class Engine:
 
     def session(self, graph, what: str, device: Device | None = None):
         """An onnxruntime session of ``graph`` on ``device`` (default the engine's); :class:`RevgraphError` if
-        onnxruntime refuses it."""
+        onnxruntime refuses it. On the CPU the graph's large float initializers are not copied into the session:
+        they are inputs bound to the graph's own arrays in every IO binding the session hands out, so every session
+        of the engine reads one copy (:mod:`revgraph.runtime.shared_initializers`)."""
         import onnxruntime as ort
 
         device = device or self.device
         providers = device.providers()
+        written, shared = graph, {}
+        if device.kind == "cpu" and (self.runtime is None or self.runtime.frozen_weights != "constants"):
+            if getattr(self, "_initializers", None) is None:  # (engines that skip Engine.__init__ come here too)
+                self._initializers = SharedInitializers()
+            written, shared = self._initializers.split(graph)
         try:
-            with session_source(to_onnx(graph)) as source:  # a file for a model over 2 GiB (external data)
+            with session_source(to_onnx(written)) as source:  # a file for a model over 2 GiB (external data)
                 sess = ort.InferenceSession(source, exact_products(self.options, graph), providers=providers,
                                             disabled_optimizers=disabled_optimizers(graph))
         except Exception as exc:  # noqa: BLE001 - onnxruntime's many exception types, one line
             raise RevgraphError(refusal(str(exc)) or f"onnxruntime refuses the {what}: {_first_line(exc)}") from None
         device.check_session(sess)
-        return sess
+        return FrozenInputs(sess, shared) if shared else sess
+
+    @property
+    def _eval(self):
+        """The evaluation graph's session, made on first use (a run that never evaluates holds none)."""
+        if getattr(self, "_eval_session", None) is None:
+            self._eval_session = self.session(eval_graph(self.spec), "evaluation graph")
+        return self._eval_session
 
     # ------------------------------------------------------------------------------------------ state
 

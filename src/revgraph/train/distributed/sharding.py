@@ -57,7 +57,7 @@ from ...ir.inplace import inplace_pairs
 from ...runtime import _first_line
 from ...runtime.devices import Device, ortvalue_from_dlpack, torch_from_ortvalue
 from ...runtime.options import ENV_ALLOCATORS, RuntimeOptions, config_entry, session_options
-from ..graphs import TrainingGraph, eval_graph, split_step
+from ..graphs import TrainingGraph, split_step
 from . import swap
 from .data_parallel import Collective, DistributedEngine, collective
 from .exchange import BUCKET_MB, torch_dtype
@@ -100,7 +100,6 @@ class ShardedEngine(swap.Settling, ShardedState, DistributedEngine):
         # (not Engine.__init__: it would allocate full optimizer state, which is what sharding avoids)
         self.spec, self.device, self.runtime = spec, device, runtime
         self.options = session_options(runtime, threads)
-        self._eval = self.session(eval_graph(spec), "evaluation graph")
         self.names = [i for i, _ in spec.carried()]
         self.shared = frozenset(self.names)
         self._loss = [ort.OrtValue.ortvalue_from_numpy(np.zeros((), spec.graph.outputs[0].dtype))]
