@@ -7,10 +7,12 @@ side) against PyTorch with the same adapters, each in a fresh process, alternati
 The model: ``L`` frozen ``D x D`` float32 weights (``MatMul`` then ``Relu``, 16 MiB each at ``D = 2048``) and a
 ``D x 10`` head, every frozen weight with a rank-8 LoRA adapter (:func:`revgraph.train.lora.add_adapters`); the
 loss cross-entropy, AdamW on the adapters, batch ``B``, one thread. The weights exist as numpy arrays before anything
-is measured (the user's model, loaded). Per process: *built*, the resident set added by making the trainer
-(``rg.Trainer``; PyTorch: the modules over the same arrays, ``torch.from_numpy``, and the optimizer); *peak*, the
-high-water mark of the resident set over ``S`` steps of training less the resident set before the trainer
-(``/proc/self/status`` VmHWM after ``/proc/self/clear_refs``); *ms/step*, the median of the steps after the first.
+is measured (the user's model, loaded). *revgraph constants*: ``RuntimeOptions(frozen_weights="constants")`` (each
+session's own constants, as before frozen weights were shared). Per process: *built*, the resident set added by
+making the trainer (``rg.Trainer``; PyTorch: the modules over the same arrays, ``torch.from_numpy``, and the
+optimizer); *peak*, the high-water mark of the resident set over ``S`` steps of training less the resident set
+before the trainer (``/proc/self/status`` VmHWM after ``/proc/self/clear_refs``); *ms/step*, the median of the
+steps after the first.
 PyTorch's LoRA is the formula of PEFT's ``LoraLayer`` (``x W + (x A^T) B^T * alpha / r``, B zero at the start).
 """
 
@@ -61,7 +63,7 @@ def _revgraph(ws, head, rng, args) -> tuple[object, object]:
     d = args.width
     g = Graph(nodes, [ValueInfo("x", np.float32, ["N", d])], [ValueInfo("logits", np.float32, ["N", 10])], inits)
     g = add_adapters(g, 8, targets=[f"W{i}" for i in range(len(ws))])
-    tr = rg.Trainer(g, "cross-entropy", "adamw", threads=1)
+    tr = rg.Trainer(g, "cross-entropy", "adamw", threads=1, runtime=rg.RuntimeOptions(frozen_weights=args.frozen))
     data = {"x": rng.standard_normal((args.batch, d)).astype(np.float32),
             "labels": rng.integers(0, 10, args.batch).astype(np.int64)}
     return tr, lambda: tr.fit(data, 1, args.batch, progress=False, shuffle=False)
@@ -124,6 +126,7 @@ def main() -> int:
     parser.add_argument("--commit", help="also revgraph as committed at REV, in the same turns")
     parser.add_argument("--json")
     parser.add_argument("--framework", help=argparse.SUPPRESS)  # (a worker process: revgraph or torch)
+    parser.add_argument("--frozen", help=argparse.SUPPRESS)  # (a revgraph worker: RuntimeOptions(frozen_weights=))
     args = parser.parse_args()
     if args.framework:
         print(json.dumps(worker(args)))
@@ -131,7 +134,8 @@ def main() -> int:
     import ddp
 
     tmp = Path(tempfile.mkdtemp())
-    configs = {"revgraph": ("revgraph", ddp.revgraph_source(None, tmp)[0]), "torch": ("torch", None)}
+    here = ddp.revgraph_source(None, tmp)[0]
+    configs = {"revgraph": ("revgraph", here), "revgraph constants": ("revgraph", here), "torch": ("torch", None)}
     if args.commit:
         configs[f"revgraph@{args.commit}"] = ("revgraph", ddp.revgraph_source(args.commit, tmp)[0])
     base = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -141,6 +145,8 @@ def main() -> int:
             fw, env = configs[label]
             cmd = [sys.executable, __file__, "--framework", fw, *(f"--{k}={getattr(args, k)}" for k in
                                                                    ("width", "layers", "batch", "steps"))]
+            if label == "revgraph constants":
+                cmd.append("--frozen=constants")
             out = subprocess.run(cmd, env=env or base, capture_output=True, text=True, check=True).stdout
             runs[label].append(json.loads(out.strip().splitlines()[-1]))
             r = runs[label][-1]
