@@ -63,7 +63,8 @@ def _revgraph(ws, head, rng, args) -> tuple[object, object]:
     d = args.width
     g = Graph(nodes, [ValueInfo("x", np.float32, ["N", d])], [ValueInfo("logits", np.float32, ["N", 10])], inits)
     g = add_adapters(g, 8, targets=[f"W{i}" for i in range(len(ws))])
-    tr = rg.Trainer(g, "cross-entropy", "adamw", threads=1, runtime=rg.RuntimeOptions(frozen_weights=args.frozen))
+    how = {"runtime": rg.RuntimeOptions(frozen_weights=args.frozen)} if args.frozen else {}  # (REV may predate it)
+    tr = rg.Trainer(g, "cross-entropy", "adamw", threads=1, **how)
     data = {"x": rng.standard_normal((args.batch, d)).astype(np.float32),
             "labels": rng.integers(0, 10, args.batch).astype(np.int64)}
     return tr, lambda: tr.fit(data, 1, args.batch, progress=False, shuffle=False)
