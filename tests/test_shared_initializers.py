@@ -174,3 +174,29 @@ def test_building_a_lora_trainer_holds_the_frozen_weights_once(frozen):
         assert per_byte < 0.25, (two, four)
     else:  # (the measurement sees the copies: onnxruntime's, in each of the two sessions)
         assert per_byte > 3, (two, four)
+
+
+def test_cli_frozen_weights_shared_and_constants_write_the_same_model(tmp_path):
+    """``revgraph train --lora 2`` (the base frozen) with ``--frozen-weights shared`` (the default) and
+    ``constants`` writes the same trained adapters; a value outside the choices exits 2 with one line."""
+    rg.save(demo.mlp_model(hidden=64), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", **_data((8, 8), 40))
+    common = ["train", "m.onnx", "--data", "d.npz", "--loss", "cross-entropy", "--optimizer", "adamw", "--epochs",
+              "2", "--batch-size", "8", "--threads", "1", "--lora", "2"]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "revgraph", *common, *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, check=False)
+
+    for name, extra in (("shared", []), ("constants", ["--frozen-weights", "constants"])):
+        r = cli(*extra, "-o", f"{name}.onnx")
+        assert r.returncode == 0, r.stderr
+    a, b = rg.load(tmp_path / "shared.onnx"), rg.load(tmp_path / "constants.onnx")
+    adapters = [n for n in a.initializers if "lora" in n]
+    assert adapters and a.initializers.keys() == b.initializers.keys()
+    for name in a.initializers:
+        np.testing.assert_allclose(a.initializers[name], b.initializers[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    b_factors = [n for n in adapters if "lora_B" in n]
+    assert b_factors and all(np.abs(a.initializers[n]).max() > 0 for n in b_factors)  # (trained from B = 0)
+    r = cli("--frozen-weights", "copies", "-o", "x.onnx")
+    assert r.returncode == 2 and "--frozen-weights" in r.stderr and "Traceback" not in r.stderr
