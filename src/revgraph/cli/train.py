@@ -123,7 +123,7 @@ def add_train_parser(sub, seed_type, memory_help: str) -> argparse.ArgumentParse
     train.add_argument("--frozen-weights", choices=FROZEN_WEIGHTS,
                        help="large frozen float weights (a LoRA base) on the CPU: shared, one copy that every session "
                             "reads (default), or constants of each session, which onnxruntime copies and prepacks: "
-                            "1.05-1.15x faster products at 4-8x their memory")
+                            "a step up to 1.15x faster at small batches, at 4-8x their memory")
     train.add_argument("--memory-budget", type=N.MEMORY_BUDGET, metavar="F|BYTES",
                        help=memory_help + "; a byte count sizes the batch dimension with --batch-size")
     train.add_argument("--buffers", choices=BUFFERS, default="one",

@@ -30,8 +30,8 @@ One setting is revgraph's own, for the sessions of a training engine on the CPU:
 
 - ``frozen_weights``: ``"shared"`` (``None`` too) makes each large float initializer (a LoRA fine-tune's frozen base
   weight) an input of every session, bound to one copy (:mod:`revgraph.runtime.shared_initializers`);
-  ``"constants"`` leaves it a constant of each session, which onnxruntime copies, folds and prepacks per session:
-  products by it 1.05x faster at 64-512 rows and 1.15x at 8 (bench/frozen_memory.py), at 8x its memory where there
+  ``"constants"`` leaves it a constant of each session, which onnxruntime copies and prepacks per session:
+  a step 1.01-1.03x faster at 64-512 rows a batch and 1.15x at 8 (bench/frozen_memory.py), at 8x its memory where there
   is an evaluation session and 4x without.
 
 ``None`` leaves a setting to whoever runs the graph: ``rg.Session`` keeps onnxruntime's defaults (arena on,
