@@ -2,7 +2,7 @@
 side) against PyTorch with the same adapters, each in a fresh process, alternating turns.
 
     python bench/frozen_memory.py [--turns N] [--width D] [--layers L] [--batch B] [--steps S] [--commit REV]
-                                  [--json FILE]
+                                  [--shard gradients|parameters] [--json FILE]
 
 The model: ``L`` frozen ``D x D`` float32 weights (``MatMul`` then ``Relu``, 16 MiB each at ``D = 2048``) and a
 ``D x 10`` head, every frozen weight with a rank-8 LoRA adapter (:func:`revgraph.train.lora.add_adapters`); the
@@ -13,7 +13,9 @@ making the trainer (``rg.Trainer``; PyTorch: the modules over the same arrays, `
 optimizer); *peak*, the high-water mark of the resident set over ``S`` steps of training less the resident set
 before the trainer (``/proc/self/status`` VmHWM after ``/proc/self/clear_refs``); *ms/step*, the median of the
 steps after the first.
-PyTorch's LoRA is the formula of PEFT's ``LoraLayer`` (``x W + (x A^T) B^T * alpha / r``, B zero at the start).
+``--shard``: revgraph at 2 processes under torchrun (``B`` samples a step in all), ZeRO-2 or ZeRO-3 with 1 MiB
+units, rank 0's numbers (torch's import not counted). PyTorch's LoRA is the formula of PEFT's ``LoraLayer`` (``x W +
+(x A^T) B^T * alpha / r``, B zero at the start).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def _revgraph(ws, head, rng, args) -> tuple[object, object]:
     g = Graph(nodes, [ValueInfo("x", np.float32, ["N", d])], [ValueInfo("logits", np.float32, ["N", 10])], inits)
     g = add_adapters(g, 8, targets=[f"W{i}" for i in range(len(ws))])
     how = {"runtime": rg.RuntimeOptions(frozen_weights=args.frozen)} if args.frozen else {}  # (REV may predate it)
+    if args.shard:
+        how.update(distributed=True, shard=args.shard, bucket_mb=1.0)
     tr = rg.Trainer(g, "cross-entropy", "adamw", threads=1, **how)
     data = {"x": rng.standard_normal((args.batch, d)).astype(np.float32),
             "labels": rng.integers(0, 10, args.batch).astype(np.int64)}
@@ -97,8 +101,8 @@ def _torch(ws, head, rng, args) -> tuple[object, object]:
 
 def worker(args) -> dict:
     ws, head, rng = _weights(args.width, args.layers)
-    if args.framework == "torch":  # (the imports are not what is measured)
-        import torch  # noqa: F401
+    if args.framework == "torch" or args.shard:  # (the imports are not what is measured)
+        import torch.distributed  # noqa: F401
     else:
         import onnxruntime  # noqa: F401
 
@@ -113,6 +117,8 @@ def worker(args) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    if args.shard:
+        _keep.comm.close()
     return {"built_mb": built, "peak_mb": _status("VmHWM") - base, "ms_per_step": 1e3 * statistics.median(times[1:]),
             "frozen_mb": sum(w.nbytes for w in ws) / 2**20}
 
@@ -125,18 +131,26 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--commit", help="also revgraph as committed at REV, in the same turns")
+    parser.add_argument("--shard", choices=("gradients", "parameters"), help="revgraph data-parallel at 2 processes "
+                        "with Trainer(shard=...) and 1 MiB units (rank 0's numbers; no PyTorch row)")
     parser.add_argument("--json")
     parser.add_argument("--framework", help=argparse.SUPPRESS)  # (a worker process: revgraph or torch)
     parser.add_argument("--frozen", help=argparse.SUPPRESS)  # (a revgraph worker: RuntimeOptions(frozen_weights=))
     args = parser.parse_args()
     if args.framework:
-        print(json.dumps(worker(args)))
+        answer = worker(args)
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(answer))
         return 0
     import ddp
 
     tmp = Path(tempfile.mkdtemp())
     here = ddp.revgraph_source(None, tmp)[0]
     configs = {"revgraph": ("revgraph", here), "revgraph constants": ("revgraph", here), "torch": ("torch", None)}
+    launch = [sys.executable]
+    if args.shard:
+        del configs["torch"]
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     if args.commit:
         configs[f"revgraph@{args.commit}"] = ("revgraph", ddp.revgraph_source(args.commit, tmp)[0])
     base = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -144,16 +158,17 @@ def main() -> int:
     for turn in range(args.turns):
         for label in (list(configs) if turn % 2 == 0 else list(configs)[::-1]):
             fw, env = configs[label]
-            cmd = [sys.executable, __file__, "--framework", fw, *(f"--{k}={getattr(args, k)}" for k in
-                                                                   ("width", "layers", "batch", "steps"))]
+            sizes = ("width", "layers", "batch", "steps", "shard")
+            given = [f"--{k}={getattr(args, k)}" for k in sizes if getattr(args, k)]
+            cmd = [*launch, __file__, "--framework", fw, *given]
             if label == "revgraph constants":
                 cmd.append("--frozen=constants")
             out = subprocess.run(cmd, env=env or base, capture_output=True, text=True, check=True).stdout
-            runs[label].append(json.loads(out.strip().splitlines()[-1]))
+            runs[label].append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
             r = runs[label][-1]
             print(f"turn {turn + 1} {label:24s} built {r['built_mb']:7.1f} MB  peak {r['peak_mb']:7.1f} MB  "
                   f"{r['ms_per_step']:7.2f} ms/step", flush=True)
-    frozen = runs["torch"][0]["frozen_mb"]
+    frozen = runs["revgraph"][0]["frozen_mb"]
     print(f"frozen weights: {frozen:.1f} MiB; medians over {args.turns} turns:")
     for label, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("built_mb", "peak_mb", "ms_per_step")}
