@@ -234,3 +234,20 @@ def test_sharded_engine_steps_reads_loads_and_undoes(world_of_one, mode):
     check_undo_and_load(eng, lambda **how: eng.step(feeds, 16, 16, **how))
     with pytest.raises(rg.RevgraphError, match="has shape"):
         eng.load({spec.params[0]: np.zeros(3, np.float32)})
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_cli_training_a_model_file_sharded_prints_nothing_on_stderr(tmp_path, shard):
+    """The initializers of a model read from a file are read-only numpy views of its bytes: copying them into the
+    flat units went through ``torch.from_numpy``, which printed PyTorch's warning about non-writable arrays on every
+    ``--shard optimizer`` or ``gradients`` run (revgraph only reads them: ``exchange.read_from``)."""
+    from revgraph.tools import demo
+
+    rg.save(demo.mlp_model(hidden=16), tmp_path / "m.onnx")
+    train, _ = demo.digits()
+    np.savez(tmp_path / "d.npz", x=train["x"][:64], labels=train["labels"][:64])
+    r = subprocess.run([sys.executable, "-m", "revgraph", "train", "m.onnx", "--data", "d.npz", "--loss",
+                        "cross-entropy", "--epochs", "1", "--batch-size", "8", "--threads", "1", "--nproc", "2",
+                        "--shard", shard, "-o", "t.onnx"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0 and r.stderr.strip() == "", r.stderr

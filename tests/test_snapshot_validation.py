@@ -564,8 +564,11 @@ def test_two_processes_check_the_snapshot_on_rank_0_and_refuse_together(base, tm
         before = path.read_bytes()
         r = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=240)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-        assert (f"revgraph: error: {path}: {said}" in r.stderr
-                or f"revgraph: error: {path} was written by a run with {said}" in r.stderr), r.stderr
+        # (the refusal names the rank that read the file: rank 0 refuses, the others stop with it)
+        assert (f"revgraph: error: rank 0 refused the checkpoint: {path}: {said}" in r.stderr
+                or f"revgraph: error: rank 0 refused the checkpoint: {path} was written by a run with {said}"
+                in r.stderr), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # (one line: no warning before it)
         assert path.read_bytes() == before and sorted(os.listdir(ck)) == ["checkpoint.npz"]
         assert sorted(os.listdir(tmp_path)) == ["ck", "d.npz", "m.onnx"]
     path.write_bytes(base["bytes"])

@@ -110,6 +110,18 @@ def torch_dtype(torch, dtype):
     return torch.from_numpy(np.zeros(1, dtype=np.dtype(dtype))).dtype
 
 
+def read_from(torch, array: np.ndarray):
+    """A torch tensor over ``array`` (C-contiguous, not copied) that revgraph only reads from (``copy_`` out of it).
+    ``torch.from_numpy`` warns once per process for a read-only array, and the initializers of a model loaded from a
+    file are read-only (numpy views of the file's bytes): the warning is silenced here instead of the array copied,
+    as nothing writes through the tensor."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+
 def _padded(n: int) -> int:
     return -(-n // 8) * 8  # every piece starts at a multiple of 8 bytes, so an int64 or float view of it is aligned
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from ...errors import RevgraphError
 from .data_parallel import collective
+from .exchange import read_from
 from .shard_plan import Unit
 from .swap import all_gather_tensor
 
@@ -73,7 +74,7 @@ class ShardedState:
             if tuple(a.shape) != tuple(shape) or a.dtype != dtype:
                 raise RevgraphError(f"{name!r} has shape {list(a.shape)} and dtype {a.dtype}; this training run "
                                     f"needs shape {list(shape)} and dtype {dtype}")
-            src = torch.from_numpy(np.ascontiguousarray(a).reshape(-1))
+            src = read_from(torch, a).reshape(-1)
             if like is not None:
                 like.copy_(src.reshape(like.shape))
                 continue

@@ -60,7 +60,7 @@ from ...runtime.options import ENV_ALLOCATORS, RuntimeOptions, config_entry, ses
 from ..graphs import TrainingGraph, split_step
 from . import swap
 from .data_parallel import Collective, DistributedEngine, collective
-from .exchange import BUCKET_MB, torch_dtype
+from .exchange import BUCKET_MB, read_from, torch_dtype
 from .exchange import bucket_bytes as _bucket_bytes
 from .overlap import run_bound
 from .shard_plan import Unit, default_unit_groups, plan_units, ready_order, shard_update_graph
@@ -174,7 +174,7 @@ class ShardedEngine(swap.Settling, ShardedState, DistributedEngine):
         # (one element more than the unit: the last unit's pairwise exchange receives the peer's loss there, .swap)
         u.param = self.comm.torch.zeros(u.length + 1, dtype=tdt, device=self.comm.tdevice)[:u.length]
         for n, view in u.views(u.param).items():
-            view.copy_(self.comm.torch.from_numpy(np.ascontiguousarray(self.spec.initial[n])))
+            view.copy_(read_from(self.comm.torch, self.spec.initial[n]))
             values[n] = ortvalue_from_dlpack(view)
 
     def _own(self, u: Unit):
