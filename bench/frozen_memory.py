@@ -110,7 +110,7 @@ def worker(args) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # (the high-water mark restarts from the resident set now)
     base = _status("VmRSS")
-    _keep, step = (_torch if args.framework == "torch" else _revgraph)(ws, head, rng, args)
+    made, step = (_torch if args.framework == "torch" else _revgraph)(ws, head, rng, args)
     built = _status("VmRSS") - base
     times = []
     for _ in range(args.steps):
@@ -118,7 +118,7 @@ def worker(args) -> dict:
         step()
         times.append(time.perf_counter() - t0)
     if args.shard:
-        _keep.comm.close()
+        made.comm.close()  # (made: the Trainer; PyTorch's side returns its optimizer)
     return {"built_mb": built, "peak_mb": _status("VmHWM") - base, "ms_per_step": 1e3 * statistics.median(times[1:]),
             "frozen_mb": sum(w.nbytes for w in ws) / 2**20}
 

@@ -61,7 +61,7 @@ class SharedInitializers:
         shared = {}
         for name, arr in graph.initializers.items():
             if (name in constant or name in outputs or not isinstance(arr, np.ndarray) or arr.nbytes < SHARE_BYTES
-                    or arr.dtype.kind != "f" or not arr.flags.c_contiguous or 0 in arr.strides):
+                    or arr.dtype.kind != "f" or not arr.flags.c_contiguous):  # (a broadcast placeholder is not)
                 continue
             key = (name, id(arr))
             if key not in self._values:  # (the array is kept with its OrtValue: its id stays its own)
